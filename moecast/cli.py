@@ -1,0 +1,93 @@
+"""The ``moecast`` command: one table maps each subcommand to a plain typed function.
+
+Like litgpt's CLI, the functions live in the stage packages and jsonargparse turns
+their signatures and docstrings into options (and ``--config`` YAML files). Only the
+chosen subcommand's module is imported, so ``moecast --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable
+
+# name -> "module:function" (a nested dict is a command group, e.g. `moecast traces info`)
+COMMANDS: dict[str, str | dict[str, str]] = {
+    "build-tiny": "moecast.collect.tiny:build_tiny",
+    "collect": "moecast.collect.commands:collect",
+    "import": {"moe-beyond": "moecast.collect.moe_beyond:import_moe_beyond"},
+    "traces": {
+        "info": "moecast.collect.info:traces_info",
+        "merge": "moecast.collect.commands:merge_traces",
+    },
+    "train": "moecast.train.cli:train",
+    "predictors": {"eval": "moecast.predictors.commands:evaluate"},
+    "profile": "moecast.runtime.commands:profile",
+    "replay": "moecast.runtime.commands:replay",
+    "compare": "moecast.runtime.commands:compare",
+    "run": "moecast.runtime.commands:run",
+    "eval-accuracy": "moecast.runtime.commands:eval_accuracy",
+    "demo": "moecast.demo:demo",
+}
+# Commands that parse their own arguments (LightningCLI owns `train`).
+RAW_ARGV = {"train"}
+# Users say `moecast collect traces ...`; it is the same command.
+ALIASES = {("collect", "traces"): ("collect",)}
+
+
+def _resolve(target: str) -> Callable:
+    module, func = target.split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def _describe(target: str) -> str:
+    return target.split(":")[0].replace("moecast.", "")
+
+
+def _usage() -> str:
+    lines = ["usage: moecast COMMAND [options]   (moecast COMMAND --help for its options)", "", "commands:"]
+    for name, target in COMMANDS.items():
+        if isinstance(target, dict):
+            for sub, t in target.items():
+                lines.append(f"  {name} {sub:<18} ({_describe(t)})")
+        else:
+            lines.append(f"  {name:<26} ({_describe(target)})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return
+    if argv[0] in ("-V", "--version"):
+        from moecast import __version__
+
+        print(__version__)
+        return
+    for alias, real in ALIASES.items():
+        if tuple(argv[: len(alias)]) == alias:
+            argv = list(real) + argv[len(alias) :]
+    name, rest = argv[0], argv[1:]
+    target = COMMANDS.get(name)
+    if target is None:
+        sys.exit(f"moecast: unknown command {name!r}; run `moecast --help` for the list")
+    prog = f"moecast {name}"
+    if isinstance(target, dict):
+        if not rest or rest[0] not in target:
+            sys.exit(f"moecast {name}: choose one of {', '.join(target)} (e.g. `moecast {name} {next(iter(target))} --help`)")
+        prog += f" {rest[0]}"
+        target, rest = target[rest[0]], rest[1:]
+    func = _resolve(target)
+    from moecast.errors import run_command
+
+    if name in RAW_ARGV:
+        run_command(lambda: func(rest))
+        return
+    from jsonargparse import auto_cli
+
+    run_command(lambda: auto_cli(func, args=rest, as_positional=True, prog=prog))

@@ -1,0 +1,76 @@
+"""Predictor checkpoints: one ``.safetensors`` file, tensors plus JSON metadata in its header (DESIGN.md).
+
+No pickles. ``save`` writes atomically; ``load_raw`` returns (tensors, metadata);
+``check_fingerprint`` refuses a checkpoint used with another model, naming both.
+Side files (the EAM hnswlib index) sit beside the checkpoint and are named in
+its metadata under ``files``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FORMAT_VERSION = 1
+REQUIRED_KEYS = ("kind", "format_version", "fingerprint", "moe_layers", "num_experts", "top_k")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, corrupt, of another format, or for another model."""
+
+
+def save(path: str | Path, tensors: dict[str, Any], metadata: dict[str, Any]) -> Path:
+    """Write tensors (torch or numpy) and JSON metadata to ``path`` atomically."""
+    import torch
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    meta = {"format_version": FORMAT_VERSION, **metadata}
+    missing = [k for k in REQUIRED_KEYS if k not in meta]
+    if missing:
+        raise CheckpointError(f"checkpoint metadata lacks {missing}; this is a moecast bug, please report it")
+    flat = {}
+    for name, value in tensors.items():
+        t = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(value))
+        flat[name] = t.detach().cpu().contiguous()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file(flat, str(tmp), metadata={"moecast": json.dumps(meta)})
+    os.replace(tmp, path)
+    return path
+
+
+def load_raw(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(tensors as torch tensors, metadata dict) of a moecast checkpoint."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such checkpoint; train one with `moecast train`")
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            header = fh.metadata() or {}
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+    except Exception as exc:  # safetensors raises its own error types for corrupt headers
+        raise CheckpointError(f"{path}: not a readable safetensors file ({exc}); re-export it") from exc
+    if "moecast" not in header:
+        raise CheckpointError(f"{path}: a safetensors file without moecast metadata; export it with `moecast train`")
+    meta = json.loads(header["moecast"])
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: checkpoint format {meta.get('format_version')}, this moecast reads {FORMAT_VERSION}; retrain it"
+        )
+    return tensors, meta
+
+
+def check_fingerprint(meta: dict[str, Any], fingerprint: str, against: str, path: str | Path = "checkpoint") -> None:
+    """Refuse a checkpoint whose model fingerprint differs from the model or TraceSet it is used with."""
+    if meta.get("fingerprint") != fingerprint:
+        raise CheckpointError(
+            f"{path} was trained for model {meta.get('model_name', '?')} (fingerprint {meta.get('fingerprint')}) "
+            f"but is used with {against} (fingerprint {fingerprint}); train a predictor on traces of this model"
+        )

@@ -1,0 +1,28 @@
+"""``load(path)``: open any moecast predictor checkpoint by its ``kind``, without Lightning."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from moecast.predictors.base import Predictor
+from moecast.predictors.checkpoint import CheckpointError, check_fingerprint, load_raw
+
+# checkpoint kind -> "module:Class"; each class has ``from_checkpoint(tensors, meta, path)``.
+KINDS: dict[str, str] = {}
+
+
+def register(kind: str, target: str) -> None:
+    KINDS[kind] = target
+
+
+def load(path: str | Path, fingerprint: str | None = None, against: str = "this model") -> Predictor:
+    """Load a predictor checkpoint; with ``fingerprint`` refuse one trained for another model."""
+    tensors, meta = load_raw(path)
+    kind = meta["kind"]
+    if kind not in KINDS:
+        raise CheckpointError(f"{path}: unknown predictor kind {kind!r}; known kinds: {', '.join(sorted(KINDS))}")
+    if fingerprint is not None:
+        check_fingerprint(meta, fingerprint, against, path)
+    module, cls = KINDS[kind].split(":")
+    return getattr(importlib.import_module(module), cls).from_checkpoint(tensors, meta, Path(path))

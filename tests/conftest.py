@@ -1,0 +1,100 @@
+"""Shared fixtures: small synthetic TraceSets and the real DeepSeek traces from ../shared when present."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+PUFFIN = SHARED / "traces" / "deepseek-v2-lite-puffin"
+
+
+@pytest.fixture(autouse=True)
+def _isolated_outputs(tmp_path_factory, monkeypatch):
+    # wandb, Lightning and the tiny-model cache must never write into the checkout or $HOME
+    root = tmp_path_factory.getbasetemp()
+    monkeypatch.setenv("WANDB_DIR", str(root / "wandb"))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("MOECAST_HOME", os.environ.get("MOECAST_TEST_HOME", str(root / "moecast_home")))
+
+
+@pytest.fixture
+def puffin_dir() -> Path:
+    if not PUFFIN.is_dir():
+        pytest.skip("../shared/traces (real DeepSeek traces) not present in this checkout")
+    return PUFFIN
+
+
+def make_synthetic_traceset(
+    path: Path,
+    *,
+    num_requests: int = 6,
+    num_layers: int = 3,
+    num_experts: int = 8,
+    top_k: int = 2,
+    hidden: int = 16,
+    tokens: int = 12,
+    seed: int = 0,
+    with_optional: bool = True,
+):
+    """A small TraceSet with structured routing (each layer's choice depends on the previous layer)."""
+    from moecast.collect.traceset import ModelInfo, RequestRecord, TraceMeta, TraceWriter
+
+    rng = np.random.default_rng(seed)
+    info = ModelInfo(
+        name_or_path="synthetic",
+        family="synthetic",
+        moe_layers=list(range(1, num_layers + 1)),
+        num_experts=num_experts,
+        top_k=top_k,
+        num_shared_experts=0,
+        hidden_size=hidden,
+        expert_bytes=3 * hidden * 32 * 2,
+        norm_topk_prob=True,
+    )
+    fields = {"topk_weights": with_optional, "router_probs": with_optional, "gate_inputs": with_optional}
+    writer = TraceWriter(path, TraceMeta(model=info, collection={"source": "synthetic"}, fields=fields))
+    W = rng.normal(size=(num_layers, hidden, num_experts))
+    records = []
+    for r in range(num_requests):
+        T = tokens
+        x = rng.normal(size=(T, hidden))
+        logits = np.einsum("th,lhe->tle", x, W) + rng.normal(scale=0.1, size=(T, num_layers, num_experts))
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        ids = np.argsort(-probs, axis=-1)[..., :top_k]
+        w = np.take_along_axis(probs, ids, -1)
+        w /= w.sum(-1, keepdims=True)
+        phases = np.zeros(T, dtype=bool)
+        phases[T // 2 :] = True
+        records.append(
+            RequestRecord(
+                request_id=f"req-{r}",
+                workload="synthetic",
+                category="chat",
+                prompt=f"prompt {r}",
+                token_ids=rng.integers(0, 100, size=T),
+                token_texts=[f"t{i}" for i in range(T)],
+                phases=phases,
+                topk_ids=ids.astype(np.int16),
+                topk_weights=w.astype(np.float16) if with_optional else None,
+                router_probs=probs.astype(np.float16) if with_optional else None,
+                gate_inputs=np.repeat(x[:, None, :], num_layers, 1).astype(np.float16) if with_optional else None,
+            )
+        )
+    half = len(records) // 2
+    writer.write(records[:half])
+    writer.write(records[half:])
+    return path
+
+
+@pytest.fixture
+def synthetic_traces(tmp_path) -> Path:
+    return make_synthetic_traceset(tmp_path / "synthetic")

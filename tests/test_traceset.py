@@ -1,0 +1,84 @@
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import make_synthetic_traceset
+
+from moecast.collect.traceset import MissingFieldError, TraceSet, TraceSetError, merge
+
+
+def test_roundtrip_arrays_and_order(synthetic_traces):
+    ts = TraceSet(synthetic_traces)
+    assert ts.num_requests == 6 and ts.num_tokens == 72
+    ids = ts.array("topk_ids")
+    assert ids.shape == (72, 3, 2) and ids.dtype == np.int16
+    probs = ts.array("router_probs")
+    assert probs.shape == (72, 3, 8)
+    # the recorded top-k are the argmax of the recorded distribution
+    top = np.sort(np.argsort(-probs.astype(np.float32), -1)[..., :2], -1)
+    assert (np.sort(ids, -1) == top).mean() > 0.95
+    r = ts.get("req-4")
+    assert len(r) == 12 and r.topk_ids.shape == (12, 3, 2) and r.gate_inputs.shape == (12, 3, 16)
+    assert list(r.is_decode) == [False] * 6 + [True] * 6
+    np.testing.assert_array_equal(ts.array("topk_ids", ["req-4"]), r.topk_ids)
+    assert [q.request_id for q in ts] == [f"req-{i}" for i in range(6)]
+
+
+def test_split_is_deterministic_and_by_request(synthetic_traces):
+    ts = TraceSet(synthetic_traces)
+    a = ts.split(0.34, seed=3)
+    b = ts.split(0.34, seed=3)
+    assert a == b
+    train, val = a
+    assert set(train).isdisjoint(val) and len(train) + len(val) == 6 and len(val) == 2
+    assert ts.split(0.34, seed=4) != a or True  # other seeds may coincide on 6 requests; determinism is the contract
+
+
+def test_missing_field_is_named(tmp_path):
+    path = make_synthetic_traceset(tmp_path / "ids_only", with_optional=False)
+    ts = TraceSet(path)
+    with pytest.raises(MissingFieldError, match="gate_inputs"):
+        ts.array("gate_inputs")
+
+
+def test_other_schema_version_refused(synthetic_traces):
+    meta = json.loads((synthetic_traces / "meta.json").read_text())
+    meta["schema_version"] = 99
+    (synthetic_traces / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(TraceSetError, match="schema version 99"):
+        TraceSet(synthetic_traces)
+
+
+def test_truncated_shard_is_a_clear_error(synthetic_traces):
+    part = sorted((synthetic_traces / "tokens").glob("part-*.arrow"))[0]
+    data = part.read_bytes()
+    part.write_bytes(data[: len(data) // 2])
+    with pytest.raises(TraceSetError, match="corrupt or truncated"):
+        TraceSet(synthetic_traces)
+
+
+def test_uncommitted_chunk_is_invisible_and_resume_skips_done(tmp_path):
+    from moecast.collect.traceset import TraceMeta, TraceWriter
+
+    path = make_synthetic_traceset(tmp_path / "t")
+    # a kill between the tokens part and its requests part leaves an orphan tokens part
+    (path / "tokens" / "part-s000-00099.arrow").write_bytes(b"garbage")
+    ts = TraceSet(path)
+    assert ts.num_requests == 6
+    w = TraceWriter(path, TraceMeta.from_json(json.loads((path / "meta.json").read_text())))
+    assert w.done == {f"req-{i}" for i in range(6)}
+
+
+def test_datasets_view(synthetic_traces):
+    reqs, toks = TraceSet(synthetic_traces).datasets()
+    assert len(reqs) == 6 and len(toks) == 72
+    assert len(toks[0]["topk_ids"]) == 3 * 2
+
+
+def test_merge_dedups(tmp_path):
+    a = make_synthetic_traceset(tmp_path / "a", seed=0)
+    out = merge([a, a], tmp_path / "m")
+    assert out.num_requests == 6
+    np.testing.assert_array_equal(out.array("topk_ids"), TraceSet(a).array("topk_ids"))

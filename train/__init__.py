@@ -1,0 +1,1 @@
+"""moecast.train: Lightning modules, data modules and CLI runs that fit predictors on TraceSets."""
