@@ -26,8 +26,8 @@ COMMANDS: dict[str, str | dict[str, str]] = {
     "profile": "moecast.runtime.commands:profile",
     "replay": "moecast.runtime.commands:replay",
     "compare": "moecast.runtime.commands:compare",
-    "run": "moecast.runtime.commands:run",
-    "eval-accuracy": "moecast.runtime.commands:eval_accuracy",
+    "run": "moecast.runtime.live_cli:run",
+    "eval-accuracy": "moecast.runtime.live_cli:eval_accuracy",
     "demo": "moecast.demo:demo",
 }
 # Commands that parse their own arguments (LightningCLI owns `train`).
@@ -54,6 +54,15 @@ def _usage() -> str:
         else:
             lines.append(f"  {name:<26} ({_describe(target)})")
     return "\n".join(lines)
+
+
+def _underscore(arg: str) -> str:
+    # Options are spelled with dashes on the command line (--max-requests) and with
+    # underscores in Python signatures; accept both.
+    if not arg.startswith("--"):
+        return arg
+    name, eq, value = arg.partition("=")
+    return name[:2] + name[2:].replace("-", "_") + eq + value
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -90,4 +99,5 @@ def main(argv: list[str] | None = None) -> None:
         return
     from jsonargparse import auto_cli
 
+    rest = [_underscore(a) for a in rest]
     run_command(lambda: auto_cli(func, args=rest, as_positional=True, prog=prog))

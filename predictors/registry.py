@@ -9,7 +9,16 @@ from moecast.predictors.base import Predictor
 from moecast.predictors.checkpoint import CheckpointError, check_fingerprint, load_raw
 
 # checkpoint kind -> "module:Class"; each class has ``from_checkpoint(tensors, meta, path)``.
-KINDS: dict[str, str] = {}
+KINDS: dict[str, str] = {
+    "llapor": "moecast.predictors.llapor:LLaPor",
+    "sequence": "moecast.predictors.sequence:SequencePredictor",
+    "frequency": "moecast.predictors.baselines:FrequencyPredictor",
+    "gate-reuse": "moecast.predictors.baselines:GateReusePredictor",
+    "moe-infinity": "moecast.predictors.baselines:ActivationMatrixPredictor",
+    "eam": "moecast.predictors.casmoe:EAM",
+    "eap": "moecast.predictors.casmoe:EAP",
+    "cascade": "moecast.predictors.casmoe:Cascade",
+}
 
 
 def register(kind: str, target: str) -> None:

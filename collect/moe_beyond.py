@@ -1,0 +1,236 @@
+"""Import MoE-Beyond's CSV routing traces (github.com/ngavhane/moe-beyond, ``training_data_eamc``).
+
+One file per prompt, ``prompt_<N>_data.csv``, columns ``Layer ID, Batch Number, Token,
+Activated Expert IDs``; rows grouped by layer, token order within a layer, so the
+i-th row of layer L is token position i. The traces are one prefill pass of
+DeepSeek-V2-Lite-Chat: the TraceSet gets ``topk_ids``, ``token_text`` and
+``phase=prefill`` only, and meta.json says that weights, router probabilities
+and gate inputs are absent.
+
+Token ids: the DeepSeek tokenizer is not available offline, so ``token_id`` is a
+stable 31-bit hash of the token text (``meta.collection.token_id_kind``), the same
+for a token in every import, whichever files are chosen. The prompt text is
+rebuilt from the byte-level BPE token texts.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import re
+import time
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from moecast import __version__
+from moecast.collect.traceset import ModelInfo, RequestRecord, TraceMeta, TraceSet, TraceSetError, TraceWriter
+
+COLUMNS = ["Layer ID", "Batch Number", "Token", "Activated Expert IDs"]
+FILE_RE = re.compile(r"prompt_(\d+)_data\.csv$")
+BOS = "<｜begin▁of▁sentence｜>"
+
+# DeepSeek-V2-Lite (config.json of deepseek-ai/DeepSeek-V2-Lite-Chat): 27 layers, layer 0 dense,
+# 64 routed experts of intermediate size 1408, top-6, 2 shared experts, hidden 2048.
+DEEPSEEK_V2_LITE = dict(
+    name_or_path="deepseek-ai/DeepSeek-V2-Lite-Chat",
+    family="deepseek_v2",
+    num_experts=64,
+    top_k=6,
+    num_shared_experts=2,
+    hidden_size=2048,
+    # gate, up and down projections of one routed expert in bf16, the dtype a runtime moves
+    expert_bytes=3 * 2048 * 1408 * 2,
+    norm_topk_prob=False,
+)
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode map used by byte-level BPE tokenizers (DeepSeek's included)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def detokenize(tokens: list[str]) -> str:
+    """Rebuild text from byte-level BPE token strings; special tokens are dropped."""
+    dec = _byte_decoder()
+    out = bytearray()
+    for tok in tokens:
+        if tok.startswith("<｜") and tok.endswith("｜>"):
+            continue
+        for ch in tok:
+            b = dec.get(ch)
+            if b is None:
+                out.extend(ch.encode())
+            else:
+                out.append(b)
+    return out.decode("utf-8", errors="replace")
+
+
+def token_hash(text: str) -> int:
+    return int.from_bytes(hashlib.sha1(text.encode()).digest()[:4], "little") & 0x7FFFFFFF
+
+
+def list_files(source: Path) -> list[tuple[int, Path]]:
+    if not source.is_dir():
+        raise FileNotFoundError(f"{source}: not a directory of MoE-Beyond CSV traces (prompt_<N>_data.csv)")
+    files = []
+    for p in source.iterdir():
+        m = FILE_RE.search(p.name)
+        if m:
+            files.append((int(m.group(1)), p))
+    if not files:
+        raise FileNotFoundError(f"{source}: no prompt_<N>_data.csv files; point at MoE-Beyond's training_data_eamc folder")
+    return sorted(files)
+
+
+def parse_file(path: Path, num_experts: int = 64, top_k: int | None = None) -> tuple[list[int], list[str], np.ndarray]:
+    """(layer ids, token texts, topk_ids [T, L, k] int16) of one CSV; ValueError on any malformation."""
+    text = path.read_text(encoding="utf-8")
+    reader = csv.reader(io.StringIO(text))
+    header = next(reader, None)
+    if header != COLUMNS:
+        raise ValueError(f"{path}: expected columns {COLUMNS}, got {header}")
+    layers: list[int] = []
+    tokens: list[str] = []
+    id_chunks: list[str] = []
+    counts: dict[int, int] = {}
+    for lineno, row in enumerate(reader, start=2):
+        if len(row) != 4:
+            raise ValueError(f"{path}:{lineno}: expected 4 fields, got {len(row)} (truncated or malformed CSV)")
+        try:
+            layer = int(row[0])
+        except ValueError:
+            raise ValueError(f"{path}:{lineno}: layer id {row[0]!r} is not an integer") from None
+        if layer not in counts:
+            if counts and layer < max(counts):
+                raise ValueError(f"{path}:{lineno}: rows of layer {layer} are not grouped together")
+            counts[layer] = 0
+            layers.append(layer)
+        if layer == layers[0]:
+            tokens.append(row[2])
+        counts[layer] += 1
+        ids = row[3].strip()
+        if not (ids.startswith("[") and ids.endswith("]")):
+            raise ValueError(f"{path}:{lineno}: expert ids {ids!r} are not a [..] list")
+        id_chunks.append(ids[1:-1])
+    if not counts:
+        raise ValueError(f"{path}: no rows")
+    T = counts[layers[0]]
+    ragged = {L: c for L, c in counts.items() if c != T}
+    if ragged:
+        raise ValueError(f"{path}: ragged layers: layer {layers[0]} has {T} tokens but {ragged} (truncated CSV?)")
+    try:
+        flat = np.array([int(x) for chunk in id_chunks for x in chunk.split(",")], dtype=np.int64)
+    except ValueError as exc:
+        raise ValueError(f"{path}: non-integer expert id ({exc})") from None
+    k = top_k or len(id_chunks[0].split(","))
+    if flat.size != len(id_chunks) * k:
+        raise ValueError(f"{path}: every row must list exactly {k} expert ids")
+    if flat.size and (flat.min() < 0 or flat.max() >= num_experts):
+        raise ValueError(f"{path}: expert id {int(flat.max() if flat.max() >= num_experts else flat.min())} outside 0..{num_experts - 1}")
+    ids = flat.reshape(len(layers), T, k).transpose(1, 0, 2)
+    if (np.sort(ids, -1)[..., 1:] == np.sort(ids, -1)[..., :-1]).any():
+        raise ValueError(f"{path}: a row lists the same expert twice")
+    return layers, tokens, ids.astype(np.int16)
+
+
+def _parse_job(args: tuple[int, Path, int]) -> tuple[int, list[int], list[str], np.ndarray]:
+    n, path, num_experts = args
+    layers, tokens, ids = parse_file(path, num_experts)
+    return n, layers, tokens, ids
+
+
+def _records(jobs: list[tuple[int, Path, int]], workers: int) -> Iterator[tuple[int, list[int], list[str], np.ndarray]]:
+    if workers <= 1 or len(jobs) < 8:
+        yield from map(_parse_job, jobs)
+        return
+    with ProcessPoolExecutor(workers) as pool:
+        yield from pool.map(_parse_job, jobs, chunksize=16)
+
+
+def import_moe_beyond(
+    source: Path,
+    *,
+    out: Path,
+    max_files: int | None = None,
+    chunk: int = 200,
+    workers: int = 2,
+    model: str = DEEPSEEK_V2_LITE["name_or_path"],
+) -> TraceSet:
+    """Import MoE-Beyond CSV routing traces (DeepSeek-V2-Lite) into a TraceSet.
+
+    Args:
+        source: folder of ``prompt_<N>_data.csv`` files (e.g. ../shared/traces/deepseek-v2-lite-puffin).
+        out: TraceSet directory to write; re-running resumes, skipping prompts already imported.
+        max_files: import only the first N prompts (by prompt number).
+        chunk: prompts per Arrow part (each part is written atomically).
+        workers: parsing processes.
+        model: model name recorded in meta.json.
+    """
+    from tqdm.auto import tqdm
+
+    source, out = Path(source), Path(out)
+    files = list_files(source)
+    if max_files is not None:
+        if max_files <= 0:
+            raise ValueError("--max-files must be positive")
+        files = files[:max_files]
+    n0, p0 = files[0]
+    layers, _, first = parse_file(p0, DEEPSEEK_V2_LITE["num_experts"])
+    info = ModelInfo(moe_layers=layers, **{**DEEPSEEK_V2_LITE, "name_or_path": model, "top_k": first.shape[2]})
+    meta = TraceMeta(
+        model=info,
+        collection={
+            "source": "moe-beyond import",
+            "source_path": str(source),
+            "workloads": ["puffin"],
+            "generation": {"phase": "prefill only", "max_new_tokens": 0},
+            "dtype": "int8 (bitsandbytes, as recorded by MoE-Beyond)",
+            "token_id_kind": "sha1-31bit hash of the token text (DeepSeek tokenizer not available offline)",
+            "absent": ["topk_weights", "router_probs", "gate_inputs"],
+            "tool_version": __version__,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        },
+        fields={"topk_weights": False, "router_probs": False, "gate_inputs": False},
+    )
+    writer = TraceWriter(out, meta)
+    todo = [(n, p, info.num_experts) for n, p in files if f"puffin-{n}" not in writer.done]
+    batch: list[RequestRecord] = []
+    with tqdm(total=len(files), initial=len(files) - len(todo), desc="import moe-beyond", unit="prompt") as bar:
+        for n, file_layers, tokens, ids in _records(todo, workers):
+            if file_layers != layers:
+                raise TraceSetError(f"prompt_{n}_data.csv has MoE layers {file_layers[:3]}..., expected {layers[:3]}...")
+            text = detokenize(tokens)
+            batch.append(
+                RequestRecord(
+                    request_id=f"puffin-{n}",
+                    workload="puffin",
+                    category="chat",
+                    prompt=text,
+                    token_ids=np.array([token_hash(t) for t in tokens], dtype=np.int32),
+                    token_texts=tokens,
+                    phases=np.zeros(len(tokens), dtype=bool),
+                    topk_ids=ids,
+                )
+            )
+            bar.update()
+            if len(batch) >= chunk:
+                writer.write(batch)
+                batch = []
+        writer.write(batch)
+    ts = TraceSet(out)
+    print(f"imported {ts.num_requests} prompts, {ts.num_tokens} tokens x {ts.num_layers} MoE layers into {out}")
+    return ts
