@@ -26,9 +26,9 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
+from moecast.collect.traceset import ModelInfo, RequestRecord, TraceMeta, TraceSet, TraceSetError, TraceWriter
 
 from moecast import __version__
-from moecast.collect.traceset import ModelInfo, RequestRecord, TraceMeta, TraceSet, TraceSetError, TraceWriter
 
 COLUMNS = ["Layer ID", "Batch Number", "Token", "Activated Expert IDs"]
 FILE_RE = re.compile(r"prompt_(\d+)_data\.csv$")
@@ -188,7 +188,7 @@ def import_moe_beyond(
         if max_files <= 0:
             raise ValueError("--max-files must be positive")
         files = files[:max_files]
-    n0, p0 = files[0]
+    _n0, p0 = files[0]
     layers, _, first = parse_file(p0, DEEPSEEK_V2_LITE["num_experts"])
     info = ModelInfo(moe_layers=layers, **{**DEEPSEEK_V2_LITE, "name_or_path": model, "top_k": first.shape[2]})
     meta = TraceMeta(

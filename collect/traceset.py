@@ -440,7 +440,7 @@ class TraceSet:
             if p not in cache:
                 cache[p] = self._part_array(p, name)
             chunks.append(cache[p][s:e])
-        return np.concatenate(chunks) if chunks else np.zeros((0,) + self._part_array(0, name).shape[1:])
+        return np.concatenate(chunks) if chunks else np.zeros((0, *self._part_array(0, name).shape[1:]))
 
     def column(self, name: str, requests: Iterable[str] | None = None) -> np.ndarray:
         """A scalar token column (position, token_id, phase, ...) as numpy, same row order as ``array``."""
@@ -564,7 +564,7 @@ def merge(sources: Sequence[str | Path], out: str | Path) -> TraceSet:
     for ts in sets:
         if (ts.path / "vocab.json").exists() and not (out / "vocab.json").exists():
             atomic_write_bytes(out / "vocab.json", (ts.path / "vocab.json").read_bytes())
-        for p, name in enumerate(ts._parts):
+        for p, _name in enumerate(ts._parts):
             req, tok = ts._req_tables[p], ts._tok_tables[p]
             ids = req.column("request_id").to_pylist()
             keep = [r not in seen for r in ids]

@@ -65,6 +65,26 @@ def _underscore(arg: str) -> str:
     return name[:2] + name[2:].replace("-", "_") + eq + value
 
 
+def _bare_flags(func: Callable, args: list[str]) -> list[str]:
+    # `--json`, `--cold`, `--gate-inputs` alone mean true, as users expect of flags;
+    # jsonargparse wants a value for bool parameters, so give it one.
+    import inspect
+    import typing
+
+    try:
+        hints = typing.get_type_hints(func)
+    except Exception:
+        return args
+    flags = {f"--{n}" for n, t in hints.items() if t is bool and n in inspect.signature(func).parameters}
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        out.append(arg)
+        nxt = args[i + 1] if i + 1 < len(args) else None
+        if arg in flags and (nxt is None or nxt.startswith("-") or nxt.lower() not in ("true", "false")):
+            out.append("true")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("WANDB_MODE", "offline")
@@ -99,5 +119,5 @@ def main(argv: list[str] | None = None) -> None:
         return
     from jsonargparse import auto_cli
 
-    rest = [_underscore(a) for a in rest]
+    rest = _bare_flags(func, [_underscore(a) for a in rest])
     run_command(lambda: auto_cli(func, args=rest, as_positional=True, prog=prog))

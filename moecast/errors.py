@@ -21,6 +21,9 @@ def user_errors() -> tuple[type[BaseException], ...]:
 def run_command(call: Callable[[], Any]) -> Any:
     try:
         return call()
+    except BrokenPipeError:  # output piped into `head`
+        sys.stderr.close()
+        sys.exit(0)
     except KeyboardInterrupt:
         sys.exit("moecast: interrupted; re-run the same command to resume")
     except user_errors() as exc:

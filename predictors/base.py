@@ -21,7 +21,6 @@ from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
 import numpy as np
-
 from moecast.collect.traceset import RequestTrace
 
 HORIZONS = ("layer-ahead", "token-ahead", "prompt-ahead", "statistical")

@@ -5,7 +5,6 @@ import json
 import numpy as np
 import pytest
 from conftest import make_synthetic_traceset
-
 from moecast.collect.traceset import MissingFieldError, TraceSet, TraceSetError, merge
 
 
