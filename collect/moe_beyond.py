@@ -98,7 +98,12 @@ def list_files(source: Path) -> list[tuple[int, Path]]:
 
 def parse_file(path: Path, num_experts: int = 64, top_k: int | None = None) -> tuple[list[int], list[str], np.ndarray]:
     """(layer ids, token texts, topk_ids [T, L, k] int16) of one CSV; ValueError on any malformation."""
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text ({exc.reason}); is it a MoE-Beyond CSV?") from None
+    if "\x00" in text:
+        raise ValueError(f"{path}: contains NUL bytes; the file is corrupt, restore it from the source")
     reader = csv.reader(io.StringIO(text))
     header = next(reader, None)
     if header != COLUMNS:
