@@ -104,7 +104,11 @@ def parse_file(path: Path, num_experts: int = 64, top_k: int | None = None) -> t
         raise ValueError(f"{path}: not UTF-8 text ({exc.reason}); is it a MoE-Beyond CSV?") from None
     if "\x00" in text:
         raise ValueError(f"{path}: contains NUL bytes; the file is corrupt, restore it from the source")
-    reader = csv.reader(io.StringIO(text))
+    try:
+        rows = list(csv.reader(io.StringIO(text)))
+    except csv.Error as exc:
+        raise ValueError(f"{path}: malformed CSV ({exc})") from None
+    reader = iter(rows)
     header = next(reader, None)
     if header != COLUMNS:
         raise ValueError(f"{path}: expected columns {COLUMNS}, got {header}")
