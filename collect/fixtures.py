@@ -75,8 +75,11 @@ def _triviaqa(rng: random.Random) -> dict[str, Any]:
 
 
 def _gaokao(rng: random.Random) -> dict[str, Any]:
-    a, b = rng.randint(2, 12), rng.randint(2, 12)
-    choices = [a * b, a * b + a, a + b, a * b - b]
+    while True:
+        a, b = rng.randint(2, 12), rng.randint(2, 12)
+        choices = [a * b, a * b + a, a + b, a * b - b]
+        if len(set(choices)) == 4:
+            break
     order = rng.sample(range(4), 4)
     opts = [choices[i] for i in order]
     q = f"若 x = {a}, y = {b}, 则 xy 的值为 ( ) A. {opts[0]} B. {opts[1]} C. {opts[2]} D. {opts[3]}"
