@@ -1,0 +1,108 @@
+"""Live runtime figures on ``tiny`` (CPU): attach overhead at full residency, and SMoE's alpha sweep.
+
+    python bench/bench_live.py [--tokens 32] [--repeats 3] [--texts 6] [--text-tokens 64] [--capacity 0.25]
+
+Prints (goals from the live-runtime issue):
+- overhead of the attached runtime vs plain ``generate`` at full residency (goal <= 15 %);
+- alpha = 0.3: perplexity change on held-out ShareGPT text (goal <= 2 %) and greedy
+  next-token agreement with alpha = 0 (goal >= 95 %);
+- the whole alpha sweep (SMoE Table IV-style), with modeled TPOT on the default profile.
+
+Uses the built ``tiny`` default model when it exists ($MOECAST_HOME/tiny/default),
+otherwise the quick ``test`` preset (said in the output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def _model():
+    from moecast.collect.tiny import _default_out, _is_built, ensure_tiny
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    preset = "default" if _is_built(_default_out("default")) else "test"
+    path = ensure_tiny(preset)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(path), preset
+
+
+@torch.no_grad()
+def _generate_ms(model, ids, tokens: int) -> float:
+    t0 = time.perf_counter()
+    model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=tokens,
+        min_new_tokens=tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    return (time.perf_counter() - t0) * 1e3 / tokens
+
+
+def main() -> None:
+    from moecast.runtime.live import attach
+    from moecast.runtime.live_cli import heldout_rows, sweep
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--texts", type=int, default=6)
+    ap.add_argument("--text-tokens", type=int, default=64)
+    ap.add_argument("--capacity", default="0.25")
+    ap.add_argument("--alphas", default="0,0.1,0.2,0.3,0.4,0.5,0.6")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    model, tok, preset = _model()
+    print(f"tiny ({preset} preset), {sum(p.numel() for p in model.parameters()):,} parameters, 1 CPU thread")
+
+    ids = torch.tensor([tok("Tell me about the history of the printing press.")["input_ids"]])
+    _generate_ms(model, ids, 4)  # warm-up
+    plain, live = [], []
+    for _ in range(args.repeats):
+        # interleaved so that load from other processes hits both alike
+        plain.append(_generate_ms(model, ids, args.tokens))
+        rt = attach(model, policy="smoe", capacity=None, alpha=0.0)
+        live.append(_generate_ms(model, ids, args.tokens))
+        stats = rt.stats()
+        rt.detach()
+    p, lv = statistics.median(plain), statistics.median(live)
+    print(f"\nfull residency, {args.tokens} new tokens, median of {args.repeats}:")
+    print(f"  plain generate      {p:7.2f} ms/token")
+    print(f"  attached (alpha 0)  {lv:7.2f} ms/token   hit rate {stats['hit_rate']:.3f}")
+    print(f"  overhead            {100 * (lv / p - 1):+7.1f} %   (goal <= 15 %)")
+
+    rows = heldout_rows(tok, "sharegpt", args.texts, args.text_tokens)
+    alphas = [float(a) for a in args.alphas.split(",")]
+    t0 = time.perf_counter()
+    res = sweep(model, rows, alphas, progress=False, policy="smoe", capacity=args.capacity)
+    n_tok = res[0]["tokens"]
+    print(
+        f"\nalpha sweep: {len(rows)} held-out ShareGPT texts, {n_tok} tokens scored one by one (decode steps), "
+        f"capacity {args.capacity}, {time.perf_counter() - t0:.0f} s"
+    )
+    print(
+        f"  {'alpha':>5}  {'ppl':>8}  {'d ppl':>7}  {'agree':>6}  {'subst':>6}  {'hit':>6}  {'TPOT model':>10}  {'measured':>8}"
+    )
+    for r in res:
+        print(
+            f"  {r['alpha']:>5.2f}  {r['perplexity']:>8.3f}  {100 * r['perplexity_change']:>+6.2f}%  "
+            f"{100 * r['agreement']:>5.1f}%  {100 * r['substitution_rate']:>5.1f}%  {100 * r['hit_rate']:>5.1f}%  "
+            f"{r['tpot_modeled_ms']:>8.3f}ms  {r['tpot_measured_ms']:>6.2f}ms"
+        )
+    at = next((r for r in res if abs(r["alpha"] - 0.3) < 1e-9), None)
+    if at is not None:
+        print(
+            f"\nalpha = 0.3: perplexity change {100 * at['perplexity_change']:+.2f} % (goal <= 2 %), "
+            f"agreement with alpha = 0 {100 * at['agreement']:.1f} % (goal >= 95 %), "
+            f"substitution rate {100 * at['substitution_rate']:.1f} %"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""``moecast collect`` and ``moecast traces merge``: plain typed functions wired by moecast/cli.py."""
+
+from __future__ import annotations
+
+import json as jsonlib
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from moecast.collect.traceset import TraceMeta, TraceSet, TraceSetError, TraceWriter, merge
+
+
+def _device(device: str) -> str:
+    import torch
+
+    if device != "auto":
+        return device
+    if torch.cuda.is_available():
+        # one GPU per torchrun process
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0')) % torch.cuda.device_count()}"
+    return "cpu"
+
+
+def _probe_norm_topk(model: Any, tokenizer: Any, recorder: Any) -> bool:
+    """Whether the routing weights the model uses sum to one (for configs without ``norm_topk_prob``)."""
+    import torch
+
+    ids = tokenizer("The quick brown fox", return_tensors="pt")["input_ids"].to(next(model.parameters()).device)
+    with torch.no_grad():
+        model(input_ids=ids)
+    sums = recorder.take().topk_weights.sum(-1)
+    return bool(torch.allclose(sums, torch.ones_like(sums), atol=1e-3))
+
+
+def collect(
+    model: str = "tiny",
+    workloads: str = "sharegpt",
+    out: str | None = None,
+    max_requests: int | None = None,
+    max_new_tokens: int = 32,
+    batch_size: int = 8,
+    max_prompt_tokens: int = 1024,
+    chunk_size: int = 32,
+    data_dir: str | None = None,
+    gate_inputs: bool = False,
+    router_probs: bool = True,
+    router_pattern: str | None = None,
+    dtype: str = "auto",
+    device: str = "auto",
+    num_shards: int | None = None,
+    shard_index: int | None = None,
+    seed: int = 0,
+    trust_remote_code: bool = False,
+    threads: int | None = None,
+    progress: bool = True,
+    json: bool = False,
+) -> Path:
+    """Record where an MoE model's router sends every token of a set of workloads, into a TraceSet.
+
+    Prefill records every prompt token, then greedy decoding records every generated
+    token (EOS excluded). Re-running the same command resumes: requests already
+    stored are skipped. Shards (``--num-shards``/``--shard-index``, default from
+    torchrun's WORLD_SIZE/RANK) may share one --out or write separate ones joined
+    with ``moecast traces merge``.
+
+    Args:
+        model: ``tiny`` (the embedded model; ``tiny:PRESET`` for another preset) or a local Hugging Face MoE model directory.
+        workloads: Comma-separated workload names (configs/workloads: gsm8k, boolq, race-middle, wic, triviaqa, gaokao, sharegpt) or spec .yaml paths.
+        out: Output TraceSet directory (default: traces/<model>-<workloads>).
+        max_requests: Requests per workload (default: every row).
+        max_new_tokens: Greedy decode length limit per request.
+        batch_size: Requests per forward batch (left-padded).
+        max_prompt_tokens: Prompts are truncated to this many tokens.
+        chunk_size: Requests per written part (a kill loses at most one chunk).
+        data_dir: Folder with local datasets: <name>/, <name>.jsonl, .json or .parquet.
+        gate_inputs: Also record each router's input hidden state (float16 [L, H] per token).
+        router_probs: Record the full router probability vector (float16 [L, E] per token).
+        router_pattern: Regex over module names of the routers, for models outside transformers' experts interface.
+        dtype: Model dtype: auto (as saved), float32, bfloat16, float16.
+        device: auto (GPU LOCAL_RANK when CUDA is present, else cpu), cpu, cuda:0, ...
+        num_shards: Split the requests over this many processes (default: $WORLD_SIZE or 1).
+        shard_index: This process's shard (default: $RANK or 0).
+        seed: Torch seed (greedy decoding is deterministic; recorded in meta.json).
+        trust_remote_code: Allow model code from the model directory.
+        threads: torch CPU threads for this run (default: torch's choice).
+        progress: Show a progress bar.
+        json: Print the summary as one JSON object per line.
+    """
+    import torch
+
+    from moecast import __version__
+    from moecast.collect.models import find_moe_structure, load_model, model_info
+    from moecast.collect.recorder import RoutingRecorder
+    from moecast.collect.runner import Collector, GenerationSettings, default_shard, shard_requests
+    from moecast.collect.workloads import load_requests, parse_workloads
+
+    if max_requests is not None and max_requests < 1:
+        raise ValueError(f"--max-requests must be at least 1 (got {max_requests}); leave it out to use every row")
+    settings = GenerationSettings(max_new_tokens=max_new_tokens, batch_size=batch_size,
+                                  max_prompt_tokens=max_prompt_tokens, chunk_size=chunk_size)
+    env_shards, env_index = default_shard()
+    num_shards = env_shards if num_shards is None else num_shards
+    shard_index = env_index if shard_index is None else shard_index
+    # Everything that can fail on bad input is checked before the model loads and anything is written.
+    specs = parse_workloads(workloads)
+    requests = [r for spec in specs for r in load_requests(spec, data_dir, max_requests)]
+    mine = shard_requests(requests, num_shards, shard_index)
+    torch.manual_seed(seed)
+    previous_threads = torch.get_num_threads()
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(previous_threads)
+    lm, tokenizer, name = load_model(model, dtype=dtype, device=_device(device), trust_remote_code=trust_remote_code)
+    structure = find_moe_structure(lm, router_pattern)
+    info = model_info(lm, structure, name)
+    want_probs = router_probs and (structure.pattern is not None or all(e.router is not None for e in structure.layers))
+    recorder = RoutingRecorder(structure, info.top_k, router_probs=want_probs, gate_inputs=gate_inputs,
+                               norm_topk_prob=info.norm_topk_prob)
+    out_path = Path(out) if out else Path("traces") / f"{Path(name).name.replace(':', '-')}-{'-'.join(s.name for s in specs)}"
+    try:
+        recorder.attach(lm)
+        if structure.pattern is None and not hasattr(lm.config, "norm_topk_prob"):
+            info.norm_topk_prob = _probe_norm_topk(lm, tokenizer, recorder)
+        collection: dict[str, Any] = {
+            "source": "moecast collect",
+            "workloads": [s.name for s in specs],
+            "categories": {s.name: s.category for s in specs},
+            "generation": {"max_new_tokens": max_new_tokens, "greedy": True, "batch_size": batch_size,
+                           "max_prompt_tokens": max_prompt_tokens, "max_requests_per_workload": max_requests},
+            "seed": seed,
+            "dtype": str(next(lm.parameters()).dtype).replace("torch.", ""),
+            "tool_version": __version__,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "router_probs_kind": structure.router_probs_kind if want_probs else None,
+            "routing_source": "experts-interface" if structure.pattern is None else f"router-pattern {structure.pattern}",
+            "num_shards": num_shards,
+        }
+        meta_path = out_path / "meta.json"
+        if meta_path.exists():
+            # a resumed or sharded run adds workloads; it does not forget earlier ones
+            try:
+                old = jsonlib.loads(meta_path.read_text()).get("collection", {})
+            except ValueError:
+                old = {}
+            collection["workloads"] = list(dict.fromkeys([*old.get("workloads", []), *collection["workloads"]]))
+            collection["categories"] = {**old.get("categories", {}), **collection["categories"]}
+        fields = {"topk_weights": True, "router_probs": want_probs, "gate_inputs": gate_inputs}
+        writer = TraceWriter(out_path, TraceMeta(model=info, collection=collection, fields=fields), shard=shard_index)
+        collector = Collector(lm, tokenizer, recorder, settings)
+        _, stats = collector.run(mine, writer, progress=progress)
+    finally:
+        recorder.detach()
+        torch.set_num_threads(previous_threads)
+    _summary(out_path, specs, stats, shard_index, num_shards, json)
+    return out_path
+
+
+def _summary(out: Path, specs: list[Any], stats: dict[str, float], shard: int, shards: int, as_json: bool) -> None:
+    ts = TraceSet(out)
+    by_name = {s.name: s for s in specs}
+    per: dict[str, dict[str, Any]] = {}
+    for rid in ts.request_ids:
+        row = ts.request_info(rid)
+        entry = per.setdefault(row["workload"], {"requests": 0, "tokens": 0, "correct": 0, "scored": 0})
+        entry["requests"] += 1
+        entry["tokens"] += row["num_prompt_tokens"] + row["num_generated_tokens"]
+        spec = by_name.get(row["workload"])
+        verdict = spec.correct(row["output_text"], row["reference"]) if spec else None
+        if verdict is not None:
+            entry["scored"] += 1
+            entry["correct"] += int(verdict)
+    run = {"out": str(out), "shard": shard, "num_shards": shards, "collected": int(stats["requests"]),
+           "skipped_existing": int(stats["skipped"]), "tokens": int(stats["tokens"]),
+           "seconds": round(stats["seconds"], 2), "tokens_per_s": round(stats["tokens_per_s"], 1),
+           "total_requests": ts.num_requests, "total_tokens": ts.num_tokens}
+    if as_json:
+        print(jsonlib.dumps(run))
+        for name, e in per.items():
+            acc = e["correct"] / e["scored"] if e["scored"] else None
+            print(jsonlib.dumps({"workload": name, **e, "accuracy": acc}))
+        return
+    print(f"collected {run['collected']} requests ({run['skipped_existing']} already stored) -> {out}"
+          f"  [shard {shard}/{shards}]")
+    print(f"  {run['tokens']:,} tokens in {run['seconds']:.1f} s ({run['tokens_per_s']:.0f} tok/s); "
+          f"trace set now {run['total_requests']} requests, {run['total_tokens']:,} tokens")
+    print(f"  {'workload':<14} {'requests':>8} {'tokens':>9} {'accuracy':>9}")
+    for name, e in per.items():
+        acc = f"{e['correct'] / e['scored']:.3f}" if e["scored"] else "-"
+        print(f"  {name:<14} {e['requests']:>8} {e['tokens']:>9,} {acc:>9}")
+
+
+def merge_traces(sources: list[str], out: str, json: bool = False) -> Path:
+    """Merge TraceSets of one model (e.g. collection shards) into --out; each request is stored once.
+
+    Args:
+        sources: TraceSet directories to merge.
+        out: Output TraceSet directory (created, or extended when it already holds the same model's traces).
+        json: Print the summary as one JSON object.
+    """
+    if not sources:
+        raise TraceSetError("name at least one TraceSet to merge: moecast traces merge A B --out C")
+    out_path = Path(out)
+    if any(Path(s).resolve() == out_path.resolve() for s in sources):
+        raise TraceSetError(f"--out {out} is also a source; merge into a new directory")
+    if out_path.exists() and (out_path / "meta.json").exists():
+        first = TraceSet(sources[0])
+        existing = TraceSet(out_path)
+        if existing.meta.model.fingerprint != first.meta.model.fingerprint:
+            raise TraceSetError(
+                f"{out} holds traces of model {existing.meta.model.name_or_path} (fingerprint "
+                f"{existing.meta.model.fingerprint}), not {first.meta.model.name_or_path} "
+                f"(fingerprint {first.meta.model.fingerprint}); choose another --out"
+            )
+    ts = merge(sources, out_path)
+    summary = {"out": str(out_path), "sources": len(sources), "requests": ts.num_requests, "tokens": ts.num_tokens}
+    if json:
+        print(jsonlib.dumps(summary))
+    else:
+        print(f"merged {len(sources)} trace sets -> {out_path}: {ts.num_requests} requests, {ts.num_tokens:,} tokens")
+    return out_path

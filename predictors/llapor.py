@@ -1,0 +1,448 @@
+"""LLaPor: Learnable Layer-aware Predictor (PreScope §4.2, Fig. 9), layer-ahead.
+
+One small predictor per MoE layer l scores layer l's experts from what is known
+when layer l-1 finishes for the current token (PreScope §4.2.1):
+
+- the gate input a of layer l-1, compressed by a per-layer PCA (256 components
+  for the input/output groups, 512 for the middle group, capped by the hidden
+  size; §4.2.2 "Feature Variables");
+- layer l-1's top-k ids (multi-hot) and their router weights;
+- for ID-only TraceSets (the imported DeepSeek traces carry neither gate
+  inputs nor weights) the same network uses the features that exist: a learned
+  token embedding, the current token's ids at the ``prev_layers`` previous MoE
+  layers, and the ids at layer l itself of the last ``history_tokens`` tokens
+  (those tokens finished every layer before this one started, so this stays
+  causal).
+
+Layer 0 (the first MoE layer) has no previous MoE layer and its own gate input
+is not known before its router runs, so it uses the token embedding and the
+previous tokens' layer-0 ids only (history features), with zero dense input.
+
+Every multi-hot input is a bag of feature ids summed through a per-layer table
+(``EmbeddingBag``): a wide first linear layer over sparse inputs at the cost of
+a gather. Layer groups (§3.1) pick the body: input/output groups a shallow
+Linear-GELU-Dropout stack; the middle group is deeper and adds a residual block
+(Linear-GELU-Dropout-Linear) modulated by a sigmoid gating unit (§4.2.1).
+
+``update(features, truth)`` does online gradient steps (§4.2.2, last sentence);
+it is off unless called.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from moecast.collect.traceset import RequestTrace
+from moecast.predictors.base import Predictor
+from torch import nn
+
+GROUPS = ("input", "middle", "output")
+
+
+@dataclass
+class FeatureSpec:
+    """Which inputs LLaPor uses; chosen from the fields a TraceSet has and recorded in the checkpoint."""
+
+    num_layers: int
+    num_experts: int
+    top_k: int
+    prev_layers: int = 1  # current token's ids at layers l-1 .. l-prev_layers
+    history_tokens: int = 0  # ids at layer l of tokens t-1 .. t-history_tokens
+    token_buckets: int = 0  # 0 = no token embedding; token id is hashed modulo this
+    token_dim: int = 32
+    gate_pca: bool = False  # PCA of layer l-1's gate input
+    pca_dims: list[int] = field(default_factory=list)  # components of layer l's gate input (feeds layer l+1)
+    gate_hidden: int = 0  # the model's hidden size (gate input width)
+    weights: bool = False  # layer l-1's top-k router weights, scattered over experts
+
+    @property
+    def vocab(self) -> int:
+        """Sparse feature ids per layer (prev-layer blocks then history blocks), plus one pad id."""
+        return (self.prev_layers + self.history_tokens) * self.num_experts
+
+    @property
+    def pca_max(self) -> int:
+        return max(self.pca_dims) if self.gate_pca and self.pca_dims else 0
+
+    @property
+    def dense_dim(self) -> int:
+        return self.pca_max + (self.num_experts if self.weights else 0)
+
+    def fields(self) -> list[str]:
+        """TraceSet fields these features read."""
+        out = ["topk_ids"]
+        if self.token_buckets:
+            out.append("token_id")
+        if self.gate_pca:
+            out.append("gate_inputs")
+        if self.weights:
+            out.append("topk_weights")
+        return out
+
+
+def sparse_bags(spec: FeatureSpec, topk: np.ndarray, rows: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """[B, L, nbag] int64 feature ids (pad = spec.vocab) for rows of a [N, L, k] id array.
+
+    ``rows`` index ``topk``; ``pos`` is each row's position in its request (so the
+    history never crosses into the previous request, which sits at rows - j).
+    """
+    L, E, k = spec.num_layers, spec.num_experts, spec.top_k
+    B = len(rows)
+    pad = spec.vocab
+    cur = topk[rows].astype(np.int64)  # [B, L, k]
+    blocks = []
+    for d in range(1, spec.prev_layers + 1):
+        blk = np.full((B, L, k), pad, np.int64)
+        if d < L:
+            blk[:, d:] = cur[:, :-d] + (d - 1) * E
+        blocks.append(blk)
+    base = spec.prev_layers * E
+    for j in range(1, spec.history_tokens + 1):
+        prev_rows = np.maximum(rows - j, 0)
+        blk = topk[prev_rows].astype(np.int64) + base + (j - 1) * E
+        blk[pos < j] = pad
+        blocks.append(blk)
+    if not blocks:
+        return np.full((B, L, 1), pad, np.int64)
+    return np.concatenate(blocks, axis=-1)
+
+
+def dense_features(spec: FeatureSpec, pca_in: np.ndarray | None, weights: np.ndarray | None, ids: np.ndarray) -> np.ndarray:
+    """[T, L, dense_dim] float32: PCA of layer l-1's gate input and layer l-1's weights (zeros at layer 0).
+
+    ``pca_in`` is the already projected gate input [T, L, pca_max] (row l = layer l's own gate input).
+    """
+    T, L = ids.shape[0], spec.num_layers
+    out = np.zeros((T, L, spec.dense_dim), np.float32)
+    if spec.gate_pca and pca_in is not None:
+        out[:, 1:, : spec.pca_max] = pca_in[:, :-1]
+    if spec.weights and weights is not None:
+        w = np.zeros((T, L, spec.num_experts), np.float32)
+        np.put_along_axis(w, ids.astype(np.int64), weights.astype(np.float32), axis=-1)
+        out[:, 1:, spec.pca_max :] = w[:, :-1]
+    return out
+
+
+class PCABank(nn.Module):
+    """Per-layer PCA (components [L, C, H], mean [L, H]); layer l keeps its first pca_dims[l] components."""
+
+    def __init__(self, num_layers: int, comps: int, hidden: int) -> None:
+        super().__init__()
+        self.register_buffer("components", torch.zeros(num_layers, comps, hidden))
+        self.register_buffer("mean", torch.zeros(num_layers, hidden))
+
+    def project(self, gate_inputs: np.ndarray) -> np.ndarray:
+        """[T, L, H] gate inputs -> [T, L, C] components (float32)."""
+        x = torch.from_numpy(np.asarray(gate_inputs, np.float32))
+        return torch.einsum("tlh,lch->tlc", x - self.mean, self.components).numpy()
+
+
+class StackedLinear(nn.Module):
+    """One independent Linear per layer of a group, applied to [B, Lg, in] in one einsum."""
+
+    def __init__(self, layers: int, fan_in: int, fan_out: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(layers, fan_in, fan_out) * fan_in**-0.5)
+        self.bias = nn.Parameter(torch.zeros(layers, fan_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bli,lio->blo", x, self.weight) + self.bias
+
+
+class GroupBody(nn.Module):
+    """The per-layer networks of one layer group (PreScope §4.2.1): shallow, or deep with a gated residual block."""
+
+    def __init__(self, layers: int, hidden: int, experts: int, depth: int, residual: bool, dropout: float) -> None:
+        super().__init__()
+        self.hidden = nn.ModuleList(StackedLinear(layers, hidden, hidden) for _ in range(depth))
+        self.residual = residual
+        if residual:
+            self.res1 = StackedLinear(layers, hidden, hidden)
+            self.res2 = StackedLinear(layers, hidden, hidden)
+            self.gate = StackedLinear(layers, hidden, hidden)
+        self.head = StackedLinear(layers, hidden, experts)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for lin in self.hidden:
+            h = self.drop(F.gelu(lin(h)))
+        if self.residual:
+            r = self.res2(self.drop(F.gelu(self.res1(h))))
+            # gating unit: how much the residual path (the hidden state's influence) contributes
+            h = h + torch.sigmoid(self.gate(h)) * r
+        return self.head(h)
+
+
+@dataclass
+class NetConfig:
+    hidden: int = 256
+    depth_io: int = 1  # hidden Linear-GELU-Dropout blocks after the input layer, input/output groups
+    depth_middle: int = 2
+    dropout: float = 0.1
+
+
+class LLaPorNet(nn.Module):
+    """All layers' LLaPor predictors in one module; groups map layer positions to bodies."""
+
+    def __init__(self, spec: FeatureSpec, groups: dict[str, list[int]], net: NetConfig) -> None:
+        super().__init__()
+        self.spec, self.groups, self.net = spec, {g: list(v) for g, v in groups.items() if v}, net
+        L, H = spec.num_layers, net.hidden
+        # wide first layer over the sparse multi-hot inputs: one table per layer, one shared pad row
+        self.bag = nn.EmbeddingBag(L * spec.vocab + 1, H, mode="sum", padding_idx=L * spec.vocab)
+        nn.init.normal_(self.bag.weight, std=(max(spec.prev_layers + spec.history_tokens, 1) * spec.top_k) ** -0.5)
+        with torch.no_grad():
+            self.bag.weight[-1].zero_()
+        self.bias = nn.Parameter(torch.zeros(L, H))
+        if spec.token_buckets:
+            self.tok = nn.Embedding(spec.token_buckets, spec.token_dim)
+            self.tok_proj = StackedLinear(L, spec.token_dim, H)
+        if spec.dense_dim:
+            self.dense_proj = StackedLinear(L, spec.dense_dim, H)
+        if spec.gate_pca:
+            self.pca = PCABank(L, spec.pca_max, spec.gate_hidden)
+        self.bodies = nn.ModuleDict(
+            {
+                g: GroupBody(
+                    len(ls), H, spec.num_experts,
+                    net.depth_middle if g == "middle" else net.depth_io,
+                    residual=(g == "middle"), dropout=net.dropout,
+                )
+                for g, ls in self.groups.items()
+            }
+        )
+        self.register_buffer("layer_offset", torch.arange(L) * spec.vocab)
+
+    def forward(self, bags: torch.Tensor, tokens: torch.Tensor | None = None, dense: torch.Tensor | None = None) -> torch.Tensor:
+        """bags [B, L, n] (pad = spec.vocab), tokens [B] bucket ids, dense [B, L, D] -> logits [B, L, E]."""
+        B, L, n = bags.shape
+        pad = self.spec.vocab
+        idx = torch.where(bags == pad, L * pad, bags + self.layer_offset.view(1, L, 1))
+        h = self.bag(idx.reshape(B * L, n)).view(B, L, -1) + self.bias
+        if self.spec.token_buckets and tokens is not None:
+            h = h + self.tok_proj(self.tok(tokens).unsqueeze(1).expand(B, L, -1))
+        if self.spec.dense_dim and dense is not None:
+            h = h + self.dense_proj(dense)
+        h = F.gelu(h)
+        out = h.new_zeros(B, L, self.spec.num_experts)
+        for g, layers in self.groups.items():
+            out[:, layers] = self.bodies[g](h[:, layers])
+        return out
+
+
+def balanced_focal_loss(
+    logits: torch.Tensor, target: torch.Tensor, inv_freq: torch.Tensor, lam: torch.Tensor, gamma: float
+) -> torch.Tensor:
+    """PreScope §4.2.2: L = L_expert + lambda * L_focal, averaged over experts (N) and rows.
+
+    ``inv_freq`` [L, E] is 1/f_i normalised to mean 1 per layer (the expert-balancing term);
+    ``lam`` [L] is lambda per layer (0 for the middle group, where the paper gives no loss:
+    we use the balancing term alone, configurable). focal = (1 - p_t)^gamma * BCE.
+    """
+    bce = F.binary_cross_entropy_with_logits(logits, target, reduction="none")
+    l_expert = (bce * inv_freq).mean(-1)
+    p = torch.sigmoid(logits)
+    p_t = torch.where(target > 0.5, p, 1 - p)
+    l_focal = ((1 - p_t) ** gamma * bce).mean(-1)
+    return (l_expert + lam * l_focal).mean()
+
+
+def detect_groups(
+    cos_sim: np.ndarray | None, routing_corr: np.ndarray, num_layers: int
+) -> tuple[dict[str, list[int]], np.ndarray]:
+    """Split layers into input / middle / output groups (PreScope §3.1).
+
+    ``cos_sim[l]`` is the mean cosine similarity of the gate inputs of layers l-1 and l,
+    ``routing_corr[l]`` how predictable layer l's experts are from layer l-1's (both for
+    l >= 1). Middle layers are where these are high; the signal is their mean (the
+    cosine alone when gate inputs exist is the paper's primary cue, routing correlation
+    breaks its ties). Input group = layer 0 plus the leading layers below the mean;
+    output group = the trailing layers below the mean; middle = the rest. With fewer
+    than 3 layers there is no middle group.
+    """
+    L = num_layers
+    if L < 3:
+        return {"input": [0], "middle": [], "output": list(range(1, L))}, np.zeros(L)
+    sig = np.asarray(routing_corr, np.float64).copy()
+    if cos_sim is not None:
+        sig = 0.5 * sig + 0.5 * np.asarray(cos_sim, np.float64)
+    sig[0] = -np.inf
+    body = sig[1:]
+    thr = float(np.mean(body))
+    high = np.flatnonzero(sig >= thr)
+    first, last = int(high.min()), int(high.max())
+    # keep every group non-empty and the middle group the majority's neighbourhood
+    first = min(max(first, 1), L - 2)
+    last = max(min(last, L - 2), first)
+    groups = {"input": list(range(0, first)), "middle": list(range(first, last + 1)), "output": list(range(last + 1, L))}
+    return groups, np.where(np.isfinite(sig), sig, 0.0)
+
+
+def routing_correlation(topk: np.ndarray, num_experts: int) -> np.ndarray:
+    """[L] for l >= 1: recall@k of the best single-expert co-occurrence predictor from layer l-1 to l."""
+    N, L, k = topk.shape
+    out = np.zeros(L)
+    for l in range(1, L):
+        a = topk[:, l - 1].astype(np.int64)
+        b = topk[:, l].astype(np.int64)
+        co = np.zeros((num_experts, num_experts))
+        np.add.at(co, (np.repeat(a, k, 1).ravel(), np.tile(b, (1, k)).ravel()), 1)
+        scores = co[a].sum(1)  # [N, E]
+        pred = np.argpartition(-scores, k - 1, axis=-1)[:, :k]
+        out[l] = (pred[:, :, None] == b[:, None, :]).any(-1).mean()
+    return out
+
+
+def gate_cosine(gate_inputs: np.ndarray) -> np.ndarray:
+    """[L] mean cosine similarity of adjacent layers' gate inputs (entry 0 unused)."""
+    x = np.asarray(gate_inputs, np.float32)
+    x = x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-6)
+    out = np.zeros(x.shape[1])
+    out[1:] = (x[:, 1:] * x[:, :-1]).sum(-1).mean(0)
+    return out
+
+
+def format_groups(groups: dict[str, list[int]], moe_layers: list[int]) -> str:
+    parts = []
+    for g in GROUPS:
+        ls = groups.get(g, [])
+        parts.append(f"{g}: " + (f"layers {moe_layers[ls[0]]}-{moe_layers[ls[-1]]} ({len(ls)})" if ls else "none"))
+    return "layer groups  " + "  |  ".join(parts)
+
+
+class LLaPor(Predictor):
+    """Layer-ahead predictor (PreScope §4.2); see the module docstring for its inputs."""
+
+    name = "llapor"
+    horizon = "layer-ahead"
+
+    def __init__(
+        self,
+        net: LLaPorNet,
+        moe_layers: list[int],
+        fingerprint: str | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> None:
+        self.net = net.eval()
+        self.spec = net.spec
+        self.groups = net.groups
+        self.moe_layers = list(moe_layers)
+        self.num_layers = self.spec.num_layers
+        self.num_experts = self.spec.num_experts
+        self.top_k = self.spec.top_k
+        self.fingerprint = fingerprint
+        self.meta = dict(meta or {})
+        self.needs = tuple(f for f in self.spec.fields() if f != "token_id")
+        self._opt: torch.optim.Optimizer | None = None
+
+    # ------------------------------------------------------------------ features
+    def features(self, trace: RequestTrace) -> dict[str, torch.Tensor]:
+        """Model inputs for every (token, layer) of one request (causal: see module docstring)."""
+        spec = self.spec
+        ids = np.asarray(trace.topk_ids)
+        T = ids.shape[0]
+        missing = [f for f in ("gate_inputs", "topk_weights") if f in spec.fields() and getattr(trace, f) is None]
+        if missing:
+            raise ValueError(
+                f"this LLaPor checkpoint was trained with {', '.join(missing)}, which request {trace.request_id} lacks; "
+                "evaluate it on traces collected with those fields"
+            )
+        pos = np.arange(T)
+        feats = {"bags": torch.from_numpy(sparse_bags(spec, ids, pos, pos))}
+        if spec.token_buckets:
+            feats["tokens"] = torch.from_numpy((np.asarray(trace.token_ids, np.int64) % spec.token_buckets))
+        if spec.dense_dim:
+            pca_in = None
+            if spec.gate_pca:
+                g = np.asarray(trace.gate_inputs, np.float32)
+                if not np.isfinite(g).all():
+                    raise ValueError(f"request {trace.request_id}: gate_inputs contain NaN or inf; re-collect it")
+                pca_in = self.net.pca.project(g) * self._pca_mask()
+            w = trace.topk_weights if spec.weights else None
+            if w is not None and not np.isfinite(np.asarray(w, np.float32)).all():
+                raise ValueError(f"request {trace.request_id}: topk_weights contain NaN or inf; re-collect it")
+            feats["dense"] = torch.from_numpy(dense_features(spec, pca_in, w, ids))
+        return feats
+
+    def _pca_mask(self) -> np.ndarray:
+        m = np.zeros((self.num_layers, self.spec.pca_max), np.float32)
+        for l, c in enumerate(self.spec.pca_dims):
+            m[l, :c] = 1
+        return m
+
+    @torch.no_grad()
+    def score_request(self, trace: RequestTrace) -> np.ndarray:
+        self.net.eval()
+        return torch.sigmoid(self.net(**self.features(trace))).numpy().astype(np.float32)
+
+    @torch.no_grad()
+    def score_layer(self, layer: int, feats: dict[str, torch.Tensor]) -> np.ndarray:
+        """Scores of one layer for a batch of tokens (the runtime's per-layer call)."""
+        return torch.sigmoid(self.net(**feats)[:, layer]).numpy()
+
+    # ------------------------------------------------------------------ online learning
+    def update(
+        self, feats: dict[str, torch.Tensor], truth: np.ndarray, lr: float = 1e-3, steps: int = 1,
+        gamma: float = 2.0, lam: float = 0.5,
+    ) -> float:
+        """Online continual learning (PreScope §4.2.2): a few AdamW steps on newly observed routing.
+
+        ``truth`` [B, L, k] are the true ids of the tokens whose features are ``feats``.
+        Returns the loss before the last step. Off unless the runtime calls it.
+        """
+        from moecast.predictors.metrics import multi_hot
+
+        target = torch.from_numpy(multi_hot(np.asarray(truth), self.num_experts, np.float32))
+        if self._opt is None or self._opt.param_groups[0]["lr"] != lr:
+            self._opt = torch.optim.AdamW(self.net.parameters(), lr=lr, weight_decay=0.0)
+        inv = torch.ones(self.num_layers, self.num_experts)
+        lam_t = torch.full((self.num_layers,), lam)
+        self.net.train()
+        loss_val = float("nan")
+        for _ in range(steps):
+            loss = balanced_focal_loss(self.net(**feats), target, inv, lam_t, gamma)
+            self._opt.zero_grad()
+            loss.backward()
+            self._opt.step()
+            loss_val = float(loss)
+        self.net.eval()
+        return loss_val
+
+    # ------------------------------------------------------------------ checkpoint
+    def metadata(self) -> dict[str, Any]:
+        return {
+            **self.meta,
+            **super().metadata(),
+            "moe_layers": self.moe_layers,
+            "num_experts": self.num_experts,
+            "top_k": self.top_k,
+            "features": asdict(self.spec),
+            "net": asdict(self.net.net),
+            "groups": self.groups,
+            "needs": list(self.spec.fields()),
+        }
+
+    def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
+        from moecast.predictors.checkpoint import save
+
+        return save(path, dict(self.net.state_dict()), {**self.metadata(), **(extra or {})})
+
+    @classmethod
+    def from_checkpoint(cls, tensors: dict[str, Any], meta: dict[str, Any], path: Path) -> LLaPor:
+        try:
+            spec = FeatureSpec(**meta["features"])
+            net = LLaPorNet(spec, {g: list(v) for g, v in meta["groups"].items()}, NetConfig(**meta["net"]))
+            net.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()})
+        except (KeyError, TypeError, RuntimeError) as exc:
+            raise ValueError(f"{path}: LLaPor checkpoint does not match this moecast ({exc}); retrain it") from exc
+        return cls(net, meta["moe_layers"], meta.get("fingerprint"), meta)
+
+
+def describe(pred: LLaPor) -> str:
+    return json.dumps({"features": asdict(pred.spec), "groups": pred.groups})

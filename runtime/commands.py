@@ -1,0 +1,255 @@
+"""CLI functions ``moecast replay``, ``moecast compare`` and ``moecast profile`` (mapped in moecast/cli.py)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+from pathlib import Path
+
+from moecast.runtime.replay import DEFAULT_HARDWARE, POLICIES, ReplayConfig, ReplayResult
+
+
+def _fmt(v: object) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4f}"
+    return str(v)
+
+
+def replay(
+    traces: str = "",
+    policy: str = "lru",
+    capacity: str = "0.25",
+    cold: bool = False,
+    shared: bool = False,
+    predictor: str | None = None,
+    planner: str | None = None,
+    hardware: str = DEFAULT_HARDWARE,
+    alpha: float = 0.0,
+    batch_size: int = 1,
+    json: bool = False,
+) -> None:
+    """Replay a TraceSet through one runtime configuration and print the metrics.
+
+    Policies: lru (LRU eviction, demand loads); lfu (LFU); score (SMoE Eq. 3 eviction, needs
+    router_probs); static (PreScope hot-expert table, fixed); belady (offline optimum, demand only);
+    prefetch (LRU + top-score prefetch from --predictor, default oracle); presched (LRU + PreScope
+    PreSched load/CPU split and prefetch sizing, default predictor oracle); smoe (SMoE: score
+    eviction + substitution with --alpha + prefetch + CPU balancing, needs router_probs).
+
+    Args:
+        traces: TraceSet directory.
+        policy: one of lru, lfu, score, static, belady, prefetch, presched, smoe.
+        capacity: per-layer cache size: a fraction of the experts (0.25), whole experts (6), or bytes (512MB).
+        cold: start every request (group of --batch-size requests) with an empty cache; default: caches persist (stream).
+        shared: one cache for all layers (capacity x layers experts) instead of one per layer.
+        predictor: none, oracle, or a predictor checkpoint (.safetensors) that drives prefetching.
+        planner: a prompt-ahead predictor checkpoint: preloads each request's planned experts and is a prefetch prior.
+        hardware: hardware profile name (configs/hardware) or YAML path.
+        alpha: SMoE substitution threshold (policy smoe); 0 leaves routing unchanged.
+        batch_size: decode batch: requests interleaved per step.
+        json: print one JSON object instead of a table.
+    """
+    from moecast.runtime import replay as engine
+
+    _need_traces(traces)
+    cfg = ReplayConfig(
+        policy=policy, capacity=capacity, cold=cold, shared=shared, predictor=predictor, planner=planner,
+        hardware=hardware, alpha=alpha, batch_size=batch_size, progress=not json,
+    )
+    res = engine.replay(traces, cfg)
+    if json:
+        print(_json_line(res))
+        return
+    _print_result(res)
+
+
+def _need_traces(traces: str) -> None:
+    if not traces:
+        raise ValueError("give the TraceSet to replay with --traces PATH (written by `moecast collect` or `moecast import`)")
+
+
+def _json_line(res: ReplayResult) -> str:
+    import json as _j
+
+    return _j.dumps(res.to_json())
+
+
+def _print_result(res: ReplayResult) -> None:
+    d = res.to_json()
+    keys = ["policy", "predictor", "mode", "capacity", "shared", "batch_size", "hardware", "hit_rate",
+            "prefetch_accuracy", "substitution_rate", "cpu_experts", "loads", "bytes_moved", "modeled_tpot_ms",
+            "tpot_basis", "requests", "tokens", "wall_s"]
+    width = max(len(k) for k in keys)
+    for k in keys:
+        print(f"{k:<{width}}  {_fmt(d[k])}")
+    print("hit rate per layer: " + " ".join(f"{h:.3f}" for h in res.hit_rate_per_layer))
+
+
+def compare(
+    traces: str = "",
+    policies: str = "lru,lfu,static,belady,presched",
+    predictors: str = "none",
+    capacities: str = "0.1,0.25,0.5",
+    out: str = "compare",
+    cold: bool = False,
+    shared: bool = False,
+    hardware: str = DEFAULT_HARDWARE,
+    alpha: float = 0.1,
+    batch_size: int = 1,
+    wandb: bool = True,
+    json: bool = False,
+) -> None:
+    """Replay every (policy, predictor, capacity) cell; write table.md, table.csv, plot.png and wandb runs.
+
+    Policies that never prefetch (lru, lfu, score, static, belady) are run once per capacity with
+    predictor none; the others once per predictor. One wandb run per cell, grouped "<traces>/compare".
+
+    Args:
+        traces: TraceSet directory.
+        policies: comma-separated policy names (see `moecast replay --help`).
+        predictors: comma-separated: none, oracle, checkpoint paths.
+        capacities: comma-separated capacities (fractions, experts or bytes).
+        out: output directory.
+        cold: caches start empty per request; default stream.
+        shared: one cache for all layers.
+        hardware: hardware profile name or YAML path.
+        alpha: substitution threshold for policy smoe.
+        batch_size: decode batch size.
+        wandb: log one offline wandb run per cell.
+        json: print one JSON object per cell instead of the table.
+    """
+    from moecast.collect.traceset import TraceSet, atomic_write_bytes
+    from moecast.runtime import replay as engine
+
+    _need_traces(traces)
+    pols = [p.strip() for p in policies.split(",") if p.strip()]
+    for p in pols:
+        if p not in POLICIES:
+            raise ValueError(f"unknown policy {p!r}; choose from {', '.join(POLICIES)}")
+    preds = [p.strip() for p in predictors.split(",") if p.strip()] or ["none"]
+    caps = [c.strip() for c in capacities.split(",") if c.strip()]
+    if not caps:
+        raise ValueError("--capacities is empty; give e.g. 0.1,0.25,0.5")
+    ts = TraceSet(traces)
+    outdir = Path(out)
+    outdir.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    from tqdm import tqdm
+
+    cells = []
+    for p in pols:
+        spec = POLICIES[p]
+        demand_only = spec.predictor == "none"
+        for pr in (["none"] if demand_only else preds):
+            for c in caps:
+                cells.append((p, pr, c))
+    for p, pr, c in tqdm(cells, desc="compare", disable=json):
+        cfg = ReplayConfig(policy=p, capacity=c, cold=cold, shared=shared, predictor=pr, hardware=hardware,
+                           alpha=alpha if POLICIES[p].substitution else 0.0, batch_size=batch_size)
+        res = engine.replay(ts, cfg)
+        row = res.to_json()
+        row["predictor"] = Path(pr).stem if pr not in ("none", "oracle") else pr
+        rows.append(row)
+        if json:
+            print(_json_line(res))
+        if wandb:
+            _log_wandb(row, ts, outdir)
+    cols = ["policy", "predictor", "capacity", "capacity_fraction", "mode", "hit_rate", "prefetch_accuracy",
+            "substitution_rate", "cpu_experts", "bytes_moved", "modeled_tpot_ms"]
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore")
+    w.writeheader()
+    w.writerows(rows)
+    atomic_write_bytes(outdir / "table.csv", buf.getvalue().encode())
+    md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    md += ["| " + " | ".join(_fmt(r[c]) for c in cols) + " |" for r in rows]
+    note = f"\nTraces: {ts.path}; mode: {'cold per request' if cold else 'stream'}; hardware: {hardware}; TPOT basis: {rows[0]['tpot_basis']}\n"
+    atomic_write_bytes(outdir / "table.md", ("\n".join(md) + "\n" + note).encode())
+    _plot(rows, outdir / "plot.png")
+    if not json:
+        print("\n".join(md))
+        print(note.strip())
+        print(f"wrote {outdir / 'table.md'}, {outdir / 'table.csv'}, {outdir / 'plot.png'}")
+
+
+def _log_wandb(row: dict, ts, outdir: Path) -> None:
+    import wandb
+
+    name = f"{row['policy']}-{row['predictor']}-c{row['capacity']}"
+    run = wandb.init(
+        mode=os.environ.get("WANDB_MODE", "offline"), project="moecast", group=f"{Path(str(ts.path)).name}/compare",
+        job_type="replay", name=name, config={k: v for k, v in row.items() if not isinstance(v, list)},
+        dir=str(outdir), reinit="finish_previous",
+    )
+    run.log({k: v for k, v in row.items() if isinstance(v, (int, float)) and v is not None and not isinstance(v, bool)})
+    run.finish()
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    series: dict[str, list[tuple[float, float, float | None]]] = {}
+    for r in rows:
+        series.setdefault(f"{r['policy']}/{r['predictor']}", []).append((r["capacity_fraction"], r["hit_rate"], r["modeled_tpot_ms"]))
+    for name, pts in series.items():
+        pts.sort()
+        a1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        a2.plot([p[0] for p in pts], [p[2] if p[2] is not None else float("nan") for p in pts], marker="o", label=name)
+    a1.set_xlabel("capacity (fraction of experts per layer)")
+    a1.set_ylabel("hit rate")
+    a2.set_xlabel("capacity (fraction of experts per layer)")
+    a2.set_ylabel("modeled TPOT (ms)")
+    a1.legend(fontsize=7)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def profile(
+    out: str = "configs/hardware/local.yaml",
+    traces: str | None = None,
+    hidden_size: int = 2048,
+    intermediate_size: int = 1408,
+    name: str = "local",
+    json: bool = False,
+) -> None:
+    """Measure this machine into a hardware profile YAML (CPU expert time; CUDA bandwidth and kernel time when present).
+
+    Args:
+        out: where to write the profile YAML.
+        traces: a TraceSet whose model sets the expert shape (its hidden size; intermediate from expert_bytes).
+        hidden_size: expert hidden size when no --traces.
+        intermediate_size: expert intermediate size when no --traces.
+        name: profile name.
+        json: print the profile as JSON.
+    """
+    from moecast.runtime.profile import measure
+
+    if traces:
+        from moecast.collect.traceset import TraceSet
+
+        m = TraceSet(traces).meta.model
+        hidden_size = m.hidden_size
+        intermediate_size = max(1, m.expert_bytes // (3 * m.hidden_size * 2))
+    prof = measure(hidden_size, intermediate_size, name=name)
+    from moecast.collect.traceset import atomic_write_bytes
+
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, prof.to_yaml().encode())
+    if json:
+        from dataclasses import asdict
+
+        print(__import__("json").dumps(asdict(prof)))
+    else:
+        print(prof.to_yaml().rstrip())
+        print(f"wrote {path}")

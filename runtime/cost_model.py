@@ -1,0 +1,131 @@
+"""Hardware cost model for expert offloading (PreScope Sec. 4.3.2, Eq. 3; SMoE Sec. 5.4).
+
+Quantities (PreScope's notation):
+
+- ``t_io``: time to move one expert host -> device over the link (Premise 4: transfers are serial,
+  bandwidth saturated), ``expert_bytes / transfer bandwidth``;
+- ``t_g``: device time of one resident expert, flat in the token count at decode batch sizes
+  (PreScope Fig. 13, Premise 5);
+- ``t_c(m) = beta * m + C``: CPU time of one expert over ``m`` tokens (PreScope Eq. 3; SMoE Fig. 8);
+- ``t_attn``: per-layer non-expert device time (attention, gate, shared experts).
+
+Profiles are YAML files under ``configs/hardware/`` (the papers' settings) or written by
+``moecast profile`` (this machine). Times in a profile are for an expert of ``ref_expert_bytes``
+bytes; :class:`CostModel` scales compute and transfer times linearly to the model's expert size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from moecast import configs_dir
+
+
+class ProfileError(ValueError):
+    """An unknown, unreadable or malformed hardware profile."""
+
+
+@dataclass
+class HardwareProfile:
+    """One accelerator + host + link setting; see the module docstring for the meaning of each field."""
+
+    name: str
+    transfer_gbps: float  # effective host-to-device bandwidth in GB/s (1e9 bytes); 0 = no link, inf = free
+    ref_expert_bytes: int
+    gpu_expert_ms: float
+    cpu_beta_ms: float
+    cpu_c_ms: float
+    attn_ms: float
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for f in ("transfer_gbps", "gpu_expert_ms", "cpu_beta_ms", "cpu_c_ms", "attn_ms"):
+            v = float(getattr(self, f))
+            if math.isnan(v) or v < 0:
+                raise ProfileError(f"hardware profile {self.name!r}: {f} = {v}, expected a number >= 0")
+            setattr(self, f, v)
+        if int(self.ref_expert_bytes) <= 0:
+            raise ProfileError(f"hardware profile {self.name!r}: ref_expert_bytes must be > 0")
+        self.ref_expert_bytes = int(self.ref_expert_bytes)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(asdict(self), sort_keys=False)
+
+
+def available_profiles() -> list[str]:
+    return sorted(p.stem for p in (configs_dir() / "hardware").glob("*.yaml"))
+
+
+def load_profile(name_or_path: str | Path) -> HardwareProfile:
+    """A profile by name (``configs/hardware/<name>.yaml``) or by path to a YAML file."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = configs_dir() / "hardware" / f"{name_or_path}.yaml"
+    if not path.is_file():
+        raise ProfileError(
+            f"unknown hardware profile {str(name_or_path)!r}; use one of {', '.join(available_profiles())} "
+            "or a YAML path (write one for this machine with `moecast profile`)"
+        )
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        first = str(exc).splitlines()[0]
+        raise ProfileError(f"{path}: malformed YAML ({first}); fix or regenerate it with `moecast profile`") from exc
+    if not isinstance(data, dict):
+        raise ProfileError(f"{path}: expected a mapping of profile fields, got {type(data).__name__}")
+    known = {f.name for f in fields(HardwareProfile)}
+    unknown = sorted(set(data) - known)
+    missing = sorted(f.name for f in fields(HardwareProfile) if f.name not in data and f.name != "source")
+    if unknown or missing:
+        raise ProfileError(
+            f"{path}: " + (f"unknown fields {unknown}" if unknown else "") + ("; " if unknown and missing else "")
+            + (f"missing fields {missing}" if missing else "") + f"; expected {sorted(known)}"
+        )
+    try:
+        return HardwareProfile(**data)
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ProfileError):
+            raise
+        raise ProfileError(f"{path}: bad value ({exc}); fix or regenerate it with `moecast profile`") from exc
+
+
+@dataclass
+class CostModel:
+    """Per-expert times (ms) for a model's expert size on a hardware profile."""
+
+    t_io: float
+    t_g: float
+    beta: float
+    c: float
+    t_attn: float
+    expert_bytes: int
+    profile: str = ""
+
+    @classmethod
+    def from_profile(cls, profile: HardwareProfile, expert_bytes: int) -> CostModel:
+        scale = expert_bytes / profile.ref_expert_bytes
+        if profile.transfer_gbps == 0:
+            t_io = math.inf
+        else:
+            t_io = expert_bytes / (profile.transfer_gbps * 1e9) * 1e3
+        return cls(
+            t_io=t_io,
+            t_g=profile.gpu_expert_ms * scale,
+            beta=profile.cpu_beta_ms * scale,
+            c=profile.cpu_c_ms * scale,
+            t_attn=profile.attn_ms,
+            expert_bytes=int(expert_bytes),
+            profile=profile.name,
+        )
+
+    def t_cpu(self, tokens: Any) -> Any:
+        """PreScope Eq. 3: CPU time of one expert over ``tokens`` tokens (vectorised; 0 tokens cost 0)."""
+        import numpy as np
+
+        m = np.asarray(tokens, dtype=np.float64)
+        return np.where(m > 0, self.beta * m + self.c, 0.0)

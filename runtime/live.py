@@ -1,0 +1,692 @@
+"""The live runtime: SMoE's importance-driven expert scheduling inside a Hugging Face MoE model.
+
+``rt = attach(model, policy="smoe", capacity=0.25, alpha=0.3)`` replaces the model's
+experts call (DESIGN.md, "Where moecast attaches": every transformers-5 MoE family calls
+``experts(hidden_states, top_k_index, top_k_weights)`` after its router) with
+``moecast_live``. Per MoE layer and forward pass, following SMoE §IV-V (Fig. 9):
+
+1. router probabilities come from a forward hook on the model's router class
+   (``_can_record_outputs["router_logits"]``), softmaxed (sigmoid-normalised for
+   DeepSeek-V3-style routers);
+2. decode steps only (SMoE §4.1: prefill loads what it needs): the expert-cache router
+   (SMoE Algorithm 1, :mod:`moecast.runtime.substitution`) replaces low-score experts
+   that are not resident by resident ones whose score is within ``alpha`` of beta;
+3. cache lookup (:class:`moecast.runtime.cache.ExpertCache`, one lane per layer):
+   resident experts run from their device slots (:mod:`moecast.runtime.expert_store`);
+4. misses: SMoE Algorithm 2 (:class:`moecast.runtime.balancer.Balancer`) loads the
+   larger ones into slots (evicting by the cache policy, the layer's own experts
+   shielded, SMoE Eq. 3 for ``score``/``smoe``) and computes the rest on the CPU from
+   host memory; prefill loads every miss;
+5. prefetch for the next layer: the next layer's gate applied to this layer's gate input
+   (SMoE §IV-C online prediction, without the next layer's attention: the gate-reuse
+   form of DESIGN.md) or a layer-ahead predictor checkpoint (LLaPor); the top-score
+   experts not resident are loaded, as many as the link can move while this layer
+   computes.
+
+With ``alpha = 0`` the routing is untouched and every expert is computed exactly as the
+wrapped implementation computes it (the same function runs on the slot buffers), so the
+logits equal the unmodified model's; ``rt.detach()`` restores the previous
+implementation and removes every hook, leaving the model bit-identical.
+
+Time is reported two ways: measured wall time of each forward on this machine (the
+arithmetic is real), and modeled time from :class:`moecast.runtime.cost_model.CostModel`
+on a virtual clock (attention, device experts, serial transfers, CPU experts overlapped
+with the device), which is what an accelerator with that profile would take.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import weakref
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from moecast.collect.models import MoEStructure, find_moe_structure, model_info
+from moecast.runtime.balancer import Balancer
+from moecast.runtime.cache import POLICIES, ExpertCache, resolve_capacity
+from moecast.runtime.cost_model import CostModel, load_profile
+from moecast.runtime.expert_store import LayerStore, SlotView
+from moecast.runtime.prefetch import Prefetcher
+from moecast.runtime.substitution import substitute
+
+from moecast.errors import MoecastError
+
+LIVE_IMPL = "moecast_live"
+#: ``policy`` names: the cache policies, plus ``smoe`` (SMoE Eq. 3 score eviction; substitution by alpha)
+LIVE_POLICIES = ("smoe", *(p for p in POLICIES if p != "belady"))
+PREFETCH = ("auto", "none", "online", "predictor")
+BALANCE = ("smoe", "load", "cpu")
+
+# experts module -> (runtime, layer position); kept outside the module so attaching leaves no trace on it
+_ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class LiveConfig:
+    """What the runtime does; see :func:`attach` for the meaning of each field."""
+
+    policy: str = "smoe"
+    capacity: float | int | str | None = None
+    alpha: float = 0.0
+    prefetch: str = "auto"
+    balance: str = "smoe"
+    hardware: str = "smoe-s3-a6000"
+    warm: bool = True
+    score_window: int = 8
+    device: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.policy not in LIVE_POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(LIVE_POLICIES)}")
+        a = float(self.alpha)
+        if not math.isfinite(a) or not 0 <= a < 1:
+            raise ValueError(f"alpha must be in [0, 1) (SMoE's substitution threshold), got {self.alpha}")
+        self.alpha = a
+        if self.prefetch not in PREFETCH:
+            raise ValueError(f"unknown prefetch {self.prefetch!r}; choose one of {', '.join(PREFETCH)}")
+        if self.balance not in BALANCE:
+            raise ValueError(f"unknown balance {self.balance!r}; choose one of {', '.join(BALANCE)}")
+
+
+@dataclass
+class LiveStats:
+    """Counters since attach (or :meth:`LiveRuntime.reset_stats`); rates are derived in :meth:`as_dict`."""
+
+    decode_steps: int = 0
+    prefill_steps: int = 0
+    uses: int = 0  # routed (token, layer, expert) uses after substitution
+    hits: int = 0  # of those, expert resident when the layer ran
+    routed: int = 0  # (token, layer, expert) uses the router chose in decode steps
+    substituted: int = 0
+    transfers: int = 0  # on-demand loads + prefetches
+    prefetches: int = 0
+    prefetch_used: int = 0
+    cpu_experts: int = 0  # (step, layer, expert) groups computed on the CPU
+    cpu_uses: int = 0
+    measured_decode_ms: list[float] = field(default_factory=list)
+    modeled_decode_ms: list[float] = field(default_factory=list)
+    measured_prefill_ms: float = 0.0
+    modeled_prefill_ms: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in asdict(self).items() if not isinstance(v, list)}
+        d["hit_rate"] = self.hits / self.uses if self.uses else float("nan")
+        d["substitution_rate"] = self.substituted / self.routed if self.routed else 0.0
+        d["prefetch_accuracy"] = self.prefetch_used / self.prefetches if self.prefetches else float("nan")
+        d["tpot_measured_ms"] = (
+            float(np.mean(self.measured_decode_ms)) if self.measured_decode_ms else float("nan")
+        )
+        d["tpot_modeled_ms"] = (
+            float(np.mean(self.modeled_decode_ms)) if self.modeled_decode_ms else float("nan")
+        )
+        return d
+
+
+class LiveRuntime:
+    """One model with the live runtime attached; create it with :func:`attach`."""
+
+    def __init__(
+        self, model: Any, structure: MoEStructure, config: LiveConfig, predictor: Any = None
+    ) -> None:
+        self.model = model
+        self.structure = structure
+        self.config = config
+        self.info = model_info(
+            model, structure, getattr(model.config, "_name_or_path", "") or type(model).__name__
+        )
+        self.num_layers = len(structure.layers)
+        self.num_experts = self.info.num_experts
+        self.top_k = self.info.top_k
+        self.capacity = (
+            self.num_experts
+            if config.capacity is None
+            else resolve_capacity(config.capacity, self.num_experts, self.top_k, self.info.expert_bytes)
+        )
+        self.full = self.capacity >= self.num_experts
+        self.predictor = predictor
+        prefetch = config.prefetch
+        if prefetch == "auto":
+            prefetch = (
+                "predictor" if predictor is not None else ("online" if config.policy == "smoe" else "none")
+            )
+        if prefetch == "predictor" and predictor is None:
+            raise ValueError("prefetch='predictor' needs a predictor checkpoint (--predictor CKPT)")
+        if prefetch == "predictor" and getattr(predictor, "horizon", "") != "layer-ahead":
+            raise ValueError(
+                f"the live prefetcher needs a layer-ahead predictor (e.g. LLaPor); {getattr(predictor, 'name', '?')} "
+                f"is {getattr(predictor, 'horizon', '?')}"
+            )
+        self.prefetch = prefetch
+        self.cost = CostModel.from_profile(load_profile(config.hardware), self.info.expert_bytes)
+        # Algorithm 2's t_cpu is per token; at decode batch sizes C dominates, so one token's full cost
+        self.balancer = Balancer(self.cost.t_io, self.cost.beta + self.cost.c)
+        self.prefetcher = Prefetcher(self.num_experts, self.top_k, self.cost.t_io, self.cost.t_attn)
+        self.cache = ExpertCache(
+            self.num_experts,
+            self.capacity,
+            "score" if config.policy == "smoe" else config.policy,
+            lanes=self.num_layers,
+            score_window=config.score_window,
+        )
+        self.stores = [LayerStore(e.experts, self.capacity, config.device) for e in structure.layers]
+        self.stats_ = LiveStats()
+        self._previous: dict[str, Any] | None = None
+        self._layer_prev: list[str | None] = []
+        self._hooks: list[Any] = []
+        self._logits: list[torch.Tensor | None] = [None] * self.num_layers
+        self._decode = False
+        self._step = 0
+        self._t0 = 0.0
+        self._clock = 0.0  # virtual time (ms) within the current forward
+        self._link_free = 0.0  # when the transfer link is idle again (virtual ms)
+        self._arrival = np.zeros((self.num_layers, self.num_experts))  # prefetch landing time per expert
+        self._history: list[np.ndarray] = []  # recent tokens' [L, k] ids (LLaPor history features)
+        self._cur_ids = np.zeros((0, self.num_layers, self.top_k), np.int64)
+        self._cur_w = np.zeros((0, self.num_layers, self.top_k), np.float32)
+        self._cur_gate: np.ndarray | None = None
+        self._input_ids: torch.Tensor | None = None
+        self._place()
+
+    # ------------------------------------------------------------------ placement
+    def _place(self) -> None:
+        """SMoE §4.1 parameter initialisation: fill each layer's slots (experts 0..c-1, or static's hot table)."""
+        self._identity = [False] * self.num_layers
+        if not self.config.warm and not self.full and self.config.policy != "static":
+            return
+        initial = np.arange(self.capacity)
+        if self.config.policy == "static" and self.predictor is not None and hasattr(self.predictor, "table"):
+            initial = np.asarray(self.predictor.table)[:, : self.capacity]
+        for pos, store in enumerate(self.stores):
+            row = initial[pos] if initial.ndim == 2 else initial
+            store.fill(row)
+        lanes = np.arange(self.num_layers)
+        self.cache.preload(lanes, np.stack([s.expert_in for s in self.stores]))
+        self._identity = [bool((s.expert_in == np.arange(s.num_slots)).all()) for s in self.stores]
+
+    # ------------------------------------------------------------------ attach / detach
+    def _attach(self) -> None:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+        if LIVE_IMPL not in ALL_EXPERTS_FUNCTIONS:
+            ALL_EXPERTS_FUNCTIONS[LIVE_IMPL] = live_experts_forward
+        for entry in self.structure.layers:
+            if entry.experts in _ATTACHED:
+                raise MoecastError(
+                    f"{entry.experts_name} already has the live runtime attached; detach it first"
+                )
+        missing = [e.layer for e in self.structure.layers if e.router is None]
+        if missing:
+            raise MoecastError(
+                f"no router module found for MoE layer(s) {missing} of {type(self.model).__name__}: the live runtime "
+                "needs router probabilities (the class in _can_record_outputs['router_logits'])"
+            )
+        self._layer_prev = [e.experts.config._experts_implementation for e in self.structure.layers]
+        self._impl = [
+            _resolve_impl(name, e.experts) for name, e in zip(self._layer_prev, self.structure.layers)
+        ]
+        self._previous = self.model.get_experts_implementation()
+        for pos, entry in enumerate(self.structure.layers):
+            _ATTACHED[entry.experts] = (self, pos)
+        self.model.set_experts_implementation(LIVE_IMPL)
+        stuck = [
+            e.experts_name
+            for e in self.structure.layers
+            if e.experts.config._experts_implementation != LIVE_IMPL
+        ]
+        if stuck:
+            self.detach()
+            raise MoecastError(
+                f"{type(self.model).__name__} did not accept a custom experts implementation ({stuck[0]})"
+            )
+        index = self.structure.router_output_index
+        for pos, entry in enumerate(self.structure.layers):
+            self._hooks.append(entry.router.register_forward_hook(self._logits_hook(pos, index)))
+        self._hooks.append(self.model.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
+        self._hooks.append(self.model.register_forward_hook(self._post_forward))
+
+    def detach(self) -> None:
+        """Restore the experts implementation the model had and remove every hook."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._previous is not None:
+            self.model.set_experts_implementation(self._previous)
+            self._previous = None
+        for entry in self.structure.layers:
+            if _ATTACHED.get(entry.experts, (None,))[0] is self:
+                del _ATTACHED[entry.experts]
+
+    def __enter__(self) -> LiveRuntime:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.detach()
+
+    # ------------------------------------------------------------------ hooks
+    def _logits_hook(self, pos: int, index: int):
+        def hook(module: Any, args: Any, output: Any) -> None:
+            self._logits[pos] = output[index] if isinstance(output, tuple) else output
+
+        return hook
+
+    def _pre_forward(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        emb = kwargs.get("inputs_embeds")
+        seq = ids.shape[-1] if ids is not None else (emb.shape[1] if emb is not None else 2)
+        # one new token per sequence with a cache = a decode step (SMoE's TPOT is measured on these)
+        self._decode = seq == 1
+        self._input_ids = ids
+        n = ids.numel() if ids is not None else 0
+        self._cur_ids = np.zeros((n, self.num_layers, self.top_k), np.int64)
+        self._cur_w = np.zeros((n, self.num_layers, self.top_k), np.float32)
+        needs_gate = self.prefetch == "predictor" and "gate_inputs" in getattr(self.predictor, "needs", ())
+        self._cur_gate = (
+            np.zeros((self.num_layers, self.info.hidden_size), np.float32) if needs_gate else None
+        )
+        self._clock = 0.0
+        self._link_free = 0.0
+        self._arrival[:] = 0.0
+        self._t0 = time.perf_counter()
+
+    def _post_forward(self, module: Any, args: Any, output: Any) -> None:
+        wall = (time.perf_counter() - self._t0) * 1e3
+        s = self.stats_
+        if self._decode:
+            s.decode_steps += 1
+            s.measured_decode_ms.append(wall)
+            s.modeled_decode_ms.append(self._clock)
+            if self.prefetch == "predictor" and len(self._cur_ids) == 1:
+                self._history.append(self._cur_ids[0].copy())
+                self._history = self._history[-32:]
+        else:
+            s.prefill_steps += 1
+            s.measured_prefill_ms += wall
+            s.modeled_prefill_ms += self._clock
+            if self.prefetch == "predictor" and len(self._cur_ids):
+                self._history = [r for r in self._cur_ids[-32:]]
+        self._step += 1
+
+    # ------------------------------------------------------------------ the experts call
+    def _probs(self, pos: int, n: int) -> np.ndarray:
+        logits = self._logits[pos]
+        if logits is None:
+            raise MoecastError(
+                f"MoE layer {self.structure.layers[pos].layer} ran its experts without its router hook"
+            )
+        logits = logits.reshape(-1, logits.shape[-1])[-n:].float()
+        if self.structure.router_probs_kind == "sigmoid-normalised":
+            s = torch.sigmoid(logits)
+            p = s / s.sum(-1, keepdim=True)
+        else:
+            p = torch.softmax(logits, dim=-1)
+        return p.detach().cpu().numpy()
+
+    def forward_layer(
+        self,
+        pos: int,
+        module: Any,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """One MoE layer's experts under the runtime (see the module docstring for the steps)."""
+        st = self.stores[pos]
+        s = self.stats_
+        cost = self.cost
+        n = top_k_index.shape[0]
+        if self.full and st.cuda is False and self._identity[pos]:
+            # full residency: nothing can miss, be evicted or substituted, so skip the bookkeeping;
+            # the slots hold every expert at its own index, so the wrapped implementation runs on them as is
+            used = int(torch.unique(top_k_index).numel())
+            s.uses += top_k_index.numel()
+            s.hits += top_k_index.numel()
+            if self._decode:
+                s.routed += top_k_index.numel()
+            self._clock += cost.t_attn + cost.t_g * used
+            view = SlotView(module, st.slots, st.num_slots, False)
+            return self._impl[pos](view, hidden, top_k_index, top_k_weights, **kwargs)
+        ids = top_k_index.detach().cpu().numpy().astype(np.int64)
+        weights = top_k_weights
+        self._clock += cost.t_attn
+        need_probs = (
+            (self._decode and self.config.alpha > 0)
+            or self.cache.policy == "score"
+            or self.prefetch != "none"
+        )
+        probs = self._probs(pos, n) if need_probs else None
+        if self._decode:
+            s.routed += ids.size
+            if self.config.alpha > 0 and not self.full:
+                resident = np.broadcast_to(st.resident(), probs.shape)
+                new_ids, used = substitute(
+                    probs, ids, resident, self.config.alpha, group=np.zeros(n, np.int64)
+                )
+                if used.any():
+                    weights = _substituted_weights(top_k_weights, ids, new_ids, probs)
+                    top_k_index = torch.from_numpy(new_ids).to(top_k_index.device, top_k_index.dtype)
+                    ids = new_ids
+                    s.substituted += int(used.sum())
+        if len(self._cur_ids) == n:
+            self._cur_ids[:, pos] = ids
+            self._cur_w[:, pos] = weights.detach().float().cpu().numpy()
+            if self._cur_gate is not None and n == 1:
+                self._cur_gate[pos] = hidden[0].detach().float().cpu().numpy()
+        lane = np.array([pos])
+        out: torch.Tensor | None = None
+        uniq, counts = np.unique(ids, return_counts=True)
+        hit = st.slot_of[uniq] >= 0
+        s.uses += int(ids.size)
+        s.hits += int(counts[hit].sum())
+        # prefetched experts count as used once a layer routes to them
+        pf = self.cache.prefetched[pos, uniq] & hit
+        s.prefetch_used += int(pf.sum())
+        if pf.any():
+            self.prefetcher.record(int(pf.sum()), 0)
+        missing, m_counts = uniq[~hit], counts[~hit]
+        to_load = missing
+        if len(missing) and self._decode:
+            if self.config.balance == "smoe":
+                to_load = missing[np.sort(self.balancer.decide(m_counts)[0])]
+            elif self.config.balance == "cpu":
+                to_load = missing[:0]
+        # the device waits for prefetched experts still on the link
+        hit_ids = uniq[hit]
+        dev_ready = max(self._clock, float(self._arrival[pos, hit_ids].max()) if len(hit_ids) else 0.0)
+        dev_done = dev_ready + cost.t_g * len(hit_ids)
+        self.cache.touch(lane, uniq[None, :], self._step)
+        if probs is not None and self.cache.policy == "score":
+            self.cache.observe_scores(lane, probs.mean(0, keepdims=True))
+        # resident experts, and misses that fit beside them, run from the slots in one call; more misses
+        # than slots (a long prefill) stream through the slots in waves of `capacity` experts
+        if len(hit_ids) + len(to_load) <= self.capacity:
+            waves = [to_load]
+            first = True
+        else:
+            out = self._device(pos, module, hidden, top_k_index, weights, hit_ids, kwargs)
+            waves = [to_load[i : i + self.capacity] for i in range(0, len(to_load), self.capacity)]
+            first = False
+        on_device = [hit_ids]
+        for wave in waves:
+            loaded = self._load(pos, wave, shield=uniq if first else wave) if len(wave) else wave
+            if len(loaded):
+                link_start = max(self._link_free, self._clock)
+                self._link_free = link_start + cost.t_io * len(loaded)
+                dev_done = max(dev_done, self._link_free) + cost.t_g * len(loaded)
+                s.transfers += len(loaded)
+            if first:
+                out = self._device(
+                    pos, module, hidden, top_k_index, weights, np.concatenate([hit_ids, loaded]), kwargs
+                )
+            else:
+                part = self._device(pos, module, hidden, top_k_index, weights, loaded, kwargs)
+                out = part if out is None else (out if part is None else out + part)
+            on_device.append(loaded)
+        # whatever is not on the device now (balancer's choice, or a static cache) runs on the CPU
+        to_cpu = np.setdiff1d(uniq, np.concatenate(on_device))
+        cpu_done = self._clock
+        if len(to_cpu):
+            cpu_tokens = counts[np.isin(uniq, to_cpu)]
+            cpu_done += float(np.sum(cost.t_cpu(cpu_tokens)))
+            s.cpu_experts += len(to_cpu)
+            s.cpu_uses += int(cpu_tokens.sum())
+            part = self._host(pos, module, hidden, top_k_index, weights, to_cpu, kwargs)
+            out = part if out is None else out + part
+        if out is None:
+            out = torch.zeros_like(hidden)
+        self._clock = max(dev_done, cpu_done)
+        if self._decode and self.prefetch != "none" and pos + 1 < self.num_layers and not self.full:
+            self._prefetch(pos + 1, hidden, dev_ready)
+        return out
+
+    def _device(
+        self,
+        pos: int,
+        module: Any,
+        hidden: torch.Tensor,
+        index: torch.Tensor,
+        weights: torch.Tensor,
+        experts: np.ndarray,
+        kwargs: dict[str, Any],
+    ) -> torch.Tensor | None:
+        """The (token, expert) pairs of ``experts`` (resident) from their device slots, with the wrapped implementation.
+
+        Pairs of other experts carry the sentinel id ``num_slots``, which every experts implementation
+        skips (its expert-parallel path), so the call computes exactly the pairs that run on the device.
+        """
+        if not len(experts):
+            return None
+        st = self.stores[pos]
+        slot_of = st.slot_of
+        if len(experts) == len(np.unique(index.cpu().numpy())):
+            table = slot_of
+            partial = False
+        else:
+            table = np.full(st.num_experts, st.num_slots, np.int64)
+            table[experts] = slot_of[experts]
+            partial = True
+        slot_ids = torch.from_numpy(table).to(index.device)[index]
+        if st.cuda:
+            st.wait(st.slot_of[experts])
+        return self._impl[pos](
+            SlotView(module, st.slots, st.num_slots, partial), hidden, slot_ids, weights, **kwargs
+        )
+
+    def _host(
+        self,
+        pos: int,
+        module: Any,
+        hidden: torch.Tensor,
+        index: torch.Tensor,
+        weights: torch.Tensor,
+        experts: np.ndarray,
+        kwargs: dict[str, Any],
+    ) -> torch.Tensor:
+        """CPU-assisted computation (SMoE §5.4): only the tokens routed to ``experts``, from host memory, on the host."""
+        st = self.stores[pos]
+        table = np.full(st.num_experts, st.num_experts, np.int64)
+        table[experts] = experts
+        cpu_ids = torch.from_numpy(table)[index.cpu()]
+        rows = (cpu_ids < st.num_experts).any(1)
+        host_view = SlotView(module, st.host, st.num_experts, True)
+        part = self._impl[pos](host_view, hidden[rows].cpu(), cpu_ids[rows], weights[rows].cpu(), **kwargs)
+        out = torch.zeros_like(hidden)
+        out[rows.to(hidden.device)] = part.to(hidden.device, hidden.dtype)
+        return out
+
+    def _load(self, pos: int, experts: np.ndarray, shield: np.ndarray, prefetch: bool = False) -> np.ndarray:
+        """Insert ``experts`` into layer ``pos``'s cache and copy them into the slots the cache frees."""
+        st = self.stores[pos]
+        before = self.cache.resident[pos].copy()
+        inserted = self.cache.insert(
+            np.array([pos]), experts[None, :], shield=shield[None, :], prefetch=prefetch, t=self._step
+        )[0]
+        evicted = np.flatnonzero(before & ~self.cache.resident[pos])
+        ev = list(evicted)
+        for e in experts[inserted]:
+            st.load(int(e), evict=int(ev.pop()) if st.free_slot() is None and ev else None)
+        return experts[inserted]
+
+    # ------------------------------------------------------------------ prefetch
+    def _prefetch(self, nxt: int, hidden: torch.Tensor, issued: float) -> None:
+        """Prefetch the next layer's predicted top-score experts (SMoE §IV-C), sized by PreScope Eqs. 6-7.
+
+        Transfers go after this layer's on-demand loads; the gap is the link time left until this
+        layer's experts finish (the Prefetcher adds the next layer's attention).
+        """
+        scores = self._predict(nxt, hidden)
+        if scores is None:
+            return
+        st = self.stores[nxt]
+        start = max(self._link_free, issued)
+        cand = self.prefetcher.choose(scores, st.resident(), t_gap=max(0.0, max(self._clock, issued) - start))
+        cand = cand[: self.capacity]
+        if not len(cand):
+            return
+        loaded = self._load(nxt, cand, shield=np.zeros(0, np.int64), prefetch=True)
+        for i, e in enumerate(loaded):
+            self._arrival[nxt, e] = start + (i + 1) * self.cost.t_io
+        self._link_free = start + len(loaded) * self.cost.t_io
+        self.prefetcher.record(0, len(loaded))
+        self.stats_.prefetches += len(loaded)
+        self.stats_.transfers += len(loaded)
+
+    def _predict(self, nxt: int, hidden: torch.Tensor) -> np.ndarray | None:
+        """Scores [B, E] of layer ``nxt`` for this step's tokens."""
+        if self.prefetch == "online":
+            router = self.structure.layers[nxt].router
+            w = getattr(router, "weight", None)
+            if w is None or tuple(w.shape) != (self.num_experts, hidden.shape[-1]):
+                return None
+            with torch.no_grad():
+                logits = torch.nn.functional.linear(hidden.to(w.dtype), w).float()
+            return torch.softmax(logits, -1).cpu().numpy()
+        if self.prefetch == "predictor" and len(self._cur_ids) == 1:
+            return self._predict_layer_ahead(nxt)[None, :]
+        return None
+
+    def _predict_layer_ahead(self, nxt: int) -> np.ndarray:
+        """Layer-ahead predictor on the current token: what is known when layer nxt-1 finished."""
+        from moecast.collect.traceset import RequestTrace
+
+        hist = self._history[-16:]
+        ids = np.stack([*hist, self._cur_ids[0]]).astype(np.int16)
+        w = np.concatenate([np.zeros((len(hist), self.num_layers, self.top_k), np.float32), self._cur_w[:1]])
+        token = int(self._input_ids.reshape(-1)[-1]) if self._input_ids is not None else 0
+        trace = RequestTrace(
+            request_id="live",
+            workload="live",
+            category="",
+            prompt="",
+            token_ids=np.full(len(ids), token, np.int64),
+            token_texts=[""] * len(ids),
+            is_decode=np.ones(len(ids), bool),
+            topk_ids=ids,
+            topk_weights=w.astype(np.float16),
+            router_probs=None,
+            gate_inputs=self._gate_rows(len(ids)),
+        )
+        return self.predictor.score_request(trace)[-1, nxt]
+
+    def _gate_rows(self, t: int) -> np.ndarray | None:
+        if "gate_inputs" not in getattr(self.predictor, "needs", ()):
+            return None
+        g = np.zeros((t, self.num_layers, self.info.hidden_size), np.float16)
+        if self._cur_gate is not None:
+            g[-1] = self._cur_gate
+        return g
+
+    # ------------------------------------------------------------------ results
+    def reset_stats(self) -> None:
+        self.stats_ = LiveStats()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and rates since attach: hit rate, substitution rate, transfers, CPU experts, TPOT (measured, modeled)."""
+        d = self.stats_.as_dict()
+        d.update(
+            policy=self.config.policy,
+            alpha=self.config.alpha,
+            capacity=self.capacity,
+            num_experts=self.num_experts,
+            prefetch=self.prefetch,
+            hardware=self.cost.profile,
+            device=str(self.stores[0].device),
+            simulated_device=not self.stores[0].cuda,
+        )
+        return d
+
+
+def _substituted_weights(
+    weights: torch.Tensor, old: np.ndarray, new: np.ndarray, probs: np.ndarray
+) -> torch.Tensor:
+    """Router weights for the substituted ids: kept experts keep theirs, a substitute gets its probability
+    scaled like the row's own weights (exact for softmax routers with or without top-k renormalisation)."""
+    w = weights.detach().float().cpu().numpy()
+    rows = np.arange(len(old))[:, None]
+    p_old = probs[rows, old]
+    scale = w.sum(1, keepdims=True) / np.maximum(p_old.sum(1, keepdims=True), 1e-20)
+    out = probs[rows, new] * scale
+    # experts the router chose keep their exact weight
+    match = new[:, :, None] == old[:, None, :]
+    kept = match.any(2)
+    src = match.argmax(2)
+    out = np.where(kept, np.take_along_axis(w, src, 1), out)
+    return torch.from_numpy(out.astype(np.float32)).to(weights.device, weights.dtype)
+
+
+def _resolve_impl(name: str | None, module: Any):
+    """The experts function ``name`` selects for ``module`` (``eager``/None: the class's own forward)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    original = type(module).forward.__wrapped__
+    if name is None or name == "eager":
+        return original
+    if name == LIVE_IMPL:
+        raise MoecastError("the live runtime is already attached to this model; detach it first")
+    return ALL_EXPERTS_FUNCTIONS.get_interface(name, original)
+
+
+def live_experts_forward(
+    module: Any,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """The ``moecast_live`` experts implementation registered in transformers' ALL_EXPERTS_FUNCTIONS."""
+    entry = _ATTACHED.get(module)
+    if entry is None:
+        # a model that shares the config but was not attached: plain default path
+        return _resolve_impl("grouped_mm", module)(
+            module, hidden_states, top_k_index, top_k_weights, **kwargs
+        )
+    runtime, pos = entry
+    return runtime.forward_layer(pos, module, hidden_states, top_k_index, top_k_weights, **kwargs)
+
+
+def attach(
+    model: Any,
+    policy: str = "smoe",
+    capacity: float | int | str | None = None,
+    alpha: float = 0.0,
+    predictor: Any = None,
+    hardware: str = "smoe-s3-a6000",
+    prefetch: str = "auto",
+    balance: str = "smoe",
+    warm: bool = True,
+    score_window: int = 8,
+    device: str | None = None,
+) -> LiveRuntime:
+    """Attach the live runtime to a transformers MoE model in one call; ``rt.detach()`` undoes it.
+
+    Args:
+        model: A loaded transformers causal LM of a family using the experts interface.
+        policy: ``smoe`` (SMoE Eq. 3 score eviction + substitution) or a cache policy: lru, lfu, score, static.
+        capacity: Experts per layer on the device: a fraction of E (0.25), a count (6), bytes ("512MB");
+            None: all of them (full residency).
+        alpha: SMoE substitution threshold in [0, 1); 0 leaves the routing untouched.
+        predictor: A layer-ahead predictor (``moecast.predictors.registry.load(ckpt, fingerprint)``) for prefetch.
+        hardware: Hardware profile name (configs/hardware) or YAML path for the modeled times.
+        prefetch: auto (predictor if given, online for smoe), none, online (next gate on this gate input), predictor.
+        balance: Misses in decode: smoe (Algorithm 2), load (always load), cpu (always CPU).
+        warm: Fill the slots at attach (SMoE §4.1); False starts every layer empty.
+        score_window: SMoE Eq. 3's n (steps averaged by the score policy).
+        device: Where slots live (default: where the experts are; a CUDA device for the real path).
+    Errors (nothing is changed on the model): unsupported family, capacity below top-k, alpha outside [0, 1),
+    a predictor for another model.
+    """
+    cfg = LiveConfig(policy, capacity, alpha, prefetch, balance, hardware, warm, score_window, device)
+    structure = find_moe_structure(model)
+    if predictor is not None:
+        fp = model_info(model, structure, "").fingerprint
+        if getattr(predictor, "fingerprint", None) and predictor.fingerprint != fp:
+            raise ValueError(
+                f"the predictor was trained for model fingerprint {predictor.fingerprint}, this model is {fp}; "
+                "train one on traces of this model"
+            )
+    rt = LiveRuntime(model, structure, cfg, predictor)
+    rt._attach()
+    return rt

@@ -1,0 +1,346 @@
+"""``moecast run`` and ``moecast eval-accuracy``: the live runtime on a real model from the command line.
+
+``run`` generates from a prompt with the runtime attached and reports hit rate,
+substitution rate, transfers, CPU-computed experts and TPOT (measured on this machine
+and modeled on the hardware profile, separately).
+
+``eval-accuracy`` is SMoE Table IV for a model without task labels: for each alpha, the
+perplexity of held-out text and the greedy next-token agreement with alpha = 0, both
+computed token by token through the KV cache so that every token is a decode step (the
+phase where SMoE substitutes), plus the substitution rate and modeled TPOT. With
+``--tpot-budget`` it picks alpha by SMoE Eq. 5 (:mod:`moecast.runtime.alpha`).
+"""
+
+from __future__ import annotations
+
+import json as jsonlib
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from moecast.runtime.live import attach
+
+
+def _threads() -> None:
+    # the machines moecast targets share a few cores; one thread keeps runs predictable
+    torch.set_num_threads(int(os.environ.get("MOECAST_THREADS", "1")))
+
+
+def _load_predictor(path: str | None, model: Any, name: str):
+    if not path:
+        return None
+    from moecast.collect.models import find_moe_structure, model_info
+    from moecast.predictors.registry import load
+
+    fp = model_info(model, find_moe_structure(model), name).fingerprint
+    return load(path, fingerprint=fp, against=f"model {name}")
+
+
+def _print_stats(stats: dict[str, Any]) -> None:
+    rows = [
+        (
+            "policy / capacity",
+            f"{stats['policy']}, {stats['capacity']} of {stats['num_experts']} experts per layer",
+        ),
+        ("alpha / prefetch", f"{stats['alpha']:.2f} / {stats['prefetch']}"),
+        ("decode steps", f"{stats['decode_steps']}"),
+        (
+            "hit rate",
+            f"{stats['hit_rate']:.3f}  ({stats['hits']} of {stats['uses']} expert uses, first uses included)",
+        ),
+        (
+            "substitution rate",
+            f"{stats['substitution_rate']:.3f}  ({stats['substituted']} of {stats['routed']} decode uses)",
+        ),
+        (
+            "transfers",
+            f"{stats['transfers']}  ({stats['prefetches']} prefetches, accuracy {stats['prefetch_accuracy']:.2f})",
+        ),
+        ("CPU-computed experts", f"{stats['cpu_experts']}  ({stats['cpu_uses']} token uses)"),
+        ("TPOT measured", f"{stats['tpot_measured_ms']:.2f} ms  (this machine, {stats['device']})"),
+        ("TPOT modeled", f"{stats['tpot_modeled_ms']:.3f} ms  (hardware profile {stats['hardware']})"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    for name, value in rows:
+        print(f"  {name:<{width}}  {value}")
+
+
+def run(
+    model: str = "tiny",
+    prompt: str = "Explain how a mixture-of-experts language model works.",
+    predictor: str | None = None,
+    policy: str = "smoe",
+    alpha: float = 0.3,
+    capacity: str = "0.25",
+    prefetch: str = "auto",
+    balance: str = "smoe",
+    hardware: str = "smoe-s3-a6000",
+    max_new_tokens: int = 32,
+    json: bool = False,
+) -> dict[str, Any]:
+    """Generate text with the live runtime attached and report its cache, substitution and TPOT figures.
+
+    Args:
+        model: ``tiny`` (the embedded default), ``tiny:PRESET`` or a local Hugging Face model directory.
+        prompt: Prompt text.
+        predictor: Layer-ahead predictor checkpoint (LLaPor) for prefetch; checked against the model's fingerprint.
+        policy: smoe (score eviction + substitution), lru, lfu, score or static.
+        alpha: SMoE substitution threshold in [0, 1); 0 leaves the routing unchanged.
+        capacity: Experts per layer on the device: fraction (0.25), count (6), bytes (512MB) or ``all``.
+        prefetch: auto, none, online (next gate on the current gate input, SMoE §IV-C) or predictor.
+        balance: Misses: smoe (SMoE Algorithm 2), load (always load) or cpu (always compute on the CPU).
+        hardware: Hardware profile (configs/hardware name or YAML path) for modeled times.
+        max_new_tokens: Tokens to generate (greedy).
+        json: Print one JSON object instead of text and a table.
+    """
+    from moecast.collect.models import load_model
+
+    _threads()
+    cap: Any = None if str(capacity).lower() in ("all", "none", "full") else capacity
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    lm, tok, name = load_model(model, dtype="float32")
+    pred = _load_predictor(predictor, lm, name)
+    rt = attach(
+        lm,
+        policy=policy,
+        capacity=cap,
+        alpha=alpha,
+        predictor=pred,
+        hardware=hardware,
+        prefetch=prefetch,
+        balance=balance,
+    )
+    try:
+        enc = tok(prompt, return_tensors="pt")
+        with torch.no_grad():
+            out = lm.generate(
+                input_ids=enc["input_ids"],
+                attention_mask=enc.get("attention_mask"),
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=tok.pad_token_id,
+            )
+        stats = rt.stats()
+    finally:
+        rt.detach()
+    text = tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+    result = {"model": name, "prompt": prompt, "output": text, **stats}
+    if json:
+        print(jsonlib.dumps(result))
+    else:
+        print(f"{prompt}\n--> {text}\n")
+        _print_stats(stats)
+    return result
+
+
+# ----------------------------------------------------------------------------- accuracy
+
+
+def heldout_rows(tokenizer: Any, workloads: str, texts: int, tokens: int) -> list[list[int]]:
+    """Token rows of held-out text: ShareGPT's validation conversations, or a workload's prompts."""
+    rows: list[list[int]] = []
+    for name in [w.strip() for w in workloads.split(",") if w.strip()]:
+        if name == "sharegpt":
+            from moecast.collect.sharegpt import training_texts
+
+            source = training_texts(split="val", val_fraction=0.02, max_chars_per_text=4 * tokens * 4)
+        else:
+            from moecast.collect.workloads import get_spec, load_requests
+
+            source = (r.prompt for r in load_requests(get_spec(name), limit=texts))
+        n = 0
+        for text in source:
+            ids = tokenizer(text)["input_ids"][:tokens]
+            if len(ids) >= 8:
+                rows.append(ids)
+                n += 1
+            if n >= texts:
+                break
+    if not rows:
+        raise ValueError(
+            f"workloads {workloads!r} gave no text of at least 8 tokens; choose another workload"
+        )
+    return rows
+
+
+@torch.no_grad()
+def teacher_forced(model: Any, rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Feed each row token by token through the KV cache: (log-prob of each next token, greedy argmax)."""
+    nll, greedy = [], []
+    for row in rows:
+        past = None
+        for t in range(len(row) - 1):
+            out = model(input_ids=torch.tensor([[row[t]]]), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logp = torch.log_softmax(out.logits[0, -1].float(), -1)
+            nll.append(-float(logp[row[t + 1]]))
+            greedy.append(int(logp.argmax()))
+    return np.array(nll), np.array(greedy)
+
+
+def sweep(
+    model: Any, rows: list[list[int]], alphas: list[float], progress: bool = True, **attach_kwargs: Any
+) -> list[dict[str, Any]]:
+    """One result per alpha: perplexity, agreement with alpha = 0, substitution rate, hit rate, TPOTs."""
+    from tqdm import tqdm
+
+    if 0.0 not in alphas:
+        alphas = [0.0, *alphas]
+    base = None
+    results = []
+    for a in tqdm(sorted(alphas), desc="alphas", disable=not progress):
+        rt = attach(model, alpha=a, **attach_kwargs)
+        try:
+            nll, greedy = teacher_forced(model, rows)
+            stats = rt.stats()
+        finally:
+            rt.detach()
+        if base is None:
+            base = (nll, greedy)
+        ppl = float(math.exp(nll.mean()))
+        results.append(
+            {
+                "alpha": a,
+                "perplexity": ppl,
+                "perplexity_change": ppl / math.exp(base[0].mean()) - 1,
+                "agreement": float((greedy == base[1]).mean()),
+                "substitution_rate": stats["substitution_rate"],
+                "hit_rate": stats["hit_rate"],
+                "transfers_per_token": stats["transfers"] / max(1, stats["decode_steps"]),
+                "cpu_experts_per_token": stats["cpu_experts"] / max(1, stats["decode_steps"]),
+                "tpot_modeled_ms": stats["tpot_modeled_ms"],
+                "tpot_measured_ms": stats["tpot_measured_ms"],
+                "tokens": len(nll),
+            }
+        )
+    return results
+
+
+def _plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    a = [r["alpha"] for r in results]
+    fig, ax = plt.subplots(1, 3, figsize=(12, 3.4))
+    ax[0].plot(a, [r["perplexity"] for r in results], "o-")
+    ax[0].set_ylabel("perplexity")
+    ax[1].plot(a, [100 * r["agreement"] for r in results], "o-", label="agreement with alpha=0")
+    ax[1].plot(a, [100 * r["substitution_rate"] for r in results], "s--", label="substitution rate")
+    ax[1].set_ylabel("%")
+    ax[1].legend(fontsize=8)
+    ax[2].plot(a, [r["tpot_modeled_ms"] for r in results], "o-")
+    ax[2].set_ylabel("modeled TPOT (ms)")
+    for x in ax:
+        x.set_xlabel("alpha")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=110)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def eval_accuracy(
+    model: str = "tiny",
+    workloads: str = "sharegpt",
+    alphas: str = "0,0.1,0.2,0.3,0.4,0.5,0.6",
+    policy: str = "smoe",
+    capacity: str = "0.25",
+    hardware: str = "smoe-s3-a6000",
+    texts: int = 8,
+    tokens: int = 96,
+    tpot_budget: float | None = None,
+    plot: str = "eval-accuracy.png",
+    json: bool = False,
+) -> list[dict[str, Any]]:
+    """SMoE Table IV-style accuracy sweep over alpha: perplexity, agreement with alpha = 0, substitution rate, TPOT.
+
+    Args:
+        model: ``tiny``, ``tiny:PRESET`` or a local Hugging Face model directory.
+        workloads: Comma-separated: ``sharegpt`` (held-out conversations) or workload names (their prompts).
+        alphas: Comma-separated alphas in [0, 1); 0 is always added (the reference).
+        policy: Cache policy (smoe, lru, lfu, score, static).
+        capacity: Experts per layer on the device (fraction, count, bytes or ``all``).
+        hardware: Hardware profile for the modeled TPOT.
+        texts: Held-out texts per workload.
+        tokens: Tokens per text (scored token by token, every one a decode step).
+        tpot_budget: TPOT budget R in ms: choose alpha by SMoE Eq. 5 (fitted T(alpha), smallest alpha meeting R).
+        plot: PNG path for the figure ('' for none).
+        json: One JSON object per alpha (and one for the Eq. 5 choice) instead of a table.
+    """
+    from moecast.collect.models import load_model
+    from moecast.runtime.alpha import choose_alpha
+
+    _threads()
+    try:
+        grid = sorted({float(a) for a in str(alphas).split(",") if a.strip()})
+    except ValueError:
+        raise ValueError(f"--alphas {alphas!r}: expected comma-separated numbers like 0,0.1,0.3") from None
+    bad = [a for a in grid if not 0 <= a < 1]
+    if bad or not grid:
+        raise ValueError(f"--alphas {alphas!r}: every alpha must be in [0, 1)")
+    if texts < 1 or tokens < 8:
+        raise ValueError("--texts must be >= 1 and --tokens >= 8")
+    if tpot_budget is not None and not (math.isfinite(tpot_budget) and tpot_budget > 0):
+        raise ValueError(f"--tpot-budget must be a positive number of ms, got {tpot_budget}")
+    cap: Any = None if str(capacity).lower() in ("all", "none", "full") else capacity
+    lm, tok, name = load_model(model, dtype="float32")
+    rows = heldout_rows(tok, workloads, texts, tokens)
+    results = sweep(lm, rows, grid, progress=not json, policy=policy, capacity=cap, hardware=hardware)
+    choice = None
+    if tpot_budget is not None:
+        choice = choose_alpha(
+            [r["alpha"] for r in results], [r["tpot_modeled_ms"] for r in results], tpot_budget
+        )
+    if json:
+        for r in results:
+            print(jsonlib.dumps({"model": name, "workloads": workloads, **r}))
+        if choice is not None:
+            print(
+                jsonlib.dumps(
+                    {
+                        "tpot_budget_ms": tpot_budget,
+                        "chosen_alpha": choice.alpha,
+                        "met": choice.met,
+                        "predicted_tpot_ms": choice.predicted_tpot_ms,
+                        "fit": choice.coefficients,
+                    }
+                )
+            )
+    else:
+        print(
+            f"{name} on {workloads}: {sum(len(r) - 1 for r in rows)} held-out tokens, policy {policy}, capacity {capacity}"
+        )
+        print(
+            f"  {'alpha':>5}  {'ppl':>8}  {'d ppl':>7}  {'agree':>6}  {'subst':>6}  {'hit':>6}  {'TPOT model':>10}  {'measured':>8}"
+        )
+        for r in results:
+            print(
+                f"  {r['alpha']:>5.2f}  {r['perplexity']:>8.3f}  {100 * r['perplexity_change']:>+6.2f}%  "
+                f"{100 * r['agreement']:>5.1f}%  {100 * r['substitution_rate']:>5.1f}%  {100 * r['hit_rate']:>5.1f}%  "
+                f"{r['tpot_modeled_ms']:>8.3f}ms  {r['tpot_measured_ms']:>6.2f}ms"
+            )
+    if plot:
+        _plot(results, Path(plot), f"{name}: accuracy vs alpha ({workloads}, capacity {capacity})")
+        if not json:
+            print(f"  plot: {plot}")
+    if choice is not None:
+        if not choice.met:
+            raise ValueError(choice.message())
+        if not json:
+            print("  " + choice.message())
+    return results

@@ -1,0 +1,100 @@
+"""Prefetching: predictor scores -> which experts go on the link before a layer runs.
+
+- Ranking (SMoE Sec. 5.2 and criterion C4 of its Sec. IV-A): prefetch the top-score predicted experts
+  first, highest score first; the queue is cleared when the layer's real routing arrives, so only the
+  transfers that finished before the layer's expert computation count.
+- Sizing (PreScope Sec. 4.3.3, Eqs. 6-7): how many transfers fit in the link gap left before the
+  next layer, ``f = (T_gap + t_attn) / t_io``, with the critical one kept only when its expected gain
+  ``R_hit (f - |f| + 1) - R_miss (|f| - f)`` is positive; R_hit is the prefetch hit rate measured
+  online (:class:`Prefetcher` keeps it).
+
+Built-in predictors for bounds: ``none`` (no prefetch) and ``oracle`` (the next layer's true
+experts). Any moecast checkpoint loads with :func:`moecast.predictors.load`; a prompt-ahead
+``--planner`` gives an [L, E] plan used for preloading and as a prior.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from moecast.collect.traceset import RequestTrace
+from moecast.predictors.base import Predictor
+
+BUILTIN = ("none", "oracle")
+
+
+class OraclePredictor(Predictor):
+    """Upper bound: scores are the true routing of each (token, layer) (router weights when recorded)."""
+
+    name = "oracle"
+    horizon = "layer-ahead"
+
+    def __init__(self, num_layers: int, num_experts: int, top_k: int) -> None:
+        self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
+
+    def score_request(self, trace: RequestTrace) -> np.ndarray:
+        T, L, k = trace.topk_ids.shape
+        out = np.zeros((T, L, self.num_experts), dtype=np.float32)
+        w = trace.topk_weights.astype(np.float32) if trace.topk_weights is not None else np.ones((T, L, k), np.float32)
+        np.put_along_axis(out, trace.topk_ids.astype(np.int64), w + 1.0, axis=2)
+        return out
+
+
+def top_predictions(scores: np.ndarray, kp: int) -> tuple[np.ndarray, np.ndarray]:
+    """[T, L, E] scores -> (ids [T, L, kp] best first, their scores) for compact storage."""
+    kp = min(kp, scores.shape[-1])
+    part = np.argpartition(-scores, kp - 1, axis=-1)[..., :kp]
+    sc = np.take_along_axis(scores, part, -1)
+    order = np.argsort(-sc, axis=-1, kind="stable")
+    return np.take_along_axis(part, order, -1), np.take_along_axis(sc, order, -1)
+
+
+def gap_prefetch_count(t_gap: np.ndarray, t_attn: float, t_io: float, r_hit: np.ndarray) -> np.ndarray:
+    """PreScope Eqs. 6-7: prefetches to issue into a link gap (vectorised)."""
+    if not math.isfinite(t_io):
+        return np.zeros(np.shape(t_gap), dtype=np.int64)
+    if t_io <= 0:
+        return np.full(np.shape(t_gap), np.iinfo(np.int32).max, dtype=np.int64)
+    f = (np.asarray(t_gap, dtype=np.float64) + t_attn) / t_io
+    fr = np.floor(f + 0.5)
+    xi = r_hit * (f - fr + 1) - (1 - r_hit) * (fr - f)
+    return np.maximum(np.where(xi > 0, fr, fr - 1), 0).astype(np.int64)
+
+
+class Prefetcher:
+    """Online per-layer prefetch choice: scores of the next layer + its resident set -> ids to fetch."""
+
+    def __init__(self, num_experts: int, top_k: int, t_io: float, t_attn: float) -> None:
+        self.E, self.k = num_experts, top_k
+        self.t_io, self.t_attn = t_io, t_attn
+        self.used = 1
+        self.issued = 2  # uninformed prior R_hit = 0.5 until measured
+        self._rank = np.empty(num_experts, dtype=np.int64)
+
+    @property
+    def r_hit(self) -> float:
+        return self.used / self.issued
+
+    def record(self, used: int, issued: int) -> None:
+        """Feed back how many prefetched experts were used (for R_hit of Eq. 7)."""
+        self.used += used
+        self.issued += issued
+
+    def choose(self, scores: np.ndarray, resident: np.ndarray, t_gap: float | None = None) -> np.ndarray:
+        """scores [E] or [B, E] for the next layer, resident [E] bool -> ids to prefetch, best first.
+
+        Candidates are each token's top-k predicted experts (C4: top-score ones), merged over the
+        batch by summed score; with ``t_gap`` the count is sized by Eqs. 6-7.
+        """
+        s = np.atleast_2d(scores)
+        top = np.argpartition(-s, self.k - 1, axis=1)[:, : self.k]
+        agg = np.zeros(self.E, dtype=np.float64)
+        np.add.at(agg, top.reshape(-1), np.take_along_axis(s, top, 1).reshape(-1))
+        agg[resident] = 0.0
+        cand = np.flatnonzero(agg > 0)
+        cand = cand[np.argsort(-agg[cand], kind="stable")]
+        if t_gap is not None:
+            n = int(gap_prefetch_count(np.array([t_gap]), self.t_attn, self.t_io, np.array([self.r_hit]))[0])
+            cand = cand[:n]
+        return cand

@@ -1,0 +1,128 @@
+"""PreSched: PreScope's prefetch-aware cross-layer scheduler (PreScope Sec. 4.3, Algorithm 1).
+
+Premises (Sec. 4.3.2): (1) the current layer's missing experts E_cur and the predicted next layer's
+E_next are sorted by pending tokens, ascending, and merged into E_all; (2) on-demand monotonicity:
+if E_cur[i] is loaded so are all larger ones; (3) a started prefetch is never interrupted; (4) the
+link is one serial queue; (5) device time of a loaded expert is masked by transfers.
+
+- Eq. 3: ``t_c(m) = beta * m + C`` (CPU time of an expert over m tokens).
+- Eq. 4 (Q1): E_all[i..] join the GPU queue when
+  ``alpha + (n + n' - i) t_io + t_g < t_c(E_all[0..i-1]) + t_attn``; if no predicted expert of the
+  next layer is in the queue there is nothing worth prefetching (Q4).
+- Eq. 5: the current layer loads E_cur[i'..] for the smallest i' with
+  ``T_G = alpha + (n - i') t_io + t_g < T_C = t_c(E_cur[0..i'-1])``, the rest run on the CPU
+  (with no such i' everything runs on the CPU).
+- Eq. 6 (Q2): the CPU leaves a gap ``T_gap = T_C - alpha - (n - i') t_io`` on the link;
+  ``f = (T_gap + t_attn) / t_io`` prefetches fit, rounded to |f|.
+- Eq. 7 (Q3): the critical prefetch is kept when
+  ``xi = R_hit (f - |f| + 1) - R_miss (|f| - f) > 0``, else |f| - 1 are issued; R_hit / R_miss are
+  the prefetch hit and miss rates measured online.
+
+Here ``alpha`` is the link delay left by an earlier prefetch (not SMoE's substitution alpha).
+Vectorised over rows (layers or lanes) so one call schedules a whole replay step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from moecast.runtime.cost_model import CostModel
+
+
+@dataclass
+class PreSchedDecision:
+    n_load: np.ndarray  # [rows] experts of the current layer loaded (the largest ones)
+    n_cpu: np.ndarray  # [rows] experts computed on the CPU (the smallest ones)
+    t_cpu: np.ndarray  # [rows] CPU time of those (Eq. 3)
+    n_prefetch: np.ndarray  # [rows] prefetches to issue for the next layer (Eqs. 6-7)
+
+
+def _tc_prefix(sizes: np.ndarray, valid: np.ndarray, cost: CostModel) -> np.ndarray:
+    """[rows, M+1] t_c of the first i experts (Eq. 3 summed), i = 0..M."""
+    per = np.where(valid, cost.beta * sizes + cost.c, 0.0)
+    return np.concatenate([np.zeros((len(sizes), 1)), np.cumsum(per, axis=1)], axis=1)
+
+
+def schedule(
+    cur_sizes: np.ndarray,
+    n_cur: np.ndarray,
+    next_sizes: np.ndarray,
+    n_next: np.ndarray,
+    delay: np.ndarray,
+    r_hit: np.ndarray,
+    cost: CostModel,
+) -> PreSchedDecision:
+    """PreSched Algorithm 1 for many rows at once.
+
+    cur_sizes [rows, M] pending tokens of the current layer's missing experts, ascending, the first
+    ``n_cur`` valid; next_sizes [rows, M'] the same for the predicted next layer's non-resident
+    experts; delay [rows] link delay alpha; r_hit [rows] measured prefetch hit rate.
+    """
+    rows, M = cur_sizes.shape
+    n_cur = np.asarray(n_cur, dtype=np.int64)
+    delay = np.asarray(delay, dtype=np.float64)
+    idx = np.arange(M + 1)[None, :]
+    valid = np.arange(M)[None, :] < n_cur[:, None]
+    tc = _tc_prefix(cur_sizes, valid, cost)
+    t_io = cost.t_io if np.isfinite(cost.t_io) else 1e30
+    # Eq. 5: smallest i' with T_G < T_C (loads E_cur[i'..n]); none -> all on the CPU
+    tg = delay[:, None] + (n_cur[:, None] - idx) * t_io + cost.t_g
+    ok = (tg < tc) & (idx <= n_cur[:, None])
+    first = np.where(ok.any(1), ok.argmax(1), n_cur)
+    n_load = n_cur - first
+    t_cpu = tc[np.arange(rows), first]
+    # Eq. 4 / Q4: does the cross-layer GPU queue reach into the next layer at all?
+    Mn = next_sizes.shape[1]
+    n_next = np.asarray(n_next, dtype=np.int64)
+    if Mn == 0:
+        return PreSchedDecision(n_load, first, t_cpu, np.zeros(rows, dtype=np.int64))
+    allsz = np.concatenate([np.where(valid, cur_sizes, np.inf), np.where(np.arange(Mn)[None, :] < n_next[:, None], next_sizes, np.inf)], axis=1)
+    is_next = np.concatenate([np.zeros((rows, M), bool), np.ones((rows, Mn), bool)], axis=1)
+    order = np.argsort(allsz, axis=1, kind="stable")
+    allsz = np.take_along_axis(allsz, order, 1)
+    is_next = np.take_along_axis(is_next, order, 1)
+    n_all = n_cur + n_next
+    v_all = np.isfinite(allsz)
+    tca = _tc_prefix(np.where(v_all, allsz, 0.0), v_all, cost)[:, :-1] + cost.t_attn  # [rows, M+Mn]
+    ia = np.arange(M + Mn)[None, :]
+    tga = delay[:, None] + (n_all[:, None] - ia) * t_io + cost.t_g
+    in_queue_from = np.where(((tga < tca) & v_all).any(1), ((tga < tca) & v_all).argmax(1), M + Mn)
+    next_in_queue = (is_next & v_all & (ia >= in_queue_from[:, None])).any(1)
+    # Eq. 6: prefetches that fit in the gap the CPU leaves on the link
+    gap = t_cpu - delay - n_load * t_io
+    f = (gap + cost.t_attn) / t_io
+    f_round = np.floor(f + 0.5)
+    # Eq. 7: keep the critical prefetch only when its expected benefit is positive
+    r_hit = np.asarray(r_hit, dtype=np.float64)
+    xi = r_hit * (f - f_round + 1) - (1 - r_hit) * (f_round - f)
+    n_pf = np.where(xi > 0, f_round, f_round - 1)
+    n_pf = np.clip(n_pf, 0, n_next).astype(np.int64)
+    n_pf[~next_in_queue] = 0
+    return PreSchedDecision(n_load, first, t_cpu, n_pf)
+
+
+class PreSched:
+    """Online per-layer PreSched: missing experts' token counts (+ predicted next layer) -> plan."""
+
+    def __init__(self, cost: CostModel) -> None:
+        self.cost = cost
+        self.prefetch_hits = 1
+        self.prefetch_total = 2  # uninformed prior R_hit = 0.5
+
+    def record_prefetch(self, used: int, issued: int) -> None:
+        self.prefetch_hits += used
+        self.prefetch_total += issued
+
+    def decide(self, cur_tokens: np.ndarray, next_tokens: np.ndarray, delay: float = 0.0) -> tuple[np.ndarray, np.ndarray, int]:
+        """-> (indices of cur to load, indices of cur for the CPU, prefetch count for the next layer)."""
+        cur = np.asarray(cur_tokens, dtype=np.float64)
+        nxt = np.asarray(next_tokens, dtype=np.float64)
+        order = np.argsort(cur, kind="stable")
+        d = schedule(
+            cur[order][None, :], np.array([len(cur)]), np.sort(nxt)[None, :], np.array([len(nxt)]),
+            np.array([delay]), np.array([self.prefetch_hits / self.prefetch_total]), self.cost,
+        )
+        split = int(d.n_cpu[0])
+        return order[split:], order[:split], int(d.n_prefetch[0])

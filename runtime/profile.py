@@ -1,0 +1,84 @@
+"""``moecast profile``: measure this machine into a hardware profile (PreScope Sec. 4.3.2 variables).
+
+- CPU: a real SwiGLU expert MLP of the model's shape (gate, up, down projections in float32 on the
+  CPU) timed for several token counts; a least-squares line gives PreScope Eq. 3's ``beta`` (per
+  token) and ``C`` (start-up).
+- CUDA, when present: pinned host-to-device bandwidth for one expert's bytes, device time of the
+  same expert at batch 1 (``t_g``) and a stand-in for attention time (two hidden x hidden matmuls).
+  Without CUDA the device fields are taken from the PreScope A100 profile and the source says so.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from moecast.runtime.cost_model import HardwareProfile, load_profile
+
+
+def _time(fn, repeat: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
+def measure(hidden: int, intermediate: int, name: str = "local", token_counts=(1, 2, 4, 8, 16), repeat: int = 5) -> HardwareProfile:
+    import torch
+
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    wg = torch.randn(intermediate, hidden) * 0.02
+    wu = torch.randn(intermediate, hidden) * 0.02
+    wd = torch.randn(hidden, intermediate) * 0.02
+    expert_bytes = 3 * hidden * intermediate * 2  # bf16, the dtype a runtime moves
+
+    def expert(x):
+        return torch.nn.functional.linear(torch.nn.functional.silu(torch.nn.functional.linear(x, wg)) * torch.nn.functional.linear(x, wu), wd)
+
+    ms = []
+    with torch.inference_mode():
+        for m in token_counts:
+            x = torch.randn(m, hidden)
+            ms.append(_time(lambda x=x: expert(x), repeat))
+    beta, c = np.polyfit(np.asarray(token_counts, dtype=float), np.asarray(ms), 1)
+    beta, c = max(float(beta), 1e-6), max(float(c), 0.0)
+    source = f"measured by moecast profile on this machine (CPU, {threads} threads; expert {hidden}x{intermediate})"
+    if torch.cuda.is_available():
+        dev = torch.device("cuda")
+        host = torch.empty(expert_bytes // 2, dtype=torch.bfloat16).pin_memory()
+        buf = torch.empty_like(host, device=dev)
+
+        def copy():
+            buf.copy_(host, non_blocking=True)
+            torch.cuda.synchronize()
+
+        t_copy = _time(copy, repeat)
+        gbps = expert_bytes / (t_copy / 1e3) / 1e9
+        g = [w.to(dev, torch.bfloat16) for w in (wg, wu, wd)]
+        x = torch.randn(1, hidden, device=dev, dtype=torch.bfloat16)
+
+        def gpu_expert():
+            y = torch.nn.functional.silu(x @ g[0].T) * (x @ g[1].T)
+            (y @ g[2].T).sum().item()
+
+        wa = torch.randn(hidden, hidden, device=dev, dtype=torch.bfloat16)
+
+        def attn():
+            (x @ wa @ wa).sum().item()
+
+        t_g, t_attn = _time(gpu_expert, repeat), _time(attn, repeat)
+        source += f"; CUDA {torch.cuda.get_device_name(0)}: pinned H2D copy, bf16 expert and 2-matmul attention stand-in"
+    else:
+        ref = load_profile("prescope-a100-pcie4")
+        scale = expert_bytes / ref.ref_expert_bytes
+        gbps, t_g, t_attn = ref.transfer_gbps, ref.gpu_expert_ms * scale, ref.attn_ms
+        source += "; no CUDA here: link and device times taken from prescope-a100-pcie4"
+    return HardwareProfile(
+        name=name, transfer_gbps=round(gbps, 3), ref_expert_bytes=expert_bytes, gpu_expert_ms=round(t_g, 5),
+        cpu_beta_ms=round(beta, 5), cpu_c_ms=round(c, 5), attn_ms=round(t_attn, 5), source=source,
+    )

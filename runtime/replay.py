@@ -1,0 +1,624 @@
+"""Trace replay: a discrete-event model of an offloaded MoE over a recorded TraceSet.
+
+Semantics (DESIGN.md, "Metrics"):
+
+- A step is one token of each of B interleaved requests (decode batch size B). A layer's access is
+  the union of the step's routed experts at that layer: hits = uses whose expert is resident when
+  the layer runs; the misses are loaded (and inserted, evicting by policy; the current experts are
+  shielded) or computed on the CPU, as the balancer decides. The hit-rate denominator counts every
+  routed use after substitution, cold misses included.
+- Caches persist across requests (stream) or start empty for each group of B requests (``cold``);
+  per layer (``capacity`` experts each) or shared (``capacity * L`` experts for all layers).
+- Three resources per layer: device, CPU, and the serial transfer link (PreScope Premise 4). Layer
+  time = ``t_attn + max(device, link, CPU)`` with link = delay left by a prefetch still in flight
+  (Premise 3) + demand loads, CPU = sum of ``beta * m + C`` (PreScope Eq. 3). A prefetch for layer
+  l is issued when layer l-1's routing is known; it counts only if it finishes before layer l's
+  expert computation starts, i.e. inside the link time layer l-1 leaves free (its window also
+  covers layer l's attention). The first MoE layer's window is its own attention time. Transfers
+  not started by then are cancelled (SMoE Sec. 5.2 clears the queue); one started but unfinished
+  delays layer l's demand loads and its expert is not counted as resident.
+- Modeled TPOT: mean step time over steps that decode; a prefill-only TraceSet (the imported
+  DeepSeek traces) has no decode steps, so each of its tokens is treated as a step and the result
+  says so (``tpot_basis``).
+
+The simulation is vectorised over "lanes" (one cache each): with per-layer caches every (stream,
+layer) pair is a lane and the layers advance as a wavefront (lane of layer l handles step i - l at
+iteration i), so one numpy call moves all layers and all cold streams at once. A shared cache has one
+lane per stream and walks the layers in order.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+from moecast.collect.traceset import TraceSet, TraceSetError
+
+from moecast.runtime.balancer import two_pointer_split
+from moecast.runtime.cache import ExpertCache, StaticTable, resolve_capacity
+from moecast.runtime.cost_model import CostModel, HardwareProfile, load_profile
+from moecast.runtime.prefetch import OraclePredictor, top_predictions
+from moecast.runtime.presched import schedule
+from moecast.runtime.substitution import substitute
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """A named runtime policy: eviction + substitution + balancer + default predictor."""
+
+    eviction: str
+    substitution: bool = False
+    balancer: str = "none"  # none | smoe | presched
+    predictor: str = "none"
+    help: str = ""
+
+
+POLICIES: dict[str, PolicySpec] = {
+    "lru": PolicySpec("lru", help="LRU eviction, misses loaded on demand"),
+    "lfu": PolicySpec("lfu", help="LFU eviction (access counts since start, then recency, then id)"),
+    "score": PolicySpec("score", help="SMoE Eq. 3 score-averaged eviction with shield (needs router_probs)"),
+    "static": PolicySpec("static", help="PreScope hot-expert table, fixed; misses streamed, never kept"),
+    "belady": PolicySpec("belady", help="offline optimum eviction (demand only, replay bound)"),
+    "prefetch": PolicySpec("lru", predictor="oracle", help="LRU + top-score prefetch (SMoE C4) from --predictor"),
+    "presched": PolicySpec(
+        "lru", balancer="presched", predictor="oracle",
+        help="LRU + PreSched (PreScope Alg. 1: Eq. 5 load/CPU split, Eqs. 6-7 prefetch sizing)",
+    ),
+    "smoe": PolicySpec(
+        "score", substitution=True, balancer="smoe", predictor="oracle",
+        help="SMoE: Eq. 3 eviction + Alg. 1 substitution + prefetch + Alg. 2 CPU balancing (needs router_probs)",
+    ),
+}
+DEFAULT_HARDWARE = "prescope-a100-pcie4"
+
+
+def policies_help() -> str:
+    return "; ".join(f"{k}: {v.help}" for k, v in POLICIES.items())
+
+
+@dataclass
+class ReplayConfig:
+    policy: str = "lru"
+    capacity: float | str = 0.25
+    cold: bool = False
+    shared: bool = False
+    predictor: str | None = None  # none | oracle | checkpoint path; None = the policy's default
+    planner: str | None = None
+    hardware: str | HardwareProfile = DEFAULT_HARDWARE
+    alpha: float = 0.0
+    batch_size: int = 1
+    score_window: int = 8
+    requests: list[str] | None = None
+    progress: bool = False
+
+
+@dataclass
+class ReplayResult:
+    config: dict[str, Any]
+    hit_rate: float
+    hit_rate_per_layer: list[float]
+    prefetch_accuracy: float | None
+    prefetches_issued: int
+    prefetches_landed: int
+    loads: int
+    cpu_experts: int
+    cpu_expert_rate: float
+    bytes_moved: int
+    substitution_rate: float
+    modeled_tpot_ms: float | None
+    tpot_basis: str
+    layer_time_ms_per_layer: list[float]
+    requests: int
+    tokens: int
+    steps: int
+    accesses: int
+    wall_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(d.pop("config"))
+        d.update(d.pop("extra"))
+        return d
+
+
+# ----------------------------------------------------------------------------- preparation
+
+
+class _Data:
+    """Everything the simulation reads, laid out for gathers by token index."""
+
+    def __init__(self, ts: TraceSet, rids: list[str], need_probs: bool) -> None:
+        self.topk = np.ascontiguousarray(ts.array("topk_ids", rids)).astype(np.int64)
+        self.lengths = ts.request_lengths(rids)
+        self.starts = np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64)
+        self.decode = ts.column("phase", rids) == "decode"
+        self.probs = ts.array("router_probs", rids) if need_probs else None
+        self.weights = ts.array("topk_weights", rids) if ts.has("topk_weights") else None
+
+
+def _grid(lengths: np.ndarray, starts: np.ndarray, B: int, cold: bool) -> tuple[np.ndarray, np.ndarray]:
+    """[streams, steps, B] token index (-1 = idle slot) and [streams, steps, B] request-start flags."""
+    n = len(lengths)
+    if cold:
+        groups = [list(range(g, min(g + B, n))) for g in range(0, n, B)]
+    else:
+        groups = [list(range(n))]
+    streams = []
+    for members in groups:
+        if cold:
+            slots = [[r] for r in members]
+        else:
+            slots = [list(range(b, n, B)) for b in range(B)]
+        slots += [[] for _ in range(B - len(slots))]
+        streams.append(slots)
+    steps = max(max((sum(int(lengths[r]) for r in slot) for slot in slots), default=0) for slots in streams)
+    tok = np.full((len(streams), max(steps, 1), B), -1, dtype=np.int64)
+    start = np.zeros(tok.shape, dtype=bool)
+    for g, slots in enumerate(streams):
+        for b, slot in enumerate(slots):
+            if not slot:
+                continue
+            idx = np.concatenate([np.arange(starts[r], starts[r] + lengths[r]) for r in slot])
+            tok[g, : len(idx), b] = idx
+            pos = np.cumsum([0] + [int(lengths[r]) for r in slot[:-1]])
+            start[g, pos, b] = True
+    return tok, start
+
+
+def _next_use(topk: np.ndarray, tok: np.ndarray, L: int, E: int, shared: bool) -> np.ndarray:
+    """[tokens, L, k] the lane time of the next access of the same (lane, expert) (Belady's future)."""
+    G, S, B = tok.shape
+    k = topk.shape[2]
+    g, s, b = np.nonzero(tok >= 0)
+    t = tok[g, s, b]
+    ids = topk[t]  # [n, L, k]
+    lay = np.broadcast_to(np.arange(L)[None, :, None], ids.shape)
+    lane = (g[:, None, None] * (1 if shared else L) + (0 if shared else lay))
+    item = lane * (L * E if shared else E) + (lay * E if shared else 0) + ids
+    when = s[:, None, None] * L + lay  # lane time, monotone per lane
+    span = S * L + 1
+    key = (item.astype(np.int64) * span + when).reshape(-1)
+    uk = np.unique(key)
+    nxt = np.full(len(uk), np.iinfo(np.int64).max // 4, dtype=np.int64)
+    same = (uk[1:] // span) == (uk[:-1] // span)
+    nxt[:-1][same] = uk[1:][same] % span
+    out = np.empty(topk.shape, dtype=np.int64)
+    out[t] = nxt[np.searchsorted(uk, key)].reshape(ids.shape)
+    return out
+
+
+def _load_predictor(name: str | None, ts: TraceSet) -> Any:
+    from moecast.runtime.prefetch import BUILTIN
+
+    if name in (None, "none"):
+        return None
+    if name == "oracle":
+        return OraclePredictor(ts.num_layers, ts.num_experts, ts.top_k)
+    if name in BUILTIN:
+        return None
+    from moecast.predictors import registry
+
+    return registry.load(name, fingerprint=ts.meta.model.fingerprint, against=f"TraceSet {ts.path}")
+
+
+# ----------------------------------------------------------------------------- replay
+
+
+def replay(ts: TraceSet | str, cfg: ReplayConfig) -> ReplayResult:
+    """Replay one configuration over a TraceSet and return the DESIGN.md metrics."""
+    t0 = time.perf_counter()
+    if not isinstance(ts, TraceSet):
+        ts = TraceSet(ts)
+    if cfg.policy not in POLICIES:
+        raise ValueError(f"unknown policy {cfg.policy!r}; choose one of {', '.join(POLICIES)}")
+    spec = POLICIES[cfg.policy]
+    m = ts.meta.model
+    L, E, k = m.num_layers, m.num_experts, m.top_k
+    rids = list(cfg.requests) if cfg.requests is not None else list(ts.request_ids)
+    if not rids or ts.num_tokens == 0:
+        raise TraceSetError(f"{ts.path}: the TraceSet holds no requests to replay; collect or import some first")
+    B = int(cfg.batch_size)
+    if B < 1:
+        raise ValueError(f"batch size must be >= 1, got {B}")
+    if cfg.alpha < 0 or not math.isfinite(cfg.alpha):
+        raise ValueError(f"alpha must be a number >= 0, got {cfg.alpha}")
+    use_sub = spec.substitution and cfg.alpha > 0
+    if spec.eviction == "score" or use_sub:
+        ts.require("router_probs", f"policy {cfg.policy!r} (SMoE score eviction / substitution)")
+    if cfg.alpha > 0 and not spec.substitution:
+        raise ValueError(f"--alpha applies to substitution, which policy {cfg.policy!r} does not use; use --policy smoe")
+    if spec.eviction == "score" and cfg.shared:
+        raise ValueError("score eviction keeps one score window per layer; drop --shared or choose another policy")
+    cap = resolve_capacity(cfg.capacity, E, k, m.expert_bytes)
+    profile = cfg.hardware if isinstance(cfg.hardware, HardwareProfile) else load_profile(cfg.hardware)
+    cost = CostModel.from_profile(profile, m.expert_bytes)
+    pred_name = spec.predictor if cfg.predictor is None else cfg.predictor
+    if spec.eviction == "belady" and (pred_name not in (None, "none") or cfg.planner):
+        raise ValueError("belady is the demand-only offline optimum; use it with --predictor none and no --planner")
+    predictor = _load_predictor(pred_name, ts)
+    planner = _load_predictor(cfg.planner, ts) if cfg.planner else None
+    if planner is not None and getattr(planner, "horizon", "") != "prompt-ahead":
+        raise ValueError(f"--planner {cfg.planner}: a {planner.horizon} predictor; a planner must be prompt-ahead (EAM, EAP, cascade)")
+    for p in (predictor, planner):
+        for f in getattr(p, "needs", ()):
+            ts.require(f, f"predictor {getattr(p, 'name', '?')}")
+
+    d = _Data(ts, rids, need_probs=spec.eviction == "score" or use_sub)
+    tok, start = _grid(d.lengths, d.starts, B, cfg.cold)
+    G, S, _ = tok.shape
+    stream_len = (tok >= 0).any(2).sum(1)  # steps per stream (slots finish at different times)
+    N = L * E if cfg.shared else E
+    lanes = G if cfg.shared else G * L
+    capacity = cap * L if cfg.shared else cap
+    cache = ExpertCache(N, capacity, spec.eviction, lanes=lanes, score_window=cfg.score_window)
+
+    # predictions: per (token, layer) the top-k predicted ids, best first
+    kp = k
+    pred_ids = pred_sc = None
+    plan_top = None
+    if predictor is not None or planner is not None:
+        pred_ids = np.full((len(d.topk), L, kp), -1, dtype=np.int64)
+        pred_sc = np.zeros((len(d.topk), L, kp), dtype=np.float32)
+        if planner is not None:
+            plan_top = np.zeros((len(rids), L, cap), dtype=np.int64)
+        it = _progress(list(enumerate(rids)), cfg.progress and predictor is not None and not isinstance(predictor, OraclePredictor), "predicting")
+        for r, rid in it:
+            s0, n = d.starts[r], d.lengths[r]
+            if isinstance(predictor, OraclePredictor):
+                pred_ids[s0 : s0 + n] = d.topk[s0 : s0 + n]
+                pred_sc[s0 : s0 + n] = 1.0
+                if planner is None:
+                    continue
+            trace = ts.get(rid)
+            sc = None
+            if predictor is not None and not isinstance(predictor, OraclePredictor):
+                sc = np.asarray(predictor.score_request(trace), dtype=np.float32)
+                sc = sc / np.maximum(np.abs(sc).max(-1, keepdims=True), 1e-12)
+            if planner is not None:
+                plan = np.asarray(planner.score_request(trace), dtype=np.float32)[0]  # [L, E]
+                plan_top[r] = np.argsort(-plan, axis=1, kind="stable")[:, :cap]
+                if predictor is None:
+                    prior = plan / np.maximum(np.abs(plan).max(-1, keepdims=True), 1e-12)
+                    sc = np.broadcast_to(prior, (n, L, E))
+                elif sc is not None:
+                    # the plan as a prior: blended with the token-level scores
+                    sc = 0.5 * sc + 0.5 * (plan / np.maximum(np.abs(plan).max(-1, keepdims=True), 1e-12))[None]
+            if sc is not None:
+                ids, scs = top_predictions(sc, kp)
+                pred_ids[s0 : s0 + n], pred_sc[s0 : s0 + n] = ids, scs
+    prefetching = pred_ids is not None
+
+    if spec.eviction == "static":
+        table = StaticTable.from_topk(d.topk, E)
+        if cfg.shared:
+            cache.preload(np.arange(G), np.broadcast_to(table.shared(capacity), (G, capacity)))
+        else:
+            per = table.per_layer(cap)  # [L, cap]
+            cache.preload(np.arange(lanes), np.tile(per, (G, 1)))
+    nu = _next_use(d.topk, tok, L, E, cfg.shared) if spec.eviction == "belady" else None
+
+    # per-lane link state carried from the producing layer to the consuming one
+    free = np.full(lanes, cost.t_attn)  # link time free before this lane's next compute start
+    pf_n = np.full(lanes, -1, dtype=np.int64)  # PreSched's prefetch count for the lane (-1: as many as fit)
+    delay = np.zeros(lanes)
+    lane_pf_used = np.ones(lanes)
+    lane_pf_landed = np.full(lanes, 2.0)
+    # statistics
+    st = {n: np.zeros(L) for n in ("uses", "hits", "loads", "cpu", "subs", "pf_issued", "pf_landed", "pf_started", "time")}
+    step_time = np.zeros((G, S))
+    step_decode = np.zeros((G, S), dtype=bool)
+    layer_of_lane = np.zeros(lanes, dtype=np.int64) if cfg.shared else np.tile(np.arange(L), G)
+    stream_of_lane = np.arange(lanes) if cfg.shared else np.repeat(np.arange(G), L)
+    t_io = cost.t_io
+    cap_pf = B * kp
+
+    if cfg.shared:
+        n_iter = int(stream_len.max()) * L
+    else:
+        n_iter = int(stream_len.max()) + L - 1
+        lane_end = stream_len[stream_of_lane] + layer_of_lane
+        lane_order = np.argsort(-lane_end, kind="stable")
+        sorted_end = lane_end[lane_order]
+
+    for i in _progress(range(n_iter), cfg.progress, f"replay {cfg.policy}"):
+        if cfg.shared:
+            s_i, l_i = divmod(i, L)
+            act = np.flatnonzero(stream_len > s_i)
+            if len(act) == 0:
+                continue
+            lay = np.full(len(act), l_i)
+            s = np.full(len(act), s_i)
+            g = act
+        else:
+            n_act = int(np.searchsorted(-sorted_end, -i, side="left"))  # lanes with end > i
+            act = lane_order[:n_act]
+            if i < L - 1:
+                act = act[layer_of_lane[act] <= i]
+            if len(act) == 0:
+                continue
+            lay = layer_of_lane[act]
+            s = i - lay
+            g = stream_of_lane[act]
+        n = len(act)
+        toks = tok[g, s]  # [n, B]
+        tvalid = toks >= 0
+        tsafe = np.where(tvalid, toks, 0)
+        ids = d.topk[tsafe, lay[:, None]]  # [n, B, k]
+        ids = np.where(tvalid[:, :, None], ids, -1)
+        off = (lay * E)[:, None, None] if cfg.shared else 0
+        lt = s * L + lay  # lane time
+        step_decode[g, s] |= (d.decode[tsafe] & tvalid).any(1)
+
+        # planner preload at request start (not timed: it happens before the first token)
+        if plan_top is not None:
+            starting = (start[g, s] & tvalid).any(1)
+            if starting.any():
+                rq = np.searchsorted(d.starts, toks[starting].max(1), side="right") - 1
+                plan_ids = plan_top[rq, lay[starting]][:, : max(cap // B, 1)] + (off[starting, 0] if cfg.shared else 0)
+                cache.insert(act[starting], plan_ids, prefetch=True, t=None)
+
+        # prefetch arrival: top predicted non-resident experts that fit in the free link time
+        if prefetching:
+            pid = pred_ids[tsafe, lay[:, None]]  # [n, B, kp]
+            psc = np.where(tvalid[:, :, None], pred_sc[tsafe, lay[:, None]], 0.0)
+            pid = np.where(tvalid[:, :, None] & (pid >= 0), pid, -1)
+            cand = _rank_candidates(pid.reshape(n, -1), psc.reshape(n, -1), E)  # [n, C] best first
+            if cfg.shared:
+                cand = np.where(cand >= 0, cand + off[:, 0], -1)
+            predicted = cand  # shielded: a prefetch must not evict another predicted expert
+            nonres = (cand >= 0) & ~cache.lookup(act, cand)
+            cand = _compact(np.where(nonres, cand, -1))
+            n_cand = (cand >= 0).sum(1)
+            want = np.where(pf_n[act] >= 0, np.minimum(pf_n[act], n_cand), n_cand)
+            if math.isinf(t_io):
+                fit = np.zeros(n, dtype=np.int64)
+            elif t_io <= 0:
+                fit = want
+            else:
+                fit = np.floor(free[act] / t_io + 1e-9).astype(np.int64)
+            landed = np.minimum(want, fit)
+            started = np.where(np.isfinite(t_io), np.minimum(want, landed + 1), 0)
+            new_delay = np.where((want > landed) & np.isfinite(t_io) & (t_io > 0), (landed + 1) * t_io - free[act], 0.0)
+            delay[act] = np.maximum(new_delay, 0.0)
+            take = np.arange(cand.shape[1])[None, :] < landed[:, None]
+            cache.insert(act, np.where(take, cand, -1), shield=predicted, prefetch=True, t=lt)
+            lane_pf_landed[act] += landed
+            np.add.at(st["pf_issued"], lay, want)
+            np.add.at(st["pf_landed"], lay, landed)
+            np.add.at(st["pf_started"], lay, started)
+        else:
+            delay[act] = 0.0
+
+        # SMoE Algorithm 1 substitution against the lane's resident set (batch-aware via group)
+        if use_sub:
+            flat_t = tsafe.reshape(-1)
+            probs = d.probs[flat_t, np.repeat(lay, B)].astype(np.float32)
+            res = cache.resident[np.repeat(act, B)]
+            if cfg.shared:
+                res = res.reshape(n * B, L, E)[np.arange(n * B), np.repeat(lay, B)]
+            new_ids, nsub = substitute(probs, ids.reshape(n * B, k), res, cfg.alpha, group=np.repeat(np.arange(n), B))
+            ids = np.where(tvalid[:, :, None], new_ids.reshape(n, B, k), -1)
+            np.add.at(st["subs"], lay, (nsub.reshape(n, B) * tvalid).sum(1))
+
+        # the access: union of the step's experts, with token counts
+        flat = ids.reshape(n, B * k) + (off[:, :, 0] if cfg.shared else 0)
+        flat = np.where(ids.reshape(n, B * k) >= 0, flat, -1)
+        if B > 1:
+            uniq, counts = _union_counts(flat)
+        else:
+            uniq, counts = flat, (flat >= 0).astype(np.int64)
+        hit_u = cache.lookup(act, uniq)
+        if prefetching:
+            used = (hit_u & cache.prefetched[act[:, None], np.where(uniq >= 0, uniq, 0)]).sum(1)
+            lane_pf_used[act] += used
+        uses = counts.sum(1)
+        hits = (counts * hit_u).sum(1)
+        miss = (uniq >= 0) & ~hit_u
+        n_miss = miss.sum(1)
+        # misses ordered by token count, largest first (the balancers' queue order)
+        msize = np.where(miss, counts, 0)
+        morder = np.argsort(-msize, axis=1, kind="stable")
+        mids = np.take_along_axis(np.where(miss, uniq, -1), morder, 1)
+        msz = np.take_along_axis(msize, morder, 1).astype(np.float64)
+        if spec.balancer == "smoe":
+            n_load = two_pointer_split(msz, n_miss, t_io if math.isfinite(t_io) else math.inf, cost.beta)
+        elif spec.balancer == "presched":
+            asc = _reverse_valid(msz, n_miss)
+            nid, nsz, nn = _next_layer_pending(act, lay, s, g, tok, pred_ids, cache, cfg.shared, L, E, prefetching)
+            dec = schedule(asc, n_miss, nsz, nn, delay[act], lane_pf_used[act] / lane_pf_landed[act], cost)
+            n_load = dec.n_load
+            consumer = act if cfg.shared else act + 1
+            has_next = (lay < L - 1)
+            pf_n[consumer[has_next]] = dec.n_prefetch[has_next]
+        else:
+            n_load = n_miss
+        col = np.arange(mids.shape[1])[None, :]
+        load_ids = np.where(col < n_load[:, None], mids, -1)
+        cpu_mask = (col >= n_load[:, None]) & (mids >= 0)
+        t_cpu = (np.where(cpu_mask, cost.beta * msz + cost.c, 0.0)).sum(1)
+        cache.insert(act, load_ids, shield=uniq, t=None)
+        cache.touch(act, uniq, lt)
+        if nu is not None:
+            nxt = np.where(tvalid[:, :, None], nu[tsafe, lay[:, None]], np.iinfo(np.int64).max // 4)
+            ok = flat >= 0
+            cache.next_use[np.broadcast_to(act[:, None], flat.shape)[ok], flat[ok]] = nxt.reshape(n, -1)[ok]
+        if spec.eviction == "score":
+            sc_mean = (d.probs[tsafe, lay[:, None]].astype(np.float32) * tvalid[:, :, None]).sum(1) / np.maximum(tvalid.sum(1), 1)[:, None]
+            cache.observe_scores(act, sc_mean)
+
+        # timeline of this layer: device, link, CPU in parallel after attention
+        n_dev = (hit_u & (uniq >= 0)).sum(1) + n_load
+        link = delay[act] + n_load * (t_io if math.isfinite(t_io) else 0.0)
+        if not math.isfinite(t_io):
+            link = np.where(n_load > 0, math.inf, link)
+        t_dev = n_dev * cost.t_g
+        layer_t = cost.t_attn + np.maximum(np.maximum(t_dev, link + np.where(n_load > 0, cost.t_g, 0.0)), t_cpu)
+        step_time[g, s] += layer_t
+        # the link time this layer leaves free for the next layer's prefetch (its window includes
+        # the next layer's attention)
+        if cfg.shared:
+            with np.errstate(invalid="ignore"):
+                nxt_free = np.where(lay < L - 1, np.nan_to_num(layer_t - link, nan=0.0), cost.t_attn)
+            free[act] = nxt_free
+        else:
+            has_next = lay < L - 1
+            with np.errstate(invalid="ignore"):
+                free[act[has_next] + 1] = np.nan_to_num(layer_t - link, nan=0.0)[has_next]
+            free[act[lay == 0]] = cost.t_attn
+
+        np.add.at(st["uses"], lay, uses)
+        np.add.at(st["hits"], lay, hits)
+        np.add.at(st["loads"], lay, n_load)
+        np.add.at(st["cpu"], lay, n_miss - n_load)
+        np.add.at(st["time"], lay, layer_t)
+
+    uses = st["uses"].sum()
+    per_layer = (st["hits"] / np.maximum(st["uses"], 1)).tolist()
+    any_decode = step_decode.any()
+    valid_step = np.zeros((G, S), dtype=bool)
+    for gi in range(G):
+        valid_step[gi, : stream_len[gi]] = True
+    basis_mask = valid_step & step_decode if any_decode else valid_step
+    tpot = float(step_time[basis_mask].mean()) if basis_mask.any() else None
+    if tpot is not None and not math.isfinite(tpot):
+        tpot = None
+    landed_total = int(st["pf_landed"].sum())
+    pf_acc = cache.stats.prefetch_used / cache.stats.prefetch_inserted if cache.stats.prefetch_inserted else None
+    moved = int((st["loads"].sum() + st["pf_started"].sum()) * m.expert_bytes)
+    n_tokens = int(d.lengths.sum())
+    cfg_out = {
+        "traces": str(ts.path),
+        "policy": cfg.policy,
+        "eviction": spec.eviction,
+        "substitution": use_sub,
+        "balancer": spec.balancer,
+        "predictor": pred_name or "none",
+        "planner": cfg.planner or "none",
+        "capacity": cap,
+        "capacity_fraction": cap / E,
+        "shared": cfg.shared,
+        "mode": "cold" if cfg.cold else "stream",
+        "batch_size": B,
+        "hardware": profile.name,
+        "alpha": cfg.alpha,
+    }
+    return ReplayResult(
+        config=cfg_out,
+        hit_rate=float(st["hits"].sum() / max(uses, 1)),
+        hit_rate_per_layer=per_layer,
+        prefetch_accuracy=pf_acc,
+        prefetches_issued=int(st["pf_issued"].sum()),
+        prefetches_landed=landed_total,
+        loads=int(st["loads"].sum()),
+        cpu_experts=int(st["cpu"].sum()),
+        cpu_expert_rate=float(st["cpu"].sum() / max(uses, 1)),
+        bytes_moved=moved,
+        substitution_rate=float(st["subs"].sum() / max(uses, 1)),
+        modeled_tpot_ms=tpot,
+        tpot_basis="decode steps" if any_decode else "every token as a step (prefill-only trace, no decode steps)",
+        layer_time_ms_per_layer=(st["time"] / np.maximum(basis_mask.sum(), 1)).tolist(),
+        requests=len(rids),
+        tokens=n_tokens,
+        steps=int(valid_step.sum()),
+        accesses=int(uses),
+        wall_s=time.perf_counter() - t0,
+    )
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _progress(it: Any, show: bool, desc: str) -> Any:
+    if not show:
+        return it
+    from tqdm import tqdm
+
+    return tqdm(it, desc=desc, leave=False, mininterval=0.5)
+
+
+def _compact(a: np.ndarray) -> np.ndarray:
+    """Move each row's non-negative entries to the front, keeping their order."""
+    order = np.argsort(a < 0, axis=1, kind="stable")
+    return np.take_along_axis(a, order, 1)
+
+
+def _rank_candidates(ids: np.ndarray, scores: np.ndarray, E: int) -> np.ndarray:
+    """Per row: distinct ids ranked by summed score, best first (-1 padded)."""
+    if ids.shape[1] == 0:
+        return ids
+    key = np.where(ids >= 0, ids, E)
+    order = np.argsort(key, axis=1, kind="stable")
+    sid = np.take_along_axis(key, order, 1)
+    ssc = np.take_along_axis(np.where(ids >= 0, scores, 0.0), order, 1).astype(np.float64)
+    first = np.ones(sid.shape, dtype=bool)
+    first[:, 1:] = sid[:, 1:] != sid[:, :-1]
+    # summed score per distinct id: cumulative sums between group starts
+    csum = np.cumsum(ssc, axis=1)
+    grp = np.cumsum(first, axis=1) - 1
+    total = np.zeros(sid.shape)
+    last = np.ones(sid.shape, dtype=bool)
+    last[:, :-1] = first[:, 1:]
+    rows = np.broadcast_to(np.arange(len(ids))[:, None], sid.shape)
+    end_sum = np.zeros(sid.shape)
+    end_sum[rows[last], grp[last]] = csum[last]
+    start_prev = np.zeros(sid.shape)
+    start_prev[rows[first], grp[first]] = (csum - ssc)[first]
+    total = end_sum - start_prev
+    gid = np.full(sid.shape, -1, dtype=np.int64)
+    gid[rows[first], grp[first]] = sid[first]
+    gid[gid == E] = -1
+    total = np.where(gid >= 0, total, -np.inf)
+    order2 = np.argsort(-total, axis=1, kind="stable")
+    return np.take_along_axis(gid, order2, 1)
+
+
+def _union_counts(flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row: distinct non-negative ids (-1 padded) and how many times each occurs."""
+    big = np.iinfo(np.int64).max
+    srt = np.sort(np.where(flat >= 0, flat, big), axis=1)
+    first = np.ones(srt.shape, dtype=bool)
+    first[:, 1:] = srt[:, 1:] != srt[:, :-1]
+    first &= srt != big
+    grp = np.cumsum(first, axis=1) - 1
+    rows = np.broadcast_to(np.arange(len(flat))[:, None], srt.shape)
+    uniq = np.full(srt.shape, -1, dtype=np.int64)
+    uniq[rows[first], grp[first]] = srt[first]
+    counts = np.zeros(srt.shape, dtype=np.int64)
+    ok = srt != big
+    np.add.at(counts, (rows[ok], grp[ok]), 1)
+    return uniq, counts
+
+
+def _reverse_valid(desc: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """Rows sorted descending in their first n entries -> the same entries ascending."""
+    M = desc.shape[1]
+    idx = np.clip(n[:, None] - 1 - np.arange(M)[None, :], 0, max(M - 1, 0))
+    out = np.take_along_axis(desc, idx, 1) if M else desc
+    return np.where(np.arange(M)[None, :] < n[:, None], out, 0.0)
+
+
+def _next_layer_pending(act, lay, s, g, tok, pred_ids, cache, shared, L, E, prefetching):
+    """PreSched's E_next: predicted experts of the next layer not resident there, with token counts, ascending."""
+    n = len(act)
+    if not prefetching:
+        return None, np.zeros((n, 0)), np.zeros(n, dtype=np.int64)
+    nl = np.minimum(lay + 1, L - 1)
+    toks = tok[g, s]
+    tv = toks >= 0
+    pid = pred_ids[np.where(tv, toks, 0), nl[:, None]]
+    pid = np.where(tv[:, :, None] & (pid >= 0), pid, -1).reshape(n, -1)
+    if shared:
+        pid = np.where(pid >= 0, pid + (nl * E)[:, None], -1)
+    uniq, counts = _union_counts(pid)
+    consumer = act if shared else np.where(lay < L - 1, act + 1, act)
+    res = cache.lookup(consumer, uniq)
+    keep = (uniq >= 0) & ~res & (lay < L - 1)[:, None]
+    sizes = np.where(keep, counts, np.inf).astype(np.float64)
+    sizes = np.sort(sizes, axis=1)
+    nn = keep.sum(1)
+    sizes = np.where(np.isfinite(sizes), sizes, 0.0)
+    return None, sizes, nn

@@ -1,0 +1,129 @@
+"""Baselines: frequency tables, gate reuse, MoE-Infinity activation matrices; CLI eval and bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import make_synthetic_traceset
+from moecast.collect.traceset import ModelInfo, RequestRecord, TraceMeta, TraceSet, TraceWriter
+from moecast.predictors import load
+from moecast.predictors.baselines import ActivationMatrixPredictor, FrequencyPredictor, GateReusePredictor
+from moecast.predictors.checkpoint import CheckpointError
+from moecast.predictors.commands import evaluate, evaluate_predictor
+from moecast.predictors.metrics import recall_at_k
+
+
+def _router_traces(path: Path, L: int = 3, E: int = 8, k: int = 2, H: int = 12, requests: int = 6, T: int = 10):
+    """Traces whose layer-l routing is top-k of W_l @ x with x shared by all layers, and the model folder."""
+    rng = np.random.default_rng(7)
+    W = rng.normal(size=(L, E, H)).astype(np.float32)
+    info = ModelInfo("router-test", "synthetic", list(range(1, L + 1)), E, k, 0, H, 100, True)
+    writer = TraceWriter(path / "traces", TraceMeta(info, fields={"topk_weights": False, "router_probs": False, "gate_inputs": True}))
+    recs = []
+    for r in range(requests):
+        x = rng.normal(size=(T, H)).astype(np.float32)
+        ids = np.argsort(-np.einsum("th,leh->tle", x, W), -1)[..., :k]
+        recs.append(RequestRecord(f"r{r}", "w", "c", "p", np.arange(T), ["t"] * T, np.zeros(T, bool),
+                                  ids.astype(np.int16), gate_inputs=np.repeat(x[:, None], L, 1).astype(np.float16)))
+    writer.write(recs)
+    from safetensors.numpy import save_file
+
+    model = path / "model"
+    model.mkdir()
+    save_file({f"model.layers.{i + 1}.mlp.gate.weight": W[i] for i in range(L)}
+              | {"model.layers.1.mlp.gate_proj.weight": np.zeros((4, H), np.float32)}, str(model / "model.safetensors"))
+    return TraceSet(path / "traces"), model, W
+
+
+def test_global_frequency_is_the_training_hot_table(synthetic_traces):
+    ts = TraceSet(synthetic_traces)
+    train, val = ts.split(0.3, 0)
+    pred = FrequencyPredictor.fit(ts, train)
+    ids = ts.array("topk_ids", train)
+    for l in range(ts.num_layers):
+        counts = np.bincount(ids[:, l].ravel(), minlength=ts.num_experts)
+        assert np.allclose(pred.table[l], counts / counts.sum())
+    scores = pred.score_request(ts.get(val[0]))
+    assert scores.shape == (len(ts.get(val[0])), ts.num_layers, ts.num_experts)
+    assert np.allclose(scores[0], scores[-1])  # statistical: the same for every token
+
+
+def test_request_frequency_uses_only_the_prefix(synthetic_traces):
+    ts = TraceSet(synthetic_traces)
+    pred = FrequencyPredictor.fit(ts, ts.request_ids, "request")
+    trace = ts.get(ts.request_ids[0])
+    scores = pred.score_request(trace)
+    assert np.allclose(scores[0], pred.table)  # nothing seen yet: the prior alone
+    changed = trace.topk_ids.copy()
+    changed[5:] = (changed[5:] + 1) % ts.num_experts  # the future must not matter
+    trace.topk_ids = changed
+    assert np.allclose(pred.score_request(trace)[:6], scores[:6])
+
+
+def test_activation_matrix_matching_and_roundtrip(synthetic_traces, tmp_path):
+    ts = TraceSet(synthetic_traces)
+    pred = ActivationMatrixPredictor.fit(ts, ts.request_ids, capacity=4)
+    assert pred.matrices.shape == (4, ts.num_layers, ts.num_experts)
+    assert np.allclose(pred.matrices.sum(-1), 1.0)
+    trace = ts.get(ts.request_ids[0])
+    scores = pred.score_request(trace)
+    assert np.allclose(scores[0], pred.matrices.mean(0))  # before any token: the collection mean
+    pred.save(tmp_path / "mi.safetensors")
+    again = load(tmp_path / "mi.safetensors", fingerprint=ts.meta.model.fingerprint)
+    assert np.allclose(again.score_request(trace), scores)
+
+
+def test_gate_reuse_with_the_true_router_predicts_well(tmp_path):
+    ts, model, W = _router_traces(tmp_path)
+    pred = GateReusePredictor.from_model_dir(model, ts)
+    assert np.allclose(pred.router, W)
+    res = evaluate_predictor(pred, ts, ts.request_ids, progress=False)
+    # gate inputs are equal across layers here, so layer l-1's input gives layer l's routing exactly;
+    # only layer 0 (previous token's input) is a guess
+    assert res["per_layer"]["recall_at_k"][1] == 1.0 and res["per_layer"]["recall_at_k"][2] == 1.0
+    assert res["per_layer"]["recall_at_k"][0] < 1.0
+    pred.save(tmp_path / "gr.safetensors")
+    assert isinstance(load(tmp_path / "gr.safetensors"), GateReusePredictor)
+
+
+def test_gate_reuse_without_gate_inputs_says_so(tmp_path):
+    path = make_synthetic_traceset(tmp_path / "ids", with_optional=False)
+    with pytest.raises(Exception, match="gate_inputs"):
+        evaluate("gate-reuse:" + str(tmp_path), str(path))
+
+
+def test_eval_cli_json_and_baseline_save(synthetic_traces, tmp_path, capsys):
+    out = evaluate("frequency", str(synthetic_traces), split="all", json=True, save=str(tmp_path / "f.safetensors"))
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("recall_at_k", "precision", "f1_micro", "f1_macro"):
+        assert key in line and 0.0 <= line[key] <= 1.0
+    assert line["recall_at_k"] == pytest.approx(out["recall_at_k"])
+    ts = TraceSet(synthetic_traces)
+    pred = load(tmp_path / "f.safetensors")
+    direct = np.mean([recall_at_k(pred.score_request(t), t.topk_ids) for t in ts])  # equal lengths: mean of means
+    assert out["recall_at_k"] == pytest.approx(direct)
+
+
+def test_checkpoint_of_another_model_is_refused(synthetic_traces, tmp_path):
+    other = make_synthetic_traceset(tmp_path / "other", num_experts=16)
+    ts = TraceSet(other)
+    FrequencyPredictor.fit(ts, ts.request_ids).save(tmp_path / "other.safetensors")
+    with pytest.raises(CheckpointError, match="fingerprint"):
+        evaluate(str(tmp_path / "other.safetensors"), str(synthetic_traces))
+
+
+def test_empty_split_and_unknown_baseline(synthetic_traces):
+    with pytest.raises(ValueError, match="baseline"):
+        evaluate("no-such-thing", str(synthetic_traces))
+    with pytest.raises(ValueError, match="split"):
+        evaluate("frequency", str(synthetic_traces), split="val", val_fraction=0.0)
+
+
+def test_cli_reaches_eval(synthetic_traces, capsys):
+    from moecast.cli import main
+
+    main(["predictors", "eval", "moe-infinity", "--traces", str(synthetic_traces), "--json"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["predictor"] == "moe-infinity"

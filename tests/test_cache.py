@@ -1,0 +1,81 @@
+"""ExpertCache: capacity parsing, eviction order per policy, shield, static table, online access."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from moecast.runtime.cache import ExpertCache, StaticTable, resolve_capacity
+
+
+def test_capacity_forms_and_below_topk_error():
+    assert resolve_capacity(0.25, 64, 6) == 16
+    assert resolve_capacity("6", 64, 6) == 6
+    assert resolve_capacity("0.5", 16, 2) == 8
+    assert resolve_capacity("40MB", 64, 6, expert_bytes=4 << 20) == 10
+    with pytest.raises(ValueError, match="below top-k"):
+        resolve_capacity(0.05, 64, 6)
+    with pytest.raises(ValueError, match="below top-k"):
+        resolve_capacity(3, 64, 6)
+    with pytest.raises(ValueError):
+        resolve_capacity("lots", 64, 6)
+
+
+def test_lru_evicts_least_recent_and_shields_current():
+    c = ExpertCache(8, 3, "lru")
+    c.access([0, 1], t=0)
+    c.access([2], t=1)
+    hits = c.access([3, 0], t=2)  # 0 hits; 3 evicts 1 (least recent); 0 is shielded
+    assert hits.tolist() == [False, True]
+    assert set(c.resident_ids().tolist()) == {0, 2, 3}
+
+
+def test_lfu_keeps_frequent():
+    c = ExpertCache(8, 2, "lfu")
+    for t in range(3):
+        c.access([5], t=t)
+    c.access([1], t=3)
+    c.access([2], t=4)  # evicts 1 (count 1) not 5 (count 3)
+    assert set(c.resident_ids().tolist()) == {5, 2}
+
+
+def test_score_eviction_lowest_window_mean():
+    c = ExpertCache(4, 2, "score", score_window=2)
+    lanes = np.array([0])
+    c.insert(lanes, np.array([[0, 1]]))
+    c.observe_scores(lanes, np.array([[0.1, 0.9, 0.5, 0.0]]))
+    c.insert(lanes, np.array([[2]]), shield=np.array([[2]]))
+    assert set(c.resident_ids().tolist()) == {1, 2}  # 0 had the lowest mean score
+
+
+def test_belady_uses_next_use():
+    c = ExpertCache(6, 2, "belady")
+    lanes = np.array([0])
+    c.insert(lanes, np.array([[0, 1]]))
+    c.next_use[0, 0] = 10
+    c.next_use[0, 1] = 3
+    c.insert(lanes, np.array([[2]]))
+    assert set(c.resident_ids().tolist()) == {1, 2}
+
+
+def test_batch_larger_than_capacity_inserts_only_what_fits():
+    c = ExpertCache(16, 4, "lru")
+    ids = np.arange(6)[None, :]
+    ins = c.insert(np.array([0]), ids, shield=ids)
+    assert ins.sum() == 4 and c.count[0] == 4
+
+
+def test_static_table_hottest_per_layer_and_shared():
+    topk = np.array([[[0, 1], [2, 3]], [[0, 2], [2, 1]], [[0, 1], [2, 3]]])  # [T=3, L=2, k=2]
+    t = StaticTable.from_topk(topk, 4)
+    assert t.per_layer(1)[:, 0].tolist() == [0, 2]
+    assert set(t.shared(2).tolist()) == {0, 4 + 2}
+    c = ExpertCache(4, 2, "static")
+    c.preload(np.array([0]), t.per_layer(2)[:1])
+    assert c.access([3])[0] == False  # noqa: E712
+    assert 3 not in c.resident_ids()  # static never inserts
+
+
+def test_lanes_are_independent():
+    c = ExpertCache(8, 2, "lru", lanes=3)
+    c.insert(np.array([0, 2]), np.array([[1, 2], [3, 4]]))
+    assert c.lookup(np.array([0, 1, 2]), np.array([[1], [1], [3]]))[:, 0].tolist() == [True, False, True]

@@ -1,0 +1,417 @@
+"""CasMoE prompt-level planners: EP label (Eq. 3), EAM (Eqs. 4-5 + buffer), EAP (Eqs. 6-9), the cascade gate."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import make_synthetic_traceset
+from moecast.collect.traceset import TraceSet
+from moecast.predictors import CheckpointError, load
+from moecast.predictors.casmoe import (
+    EAM,
+    Cascade,
+    SentenceEmbedder,
+    buffer_path,
+    compare_planners,
+    ep_label,
+    ep_labels,
+    index_path,
+    plan_recall,
+    prompt_text,
+)
+from moecast.predictors.checkpoint import load_raw, save
+
+TOPICS = [
+    "Write a python function that sorts a list of integers",
+    "Explain the causes of the French revolution",
+    "Give me a recipe for a vegetarian lasagna",
+    "How do I fix a segmentation fault in my C program",
+    "Summarise the plot of Hamlet in three sentences",
+    "What is the derivative of x squared times sine x",
+    "Translate good morning into Spanish and German",
+    "Plan a three day trip to Kyoto in spring",
+    "Why is the sky blue during the day",
+    "Draft a polite email declining a meeting",
+    "Compare TCP and UDP for a game server",
+    "List five exercises for lower back pain",
+]
+
+
+def _distinct_prompts(path: Path) -> None:
+    """Give each synthetic request a real, distinct sentence as its prompt (the helper writes 'prompt N')."""
+    import pyarrow as pa
+    from moecast.collect.traceset import _read_table, _write_table
+
+    for part in sorted((path / "requests").glob("part-*.arrow")):
+        table = _read_table(part)
+        ids = table.column("request_id").to_pylist()
+        prompts = [TOPICS[int(r.split("-")[1]) % len(TOPICS)] + f" (case {r})" for r in ids]
+        table = table.set_column(table.column_names.index("prompt"), "prompt", pa.array(prompts, pa.string()))
+        _write_table(part, table)
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory) -> Path:
+    path = make_synthetic_traceset(
+        tmp_path_factory.mktemp("casmoe") / "ts", num_requests=12, num_layers=3, num_experts=8, top_k=2
+    )
+    _distinct_prompts(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_encoder(tmp_path_factory) -> Path:
+    """A 2-layer, 32-wide BERT with MiniLM's tokenizer: trains in seconds."""
+    from moecast.predictors.casmoe import resolve_encoder_path
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    out = tmp_path_factory.mktemp("tiny-encoder")
+    tok = AutoTokenizer.from_pretrained(str(resolve_encoder_path("minilm")))
+    cfg = BertConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    import torch
+
+    torch.manual_seed(0)
+    BertModel(cfg).save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def eam_ckpt(traces, tmp_path_factory) -> Path:
+    from moecast.train.casmoe import build_eam_index
+
+    out = tmp_path_factory.mktemp("eam") / "eam.safetensors"
+    build_eam_index(str(traces), str(out), k_neighbours=1, val_fraction=0.25, wandb=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def eap_ckpt(traces, tiny_encoder, tmp_path_factory) -> Path:
+    from moecast.train.cli import train
+
+    out = tmp_path_factory.mktemp("eap") / "eap.safetensors"
+    train(
+        [
+            "eap",
+            "--config",
+            str(Path(__file__).parents[1] / "configs" / "eap_minilm.yaml"),
+            "--traces",
+            str(traces),
+            "--out",
+            str(out),
+            "--model.encoder",
+            str(tiny_encoder),
+            "--model.max_length",
+            "32",
+            "--data.batch_size",
+            "4",
+            "--data.val_fraction",
+            "0.25",
+            "--trainer.max_epochs",
+            "2",
+            "--trainer.accelerator",
+            "cpu",
+            "--trainer.enable_progress_bar",
+            "false",
+        ]
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------- EP label
+
+
+def test_ep_label_is_router_weighted_and_normalised(traces):
+    ts = TraceSet(traces)
+    ep, weighted = ep_labels(ts)
+    assert weighted and ep.shape == (12, 3, 8)
+    np.testing.assert_allclose(ep.sum(-1), 1.0, rtol=1e-5)
+    for i, rid in enumerate(ts.request_ids):
+        tr = ts.get(rid)
+        naive = np.zeros((3, 8))
+        for t in np.flatnonzero(~tr.is_decode):
+            for layer in range(3):
+                for e, w in zip(tr.topk_ids[t, layer], tr.topk_weights[t, layer]):
+                    naive[layer, e] += float(w)
+        naive /= naive.sum(-1, keepdims=True)
+        np.testing.assert_allclose(ep[i], naive, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(ep_label(tr, 8), ep[i], rtol=1e-5, atol=1e-7)
+    with_decode, _ = ep_labels(ts, include_decode=True)
+    assert not np.allclose(with_decode, ep)
+
+
+def test_ep_label_counts_without_weights(tmp_path):
+    path = make_synthetic_traceset(tmp_path / "nw", num_requests=3, with_optional=False)
+    ts = TraceSet(path)
+    ep, weighted = ep_labels(ts)
+    assert not weighted
+    tr = ts.get(ts.request_ids[0])
+    prefill = tr.topk_ids[~tr.is_decode]
+    counts = np.stack(
+        [np.bincount(prefill[:, layer].ravel(), minlength=ts.num_experts) for layer in range(ts.num_layers)]
+    )
+    np.testing.assert_allclose(ep[0], counts / counts.sum(-1, keepdims=True), rtol=1e-6)
+
+
+def test_plan_recall_matches_definition():
+    true_ep = np.zeros((1, 2, 6), np.float32)
+    true_ep[0, 0, [0, 1]] = 0.5
+    true_ep[0, 1, [4, 5]] = 0.5
+    plans = np.zeros_like(true_ep)
+    plans[0, 0, [0, 2]] = 1.0  # one of two right
+    plans[0, 1, [4, 5]] = 1.0  # both right
+    r = plan_recall(plans, true_ep, 2)
+    assert r["per_layer"]["recall_at_k"] == pytest.approx([0.5, 1.0])
+    assert r["recall_at_k"] == pytest.approx(0.75)
+
+
+# ----------------------------------------------------------------------------- EAM
+
+
+def test_eam_retrieves_indexed_prompt_exactly(traces, eam_ckpt):
+    ts = TraceSet(traces)
+    eam = load(eam_ckpt, fingerprint=ts.model.fingerprint)
+    assert isinstance(eam, EAM) and eam.horizon == "prompt-ahead"
+    train_ids, val_ids = ts.split(0.25, 0)
+    assert eam.size == len(train_ids)
+    ep, _ = ep_labels(ts, train_ids)
+    plan, conf = eam.query(prompt_text(ts, train_ids[0]))
+    assert conf == pytest.approx(1.0, abs=1e-4)
+    np.testing.assert_allclose(plan, ep[0], atol=1e-6)  # k' = 1: its own EP comes back
+    _, branch = eam.plan(prompt_text(ts, val_ids[0]))
+    assert branch == "eam"
+    tr = ts.get(val_ids[0])
+    scores = eam.score_request(tr)
+    assert scores.shape == (len(tr), 3, 8) and scores.dtype == np.float32
+    np.testing.assert_allclose(scores[0], scores[-1])
+    meta = load_raw(eam_ckpt)[1]
+    assert (
+        meta["files"]["index"] == index_path(eam_ckpt, 0).name and meta["ep_weighting"] == "router-weighted"
+    )
+    assert 0.0 <= meta["metrics"]["val_recall_at_k"] <= 1.0
+
+
+def test_eam_buffer_folds_at_capacity_and_survives_reload(traces, eam_ckpt, tmp_path):
+    import shutil
+
+    for f in eam_ckpt.parent.iterdir():
+        if f.is_file():
+            shutil.copy(f, tmp_path / f.name)
+    ckpt = tmp_path / eam_ckpt.name
+    eam = load(ckpt)
+    eam.config.buffer_size = 3  # C = 3 here (paper: 30) to keep the test small
+    save(ckpt, {"values": eam.values}, {**load_raw(ckpt)[1], "config": vars(eam.config)})
+    eam = load(ckpt)
+    n0 = eam.size
+    new_ep = np.full((3, 8), 1 / 8, np.float32)
+    new_ep[:, 7] += 1.0
+    new_ep /= new_ep.sum(-1, keepdims=True)
+    prompts = ["Tell me about volcanoes in Iceland", "How do rockets reach orbit", "Best way to learn chess"]
+    assert not eam.observe(prompts[0], new_ep)
+    assert not eam.observe(prompts[1], new_ep)
+    lines = buffer_path(ckpt).read_text().splitlines()
+    assert len(lines) == 2 and eam.size == n0
+    # a crash now loses nothing: the reload holds both buffered pairs
+    eam = load(ckpt)
+    assert len(eam.buffer) == 2 and eam.size == n0
+    assert eam.observe(prompts[2], new_ep)  # third pair fills C = 3: folded
+    assert eam.size == n0 + 3 and not buffer_path(ckpt).exists()
+    assert index_path(ckpt, 1).exists() and not index_path(ckpt, 0).exists()
+    eam = load(ckpt)
+    assert eam.size == n0 + 3 and eam.buffer == []
+    plan, conf = eam.query(prompts[1])
+    assert conf == pytest.approx(1.0, abs=1e-4)
+    np.testing.assert_allclose(plan, new_ep, atol=1e-6)
+    # a crash between checkpoint and buffer removal: stale entries are already folded, not re-added
+    stale = [
+        {"seq": s, "prompt": p, "embedding": [0.0] * 384, "ep": new_ep.tolist()}
+        for s, p in enumerate(prompts)
+    ]
+    buffer_path(ckpt).write_text("".join(json.dumps(e) + "\n" for e in stale) + '{"seq": 3, "pro')
+    eam = load(ckpt)
+    assert eam.buffer == [] and eam.size == n0 + 3
+
+
+def test_eam_bad_inputs(traces, eam_ckpt, tmp_path):
+    import shutil
+
+    eam = load(eam_ckpt)
+    with pytest.raises(ValueError, match="empty"):
+        eam.query("   ")
+    with pytest.raises(ValueError, match="does not fit"):
+        eam.observe("a prompt", np.ones((2, 8)))
+    with pytest.raises(CheckpointError, match="fingerprint"):
+        load(eam_ckpt, fingerprint="0000000000000000")
+    # an index built with another embedding model
+    ckpt = tmp_path / "eam.safetensors"
+    for f in eam_ckpt.parent.iterdir():
+        if f.is_file():
+            shutil.copy(f, tmp_path / f.name)
+    tensors, meta = load_raw(ckpt)
+    save(ckpt, tensors, {**meta, "embedder_id": "other-model:abc:256"})
+    with pytest.raises(CheckpointError, match="embedding model"):
+        load(ckpt)
+    save(ckpt, tensors, meta)
+    index_path(ckpt, 0).unlink()
+    with pytest.raises(CheckpointError, match="index file"):
+        load(ckpt)
+
+
+def test_long_prompt_truncated_and_said_once():
+    emb = SentenceEmbedder("minilm", max_length=16)
+    long = "word " * 200
+    with pytest.warns(UserWarning, match="truncated"):
+        a = emb.embed([long])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        b = emb.embed([long + " more words at the end"])
+    np.testing.assert_allclose(a, b, atol=1e-6)  # the tail past 16 tokens is cut off
+    assert emb.dim == 384 and np.linalg.norm(a) == pytest.approx(1.0, abs=1e-5)
+
+
+# ----------------------------------------------------------------------------- EAP and cascade
+
+
+def test_eap_trains_exports_and_reloads(traces, eap_ckpt):
+    ts = TraceSet(traces)
+    eap = load(eap_ckpt, fingerprint=ts.model.fingerprint)
+    assert eap.name == "eap" and eap.horizon == "prompt-ahead"
+    meta = load_raw(eap_ckpt)[1]
+    assert meta["encoder_weights"] == "embedded" and meta["hparams"]["hidden"] == 64
+    assert len(meta["metrics"]["per_layer_recall"]) == 3
+    p = prompt_text(ts, ts.request_ids[0])
+    plan, branch = eap.plan(p)
+    assert branch == "eap" and plan.shape == (3, 8)
+    np.testing.assert_allclose(plan.sum(-1), 1.0, rtol=1e-5)
+    np.testing.assert_allclose(load(eap_ckpt).plan(p)[0], plan, rtol=1e-5)  # reload is deterministic
+    with pytest.raises(ValueError, match="empty"):
+        eap.plan("")
+    run_dir = eap_ckpt.with_name("eap.run")
+    assert (run_dir / "checkpoints" / "last.ckpt").exists() and list(run_dir.rglob("metrics.csv"))
+
+
+def test_eap_frozen_encoder_trains_heads_only(traces, tiny_encoder, tmp_path):
+    from moecast.train.cli import train
+
+    out = tmp_path / "eap_frozen.safetensors"
+    train(
+        [
+            "eap",
+            "--config",
+            str(Path(__file__).parents[1] / "configs" / "eap_minilm_frozen.yaml"),
+            "--traces",
+            str(traces),
+            "--out",
+            str(out),
+            "--model.encoder",
+            str(tiny_encoder),
+            "--model.max_length",
+            "32",
+            "--data.val_fraction",
+            "0.25",
+            "--trainer.max_epochs",
+            "3",
+            "--trainer.enable_progress_bar",
+            "false",
+        ]
+    )
+    tensors, meta = load_raw(out)
+    assert meta["encoder_weights"] == "reference" and not any(k.startswith("encoder.") for k in tensors)
+    eap = load(out)
+    assert eap.frozen and eap.plan("Why is the sky blue")[0].shape == (3, 8)
+
+
+def test_cascade_gate_and_table3(traces, eam_ckpt, eap_ckpt, tmp_path):
+    from moecast.train.casmoe import build_cascade_checkpoint
+
+    ts = TraceSet(traces)
+    out = tmp_path / "cascade.safetensors"
+    build_cascade_checkpoint(str(eam_ckpt), str(eap_ckpt), str(out), epsilon=0.5)
+    cascade = load(out, fingerprint=ts.model.fingerprint)
+    assert isinstance(cascade, Cascade) and cascade.epsilon == 0.5
+    train_ids, val_ids = ts.split(0.25, 0)
+    seen = prompt_text(ts, train_ids[0])
+    plan, branch = cascade.plan(seen)  # an indexed prompt: cosine 1 >= 0.5
+    assert branch == "eam"
+    cascade.epsilon = 1.0 + 1e-6  # nothing is confident enough: EAP answers
+    plan, branch = cascade.plan(seen)
+    assert branch == "eap"
+    np.testing.assert_allclose(plan, cascade.eap.plan(seen)[0], rtol=1e-5)
+    assert cascade.score_request(ts.get(val_ids[0])).shape == (len(ts.get(val_ids[0])), 3, 8)
+
+    rows = compare_planners(
+        eam_ckpt, eap_ckpt, traces, epsilons=[0.0, 1.0], val_fraction=0.25, progress=False
+    )
+    by = {r["planner"]: r for r in rows}
+    assert {"EAP", "EAM", "cascade eps=0", "cascade eps=1"} <= set(by)
+    assert by["cascade eps=0"]["recall_at_k"] == pytest.approx(by["EAM"]["recall_at_k"])
+    assert by["cascade eps=1"]["recall_at_k"] == pytest.approx(by["EAP"]["recall_at_k"])
+    assert by["cascade eps=0"]["eam_share"] == 1.0
+    assert all(0 <= r["recall_at_k"] <= 1 and r["mean_latency_ms"] >= 0 for r in rows)
+
+
+def test_cascade_refuses_planners_of_different_models(traces, eam_ckpt, eap_ckpt, tmp_path):
+    import shutil
+
+    other = tmp_path / "eap_other.safetensors"
+    shutil.copy(eap_ckpt, other)
+    tensors, meta = load_raw(other)
+    save(other, tensors, {**meta, "fingerprint": "ffffffffffffffff"})
+    with pytest.raises(CheckpointError, match="same MoE model"):
+        Cascade(load(eam_ckpt), load(other), 0.5)
+
+
+def test_train_eam_cli_with_yaml_config(traces, tmp_path, capsys):
+    from moecast.cli import main
+
+    out = tmp_path / "eam_cli.safetensors"
+    main(
+        [
+            "train",
+            "eam",
+            "--config",
+            str(Path(__file__).parents[1] / "configs" / "eam_minilm.yaml"),
+            "--traces",
+            str(traces),
+            "--out",
+            str(out),
+            "--val_fraction",
+            "0.25",
+            "--wandb",
+            "false",
+        ]
+    )
+    assert "plan recall@2" in capsys.readouterr().out
+    assert load(out).config.k_neighbours == 3
+
+
+# ----------------------------------------------------------------------------- real DeepSeek traces
+
+
+def test_real_puffin_prompts_and_eam(puffin_dir, tmp_path):
+    from moecast.collect.moe_beyond import import_moe_beyond
+    from moecast.train.casmoe import build_eam_index
+
+    ts = import_moe_beyond(puffin_dir, out=tmp_path / "ds", max_files=10)
+    prompts = [prompt_text(ts, r) for r in ts.request_ids]
+    assert all(p.strip() for p in prompts) and "Ġ" not in "".join(prompts)
+    ep, weighted = ep_labels(ts)
+    assert not weighted and ep.shape == (10, 26, 64)
+    out = tmp_path / "eam.safetensors"
+    build_eam_index(str(tmp_path / "ds"), str(out), val_fraction=0.2, wandb=False)
+    meta = load_raw(out)[1]
+    assert meta["ep_weighting"].startswith("count") and meta["fingerprint"] == ts.model.fingerprint
+    eam = load(out, fingerprint=ts.model.fingerprint)
+    plan, conf = eam.query(prompts[0])
+    assert plan.shape == (26, 64) and -1.0 <= conf <= 1.0 + 1e-5

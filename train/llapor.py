@@ -1,0 +1,169 @@
+"""LLaPor training (PreScope §4.2.2): per-group loss, AdamW by layer group, warm-up + cosine, augmentation.
+
+- Loss: input/output groups L = L_expert (BCE weighted by 1/f_i) + lambda * L_focal;
+  the paper gives no middle-group loss, so the middle group uses the balancing term
+  plus ``lam_middle`` * focal (default 0: balancing BCE alone).
+- Optimiser: AdamW with one parameter group per layer group (lr and weight decay
+  from config; the middle group gets higher ones, as in the paper) plus one for
+  the shared parts (input tables, token embedding). Input/output groups and the
+  shared parts: linear warm-up for ``warmup_epochs`` then cosine annealing; middle
+  group: cosine annealing without warm-up.
+- Augmentation: Gaussian noise on dense features and random masking of sparse
+  feature ids / dense features, training only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from moecast.predictors.llapor import GROUPS, LLaPor, LLaPorNet, NetConfig, balanced_focal_loss
+from moecast.train.data import LLaPorDataModule
+
+
+class LLaPorModule(pl.LightningModule):
+    """Trains all of a model's LLaPor predictors together (one network per layer, grouped)."""
+
+    datamodule_class = LLaPorDataModule
+
+    def __init__(
+        self,
+        hidden: int = 256,
+        depth_io: int = 1,
+        depth_middle: int = 2,
+        dropout: float = 0.1,
+        lr_io: float = 2e-3,
+        lr_middle: float = 3e-3,
+        lr_shared: float = 2e-3,
+        weight_decay_io: float = 1e-4,
+        weight_decay_middle: float = 1e-3,
+        warmup_epochs: int = 5,
+        lam_io: float = 0.5,
+        lam_middle: float = 0.0,
+        gamma: float = 2.0,
+        noise_std: float = 0.05,
+        mask_prob: float = 0.1,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net: LLaPorNet | None = None
+
+    # ------------------------------------------------------------------ build from the data
+    def setup(self, stage: str | None = None) -> None:
+        if self.net is not None:
+            return
+        dm = self.trainer.datamodule
+        hp = self.hparams
+        self.net = LLaPorNet(dm.spec, dm.groups, NetConfig(hp.hidden, hp.depth_io, hp.depth_middle, hp.dropout))
+        if dm.spec.gate_pca:
+            self.net.pca.components.copy_(torch.from_numpy(dm.pca_components))
+            self.net.pca.mean.copy_(torch.from_numpy(dm.pca_mean))
+        self.register_buffer("inv_freq", torch.from_numpy(dm.inv_freq))
+        lam = torch.full((dm.spec.num_layers,), float(hp.lam_io))
+        lam[dm.groups.get("middle", [])] = float(hp.lam_middle)
+        self.register_buffer("lam", lam)
+        self.moe_layers = list(dm.ts.meta.model.moe_layers)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.net(batch["bags"], batch.get("tokens"), batch.get("dense"))
+
+    def _augment(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        hp = self.hparams
+        out = dict(batch)
+        if hp.mask_prob > 0:
+            drop = torch.rand(batch["bags"].shape, device=self.device) < hp.mask_prob
+            out["bags"] = torch.where(drop, self.net.spec.vocab, batch["bags"])
+        if "dense" in batch:
+            d = batch["dense"]
+            if hp.noise_std > 0:
+                d = d + hp.noise_std * d.std().clamp_min(1e-6) * torch.randn_like(d)
+            if hp.mask_prob > 0:
+                d = d * (torch.rand_like(d) >= hp.mask_prob)
+            out["dense"] = d
+        return out
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        logits = self(self._augment(batch))
+        loss = balanced_focal_loss(logits, batch["target"], self.inv_freq, self.lam, self.hparams.gamma)
+        self.log("train/loss", loss, prog_bar=True, batch_size=len(logits))
+        return loss
+
+    # ------------------------------------------------------------------ validation metrics
+    def on_validation_epoch_start(self) -> None:
+        L = self.net.spec.num_layers
+        self._hits = torch.zeros(L, dtype=torch.float64)
+        self._rows = 0
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        logits = self(batch)
+        loss = balanced_focal_loss(logits, batch["target"], self.inv_freq, self.lam, self.hparams.gamma)
+        k = self.net.spec.top_k
+        pred = logits.topk(k, dim=-1).indices
+        hits = batch["target"].gather(-1, pred).sum(-1) / k  # [B, L]
+        self._hits += hits.sum(0).double().cpu()
+        self._rows += len(logits)
+        self.log("val/loss", loss, batch_size=len(logits))
+
+    def on_validation_epoch_end(self) -> None:
+        if not self._rows:
+            return
+        per_layer = self._hits / self._rows
+        self.log("val/recall", float(per_layer.mean()), prog_bar=True)
+        for g in GROUPS:
+            layers = self.net.groups.get(g, [])
+            if layers:
+                self.log(f"val/recall_group/{g}", float(per_layer[layers].mean()))
+        for pos, value in enumerate(per_layer.tolist()):
+            self.log(f"val/recall_layer/{self.moe_layers[pos]}", value)
+        self.last_val = {"recall_at_k": float(per_layer.mean()), "per_layer": per_layer.tolist()}
+
+    # ------------------------------------------------------------------ optimisation
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        groups: list[dict[str, Any]] = []
+        shared = [p for n, p in self.net.named_parameters() if not n.startswith("bodies.")]
+        groups.append({"params": shared, "lr": hp.lr_shared, "weight_decay": hp.weight_decay_io, "warm": True})
+        for g, body in self.net.bodies.items():
+            mid = g == "middle"
+            groups.append({
+                "params": list(body.parameters()),
+                "lr": hp.lr_middle if mid else hp.lr_io,
+                "weight_decay": hp.weight_decay_middle if mid else hp.weight_decay_io,
+                "warm": not mid,
+            })
+        warms = [pg.pop("warm") for pg in groups]
+        opt = torch.optim.AdamW(groups)
+        total = max(int(self.trainer.max_epochs or 1), 1)
+        warm_epochs = min(hp.warmup_epochs, max(total - 1, 0))
+
+        def warm_cosine(epoch: int) -> float:
+            if epoch < warm_epochs:
+                return (epoch + 1) / (warm_epochs + 1)
+            t = (epoch - warm_epochs) / max(total - warm_epochs, 1)
+            return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
+
+        def cosine(epoch: int) -> float:
+            return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(epoch / total, 1.0)))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, [warm_cosine if w else cosine for w in warms])
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "epoch"}}
+
+    # ------------------------------------------------------------------ export
+    def export(self, out: Path, dm: LLaPorDataModule, info: dict[str, Any]) -> Path:
+        """Write the trained predictor as one .safetensors loadable by ``moecast.predictors.load``."""
+        m = dm.ts.meta.model
+        pred = LLaPor(self.net.cpu().eval(), m.moe_layers, m.fingerprint)
+        extra = {
+            "model_name": m.name_or_path,
+            "trained_on": str(dm.ts.path),
+            "split": {"val_fraction": dm.hparams.val_fraction, "seed": dm.hparams.seed,
+                      "train_requests": len(dm.train_ids), "val_requests": len(dm.val_ids)},
+            "hyper_parameters": {**dict(self.hparams), **{k: v for k, v in dict(dm.hparams).items() if k != "traces"}},
+            "training": {**info, **getattr(self, "last_val", {})},
+            "net": asdict(self.net.net),
+        }
+        return pred.save(out, extra)

@@ -1,0 +1,203 @@
+"""Training of the MoE-Beyond-style sequence predictor (MoE-Beyond §3.2): multi-label BCE over every layer.
+
+Batches are whole requests (padded to the longest in the batch, truncated to
+``max_len``); the loss is binary cross-entropy over (token, layer, expert), with
+padding masked out. AdamW with linear warm-up then cosine annealing per epoch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+import torch.nn.functional as F
+from moecast.collect.traceset import open_traces
+from moecast.predictors.metrics import multi_hot
+from moecast.predictors.sequence import SequenceConfig, SequenceNet, SequencePredictor
+from moecast.train.data import split_requests
+from torch.utils.data import DataLoader, Dataset
+
+
+class RequestBatches(Dataset):
+    def __init__(self, dm: SequenceDataModule, requests: np.ndarray) -> None:
+        self.dm, self.requests = dm, requests
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.__getitems__([i])
+
+    def __getitems__(self, idx: list[int]) -> dict[str, torch.Tensor]:
+        return self.dm.batch(self.requests[np.asarray(idx)])
+
+
+def _identity(batch: Any) -> Any:
+    return batch
+
+
+class SequenceDataModule(pl.LightningDataModule):
+    """Requests of a TraceSet as padded token sequences (request-level split via TraceSet.split)."""
+
+    def __init__(
+        self,
+        traces: str,
+        val_fraction: float = 0.1,
+        seed: int = 0,
+        batch_size: int = 16,
+        max_requests: int | None = None,
+        token_buckets: int = 32768,
+        max_len: int = 256,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.traces = traces
+        self._built = False
+
+    def setup(self, stage: str | None = None) -> None:
+        if self._built:
+            return
+        hp = self.hparams
+        ts = open_traces(self.traces)
+        self.ts = ts
+        m = ts.meta.model
+        self.train_ids, self.val_ids = split_requests(ts, hp.val_fraction, hp.seed, hp.max_requests)
+        order = self.train_ids + self.val_ids
+        self.topk = np.ascontiguousarray(ts.array("topk_ids", order))
+        self.tokens = ts.column("token_id", order).astype(np.int64) % hp.token_buckets
+        lengths = ts.request_lengths(order)
+        self.starts = np.cumsum(lengths) - lengths
+        self.lengths = np.minimum(lengths, hp.max_len)
+        self.cfg = SequenceConfig(m.num_layers, m.num_experts, m.top_k, token_buckets=hp.token_buckets, max_len=hp.max_len)
+        n = len(self.train_ids)
+        self.train_req = np.arange(n)
+        self.val_req = np.arange(n, len(order))
+        self._built = True
+
+    def batch(self, reqs: np.ndarray) -> dict[str, torch.Tensor]:
+        L, E = self.cfg.num_layers, self.cfg.num_experts
+        T = int(self.lengths[reqs].max())
+        B = len(reqs)
+        tokens = np.zeros((B, T), np.int64)
+        prev = np.zeros((B, T, L * E), np.float32)
+        target = np.zeros((B, T, L, E), np.float32)
+        pad = np.ones((B, T), bool)
+        for i, r in enumerate(reqs):
+            s, n = int(self.starts[r]), int(self.lengths[r])
+            hot = multi_hot(self.topk[s : s + n], E, np.float32)
+            tokens[i, :n] = self.tokens[s : s + n]
+            prev[i, 1:n] = hot[:-1].reshape(n - 1, L * E)
+            target[i, :n] = hot
+            pad[i, :n] = False
+        return {"tokens": torch.from_numpy(tokens), "prev": torch.from_numpy(prev),
+                "target": torch.from_numpy(target), "pad": torch.from_numpy(pad)}
+
+    def _loader(self, reqs: np.ndarray, shuffle: bool) -> DataLoader:
+        if len(reqs) == 0:
+            raise ValueError(f"{self.traces}: the {'training' if shuffle else 'validation'} split is empty")
+        return DataLoader(RequestBatches(self, reqs), batch_size=self.hparams.batch_size, shuffle=shuffle,
+                          collate_fn=_identity, num_workers=self.hparams.num_workers)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_req, True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_req, False)
+
+
+class SequenceModule(pl.LightningModule):
+    """MoE-Beyond sequence predictor training."""
+
+    datamodule_class = SequenceDataModule
+
+    def __init__(
+        self,
+        d_model: int = 128,
+        n_heads: int = 4,
+        n_blocks: int = 2,
+        ffn: int = 256,
+        dropout: float = 0.1,
+        lr: float = 1e-3,
+        weight_decay: float = 0.01,
+        warmup_epochs: int = 1,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net: SequenceNet | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.net is not None:
+            return
+        dm = self.trainer.datamodule
+        hp = self.hparams
+        c = dm.cfg
+        self.cfg = SequenceConfig(c.num_layers, c.num_experts, c.top_k, c.token_buckets, hp.d_model, hp.n_heads,
+                                  hp.n_blocks, hp.ffn, hp.dropout, c.max_len)
+        self.net = SequenceNet(self.cfg)
+        self.moe_layers = list(dm.ts.meta.model.moe_layers)
+
+    def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.net(batch["tokens"], batch["prev"], batch["pad"])
+        keep = (~batch["pad"]).float()[..., None, None]
+        bce = F.binary_cross_entropy_with_logits(logits, batch["target"], reduction="none")
+        return (bce * keep).sum() / (keep.sum() * logits.shape[2] * logits.shape[3]).clamp_min(1), logits
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss, _ = self._loss(batch)
+        self.log("train/loss", loss, prog_bar=True, batch_size=len(batch["tokens"]))
+        return loss
+
+    def on_validation_epoch_start(self) -> None:
+        self._hits = torch.zeros(self.cfg.num_layers, dtype=torch.float64)
+        self._rows = 0
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        loss, logits = self._loss(batch)
+        k = self.cfg.top_k
+        hits = batch["target"].gather(-1, logits.topk(k, -1).indices).sum(-1) / k  # [B, T, L]
+        valid = ~batch["pad"]
+        self._hits += hits[valid].sum(0).double()
+        self._rows += int(valid.sum())
+        self.log("val/loss", loss, batch_size=len(batch["tokens"]))
+
+    def on_validation_epoch_end(self) -> None:
+        if not self._rows:
+            return
+        per_layer = self._hits / self._rows
+        self.log("val/recall", float(per_layer.mean()), prog_bar=True)
+        for pos, v in enumerate(per_layer.tolist()):
+            self.log(f"val/recall_layer/{self.moe_layers[pos]}", v)
+        self.last_val = {"recall_at_k": float(per_layer.mean()), "per_layer": per_layer.tolist()}
+
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        opt = torch.optim.AdamW(self.net.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
+        total = max(int(self.trainer.max_epochs or 1), 1)
+        warm = min(hp.warmup_epochs, max(total - 1, 0))
+
+        def schedule(epoch: int) -> float:
+            if epoch < warm:
+                return (epoch + 1) / (warm + 1)
+            return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min((epoch - warm) / max(total - warm, 1), 1.0)))
+
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, schedule), "interval": "epoch"}}
+
+    def export(self, out: Path, dm: SequenceDataModule, info: dict[str, Any]) -> Path:
+        m = dm.ts.meta.model
+        pred = SequencePredictor(self.net.cpu().eval(), m.moe_layers, m.fingerprint)
+        extra = {
+            "model_name": m.name_or_path,
+            "trained_on": str(dm.ts.path),
+            "split": {"val_fraction": dm.hparams.val_fraction, "seed": dm.hparams.seed,
+                      "train_requests": len(dm.train_ids), "val_requests": len(dm.val_ids)},
+            "hyper_parameters": {**dict(self.hparams), **{k: v for k, v in dict(dm.hparams).items() if k != "traces"}},
+            "training": {**info, **getattr(self, "last_val", {})},
+            "net": asdict(self.cfg),
+        }
+        return pred.save(out, extra)
