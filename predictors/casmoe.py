@@ -196,7 +196,9 @@ def encoder_identity(path: Path) -> str:
 _EMBEDDERS: dict[tuple[str, int | None, str], SentenceEmbedder] = {}
 
 
-def shared_embedder(spec: str | Path | None, max_length: int | None = None, device: str = "cpu") -> SentenceEmbedder:
+def shared_embedder(
+    spec: str | Path | None, max_length: int | None = None, device: str = "cpu"
+) -> SentenceEmbedder:
     """One loaded embedder per (model, limit, device) in a process: an EAM reload or a cascade
     holding several planners does not load MiniLM again (it is read-only at inference)."""
     key = (str(resolve_encoder_path(spec)), max_length, device)

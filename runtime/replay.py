@@ -210,6 +210,12 @@ def _load_predictor(name: str | None, ts: TraceSet) -> Any:
 
 def replay(ts: TraceSet | str, cfg: ReplayConfig) -> ReplayResult:
     """Replay one configuration over a TraceSet and return the DESIGN.md metrics."""
+    return replay_capacities(ts, cfg, [cfg.capacity])[0]
+
+
+def replay_capacities(ts: TraceSet | str, cfg: ReplayConfig, capacities: list[float | str]) -> list[ReplayResult]:
+    """Replay ``cfg`` at several cache capacities in one vectorised pass (the caches are independent
+    lanes, so this equals one :func:`replay` per capacity, at a fraction of the Python overhead)."""
     t0 = time.perf_counter()
     if not isinstance(ts, TraceSet):
         ts = TraceSet(ts)
@@ -233,7 +239,11 @@ def replay(ts: TraceSet | str, cfg: ReplayConfig) -> ReplayResult:
         raise ValueError(f"--alpha applies to substitution, which policy {cfg.policy!r} does not use; use --policy smoe")
     if spec.eviction == "score" and cfg.shared:
         raise ValueError("score eviction keeps one score window per layer; drop --shared or choose another policy")
-    cap = resolve_capacity(cfg.capacity, E, k, m.expert_bytes)
+    caps = np.array([resolve_capacity(c, E, k, m.expert_bytes) for c in capacities], dtype=np.int64)
+    if len(caps) == 0:
+        raise ValueError("no capacities to replay")
+    C = len(caps)
+    cap = int(caps.max())
     profile = cfg.hardware if isinstance(cfg.hardware, HardwareProfile) else load_profile(cfg.hardware)
     cost = CostModel.from_profile(profile, m.expert_bytes)
     pred_name = spec.predictor if cfg.predictor is None else cfg.predictor
@@ -252,9 +262,10 @@ def replay(ts: TraceSet | str, cfg: ReplayConfig) -> ReplayResult:
     G, S, _ = tok.shape
     stream_len = (tok >= 0).any(2).sum(1)  # steps per stream (slots finish at different times)
     N = L * E if cfg.shared else E
-    lanes = G if cfg.shared else G * L
-    capacity = cap * L if cfg.shared else cap
-    cache = ExpertCache(N, capacity, spec.eviction, lanes=lanes, score_window=cfg.score_window)
+    lanes = C * G if cfg.shared else C * G * L
+    per_cap = caps * L if cfg.shared else caps
+    cap_of_lane = np.repeat(np.arange(C), lanes // C)
+    cache = ExpertCache(N, per_cap[cap_of_lane], spec.eviction, lanes=lanes, score_window=cfg.score_window)
 
     # predictions: per (token, layer) the top-k predicted ids, best first
     kp = k
@@ -295,10 +306,10 @@ def replay(ts: TraceSet | str, cfg: ReplayConfig) -> ReplayResult:
     if spec.eviction == "static":
         table = StaticTable.from_topk(d.topk, E)
         if cfg.shared:
-            cache.preload(np.arange(G), np.broadcast_to(table.shared(capacity), (G, capacity)))
+            cache.preload(np.arange(lanes), np.broadcast_to(table.shared(cap * L), (lanes, cap * L)))
         else:
-            per = table.per_layer(cap)  # [L, cap]
-            cache.preload(np.arange(lanes), np.tile(per, (G, 1)))
+            per = table.per_layer(cap)  # [L, cap]; each lane keeps the first capacity_of[lane]
+            cache.preload(np.arange(lanes), np.tile(per, (C * G, 1)))
     nu = _next_use(d.topk, tok, L, E, cfg.shared) if spec.eviction == "belady" else None
 
     # per-lane link state carried from the producing layer to the consuming one
@@ -308,11 +319,14 @@ def replay(ts: TraceSet | str, cfg: ReplayConfig) -> ReplayResult:
     lane_pf_used = np.ones(lanes)
     lane_pf_landed = np.full(lanes, 2.0)
     # statistics
-    st = {n: np.zeros(L) for n in ("uses", "hits", "loads", "cpu", "subs", "pf_issued", "pf_landed", "pf_started", "time")}
-    step_time = np.zeros((G, S))
+    st = {
+        n: np.zeros(C * L)
+        for n in ("uses", "hits", "loads", "cpu", "subs", "pf_issued", "pf_landed", "pf_started", "pf_used", "pf_inserted", "time")
+    }
+    step_time = np.zeros((C, G, S))
     step_decode = np.zeros((G, S), dtype=bool)
-    layer_of_lane = np.zeros(lanes, dtype=np.int64) if cfg.shared else np.tile(np.arange(L), G)
-    stream_of_lane = np.arange(lanes) if cfg.shared else np.repeat(np.arange(G), L)
+    layer_of_lane = np.zeros(lanes, dtype=np.int64) if cfg.shared else np.tile(np.arange(L), C * G)
+    stream_of_lane = np.tile(np.arange(G), C) if cfg.shared else np.tile(np.repeat(np.arange(G), L), C)
     t_io = cost.t_io
     cap_pf = B * kp
 
@@ -327,12 +341,12 @@ def replay(ts: TraceSet | str, cfg: ReplayConfig) -> ReplayResult:
     for i in _progress(range(n_iter), cfg.progress, f"replay {cfg.policy}"):
         if cfg.shared:
             s_i, l_i = divmod(i, L)
-            act = np.flatnonzero(stream_len > s_i)
+            act = np.flatnonzero(stream_len[stream_of_lane] > s_i)
             if len(act) == 0:
                 continue
             lay = np.full(len(act), l_i)
             s = np.full(len(act), s_i)
-            g = act
+            g = stream_of_lane[act]
         else:
             n_act = int(np.searchsorted(-sorted_end, -i, side="left"))  # lanes with end > i
             act = lane_order[:n_act]
@@ -359,7 +373,8 @@ def replay(ts: TraceSet | str, cfg: ReplayConfig) -> ReplayResult:
             if starting.any():
                 rq = np.searchsorted(d.starts, toks[starting].max(1), side="right") - 1
                 plan_ids = plan_top[rq, lay[starting]][:, : max(cap // B, 1)] + (off[starting, 0] if cfg.shared else 0)
-                cache.insert(act[starting], plan_ids, prefetch=True, t=None)
+                ins = cache.insert(act[starting], plan_ids, prefetch=True, t=None)
+                _acc(st["pf_inserted"], cap_of_lane[act[starting]] * L + lay[starting], ins.sum(1))
 
         # prefetch arrival: top predicted non-resident experts that fit in the free link time
         if prefetching:
@@ -385,11 +400,12 @@ def replay(ts: TraceSet | str, cfg: ReplayConfig) -> ReplayResult:
             new_delay = np.where((want > landed) & np.isfinite(t_io) & (t_io > 0), (landed + 1) * t_io - free[act], 0.0)
             delay[act] = np.maximum(new_delay, 0.0)
             take = np.arange(cand.shape[1])[None, :] < landed[:, None]
-            cache.insert(act, np.where(take, cand, -1), shield=predicted, prefetch=True, t=lt)
+            ins = cache.insert(act, np.where(take, cand, -1), shield=predicted, prefetch=True, t=lt)
+            _acc(st["pf_inserted"], cap_of_lane[act] * L + lay, ins.sum(1))
             lane_pf_landed[act] += landed
-            np.add.at(st["pf_issued"], lay, want)
-            np.add.at(st["pf_landed"], lay, landed)
-            np.add.at(st["pf_started"], lay, started)
+            _acc(st["pf_issued"], cap_of_lane[act] * L + lay, want)
+            _acc(st["pf_landed"], cap_of_lane[act] * L + lay, landed)
+            _acc(st["pf_started"], cap_of_lane[act] * L + lay, started)
         else:
             delay[act] = 0.0
 
@@ -402,7 +418,7 @@ def replay(ts: TraceSet | str, cfg: ReplayConfig) -> ReplayResult:
                 res = res.reshape(n * B, L, E)[np.arange(n * B), np.repeat(lay, B)]
             new_ids, nsub = substitute(probs, ids.reshape(n * B, k), res, cfg.alpha, group=np.repeat(np.arange(n), B))
             ids = np.where(tvalid[:, :, None], new_ids.reshape(n, B, k), -1)
-            np.add.at(st["subs"], lay, (nsub.reshape(n, B) * tvalid).sum(1))
+            _acc(st["subs"], cap_of_lane[act] * L + lay, (nsub.reshape(n, B) * tvalid).sum(1))
 
         # the access: union of the step's experts, with token counts
         flat = ids.reshape(n, B * k) + (off[:, :, 0] if cfg.shared else 0)
@@ -415,6 +431,7 @@ def replay(ts: TraceSet | str, cfg: ReplayConfig) -> ReplayResult:
         if prefetching:
             used = (hit_u & cache.prefetched[act[:, None], np.where(uniq >= 0, uniq, 0)]).sum(1)
             lane_pf_used[act] += used
+            _acc(st["pf_used"], cap_of_lane[act] * L + lay, used)
         uses = counts.sum(1)
         hits = (counts * hit_u).sum(1)
         miss = (uniq >= 0) & ~hit_u
@@ -457,7 +474,8 @@ def replay(ts: TraceSet | str, cfg: ReplayConfig) -> ReplayResult:
             link = np.where(n_load > 0, math.inf, link)
         t_dev = n_dev * cost.t_g
         layer_t = cost.t_attn + np.maximum(np.maximum(t_dev, link + np.where(n_load > 0, cost.t_g, 0.0)), t_cpu)
-        step_time[g, s] += layer_t
+        cl = cap_of_lane[act]
+        step_time[cl, g, s] += layer_t
         # the link time this layer leaves free for the next layer's prefetch (its window includes
         # the next layer's attention)
         if cfg.shared:
@@ -470,63 +488,71 @@ def replay(ts: TraceSet | str, cfg: ReplayConfig) -> ReplayResult:
                 free[act[has_next] + 1] = np.nan_to_num(layer_t - link, nan=0.0)[has_next]
             free[act[lay == 0]] = cost.t_attn
 
-        np.add.at(st["uses"], lay, uses)
-        np.add.at(st["hits"], lay, hits)
-        np.add.at(st["loads"], lay, n_load)
-        np.add.at(st["cpu"], lay, n_miss - n_load)
-        np.add.at(st["time"], lay, layer_t)
+        _acc(st["uses"], cap_of_lane[act] * L + lay, uses)
+        _acc(st["hits"], cap_of_lane[act] * L + lay, hits)
+        _acc(st["loads"], cap_of_lane[act] * L + lay, n_load)
+        _acc(st["cpu"], cap_of_lane[act] * L + lay, n_miss - n_load)
+        _acc(st["time"], cap_of_lane[act] * L + lay, layer_t)
 
-    uses = st["uses"].sum()
-    per_layer = (st["hits"] / np.maximum(st["uses"], 1)).tolist()
-    any_decode = step_decode.any()
-    valid_step = np.zeros((G, S), dtype=bool)
-    for gi in range(G):
-        valid_step[gi, : stream_len[gi]] = True
+    any_decode = bool(step_decode.any())
+    valid_step = np.arange(S)[None, :] < stream_len[:, None]
     basis_mask = valid_step & step_decode if any_decode else valid_step
-    tpot = float(step_time[basis_mask].mean()) if basis_mask.any() else None
-    if tpot is not None and not math.isfinite(tpot):
-        tpot = None
-    landed_total = int(st["pf_landed"].sum())
-    pf_acc = cache.stats.prefetch_used / cache.stats.prefetch_inserted if cache.stats.prefetch_inserted else None
-    moved = int((st["loads"].sum() + st["pf_started"].sum()) * m.expert_bytes)
-    n_tokens = int(d.lengths.sum())
-    cfg_out = {
-        "traces": str(ts.path),
-        "policy": cfg.policy,
-        "eviction": spec.eviction,
-        "substitution": use_sub,
-        "balancer": spec.balancer,
-        "predictor": pred_name or "none",
-        "planner": cfg.planner or "none",
-        "capacity": cap,
-        "capacity_fraction": cap / E,
-        "shared": cfg.shared,
-        "mode": "cold" if cfg.cold else "stream",
-        "batch_size": B,
-        "hardware": profile.name,
-        "alpha": cfg.alpha,
-    }
-    return ReplayResult(
-        config=cfg_out,
-        hit_rate=float(st["hits"].sum() / max(uses, 1)),
-        hit_rate_per_layer=per_layer,
-        prefetch_accuracy=pf_acc,
-        prefetches_issued=int(st["pf_issued"].sum()),
-        prefetches_landed=landed_total,
-        loads=int(st["loads"].sum()),
-        cpu_experts=int(st["cpu"].sum()),
-        cpu_expert_rate=float(st["cpu"].sum() / max(uses, 1)),
-        bytes_moved=moved,
-        substitution_rate=float(st["subs"].sum() / max(uses, 1)),
-        modeled_tpot_ms=tpot,
-        tpot_basis="decode steps" if any_decode else "every token as a step (prefill-only trace, no decode steps)",
-        layer_time_ms_per_layer=(st["time"] / np.maximum(basis_mask.sum(), 1)).tolist(),
-        requests=len(rids),
-        tokens=n_tokens,
-        steps=int(valid_step.sum()),
-        accesses=int(uses),
-        wall_s=time.perf_counter() - t0,
-    )
+    n_steps = int(valid_step.sum())
+    wall = time.perf_counter() - t0
+    results = []
+    for c in range(C):
+        sl = slice(c * L, (c + 1) * L)
+        t = {name: v[sl] for name, v in st.items()}
+        uses = t["uses"].sum()
+        tpot = float(step_time[c][basis_mask].mean()) if basis_mask.any() else None
+        if tpot is not None and not math.isfinite(tpot):
+            tpot = None
+        inserted = t["pf_inserted"].sum()
+        cfg_out = {
+            "traces": str(ts.path),
+            "policy": cfg.policy,
+            "eviction": spec.eviction,
+            "substitution": use_sub,
+            "balancer": spec.balancer,
+            "predictor": pred_name or "none",
+            "planner": cfg.planner or "none",
+            "capacity": int(caps[c]),
+            "capacity_fraction": float(caps[c] / E),
+            "shared": cfg.shared,
+            "mode": "cold" if cfg.cold else "stream",
+            "batch_size": B,
+            "hardware": profile.name,
+            "alpha": cfg.alpha,
+        }
+        results.append(
+            ReplayResult(
+                config=cfg_out,
+                hit_rate=float(t["hits"].sum() / max(uses, 1)),
+                hit_rate_per_layer=(t["hits"] / np.maximum(t["uses"], 1)).tolist(),
+                prefetch_accuracy=float(t["pf_used"].sum() / inserted) if inserted else None,
+                prefetches_issued=int(t["pf_issued"].sum()),
+                prefetches_landed=int(t["pf_landed"].sum()),
+                loads=int(t["loads"].sum()),
+                cpu_experts=int(t["cpu"].sum()),
+                cpu_expert_rate=float(t["cpu"].sum() / max(uses, 1)),
+                bytes_moved=int((t["loads"].sum() + t["pf_started"].sum()) * m.expert_bytes),
+                substitution_rate=float(t["subs"].sum() / max(uses, 1)),
+                modeled_tpot_ms=tpot,
+                tpot_basis="decode steps" if any_decode else "every token as a step (prefill-only trace, no decode steps)",
+                layer_time_ms_per_layer=(t["time"] / max(n_steps, 1)).tolist(),
+                requests=len(rids),
+                tokens=int(d.lengths.sum()),
+                steps=n_steps,
+                accesses=int(uses),
+                wall_s=wall / C,
+                extra={"capacities_in_pass": C},
+            )
+        )
+    return results
+
+
+def _acc(target: np.ndarray, idx: np.ndarray, values: np.ndarray) -> None:
+    target += np.bincount(idx, weights=np.asarray(values, dtype=np.float64), minlength=len(target))
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -168,3 +168,57 @@ def test_cli_compare_writes_tables_plot_and_wandb(tmp_path, capsys):
     assert len(rows) == 1 + 2 + 4  # lru x 2 capacities, prefetch x 2 predictors x 2 capacities
     assert (out / "plot.png").stat().st_size > 0 and "| policy |" in (out / "table.md").read_text()
     assert len(list(Path(out / "wandb").glob("offline-run-*"))) == 6
+
+
+def test_capacities_in_one_pass_equal_separate_runs(tmp_path):
+    from moecast.runtime.replay import replay_capacities
+
+    ts = TraceSet(make_synthetic_traceset(tmp_path / "s", num_requests=5, num_layers=3, num_experts=16, top_k=2, tokens=11))
+    for policy in ("lfu", "prefetch", "presched"):
+        many = replay_capacities(ts, ReplayConfig(policy=policy, cold=False), [2, 5, 8])
+        for c, r in zip([2, 5, 8], many):
+            one = replay(ts, ReplayConfig(policy=policy, capacity=c, cold=False))
+            assert r.hit_rate == one.hit_rate and r.modeled_tpot_ms == pytest.approx(one.modeled_tpot_ms)
+            assert r.cpu_experts == one.cpu_experts
+
+
+class PlanPredictor:
+    """A prompt-ahead test planner: the request's own expert counts (a perfect plan)."""
+
+    name = "test-plan"
+    horizon = "prompt-ahead"
+    needs = ("topk_ids",)
+
+    def __init__(self, E: int) -> None:
+        self.E = E
+
+    @classmethod
+    def from_checkpoint(cls, tensors, meta, path):
+        return cls(int(meta["num_experts"]))
+
+    def score_request(self, trace):
+        T, L, k = trace.topk_ids.shape
+        plan = np.zeros((L, self.E), dtype=np.float32)
+        for layer in range(L):
+            plan[layer] = np.bincount(trace.topk_ids[:, layer].reshape(-1).astype(int), minlength=self.E)
+        return np.broadcast_to(plan, (T, L, self.E))
+
+
+def test_planner_checkpoint_preloads_and_prefetches(tmp_path):
+    from moecast.predictors import checkpoint, registry
+
+    ts = TraceSet(make_synthetic_traceset(tmp_path / "s", num_requests=4, num_layers=3, num_experts=16, top_k=2, tokens=12))
+    registry.register("test-plan", "test_replay:PlanPredictor")
+    ck = tmp_path / "plan.safetensors"
+    m = ts.meta.model
+    checkpoint.save(ck, {"dummy": np.zeros(1, dtype=np.float32)}, {
+        "kind": "test-plan", "fingerprint": m.fingerprint, "moe_layers": m.moe_layers, "num_experts": m.num_experts, "top_k": m.top_k})
+    base = replay(ts, ReplayConfig(policy="lru", capacity=6, cold=True))
+    planned = replay(ts, ReplayConfig(policy="lru", capacity=6, cold=True, planner=str(ck)))
+    assert planned.hit_rate > base.hit_rate
+    assert planned.prefetch_accuracy is not None and 0 < planned.prefetch_accuracy <= 1
+    bad = tmp_path / "other.safetensors"
+    checkpoint.save(bad, {"dummy": np.zeros(1, dtype=np.float32)}, {
+        "kind": "test-plan", "fingerprint": "0000", "moe_layers": m.moe_layers, "num_experts": m.num_experts, "top_k": m.top_k})
+    with pytest.raises(ValueError, match="fingerprint"):
+        replay(ts, ReplayConfig(policy="lru", capacity=6, planner=str(bad)))

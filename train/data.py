@@ -81,6 +81,7 @@ class LLaPorDataModule(pl.LightningDataModule):
         batch_size: int = 512,
         max_requests: int | None = None,
         prev_layers: int = 1,
+        deep_history: bool = False,
         history_tokens: int = 0,
         token_buckets: int = 0,
         token_dim: int = 32,
@@ -143,7 +144,7 @@ class LLaPorDataModule(pl.LightningDataModule):
                 pca_dims[l] = int(min(want, m.hidden_size, len(sub)))
         self.spec = FeatureSpec(
             num_layers=L, num_experts=E, top_k=k,
-            prev_layers=hp.prev_layers, history_tokens=hp.history_tokens,
+            prev_layers=hp.prev_layers, deep_history=hp.deep_history, history_tokens=hp.history_tokens,
             token_buckets=hp.token_buckets, token_dim=hp.token_dim,
             gate_pca=use_gate, pca_dims=pca_dims, gate_hidden=m.hidden_size if use_gate else 0, weights=use_w,
         )
@@ -189,6 +190,8 @@ class LLaPorDataModule(pl.LightningDataModule):
             "bags": torch.from_numpy(sparse_bags(self.spec, self.topk, rows, self.pos[rows])),
             "target": torch.from_numpy(multi_hot(self.topk[rows], self.spec.num_experts, np.float32)),
         }
+        if self.spec.deep_history:
+            out["route"] = torch.from_numpy(self.topk[rows].astype(np.int64))
         if self.spec.token_buckets:
             out["tokens"] = torch.from_numpy(self.token_ids[rows] % self.spec.token_buckets)
         if self.dense is not None:

@@ -69,7 +69,7 @@ class LLaPorModule(pl.LightningModule):
         self.moe_layers = list(dm.ts.meta.model.moe_layers)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.net(batch["bags"], batch.get("tokens"), batch.get("dense"))
+        return self.net(batch["bags"], batch.get("tokens"), batch.get("dense"), batch.get("route"))
 
     def _augment(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         hp = self.hparams
