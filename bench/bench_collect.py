@@ -26,11 +26,12 @@ def main() -> None:
     parser.add_argument("--max-prompt-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--gate-inputs", action="store_true", help="also record gate inputs (more host copies)")
+    parser.add_argument(
+        "--gate-inputs", action="store_true", help="also record gate inputs (more host copies)"
+    )
     args = parser.parse_args()
 
     import torch
-
     from moecast.collect.models import find_moe_structure, load_model, model_info
     from moecast.collect.recorder import RoutingRecorder
     from moecast.collect.runner import Collector, GenerationSettings
@@ -42,8 +43,11 @@ def main() -> None:
     structure = find_moe_structure(model)
     info = model_info(model, structure, name)
     requests = load_requests(get_spec("sharegpt"), None, limit=args.requests)
-    settings = GenerationSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                                  max_prompt_tokens=args.max_prompt_tokens)
+    settings = GenerationSettings(
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        max_prompt_tokens=args.max_prompt_tokens,
+    )
     recorder = RoutingRecorder(structure, info.top_k, router_probs=True, gate_inputs=args.gate_inputs)
 
     def timed(traced: bool) -> tuple[float, int]:
@@ -79,15 +83,21 @@ def main() -> None:
         finally:
             recorder.detach()
 
-    print(f"model {name}: {info.family}, {info.num_layers} MoE layers x {info.num_experts} experts, top-{info.top_k}; "
-          f"{len(requests)} ShareGPT requests, batch {args.batch_size}, {args.max_new_tokens} new tokens, "
-          f"{args.threads} thread(s), best of {args.repeats}")
+    print(
+        f"model {name}: {info.family}, {info.num_layers} MoE layers x {info.num_experts} experts, top-{info.top_k}; "
+        f"{len(requests)} ShareGPT requests, batch {args.batch_size}, {args.max_new_tokens} new tokens, "
+        f"{args.threads} thread(s), best of {args.repeats}"
+    )
     print(f"  tokens per pass                 {tokens:,}")
     print(f"  untraced generation             {best_plain:.3f} s  ({tokens / best_plain:,.0f} tok/s)")
     print(f"  traced generation               {best_traced:.3f} s  ({tokens / best_traced:,.0f} tok/s)")
-    print(f"  tracing overhead                {overhead * 100:+.1f} %  (goal <= 10 %)  "
-          f"[all repeats: untraced {', '.join(f'{t:.2f}' for t in plain)}; traced {', '.join(f'{t:.2f}' for t in traced)}]")
-    print(f"  collection to disk (end to end) {stats['tokens_per_s']:,.0f} tok/s  ({int(stats['tokens']):,} tokens in {stats['seconds']:.2f} s)")
+    print(
+        f"  tracing overhead                {overhead * 100:+.1f} %  (goal <= 10 %)  "
+        f"[all repeats: untraced {', '.join(f'{t:.2f}' for t in plain)}; traced {', '.join(f'{t:.2f}' for t in traced)}]"
+    )
+    print(
+        f"  collection to disk (end to end) {stats['tokens_per_s']:,.0f} tok/s  ({int(stats['tokens']):,} tokens in {stats['seconds']:.2f} s)"
+    )
 
 
 if __name__ == "__main__":

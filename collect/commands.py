@@ -10,6 +10,8 @@ from typing import Any
 
 from moecast.collect.traceset import TraceMeta, TraceSet, TraceSetError, TraceWriter, merge
 
+SMALL_HIDDEN = 512  # hidden sizes up to this run single-threaded on CPU unless --threads says otherwise
+
 
 def _device(device: str) -> str:
     import torch
@@ -26,7 +28,9 @@ def _probe_norm_topk(model: Any, tokenizer: Any, recorder: Any) -> bool:
     """Whether the routing weights the model uses sum to one (for configs without ``norm_topk_prob``)."""
     import torch
 
-    ids = tokenizer("The quick brown fox", return_tensors="pt")["input_ids"].to(next(model.parameters()).device)
+    ids = tokenizer("The quick brown fox", return_tensors="pt")["input_ids"].to(
+        next(model.parameters()).device
+    )
     with torch.no_grad():
         model(input_ids=ids)
     sums = recorder.take().topk_weights.sum(-1)
@@ -42,6 +46,7 @@ def collect(
     batch_size: int = 8,
     max_prompt_tokens: int = 1024,
     chunk_size: int = 32,
+    chat_template: bool = False,
     data_dir: str | None = None,
     gate_inputs: bool = False,
     router_probs: bool = True,
@@ -73,6 +78,7 @@ def collect(
         batch_size: Requests per forward batch (left-padded).
         max_prompt_tokens: Prompts are truncated to this many tokens.
         chunk_size: Requests per written part (a kill loses at most one chunk).
+        chat_template: Wrap each prompt as one user turn with the tokenizer's chat template (instruct models).
         data_dir: Folder with local datasets: <name>/, <name>.jsonl, .json or .parquet.
         gate_inputs: Also record each router's input hidden state (float16 [L, H] per token).
         router_probs: Record the full router probability vector (float16 [L, E] per token).
@@ -83,22 +89,29 @@ def collect(
         shard_index: This process's shard (default: $RANK or 0).
         seed: Torch seed (greedy decoding is deterministic; recorded in meta.json).
         trust_remote_code: Allow model code from the model directory.
-        threads: torch CPU threads for this run (default: torch's choice).
+        threads: torch CPU threads for this run (default: 1 for small models on CPU, else torch's choice).
         progress: Show a progress bar.
         json: Print the summary as one JSON object per line.
     """
     import torch
-
-    from moecast import __version__
     from moecast.collect.models import find_moe_structure, load_model, model_info
     from moecast.collect.recorder import RoutingRecorder
     from moecast.collect.runner import Collector, GenerationSettings, default_shard, shard_requests
     from moecast.collect.workloads import load_requests, parse_workloads
 
+    from moecast import __version__
+
     if max_requests is not None and max_requests < 1:
-        raise ValueError(f"--max-requests must be at least 1 (got {max_requests}); leave it out to use every row")
-    settings = GenerationSettings(max_new_tokens=max_new_tokens, batch_size=batch_size,
-                                  max_prompt_tokens=max_prompt_tokens, chunk_size=chunk_size)
+        raise ValueError(
+            f"--max-requests must be at least 1 (got {max_requests}); leave it out to use every row"
+        )
+    settings = GenerationSettings(
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        max_prompt_tokens=max_prompt_tokens,
+        chunk_size=chunk_size,
+        chat_template=chat_template,
+    )
     env_shards, env_index = default_shard()
     num_shards = env_shards if num_shards is None else num_shards
     shard_index = env_index if shard_index is None else shard_index
@@ -111,14 +124,31 @@ def collect(
     if threads is not None:
         if threads < 1:
             raise ValueError(f"--threads must be >= 1, got {threads}")
-        torch.set_num_threads(previous_threads)
-    lm, tokenizer, name = load_model(model, dtype=dtype, device=_device(device), trust_remote_code=trust_remote_code)
+        torch.set_num_threads(threads)
+    lm, tokenizer, name = load_model(
+        model, dtype=dtype, device=_device(device), trust_remote_code=trust_remote_code
+    )
     structure = find_moe_structure(lm, router_pattern)
     info = model_info(lm, structure, name)
-    want_probs = router_probs and (structure.pattern is not None or all(e.router is not None for e in structure.layers))
-    recorder = RoutingRecorder(structure, info.top_k, router_probs=want_probs, gate_inputs=gate_inputs,
-                               norm_topk_prob=info.norm_topk_prob)
-    out_path = Path(out) if out else Path("traces") / f"{Path(name).name.replace(':', '-')}-{'-'.join(s.name for s in specs)}"
+    if threads is None and info.hidden_size <= SMALL_HIDDEN and next(lm.parameters()).device.type == "cpu":
+        # Matrices this small finish before a second thread is scheduled; on a loaded machine
+        # intra-op threading made `tiny` 10-40x slower, so small CPU models run single-threaded.
+        torch.set_num_threads(1)
+    want_probs = router_probs and (
+        structure.pattern is not None or all(e.router is not None for e in structure.layers)
+    )
+    recorder = RoutingRecorder(
+        structure,
+        info.top_k,
+        router_probs=want_probs,
+        gate_inputs=gate_inputs,
+        norm_topk_prob=info.norm_topk_prob,
+    )
+    out_path = (
+        Path(out)
+        if out
+        else Path("traces") / f"{Path(name).name.replace(':', '-')}-{'-'.join(s.name for s in specs)}"
+    )
     try:
         recorder.attach(lm)
         if structure.pattern is None and not hasattr(lm.config, "norm_topk_prob"):
@@ -127,14 +157,22 @@ def collect(
             "source": "moecast collect",
             "workloads": [s.name for s in specs],
             "categories": {s.name: s.category for s in specs},
-            "generation": {"max_new_tokens": max_new_tokens, "greedy": True, "batch_size": batch_size,
-                           "max_prompt_tokens": max_prompt_tokens, "max_requests_per_workload": max_requests},
+            "generation": {
+                "max_new_tokens": max_new_tokens,
+                "greedy": True,
+                "batch_size": batch_size,
+                "max_prompt_tokens": max_prompt_tokens,
+                "max_requests_per_workload": max_requests,
+                "chat_template": chat_template,
+            },
             "seed": seed,
             "dtype": str(next(lm.parameters()).dtype).replace("torch.", ""),
             "tool_version": __version__,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "router_probs_kind": structure.router_probs_kind if want_probs else None,
-            "routing_source": "experts-interface" if structure.pattern is None else f"router-pattern {structure.pattern}",
+            "routing_source": "experts-interface"
+            if structure.pattern is None
+            else f"router-pattern {structure.pattern}",
             "num_shards": num_shards,
         }
         meta_path = out_path / "meta.json"
@@ -144,10 +182,14 @@ def collect(
                 old = jsonlib.loads(meta_path.read_text()).get("collection", {})
             except ValueError:
                 old = {}
-            collection["workloads"] = list(dict.fromkeys([*old.get("workloads", []), *collection["workloads"]]))
+            collection["workloads"] = list(
+                dict.fromkeys([*old.get("workloads", []), *collection["workloads"]])
+            )
             collection["categories"] = {**old.get("categories", {}), **collection["categories"]}
         fields = {"topk_weights": True, "router_probs": want_probs, "gate_inputs": gate_inputs}
-        writer = TraceWriter(out_path, TraceMeta(model=info, collection=collection, fields=fields), shard=shard_index)
+        writer = TraceWriter(
+            out_path, TraceMeta(model=info, collection=collection, fields=fields), shard=shard_index
+        )
         collector = Collector(lm, tokenizer, recorder, settings)
         _, stats = collector.run(mine, writer, progress=progress)
     finally:
@@ -157,7 +199,9 @@ def collect(
     return out_path
 
 
-def _summary(out: Path, specs: list[Any], stats: dict[str, float], shard: int, shards: int, as_json: bool) -> None:
+def _summary(
+    out: Path, specs: list[Any], stats: dict[str, float], shard: int, shards: int, as_json: bool
+) -> None:
     ts = TraceSet(out)
     by_name = {s.name: s for s in specs}
     per: dict[str, dict[str, Any]] = {}
@@ -171,27 +215,39 @@ def _summary(out: Path, specs: list[Any], stats: dict[str, float], shard: int, s
         if verdict is not None:
             entry["scored"] += 1
             entry["correct"] += int(verdict)
-    run = {"out": str(out), "shard": shard, "num_shards": shards, "collected": int(stats["requests"]),
-           "skipped_existing": int(stats["skipped"]), "tokens": int(stats["tokens"]),
-           "seconds": round(stats["seconds"], 2), "tokens_per_s": round(stats["tokens_per_s"], 1),
-           "total_requests": ts.num_requests, "total_tokens": ts.num_tokens}
+    run = {
+        "out": str(out),
+        "shard": shard,
+        "num_shards": shards,
+        "collected": int(stats["requests"]),
+        "skipped_existing": int(stats["skipped"]),
+        "tokens": int(stats["tokens"]),
+        "seconds": round(stats["seconds"], 2),
+        "tokens_per_s": round(stats["tokens_per_s"], 1),
+        "total_requests": ts.num_requests,
+        "total_tokens": ts.num_tokens,
+    }
     if as_json:
         print(jsonlib.dumps(run))
         for name, e in per.items():
             acc = e["correct"] / e["scored"] if e["scored"] else None
             print(jsonlib.dumps({"workload": name, **e, "accuracy": acc}))
         return
-    print(f"collected {run['collected']} requests ({run['skipped_existing']} already stored) -> {out}"
-          f"  [shard {shard}/{shards}]")
-    print(f"  {run['tokens']:,} tokens in {run['seconds']:.1f} s ({run['tokens_per_s']:.0f} tok/s); "
-          f"trace set now {run['total_requests']} requests, {run['total_tokens']:,} tokens")
+    print(
+        f"collected {run['collected']} requests ({run['skipped_existing']} already stored) -> {out}"
+        f"  [shard {shard}/{shards}]"
+    )
+    print(
+        f"  {run['tokens']:,} tokens in {run['seconds']:.1f} s ({run['tokens_per_s']:.0f} tok/s); "
+        f"trace set now {run['total_requests']} requests, {run['total_tokens']:,} tokens"
+    )
     print(f"  {'workload':<14} {'requests':>8} {'tokens':>9} {'accuracy':>9}")
     for name, e in per.items():
         acc = f"{e['correct'] / e['scored']:.3f}" if e["scored"] else "-"
         print(f"  {name:<14} {e['requests']:>8} {e['tokens']:>9,} {acc:>9}")
 
 
-def merge_traces(sources: list[str], out: str, json: bool = False) -> Path:
+def merge_traces(sources: list[str], out: str | None = None, json: bool = False) -> Path:
     """Merge TraceSets of one model (e.g. collection shards) into --out; each request is stored once.
 
     Args:
@@ -199,8 +255,8 @@ def merge_traces(sources: list[str], out: str, json: bool = False) -> Path:
         out: Output TraceSet directory (created, or extended when it already holds the same model's traces).
         json: Print the summary as one JSON object.
     """
-    if not sources:
-        raise TraceSetError("name at least one TraceSet to merge: moecast traces merge A B --out C")
+    if not sources or not out:
+        raise TraceSetError("name the TraceSets and the output: moecast traces merge A B --out C")
     out_path = Path(out)
     if any(Path(s).resolve() == out_path.resolve() for s in sources):
         raise TraceSetError(f"--out {out} is also a source; merge into a new directory")
@@ -214,9 +270,16 @@ def merge_traces(sources: list[str], out: str, json: bool = False) -> Path:
                 f"(fingerprint {first.meta.model.fingerprint}); choose another --out"
             )
     ts = merge(sources, out_path)
-    summary = {"out": str(out_path), "sources": len(sources), "requests": ts.num_requests, "tokens": ts.num_tokens}
+    summary = {
+        "out": str(out_path),
+        "sources": len(sources),
+        "requests": ts.num_requests,
+        "tokens": ts.num_tokens,
+    }
     if json:
         print(jsonlib.dumps(summary))
     else:
-        print(f"merged {len(sources)} trace sets -> {out_path}: {ts.num_requests} requests, {ts.num_tokens:,} tokens")
+        print(
+            f"merged {len(sources)} trace sets -> {out_path}: {ts.num_requests} requests, {ts.num_tokens:,} tokens"
+        )
     return out_path

@@ -18,8 +18,18 @@ from moecast.collect.traceset import atomic_write_bytes
 
 NAMES = ["Ava", "Ben", "Chen", "Dana", "Eli", "Fatima", "Goro", "Hana", "Ivan", "Julia"]
 ITEMS = ["apples", "books", "marbles", "stamps", "coins", "pencils", "cookies", "shells"]
-CAPITALS = [("France", "Paris"), ("Japan", "Tokyo"), ("Kenya", "Nairobi"), ("Peru", "Lima"), ("Canada", "Ottawa"),
-            ("Egypt", "Cairo"), ("Norway", "Oslo"), ("Chile", "Santiago"), ("India", "New Delhi"), ("Spain", "Madrid")]
+CAPITALS = [
+    ("France", "Paris"),
+    ("Japan", "Tokyo"),
+    ("Kenya", "Nairobi"),
+    ("Peru", "Lima"),
+    ("Canada", "Ottawa"),
+    ("Egypt", "Cairo"),
+    ("Norway", "Oslo"),
+    ("Chile", "Santiago"),
+    ("India", "New Delhi"),
+    ("Spain", "Madrid"),
+]
 WIC = [
     ("bank", "She sat on the bank of the river.", "The bank approved the loan.", False),
     ("bank", "He deposited cash at the bank.", "The bank closes at five.", True),
@@ -37,7 +47,10 @@ def _gsm8k(rng: random.Random) -> dict[str, Any]:
     a, b, c = rng.randint(3, 40), rng.randint(2, 9), rng.randint(1, 20)
     total = a * b - c
     q = f"{name} buys {b} boxes of {item} with {a} {item} in each box, then gives away {c} {item}. How many {item} does {name} have now?"
-    return {"question": q, "answer": f"{name} had {a}*{b}={a * b} {item}. After giving away {c}, {a * b}-{c}={total}.\n#### {total}"}
+    return {
+        "question": q,
+        "answer": f"{name} had {a}*{b}={a * b} {item}. After giving away {c}, {a * b}-{c}={total}.\n#### {total}",
+    }
 
 
 def _boolq(rng: random.Random) -> dict[str, Any]:
@@ -48,8 +61,14 @@ def _boolq(rng: random.Random) -> dict[str, Any]:
     else:
         other = rng.choice([c for _, c in CAPITALS if c != capital])
         answer = False
-    passage = f"{country} is a country whose capital and seat of government is {capital}. It has a long history."
-    return {"question": f"is {other.lower()} the capital of {country.lower()}", "passage": passage, "answer": answer}
+    passage = (
+        f"{country} is a country whose capital and seat of government is {capital}. It has a long history."
+    )
+    return {
+        "question": f"is {other.lower()} the capital of {country.lower()}",
+        "passage": passage,
+        "answer": answer,
+    }
 
 
 def _race(rng: random.Random) -> dict[str, Any]:
@@ -59,8 +78,12 @@ def _race(rng: random.Random) -> dict[str, Any]:
     options = [str(n), str(n + 1), str(n + 3), str(max(1, n - 1))]
     order = rng.sample(range(4), 4)
     opts = [options[i] for i in order]
-    return {"article": article, "question": f"How many new {item} did {name} find?", "options": opts,
-            "answer": "ABCD"[opts.index(str(n))]}
+    return {
+        "article": article,
+        "question": f"How many new {item} did {name} find?",
+        "options": opts,
+        "answer": "ABCD"[opts.index(str(n))],
+    }
 
 
 def _wic(rng: random.Random) -> dict[str, Any]:
@@ -70,8 +93,10 @@ def _wic(rng: random.Random) -> dict[str, Any]:
 
 def _triviaqa(rng: random.Random) -> dict[str, Any]:
     country, capital = rng.choice(CAPITALS)
-    return {"question": f"What is the capital city of {country}?",
-            "answer": {"value": capital, "aliases": [capital, capital.lower()]}}
+    return {
+        "question": f"What is the capital city of {country}?",
+        "answer": {"value": capital, "aliases": [capital, capital.lower()]},
+    }
 
 
 def _gaokao(rng: random.Random) -> dict[str, Any]:
@@ -96,7 +121,9 @@ GENERATORS: dict[str, Callable[[random.Random], dict[str, Any]]] = {
 }
 
 
-def write_fixtures(directory: str | Path, rows: int = 24, seed: int = 0, names: list[str] | None = None) -> Path:
+def write_fixtures(
+    directory: str | Path, rows: int = 24, seed: int = 0, names: list[str] | None = None
+) -> Path:
     """Write ``<name>.jsonl`` fixture files for the built-in workloads into ``directory``."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

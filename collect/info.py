@@ -107,13 +107,20 @@ def traces_info(path: Path, json: bool = False) -> None:
         f"{m.num_experts} experts, top-{m.top_k}, {m.num_shared_experts} shared, hidden {m.hidden_size}, "
         f"{m.expert_bytes / 2**20:.2f} MiB/expert"
     )
-    print(f"  requests   {ts.num_requests}  ({', '.join(f'{k}: {v}' for k, v in workloads.items()) or 'none'})")
+    print(
+        f"  requests   {ts.num_requests}  ({', '.join(f'{k}: {v}' for k, v in workloads.items()) or 'none'})"
+    )
     print(f"  tokens     {ts.num_tokens}  (prefill {ts.num_tokens - decode}, decode {decode})")
-    print(f"  fields     {', '.join(summary['fields'])}" + (f"  (absent: {', '.join(summary['absent'])})" if summary["absent"] else ""))
+    print(
+        f"  fields     {', '.join(summary['fields'])}"
+        + (f"  (absent: {', '.join(summary['absent'])})" if summary["absent"] else "")
+    )
     if not stats:
         return
     print(f"\n  per-layer routing (uniform entropy ln E = {summary['uniform_entropy']:.3f} nats)")
     print("  layer  freq-entropy  router-entropy  max/mean  top-10% share")
     for s in stats:
         re_ = "-" if s.router_entropy is None else f"{s.router_entropy:.3f}"
-        print(f"  {s.layer:>5}  {s.freq_entropy:>12.3f}  {re_:>14}  {s.max_over_mean:>8.2f}  {s.top10pct_share:>13.3f}")
+        print(
+            f"  {s.layer:>5}  {s.freq_entropy:>12.3f}  {re_:>14}  {s.max_over_mean:>8.2f}  {s.top10pct_share:>13.3f}"
+        )

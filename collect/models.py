@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from moecast.collect.traceset import ModelInfo, model_fingerprint
+
 from moecast.errors import MoecastError
 
 # config keys that change between saves of the same weights, not the architecture
@@ -118,12 +119,17 @@ def find_moe_structure(model: Any, router_pattern: str | None = None) -> MoEStru
             regex = re.compile(router_pattern)
         except re.error as exc:
             raise ValueError(f"--router-pattern {router_pattern!r} is not a valid regex ({exc})") from exc
+        # experts modules, when the model has them, still describe the experts (sizes, shared expert)
+        experts = {layer_index(n): (n, m) for n, m in named if is_experts_module(m)}
         layers = []
         for name, module in named:
             if name and regex.search(name):
                 idx = layer_index(name)
-                layers.append(MoELayer(layer=idx if idx is not None else len(layers), experts_name="", experts=None,
-                                       router_name=name, router=module))
+                idx = idx if idx is not None else len(layers)
+                exp_name, exp = experts.get(idx, ("", None))
+                layers.append(
+                    MoELayer(layer=idx, experts_name=exp_name, experts=exp, router_name=name, router=module)
+                )
         if not layers:
             raise ModelLoadError(
                 f"--router-pattern {router_pattern!r} matches no module of {type(model).__name__}; "
@@ -160,9 +166,14 @@ def find_moe_structure(model: Any, router_pattern: str | None = None) -> MoEStru
                 if idx in layers and layers[idx].router is None:
                     layers[idx].router_name, layers[idx].router = name, module
                     # DeepSeek-V3-style routers score experts with a sigmoid plus a selection bias
-                    if hasattr(module, "e_score_correction_bias") or getattr(model.config, "scoring_func", "") == "sigmoid":
+                    if (
+                        hasattr(module, "e_score_correction_bias")
+                        or getattr(model.config, "scoring_func", "") == "sigmoid"
+                    ):
                         kind = "sigmoid-normalised"
-    return MoEStructure(layers=[layers[i] for i in sorted(layers)], router_output_index=index, router_probs_kind=kind)
+    return MoEStructure(
+        layers=[layers[i] for i in sorted(layers)], router_output_index=index, router_probs_kind=kind
+    )
 
 
 def _first_attr(obj: Any, keys: tuple[str, ...]) -> Any:
@@ -181,7 +192,9 @@ def config_hash(config: Any) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def model_info(model: Any, structure: MoEStructure, name_or_path: str, norm_topk_prob: bool | None = None) -> ModelInfo:
+def model_info(
+    model: Any, structure: MoEStructure, name_or_path: str, norm_topk_prob: bool | None = None
+) -> ModelInfo:
     """ModelInfo (TraceSet contract) of a loaded model; fingerprint folds in the full config's hash."""
     config = model.config
     first = structure.layers[0]
@@ -198,7 +211,9 @@ def model_info(model: Any, structure: MoEStructure, name_or_path: str, norm_topk
     shared = getattr(config, "n_shared_experts", None)
     if shared is None:
         block = first.experts_name.rsplit(".", 1)[0] if first.experts_name else ""
-        shared = int(any(n.startswith(block + ".shared_expert") for n, _ in model.named_modules())) if block else 0
+        shared = (
+            int(any(n.startswith(block + ".shared_expert") for n, _ in model.named_modules())) if block else 0
+        )
     expert_bytes = 0
     if first.experts is not None:
         total = sum(p.numel() * p.element_size() for p in first.experts.parameters())
@@ -260,7 +275,9 @@ def load_model(model: str, dtype: str = "auto", device: str = "cpu", trust_remot
     if torch_dtype is None:
         raise ValueError(f"--dtype {dtype!r} is not a torch dtype; use auto, float32, bfloat16 or float16")
     try:
-        lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+        lm = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype, trust_remote_code=trust_remote_code
+        )
     except ValueError as exc:
         raise ModelLoadError(
             f"model {model!r} ({getattr(config, 'model_type', '?')}) is not a causal LM transformers can load "
@@ -269,7 +286,9 @@ def load_model(model: str, dtype: str = "auto", device: str = "cpu", trust_remot
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"model {model!r}: no usable tokenizer beside it ({str(exc).splitlines()[0]})") from exc
+        raise ModelLoadError(
+            f"model {model!r}: no usable tokenizer beside it ({str(exc).splitlines()[0]})"
+        ) from exc
     lm.to(device)
     lm.eval()
     return lm, tokenizer, name

@@ -52,7 +52,11 @@ DEEPSEEK_V2_LITE = dict(
 @lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
     """Inverse of GPT-2's bytes_to_unicode map used by byte-level BPE tokenizers (DeepSeek's included)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -92,11 +96,15 @@ def list_files(source: Path) -> list[tuple[int, Path]]:
         if m:
             files.append((int(m.group(1)), p))
     if not files:
-        raise FileNotFoundError(f"{source}: no prompt_<N>_data.csv files; point at MoE-Beyond's training_data_eamc folder")
+        raise FileNotFoundError(
+            f"{source}: no prompt_<N>_data.csv files; point at MoE-Beyond's training_data_eamc folder"
+        )
     return sorted(files)
 
 
-def parse_file(path: Path, num_experts: int = 64, top_k: int | None = None) -> tuple[list[int], list[str], np.ndarray]:
+def parse_file(
+    path: Path, num_experts: int = 64, top_k: int | None = None
+) -> tuple[list[int], list[str], np.ndarray]:
     """(layer ids, token texts, topk_ids [T, L, k] int16) of one CSV; ValueError on any malformation."""
     try:
         text = path.read_text(encoding="utf-8")
@@ -118,7 +126,9 @@ def parse_file(path: Path, num_experts: int = 64, top_k: int | None = None) -> t
     counts: dict[int, int] = {}
     for lineno, row in enumerate(reader, start=2):
         if len(row) != 4:
-            raise ValueError(f"{path}:{lineno}: expected 4 fields, got {len(row)} (truncated or malformed CSV)")
+            raise ValueError(
+                f"{path}:{lineno}: expected 4 fields, got {len(row)} (truncated or malformed CSV)"
+            )
         try:
             layer = int(row[0])
         except ValueError:
@@ -140,7 +150,9 @@ def parse_file(path: Path, num_experts: int = 64, top_k: int | None = None) -> t
     T = counts[layers[0]]
     ragged = {L: c for L, c in counts.items() if c != T}
     if ragged:
-        raise ValueError(f"{path}: ragged layers: layer {layers[0]} has {T} tokens but {ragged} (truncated CSV?)")
+        raise ValueError(
+            f"{path}: ragged layers: layer {layers[0]} has {T} tokens but {ragged} (truncated CSV?)"
+        )
     try:
         flat = np.array([int(x) for chunk in id_chunks for x in chunk.split(",")], dtype=np.int64)
     except ValueError as exc:
@@ -149,7 +161,9 @@ def parse_file(path: Path, num_experts: int = 64, top_k: int | None = None) -> t
     if flat.size != len(id_chunks) * k:
         raise ValueError(f"{path}: every row must list exactly {k} expert ids")
     if flat.size and (flat.min() < 0 or flat.max() >= num_experts):
-        raise ValueError(f"{path}: expert id {int(flat.max() if flat.max() >= num_experts else flat.min())} outside 0..{num_experts - 1}")
+        raise ValueError(
+            f"{path}: expert id {int(flat.max() if flat.max() >= num_experts else flat.min())} outside 0..{num_experts - 1}"
+        )
     ids = flat.reshape(len(layers), T, k).transpose(1, 0, 2)
     if (np.sort(ids, -1)[..., 1:] == np.sort(ids, -1)[..., :-1]).any():
         raise ValueError(f"{path}: a row lists the same expert twice")
@@ -162,7 +176,9 @@ def _parse_job(args: tuple[int, Path, int]) -> tuple[int, list[int], list[str], 
     return n, layers, tokens, ids
 
 
-def _records(jobs: list[tuple[int, Path, int]], workers: int) -> Iterator[tuple[int, list[int], list[str], np.ndarray]]:
+def _records(
+    jobs: list[tuple[int, Path, int]], workers: int
+) -> Iterator[tuple[int, list[int], list[str], np.ndarray]]:
     if workers <= 1 or len(jobs) < 8:
         yield from map(_parse_job, jobs)
         return
@@ -199,7 +215,9 @@ def import_moe_beyond(
         files = files[:max_files]
     _n0, p0 = files[0]
     layers, _, first = parse_file(p0, DEEPSEEK_V2_LITE["num_experts"])
-    info = ModelInfo(moe_layers=layers, **{**DEEPSEEK_V2_LITE, "name_or_path": model, "top_k": first.shape[2]})
+    info = ModelInfo(
+        moe_layers=layers, **{**DEEPSEEK_V2_LITE, "name_or_path": model, "top_k": first.shape[2]}
+    )
     meta = TraceMeta(
         model=info,
         collection={
@@ -218,10 +236,14 @@ def import_moe_beyond(
     writer = TraceWriter(out, meta)
     todo = [(n, p, info.num_experts) for n, p in files if f"puffin-{n}" not in writer.done]
     batch: list[RequestRecord] = []
-    with tqdm(total=len(files), initial=len(files) - len(todo), desc="import moe-beyond", unit="prompt") as bar:
+    with tqdm(
+        total=len(files), initial=len(files) - len(todo), desc="import moe-beyond", unit="prompt"
+    ) as bar:
         for n, file_layers, tokens, ids in _records(todo, workers):
             if file_layers != layers:
-                raise TraceSetError(f"prompt_{n}_data.csv has MoE layers {file_layers[:3]}..., expected {layers[:3]}...")
+                raise TraceSetError(
+                    f"prompt_{n}_data.csv has MoE layers {file_layers[:3]}..., expected {layers[:3]}..."
+                )
             text = detokenize(tokens)
             batch.append(
                 RequestRecord(
@@ -241,5 +263,7 @@ def import_moe_beyond(
                 batch = []
         writer.write(batch)
     ts = TraceSet(out)
-    print(f"imported {ts.num_requests} prompts, {ts.num_tokens} tokens x {ts.num_layers} MoE layers into {out}")
+    print(
+        f"imported {ts.num_requests} prompts, {ts.num_tokens} tokens x {ts.num_layers} MoE layers into {out}"
+    )
     return ts

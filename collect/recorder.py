@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
 from moecast.collect.models import MoEStructure
+
 from moecast.errors import MoecastError
 
 RECORD_IMPL = "moecast_record"
@@ -53,7 +53,11 @@ def call_experts_impl(name: str | None, module: Any, *args: Any, **kwargs: Any) 
 
 
 def record_experts_forward(
-    module: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, **kwargs: Any
+    module: Any,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    **kwargs: Any,
 ) -> torch.Tensor:
     """The ``moecast_record`` experts implementation: note the routing, then run the wrapped implementation."""
     state = module.__dict__.get("_moecast_record")
@@ -119,13 +123,22 @@ class RoutingRecorder:
             raise MoecastError("this recorder is already attached; detach it first")
         self._model = model
         if self.structure.pattern is None:
+            if model.config._experts_implementation == RECORD_IMPL:
+                self._model = None
+                raise MoecastError(
+                    f"{type(model).__name__} is already being recorded by another recorder; detach that one first"
+                )
             _register()
             for pos, entry in enumerate(self.structure.layers):
                 previous = entry.experts.config._experts_implementation
                 entry.experts.__dict__["_moecast_record"] = (self, pos, previous)
             self._previous = model.get_experts_implementation()
             model.set_experts_implementation(RECORD_IMPL)
-            stuck = [e.experts_name for e in self.structure.layers if e.experts.config._experts_implementation != RECORD_IMPL]
+            stuck = [
+                e.experts_name
+                for e in self.structure.layers
+                if e.experts.config._experts_implementation != RECORD_IMPL
+            ]
             if stuck:
                 self.detach()
                 raise MoecastError(
@@ -207,6 +220,12 @@ class RoutingRecorder:
         ids = torch.stack([t.reshape(-1, t.shape[-1]) for t in self._ids], dim=1)
         weights = torch.stack([t.reshape(-1, t.shape[-1]).float() for t in self._weights], dim=1)
         probs = None
+        if self.router_probs and any(t is None for t in self._logits):
+            self._reset()
+            raise MoecastError(
+                "the routers' forward hooks did not fire (the model routes through another module); "
+                "collect with --router-probs false or name the routers with --router-pattern"
+            )
         if self.router_probs:
             logits = torch.stack([t.reshape(-1, t.shape[-1]).float() for t in self._logits], dim=1)
             if self.structure.router_probs_kind == "sigmoid-normalised":

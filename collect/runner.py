@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from moecast.collect.recorder import RoutingRecorder
 from moecast.collect.traceset import RequestRecord, TraceWriter
 from moecast.collect.workloads import WorkloadRequest
@@ -37,6 +36,7 @@ class GenerationSettings:
     max_prompt_tokens: int = 1024
     chunk_size: int = 32  # requests per written part
     greedy: bool = True
+    chat_template: bool = False  # wrap each prompt as one user turn with the tokenizer's chat template
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
@@ -62,7 +62,9 @@ class _Pending:
     generated: list[int] = field(default_factory=list)
 
 
-def shard_requests(requests: Sequence[WorkloadRequest], num_shards: int, shard_index: int) -> list[WorkloadRequest]:
+def shard_requests(
+    requests: Sequence[WorkloadRequest], num_shards: int, shard_index: int
+) -> list[WorkloadRequest]:
     """Deterministic round-robin split by position in the request list (same list, same split)."""
     if num_shards < 1:
         raise ValueError(f"--num-shards must be >= 1, got {num_shards}")
@@ -99,7 +101,9 @@ class Collector:
     bench/bench_collect.py uses it to measure the recorder's overhead.
     """
 
-    def __init__(self, model: Any, tokenizer: Any, recorder: RoutingRecorder | None, settings: GenerationSettings) -> None:
+    def __init__(
+        self, model: Any, tokenizer: Any, recorder: RoutingRecorder | None, settings: GenerationSettings
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.recorder = recorder
@@ -110,8 +114,22 @@ class Collector:
         self.tokens_done = 0
 
     def encode(self, prompts: Sequence[str]) -> list[list[int]]:
-        encoded = self.tokenizer(list(prompts), add_special_tokens=True, truncation=True,
-                                 max_length=self.settings.max_prompt_tokens)["input_ids"]
+        texts, special = list(prompts), True
+        if self.settings.chat_template:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ValueError(
+                    "this model's tokenizer has no chat template; collect without --chat-template"
+                )
+            texts = [
+                self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+                )
+                for p in prompts
+            ]
+            special = False  # the template already holds BOS and role markers
+        encoded = self.tokenizer(
+            texts, add_special_tokens=special, truncation=True, max_length=self.settings.max_prompt_tokens
+        )["input_ids"]
         out = []
         for prompt, ids in zip(prompts, encoded):
             if not ids:
@@ -129,12 +147,27 @@ class Collector:
         """Copy the routing of (request, position-in-step) pairs out of one forward's [B*S, L, ...] tensors."""
         B = len(pending)
         ids = routing.topk_ids.to(torch.int16).cpu().numpy().reshape(B, width, *routing.topk_ids.shape[1:])
-        weights = routing.topk_weights.to(torch.float16).cpu().numpy().reshape(B, width, *routing.topk_weights.shape[1:])
+        weights = (
+            routing.topk_weights.to(torch.float16)
+            .cpu()
+            .numpy()
+            .reshape(B, width, *routing.topk_weights.shape[1:])
+        )
         probs = gates = None
         if routing.router_probs is not None:
-            probs = routing.router_probs.to(torch.float16).cpu().numpy().reshape(B, width, *routing.router_probs.shape[1:])
+            probs = (
+                routing.router_probs.to(torch.float16)
+                .cpu()
+                .numpy()
+                .reshape(B, width, *routing.router_probs.shape[1:])
+            )
         if routing.gate_inputs is not None:
-            gates = routing.gate_inputs.to(torch.float16).cpu().numpy().reshape(B, width, *routing.gate_inputs.shape[1:])
+            gates = (
+                routing.gate_inputs.to(torch.float16)
+                .cpu()
+                .numpy()
+                .reshape(B, width, *routing.gate_inputs.shape[1:])
+            )
         for b, start in rows:
             p = pending[b]
             p.ids.append(ids[b, start:])
@@ -153,8 +186,8 @@ class Collector:
         input_ids = torch.full((B, P), self.pad, dtype=torch.long)
         mask = torch.zeros((B, P), dtype=torch.long)
         for b, ids in enumerate(prompts):
-            input_ids[b, P - len(ids):] = torch.tensor(ids)
-            mask[b, P - len(ids):] = 1
+            input_ids[b, P - len(ids) :] = torch.tensor(ids)
+            mask[b, P - len(ids) :] = 1
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
         position = (mask.cumsum(-1) - 1).clamp(min=0)
         pending = [_Pending(token_ids=list(ids), phases=[False] * len(ids)) for ids in prompts]
@@ -184,8 +217,13 @@ class Collector:
             feed = torch.where(torch.tensor(finished, device=self.device), self.pad, next_tok)[:, None]
             mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=self.device)], dim=1)
             last_pos = last_pos + 1
-            out = self.model(input_ids=feed, attention_mask=mask, position_ids=last_pos[:, None],
-                             past_key_values=cache, use_cache=True)
+            out = self.model(
+                input_ids=feed,
+                attention_mask=mask,
+                position_ids=last_pos[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            )
             cache = out.past_key_values
             self._keep(pending, [(b, 0) for b in active], 1)
             next_tok = out.logits[:, -1].argmax(-1)
@@ -209,8 +247,9 @@ class Collector:
             output_text=self.tokenizer.decode(p.generated, skip_special_tokens=True),
         )
 
-    def run(self, requests: Sequence[WorkloadRequest], writer: TraceWriter | None = None,
-            progress: bool = True) -> tuple[list[RequestRecord], dict[str, float]]:
+    def run(
+        self, requests: Sequence[WorkloadRequest], writer: TraceWriter | None = None, progress: bool = True
+    ) -> tuple[list[RequestRecord], dict[str, float]]:
         """Collect every request not yet in ``writer.done``; write chunk by chunk. Returns (records, stats).
 
         Without a writer the records are returned (tests, benchmarks); with one they
@@ -227,12 +266,12 @@ class Collector:
         size = self.settings.chunk_size
         try:
             for c in range(0, len(todo), size):
-                chunk = todo[c:c + size]
+                chunk = todo[c : c + size]
                 # Similar lengths batched together waste less compute on padding.
                 order = sorted(range(len(chunk)), key=lambda i: len(chunk[i].prompt))
                 done: dict[int, RequestRecord] = {}
                 for b in range(0, len(order), self.settings.batch_size):
-                    idx = order[b:b + self.settings.batch_size]
+                    idx = order[b : b + self.settings.batch_size]
                     for i, rec in zip(idx, self.run_batch([chunk[i] for i in idx])):
                         done[i] = rec
                     bar.update(len(idx))
@@ -246,7 +285,11 @@ class Collector:
         finally:
             bar.close()
         elapsed = time.perf_counter() - started
-        stats = {"requests": len(todo), "skipped": skipped, "tokens": self.tokens_done, "seconds": elapsed,
-                 "tokens_per_s": self.tokens_done / elapsed if elapsed > 0 else 0.0}
+        stats = {
+            "requests": len(todo),
+            "skipped": skipped,
+            "tokens": self.tokens_done,
+            "seconds": elapsed,
+            "tokens_per_s": self.tokens_done / elapsed if elapsed > 0 else 0.0,
+        }
         return records, stats
-

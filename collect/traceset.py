@@ -116,7 +116,9 @@ class TraceMeta:
         try:
             model = ModelInfo(**data["model"])
         except (KeyError, TypeError) as exc:
-            raise TraceSetError(f"{where}: malformed model section ({exc}); re-collect or re-import it") from exc
+            raise TraceSetError(
+                f"{where}: malformed model section ({exc}); re-collect or re-import it"
+            ) from exc
         fields = {name: bool(data.get("fields", {}).get(name, False)) for name in OPTIONAL_FIELDS}
         return cls(model=model, collection=dict(data.get("collection", {})), fields=fields)
 
@@ -187,7 +189,9 @@ class TraceWriter:
     may share one directory; only shard 0 (or ``write_meta``) writes meta.json.
     """
 
-    def __init__(self, path: str | Path, meta: TraceMeta, shard: int = 0, overwrite_meta: bool = True) -> None:
+    def __init__(
+        self, path: str | Path, meta: TraceMeta, shard: int = 0, overwrite_meta: bool = True
+    ) -> None:
         self.path = Path(path)
         self.meta = meta
         self.shard = shard
@@ -223,7 +227,13 @@ class TraceWriter:
         if not records:
             return
         L, k = self.meta.model.num_layers, self.meta.model.top_k
-        cols: dict[str, list[Any]] = {"request_id": [], "position": [], "phase": [], "token_id": [], "token_text": []}
+        cols: dict[str, list[Any]] = {
+            "request_id": [],
+            "position": [],
+            "phase": [],
+            "token_id": [],
+            "token_text": [],
+        }
         arrays: dict[str, list[np.ndarray]] = {"topk_ids": []}
         for name in OPTIONAL_FIELDS:
             if self.meta.fields.get(name):
@@ -244,7 +254,9 @@ class TraceWriter:
                 if name in arrays:
                     value = getattr(rec, name)
                     if value is None:
-                        raise TraceSetError(f"request {rec.request_id}: field {name} declared present but missing")
+                        raise TraceSetError(
+                            f"request {rec.request_id}: field {name} declared present but missing"
+                        )
                     arrays[name].append(value)
         tok = {
             "request_id": pa.array(cols["request_id"], pa.string()),
@@ -314,9 +326,13 @@ class TraceSet:
         self.path = Path(path)
         meta_path = self.path / "meta.json"
         if not self.path.is_dir():
-            raise TraceSetError(f"{self.path}: no such TraceSet directory; create one with `moecast collect` or `moecast import`")
+            raise TraceSetError(
+                f"{self.path}: no such TraceSet directory; create one with `moecast collect` or `moecast import`"
+            )
         if not meta_path.exists():
-            raise TraceSetError(f"{self.path}: not a TraceSet (no meta.json); point at a directory written by moecast")
+            raise TraceSetError(
+                f"{self.path}: not a TraceSet (no meta.json); point at a directory written by moecast"
+            )
         try:
             data = json.loads(meta_path.read_text())
         except json.JSONDecodeError as exc:
@@ -325,7 +341,9 @@ class TraceSet:
         names = sorted(p.name for p in (self.path / "requests").glob("part-*.arrow"))
         missing = [n for n in names if not (self.path / "tokens" / n).exists()]
         if missing:
-            raise TraceSetError(f"{self.path}: tokens part {missing[0]} missing; re-run the collection to rewrite it")
+            raise TraceSetError(
+                f"{self.path}: tokens part {missing[0]} missing; re-run the collection to rewrite it"
+            )
         self._parts = names
         self._req_tables = [_read_table(self.path / "requests" / n) for n in names]
         self._tok_tables = [_read_table(self.path / "tokens" / n) for n in names]
@@ -344,7 +362,9 @@ class TraceSet:
                 self._index[str(rid[s])] = (p, int(s), int(e))
             for row, r in enumerate(req.column("request_id").to_pylist()):
                 if r in self._req_rows:
-                    raise TraceSetError(f"{self.path}: request {r} stored twice; merge or re-collect into a new --out")
+                    raise TraceSetError(
+                        f"{self.path}: request {r} stored twice; merge or re-collect into a new --out"
+                    )
                 self._req_rows[r] = (p, row)
         self.request_ids: list[str] = [r for r in self._req_rows]
 
@@ -389,19 +409,27 @@ class TraceSet:
             )
 
     def fields_present(self) -> list[str]:
-        return ["topk_ids", "token_id", "token_text"] + [f for f in OPTIONAL_FIELDS if self.meta.fields.get(f)]
+        return ["topk_ids", "token_id", "token_text"] + [
+            f for f in OPTIONAL_FIELDS if self.meta.fields.get(f)
+        ]
 
     # --------------------------------------------------------------- validation
     def _validate(self) -> None:
         m = self.meta.model
-        widths = {"topk_ids": m.num_layers * m.top_k, "topk_weights": m.num_layers * m.top_k,
-                  "router_probs": m.num_layers * m.num_experts, "gate_inputs": m.num_layers * m.hidden_size}
+        widths = {
+            "topk_ids": m.num_layers * m.top_k,
+            "topk_weights": m.num_layers * m.top_k,
+            "router_probs": m.num_layers * m.num_experts,
+            "gate_inputs": m.num_layers * m.hidden_size,
+        }
         required = ("request_id", "position", "phase", "token_id", "token_text", "topk_ids")
         for name, tok in zip(self._parts, self._tok_tables):
             cols = set(tok.column_names)
             for col in required + tuple(f for f in OPTIONAL_FIELDS if self.meta.fields.get(f)):
                 if col not in cols:
-                    raise TraceSetError(f"{self.path}/tokens/{name}: column `{col}` missing; the part is corrupt, delete it and re-collect")
+                    raise TraceSetError(
+                        f"{self.path}/tokens/{name}: column `{col}` missing; the part is corrupt, delete it and re-collect"
+                    )
             for col, width in widths.items():
                 if col in cols:
                     typ = tok.schema.field(col).type
@@ -414,7 +442,12 @@ class TraceSet:
     # --------------------------------------------------------------- arrays
     def _part_array(self, p: int, name: str) -> np.ndarray:
         m = self.meta.model
-        last = {"topk_ids": m.top_k, "topk_weights": m.top_k, "router_probs": m.num_experts, "gate_inputs": m.hidden_size}[name]
+        last = {
+            "topk_ids": m.top_k,
+            "topk_weights": m.top_k,
+            "router_probs": m.num_experts,
+            "gate_inputs": m.hidden_size,
+        }[name]
         col = self._tok_tables[p].column(name).combine_chunks()
         values = col.values.to_numpy(zero_copy_only=True) if col.offset == 0 else col.flatten().to_numpy()
         return values.reshape(len(col), m.num_layers, last)
@@ -445,7 +478,11 @@ class TraceSet:
     def column(self, name: str, requests: Iterable[str] | None = None) -> np.ndarray:
         """A scalar token column (position, token_id, phase, ...) as numpy, same row order as ``array``."""
         if requests is None:
-            return np.concatenate([t.column(name).to_numpy(zero_copy_only=False) for t in self._tok_tables]) if self._tok_tables else np.zeros(0)
+            return (
+                np.concatenate([t.column(name).to_numpy(zero_copy_only=False) for t in self._tok_tables])
+                if self._tok_tables
+                else np.zeros(0)
+            )
         out = []
         for rid in requests:
             p, s, e = self._locate(rid)
@@ -503,6 +540,7 @@ class TraceSet:
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
         if val_fraction == 0:
             return list(self.request_ids), []
+
         # Hash-based rank keeps the split stable when requests are added or reordered.
         def rank(rid: str) -> str:
             return hashlib.sha256(f"{seed}:{rid}".encode()).hexdigest()

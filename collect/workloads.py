@@ -50,17 +50,25 @@ class WorkloadSpec:
     answer_map: dict[str, str] = field(default_factory=dict)  # e.g. bool/int labels -> words
     prediction_regex: str | None = None  # first group of its first match in the output is the model's answer
     metric: str = "none"
-    subsets: list[str] = field(default_factory=list)  # local files DIR/<name>/<subset>.* (e.g. gaokao subjects)
+    subsets: list[str] = field(
+        default_factory=list
+    )  # local files DIR/<name>/<subset>.* (e.g. gaokao subjects)
     max_prompt_chars: int | None = None
     description: str = ""
 
     def __post_init__(self) -> None:
         if self.category not in CATEGORIES:
-            raise WorkloadError(f"workload {self.name}: category {self.category!r} is not one of {', '.join(CATEGORIES)}")
+            raise WorkloadError(
+                f"workload {self.name}: category {self.category!r} is not one of {', '.join(CATEGORIES)}"
+            )
         if self.metric not in METRICS:
-            raise WorkloadError(f"workload {self.name}: metric {self.metric!r} is not one of {', '.join(METRICS)}")
+            raise WorkloadError(
+                f"workload {self.name}: metric {self.metric!r} is not one of {', '.join(METRICS)}"
+            )
         if self.source not in ("datasets", "sharegpt"):
-            raise WorkloadError(f"workload {self.name}: source {self.source!r} must be `datasets` or `sharegpt`")
+            raise WorkloadError(
+                f"workload {self.name}: source {self.source!r} must be `datasets` or `sharegpt`"
+            )
         for pattern in (self.answer_regex, self.prediction_regex):
             if pattern:
                 re.compile(pattern)
@@ -78,7 +86,9 @@ class WorkloadSpec:
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if unknown:
-            raise WorkloadError(f"{path}: unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
+            raise WorkloadError(
+                f"{path}: unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}"
+            )
         data.setdefault("name", path.stem)
         try:
             return cls(**data)
@@ -184,7 +194,9 @@ def get_spec(name: str) -> WorkloadSpec:
         return WorkloadSpec.from_yaml(path)
     candidate = workloads_dir() / f"{name}.yaml"
     if not candidate.is_file():
-        raise WorkloadError(f"unknown workload {name!r}; built in: {', '.join(available())} (or a path to a spec .yaml)")
+        raise WorkloadError(
+            f"unknown workload {name!r}; built in: {', '.join(available())} (or a path to a spec .yaml)"
+        )
     return WorkloadSpec.from_yaml(candidate)
 
 
@@ -249,7 +261,9 @@ def _local_source(spec: WorkloadSpec, data_dir: Path) -> list[Path] | Path | Non
 
 
 def _hub_reachable() -> bool:
-    if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0") or os.environ.get("HF_DATASETS_OFFLINE", "") not in ("", "0"):
+    if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0") or os.environ.get(
+        "HF_DATASETS_OFFLINE", ""
+    ) not in ("", "0"):
         return False
     import socket
 
@@ -282,9 +296,13 @@ def iter_rows(spec: WorkloadSpec, data_dir: str | Path | None = None) -> Iterato
                     yield row
             return
     where = f"--data-dir {data_dir}" if data_dir is not None else "no --data-dir"
-    local_hint = f"put {spec.name}.jsonl (or {spec.name}/, .json, .parquet) in a folder and pass it as --data-dir"
+    local_hint = (
+        f"put {spec.name}.jsonl (or {spec.name}/, .json, .parquet) in a folder and pass it as --data-dir"
+    )
     if spec.dataset is None:
-        raise WorkloadError(f"workload {spec.name}: dataset not found ({where}); it is local-only: {local_hint}")
+        raise WorkloadError(
+            f"workload {spec.name}: dataset not found ({where}); it is local-only: {local_hint}"
+        )
     if not _hub_reachable():
         raise WorkloadError(
             f"workload {spec.name}: dataset {spec.dataset} not found locally ({where}) and the hub is offline; {local_hint}"
@@ -294,10 +312,14 @@ def iter_rows(spec: WorkloadSpec, data_dir: str | Path | None = None) -> Iterato
     try:
         yield from datasets.load_dataset(spec.dataset, spec.config, split=spec.split, streaming=True)
     except Exception as exc:  # the hub raises many types; all mean "not available"
-        raise WorkloadError(f"workload {spec.name}: cannot load {spec.dataset} from the hub ({exc}); {local_hint}") from exc
+        raise WorkloadError(
+            f"workload {spec.name}: cannot load {spec.dataset} from the hub ({exc}); {local_hint}"
+        ) from exc
 
 
-def load_requests(spec: WorkloadSpec, data_dir: str | Path | None = None, limit: int | None = None) -> list[WorkloadRequest]:
+def load_requests(
+    spec: WorkloadSpec, data_dir: str | Path | None = None, limit: int | None = None
+) -> list[WorkloadRequest]:
     """Up to ``limit`` requests of one workload, in dataset order, with ids ``<workload>-<row>``."""
     if limit is not None and limit <= 0:
         raise WorkloadError(f"--max-requests must be at least 1, got {limit}")
@@ -318,9 +340,15 @@ def load_requests(spec: WorkloadSpec, data_dir: str | Path | None = None, limit:
             prompt = spec.prompt(row)
             if not prompt.strip():
                 continue
-            out.append(WorkloadRequest(f"{spec.name}-{row_index:06d}", spec.name, spec.category, prompt, spec.reference(row)))
+            out.append(
+                WorkloadRequest(
+                    f"{spec.name}-{row_index:06d}", spec.name, spec.category, prompt, spec.reference(row)
+                )
+            )
             if limit is not None and len(out) >= limit:
                 break
     if not out:
-        raise WorkloadError(f"workload {spec.name}: the dataset has no usable rows; check the file under --data-dir")
+        raise WorkloadError(
+            f"workload {spec.name}: the dataset has no usable rows; check the file under --data-dir"
+        )
     return out

@@ -85,6 +85,28 @@ def _bare_flags(func: Callable, args: list[str]) -> list[str]:
     return out
 
 
+def _list_positional(func: Callable, args: list[str]) -> list[str]:
+    # `moecast traces merge A B --out C`: jsonargparse reads a list positional as one JSON
+    # value, so the leading bare words become that list when the first parameter is a list.
+    import inspect
+    import json
+    import typing
+
+    params = list(inspect.signature(func).parameters)
+    try:
+        hint = typing.get_type_hints(func).get(params[0]) if params else None
+    except Exception:
+        return args
+    if typing.get_origin(hint) is not list:
+        return args
+    n = 0
+    while n < len(args) and not args[n].startswith("-"):
+        n += 1
+    if n == 0 or (n == 1 and args[0].lstrip().startswith("[")):
+        return args
+    return [json.dumps(args[:n]), *args[n:]]
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("WANDB_MODE", "offline")
@@ -108,7 +130,9 @@ def main(argv: list[str] | None = None) -> None:
     prog = f"moecast {name}"
     if isinstance(target, dict):
         if not rest or rest[0] not in target:
-            sys.exit(f"moecast {name}: choose one of {', '.join(target)} (e.g. `moecast {name} {next(iter(target))} --help`)")
+            sys.exit(
+                f"moecast {name}: choose one of {', '.join(target)} (e.g. `moecast {name} {next(iter(target))} --help`)"
+            )
         prog += f" {rest[0]}"
         target, rest = target[rest[0]], rest[1:]
     func = _resolve(target)
@@ -119,5 +143,5 @@ def main(argv: list[str] | None = None) -> None:
         return
     from jsonargparse import auto_cli
 
-    rest = _bare_flags(func, [_underscore(a) for a in rest])
+    rest = _list_positional(func, _bare_flags(func, [_underscore(a) for a in rest]))
     run_command(lambda: auto_cli(func, args=rest, as_positional=True, prog=prog))

@@ -62,7 +62,7 @@ class _Base(Predictor):
 
 def expert_counts(topk: np.ndarray, num_experts: int) -> np.ndarray:
     """[L, E] counts of a [N, L, k] id array."""
-    N, L, k = topk.shape
+    L = topk.shape[1]
     flat = (np.arange(L)[None, :, None] * num_experts + topk.astype(np.int64)).ravel()
     return np.bincount(flat, minlength=L * num_experts).reshape(L, num_experts).astype(np.float64)
 
@@ -86,8 +86,15 @@ class FrequencyPredictor(_Base):
             raise ValueError(f"{ts.path}: no training requests to count experts on")
         counts = expert_counts(ts.array("topk_ids", requests), ts.num_experts)
         table = counts / counts.sum(1, keepdims=True)
-        return cls(table, {**_model_meta(ts.meta.model), "mode": mode, "trained_on": str(ts.path),
-                           "train_requests": len(requests)})
+        return cls(
+            table,
+            {
+                **_model_meta(ts.meta.model),
+                "mode": mode,
+                "trained_on": str(ts.path),
+                "train_requests": len(requests),
+            },
+        )
 
     def score_request(self, trace: RequestTrace) -> np.ndarray:
         T = len(trace.topk_ids)
@@ -130,7 +137,9 @@ class GateReusePredictor(_Base):
         model_dir = Path(model_dir)
         files = sorted(model_dir.glob("*.safetensors"))
         if not files:
-            raise FileNotFoundError(f"{model_dir}: no *.safetensors weights; point --model-dir at a Hugging Face model folder")
+            raise FileNotFoundError(
+                f"{model_dir}: no *.safetensors weights; point --model-dir at a Hugging Face model folder"
+            )
         m = ts.meta.model
         found: dict[int, np.ndarray] = {}
         for f in files:
@@ -164,7 +173,6 @@ class GateReusePredictor(_Base):
         g = np.asarray(trace.gate_inputs, np.float32)
         if not np.isfinite(g).all():
             raise ValueError(f"request {trace.request_id}: gate_inputs contain NaN or inf; re-collect it")
-        T, L, _ = g.shape
         src = np.zeros_like(g)
         src[:, 1:] = g[:, :-1]  # layer l scored from layer l-1's gate input
         src[1:, 0] = g[:-1, 0]  # layer 0: the previous token's layer-0 gate input
@@ -193,16 +201,24 @@ class ActivationMatrixPredictor(_Base):
         self._mean = self.matrices.mean(0)
 
     @classmethod
-    def fit(cls, ts: TraceSet, requests: list[str], capacity: int = 1000, seed: int = 0) -> ActivationMatrixPredictor:
+    def fit(
+        cls, ts: TraceSet, requests: list[str], capacity: int = 1000, seed: int = 0
+    ) -> ActivationMatrixPredictor:
         if not requests:
             raise ValueError(f"{ts.path}: no training requests to build activation matrices from")
         rng = np.random.default_rng(seed)
-        chosen = list(requests) if len(requests) <= capacity else [requests[i] for i in sorted(rng.choice(len(requests), capacity, replace=False))]
+        chosen = (
+            list(requests)
+            if len(requests) <= capacity
+            else [requests[i] for i in sorted(rng.choice(len(requests), capacity, replace=False))]
+        )
         mats = []
         for rid in chosen:
             c = expert_counts(ts.get(rid).topk_ids, ts.num_experts)
             mats.append(c / np.maximum(c.sum(1, keepdims=True), 1))
-        return cls(np.stack(mats), {**_model_meta(ts.meta.model), "capacity": capacity, "trained_on": str(ts.path)})
+        return cls(
+            np.stack(mats), {**_model_meta(ts.meta.model), "capacity": capacity, "trained_on": str(ts.path)}
+        )
 
     def score_request(self, trace: RequestTrace) -> np.ndarray:
         T = len(trace.topk_ids)
@@ -219,5 +235,7 @@ class ActivationMatrixPredictor(_Base):
         return {"matrices": self.matrices}
 
     @classmethod
-    def from_checkpoint(cls, tensors: dict[str, Any], meta: dict[str, Any], path: Path) -> ActivationMatrixPredictor:
+    def from_checkpoint(
+        cls, tensors: dict[str, Any], meta: dict[str, Any], path: Path
+    ) -> ActivationMatrixPredictor:
         return cls(tensors["matrices"].float().numpy(), meta)

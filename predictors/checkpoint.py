@@ -58,7 +58,9 @@ def load_raw(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
     except Exception as exc:  # safetensors raises its own error types for corrupt headers
         raise CheckpointError(f"{path}: not a readable safetensors file ({exc}); re-export it") from exc
     if "moecast" not in header:
-        raise CheckpointError(f"{path}: a safetensors file without moecast metadata; export it with `moecast train`")
+        raise CheckpointError(
+            f"{path}: a safetensors file without moecast metadata; export it with `moecast train`"
+        )
     meta = json.loads(header["moecast"])
     if meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(
@@ -67,7 +69,9 @@ def load_raw(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return tensors, meta
 
 
-def check_fingerprint(meta: dict[str, Any], fingerprint: str, against: str, path: str | Path = "checkpoint") -> None:
+def check_fingerprint(
+    meta: dict[str, Any], fingerprint: str, against: str, path: str | Path = "checkpoint"
+) -> None:
     """Refuse a checkpoint whose model fingerprint differs from the model or TraceSet it is used with."""
     if meta.get("fingerprint") != fingerprint:
         raise CheckpointError(

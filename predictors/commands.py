@@ -34,7 +34,12 @@ def build_baseline(spec: str, ts: Any, train_ids: list[str]) -> Any:
 
 
 def evaluate_predictor(
-    pred: Any, ts: Any, requests: list[str], k: int | None = None, extra_k: tuple[int, ...] = (), progress: bool = True
+    pred: Any,
+    ts: Any,
+    requests: list[str],
+    k: int | None = None,
+    extra_k: tuple[int, ...] = (),
+    progress: bool = True,
 ) -> dict[str, Any]:
     """Metrics of ``pred`` over ``requests`` (see ``moecast.predictors.metrics``)."""
     from moecast.predictors.metrics import MetricAccumulator
@@ -46,7 +51,13 @@ def evaluate_predictor(
         ts.require(missing[0], f"predictor {pred.name}")
     m = ts.meta.model
     acc = MetricAccumulator(m.num_layers, m.num_experts, k or m.top_k, extra_k)
-    for trace in tqdm(ts.iter_requests(requests), total=len(requests), desc=f"eval {pred.name}", disable=not progress, leave=False):
+    for trace in tqdm(
+        ts.iter_requests(requests),
+        total=len(requests),
+        desc=f"eval {pred.name}",
+        disable=not progress,
+        leave=False,
+    ):
         acc.update(pred.score_request(trace), trace.topk_ids)
     groups = getattr(pred, "groups", None) or getattr(pred, "meta", {}).get("groups")
     return acc.result(groups)
@@ -97,8 +108,15 @@ def evaluate(
             pred.save(save)
     extra = tuple(x for x in (1, 2, 4) if x < ts.meta.model.top_k)
     res = evaluate_predictor(pred, ts, requests, k, extra_k=extra, progress=not json)
-    out = {"predictor": pred.name, "horizon": pred.horizon, "checkpoint": checkpoint, "traces": str(ts.path),
-           "split": split, "requests": len(requests), **res}
+    out = {
+        "predictor": pred.name,
+        "horizon": pred.horizon,
+        "checkpoint": checkpoint,
+        "traces": str(ts.path),
+        "split": split,
+        "requests": len(requests),
+        **res,
+    }
     if json:
         print(_json.dumps(out))
     else:
@@ -113,8 +131,14 @@ def format_table(res: dict[str, Any], moe_layers: list[int]) -> str:
         f"{'all':<14}{res['recall_at_k']:>10.4f}{res['precision']:>11.4f}{res['f1_micro']:>10.4f}{res['f1_macro']:>10.4f}",
     ]
     for g, r in (res.get("per_group") or {}).items():
-        lines.append(f"{'group ' + g:<14}{r['recall_at_k']:>10.4f}{r['precision']:>11.4f}{r['f1_micro']:>10.4f}{r['f1_macro']:>10.4f}")
-    extra = [f"recall@{key.split('_')[-1]} {v:.4f}" for key, v in res.items() if key.startswith("recall_at_") and key != "recall_at_k"]
+        lines.append(
+            f"{'group ' + g:<14}{r['recall_at_k']:>10.4f}{r['precision']:>11.4f}{r['f1_micro']:>10.4f}{r['f1_macro']:>10.4f}"
+        )
+    extra = [
+        f"recall@{key.split('_')[-1]} {v:.4f}"
+        for key, v in res.items()
+        if key.startswith("recall_at_") and key != "recall_at_k"
+    ]
     if extra:
         lines.append("also: " + ", ".join(extra))
     per = res["per_layer"]["recall_at_k"]

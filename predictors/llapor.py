@@ -116,7 +116,9 @@ def sparse_bags(spec: FeatureSpec, topk: np.ndarray, rows: np.ndarray, pos: np.n
     return np.concatenate(blocks, axis=-1)
 
 
-def dense_features(spec: FeatureSpec, pca_in: np.ndarray | None, weights: np.ndarray | None, ids: np.ndarray) -> np.ndarray:
+def dense_features(
+    spec: FeatureSpec, pca_in: np.ndarray | None, weights: np.ndarray | None, ids: np.ndarray
+) -> np.ndarray:
     """[T, L, dense_dim] float32: PCA of layer l-1's gate input and layer l-1's weights (zeros at layer 0).
 
     ``pca_in`` is the already projected gate input [T, L, pca_max] (row l = layer l's own gate input).
@@ -133,7 +135,7 @@ def dense_features(spec: FeatureSpec, pca_in: np.ndarray | None, weights: np.nda
 
 
 class PCABank(nn.Module):
-    """Per-layer PCA (components [L, C, H], mean [L, H]); layer l keeps its first pca_dims[l] components."""
+    """Per-layer PCA (components [L, C, H], mean [L, H]); layer l keeps its first pca_dims[li] components."""
 
     def __init__(self, num_layers: int, comps: int, hidden: int) -> None:
         super().__init__()
@@ -161,7 +163,9 @@ class StackedLinear(nn.Module):
 class GroupBody(nn.Module):
     """The per-layer networks of one layer group (PreScope §4.2.1): shallow, or deep with a gated residual block."""
 
-    def __init__(self, layers: int, hidden: int, experts: int, depth: int, residual: bool, dropout: float) -> None:
+    def __init__(
+        self, layers: int, hidden: int, experts: int, depth: int, residual: bool, dropout: float
+    ) -> None:
         super().__init__()
         self.hidden = nn.ModuleList(StackedLinear(layers, hidden, hidden) for _ in range(depth))
         self.residual = residual
@@ -201,12 +205,16 @@ class LLaPorNet(nn.Module):
         # multi-hot matmul, which on CPU beats EmbeddingBag by ~10x at these sizes
         self.w_in = StackedLinear(L, max(spec.vocab, 1), H)
         with torch.no_grad():
-            self.w_in.weight.normal_(std=(max(spec.prev_layers + spec.history_tokens, 1) * spec.top_k) ** -0.5)
+            self.w_in.weight.normal_(
+                std=(max(spec.prev_layers + spec.history_tokens, 1) * spec.top_k) ** -0.5
+            )
         if spec.deep_history:
             # every earlier layer l' < l of this token: shared embedding per source layer,
             # combined by a learned strictly lower-triangular mix (cheap: B x L x L x H)
             self.deep_emb = nn.Parameter(torch.randn(L, spec.num_experts, H) * spec.top_k**-0.5)
-            self.deep_mix = nn.Parameter(torch.tril(torch.ones(L, L), -1) / torch.arange(1, L + 1).clamp_min(1).view(L, 1))
+            self.deep_mix = nn.Parameter(
+                torch.tril(torch.ones(L, L), -1) / torch.arange(1, L + 1).clamp_min(1).view(L, 1)
+            )
             self.register_buffer("deep_mask", torch.tril(torch.ones(L, L), -1))
         if spec.token_buckets:
             self.tok = nn.Embedding(spec.token_buckets, spec.token_dim)
@@ -218,9 +226,12 @@ class LLaPorNet(nn.Module):
         self.bodies = nn.ModuleDict(
             {
                 g: GroupBody(
-                    len(ls), H, spec.num_experts,
+                    len(ls),
+                    H,
+                    spec.num_experts,
                     net.depth_middle if g == "middle" else net.depth_io,
-                    residual=(g == "middle"), dropout=net.dropout,
+                    residual=(g == "middle"),
+                    dropout=net.dropout,
                 )
                 for g, ls in self.groups.items()
             }
@@ -234,7 +245,7 @@ class LLaPorNet(nn.Module):
         route: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """bags [B, L, n] sparse feature ids (pad = spec.vocab), tokens [B] bucket ids, dense [B, L, D],
-        route [B, L, k] the current token's ids at every layer (only layers < l reach row l) -> logits [B, L, E]."""
+        route [B, L, k] the current token's ids at every layer (only layers < li reach row li) -> logits [B, L, E]."""
         B, L, _ = bags.shape
         V = self.spec.vocab
         hot = bags.new_zeros((B, L, V + 1), dtype=torch.float32).scatter_(2, bags, 1.0)[..., : max(V, 1)]
@@ -276,8 +287,8 @@ def detect_groups(
 ) -> tuple[dict[str, list[int]], np.ndarray]:
     """Split layers into input / middle / output groups (PreScope §3.1).
 
-    ``cos_sim[l]`` is the mean cosine similarity of the gate inputs of layers l-1 and l,
-    ``routing_corr[l]`` how predictable layer l's experts are from layer l-1's (both for
+    ``cos_sim[li]`` is the mean cosine similarity of the gate inputs of layers l-1 and li,
+    ``routing_corr[li]`` how predictable layer l's experts are from layer l-1's (both for
     l >= 1). Middle layers are where these are high; the signal is their mean (the
     cosine alone when gate inputs exist is the paper's primary cue, routing correlation
     breaks its ties). Input group = layer 0 plus the leading layers below the mean;
@@ -298,22 +309,26 @@ def detect_groups(
     # keep every group non-empty and the middle group the majority's neighbourhood
     first = min(max(first, 1), L - 2)
     last = max(min(last, L - 2), first)
-    groups = {"input": list(range(0, first)), "middle": list(range(first, last + 1)), "output": list(range(last + 1, L))}
+    groups = {
+        "input": list(range(0, first)),
+        "middle": list(range(first, last + 1)),
+        "output": list(range(last + 1, L)),
+    }
     return groups, np.where(np.isfinite(sig), sig, 0.0)
 
 
 def routing_correlation(topk: np.ndarray, num_experts: int) -> np.ndarray:
-    """[L] for l >= 1: recall@k of the best single-expert co-occurrence predictor from layer l-1 to l."""
-    N, L, k = topk.shape
+    """[L] for li >= 1: recall@k of the best single-expert co-occurrence predictor from layer l-1 to li."""
+    L, k = topk.shape[1:]
     out = np.zeros(L)
-    for l in range(1, L):
-        a = topk[:, l - 1].astype(np.int64)
-        b = topk[:, l].astype(np.int64)
+    for li in range(1, L):
+        a = topk[:, li - 1].astype(np.int64)
+        b = topk[:, li].astype(np.int64)
         co = np.zeros((num_experts, num_experts))
         np.add.at(co, (np.repeat(a, k, 1).ravel(), np.tile(b, (1, k)).ravel()), 1)
         scores = co[a].sum(1)  # [N, E]
         pred = np.argpartition(-scores, k - 1, axis=-1)[:, :k]
-        out[l] = (pred[:, :, None] == b[:, None, :]).any(-1).mean()
+        out[li] = (pred[:, :, None] == b[:, None, :]).any(-1).mean()
     return out
 
 
@@ -330,8 +345,21 @@ def format_groups(groups: dict[str, list[int]], moe_layers: list[int]) -> str:
     parts = []
     for g in GROUPS:
         ls = groups.get(g, [])
-        parts.append(f"{g}: " + (f"layers {moe_layers[ls[0]]}-{moe_layers[ls[-1]]} ({len(ls)})" if ls else "none"))
+        parts.append(
+            f"{g}: " + (f"layers {moe_layers[ls[0]]}-{moe_layers[ls[-1]]} ({len(ls)})" if ls else "none")
+        )
     return "layer groups  " + "  |  ".join(parts)
+
+
+def _gelu(x: np.ndarray) -> np.ndarray:
+    # exact (erf) GELU, as torch.nn.functional.gelu
+    from scipy.special import erf
+
+    return 0.5 * x * (1.0 + erf(x / np.sqrt(2.0)))
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
 
 
 class LLaPor(Predictor):
@@ -365,7 +393,9 @@ class LLaPor(Predictor):
         spec = self.spec
         ids = np.asarray(trace.topk_ids)
         T = ids.shape[0]
-        missing = [f for f in ("gate_inputs", "topk_weights") if f in spec.fields() and getattr(trace, f) is None]
+        missing = [
+            f for f in ("gate_inputs", "topk_weights") if f in spec.fields() and getattr(trace, f) is None
+        ]
         if missing:
             raise ValueError(
                 f"this LLaPor checkpoint was trained with {', '.join(missing)}, which request {trace.request_id} lacks; "
@@ -376,24 +406,28 @@ class LLaPor(Predictor):
         if spec.deep_history:
             feats["route"] = torch.from_numpy(ids.astype(np.int64))
         if spec.token_buckets:
-            feats["tokens"] = torch.from_numpy((np.asarray(trace.token_ids, np.int64) % spec.token_buckets))
+            feats["tokens"] = torch.from_numpy(np.asarray(trace.token_ids, np.int64) % spec.token_buckets)
         if spec.dense_dim:
             pca_in = None
             if spec.gate_pca:
                 g = np.asarray(trace.gate_inputs, np.float32)
                 if not np.isfinite(g).all():
-                    raise ValueError(f"request {trace.request_id}: gate_inputs contain NaN or inf; re-collect it")
+                    raise ValueError(
+                        f"request {trace.request_id}: gate_inputs contain NaN or inf; re-collect it"
+                    )
                 pca_in = self.net.pca.project(g) * self._pca_mask()
             w = trace.topk_weights if spec.weights else None
             if w is not None and not np.isfinite(np.asarray(w, np.float32)).all():
-                raise ValueError(f"request {trace.request_id}: topk_weights contain NaN or inf; re-collect it")
+                raise ValueError(
+                    f"request {trace.request_id}: topk_weights contain NaN or inf; re-collect it"
+                )
             feats["dense"] = torch.from_numpy(dense_features(spec, pca_in, w, ids))
         return feats
 
     def _pca_mask(self) -> np.ndarray:
         m = np.zeros((self.num_layers, self.spec.pca_max), np.float32)
-        for l, c in enumerate(self.spec.pca_dims):
-            m[l, :c] = 1
+        for li, c in enumerate(self.spec.pca_dims):
+            m[li, :c] = 1
         return m
 
     @torch.no_grad()
@@ -401,15 +435,84 @@ class LLaPor(Predictor):
         self.net.eval()
         return torch.sigmoid(self.net(**self.features(trace))).numpy().astype(np.float32)
 
-    @torch.no_grad()
-    def score_layer(self, layer: int, feats: dict[str, torch.Tensor]) -> np.ndarray:
-        """Scores of one layer for a batch of tokens (the runtime's per-layer call)."""
-        return torch.sigmoid(self.net(**feats)[:, layer]).numpy()
+    def score_layer(self, layer: int, feats: dict[str, torch.Tensor | np.ndarray]) -> np.ndarray:
+        """[B, E] scores of one layer for a batch of tokens: the runtime's per-layer call.
+
+        Runs only that layer's predictor, in numpy on weights cached per layer (a batch-1
+        call costs a few small matrix-vector products, no torch dispatch). ``feats`` are
+        rows of ``features()`` (all layers' inputs; only this layer's are read).
+        """
+        w = self._layer_weights(layer)
+        bags = np.asarray(feats["bags"])[:, layer]  # [B, n]
+        pad = self.spec.vocab
+        rows = np.where(bags >= pad, pad, bags)
+        h = np.broadcast_to(w["bias"], (len(bags), len(w["bias"]))).copy()
+        if pad:
+            h += w["w_in"][rows].sum(1)  # multi-hot @ W as a gather (the pad row is zero)
+        if "tok" in w:
+            h += w["tok"][np.asarray(feats["tokens"])] @ w["tok_proj"] + w["tok_bias"]
+        if "deep_emb" in w and layer > 0:
+            route = np.asarray(feats["route"])[:, :layer]  # [B, layer, k]
+            per_src = w["deep_emb"][np.arange(layer)[None, :, None], route].sum(2)  # [B, layer, H]
+            h += np.einsum("bmh,m->bh", per_src, w["deep_mix"])
+        if "dense_proj" in w:
+            h += np.asarray(feats["dense"])[:, layer] @ w["dense_proj"] + w["dense_bias"]
+        h = _gelu(h)
+        for W, b in w["hidden"]:
+            h = _gelu(h @ W + b)
+        if "res1" in w:
+            r = _gelu(h @ w["res1"][0] + w["res1"][1]) @ w["res2"][0] + w["res2"][1]
+            h = h + _sigmoid(h @ w["gate"][0] + w["gate"][1]) * r
+        return _sigmoid(h @ w["head"][0] + w["head"][1])
+
+    def _layer_weights(self, layer: int) -> dict[str, Any]:
+        cache = self.__dict__.setdefault("_layer_cache", {})
+        if layer in cache:
+            return cache[layer]
+        net = self.net
+
+        def np_(t: torch.Tensor) -> np.ndarray:
+            return t.detach().float().numpy().copy()
+
+        w: dict[str, Any] = {
+            # one appended zero row so the pad id gathers nothing
+            "w_in": np.vstack([np_(net.w_in.weight[layer]), np.zeros((1, net.net.hidden), np.float32)]),
+            "bias": np_(net.w_in.bias[layer]),
+        }
+        if self.spec.token_buckets:
+            w["tok"] = np_(net.tok.weight)
+            w["tok_proj"], w["tok_bias"] = np_(net.tok_proj.weight[layer]), np_(net.tok_proj.bias[layer])
+        if self.spec.deep_history:
+            w["deep_emb"] = np_(net.deep_emb[:layer]) if layer else None
+            w["deep_mix"] = np_((net.deep_mix * net.deep_mask)[layer, :layer])
+        if self.spec.dense_dim:
+            w["dense_proj"], w["dense_bias"] = (
+                np_(net.dense_proj.weight[layer]),
+                np_(net.dense_proj.bias[layer]),
+            )
+        group = next(g for g, ls in self.groups.items() if layer in ls)
+        j = self.groups[group].index(layer)
+        body = net.bodies[group]
+
+        def pick(lin: StackedLinear) -> tuple[np.ndarray, np.ndarray]:
+            return np_(lin.weight[j]), np_(lin.bias[j])
+
+        w["hidden"] = [pick(lin) for lin in body.hidden]
+        if body.residual:
+            w["res1"], w["res2"], w["gate"] = pick(body.res1), pick(body.res2), pick(body.gate)
+        w["head"] = pick(body.head)
+        cache[layer] = w
+        return w
 
     # ------------------------------------------------------------------ online learning
     def update(
-        self, feats: dict[str, torch.Tensor], truth: np.ndarray, lr: float = 1e-3, steps: int = 1,
-        gamma: float = 2.0, lam: float = 0.5,
+        self,
+        feats: dict[str, torch.Tensor],
+        truth: np.ndarray,
+        lr: float = 1e-3,
+        steps: int = 1,
+        gamma: float = 2.0,
+        lam: float = 0.5,
     ) -> float:
         """Online continual learning (PreScope §4.2.2): a few AdamW steps on newly observed routing.
 
@@ -423,6 +526,7 @@ class LLaPor(Predictor):
             self._opt = torch.optim.AdamW(self.net.parameters(), lr=lr, weight_decay=0.0)
         inv = torch.ones(self.num_layers, self.num_experts)
         lam_t = torch.full((self.num_layers,), lam)
+        self.__dict__.pop("_layer_cache", None)  # weights change: per-layer numpy copies are stale
         self.net.train()
         loss_val = float("nan")
         for _ in range(steps):
@@ -430,7 +534,7 @@ class LLaPor(Predictor):
             self._opt.zero_grad()
             loss.backward()
             self._opt.step()
-            loss_val = float(loss)
+            loss_val = float(loss.detach())
         self.net.eval()
         return loss_val
 
@@ -460,7 +564,9 @@ class LLaPor(Predictor):
             net = LLaPorNet(spec, {g: list(v) for g, v in meta["groups"].items()}, NetConfig(**meta["net"]))
             net.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()})
         except (KeyError, TypeError, RuntimeError) as exc:
-            raise ValueError(f"{path}: LLaPor checkpoint does not match this moecast ({exc}); retrain it") from exc
+            raise ValueError(
+                f"{path}: LLaPor checkpoint does not match this moecast ({exc}); retrain it"
+            ) from exc
         return cls(net, meta["moe_layers"], meta.get("fingerprint"), meta)
 
 

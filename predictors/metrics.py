@@ -53,7 +53,9 @@ def _check(scores: np.ndarray, true_ids: np.ndarray) -> tuple[np.ndarray, np.nda
     lead = np.broadcast_shapes(scores.shape[:-1], true_ids.shape[:-1])
     if not np.isfinite(scores).all():
         raise ValueError("predictor scores contain NaN or inf; check the predictor's inputs (NaN features?)")
-    return np.broadcast_to(scores, (*lead, scores.shape[-1])), np.broadcast_to(true_ids, (*lead, true_ids.shape[-1]))
+    return np.broadcast_to(scores, (*lead, scores.shape[-1])), np.broadcast_to(
+        true_ids, (*lead, true_ids.shape[-1])
+    )
 
 
 def recall_per_row(scores: np.ndarray, true_ids: np.ndarray, k: int | None = None) -> np.ndarray:
@@ -107,7 +109,9 @@ class MetricAccumulator:
     def result(self, groups: Mapping[str, Sequence[int]] | None = None) -> dict[str, Any]:
         """Metrics overall, per layer and per layer group (a group is a list of layer positions)."""
         if self.rows.sum() == 0:
-            raise ValueError("no tokens were evaluated (empty split?); choose another --split or more requests")
+            raise ValueError(
+                "no tokens were evaluated (empty split?); choose another --split or more requests"
+            )
         out = self._summary(np.arange(self.L))
         out["k"] = self.k
         out["tokens"] = int(self.rows[0])
@@ -119,7 +123,9 @@ class MetricAccumulator:
         for x in self.extra_k:
             out[f"recall_at_{x}"] = float(self.extra_sum[x].sum() / self.rows.sum())
         if groups:
-            out["per_group"] = {g: self._summary(np.asarray(list(ls), dtype=np.int64)) for g, ls in groups.items() if len(ls)}
+            out["per_group"] = {
+                g: self._summary(np.asarray(list(ls), dtype=np.int64)) for g, ls in groups.items() if len(ls)
+            }
         return out
 
     def _summary(self, layers: np.ndarray) -> dict[str, float]:
@@ -137,7 +143,9 @@ class MetricAccumulator:
             "precision": float(precision),
             "recall": float(recall),
             "f1_micro": float(f1_micro),
-            "f1_macro": float(np.nanmean(per_layer_macro)) if np.isfinite(per_layer_macro).any() else float("nan"),
+            "f1_macro": float(np.nanmean(per_layer_macro))
+            if np.isfinite(per_layer_macro).any()
+            else float("nan"),
         }
 
 

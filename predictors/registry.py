@@ -30,7 +30,9 @@ def load(path: str | Path, fingerprint: str | None = None, against: str = "this 
     tensors, meta = load_raw(path)
     kind = meta["kind"]
     if kind not in KINDS:
-        raise CheckpointError(f"{path}: unknown predictor kind {kind!r}; known kinds: {', '.join(sorted(KINDS))}")
+        raise CheckpointError(
+            f"{path}: unknown predictor kind {kind!r}; known kinds: {', '.join(sorted(KINDS))}"
+        )
     if fingerprint is not None:
         check_fingerprint(meta, fingerprint, against, path)
     module, cls = KINDS[kind].split(":")

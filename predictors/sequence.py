@@ -49,17 +49,23 @@ class SequenceNet(nn.Module):
         self.tok = nn.Embedding(cfg.token_buckets, d)
         self.pos = nn.Embedding(cfg.max_len, d)
         self.route = nn.Linear(cfg.num_layers * cfg.num_experts, d)
-        layer = nn.TransformerEncoderLayer(d, cfg.n_heads, cfg.ffn, cfg.dropout, batch_first=True, norm_first=True)
+        layer = nn.TransformerEncoderLayer(
+            d, cfg.n_heads, cfg.ffn, cfg.dropout, batch_first=True, norm_first=True
+        )
         self.encoder = nn.TransformerEncoder(layer, cfg.n_blocks, enable_nested_tensor=False)
         self.layer_emb = nn.Embedding(cfg.num_layers, d)
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, cfg.num_experts)
 
-    def forward(self, tokens: torch.Tensor, prev_route: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, prev_route: torch.Tensor, pad: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """tokens [B, T] bucket ids, prev_route [B, T, L*E] (token t-1's multi-hot), pad [B, T] True = padding."""
-        B, T = tokens.shape
-        if T > self.cfg.max_len:
-            raise ValueError(f"request of {T} tokens is longer than the sequence predictor's max_len {self.cfg.max_len}")
+        T = tokens.shape[1]
+        if self.cfg.max_len < T:
+            raise ValueError(
+                f"request of {T} tokens is longer than the sequence predictor's max_len {self.cfg.max_len}"
+            )
         pos = torch.arange(T, device=tokens.device)
         x = self.tok(tokens) + self.pos(pos) + self.route(prev_route)
         causal = torch.triu(torch.full((T, T), float("-inf"), device=tokens.device), 1)
@@ -68,7 +74,9 @@ class SequenceNet(nn.Module):
         return self.head(F.gelu(h))
 
 
-def sequence_inputs(token_ids: np.ndarray, topk: np.ndarray, cfg: SequenceConfig) -> tuple[np.ndarray, np.ndarray]:
+def sequence_inputs(
+    token_ids: np.ndarray, topk: np.ndarray, cfg: SequenceConfig
+) -> tuple[np.ndarray, np.ndarray]:
     """(bucket ids [T], previous token's routing multi-hot [T, L*E]) for one request."""
     from moecast.predictors.metrics import multi_hot
 
@@ -85,11 +93,21 @@ class SequencePredictor(Predictor):
     name = "sequence"
     horizon = "token-ahead"
 
-    def __init__(self, net: SequenceNet, moe_layers: list[int], fingerprint: str | None = None, meta: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        net: SequenceNet,
+        moe_layers: list[int],
+        fingerprint: str | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> None:
         self.net = net.eval()
         self.cfg = net.cfg
         self.moe_layers = list(moe_layers)
-        self.num_layers, self.num_experts, self.top_k = self.cfg.num_layers, self.cfg.num_experts, self.cfg.top_k
+        self.num_layers, self.num_experts, self.top_k = (
+            self.cfg.num_layers,
+            self.cfg.num_experts,
+            self.cfg.top_k,
+        )
         self.fingerprint = fingerprint
         self.meta = dict(meta or {})
 
@@ -104,7 +122,9 @@ class SequencePredictor(Predictor):
         start = 0
         while True:
             hi = min(T, start + W)
-            logits = self.net(torch.from_numpy(tok[start:hi])[None], torch.from_numpy(prev[start:hi])[None])[0]
+            logits = self.net(torch.from_numpy(tok[start:hi])[None], torch.from_numpy(prev[start:hi])[None])[
+                0
+            ]
             keep = 0 if start == 0 else W // 2
             out[start + keep : hi] = torch.sigmoid(logits[keep:]).numpy()
             if hi == T:
@@ -113,8 +133,14 @@ class SequencePredictor(Predictor):
         return out
 
     def metadata(self) -> dict[str, Any]:
-        return {**self.meta, **super().metadata(), "moe_layers": self.moe_layers, "num_experts": self.num_experts,
-                "top_k": self.top_k, "config": asdict(self.cfg)}
+        return {
+            **self.meta,
+            **super().metadata(),
+            "moe_layers": self.moe_layers,
+            "num_experts": self.num_experts,
+            "top_k": self.top_k,
+            "config": asdict(self.cfg),
+        }
 
     def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
         from moecast.predictors.checkpoint import save
@@ -127,5 +153,7 @@ class SequencePredictor(Predictor):
             net = SequenceNet(SequenceConfig(**meta["config"]))
             net.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()})
         except (KeyError, TypeError, RuntimeError) as exc:
-            raise ValueError(f"{path}: sequence checkpoint does not match this moecast ({exc}); retrain it") from exc
+            raise ValueError(
+                f"{path}: sequence checkpoint does not match this moecast ({exc}); retrain it"
+            ) from exc
         return cls(net, meta["moe_layers"], meta.get("fingerprint"), meta)

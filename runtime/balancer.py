@@ -56,7 +56,8 @@ def two_pointer_split(sorted_sizes: np.ndarray, n: np.ndarray, t_load: float, t_
     small_first = np.take_along_axis(sorted_sizes, rev_idx, axis=1) * t_cpu
     small_first = np.where(valid, small_first, np.inf)
     cpu_before = np.concatenate([np.zeros((rows, 1)), np.cumsum(small_first, axis=1)[:, :-1]], axis=1)
-    load_before = idx * float(t_load) if np.isfinite(t_load) else np.where(idx == 0, 0.0, np.inf)
+    # cumulative sums (not j * t_load) so float rounding matches the literal loop's accumulation
+    load_before = np.concatenate([[0.0], np.cumsum(np.full(M - 1, float(t_load)))])[None, :]
     # j loads taken = number of load costs c with (#cpu costs strictly below c) + (#load costs <= c) <= n
     # counted the simple way: a load cost L_j is among the first n iff j + #{i: P_i < L_j} < n.
     below = (cpu_before[:, None, :] < np.broadcast_to(load_before, (rows, M))[:, :, None]) & valid[:, None, :]

@@ -39,7 +39,9 @@ def resolve_capacity(capacity: float | str, num_experts: int, top_k: int, expert
         for unit, mult in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
             if text.endswith(unit):
                 if expert_bytes <= 0:
-                    raise ValueError("a capacity in bytes needs the model's expert_bytes; give experts or a fraction")
+                    raise ValueError(
+                        "a capacity in bytes needs the model's expert_bytes; give experts or a fraction"
+                    )
                 try:
                     n = int(float(text[: -len(unit)]) * mult // expert_bytes)
                 except ValueError:
@@ -48,11 +50,15 @@ def resolve_capacity(capacity: float | str, num_experts: int, top_k: int, expert
         try:
             capacity = float(text)
         except ValueError:
-            raise ValueError(f"capacity {capacity!r}: expected a fraction (0.25), experts (6) or bytes (512MB)") from None
+            raise ValueError(
+                f"capacity {capacity!r}: expected a fraction (0.25), experts (6) or bytes (512MB)"
+            ) from None
     c = float(capacity)
     if not np.isfinite(c) or c <= 0:
-        raise ValueError(f"capacity {capacity!r} must be > 0 (a fraction < 1 of the experts, or experts per layer)")
-    n = int(round(c * num_experts)) if c < 1 else int(c)
+        raise ValueError(
+            f"capacity {capacity!r} must be > 0 (a fraction < 1 of the experts, or experts per layer)"
+        )
+    n = round(c * num_experts) if c < 1 else int(c)
     if c >= 1 and c != int(c):
         raise ValueError(f"capacity {capacity!r}: give a fraction below 1 or a whole number of experts")
     return _check_capacity(n, num_experts, top_k, capacity)
@@ -97,20 +103,36 @@ class ExpertCache:
         self._shift = max(1, int(self.N - 1).bit_length())
         self.policy = policy
         self.lanes = int(lanes)
-        self.resident = np.zeros((lanes, num_items), dtype=bool)
+        # Each state array has one spare column (index N) that padding ids (-1) map to, so the hot
+        # paths index flat, contiguous arrays without boolean masks; the spare item is never resident.
+        W = self.W = num_items + 1
+        self._res = np.zeros((lanes, W), dtype=bool)
+        self._last = np.full((lanes, W), -1, dtype=np.int64)
+        self._freq = np.zeros((lanes, W), dtype=np.int64)
+        self._pf = np.zeros((lanes, W), dtype=bool)  # inserted by prefetch, not used yet
+        self._nu = np.full((lanes, W), _NEVER, dtype=np.int64) if policy == "belady" else None
+        self.resident = self._res[:, :num_items]
+        self.last = self._last[:, :num_items]
+        self.freq = self._freq[:, :num_items]
+        self.prefetched = self._pf[:, :num_items]
+        self.next_use = self._nu[:, :num_items] if self._nu is not None else None
+        self._res_f, self._last_f, self._freq_f, self._pf_f = (
+            a.reshape(-1) for a in (self._res, self._last, self._freq, self._pf)
+        )
+        self._nu_f = self._nu.reshape(-1) if self._nu is not None else None
         self.count = np.zeros(lanes, dtype=np.int64)
-        self.last = np.full((lanes, num_items), -1, dtype=np.int64)
-        self.freq = np.zeros((lanes, num_items), dtype=np.int64)
-        self.prefetched = np.zeros((lanes, num_items), dtype=bool)  # inserted by prefetch, not used yet
-        self.next_use = np.full((lanes, num_items), _NEVER, dtype=np.int64) if policy == "belady" else None
         self.window = int(score_window)
         if policy == "score":
             self._ring = np.zeros((lanes, self.window, num_items), dtype=np.float32)
             self._ring_pos = np.zeros(lanes, dtype=np.int64)
-            self.score_sum = np.zeros((lanes, num_items), dtype=np.float64)
+            self._score = np.zeros((lanes, W), dtype=np.float64)
+            self.score_sum = self._score[:, :num_items]
         self.stats = CacheStats()
         self._clock = 0
-        self._ids = np.arange(num_items)
+        self._ids = np.arange(W)
+
+    def _flat(self, lanes: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        return lanes[:, None] * self.W + np.where(ids >= 0, ids, self.N)
 
     # ------------------------------------------------------------------ state
     def reset(self, lanes: np.ndarray | None = None) -> None:
@@ -145,24 +167,29 @@ class ExpertCache:
     # ------------------------------------------------------------------ decisions
     def lookup(self, lanes: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """[n, k] bool: which of each lane's ids are resident (ids < 0 are padding, never hit)."""
-        safe = np.where(ids >= 0, ids, 0)
-        return self.resident[lanes[:, None], safe] & (ids >= 0)
+        return self._res_f[self._flat(lanes, ids)]
 
     def touch(self, lanes: np.ndarray, ids: np.ndarray, t: int | np.ndarray) -> None:
         """Record one access per (lane, id): recency, frequency, prefetch use. Ids distinct per row."""
-        valid = ids >= 0
-        rows = np.broadcast_to(lanes[:, None], ids.shape)[valid]
-        cols = ids[valid]
+        f = self._flat(lanes, ids)
         if np.ndim(t):
-            self.last[rows, cols] = np.broadcast_to(np.asarray(t)[:, None], ids.shape)[valid]
+            self._last_f[f] = np.asarray(t)[:, None]
         else:
-            self.last[rows, cols] = t
+            self._last_f[f] = t
         # ids are distinct within a row (one access = the union of a step's experts), so plain += is exact
-        self.freq[rows, cols] += 1
-        used = self.prefetched[rows, cols] & self.resident[rows, cols]
+        self._freq_f[f] += 1
+        used = self._pf_f[f] & self._res_f[f]
         if used.any():
             self.stats.prefetch_used += int(used.sum())
-            self.prefetched[rows[used], cols[used]] = False
+            self._pf_f[f[used]] = False
+
+    def was_prefetched(self, lanes: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """[n, k] bool: inserted by a prefetch and not used since."""
+        return self._pf_f[self._flat(lanes, ids)]
+
+    def set_next_use(self, lanes: np.ndarray, ids: np.ndarray, when: np.ndarray) -> None:
+        """Belady: the lane time at which each (lane, id) is next accessed."""
+        self._nu_f[self._flat(lanes, ids)] = when
 
     def observe_scores(self, lanes: np.ndarray, scores: np.ndarray) -> None:
         """SMoE Eq. 3 window: push one step of router scores [n, N] (all experts, active or not)."""
@@ -170,7 +197,7 @@ class ExpertCache:
             return
         pos = self._ring_pos[lanes]
         old = self._ring[lanes, pos]
-        self.score_sum[lanes] += scores - old
+        self._score[lanes, : self.N] += scores - old
         self._ring[lanes, pos] = scores
         self._ring_pos[lanes] = (pos + 1) % self.window
 
@@ -180,13 +207,13 @@ class ExpertCache:
         ids = self._ids[None, :]
         sh = self._shift
         if self.policy == "lru":
-            return ((self.last[lanes] + 1) << sh) | ids
+            return ((self._last[lanes] + 1) << sh) | ids
         if self.policy == "lfu":
-            return (self.freq[lanes] << (sh + 24)) | ((self.last[lanes] + 1) << sh) | ids
+            return (self._freq[lanes] << (sh + 24)) | ((self._last[lanes] + 1) << sh) | ids
         if self.policy == "belady":
-            return ((_NU_CAP - np.minimum(self.next_use[lanes], _NU_CAP)) << sh) | ids
+            return ((_NU_CAP - np.minimum(self._nu[lanes], _NU_CAP)) << sh) | ids
         if self.policy == "score":
-            return self.score_sum[lanes].copy()
+            return self._score[lanes]
         raise AssertionError(self.policy)
 
     def insert(
@@ -210,9 +237,8 @@ class ExpertCache:
         n = len(lanes)
         if n == 0 or self.policy == "static" or ids.shape[1] == 0:
             return np.zeros(ids.shape, dtype=bool)
-        valid = ids >= 0
-        safe = np.where(valid, ids, 0)
-        new = valid & ~self.resident[lanes[:, None], safe]
+        f = self._flat(lanes, ids)
+        new = (ids >= 0) & ~self._res_f[f]
         n_new = new.sum(1)
         if not n_new.any():
             return new
@@ -223,13 +249,13 @@ class ExpertCache:
         if len(ev_rows):
             el = lanes[ev_rows]
             ne = len(ev_rows)
-            eligible = self.resident[el]
-            r_idx = np.arange(ne)[:, None]
-            ins = ids[ev_rows]
-            eligible[r_idx, np.where(ins >= 0, ins, 0)] &= ins < 0
+            W = self.W
+            eligible = self._res[el]
+            base = (np.arange(ne) * W)[:, None]
+            el_f = eligible.reshape(-1)
+            el_f[base + (f[ev_rows] - (lanes[ev_rows] * W)[:, None])] = False
             if shield is not None:
-                sh = shield[ev_rows]
-                eligible[r_idx, np.where(sh >= 0, sh, 0)] &= sh < 0
+                el_f[base + np.where(shield[ev_rows] >= 0, shield[ev_rows], self.N)] = False
             n_elig = eligible.sum(1)
             n_evict = np.minimum(need[ev_rows], n_elig)
             m = int(n_evict.max())
@@ -238,21 +264,26 @@ class ExpertCache:
                     key = np.where(eligible, self._key(el), np.inf)
                     order = np.argsort(key, axis=1, kind="stable")[:, :m]
                 else:
-                    key = np.where(eligible, self._key(el), np.iinfo(np.int64).max)
-                    if m < self.N // 4:
-                        part = np.argpartition(key, m - 1, axis=1)[:, :m]
-                        order = np.take_along_axis(part, np.argsort(np.take_along_axis(key, part, 1), axis=1), 1)
-                    else:
-                        order = np.argsort(key, axis=1)[:, :m]
+                    # keys are unique with the id in the low bits: m passes of a column-wise min
+                    # (vectorised across rows) find the m lowest, several times faster than a
+                    # per-row argpartition on short rows
+                    big = np.iinfo(np.int64).max
+                    key_t = np.where(eligible, self._key(el), big).T.copy()
+                    mask = (1 << self._shift) - 1
+                    cols_r = np.arange(ne)
+                    order = np.empty((ne, m), dtype=np.int64)
+                    for j in range(m):
+                        v = np.minimum(key_t.min(0) & mask, self.N)  # rows out of candidates -> spare column
+                        order[:, j] = v
+                        key_t[v, cols_r] = big
                 take = np.arange(m)[None, :] < n_evict[:, None]
-                rows = np.broadcast_to(el[:, None], order.shape)[take]
-                cols = order[take]
-                wasted = self.prefetched[rows, cols]
+                gone = ((el * W)[:, None] + order)[take]
+                wasted = self._pf_f[gone]
                 if wasted.any():
                     self.stats.prefetch_wasted += int(wasted.sum())
-                    self.prefetched[rows, cols] = False
-                self.resident[rows, cols] = False
-                self.stats.evictions += len(cols)
+                    self._pf_f[gone] = False
+                self._res_f[gone] = False
+                self.stats.evictions += len(gone)
                 self.count[el] -= n_evict
             # fewer slots than new ids: keep the first ones (callers order by priority)
             room = free[ev_rows] + n_evict
@@ -261,34 +292,62 @@ class ExpertCache:
                 sr = ev_rows[short]
                 rank = np.cumsum(new[sr], axis=1)
                 new[sr] &= rank <= room[short][:, None]
-        rows = np.broadcast_to(lanes[:, None], ids.shape)[new]
-        cols = ids[new]
-        self.resident[rows, cols] = True
+        fn = f[new]
+        self._res_f[fn] = True
         self.count[lanes] += new.sum(1)
         if t is not None:
             tt = np.asarray(t)
-            self.last[rows, cols] = np.broadcast_to(tt.reshape(-1, 1) if tt.ndim else tt, ids.shape)[new]
+            self._last_f[fn] = np.broadcast_to(tt.reshape(-1, 1) if tt.ndim else tt, ids.shape)[new]
         if prefetch:
-            self.prefetched[rows, cols] = True
-            self.stats.prefetch_inserted += len(cols)
+            self._pf_f[fn] = True
+            self.stats.prefetch_inserted += len(fn)
         self._clock += 1
         return new
 
     def access(self, ids: np.ndarray, t: int | None = None, insert: bool = True, lane: int = 0) -> np.ndarray:
-        """Online per-layer call: one token's (or a batch's) expert ids -> hit mask; misses inserted.
+        """Online per-layer call: one step's distinct expert ids -> hit mask; misses inserted.
 
-        The ids of this access are shielded, so a token's own experts never evict each other.
+        The ids of this access are shielded, so a token's own experts never evict each other. This
+        single-lane path avoids the batch machinery (a handful of numpy calls per decision).
         """
-        ids2 = np.atleast_2d(np.asarray(ids, dtype=np.int64)).reshape(1, -1)
-        lanes = np.array([lane])
-        hits = self.lookup(lanes, ids2)
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         tt = self._clock if t is None else t
-        if insert:
-            self.insert(lanes, ids2, shield=ids2)
-        self.touch(lanes, ids2, tt)
-        if t is None:
-            self._clock += 1
-        return hits.reshape(np.shape(ids))
+        self._clock += 1
+        res = self._res[lane]
+        hits = res[ids]
+        if insert and self.policy != "static" and not hits.all():
+            miss = ids[~hits]
+            need = int(self.count[lane]) + len(miss) - int(self.capacity_of[lane])
+            if need > 0:
+                elig = res.copy()
+                elig[ids] = False
+                n_elig = int(elig.sum())
+                n_ev = min(need, n_elig)
+                if n_ev > 0:
+                    key = self._key(np.array([lane]))[0]
+                    if self.policy == "score":
+                        key = np.where(elig, key, np.inf)
+                        victims = np.argsort(key, kind="stable")[:n_ev]
+                    else:
+                        key = np.where(elig, key, np.iinfo(np.int64).max)
+                        victims = np.argpartition(key, n_ev - 1)[:n_ev] if n_ev > 1 else [int(key.argmin())]
+                    pf = self._pf[lane]
+                    self.stats.prefetch_wasted += int(pf[victims].sum())
+                    pf[victims] = False
+                    res[victims] = False
+                    self.count[lane] -= n_ev
+                    self.stats.evictions += n_ev
+                miss = miss[: int(self.capacity_of[lane]) - int(self.count[lane])]
+            res[miss] = True
+            self.count[lane] += len(miss)
+        self._last[lane, ids] = tt
+        self._freq[lane, ids] += 1
+        pf = self._pf[lane]
+        used = pf[ids] & hits
+        if used.any():
+            self.stats.prefetch_used += int(used.sum())
+            pf[ids[used]] = False
+        return hits
 
     def resident_ids(self, lane: int = 0) -> np.ndarray:
         return np.flatnonzero(self.resident[lane])
@@ -303,7 +362,7 @@ class StaticTable:
     @classmethod
     def from_topk(cls, topk_ids: np.ndarray, num_experts: int) -> StaticTable:
         """Count activations of [T, L, k] routed ids."""
-        T, L, k = topk_ids.shape
+        _T, L, _k = topk_ids.shape
         flat = (np.arange(L)[None, :, None] * num_experts + topk_ids.astype(np.int64)).reshape(-1)
         return cls(np.bincount(flat, minlength=L * num_experts).reshape(L, num_experts))
 

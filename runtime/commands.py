@@ -35,7 +35,7 @@ def replay(
 
     Policies: lru (LRU eviction, demand loads); lfu (LFU); score (SMoE Eq. 3 eviction, needs
     router_probs); static (PreScope hot-expert table, fixed); belady (offline optimum, demand only);
-    prefetch (LRU + top-score prefetch from --predictor, default oracle); presched (LRU + PreScope
+    prefetch (LRU + top-score prefetch from --predictor, default oracle); presched (hot-expert table start, LRU, PreScope
     PreSched load/CPU split and prefetch sizing, default predictor oracle); smoe (SMoE: score
     eviction + substitution with --alpha + prefetch + CPU balancing, needs router_probs).
 
@@ -56,8 +56,16 @@ def replay(
 
     _need_traces(traces)
     cfg = ReplayConfig(
-        policy=policy, capacity=capacity, cold=cold, shared=shared, predictor=predictor, planner=planner,
-        hardware=hardware, alpha=alpha, batch_size=batch_size, progress=not json,
+        policy=policy,
+        capacity=capacity,
+        cold=cold,
+        shared=shared,
+        predictor=predictor,
+        planner=planner,
+        hardware=hardware,
+        alpha=alpha,
+        batch_size=batch_size,
+        progress=not json,
     )
     res = engine.replay(traces, cfg)
     if json:
@@ -68,7 +76,9 @@ def replay(
 
 def _need_traces(traces: str) -> None:
     if not traces:
-        raise ValueError("give the TraceSet to replay with --traces PATH (written by `moecast collect` or `moecast import`)")
+        raise ValueError(
+            "give the TraceSet to replay with --traces PATH (written by `moecast collect` or `moecast import`)"
+        )
 
 
 def _json_line(res: ReplayResult) -> str:
@@ -79,9 +89,26 @@ def _json_line(res: ReplayResult) -> str:
 
 def _print_result(res: ReplayResult) -> None:
     d = res.to_json()
-    keys = ["policy", "predictor", "mode", "capacity", "shared", "batch_size", "hardware", "hit_rate",
-            "prefetch_accuracy", "substitution_rate", "cpu_experts", "loads", "bytes_moved", "modeled_tpot_ms",
-            "tpot_basis", "requests", "tokens", "wall_s"]
+    keys = [
+        "policy",
+        "predictor",
+        "mode",
+        "capacity",
+        "shared",
+        "batch_size",
+        "hardware",
+        "hit_rate",
+        "prefetch_accuracy",
+        "substitution_rate",
+        "cpu_experts",
+        "loads",
+        "bytes_moved",
+        "modeled_tpot_ms",
+        "tpot_basis",
+        "requests",
+        "tokens",
+        "wall_s",
+    ]
     width = max(len(k) for k in keys)
     for k in keys:
         print(f"{k:<{width}}  {_fmt(d[k])}")
@@ -143,22 +170,44 @@ def compare(
     for p in pols:
         spec = POLICIES[p]
         demand_only = spec.predictor == "none"
-        for pr in (["none"] if demand_only else preds):
+        for pr in ["none"] if demand_only else preds:
             for c in caps:
                 cells.append((p, pr, c))
-    for p, pr, c in tqdm(cells, desc="compare", disable=json):
-        cfg = ReplayConfig(policy=p, capacity=c, cold=cold, shared=shared, predictor=pr, hardware=hardware,
-                           alpha=alpha if POLICIES[p].substitution else 0.0, batch_size=batch_size)
-        res = engine.replay(ts, cfg)
-        row = res.to_json()
-        row["predictor"] = Path(pr).stem if pr not in ("none", "oracle") else pr
-        rows.append(row)
-        if json:
-            print(_json_line(res))
-        if wandb:
-            _log_wandb(row, ts, outdir)
-    cols = ["policy", "predictor", "capacity", "capacity_fraction", "mode", "hit_rate", "prefetch_accuracy",
-            "substitution_rate", "cpu_experts", "bytes_moved", "modeled_tpot_ms"]
+    # the capacities of one (policy, predictor) run as lanes of one vectorised pass
+    groups: dict[tuple[str, str], list[str]] = {}
+    for p, pr, c in cells:
+        groups.setdefault((p, pr), []).append(c)
+    for (p, pr), cs in tqdm(groups.items(), desc="compare", disable=json):
+        cfg = ReplayConfig(
+            policy=p,
+            cold=cold,
+            shared=shared,
+            predictor=pr,
+            hardware=hardware,
+            alpha=alpha if POLICIES[p].substitution else 0.0,
+            batch_size=batch_size,
+        )
+        for res in engine.replay_capacities(ts, cfg, cs):
+            row = res.to_json()
+            row["predictor"] = Path(pr).stem if pr not in ("none", "oracle") else pr
+            rows.append(row)
+            if json:
+                print(_json_line(res))
+            if wandb:
+                _log_wandb(row, ts, outdir)
+    cols = [
+        "policy",
+        "predictor",
+        "capacity",
+        "capacity_fraction",
+        "mode",
+        "hit_rate",
+        "prefetch_accuracy",
+        "substitution_rate",
+        "cpu_experts",
+        "bytes_moved",
+        "modeled_tpot_ms",
+    ]
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore")
     w.writeheader()
@@ -180,11 +229,22 @@ def _log_wandb(row: dict, ts, outdir: Path) -> None:
 
     name = f"{row['policy']}-{row['predictor']}-c{row['capacity']}"
     run = wandb.init(
-        mode=os.environ.get("WANDB_MODE", "offline"), project="moecast", group=f"{Path(str(ts.path)).name}/compare",
-        job_type="replay", name=name, config={k: v for k, v in row.items() if not isinstance(v, list)},
-        dir=str(outdir), reinit="finish_previous",
+        mode=os.environ.get("WANDB_MODE", "offline"),
+        project="moecast",
+        group=f"{Path(str(ts.path)).name}/compare",
+        job_type="replay",
+        name=name,
+        config={k: v for k, v in row.items() if not isinstance(v, list)},
+        dir=str(outdir),
+        reinit="finish_previous",
     )
-    run.log({k: v for k, v in row.items() if isinstance(v, (int, float)) and v is not None and not isinstance(v, bool)})
+    run.log(
+        {
+            k: v
+            for k, v in row.items()
+            if isinstance(v, (int, float)) and v is not None and not isinstance(v, bool)
+        }
+    )
     run.finish()
 
 
@@ -197,11 +257,18 @@ def _plot(rows: list[dict], path: Path) -> None:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     series: dict[str, list[tuple[float, float, float | None]]] = {}
     for r in rows:
-        series.setdefault(f"{r['policy']}/{r['predictor']}", []).append((r["capacity_fraction"], r["hit_rate"], r["modeled_tpot_ms"]))
+        series.setdefault(f"{r['policy']}/{r['predictor']}", []).append(
+            (r["capacity_fraction"], r["hit_rate"], r["modeled_tpot_ms"])
+        )
     for name, pts in series.items():
         pts.sort()
         a1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-        a2.plot([p[0] for p in pts], [p[2] if p[2] is not None else float("nan") for p in pts], marker="o", label=name)
+        a2.plot(
+            [p[0] for p in pts],
+            [p[2] if p[2] is not None else float("nan") for p in pts],
+            marker="o",
+            label=name,
+        )
     a1.set_xlabel("capacity (fraction of experts per layer)")
     a1.set_ylabel("hit rate")
     a2.set_xlabel("capacity (fraction of experts per layer)")
@@ -215,7 +282,7 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 
 def profile(
-    out: str = "configs/hardware/local.yaml",
+    out: str | None = None,
     traces: str | None = None,
     hidden_size: int = 2048,
     intermediate_size: int = 1408,
@@ -225,7 +292,7 @@ def profile(
     """Measure this machine into a hardware profile YAML (CPU expert time; CUDA bandwidth and kernel time when present).
 
     Args:
-        out: where to write the profile YAML.
+        out: where to write the profile YAML (default $MOECAST_HOME/hardware/<name>.yaml, then usable as --hardware <name>).
         traces: a TraceSet whose model sets the expert shape (its hidden size; intermediate from expert_bytes).
         hidden_size: expert hidden size when no --traces.
         intermediate_size: expert intermediate size when no --traces.
@@ -243,7 +310,9 @@ def profile(
     prof = measure(hidden_size, intermediate_size, name=name)
     from moecast.collect.traceset import atomic_write_bytes
 
-    path = Path(out)
+    from moecast import home
+
+    path = Path(out) if out else home() / "hardware" / f"{name}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, prof.to_yaml().encode())
     if json:

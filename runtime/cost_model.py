@@ -57,15 +57,25 @@ class HardwareProfile:
         return yaml.safe_dump(asdict(self), sort_keys=False)
 
 
+def _profile_dirs() -> list[Path]:
+    from moecast import home
+
+    # shipped paper settings, then profiles measured here by `moecast profile`
+    return [configs_dir() / "hardware", home() / "hardware"]
+
+
 def available_profiles() -> list[str]:
-    return sorted(p.stem for p in (configs_dir() / "hardware").glob("*.yaml"))
+    return sorted({p.stem for d in _profile_dirs() if d.is_dir() for p in d.glob("*.yaml")})
 
 
 def load_profile(name_or_path: str | Path) -> HardwareProfile:
     """A profile by name (``configs/hardware/<name>.yaml``) or by path to a YAML file."""
     path = Path(name_or_path)
     if not path.suffix:
-        path = configs_dir() / "hardware" / f"{name_or_path}.yaml"
+        found = [
+            d / f"{name_or_path}.yaml" for d in _profile_dirs() if (d / f"{name_or_path}.yaml").is_file()
+        ]
+        path = found[0] if found else configs_dir() / "hardware" / f"{name_or_path}.yaml"
     if not path.is_file():
         raise ProfileError(
             f"unknown hardware profile {str(name_or_path)!r}; use one of {', '.join(available_profiles())} "
@@ -75,7 +85,9 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         first = str(exc).splitlines()[0]
-        raise ProfileError(f"{path}: malformed YAML ({first}); fix or regenerate it with `moecast profile`") from exc
+        raise ProfileError(
+            f"{path}: malformed YAML ({first}); fix or regenerate it with `moecast profile`"
+        ) from exc
     if not isinstance(data, dict):
         raise ProfileError(f"{path}: expected a mapping of profile fields, got {type(data).__name__}")
     known = {f.name for f in fields(HardwareProfile)}
@@ -83,8 +95,11 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
     missing = sorted(f.name for f in fields(HardwareProfile) if f.name not in data and f.name != "source")
     if unknown or missing:
         raise ProfileError(
-            f"{path}: " + (f"unknown fields {unknown}" if unknown else "") + ("; " if unknown and missing else "")
-            + (f"missing fields {missing}" if missing else "") + f"; expected {sorted(known)}"
+            f"{path}: "
+            + (f"unknown fields {unknown}" if unknown else "")
+            + ("; " if unknown and missing else "")
+            + (f"missing fields {missing}" if missing else "")
+            + f"; expected {sorted(known)}"
         )
     try:
         return HardwareProfile(**data)

@@ -36,7 +36,11 @@ class OraclePredictor(Predictor):
     def score_request(self, trace: RequestTrace) -> np.ndarray:
         T, L, k = trace.topk_ids.shape
         out = np.zeros((T, L, self.num_experts), dtype=np.float32)
-        w = trace.topk_weights.astype(np.float32) if trace.topk_weights is not None else np.ones((T, L, k), np.float32)
+        w = (
+            trace.topk_weights.astype(np.float32)
+            if trace.topk_weights is not None
+            else np.ones((T, L, k), np.float32)
+        )
         np.put_along_axis(out, trace.topk_ids.astype(np.int64), w + 1.0, axis=2)
         return out
 
@@ -87,6 +91,14 @@ class Prefetcher:
         Candidates are each token's top-k predicted experts (C4: top-score ones), merged over the
         batch by summed score; with ``t_gap`` the count is sized by Eqs. 6-7.
         """
+        if np.ndim(scores) == 1:
+            # one token: its top-k predicted experts, best first, minus the resident ones
+            top = np.argpartition(-scores, self.k - 1)[: self.k]
+            top = top[~resident[top]]
+            cand = top[np.argsort(-scores[top], kind="stable")]
+            if t_gap is not None:
+                cand = cand[: self._gap_count(t_gap)]
+            return cand
         s = np.atleast_2d(scores)
         top = np.argpartition(-s, self.k - 1, axis=1)[:, : self.k]
         agg = np.zeros(self.E, dtype=np.float64)
@@ -95,6 +107,16 @@ class Prefetcher:
         cand = np.flatnonzero(agg > 0)
         cand = cand[np.argsort(-agg[cand], kind="stable")]
         if t_gap is not None:
-            n = int(gap_prefetch_count(np.array([t_gap]), self.t_attn, self.t_io, np.array([self.r_hit]))[0])
-            cand = cand[:n]
+            cand = cand[: self._gap_count(t_gap)]
         return cand
+
+    def _gap_count(self, t_gap: float) -> int:
+        """Eqs. 6-7 for one gap, in plain floats (no array overhead on the per-layer path)."""
+        if not math.isfinite(self.t_io):
+            return 0
+        if self.t_io <= 0:
+            return self.E
+        f = (t_gap + self.t_attn) / self.t_io
+        fr = math.floor(f + 0.5)
+        xi = self.r_hit * (f - fr + 1) - (1 - self.r_hit) * (fr - f)
+        return max(int(fr if xi > 0 else fr - 1), 0)

@@ -27,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
 from moecast.runtime.cost_model import CostModel
 
 
@@ -78,7 +77,13 @@ def schedule(
     n_next = np.asarray(n_next, dtype=np.int64)
     if Mn == 0:
         return PreSchedDecision(n_load, first, t_cpu, np.zeros(rows, dtype=np.int64))
-    allsz = np.concatenate([np.where(valid, cur_sizes, np.inf), np.where(np.arange(Mn)[None, :] < n_next[:, None], next_sizes, np.inf)], axis=1)
+    allsz = np.concatenate(
+        [
+            np.where(valid, cur_sizes, np.inf),
+            np.where(np.arange(Mn)[None, :] < n_next[:, None], next_sizes, np.inf),
+        ],
+        axis=1,
+    )
     is_next = np.concatenate([np.zeros((rows, M), bool), np.ones((rows, Mn), bool)], axis=1)
     order = np.argsort(allsz, axis=1, kind="stable")
     allsz = np.take_along_axis(allsz, order, 1)
@@ -91,14 +96,16 @@ def schedule(
     in_queue_from = np.where(((tga < tca) & v_all).any(1), ((tga < tca) & v_all).argmax(1), M + Mn)
     next_in_queue = (is_next & v_all & (ia >= in_queue_from[:, None])).any(1)
     # Eq. 6: prefetches that fit in the gap the CPU leaves on the link
-    gap = t_cpu - delay - n_load * t_io
-    f = (gap + cost.t_attn) / t_io
-    f_round = np.floor(f + 0.5)
-    # Eq. 7: keep the critical prefetch only when its expected benefit is positive
-    r_hit = np.asarray(r_hit, dtype=np.float64)
-    xi = r_hit * (f - f_round + 1) - (1 - r_hit) * (f_round - f)
-    n_pf = np.where(xi > 0, f_round, f_round - 1)
-    n_pf = np.clip(n_pf, 0, n_next).astype(np.int64)
+    if t_io <= 0:  # a free link: everything predicted fits
+        n_pf = n_next.copy()
+    else:
+        gap = t_cpu - delay - n_load * t_io
+        f = (gap + cost.t_attn) / t_io
+        f_round = np.floor(f + 0.5)
+        # Eq. 7: keep the critical prefetch only when its expected benefit is positive
+        r_hit = np.asarray(r_hit, dtype=np.float64)
+        xi = r_hit * (f - f_round + 1) - (1 - r_hit) * (f_round - f)
+        n_pf = np.clip(np.where(xi > 0, f_round, f_round - 1), 0, n_next).astype(np.int64)
     n_pf[~next_in_queue] = 0
     return PreSchedDecision(n_load, first, t_cpu, n_pf)
 
@@ -115,14 +122,21 @@ class PreSched:
         self.prefetch_hits += used
         self.prefetch_total += issued
 
-    def decide(self, cur_tokens: np.ndarray, next_tokens: np.ndarray, delay: float = 0.0) -> tuple[np.ndarray, np.ndarray, int]:
+    def decide(
+        self, cur_tokens: np.ndarray, next_tokens: np.ndarray, delay: float = 0.0
+    ) -> tuple[np.ndarray, np.ndarray, int]:
         """-> (indices of cur to load, indices of cur for the CPU, prefetch count for the next layer)."""
         cur = np.asarray(cur_tokens, dtype=np.float64)
         nxt = np.asarray(next_tokens, dtype=np.float64)
         order = np.argsort(cur, kind="stable")
         d = schedule(
-            cur[order][None, :], np.array([len(cur)]), np.sort(nxt)[None, :], np.array([len(nxt)]),
-            np.array([delay]), np.array([self.prefetch_hits / self.prefetch_total]), self.cost,
+            cur[order][None, :],
+            np.array([len(cur)]),
+            np.sort(nxt)[None, :],
+            np.array([len(nxt)]),
+            np.array([delay]),
+            np.array([self.prefetch_hits / self.prefetch_total]),
+            self.cost,
         )
         split = int(d.n_cpu[0])
         return order[split:], order[:split], int(d.n_prefetch[0])

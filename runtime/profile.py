@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 
 import numpy as np
-
 from moecast.runtime.cost_model import HardwareProfile, load_profile
 
 
@@ -27,7 +26,9 @@ def _time(fn, repeat: int) -> float:
     return best * 1e3
 
 
-def measure(hidden: int, intermediate: int, name: str = "local", token_counts=(1, 2, 4, 8, 16), repeat: int = 5) -> HardwareProfile:
+def measure(
+    hidden: int, intermediate: int, name: str = "local", token_counts=(1, 2, 4, 8, 16), repeat: int = 5
+) -> HardwareProfile:
     import torch
 
     torch.manual_seed(0)
@@ -38,7 +39,10 @@ def measure(hidden: int, intermediate: int, name: str = "local", token_counts=(1
     expert_bytes = 3 * hidden * intermediate * 2  # bf16, the dtype a runtime moves
 
     def expert(x):
-        return torch.nn.functional.linear(torch.nn.functional.silu(torch.nn.functional.linear(x, wg)) * torch.nn.functional.linear(x, wu), wd)
+        return torch.nn.functional.linear(
+            torch.nn.functional.silu(torch.nn.functional.linear(x, wg)) * torch.nn.functional.linear(x, wu),
+            wd,
+        )
 
     ms = []
     with torch.inference_mode():
@@ -79,6 +83,12 @@ def measure(hidden: int, intermediate: int, name: str = "local", token_counts=(1
         gbps, t_g, t_attn = ref.transfer_gbps, ref.gpu_expert_ms * scale, ref.attn_ms
         source += "; no CUDA here: link and device times taken from prescope-a100-pcie4"
     return HardwareProfile(
-        name=name, transfer_gbps=round(gbps, 3), ref_expert_bytes=expert_bytes, gpu_expert_ms=round(t_g, 5),
-        cpu_beta_ms=round(beta, 5), cpu_c_ms=round(c, 5), attn_ms=round(t_attn, 5), source=source,
+        name=name,
+        transfer_gbps=round(gbps, 3),
+        ref_expert_bytes=expert_bytes,
+        gpu_expert_ms=round(t_g, 5),
+        cpu_beta_ms=round(beta, 5),
+        cpu_c_ms=round(c, 5),
+        attn_ms=round(t_attn, 5),
+        source=source,
     )

@@ -36,7 +36,6 @@ from typing import Any
 
 import numpy as np
 from moecast.collect.traceset import TraceSet, TraceSetError
-
 from moecast.runtime.balancer import two_pointer_split
 from moecast.runtime.cache import ExpertCache, StaticTable, resolve_capacity
 from moecast.runtime.cost_model import CostModel, HardwareProfile, load_profile
@@ -53,6 +52,7 @@ class PolicySpec:
     substitution: bool = False
     balancer: str = "none"  # none | smoe | presched
     predictor: str = "none"
+    preload_hot: bool = False  # start from PreScope's hot-expert table (Sec. 4.4) instead of empty
     help: str = ""
 
 
@@ -62,13 +62,21 @@ POLICIES: dict[str, PolicySpec] = {
     "score": PolicySpec("score", help="SMoE Eq. 3 score-averaged eviction with shield (needs router_probs)"),
     "static": PolicySpec("static", help="PreScope hot-expert table, fixed; misses streamed, never kept"),
     "belady": PolicySpec("belady", help="offline optimum eviction (demand only, replay bound)"),
-    "prefetch": PolicySpec("lru", predictor="oracle", help="LRU + top-score prefetch (SMoE C4) from --predictor"),
+    "prefetch": PolicySpec(
+        "lru", predictor="oracle", help="LRU + top-score prefetch (SMoE C4) from --predictor"
+    ),
     "presched": PolicySpec(
-        "lru", balancer="presched", predictor="oracle",
-        help="LRU + PreSched (PreScope Alg. 1: Eq. 5 load/CPU split, Eqs. 6-7 prefetch sizing)",
+        "lru",
+        balancer="presched",
+        predictor="oracle",
+        preload_hot=True,
+        help="PreScope: hot-expert table start, LRU, PreSched Alg. 1 (Eq. 5 load/CPU split, Eqs. 6-7 prefetch sizing)",
     ),
     "smoe": PolicySpec(
-        "score", substitution=True, balancer="smoe", predictor="oracle",
+        "score",
+        substitution=True,
+        balancer="smoe",
+        predictor="oracle",
         help="SMoE: Eq. 3 eviction + Alg. 1 substitution + prefetch + Alg. 2 CPU balancing (needs router_probs)",
     ),
 }
@@ -93,6 +101,7 @@ class ReplayConfig:
     score_window: int = 8
     requests: list[str] | None = None
     progress: bool = False
+    chunk_lanes: int = 20000  # cold streams replayed together (bounds the per-lane state in memory)
 
 
 @dataclass
@@ -171,13 +180,13 @@ def _grid(lengths: np.ndarray, starts: np.ndarray, B: int, cold: bool) -> tuple[
 
 def _next_use(topk: np.ndarray, tok: np.ndarray, L: int, E: int, shared: bool) -> np.ndarray:
     """[tokens, L, k] the lane time of the next access of the same (lane, expert) (Belady's future)."""
-    G, S, B = tok.shape
-    k = topk.shape[2]
+    _G, S, _B = tok.shape
+    topk.shape[2]
     g, s, b = np.nonzero(tok >= 0)
     t = tok[g, s, b]
     ids = topk[t]  # [n, L, k]
     lay = np.broadcast_to(np.arange(L)[None, :, None], ids.shape)
-    lane = (g[:, None, None] * (1 if shared else L) + (0 if shared else lay))
+    lane = g[:, None, None] * (1 if shared else L) + (0 if shared else lay)
     item = lane * (L * E if shared else E) + (lay * E if shared else 0) + ids
     when = s[:, None, None] * L + lay  # lane time, monotone per lane
     span = S * L + 1
@@ -213,7 +222,9 @@ def replay(ts: TraceSet | str, cfg: ReplayConfig) -> ReplayResult:
     return replay_capacities(ts, cfg, [cfg.capacity])[0]
 
 
-def replay_capacities(ts: TraceSet | str, cfg: ReplayConfig, capacities: list[float | str]) -> list[ReplayResult]:
+def replay_capacities(
+    ts: TraceSet | str, cfg: ReplayConfig, capacities: list[float | str]
+) -> list[ReplayResult]:
     """Replay ``cfg`` at several cache capacities in one vectorised pass (the caches are independent
     lanes, so this equals one :func:`replay` per capacity, at a fraction of the Python overhead)."""
     t0 = time.perf_counter()
@@ -226,7 +237,9 @@ def replay_capacities(ts: TraceSet | str, cfg: ReplayConfig, capacities: list[fl
     L, E, k = m.num_layers, m.num_experts, m.top_k
     rids = list(cfg.requests) if cfg.requests is not None else list(ts.request_ids)
     if not rids or ts.num_tokens == 0:
-        raise TraceSetError(f"{ts.path}: the TraceSet holds no requests to replay; collect or import some first")
+        raise TraceSetError(
+            f"{ts.path}: the TraceSet holds no requests to replay; collect or import some first"
+        )
     B = int(cfg.batch_size)
     if B < 1:
         raise ValueError(f"batch size must be >= 1, got {B}")
@@ -236,9 +249,13 @@ def replay_capacities(ts: TraceSet | str, cfg: ReplayConfig, capacities: list[fl
     if spec.eviction == "score" or use_sub:
         ts.require("router_probs", f"policy {cfg.policy!r} (SMoE score eviction / substitution)")
     if cfg.alpha > 0 and not spec.substitution:
-        raise ValueError(f"--alpha applies to substitution, which policy {cfg.policy!r} does not use; use --policy smoe")
+        raise ValueError(
+            f"--alpha applies to substitution, which policy {cfg.policy!r} does not use; use --policy smoe"
+        )
     if spec.eviction == "score" and cfg.shared:
-        raise ValueError("score eviction keeps one score window per layer; drop --shared or choose another policy")
+        raise ValueError(
+            "score eviction keeps one score window per layer; drop --shared or choose another policy"
+        )
     caps = np.array([resolve_capacity(c, E, k, m.expert_bytes) for c in capacities], dtype=np.int64)
     if len(caps) == 0:
         raise ValueError("no capacities to replay")
@@ -248,11 +265,15 @@ def replay_capacities(ts: TraceSet | str, cfg: ReplayConfig, capacities: list[fl
     cost = CostModel.from_profile(profile, m.expert_bytes)
     pred_name = spec.predictor if cfg.predictor is None else cfg.predictor
     if spec.eviction == "belady" and (pred_name not in (None, "none") or cfg.planner):
-        raise ValueError("belady is the demand-only offline optimum; use it with --predictor none and no --planner")
+        raise ValueError(
+            "belady is the demand-only offline optimum; use it with --predictor none and no --planner"
+        )
     predictor = _load_predictor(pred_name, ts)
     planner = _load_predictor(cfg.planner, ts) if cfg.planner else None
     if planner is not None and getattr(planner, "horizon", "") != "prompt-ahead":
-        raise ValueError(f"--planner {cfg.planner}: a {planner.horizon} predictor; a planner must be prompt-ahead (EAM, EAP, cascade)")
+        raise ValueError(
+            f"--planner {cfg.planner}: a {planner.horizon} predictor; a planner must be prompt-ahead (EAM, EAP, cascade)"
+        )
     for p in (predictor, planner):
         for f in getattr(p, "needs", ()):
             ts.require(f, f"predictor {getattr(p, 'name', '?')}")
@@ -262,10 +283,6 @@ def replay_capacities(ts: TraceSet | str, cfg: ReplayConfig, capacities: list[fl
     G, S, _ = tok.shape
     stream_len = (tok >= 0).any(2).sum(1)  # steps per stream (slots finish at different times)
     N = L * E if cfg.shared else E
-    lanes = C * G if cfg.shared else C * G * L
-    per_cap = caps * L if cfg.shared else caps
-    cap_of_lane = np.repeat(np.arange(C), lanes // C)
-    cache = ExpertCache(N, per_cap[cap_of_lane], spec.eviction, lanes=lanes, score_window=cfg.score_window)
 
     # predictions: per (token, layer) the top-k predicted ids, best first
     kp = k
@@ -276,7 +293,11 @@ def replay_capacities(ts: TraceSet | str, cfg: ReplayConfig, capacities: list[fl
         pred_sc = np.zeros((len(d.topk), L, kp), dtype=np.float32)
         if planner is not None:
             plan_top = np.zeros((len(rids), L, cap), dtype=np.int64)
-        it = _progress(list(enumerate(rids)), cfg.progress and predictor is not None and not isinstance(predictor, OraclePredictor), "predicting")
+        it = _progress(
+            list(enumerate(rids)),
+            cfg.progress and predictor is not None and not isinstance(predictor, OraclePredictor),
+            "predicting",
+        )
         for r, rid in it:
             s0, n = d.starts[r], d.lengths[r]
             if isinstance(predictor, OraclePredictor):
@@ -297,205 +318,260 @@ def replay_capacities(ts: TraceSet | str, cfg: ReplayConfig, capacities: list[fl
                     sc = np.broadcast_to(prior, (n, L, E))
                 elif sc is not None:
                     # the plan as a prior: blended with the token-level scores
-                    sc = 0.5 * sc + 0.5 * (plan / np.maximum(np.abs(plan).max(-1, keepdims=True), 1e-12))[None]
+                    sc = (
+                        0.5 * sc + 0.5 * (plan / np.maximum(np.abs(plan).max(-1, keepdims=True), 1e-12))[None]
+                    )
             if sc is not None:
                 ids, scs = top_predictions(sc, kp)
                 pred_ids[s0 : s0 + n], pred_sc[s0 : s0 + n] = ids, scs
     prefetching = pred_ids is not None
 
-    if spec.eviction == "static":
-        table = StaticTable.from_topk(d.topk, E)
-        if cfg.shared:
-            cache.preload(np.arange(lanes), np.broadcast_to(table.shared(cap * L), (lanes, cap * L)))
-        else:
-            per = table.per_layer(cap)  # [L, cap]; each lane keeps the first capacity_of[lane]
-            cache.preload(np.arange(lanes), np.tile(per, (C * G, 1)))
     nu = _next_use(d.topk, tok, L, E, cfg.shared) if spec.eviction == "belady" else None
-
-    # per-lane link state carried from the producing layer to the consuming one
-    free = np.full(lanes, cost.t_attn)  # link time free before this lane's next compute start
-    pf_n = np.full(lanes, -1, dtype=np.int64)  # PreSched's prefetch count for the lane (-1: as many as fit)
-    delay = np.zeros(lanes)
-    lane_pf_used = np.ones(lanes)
-    lane_pf_landed = np.full(lanes, 2.0)
     # statistics
     st = {
         n: np.zeros(C * L)
-        for n in ("uses", "hits", "loads", "cpu", "subs", "pf_issued", "pf_landed", "pf_started", "pf_used", "pf_inserted", "time")
+        for n in (
+            "uses",
+            "hits",
+            "loads",
+            "cpu",
+            "subs",
+            "pf_issued",
+            "pf_landed",
+            "pf_started",
+            "pf_used",
+            "pf_inserted",
+            "time",
+        )
     }
     step_time = np.zeros((C, G, S))
     step_decode = np.zeros((G, S), dtype=bool)
-    layer_of_lane = np.zeros(lanes, dtype=np.int64) if cfg.shared else np.tile(np.arange(L), C * G)
-    stream_of_lane = np.tile(np.arange(G), C) if cfg.shared else np.tile(np.repeat(np.arange(G), L), C)
-    t_io = cost.t_io
-    cap_pf = B * kp
-
-    if cfg.shared:
-        n_iter = int(stream_len.max()) * L
-    else:
-        n_iter = int(stream_len.max()) + L - 1
-        lane_end = stream_len[stream_of_lane] + layer_of_lane
-        lane_order = np.argsort(-lane_end, kind="stable")
-        sorted_end = lane_end[lane_order]
-
-    for i in _progress(range(n_iter), cfg.progress, f"replay {cfg.policy}"):
-        if cfg.shared:
-            s_i, l_i = divmod(i, L)
-            act = np.flatnonzero(stream_len[stream_of_lane] > s_i)
-            if len(act) == 0:
-                continue
-            lay = np.full(len(act), l_i)
-            s = np.full(len(act), s_i)
-            g = stream_of_lane[act]
-        else:
-            n_act = int(np.searchsorted(-sorted_end, -i, side="left"))  # lanes with end > i
-            act = lane_order[:n_act]
-            if i < L - 1:
-                act = act[layer_of_lane[act] <= i]
-            if len(act) == 0:
-                continue
-            lay = layer_of_lane[act]
-            s = i - lay
-            g = stream_of_lane[act]
-        n = len(act)
-        toks = tok[g, s]  # [n, B]
-        tvalid = toks >= 0
-        tsafe = np.where(tvalid, toks, 0)
-        ids = d.topk[tsafe, lay[:, None]]  # [n, B, k]
-        ids = np.where(tvalid[:, :, None], ids, -1)
-        off = (lay * E)[:, None, None] if cfg.shared else 0
-        lt = s * L + lay  # lane time
-        step_decode[g, s] |= (d.decode[tsafe] & tvalid).any(1)
-
-        # planner preload at request start (not timed: it happens before the first token)
-        if plan_top is not None:
-            starting = (start[g, s] & tvalid).any(1)
-            if starting.any():
-                rq = np.searchsorted(d.starts, toks[starting].max(1), side="right") - 1
-                plan_ids = plan_top[rq, lay[starting]][:, : max(cap // B, 1)] + (off[starting, 0] if cfg.shared else 0)
-                ins = cache.insert(act[starting], plan_ids, prefetch=True, t=None)
-                _acc(st["pf_inserted"], cap_of_lane[act[starting]] * L + lay[starting], ins.sum(1))
-
-        # prefetch arrival: top predicted non-resident experts that fit in the free link time
-        if prefetching:
-            pid = pred_ids[tsafe, lay[:, None]]  # [n, B, kp]
-            psc = np.where(tvalid[:, :, None], pred_sc[tsafe, lay[:, None]], 0.0)
-            pid = np.where(tvalid[:, :, None] & (pid >= 0), pid, -1)
-            cand = _rank_candidates(pid.reshape(n, -1), psc.reshape(n, -1), E)  # [n, C] best first
+    # Cold streams are independent: replay them in chunks of similar length so the per-lane state
+    # stays small (memory bound otherwise) and short streams do not idle behind long ones.
+    G_all = G
+    tok_all, start_all, len_all = tok, start, stream_len
+    by_len = np.argsort(-len_all, kind="stable")
+    per_chunk = max(1, cfg.chunk_lanes // (C * (1 if cfg.shared else L)))
+    table = StaticTable.from_topk(d.topk, E) if spec.eviction == "static" or spec.preload_hot else None
+    chunks = [by_len[i : i + per_chunk] for i in range(0, G_all, per_chunk)]
+    for gmap in chunks:
+        tok, start, stream_len = tok_all[gmap], start_all[gmap], len_all[gmap]
+        G = len(gmap)
+        lanes = C * G if cfg.shared else C * G * L
+        per_cap = caps * L if cfg.shared else caps
+        cap_of_lane = np.repeat(np.arange(C), lanes // C)
+        cache = ExpertCache(
+            N, per_cap[cap_of_lane], spec.eviction, lanes=lanes, score_window=cfg.score_window
+        )
+        if table is not None:
             if cfg.shared:
-                cand = np.where(cand >= 0, cand + off[:, 0], -1)
-            predicted = cand  # shielded: a prefetch must not evict another predicted expert
-            nonres = (cand >= 0) & ~cache.lookup(act, cand)
-            cand = _compact(np.where(nonres, cand, -1))
-            n_cand = (cand >= 0).sum(1)
-            want = np.where(pf_n[act] >= 0, np.minimum(pf_n[act], n_cand), n_cand)
-            if math.isinf(t_io):
-                fit = np.zeros(n, dtype=np.int64)
-            elif t_io <= 0:
-                fit = want
+                cache.preload(np.arange(lanes), np.broadcast_to(table.shared(cap * L), (lanes, cap * L)))
             else:
-                fit = np.floor(free[act] / t_io + 1e-9).astype(np.int64)
-            landed = np.minimum(want, fit)
-            started = np.where(np.isfinite(t_io), np.minimum(want, landed + 1), 0)
-            new_delay = np.where((want > landed) & np.isfinite(t_io) & (t_io > 0), (landed + 1) * t_io - free[act], 0.0)
-            delay[act] = np.maximum(new_delay, 0.0)
-            take = np.arange(cand.shape[1])[None, :] < landed[:, None]
-            ins = cache.insert(act, np.where(take, cand, -1), shield=predicted, prefetch=True, t=lt)
-            _acc(st["pf_inserted"], cap_of_lane[act] * L + lay, ins.sum(1))
-            lane_pf_landed[act] += landed
-            _acc(st["pf_issued"], cap_of_lane[act] * L + lay, want)
-            _acc(st["pf_landed"], cap_of_lane[act] * L + lay, landed)
-            _acc(st["pf_started"], cap_of_lane[act] * L + lay, started)
-        else:
-            delay[act] = 0.0
+                per = table.per_layer(cap)  # [L, cap]; each lane keeps the first capacity_of[lane]
+                cache.preload(np.arange(lanes), np.tile(per, (C * G, 1)))
 
-        # SMoE Algorithm 1 substitution against the lane's resident set (batch-aware via group)
-        if use_sub:
-            flat_t = tsafe.reshape(-1)
-            probs = d.probs[flat_t, np.repeat(lay, B)].astype(np.float32)
-            res = cache.resident[np.repeat(act, B)]
-            if cfg.shared:
-                res = res.reshape(n * B, L, E)[np.arange(n * B), np.repeat(lay, B)]
-            new_ids, nsub = substitute(probs, ids.reshape(n * B, k), res, cfg.alpha, group=np.repeat(np.arange(n), B))
-            ids = np.where(tvalid[:, :, None], new_ids.reshape(n, B, k), -1)
-            _acc(st["subs"], cap_of_lane[act] * L + lay, (nsub.reshape(n, B) * tvalid).sum(1))
+        # per-lane link state carried from the producing layer to the consuming one
+        free = np.full(lanes, cost.t_attn)  # link time free before this lane's next compute start
+        pf_n = np.full(
+            lanes, -1, dtype=np.int64
+        )  # PreSched's prefetch count for the lane (-1: as many as fit)
+        delay = np.zeros(lanes)
+        lane_pf_used = np.ones(lanes)
+        lane_pf_landed = np.full(lanes, 2.0)
+        layer_of_lane = np.zeros(lanes, dtype=np.int64) if cfg.shared else np.tile(np.arange(L), C * G)
+        stream_of_lane = np.tile(np.arange(G), C) if cfg.shared else np.tile(np.repeat(np.arange(G), L), C)
+        t_io = cost.t_io
 
-        # the access: union of the step's experts, with token counts
-        flat = ids.reshape(n, B * k) + (off[:, :, 0] if cfg.shared else 0)
-        flat = np.where(ids.reshape(n, B * k) >= 0, flat, -1)
-        if B > 1:
-            uniq, counts = _union_counts(flat)
-        else:
-            uniq, counts = flat, (flat >= 0).astype(np.int64)
-        hit_u = cache.lookup(act, uniq)
-        if prefetching:
-            used = (hit_u & cache.prefetched[act[:, None], np.where(uniq >= 0, uniq, 0)]).sum(1)
-            lane_pf_used[act] += used
-            _acc(st["pf_used"], cap_of_lane[act] * L + lay, used)
-        uses = counts.sum(1)
-        hits = (counts * hit_u).sum(1)
-        miss = (uniq >= 0) & ~hit_u
-        n_miss = miss.sum(1)
-        # misses ordered by token count, largest first (the balancers' queue order)
-        msize = np.where(miss, counts, 0)
-        morder = np.argsort(-msize, axis=1, kind="stable")
-        mids = np.take_along_axis(np.where(miss, uniq, -1), morder, 1)
-        msz = np.take_along_axis(msize, morder, 1).astype(np.float64)
-        if spec.balancer == "smoe":
-            n_load = two_pointer_split(msz, n_miss, t_io if math.isfinite(t_io) else math.inf, cost.beta)
-        elif spec.balancer == "presched":
-            asc = _reverse_valid(msz, n_miss)
-            nid, nsz, nn = _next_layer_pending(act, lay, s, g, tok, pred_ids, cache, cfg.shared, L, E, prefetching)
-            dec = schedule(asc, n_miss, nsz, nn, delay[act], lane_pf_used[act] / lane_pf_landed[act], cost)
-            n_load = dec.n_load
-            consumer = act if cfg.shared else act + 1
-            has_next = (lay < L - 1)
-            pf_n[consumer[has_next]] = dec.n_prefetch[has_next]
-        else:
-            n_load = n_miss
-        col = np.arange(mids.shape[1])[None, :]
-        load_ids = np.where(col < n_load[:, None], mids, -1)
-        cpu_mask = (col >= n_load[:, None]) & (mids >= 0)
-        t_cpu = (np.where(cpu_mask, cost.beta * msz + cost.c, 0.0)).sum(1)
-        cache.insert(act, load_ids, shield=uniq, t=None)
-        cache.touch(act, uniq, lt)
-        if nu is not None:
-            nxt = np.where(tvalid[:, :, None], nu[tsafe, lay[:, None]], np.iinfo(np.int64).max // 4)
-            ok = flat >= 0
-            cache.next_use[np.broadcast_to(act[:, None], flat.shape)[ok], flat[ok]] = nxt.reshape(n, -1)[ok]
-        if spec.eviction == "score":
-            sc_mean = (d.probs[tsafe, lay[:, None]].astype(np.float32) * tvalid[:, :, None]).sum(1) / np.maximum(tvalid.sum(1), 1)[:, None]
-            cache.observe_scores(act, sc_mean)
-
-        # timeline of this layer: device, link, CPU in parallel after attention
-        n_dev = (hit_u & (uniq >= 0)).sum(1) + n_load
-        link = delay[act] + n_load * (t_io if math.isfinite(t_io) else 0.0)
-        if not math.isfinite(t_io):
-            link = np.where(n_load > 0, math.inf, link)
-        t_dev = n_dev * cost.t_g
-        layer_t = cost.t_attn + np.maximum(np.maximum(t_dev, link + np.where(n_load > 0, cost.t_g, 0.0)), t_cpu)
-        cl = cap_of_lane[act]
-        step_time[cl, g, s] += layer_t
-        # the link time this layer leaves free for the next layer's prefetch (its window includes
-        # the next layer's attention)
         if cfg.shared:
-            with np.errstate(invalid="ignore"):
-                nxt_free = np.where(lay < L - 1, np.nan_to_num(layer_t - link, nan=0.0), cost.t_attn)
-            free[act] = nxt_free
+            n_iter = int(stream_len.max()) * L
         else:
-            has_next = lay < L - 1
-            with np.errstate(invalid="ignore"):
-                free[act[has_next] + 1] = np.nan_to_num(layer_t - link, nan=0.0)[has_next]
-            free[act[lay == 0]] = cost.t_attn
+            n_iter = int(stream_len.max()) + L - 1
+            lane_end = stream_len[stream_of_lane] + layer_of_lane
+            lane_order = np.argsort(-lane_end, kind="stable")
+            sorted_end = lane_end[lane_order]
 
-        _acc(st["uses"], cap_of_lane[act] * L + lay, uses)
-        _acc(st["hits"], cap_of_lane[act] * L + lay, hits)
-        _acc(st["loads"], cap_of_lane[act] * L + lay, n_load)
-        _acc(st["cpu"], cap_of_lane[act] * L + lay, n_miss - n_load)
-        _acc(st["time"], cap_of_lane[act] * L + lay, layer_t)
+        for i in _progress(range(n_iter), cfg.progress, f"replay {cfg.policy}"):
+            if cfg.shared:
+                s_i, l_i = divmod(i, L)
+                act = np.flatnonzero(stream_len[stream_of_lane] > s_i)
+                if len(act) == 0:
+                    continue
+                lay = np.full(len(act), l_i)
+                s = np.full(len(act), s_i)
+                g = stream_of_lane[act]
+            else:
+                n_act = int(np.searchsorted(-sorted_end, -i, side="left"))  # lanes with end > i
+                act = lane_order[:n_act]
+                if i < L - 1:
+                    act = act[layer_of_lane[act] <= i]
+                if len(act) == 0:
+                    continue
+                lay = layer_of_lane[act]
+                s = i - lay
+                g = stream_of_lane[act]
+            n = len(act)
+            toks = tok[g, s]  # [n, B]
+            tvalid = toks >= 0
+            tsafe = np.where(tvalid, toks, 0)
+            ids = d.topk[tsafe, lay[:, None]]  # [n, B, k]
+            ids = np.where(tvalid[:, :, None], ids, -1)
+            off = (lay * E)[:, None, None] if cfg.shared else 0
+            lt = s * L + lay  # lane time
+            step_decode[gmap[g], s] |= (d.decode[tsafe] & tvalid).any(1)
 
+            # planner preload at request start (not timed: it happens before the first token)
+            if plan_top is not None:
+                starting = (start[g, s] & tvalid).any(1)
+                if starting.any():
+                    rq = np.searchsorted(d.starts, toks[starting].max(1), side="right") - 1
+                    plan_ids = plan_top[rq, lay[starting]][:, : max(cap // B, 1)] + (
+                        off[starting, 0] if cfg.shared else 0
+                    )
+                    ins = cache.insert(act[starting], plan_ids, prefetch=True, t=None)
+                    _acc(st["pf_inserted"], cap_of_lane[act[starting]] * L + lay[starting], ins.sum(1))
+
+            # prefetch arrival: top predicted non-resident experts that fit in the free link time
+            if prefetching:
+                pid = pred_ids[tsafe, lay[:, None]]  # [n, B, kp]
+                psc = np.where(tvalid[:, :, None], pred_sc[tsafe, lay[:, None]], 0.0)
+                pid = np.where(tvalid[:, :, None] & (pid >= 0), pid, -1)
+                cand = _rank_candidates(pid.reshape(n, -1), psc.reshape(n, -1), E)  # [n, C] best first
+                if cfg.shared:
+                    cand = np.where(cand >= 0, cand + off[:, 0], -1)
+                predicted = cand  # shielded: a prefetch must not evict another predicted expert
+                nonres = (cand >= 0) & ~cache.lookup(act, cand)
+                cand = _compact(np.where(nonres, cand, -1))
+                n_cand = (cand >= 0).sum(1)
+                want = np.where(pf_n[act] >= 0, np.minimum(pf_n[act], n_cand), n_cand)
+                if math.isinf(t_io):
+                    fit = np.zeros(n, dtype=np.int64)
+                elif t_io <= 0:
+                    fit = want
+                else:
+                    fit = np.floor(free[act] / t_io + 1e-9).astype(np.int64)
+                if spec.balancer != "presched":
+                    # SMoE Sec. 5.2 / Fig. 17: prefetch loads must never delay the layer's own loads, so
+                    # only transfers that finish inside the window are started
+                    want = np.minimum(want, fit)
+                landed = np.minimum(want, fit)
+                started = np.where(np.isfinite(t_io), np.minimum(want, landed + 1), 0)
+                new_delay = np.where(
+                    (want > landed) & np.isfinite(t_io) & (t_io > 0), (landed + 1) * t_io - free[act], 0.0
+                )
+                delay[act] = np.maximum(new_delay, 0.0)
+                take = np.arange(cand.shape[1])[None, :] < landed[:, None]
+                ins = cache.insert(act, np.where(take, cand, -1), shield=predicted, prefetch=True, t=lt)
+                _acc(st["pf_inserted"], cap_of_lane[act] * L + lay, ins.sum(1))
+                lane_pf_landed[act] += landed
+                _acc(st["pf_issued"], cap_of_lane[act] * L + lay, want)
+                _acc(st["pf_landed"], cap_of_lane[act] * L + lay, landed)
+                _acc(st["pf_started"], cap_of_lane[act] * L + lay, started)
+            else:
+                delay[act] = 0.0
+
+            # SMoE Algorithm 1 substitution against the lane's resident set (batch-aware via group)
+            if use_sub:
+                flat_t = tsafe.reshape(-1)
+                probs = d.probs[flat_t, np.repeat(lay, B)].astype(np.float32)
+                res = cache.resident[np.repeat(act, B)]
+                if cfg.shared:
+                    res = res.reshape(n * B, L, E)[np.arange(n * B), np.repeat(lay, B)]
+                new_ids, nsub = substitute(
+                    probs, ids.reshape(n * B, k), res, cfg.alpha, group=np.repeat(np.arange(n), B)
+                )
+                ids = np.where(tvalid[:, :, None], new_ids.reshape(n, B, k), -1)
+                _acc(st["subs"], cap_of_lane[act] * L + lay, (nsub.reshape(n, B) * tvalid).sum(1))
+
+            # the access: union of the step's experts, with token counts
+            flat = ids.reshape(n, B * k) + (off[:, :, 0] if cfg.shared else 0)
+            flat = np.where(ids.reshape(n, B * k) >= 0, flat, -1)
+            if B > 1:
+                uniq, counts = _union_counts(flat)
+            else:
+                uniq, counts = flat, (flat >= 0).astype(np.int64)
+            hit_u = cache.lookup(act, uniq)
+            if prefetching:
+                used = (hit_u & cache.was_prefetched(act, uniq)).sum(1)
+                lane_pf_used[act] += used
+                _acc(st["pf_used"], cap_of_lane[act] * L + lay, used)
+            uses = counts.sum(1)
+            hits = (counts * hit_u).sum(1)
+            miss = (uniq >= 0) & ~hit_u
+            n_miss = miss.sum(1)
+            # misses ordered by token count, largest first (the balancers' queue order)
+            if spec.balancer == "none" and B == 1:
+                # one token: every miss is loaded and all have one token, so no queue order is needed
+                n_load = n_miss
+                load_ids = np.where(miss, uniq, -1)
+                t_cpu = np.zeros(n)
+            else:
+                msize = np.where(miss, counts, 0)
+                morder = np.argsort(-msize, axis=1, kind="stable")
+                mids = np.take_along_axis(np.where(miss, uniq, -1), morder, 1)
+                msz = np.take_along_axis(msize, morder, 1).astype(np.float64)
+                if spec.balancer == "smoe":
+                    n_load = two_pointer_split(
+                        msz, n_miss, t_io if math.isfinite(t_io) else math.inf, cost.beta
+                    )
+                elif spec.balancer == "presched":
+                    asc = _reverse_valid(msz, n_miss)
+                    _nid, nsz, nn = _next_layer_pending(
+                        act, lay, s, g, tok, pred_ids, cache, cfg.shared, L, E, prefetching
+                    )
+                    dec = schedule(
+                        asc, n_miss, nsz, nn, delay[act], lane_pf_used[act] / lane_pf_landed[act], cost
+                    )
+                    n_load = dec.n_load
+                    consumer = act if cfg.shared else act + 1
+                    has_next = lay < L - 1
+                    pf_n[consumer[has_next]] = dec.n_prefetch[has_next]
+                else:
+                    n_load = n_miss
+                col = np.arange(mids.shape[1])[None, :]
+                load_ids = np.where(col < n_load[:, None], mids, -1)
+                cpu_mask = (col >= n_load[:, None]) & (mids >= 0)
+                t_cpu = (np.where(cpu_mask, cost.beta * msz + cost.c, 0.0)).sum(1)
+            cache.insert(act, load_ids, shield=uniq, t=None)
+            cache.touch(act, uniq, lt)
+            if nu is not None:
+                nxt = np.where(tvalid[:, :, None], nu[tsafe, lay[:, None]], np.iinfo(np.int64).max // 4)
+                cache.set_next_use(act, flat, nxt.reshape(n, -1))
+            if spec.eviction == "score":
+                sc_mean = (d.probs[tsafe, lay[:, None]].astype(np.float32) * tvalid[:, :, None]).sum(
+                    1
+                ) / np.maximum(tvalid.sum(1), 1)[:, None]
+                cache.observe_scores(act, sc_mean)
+
+            # timeline of this layer: device, link, CPU in parallel after attention
+            n_dev = (hit_u & (uniq >= 0)).sum(1) + n_load
+            link = delay[act] + n_load * (t_io if math.isfinite(t_io) else 0.0)
+            if not math.isfinite(t_io):
+                link = np.where(n_load > 0, math.inf, link)
+            t_dev = n_dev * cost.t_g
+            layer_t = cost.t_attn + np.maximum(
+                np.maximum(t_dev, link + np.where(n_load > 0, cost.t_g, 0.0)), t_cpu
+            )
+            cl = cap_of_lane[act]
+            step_time[cl, gmap[g], s] += layer_t
+            # the link time this layer leaves free for the next layer's prefetch (its window includes
+            # the next layer's attention)
+            if cfg.shared:
+                with np.errstate(invalid="ignore"):
+                    nxt_free = np.where(lay < L - 1, np.nan_to_num(layer_t - link, nan=0.0), cost.t_attn)
+                free[act] = nxt_free
+            else:
+                has_next = lay < L - 1
+                with np.errstate(invalid="ignore"):
+                    free[act[has_next] + 1] = np.nan_to_num(layer_t - link, nan=0.0)[has_next]
+                free[act[lay == 0]] = cost.t_attn
+
+            _acc(st["uses"], cap_of_lane[act] * L + lay, uses)
+            _acc(st["hits"], cap_of_lane[act] * L + lay, hits)
+            _acc(st["loads"], cap_of_lane[act] * L + lay, n_load)
+            _acc(st["cpu"], cap_of_lane[act] * L + lay, n_miss - n_load)
+            _acc(st["time"], cap_of_lane[act] * L + lay, layer_t)
     any_decode = bool(step_decode.any())
-    valid_step = np.arange(S)[None, :] < stream_len[:, None]
+    valid_step = np.arange(S)[None, :] < len_all[:, None]
     basis_mask = valid_step & step_decode if any_decode else valid_step
     n_steps = int(valid_step.sum())
     wall = time.perf_counter() - t0
@@ -538,7 +614,9 @@ def replay_capacities(ts: TraceSet | str, cfg: ReplayConfig, capacities: list[fl
                 bytes_moved=int((t["loads"].sum() + t["pf_started"].sum()) * m.expert_bytes),
                 substitution_rate=float(t["subs"].sum() / max(uses, 1)),
                 modeled_tpot_ms=tpot,
-                tpot_basis="decode steps" if any_decode else "every token as a step (prefill-only trace, no decode steps)",
+                tpot_basis="decode steps"
+                if any_decode
+                else "every token as a step (prefill-only trace, no decode steps)",
                 layer_time_ms_per_layer=(t["time"] / max(n_steps, 1)).tolist(),
                 requests=len(rids),
                 tokens=int(d.lengths.sum()),

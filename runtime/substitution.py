@@ -101,6 +101,23 @@ class SubstitutingRouter:
         probs = np.atleast_2d(probs)
         if topk is None:
             topk = np.argpartition(-probs, self.top_k - 1, axis=1)[:, : self.top_k]
+        topk = np.atleast_2d(topk)
+        if self.alpha == 0:
+            return topk
+        if len(probs) == 1:
+            # fast path: nothing to substitute when every low-score expert is already resident
+            s = probs[0]
+            act = np.zeros(len(s), dtype=bool)
+            act[topk[0]] = True
+            beta = np.where(act, -np.inf, s).max()
+            if not (act & (s <= (1 + self.alpha) * beta) & ~np.asarray(resident, dtype=bool)).any():
+                return topk
         res = np.broadcast_to(np.asarray(resident, dtype=bool), probs.shape)
-        ids, _ = substitute(probs, np.atleast_2d(topk), res, self.alpha, group=None if len(probs) == 1 else np.zeros(len(probs), dtype=np.int64))
+        ids, _ = substitute(
+            probs,
+            np.atleast_2d(topk),
+            res,
+            self.alpha,
+            group=None if len(probs) == 1 else np.zeros(len(probs), dtype=np.int64),
+        )
         return ids

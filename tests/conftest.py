@@ -86,7 +86,9 @@ def make_synthetic_traceset(
                 topk_ids=ids.astype(np.int16),
                 topk_weights=w.astype(np.float16) if with_optional else None,
                 router_probs=probs.astype(np.float16) if with_optional else None,
-                gate_inputs=np.repeat(x[:, None, :], num_layers, 1).astype(np.float16) if with_optional else None,
+                gate_inputs=np.repeat(x[:, None, :], num_layers, 1).astype(np.float16)
+                if with_optional
+                else None,
             )
         )
     half = len(records) // 2

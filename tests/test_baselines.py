@@ -16,25 +16,44 @@ from moecast.predictors.commands import evaluate, evaluate_predictor
 from moecast.predictors.metrics import recall_at_k
 
 
-def _router_traces(path: Path, L: int = 3, E: int = 8, k: int = 2, H: int = 12, requests: int = 6, T: int = 10):
+def _router_traces(
+    path: Path, L: int = 3, E: int = 8, k: int = 2, H: int = 12, requests: int = 6, T: int = 10
+):
     """Traces whose layer-l routing is top-k of W_l @ x with x shared by all layers, and the model folder."""
     rng = np.random.default_rng(7)
     W = rng.normal(size=(L, E, H)).astype(np.float32)
     info = ModelInfo("router-test", "synthetic", list(range(1, L + 1)), E, k, 0, H, 100, True)
-    writer = TraceWriter(path / "traces", TraceMeta(info, fields={"topk_weights": False, "router_probs": False, "gate_inputs": True}))
+    writer = TraceWriter(
+        path / "traces",
+        TraceMeta(info, fields={"topk_weights": False, "router_probs": False, "gate_inputs": True}),
+    )
     recs = []
     for r in range(requests):
         x = rng.normal(size=(T, H)).astype(np.float32)
         ids = np.argsort(-np.einsum("th,leh->tle", x, W), -1)[..., :k]
-        recs.append(RequestRecord(f"r{r}", "w", "c", "p", np.arange(T), ["t"] * T, np.zeros(T, bool),
-                                  ids.astype(np.int16), gate_inputs=np.repeat(x[:, None], L, 1).astype(np.float16)))
+        recs.append(
+            RequestRecord(
+                f"r{r}",
+                "w",
+                "c",
+                "p",
+                np.arange(T),
+                ["t"] * T,
+                np.zeros(T, bool),
+                ids.astype(np.int16),
+                gate_inputs=np.repeat(x[:, None], L, 1).astype(np.float16),
+            )
+        )
     writer.write(recs)
     from safetensors.numpy import save_file
 
     model = path / "model"
     model.mkdir()
-    save_file({f"model.layers.{i + 1}.mlp.gate.weight": W[i] for i in range(L)}
-              | {"model.layers.1.mlp.gate_proj.weight": np.zeros((4, H), np.float32)}, str(model / "model.safetensors"))
+    save_file(
+        {f"model.layers.{i + 1}.mlp.gate.weight": W[i] for i in range(L)}
+        | {"model.layers.1.mlp.gate_proj.weight": np.zeros((4, H), np.float32)},
+        str(model / "model.safetensors"),
+    )
     return TraceSet(path / "traces"), model, W
 
 
@@ -43,9 +62,9 @@ def test_global_frequency_is_the_training_hot_table(synthetic_traces):
     train, val = ts.split(0.3, 0)
     pred = FrequencyPredictor.fit(ts, train)
     ids = ts.array("topk_ids", train)
-    for l in range(ts.num_layers):
-        counts = np.bincount(ids[:, l].ravel(), minlength=ts.num_experts)
-        assert np.allclose(pred.table[l], counts / counts.sum())
+    for li in range(ts.num_layers):
+        counts = np.bincount(ids[:, li].ravel(), minlength=ts.num_experts)
+        assert np.allclose(pred.table[li], counts / counts.sum())
     scores = pred.score_request(ts.get(val[0]))
     assert scores.shape == (len(ts.get(val[0])), ts.num_layers, ts.num_experts)
     assert np.allclose(scores[0], scores[-1])  # statistical: the same for every token
@@ -96,14 +115,18 @@ def test_gate_reuse_without_gate_inputs_says_so(tmp_path):
 
 
 def test_eval_cli_json_and_baseline_save(synthetic_traces, tmp_path, capsys):
-    out = evaluate("frequency", str(synthetic_traces), split="all", json=True, save=str(tmp_path / "f.safetensors"))
+    out = evaluate(
+        "frequency", str(synthetic_traces), split="all", json=True, save=str(tmp_path / "f.safetensors")
+    )
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for key in ("recall_at_k", "precision", "f1_micro", "f1_macro"):
         assert key in line and 0.0 <= line[key] <= 1.0
     assert line["recall_at_k"] == pytest.approx(out["recall_at_k"])
     ts = TraceSet(synthetic_traces)
     pred = load(tmp_path / "f.safetensors")
-    direct = np.mean([recall_at_k(pred.score_request(t), t.topk_ids) for t in ts])  # equal lengths: mean of means
+    direct = np.mean(
+        [recall_at_k(pred.score_request(t), t.topk_ids) for t in ts]
+    )  # equal lengths: mean of means
     assert out["recall_at_k"] == pytest.approx(direct)
 
 

@@ -79,3 +79,16 @@ def test_lanes_are_independent():
     c = ExpertCache(8, 2, "lru", lanes=3)
     c.insert(np.array([0, 2]), np.array([[1, 2], [3, 4]]))
     assert c.lookup(np.array([0, 1, 2]), np.array([[1], [1], [3]]))[:, 0].tolist() == [True, False, True]
+
+
+def test_shared_cache_non_power_of_two_items_and_short_rows():
+    # 3 layers x 7 experts = 21 items (not a power of two); rows with fewer evictable items than needed
+    c = ExpertCache(21, 4, "lru", lanes=2)
+    lanes = np.array([0, 1])
+    c.insert(lanes, np.array([[0, 8, 15, 20], [1, 2, 3, -1]]))
+    ins = c.insert(
+        lanes, np.array([[5, 6, 7, 9], [4, 11, 12, 13]]), shield=np.array([[0, 8, 15, -1], [-1, -1, -1, -1]])
+    )
+    assert ins[0].sum() == 1 and c.count.tolist() == [4, 4]  # lane 0: only 20 was evictable
+    assert set(c.resident_ids(0).tolist()) == {0, 8, 15, 5}
+    assert set(c.resident_ids(1).tolist()) == {4, 11, 12, 13}

@@ -13,28 +13,63 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from moecast.collect.commands import collect, merge_traces
 from moecast.collect.fixtures import write_fixtures
 from moecast.collect.models import ModelLoadError, find_moe_structure, model_info
 from moecast.collect.recorder import RoutingRecorder
-from moecast.collect.runner import Collector, GenerationSettings, shard_requests
+from moecast.collect.runner import Collector, GenerationSettings, default_shard, shard_requests
 from moecast.collect.traceset import TraceSet, TraceSetError
 from moecast.collect.workloads import WorkloadRequest
 
-COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-              max_position_embeddings=256, tie_word_embeddings=False, eos_token_id=3, pad_token_id=0, bos_token_id=2)
-MLA = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8,
-           qk_nope_head_dim=8, first_k_dense_replace=0, n_shared_experts=1, n_routed_experts=8)
+from moecast.errors import MoecastError
+
+COMMON = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    eos_token_id=3,
+    pad_token_id=0,
+    bos_token_id=2,
+)
+MLA = dict(
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    q_lora_rank=16,
+    qk_rope_head_dim=8,
+    v_head_dim=8,
+    qk_nope_head_dim=8,
+    first_k_dense_replace=0,
+    n_shared_experts=1,
+    n_routed_experts=8,
+)
 FAMILIES = {
-    "qwen2_moe": dict(intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=32,
-                      num_experts=8, num_experts_per_tok=2),
-    "qwen3_moe": dict(intermediate_size=64, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
-                      head_dim=8, norm_topk_prob=True),
+    "qwen2_moe": dict(
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+    ),
+    "qwen3_moe": dict(
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        head_dim=8,
+        norm_topk_prob=True,
+    ),
     "mixtral": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2),
     "olmoe": dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2),
-    "deepseek_v3": dict(**MLA, intermediate_size=64, moe_intermediate_size=16, num_experts_per_tok=2, n_group=2, topk_group=1),
-    "deepseek_v2": dict(**MLA, intermediate_size=64, moe_intermediate_size=16, num_experts_per_tok=2, topk_method="greedy"),
+    "deepseek_v3": dict(
+        **MLA, intermediate_size=64, moe_intermediate_size=16, num_experts_per_tok=2, n_group=2, topk_group=1
+    ),
+    "deepseek_v2": dict(
+        **MLA, intermediate_size=64, moe_intermediate_size=16, num_experts_per_tok=2, topk_method="greedy"
+    ),
     "phimoe": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2),
 }
 SHARED = {"qwen2_moe": 1, "deepseek_v3": 1, "deepseek_v2": 1}
@@ -60,8 +95,9 @@ def char_tokenizer():
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]",
-                                   bos_token="[BOS]", eos_token="[EOS]")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", bos_token="[BOS]", eos_token="[EOS]"
+    )
 
 
 @cache
@@ -101,8 +137,10 @@ def data_dir(tmp_path_factory) -> Path:
 
 def _router_outputs(structure):
     got: dict[int, tuple] = {}
-    hooks = [e.router.register_forward_hook(lambda m, a, o, i=i: got.__setitem__(i, o))
-             for i, e in enumerate(structure.layers)]
+    hooks = [
+        e.router.register_forward_hook(lambda m, a, o, i=i: got.__setitem__(i, o))
+        for i, e in enumerate(structure.layers)
+    ]
     return got, hooks
 
 
@@ -160,6 +198,17 @@ def test_router_pattern_matches_experts_interface():
     a, b = routed[None], routed[r"mlp\.gate$"]
     assert torch.equal(a.topk_ids, b.topk_ids)
     torch.testing.assert_close(a.topk_weights, b.topk_weights)
+    # the same model described the same way (same fingerprint) whichever way it is traced
+    assert model_info(model, find_moe_structure(model, r"mlp\.gate$"), "m") == model_info(
+        model, find_moe_structure(model), "m"
+    )
+    structure = find_moe_structure(model)
+    with RoutingRecorder(structure, 2).attach(model):
+        with pytest.raises(MoecastError, match="already being recorded"):
+            RoutingRecorder(structure, 2).attach(model)
+        with pytest.raises(MoecastError, match="did not route"):
+            RoutingRecorder(structure, 2).take()
+    assert model.config._experts_implementation != "moecast_record"
     with pytest.raises(ModelLoadError, match="matches no module"):
         find_moe_structure(model, r"no_such_router")
 
@@ -177,14 +226,20 @@ def _collector(family="qwen2_moe", max_new_tokens=6, batch_size=4):
     structure = find_moe_structure(model)
     info = model_info(model, structure, family)
     rec = RoutingRecorder(structure, info.top_k, router_probs=True, gate_inputs=True).attach(model)
-    return Collector(model, char_tokenizer(), rec, GenerationSettings(max_new_tokens=max_new_tokens, batch_size=batch_size))
+    return Collector(
+        model, char_tokenizer(), rec, GenerationSettings(max_new_tokens=max_new_tokens, batch_size=batch_size)
+    )
 
 
 def test_batched_with_padding_equals_alone():
     col = _collector()
     try:
-        reqs = [WorkloadRequest(f"r{i}", "w", "chat", p) for i, p in
-                enumerate(["a short one", "a considerably longer prompt than the others", "mid length text"])]
+        reqs = [
+            WorkloadRequest(f"r{i}", "w", "chat", p)
+            for i, p in enumerate(
+                ["a short one", "a considerably longer prompt than the others", "mid length text"]
+            )
+        ]
         batched = col.run_batch(reqs)
         alone = [col.run_batch([r])[0] for r in reqs]
     finally:
@@ -196,11 +251,19 @@ def test_batched_with_padding_equals_alone():
         assert b.num_prompt_tokens == prompt_len
         assert list(b.token_ids[:prompt_len]) == tok(req.prompt)["input_ids"]
         assert 0 < b.num_generated_tokens <= 6
-        assert b.topk_ids.shape == (len(b.token_ids), 2, 2) and b.gate_inputs.shape == (len(b.token_ids), 2, 32)
+        assert b.topk_ids.shape == (len(b.token_ids), 2, 2) and b.gate_inputs.shape == (
+            len(b.token_ids),
+            2,
+            32,
+        )
         np.testing.assert_array_equal(b.token_ids, a.token_ids)
         np.testing.assert_array_equal(b.topk_ids, a.topk_ids)
-        np.testing.assert_allclose(b.topk_weights.astype(np.float32), a.topk_weights.astype(np.float32), atol=2e-3)
-        np.testing.assert_allclose(b.router_probs.astype(np.float32), a.router_probs.astype(np.float32), atol=2e-3)
+        np.testing.assert_allclose(
+            b.topk_weights.astype(np.float32), a.topk_weights.astype(np.float32), atol=2e-3
+        )
+        np.testing.assert_allclose(
+            b.router_probs.astype(np.float32), a.router_probs.astype(np.float32), atol=2e-3
+        )
         assert b.output_text == a.output_text
 
 
@@ -218,15 +281,46 @@ def test_decode_records_match_a_full_forward():
     assert rec.phases.sum() == rec.num_generated_tokens == len(rec.token_ids) - len("hello there")
 
 
+def test_chat_template_wraps_prompts():
+    col = _collector(max_new_tokens=1, batch_size=1)
+    try:
+        col.settings.chat_template = True
+        with pytest.raises(ValueError, match="no chat template"):
+            col.encode(["hi"])
+        col.tokenizer.chat_template = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+        rec = col.run_batch([WorkloadRequest("r", "w", "chat", "hi")])[0]
+    finally:
+        col.recorder.detach()
+    assert rec.token_texts[: rec.num_prompt_tokens] == ["<", "h", "i", ">"]
+
+
 def test_collect_writes_resumes_and_scores(saved, data_dir, tmp_path):
     model = saved("qwen2_moe")
     out = tmp_path / "traces"
-    collect(model=str(model), workloads="gsm8k", out=str(out), max_requests=4, max_new_tokens=4,
-            batch_size=2, chunk_size=2, data_dir=str(data_dir), progress=False)
+    collect(
+        model=str(model),
+        workloads="gsm8k",
+        out=str(out),
+        max_requests=4,
+        max_new_tokens=4,
+        batch_size=2,
+        chunk_size=2,
+        data_dir=str(data_dir),
+        progress=False,
+    )
     first = {p.name: p.read_bytes() for p in (out / "tokens").glob("part-*.arrow")}
     assert len(first) == 2  # two chunks of two requests
-    collect(model=str(model), workloads="gsm8k", out=str(out), max_requests=8, max_new_tokens=4,
-            batch_size=2, chunk_size=2, data_dir=str(data_dir), progress=False)
+    collect(
+        model=str(model),
+        workloads="gsm8k",
+        out=str(out),
+        max_requests=8,
+        max_new_tokens=4,
+        batch_size=2,
+        chunk_size=2,
+        data_dir=str(data_dir),
+        progress=False,
+    )
     ts = TraceSet(out)
     assert sorted(ts.request_ids) == [f"gsm8k-{i:06d}" for i in range(8)]
     # the first four were not recomputed: their parts are untouched and no new part holds them
@@ -250,15 +344,27 @@ def test_collect_writes_resumes_and_scores(saved, data_dir, tmp_path):
 
 def test_shards_and_merge_equal_one_run(saved, data_dir, tmp_path):
     model = saved("mixtral")
-    kw = dict(model=str(model), workloads="boolq,wic", max_requests=3, max_new_tokens=3, batch_size=2,
-              data_dir=str(data_dir), progress=False)
+    kw = dict(
+        model=str(model),
+        workloads="boolq,wic",
+        max_requests=3,
+        max_new_tokens=3,
+        batch_size=2,
+        data_dir=str(data_dir),
+        progress=False,
+    )
     collect(out=str(tmp_path / "one"), **kw)
     for i in range(2):
         collect(out=str(tmp_path / f"s{i}"), num_shards=2, shard_index=i, **kw)
     shard_ids = [set(TraceSet(tmp_path / f"s{i}").request_ids) for i in range(2)]
     assert shard_ids[0] and shard_ids[1] and not shard_ids[0] & shard_ids[1]
-    merge_traces([str(tmp_path / "s0"), str(tmp_path / "s1")], out=str(tmp_path / "merged"))
+    from moecast.cli import main
+
+    # `moecast traces merge A B --out C`, as users type it
+    main(["traces", "merge", str(tmp_path / "s0"), str(tmp_path / "s1"), "--out", str(tmp_path / "merged")])
     one, merged = TraceSet(tmp_path / "one"), TraceSet(tmp_path / "merged")
+    # Mixtral's config has no norm_topk_prob; its weights are renormalised top-k, found by probing
+    assert one.model.norm_topk_prob is True and one.model.family == "mixtral"
     assert sorted(one.request_ids) == sorted(merged.request_ids) and one.num_requests == 6
     for rid in one.request_ids:
         np.testing.assert_array_equal(one.get(rid).topk_ids, merged.get(rid).topk_ids)
@@ -267,6 +373,15 @@ def test_shards_and_merge_equal_one_run(saved, data_dir, tmp_path):
     collect(out=str(tmp_path / "s0"), num_shards=2, shard_index=1, **kw)
     assert sorted(TraceSet(tmp_path / "s0").request_ids) == sorted(one.request_ids)
     assert {p.name[:9] for p in (tmp_path / "s0" / "requests").glob("part-*")} == {"part-s000", "part-s001"}
+
+
+def test_shards_default_to_torchrun_env(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    assert default_shard() == (4, 3)
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("RANK")
+    assert default_shard() == (1, 0)
 
 
 def test_shard_split_is_a_partition():
@@ -293,28 +408,65 @@ def test_bad_inputs_are_one_line_errors(saved, data_dir, tmp_path, capsys):
 
     model = str(saved("qwen2_moe"))
     out = tmp_path / "out"
-    base = ["collect", "--model", model, "--data-dir", str(data_dir), "--max-new-tokens", "2", "--progress", "false"]
-    collect(model=model, workloads="boolq", out=str(out), max_requests=2, max_new_tokens=2, data_dir=str(data_dir),
-            progress=False)
+    base = [
+        "collect",
+        "--model",
+        model,
+        "--data-dir",
+        str(data_dir),
+        "--max-new-tokens",
+        "2",
+        "--progress",
+        "false",
+    ]
+    collect(
+        model=model,
+        workloads="boolq",
+        out=str(out),
+        max_requests=2,
+        max_new_tokens=2,
+        data_dir=str(data_dir),
+        progress=False,
+    )
     before = sorted(p.name for p in (out / "requests").iterdir())
 
     dense = tmp_path / "dense"
-    AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen2", **COMMON, intermediate_size=64)).save_pretrained(dense)
+    AutoModelForCausalLM.from_config(
+        AutoConfig.for_model("qwen2", **COMMON, intermediate_size=64)
+    ).save_pretrained(dense)
     char_tokenizer().save_pretrained(dense)
-    assert "not an MoE model" in _cli_error([*base[:2], str(dense), *base[3:], "--workloads", "boolq", "--out",
-                                             str(tmp_path / "d")], capsys)
+    assert "not an MoE model" in _cli_error(
+        [*base[:2], str(dense), *base[3:], "--workloads", "boolq", "--out", str(tmp_path / "d")], capsys
+    )
     not_model = tmp_path / "empty_dir"
     not_model.mkdir()
     assert "not a Hugging Face model directory" in _cli_error(
-        [*base[:2], str(not_model), *base[3:], "--workloads", "boolq", "--out", str(tmp_path / "e")], capsys)
+        [*base[:2], str(not_model), *base[3:], "--workloads", "boolq", "--out", str(tmp_path / "e")], capsys
+    )
     assert "--workloads is empty" in _cli_error([*base, "--workloads", " , ", "--out", str(out)], capsys)
-    msg = _cli_error([*base, "--workloads", "triviaqa", "--data-dir", str(tmp_path), "--out", str(out)], capsys)
+    msg = _cli_error(
+        [*base, "--workloads", "triviaqa", "--data-dir", str(tmp_path), "--out", str(out)], capsys
+    )
     assert "triviaqa" in msg and "--data-dir" in msg
-    assert "--max-requests" in _cli_error([*base, "--workloads", "boolq", "--max-requests", "0", "--out", str(out)], capsys)
+    assert "--max-requests" in _cli_error(
+        [*base, "--workloads", "boolq", "--max-requests", "0", "--out", str(out)], capsys
+    )
     assert "unknown workload" in _cli_error([*base, "--workloads", "nosuch", "--out", str(out)], capsys)
     # another model into the existing --out is refused and what was there survives
-    msg = _cli_error([*base[:2], str(saved("olmoe")), *base[3:], "--workloads", "boolq", "--max-requests", "2",
-                      "--out", str(out)], capsys)
+    msg = _cli_error(
+        [
+            *base[:2],
+            str(saved("olmoe")),
+            *base[3:],
+            "--workloads",
+            "boolq",
+            "--max-requests",
+            "2",
+            "--out",
+            str(out),
+        ],
+        capsys,
+    )
     assert "choose another --out" in msg
     assert sorted(p.name for p in (out / "requests").iterdir()) == before
     assert TraceSet(out).num_requests == 2
@@ -331,7 +483,9 @@ def test_merge_refuses_another_model(tmp_path):
         merge_traces([str(tmp_path / "a"), str(tmp_path / "b")], out=str(tmp_path / "m"))
     with pytest.raises(TraceSetError, match="also a source"):
         merge_traces([str(tmp_path / "a")], out=str(tmp_path / "a"))
-    merge_traces([str(tmp_path / "a")], out=str(tmp_path / "m2"))
+    from moecast.cli import main
+
+    main(["traces", "merge", str(tmp_path / "a"), "--out", str(tmp_path / "m2")])
     with pytest.raises(TraceSetError, match="choose another --out"):
         merge_traces([str(tmp_path / "b")], out=str(tmp_path / "m2"))
     assert TraceSet(tmp_path / "m2").num_requests == TraceSet(tmp_path / "a").num_requests

@@ -7,7 +7,6 @@ import io
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from moecast.collect.moe_beyond import parse_file
 
 cell = st.one_of(st.integers(-5, 80).map(str), st.text(max_size=6))

@@ -23,39 +23,65 @@ from moecast.predictors.llapor import (
 from moecast.train.data import LLaPorDataModule
 from moecast.train.llapor import LLaPorModule
 
+# tiny tensors: threads only add spin-wait overhead on a shared CPU
+torch.set_num_threads(1)
 
-def _fit(path, epochs=12, **data):
+
+def _fit(path, epochs=8, **data):
     torch.manual_seed(0)
     dm = LLaPorDataModule(str(path), val_fraction=0.25, batch_size=64, **data)
-    module = LLaPorModule(hidden=64, warmup_epochs=1, lr_io=5e-3, lr_middle=5e-3, lr_shared=5e-3, mask_prob=0.0)
-    trainer = pl.Trainer(max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, accelerator="cpu", gradient_clip_val=1.0)
+    module = LLaPorModule(
+        hidden=32, warmup_epochs=1, lr_io=5e-3, lr_middle=5e-3, lr_shared=5e-3, mask_prob=0.0
+    )
+    trainer = pl.Trainer(
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        gradient_clip_val=1.0,
+    )
     trainer.fit(module, datamodule=dm)
     return module, dm
 
 
 def test_scores_are_causal_for_the_layer_ahead_horizon():
     torch.manual_seed(0)
-    spec = FeatureSpec(num_layers=4, num_experts=8, top_k=2, prev_layers=3, history_tokens=2, token_buckets=50)
+    spec = FeatureSpec(
+        num_layers=4,
+        num_experts=8,
+        top_k=2,
+        prev_layers=2,
+        history_tokens=2,
+        token_buckets=50,
+        deep_history=True,
+    )
     net = LLaPorNet(spec, {"input": [0], "middle": [1, 2], "output": [3]}, NetConfig(hidden=16, dropout=0.0))
     pred = LLaPor(net, [1, 2, 3, 4])
-    ts_path = None  # build a trace by hand
-    del ts_path
     rng = np.random.default_rng(0)
     from moecast.collect.traceset import RequestTrace
 
     ids = np.stack([rng.permutation(8)[:2] for _ in range(6 * 4)]).reshape(6, 4, 2)
-    trace = RequestTrace("r", "w", "c", "p", rng.integers(0, 50, 6), ["x"] * 6, np.zeros(6, bool), ids, None, None, None)
+    trace = RequestTrace(
+        "r", "w", "c", "p", rng.integers(0, 50, 6), ["x"] * 6, np.zeros(6, bool), ids, None, None, None
+    )
     base = pred.score_request(trace)
-    t, l = 3, 2
+    t, li = 3, 2
     changed = ids.copy()
-    changed[t, l:] = (changed[t, l:] + 3) % 8  # this token's layer l and later: unknown when predicting (t, l)
+    changed[t, li:] = (
+        changed[t, li:] + 3
+    ) % 8  # this token's layer l and later: unknown when predicting (t, li)
     changed[t + 1 :] = (changed[t + 1 :] + 5) % 8  # later tokens
     trace.topk_ids = changed
     after = pred.score_request(trace)
-    assert np.allclose(after[t, : l + 1], base[t, : l + 1])
+    assert np.allclose(after[t, : li + 1], base[t, : li + 1])
     assert np.allclose(after[:t], base[:t])
-    assert not np.allclose(after[t, l + 1], base[t, l + 1])  # it does use the previous layer
+    assert not np.allclose(after[t, li + 1], base[t, li + 1])  # it does use the previous layer
+    # the runtime's per-layer numpy path gives the same scores as the batched network
+    feats = pred.features(trace)
+    for layer in range(4):
+        assert np.allclose(pred.score_layer(layer, feats), after[:, layer], atol=1e-5)
 
 
 def test_group_detection_covers_layers_in_order():
@@ -86,7 +112,9 @@ def test_balanced_focal_loss_matches_the_paper_formula():
 
 
 def test_training_beats_the_hot_table_and_roundtrips(tmp_path):
-    path = make_synthetic_traceset(tmp_path / "tr", num_requests=24, num_layers=4, num_experts=8, hidden=16, tokens=16)
+    path = make_synthetic_traceset(
+        tmp_path / "tr", num_requests=24, num_layers=4, num_experts=8, hidden=16, tokens=16
+    )
     module, dm = _fit(path)
     assert dm.spec.gate_pca and dm.spec.weights  # chosen from the fields present
     out = module.export(tmp_path / "llapor.safetensors", dm, {"best_score": None})
@@ -99,7 +127,11 @@ def test_training_beats_the_hot_table_and_roundtrips(tmp_path):
     assert set(res["per_group"]) == {g for g, v in pred.groups.items() if v}
     trace = ts.get(dm.val_ids[0])
     module.net.eval()
-    assert np.allclose(pred.score_request(trace), torch.sigmoid(module.net(**pred.features(trace))).detach().numpy())
+    full = pred.score_request(trace)
+    assert np.allclose(full, torch.sigmoid(module.net(**pred.features(trace))).detach().numpy())
+    one = {k: v[3:4] for k, v in pred.features(trace).items()}  # batch 1, dense features included
+    for layer in range(4):
+        assert np.allclose(pred.score_layer(layer, one)[0], full[3, layer], atol=1e-5)
 
 
 def test_id_only_traces_use_id_features(tmp_path):
@@ -112,8 +144,10 @@ def test_id_only_traces_use_id_features(tmp_path):
 
 def test_online_update_reduces_loss_on_a_shifted_workload(tmp_path):
     a = make_synthetic_traceset(tmp_path / "a", num_requests=16, num_layers=3, seed=0, tokens=16)
-    b = make_synthetic_traceset(tmp_path / "b", num_requests=4, num_layers=3, seed=5, tokens=16)  # other routers
-    module, dm = _fit(a, epochs=4)
+    b = make_synthetic_traceset(
+        tmp_path / "b", num_requests=4, num_layers=3, seed=5, tokens=16
+    )  # other routers
+    module, dm = _fit(a, epochs=2)
     pred = load(module.export(tmp_path / "p.safetensors", dm, {}))
     shifted = TraceSet(b)
     traces = [shifted.get(r) for r in shifted.request_ids]
@@ -144,3 +178,31 @@ def test_bad_inputs_fail_with_one_clear_error(tmp_path):
         LLaPorDataModule(str(ids_only), gate_pca=True).setup()
     with pytest.raises(ValueError, match="empty"):
         LLaPorDataModule(str(ids_only), val_fraction=0.5, max_requests=1).setup()
+
+
+def test_real_deepseek_slice_id_only(puffin_dir, tmp_path):
+    from moecast.collect.moe_beyond import import_moe_beyond
+
+    out = tmp_path / "ds"
+    import_moe_beyond(puffin_dir, out=out, max_files=8, workers=1)
+    ts = TraceSet(out)
+    assert not ts.has("gate_inputs")
+    module, dm = _fit(out, epochs=2, prev_layers=1, deep_history=True, history_tokens=2, token_buckets=512)
+    assert dm.spec.fields() == ["topk_ids", "token_id"] and dm.spec.deep_history
+    pred = load(module.export(tmp_path / "ds.safetensors", dm, {}), fingerprint=ts.meta.model.fingerprint)
+    res = evaluate_predictor(pred, ts, dm.val_ids, progress=False)
+    assert res["k"] == 6 and 0.0 < res["recall_at_k"] <= 1.0
+    assert len(res["per_layer"]["recall_at_k"]) == 26
+
+
+def test_groups_from_config_are_used_and_checked(tmp_path):
+    path = make_synthetic_traceset(tmp_path / "g", num_requests=6, num_layers=4)
+    dm = LLaPorDataModule(str(path), groups={"input": [0], "middle": [1, 2], "output": [3]})
+    dm.setup()
+    assert dm.groups == {"input": [0], "middle": [1, 2], "output": [3]}
+    # the middle group's PCA is milder (pca_middle) than the input/output groups' (pca_io), capped by H
+    small = LLaPorDataModule(str(path), groups=dm.groups, pca_io=4, pca_middle=8)
+    small.setup()
+    assert small.spec.pca_dims[:3] == [8, 8, 4]  # layer l's components feed layer l+1's predictor
+    with pytest.raises(ValueError, match="cover layer positions"):
+        LLaPorDataModule(str(path), groups={"input": [0], "middle": [1], "output": [3]}).setup()

@@ -34,9 +34,9 @@ def test_recall_matches_brute_force():
     k = truth.shape[-1]
     expected = []
     for t in range(scores.shape[0]):
-        for l in range(scores.shape[1]):
-            pred = set(np.argsort(-scores[t, l])[:k].tolist())
-            expected.append(len(pred & set(truth[t, l].tolist())) / k)
+        for li in range(scores.shape[1]):
+            pred = set(np.argsort(-scores[t, li])[:k].tolist())
+            expected.append(len(pred & set(truth[t, li].tolist())) / k)
     assert recall_at_k(scores, truth) == pytest.approx(np.mean(expected))
 
 
@@ -64,10 +64,17 @@ def test_precision_and_f1_agree_with_sklearn():
     assert res["precision"] == pytest.approx(precision_score(gold, pred, average="micro"))
     assert res["f1_micro"] == pytest.approx(f1_score(gold, pred, average="micro"))
     # macro: per layer over experts, then over layers
-    macro = np.mean([
-        f1_score(multi_hot(truth[:, l], 6), multi_hot(topk_indices(scores[:, l], 2), 6), average="macro", zero_division=np.nan)
-        for l in range(2)
-    ])
+    macro = np.mean(
+        [
+            f1_score(
+                multi_hot(truth[:, li], 6),
+                multi_hot(topk_indices(scores[:, li], 2), 6),
+                average="macro",
+                zero_division=np.nan,
+            )
+            for li in range(2)
+        ]
+    )
     assert res["f1_macro"] == pytest.approx(macro)
     assert res["per_group"]["a"]["recall_at_k"] == pytest.approx(recall_at_k(scores[:, 0], truth[:, 0]))
     assert res["per_layer"]["recall_at_k"][1] == pytest.approx(recall_at_k(scores[:, 1], truth[:, 1]))

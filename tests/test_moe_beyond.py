@@ -78,15 +78,37 @@ def test_bad_csvs_are_clear_errors(tmp_path):
 def test_cli_import_and_info(puffin_dir, tmp_path):
     out = tmp_path / "ds"
     run = subprocess.run(
-        [sys.executable, "-m", "moecast", "import", "moe-beyond", str(puffin_dir), "--out", str(out), "--max-files", "3"],
-        capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-m",
+            "moecast",
+            "import",
+            "moe-beyond",
+            str(puffin_dir),
+            "--out",
+            str(out),
+            "--max-files",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert "imported 3 prompts" in run.stdout
-    info = subprocess.run([sys.executable, "-m", "moecast", "traces", "info", str(out), "--json"], capture_output=True, text=True, check=True)
+    info = subprocess.run(
+        [sys.executable, "-m", "moecast", "traces", "info", str(out), "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     summary = json.loads(info.stdout)
     assert summary["requests"] == 3 and summary["top_k"] == 6 and len(summary["layers"]) == 26
     assert "router_probs" in summary["absent"]
     assert all(0 < layer["freq_entropy"] <= np.log(64) + 1e-9 for layer in summary["layers"])
-    bad = subprocess.run([sys.executable, "-m", "moecast", "traces", "info", str(tmp_path / "nope")], capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "moecast", "traces", "info", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode != 0 and "Traceback" not in bad.stderr and "no such TraceSet" in bad.stderr
     assert TraceSet(out).num_tokens == summary["tokens"]

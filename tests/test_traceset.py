@@ -32,7 +32,9 @@ def test_split_is_deterministic_and_by_request(synthetic_traces):
     assert a == b
     train, val = a
     assert set(train).isdisjoint(val) and len(train) + len(val) == 6 and len(val) == 2
-    assert ts.split(0.34, seed=4) != a or True  # other seeds may coincide on 6 requests; determinism is the contract
+    assert (
+        ts.split(0.34, seed=4) != a or True
+    )  # other seeds may coincide on 6 requests; determinism is the contract
 
 
 def test_missing_field_is_named(tmp_path):

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from moecast.collect.fixtures import write_fixtures
 from moecast.collect.workloads import (
     CATEGORIES,
@@ -90,7 +89,9 @@ def test_local_formats_directory_parquet_and_subsets(tmp_path):
     gk = tmp_path / "gaokao"
     gk.mkdir()
     for subject in ("math", "history"):
-        (gk / f"{subject}.json").write_text(json.dumps({"example": [{"question": f"{subject} q", "answer": ["C"]}]}))
+        (gk / f"{subject}.json").write_text(
+            json.dumps({"example": [{"question": f"{subject} q", "answer": ["C"]}]})
+        )
     rows = list(iter_rows(get_spec("gaokao"), tmp_path))
     assert sorted(r["subset"] for r in rows) == ["history", "math"]
     assert {r.reference for r in load_requests(get_spec("gaokao"), tmp_path)} == {"C"}
@@ -118,7 +119,7 @@ def test_errors_name_the_problem(tmp_path, monkeypatch):
     with pytest.raises(WorkloadError, match="passage"):
         load_requests(get_spec("boolq"), tmp_path)
     (tmp_path / "wic.jsonl").write_text("{not json\n")
-    with pytest.raises(WorkloadError, match="wic.jsonl:1"):
+    with pytest.raises(WorkloadError, match=r"wic\.jsonl:1"):
         load_requests(get_spec("wic"), tmp_path)
     with pytest.raises(WorkloadError, match="unknown workload"):
         parse_workloads("gsm8k,nope")
@@ -141,7 +142,7 @@ def test_custom_spec_yaml(tmp_path, data):
     assert req.prompt.startswith("Capital? ") and req.reference and "'" not in req.reference
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\ncategory: chat\ntemplate: '{q}'\ntemplte: typo\n")
-    with pytest.raises(WorkloadError, match="unknown key.*templte"):
+    with pytest.raises(WorkloadError, match=r"unknown key.*templte"):
         WorkloadSpec.from_yaml(bad)
     bad.write_text("name: x\ncategory: sports\ntemplate: '{q}'\n")
     with pytest.raises(WorkloadError, match="category"):
@@ -154,4 +155,6 @@ def test_sharegpt_first_human_turns():
     assert all(r.workload == "sharegpt" and r.category == "chat" and r.prompt.strip() for r in reqs)
     assert all(len(r.prompt) <= get_spec("sharegpt").max_prompt_chars for r in reqs)
     # same ids on every run (resume and sharding depend on it)
-    assert [r.request_id for r in load_requests(get_spec("sharegpt"), None, limit=4)] == [r.request_id for r in reqs]
+    assert [r.request_id for r in load_requests(get_spec("sharegpt"), None, limit=4)] == [
+        r.request_id for r in reqs
+    ]

@@ -94,13 +94,21 @@ def _make_cli_class() -> type:
 
         def add_arguments_to_parser(self, parser: Any) -> None:
             parser.add_argument("--traces", type=str, required=True, help="TraceSet directory to train on")
-            parser.add_argument("--out", type=str, required=True, help="where to write the predictor .safetensors")
-            parser.add_argument("--run_dir", type=str | None, default=None, help="Lightning/wandb run directory")
+            parser.add_argument(
+                "--out", type=str, required=True, help="where to write the predictor .safetensors"
+            )
+            parser.add_argument(
+                "--run_dir", type=str | None, default=None, help="Lightning/wandb run directory"
+            )
             parser.add_argument("--resume", type=str, default="auto", help="auto | never | PATH to a .ckpt")
             parser.link_arguments("traces", "data.traces")
             parser.add_lightning_class_args(EarlyStopping, "early_stopping")
             parser.set_defaults(
-                {"early_stopping.monitor": MONITOR, "early_stopping.mode": "max", "early_stopping.patience": 5}
+                {
+                    "early_stopping.monitor": MONITOR,
+                    "early_stopping.mode": "max",
+                    "early_stopping.patience": 5,
+                }
             )
 
         def instantiate_trainer(self, **kwargs: Any) -> Any:
@@ -129,7 +137,7 @@ def _make_cli_class() -> type:
                 save_last=True,
             )
             base = self._get(self.config_init, "trainer", default={}) or {}
-            callbacks = list(base.get("callbacks") or []) + [ckpt]
+            callbacks = [*(base.get("callbacks") or []), ckpt]
             kwargs.setdefault("default_root_dir", str(run_dir))
             return super().instantiate_trainer(logger=loggers, callbacks=callbacks, **kwargs)
 
@@ -143,7 +151,9 @@ def _resume_path(resume: str, run_dir: Path) -> str | None:
         last = run_dir / "checkpoints" / "last.ckpt"
         return str(last) if last.is_file() else None
     if not Path(resume).is_file():
-        raise FileNotFoundError(f"--resume {resume}: no such Lightning checkpoint; use auto, never or a .ckpt path")
+        raise FileNotFoundError(
+            f"--resume {resume}: no such Lightning checkpoint; use auto, never or a .ckpt path"
+        )
     return resume
 
 
@@ -167,6 +177,10 @@ def train(argv: list[str]) -> Path | Any:
         for opt in ("--traces", "--out"):
             if not any(a == opt or a.startswith(opt + "=") for a in rest):
                 raise ValueError(f"moecast train {name} needs {opt}; {_usage()}")
+    import warnings
+
+    # we pass argv explicitly (moecast's own argv differs from LightningCLI's); that is intended
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
     cli = _make_cli_class()(
         target,
         target.datamodule_class,
@@ -182,7 +196,11 @@ def train(argv: list[str]) -> Path | Any:
     ckpt_path = _resume_path(cfg["resume"], run_dir)
     if ckpt_path:
         print(f"resuming from {ckpt_path}")
+    import time
+
+    started = time.perf_counter()
     cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
+    train_seconds = time.perf_counter() - started
     ckpt_cb = cli.trainer.checkpoint_callback
     best = ckpt_cb.best_model_path if ckpt_cb is not None else ""
     if best and Path(best).is_file():
@@ -195,7 +213,15 @@ def train(argv: list[str]) -> Path | Any:
         "best_ckpt": best,
         "run_dir": str(run_dir),
         "epochs": int(cli.trainer.current_epoch),
+        "train_seconds": round(train_seconds, 1),
+        "resumed_from": ckpt_path,
+        "torch_threads": torch.get_num_threads(),
     }
     path = cli.model.export(out, cli.datamodule, info)
+    import sys
+
+    if "wandb" in sys.modules:
+        # close this run so a later `train` in the same process starts its own
+        sys.modules["wandb"].finish()
     print(f"wrote {path} (best {MONITOR} = {info['best_score']}); run dir {run_dir}")
     return path

@@ -26,16 +26,22 @@ from moecast.predictors.metrics import multi_hot
 from torch.utils.data import DataLoader, Dataset
 
 
-def split_requests(ts: TraceSet, val_fraction: float, seed: int, max_requests: int | None) -> tuple[list[str], list[str]]:
+def split_requests(
+    ts: TraceSet, val_fraction: float, seed: int, max_requests: int | None
+) -> tuple[list[str], list[str]]:
     train_ids, val_ids = ts.split(val_fraction, seed)
     if max_requests:
         # subsample both sides in proportion, keeping the split itself unchanged
         n_val = max(1, round(max_requests * val_fraction)) if val_ids else 0
         train_ids, val_ids = train_ids[: max_requests - n_val], val_ids[:n_val]
     if not train_ids:
-        raise ValueError(f"{ts.path}: the training split is empty ({ts.num_requests} requests); add requests or lower val_fraction")
+        raise ValueError(
+            f"{ts.path}: the training split is empty ({ts.num_requests} requests); add requests or lower val_fraction"
+        )
     if val_fraction > 0 and not val_ids:
-        raise ValueError(f"{ts.path}: the validation split is empty; use more requests or a larger val_fraction")
+        raise ValueError(
+            f"{ts.path}: the validation split is empty; use more requests or a larger val_fraction"
+        )
     return train_ids, val_ids
 
 
@@ -128,9 +134,11 @@ class LLaPorDataModule(pl.LightningDataModule):
         sub = self.train_rows[:: max(1, n_train // hp.pca_fit_rows)]
         if hp.groups:
             self.groups = {g: list(v) for g, v in hp.groups.items()}
-            covered = sorted(sum(self.groups.values(), []))
+            covered = sorted(x for layers in self.groups.values() for x in layers)
             if covered != list(range(L)):
-                raise ValueError(f"configured groups {self.groups} must cover layer positions 0..{L - 1} exactly once")
+                raise ValueError(
+                    f"configured groups {self.groups} must cover layer positions 0..{L - 1} exactly once"
+                )
         else:
             cos = gate_cosine(gate[sub]) if gate is not None else None
             self.groups, self.group_signal = detect_groups(cos, routing_correlation(self.topk[sub], E), L)
@@ -138,15 +146,23 @@ class LLaPorDataModule(pl.LightningDataModule):
 
         pca_dims = [0] * L
         if use_gate:
-            group_of = {l: g for g, ls in self.groups.items() for l in ls}
-            for l in range(L - 1):
-                want = hp.pca_middle if group_of[l + 1] == "middle" else hp.pca_io
-                pca_dims[l] = int(min(want, m.hidden_size, len(sub)))
+            group_of = {li: g for g, ls in self.groups.items() for li in ls}
+            for li in range(L - 1):
+                want = hp.pca_middle if group_of[li + 1] == "middle" else hp.pca_io
+                pca_dims[li] = int(min(want, m.hidden_size, len(sub)))
         self.spec = FeatureSpec(
-            num_layers=L, num_experts=E, top_k=k,
-            prev_layers=hp.prev_layers, deep_history=hp.deep_history, history_tokens=hp.history_tokens,
-            token_buckets=hp.token_buckets, token_dim=hp.token_dim,
-            gate_pca=use_gate, pca_dims=pca_dims, gate_hidden=m.hidden_size if use_gate else 0, weights=use_w,
+            num_layers=L,
+            num_experts=E,
+            top_k=k,
+            prev_layers=hp.prev_layers,
+            deep_history=hp.deep_history,
+            history_tokens=hp.history_tokens,
+            token_buckets=hp.token_buckets,
+            token_dim=hp.token_dim,
+            gate_pca=use_gate,
+            pca_dims=pca_dims,
+            gate_hidden=m.hidden_size if use_gate else 0,
+            weights=use_w,
         )
         self.pca_components = np.zeros((L, self.spec.pca_max, m.hidden_size if use_gate else 0), np.float32)
         self.pca_mean = np.zeros((L, m.hidden_size if use_gate else 0), np.float32)
@@ -159,17 +175,17 @@ class LLaPorDataModule(pl.LightningDataModule):
                 from sklearn.decomposition import PCA
 
                 pca_in = np.zeros((len(gate), L, self.spec.pca_max), np.float32)
-                for l in range(L - 1):
-                    pca = PCA(n_components=pca_dims[l], random_state=hp.seed).fit(gate[sub, l])
-                    self.pca_components[l, : pca_dims[l]] = pca.components_
-                    self.pca_mean[l] = pca.mean_
-                    pca_in[:, l, : pca_dims[l]] = (gate[:, l] - pca.mean_) @ pca.components_.T
+                for li in range(L - 1):
+                    pca = PCA(n_components=pca_dims[li], random_state=hp.seed).fit(gate[sub, li])
+                    self.pca_components[li, : pca_dims[li]] = pca.components_
+                    self.pca_mean[li] = pca.mean_
+                    pca_in[:, li, : pca_dims[li]] = (gate[:, li] - pca.mean_) @ pca.components_.T
             w = ts.array("topk_weights", ids_order) if use_w else None
             self.dense = dense_features(self.spec, pca_in, w, self.topk)
         # expert frequencies f_i per layer on the training split, for the balancing loss
         counts = np.zeros((L, E))
-        for l in range(L):
-            counts[l] = np.bincount(self.topk[: n_train, l].ravel().astype(np.int64), minlength=E)
+        for li in range(L):
+            counts[li] = np.bincount(self.topk[:n_train, li].ravel().astype(np.int64), minlength=E)
         freq = (counts + 1) / (counts + 1).sum(1, keepdims=True)
         inv = 1.0 / freq
         self.inv_freq = (inv / inv.mean(1, keepdims=True)).astype(np.float32)
@@ -200,10 +216,15 @@ class LLaPorDataModule(pl.LightningDataModule):
 
     def _loader(self, rows: np.ndarray, shuffle: bool) -> DataLoader:
         if len(rows) == 0:
-            raise ValueError(f"{self.traces}: the {'training' if shuffle else 'validation'} split has no tokens")
+            raise ValueError(
+                f"{self.traces}: the {'training' if shuffle else 'validation'} split has no tokens"
+            )
         return DataLoader(
-            RowBatches(self, rows), batch_size=self.hparams.batch_size, shuffle=shuffle,
-            collate_fn=_identity, num_workers=self.hparams.num_workers,
+            RowBatches(self, rows),
+            batch_size=self.hparams.batch_size,
+            shuffle=shuffle,
+            collate_fn=_identity,
+            num_workers=self.hparams.num_workers,
         )
 
     def train_dataloader(self) -> DataLoader:

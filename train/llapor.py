@@ -58,7 +58,9 @@ class LLaPorModule(pl.LightningModule):
             return
         dm = self.trainer.datamodule
         hp = self.hparams
-        self.net = LLaPorNet(dm.spec, dm.groups, NetConfig(hp.hidden, hp.depth_io, hp.depth_middle, hp.dropout))
+        self.net = LLaPorNet(
+            dm.spec, dm.groups, NetConfig(hp.hidden, hp.depth_io, hp.depth_middle, hp.dropout)
+        )
         if dm.spec.gate_pca:
             self.net.pca.components.copy_(torch.from_numpy(dm.pca_components))
             self.net.pca.mean.copy_(torch.from_numpy(dm.pca_mean))
@@ -126,15 +128,19 @@ class LLaPorModule(pl.LightningModule):
         hp = self.hparams
         groups: list[dict[str, Any]] = []
         shared = [p for n, p in self.net.named_parameters() if not n.startswith("bodies.")]
-        groups.append({"params": shared, "lr": hp.lr_shared, "weight_decay": hp.weight_decay_io, "warm": True})
+        groups.append(
+            {"params": shared, "lr": hp.lr_shared, "weight_decay": hp.weight_decay_io, "warm": True}
+        )
         for g, body in self.net.bodies.items():
             mid = g == "middle"
-            groups.append({
-                "params": list(body.parameters()),
-                "lr": hp.lr_middle if mid else hp.lr_io,
-                "weight_decay": hp.weight_decay_middle if mid else hp.weight_decay_io,
-                "warm": not mid,
-            })
+            groups.append(
+                {
+                    "params": list(body.parameters()),
+                    "lr": hp.lr_middle if mid else hp.lr_io,
+                    "weight_decay": hp.weight_decay_middle if mid else hp.weight_decay_io,
+                    "warm": not mid,
+                }
+            )
         warms = [pg.pop("warm") for pg in groups]
         opt = torch.optim.AdamW(groups)
         total = max(int(self.trainer.max_epochs or 1), 1)
@@ -160,9 +166,16 @@ class LLaPorModule(pl.LightningModule):
         extra = {
             "model_name": m.name_or_path,
             "trained_on": str(dm.ts.path),
-            "split": {"val_fraction": dm.hparams.val_fraction, "seed": dm.hparams.seed,
-                      "train_requests": len(dm.train_ids), "val_requests": len(dm.val_ids)},
-            "hyper_parameters": {**dict(self.hparams), **{k: v for k, v in dict(dm.hparams).items() if k != "traces"}},
+            "split": {
+                "val_fraction": dm.hparams.val_fraction,
+                "seed": dm.hparams.seed,
+                "train_requests": len(dm.train_ids),
+                "val_requests": len(dm.val_ids),
+            },
+            "hyper_parameters": {
+                **dict(self.hparams),
+                **{k: v for k, v in dict(dm.hparams).items() if k != "traces"},
+            },
             "training": {**info, **getattr(self, "last_val", {})},
             "net": asdict(self.net.net),
         }

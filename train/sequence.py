@@ -74,7 +74,9 @@ class SequenceDataModule(pl.LightningDataModule):
         lengths = ts.request_lengths(order)
         self.starts = np.cumsum(lengths) - lengths
         self.lengths = np.minimum(lengths, hp.max_len)
-        self.cfg = SequenceConfig(m.num_layers, m.num_experts, m.top_k, token_buckets=hp.token_buckets, max_len=hp.max_len)
+        self.cfg = SequenceConfig(
+            m.num_layers, m.num_experts, m.top_k, token_buckets=hp.token_buckets, max_len=hp.max_len
+        )
         n = len(self.train_ids)
         self.train_req = np.arange(n)
         self.val_req = np.arange(n, len(order))
@@ -95,14 +97,23 @@ class SequenceDataModule(pl.LightningDataModule):
             prev[i, 1:n] = hot[:-1].reshape(n - 1, L * E)
             target[i, :n] = hot
             pad[i, :n] = False
-        return {"tokens": torch.from_numpy(tokens), "prev": torch.from_numpy(prev),
-                "target": torch.from_numpy(target), "pad": torch.from_numpy(pad)}
+        return {
+            "tokens": torch.from_numpy(tokens),
+            "prev": torch.from_numpy(prev),
+            "target": torch.from_numpy(target),
+            "pad": torch.from_numpy(pad),
+        }
 
     def _loader(self, reqs: np.ndarray, shuffle: bool) -> DataLoader:
         if len(reqs) == 0:
             raise ValueError(f"{self.traces}: the {'training' if shuffle else 'validation'} split is empty")
-        return DataLoader(RequestBatches(self, reqs), batch_size=self.hparams.batch_size, shuffle=shuffle,
-                          collate_fn=_identity, num_workers=self.hparams.num_workers)
+        return DataLoader(
+            RequestBatches(self, reqs),
+            batch_size=self.hparams.batch_size,
+            shuffle=shuffle,
+            collate_fn=_identity,
+            num_workers=self.hparams.num_workers,
+        )
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_req, True)
@@ -137,8 +148,18 @@ class SequenceModule(pl.LightningModule):
         dm = self.trainer.datamodule
         hp = self.hparams
         c = dm.cfg
-        self.cfg = SequenceConfig(c.num_layers, c.num_experts, c.top_k, c.token_buckets, hp.d_model, hp.n_heads,
-                                  hp.n_blocks, hp.ffn, hp.dropout, c.max_len)
+        self.cfg = SequenceConfig(
+            c.num_layers,
+            c.num_experts,
+            c.top_k,
+            c.token_buckets,
+            hp.d_model,
+            hp.n_heads,
+            hp.n_blocks,
+            hp.ffn,
+            hp.dropout,
+            c.max_len,
+        )
         self.net = SequenceNet(self.cfg)
         self.moe_layers = list(dm.ts.meta.model.moe_layers)
 
@@ -184,9 +205,17 @@ class SequenceModule(pl.LightningModule):
         def schedule(epoch: int) -> float:
             if epoch < warm:
                 return (epoch + 1) / (warm + 1)
-            return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min((epoch - warm) / max(total - warm, 1), 1.0)))
+            return 0.05 + 0.95 * 0.5 * (
+                1 + math.cos(math.pi * min((epoch - warm) / max(total - warm, 1), 1.0))
+            )
 
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, schedule), "interval": "epoch"}}
+        return {
+            "optimizer": opt,
+            "lr_scheduler": {
+                "scheduler": torch.optim.lr_scheduler.LambdaLR(opt, schedule),
+                "interval": "epoch",
+            },
+        }
 
     def export(self, out: Path, dm: SequenceDataModule, info: dict[str, Any]) -> Path:
         m = dm.ts.meta.model
@@ -194,9 +223,16 @@ class SequenceModule(pl.LightningModule):
         extra = {
             "model_name": m.name_or_path,
             "trained_on": str(dm.ts.path),
-            "split": {"val_fraction": dm.hparams.val_fraction, "seed": dm.hparams.seed,
-                      "train_requests": len(dm.train_ids), "val_requests": len(dm.val_ids)},
-            "hyper_parameters": {**dict(self.hparams), **{k: v for k, v in dict(dm.hparams).items() if k != "traces"}},
+            "split": {
+                "val_fraction": dm.hparams.val_fraction,
+                "seed": dm.hparams.seed,
+                "train_requests": len(dm.train_ids),
+                "val_requests": len(dm.val_ids),
+            },
+            "hyper_parameters": {
+                **dict(self.hparams),
+                **{k: v for k, v in dict(dm.hparams).items() if k != "traces"},
+            },
             "training": {**info, **getattr(self, "last_val", {})},
             "net": asdict(self.cfg),
         }

@@ -1,0 +1,110 @@
+"""Hardware profiles, the cost model, PreSched's scheduling rule and `moecast profile`."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import yaml
+from moecast.runtime.cost_model import CostModel, ProfileError, available_profiles, load_profile
+from moecast.runtime.prefetch import gap_prefetch_count
+from moecast.runtime.presched import PreSched, schedule
+
+PAPER_PROFILES = {
+    "smoe-s1-3080ti",
+    "smoe-s2-4060ti",
+    "smoe-s3-a6000",
+    "prescope-v100-pcie3",
+    "prescope-a100-pcie4",
+}
+
+
+def test_paper_profiles_load_and_scale():
+    assert set(available_profiles()) >= PAPER_PROFILES
+    for name in PAPER_PROFILES:
+        p = load_profile(name)
+        assert p.transfer_gbps > 0 and p.source
+        c = CostModel.from_profile(p, p.ref_expert_bytes)
+        # one transfer = bytes / bandwidth; PCIe moves an expert slower than the device computes it (Premise 5)
+        assert c.t_io == pytest.approx(p.ref_expert_bytes / (p.transfer_gbps * 1e9) * 1e3)
+        assert c.t_io > c.t_g
+        double = CostModel.from_profile(p, 2 * p.ref_expert_bytes)
+        assert double.t_io == pytest.approx(2 * c.t_io) and double.beta == pytest.approx(2 * c.beta)
+    v100 = CostModel.from_profile(load_profile("prescope-v100-pcie3"), 17301504)
+    a100 = CostModel.from_profile(load_profile("prescope-a100-pcie4"), 17301504)
+    assert v100.t_io > a100.t_io  # PCIe 3 vs PCIe 4
+    assert list(CostModel.t_cpu(a100, [0, 1, 4])) == pytest.approx(
+        [0.0, a100.beta + a100.c, 4 * a100.beta + a100.c]
+    )
+
+
+def test_bad_profiles_one_clear_line(tmp_path):
+    with pytest.raises(ProfileError, match="unknown hardware profile"):
+        load_profile("gpu-from-the-future")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ntransfer_gbps: [1,\n")
+    with pytest.raises(ProfileError, match="malformed YAML"):
+        load_profile(bad)
+    missing = tmp_path / "missing.yaml"
+    missing.write_text("name: x\ntransfer_gbps: 10\n")
+    with pytest.raises(ProfileError, match="missing fields"):
+        load_profile(missing)
+    neg = tmp_path / "neg.yaml"
+    from moecast import configs_dir
+
+    data = yaml.safe_load((configs_dir() / "hardware" / "prescope-a100-pcie4.yaml").read_text())
+    data["cpu_beta_ms"] = -1
+    neg.write_text(yaml.safe_dump(data))
+    with pytest.raises(ProfileError, match="cpu_beta_ms"):
+        load_profile(neg)
+
+
+def test_presched_eq5_split_and_gap():
+    cost = CostModel(t_io=1.0, t_g=0.1, beta=0.5, c=0.2, t_attn=0.3, expert_bytes=1)
+    # missing experts with 1, 1, 4, 8 pending tokens (ascending); Eq. 5 scans i' upward
+    sizes = np.array([[1.0, 1.0, 4.0, 8.0]])
+    d = schedule(
+        sizes, np.array([4]), np.array([[1.0, 2.0]]), np.array([2]), np.array([0.0]), np.array([0.9]), cost
+    )
+    tc = np.concatenate([[0], np.cumsum(0.5 * sizes[0] + 0.2)])
+    first = next(i for i in range(5) if 0 + (4 - i) * 1.0 + 0.1 < tc[i])
+    assert d.n_cpu[0] == first and d.n_load[0] == 4 - first
+    assert d.t_cpu[0] == pytest.approx(tc[first])
+    # Eq. 4 / Q4: the cross-layer GPU queue holds only current-layer experts here (light next layer),
+    # so nothing is worth prefetching
+    assert d.n_prefetch[0] == 0
+    # a heavy predicted next layer (6 and 9 pending tokens) enters the queue: prefetch sized by Eqs. 6-7
+    d2 = schedule(
+        sizes, np.array([4]), np.array([[6.0, 9.0]]), np.array([2]), np.array([0.0]), np.array([0.9]), cost
+    )
+    gap = tc[first] - (4 - first) * 1.0
+    f = (gap + 0.3) / 1.0
+    fr = int(np.floor(f + 0.5))
+    keep = 0.9 * (f - fr + 1) - 0.1 * (fr - f) > 0
+    assert d2.n_prefetch[0] == max(0, min(2, fr if keep else fr - 1)) and d2.n_prefetch[0] > 0
+    # online wrapper gives the same split: the smallest experts run on the CPU
+    _load, cpu, _n_pf = PreSched(cost).decide(np.array([8, 1, 4, 1]), np.array([2, 1]))
+    assert sorted(np.array([8, 1, 4, 1])[cpu].tolist()) == sorted(sizes[0][:first].tolist())
+
+
+def test_gap_formula_eq6_eq7():
+    # f = (gap + t_attn) / t_io = 2.4 -> |f| = 2; xi = R_hit * 0.6 - R_miss * (-0.4) > 0 -> 2
+    assert gap_prefetch_count(np.array([2.1]), 0.3, 1.0, np.array([0.5]))[0] == 2
+    # f = 2.6 -> |f| = 3, critical prefetch kept only when hits are likely (Eq. 7)
+    assert gap_prefetch_count(np.array([2.3]), 0.3, 1.0, np.array([0.9]))[0] == 3
+    assert gap_prefetch_count(np.array([2.3]), 0.3, 1.0, np.array([0.3]))[0] == 2
+    assert gap_prefetch_count(np.array([5.0]), 0.3, math.inf, np.array([0.9]))[0] == 0
+
+
+def test_profile_command_measures_cpu_and_writes_yaml(tmp_path, capsys):
+    from moecast.runtime.commands import profile
+
+    out = tmp_path / "hw" / "local.yaml"
+    profile(out=str(out), hidden_size=64, intermediate_size=32, name="test-local")
+    p = load_profile(out)
+    assert p.name == "test-local" and p.cpu_beta_ms > 0 and p.ref_expert_bytes == 3 * 64 * 32 * 2
+    assert "measured" in p.source and "wrote" in capsys.readouterr().out
+    # without --out it lands in $MOECAST_HOME/hardware and loads by name
+    profile(hidden_size=32, intermediate_size=16, name="bench-box")
+    assert load_profile("bench-box").ref_expert_bytes == 3 * 32 * 16 * 2

@@ -1,0 +1,140 @@
+"""`moecast train` end to end: LightningCLI + YAML, wandb/CSV logs in the run dir, export, resume, errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import make_synthetic_traceset
+from moecast.collect.traceset import TraceSet
+from moecast.predictors import load
+from moecast.predictors.commands import evaluate
+from moecast.train.cli import TRAINERS, run_dir_for, train
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture
+def traces(tmp_path):
+    return make_synthetic_traceset(
+        tmp_path / "tr", num_requests=12, num_layers=3, num_experts=8, hidden=16, tokens=12
+    )
+
+
+def _args(cfg, traces, out, *extra):
+    from moecast import configs_dir
+
+    return [
+        "--config",
+        str(configs_dir() / cfg),
+        "--traces",
+        str(traces),
+        "--out",
+        str(out),
+        "--trainer.enable_progress_bar",
+        "false",
+        *extra,
+    ]
+
+
+def test_llapor_cli_trains_exports_and_resumes(traces, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "ckpt" / "llapor.safetensors"
+    train(
+        [
+            "llapor",
+            *_args("llapor_tiny.yaml", traces, out, "--trainer.max_epochs", "2", "--model.hidden", "32"),
+        ]
+    )
+    printed = capsys.readouterr().out
+    assert "layer groups" in printed and out.is_file()
+    run = run_dir_for(out)
+    assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "checkpoints" / "best.ckpt").is_file()
+    assert list((run / "wandb").glob("offline-run-*")), "wandb run must live in the run dir"
+    metrics = next((run / "csv").glob("version_*/metrics.csv")).read_text()
+    assert "val/recall_group/" in metrics and "val/recall_layer/" in metrics
+    assert not (tmp_path / "lightning_logs").exists() and not (tmp_path / "wandb").exists()
+    # hyper-parameter override from the command line reached the model and the checkpoint
+    pred = load(out, fingerprint=TraceSet(traces).meta.model.fingerprint)
+    assert pred.metadata()["net"]["hidden"] == 32
+    assert pred.metadata()["training"]["best_score"] is not None
+    # re-run with more epochs: resumes from last.ckpt instead of starting over
+    train(
+        [
+            "llapor",
+            *_args("llapor_tiny.yaml", traces, out, "--trainer.max_epochs", "3", "--model.hidden", "32"),
+        ]
+    )
+    assert "resuming from" in capsys.readouterr().out
+    assert load(out).metadata()["training"]["epochs"] == 3
+    res = evaluate(str(out), str(traces), json=True)
+    assert 0.0 <= res["recall_at_k"] <= 1.0
+
+
+def test_checkpoint_loads_without_lightning(traces, tmp_path):
+    out = tmp_path / "seq.safetensors"
+    train(["sequence", *_args("sequence_tiny.yaml", traces, out, "--trainer.max_epochs", "1")])
+    code = (
+        "import sys; from moecast.predictors import load; p = load(sys.argv[1]); "
+        "assert p.horizon == 'token-ahead'; assert 'lightning' not in sys.modules; print('ok')"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "ok", done.stderr
+    res = evaluate(str(out), str(traces), split="all", json=True)
+    assert res["predictor"] == "sequence" and res["tokens"] == 12 * 12
+
+
+def test_sequence_scores_are_causal(traces):
+    from moecast.predictors.sequence import SequenceConfig, SequenceNet, SequencePredictor
+
+    torch.manual_seed(0)
+    cfg = SequenceConfig(
+        3, 8, 2, token_buckets=100, d_model=16, n_heads=2, n_blocks=1, ffn=16, dropout=0.0, max_len=8
+    )
+    pred = SequencePredictor(SequenceNet(cfg), [1, 2, 3])
+    trace = TraceSet(traces).get(TraceSet(traces).request_ids[0])  # 12 tokens > max_len: windows too
+    base = pred.score_request(trace)
+    trace.token_ids = trace.token_ids.copy()
+    trace.token_ids[7:] += 1
+    ids = trace.topk_ids.copy()
+    ids[6:] = (ids[6:] + 1) % 8  # routing of token 6 is first seen by token 7
+    trace.topk_ids = ids
+    after = pred.score_request(trace)
+    assert base.shape == (12, 3, 8)
+    assert (after[:7] == base[:7]).all()
+    assert not (after[7:] == base[7:]).all()
+
+
+def test_cli_errors_are_one_line(traces, tmp_path):
+    with pytest.raises(ValueError, match="unknown trainer"):
+        train(["nope"])
+    with pytest.raises(ValueError, match="--out"):
+        train(["llapor", "--traces", str(traces)])
+    with pytest.raises(FileNotFoundError, match="resume"):
+        train(
+            [
+                "llapor",
+                *_args(
+                    "llapor_tiny.yaml",
+                    traces,
+                    tmp_path / "x.safetensors",
+                    "--resume",
+                    str(tmp_path / "none.ckpt"),
+                ),
+            ]
+        )
+    assert set(TRAINERS) >= {"llapor", "sequence", "eap", "eam"}
+    from moecast.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "llapor", "--traces", str(traces)])
+    msg = str(exc.value.code)
+    assert msg.startswith("moecast: error:") and "--out" in msg and "\n" not in msg
+
+
+def test_empty_training_split_is_reported(tmp_path):
+    one = make_synthetic_traceset(tmp_path / "one", num_requests=1)
+    with pytest.raises(ValueError, match="empty"):
+        train(["llapor", *_args("llapor_tiny.yaml", one, tmp_path / "o.safetensors")])
