@@ -145,3 +145,7 @@ def main(argv: list[str] | None = None) -> None:
 
     rest = _list_positional(func, _bare_flags(func, [_underscore(a) for a in rest]))
     run_command(lambda: auto_cli(func, args=rest, as_positional=True, prog=prog))
+
+
+if __name__ == "__main__":
+    main()

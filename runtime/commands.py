@@ -29,6 +29,7 @@ def replay(
     hardware: str = DEFAULT_HARDWARE,
     alpha: float = 0.0,
     batch_size: int = 1,
+    holdout: float | None = None,
     json: bool = False,
 ) -> None:
     """Replay a TraceSet through one runtime configuration and print the metrics.
@@ -50,11 +51,19 @@ def replay(
         hardware: hardware profile name (configs/hardware) or YAML path.
         alpha: SMoE substitution threshold (policy smoe); 0 leaves routing unchanged.
         batch_size: decode batch: requests interleaved per step.
+        holdout: replay only the held-out requests of ``TraceSet.split(holdout, seed=0)`` (those a
+            predictor trained with the same validation fraction never saw).
         json: print one JSON object instead of a table.
     """
+    from moecast.collect.traceset import TraceSet
     from moecast.runtime import replay as engine
 
     _need_traces(traces)
+    requests = None
+    if holdout is not None:
+        requests = TraceSet(traces).split(holdout, seed=0)[1]
+        if not requests:
+            raise ValueError(f"--holdout {holdout} leaves no held-out requests in {traces}")
     cfg = ReplayConfig(
         policy=policy,
         capacity=capacity,
@@ -65,6 +74,7 @@ def replay(
         hardware=hardware,
         alpha=alpha,
         batch_size=batch_size,
+        requests=requests,
         progress=not json,
     )
     res = engine.replay(traces, cfg)
@@ -120,6 +130,8 @@ def compare(
     policies: str = "lru,lfu,static,belady,presched",
     predictors: str = "none",
     capacities: str = "0.1,0.25,0.5",
+    planners: str = "none",
+    holdout: float | None = None,
     out: str = "compare",
     cold: bool = False,
     shared: bool = False,
@@ -139,6 +151,10 @@ def compare(
         policies: comma-separated policy names (see `moecast replay --help`).
         predictors: comma-separated: none, oracle, checkpoint paths.
         capacities: comma-separated capacities (fractions, experts or bytes).
+        planners: comma-separated: none and/or prompt-ahead checkpoints (EAM, EAP, cascade); each planner
+            preloads its plan per request and runs with every policy except belady.
+        holdout: replay only the held-out requests of ``TraceSet.split(holdout, seed=0)``, the ones
+            predictors trained with the same validation fraction never saw (default: every request).
         out: output directory.
         cold: caches start empty per request; default stream.
         shared: one cache for all layers.
@@ -166,30 +182,43 @@ def compare(
     rows: list[dict] = []
     from tqdm import tqdm
 
-    cells = []
+    plans = [p.strip() for p in planners.split(",") if p.strip()] or ["none"]
+    for pl in plans:
+        if pl != "none" and not Path(pl).is_file():
+            raise FileNotFoundError(
+                f"--planners: no checkpoint at {pl}; train one with `moecast train cascade`"
+            )
+    requests = None
+    if holdout is not None:
+        requests = ts.split(holdout, seed=0)[1]
+        if not requests:
+            raise ValueError(f"--holdout {holdout} leaves no held-out requests in {traces}")
+    # the capacities of one (policy, predictor, planner) run as lanes of one vectorised pass
+    groups: dict[tuple[str, str, str], list[str]] = {}
     for p in pols:
         spec = POLICIES[p]
         demand_only = spec.predictor == "none"
         for pr in ["none"] if demand_only else preds:
-            for c in caps:
-                cells.append((p, pr, c))
-    # the capacities of one (policy, predictor) run as lanes of one vectorised pass
-    groups: dict[tuple[str, str], list[str]] = {}
-    for p, pr, c in cells:
-        groups.setdefault((p, pr), []).append(c)
-    for (p, pr), cs in tqdm(groups.items(), desc="compare", disable=json):
+            for pl in plans:
+                if pl != "none" and spec.eviction == "belady":
+                    continue  # belady is the demand-only bound; a plan would change what it bounds
+                groups[(p, pr, pl)] = caps
+    for (p, pr, pl), cs in tqdm(groups.items(), desc="compare", disable=json):
         cfg = ReplayConfig(
             policy=p,
             cold=cold,
             shared=shared,
             predictor=pr,
+            planner=None if pl == "none" else pl,
             hardware=hardware,
             alpha=alpha if POLICIES[p].substitution else 0.0,
             batch_size=batch_size,
+            requests=requests,
         )
         for res in engine.replay_capacities(ts, cfg, cs):
             row = res.to_json()
             row["predictor"] = Path(pr).stem if pr not in ("none", "oracle") else pr
+            row["planner"] = Path(pl).stem if pl != "none" else "none"
             rows.append(row)
             if json:
                 print(_json_line(res))
@@ -198,6 +227,7 @@ def compare(
     cols = [
         "policy",
         "predictor",
+        "planner",
         "capacity",
         "capacity_fraction",
         "mode",
@@ -227,7 +257,7 @@ def compare(
 def _log_wandb(row: dict, ts, outdir: Path) -> None:
     import wandb
 
-    name = f"{row['policy']}-{row['predictor']}-c{row['capacity']}"
+    name = f"{row['policy']}-{row['predictor']}-{row.get('planner', 'none')}-c{row['capacity']}"
     run = wandb.init(
         mode=os.environ.get("WANDB_MODE", "offline"),
         project="moecast",
@@ -248,6 +278,11 @@ def _log_wandb(row: dict, ts, outdir: Path) -> None:
     run.finish()
 
 
+def _series_name(row: dict) -> str:
+    name = f"{row['policy']}/{row['predictor']}"
+    return name if row.get("planner", "none") == "none" else f"{name}+{row['planner']}"
+
+
 def _plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -257,7 +292,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     series: dict[str, list[tuple[float, float, float | None]]] = {}
     for r in rows:
-        series.setdefault(f"{r['policy']}/{r['predictor']}", []).append(
+        series.setdefault(_series_name(r), []).append(
             (r["capacity_fraction"], r["hit_rate"], r["modeled_tpot_ms"])
         )
     for name, pts in series.items():

@@ -313,10 +313,10 @@ def replay_capacities(
             if planner is not None:
                 plan = np.asarray(planner.score_request(trace), dtype=np.float32)[0]  # [L, E]
                 plan_top[r] = np.argsort(-plan, axis=1, kind="stable")[:, :cap]
-                if predictor is None:
-                    prior = plan / np.maximum(np.abs(plan).max(-1, keepdims=True), 1e-12)
-                    sc = np.broadcast_to(prior, (n, L, E))
-                elif sc is not None:
+                # Alone, a plan only preloads (CasMoE plans before decoding); as a constant per-token
+                # prefetch it would evict the experts the previous token just used, which at small
+                # capacities are the likeliest next ones.
+                if sc is not None:
                     # the plan as a prior: blended with the token-level scores
                     sc = (
                         0.5 * sc + 0.5 * (plan / np.maximum(np.abs(plan).max(-1, keepdims=True), 1e-12))[None]

@@ -100,3 +100,27 @@ def make_synthetic_traceset(
 @pytest.fixture
 def synthetic_traces(tmp_path) -> Path:
     return make_synthetic_traceset(tmp_path / "synthetic")
+
+
+@pytest.fixture(scope="session")
+def tiny_encoder(tmp_path_factory) -> Path:
+    """A 2-layer, 32-wide BERT with MiniLM's tokenizer: trains in seconds."""
+    from moecast.predictors.casmoe import resolve_encoder_path
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    out = tmp_path_factory.mktemp("tiny-encoder")
+    tok = AutoTokenizer.from_pretrained(str(resolve_encoder_path("minilm")))
+    cfg = BertConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=512,
+    )
+    import torch
+
+    torch.manual_seed(0)
+    BertModel(cfg).save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    return out

@@ -64,30 +64,6 @@ def traces(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tiny_encoder(tmp_path_factory) -> Path:
-    """A 2-layer, 32-wide BERT with MiniLM's tokenizer: trains in seconds."""
-    from moecast.predictors.casmoe import resolve_encoder_path
-    from transformers import AutoTokenizer, BertConfig, BertModel
-
-    out = tmp_path_factory.mktemp("tiny-encoder")
-    tok = AutoTokenizer.from_pretrained(str(resolve_encoder_path("minilm")))
-    cfg = BertConfig(
-        vocab_size=tok.vocab_size,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-    )
-    import torch
-
-    torch.manual_seed(0)
-    BertModel(cfg).save_pretrained(str(out))
-    tok.save_pretrained(str(out))
-    return out
-
-
-@pytest.fixture(scope="module")
 def eam_ckpt(traces, tmp_path_factory) -> Path:
     from moecast.train.casmoe import build_eam_index
 

@@ -1,0 +1,300 @@
+"""``moecast demo``: the whole pipeline on the embedded ``tiny`` model, offline, on a CPU.
+
+Stages (each reused when its output exists, so an interrupted demo resumes where it stopped):
+
+1. ``tiny``: build the embedded Qwen2-MoE on ShareGPT text (``moecast build-tiny``), once per machine.
+2. data: OpenCompass-style fixture files (gsm8k, boolq, race-middle, wic, triviaqa, gaokao) in each
+   dataset's real column format, since no dataset can be downloaded here.
+3. collect: prefill + greedy decode of ShareGPT and the fixture workloads, recording top-k ids and
+   weights, router probabilities and gate inputs (``moecast collect --gate-inputs``).
+4. train: LLaPor (PreScope), then CasMoE's EAM index, EAP heads and their epsilon cascade, each a
+   ``moecast train`` run logged to wandb (offline).
+5. compare: replay the held-out requests (never seen in training) under LRU, LFU, SMoE score
+   eviction, SMoE substitution, LLaPor prefetch, cascade preloading and Belady's bound
+   (``moecast compare``), then print one table and write a PNG plot.
+
+Every stage is the same function the matching subcommand calls; the demo only wires them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json as jsonlib
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+FIXTURE_WORKLOADS = "gsm8k,boolq,race-middle,wic,triviaqa,gaokao"
+HOLDOUT = 0.1  # the validation fraction every trainer uses by default; compare replays exactly those requests
+
+
+def _stage(n: int, total: int, title: str, t0: float) -> None:
+    print(f"\n[{n}/{total}] {title}  (t+{time.perf_counter() - t0:.0f} s)", flush=True)
+
+
+def _done(path: Path) -> bool:
+    return path.is_file() and path.stat().st_size > 0
+
+
+def _label(row: dict[str, str]) -> str:
+    policy, predictor, planner = row["policy"], row["predictor"], row.get("planner", "none")
+    names = {
+        "lru": "LRU, on demand",
+        "lfu": "LFU, on demand",
+        "score": "SMoE score eviction (Eq. 3)",
+        "belady": "Belady (offline bound)",
+        "static": "PreScope hot table",
+        "prefetch": f"LRU + {predictor} prefetch",
+        "presched": f"PreSched + {predictor} prefetch",
+        "smoe": f"SMoE substitution + {predictor} prefetch",
+    }
+    label = names.get(policy, f"{policy}/{predictor}")
+    return label if planner == "none" else f"{label} + {planner} preload"
+
+
+def summarise(table_csv: Path) -> tuple[str, list[dict[str, Any]]]:
+    """A compact markdown table from ``moecast compare``'s CSV: hit rate per capacity, modeled TPOT."""
+    with open(table_csv, newline="") as f:
+        rows = list(csv.DictReader(f))
+    caps = sorted({float(r["capacity_fraction"]) for r in rows})
+    by: dict[str, dict[float, dict[str, str]]] = {}
+    for r in rows:
+        by.setdefault(_label(r), {})[float(r["capacity_fraction"])] = r
+    c0 = caps[0]
+    head = ["configuration", *(f"hit @ {c:.1%}" for c in caps), f"MB moved @ {c0:.1%}", "substituted"]
+    head.append(f"TPOT ms @ {c0:.1%}")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    summary = []
+    for label, cells in sorted(by.items(), key=lambda kv: float(kv[1][c0]["hit_rate"])):
+        hits = [float(cells[c]["hit_rate"]) if c in cells else float("nan") for c in caps]
+        first = cells.get(c0, {})
+        mb = float(first.get("bytes_moved") or 0) / 1e6
+        sub = float(first.get("substitution_rate") or 0)
+        tpot = first.get("modeled_tpot_ms") or ""
+        cols = [
+            label,
+            *(f"{h:.3f}" for h in hits),
+            f"{mb:.1f}",
+            f"{sub:.3f}",
+            f"{float(tpot):.3f}" if tpot else "-",
+        ]
+        lines.append("| " + " | ".join(cols) + " |")
+        summary.append(
+            {
+                "configuration": label,
+                "hit_rate": dict(zip(caps, hits, strict=True)),
+                "mb_moved": mb,
+                "substitution_rate": sub,
+                "modeled_tpot_ms": float(tpot) if tpot else None,
+            }
+        )
+    return "\n".join(lines), summary
+
+
+def demo(
+    out: str = "runs/demo",
+    preset: str = "default",
+    requests: int = 96,
+    fixture_requests: int = 16,
+    max_new_tokens: int = 32,
+    llapor_epochs: int = 15,
+    eap_epochs: int = 30,
+    encoder: str = "minilm",
+    capacities: str = "0.125,0.25,0.5",
+    cold: bool = True,
+    epsilon: float = 0.6,
+    wandb: bool = True,
+    json: bool = False,
+) -> Path:
+    """Run the whole moecast pipeline on the embedded ``tiny`` model and print the comparison.
+
+    Re-running reuses every finished stage (delete OUT to start over).
+
+    Args:
+        out: Folder for the demo's traces, checkpoints, wandb runs, table and plot.
+        preset: ``tiny`` preset (configs/tiny.yaml); ``test`` builds in seconds.
+        requests: ShareGPT conversations to collect.
+        fixture_requests: Requests per OpenCompass-style fixture workload.
+        max_new_tokens: Greedy decode length per request.
+        llapor_epochs: LLaPor training epochs (early stopping may end sooner).
+        eap_epochs: EAP head training epochs.
+        encoder: EAM/EAP sentence encoder: ``minilm`` (packaged all-MiniLM-L6-v2) or a local model folder.
+        capacities: Cache capacities to compare, as fractions of each layer's experts.
+        cold: Caches start empty for every request (the setting prompt-level planning targets); false: stream.
+        epsilon: Cascade gate: EAM answers when its best cosine similarity is at least this.
+        wandb: Log the EAM build and one run per compared cell to wandb (training runs always log; offline
+            unless configured).
+        json: Print the final summary as one JSON object.
+    """
+    from moecast import configs_dir
+    from moecast.collect.commands import collect
+    from moecast.collect.fixtures import write_fixtures
+    from moecast.collect.tiny import ensure_tiny
+    from moecast.runtime.commands import compare
+    from moecast.train.cli import train
+
+    os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault(
+        "WANDB_SILENT", "true"
+    )  # dozens of offline runs; their banners would bury the table
+    if requests < 1 or fixture_requests < 1:
+        raise ValueError("--requests and --fixture-requests must be at least 1")
+    root = Path(out)
+    root.mkdir(parents=True, exist_ok=True)
+    traces = root / "traces" / "tiny-mixed"
+    ckpt = root / "ckpt"
+    ckpt.mkdir(exist_ok=True)
+    cfg = configs_dir()
+    t0 = time.perf_counter()
+    total = 5
+
+    _stage(1, total, f"tiny model (preset {preset}): build once, then reuse", t0)
+    model_path = ensure_tiny(preset)
+    print(f"tiny model at {model_path}")
+    model = "tiny" if preset == "default" else f"tiny:{preset}"
+
+    _stage(2, total, "fixture datasets in the OpenCompass workloads' column formats", t0)
+    data_dir = write_fixtures(root / "data", rows=fixture_requests, seed=0)
+    print(f"wrote {data_dir}")
+
+    _stage(3, total, "collect router traces: ShareGPT + 6 fixture workloads, prefill + greedy decode", t0)
+    common = dict(
+        model=model, out=str(traces), max_new_tokens=max_new_tokens, gate_inputs=True, data_dir=str(data_dir)
+    )
+    collect(workloads="sharegpt", max_requests=requests, **common)
+    collect(workloads=FIXTURE_WORKLOADS, max_requests=fixture_requests, **common)
+
+    _stage(4, total, "train predictors: LLaPor (PreScope), EAM + EAP + cascade (CasMoE)", t0)
+    llapor = ckpt / "llapor.safetensors"
+    eam, eap, cascade = ckpt / "eam.safetensors", ckpt / "eap.safetensors", ckpt / "cascade.safetensors"
+    if not _done(llapor):
+        train(
+            [
+                "llapor",
+                "--config",
+                str(cfg / "llapor_tiny.yaml"),
+                "--traces",
+                str(traces),
+                "--out",
+                str(llapor),
+                "--trainer.max_epochs",
+                str(llapor_epochs),
+                "--data.val_fraction",
+                str(HOLDOUT),
+            ]
+        )
+    else:
+        print(f"reusing {llapor}")
+    if not _done(eam):
+        train(
+            [
+                "eam",
+                "--config",
+                str(cfg / "eam_minilm.yaml"),
+                "--traces",
+                str(traces),
+                "--out",
+                str(eam),
+                "--embedder",
+                encoder,
+                "--val_fraction",
+                str(HOLDOUT),
+                "--wandb",
+                str(wandb).lower(),
+            ]
+        )
+    else:
+        print(f"reusing {eam}")
+    if not _done(eap):
+        train(
+            [
+                "eap",
+                "--config",
+                str(cfg / "eap_minilm_frozen.yaml"),
+                "--traces",
+                str(traces),
+                "--out",
+                str(eap),
+                "--model.encoder",
+                encoder,
+                "--trainer.max_epochs",
+                str(eap_epochs),
+                "--data.val_fraction",
+                str(HOLDOUT),
+            ]
+        )
+    else:
+        print(f"reusing {eap}")
+    if not _done(cascade):
+        train(
+            [
+                "cascade",
+                "--eam",
+                str(eam),
+                "--eap",
+                str(eap),
+                "--out",
+                str(cascade),
+                "--epsilon",
+                str(epsilon),
+                "--traces",
+                str(traces),
+                "--val_fraction",
+                str(HOLDOUT),
+            ]
+        )
+    else:
+        print(f"reusing {cascade}")
+
+    _stage(5, total, "replay the held-out requests under each policy (moecast compare)", t0)
+    cmp_dir = root / "compare"
+    quiet = io.StringIO()
+    with contextlib.redirect_stdout(
+        quiet
+    ):  # compare's wide table is in table.md; the demo prints a compact one
+        compare(
+            traces=str(traces),
+            policies="lru,lfu,score,smoe,prefetch,belady",
+            predictors=str(llapor),
+            planners=f"none,{cascade}",
+            capacities=capacities,
+            holdout=HOLDOUT,
+            out=str(cmp_dir),
+            cold=cold,
+            alpha=0.1,
+            wandb=wandb,
+            json=True,
+        )
+    table, summary = summarise(cmp_dir / "table.csv")
+    mode = "cold per request" if cold else "stream (caches persist across requests)"
+    elapsed = time.perf_counter() - t0
+    wandb_dirs = sorted({str(p.parent) for p in root.rglob("offline-run-*")}) if wandb else []
+    result = {
+        "out": str(root),
+        "traces": str(traces),
+        "checkpoints": [str(p) for p in (llapor, eam, eap, cascade)],
+        "table": str(cmp_dir / "table.md"),
+        "plot": str(cmp_dir / "plot.png"),
+        "wandb_dirs": wandb_dirs,
+        "mode": mode,
+        "seconds": round(elapsed, 1),
+        "summary": summary,
+    }
+    if json:
+        print(jsonlib.dumps(result, default=str))
+        return root
+    print(
+        f"\nHeld-out requests of {traces} (TraceSet.split({HOLDOUT}, seed=0)), {mode}; hardware profile "
+        "prescope-a100-pcie4; capacity = share of each layer's experts resident.\n"
+    )
+    print(table)
+    print(f"\nfull table: {cmp_dir / 'table.md'} (CSV beside it)\nplot:       {cmp_dir / 'plot.png'}")
+    if wandb_dirs:
+        print("wandb (offline) runs under: " + ", ".join(wandb_dirs))
+        print("  compare them:   wandb sync --sync-all  (from each folder), then open project 'moecast'")
+    print(f"demo finished in {elapsed:.0f} s; re-running reuses every finished stage")
+    return root
