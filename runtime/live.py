@@ -106,6 +106,7 @@ class LiveStats:
     prefetch_used: int = 0
     cpu_experts: int = 0  # (step, layer, expert) groups computed on the CPU
     cpu_uses: int = 0
+    plan_loads: int = 0  # experts a prompt plan (CasMoE) loaded before decoding
     measured_decode_ms: list[float] = field(default_factory=list)
     modeled_decode_ms: list[float] = field(default_factory=list)
     measured_prefill_ms: float = 0.0
@@ -188,6 +189,8 @@ class LiveRuntime:
         self._cur_w = np.zeros((0, self.num_layers, self.top_k), np.float32)
         self._cur_gate: np.ndarray | None = None
         self._input_ids: torch.Tensor | None = None
+        self.planner: Any = None
+        self.last_plan_branch: str | None = None
         self._place()
 
     # ------------------------------------------------------------------ placement
@@ -205,6 +208,36 @@ class LiveRuntime:
         lanes = np.arange(self.num_layers)
         self.cache.preload(lanes, np.stack([s.expert_in for s in self.stores]))
         self._identity = [bool((s.expert_in == np.arange(s.num_slots)).all()) for s in self.stores]
+
+    def plan(self, prompt: str) -> str:
+        """CasMoE planning before decoding: preload each layer's top planned experts into its slots.
+
+        The attached prompt-ahead planner (EAM, EAP or their cascade) turns ``prompt`` into an [L, E]
+        plan; each layer keeps its ``capacity`` best-planned experts resident (loads counted as
+        transfers and ``plan_loads``). Call it before ``generate``; returns the branch that answered.
+        """
+        if self.planner is None:
+            raise MoecastError("no planner attached; pass planner=<prompt-ahead predictor> to attach()")
+        if not prompt.strip():
+            raise MoecastError("cannot plan an empty prompt")
+        plan, branch = self.planner.plan(prompt)
+        plan = np.asarray(plan, dtype=np.float32).reshape(self.num_layers, self.num_experts)
+        want = np.argsort(-plan, axis=1, kind="stable")[:, : self.capacity]
+        for pos, store in enumerate(self.stores):
+            keep = set(want[pos].tolist())
+            # evict only residents the plan does not want, and only as many slots as the plan needs
+            out = [int(e) for e in store.expert_in if e >= 0 and int(e) not in keep]
+            for e in want[pos]:
+                if store.slot_of[int(e)] >= 0:
+                    continue
+                before = store.loads
+                store.load(int(e), evict=None if store.free_slot() is not None else out.pop(0))
+                self.stats_.plan_loads += store.loads - before
+                self.stats_.transfers += store.loads - before
+        self.cache.preload(np.arange(self.num_layers), np.stack([s.expert_in for s in self.stores]))
+        self._identity = [bool((s.expert_in == np.arange(s.num_slots)).all()) for s in self.stores]
+        self.last_plan_branch = branch
+        return branch
 
     # ------------------------------------------------------------------ attach / detach
     def _attach(self) -> None:
@@ -659,6 +692,7 @@ def attach(
     warm: bool = True,
     score_window: int = 8,
     device: str | None = None,
+    planner: Any = None,
 ) -> LiveRuntime:
     """Attach the live runtime to a transformers MoE model in one call; ``rt.detach()`` undoes it.
 
@@ -675,6 +709,7 @@ def attach(
         warm: Fill the slots at attach (SMoE §4.1); False starts every layer empty.
         score_window: SMoE Eq. 3's n (steps averaged by the score policy).
         device: Where slots live (default: where the experts are; a CUDA device for the real path).
+        planner: A prompt-ahead predictor (EAM, EAP, cascade); ``rt.plan(prompt)`` then preloads its plan.
     Errors (nothing is changed on the model): unsupported family, capacity below top-k, alpha outside [0, 1),
     a predictor for another model.
     """
@@ -687,6 +722,19 @@ def attach(
                 f"the predictor was trained for model fingerprint {predictor.fingerprint}, this model is {fp}; "
                 "train one on traces of this model"
             )
+    if planner is not None:
+        if getattr(planner, "horizon", "") != "prompt-ahead" or not hasattr(planner, "plan"):
+            raise ValueError(
+                f"planner {getattr(planner, 'name', '?')} is {getattr(planner, 'horizon', '?')}; a planner must be "
+                "prompt-ahead (EAM, EAP or cascade)"
+            )
+        fp = model_info(model, structure, "").fingerprint
+        if getattr(planner, "fingerprint", None) and planner.fingerprint != fp:
+            raise ValueError(
+                f"the planner was built for model fingerprint {planner.fingerprint}, this model is {fp}; "
+                "build one on traces of this model"
+            )
     rt = LiveRuntime(model, structure, cfg, predictor)
+    rt.planner = planner
     rt._attach()
     return rt

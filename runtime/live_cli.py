@@ -73,6 +73,7 @@ def run(
     model: str = "tiny",
     prompt: str = "Explain how a mixture-of-experts language model works.",
     predictor: str | None = None,
+    planner: str | None = None,
     policy: str = "smoe",
     alpha: float = 0.3,
     capacity: str = "0.25",
@@ -88,6 +89,7 @@ def run(
         model: ``tiny`` (the embedded default), ``tiny:PRESET`` or a local Hugging Face model directory.
         prompt: Prompt text.
         predictor: Layer-ahead predictor checkpoint (LLaPor) for prefetch; checked against the model's fingerprint.
+        planner: Prompt-ahead checkpoint (CasMoE EAM, EAP or cascade): its plan for the prompt is preloaded before decoding.
         policy: smoe (score eviction + substitution), lru, lfu, score or static.
         alpha: SMoE substitution threshold in [0, 1); 0 leaves the routing unchanged.
         capacity: Experts per layer on the device: fraction (0.25), count (6), bytes (512MB) or ``all``.
@@ -105,6 +107,7 @@ def run(
         raise ValueError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     lm, tok, name = load_model(model, dtype="float32")
     pred = _load_predictor(predictor, lm, name)
+    plan = _load_predictor(planner, lm, name)
     rt = attach(
         lm,
         policy=policy,
@@ -114,8 +117,12 @@ def run(
         hardware=hardware,
         prefetch=prefetch,
         balance=balance,
+        planner=plan,
     )
     try:
+        branch = rt.plan(prompt) if plan is not None else None
+        if branch is not None and not json:
+            print(f"plan: {branch} answered; {rt.stats_.plan_loads} experts preloaded")
         enc = tok(prompt, return_tensors="pt")
         with torch.no_grad():
             out = lm.generate(

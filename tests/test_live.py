@@ -349,3 +349,39 @@ def test_cli_eval_accuracy_sweep_and_budget(model_dir, tmp_path, capsys):
         )
     with pytest.raises(ValueError, match=r"\[0, 1\)"):
         eval_accuracy(model=str(model_dir), alphas="0,1.5", plot="")
+
+
+class _FixedPlanner:
+    """A prompt-ahead planner stand-in: the same [L, E] plan for every prompt."""
+
+    name, horizon, fingerprint = "fixed", "prompt-ahead", None
+
+    def __init__(self, plan: np.ndarray) -> None:
+        self._plan = plan
+
+    def plan(self, prompt: str) -> tuple[np.ndarray, str]:
+        return self._plan, "eam"
+
+
+def test_planner_preloads_plan_and_keeps_logits():
+    model = make_model("qwen2_moe")
+    ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(3))
+    ref = decode_logits(model, ids)
+    plan = np.zeros((2, 8), np.float32)
+    plan[0, [7, 5]] = [2.0, 1.0]
+    plan[1, [6, 4]] = [2.0, 1.0]
+    rt = attach(model, policy="lru", capacity=2, alpha=0.0, planner=_FixedPlanner(plan))
+    try:
+        assert rt.plan("what is a mixture of experts?") == "eam"
+        assert set(rt.stores[0].expert_in.tolist()) == {7, 5}
+        assert set(rt.stores[1].expert_in.tolist()) == {6, 4}
+        assert rt.stats()["plan_loads"] == 4  # warm start held experts 0 and 1 in each layer
+        with pytest.raises(Exception, match="empty prompt"):
+            rt.plan("  ")
+        got = decode_logits(model, ids)
+    finally:
+        rt.detach()
+    assert torch.allclose(got, ref, atol=2e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="prompt-ahead"):
+        attach(model, planner=type("P", (), {"horizon": "layer-ahead", "name": "llapor"})())
+    assert hooks_of(model) == 0  # a refused attach leaves the model untouched
