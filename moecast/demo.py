@@ -100,7 +100,7 @@ def demo(
     requests: int = 96,
     fixture_requests: int = 16,
     max_new_tokens: int = 32,
-    llapor_epochs: int = 15,
+    llapor_epochs: int = 8,
     eap_epochs: int = 30,
     encoder: str = "minilm",
     capacities: str = "0.125,0.25,0.5",

@@ -295,15 +295,12 @@ def _plot(rows: list[dict], path: Path) -> None:
         series.setdefault(_series_name(r), []).append(
             (r["capacity_fraction"], r["hit_rate"], r["modeled_tpot_ms"])
         )
-    for name, pts in series.items():
+    colours = plt.get_cmap("tab20").colors  # more series than the default 10-colour cycle
+    for i, (name, pts) in enumerate(series.items()):
         pts.sort()
-        a1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-        a2.plot(
-            [p[0] for p in pts],
-            [p[2] if p[2] is not None else float("nan") for p in pts],
-            marker="o",
-            label=name,
-        )
+        style = dict(marker="os^Dv"[i % 5], color=colours[(2 * i) % 20 + (i // 10) % 2], label=name)
+        a1.plot([p[0] for p in pts], [p[1] for p in pts], **style)
+        a2.plot([p[0] for p in pts], [p[2] if p[2] is not None else float("nan") for p in pts], **style)
     a1.set_xlabel("capacity (fraction of experts per layer)")
     a1.set_ylabel("hit rate")
     a2.set_xlabel("capacity (fraction of experts per layer)")
