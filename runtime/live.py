@@ -77,6 +77,8 @@ class LiveConfig:
     warm: bool = True
     score_window: int = 8
     device: str | None = None
+    online_update: bool = False
+    online_lr: float = 1e-4
 
     def __post_init__(self) -> None:
         if self.policy not in LIVE_POLICIES:
@@ -107,6 +109,8 @@ class LiveStats:
     cpu_experts: int = 0  # (step, layer, expert) groups computed on the CPU
     cpu_uses: int = 0
     plan_loads: int = 0  # experts a prompt plan (CasMoE) loaded before decoding
+    online_updates: int = 0  # PreScope §4.2.2 continual-learning steps taken on decoded tokens
+    online_loss: float = float("nan")  # the predictor's loss on the latest decoded token, before its update
     measured_decode_ms: list[float] = field(default_factory=list)
     modeled_decode_ms: list[float] = field(default_factory=list)
     measured_prefill_ms: float = 0.0
@@ -185,6 +189,7 @@ class LiveRuntime:
         self._link_free = 0.0  # when the transfer link is idle again (virtual ms)
         self._arrival = np.zeros((self.num_layers, self.num_experts))  # prefetch landing time per expert
         self._history: list[np.ndarray] = []  # recent tokens' [L, k] ids (LLaPor history features)
+        self._tok_history: list[int] = []  # and their token ids
         self._cur_ids = np.zeros((0, self.num_layers, self.top_k), np.int64)
         self._cur_w = np.zeros((0, self.num_layers, self.top_k), np.float32)
         self._cur_gate: np.ndarray | None = None
@@ -332,14 +337,19 @@ class LiveRuntime:
             s.measured_decode_ms.append(wall)
             s.modeled_decode_ms.append(self._clock)
             if self.prefetch == "predictor" and len(self._cur_ids) == 1:
+                if self.config.online_update and hasattr(self.predictor, "update"):
+                    self._online_update()
                 self._history.append(self._cur_ids[0].copy())
                 self._history = self._history[-32:]
+                self._tok_history = [*self._tok_history, self._current_token()][-32:]
         else:
             s.prefill_steps += 1
             s.measured_prefill_ms += wall
             s.modeled_prefill_ms += self._clock
             if self.prefetch == "predictor" and len(self._cur_ids):
                 self._history = [r for r in self._cur_ids[-32:]]
+                ids = self._input_ids.reshape(-1) if self._input_ids is not None else torch.zeros(0)
+                self._tok_history = [int(t) for t in ids[-32:]]
         self._step += 1
 
     # ------------------------------------------------------------------ the experts call
@@ -581,20 +591,24 @@ class LiveRuntime:
             return self._predict_layer_ahead(nxt)[None, :]
         return None
 
-    def _predict_layer_ahead(self, nxt: int) -> np.ndarray:
-        """Layer-ahead predictor on the current token: what is known when layer nxt-1 finished."""
+    def _current_token(self) -> int:
+        return int(self._input_ids.reshape(-1)[-1]) if self._input_ids is not None else 0
+
+    def _layer_ahead_trace(self) -> Any:
+        """Recent tokens plus the current one as a request trace (the current token's later layers are 0)."""
         from moecast.collect.traceset import RequestTrace
 
         hist = self._history[-16:]
+        toks = self._tok_history[-len(hist) :] if hist else []
+        toks = [0] * (len(hist) - len(toks)) + toks
         ids = np.stack([*hist, self._cur_ids[0]]).astype(np.int16)
         w = np.concatenate([np.zeros((len(hist), self.num_layers, self.top_k), np.float32), self._cur_w[:1]])
-        token = int(self._input_ids.reshape(-1)[-1]) if self._input_ids is not None else 0
-        trace = RequestTrace(
+        return RequestTrace(
             request_id="live",
             workload="live",
             category="",
             prompt="",
-            token_ids=np.full(len(ids), token, np.int64),
+            token_ids=np.array([*toks, self._current_token()], np.int64),
             token_texts=[""] * len(ids),
             is_decode=np.ones(len(ids), bool),
             topk_ids=ids,
@@ -602,7 +616,25 @@ class LiveRuntime:
             router_probs=None,
             gate_inputs=self._gate_rows(len(ids)),
         )
-        return self.predictor.score_request(trace)[-1, nxt]
+
+    def _predict_layer_ahead(self, nxt: int) -> np.ndarray:
+        """Layer-ahead predictor on the current token: what is known when layer nxt-1 finished."""
+        trace = self._layer_ahead_trace()
+        p = self.predictor
+        if hasattr(p, "features") and hasattr(p, "score_layer"):
+            # only layer nxt's head on the current token's row (LLaPor's numpy per-layer path)
+            row = {k: v[-1:] for k, v in p.features(trace).items()}
+            return np.asarray(p.score_layer(nxt, row))[0]
+        return p.score_request(trace)[-1, nxt]
+
+    def _online_update(self) -> None:
+        """PreScope §4.2.2: one small step on the token just decoded, whose routing is now known."""
+        trace = self._layer_ahead_trace()
+        row = {k: v[-1:] for k, v in self.predictor.features(trace).items()}
+        with torch.enable_grad():  # generate() runs under no_grad; the learning step needs gradients
+            loss = self.predictor.update(row, self._cur_ids[:1], lr=self.config.online_lr)
+        self.stats_.online_updates += 1
+        self.stats_.online_loss = float(loss)
 
     def _gate_rows(self, t: int) -> np.ndarray | None:
         if "gate_inputs" not in getattr(self.predictor, "needs", ()):
@@ -693,6 +725,8 @@ def attach(
     score_window: int = 8,
     device: str | None = None,
     planner: Any = None,
+    online_update: bool = False,
+    online_lr: float = 1e-4,
 ) -> LiveRuntime:
     """Attach the live runtime to a transformers MoE model in one call; ``rt.detach()`` undoes it.
 
@@ -710,10 +744,27 @@ def attach(
         score_window: SMoE Eq. 3's n (steps averaged by the score policy).
         device: Where slots live (default: where the experts are; a CUDA device for the real path).
         planner: A prompt-ahead predictor (EAM, EAP, cascade); ``rt.plan(prompt)`` then preloads its plan.
+        online_update: After each decoded token, one continual-learning step of the layer-ahead predictor
+            on its now-known routing (PreScope §4.2.2); off by default.
+        online_lr: Learning rate of those steps.
     Errors (nothing is changed on the model): unsupported family, capacity below top-k, alpha outside [0, 1),
     a predictor for another model.
     """
-    cfg = LiveConfig(policy, capacity, alpha, prefetch, balance, hardware, warm, score_window, device)
+    cfg = LiveConfig(
+        policy,
+        capacity,
+        alpha,
+        prefetch,
+        balance,
+        hardware,
+        warm,
+        score_window,
+        device,
+        online_update,
+        online_lr,
+    )
+    if online_update and not hasattr(predictor, "update"):
+        raise ValueError("online_update needs a layer-ahead predictor with an update step (LLaPor)")
     structure = find_moe_structure(model)
     if predictor is not None:
         fp = model_info(model, structure, "").fingerprint

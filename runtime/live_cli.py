@@ -64,6 +64,12 @@ def _print_stats(stats: dict[str, Any]) -> None:
         ("TPOT measured", f"{stats['tpot_measured_ms']:.2f} ms  (this machine, {stats['device']})"),
         ("TPOT modeled", f"{stats['tpot_modeled_ms']:.3f} ms  (hardware profile {stats['hardware']})"),
     ]
+    if stats.get("plan_loads"):
+        rows.insert(5, ("plan preload", f"{stats['plan_loads']} experts loaded before decoding"))
+    if stats.get("online_updates"):
+        rows.append(
+            ("online learning", f"{stats['online_updates']} steps, last loss {stats['online_loss']:.4f}")
+        )
     width = max(len(r[0]) for r in rows)
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
@@ -81,6 +87,7 @@ def run(
     balance: str = "smoe",
     hardware: str = "smoe-s3-a6000",
     max_new_tokens: int = 32,
+    online_update: bool = False,
     json: bool = False,
 ) -> dict[str, Any]:
     """Generate text with the live runtime attached and report its cache, substitution and TPOT figures.
@@ -97,6 +104,7 @@ def run(
         balance: Misses: smoe (SMoE Algorithm 2), load (always load) or cpu (always compute on the CPU).
         hardware: Hardware profile (configs/hardware name or YAML path) for modeled times.
         max_new_tokens: Tokens to generate (greedy).
+        online_update: Continual learning of the predictor on each decoded token (PreScope §4.2.2).
         json: Print one JSON object instead of text and a table.
     """
     from moecast.collect.models import load_model
@@ -118,6 +126,7 @@ def run(
         prefetch=prefetch,
         balance=balance,
         planner=plan,
+        online_update=online_update,
     )
     try:
         branch = rt.plan(prompt) if plan is not None else None

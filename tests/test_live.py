@@ -385,3 +385,77 @@ def test_planner_preloads_plan_and_keeps_logits():
     with pytest.raises(ValueError, match="prompt-ahead"):
         attach(model, planner=type("P", (), {"horizon": "layer-ahead", "name": "llapor"})())
     assert hooks_of(model) == 0  # a refused attach leaves the model untouched
+
+
+@pytest.fixture(scope="module")
+def llapor_for_model(model_dir, tmp_path_factory):
+    """Traces of ``model_dir`` (with gate inputs) and a LLaPor trained on them for two epochs."""
+    from moecast.collect.commands import collect
+    from moecast.train.cli import train
+
+    from moecast import configs_dir
+
+    root = tmp_path_factory.mktemp("live-llapor")
+    data = root / "data"
+    data.mkdir()
+    rows = [
+        {"question": f"question {i}: how many apples are {i} plus {i + 3}?", "answer": "#### 1"}
+        for i in range(12)
+    ]
+    (data / "gsm8k.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    traces = collect(
+        model=str(model_dir),
+        workloads="gsm8k",
+        data_dir=str(data),
+        out=str(root / "ts"),
+        max_new_tokens=6,
+        gate_inputs=True,
+        progress=False,
+    )
+    ckpt = root / "llapor.safetensors"
+    train(
+        [
+            "llapor",
+            "--config",
+            str(configs_dir() / "llapor_tiny.yaml"),
+            "--traces",
+            str(traces),
+            "--out",
+            str(ckpt),
+            "--trainer.max_epochs",
+            "2",
+            "--model.hidden",
+            "16",
+            "--data.val_fraction",
+            "0.25",
+            "--trainer.enable_progress_bar",
+            "false",
+        ]
+    )
+    return ckpt
+
+
+def test_llapor_prefetch_and_online_update_keep_logits(model_dir, llapor_for_model):
+    from moecast.predictors.registry import load
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    pred = load(llapor_for_model)
+    ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(4))
+    ref = decode_logits(model, ids, steps=4)
+    before = {k: v.clone() for k, v in pred.net.state_dict().items()}
+    rt = attach(
+        model, policy="lru", capacity=2, alpha=0.0, predictor=pred, online_update=True, online_lr=1e-2
+    )
+    try:
+        got = decode_logits(model, ids, steps=4)
+        stats = rt.stats()
+    finally:
+        rt.detach()
+    assert torch.allclose(got, ref, atol=2e-5, rtol=1e-5)  # prefetch and learning never change outputs
+    assert stats["prefetch"] == "predictor" and stats["prefetches"] > 0
+    assert stats["online_updates"] == 4 and np.isfinite(stats["online_loss"])
+    changed = any(not torch.equal(before[k], v) for k, v in pred.net.state_dict().items())
+    assert changed, "online updates must move the predictor's weights"
+    with pytest.raises(ValueError, match="online_update needs"):
+        attach(model, online_update=True)
