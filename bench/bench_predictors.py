@@ -1,90 +1,233 @@
-"""Benchmark every predictor on a TraceSet's held-out split: recall@k, latency per layer, training time.
+"""Benchmark the predictors: held-out recall per predictor, tiny recall per layer group, latency, training time.
 
-    python bench/bench_predictors.py --traces traces/ds-puffin \
-        --checkpoints runs/llapor_ds.safetensors,runs/seq_ds.safetensors [--max-requests 200]
+One command prints every figure the predictor issues ask for::
 
-Baselines (global / per-request frequency, MoE-Infinity activation matrices) are built on
-the training split of the same ``TraceSet.split(val_fraction, seed)``; trained checkpoints
-report the training time recorded in their metadata. Latency: batch-1 CPU time of one
-token, per MoE layer: ``score_layer`` (numpy, one layer) and the batched torch network over
-all layers divided by L, on one thread.
+    python bench/bench_predictors.py --checkpoint /tmp/best/llapor_ds.safetensors \
+        --tiny-traces /tmp/pp/tiny-sg --tiny-checkpoint /tmp/best/llapor_tiny.safetensors
+    python bench/bench_predictors.py --quick      # minutes: small training runs, fewer requests
+
+1. DeepSeek-V2-Lite (``--traces``, default ``traces/ds-puffin``), held-out 10% of prompts
+   (``TraceSet.split(0.1, seed=0)``, the split training uses): recall@k, recall@4, F1 per
+   predictor: the count baselines (global / per-request frequency, MoE-Infinity activation
+   matrices, built on the training split) and LLaPor. With ``--checkpoint`` LLaPor is read
+   from that file (no training; its recorded training time is shown); without it LLaPor is
+   trained with ``--config`` into ``--out-dir`` and the wall time is measured.
+2. tiny traces with gate inputs (``--tiny-traces``): the same table plus the gate-reuse
+   baseline (router weights from ``--tiny-model``), per layer group. Skipped with a note when
+   the traces are absent (make them with ``moecast collect --model tiny --workloads sharegpt
+   --max-requests 64 --max-new-tokens 32 --gate-inputs --out /tmp/pp/tiny-sg``).
+3. LLaPor inference on CPU, batch 1, one thread: ``score_layer`` (the runtime's per-layer call,
+   numpy, fed the token's feature row as numpy arrays) in µs per layer, median over every layer and many repeats; plus the batched torch
+   network over all layers divided by L. The 1-minute load average is printed beside it: on a
+   shared machine timings scale with it.
+
+``--quick``: at most 60 held-out requests per trace set, LLaPor trained (only when no checkpoint
+is given) on 300 requests for 1 epoch (tiny: 5 epochs), fewer timing repeats. ``--json`` prints
+one JSON object per result line instead of the tables.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import statistics
+import sys
 import time
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
+DS_BASELINES = ("frequency", "frequency-request", "cooccurrence", "moe-infinity")
 
-def _latency_per_layer(pred, trace, repeats: int = 200) -> tuple[float, float] | None:
-    """(ms of ``score_layer`` for one token, ms of one batched torch forward over all layers / L) or None."""
-    if not hasattr(pred, "features"):
-        return None
-    feats = pred.features(trace)
-    one = {k: v[5:6] for k, v in feats.items()}
-    pred.score_layer(1, one)  # warm-up
+
+def _load(path: str, ts: Any) -> Any:
+    from moecast.predictors.registry import load
+
+    return load(path, fingerprint=ts.meta.model.fingerprint, against=f"TraceSet {ts.path}")
+
+
+def _train(config: str, traces: str, out: Path, overrides: list[str]) -> tuple[str, float]:
+    """Train LLaPor with ``moecast train``; returns (checkpoint path, wall seconds)."""
+    from moecast.train.cli import train
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    argv = ["llapor", "--config", config, "--traces", traces, "--out", str(out), "--resume", "never"]
     t = time.perf_counter()
-    for i in range(repeats):
-        pred.score_layer(1 + i % (pred.num_layers - 1), one)
-    per_layer = (time.perf_counter() - t) / repeats * 1e3
+    train(argv + overrides)
+    return str(out), time.perf_counter() - t
+
+
+def latency_us(pred: Any, trace: Any, repeats: int) -> dict[str, float]:
+    """Batch-1 CPU latency of one token, one thread: score_layer µs per layer and torch µs per layer."""
+    feats = pred.features(trace)
+    row = min(5, len(trace.topk_ids) - 1)
+    one = {k: v[row : row + 1] for k, v in feats.items()}
+    one_np = {k: v.numpy() for k, v in one.items()}  # the token's feature row, as numpy
+    L = pred.num_layers
+    for layer in range(L):
+        pred.score_layer(layer, one_np)  # warm-up (and per-layer weight cache)
+    per = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for layer in range(L):
+            pred.score_layer(layer, one_np)
+        per.append((time.perf_counter() - t) / L * 1e6)
     with torch.no_grad():
         pred.net(**one)
         t = time.perf_counter()
         for _ in range(repeats):
-            pred.net(**one)  # all layers of one token in one torch call
-    return per_layer, (time.perf_counter() - t) / repeats * 1e3 / pred.num_layers
+            pred.net(**one)
+        torch_us = (time.perf_counter() - t) / repeats / L * 1e6
+    return {
+        "score_layer_us_median": statistics.median(per),
+        "score_layer_us_p90": float(np.percentile(per, 90)),
+        "torch_all_layers_us_per_layer": torch_us,
+        "loadavg_1min": os.getloadavg()[0],
+    }
 
 
-def main() -> None:
+def table(
+    name: str, ts: Any, preds: list[tuple[str, Any, float | None]], requests: list[str], emit: Any
+) -> dict[str, dict]:
+    from moecast.predictors.commands import detected_groups, evaluate_predictor
+
+    k = ts.meta.model.top_k
+    train_ids, _ = ts.split(0.1, 0)
+    hint = detected_groups(ts, train_ids)
+    results = {}
+    emit(
+        f"\n[{name}] {ts.path}: {ts.meta.model.name_or_path}, {ts.num_layers} MoE layers, {ts.num_experts} "
+        f"experts, top-{k}; held-out {len(requests)} requests",
+        None,
+    )
+    emit(
+        f"{'predictor':<34}{'horizon':<14}{'recall@' + str(k):>10}{'recall@4':>10}{'f1_micro':>10}"
+        f"{'f1_macro':>10}{'train s':>9}   per group recall@{k}",
+        None,
+    )
+    for label, pred, secs in preds:
+        res = evaluate_predictor(pred, ts, requests, extra_k=(4,), progress=False, groups_hint=hint)
+        groups = res.get("per_group") or {}
+        gtxt = "  ".join(f"{g} {r['recall_at_k']:.4f}" for g, r in groups.items())
+        secs_s = f"{secs:>9.1f}" if isinstance(secs, (int, float)) else f"{'-':>9}"
+        r4 = res.get("recall_at_4", res["recall_at_k"] if k == 4 else float("nan"))
+        emit(
+            f"{label[-34:]:<34}{pred.horizon:<14}{res['recall_at_k']:>10.4f}{r4:>10.4f}"
+            f"{res['f1_micro']:>10.4f}{res['f1_macro']:>10.4f}{secs_s}   {gtxt}",
+            {
+                "bench": name,
+                "predictor": label,
+                "horizon": pred.horizon,
+                "requests": len(requests),
+                "tokens": res["tokens"],
+                "recall_at_k": res["recall_at_k"],
+                "recall_at_4": r4,
+                "f1_micro": res["f1_micro"],
+                "f1_macro": res["f1_macro"],
+                "per_group_recall": {g: r["recall_at_k"] for g, r in groups.items()},
+                "groups": hint if not getattr(pred, "groups", None) else pred.groups,
+                "train_seconds": secs,
+            },
+        )
+        results[label] = res
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--traces", default="traces/ds-puffin")
-    ap.add_argument("--checkpoints", default="", help="comma-separated predictor .safetensors files")
-    ap.add_argument("--val-fraction", type=float, default=0.1)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-requests", type=int, default=None)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
+    ap.add_argument("--traces", default="traces/ds-puffin", help="DeepSeek TraceSet (ids only)")
+    ap.add_argument("--checkpoint", default=None, help="LLaPor checkpoint for --traces (else: train one)")
+    ap.add_argument("--config", default="configs/llapor_deepseek.yaml")
+    ap.add_argument("--tiny-traces", default="/tmp/pp/tiny-sg", help="tiny TraceSet with gate inputs")
+    ap.add_argument("--tiny-checkpoint", default=None, help="LLaPor checkpoint for --tiny-traces")
+    ap.add_argument("--tiny-config", default="configs/llapor_tiny.yaml")
+    ap.add_argument("--tiny-model", default=str(Path.home() / ".cache/moecast/tiny/default"))
+    ap.add_argument("--out-dir", default="/tmp/bench_predictors", help="where trained checkpoints go")
+    ap.add_argument("--max-requests", type=int, default=None, help="held-out requests per trace set")
+    ap.add_argument("--repeats", type=int, default=None, help="timing repeats (all layers each)")
+    ap.add_argument("--quick", action="store_true", help="small training runs, 60 requests, fewer repeats")
+    ap.add_argument("--skip-ds", action="store_true")
+    ap.add_argument("--skip-tiny", action="store_true")
+    ap.add_argument("--json", action="store_true", help="one JSON object per result line")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)  # batch-1 inference; tiny tensors only pay for thread hand-offs
+    max_req = args.max_requests or (60 if args.quick else None)
+    repeats = args.repeats or (50 if args.quick else 300)
+    out_dir = Path(args.out_dir)
+
+    def emit(text: str, obj: dict | None) -> None:
+        if args.json:
+            if obj is not None:
+                print(json.dumps(obj), flush=True)
+        else:
+            print(text, flush=True)
 
     from moecast.collect.traceset import open_traces
-    from moecast.predictors.commands import build_baseline, evaluate_predictor
-    from moecast.predictors.registry import load
+    from moecast.predictors.commands import build_baseline
 
-    ts = open_traces(args.traces)
-    train_ids, val_ids = ts.split(args.val_fraction, args.seed)
-    if args.max_requests:
-        val_ids = val_ids[: args.max_requests]
-    k = ts.meta.model.top_k
-    print(
-        f"{ts.path}: {ts.meta.model.name_or_path}, {ts.num_layers} MoE layers, {ts.num_experts} experts, top-{k}; "
-        f"held-out {len(val_ids)} of {ts.num_requests} requests (split {args.val_fraction}, seed {args.seed})"
-    )
-    preds = []
-    for spec in ("frequency", "frequency-request", "moe-infinity"):
-        t = time.perf_counter()
-        preds.append((spec, build_baseline(spec, ts, train_ids), time.perf_counter() - t))
-    for path in filter(None, args.checkpoints.split(",")):
-        pred = load(path, fingerprint=ts.meta.model.fingerprint, against=str(ts.path))
-        preds.append((path, pred, (pred.meta.get("training") or {}).get("train_seconds")))
-    print(
-        f"{'predictor':<44}{'horizon':<14}{'recall@' + str(k):>10}{'recall@4':>10}{'f1_macro':>10}"
-        f"{'ms/layer':>10}{'ms/L torch':>11}{'train s':>9}"
-    )
-    trace = ts.get(val_ids[0])
-    for name, pred, secs in preds:
-        res = evaluate_predictor(pred, ts, val_ids, extra_k=(4,), progress=False)
-        lat = _latency_per_layer(pred, trace)
-        lat_s = f"{lat[0]:>10.3f}{lat[1]:>11.4f}" if lat else f"{'-':>10}{'-':>11}"
-        secs_s = f"{secs:>9.1f}" if isinstance(secs, (int, float)) else f"{'-':>9}"
-        print(
-            f"{name[-44:]:<44}{pred.horizon:<14}{res['recall_at_k']:>10.4f}{res.get('recall_at_4', np.nan):>10.4f}"
-            f"{res['f1_macro']:>10.4f}{lat_s}{secs_s}"
+    timing: list[tuple[str, Any, Any]] = []
+    if not args.skip_ds:
+        ts = open_traces(args.traces)
+        train_ids, val_ids = ts.split(0.1, 0)
+        requests = val_ids[:max_req] if max_req else val_ids
+        preds = [(b, build_baseline(b, ts, train_ids), None) for b in DS_BASELINES]
+        if args.checkpoint:
+            pred = _load(args.checkpoint, ts)
+            secs = (pred.meta.get("training") or {}).get("train_seconds")
+        else:
+            over = ["--data.max_requests", "300", "--trainer.max_epochs", "1"] if args.quick else []
+            path, secs = _train(args.config, args.traces, out_dir / "llapor_ds.safetensors", over)
+            pred = _load(path, ts)
+        preds.append((f"llapor ({Path(args.checkpoint or 'trained').name})", pred, secs))
+        table("deepseek held-out", ts, preds, requests, emit)
+        timing.append(("deepseek", pred, ts.get(requests[0])))
+    if not args.skip_tiny:
+        if not Path(args.tiny_traces, "meta.json").is_file():
+            emit(
+                f"\n[tiny] skipped: no TraceSet at {args.tiny_traces} (moecast collect --model tiny --workloads "
+                "sharegpt --max-requests 64 --max-new-tokens 32 --gate-inputs --out PATH)",
+                {"bench": "tiny", "skipped": f"no TraceSet at {args.tiny_traces}"},
+            )
+        else:
+            ts = open_traces(args.tiny_traces)
+            train_ids, val_ids = ts.split(0.1, 0)
+            requests = val_ids[:max_req] if max_req else val_ids
+            preds = [
+                (b, build_baseline(b, ts, train_ids), None)
+                for b in ("frequency", "cooccurrence", "moe-infinity")
+            ]
+            if ts.has("gate_inputs") and Path(args.tiny_model).is_dir():
+                preds.append(
+                    ("gate-reuse", build_baseline(f"gate-reuse:{args.tiny_model}", ts, train_ids), None)
+                )
+            if args.tiny_checkpoint:
+                pred = _load(args.tiny_checkpoint, ts)
+                secs = (pred.meta.get("training") or {}).get("train_seconds")
+            else:
+                over = ["--trainer.max_epochs", "5"] if args.quick else []
+                path, secs = _train(
+                    args.tiny_config, args.tiny_traces, out_dir / "llapor_tiny.safetensors", over
+                )
+                pred = _load(path, ts)
+            preds.append((f"llapor ({Path(args.tiny_checkpoint or 'trained').name})", pred, secs))
+            table("tiny held-out", ts, preds, requests, emit)
+            timing.append(("tiny", pred, ts.get(requests[0])))
+    if timing:
+        emit(
+            "\n[latency] LLaPor on CPU, batch 1, 1 thread (score_layer = the runtime's per-layer call)", None
         )
-        for g, r in (res.get("per_group") or {}).items():
-            print(f"{'  group ' + g:<58}{r['recall_at_k']:>10.4f}")
+        for name, pred, trace in timing:
+            lat = latency_us(pred, trace, repeats)
+            emit(
+                f"{name:<10} score_layer {lat['score_layer_us_median']:7.1f} µs/layer median "
+                f"(p90 {lat['score_layer_us_p90']:.1f}); torch all-layers {lat['torch_all_layers_us_per_layer']:.1f} "
+                f"µs/layer; load average {lat['loadavg_1min']:.2f} on {os.cpu_count()} CPUs",
+                {"bench": "latency", "traces": name, **lat, "cpus": os.cpu_count()},
+            )
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

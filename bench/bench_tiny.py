@@ -54,21 +54,29 @@ def main() -> None:
     loss, probs, topk = tiny.route(model, rows)
     seconds = time.perf_counter() - start
     ent = tiny.router_entropy(probs)
-    bal = tiny.load_balance(topk, cfg.num_experts)
+    loads = tiny.expert_loads(topk, cfg.num_experts)
+    bal = loads.max(1)
+    dead = tiny.dead_experts(topk, cfg.num_experts)
     rec = tiny.cooccurrence_recall(topk, cfg.num_experts)
     chance = cfg.top_k / cfg.num_experts
 
     print(f"\nheld-out: {rows.size:,} tokens of ShareGPT conversations not trained on")
     print(f"  perplexity {math.exp(loss):.2f} (loss {loss:.3f}); forward {rows.size / seconds:,.0f} tok/s")
     print(
-        f"  {'layer':>5}  {'entropy':>8}  {'uniform':>7}  {'max load/even':>13}  {'co-occ recall@k':>15}  {'x chance':>8}"
+        f"  {'layer':>5}  {'entropy':>8}  {'uniform':>7}  {'max load/even':>13}  {'min load/even':>13}"
+        f"  {'dead':>4}  {'co-occ recall@k':>15}  {'x chance':>8}"
     )
     for layer in range(cfg.num_layers):
         r = f"{rec[layer - 1]:.3f}" if layer else "-"
         x = f"{rec[layer - 1] / chance:.2f}" if layer else "-"
         print(
-            f"  {layer:>5}  {ent[layer]:>8.3f}  {math.log(cfg.num_experts):>7.3f}  {bal[layer]:>13.2f}  {r:>15}  {x:>8}"
+            f"  {layer:>5}  {ent[layer]:>8.3f}  {math.log(cfg.num_experts):>7.3f}  {bal[layer]:>13.2f}"
+            f"  {loads[layer].min():>13.3f}  {dead[layer]:>4}  {r:>15}  {x:>8}"
         )
+    print(
+        f"  dead experts (under {tiny.DEAD_LOAD:.0%} of the even share): {int(dead.sum())} of {dead.size} "
+        f"({dead.sum() / dead.size:.1%})"
+    )
     print(
         f"  mean co-occurrence recall@{cfg.top_k} {rec.mean():.3f} vs chance {chance:.3f} ({rec.mean() / chance:.2f}x)"
     )

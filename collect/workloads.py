@@ -30,6 +30,11 @@ METRICS = ("accuracy", "exact_match", "none")
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
+def _key(k: object) -> str:
+    # a YAML key as the user would recognise it on one line (keys may be numbers or hold newlines)
+    return str(k) if isinstance(k, str) and k.isprintable() else repr(k)
+
+
 class WorkloadError(MoecastError):
     """A workload is unknown, malformed, empty or its dataset is absent."""
 
@@ -80,14 +85,15 @@ class WorkloadSpec:
         try:
             data = yaml.safe_load(path.read_text())
         except yaml.YAMLError as exc:
-            raise WorkloadError(f"{path}: not valid YAML ({exc})") from exc
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise WorkloadError(f"{path}: not valid YAML ({first})") from exc
         if not isinstance(data, dict):
             raise WorkloadError(f"{path}: a workload spec is a YAML mapping")
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if unknown:
             raise WorkloadError(
-                f"{path}: unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}"
+                f"{path}: unknown key(s) {', '.join(sorted(map(_key, unknown)))}; known: {', '.join(sorted(known))}"
             )
         data.setdefault("name", path.stem)
         try:

@@ -9,6 +9,10 @@
   cosine similarity of adjacent gate inputs. Layer 0 uses the previous token's layer-0
   gate input (that token has finished). Needs ``gate_inputs`` and the router weights,
   taken from a model directory (``from_model_dir``) and stored in the checkpoint.
+- ``CooccurrencePredictor`` (layer-ahead, counts only): layer l's experts scored by how often
+  each co-occurred, on the training split, with the current token's layer l-1 experts
+  (summed over those k ids); layer 0 falls back to the global frequency table. The
+  count-based reference for LLaPor on ID-only traces.
 - ``ActivationMatrixPredictor`` (prompt-ahead; MoE-Infinity, as compared in MoE-Beyond §4):
   a collection of up to 1,000 request-level [L, E] expert-activation matrices from the
   training split; for token t the matrix of the prefix seen so far (tokens < t) is matched
@@ -65,6 +69,29 @@ def expert_counts(topk: np.ndarray, num_experts: int) -> np.ndarray:
     L = topk.shape[1]
     flat = (np.arange(L)[None, :, None] * num_experts + topk.astype(np.int64)).ravel()
     return np.bincount(flat, minlength=L * num_experts).reshape(L, num_experts).astype(np.float64)
+
+
+def _check_model_dir(model_dir: Path, ts: TraceSet) -> None:
+    """Refuse router weights from a model other than the one the traces came from (fingerprint)."""
+    cfg = model_dir / "config.json"
+    if not cfg.is_file():
+        return  # not a Hugging Face folder; the weight-shape check below still applies
+    from moecast.collect.models import config_hash
+    from moecast.collect.traceset import model_fingerprint
+    from transformers import AutoConfig
+
+    m = ts.meta.model
+    try:
+        got = model_fingerprint(
+            {**m.architecture(), "config": config_hash(AutoConfig.from_pretrained(model_dir))}
+        )
+    except (OSError, ValueError):
+        return
+    if m.fingerprint and got != m.fingerprint:
+        raise ValueError(
+            f"{model_dir} (fingerprint {got}) is not the model {ts.path} was collected from "
+            f"(fingerprint {m.fingerprint}); re-collect the traces or point at that model"
+        )
 
 
 class FrequencyPredictor(_Base):
@@ -135,6 +162,7 @@ class GateReusePredictor(_Base):
         from safetensors import safe_open
 
         model_dir = Path(model_dir)
+        _check_model_dir(model_dir, ts)
         files = sorted(model_dir.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(
@@ -185,6 +213,54 @@ class GateReusePredictor(_Base):
     @classmethod
     def from_checkpoint(cls, tensors: dict[str, Any], meta: dict[str, Any], path: Path) -> GateReusePredictor:
         return cls(tensors["router"].float().numpy(), meta)
+
+
+class CooccurrencePredictor(_Base):
+    """Layer-ahead counts: P(expert e at layer l | expert j at layer l-1) from the training split."""
+
+    name = "cooccurrence"
+    horizon = "layer-ahead"
+
+    def __init__(self, table: np.ndarray, prior: np.ndarray, meta: dict[str, Any]) -> None:
+        super().__init__(meta)
+        self.table = np.asarray(table, np.float32)  # [L, E, E]: row j of layer l = counts given j at l-1
+        self.prior = np.asarray(prior, np.float32)  # [L, E] global frequency
+
+    @classmethod
+    def fit(cls, ts: TraceSet, requests: list[str]) -> CooccurrencePredictor:
+        if not requests:
+            raise ValueError(f"{ts.path}: no training requests to count co-occurrences on")
+        topk = ts.array("topk_ids", requests).astype(np.int64)
+        _, L, k = topk.shape
+        E = ts.num_experts
+        table = np.zeros((L, E, E), np.float64)
+        for li in range(1, L):
+            src = np.repeat(topk[:, li - 1], k, axis=1).ravel()
+            dst = np.tile(topk[:, li], (1, k)).ravel()
+            table[li] = np.bincount(src * E + dst, minlength=E * E).reshape(E, E)
+        table /= np.maximum(table.sum(-1, keepdims=True), 1)
+        counts = expert_counts(topk, E)
+        prior = counts / counts.sum(1, keepdims=True)
+        return cls(table, prior, {**_model_meta(ts.meta.model), "trained_on": str(ts.path)})
+
+    def score_request(self, trace: RequestTrace) -> np.ndarray:
+        ids = np.asarray(trace.topk_ids).astype(np.int64)  # [T, L, k]
+        T, L, _ = ids.shape
+        out = np.empty((T, L, self.num_experts), np.float32)
+        out[:, 0] = self.prior[0]
+        for li in range(1, L):
+            # sum of the rows of layer l-1's experts, the prior only breaking ties
+            out[:, li] = self.table[li][ids[:, li - 1]].sum(1) + 1e-3 * self.prior[li]
+        return out
+
+    def tensors(self) -> dict[str, Any]:
+        return {"table": self.table, "prior": self.prior}
+
+    @classmethod
+    def from_checkpoint(
+        cls, tensors: dict[str, Any], meta: dict[str, Any], path: Path
+    ) -> CooccurrencePredictor:
+        return cls(tensors["table"].float().numpy(), tensors["prior"].float().numpy(), meta)
 
 
 class ActivationMatrixPredictor(_Base):

@@ -2,7 +2,8 @@
 
 CHECKPOINT is a ``.safetensors`` predictor, or a baseline built on the spot from
 the TraceSet's training split: ``frequency`` (global hot-expert table),
-``frequency-request`` (per-request prefix counts), ``moe-infinity``
+``frequency-request`` (per-request prefix counts), ``cooccurrence`` (layer-ahead
+counts of layer l's experts given layer l-1's), ``moe-infinity``
 (activation-matrix matching) or ``gate-reuse:MODEL_DIR`` (router weights read
 from a model folder); ``--save PATH`` keeps the built baseline as a checkpoint.
 """
@@ -15,16 +16,23 @@ from typing import Any
 
 from tqdm import tqdm
 
-BASELINES = ("frequency", "frequency-request", "moe-infinity", "gate-reuse:MODEL_DIR")
+BASELINES = ("frequency", "frequency-request", "cooccurrence", "moe-infinity", "gate-reuse:MODEL_DIR")
 
 
 def build_baseline(spec: str, ts: Any, train_ids: list[str]) -> Any:
-    from moecast.predictors.baselines import ActivationMatrixPredictor, FrequencyPredictor, GateReusePredictor
+    from moecast.predictors.baselines import (
+        ActivationMatrixPredictor,
+        CooccurrencePredictor,
+        FrequencyPredictor,
+        GateReusePredictor,
+    )
 
     if spec == "frequency":
         return FrequencyPredictor.fit(ts, train_ids, "global")
     if spec == "frequency-request":
         return FrequencyPredictor.fit(ts, train_ids, "request")
+    if spec == "cooccurrence":
+        return CooccurrencePredictor.fit(ts, train_ids)
     if spec == "moe-infinity":
         return ActivationMatrixPredictor.fit(ts, train_ids)
     if spec.startswith("gate-reuse:"):
@@ -40,8 +48,12 @@ def evaluate_predictor(
     k: int | None = None,
     extra_k: tuple[int, ...] = (),
     progress: bool = True,
+    groups_hint: dict[str, list[int]] | None = None,
 ) -> dict[str, Any]:
-    """Metrics of ``pred`` over ``requests`` (see ``moecast.predictors.metrics``)."""
+    """Metrics of ``pred`` over ``requests`` (see ``moecast.predictors.metrics``).
+
+    Per-group figures use the predictor's own layer groups, else ``groups_hint``
+    (for baselines, which have none: the groups LLaPor would detect, so the two compare)."""
     from moecast.predictors.metrics import MetricAccumulator
 
     if not requests:
@@ -59,8 +71,22 @@ def evaluate_predictor(
         leave=False,
     ):
         acc.update(pred.score_request(trace), trace.topk_ids)
-    groups = getattr(pred, "groups", None) or getattr(pred, "meta", {}).get("groups")
+    groups = getattr(pred, "groups", None) or getattr(pred, "meta", {}).get("groups") or groups_hint
     return acc.result(groups)
+
+
+def detected_groups(ts: Any, train_ids: list[str], max_rows: int = 20000) -> dict[str, list[int]] | None:
+    """The layer groups LLaPor training detects (PreScope §3.1) on this split, for baselines' per-group rows."""
+    import numpy as np
+    from moecast.predictors.llapor import detect_groups, gate_cosine, routing_correlation
+
+    if not train_ids:
+        return None
+    topk = ts.array("topk_ids", train_ids)
+    sub = np.arange(0, len(topk), max(1, len(topk) // max_rows))
+    cos = gate_cosine(ts.array("gate_inputs", train_ids)[sub]) if ts.has("gate_inputs") else None
+    groups, _ = detect_groups(cos, routing_correlation(topk[sub], ts.num_experts), ts.num_layers)
+    return groups
 
 
 def evaluate(
@@ -107,7 +133,8 @@ def evaluate(
         if save:
             pred.save(save)
     extra = tuple(x for x in (1, 2, 4) if x < ts.meta.model.top_k)
-    res = evaluate_predictor(pred, ts, requests, k, extra_k=extra, progress=not json)
+    hint = None if getattr(pred, "groups", None) else detected_groups(ts, train_ids)
+    res = evaluate_predictor(pred, ts, requests, k, extra_k=extra, progress=not json, groups_hint=hint)
     out = {
         "predictor": pred.name,
         "horizon": pred.horizon,

@@ -12,7 +12,11 @@ when layer l-1 finishes for the current token (PreScope §4.2.1):
   token embedding, the current token's ids at the ``prev_layers`` previous MoE
   layers, and the ids at layer l itself of the last ``history_tokens`` tokens
   (those tokens finished every layer before this one started, so this stays
-  causal).
+  causal); optionally also those tokens' ids at layers l-1.. (``history_layers``)
+  and the previous tokens' own embeddings (``context_tokens``).
+- ``dense_skip``: a linear map from the dense features (gate-input PCA, weights)
+  straight to the logits beside the MLP, i.e. a learned router on layer l-1's
+  gate input (gate reuse with learned instead of borrowed weights).
 
 Layer 0 (the first MoE layer) has no previous MoE layer and its own gate input
 is not known before its router runs, so it uses the token embedding and the
@@ -42,6 +46,8 @@ import torch
 import torch.nn.functional as F
 from moecast.collect.traceset import RequestTrace
 from moecast.predictors.base import Predictor
+from scipy.special import expit as _sigmoid
+from scipy.special import ndtr as _ndtr
 from torch import nn
 
 GROUPS = ("input", "middle", "output")
@@ -63,11 +69,14 @@ class FeatureSpec:
     gate_hidden: int = 0  # the model's hidden size (gate input width)
     weights: bool = False  # layer l-1's top-k router weights, scattered over experts
     deep_history: bool = False  # all earlier layers of the current token, mixed through shared embeddings
+    history_layers: int = 1  # history tokens' ids at layers l, l-1, .., l-history_layers+1
+    context_tokens: int = 0  # token embeddings of the previous tokens t-1 .. t-context_tokens
+    dense_skip: bool = False  # also a linear map of the dense features straight to the logits
 
     @property
     def vocab(self) -> int:
         """Sparse feature ids per layer (prev-layer blocks then history blocks), plus one pad id."""
-        return (self.prev_layers + self.history_tokens) * self.num_experts
+        return (self.prev_layers + self.history_tokens * self.history_layers) * self.num_experts
 
     @property
     def pca_max(self) -> int:
@@ -107,13 +116,30 @@ def sparse_bags(spec: FeatureSpec, topk: np.ndarray, rows: np.ndarray, pos: np.n
         blocks.append(blk)
     base = spec.prev_layers * E
     for j in range(1, spec.history_tokens + 1):
-        prev_rows = np.maximum(rows - j, 0)
-        blk = topk[prev_rows].astype(np.int64) + base + (j - 1) * E
-        blk[pos < j] = pad
-        blocks.append(blk)
+        prev = topk[np.maximum(rows - j, 0)].astype(np.int64)
+        for d in range(spec.history_layers):  # token t-j's ids at layer l-d
+            blk = np.full((B, L, k), pad, np.int64)
+            blk[:, d:] = prev[:, : L - d] + base
+            blk[pos < j] = pad
+            blocks.append(blk)
+            base += E
     if not blocks:
         return np.full((B, L, 1), pad, np.int64)
     return np.concatenate(blocks, axis=-1)
+
+
+def token_context(spec: FeatureSpec, token_ids: np.ndarray, rows: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """Token bucket ids: [B] (the current token) or, with ``context_tokens`` = C, [B, 1 + C]
+    (tokens t, t-1, .., t-C; a position before the request's start gets the pad bucket
+    ``token_buckets``). ``token_ids`` are raw ids indexed by ``rows``."""
+    cur = np.asarray(token_ids, np.int64)[rows] % spec.token_buckets
+    if not spec.context_tokens:
+        return cur
+    cols = [cur]
+    for j in range(1, spec.context_tokens + 1):
+        prev = np.asarray(token_ids, np.int64)[np.maximum(rows - j, 0)] % spec.token_buckets
+        cols.append(np.where(pos < j, spec.token_buckets, prev))
+    return np.stack(cols, 1)
 
 
 def dense_features(
@@ -206,7 +232,8 @@ class LLaPorNet(nn.Module):
         self.w_in = StackedLinear(L, max(spec.vocab, 1), H)
         with torch.no_grad():
             self.w_in.weight.normal_(
-                std=(max(spec.prev_layers + spec.history_tokens, 1) * spec.top_k) ** -0.5
+                std=(max(spec.prev_layers + spec.history_tokens * spec.history_layers, 1) * spec.top_k)
+                ** -0.5
             )
         if spec.deep_history:
             # every earlier layer l' < l of this token: shared embedding per source layer,
@@ -217,10 +244,15 @@ class LLaPorNet(nn.Module):
             )
             self.register_buffer("deep_mask", torch.tril(torch.ones(L, L), -1))
         if spec.token_buckets:
-            self.tok = nn.Embedding(spec.token_buckets, spec.token_dim)
-            self.tok_proj = StackedLinear(L, spec.token_dim, H)
+            # one extra (pad) bucket when previous tokens are embedded too
+            self.tok = nn.Embedding(spec.token_buckets + (1 if spec.context_tokens else 0), spec.token_dim)
+            self.tok_proj = StackedLinear(L, spec.token_dim * (1 + spec.context_tokens), H)
         if spec.dense_dim:
             self.dense_proj = StackedLinear(L, spec.dense_dim, H)
+            if spec.dense_skip:
+                # a router-like linear path (gate input -> logits), what gate reuse does with fixed weights
+                self.dense_skip = StackedLinear(L, spec.dense_dim, spec.num_experts)
+                nn.init.zeros_(self.dense_skip.weight)
         if spec.gate_pca:
             self.pca = PCABank(L, spec.pca_max, spec.gate_hidden)
         self.bodies = nn.ModuleDict(
@@ -255,13 +287,16 @@ class LLaPorNet(nn.Module):
             per_layer = torch.einsum("ble,leh->blh", cur, self.deep_emb)
             h = h + torch.einsum("bmh,lm->blh", per_layer, self.deep_mix * self.deep_mask)
         if self.spec.token_buckets and tokens is not None:
-            h = h + self.tok_proj(self.tok(tokens).unsqueeze(1).expand(B, L, -1))
+            te = self.tok(tokens).reshape(B, -1)  # [B, token_dim * (1 + context_tokens)]
+            h = h + self.tok_proj(te.unsqueeze(1).expand(B, L, -1))
         if self.spec.dense_dim and dense is not None:
             h = h + self.dense_proj(dense)
         h = F.gelu(h)
         out = h.new_zeros(B, L, self.spec.num_experts)
         for g, layers in self.groups.items():
             out[:, layers] = self.bodies[g](h[:, layers])
+        if self.spec.dense_skip and dense is not None:
+            out = out + self.dense_skip(dense)
         return out
 
 
@@ -352,14 +387,8 @@ def format_groups(groups: dict[str, list[int]], moe_layers: list[int]) -> str:
 
 
 def _gelu(x: np.ndarray) -> np.ndarray:
-    # exact (erf) GELU, as torch.nn.functional.gelu
-    from scipy.special import erf
-
-    return 0.5 * x * (1.0 + erf(x / np.sqrt(2.0)))
-
-
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(-x))
+    # exact (erf) GELU, as torch.nn.functional.gelu: x * Phi(x), Phi = the normal CDF (ndtr)
+    return x * _ndtr(x)
 
 
 class LLaPor(Predictor):
@@ -406,7 +435,7 @@ class LLaPor(Predictor):
         if spec.deep_history:
             feats["route"] = torch.from_numpy(ids.astype(np.int64))
         if spec.token_buckets:
-            feats["tokens"] = torch.from_numpy(np.asarray(trace.token_ids, np.int64) % spec.token_buckets)
+            feats["tokens"] = torch.from_numpy(token_context(spec, np.asarray(trace.token_ids), pos, pos))
         if spec.dense_dim:
             pca_in = None
             if spec.gate_pca:
@@ -443,27 +472,31 @@ class LLaPor(Predictor):
         rows of ``features()`` (all layers' inputs; only this layer's are read).
         """
         w = self._layer_weights(layer)
-        bags = np.asarray(feats["bags"])[:, layer]  # [B, n]
-        pad = self.spec.vocab
-        rows = np.where(bags >= pad, pad, bags)
-        h = np.broadcast_to(w["bias"], (len(bags), len(w["bias"]))).copy()
-        if pad:
-            h += w["w_in"][rows].sum(1)  # multi-hot @ W as a gather (the pad row is zero)
+        bags = np.asarray(feats["bags"])[:, layer]  # [B, n]; the pad id indexes a zero row
+        if "deep_off" in w:
+            # this token's ids at layers < l, as rows of the per-layer table (mix weight folded in)
+            route = np.asarray(feats["route"])[:, :layer].reshape(len(bags), -1)
+            bags = np.concatenate([bags, route + w["deep_off"]], axis=1)
+        # multi-hot @ W and the deep-history sum as one gather over the layer's input table
+        h = w["table"][bags].sum(1)
+        h += w["bias"]
         if "tok" in w:
-            h += w["tok"][np.asarray(feats["tokens"])] @ w["tok_proj"] + w["tok_bias"]
-        if "deep_emb" in w and layer > 0:
-            route = np.asarray(feats["route"])[:, :layer]  # [B, layer, k]
-            per_src = w["deep_emb"][np.arange(layer)[None, :, None], route].sum(2)  # [B, layer, H]
-            h += np.einsum("bmh,m->bh", per_src, w["deep_mix"])
+            te = w["tok"][np.asarray(feats["tokens"])].reshape(len(bags), -1)
+            h += te @ w["tok_proj"]
         if "dense_proj" in w:
-            h += np.asarray(feats["dense"])[:, layer] @ w["dense_proj"] + w["dense_bias"]
+            h += np.asarray(feats["dense"])[:, layer] @ w["dense_proj"]
         h = _gelu(h)
         for W, b in w["hidden"]:
             h = _gelu(h @ W + b)
-        if "res1" in w:
-            r = _gelu(h @ w["res1"][0] + w["res1"][1]) @ w["res2"][0] + w["res2"][1]
-            h = h + _sigmoid(h @ w["gate"][0] + w["gate"][1]) * r
-        return _sigmoid(h @ w["head"][0] + w["head"][1])
+        if "res_gate" in w:
+            H = h.shape[1]
+            both = h @ w["res_gate"][0] + w["res_gate"][1]  # res1 and the gating unit in one product
+            r = _gelu(both[:, :H]) @ w["res2"][0] + w["res2"][1]
+            h = h + _sigmoid(both[:, H:]) * r
+        logits = h @ w["head"][0] + w["head"][1]
+        if "skip" in w:
+            logits += np.asarray(feats["dense"])[:, layer] @ w["skip"][0] + w["skip"][1]
+        return _sigmoid(logits)
 
     def _layer_weights(self, layer: int) -> dict[str, Any]:
         cache = self.__dict__.setdefault("_layer_cache", {})
@@ -474,22 +507,27 @@ class LLaPor(Predictor):
         def np_(t: torch.Tensor) -> np.ndarray:
             return t.detach().float().numpy().copy()
 
-        w: dict[str, Any] = {
-            # one appended zero row so the pad id gathers nothing
-            "w_in": np.vstack([np_(net.w_in.weight[layer]), np.zeros((1, net.net.hidden), np.float32)]),
-            "bias": np_(net.w_in.bias[layer]),
-        }
+        V, E, H = self.spec.vocab, self.num_experts, net.net.hidden
+        # input table: the layer's sparse-feature rows, one zero row for the pad id (V), then
+        # with deep_history the rows of every earlier layer's experts scaled by their mix weight
+        parts = [np_(net.w_in.weight[layer])[:V], np.zeros((1, H), np.float32)]
+        bias = np_(net.w_in.bias[layer])
+        w: dict[str, Any] = {}
+        if self.spec.deep_history and layer > 0:
+            mix = np_((net.deep_mix * net.deep_mask)[layer, :layer])  # [layer]
+            parts.append((np_(net.deep_emb[:layer]) * mix[:, None, None]).reshape(layer * E, H))
+            w["deep_off"] = V + 1 + np.repeat(np.arange(layer) * E, self.top_k)
+        w["table"] = np.ascontiguousarray(np.vstack(parts))
         if self.spec.token_buckets:
             w["tok"] = np_(net.tok.weight)
-            w["tok_proj"], w["tok_bias"] = np_(net.tok_proj.weight[layer]), np_(net.tok_proj.bias[layer])
-        if self.spec.deep_history:
-            w["deep_emb"] = np_(net.deep_emb[:layer]) if layer else None
-            w["deep_mix"] = np_((net.deep_mix * net.deep_mask)[layer, :layer])
+            w["tok_proj"] = np_(net.tok_proj.weight[layer])
+            bias = bias + np_(net.tok_proj.bias[layer])
         if self.spec.dense_dim:
-            w["dense_proj"], w["dense_bias"] = (
-                np_(net.dense_proj.weight[layer]),
-                np_(net.dense_proj.bias[layer]),
-            )
+            w["dense_proj"] = np_(net.dense_proj.weight[layer])
+            bias = bias + np_(net.dense_proj.bias[layer])
+            if self.spec.dense_skip:
+                w["skip"] = (np_(net.dense_skip.weight[layer]), np_(net.dense_skip.bias[layer]))
+        w["bias"] = bias
         group = next(g for g, ls in self.groups.items() if layer in ls)
         j = self.groups[group].index(layer)
         body = net.bodies[group]
@@ -499,7 +537,9 @@ class LLaPor(Predictor):
 
         w["hidden"] = [pick(lin) for lin in body.hidden]
         if body.residual:
-            w["res1"], w["res2"], w["gate"] = pick(body.res1), pick(body.res2), pick(body.gate)
+            (r1, b1), (g, bg) = pick(body.res1), pick(body.gate)
+            w["res_gate"] = (np.ascontiguousarray(np.hstack([r1, g])), np.concatenate([b1, bg]))
+            w["res2"] = pick(body.res2)
         w["head"] = pick(body.head)
         cache[layer] = w
         return w

@@ -15,6 +15,7 @@ KINDS: dict[str, str] = {
     "frequency": "moecast.predictors.baselines:FrequencyPredictor",
     "gate-reuse": "moecast.predictors.baselines:GateReusePredictor",
     "moe-infinity": "moecast.predictors.baselines:ActivationMatrixPredictor",
+    "cooccurrence": "moecast.predictors.baselines:CooccurrencePredictor",
     "eam": "moecast.predictors.casmoe:EAM",
     "eap": "moecast.predictors.casmoe:EAP",
     "cascade": "moecast.predictors.casmoe:Cascade",

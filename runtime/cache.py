@@ -317,37 +317,64 @@ class ExpertCache:
         hits = res[ids]
         if insert and self.policy != "static" and not hits.all():
             miss = ids[~hits]
-            need = int(self.count[lane]) + len(miss) - int(self.capacity_of[lane])
+            cap = int(self.capacity_of[lane])
+            cnt = int(self.count[lane])
+            need = cnt + len(miss) - cap
             if need > 0:
-                elig = res.copy()
-                elig[ids] = False
-                n_elig = int(elig.sum())
-                n_ev = min(need, n_elig)
-                if n_ev > 0:
-                    key = self._key(np.array([lane]))[0]
-                    if self.policy == "score":
-                        key = np.where(elig, key, np.inf)
-                        victims = np.argsort(key, kind="stable")[:n_ev]
-                    else:
-                        key = np.where(elig, key, np.iinfo(np.int64).max)
-                        victims = np.argpartition(key, n_ev - 1)[:n_ev] if n_ev > 1 else [int(key.argmin())]
-                    pf = self._pf[lane]
-                    self.stats.prefetch_wasted += int(pf[victims].sum())
-                    pf[victims] = False
-                    res[victims] = False
-                    self.count[lane] -= n_ev
-                    self.stats.evictions += n_ev
-                miss = miss[: int(self.capacity_of[lane]) - int(self.count[lane])]
+                n_ev = self._evict_one_lane(lane, ids, need)
+                cnt -= n_ev
+                miss = miss[: cap - cnt]
             res[miss] = True
-            self.count[lane] += len(miss)
+            self.count[lane] = cnt + len(miss)
         self._last[lane, ids] = tt
         self._freq[lane, ids] += 1
-        pf = self._pf[lane]
-        used = pf[ids] & hits
-        if used.any():
-            self.stats.prefetch_used += int(used.sum())
-            pf[ids[used]] = False
+        if self.stats.prefetch_inserted:
+            pf = self._pf[lane]
+            used = pf[ids] & hits
+            if used.any():
+                self.stats.prefetch_used += int(used.sum())
+                pf[ids[used]] = False
         return hits
+
+    def _evict_one_lane(self, lane: int, shield: np.ndarray, need: int) -> int:
+        """Evict up to ``need`` of one lane's resident items outside ``shield``, lowest key first."""
+        res = self._res[lane]
+        if self.policy == "score":
+            key = np.where(res, self._score[lane], np.inf)
+            key[shield] = np.inf
+            n_ev = min(need, int(np.isfinite(key).sum()))
+            victims = np.argsort(key, kind="stable")[:n_ev]
+        else:
+            big = np.iinfo(np.int64).max
+            if self.policy == "lru":
+                key = (self._last[lane] + 1) << self._shift
+            elif self.policy == "lfu":
+                key = (self._freq[lane] << (self._shift + 24)) | ((self._last[lane] + 1) << self._shift)
+            else:
+                key = (_NU_CAP - np.minimum(self._nu[lane], _NU_CAP)) << self._shift
+            key |= self._ids
+            key[~res] = big
+            key[shield] = big
+            if need == 1:
+                v = int(key.argmin())
+                if key[v] == big:
+                    return 0
+                victims = [v]
+                n_ev = 1
+            else:
+                victims = np.argpartition(key, need - 1)[:need]
+                victims = victims[key[victims] != big]
+                n_ev = len(victims)
+        if n_ev == 0:
+            return 0
+        pf = self._pf[lane]
+        if self.stats.prefetch_inserted:
+            self.stats.prefetch_wasted += int(pf[victims].sum())
+            pf[victims] = False
+        res[victims] = False
+        self.count[lane] -= n_ev
+        self.stats.evictions += n_ev
+        return n_ev
 
     def resident_ids(self, lane: int = 0) -> np.ndarray:
         return np.flatnonzero(self.resident[lane])

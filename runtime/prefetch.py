@@ -94,11 +94,13 @@ class Prefetcher:
         if np.ndim(scores) == 1:
             # one token: its top-k predicted experts, best first, minus the resident ones
             top = np.argpartition(-scores, self.k - 1)[: self.k]
-            top = top[~resident[top]]
-            cand = top[np.argsort(-scores[top], kind="stable")]
+            keep = [
+                (e, v) for e, v, r in zip(top.tolist(), scores[top].tolist(), resident[top].tolist()) if not r
+            ]
+            keep.sort(key=lambda x: -x[1])  # stable: ties keep argpartition's order
             if t_gap is not None:
-                cand = cand[: self._gap_count(t_gap)]
-            return cand
+                keep = keep[: self._gap_count(t_gap)]
+            return np.array([e for e, _ in keep], dtype=top.dtype)
         s = np.atleast_2d(scores)
         top = np.argpartition(-s, self.k - 1, axis=1)[:, : self.k]
         agg = np.zeros(self.E, dtype=np.float64)

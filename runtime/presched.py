@@ -140,3 +140,53 @@ class PreSched:
         )
         split = int(d.n_cpu[0])
         return order[split:], order[:split], int(d.n_prefetch[0])
+
+
+def schedule_unit(
+    n_cur: np.ndarray,
+    M: int,
+    n_next: np.ndarray,
+    Mn: int,
+    delay: np.ndarray,
+    r_hit: np.ndarray,
+    cost: CostModel,
+) -> PreSchedDecision:
+    """:func:`schedule` when every pending expert has one token (decode batch 1), without the sorts.
+
+    Same floating-point operations as :func:`schedule` on rows of ones (``n_cur`` of ``M`` current,
+    ``n_next`` of ``Mn`` next), so the decisions are identical: the merged order of E_all is the
+    current experts then the next ones, and t_c of the first i experts is the same running sum.
+    """
+    rows = len(n_cur)
+    n_cur = np.asarray(n_cur, dtype=np.int64)
+    delay = np.asarray(delay, dtype=np.float64)
+    per = cost.beta * 1.0 + cost.c
+    run = np.concatenate([[0.0], np.cumsum(np.full(M + Mn, per))])  # t_c of the first i experts
+    idx = np.arange(M + 1)[None, :]
+    tc = np.where(idx <= n_cur[:, None], run[: M + 1][None, :], run[n_cur][:, None])
+    t_io = cost.t_io if np.isfinite(cost.t_io) else 1e30
+    tg = delay[:, None] + (n_cur[:, None] - idx) * t_io + cost.t_g
+    ok = (tg < tc) & (idx <= n_cur[:, None])
+    first = np.where(ok.any(1), ok.argmax(1), n_cur)
+    n_load = n_cur - first
+    t_cpu = tc[np.arange(rows), first]
+    if Mn == 0:
+        return PreSchedDecision(n_load, first, t_cpu, np.zeros(rows, dtype=np.int64))
+    n_next = np.asarray(n_next, dtype=np.int64)
+    n_all = n_cur + n_next
+    ia = np.arange(M + Mn)[None, :]
+    tca = run[: M + Mn][None, :] + cost.t_attn
+    tga = delay[:, None] + (n_all[:, None] - ia) * t_io + cost.t_g
+    cond = (tga < tca) & (ia < n_all[:, None])
+    next_in_queue = cond.any(1) & (n_next > 0)
+    if t_io <= 0:
+        n_pf = n_next.copy()
+    else:
+        gap = t_cpu - delay - n_load * t_io
+        f = (gap + cost.t_attn) / t_io
+        f_round = np.floor(f + 0.5)
+        r_hit = np.asarray(r_hit, dtype=np.float64)
+        xi = r_hit * (f - f_round + 1) - (1 - r_hit) * (f_round - f)
+        n_pf = np.clip(np.where(xi > 0, f_round, f_round - 1), 0, n_next).astype(np.int64)
+    n_pf[~next_in_queue] = 0
+    return PreSchedDecision(n_load, first, t_cpu, n_pf)

@@ -25,6 +25,14 @@ The simulation is vectorised over "lanes" (one cache each): with per-layer cache
 layer) pair is a lane and the layers advance as a wavefront (lane of layer l handles step i - l at
 iteration i), so one numpy call moves all layers and all cold streams at once. A shared cache has one
 lane per stream and walks the layers in order.
+
+Fast paths (:mod:`moecast.runtime.fastreplay`) take over for per-layer caches at batch size 1
+without substitution, the common case: demand-only ``lru`` from LRU stack distances (every capacity
+at once), ``static`` from the table, ``lfu``/``belady`` from a step-synchronous simulation of all
+(request, layer, capacity) caches, ``prefetch``/``presched`` from a wavefront over contiguous lanes
+(and ``prefetch`` as demand LRU when no prefetch can ever fit in the link window:
+``t_attn + k * t_g < t_io``). They give the same results as the general engine
+(``ReplayConfig(fast=False)``; checked in tests/test_replay.py).
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from typing import Any
 
 import numpy as np
 from moecast.collect.traceset import TraceSet, TraceSetError
+from moecast.runtime import fastreplay as fast
 from moecast.runtime.balancer import two_pointer_split
 from moecast.runtime.cache import ExpertCache, StaticTable, resolve_capacity
 from moecast.runtime.cost_model import CostModel, HardwareProfile, load_profile
@@ -102,6 +111,7 @@ class ReplayConfig:
     requests: list[str] | None = None
     progress: bool = False
     chunk_lanes: int = 20000  # cold streams replayed together (bounds the per-lane state in memory)
+    fast: bool = True  # use the fast paths where they apply (False: the general engine, for cross-checks)
 
 
 @dataclass
@@ -135,6 +145,19 @@ class ReplayResult:
 
 
 # ----------------------------------------------------------------------------- preparation
+
+
+_DATA_MEMO: dict[tuple, _Data] = {}
+
+
+def _data(ts: TraceSet, rids: list[str], need_probs: bool) -> _Data:
+    """The arrays of a replay, kept for the next call on the same requests (a bench or `compare`
+    replays one TraceSet many times; reading it dominates a fast replay otherwise)."""
+    key = (str(ts.path), ts.num_tokens, hash(tuple(rids)), need_probs)
+    if key not in _DATA_MEMO:
+        _DATA_MEMO.clear()
+        _DATA_MEMO[key] = _Data(ts, rids, need_probs)
+    return _DATA_MEMO[key]
 
 
 class _Data:
@@ -278,11 +301,85 @@ def replay_capacities(
         for f in getattr(p, "needs", ()):
             ts.require(f, f"predictor {getattr(p, 'name', '?')}")
 
-    d = _Data(ts, rids, need_probs=spec.eviction == "score" or use_sub)
-    tok, start = _grid(d.lengths, d.starts, B, cfg.cold)
-    G, S, _ = tok.shape
-    stream_len = (tok >= 0).any(2).sum(1)  # steps per stream (slots finish at different times)
-    N = L * E if cfg.shared else E
+    d = _data(ts, rids, need_probs=spec.eviction == "score" or use_sub)
+    if (
+        cfg.fast
+        and not cfg.shared
+        and B == 1
+        and not use_sub
+        and predictor is None
+        and planner is None
+        and spec.balancer == "none"
+        and not spec.preload_hot
+        and spec.eviction in ("lru", "lfu", "belady", "static")
+        and fast.valid_for_fast(d.topk, E)
+    ):
+        st, tpots, any_decode, n_steps = _fast_demand(d, spec.eviction, caps, cfg.cold, cost, L, E, k)
+        return _results(
+            st,
+            tpots,
+            any_decode,
+            n_steps,
+            time.perf_counter() - t0,
+            ts,
+            cfg,
+            spec,
+            use_sub,
+            pred_name,
+            caps,
+            E,
+            L,
+            B,
+            profile,
+            m,
+            rids,
+            d,
+        )
+
+    fast_wave = (
+        cfg.fast
+        and not cfg.shared
+        and B == 1
+        and not use_sub
+        and planner is None
+        and spec.eviction == "lru"
+        and spec.balancer in ("none", "presched")
+        and fast.valid_for_fast(d.topk, E)
+    )
+    if fast_wave:
+        t_io = cost.t_io
+        if (
+            spec.balancer == "none"
+            and not spec.preload_hot
+            and (
+                math.isinf(t_io)
+                or (t_io > 0 and (cost.t_attn + k * cost.t_g) * (1 + 1e-12) / t_io + 1e-9 < 1)
+            )
+        ):
+            # A prefetch starts only when it fits in the link time the previous layer leaves free,
+            # and at batch 1 that is at most t_attn + k * t_g (the device time of its k experts):
+            # below one transfer no prefetch can ever start, so this is demand LRU exactly.
+            st, tpots, any_decode, n_steps = _fast_demand(d, "lru", caps, cfg.cold, cost, L, E, k)
+            return _results(
+                st,
+                tpots,
+                any_decode,
+                n_steps,
+                time.perf_counter() - t0,
+                ts,
+                cfg,
+                spec,
+                use_sub,
+                pred_name,
+                caps,
+                E,
+                L,
+                B,
+                profile,
+                m,
+                rids,
+                d,
+            )
 
     # predictions: per (token, layer) the top-k predicted ids, best first
     kp = k
@@ -293,39 +390,93 @@ def replay_capacities(
         pred_sc = np.zeros((len(d.topk), L, kp), dtype=np.float32)
         if planner is not None:
             plan_top = np.zeros((len(rids), L, cap), dtype=np.int64)
+        if isinstance(predictor, OraclePredictor) and planner is None:
+            pred_ids[:] = d.topk
+            pred_sc[:] = 1.0
         it = _progress(
             list(enumerate(rids)),
             cfg.progress and predictor is not None and not isinstance(predictor, OraclePredictor),
             "predicting",
         )
-        for r, rid in it:
-            s0, n = d.starts[r], d.lengths[r]
-            if isinstance(predictor, OraclePredictor):
-                pred_ids[s0 : s0 + n] = d.topk[s0 : s0 + n]
-                pred_sc[s0 : s0 + n] = 1.0
-                if planner is None:
-                    continue
-            trace = ts.get(rid)
-            sc = None
-            if predictor is not None and not isinstance(predictor, OraclePredictor):
-                sc = np.asarray(predictor.score_request(trace), dtype=np.float32)
-                sc = sc / np.maximum(np.abs(sc).max(-1, keepdims=True), 1e-12)
-            if planner is not None:
-                plan = np.asarray(planner.score_request(trace), dtype=np.float32)[0]  # [L, E]
-                plan_top[r] = np.argsort(-plan, axis=1, kind="stable")[:, :cap]
-                # Alone, a plan only preloads (CasMoE plans before decoding); as a constant per-token
-                # prefetch it would evict the experts the previous token just used, which at small
-                # capacities are the likeliest next ones.
+        with _scoring_mode(predictor, planner):
+            for r, rid in it:
+                s0, n = d.starts[r], d.lengths[r]
+                if isinstance(predictor, OraclePredictor) and planner is None:
+                    break
+                if isinstance(predictor, OraclePredictor):
+                    pred_ids[s0 : s0 + n] = d.topk[s0 : s0 + n]
+                    pred_sc[s0 : s0 + n] = 1.0
+                    if planner is None:
+                        continue
+                trace = ts.get(rid)
+                sc = None
+                if predictor is not None and not isinstance(predictor, OraclePredictor):
+                    sc = np.asarray(predictor.score_request(trace), dtype=np.float32)
+                    sc = sc / np.maximum(np.abs(sc).max(-1, keepdims=True), 1e-12)
+                if planner is not None:
+                    plan = np.asarray(planner.score_request(trace), dtype=np.float32)[0]  # [L, E]
+                    plan_top[r] = np.argsort(-plan, axis=1, kind="stable")[:, :cap]
+                    # Alone, a plan only preloads (CasMoE plans before decoding); as a constant per-token
+                    # prefetch it would evict the experts the previous token just used, which at small
+                    # capacities are the likeliest next ones.
+                    if sc is not None:
+                        # the plan as a prior: blended with the token-level scores
+                        sc = (
+                            0.5 * sc
+                            + 0.5 * (plan / np.maximum(np.abs(plan).max(-1, keepdims=True), 1e-12))[None]
+                        )
                 if sc is not None:
-                    # the plan as a prior: blended with the token-level scores
-                    sc = (
-                        0.5 * sc + 0.5 * (plan / np.maximum(np.abs(plan).max(-1, keepdims=True), 1e-12))[None]
-                    )
-            if sc is not None:
-                ids, scs = top_predictions(sc, kp)
-                pred_ids[s0 : s0 + n], pred_sc[s0 : s0 + n] = ids, scs
+                    ids, scs = top_predictions(sc, kp)
+                    pred_ids[s0 : s0 + n], pred_sc[s0 : s0 + n] = ids, scs
     prefetching = pred_ids is not None
+    if fast_wave:
+        cand = None
+        if prefetching:
+            # B = 1: each (token, layer)'s candidates ranked once for the whole TraceSet, in chunks
+            n_tok = len(d.topk)
+            if isinstance(predictor, OraclePredictor):
+                # equal scores, distinct ids: the ranking keeps ascending id order
+                cand = np.sort(pred_ids, axis=2)
+            else:
+                cand = np.empty((n_tok, L, kp), dtype=np.int64)
+                for c0 in range(0, n_tok, 8192):
+                    c1 = min(n_tok, c0 + 8192)
+                    cand[c0:c1] = _rank_candidates(
+                        pred_ids[c0:c1].reshape(-1, kp), pred_sc[c0:c1].reshape(-1, kp), E
+                    ).reshape(c1 - c0, L, kp)
+        pre = StaticTable.from_topk(d.topk, E).per_layer(cap) if spec.preload_hot else None
+        any_decode = bool(d.decode.any())
+        basis = d.decode if any_decode else np.ones(len(d.topk), dtype=bool)
+        st = fast.wavefront_b1(
+            d.topk, d.lengths, cfg.cold, caps, E, cost, spec.balancer, cand, pred_ids, pre, basis
+        )
+        n_basis = int(basis.sum())
+        tpots = [float(v / n_basis) if n_basis else None for v in st.pop("tpot_sum")]
+        return _results(
+            st,
+            tpots,
+            any_decode,
+            len(d.topk),
+            time.perf_counter() - t0,
+            ts,
+            cfg,
+            spec,
+            use_sub,
+            pred_name,
+            caps,
+            E,
+            L,
+            B,
+            profile,
+            m,
+            rids,
+            d,
+        )
 
+    tok, start = _grid(d.lengths, d.starts, B, cfg.cold)
+    G, S, _ = tok.shape
+    stream_len = (tok >= 0).any(2).sum(1)  # steps per stream (slots finish at different times)
+    N = L * E if cfg.shared else E
     nu = _next_use(d.topk, tok, L, E, cfg.shared) if spec.eviction == "belady" else None
     # statistics
     st = {
@@ -574,13 +725,57 @@ def replay_capacities(
     valid_step = np.arange(S)[None, :] < len_all[:, None]
     basis_mask = valid_step & step_decode if any_decode else valid_step
     n_steps = int(valid_step.sum())
-    wall = time.perf_counter() - t0
+    tpots = [float(step_time[c][basis_mask].mean()) if basis_mask.any() else None for c in range(C)]
+    return _results(
+        st,
+        tpots,
+        any_decode,
+        n_steps,
+        time.perf_counter() - t0,
+        ts,
+        cfg,
+        spec,
+        use_sub,
+        pred_name,
+        caps,
+        E,
+        L,
+        B,
+        profile,
+        m,
+        rids,
+        d,
+    )
+
+
+def _results(
+    st,
+    tpots,
+    any_decode,
+    n_steps,
+    wall,
+    ts,
+    cfg,
+    spec,
+    use_sub,
+    pred_name,
+    caps,
+    E,
+    L,
+    B,
+    profile,
+    m,
+    rids,
+    d,
+) -> list[ReplayResult]:
+    """Per capacity: the DESIGN.md metrics from the [C * L] statistics (index c * L + layer)."""
+    C = len(caps)
     results = []
     for c in range(C):
         sl = slice(c * L, (c + 1) * L)
         t = {name: v[sl] for name, v in st.items()}
         uses = t["uses"].sum()
-        tpot = float(step_time[c][basis_mask].mean()) if basis_mask.any() else None
+        tpot = tpots[c]
         if tpot is not None and not math.isfinite(tpot):
             tpot = None
         inserted = t["pf_inserted"].sum()
@@ -627,6 +822,52 @@ def replay_capacities(
             )
         )
     return results
+
+
+def _fast_demand(d, eviction, caps, cold, cost, L, E, k):
+    """Demand-only per-layer replay at batch 1 (see :mod:`moecast.runtime.fastreplay`): statistics
+    in the layout of the general engine, from the misses of every (token, layer, capacity)."""
+    N = len(d.topk)
+    C = len(caps)
+    if eviction == "lru":
+        dist = fast.lru_distances(d.topk, d.lengths, cold)
+        misses = np.stack([(dist >= c).sum(2) for c in caps], axis=2)
+    elif eviction == "static":
+        order = StaticTable.from_topk(d.topk, E).per_layer(E)
+        misses = fast.static_hits(d.topk, order, caps)
+    else:
+        misses = fast.simulate_demand(d.topk, d.lengths, cold, caps, eviction, E)
+    misses = misses.astype(np.int64)
+    lt = fast.layer_time_table(k, cost)
+    per = lt[misses]  # [N, L, C] layer times
+    miss_lc = misses.sum(0).T.reshape(-1)  # [C * L], index c * L + layer
+    zeros = np.zeros(C * L)
+    st = {
+        n: zeros.copy()
+        for n in ("cpu", "subs", "pf_issued", "pf_landed", "pf_started", "pf_used", "pf_inserted")
+    }
+    st["uses"] = np.full(C * L, float(N * k))
+    st["hits"] = N * k - miss_lc.astype(np.float64)
+    st["loads"] = miss_lc.astype(np.float64)
+    st["time"] = per.sum(0).T.reshape(-1)
+    any_decode = bool(d.decode.any())
+    step = per.sum(1)  # [N, C]: B = 1, every token is one step
+    basis = step[d.decode] if any_decode else step
+    tpots = [float(basis[:, c].mean()) if len(basis) else None for c in range(C)]
+    return st, tpots, any_decode, N
+
+
+def _scoring_mode(*preds: Any) -> Any:
+    """No autograd while checkpoints score a TraceSet (one batched call per request)."""
+    import contextlib
+
+    if all(p is None or isinstance(p, OraclePredictor) for p in preds):
+        return contextlib.nullcontext()
+    try:
+        import torch
+    except ImportError:
+        return contextlib.nullcontext()
+    return torch.inference_mode()
 
 
 def _acc(target: np.ndarray, idx: np.ndarray, values: np.ndarray) -> None:

@@ -104,14 +104,8 @@ class SubstitutingRouter:
         topk = np.atleast_2d(topk)
         if self.alpha == 0:
             return topk
-        if len(probs) == 1:
-            # fast path: nothing to substitute when every low-score expert is already resident
-            s = probs[0]
-            act = np.zeros(len(s), dtype=bool)
-            act[topk[0]] = True
-            beta = np.where(act, -np.inf, s).max()
-            if not (act & (s <= (1 + self.alpha) * beta) & ~np.asarray(resident, dtype=bool)).any():
-                return topk
+        if len(probs) == 1 and topk[0, 0] >= 0:
+            return self._route_one(probs[0], np.asarray(resident, dtype=bool), topk)
         res = np.broadcast_to(np.asarray(resident, dtype=bool), probs.shape)
         ids, _ = substitute(
             probs,
@@ -121,3 +115,32 @@ class SubstitutingRouter:
             group=None if len(probs) == 1 else np.zeros(len(probs), dtype=np.int64),
         )
         return ids
+
+    def _route_one(self, p: np.ndarray, resident: np.ndarray, topk: np.ndarray) -> np.ndarray:
+        """Algorithm 1 for one token with a handful of numpy calls (same result as :func:`substitute`).
+
+        With one token the batch set C is the token's own top-score experts, so the low-score
+        experts to replace are those not resident and the alternatives are resident inactive ones.
+        """
+        s = p.astype(np.float32, copy=False)
+        t = topk[0]
+        masked = s.copy()
+        masked[t] = -np.inf
+        beta = masked.max()
+        st = s[t]
+        low_missing = (st <= (1 + self.alpha) * beta) & ~resident[t]
+        if not low_missing.any():
+            return topk
+        alt = np.flatnonzero((masked > (1 - self.alpha) * beta) & (masked <= beta) & resident)
+        if len(alt) == 0:
+            return topk
+        alt_s = s[alt].tolist()
+        miss_ids = t[low_missing].tolist()
+        miss_s = st[low_missing].tolist()
+        use = min(len(miss_ids), len(alt_s))
+        # best alternatives join (score descending, lower id first); lowest-scored missing ones leave
+        chosen = sorted(zip(alt.tolist(), alt_s), key=lambda x: (-x[1], x[0]))[:use]
+        dropped = {e for e, _ in sorted(zip(miss_ids, miss_s), key=lambda x: (x[1], x[0]))[:use]}
+        sel = [(e, v) for e, v in zip(t.tolist(), st.tolist()) if e not in dropped] + chosen
+        sel.sort(key=lambda x: (-x[1], x[0]))
+        return np.array([[e for e, _ in sel]], dtype=topk.dtype)

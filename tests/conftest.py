@@ -16,13 +16,17 @@ SHARED = Path(__file__).resolve().parents[2] / "shared"
 PUFFIN = SHARED / "traces" / "deepseek-v2-lite-puffin"
 
 
-@pytest.fixture(autouse=True)
-def _isolated_outputs(tmp_path_factory, monkeypatch):
-    # wandb, Lightning and the tiny-model cache must never write into the checkout or $HOME
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_outputs(tmp_path_factory):
+    # wandb, Lightning and the tiny-model cache must never write into the checkout or $HOME;
+    # session scope so that module- and session-scoped fixtures (which run before any
+    # function-scoped one) see the isolated folders too
     root = tmp_path_factory.getbasetemp()
-    monkeypatch.setenv("WANDB_DIR", str(root / "wandb"))
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("MOECAST_HOME", os.environ.get("MOECAST_TEST_HOME", str(root / "moecast_home")))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WANDB_DIR", str(root / "wandb"))
+        mp.setenv("WANDB_MODE", "offline")
+        mp.setenv("MOECAST_HOME", os.environ.get("MOECAST_TEST_HOME", str(root / "moecast_home")))
+        yield
 
 
 @pytest.fixture

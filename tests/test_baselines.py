@@ -82,6 +82,30 @@ def test_request_frequency_uses_only_the_prefix(synthetic_traces):
     assert np.allclose(pred.score_request(trace)[:6], scores[:6])
 
 
+def test_cooccurrence_is_layer_ahead_and_beats_the_hot_table(synthetic_traces):
+    from moecast.predictors.baselines import CooccurrencePredictor
+
+    ts = TraceSet(synthetic_traces)
+    pred = CooccurrencePredictor.fit(ts, ts.request_ids)
+    trace = ts.get(ts.request_ids[0])
+    base = pred.score_request(trace)
+    changed = trace.topk_ids.copy()
+    changed[:, 1:] = (changed[:, 1:] + 1) % ts.num_experts  # layers >= 1 do not feed layer 1
+    trace.topk_ids = changed
+    assert np.allclose(pred.score_request(trace)[:, :2], base[:, :2])
+    co = evaluate("cooccurrence", str(synthetic_traces), split="all")
+    hot = evaluate("frequency", str(synthetic_traces), split="all")
+    assert co["recall_at_k"] > hot["recall_at_k"]
+
+
+def test_gate_reuse_refuses_router_weights_of_another_model(synthetic_traces, tmp_path):
+    model_dir = tmp_path / "other-model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"model_type": "qwen2_moe", "hidden_size": 16}))
+    with pytest.raises(ValueError, match="is not the model"):
+        GateReusePredictor.from_model_dir(model_dir, TraceSet(synthetic_traces))
+
+
 def test_activation_matrix_matching_and_roundtrip(synthetic_traces, tmp_path):
     ts = TraceSet(synthetic_traces)
     pred = ActivationMatrixPredictor.fit(ts, ts.request_ids, capacity=4)
@@ -136,6 +160,37 @@ def test_checkpoint_of_another_model_is_refused(synthetic_traces, tmp_path):
     FrequencyPredictor.fit(ts, ts.request_ids).save(tmp_path / "other.safetensors")
     with pytest.raises(CheckpointError, match="fingerprint"):
         evaluate(str(tmp_path / "other.safetensors"), str(synthetic_traces))
+
+
+def test_cli_reports_bad_input_in_one_line(synthetic_traces, tmp_path):
+    from moecast.cli import main
+
+    other = make_synthetic_traceset(tmp_path / "other", num_experts=16)
+    ts = TraceSet(other)
+    FrequencyPredictor.fit(ts, ts.request_ids).save(tmp_path / "other.safetensors")
+    ids_only = make_synthetic_traceset(tmp_path / "ids", with_optional=False)
+    cases = [
+        (
+            ["predictors", "eval", str(tmp_path / "other.safetensors"), "--traces", str(synthetic_traces)],
+            "fingerprint",
+        ),
+        (["predictors", "eval", "gate-reuse:" + str(tmp_path), "--traces", str(ids_only)], "gate_inputs"),
+        (
+            ["predictors", "eval", "frequency", "--traces", str(synthetic_traces), "--val-fraction", "0"],
+            "split",
+        ),
+        (["predictors", "eval", "frequency", "--traces", str(tmp_path / "missing")], "missing"),
+    ]
+    for argv, word in cases:
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        msg = str(exc.value.code)
+        assert msg.startswith("moecast: error:") and word in msg and "\n" not in msg, msg
+
+
+def test_baselines_get_llapor_layer_groups_in_eval(synthetic_traces, capsys):
+    out = evaluate("frequency", str(synthetic_traces), split="all", json=True)
+    assert set(out["per_group"]) <= {"input", "middle", "output"} and out["per_group"]
 
 
 def test_empty_split_and_unknown_baseline(synthetic_traces):

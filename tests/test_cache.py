@@ -92,3 +92,29 @@ def test_shared_cache_non_power_of_two_items_and_short_rows():
     assert ins[0].sum() == 1 and c.count.tolist() == [4, 4]  # lane 0: only 20 was evictable
     assert set(c.resident_ids(0).tolist()) == {0, 8, 15, 5}
     assert set(c.resident_ids(1).tolist()) == {4, 11, 12, 13}
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "belady", "score"])
+def test_online_access_equals_batch_insert_touch(policy):
+    """The single-lane online path (access) decides exactly as the batch path (insert + touch)."""
+    rng = np.random.default_rng(0)
+    E, k, cap = 16, 3, 6
+    a = ExpertCache(E, cap, policy, score_window=3)
+    b = ExpertCache(E, cap, policy, score_window=3)
+    lanes = np.array([0])
+    for t in range(300):
+        ids = rng.choice(E, k, replace=False)
+        if policy == "belady":
+            nu = rng.integers(t + 1, t + 40, size=E)
+            a.next_use[0] = nu
+            b.next_use[0] = nu
+        if policy == "score":
+            sc = rng.random((1, E)).astype(np.float32)
+            a.observe_scores(lanes, sc)
+            b.observe_scores(lanes, sc)
+        hit_a = a.access(ids, t=t)
+        hit_b = b.lookup(lanes, ids[None, :])[0]
+        miss = np.where(hit_b, -1, ids)
+        b.insert(lanes, miss[None, :], shield=ids[None, :])
+        b.touch(lanes, ids[None, :], t)
+        assert (hit_a == hit_b).all() and (a.resident == b.resident).all(), t

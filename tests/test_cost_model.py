@@ -108,3 +108,27 @@ def test_profile_command_measures_cpu_and_writes_yaml(tmp_path, capsys):
     # without --out it lands in $MOECAST_HOME/hardware and loads by name
     profile(hidden_size=32, intermediate_size=16, name="bench-box")
     assert load_profile("bench-box").ref_expert_bytes == 3 * 32 * 16 * 2
+
+
+def test_schedule_unit_equals_schedule_for_one_token_sizes():
+    """PreSched at decode batch 1 (every pending expert has one token) without sorts: same decisions."""
+    from moecast.runtime.presched import schedule_unit
+
+    rng = np.random.default_rng(0)
+    for name in ("prescope-a100-pcie4", "prescope-v100-pcie3", "smoe-s1-3080ti"):
+        for eb in (1_000_000, 17301504, 100_000_000):
+            cost = CostModel.from_profile(load_profile(name), eb)
+            n, M, Mn = 3000, 6, 6
+            nc, nn = rng.integers(0, M + 1, n), rng.integers(0, Mn + 1, n)
+            delay = np.where(rng.random(n) < 0.5, 0.0, rng.random(n) * 3)
+            r_hit = rng.random(n)
+            cur = (np.arange(M)[None] < nc[:, None]).astype(float)
+            nxt = (np.arange(Mn)[None] < nn[:, None]).astype(float)
+            for args_ref, args_unit in (
+                ((cur, nc, nxt, nn), (nc, M, nn, Mn)),
+                ((cur, nc, np.zeros((n, 0)), np.zeros(n, int)), (nc, M, np.zeros(n, int), 0)),
+            ):
+                a = schedule(*args_ref, delay, r_hit, cost)
+                b = schedule_unit(*args_unit, delay, r_hit, cost)
+                for f in ("n_load", "n_cpu", "t_cpu", "n_prefetch"):
+                    assert (getattr(a, f) == getattr(b, f)).all(), f

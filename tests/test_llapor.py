@@ -27,11 +27,11 @@ from moecast.train.llapor import LLaPorModule
 torch.set_num_threads(1)
 
 
-def _fit(path, epochs=8, **data):
+def _fit(path, epochs=8, loss="focal", **data):
     torch.manual_seed(0)
     dm = LLaPorDataModule(str(path), val_fraction=0.25, batch_size=64, **data)
     module = LLaPorModule(
-        hidden=32, warmup_epochs=1, lr_io=5e-3, lr_middle=5e-3, lr_shared=5e-3, mask_prob=0.0
+        hidden=32, warmup_epochs=1, lr_io=5e-3, lr_middle=5e-3, lr_shared=5e-3, mask_prob=0.0, loss=loss
     )
     trainer = pl.Trainer(
         max_epochs=epochs,
@@ -54,7 +54,9 @@ def test_scores_are_causal_for_the_layer_ahead_horizon():
         top_k=2,
         prev_layers=2,
         history_tokens=2,
+        history_layers=2,
         token_buckets=50,
+        context_tokens=2,
         deep_history=True,
     )
     net = LLaPorNet(spec, {"input": [0], "middle": [1, 2], "output": [3]}, NetConfig(hidden=16, dropout=0.0))
@@ -74,6 +76,8 @@ def test_scores_are_causal_for_the_layer_ahead_horizon():
     ) % 8  # this token's layer l and later: unknown when predicting (t, li)
     changed[t + 1 :] = (changed[t + 1 :] + 5) % 8  # later tokens
     trace.topk_ids = changed
+    trace.token_ids = trace.token_ids.copy()
+    trace.token_ids[t + 1 :] = (trace.token_ids[t + 1 :] + 7) % 50  # later tokens' text
     after = pred.score_request(trace)
     assert np.allclose(after[t, : li + 1], base[t, : li + 1])
     assert np.allclose(after[:t], base[:t])
@@ -134,6 +138,32 @@ def test_training_beats_the_hot_table_and_roundtrips(tmp_path):
         assert np.allclose(pred.score_layer(layer, one)[0], full[3, layer], atol=1e-5)
 
 
+def test_softmax_loss_ranks_experts_and_trains(tmp_path):
+    from moecast.train.llapor import topk_softmax_loss
+
+    target = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
+    good = topk_softmax_loss(torch.tensor([[5.0, 5.0, -5.0, -5.0]]), target)
+    bad = topk_softmax_loss(torch.tensor([[-5.0, -5.0, 5.0, 5.0]]), target)
+    assert good < 0.71 < bad  # ln 2 is the floor with two true experts
+    with pytest.raises(ValueError, match=r"model\.loss"):
+        LLaPorModule(loss="nope")
+    path = make_synthetic_traceset(
+        tmp_path / "tr", num_requests=24, num_layers=4, num_experts=8, hidden=16, tokens=16
+    )
+    module, dm = _fit(path, loss="softmax", dense_skip=True)
+    assert dm.spec.dense_skip
+    pred = load(module.export(tmp_path / "s.safetensors", dm, {}))
+    ts = TraceSet(path)
+    res = evaluate_predictor(pred, ts, dm.val_ids, progress=False)
+    hot = evaluate_predictor(FrequencyPredictor.fit(ts, dm.train_ids), ts, dm.val_ids, progress=False)
+    assert res["recall_at_k"] > hot["recall_at_k"] + 0.15
+    trace = ts.get(dm.val_ids[0])
+    one = {k: v[3:4] for k, v in pred.features(trace).items()}
+    full = pred.score_request(trace)
+    for layer in range(4):  # the numpy per-layer path includes the dense skip
+        assert np.allclose(pred.score_layer(layer, one)[0], full[3, layer], atol=1e-5)
+
+
 def test_id_only_traces_use_id_features(tmp_path):
     path = make_synthetic_traceset(tmp_path / "ids", num_requests=12, num_layers=3, with_optional=False)
     module, dm = _fit(path, epochs=2, prev_layers=2, history_tokens=2, token_buckets=64)
@@ -178,6 +208,52 @@ def test_bad_inputs_fail_with_one_clear_error(tmp_path):
         LLaPorDataModule(str(ids_only), gate_pca=True).setup()
     with pytest.raises(ValueError, match="empty"):
         LLaPorDataModule(str(ids_only), val_fraction=0.5, max_requests=1).setup()
+
+
+def test_nan_gate_inputs_in_training_data_are_refused(tmp_path, monkeypatch):
+    path = make_synthetic_traceset(tmp_path / "n", num_requests=6, num_layers=3, hidden=16)
+    real = TraceSet.array
+
+    def poisoned(self, name, requests=None):
+        out = real(self, name, requests)
+        if name == "gate_inputs":
+            out = out.astype(np.float32)
+            out[2, 1, 3] = np.inf
+        return out
+
+    monkeypatch.setattr(TraceSet, "array", poisoned)
+    with pytest.raises(ValueError, match="NaN or inf"):
+        LLaPorDataModule(str(path)).setup()
+
+
+def test_token_context_and_history_layers_are_causal_features():
+    from moecast.predictors.llapor import sparse_bags, token_context
+
+    spec = FeatureSpec(
+        num_layers=3,
+        num_experts=4,
+        top_k=1,
+        history_tokens=2,
+        history_layers=2,
+        token_buckets=10,
+        context_tokens=2,
+    )
+    topk = np.arange(4 * 3).reshape(4, 3, 1) % 4
+    pos = np.array([0, 1, 2, 3])
+    rows = np.arange(4)
+    tok = token_context(spec, np.array([11, 12, 13, 14]), rows, pos)
+    assert tok.tolist() == [[1, 10, 10], [2, 1, 10], [3, 2, 1], [4, 3, 2]]  # 10 = pad bucket
+    bags = sparse_bags(spec, topk, rows, pos)
+    assert bags.shape == (4, 3, 1 + 2 * 2) and spec.vocab == (1 + 4) * 4
+    # token 2, layer 2: prev layer id, then (t-1, layer 2), (t-1, layer 1), (t-2, layer 2), (t-2, layer 1)
+    assert bags[2, 2].tolist() == [
+        topk[2, 1, 0],
+        4 + topk[1, 2, 0],
+        8 + topk[1, 1, 0],
+        12 + topk[0, 2, 0],
+        16 + topk[0, 1, 0],
+    ]
+    assert (bags[0, :, 1:] == spec.vocab).all()  # the first token has no history
 
 
 def test_real_deepseek_slice_id_only(puffin_dir, tmp_path):

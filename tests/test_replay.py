@@ -321,3 +321,152 @@ def test_planner_checkpoint_preloads_and_prefetches(tmp_path):
     )
     with pytest.raises(ValueError, match="fingerprint"):
         replay(ts, ReplayConfig(policy="lru", capacity=6, planner=str(bad)))
+
+
+FAST_LINK = HardwareProfile(
+    name="fast-link",
+    transfer_gbps=400.0,
+    ref_expert_bytes=17301504,
+    gpu_expert_ms=0.03,
+    cpu_beta_ms=0.03,
+    cpu_c_ms=0.25,
+    attn_ms=0.08,
+)
+
+
+POLICY_PREFETCHES = {
+    "lru": False,
+    "lfu": False,
+    "belady": False,
+    "static": False,
+    "prefetch": True,
+    "presched": True,
+}
+
+
+def _same_result(a, b):
+    assert a.hit_rate == b.hit_rate
+    assert a.hit_rate_per_layer == pytest.approx(b.hit_rate_per_layer, abs=1e-14)
+    for f in ("loads", "cpu_experts", "prefetches_issued", "prefetches_landed", "bytes_moved"):
+        assert getattr(a, f) == getattr(b, f), f
+    assert a.prefetch_accuracy == b.prefetch_accuracy
+    assert a.modeled_tpot_ms == pytest.approx(b.modeled_tpot_ms, rel=1e-9)
+    assert a.layer_time_ms_per_layer == pytest.approx(b.layer_time_ms_per_layer, rel=1e-9)
+
+
+@pytest.mark.parametrize("cold", [True, False])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "belady", "static", "prefetch", "presched"])
+def test_fast_paths_equal_general_engine(tmp_path, policy, cold):
+    """The fast batch-1 paths (LRU stack distances, lane simulation, contiguous wavefront) reproduce the
+    general engine exactly, with prefetches that land (fast link) and that never fit (PCIe)."""
+    from moecast.runtime.replay import replay_capacities
+
+    ts = TraceSet(
+        make_synthetic_traceset(
+            tmp_path / "s", num_requests=5, num_layers=3, num_experts=16, top_k=3, tokens=14
+        )
+    )
+    hws = [FAST_LINK, "prescope-a100-pcie4"] if POLICY_PREFETCHES[policy] else ["prescope-a100-pcie4"]
+    for hw in hws:
+        cfg = dict(policy=policy, cold=cold, hardware=hw)
+        fast = replay_capacities(ts, ReplayConfig(**cfg), [3, 5, 8, 12])
+        ref = replay_capacities(ts, ReplayConfig(**cfg, fast=False), [3, 5, 8, 12])
+        for a, b in zip(fast, ref):
+            _same_result(a, b)
+
+
+def test_fast_paths_equal_general_engine_on_real_traces(puffin_small):
+    from moecast.runtime.replay import replay_capacities
+
+    rids = list(puffin_small.request_ids)[:12]
+    for policy in ("lfu", "belady", "presched"):
+        cfg = dict(policy=policy, cold=True, requests=rids)
+        fast = replay_capacities(puffin_small, ReplayConfig(**cfg), [6, 16, 32])
+        ref = replay_capacities(puffin_small, ReplayConfig(**cfg, fast=False), [6, 16, 32])
+        for a, b in zip(fast, ref):
+            _same_result(a, b)
+
+
+def test_lru_stack_distances_match_simple_cache(puffin_small):
+    """Every capacity from one set of distances, stream mode included (cross-request persistence)."""
+    from moecast.runtime.fastreplay import lru_distances
+
+    rids = list(puffin_small.request_ids)[:6]
+    topk = puffin_small.array("topk_ids", rids).astype(np.int64)
+    lengths = puffin_small.request_lengths(rids)
+    dist = lru_distances(topk, lengths, cold=False)
+    for cap in (6, 9, 20):
+        hits = uses = 0
+        for layer in range(topk.shape[1]):
+            cache: list[int] = []  # most recent last; ties (one access) by id
+            for t in range(len(topk)):
+                acc = sorted(int(e) for e in topk[t, layer])
+                hits += sum(e in cache for e in acc)
+                uses += len(acc)
+                cache = [e for e in cache if e not in acc] + acc
+                cache = cache[-cap:]
+        assert (dist < cap).sum() / dist.size == pytest.approx(hits / uses, abs=1e-12)
+
+
+def test_bad_input_each_one_clear_line(tmp_path, capsys):
+    """capacity below top-k, a policy needing missing fields, unknown / malformed hardware profile,
+    empty TraceSet: each one `moecast: error:` line from the CLI."""
+    path = make_synthetic_traceset(tmp_path / "s", with_optional=False, num_experts=8, top_k=2)
+    empty = make_synthetic_traceset(tmp_path / "e", num_requests=0)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")
+    cases = [
+        (["--capacity", "1"], "below top-k"),
+        (["--policy", "score"], "router_probs"),
+        (["--policy", "smoe", "--alpha", "0.1"], "router_probs"),
+        (["--hardware", "tpu-v9"], "unknown hardware profile"),
+        (["--hardware", str(bad)], "malformed YAML"),
+        (["--policy", "fifo"], "unknown policy"),
+    ]
+    for extra, needle in cases:
+        code, _, _ = _run_cli(["replay", "--traces", str(path), *extra], capsys)
+        msg = str(code)
+        assert msg.startswith("moecast: error:") and needle in msg and "\n" not in msg, (extra, msg)
+    code, _, _ = _run_cli(["replay", "--traces", str(empty)], capsys)
+    assert str(code).startswith("moecast: error:") and "no requests" in str(code)
+
+
+def test_predictor_checkpoint_scored_once_per_request(tmp_path, monkeypatch):
+    """--predictor CKPT: score_request runs once per request (a whole [T, L, E] at a time)."""
+    from moecast.predictors import checkpoint, registry
+
+    ts = TraceSet(
+        make_synthetic_traceset(
+            tmp_path / "s", num_requests=4, num_layers=3, num_experts=16, top_k=2, tokens=9
+        )
+    )
+    registry.register("test-plan", "test_replay:PlanPredictor")
+    calls = []
+    orig = PlanPredictor.score_request
+
+    def counting(self, trace):
+        calls.append(trace.request_id)
+        return orig(self, trace)
+
+    monkeypatch.setattr(PlanPredictor, "score_request", counting)
+    monkeypatch.setattr(PlanPredictor, "horizon", "layer-ahead")
+    ck = tmp_path / "p.safetensors"
+    m = ts.meta.model
+    checkpoint.save(
+        ck,
+        {"dummy": np.zeros(1, dtype=np.float32)},
+        {
+            "kind": "test-plan",
+            "fingerprint": m.fingerprint,
+            "moe_layers": m.moe_layers,
+            "num_experts": m.num_experts,
+            "top_k": m.top_k,
+        },
+    )
+    from moecast.runtime.replay import replay_capacities
+
+    res = replay_capacities(
+        ts, ReplayConfig(policy="prefetch", predictor=str(ck), hardware=FAST_LINK), [4, 8]
+    )
+    assert sorted(calls) == sorted(ts.request_ids)
+    assert res[0].prefetches_landed > 0

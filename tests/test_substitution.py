@@ -80,3 +80,17 @@ def test_vectorised_two_pointer_matches_algorithm_2(sizes, t_load, t_cpu):
     assert j == len(load)
     if len(load) and len(cpu):
         assert min(np.array(sizes)[load]) >= max(np.array(sizes)[cpu])  # larger batches go to the device
+
+
+@settings(max_examples=300, deadline=None)
+@given(batches(), st.integers(1, 4), st.booleans())
+def test_single_token_route_equals_algorithm_1(case, k, reverse):
+    """SubstitutingRouter's one-token path gives exactly substitute()'s ids (order included)."""
+    probs, resident, alpha = case
+    p = probs[:1]
+    topk = np.argsort(-p, axis=1, kind="stable")[:, :k]
+    if reverse:
+        topk = topk[:, ::-1].copy()
+    got = SubstitutingRouter(k, alpha).route(p, resident[0], topk)
+    ref, _ = substitute(p, topk, resident[:1], alpha)
+    assert np.array_equal(got, ref)

@@ -38,6 +38,13 @@ def test_build_info_and_files(built):
     assert 1 < info["val_perplexity"] < info["vocab_size"]
     assert info["val_perplexity"] == pytest.approx(math.exp(info["val_loss"]), rel=1e-3)
     assert info["sharegpt_conversations"] == 17_671
+    # the figures the issue asks for: routing against uniform and chance, and expert use
+    assert len(info["cooccurrence_recall"]) == cfg.num_layers - 1
+    assert info["cooccurrence_chance"] == pytest.approx(cfg.top_k / cfg.num_experts, abs=1e-4)
+    assert len(info["max_load_over_even"]) == len(info["min_load_over_even"]) == cfg.num_layers
+    assert all(lo <= 1 <= hi for lo, hi in zip(info["min_load_over_even"], info["max_load_over_even"]))
+    assert len(info["dead_experts"]) == cfg.num_layers
+    assert all(0 <= d < cfg.num_experts for d in info["dead_experts"])
 
 
 def test_reload_and_generate(built):
@@ -104,6 +111,15 @@ def test_cooccurrence_recall_definition():
     assert cooccurrence_recall(np.stack([first, other], 1), e)[0] == pytest.approx(k / e, abs=0.03)
     with pytest.raises(ValueError, match="2 layers"):
         cooccurrence_recall(first[:, None, :], e)
+
+
+def test_expert_loads_and_dead_experts():
+    # 2 layers, 4 experts, top-1: layer 0 even, layer 1 never uses expert 3
+    topk = np.array([[[0], [0]], [[1], [1]], [[2], [2]], [[3], [0]]])
+    loads = tiny.expert_loads(topk, 4)
+    assert loads.tolist() == [[1, 1, 1, 1], [2, 1, 1, 0]]
+    assert tiny.load_balance(topk, 4).tolist() == [1, 2]
+    assert tiny.dead_experts(topk, 4).tolist() == [0, 1]
 
 
 def test_rebuild_is_skipped_and_ensure_uses_home(built, tmp_path, monkeypatch, capsys):

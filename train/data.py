@@ -8,6 +8,7 @@ Python).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning.pytorch as pl
@@ -21,6 +22,7 @@ from moecast.predictors.llapor import (
     gate_cosine,
     routing_correlation,
     sparse_bags,
+    token_context,
 )
 from moecast.predictors.metrics import multi_hot
 from torch.utils.data import DataLoader, Dataset
@@ -49,6 +51,43 @@ def positions_of(ts: TraceSet, ids: list[str]) -> np.ndarray:
     lengths = ts.request_lengths(ids)
     starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
     return np.arange(int(lengths.sum())) - starts
+
+
+def check_range(
+    section: str,
+    name: str,
+    value: Any,
+    kind: type = float,
+    lo: float | None = None,
+    hi: float | None = None,
+    open_lo: bool = False,
+    open_hi: bool = False,
+    optional: bool = False,
+) -> None:
+    """One clear ``ValueError`` when a hyper-parameter has the wrong type or lies outside its range."""
+    if value is None and optional:
+        return
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = number and math.isfinite(value) and (kind is float or float(value).is_integer())
+    if ok and lo is not None:
+        ok = value > lo if open_lo else value >= lo
+    if ok and hi is not None:
+        ok = value < hi if open_hi else value <= hi
+    if not ok:
+        rng = ""
+        if lo is not None or hi is not None:
+            left = ("(" if open_lo else "[") + (f"{lo:g}" if lo is not None else "-inf")
+            right = (f"{hi:g}" if hi is not None else "inf") + (")" if open_hi else "]")
+            rng = f" in {left}, {right}"
+        raise ValueError(
+            f"{section}.{name} must be {'an integer' if kind is int else 'a number'}{rng}, got {value!r}"
+        )
+
+
+def check_flag(section: str, name: str, value: Any, also: tuple[str, ...] = ()) -> None:
+    if not isinstance(value, bool) and value not in also:
+        allowed = " or ".join(["true", "false", *(repr(a) for a in also)])
+        raise ValueError(f"{section}.{name} must be {allowed}, got {value!r}")
 
 
 class RowBatches(Dataset):
@@ -89,6 +128,9 @@ class LLaPorDataModule(pl.LightningDataModule):
         prev_layers: int = 1,
         deep_history: bool = False,
         history_tokens: int = 0,
+        history_layers: int = 1,
+        context_tokens: int = 0,
+        dense_skip: bool = False,
         token_buckets: int = 0,
         token_dim: int = 32,
         gate_pca: bool | str = "auto",
@@ -100,6 +142,33 @@ class LLaPorDataModule(pl.LightningDataModule):
         num_workers: int = 0,
     ) -> None:
         super().__init__()
+        d = "data"
+        check_range(d, "val_fraction", val_fraction, float, 0, 1, open_lo=True, open_hi=True)
+        check_range(d, "seed", seed, int)
+        check_range(d, "max_requests", max_requests, int, 1, optional=True)
+        for name, value, lo in (
+            ("batch_size", batch_size, 1),
+            ("prev_layers", prev_layers, 0),
+            ("history_tokens", history_tokens, 0),
+            ("history_layers", history_layers, 0),
+            ("context_tokens", context_tokens, 0),
+            ("token_buckets", token_buckets, 0),
+            ("token_dim", token_dim, 1),
+            ("pca_io", pca_io, 1),
+            ("pca_middle", pca_middle, 1),
+            ("pca_fit_rows", pca_fit_rows, 1),
+            ("num_workers", num_workers, 0),
+        ):
+            check_range(d, name, value, int, lo)
+        check_flag(d, "deep_history", deep_history)
+        check_flag(d, "dense_skip", dense_skip)
+        check_flag(d, "gate_pca", gate_pca, ("auto",))
+        check_flag(d, "weights", weights, ("auto",))
+        if groups is not None and not (
+            isinstance(groups, dict)
+            and all(isinstance(v, list) and all(isinstance(x, int) for x in v) for v in groups.values())
+        ):
+            raise ValueError(f"data.groups must be null or {{group: [layer positions]}}, got {groups!r}")
         self.save_hyperparameters()
         self.traces = traces
         self._built = False
@@ -157,12 +226,15 @@ class LLaPorDataModule(pl.LightningDataModule):
             prev_layers=hp.prev_layers,
             deep_history=hp.deep_history,
             history_tokens=hp.history_tokens,
+            history_layers=hp.history_layers,
+            context_tokens=hp.context_tokens if hp.token_buckets else 0,
             token_buckets=hp.token_buckets,
             token_dim=hp.token_dim,
             gate_pca=use_gate,
             pca_dims=pca_dims,
             gate_hidden=m.hidden_size if use_gate else 0,
             weights=use_w,
+            dense_skip=bool(hp.dense_skip and (use_gate or use_w)),
         )
         self.pca_components = np.zeros((L, self.spec.pca_max, m.hidden_size if use_gate else 0), np.float32)
         self.pca_mean = np.zeros((L, m.hidden_size if use_gate else 0), np.float32)
@@ -181,6 +253,8 @@ class LLaPorDataModule(pl.LightningDataModule):
                     self.pca_mean[li] = pca.mean_
                     pca_in[:, li, : pca_dims[li]] = (gate[:, li] - pca.mean_) @ pca.components_.T
             w = ts.array("topk_weights", ids_order) if use_w else None
+            if w is not None and not np.isfinite(np.asarray(w, np.float32)).all():
+                raise ValueError(f"{ts.path}: topk_weights contain NaN or inf; re-collect the traces")
             self.dense = dense_features(self.spec, pca_in, w, self.topk)
         # expert frequencies f_i per layer on the training split, for the balancing loss
         counts = np.zeros((L, E))
@@ -209,7 +283,7 @@ class LLaPorDataModule(pl.LightningDataModule):
         if self.spec.deep_history:
             out["route"] = torch.from_numpy(self.topk[rows].astype(np.int64))
         if self.spec.token_buckets:
-            out["tokens"] = torch.from_numpy(self.token_ids[rows] % self.spec.token_buckets)
+            out["tokens"] = torch.from_numpy(token_context(self.spec, self.token_ids, rows, self.pos[rows]))
         if self.dense is not None:
             out["dense"] = torch.from_numpy(self.dense[rows])
         return out

@@ -1,8 +1,11 @@
 """LLaPor training (PreScope §4.2.2): per-group loss, AdamW by layer group, warm-up + cosine, augmentation.
 
-- Loss: input/output groups L = L_expert (BCE weighted by 1/f_i) + lambda * L_focal;
-  the paper gives no middle-group loss, so the middle group uses the balancing term
-  plus ``lam_middle`` * focal (default 0: balancing BCE alone).
+- Loss (``loss: focal``, the paper's): input/output groups L = L_expert (BCE weighted
+  by 1/f_i) + lambda * L_focal; the paper gives no middle-group loss, so the middle
+  group uses the balancing term plus ``lam_middle`` * focal (default 0: balancing BCE
+  alone). ``loss: softmax`` instead ranks the experts of each (token, layer) with a
+  softmax cross-entropy against the true top-k set (aligned with recall@k);
+  ``loss: bce`` is plain per-expert BCE.
 - Optimiser: AdamW with one parameter group per layer group (lr and weight decay
   from config; the middle group gets higher ones, as in the paper) plus one for
   the shared parts (input tables, token embedding). Input/output groups and the
@@ -22,7 +25,18 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from moecast.predictors.llapor import GROUPS, LLaPor, LLaPorNet, NetConfig, balanced_focal_loss
-from moecast.train.data import LLaPorDataModule
+from moecast.train.data import LLaPorDataModule, check_range
+
+LOSSES = ("focal", "bce", "softmax")
+
+
+def topk_softmax_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of a softmax over experts against the true top-k set (uniform 1/k each).
+
+    Ranks experts within a (token, layer) row, which is what recall@k scores; the
+    paper's per-expert sigmoid losses score each expert on its own."""
+    k = target.sum(-1, keepdim=True).clamp_min(1)
+    return -((torch.log_softmax(logits, -1) * target).sum(-1, keepdim=True) / k).mean()
 
 
 class LLaPorModule(pl.LightningModule):
@@ -47,8 +61,28 @@ class LLaPorModule(pl.LightningModule):
         gamma: float = 2.0,
         noise_std: float = 0.05,
         mask_prob: float = 0.1,
+        loss: str = "focal",
     ) -> None:
         super().__init__()
+        if loss not in LOSSES:
+            raise ValueError(f"model.loss must be one of {', '.join(LOSSES)}, not {loss!r}")
+        m = "model"
+        for name, value in (("hidden", hidden), ("depth_io", depth_io), ("depth_middle", depth_middle)):
+            check_range(m, name, value, int, 1)
+        check_range(m, "warmup_epochs", warmup_epochs, int, 0)
+        for name, value in (("dropout", dropout), ("mask_prob", mask_prob)):
+            check_range(m, name, value, float, 0, 1, open_hi=True)
+        for name, value in (("lr_io", lr_io), ("lr_middle", lr_middle), ("lr_shared", lr_shared)):
+            check_range(m, name, value, float, 0, open_lo=True)
+        for name, value in (
+            ("weight_decay_io", weight_decay_io),
+            ("weight_decay_middle", weight_decay_middle),
+            ("lam_io", lam_io),
+            ("lam_middle", lam_middle),
+            ("gamma", gamma),
+            ("noise_std", noise_std),
+        ):
+            check_range(m, name, value, float, 0)
         self.save_hyperparameters()
         self.net: LLaPorNet | None = None
 
@@ -88,9 +122,17 @@ class LLaPorModule(pl.LightningModule):
             out["dense"] = d
         return out
 
+    def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        kind = self.hparams.get("loss", "focal")
+        if kind == "softmax":
+            return topk_softmax_loss(logits, target)
+        if kind == "bce":
+            return torch.nn.functional.binary_cross_entropy_with_logits(logits, target)
+        return balanced_focal_loss(logits, target, self.inv_freq, self.lam, self.hparams.gamma)
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         logits = self(self._augment(batch))
-        loss = balanced_focal_loss(logits, batch["target"], self.inv_freq, self.lam, self.hparams.gamma)
+        loss = self._loss(logits, batch["target"])
         self.log("train/loss", loss, prog_bar=True, batch_size=len(logits))
         return loss
 
@@ -102,7 +144,7 @@ class LLaPorModule(pl.LightningModule):
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         logits = self(batch)
-        loss = balanced_focal_loss(logits, batch["target"], self.inv_freq, self.lam, self.hparams.gamma)
+        loss = self._loss(logits, batch["target"])
         k = self.net.spec.top_k
         pred = logits.topk(k, dim=-1).indices
         hits = batch["target"].gather(-1, pred).sum(-1) / k  # [B, L]

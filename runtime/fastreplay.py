@@ -1,0 +1,512 @@
+"""Fast replay paths for the common case: per-layer caches, batch size 1, no substitution.
+
+Same semantics as the general engine in :mod:`moecast.runtime.replay` (DESIGN.md replay: a token's
+top-k at a layer is one access, its own experts are never evicted, ties by lowest id); only the
+algorithm differs:
+
+- ``lru`` (demand only) is a stack algorithm under these semantics: after every access the resident
+  set is the ``c`` items with the highest key (last access step, expert id) among the items seen so
+  far. So an access of expert ``e`` at step ``t``, last used at step ``p``, hits at capacity ``c``
+  iff fewer than ``c`` items rank above it: the experts used in steps ``p+1 .. t-1`` plus those used
+  at ``p`` with a higher id. With one uint64 mask per (token, layer) (E <= 64) that count is the
+  popcount of a range OR, answered in O(1) from a sparse table; every capacity comes from the same
+  distances, and all tokens of a layer are processed at once.
+- ``static``: the hot-expert table is fixed, so a use hits iff its expert is in the layer's table.
+- ``lfu`` and ``belady`` (demand only): a step-synchronous simulation of every (request, layer,
+  capacity) cache at once. Requests are sorted by length so the caches active at step ``s`` are a
+  prefix of the lanes (no gathers of state); each lane keeps one int64 eviction key per expert
+  (policy key with the id in the low bits, ``_BIG`` when not resident), so an eviction is a
+  column-wise min. At capacity = top-k the resident set after a token is exactly its experts, for
+  every policy, and those lanes come from the LRU distances.
+
+The result of each path is the number of misses per (token, layer, capacity); the metrics and the
+modeled timeline (no prefetch, every miss loaded) follow from it in :func:`demand_metrics`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+_BIG = np.iinfo(np.int64).max
+_NU_CAP = np.int64(1) << 36
+
+
+def masks(ids: np.ndarray) -> np.ndarray:
+    """[..., k] expert ids (0..63) -> [...] uint64 bitmask."""
+    bits = np.left_shift(np.uint64(1), ids.astype(np.uint64))
+    return np.bitwise_or.reduce(bits, axis=-1)
+
+
+def valid_for_fast(topk: np.ndarray, E: int) -> bool:
+    """Fast paths need E <= 64 and k distinct, non-negative ids per (token, layer)."""
+    if E > 64 or topk.size == 0:
+        return False
+    if topk.min() < 0 or topk.max() >= E:
+        return False
+    k = topk.shape[-1]
+    return bool((np.bitwise_count(masks(topk)) == k).all())
+
+
+def _segments(lengths: np.ndarray, cold: bool, n: int) -> np.ndarray:
+    """[n] segment id per token: the request (cold) or one stream."""
+    if not cold:
+        return np.zeros(n, dtype=np.int64)
+    return np.repeat(np.arange(len(lengths)), lengths)
+
+
+def _prev_next(ids: np.ndarray, seg: np.ndarray, want_next: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """For ids [N, k] of one layer: previous / next token (same segment) using the same expert, -1 if none."""
+    N, k = ids.shape
+    flat = ids.reshape(-1).astype(np.uint8)
+    order = np.argsort(flat, kind="stable")  # radix sort: grouped by expert, token order inside
+    tok = order // k
+    e_sorted = flat[order]
+    same = (e_sorted[1:] == e_sorted[:-1]) & (seg[tok[1:]] == seg[tok[:-1]])
+    prev = np.full(N * k, -1, dtype=np.int64)
+    prev[order[1:][same]] = tok[:-1][same]
+    if not want_next:
+        return prev.reshape(N, k), prev.reshape(N, k)
+    nxt = np.full(N * k, -1, dtype=np.int64)
+    nxt[order[:-1][same]] = tok[1:][same]
+    return prev.reshape(N, k), nxt.reshape(N, k)
+
+
+class _RangeOr:
+    """Sparse table of OR over a uint64 sequence: O(1) OR of any range."""
+
+    def __init__(self, m: np.ndarray, max_len: int) -> None:
+        levels = [m]
+        span = 1
+        while span * 2 <= max_len:
+            prev = levels[-1]
+            nxt = prev.copy()
+            nxt[: len(prev) - span] |= prev[span:]
+            levels.append(nxt)
+            span *= 2
+        self.flat = np.stack(levels).reshape(-1)
+        self.n = len(m)
+        self.lg = np.zeros(max(max_len, 1) + 1, dtype=np.int64)  # floor(log2(x)), lg[0] = 0
+        self.lg[2:] = np.floor(np.log2(np.arange(2, len(self.lg)))).astype(np.int64)
+
+    def query_before(self, p: np.ndarray, t: np.ndarray, has: np.ndarray) -> np.ndarray:
+        """OR of m[p+1 .. t-1] where ``has`` (0 elsewhere and for empty ranges)."""
+        ln = np.where(has, t - p - 1, 0)
+        j = self.lg[ln]
+        base = j * self.n
+        i1 = base + np.where(has, p + 1, 0)
+        i2 = base + np.maximum(t - (np.int64(1) << j), 0)
+        out = self.flat.take(i1) | self.flat.take(i2)
+        out[ln <= 0] = 0
+        return out
+
+
+def lru_distances(topk: np.ndarray, lengths: np.ndarray, cold: bool) -> np.ndarray:
+    """[N, L, k] LRU stack distance of every use (items ranked above it; 64 = cold miss).
+
+    An access hits at capacity c iff its distance < c.
+    """
+    N, L, k = topk.shape
+    seg = _segments(lengths, cold, N)
+    max_len = int(lengths.max()) if cold else N
+    hi = np.array([~((1 << (e + 1)) - 1) & ((1 << 64) - 1) for e in range(64)], dtype=np.uint64)
+    out = np.empty((N, L, k), dtype=np.int8)
+    tix = np.broadcast_to(np.arange(N)[:, None], (N, k))
+    for layer in range(L):
+        ids = topk[:, layer, :].astype(np.int64)
+        m = masks(ids)
+        prev, _ = _prev_next(ids, seg, want_next=False)
+        has = prev >= 0
+        p = np.maximum(prev, 0)
+        ro = _RangeOr(m, max_len)
+        above = ro.query_before(p, tix, has) | (m[p] & hi[ids])
+        dist = np.bitwise_count(above).astype(np.int8)
+        dist[~has] = 64
+        out[:, layer, :] = dist
+    return out
+
+
+def same_as_previous_misses(topk: np.ndarray, lengths: np.ndarray, cold: bool) -> np.ndarray:
+    """[N, L] misses at capacity = top-k (any policy but static): the cache holds exactly the previous
+    token's experts, so misses = k - |this token's experts & the previous token's| (k at a segment start)."""
+    N, L, k = topk.shape
+    m = masks(topk)  # [N, L]
+    seg = _segments(lengths, cold, N)
+    out = np.full((N, L), k, dtype=np.int8)
+    same = seg[1:] == seg[:-1]
+    out[1:][same] = k - np.bitwise_count(m[1:][same] & m[:-1][same]).astype(np.int8)
+    return out
+
+
+def static_hits(topk: np.ndarray, table_order: np.ndarray, caps: np.ndarray) -> np.ndarray:
+    """[N, L, C] misses with a fixed hot-expert table: table_order [L, E] hottest first."""
+    L = topk.shape[1]
+    E = table_order.shape[1]
+    rank = np.empty((L, E), dtype=np.int64)
+    np.put_along_axis(rank, table_order.astype(np.int64), np.arange(E)[None, :], axis=1)
+    r = rank[np.arange(L)[None, :, None], topk.astype(np.int64)]  # [N, L, k]
+    return np.stack([(r >= c).sum(2) for c in caps], axis=2).astype(np.int8)
+
+
+def simulate_demand(
+    topk: np.ndarray,
+    lengths: np.ndarray,
+    cold: bool,
+    caps: np.ndarray,
+    policy: str,
+    E: int,
+) -> np.ndarray:
+    """[N, L, C] misses of demand-only lfu / belady per-layer caches (see the module docstring)."""
+    N, L, k = topk.shape
+    C = len(caps)
+    misses = np.zeros((N, L, C), dtype=np.int8)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    seg = _segments(lengths, cold, N)
+    sim = [ci for ci, c in enumerate(caps) if c > k]
+    triv = [ci for ci, c in enumerate(caps) if c <= k]
+    if triv:
+        same = same_as_previous_misses(topk, lengths, cold)
+        for ci in triv:
+            misses[:, :, ci] = same
+    if not sim:
+        return misses
+    Cs = len(sim)
+    sim_caps = caps[sim].astype(np.int64)
+    sh = max(1, int(E - 1).bit_length())
+    if cold:
+        g_start, g_len = starts, lengths.astype(np.int64)
+    else:
+        g_start, g_len = np.array([0]), np.array([N])
+    S = int(g_len.max())
+    s_bits = int(S + 1).bit_length()
+    nu = None
+    if policy == "belady":
+        # key: (S - next use) above the id, so the farthest next use (or none: S) is the lowest key
+        nu = np.empty((N, L, k), dtype=np.int64)
+        for layer in range(L):
+            _, nxt = _prev_next(topk[:, layer, :].astype(np.int64), seg)
+            # steps from the segment start; lane time is monotone in the step
+            nu[:, layer, :] = np.where(nxt >= 0, nxt - seg_start(seg, starts, cold)[:, None], S)
+        key_bits = s_bits + sh
+    else:
+        key_bits = 2 * s_bits + sh  # frequency, then last step, then id
+    kdt = np.int32 if key_bits <= 30 else np.int64
+    big = np.iinfo(kdt).max
+    idmask = kdt((1 << sh) - 1)
+    order = np.argsort(-g_len, kind="stable")
+    g_start, g_len = g_start[order], g_len[order]
+    G = len(g_len)
+    lanes = G * L * Cs
+    per_g = L * Cs
+    K = np.full((lanes, E), big, dtype=kdt)
+    F = np.zeros((lanes, E), dtype=kdt) if policy == "lfu" else None
+    count = np.zeros(lanes, dtype=np.int64)
+    capv = np.tile(sim_caps, G * L)
+    lane_base = np.arange(lanes, dtype=np.int64) * E
+    Kf = K.reshape(-1)
+    Ff = F.reshape(-1) if F is not None else None
+    ids_all = topk.astype(kdt)
+    # active streams at step s: those longer than s (a prefix, lengths descending)
+    n_act = np.searchsorted(-g_len, -np.arange(S), side="left")
+    fshift = kdt(sh + s_bits)
+    lay_ix = np.arange(L)[None, :, None]
+    sim_ix = np.array(sim)[None, None, :]
+    for s in range(S):
+        n = int(n_act[s])
+        nl = n * per_g
+        toks = g_start[:n] + s
+        ids = ids_all[toks]  # [n, L, k]
+        ids_l = np.broadcast_to(ids[:, :, None, :], (n, L, Cs, k)).reshape(nl, k)
+        flat = ids_l + lane_base[:nl, None]
+        nm = (Kf[flat] == big).sum(1)
+        misses[toks[:, None, None], lay_ix, sim_ix] = nm.reshape(n, L, Cs)
+        cnt = count[:nl]
+        need = cnt + nm - capv[:nl]
+        Kf[flat] = big  # shield the token's own experts
+        rows = np.flatnonzero(need > 0)
+        j = 0
+        while len(rows):
+            if 2 * len(rows) > nl:
+                v = K[:nl].min(1)[rows] & idmask
+            else:
+                v = K[rows].min(1) & idmask
+            Kf[lane_base[rows] + v] = big
+            j += 1
+            rows = rows[need[rows] > j]
+        cnt += nm - np.maximum(need, 0)
+        if policy == "lfu":
+            fv = Ff[flat] + 1
+            Ff[flat] = fv
+            Kf[flat] = (fv << fshift) | (kdt(s) << sh) | ids_l
+        else:
+            nxt = np.broadcast_to(nu[toks][:, :, None, :], (n, L, Cs, k)).reshape(nl, k).astype(kdt)
+            Kf[flat] = ((kdt(S) - nxt) << sh) | ids_l
+    return misses
+
+
+def seg_start(seg: np.ndarray, starts: np.ndarray, cold: bool) -> np.ndarray:
+    """[N] first token of each token's segment."""
+    return starts[seg] if cold else np.zeros(len(seg), dtype=np.int64)
+
+
+def layer_time_table(k: int, cost) -> np.ndarray:
+    """[k+1] modeled layer time with m misses, all loaded on demand (no prefetch, no CPU)."""
+    t_io = cost.t_io
+    out = np.empty(k + 1)
+    for m in range(k + 1):
+        link = m * (t_io if math.isfinite(t_io) else 0.0)
+        if not math.isfinite(t_io) and m > 0:
+            link = math.inf
+        out[m] = cost.t_attn + max(k * cost.t_g, link + (cost.t_g if m > 0 else 0.0), 0.0)
+    return out
+
+
+def wavefront_b1(
+    topk: np.ndarray,
+    lengths: np.ndarray,
+    cold: bool,
+    caps: np.ndarray,
+    E: int,
+    cost,
+    balancer: str,
+    cand: np.ndarray | None,
+    pred_ids: np.ndarray | None,
+    preload: np.ndarray | None,
+    basis: np.ndarray,
+) -> dict[str, np.ndarray]:
+    """LRU per-layer caches at batch 1 with prefetch and/or PreSched, the general engine's semantics.
+
+    Layers advance as a wavefront (lane of layer l handles step i - l at iteration i) because a
+    prefetch for layer l uses the link time layer l-1 of the same step leaves free. Lanes are stored
+    in order of the iteration they finish (latest first), so the lanes active at an iteration are a
+    prefix and every per-lane quantity is a slice, not a gather. Each lane keeps one key per expert:
+    ``(step of last use + 1) << sh | id`` when resident, ``big`` otherwise, so lookups are gathers
+    and an eviction is a row min. ``cand`` [N, L, kp]: each (token, layer)'s predicted candidates
+    ranked best first (-1 padded); ``pred_ids`` [N, L, kp] the raw predicted ids (PreSched's
+    next-layer view); ``preload`` [L, >= max cap] the hot-expert table (PreSched's start);
+    ``basis`` [N] bool: the tokens whose steps count for the modeled TPOT.
+    Returns statistics reduced to [C * L] (index c * L + layer), and ``tpot_sum`` [C].
+    """
+    from moecast.runtime.presched import schedule_unit
+
+    N, L, k = topk.shape
+    C = len(caps)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    if cold:
+        g_start, g_len = starts, lengths.astype(np.int64)
+    else:
+        g_start, g_len = np.array([0], dtype=np.int64), np.array([N], dtype=np.int64)
+    G = len(g_len)
+    S = int(g_len.max())
+    sh = max(1, int(E - 1).bit_length())
+    kdt = np.int32 if (int(S + 1).bit_length() + sh) <= 30 else np.int64
+    big = np.iinfo(kdt).max
+    idmask = kdt((1 << sh) - 1)
+    lanes = C * G * L
+    # natural lane id (c * G + g) * L + l, stored at position pos[id] (latest-finishing first)
+    o_cap = np.repeat(np.arange(C), G * L)
+    o_layer = np.tile(np.arange(L), C * G)
+    o_stream = np.tile(np.repeat(np.arange(G), L), C)
+    o_end = g_len[o_stream] + o_layer
+    perm = np.argsort(-o_end, kind="stable")
+    pos = np.empty(lanes, dtype=np.int64)
+    pos[perm] = np.arange(lanes)
+    cap_of = o_cap[perm]
+    layer_of = o_layer[perm]
+    capv = caps[cap_of].astype(np.int64)
+    tok0 = g_start[o_stream[perm]]
+    end_sorted = o_end[perm]
+    nxt_lane = np.where(layer_of < L - 1, pos[np.minimum(perm + 1, lanes - 1)], np.arange(lanes))
+    K = np.full((lanes, E), big, dtype=kdt)
+    PF = np.zeros((lanes, E), dtype=bool)
+    Kf, PFf = K.reshape(-1), PF.reshape(-1)
+    count = np.zeros(lanes, dtype=np.int64)
+    if preload is not None:
+        for c in range(C):
+            n_pre = min(int(caps[c]), E)
+            rows = np.flatnonzero(cap_of == c)
+            items = preload[layer_of[rows], :n_pre].astype(np.int64)  # [rows, n_pre]
+            K[rows[:, None], items] = items.astype(kdt)  # last = -1: key (0 << sh) | id
+            count[rows] = n_pre
+    prefetching = cand is not None
+    t_io = cost.t_io
+    free = np.full(lanes, cost.t_attn)
+    pf_n = np.full(lanes, -1, dtype=np.int64)
+    delay = np.zeros(lanes)
+    lane_pf_used = np.ones(lanes)
+    lane_pf_landed = np.full(lanes, 2.0)
+    names = (
+        "hits",
+        "loads",
+        "cpu",
+        "time",
+        "tpot",
+        "pf_issued",
+        "pf_landed",
+        "pf_started",
+        "pf_inserted",
+        "pf_used",
+    )
+    acc = {n_: np.zeros(lanes) for n_ in names}
+    topk2 = topk.reshape(N * L, k)
+    cand2 = cand.reshape(N * L, -1) if cand is not None else None
+    pred2 = pred_ids.reshape(N * L, -1) if pred_ids is not None else None
+    all_basis = bool(basis.all())
+    colk = np.arange(k)[None, :]
+    kp = cand.shape[2] if prefetching else 0
+    lane_ix = np.arange(lanes)
+
+    def evict(act_rows: np.ndarray, need: np.ndarray, shield: np.ndarray) -> None:
+        sub = K[act_rows]  # copy [ne, E]
+        ne = len(act_rows)
+        r = np.arange(ne)
+        sv = shield >= 0
+        sub[np.broadcast_to(r[:, None], shield.shape)[sv], shield[sv]] = big
+        for j in range(int(need.max())):
+            mn = sub.min(1)
+            sel = (need > j) & (mn != big)
+            v = (mn & idmask)[sel].astype(np.int64)
+            rs = r[sel]
+            sub[rs, v] = big
+            fl = act_rows[rs] * E + v
+            Kf[fl] = big
+            PFf[fl] = False
+            count[act_rows[rs]] -= 1
+
+    n_iter = S + L - 1
+    n_act_of = np.searchsorted(-end_sorted, -np.arange(n_iter), side="left")
+    for i in range(n_iter):
+        n_act = int(n_act_of[i])
+        if i < L - 1:
+            A = np.flatnonzero(layer_of[:n_act] <= i)  # warm-up: deeper layers not started yet
+            act = A
+        else:
+            A = slice(0, n_act)
+            act = lane_ix[:n_act]
+        n = len(act)
+        if n == 0:
+            continue
+        lay = layer_of[A]
+        s = i - lay
+        toks = tok0[A] + s
+        tl = toks * L + lay
+        base = act * E
+        newkey = ((s + 1).astype(kdt) << sh)[:, None]
+        ids = topk2[tl]  # [n, k]
+        free_a = free[A]
+        # without PreSched a prefetch only starts when it fits in the free link time: often none does
+        skip_pf = (
+            prefetching
+            and balancer != "presched"
+            and t_io > 0
+            and (math.isinf(t_io) or not (free_a / t_io + 1e-9 >= 1).any())
+        )
+        if skip_pf or not prefetching:
+            delay[A] = 0.0
+        else:
+            cd = cand2[tl]  # [n, kp] best first
+            cvalid = cd >= 0
+            nonres = cvalid & (Kf[base[:, None] + np.where(cvalid, cd, 0)] == big)
+            n_cand = nonres.sum(1)
+            pfa = pf_n[A]
+            want = np.where(pfa >= 0, np.minimum(pfa, n_cand), n_cand)
+            if math.isinf(t_io):
+                fit = np.zeros(n, dtype=np.int64)
+            elif t_io <= 0:
+                fit = want
+            else:
+                fit = np.floor(free_a / t_io + 1e-9).astype(np.int64)
+            if balancer != "presched":
+                want = np.minimum(want, fit)
+            landed = np.minimum(want, fit)
+            started = np.where(np.isfinite(t_io), np.minimum(want, landed + 1), 0)
+            new_delay = np.where(
+                (want > landed) & np.isfinite(t_io) & (t_io > 0), (landed + 1) * t_io - free_a, 0.0
+            )
+            delay[A] = np.maximum(new_delay, 0.0)
+            pr = np.flatnonzero(landed > 0)
+            if len(pr):
+                apr = act[pr]
+                need = landed[pr] - (capv[apr] - count[apr])
+                er = np.flatnonzero(need > 0)
+                if len(er):
+                    evict(apr[er], need[er], cd[pr[er]])
+                # the first `landed` non-resident candidates, best first
+                nr = nonres[pr]
+                take = nr & (np.cumsum(nr, axis=1) <= landed[pr][:, None])
+                cp = cd[pr]
+                fl = (base[pr][:, None] + np.where(take, cp, 0))[take]
+                Kf[fl] = (np.broadcast_to(newkey[pr], take.shape)[take]) | cp[take].astype(kdt)
+                PFf[fl] = True
+                count[apr] += landed[pr]
+            lane_pf_landed[A] += landed
+            acc["pf_issued"][A] += want
+            acc["pf_landed"][A] += landed
+            acc["pf_inserted"][A] += landed
+            acc["pf_started"][A] += started
+        fid = base[:, None] + ids
+        hit = Kf[fid] != big
+        if prefetching:
+            used = (hit & PFf[fid]).sum(1)
+            lane_pf_used[A] += used
+            acc["pf_used"][A] += used
+        n_hit = hit.sum(1)
+        n_miss = k - n_hit
+        if balancer == "presched":
+            msz = (colk < n_miss[:, None]).astype(np.float64)
+            has_next = lay < L - 1
+            if prefetching:
+                nid = pred2[toks * L + np.minimum(lay + 1, L - 1)]
+                nvalid = nid >= 0
+                consumer = nxt_lane[A]
+                nres = Kf[(consumer * E)[:, None] + np.where(nvalid, nid, 0)] != big
+                nn = (nvalid & ~nres & has_next[:, None]).sum(1)
+                mn_ = kp
+            else:
+                nn = np.zeros(n, dtype=np.int64)
+                mn_ = 0
+            dec = schedule_unit(n_miss, k, nn, mn_, delay[A], lane_pf_used[A] / lane_pf_landed[A], cost)
+            n_load = dec.n_load
+            pf_n[nxt_lane[A][has_next]] = dec.n_prefetch[has_next]
+            cpu_mask = (colk >= n_load[:, None]) & (colk < n_miss[:, None])
+            t_cpu = (np.where(cpu_mask, cost.beta * msz + cost.c, 0.0)).sum(1)
+        else:
+            n_load = n_miss
+            t_cpu = 0.0
+        lr = np.flatnonzero(n_load > 0)
+        if len(lr):
+            alr = act[lr]
+            need = n_load[lr] - (capv[alr] - count[alr])
+            er = np.flatnonzero(need > 0)
+            if len(er):
+                evict(alr[er], need[er], ids[lr[er]])
+            count[alr] += n_load[lr]
+        # loaded: the first n_load misses in routing order; hits and loaded experts get the new key
+        miss = ~hit
+        now_res = hit | (miss & (np.cumsum(miss, axis=1) <= n_load[:, None]))
+        Kf[fid[now_res]] = (newkey | ids.astype(kdt))[now_res]
+        if prefetching:
+            PFf[fid] = False
+        link = delay[A] + n_load * (t_io if math.isfinite(t_io) else 0.0)
+        if not math.isfinite(t_io):
+            link = np.where(n_load > 0, math.inf, link)
+        t_dev = (n_hit + n_load) * cost.t_g
+        layer_t = cost.t_attn + np.maximum(
+            np.maximum(t_dev, link + np.where(n_load > 0, cost.t_g, 0.0)), t_cpu
+        )
+        has_next = lay < L - 1
+        with np.errstate(invalid="ignore"):
+            free[nxt_lane[A][has_next]] = np.nan_to_num(layer_t - link, nan=0.0)[has_next]
+        free[act[lay == 0]] = cost.t_attn
+        acc["hits"][A] += n_hit
+        acc["loads"][A] += n_load
+        acc["cpu"][A] += n_miss - n_load
+        acc["time"][A] += layer_t
+        acc["tpot"][A] += layer_t if all_basis else np.where(basis[toks], layer_t, 0.0)
+    cl = cap_of * L + layer_of
+    out = {name: np.bincount(cl, weights=v, minlength=C * L) for name, v in acc.items()}
+    out["uses"] = np.full(C * L, float(N * k))
+    out["subs"] = np.zeros(C * L)
+    out["tpot_sum"] = out.pop("tpot").reshape(C, L).sum(1)
+    return out
