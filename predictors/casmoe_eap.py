@@ -28,12 +28,15 @@ import torch
 from moecast.collect.traceset import RequestTrace
 from moecast.predictors.base import Predictor
 from moecast.predictors.casmoe import (
+    _ENCODER_INPUTS,
     broadcast_plan,
     check_prompts,
+    checked_fast_encoder,
     encoder_identity,
     note_truncation,
     prompt_text,
     resolve_encoder_path,
+    torch_threads,
 )
 from moecast.predictors.checkpoint import CheckpointError, save
 from torch import nn
@@ -138,8 +141,27 @@ class EAP(Predictor):
         self.hparams = dict(hparams or {})
         self.extra_meta = dict(extra_meta or {})
         self._warned = False
+        self._int8 = False
+        self._fast: Any = None  # FastBertEncoder, False (not usable) or None (not built yet)
+        self._head_w: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ inference
+    # The EAP is inference-only once exported: its encoder runs through the same
+    # FastBertEncoder as the EAM's embedder (checked against ``EAPNet.embed`` when first
+    # used), one prompt unpadded on ``threads`` torch threads (default 1), and the heads
+    # as one matmul + one batched matmul on weights laid out once (half the einsums' time).
+    threads: int | None = 1
+
+    @property
+    def int8(self) -> bool:
+        """Dynamic int8 Linear layers in the encoder (CPU; see ``FastBertEncoder``); off by default."""
+        return self._int8
+
+    @int8.setter
+    def int8(self, on: bool) -> None:
+        self._int8 = bool(on)
+        self._fast = None
+
     def tokenize(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         check_prompts(prompts)
         feats = self.tokenizer(
@@ -148,19 +170,57 @@ class EAP(Predictor):
         note_truncation(self, feats, self.max_length)
         return dict(feats)
 
+    def _fast_encoder(self) -> Any:
+        fast = self._fast
+        if fast is None:
+            enc = self.net.encoder
+
+            def reference(feats: Any) -> torch.Tensor:
+                return self.net.embed({k: v.to(enc.device) for k, v in feats.items()})
+
+            cpu = next(enc.parameters()).device.type == "cpu"
+            fast = checked_fast_encoder(enc, reference, self.tokenizer, self.int8 and cpu, "EAP encoder")
+            self._fast = fast if fast is not None else False
+        return fast or None
+
+    def embed_many(self, prompts: list[str]) -> torch.Tensor:
+        """[N, D] unit-norm embeddings of the EAP's encoder (call under ``torch.inference_mode``)."""
+        feats = self.tokenize(list(prompts))
+        fast = self._fast_encoder()
+        if fast is None:
+            return self.net.embed(feats)
+        dev = self.net.proj.weight.device
+        return fast(**{k: v.to(dev) for k, v in feats.items() if k in _ENCODER_INPUTS})
+
+    def _heads(self, emb: torch.Tensor) -> torch.Tensor:
+        """[N, L, E] plans (per-layer softmax) of the heads, ``EAPNet.heads`` in eval mode."""
+        net = self.net
+        if self._head_w is None:
+            w1 = net.w1.detach()
+            self._head_w = (
+                w1.transpose(0, 1).reshape(w1.shape[1], -1).contiguous(),
+                net.b1.detach().reshape(-1),
+            )
+        w1, b1 = self._head_w
+        F = nn.functional
+        h = F.gelu(net.proj(emb.to(w1.dtype)))
+        z = F.gelu(torch.addmm(b1, h, w1)).view(len(emb), net.num_layers, -1)
+        logits = torch.bmm(z.transpose(0, 1), net.w2).transpose(0, 1) + net.b2
+        return torch.softmax(logits.float(), -1)
+
     def plan_many(self, prompts: list[str]) -> np.ndarray:
         """[N, L, E] plans (per-layer softmax of the heads) for a batch of prompts."""
-        with torch.inference_mode():
-            logits, _ = self.net(self.tokenize(list(prompts)))
-            return torch.softmax(logits.float(), -1).numpy()
+        with torch_threads(self.threads if len(prompts) == 1 else None), torch.inference_mode():
+            return self._heads(self.embed_many(list(prompts))).cpu().numpy()
 
     def plan(self, prompt: str) -> tuple[np.ndarray, str]:
         return self.plan_many([prompt])[0], "eap"
 
     def plan_from_embedding(self, emb: np.ndarray) -> np.ndarray:
         """[N, L, E] plans from precomputed unit-norm embeddings (valid when ``shares_embedder``)."""
-        with torch.inference_mode():
-            return torch.softmax(self.net.heads(torch.as_tensor(emb, dtype=torch.float32)), -1).numpy()
+        with torch_threads(self.threads if len(emb) == 1 else None), torch.inference_mode():
+            x = torch.as_tensor(emb, dtype=torch.float32, device=self.net.proj.weight.device)
+            return self._heads(x).cpu().numpy()
 
     def shares_embedder(self, embedder: Any) -> bool:
         """True when this EAP's (frozen) encoder computes exactly the embedder's embeddings."""

@@ -19,6 +19,14 @@ One object holds many independent caches ("lanes") so a replay can advance every
 cold request) with one vectorised call; the online runtime uses one lane per layer, or
 :meth:`ExpertCache.access` on a single lane. Items are expert ids ``0..N-1``; a cache shared by all
 layers uses ``layer * E + expert``.
+
+Single-lane calls (:meth:`ExpertCache.access`, and :meth:`~ExpertCache.insert` /
+:meth:`~ExpertCache.touch` with one row) of the ``lru``, ``lfu`` and ``static`` policies run on a
+pure-Python copy of the lane (sets and lists of small ints, the LRU order as an insertion-ordered
+dict), since at batch 1 a dozen numpy calls on 64-element arrays cost more than the decision itself.
+The decisions are the same as the vectorised path's (tests compare them step by step). ``resident``
+and ``prefetched`` are kept current on every change; ``last``, ``freq`` and ``count`` are written
+back when read or when a multi-lane call runs. Treat the public arrays as read-only.
 """
 
 from __future__ import annotations
@@ -91,6 +99,7 @@ class ExpertCache:
         policy: str = "lru",
         lanes: int = 1,
         score_window: int = 8,
+        scalar_path: bool = True,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown eviction policy {policy!r}; choose one of {', '.join(POLICIES)}")
@@ -112,15 +121,15 @@ class ExpertCache:
         self._pf = np.zeros((lanes, W), dtype=bool)  # inserted by prefetch, not used yet
         self._nu = np.full((lanes, W), _NEVER, dtype=np.int64) if policy == "belady" else None
         self.resident = self._res[:, :num_items]
-        self.last = self._last[:, :num_items]
-        self.freq = self._freq[:, :num_items]
+        self._last_v = self._last[:, :num_items]
+        self._freq_v = self._freq[:, :num_items]
         self.prefetched = self._pf[:, :num_items]
         self.next_use = self._nu[:, :num_items] if self._nu is not None else None
         self._res_f, self._last_f, self._freq_f, self._pf_f = (
             a.reshape(-1) for a in (self._res, self._last, self._freq, self._pf)
         )
         self._nu_f = self._nu.reshape(-1) if self._nu is not None else None
-        self.count = np.zeros(lanes, dtype=np.int64)
+        self._count = np.zeros(lanes, dtype=np.int64)
         self.window = int(score_window)
         if policy == "score":
             self._ring = np.zeros((lanes, self.window, num_items), dtype=np.float32)
@@ -130,6 +139,221 @@ class ExpertCache:
         self.stats = CacheStats()
         self._clock = 0
         self._ids = np.arange(W)
+        # single-lane calls of these policies run on pure-Python lane state (see the module docstring)
+        self._scalar = bool(scalar_path) and policy in ("lru", "lfu", "static")
+        self._py: dict[int, _Lane] = {}
+
+    # ------------------------------------------------------------------ python lane state
+    @property
+    def last(self) -> np.ndarray:
+        """[lanes, N] step of each item's last access (-1: never)."""
+        self._sync()
+        return self._last_v
+
+    @property
+    def freq(self) -> np.ndarray:
+        """[lanes, N] accesses of each item since the cache started."""
+        self._sync()
+        return self._freq_v
+
+    @property
+    def count(self) -> np.ndarray:
+        """[lanes] resident items per lane."""
+        self._sync()
+        return self._count
+
+    def _sync(self) -> None:
+        """Write the Python lane states back into the arrays and drop them (a vectorised call follows)."""
+        if not self._py:
+            return
+        N = self.N
+        for lane, st in self._py.items():
+            self._last[lane, :N] = st.last
+            self._freq[lane, :N] = st.freq
+            self._count[lane] = len(st.res)
+        self._py.clear()
+
+    def _lane(self, lane: int) -> _Lane:
+        st = self._py.get(lane)
+        if st is None:
+            st = self._py[lane] = _Lane(self, lane)
+        return st
+
+    def _order(self, st: _Lane) -> dict[int, None]:
+        """LRU: the lane's resident items, least recent first (ties: lower id), rebuilt when unknown."""
+        if st.order is None:
+            last = st.last
+            st.order = dict.fromkeys(sorted(st.res, key=lambda e: (last[e], e)))
+        return st.order
+
+    def _stamp(self, st: _Lane, items: list[int], t: int) -> None:
+        """Recency of ``items`` (resident or not) := t; keeps the LRU order when time moves forward."""
+        last = st.last
+        for e in items:
+            last[e] = t
+        order = st.order
+        if order is not None:
+            if t > st.tmax:
+                res = st.res
+                for e in sorted(items):  # same step: lower id is older
+                    if e in res:
+                        order.pop(e, None)
+                        order[e] = None
+            else:
+                st.order = None
+        if t > st.tmax:
+            st.tmax = t
+
+    def _evict_py(self, st: _Lane, shield: set[int] | list[int], need: int) -> int:
+        """Evict up to ``need`` resident items outside ``shield``, lowest policy key first."""
+        if self.policy == "lru":
+            order = self._order(st)
+            victims = []
+            for e in order:
+                if e not in shield:
+                    victims.append(e)
+                    if len(victims) == need:
+                        break
+            res = st.res
+            for v in victims:
+                res.discard(v)
+                st.resrow[v] = False
+                del order[v]
+        else:  # lfu: the vectorised key, (frequency, last use, id) packed the same way
+            last, freq = st.last, st.freq
+            sh = self._shift
+            sf = sh + 24
+            keys = [(freq[e] << sf) | ((last[e] + 1) << sh) | e for e in st.res if e not in shield]
+            idmask = (1 << sh) - 1
+            if need == 1:
+                victims = [min(keys) & idmask] if keys else []
+            else:
+                keys.sort()
+                victims = [x & idmask for x in keys[:need]]
+            res = st.res
+            for v in victims:
+                res.discard(v)
+                st.resrow[v] = False
+        pf = st.pf
+        if pf:
+            for v in victims:
+                if v in pf:
+                    pf.discard(v)
+                    st.pfrow[v] = False
+                    self.stats.prefetch_wasted += 1
+        self.stats.evictions += len(victims)
+        return len(victims)
+
+    def _insert_py(
+        self, lane: int, row: list[int], shield: list[int] | None, prefetch: bool, t: int | None
+    ) -> np.ndarray:
+        """:meth:`insert` for one lane on the Python state (same decisions)."""
+        st = self._lane(lane)
+        res = st.res
+        new = [e >= 0 and e not in res for e in row]
+        n_new = sum(new)
+        if not n_new:
+            return np.array([new], dtype=bool).reshape(1, len(row))
+        free = st.cap - len(res)
+        need = n_new - free
+        if need > 0:
+            sh = set(row)
+            if shield is not None:
+                sh.update(shield)
+            room = free + self._evict_py(st, sh, need)
+            if n_new > room:
+                c = 0
+                for i, nw in enumerate(new):
+                    if nw:
+                        c += 1
+                        if c > room:
+                            new[i] = False
+        ins = [e for e, nw in zip(row, new) if nw]
+        resrow = st.resrow
+        for e in ins:
+            res.add(e)
+            resrow[e] = True
+        if t is not None:
+            self._stamp(st, ins, t)
+        elif ins:
+            st.order = None  # inserted with their old recency: position unknown
+        if prefetch:
+            pfrow = st.pfrow
+            for e in ins:
+                pfrow[e] = True
+            st.pf.update(ins)
+            self.stats.prefetch_inserted += len(ins)
+        self._clock += 1
+        return np.array([new], dtype=bool)
+
+    def _access_py(self, ids: np.ndarray | list[int], t: int | None, insert: bool, lane: int) -> np.ndarray:
+        """:meth:`access` on the Python state of the lane: one pass over the ids, no numpy calls
+        except the returned mask (and the scalar writes that keep ``resident`` current)."""
+        if isinstance(ids, np.ndarray):
+            idl = (ids if ids.ndim == 1 else ids.reshape(-1)).tolist()
+        else:
+            idl = [int(e) for e in ids]
+        tt = self._clock if t is None else int(t)
+        self._clock += 1
+        st = self._py.get(lane) or self._lane(lane)
+        res = st.res
+        hits = []
+        miss = []
+        for e in idl:
+            if e in res:
+                hits.append(True)
+            else:
+                hits.append(False)
+                miss.append(e)
+        if miss and insert and self.policy != "static":
+            over = len(res) + len(miss) - st.cap
+            if over > 0:
+                self._evict_py(st, idl, over)
+                if len(res) + len(miss) > st.cap:
+                    miss = miss[: st.cap - len(res)]
+            resrow = st.resrow
+            for e in miss:
+                res.add(e)
+                resrow[e] = True
+        last, freq, order = st.last, st.freq, st.order
+        if order is not None and tt > st.tmax:
+            # LRU order: this step's items go to the back, lower id first (older at equal time)
+            for e in sorted(idl):
+                last[e] = tt
+                freq[e] += 1
+                if e in res:
+                    order.pop(e, None)
+                    order[e] = None
+            st.tmax = tt
+        else:
+            for e in idl:
+                freq[e] += 1
+            self._stamp(st, idl, tt)
+        if st.pf:
+            pf = st.pf
+            used = [e for e, h in zip(idl, hits) if h and e in pf]
+            for e in used:
+                pf.discard(e)
+                st.pfrow[e] = False
+            self.stats.prefetch_used += len(used)
+        return np.array(hits, dtype=bool)
+
+    def _touch_py(self, lane: int, row: list[int], t: int) -> None:
+        """:meth:`touch` for one lane on the Python state."""
+        st = self._lane(lane)
+        items = [e for e in row if e >= 0]
+        freq = st.freq
+        for e in items:
+            freq[e] += 1
+        self._stamp(st, items, t)
+        pf = st.pf
+        if pf:
+            res = st.res
+            used = [e for e in items if e in pf and e in res]
+            for e in used:
+                pf.discard(e)
+                st.pfrow[e] = False
+            self.stats.prefetch_used += len(used)
 
     def _flat(self, lanes: np.ndarray, ids: np.ndarray) -> np.ndarray:
         return lanes[:, None] * self.W + np.where(ids >= 0, ids, self.N)
@@ -137,11 +361,12 @@ class ExpertCache:
     # ------------------------------------------------------------------ state
     def reset(self, lanes: np.ndarray | None = None) -> None:
         """Empty the given lanes (all when None): a cold start."""
+        self._sync()
         sel = slice(None) if lanes is None else lanes
         self.resident[sel] = False
-        self.count[sel] = 0
-        self.last[sel] = -1
-        self.freq[sel] = 0
+        self._count[sel] = 0
+        self._last_v[sel] = -1
+        self._freq_v[sel] = 0
         self.prefetched[sel] = False
         if self.next_use is not None:
             self.next_use[sel] = _NEVER
@@ -154,6 +379,7 @@ class ExpertCache:
 
         ``items`` [n, j] with -1 padding; entries beyond capacity are ignored.
         """
+        self._sync()
         lanes = np.asarray(lanes)
         items = np.asarray(items)
         valid = items >= 0
@@ -162,7 +388,7 @@ class ExpertCache:
         rows = np.broadcast_to(lanes[:, None], items.shape)[valid]
         self.resident[lanes] = False
         self.resident[rows, items[valid]] = True
-        self.count[lanes] = self.resident[lanes].sum(1)
+        self._count[lanes] = self.resident[lanes].sum(1)
 
     # ------------------------------------------------------------------ decisions
     def lookup(self, lanes: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -171,6 +397,11 @@ class ExpertCache:
 
     def touch(self, lanes: np.ndarray, ids: np.ndarray, t: int | np.ndarray) -> None:
         """Record one access per (lane, id): recency, frequency, prefetch use. Ids distinct per row."""
+        if self._scalar and len(lanes) == 1:
+            tt = np.asarray(t).reshape(-1)[0] if np.ndim(t) else t
+            self._touch_py(int(lanes[0]), np.asarray(ids).reshape(-1).tolist(), int(tt))
+            return
+        self._sync()
         f = self._flat(lanes, ids)
         if np.ndim(t):
             self._last_f[f] = np.asarray(t)[:, None]
@@ -195,6 +426,7 @@ class ExpertCache:
         """SMoE Eq. 3 window: push one step of router scores [n, N] (all experts, active or not)."""
         if self.policy != "score":
             return
+        self._sync()
         pos = self._ring_pos[lanes]
         old = self._ring[lanes, pos]
         self._score[lanes, : self.N] += scores - old
@@ -237,13 +469,24 @@ class ExpertCache:
         n = len(lanes)
         if n == 0 or self.policy == "static" or ids.shape[1] == 0:
             return np.zeros(ids.shape, dtype=bool)
+        if self._scalar and n == 1:
+            if t is not None and np.ndim(t):
+                t = np.asarray(t).reshape(-1)[0]
+            return self._insert_py(
+                int(lanes[0]),
+                ids[0].tolist(),
+                None if shield is None else np.asarray(shield).reshape(-1).tolist(),
+                prefetch,
+                None if t is None else int(t),
+            )
+        self._sync()
         f = self._flat(lanes, ids)
         new = (ids >= 0) & ~self._res_f[f]
         n_new = new.sum(1)
         if not n_new.any():
             return new
         cap = self.capacity_of[lanes]
-        free = cap - self.count[lanes]
+        free = cap - self._count[lanes]
         need = n_new - free
         ev_rows = np.flatnonzero(need > 0)
         if len(ev_rows):
@@ -284,7 +527,7 @@ class ExpertCache:
                     self._pf_f[gone] = False
                 self._res_f[gone] = False
                 self.stats.evictions += len(gone)
-                self.count[el] -= n_evict
+                self._count[el] -= n_evict
             # fewer slots than new ids: keep the first ones (callers order by priority)
             room = free[ev_rows] + n_evict
             short = n_new[ev_rows] > room
@@ -294,7 +537,7 @@ class ExpertCache:
                 new[sr] &= rank <= room[short][:, None]
         fn = f[new]
         self._res_f[fn] = True
-        self.count[lanes] += new.sum(1)
+        self._count[lanes] += new.sum(1)
         if t is not None:
             tt = np.asarray(t)
             self._last_f[fn] = np.broadcast_to(tt.reshape(-1, 1) if tt.ndim else tt, ids.shape)[new]
@@ -308,8 +551,11 @@ class ExpertCache:
         """Online per-layer call: one step's distinct expert ids -> hit mask; misses inserted.
 
         The ids of this access are shielded, so a token's own experts never evict each other. This
-        single-lane path avoids the batch machinery (a handful of numpy calls per decision).
+        single-lane path avoids the batch machinery: pure Python for ``lru``/``lfu``/``static``, a
+        handful of numpy calls for ``score`` and ``belady``.
         """
+        if self._scalar:
+            return self._access_py(ids, t, insert, lane)
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         tt = self._clock if t is None else t
         self._clock += 1
@@ -318,14 +564,14 @@ class ExpertCache:
         if insert and self.policy != "static" and not hits.all():
             miss = ids[~hits]
             cap = int(self.capacity_of[lane])
-            cnt = int(self.count[lane])
+            cnt = int(self._count[lane])
             need = cnt + len(miss) - cap
             if need > 0:
                 n_ev = self._evict_one_lane(lane, ids, need)
                 cnt -= n_ev
                 miss = miss[: cap - cnt]
             res[miss] = True
-            self.count[lane] = cnt + len(miss)
+            self._count[lane] = cnt + len(miss)
         self._last[lane, ids] = tt
         self._freq[lane, ids] += 1
         if self.stats.prefetch_inserted:
@@ -372,12 +618,30 @@ class ExpertCache:
             self.stats.prefetch_wasted += int(pf[victims].sum())
             pf[victims] = False
         res[victims] = False
-        self.count[lane] -= n_ev
+        self._count[lane] -= n_ev
         self.stats.evictions += n_ev
         return n_ev
 
     def resident_ids(self, lane: int = 0) -> np.ndarray:
         return np.flatnonzero(self.resident[lane])
+
+
+class _Lane:
+    """Pure-Python state of one lane on the single-lane path (see the module docstring)."""
+
+    __slots__ = ("cap", "freq", "last", "order", "pf", "pfrow", "res", "resrow", "tmax")
+
+    def __init__(self, cache: ExpertCache, lane: int) -> None:
+        N = cache.N
+        self.cap = int(cache.capacity_of[lane])
+        self.resrow = cache._res[lane]
+        self.pfrow = cache._pf[lane]
+        self.res = set(np.flatnonzero(self.resrow[:N]).tolist())
+        self.pf = set(np.flatnonzero(self.pfrow[:N]).tolist())
+        self.last = cache._last[lane, :N].tolist()
+        self.freq = cache._freq[lane, :N].tolist()
+        self.tmax = max(self.last) if N else -1
+        self.order: dict[int, None] | None = None
 
 
 @dataclass

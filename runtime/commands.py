@@ -26,6 +26,7 @@ def replay(
     shared: bool = False,
     predictor: str | None = None,
     planner: str | None = None,
+    plan_weight: float = 0.1,
     hardware: str = DEFAULT_HARDWARE,
     alpha: float = 0.0,
     batch_size: int = 1,
@@ -48,6 +49,7 @@ def replay(
         shared: one cache for all layers (capacity x layers experts) instead of one per layer.
         predictor: none, oracle, or a predictor checkpoint (.safetensors) that drives prefetching.
         planner: a prompt-ahead predictor checkpoint: preloads each request's planned experts and is a prefetch prior.
+        plan_weight: weight of the plan as a log-linear prior on --predictor's scores (0: preload only).
         hardware: hardware profile name (configs/hardware) or YAML path.
         alpha: SMoE substitution threshold (policy smoe); 0 leaves routing unchanged.
         batch_size: decode batch: requests interleaved per step.
@@ -71,6 +73,7 @@ def replay(
         shared=shared,
         predictor=predictor,
         planner=planner,
+        plan_weight=plan_weight,
         hardware=hardware,
         alpha=alpha,
         batch_size=batch_size,
@@ -131,6 +134,7 @@ def compare(
     predictors: str = "none",
     capacities: str = "0.1,0.25,0.5",
     planners: str = "none",
+    plan_weight: float = 0.1,
     holdout: float | None = None,
     out: str = "compare",
     cold: bool = False,
@@ -153,6 +157,7 @@ def compare(
         capacities: comma-separated capacities (fractions, experts or bytes).
         planners: comma-separated: none and/or prompt-ahead checkpoints (EAM, EAP, cascade); each planner
             preloads its plan per request and runs with every policy except belady.
+        plan_weight: weight of a plan as a log-linear prior on the predictor's scores (0: preload only).
         holdout: replay only the held-out requests of ``TraceSet.split(holdout, seed=0)``, the ones
             predictors trained with the same validation fraction never saw (default: every request).
         out: output directory.
@@ -210,6 +215,7 @@ def compare(
             shared=shared,
             predictor=pr,
             planner=None if pl == "none" else pl,
+            plan_weight=plan_weight,
             hardware=hardware,
             alpha=alpha if POLICIES[p].substitution else 0.0,
             batch_size=batch_size,

@@ -54,6 +54,25 @@ def top_predictions(scores: np.ndarray, kp: int) -> tuple[np.ndarray, np.ndarray
     return np.take_along_axis(part, order, -1), np.take_along_axis(sc, order, -1)
 
 
+def plan_prior(scores: np.ndarray, plan: np.ndarray, weight: float) -> np.ndarray:
+    """Token-level scores [T, L, E] with a prompt plan [L, E] as a log-linear prior (CasMoE Sec. 4).
+
+    ``logit(s) + weight * log(plan)``: scores that are not already logits (non-negative ones:
+    probabilities as they are, counts as shares per (token, layer)) are mapped to logits; the
+    plan is normalised per layer. The prior only reorders experts the token-level
+    predictor finds close (weight 0: the predictor alone); a plan knows the request, not the token.
+    """
+    s = np.asarray(scores, dtype=np.float64)
+    if (s >= 0).all():
+        # probabilities as they are; counts and other non-negative scores as shares per (token, layer)
+        p = s if s.max(initial=0.0) <= 1 else s / np.maximum(s.sum(-1, keepdims=True), 1e-12)
+        p = np.clip(p, 1e-6, 1 - 1e-6)
+        s = np.log(p) - np.log1p(-p)
+    q = np.clip(np.asarray(plan, dtype=np.float64), 1e-6, None)
+    q = q / q.sum(-1, keepdims=True)
+    return (s + weight * np.log(q)[None]).astype(np.float32)
+
+
 def gap_prefetch_count(t_gap: np.ndarray, t_attn: float, t_io: float, r_hit: np.ndarray) -> np.ndarray:
     """PreScope Eqs. 6-7: prefetches to issue into a link gap (vectorised)."""
     if not math.isfinite(t_io):
@@ -88,21 +107,18 @@ class Prefetcher:
     def choose(self, scores: np.ndarray, resident: np.ndarray, t_gap: float | None = None) -> np.ndarray:
         """scores [E] or [B, E] for the next layer, resident [E] bool -> ids to prefetch, best first.
 
-        Candidates are each token's top-k predicted experts (C4: top-score ones), merged over the
-        batch by summed score; with ``t_gap`` the count is sized by Eqs. 6-7.
+        Candidates are each token's top-k predicted experts (C4: top-score ones; the last k of an
+        ascending ``argsort``, so exact ties at the k-th place resolve the same way for one token and
+        for a batch) with a positive score, merged over the batch by summed score (ties: lower id
+        first); with ``t_gap`` the count is sized by Eqs. 6-7. One token ([E] or [1, E]) takes a
+        short path with the same result.
         """
-        if np.ndim(scores) == 1:
-            # one token: its top-k predicted experts, best first, minus the resident ones
-            top = np.argpartition(-scores, self.k - 1)[: self.k]
-            keep = [
-                (e, v) for e, v, r in zip(top.tolist(), scores[top].tolist(), resident[top].tolist()) if not r
-            ]
-            keep.sort(key=lambda x: -x[1])  # stable: ties keep argpartition's order
-            if t_gap is not None:
-                keep = keep[: self._gap_count(t_gap)]
-            return np.array([e for e, _ in keep], dtype=top.dtype)
+        if not isinstance(scores, np.ndarray):
+            scores = np.asarray(scores)
+        if scores.ndim == 1 or len(scores) == 1:
+            return self._choose_one(scores.reshape(-1), resident, t_gap)
         s = np.atleast_2d(scores)
-        top = np.argpartition(-s, self.k - 1, axis=1)[:, : self.k]
+        top = np.argsort(s, axis=1)[:, : -self.k - 1 : -1]
         agg = np.zeros(self.E, dtype=np.float64)
         np.add.at(agg, top.reshape(-1), np.take_along_axis(s, top, 1).reshape(-1))
         agg[resident] = 0.0
@@ -112,13 +128,35 @@ class Prefetcher:
             cand = cand[: self._gap_count(t_gap)]
         return cand
 
+    def _choose_one(self, s: np.ndarray, resident: np.ndarray, t_gap: float | None) -> np.ndarray:
+        """One token: the batch path's result for one row with a few numpy calls and a short loop."""
+        n = self.k if t_gap is None else self._gap_count(t_gap)
+        if n <= 0:
+            return np.empty(0, dtype=np.intp)
+        top = s.argsort()[: -self.k - 1 : -1]  # the k best (the same ranking call as the batch path)
+        vl = s[top].tolist()
+        rows = zip(vl, top.tolist(), resident[top].tolist())
+        if len(set(vl)) < len(vl):  # exact ties: lower id first, as the batch path's stable merge
+            rows = sorted(rows, key=lambda x: (-x[0], x[1]))
+        keep = []
+        for v, e, r in rows:  # best first
+            if not v > 0:
+                break  # scores <= 0 (and NaN) are never candidates
+            if not r:
+                keep.append(e)
+                if len(keep) == n:
+                    break
+        return np.array(keep, dtype=np.intp)
+
     def _gap_count(self, t_gap: float) -> int:
         """Eqs. 6-7 for one gap, in plain floats (no array overhead on the per-layer path)."""
-        if not math.isfinite(self.t_io):
+        t_io = self.t_io
+        if not math.isfinite(t_io):
             return 0
-        if self.t_io <= 0:
+        if t_io <= 0:
             return self.E
-        f = (t_gap + self.t_attn) / self.t_io
+        f = (t_gap + self.t_attn) / t_io
         fr = math.floor(f + 0.5)
-        xi = self.r_hit * (f - fr + 1) - (1 - self.r_hit) * (fr - f)
-        return max(int(fr if xi > 0 else fr - 1), 0)
+        r_hit = self.used / self.issued
+        xi = r_hit * (f - fr + 1) - (1 - r_hit) * (fr - f)
+        return max(fr if xi > 0 else fr - 1, 0)

@@ -48,7 +48,7 @@ from moecast.runtime import fastreplay as fast
 from moecast.runtime.balancer import two_pointer_split
 from moecast.runtime.cache import ExpertCache, StaticTable, resolve_capacity
 from moecast.runtime.cost_model import CostModel, HardwareProfile, load_profile
-from moecast.runtime.prefetch import OraclePredictor, top_predictions
+from moecast.runtime.prefetch import OraclePredictor, plan_prior, top_predictions
 from moecast.runtime.presched import schedule
 from moecast.runtime.substitution import substitute
 
@@ -104,6 +104,8 @@ class ReplayConfig:
     shared: bool = False
     predictor: str | None = None  # none | oracle | checkpoint path; None = the policy's default
     planner: str | None = None
+    # weight of the plan as a log-linear prior on the token-level scores (prefetch.plan_prior)
+    plan_weight: float = 0.1
     hardware: str | HardwareProfile = DEFAULT_HARDWARE
     alpha: float = 0.0
     batch_size: int = 1
@@ -292,6 +294,8 @@ def replay_capacities(
             "belady is the demand-only offline optimum; use it with --predictor none and no --planner"
         )
     predictor = _load_predictor(pred_name, ts)
+    if not (math.isfinite(cfg.plan_weight) and cfg.plan_weight >= 0):
+        raise ValueError(f"--plan-weight must be a finite number >= 0, got {cfg.plan_weight}")
     planner = _load_predictor(cfg.planner, ts) if cfg.planner else None
     if planner is not None and getattr(planner, "horizon", "") != "prompt-ahead":
         raise ValueError(
@@ -409,10 +413,10 @@ def replay_capacities(
                     if planner is None:
                         continue
                 trace = ts.get(rid)
-                sc = None
+                sc = raw_sc = None
                 if predictor is not None and not isinstance(predictor, OraclePredictor):
-                    sc = np.asarray(predictor.score_request(trace), dtype=np.float32)
-                    sc = sc / np.maximum(np.abs(sc).max(-1, keepdims=True), 1e-12)
+                    raw_sc = np.asarray(predictor.score_request(trace), dtype=np.float32)
+                    sc = raw_sc / np.maximum(np.abs(raw_sc).max(-1, keepdims=True), 1e-12)
                 if planner is not None:
                     plan = np.asarray(planner.score_request(trace), dtype=np.float32)[0]  # [L, E]
                     plan_top[r] = np.argsort(-plan, axis=1, kind="stable")[:, :cap]
@@ -420,11 +424,9 @@ def replay_capacities(
                     # prefetch it would evict the experts the previous token just used, which at small
                     # capacities are the likeliest next ones.
                     if sc is not None:
-                        # the plan as a prior: blended with the token-level scores
-                        sc = (
-                            0.5 * sc
-                            + 0.5 * (plan / np.maximum(np.abs(plan).max(-1, keepdims=True), 1e-12))[None]
-                        )
+                        # the plan as a prior on the token-level scores; a light weight, since a
+                        # request-wide plan knows less about the next token than the predictor does
+                        sc = plan_prior(raw_sc, plan, cfg.plan_weight)
                 if sc is not None:
                     ids, scs = top_predictions(sc, kp)
                     pred_ids[s0 : s0 + n], pred_sc[s0 : s0 + n] = ids, scs

@@ -18,7 +18,11 @@ rows (tokens); ``group`` says which rows share a batch (and so the set C).
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
+
+_F32 = struct.Struct("f")
 
 
 def substitute(
@@ -34,10 +38,36 @@ def substitute(
     resident [n, E] bool, the device cache of each row's layer; group [n] batch id per row (rows of
     one group share C). Returns (ids [n, k] after substitution, substituted count [n]).
     """
-    n, E = scores.shape
-    k = topk.shape[1]
+    n = scores.shape[0]
     if alpha <= 0 or n == 0:
         return topk, np.zeros(n, dtype=np.int64)
+    if n == 1:
+        t = topk[0].tolist()
+        if t and min(t) >= 0:  # one token: the plain-Python path (same ids)
+            one = substitute_one(
+                scores[0],
+                topk[0],
+                t,
+                np.asarray(resident[0], dtype=bool),
+                float(np.float32(1 + alpha)),
+                float(np.float32(1 - alpha)),
+            )
+            if one is None:
+                return topk.copy(), np.zeros(1, dtype=np.int64)
+            return np.array([one[0]], dtype=topk.dtype), np.array([one[1]], dtype=np.int64)
+    return _substitute_rows(scores, topk, resident, alpha, group)
+
+
+def _substitute_rows(
+    scores: np.ndarray,
+    topk: np.ndarray,
+    resident: np.ndarray,
+    alpha: float,
+    group: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`substitute` vectorised over rows (the reference the one-token path is tested against)."""
+    n, E = scores.shape
+    k = topk.shape[1]
     pad = topk[:, 0] < 0
     s = scores.astype(np.float32, copy=False)
     rows = np.arange(n)[:, None]
@@ -95,52 +125,101 @@ class SubstitutingRouter:
             raise ValueError(f"alpha must be >= 0 (SMoE's substitution threshold), got {alpha}")
         self.top_k = int(top_k)
         self.alpha = float(alpha)
+        # the band edges as float32 factors, exactly as substitute() multiplies them (NumPy casts the
+        # Python float to the array's float32 before the product)
+        self._hi = float(np.float32(1 + self.alpha))
+        self._lo = float(np.float32(1 - self.alpha))
 
     def route(self, probs: np.ndarray, resident: np.ndarray, topk: np.ndarray | None = None) -> np.ndarray:
-        """probs [B, E], resident [E] bool (this layer's cache), optional router top-k [B, k] -> ids [B, k]."""
-        probs = np.atleast_2d(probs)
+        """probs [B, E], resident [E] bool (this layer's cache), optional router top-k [B, k] -> ids [B, k].
+
+        One token takes :func:`substitute_one` (plain Python, same ids as the vectorised path).
+        """
+        if not isinstance(probs, np.ndarray) or probs.ndim != 2:
+            probs = np.atleast_2d(probs)
         if topk is None:
             topk = np.argpartition(-probs, self.top_k - 1, axis=1)[:, : self.top_k]
-        topk = np.atleast_2d(topk)
+        elif not isinstance(topk, np.ndarray) or topk.ndim != 2:
+            topk = np.atleast_2d(topk)
         if self.alpha == 0:
             return topk
-        if len(probs) == 1 and topk[0, 0] >= 0:
-            return self._route_one(probs[0], np.asarray(resident, dtype=bool), topk)
+        if len(probs) == 1:
+            t = topk.tolist()[0]
+            if t and min(t) >= 0:
+                if not isinstance(resident, np.ndarray) or resident.dtype != bool:
+                    resident = np.asarray(resident, dtype=bool)
+                out = substitute_one(probs[0], topk[0], t, resident, self._hi, self._lo)
+                return topk if out is None else np.array([out[0]], dtype=topk.dtype)
         res = np.broadcast_to(np.asarray(resident, dtype=bool), probs.shape)
         ids, _ = substitute(
             probs,
-            np.atleast_2d(topk),
+            topk,
             res,
             self.alpha,
             group=None if len(probs) == 1 else np.zeros(len(probs), dtype=np.int64),
         )
         return ids
 
-    def _route_one(self, p: np.ndarray, resident: np.ndarray, topk: np.ndarray) -> np.ndarray:
-        """Algorithm 1 for one token with a handful of numpy calls (same result as :func:`substitute`).
 
-        With one token the batch set C is the token's own top-score experts, so the low-score
-        experts to replace are those not resident and the alternatives are resident inactive ones.
-        """
-        s = p.astype(np.float32, copy=False)
-        t = topk[0]
-        masked = s.copy()
-        masked[t] = -np.inf
-        beta = masked.max()
-        st = s[t]
-        low_missing = (st <= (1 + self.alpha) * beta) & ~resident[t]
-        if not low_missing.any():
-            return topk
-        alt = np.flatnonzero((masked > (1 - self.alpha) * beta) & (masked <= beta) & resident)
-        if len(alt) == 0:
-            return topk
-        alt_s = s[alt].tolist()
-        miss_ids = t[low_missing].tolist()
-        miss_s = st[low_missing].tolist()
-        use = min(len(miss_ids), len(alt_s))
-        # best alternatives join (score descending, lower id first); lowest-scored missing ones leave
-        chosen = sorted(zip(alt.tolist(), alt_s), key=lambda x: (-x[1], x[0]))[:use]
-        dropped = {e for e, _ in sorted(zip(miss_ids, miss_s), key=lambda x: (x[1], x[0]))[:use]}
-        sel = [(e, v) for e, v in zip(t.tolist(), st.tolist()) if e not in dropped] + chosen
-        sel.sort(key=lambda x: (-x[1], x[0]))
-        return np.array([[e for e, _ in sel]], dtype=topk.dtype)
+def _f32(x: float) -> float:
+    """Round a Python float to float32 (the precision :func:`substitute` computes in)."""
+    try:
+        return _F32.unpack(_F32.pack(x))[0]
+    except OverflowError:
+        return float(np.float32(x))
+
+
+def substitute_one(
+    p: np.ndarray, row: np.ndarray, t: list[int], resident: np.ndarray, hi_f: float, lo_f: float
+) -> tuple[list[int], int] | None:
+    """Algorithm 1 for one token with a few numpy calls: exactly :func:`substitute`'s ids (order included).
+
+    ``p`` [E] router probabilities, ``row`` [k] the router's experts (distinct, >= 0) and ``t`` the
+    same as a list, ``resident`` [E] bool, ``hi_f`` / ``lo_f`` the float32 values of 1 + alpha and
+    1 - alpha. Returns None when nothing is substituted, else (ids, substituted count). With one
+    token the batch set C is the token's own top-score experts, so the low-score experts to replace
+    are those not resident and the alternatives are resident inactive ones. Scores are compared in
+    float32, as in the vectorised path.
+    """
+    rt = resident[row].tolist()
+    if all(rt):
+        return None  # every chosen expert resident: nothing to replace
+    s = p if p.dtype == np.float32 else p.astype(np.float32)
+    st = s[row].tolist()
+    # walk the experts by descending score: the first one not chosen gives beta = S_{k+1}, the
+    # following ones down to (1 - alpha) beta are the band the alternatives come from
+    order = s.argsort()[::-1].tolist()
+    item = s.item
+    j = 0
+    while j < len(order) and order[j] in t:
+        j += 1
+    if j == len(order):
+        return None  # every expert chosen: no beta, nothing inactive
+    beta = item(order[j])
+    hi = _f32(hi_f * beta)
+    low_missing = [(v, e) for e, v, r in zip(t, st, rt) if v <= hi and not r]
+    if not low_missing:
+        return None
+    lo = _f32(lo_f * beta)
+    alts = []
+    for e in order[j:]:
+        if e in t:
+            continue
+        v = item(e)
+        if not v > lo:
+            break
+        if resident[e]:
+            alts.append((-v, e))
+    if not alts:
+        return None
+    use = min(len(low_missing), len(alts))
+    # the best alternatives join (score descending, lower id first); the lowest-scored missing leave
+    if use < len(alts):
+        alts.sort()
+    if use < len(low_missing):
+        low_missing.sort()
+    dropped = {e for _, e in low_missing[:use]}
+    sel = [(-v, e) for e, v in zip(t, st) if e not in dropped]
+    sel += alts[:use]
+    sel.sort()
+    return [e for _, e in sel], use

@@ -470,3 +470,23 @@ def test_predictor_checkpoint_scored_once_per_request(tmp_path, monkeypatch):
     )
     assert sorted(calls) == sorted(ts.request_ids)
     assert res[0].prefetches_landed > 0
+
+
+def test_plan_prior_only_reorders_close_scores():
+    from moecast.runtime.prefetch import plan_prior
+
+    scores = np.array([[[0.99, 0.97, 0.20, 0.01]]], dtype=np.float32)  # [T=1, L=1, E=4]
+    plan = np.array([[0.05, 0.60, 0.30, 0.05]], dtype=np.float32)
+    order = lambda s: list(np.argsort(-s[0, 0], kind="stable"))  # noqa: E731
+    assert order(plan_prior(scores, plan, 0.0)) == order(scores)  # weight 0: the predictor alone
+    mixed = order(plan_prior(scores, plan, 0.5))
+    assert mixed[:2] == [1, 0]  # the plan breaks the near-tie between experts 0 and 1
+    assert mixed[2:] == [2, 3]  # but does not lift an expert the predictor rules out
+    logits = np.array([[[2.0, -1.0, 0.5, -3.0]]], dtype=np.float32)  # logits pass through
+    assert plan_prior(logits, plan, 0.0)[0, 0] == pytest.approx(logits[0, 0])
+
+
+def test_negative_plan_weight_is_refused(tmp_path):
+    ts = TraceSet(make_synthetic_traceset(tmp_path / "s", num_requests=2))
+    with pytest.raises(ValueError, match="plan-weight"):
+        replay(ts, ReplayConfig(policy="lru", capacity=4, plan_weight=-1.0))

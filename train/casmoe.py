@@ -352,6 +352,7 @@ def build_eam_index(
     batch_size: int = 64,
     run_dir: str | None = None,
     wandb: bool = True,
+    int8: bool = False,
 ) -> Path:
     """Build CasMoE's EAM (Eqs. 4-5): embed the training prompts, index them, evaluate on held-out.
 
@@ -372,6 +373,8 @@ def build_eam_index(
         batch_size: prompts embedded per batch while building.
         run_dir: where the metrics and the offline wandb run go (default ``<out>.run``).
         wandb: log the evaluation to an offline wandb run.
+        int8: embed with dynamic int8 Linear layers (CPU; ~2x faster short queries, embeddings
+            ~0.98 cosine to fp32's); saved with the EAM, which then queries that way too.
     """
     from moecast.train.cli import run_dir_for
 
@@ -384,7 +387,7 @@ def build_eam_index(
         raise ValueError(f"{traces}: no training requests to index")
     ep_train, weighted = ep_labels(ts, train_ids, include_decode)
     prompts = _prompts(ts, train_ids)
-    emb_model = SentenceEmbedder(embedder, max_length=max_length)
+    emb_model = SentenceEmbedder(embedder, max_length=max_length, int8=int8)
     # embed in length order so each batch pads to similar lengths, then restore the order
     order = np.argsort([len(p) for p in prompts], kind="stable")
     keys = np.empty((len(prompts), emb_model.dim), np.float32)
@@ -400,6 +403,7 @@ def build_eam_index(
         ef_construction=ef_construction,
         ef=ef,
         seed=seed,
+        int8=emb_model.int8,
     )
     info = _data_info(ts, traces, weighted, include_decode)
     eam = EAM(
