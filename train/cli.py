@@ -181,15 +181,22 @@ def train(argv: list[str]) -> Path | Any:
 
     # we pass argv explicitly (moecast's own argv differs from LightningCLI's); that is intended
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
-    cli = _make_cli_class()(
-        target,
-        target.datamodule_class,
-        args=rest,
-        run=False,
-        seed_everything_default=0,
-        save_config_kwargs={"overwrite": True},
-        parser_kwargs={"prog": f"moecast train {name}"},
-    )
+    from jsonargparse import ArgumentError
+
+    try:
+        cli = _make_cli_class()(
+            target,
+            target.datamodule_class,
+            args=rest,
+            run=False,
+            seed_everything_default=0,
+            save_config_kwargs={"overwrite": True},
+            # raise instead of printing the whole usage, so the error is one line like moecast's others
+            parser_kwargs={"prog": f"moecast train {name}", "exit_on_error": False},
+        )
+    except ArgumentError as exc:
+        detail = " ".join(str(exc).split())
+        raise ValueError(f"{detail} (see `moecast train {name} --help`)") from None
     cfg = cli.config_init
     out = Path(cfg["out"])
     run_dir = run_dir_for(out, cfg["run_dir"])
