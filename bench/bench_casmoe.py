@@ -1,7 +1,8 @@
 """CasMoE Table-3-style comparison on held-out requests: EAP alone, EAM alone, the cascade at several epsilon.
 
     python bench/bench_casmoe.py --eam EAM.safetensors --eap EAP.safetensors --traces traces/ds-puffin \
-        [--epsilons 0.3,0.5,0.6,0.7,0.8,0.9] [--k 6] [--max-requests 200] [--threads 1] [--json]
+        [--epsilons 0.3,0.5,0.6,0.7,0.8,0.9] [--k 6] [--max-requests 200] [--threads 1] [--int8] \
+        [--lengths] [--json]
 
 Prints plan recall@k (against each held-out request's top-k of its true EP label per
 layer), F1, and mean / median planner latency per prompt (EAM: embedding + HNSW
@@ -10,6 +11,11 @@ confidence is below epsilon). Also a static plan (the training requests' mean EP
 for reference. Targets (CasMoE, on a GPU in the paper): EAM <= 5 ms, EAP <= 10 ms,
 cascade recall >= EAP at lower mean latency. Builds both checkpoints first when
 ``--build`` is given (frozen-MiniLM EAP, the quick CPU recipe).
+
+``--lengths`` adds the latency per prompt length: the held-out prompts nearest to 16
+tokens and to their median length, and one cut at the encoder's limit (256), each
+planned ``--repeats`` times (min / p50 / mean; JSON rows with ``"bench": "casmoe-length"``).
+The 1-minute load average is printed with every figure: the machine may be shared.
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ def main() -> None:
     ap.add_argument("--val-fraction", type=float, default=0.1)
     ap.add_argument("--max-requests", type=int, default=None)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads for the timed planners")
+    ap.add_argument("--int8", action="store_true", help="dynamic int8 encoders for both planners")
+    ap.add_argument("--lengths", action="store_true", help="also latency per prompt length")
+    ap.add_argument("--repeats", type=int, default=30, help="timed plans per prompt with --lengths")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -68,18 +77,30 @@ def main() -> None:
         ):
             subprocess.run([sys.executable, "-m", "moecast", *cmd], check=True)
 
+    from moecast.predictors import load
     from moecast.predictors.casmoe import compare_planners, format_table
 
+    eam_p, eap_p = load(args.eam), load(args.eap)
+    eam_p.embedder.threads = eap_p.threads = args.threads  # the planners' batch-1 thread count
     eps = [float(x) for x in args.epsilons.split(",") if x]
     t0 = time.perf_counter()
+    load0 = os.getloadavg()[0]
     rows = compare_planners(
-        args.eam, args.eap, args.traces, eps, args.k, args.val_fraction, 0, args.max_requests
+        eam_p, eap_p, args.traces, eps, args.k, args.val_fraction, 0, args.max_requests, int8=args.int8
+    )
+    for r in rows:
+        r.update(loadavg_1min=[load0, os.getloadavg()[0]], threads=args.threads, int8=args.int8)
+    lengths = (
+        length_latencies(eam_p, eap_p, args.traces, args.val_fraction, args.repeats) if args.lengths else []
     )
     if args.json:
-        for r in rows:
+        for r in rows + lengths:
             print(json.dumps(r))
         return
-    print(f"CasMoE planners on held-out requests of {args.traces} (torch threads {args.threads}, this CPU)")
+    print(
+        f"CasMoE planners on held-out requests of {args.traces} (torch threads {args.threads}, "
+        f"{'int8' if args.int8 else 'fp32'} encoders, this CPU; load {load0:.2f} -> {os.getloadavg()[0]:.2f})"
+    )
     print(format_table(rows))
     best = {r["planner"]: r for r in rows}
     eap = best["EAP"]
@@ -98,7 +119,63 @@ def main() -> None:
         "cascade settings with recall >= EAP at lower mean latency: "
         + (", ".join(r["planner"] for r in wins) if wins else "none")
     )
+    if lengths:
+        print(f"\nlatency per prompt length, ms over {args.repeats} plans of one prompt (min / p50 / mean)")
+        for r in lengths:
+            print(
+                f"  {r['prompt']:<7} {r['tokens']:>4} tokens  {r['timed']:<18} "
+                f"{r['min_ms']:7.2f} {r['p50_ms']:7.2f} {r['mean_ms']:7.2f}   load {r['loadavg_1min']:.2f}"
+            )
     print(f"({time.perf_counter() - t0:.1f} s)")
+
+
+def length_latencies(eam, eap, traces: str, val_fraction: float, repeats: int) -> list[dict]:
+    """Per-planner latency on three held-out prompts: ~16 tokens, the median length, one past the limit."""
+    import numpy as np
+    from moecast.collect.traceset import open_traces
+    from moecast.predictors.casmoe import Cascade, heldout_prompts
+
+    ts = open_traces(traces)
+    prompts = heldout_prompts(ts, ts.split(val_fraction, 0)[1])
+    tok = eam.embedder.tokenizer
+    n = np.array([len(tok(p, truncation=False)["input_ids"]) for p in prompts])
+    limit = eam.embedder.max_length
+    picks = {
+        "short": int(np.argmin(np.abs(n - 16))),
+        "median": int(np.argmin(np.abs(n - np.median(n)))),
+        "long": int(np.argmax(n)),
+    }
+    # epsilon 1: the cascade's slowest case, EAM query + EAP fallback (on the shared embedding
+    # when the EAP's encoder is the EAM's frozen one)
+    cascade = Cascade(eam, eap, 1.0)
+    planners = {
+        "EAM": lambda p: eam.query(p),
+        "EAP": lambda p: eap.plan(p),
+        "cascade (fallback)": lambda p: cascade.plan(p),
+    }
+    out = []
+    for label, i in picks.items():
+        p = prompts[i]
+        for name, f in planners.items():
+            f(p)
+            ms = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                f(p)
+                ms.append((time.perf_counter() - t0) * 1e3)
+            out.append(
+                {
+                    "bench": "casmoe-length",
+                    "prompt": label,
+                    "tokens": int(min(n[i], limit)),
+                    "timed": name,  # not "planner": run_all keys the Table-3 rows by that
+                    "min_ms": float(np.min(ms)),
+                    "p50_ms": float(np.median(ms)),
+                    "mean_ms": float(np.mean(ms)),
+                    "loadavg_1min": os.getloadavg()[0],
+                }
+            )
+    return out
 
 
 if __name__ == "__main__":

@@ -14,14 +14,18 @@ from moecast.predictors import CheckpointError, load
 from moecast.predictors.casmoe import (
     EAM,
     Cascade,
+    FastBertEncoder,
     SentenceEmbedder,
     buffer_path,
+    checked_fast_encoder,
     compare_planners,
     ep_label,
     ep_labels,
+    fast_encoder_unsupported,
     index_path,
     plan_recall,
     prompt_text,
+    torch_threads,
 )
 from moecast.predictors.checkpoint import load_raw, save
 
@@ -256,6 +260,88 @@ def test_long_prompt_truncated_and_said_once():
     assert emb.dim == 384 and np.linalg.norm(a) == pytest.approx(1.0, abs=1e-5)
 
 
+# ----------------------------------------------------------------------------- fast embedding path
+
+FAST_PROMPTS = [
+    "hi",
+    "Write a python function that sorts a list of integers, then explain its time complexity.",
+    "Explain the causes of the French revolution " * 30,  # past the token limit: truncated
+    "Why is the sky blue during the day?",
+]
+
+
+@pytest.mark.parametrize("encoder", ["minilm", "tiny"])
+def test_fast_embedding_equals_sentence_transformers(encoder, tiny_encoder):
+    """The batch-1 fast path (and its padded batch form) gives sentence-transformers' own
+    encode() embeddings (mean pooling + normalisation) to 1e-5, prompt by prompt and batched."""
+    import torch
+
+    spec = str(tiny_encoder) if encoder == "tiny" else encoder
+    emb = SentenceEmbedder(spec, max_length=64)
+    assert isinstance(emb.fast, FastBertEncoder) and not emb.fast.int8
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the truncation notice
+        one_by_one = np.concatenate([emb.embed([p]) for p in FAST_PROMPTS])
+        batched = emb.embed(FAST_PROMPTS)
+    ref = emb.model.encode(FAST_PROMPTS, normalize_embeddings=True, convert_to_numpy=True)
+    assert one_by_one.dtype == np.float32 and one_by_one.shape == (4, emb.dim)
+    np.testing.assert_allclose(one_by_one, ref, atol=1e-5)
+    np.testing.assert_allclose(batched, ref, atol=1e-5)
+    # the module path it replaces gives the same, too
+    feats = emb.tokenizer(FAST_PROMPTS, truncation=True, max_length=64, padding=True, return_tensors="pt")
+    with torch.inference_mode():
+        np.testing.assert_allclose(emb._st_forward(feats).numpy(), ref, atol=1e-5)
+
+
+def test_fast_path_threads_and_fallbacks(tiny_encoder):
+    import torch
+    from transformers import BertConfig, BertModel
+
+    emb = SentenceEmbedder(str(tiny_encoder))
+    before = torch.get_num_threads()
+    with torch_threads(before + 1):
+        assert torch.get_num_threads() == before + 1
+        emb.embed(["a prompt"])  # runs on emb.threads = 1, then gives the setting back
+        assert torch.get_num_threads() == before + 1
+    assert torch.get_num_threads() == before
+    # models it does not cover: another activation; a reference that disagrees
+    relu = BertModel(
+        BertConfig(
+            vocab_size=100, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, hidden_act="relu"
+        )
+    )
+    assert "relu" in fast_encoder_unsupported(relu)
+    with pytest.raises(ValueError, match="relu"):
+        FastBertEncoder(relu)
+    model = emb.model[0].auto_model
+    with pytest.warns(UserWarning, match="differs from the reference"):
+        assert (
+            checked_fast_encoder(model, lambda f: emb._st_forward(f) + 1, emb.tokenizer, False, "t") is None
+        )
+
+
+def test_int8_option_is_close_and_saved(traces, eam_ckpt, tmp_path):
+    import shutil
+
+    fp32 = SentenceEmbedder("minilm")
+    q = SentenceEmbedder("minilm", int8=True)
+    assert q.fast.int8 and q.identity == fp32.identity  # same model: an index serves both
+    cos = (q.embed(FAST_PROMPTS[1:2]) * fp32.embed(FAST_PROMPTS[1:2])).sum()
+    assert 0.9 < cos < 1.0
+    for f in eam_ckpt.parent.iterdir():
+        if f.is_file():
+            shutil.copy(f, tmp_path / f.name)
+    ckpt = tmp_path / eam_ckpt.name
+    eam = load(ckpt)
+    assert not eam.config.int8 and not eam.embedder.int8
+    plan32, conf32 = eam.query(TOPICS[0])
+    eam.set_int8(True)
+    plan8, conf8 = eam.query(TOPICS[0])
+    assert eam.embedder.int8 and abs(conf8 - conf32) < 0.1 and plan8.shape == plan32.shape
+    eam.save(ckpt)
+    assert load(ckpt).embedder.int8  # the setting travels with the checkpoint
+
+
 # ----------------------------------------------------------------------------- EAP and cascade
 
 
@@ -275,6 +361,23 @@ def test_eap_trains_exports_and_reloads(traces, eap_ckpt):
         eap.plan("")
     run_dir = eap_ckpt.with_name("eap.run")
     assert (run_dir / "checkpoints" / "last.ckpt").exists() and list(run_dir.rglob("metrics.csv"))
+
+
+def test_eap_fast_path_equals_module_path(eap_ckpt):
+    import torch
+
+    eap = load(eap_ckpt)  # fine-tuned encoder: the fast path runs on its own (embedded) weights
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plans = np.stack([eap.plan(p)[0] for p in FAST_PROMPTS])
+        batched = eap.plan_many(FAST_PROMPTS)
+        with torch.inference_mode():
+            ref = torch.softmax(eap.net(eap.tokenize(FAST_PROMPTS))[0], -1).numpy()
+    assert eap._fast_encoder() is not None
+    np.testing.assert_allclose(plans, ref, atol=1e-5)
+    np.testing.assert_allclose(batched, ref, atol=1e-5)
+    eap.int8 = True
+    assert eap._fast_encoder().int8 and eap.plan(FAST_PROMPTS[1])[0].shape == plans.shape[1:]
 
 
 def test_eap_frozen_encoder_trains_heads_only(traces, tiny_encoder, tmp_path):

@@ -373,7 +373,7 @@ def build_eam_index(
         batch_size: prompts embedded per batch while building.
         run_dir: where the metrics and the offline wandb run go (default ``<out>.run``).
         wandb: log the evaluation to an offline wandb run.
-        int8: embed with dynamic int8 Linear layers (CPU; ~2x faster short queries, embeddings
+        int8: embed with dynamic int8 Linear layers (CPU; ~1.5x faster short queries, embeddings
             ~0.98 cosine to fp32's); saved with the EAM, which then queries that way too.
     """
     from moecast.train.cli import run_dir_for
