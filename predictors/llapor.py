@@ -13,7 +13,12 @@ when layer l-1 finishes for the current token (PreScope §4.2.1):
   layers, and the ids at layer l itself of the last ``history_tokens`` tokens
   (those tokens finished every layer before this one started, so this stays
   causal); optionally also those tokens' ids at layers l-1.. (``history_layers``)
-  and the previous tokens' own embeddings (``context_tokens``).
+  and the previous tokens' own embeddings (``context_tokens``); ``repeat_token``:
+  layer l's ids of this token's latest earlier occurrence in the request;
+  ``context_vote``: earlier tokens' layer-l ids pooled with weights from their overlap
+  with this token's ids at the last ``context_vote`` layers below l (a dense input);
+  ``token_exact``: token ids index a vocabulary from the training split (stored in the
+  checkpoint as ``tok_vocab``) instead of being hashed into ``token_buckets``.
 - ``dense_skip``: a linear map from the dense features (gate-input PCA, weights)
   straight to the logits beside the MLP, i.e. a learned router on layer l-1's
   gate input (gate reuse with learned instead of borrowed weights).
@@ -36,6 +41,7 @@ it is off unless called.
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -72,11 +78,22 @@ class FeatureSpec:
     history_layers: int = 1  # history tokens' ids at layers l, l-1, .., l-history_layers+1
     context_tokens: int = 0  # token embeddings of the previous tokens t-1 .. t-context_tokens
     dense_skip: bool = False  # also a linear map of the dense features straight to the logits
+    token_exact: bool = False  # token ids index a vocabulary (net buffer tok_vocab) instead of a hash
+    repeat_token: bool = False  # layer l's ids of the latest earlier occurrence of this token in the request
+    context_vote: int = (
+        0  # >0: earlier tokens' layer-l ids, weighted by path overlap over this many layers < l
+    )
+    vote_power: float = 4.0  # weight of an earlier token = (1 + overlap) ** vote_power
 
     @property
     def vocab(self) -> int:
         """Sparse feature ids per layer (prev-layer blocks then history blocks), plus one pad id."""
-        return (self.prev_layers + self.history_tokens * self.history_layers) * self.num_experts
+        return self.sparse_blocks * self.num_experts
+
+    @property
+    def sparse_blocks(self) -> int:
+        """Blocks of ``num_experts`` sparse ids per layer: previous layers, history tokens, repeat."""
+        return self.prev_layers + self.history_tokens * self.history_layers + int(self.repeat_token)
 
     @property
     def pca_max(self) -> int:
@@ -84,12 +101,16 @@ class FeatureSpec:
 
     @property
     def dense_dim(self) -> int:
-        return self.pca_max + (self.num_experts if self.weights else 0)
+        return (
+            self.pca_max
+            + (self.num_experts if self.weights else 0)
+            + (self.num_experts if self.context_vote else 0)
+        )
 
     def fields(self) -> list[str]:
         """TraceSet fields these features read."""
         out = ["topk_ids"]
-        if self.token_buckets:
+        if self.token_buckets or self.repeat_token:
             out.append("token_id")
         if self.gate_pca:
             out.append("gate_inputs")
@@ -98,11 +119,31 @@ class FeatureSpec:
         return out
 
 
-def sparse_bags(spec: FeatureSpec, topk: np.ndarray, rows: np.ndarray, pos: np.ndarray) -> np.ndarray:
+def previous_occurrence(token_ids: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """[N] for each row of a token table: the row of the latest earlier occurrence of the same
+    token id in the same request (``pos`` restarts at 0 for every request), or -1."""
+    tok = np.asarray(token_ids, np.int64)
+    req = np.cumsum(np.asarray(pos) == 0)
+    order = np.lexsort((np.arange(len(tok)), tok, req))  # by request, token, then row
+    out = np.full(len(tok), -1, np.int64)
+    same = (req[order][1:] == req[order][:-1]) & (tok[order][1:] == tok[order][:-1])
+    out[order[1:][same]] = order[:-1][same]
+    return out
+
+
+def sparse_bags(
+    spec: FeatureSpec,
+    topk: np.ndarray,
+    rows: np.ndarray,
+    pos: np.ndarray,
+    prev_same: np.ndarray | None = None,
+) -> np.ndarray:
     """[B, L, nbag] int64 feature ids (pad = spec.vocab) for rows of a [N, L, k] id array.
 
     ``rows`` index ``topk``; ``pos`` is each row's position in its request (so the
     history never crosses into the previous request, which sits at rows - j).
+    ``prev_same`` [B] (needed with ``repeat_token``) is each row's earlier occurrence of
+    the same token (an index into ``topk``, -1 for none; see ``previous_occurrence``).
     """
     L, E, k = spec.num_layers, spec.num_experts, spec.top_k
     B = len(rows)
@@ -123,29 +164,99 @@ def sparse_bags(spec: FeatureSpec, topk: np.ndarray, rows: np.ndarray, pos: np.n
             blk[pos < j] = pad
             blocks.append(blk)
             base += E
+    if spec.repeat_token:
+        if prev_same is None:
+            raise ValueError("repeat_token needs prev_same (see previous_occurrence)")
+        ps = np.asarray(prev_same, np.int64)
+        blk = topk[np.maximum(ps, 0)].astype(np.int64) + base  # token's earlier occurrence, layer l
+        blk[ps < 0] = pad
+        blocks.append(blk)
+        base += E
     if not blocks:
         return np.full((B, L, 1), pad, np.int64)
     return np.concatenate(blocks, axis=-1)
 
 
-def token_context(spec: FeatureSpec, token_ids: np.ndarray, rows: np.ndarray, pos: np.ndarray) -> np.ndarray:
+def token_buckets_of(spec: FeatureSpec, token_ids: np.ndarray, vocab: np.ndarray | None = None) -> np.ndarray:
+    """Raw token ids -> embedding rows: ``id % token_buckets`` (hashing), or with ``token_exact``
+    the id's index in the sorted ``vocab`` (token_buckets - 1 ids), ``token_buckets - 1`` if unseen."""
+    t = np.asarray(token_ids, np.int64)
+    if not spec.token_exact:
+        return t % spec.token_buckets
+    if vocab is None:
+        raise ValueError("token_exact needs the token vocabulary")
+    v = np.asarray(vocab, np.int64)
+    if len(v) == 0:
+        return np.zeros_like(t)
+    i = np.searchsorted(v, t)
+    hit = v[np.minimum(i, len(v) - 1)] == t
+    return np.where(hit, i, len(v))
+
+
+def token_context(
+    spec: FeatureSpec,
+    token_ids: np.ndarray,
+    rows: np.ndarray,
+    pos: np.ndarray,
+    vocab: np.ndarray | None = None,
+) -> np.ndarray:
     """Token bucket ids: [B] (the current token) or, with ``context_tokens`` = C, [B, 1 + C]
     (tokens t, t-1, .., t-C; a position before the request's start gets the pad bucket
-    ``token_buckets``). ``token_ids`` are raw ids indexed by ``rows``."""
-    cur = np.asarray(token_ids, np.int64)[rows] % spec.token_buckets
+    ``token_buckets``). ``token_ids`` are raw ids indexed by ``rows``; ``vocab`` is the
+    sorted vocabulary of ``token_exact`` (see ``token_buckets_of``)."""
+    ids = np.asarray(token_ids, np.int64)
+    cur = token_buckets_of(spec, ids[rows], vocab)
     if not spec.context_tokens:
         return cur
     cols = [cur]
     for j in range(1, spec.context_tokens + 1):
-        prev = np.asarray(token_ids, np.int64)[np.maximum(rows - j, 0)] % spec.token_buckets
+        prev = token_buckets_of(spec, ids[np.maximum(rows - j, 0)], vocab)
         cols.append(np.where(pos < j, spec.token_buckets, prev))
     return np.stack(cols, 1)
 
 
+def context_votes(spec: FeatureSpec, ids: np.ndarray, pos: np.ndarray | None = None) -> np.ndarray:
+    """[T, L, E] float32 attention-like pooling of earlier tokens' layer-l ids (``context_vote``).
+
+    For token t and layer l: sum over earlier tokens j of the same request of
+    (1 + o)^p * multi_hot(ids[j, l]), normalised to sum 1, where o = |ids[t, m] & ids[j, m]|
+    summed over the ``context_vote`` layers m = l-W .. l-1 (this token's ids below l only;
+    earlier tokens finished every layer). The first token of a request gets zeros.
+    ``pos`` (each row's position in its request) splits a table of several requests.
+    """
+    T, L, E = ids.shape[0], spec.num_layers, spec.num_experts
+    out = np.zeros((T, L, E), np.float32)
+    pos = np.arange(T) if pos is None else np.asarray(pos)
+    starts = [*np.flatnonzero(pos == 0).tolist(), T]
+    for a, b in itertools.pairwise(starts):
+        n = b - a
+        if n < 2:
+            continue
+        mh = np.zeros((n, L, E), np.float32)
+        np.put_along_axis(mh, ids[a:b].astype(np.int64), 1.0, axis=-1)
+        past = np.tril(np.ones((n, n), np.float32), -1)  # j < t
+        gram = [mh[:, m] @ mh[:, m].T for m in range(L)]  # overlap per layer, [n, n]
+        ov = np.zeros((n, n), np.float32)
+        for li in range(L):
+            if li >= 1:
+                ov += gram[li - 1]
+            if li - 1 - spec.context_vote >= 0:
+                ov -= gram[li - 1 - spec.context_vote]
+            w = (1.0 + ov) ** spec.vote_power * past
+            v = w @ mh[:, li]
+            out[a:b, li] = v / np.maximum(v.sum(-1, keepdims=True), 1e-9)
+    return out
+
+
 def dense_features(
-    spec: FeatureSpec, pca_in: np.ndarray | None, weights: np.ndarray | None, ids: np.ndarray
+    spec: FeatureSpec,
+    pca_in: np.ndarray | None,
+    weights: np.ndarray | None,
+    ids: np.ndarray,
+    pos: np.ndarray | None = None,
 ) -> np.ndarray:
-    """[T, L, dense_dim] float32: PCA of layer l-1's gate input and layer l-1's weights (zeros at layer 0).
+    """[T, L, dense_dim] float32: PCA of layer l-1's gate input and layer l-1's weights (zeros at
+    layer 0), then with ``context_vote`` the earlier tokens' pooled layer-l ids (``context_votes``).
 
     ``pca_in`` is the already projected gate input [T, L, pca_max] (row l = layer l's own gate input).
     """
@@ -153,10 +264,15 @@ def dense_features(
     out = np.zeros((T, L, spec.dense_dim), np.float32)
     if spec.gate_pca and pca_in is not None:
         out[:, 1:, : spec.pca_max] = pca_in[:, :-1]
-    if spec.weights and weights is not None:
-        w = np.zeros((T, L, spec.num_experts), np.float32)
-        np.put_along_axis(w, ids.astype(np.int64), weights.astype(np.float32), axis=-1)
-        out[:, 1:, spec.pca_max :] = w[:, :-1]
+    off = spec.pca_max
+    if spec.weights:
+        if weights is not None:
+            w = np.zeros((T, L, spec.num_experts), np.float32)
+            np.put_along_axis(w, ids.astype(np.int64), weights.astype(np.float32), axis=-1)
+            out[:, 1:, off : off + spec.num_experts] = w[:, :-1]
+        off += spec.num_experts
+    if spec.context_vote:
+        out[:, :, off : off + spec.num_experts] = context_votes(spec, ids, pos)
     return out
 
 
@@ -231,10 +347,7 @@ class LLaPorNet(nn.Module):
         # multi-hot matmul, which on CPU beats EmbeddingBag by ~10x at these sizes
         self.w_in = StackedLinear(L, max(spec.vocab, 1), H)
         with torch.no_grad():
-            self.w_in.weight.normal_(
-                std=(max(spec.prev_layers + spec.history_tokens * spec.history_layers, 1) * spec.top_k)
-                ** -0.5
-            )
+            self.w_in.weight.normal_(std=(max(spec.sparse_blocks, 1) * spec.top_k) ** -0.5)
         if spec.deep_history:
             # every earlier layer l' < l of this token: shared embedding per source layer,
             # combined by a learned strictly lower-triangular mix (cheap: B x L x L x H)
@@ -247,6 +360,9 @@ class LLaPorNet(nn.Module):
             # one extra (pad) bucket when previous tokens are embedded too
             self.tok = nn.Embedding(spec.token_buckets + (1 if spec.context_tokens else 0), spec.token_dim)
             self.tok_proj = StackedLinear(L, spec.token_dim * (1 + spec.context_tokens), H)
+            if spec.token_exact:
+                # sorted raw token ids of the exact vocabulary (row token_buckets - 1 = unseen)
+                self.register_buffer("tok_vocab", torch.zeros(spec.token_buckets - 1, dtype=torch.int64))
         if spec.dense_dim:
             self.dense_proj = StackedLinear(L, spec.dense_dim, H)
             if spec.dense_skip:
@@ -431,11 +547,14 @@ class LLaPor(Predictor):
                 "evaluate it on traces collected with those fields"
             )
         pos = np.arange(T)
-        feats = {"bags": torch.from_numpy(sparse_bags(spec, ids, pos, pos))}
+        tok_ids = np.asarray(trace.token_ids) if (spec.token_buckets or spec.repeat_token) else None
+        prev_same = previous_occurrence(tok_ids, pos) if spec.repeat_token else None
+        feats = {"bags": torch.from_numpy(sparse_bags(spec, ids, pos, pos, prev_same))}
         if spec.deep_history:
             feats["route"] = torch.from_numpy(ids.astype(np.int64))
         if spec.token_buckets:
-            feats["tokens"] = torch.from_numpy(token_context(spec, np.asarray(trace.token_ids), pos, pos))
+            vocab = self.net.tok_vocab.numpy() if spec.token_exact else None
+            feats["tokens"] = torch.from_numpy(token_context(spec, tok_ids, pos, pos, vocab))
         if spec.dense_dim:
             pca_in = None
             if spec.gate_pca:

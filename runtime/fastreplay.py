@@ -30,11 +30,21 @@ import math
 import numpy as np
 
 _BIG = np.iinfo(np.int64).max
+_CHUNK = 16384  # rows per eviction pass: [rows, E] temporaries stay a few MB
 _NU_CAP = np.int64(1) << 36
+
+
+_POW2 = np.left_shift(np.uint64(1), np.arange(64, dtype=np.uint64))
 
 
 def masks(ids: np.ndarray) -> np.ndarray:
     """[..., k] expert ids (0..63) -> [...] uint64 bitmask."""
+    if ids.size and ids.min() >= 0 and ids.max() < 64:
+        # one [...] gather and OR per column: no [..., k] uint64 temporaries
+        out = _POW2[ids[..., 0]]
+        for j in range(1, ids.shape[-1]):
+            out |= _POW2[ids[..., j]]
+        return out
     bits = np.left_shift(np.uint64(1), ids.astype(np.uint64))
     return np.bitwise_or.reduce(bits, axis=-1)
 
@@ -141,12 +151,16 @@ def same_as_previous_misses(topk: np.ndarray, lengths: np.ndarray, cold: bool) -
 
 def static_hits(topk: np.ndarray, table_order: np.ndarray, caps: np.ndarray) -> np.ndarray:
     """[N, L, C] misses with a fixed hot-expert table: table_order [L, E] hottest first."""
-    L = topk.shape[1]
+    N, L, _k = topk.shape
     E = table_order.shape[1]
-    rank = np.empty((L, E), dtype=np.int64)
-    np.put_along_axis(rank, table_order.astype(np.int64), np.arange(E)[None, :], axis=1)
-    r = rank[np.arange(L)[None, :, None], topk.astype(np.int64)]  # [N, L, k]
-    return np.stack([(r >= c).sum(2) for c in caps], axis=2).astype(np.int8)
+    rdt = np.int8 if E <= 127 else np.int64
+    rank = np.empty((L, E), dtype=rdt)
+    np.put_along_axis(rank, table_order.astype(np.int64), np.arange(E, dtype=rdt)[None, :], axis=1)
+    r = rank[np.arange(L)[None, :, None], topk]  # [N, L, k]
+    out = np.empty((N, L, len(caps)), dtype=np.int8)
+    for ci, c in enumerate(caps):
+        out[:, :, ci] = (r >= c).sum(2)
+    return out
 
 
 def simulate_demand(
@@ -225,15 +239,19 @@ def simulate_demand(
         need = cnt + nm - capv[:nl]
         Kf[flat] = big  # shield the token's own experts
         rows = np.flatnonzero(need > 0)
-        j = 0
-        while len(rows):
-            if 2 * len(rows) > nl:
-                v = K[:nl].min(1)[rows] & idmask
-            else:
-                v = K[rows].min(1) & idmask
-            Kf[lane_base[rows] + v] = big
-            j += 1
-            rows = rows[need[rows] > j]
+        if len(rows):
+            # each row's `need` lowest keys (unique: the id is in the low bits; need never exceeds
+            # the resident experts outside the shield, since capacity > k here)
+            nr = need[rows]
+            m = int(nr.max())
+            for c0 in range(0, len(rows), _CHUNK):  # bounded temporaries (no page faults per step)
+                rc, nc = rows[c0 : c0 + _CHUNK], nr[c0 : c0 + _CHUNK]
+                if m == 1:
+                    Kf[lane_base[rc] + (K[rc].min(1) & idmask)] = big
+                else:
+                    low = np.sort(K[rc], axis=1)[:, :m]
+                    take = np.arange(m)[None, :] < nc[:, None]
+                    Kf[(lane_base[rc][:, None] + (low & idmask))[take]] = big
         cnt += nm - np.maximum(need, 0)
         if policy == "lfu":
             fv = Ff[flat] + 1
@@ -281,8 +299,9 @@ def wavefront_b1(
     prefetch for layer l uses the link time layer l-1 of the same step leaves free. Lanes are stored
     in order of the iteration they finish (latest first), so the lanes active at an iteration are a
     prefix and every per-lane quantity is a slice, not a gather. Each lane keeps one key per expert:
-    ``(step of last use + 1) << sh | id`` when resident, ``big`` otherwise, so lookups are gathers
-    and an eviction is a row min. ``cand`` [N, L, kp]: each (token, layer)'s predicted candidates
+    ``(step of last use + 1) << (sh + 1) | id << 1 | prefetched-unused`` when resident, ``big``
+    otherwise, so lookups are gathers and an eviction is a row min (the flag bit never decides:
+    the ids of a lane are distinct). ``cand`` [N, L, kp]: each (token, layer)'s predicted candidates
     ranked best first (-1 padded); ``pred_ids`` [N, L, kp] the raw predicted ids (PreSched's
     next-layer view); ``preload`` [L, >= max cap] the hot-expert table (PreSched's start);
     ``basis`` [N] bool: the tokens whose steps count for the modeled TPOT.
@@ -300,9 +319,10 @@ def wavefront_b1(
     G = len(g_len)
     S = int(g_len.max())
     sh = max(1, int(E - 1).bit_length())
-    kdt = np.int32 if (int(S + 1).bit_length() + sh) <= 30 else np.int64
+    kdt = np.int32 if (int(S + 1).bit_length() + sh + 1) <= 30 else np.int64
     big = np.iinfo(kdt).max
     idmask = kdt((1 << sh) - 1)
+    sh1 = sh + 1  # key layout: step | id | prefetched flag
     lanes = C * G * L
     # natural lane id (c * G + g) * L + l, stored at position pos[id] (latest-finishing first)
     o_cap = np.repeat(np.arange(C), G * L)
@@ -319,15 +339,14 @@ def wavefront_b1(
     end_sorted = o_end[perm]
     nxt_lane = np.where(layer_of < L - 1, pos[np.minimum(perm + 1, lanes - 1)], np.arange(lanes))
     K = np.full((lanes, E), big, dtype=kdt)
-    PF = np.zeros((lanes, E), dtype=bool)
-    Kf, PFf = K.reshape(-1), PF.reshape(-1)
+    Kf = K.reshape(-1)
     count = np.zeros(lanes, dtype=np.int64)
     if preload is not None:
         for c in range(C):
             n_pre = min(int(caps[c]), E)
             rows = np.flatnonzero(cap_of == c)
             items = preload[layer_of[rows], :n_pre].astype(np.int64)  # [rows, n_pre]
-            K[rows[:, None], items] = items.astype(kdt)  # last = -1: key (0 << sh) | id
+            K[rows[:, None], items] = items.astype(kdt) << 1  # last = -1: key (0 << sh1) | id << 1
             count[rows] = n_pre
     prefetching = cand is not None
     t_io = cost.t_io
@@ -349,30 +368,38 @@ def wavefront_b1(
         "pf_used",
     )
     acc = {n_: np.zeros(lanes) for n_ in names}
-    topk2 = topk.reshape(N * L, k)
-    cand2 = cand.reshape(N * L, -1) if cand is not None else None
-    pred2 = pred_ids.reshape(N * L, -1) if pred_ids is not None else None
+    # ids as int8 (E <= 64): the per-step gathers read a quarter of the bytes
+    topk2 = topk.reshape(N * L, k).astype(np.int8)
+    cand2 = cand.reshape(N * L, -1).astype(np.int8) if cand is not None else None
+    pred2 = pred_ids.reshape(N * L, -1).astype(np.int8) if pred_ids is not None else None
     all_basis = bool(basis.all())
-    colk = np.arange(k)[None, :]
     kp = cand.shape[2] if prefetching else 0
     lane_ix = np.arange(lanes)
+    # predictions without -1 padding (the usual case) skip the masking below
+    cand_full = bool(prefetching and (cand2 >= 0).all())
+    pred_full = bool(pred2 is not None and (pred2 >= 0).all())
+    finite_io = math.isfinite(t_io)
 
-    def evict(act_rows: np.ndarray, need: np.ndarray, shield: np.ndarray) -> None:
-        sub = K[act_rows]  # copy [ne, E]
-        ne = len(act_rows)
-        r = np.arange(ne)
-        sv = shield >= 0
-        sub[np.broadcast_to(r[:, None], shield.shape)[sv], shield[sv]] = big
-        for j in range(int(need.max())):
-            mn = sub.min(1)
-            sel = (need > j) & (mn != big)
-            v = (mn & idmask)[sel].astype(np.int64)
-            rs = r[sel]
-            sub[rs, v] = big
-            fl = act_rows[rs] * E + v
-            Kf[fl] = big
-            PFf[fl] = False
-            count[act_rows[rs]] -= 1
+    def evict(act_rows: np.ndarray, need: np.ndarray, shield: np.ndarray, shield_full: bool) -> None:
+        """Evict each row's ``need`` lowest keys outside ``shield`` (keys are unique: id in the low bits)."""
+        for c0 in range(0, len(act_rows), _CHUNK):
+            rows, nd, sh_ = act_rows[c0 : c0 + _CHUNK], need[c0 : c0 + _CHUNK], shield[c0 : c0 + _CHUNK]
+            sub = K[rows]  # copy [ne, E]
+            r = np.arange(len(rows))
+            if shield_full:
+                sub[r[:, None], sh_] = big
+            else:
+                sv = sh_ >= 0
+                sub[np.broadcast_to(r[:, None], sh_.shape)[sv], sh_[sv]] = big
+            m = int(nd.max())
+            if m == 1:
+                low = sub.min(1)[:, None]
+            else:
+                low = np.sort(sub, axis=1)[:, :m]  # the m lowest keys, ascending (one SIMD sort per row)
+            take = (low != big) & (np.arange(m)[None, :] < nd[:, None])
+            v = ((low >> 1) & idmask)[take].astype(np.int64)
+            Kf[np.broadcast_to(rows[:, None] * E, take.shape)[take] + v] = big
+            count[rows] -= take.sum(1)
 
     n_iter = S + L - 1
     n_act_of = np.searchsorted(-end_sorted, -np.arange(n_iter), side="left")
@@ -392,76 +419,89 @@ def wavefront_b1(
         toks = tok0[A] + s
         tl = toks * L + lay
         base = act * E
-        newkey = ((s + 1).astype(kdt) << sh)[:, None]
+        newkey = ((s + 1).astype(kdt) << sh1)[:, None]
         ids = topk2[tl]  # [n, k]
         free_a = free[A]
-        # without PreSched a prefetch only starts when it fits in the free link time: often none does
-        skip_pf = (
-            prefetching
-            and balancer != "presched"
-            and t_io > 0
-            and (math.isinf(t_io) or not (free_a / t_io + 1e-9 >= 1).any())
-        )
-        if skip_pf or not prefetching:
-            delay[A] = 0.0
-        else:
-            cd = cand2[tl]  # [n, kp] best first
-            cvalid = cd >= 0
-            nonres = cvalid & (Kf[base[:, None] + np.where(cvalid, cd, 0)] == big)
-            n_cand = nonres.sum(1)
+        delay[A] = 0.0
+        if prefetching:
+            # the lanes that may issue a prefetch: PreSched asked for some (-1: as many as fit); without
+            # PreSched one must fit in the free link time (often none does). The others issue nothing.
             pfa = pf_n[A]
-            want = np.where(pfa >= 0, np.minimum(pfa, n_cand), n_cand)
+            may = pfa != 0
+            if balancer != "presched" and t_io > 0:
+                may &= (free_a / t_io + 1e-9 >= 1) if finite_io else False
+            sel = np.flatnonzero(may)
+        if prefetching and len(sel):
+            a_s = act[sel]
+            base_s = base[sel]
+            free_s = free_a[sel]
+            cd = cand2[tl[sel]]  # [n_s, kp] best first
+            if cand_full:
+                nonres = Kf[base_s[:, None] + cd] == big
+            else:
+                cvalid = cd >= 0
+                nonres = cvalid & (Kf[base_s[:, None] + np.where(cvalid, cd, 0)] == big)
+            n_cand = nonres.sum(1)
+            pfs = pfa[sel]
+            want = np.where(pfs >= 0, np.minimum(pfs, n_cand), n_cand)
             if math.isinf(t_io):
-                fit = np.zeros(n, dtype=np.int64)
+                fit = np.zeros(len(sel), dtype=np.int64)
             elif t_io <= 0:
                 fit = want
             else:
-                fit = np.floor(free_a / t_io + 1e-9).astype(np.int64)
+                fit = np.floor(free_s / t_io + 1e-9).astype(np.int64)
             if balancer != "presched":
                 want = np.minimum(want, fit)
             landed = np.minimum(want, fit)
-            started = np.where(np.isfinite(t_io), np.minimum(want, landed + 1), 0)
-            new_delay = np.where(
-                (want > landed) & np.isfinite(t_io) & (t_io > 0), (landed + 1) * t_io - free_a, 0.0
-            )
-            delay[A] = np.maximum(new_delay, 0.0)
+            if finite_io:
+                started = np.minimum(want, landed + 1)
+            else:
+                started = np.zeros(len(sel), dtype=np.int64)
+            if finite_io and t_io > 0:
+                new_delay = np.where(want > landed, (landed + 1) * t_io - free_s, 0.0)
+                delay[a_s] = np.maximum(new_delay, 0.0)
             pr = np.flatnonzero(landed > 0)
             if len(pr):
-                apr = act[pr]
+                apr = a_s[pr]
                 need = landed[pr] - (capv[apr] - count[apr])
                 er = np.flatnonzero(need > 0)
                 if len(er):
-                    evict(apr[er], need[er], cd[pr[er]])
+                    evict(apr[er], need[er], cd[pr[er]], cand_full)
                 # the first `landed` non-resident candidates, best first
                 nr = nonres[pr]
                 take = nr & (np.cumsum(nr, axis=1) <= landed[pr][:, None])
                 cp = cd[pr]
-                fl = (base[pr][:, None] + np.where(take, cp, 0))[take]
-                Kf[fl] = (np.broadcast_to(newkey[pr], take.shape)[take]) | cp[take].astype(kdt)
-                PFf[fl] = True
+                fl = (base_s[pr][:, None] + np.where(take, cp, 0))[take]
+                # prefetched and not used yet: the flag bit set
+                nk = np.broadcast_to(newkey[sel[pr]], take.shape)[take]
+                Kf[fl] = nk | (cp[take].astype(kdt) << 1) | 1
                 count[apr] += landed[pr]
-            lane_pf_landed[A] += landed
-            acc["pf_issued"][A] += want
-            acc["pf_landed"][A] += landed
-            acc["pf_inserted"][A] += landed
-            acc["pf_started"][A] += started
+            lane_pf_landed[a_s] += landed
+            acc["pf_issued"][a_s] += want
+            acc["pf_landed"][a_s] += landed
+            acc["pf_inserted"][a_s] += landed
+            acc["pf_started"][a_s] += started
         fid = base[:, None] + ids
-        hit = Kf[fid] != big
+        kv = Kf[fid]
+        hit = kv != big
         if prefetching:
-            used = (hit & PFf[fid]).sum(1)
+            used = (hit & ((kv & 1) != 0)).sum(1)
             lane_pf_used[A] += used
             acc["pf_used"][A] += used
         n_hit = hit.sum(1)
         n_miss = k - n_hit
         if balancer == "presched":
-            msz = (colk < n_miss[:, None]).astype(np.float64)
             has_next = lay < L - 1
             if prefetching:
                 nid = pred2[toks * L + np.minimum(lay + 1, L - 1)]
-                nvalid = nid >= 0
                 consumer = nxt_lane[A]
-                nres = Kf[(consumer * E)[:, None] + np.where(nvalid, nid, 0)] != big
-                nn = (nvalid & ~nres & has_next[:, None]).sum(1)
+                if pred_full:
+                    nres = Kf[(consumer * E)[:, None] + nid] == big  # not resident
+                    nn = nres.sum(1) * has_next
+                else:
+                    nvalid = nid >= 0
+                    nres = Kf[(consumer * E)[:, None] + np.where(nvalid, nid, 0)] != big
+                    nn = (nvalid & ~nres & has_next[:, None]).sum(1)
                 mn_ = kp
             else:
                 nn = np.zeros(n, dtype=np.int64)
@@ -469,8 +509,8 @@ def wavefront_b1(
             dec = schedule_unit(n_miss, k, nn, mn_, delay[A], lane_pf_used[A] / lane_pf_landed[A], cost)
             n_load = dec.n_load
             pf_n[nxt_lane[A][has_next]] = dec.n_prefetch[has_next]
-            cpu_mask = (colk >= n_load[:, None]) & (colk < n_miss[:, None])
-            t_cpu = (np.where(cpu_mask, cost.beta * msz + cost.c, 0.0)).sum(1)
+            # CPU time of the n_miss - n_load experts left (one token each): the scheduler's running sum
+            t_cpu = dec.t_cpu
         else:
             n_load = n_miss
             t_cpu = 0.0
@@ -480,14 +520,16 @@ def wavefront_b1(
             need = n_load[lr] - (capv[alr] - count[alr])
             er = np.flatnonzero(need > 0)
             if len(er):
-                evict(alr[er], need[er], ids[lr[er]])
+                evict(alr[er], need[er], ids[lr[er]], True)
             count[alr] += n_load[lr]
         # loaded: the first n_load misses in routing order; hits and loaded experts get the new key
-        miss = ~hit
-        now_res = hit | (miss & (np.cumsum(miss, axis=1) <= n_load[:, None]))
-        Kf[fid[now_res]] = (newkey | ids.astype(kdt))[now_res]
-        if prefetching:
-            PFf[fid] = False
+        if balancer != "presched" or (n_load == n_miss).all():
+            Kf[fid] = newkey | (ids.astype(kdt) << 1)  # the flag cleared: used
+        else:
+            miss = ~hit
+            now_res = hit | (miss & (np.cumsum(miss, axis=1) <= n_load[:, None]))
+            # misses left to the CPU stay non-resident (their key is big already)
+            Kf[fid] = np.where(now_res, newkey | (ids.astype(kdt) << 1), big)
         link = delay[A] + n_load * (t_io if math.isfinite(t_io) else 0.0)
         if not math.isfinite(t_io):
             link = np.where(n_load > 0, math.inf, link)

@@ -107,18 +107,17 @@ class Prefetcher:
     def choose(self, scores: np.ndarray, resident: np.ndarray, t_gap: float | None = None) -> np.ndarray:
         """scores [E] or [B, E] for the next layer, resident [E] bool -> ids to prefetch, best first.
 
-        Candidates are each token's top-k predicted experts (C4: top-score ones; the last k of an
-        ascending ``argsort``, so exact ties at the k-th place resolve the same way for one token and
-        for a batch) with a positive score, merged over the batch by summed score (ties: lower id
-        first); with ``t_gap`` the count is sized by Eqs. 6-7. One token ([E] or [1, E]) takes a
-        short path with the same result.
+        Candidates are each token's top-k predicted experts (C4: top-score ones; exact ties at the
+        k-th place go to the lower id) with a positive score, merged over the batch by summed score
+        (ties: lower id first); with ``t_gap`` the count is sized by Eqs. 6-7. One token ([E] or
+        [1, E]) takes a short path with the same result.
         """
         if not isinstance(scores, np.ndarray):
             scores = np.asarray(scores)
         if scores.ndim == 1 or len(scores) == 1:
             return self._choose_one(scores.reshape(-1), resident, t_gap)
         s = np.atleast_2d(scores)
-        top = np.argsort(s, axis=1)[:, : -self.k - 1 : -1]
+        top = np.argsort(-s, axis=1, kind="stable")[:, : self.k]
         agg = np.zeros(self.E, dtype=np.float64)
         np.add.at(agg, top.reshape(-1), np.take_along_axis(s, top, 1).reshape(-1))
         agg[resident] = 0.0
@@ -129,24 +128,31 @@ class Prefetcher:
         return cand
 
     def _choose_one(self, s: np.ndarray, resident: np.ndarray, t_gap: float | None) -> np.ndarray:
-        """One token: the batch path's result for one row with a few numpy calls and a short loop."""
+        """One token: the batch path's result for one row, walking the scores from the best down
+        (``argmax``: ties to the lower id, as the batch path's stable sort) until ``n`` are found."""
         n = self.k if t_gap is None else self._gap_count(t_gap)
         if n <= 0:
             return np.empty(0, dtype=np.intp)
-        top = s.argsort()[: -self.k - 1 : -1]  # the k best (the same ranking call as the batch path)
-        vl = s[top].tolist()
-        rows = zip(vl, top.tolist(), resident[top].tolist())
-        if len(set(vl)) < len(vl):  # exact ties: lower id first, as the batch path's stable merge
-            rows = sorted(rows, key=lambda x: (-x[0], x[1]))
+        m = s.copy()
         keep = []
-        for v, e, r in rows:  # best first
+        for _ in range(self.k):  # the k best only
+            j = m.argmax()
+            v = m.item(j)
             if not v > 0:
-                break  # scores <= 0 (and NaN) are never candidates
-            if not r:
-                keep.append(e)
+                if v != v:  # NaN: argmax stops there; rank by sorting instead
+                    return self._choose_sorted(s, resident, n)
+                break  # scores <= 0 are never candidates
+            if not resident[j]:
+                keep.append(j)
                 if len(keep) == n:
                     break
+            m[j] = -np.inf
         return np.array(keep, dtype=np.intp)
+
+    def _choose_sorted(self, s: np.ndarray, resident: np.ndarray, n: int) -> np.ndarray:
+        top = np.argsort(-s, kind="stable")[: self.k]
+        keep = [e for e, v in zip(top.tolist(), s[top].tolist()) if v > 0 and not resident[e]]
+        return np.array(keep[:n], dtype=np.intp)
 
     def _gap_count(self, t_gap: float) -> int:
         """Eqs. 6-7 for one gap, in plain floats (no array overhead on the per-layer path)."""

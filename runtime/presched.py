@@ -156,15 +156,76 @@ def schedule_unit(
     Same floating-point operations as :func:`schedule` on rows of ones (``n_cur`` of ``M`` current,
     ``n_next`` of ``Mn`` next), so the decisions are identical: the merged order of E_all is the
     current experts then the next ones, and t_c of the first i experts is the same running sum.
+
+    With a non-negative link time and CPU time per expert both conditions are monotone in the
+    position (T_G falls and T_C grows as i grows, also after rounding), so Eq. 5's i' is
+    ``n + 1 -`` the number of positions that pass, and Eq. 4 reaches the next layer iff it holds at
+    the last queued expert: one [rows, M + 1] comparison and one [rows] comparison.
     """
-    rows = len(n_cur)
     n_cur = np.asarray(n_cur, dtype=np.int64)
     delay = np.asarray(delay, dtype=np.float64)
     per = cost.beta * 1.0 + cost.c
     run = np.concatenate([[0.0], np.cumsum(np.full(M + Mn, per))])  # t_c of the first i experts
+    t_io = cost.t_io if np.isfinite(cost.t_io) else 1e30
+    if not (t_io >= 0 and per >= 0):
+        return _schedule_unit_rows(n_cur, M, n_next, Mn, delay, r_hit, cost, run, t_io)
+    # T_G - delay - t_g for n pending and position i: (n - i) t_io, and +inf past n (never passes)
+    n_i = np.arange(M + 1)[:, None] - np.arange(M + 1)[None, :]
+    jt = np.where(n_i >= 0, n_i * t_io, np.inf)
+    ok = delay[:, None] + jt[n_cur] + cost.t_g < run[: M + 1][None, :]
+    n_load = np.maximum(ok.sum(1) - 1, 0)
+    first = n_cur - n_load
+    t_cpu = run[first]
+    if Mn == 0:
+        return PreSchedDecision(n_load, first, t_cpu, np.zeros(len(n_cur), dtype=np.int64))
+    n_next = np.asarray(n_next, dtype=np.int64)
+    # Eq. 4 at the last expert of E_all (position n + n' - 1: T_G = delay + 1 * t_io + t_g)
+    last = np.maximum(n_cur + n_next - 1, 0)
+    next_in_queue = (n_next > 0) & (delay + 1 * t_io + cost.t_g < run[last] + cost.t_attn)
+    return PreSchedDecision(
+        n_load, first, t_cpu, _prefetch_count(t_cpu, delay, n_load, n_next, next_in_queue, r_hit, cost, t_io)
+    )
+
+
+def _prefetch_count(
+    t_cpu: np.ndarray,
+    delay: np.ndarray,
+    n_load: np.ndarray,
+    n_next: np.ndarray,
+    next_in_queue: np.ndarray,
+    r_hit: np.ndarray,
+    cost: CostModel,
+    t_io: float,
+) -> np.ndarray:
+    """Eqs. 6-7 for :func:`schedule_unit`."""
+    if t_io <= 0:
+        n_pf = n_next.copy()
+    else:
+        gap = t_cpu - delay - n_load * t_io
+        f = (gap + cost.t_attn) / t_io
+        f_round = np.floor(f + 0.5)
+        r_hit = np.asarray(r_hit, dtype=np.float64)
+        xi = r_hit * (f - f_round + 1) - (1 - r_hit) * (f_round - f)
+        n_pf = np.clip(np.where(xi > 0, f_round, f_round - 1), 0, n_next).astype(np.int64)
+    n_pf[~next_in_queue] = 0
+    return n_pf
+
+
+def _schedule_unit_rows(
+    n_cur: np.ndarray,
+    M: int,
+    n_next: np.ndarray,
+    Mn: int,
+    delay: np.ndarray,
+    r_hit: np.ndarray,
+    cost: CostModel,
+    run: np.ndarray,
+    t_io: float,
+) -> PreSchedDecision:
+    """:func:`schedule_unit` position by position (any sign of the times)."""
+    rows = len(n_cur)
     idx = np.arange(M + 1)[None, :]
     tc = np.where(idx <= n_cur[:, None], run[: M + 1][None, :], run[n_cur][:, None])
-    t_io = cost.t_io if np.isfinite(cost.t_io) else 1e30
     tg = delay[:, None] + (n_cur[:, None] - idx) * t_io + cost.t_g
     ok = (tg < tc) & (idx <= n_cur[:, None])
     first = np.where(ok.any(1), ok.argmax(1), n_cur)
@@ -179,14 +240,6 @@ def schedule_unit(
     tga = delay[:, None] + (n_all[:, None] - ia) * t_io + cost.t_g
     cond = (tga < tca) & (ia < n_all[:, None])
     next_in_queue = cond.any(1) & (n_next > 0)
-    if t_io <= 0:
-        n_pf = n_next.copy()
-    else:
-        gap = t_cpu - delay - n_load * t_io
-        f = (gap + cost.t_attn) / t_io
-        f_round = np.floor(f + 0.5)
-        r_hit = np.asarray(r_hit, dtype=np.float64)
-        xi = r_hit * (f - f_round + 1) - (1 - r_hit) * (f_round - f)
-        n_pf = np.clip(np.where(xi > 0, f_round, f_round - 1), 0, n_next).astype(np.int64)
-    n_pf[~next_in_queue] = 0
-    return PreSchedDecision(n_load, first, t_cpu, n_pf)
+    return PreSchedDecision(
+        n_load, first, t_cpu, _prefetch_count(t_cpu, delay, n_load, n_next, next_in_queue, r_hit, cost, t_io)
+    )

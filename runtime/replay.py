@@ -833,13 +833,14 @@ def _fast_demand(d, eviction, caps, cold, cost, L, E, k):
     C = len(caps)
     if eviction == "lru":
         dist = fast.lru_distances(d.topk, d.lengths, cold)
-        misses = np.stack([(dist >= c).sum(2) for c in caps], axis=2)
+        misses = np.empty((N, L, C), dtype=np.int8)  # at most k per (token, layer)
+        for ci, c in enumerate(caps):
+            misses[:, :, ci] = (dist >= c).sum(2)
     elif eviction == "static":
         order = StaticTable.from_topk(d.topk, E).per_layer(E)
         misses = fast.static_hits(d.topk, order, caps)
     else:
         misses = fast.simulate_demand(d.topk, d.lengths, cold, caps, eviction, E)
-    misses = misses.astype(np.int64)
     lt = fast.layer_time_table(k, cost)
     per = lt[misses]  # [N, L, C] layer times
     miss_lc = misses.sum(0).T.reshape(-1)  # [C * L], index c * L + layer

@@ -23,6 +23,7 @@ import struct
 import numpy as np
 
 _F32 = struct.Struct("f")
+_BOOL_DT, _F32_DT = np.dtype(bool), np.dtype(np.float32)
 
 
 def substitute(
@@ -146,7 +147,7 @@ class SubstitutingRouter:
         if len(probs) == 1:
             t = topk.tolist()[0]
             if t and min(t) >= 0:
-                if not isinstance(resident, np.ndarray) or resident.dtype != bool:
+                if not isinstance(resident, np.ndarray) or resident.dtype is not _BOOL_DT:
                     resident = np.asarray(resident, dtype=bool)
                 out = substitute_one(probs[0], topk[0], t, resident, self._hi, self._lo)
                 return topk if out is None else np.array([out[0]], dtype=topk.dtype)
@@ -184,32 +185,18 @@ def substitute_one(
     rt = resident[row].tolist()
     if all(rt):
         return None  # every chosen expert resident: nothing to replace
-    s = p if p.dtype == np.float32 else p.astype(np.float32)
+    s = p if p.dtype is _F32_DT else p.astype(np.float32)
     st = s[row].tolist()
-    # walk the experts by descending score: the first one not chosen gives beta = S_{k+1}, the
-    # following ones down to (1 - alpha) beta are the band the alternatives come from
-    order = s.argsort()[::-1].tolist()
-    item = s.item
-    j = 0
-    while j < len(order) and order[j] in t:
-        j += 1
-    if j == len(order):
-        return None  # every expert chosen: no beta, nothing inactive
-    beta = item(order[j])
+    m = s.copy()
+    m[row] = -np.inf  # the inactive experts' scores
+    beta = m.item(m.argmax())  # S_{k+1}: the best score the router did not choose
     hi = _f32(hi_f * beta)
     low_missing = [(v, e) for e, v, r in zip(t, st, rt) if v <= hi and not r]
     if not low_missing:
         return None
     lo = _f32(lo_f * beta)
-    alts = []
-    for e in order[j:]:
-        if e in t:
-            continue
-        v = item(e)
-        if not v > lo:
-            break
-        if resident[e]:
-            alts.append((-v, e))
+    # alternatives: resident inactive experts in (lo, beta] (no inactive score exceeds beta)
+    alts = [(-m.item(e), e) for e in (m > lo).nonzero()[0].tolist() if resident[e]]
     if not alts:
         return None
     use = min(len(low_missing), len(alts))

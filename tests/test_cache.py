@@ -96,11 +96,11 @@ def test_shared_cache_non_power_of_two_items_and_short_rows():
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "belady", "score"])
 def test_online_access_equals_batch_insert_touch(policy):
-    """The single-lane online path (access) decides exactly as the batch path (insert + touch)."""
+    """The single-lane online path (access) decides exactly as the vectorised batch path (insert + touch)."""
     rng = np.random.default_rng(0)
     E, k, cap = 16, 3, 6
     a = ExpertCache(E, cap, policy, score_window=3)
-    b = ExpertCache(E, cap, policy, score_window=3)
+    b = ExpertCache(E, cap, policy, score_window=3, scalar_path=False)
     lanes = np.array([0])
     for t in range(300):
         ids = rng.choice(E, k, replace=False)
@@ -118,3 +118,52 @@ def test_online_access_equals_batch_insert_touch(policy):
         b.insert(lanes, miss[None, :], shield=ids[None, :])
         b.touch(lanes, ids[None, :], t)
         assert (hit_a == hit_b).all() and (a.resident == b.resident).all(), t
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "static"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_python_lane_state_equals_vectorised(policy, seed):
+    """Single-lane calls on the Python lane state (access, one-row insert / touch, prefetch inserts,
+    repeated and missing times, a batch call in between) give the vectorised path's hits, resident
+    sets, recency, frequency and statistics step by step."""
+    E, k, cap = 24, 4, 7
+
+    def run(scalar: bool) -> list:
+        rng = np.random.default_rng(seed)
+        c = ExpertCache(E, cap, policy, lanes=2, scalar_path=scalar)
+        if policy == "static":
+            c.preload(np.array([0, 1]), np.tile(np.arange(cap), (2, 1)))
+        lanes = np.array([0])
+        out = []
+        for t in range(400):
+            ids = rng.choice(E, k, replace=False)
+            r = rng.random()
+            if r < 0.25:  # a prefetch (sometimes with its time, sometimes without)
+                pf = np.append(rng.choice(E, 3, replace=False), -1)
+                ins = c.insert(
+                    lanes,
+                    pf[None, :],
+                    shield=rng.choice(E, 2, replace=False)[None, :],
+                    prefetch=True,
+                    t=t if r < 0.12 else None,
+                )
+                out.append(ins.tolist())
+            if r > 0.97:  # a vectorised two-lane call in between
+                c.insert(np.array([0, 1]), np.stack([ids, ids]), t=t)
+            tt = t if rng.random() < 0.8 else max(t - 1, 0)  # sometimes an earlier or equal time
+            if rng.random() < 0.5:
+                out.append(c.access(ids, t=tt if rng.random() < 0.9 else None).tolist())
+            else:
+                h = c.lookup(lanes, ids[None, :])[0]
+                c.insert(
+                    lanes,
+                    np.where(h, -1, ids)[None, :],
+                    shield=ids[None, :],
+                    t=tt if rng.random() < 0.5 else None,
+                )
+                c.touch(lanes, ids[None, :], tt)
+                out.append(h.tolist())
+            out.append(c.resident[0].tolist() + c.prefetched[0].tolist())
+        return [*out, c.last.tolist(), c.freq.tolist(), c.count.tolist(), vars(c.stats)]
+
+    assert run(True) == run(False)

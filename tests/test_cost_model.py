@@ -20,6 +20,20 @@ PAPER_PROFILES = {
 }
 
 
+def test_gh200_profile_fits_a_layer_ahead_transfer():
+    """On NVLink-C2C a DeepSeek-V2-Lite expert (17.3 MB) crosses the link within one layer's compute, so
+    PreScope's Eq. 6 admits prefetches at batch 1; on the PCIe profiles it does not (f < 1)."""
+    k, ds = 6, 17301504
+    gh = load_profile("gh200-nvlink-c2c")
+    assert gh.source and gh.transfer_gbps > 0
+    c = CostModel.from_profile(gh, ds)
+    assert c.t_io < c.t_attn + k * c.t_g
+    assert gap_prefetch_count(np.array([k * c.t_g]), c.t_attn, c.t_io, np.array([0.5]))[0] >= 1
+    for name in ("prescope-a100-pcie4", "prescope-v100-pcie3"):
+        pc = CostModel.from_profile(load_profile(name), ds)
+        assert gap_prefetch_count(np.array([k * pc.t_g]), pc.t_attn, pc.t_io, np.array([0.5]))[0] == 0
+
+
 def test_paper_profiles_load_and_scale():
     assert set(available_profiles()) >= PAPER_PROFILES
     for name in PAPER_PROFILES:
@@ -115,7 +129,7 @@ def test_schedule_unit_equals_schedule_for_one_token_sizes():
     from moecast.runtime.presched import schedule_unit
 
     rng = np.random.default_rng(0)
-    for name in ("prescope-a100-pcie4", "prescope-v100-pcie3", "smoe-s1-3080ti"):
+    for name in ("prescope-a100-pcie4", "prescope-v100-pcie3", "smoe-s1-3080ti", "gh200-nvlink-c2c"):
         for eb in (1_000_000, 17301504, 100_000_000):
             cost = CostModel.from_profile(load_profile(name), eb)
             n, M, Mn = 3000, 6, 6

@@ -282,3 +282,89 @@ def test_groups_from_config_are_used_and_checked(tmp_path):
     assert small.spec.pca_dims[:3] == [8, 8, 4]  # layer l's components feed layer l+1's predictor
     with pytest.raises(ValueError, match="cover layer positions"):
         LLaPorDataModule(str(path), groups={"input": [0], "middle": [1], "output": [3]}).setup()
+
+
+def test_repeat_token_and_exact_vocab_are_causal():
+    from moecast.collect.traceset import RequestTrace
+    from moecast.predictors.llapor import previous_occurrence, token_buckets_of
+
+    # previous occurrence: same token earlier in the same request only (pos restarts at 0)
+    pos = np.array([0, 1, 2, 3, 0, 1])
+    assert previous_occurrence(np.array([5, 6, 5, 5, 5, 6]), pos).tolist() == [-1, -1, 0, 2, -1, -1]
+    vocab = np.array([3, 7, 11])
+    spec = FeatureSpec(num_layers=2, num_experts=4, top_k=1, token_buckets=4, token_exact=True)
+    assert token_buckets_of(spec, np.array([7, 3, 11, 5, 100]), vocab).tolist() == [1, 0, 2, 3, 3]
+
+    torch.manual_seed(0)
+    spec = FeatureSpec(
+        num_layers=4,
+        num_experts=8,
+        top_k=2,
+        prev_layers=1,
+        history_tokens=1,
+        token_buckets=4,  # 3 known ids + 1 unseen row
+        token_exact=True,
+        repeat_token=True,
+        deep_history=True,
+        context_vote=2,
+    )
+    net = LLaPorNet(spec, {"input": [0], "middle": [1, 2], "output": [3]}, NetConfig(hidden=16, dropout=0.0))
+    net.tok_vocab.copy_(torch.tensor([10, 20, 30]))
+    pred = LLaPor(net, [1, 2, 3, 4])
+    rng = np.random.default_rng(0)
+    ids = np.stack([rng.permutation(8)[:2] for _ in range(7 * 4)]).reshape(7, 4, 2)
+    toks = np.array([10, 20, 10, 99, 20, 10, 30])
+    trace = RequestTrace("r", "w", "c", "p", toks, ["x"] * 7, np.zeros(7, bool), ids, None, None, None)
+    assert pred.needs == ("topk_ids",) and "token_id" in spec.fields()
+    base = pred.score_request(trace)
+    t, li = 5, 2  # token 10 again: its earlier occurrences are rows 0 and 2
+    changed = ids.copy()
+    changed[t, li:] = (changed[t, li:] + 3) % 8  # this token's layer l and later
+    changed[t + 1 :] = (changed[t + 1 :] + 5) % 8  # later tokens
+    trace.topk_ids = changed
+    trace.token_ids = toks.copy()
+    trace.token_ids[t + 1 :] = 20  # later tokens' text
+    after = pred.score_request(trace)
+    assert np.allclose(after[t, : li + 1], base[t, : li + 1])
+    assert np.allclose(after[:t], base[:t])
+    # the latest earlier occurrence (row 2, not row 0 and not row 4) feeds the repeat block
+    again = changed.copy()
+    again[2, li] = (again[2, li] + 1) % 8
+    trace.topk_ids = again
+    moved = pred.score_request(trace)
+    assert not np.allclose(moved[t, li], after[t, li])
+    trace.topk_ids = changed
+    # the runtime's per-layer numpy path gives the same scores as the batched network
+    feats = pred.features(trace)
+    for layer in range(4):
+        assert np.allclose(pred.score_layer(layer, feats), after[:, layer], atol=1e-5)
+
+
+def test_context_votes_pool_earlier_tokens_by_path_overlap():
+    from moecast.predictors.llapor import context_votes
+
+    spec = FeatureSpec(num_layers=2, num_experts=4, top_k=1, context_vote=1, vote_power=1.0)
+    # request A: 3 tokens, request B: 1 token; ids[t, l, 0]
+    ids = np.array([[[0], [1]], [[2], [3]], [[0], [2]], [[1], [1]]])
+    v = context_votes(spec, ids, np.array([0, 1, 2, 0]))
+    assert (v[0] == 0).all() and (v[3] == 0).all()  # no earlier token in the request
+    assert v[1, 1].tolist() == [0, 1, 0, 0]  # the only earlier token's layer-1 id
+    # token 2, layer 1: its layer-0 id 0 matches token 0 (weight 2), not token 1 (weight 1)
+    assert np.allclose(v[2, 1], [0, 2 / 3, 0, 1 / 3])
+    assert np.allclose(v[2, 0], [0.5, 0, 0.5, 0])  # layer 0: no earlier layer, uniform over tokens 0, 1
+
+
+def test_token_exact_and_repeat_token_train_and_roundtrip(tmp_path):
+    path = make_synthetic_traceset(tmp_path / "ex", num_requests=12, num_layers=3, with_optional=False)
+    module, dm = _fit(path, epochs=1, token_buckets=64, token_exact=True, repeat_token=True, context_vote=2)
+    ts = TraceSet(path)
+    seen = np.unique(ts.column("token_id", dm.train_ids))
+    assert dm.spec.token_exact and dm.spec.repeat_token and dm.spec.token_buckets == len(seen) + 1
+    pred = load(module.export(tmp_path / "ex.safetensors", dm, {}))
+    assert pred.spec.token_exact and pred.net.tok_vocab.tolist() == seen.tolist()
+    assert pred.spec.context_vote == 2 and pred.spec.dense_dim == 8
+    trace = ts.get(dm.val_ids[0])
+    full = pred.score_request(trace)
+    feats = pred.features(trace)
+    for layer in range(3):
+        assert np.allclose(pred.score_layer(layer, feats), full[:, layer], atol=1e-5)

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from moecast.runtime.balancer import two_pointer, two_pointer_split
-from moecast.runtime.substitution import SubstitutingRouter, substitute
+from moecast.runtime.substitution import SubstitutingRouter, _substitute_rows, substitute
 
 E, K = 12, 3
 
@@ -83,14 +83,29 @@ def test_vectorised_two_pointer_matches_algorithm_2(sizes, t_load, t_cpu):
 
 
 @settings(max_examples=300, deadline=None)
-@given(batches(), st.integers(1, 4), st.booleans())
-def test_single_token_route_equals_algorithm_1(case, k, reverse):
-    """SubstitutingRouter's one-token path gives exactly substitute()'s ids (order included)."""
+@given(
+    batches(),
+    st.integers(1, E),
+    st.sampled_from(["top", "reversed", "any"]),
+    st.sampled_from(["f32", "f64", "ties"]),
+)
+def test_single_token_route_equals_algorithm_1(case, k, which, dtype):
+    """The one-token path (SubstitutingRouter.route and substitute() with one row) gives exactly the
+    vectorised Algorithm 1's ids (order included) and counts: float32 or float64 scores, exact ties,
+    the router's top-k in any order or any k experts."""
     probs, resident, alpha = case
     p = probs[:1]
+    if dtype == "f64":
+        p = p.astype(np.float64) * (1 + 1e-9)  # values between float32 neighbours
+    elif dtype == "ties":
+        p = np.round(p * 16) / 16
     topk = np.argsort(-p, axis=1, kind="stable")[:, :k]
-    if reverse:
+    if which == "reversed":
         topk = topk[:, ::-1].copy()
+    elif which == "any":
+        topk = np.random.default_rng(int(p.sum() * 1e6)).permutation(E)[None, :k]
+    ref, ref_n = _substitute_rows(p, topk, resident[:1], alpha)
     got = SubstitutingRouter(k, alpha).route(p, resident[0], topk)
-    ref, _ = substitute(p, topk, resident[:1], alpha)
-    assert np.array_equal(got, ref)
+    one, one_n = substitute(p, topk, resident[:1], alpha)
+    assert np.array_equal(got, ref) and np.array_equal(one, ref) and np.array_equal(one_n, ref_n)
+    assert got.dtype == ref.dtype == one.dtype

@@ -20,6 +20,7 @@ from moecast.predictors.llapor import (
     detect_groups,
     format_groups,
     gate_cosine,
+    previous_occurrence,
     routing_correlation,
     sparse_bags,
     token_context,
@@ -133,6 +134,11 @@ class LLaPorDataModule(pl.LightningDataModule):
         dense_skip: bool = False,
         token_buckets: int = 0,
         token_dim: int = 32,
+        token_exact: bool = False,
+        token_min_count: int = 1,
+        repeat_token: bool = False,
+        context_vote: int = 0,
+        vote_power: float = 4.0,
         gate_pca: bool | str = "auto",
         weights: bool | str = "auto",
         pca_io: int = 256,
@@ -154,6 +160,8 @@ class LLaPorDataModule(pl.LightningDataModule):
             ("context_tokens", context_tokens, 0),
             ("token_buckets", token_buckets, 0),
             ("token_dim", token_dim, 1),
+            ("token_min_count", token_min_count, 1),
+            ("context_vote", context_vote, 0),
             ("pca_io", pca_io, 1),
             ("pca_middle", pca_middle, 1),
             ("pca_fit_rows", pca_fit_rows, 1),
@@ -162,6 +170,9 @@ class LLaPorDataModule(pl.LightningDataModule):
             check_range(d, name, value, int, lo)
         check_flag(d, "deep_history", deep_history)
         check_flag(d, "dense_skip", dense_skip)
+        check_flag(d, "token_exact", token_exact)
+        check_range(d, "vote_power", vote_power, float, 0)
+        check_flag(d, "repeat_token", repeat_token)
         check_flag(d, "gate_pca", gate_pca, ("auto",))
         check_flag(d, "weights", weights, ("auto",))
         if groups is not None and not (
@@ -189,6 +200,7 @@ class LLaPorDataModule(pl.LightningDataModule):
             raise ValueError(f"{ts.path}: topk_ids outside [0, {E}); the TraceSet is corrupt")
         self.pos = positions_of(ts, ids_order)
         self.token_ids = ts.column("token_id", ids_order).astype(np.int64)
+        self.prev_same = previous_occurrence(self.token_ids, self.pos) if hp.repeat_token else None
         n_train = int(ts.request_lengths(self.train_ids).sum())
         self.train_rows = np.arange(n_train)
         self.val_rows = np.arange(n_train, len(self.topk))
@@ -219,6 +231,14 @@ class LLaPorDataModule(pl.LightningDataModule):
             for li in range(L - 1):
                 want = hp.pca_middle if group_of[li + 1] == "middle" else hp.pca_io
                 pca_dims[li] = int(min(want, m.hidden_size, len(sub)))
+        # token_exact: the training split's token ids seen >= token_min_count times get their own
+        # embedding row (one more row for every other id); token_buckets then counts those rows
+        self.token_vocab = None
+        buckets = hp.token_buckets
+        if hp.token_buckets and hp.token_exact:
+            uniq, cnt = np.unique(self.token_ids[:n_train], return_counts=True)
+            self.token_vocab = uniq[cnt >= hp.token_min_count]
+            buckets = len(self.token_vocab) + 1
         self.spec = FeatureSpec(
             num_layers=L,
             num_experts=E,
@@ -228,13 +248,17 @@ class LLaPorDataModule(pl.LightningDataModule):
             history_tokens=hp.history_tokens,
             history_layers=hp.history_layers,
             context_tokens=hp.context_tokens if hp.token_buckets else 0,
-            token_buckets=hp.token_buckets,
+            token_buckets=buckets,
             token_dim=hp.token_dim,
+            token_exact=bool(hp.token_exact and hp.token_buckets),
+            repeat_token=hp.repeat_token,
+            context_vote=hp.context_vote,
+            vote_power=float(hp.vote_power),
             gate_pca=use_gate,
             pca_dims=pca_dims,
             gate_hidden=m.hidden_size if use_gate else 0,
             weights=use_w,
-            dense_skip=bool(hp.dense_skip and (use_gate or use_w)),
+            dense_skip=bool(hp.dense_skip and (use_gate or use_w or hp.context_vote)),
         )
         self.pca_components = np.zeros((L, self.spec.pca_max, m.hidden_size if use_gate else 0), np.float32)
         self.pca_mean = np.zeros((L, m.hidden_size if use_gate else 0), np.float32)
@@ -255,7 +279,7 @@ class LLaPorDataModule(pl.LightningDataModule):
             w = ts.array("topk_weights", ids_order) if use_w else None
             if w is not None and not np.isfinite(np.asarray(w, np.float32)).all():
                 raise ValueError(f"{ts.path}: topk_weights contain NaN or inf; re-collect the traces")
-            self.dense = dense_features(self.spec, pca_in, w, self.topk)
+            self.dense = dense_features(self.spec, pca_in, w, self.topk, self.pos)
         # expert frequencies f_i per layer on the training split, for the balancing loss
         counts = np.zeros((L, E))
         for li in range(L):
@@ -277,13 +301,23 @@ class LLaPorDataModule(pl.LightningDataModule):
     # ------------------------------------------------------------------ batches
     def batch(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
         out = {
-            "bags": torch.from_numpy(sparse_bags(self.spec, self.topk, rows, self.pos[rows])),
+            "bags": torch.from_numpy(
+                sparse_bags(
+                    self.spec,
+                    self.topk,
+                    rows,
+                    self.pos[rows],
+                    None if self.prev_same is None else self.prev_same[rows],
+                )
+            ),
             "target": torch.from_numpy(multi_hot(self.topk[rows], self.spec.num_experts, np.float32)),
         }
         if self.spec.deep_history:
             out["route"] = torch.from_numpy(self.topk[rows].astype(np.int64))
         if self.spec.token_buckets:
-            out["tokens"] = torch.from_numpy(token_context(self.spec, self.token_ids, rows, self.pos[rows]))
+            out["tokens"] = torch.from_numpy(
+                token_context(self.spec, self.token_ids, rows, self.pos[rows], self.token_vocab)
+            )
         if self.dense is not None:
             out["dense"] = torch.from_numpy(self.dense[rows])
         return out

@@ -98,6 +98,8 @@ class LLaPorModule(pl.LightningModule):
         if dm.spec.gate_pca:
             self.net.pca.components.copy_(torch.from_numpy(dm.pca_components))
             self.net.pca.mean.copy_(torch.from_numpy(dm.pca_mean))
+        if dm.spec.token_exact:
+            self.net.tok_vocab.copy_(torch.from_numpy(dm.token_vocab))
         self.register_buffer("inv_freq", torch.from_numpy(dm.inv_freq))
         lam = torch.full((dm.spec.num_layers,), float(hp.lam_io))
         lam[dm.groups.get("middle", [])] = float(hp.lam_middle)
