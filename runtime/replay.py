@@ -306,6 +306,14 @@ def replay_capacities(
             ts.require(f, f"predictor {getattr(p, 'name', '?')}")
 
     d = _data(ts, rids, need_probs=spec.eviction == "score" or use_sub)
+
+    def _demand_results(st: Any, tpots: Any, any_decode: Any, n_steps: Any) -> list[ReplayResult]:
+        elapsed = time.perf_counter() - t0
+        return _results(
+            st, tpots, any_decode, n_steps, elapsed, ts, cfg, spec, use_sub, pred_name,
+            caps, E, L, B, profile, m, rids, d,
+        )  # fmt: skip
+
     if (
         cfg.fast
         and not cfg.shared
@@ -319,26 +327,7 @@ def replay_capacities(
         and fast.valid_for_fast(d.topk, E)
     ):
         st, tpots, any_decode, n_steps = _fast_demand(d, spec.eviction, caps, cfg.cold, cost, L, E, k)
-        return _results(
-            st,
-            tpots,
-            any_decode,
-            n_steps,
-            time.perf_counter() - t0,
-            ts,
-            cfg,
-            spec,
-            use_sub,
-            pred_name,
-            caps,
-            E,
-            L,
-            B,
-            profile,
-            m,
-            rids,
-            d,
-        )
+        return _demand_results(st, tpots, any_decode, n_steps)
 
     fast_wave = (
         cfg.fast
@@ -364,26 +353,7 @@ def replay_capacities(
             # and at batch 1 that is at most t_attn + k * t_g (the device time of its k experts):
             # below one transfer no prefetch can ever start, so this is demand LRU exactly.
             st, tpots, any_decode, n_steps = _fast_demand(d, "lru", caps, cfg.cold, cost, L, E, k)
-            return _results(
-                st,
-                tpots,
-                any_decode,
-                n_steps,
-                time.perf_counter() - t0,
-                ts,
-                cfg,
-                spec,
-                use_sub,
-                pred_name,
-                caps,
-                E,
-                L,
-                B,
-                profile,
-                m,
-                rids,
-                d,
-            )
+            return _demand_results(st, tpots, any_decode, n_steps)
 
     # predictions: per (token, layer) the top-k predicted ids, best first
     kp = k
