@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from moecast.runtime.cost_model import CostModel
+from moecast.runtime.prefetch import gap_prefetch_count
 
 
 @dataclass
@@ -95,18 +96,7 @@ def schedule(
     tga = delay[:, None] + (n_all[:, None] - ia) * t_io + cost.t_g
     in_queue_from = np.where(((tga < tca) & v_all).any(1), ((tga < tca) & v_all).argmax(1), M + Mn)
     next_in_queue = (is_next & v_all & (ia >= in_queue_from[:, None])).any(1)
-    # Eq. 6: prefetches that fit in the gap the CPU leaves on the link
-    if t_io <= 0:  # a free link: everything predicted fits
-        n_pf = n_next.copy()
-    else:
-        gap = t_cpu - delay - n_load * t_io
-        f = (gap + cost.t_attn) / t_io
-        f_round = np.floor(f + 0.5)
-        # Eq. 7: keep the critical prefetch only when its expected benefit is positive
-        r_hit = np.asarray(r_hit, dtype=np.float64)
-        xi = r_hit * (f - f_round + 1) - (1 - r_hit) * (f_round - f)
-        n_pf = np.clip(np.where(xi > 0, f_round, f_round - 1), 0, n_next).astype(np.int64)
-    n_pf[~next_in_queue] = 0
+    n_pf = _prefetch_count(t_cpu, delay, n_load, n_next, next_in_queue, r_hit, cost, t_io)
     return PreSchedDecision(n_load, first, t_cpu, n_pf)
 
 
@@ -197,16 +187,10 @@ def _prefetch_count(
     cost: CostModel,
     t_io: float,
 ) -> np.ndarray:
-    """Eqs. 6-7 for :func:`schedule_unit`."""
-    if t_io <= 0:
-        n_pf = n_next.copy()
-    else:
-        gap = t_cpu - delay - n_load * t_io
-        f = (gap + cost.t_attn) / t_io
-        f_round = np.floor(f + 0.5)
-        r_hit = np.asarray(r_hit, dtype=np.float64)
-        xi = r_hit * (f - f_round + 1) - (1 - r_hit) * (f_round - f)
-        n_pf = np.clip(np.where(xi > 0, f_round, f_round - 1), 0, n_next).astype(np.int64)
+    """Eqs. 6-7 on the gap the CPU leaves on the link, at most the predicted experts, none if not queued."""
+    gap = t_cpu - delay - n_load * t_io if t_io > 0 else np.zeros(np.shape(n_next))
+    r_hit = np.asarray(r_hit, dtype=np.float64)
+    n_pf = np.minimum(gap_prefetch_count(gap, cost.t_attn, t_io, r_hit), n_next).astype(np.int64)
     n_pf[~next_in_queue] = 0
     return n_pf
 

@@ -307,7 +307,7 @@ def replay_capacities(
 
     d = _data(ts, rids, need_probs=spec.eviction == "score" or use_sub)
 
-    def _demand_results(st: Any, tpots: Any, any_decode: Any, n_steps: Any) -> list[ReplayResult]:
+    def _finish(st: Any, tpots: Any, any_decode: Any, n_steps: Any) -> list[ReplayResult]:
         elapsed = time.perf_counter() - t0
         return _results(
             st, tpots, any_decode, n_steps, elapsed, ts, cfg, spec, use_sub, pred_name,
@@ -327,7 +327,7 @@ def replay_capacities(
         and fast.valid_for_fast(d.topk, E)
     ):
         st, tpots, any_decode, n_steps = _fast_demand(d, spec.eviction, caps, cfg.cold, cost, L, E, k)
-        return _demand_results(st, tpots, any_decode, n_steps)
+        return _finish(st, tpots, any_decode, n_steps)
 
     fast_wave = (
         cfg.fast
@@ -353,7 +353,7 @@ def replay_capacities(
             # and at batch 1 that is at most t_attn + k * t_g (the device time of its k experts):
             # below one transfer no prefetch can ever start, so this is demand LRU exactly.
             st, tpots, any_decode, n_steps = _fast_demand(d, "lru", caps, cfg.cold, cost, L, E, k)
-            return _demand_results(st, tpots, any_decode, n_steps)
+            return _finish(st, tpots, any_decode, n_steps)
 
     # predictions: per (token, layer) the top-k predicted ids, best first
     kp = k
@@ -424,26 +424,7 @@ def replay_capacities(
         )
         n_basis = int(basis.sum())
         tpots = [float(v / n_basis) if n_basis else None for v in st.pop("tpot_sum")]
-        return _results(
-            st,
-            tpots,
-            any_decode,
-            len(d.topk),
-            time.perf_counter() - t0,
-            ts,
-            cfg,
-            spec,
-            use_sub,
-            pred_name,
-            caps,
-            E,
-            L,
-            B,
-            profile,
-            m,
-            rids,
-            d,
-        )
+        return _finish(st, tpots, any_decode, len(d.topk))
 
     tok, start = _grid(d.lengths, d.starts, B, cfg.cold)
     G, S, _ = tok.shape
@@ -698,26 +679,7 @@ def replay_capacities(
     basis_mask = valid_step & step_decode if any_decode else valid_step
     n_steps = int(valid_step.sum())
     tpots = [float(step_time[c][basis_mask].mean()) if basis_mask.any() else None for c in range(C)]
-    return _results(
-        st,
-        tpots,
-        any_decode,
-        n_steps,
-        time.perf_counter() - t0,
-        ts,
-        cfg,
-        spec,
-        use_sub,
-        pred_name,
-        caps,
-        E,
-        L,
-        B,
-        profile,
-        m,
-        rids,
-        d,
-    )
+    return _finish(st, tpots, any_decode, n_steps)
 
 
 def _results(
