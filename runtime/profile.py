@@ -16,14 +16,27 @@ import numpy as np
 from moecast.runtime.cost_model import HardwareProfile, load_profile
 
 
-def _time(fn, repeat: int) -> float:
+def _time(fn, repeat: int, min_sample_s: float = 2e-3) -> float:
+    """ms of one call: the median over ``repeat`` samples, each sample as many calls as fill
+    ``min_sample_s`` (a small expert runs in microseconds, where one timed call is mostly clock
+    noise and a busy machine's interruptions would decide the fit)."""
     fn()
-    best = float("inf")
+    t = time.perf_counter()
+    fn()
+    one = max(time.perf_counter() - t, 1e-7)
+    n = max(1, min(10_000, int(min_sample_s / one)))
+    samples = []
     for _ in range(repeat):
         t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best * 1e3
+        for _ in range(n):
+            fn()
+        samples.append((time.perf_counter() - t) / n)
+    return float(np.median(samples)) * 1e3
+
+
+def _sig(x: float, digits: int = 4) -> float:
+    """Round to significant digits (fixed decimals would turn a microsecond-scale beta into 0)."""
+    return float(f"{x:.{digits}g}")
 
 
 def measure(
@@ -50,6 +63,7 @@ def measure(
             x = torch.randn(m, hidden)
             ms.append(_time(lambda x=x: expert(x), repeat))
     beta, c = np.polyfit(np.asarray(token_counts, dtype=float), np.asarray(ms), 1)
+    # a positive slope even where the timings are flat (tiny experts): Eq. 3's beta is per token
     beta, c = max(float(beta), 1e-6), max(float(c), 0.0)
     source = f"measured by moecast profile on this machine (CPU, {threads} threads; expert {hidden}x{intermediate})"
     if torch.cuda.is_available():
@@ -84,11 +98,11 @@ def measure(
         source += "; no CUDA here: link and device times taken from prescope-a100-pcie4"
     return HardwareProfile(
         name=name,
-        transfer_gbps=round(gbps, 3),
+        transfer_gbps=_sig(gbps),
         ref_expert_bytes=expert_bytes,
-        gpu_expert_ms=round(t_g, 5),
-        cpu_beta_ms=round(beta, 5),
-        cpu_c_ms=round(c, 5),
-        attn_ms=round(t_attn, 5),
+        gpu_expert_ms=_sig(t_g),
+        cpu_beta_ms=_sig(beta),
+        cpu_c_ms=_sig(c),
+        attn_ms=_sig(t_attn),
         source=source,
     )
