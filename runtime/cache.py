@@ -21,12 +21,11 @@ cold request) with one vectorised call; the online runtime uses one lane per lay
 layers uses ``layer * E + expert``.
 
 Single-lane calls (:meth:`ExpertCache.access`, and :meth:`~ExpertCache.insert` /
-:meth:`~ExpertCache.touch` with one row) of the ``lru``, ``lfu`` and ``static`` policies run on a
-pure-Python copy of the lane (sets and lists of small ints, the LRU order as an insertion-ordered
-dict), since at batch 1 a dozen numpy calls on 64-element arrays cost more than the decision itself.
-The decisions are the same as the vectorised path's (tests compare them step by step). ``resident``
-and ``prefetched`` are kept current on every change; ``last``, ``freq`` and ``count`` are written
-back when read or when a multi-lane call runs. Treat the public arrays as read-only.
+:meth:`~ExpertCache.touch` with one row) of the ``lru``, ``lfu``, ``belady`` and ``static`` policies
+run as compiled kernels on the same arrays (:mod:`moecast.runtime.kernels`), since at batch 1 a
+dozen numpy calls on 64-element arrays cost more than the decision itself. The decisions are the
+same as the vectorised path's (tests compare them step by step). Treat the public arrays as
+read-only.
 """
 
 from __future__ import annotations
@@ -34,10 +33,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from moecast.runtime import kernels
 
 POLICIES = ("lru", "lfu", "score", "static", "belady")
 _NEVER = np.iinfo(np.int64).max // 4
 _NU_CAP = np.int64(1) << 36  # next-use times beyond this count as never
+
+
+_I64 = np.dtype(np.int64)
+
+
+def _i64(a: np.ndarray) -> np.ndarray:
+    return a if a.dtype == np.int64 else a.astype(np.int64)
 
 
 def resolve_capacity(capacity: float | str, num_experts: int, top_k: int, expert_bytes: int = 0) -> int:
@@ -139,221 +146,40 @@ class ExpertCache:
         self.stats = CacheStats()
         self._clock = 0
         self._ids = np.arange(W)
-        # single-lane calls of these policies run on pure-Python lane state (see the module docstring)
-        self._scalar = bool(scalar_path) and policy in ("lru", "lfu", "static")
-        self._py: dict[int, _Lane] = {}
+        # single-lane calls of these policies run as compiled kernels (see the module docstring)
+        self._kernel = bool(scalar_path) and policy in kernels.POLICY_CODE
+        self._code = kernels.POLICY_CODE.get(policy, -1)
+        self._nu_k = self._nu if self._nu is not None else np.zeros((1, 1), dtype=np.int64)
+        self._kc: tuple | None = None  # (access, insert, touch) entry points, loaded on first use
+        self._no_shield = np.empty(0, dtype=np.int64)
+        self._caps = self.capacity_of.tolist()
 
-    # ------------------------------------------------------------------ python lane state
+    # ------------------------------------------------------------------ single-lane kernels
     @property
     def last(self) -> np.ndarray:
         """[lanes, N] step of each item's last access (-1: never)."""
-        self._sync()
         return self._last_v
 
     @property
     def freq(self) -> np.ndarray:
         """[lanes, N] accesses of each item since the cache started."""
-        self._sync()
         return self._freq_v
 
     @property
     def count(self) -> np.ndarray:
         """[lanes] resident items per lane."""
-        self._sync()
         return self._count
 
-    def _sync(self) -> None:
-        """Write the Python lane states back into the arrays and drop them (a vectorised call follows)."""
-        if not self._py:
-            return
-        N = self.N
-        for lane, st in self._py.items():
-            self._last[lane, :N] = st.last
-            self._freq[lane, :N] = st.freq
-            self._count[lane] = len(st.res)
-        self._py.clear()
+    def _kernels(self) -> tuple:
+        if self._kc is None:
+            self._kc = kernels.cache_kernels()
+        return self._kc
 
-    def _lane(self, lane: int) -> _Lane:
-        st = self._py.get(lane)
-        if st is None:
-            st = self._py[lane] = _Lane(self, lane)
-        return st
-
-    def _order(self, st: _Lane) -> dict[int, None]:
-        """LRU: the lane's resident items, least recent first (ties: lower id), rebuilt when unknown."""
-        if st.order is None:
-            last = st.last
-            st.order = dict.fromkeys(sorted(st.res, key=lambda e: (last[e], e)))
-        return st.order
-
-    def _stamp(self, st: _Lane, items: list[int], t: int) -> None:
-        """Recency of ``items`` (resident or not) := t; keeps the LRU order when time moves forward."""
-        last = st.last
-        for e in items:
-            last[e] = t
-        order = st.order
-        if order is not None:
-            if t > st.tmax:
-                res = st.res
-                for e in sorted(items):  # same step: lower id is older
-                    if e in res:
-                        order.pop(e, None)
-                        order[e] = None
-            else:
-                st.order = None
-        if t > st.tmax:
-            st.tmax = t
-
-    def _evict_py(self, st: _Lane, shield: set[int] | list[int], need: int) -> int:
-        """Evict up to ``need`` resident items outside ``shield``, lowest policy key first."""
-        if self.policy == "lru":
-            order = self._order(st)
-            victims = []
-            for e in order:
-                if e not in shield:
-                    victims.append(e)
-                    if len(victims) == need:
-                        break
-            res = st.res
-            for v in victims:
-                res.discard(v)
-                st.resrow[v] = False
-                del order[v]
-        else:  # lfu: the vectorised key, (frequency, last use, id) packed the same way
-            last, freq = st.last, st.freq
-            sh = self._shift
-            sf = sh + 24
-            keys = [(freq[e] << sf) | ((last[e] + 1) << sh) | e for e in st.res if e not in shield]
-            idmask = (1 << sh) - 1
-            if need == 1:
-                victims = [min(keys) & idmask] if keys else []
-            else:
-                keys.sort()
-                victims = [x & idmask for x in keys[:need]]
-            res = st.res
-            for v in victims:
-                res.discard(v)
-                st.resrow[v] = False
-        pf = st.pf
-        if pf:
-            for v in victims:
-                if v in pf:
-                    pf.discard(v)
-                    st.pfrow[v] = False
-                    self.stats.prefetch_wasted += 1
-        self.stats.evictions += len(victims)
-        return len(victims)
-
-    def _insert_py(
-        self, lane: int, row: list[int], shield: list[int] | None, prefetch: bool, t: int | None
-    ) -> np.ndarray:
-        """:meth:`insert` for one lane on the Python state (same decisions)."""
-        st = self._lane(lane)
-        res = st.res
-        new = [e >= 0 and e not in res for e in row]
-        n_new = sum(new)
-        if not n_new:
-            return np.array([new], dtype=bool).reshape(1, len(row))
-        free = st.cap - len(res)
-        need = n_new - free
-        if need > 0:
-            sh = set(row)
-            if shield is not None:
-                sh.update(shield)
-            room = free + self._evict_py(st, sh, need)
-            if n_new > room:
-                c = 0
-                for i, nw in enumerate(new):
-                    if nw:
-                        c += 1
-                        if c > room:
-                            new[i] = False
-        ins = [e for e, nw in zip(row, new) if nw]
-        resrow = st.resrow
-        for e in ins:
-            res.add(e)
-            resrow[e] = True
-        if t is not None:
-            self._stamp(st, ins, t)
-        elif ins:
-            st.order = None  # inserted with their old recency: position unknown
-        if prefetch:
-            pfrow = st.pfrow
-            for e in ins:
-                pfrow[e] = True
-            st.pf.update(ins)
-            self.stats.prefetch_inserted += len(ins)
-        self._clock += 1
-        return np.array([new], dtype=bool)
-
-    def _access_py(self, ids: np.ndarray | list[int], t: int | None, insert: bool, lane: int) -> np.ndarray:
-        """:meth:`access` on the Python state of the lane: one pass over the ids, no numpy calls
-        except the returned mask (and the scalar writes that keep ``resident`` current)."""
-        if isinstance(ids, np.ndarray):
-            idl = (ids if ids.ndim == 1 else ids.reshape(-1)).tolist()
-        else:
-            idl = [int(e) for e in ids]
-        tt = self._clock if t is None else int(t)
-        self._clock += 1
-        st = self._py.get(lane) or self._lane(lane)
-        res = st.res
-        hits = []
-        miss = []
-        for e in idl:
-            if e in res:
-                hits.append(True)
-            else:
-                hits.append(False)
-                miss.append(e)
-        if miss and insert and self.policy != "static":
-            over = len(res) + len(miss) - st.cap
-            if over > 0:
-                self._evict_py(st, idl, over)
-                if len(res) + len(miss) > st.cap:
-                    miss = miss[: st.cap - len(res)]
-            resrow = st.resrow
-            for e in miss:
-                res.add(e)
-                resrow[e] = True
-        last, freq, order = st.last, st.freq, st.order
-        if order is not None and tt > st.tmax:
-            # LRU order: this step's items go to the back, lower id first (older at equal time)
-            for e in sorted(idl):
-                last[e] = tt
-                freq[e] += 1
-                if e in res:
-                    order.pop(e, None)
-                    order[e] = None
-            st.tmax = tt
-        else:
-            for e in idl:
-                freq[e] += 1
-            self._stamp(st, idl, tt)
-        if st.pf:
-            pf = st.pf
-            used = [e for e, h in zip(idl, hits) if h and e in pf]
-            for e in used:
-                pf.discard(e)
-                st.pfrow[e] = False
-            self.stats.prefetch_used += len(used)
-        return np.array(hits, dtype=bool)
-
-    def _touch_py(self, lane: int, row: list[int], t: int) -> None:
-        """:meth:`touch` for one lane on the Python state."""
-        st = self._lane(lane)
-        items = [e for e in row if e >= 0]
-        freq = st.freq
-        for e in items:
-            freq[e] += 1
-        self._stamp(st, items, t)
-        pf = st.pf
-        if pf:
-            res = st.res
-            used = [e for e in items if e in pf and e in res]
-            for e in used:
-                pf.discard(e)
-                st.pfrow[e] = False
-            self.stats.prefetch_used += len(used)
+    def _kernel_stats(self, evicted: int, wasted: int, used: int = 0) -> None:
+        st = self.stats
+        st.evictions += evicted
+        st.prefetch_wasted += wasted
+        st.prefetch_used += used
 
     def _flat(self, lanes: np.ndarray, ids: np.ndarray) -> np.ndarray:
         return lanes[:, None] * self.W + np.where(ids >= 0, ids, self.N)
@@ -361,7 +187,6 @@ class ExpertCache:
     # ------------------------------------------------------------------ state
     def reset(self, lanes: np.ndarray | None = None) -> None:
         """Empty the given lanes (all when None): a cold start."""
-        self._sync()
         sel = slice(None) if lanes is None else lanes
         self.resident[sel] = False
         self._count[sel] = 0
@@ -379,7 +204,6 @@ class ExpertCache:
 
         ``items`` [n, j] with -1 padding; entries beyond capacity are ignored.
         """
-        self._sync()
         lanes = np.asarray(lanes)
         items = np.asarray(items)
         valid = items >= 0
@@ -397,11 +221,12 @@ class ExpertCache:
 
     def touch(self, lanes: np.ndarray, ids: np.ndarray, t: int | np.ndarray) -> None:
         """Record one access per (lane, id): recency, frequency, prefetch use. Ids distinct per row."""
-        if self._scalar and len(lanes) == 1:
+        if self._kernel and len(lanes) == 1:
             tt = np.asarray(t).reshape(-1)[0] if np.ndim(t) else t
-            self._touch_py(int(lanes[0]), np.asarray(ids).reshape(-1).tolist(), int(tt))
+            row = _i64(np.asarray(ids).reshape(-1))
+            used = self._kernels()[2](self._res, self._last, self._freq, self._pf, int(lanes[0]), row, int(tt))
+            self.stats.prefetch_used += used
             return
-        self._sync()
         f = self._flat(lanes, ids)
         if np.ndim(t):
             self._last_f[f] = np.asarray(t)[:, None]
@@ -426,7 +251,6 @@ class ExpertCache:
         """SMoE Eq. 3 window: push one step of router scores [n, N] (all experts, active or not)."""
         if self.policy != "score":
             return
-        self._sync()
         pos = self._ring_pos[lanes]
         old = self._ring[lanes, pos]
         self._score[lanes, : self.N] += scores - old
@@ -469,17 +293,23 @@ class ExpertCache:
         n = len(lanes)
         if n == 0 or self.policy == "static" or ids.shape[1] == 0:
             return np.zeros(ids.shape, dtype=bool)
-        if self._scalar and n == 1:
+        if self._kernel and n == 1:
             if t is not None and np.ndim(t):
                 t = np.asarray(t).reshape(-1)[0]
-            return self._insert_py(
-                int(lanes[0]),
-                ids[0].tolist(),
-                None if shield is None else np.asarray(shield).reshape(-1).tolist(),
-                prefetch,
-                None if t is None else int(t),
-            )
-        self._sync()
+            lane = int(lanes[0])
+            row = _i64(ids[0])
+            new = np.empty(len(row), dtype=bool)
+            ev, wasted, put, n_new = self._kernels()[1](
+                self._res, self._last, self._freq, self._pf, self._nu_k, self._count, lane, self.N,
+                self._caps[lane], row,
+                self._no_shield if shield is None else _i64(np.asarray(shield).reshape(-1)),
+                prefetch, -1 if t is None else int(t), self._code, self._shift, new,
+            )  # fmt: skip
+            self._kernel_stats(ev, wasted)
+            if prefetch:
+                self.stats.prefetch_inserted += put
+            self._clock += n_new > 0
+            return new[None, :]
         f = self._flat(lanes, ids)
         new = (ids >= 0) & ~self._res_f[f]
         n_new = new.sum(1)
@@ -551,14 +381,22 @@ class ExpertCache:
         """Online per-layer call: one step's distinct expert ids -> hit mask; misses inserted.
 
         The ids of this access are shielded, so a token's own experts never evict each other. This
-        single-lane path avoids the batch machinery: pure Python for ``lru``/``lfu``/``static``, a
-        handful of numpy calls for ``score`` and ``belady``.
+        single-lane path avoids the batch machinery: one compiled kernel for ``lru``, ``lfu``,
+        ``belady`` and ``static``, a handful of numpy calls for ``score``.
         """
-        if self._scalar:
-            return self._access_py(ids, t, insert, lane)
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        tt = self._clock if t is None else t
+        if ids.__class__ is not np.ndarray or ids.dtype is not _I64 or ids.ndim != 1:
+            ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        tt = self._clock if t is None else int(t)
         self._clock += 1
+        if self._kernel:
+            hits = np.empty(ids.shape[0], dtype=bool)
+            ev, wasted, used = (self._kc or self._kernels())[0](
+                self._res, self._last, self._freq, self._pf, self._nu_k, self._count, lane, self.N,
+                self._caps[lane], ids, tt, insert, self._code, self._shift, hits,
+            )  # fmt: skip
+            if ev or wasted or used:
+                self._kernel_stats(ev, wasted, used)
+            return hits
         res = self._res[lane]
         hits = res[ids]
         if insert and self.policy != "static" and not hits.all():
@@ -624,24 +462,6 @@ class ExpertCache:
 
     def resident_ids(self, lane: int = 0) -> np.ndarray:
         return np.flatnonzero(self.resident[lane])
-
-
-class _Lane:
-    """Pure-Python state of one lane on the single-lane path (see the module docstring)."""
-
-    __slots__ = ("cap", "freq", "last", "order", "pf", "pfrow", "res", "resrow", "tmax")
-
-    def __init__(self, cache: ExpertCache, lane: int) -> None:
-        N = cache.N
-        self.cap = int(cache.capacity_of[lane])
-        self.resrow = cache._res[lane]
-        self.pfrow = cache._pf[lane]
-        self.res = set(np.flatnonzero(self.resrow[:N]).tolist())
-        self.pf = set(np.flatnonzero(self.pfrow[:N]).tolist())
-        self.last = cache._last[lane, :N].tolist()
-        self.freq = cache._freq[lane, :N].tolist()
-        self.tmax = max(self.last) if N else -1
-        self.order: dict[int, None] | None = None
 
 
 @dataclass

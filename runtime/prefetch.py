@@ -20,8 +20,10 @@ import math
 import numpy as np
 from moecast.collect.traceset import RequestTrace
 from moecast.predictors.base import Predictor
+from moecast.runtime import kernels
 
 BUILTIN = ("none", "oracle")
+_BOOL_DT = np.dtype(bool)
 
 
 class OraclePredictor(Predictor):
@@ -90,10 +92,14 @@ class Prefetcher:
 
     def __init__(self, num_experts: int, top_k: int, t_io: float, t_attn: float) -> None:
         self.E, self.k = num_experts, top_k
-        self.t_io, self.t_attn = t_io, t_attn
+        self.t_io, self.t_attn = float(t_io), float(t_attn)
         self.used = 1
         self.issued = 2  # uninformed prior R_hit = 0.5 until measured
-        self._rank = np.empty(num_experts, dtype=np.int64)
+        self._kern = None  # score dtype -> compiled entry point, loaded on first use
+
+    def _load(self):
+        self._kern = kernels.choose_kernels().get
+        return self._kern
 
     @property
     def r_hit(self) -> float:
@@ -114,7 +120,9 @@ class Prefetcher:
         """
         if not isinstance(scores, np.ndarray):
             scores = np.asarray(scores)
-        if scores.ndim == 1 or len(scores) == 1:
+        if scores.ndim == 1:
+            return self._choose_one(scores, resident, t_gap)
+        if len(scores) == 1:
             return self._choose_one(scores.reshape(-1), resident, t_gap)
         s = np.atleast_2d(scores)
         top = np.argsort(-s, axis=1, kind="stable")[:, : self.k]
@@ -128,26 +136,20 @@ class Prefetcher:
         return cand
 
     def _choose_one(self, s: np.ndarray, resident: np.ndarray, t_gap: float | None) -> np.ndarray:
-        """One token: the batch path's result for one row, walking the scores from the best down
-        (``argmax``: ties to the lower id, as the batch path's stable sort) until ``n`` are found."""
-        n = self.k if t_gap is None else self._gap_count(t_gap)
-        if n <= 0:
-            return np.empty(0, dtype=np.intp)
-        m = s.copy()
-        keep = []
-        for _ in range(self.k):  # the k best only
-            j = m.argmax()
-            v = m.item(j)
-            if not v > 0:
-                if v != v:  # NaN: argmax stops there; rank by sorting instead
-                    return self._choose_sorted(s, resident, n)
-                break  # scores <= 0 are never candidates
-            if not resident[j]:
-                keep.append(j)
-                if len(keep) == n:
-                    break
-            m[j] = -np.inf
-        return np.array(keep, dtype=np.intp)
+        """One token: the batch path's result for one row, as one compiled walk over the scores
+        from the best down (ties to the lower id, as the batch path's stable sort)."""
+        if resident.__class__ is not np.ndarray or resident.dtype is not _BOOL_DT or resident.ndim != 1:
+            resident = np.asarray(resident, dtype=bool).reshape(-1)
+        kern = (self._kern or self._load())(s.dtype)
+        if kern is None:
+            s = s.astype(np.float64)
+            kern = self._kern(s.dtype)
+        out = np.empty(self.k, dtype=np.int64)
+        gap = math.nan if t_gap is None else float(t_gap)
+        got = kern(s, resident, self.k, gap, self.t_attn, self.t_io, self.used, self.issued, out)
+        if got < 0:  # a NaN score: rank by sorting instead
+            return self._choose_sorted(s, resident, self.k if t_gap is None else self._gap_count(t_gap))
+        return out[:got]
 
     def _choose_sorted(self, s: np.ndarray, resident: np.ndarray, n: int) -> np.ndarray:
         top = np.argsort(-s, kind="stable")[: self.k]
@@ -155,14 +157,5 @@ class Prefetcher:
         return np.array(keep[:n], dtype=np.intp)
 
     def _gap_count(self, t_gap: float) -> int:
-        """Eqs. 6-7 for one gap, in plain floats (no array overhead on the per-layer path)."""
-        t_io = self.t_io
-        if not math.isfinite(t_io):
-            return 0
-        if t_io <= 0:
-            return self.E
-        f = (t_gap + self.t_attn) / t_io
-        fr = math.floor(f + 0.5)
-        r_hit = self.used / self.issued
-        xi = r_hit * (f - fr + 1) - (1 - r_hit) * (fr - f)
-        return max(fr if xi > 0 else fr - 1, 0)
+        """Eqs. 6-7 for one gap (the compiled scalar form the one-token path uses)."""
+        return kernels.gap_count(float(t_gap), self.t_attn, self.t_io, self.used, self.issued, self.E)

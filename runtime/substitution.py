@@ -18,12 +18,10 @@ rows (tokens); ``group`` says which rows share a batch (and so the set C).
 
 from __future__ import annotations
 
-import struct
-
 import numpy as np
+from moecast.runtime import kernels
 
-_F32 = struct.Struct("f")
-_BOOL_DT, _F32_DT = np.dtype(bool), np.dtype(np.float32)
+_BOOL_DT, _I64_DT = np.dtype(bool), np.dtype(np.int64)
 
 
 def substitute(
@@ -42,20 +40,17 @@ def substitute(
     n = scores.shape[0]
     if alpha <= 0 or n == 0:
         return topk, np.zeros(n, dtype=np.int64)
-    if n == 1:
-        t = topk[0].tolist()
-        if t and min(t) >= 0:  # one token: the plain-Python path (same ids)
-            one = substitute_one(
-                scores[0],
-                topk[0],
-                t,
-                np.asarray(resident[0], dtype=bool),
-                float(np.float32(1 + alpha)),
-                float(np.float32(1 - alpha)),
-            )
-            if one is None:
-                return topk.copy(), np.zeros(1, dtype=np.int64)
-            return np.array([one[0]], dtype=topk.dtype), np.array([one[1]], dtype=np.int64)
+    if n == 1 and topk.shape[1] and topk[0].min() >= 0:  # one token: the compiled path (same ids)
+        one = substitute_one(
+            scores[0],
+            topk[0],
+            np.asarray(resident[0], dtype=bool),
+            float(np.float32(1 + alpha)),
+            float(np.float32(1 - alpha)),
+        )
+        if one is None:
+            return topk.copy(), np.zeros(1, dtype=np.int64)
+        return np.array([one[0]], dtype=topk.dtype), np.array([one[1]], dtype=np.int64)
     return _substitute_rows(scores, topk, resident, alpha, group)
 
 
@@ -130,11 +125,17 @@ class SubstitutingRouter:
         # Python float to the array's float32 before the product)
         self._hi = float(np.float32(1 + self.alpha))
         self._lo = float(np.float32(1 - self.alpha))
+        self._kern = None  # score dtype -> compiled entry point, loaded on first use
+        self._buf: np.ndarray | None = None  # the kernel's output row (copied out when it changed)
+
+    def _load(self):
+        self._kern = kernels.substitute_kernels().get
+        return self._kern
 
     def route(self, probs: np.ndarray, resident: np.ndarray, topk: np.ndarray | None = None) -> np.ndarray:
         """probs [B, E], resident [E] bool (this layer's cache), optional router top-k [B, k] -> ids [B, k].
 
-        One token takes :func:`substitute_one` (plain Python, same ids as the vectorised path).
+        One token takes the compiled :func:`substitute_one` kernel (same ids as the vectorised path).
         """
         if not isinstance(probs, np.ndarray) or probs.ndim != 2:
             probs = np.atleast_2d(probs)
@@ -144,13 +145,22 @@ class SubstitutingRouter:
             topk = np.atleast_2d(topk)
         if self.alpha == 0:
             return topk
-        if len(probs) == 1:
-            t = topk.tolist()[0]
-            if t and min(t) >= 0:
-                if not isinstance(resident, np.ndarray) or resident.dtype is not _BOOL_DT:
-                    resident = np.asarray(resident, dtype=bool)
-                out = substitute_one(probs[0], topk[0], t, resident, self._hi, self._lo)
-                return topk if out is None else np.array([out[0]], dtype=topk.dtype)
+        if len(probs) == 1 and topk.shape[1]:
+            kern = (self._kern or self._load())(probs.dtype)
+            if kern is None:
+                probs = probs.astype(np.float64)
+                kern = self._kern(probs.dtype)
+            row = topk if topk.dtype is _I64_DT else topk.astype(np.int64)
+            if resident.__class__ is not np.ndarray or resident.dtype is not _BOOL_DT or resident.ndim != 1:
+                resident = np.asarray(resident, dtype=bool).reshape(-1)
+            buf = self._buf
+            if buf is None or buf.shape[0] != topk.shape[1]:
+                buf = self._buf = np.empty(topk.shape[1], dtype=np.int64)
+            use = kern(probs, row, resident, self._hi, self._lo, buf)
+            if use == 0:
+                return topk
+            if use > 0:
+                return buf.astype(topk.dtype)[None]
         res = np.broadcast_to(np.asarray(resident, dtype=bool), probs.shape)
         ids, _ = substitute(
             probs,
@@ -162,51 +172,20 @@ class SubstitutingRouter:
         return ids
 
 
-def _f32(x: float) -> float:
-    """Round a Python float to float32 (the precision :func:`substitute` computes in)."""
-    try:
-        return _F32.unpack(_F32.pack(x))[0]
-    except OverflowError:
-        return float(np.float32(x))
-
-
 def substitute_one(
-    p: np.ndarray, row: np.ndarray, t: list[int], resident: np.ndarray, hi_f: float, lo_f: float
-) -> tuple[list[int], int] | None:
-    """Algorithm 1 for one token with a few numpy calls: exactly :func:`substitute`'s ids (order included).
+    p: np.ndarray, row: np.ndarray, resident: np.ndarray, hi_f: float, lo_f: float
+) -> tuple[np.ndarray, int] | None:
+    """Algorithm 1 for one token as one compiled kernel: exactly :func:`substitute`'s ids (order included).
 
-    ``p`` [E] router probabilities, ``row`` [k] the router's experts (distinct, >= 0) and ``t`` the
-    same as a list, ``resident`` [E] bool, ``hi_f`` / ``lo_f`` the float32 values of 1 + alpha and
-    1 - alpha. Returns None when nothing is substituted, else (ids, substituted count). With one
+    ``p`` [E] router probabilities, ``row`` [k] the router's experts (distinct, >= 0),
+    ``resident`` [E] bool, ``hi_f`` / ``lo_f`` the float32 values of 1 + alpha and 1 - alpha.
+    Returns None when nothing is substituted, else (ids [k] int64, substituted count). With one
     token the batch set C is the token's own top-score experts, so the low-score experts to replace
     are those not resident and the alternatives are resident inactive ones. Scores are compared in
     float32, as in the vectorised path.
     """
-    rt = resident[row].tolist()
-    if all(rt):
-        return None  # every chosen expert resident: nothing to replace
-    s = p if p.dtype is _F32_DT else p.astype(np.float32)
-    st = s[row].tolist()
-    m = s.copy()
-    m[row] = -np.inf  # the inactive experts' scores
-    beta = m.item(m.argmax())  # S_{k+1}: the best score the router did not choose
-    hi = _f32(hi_f * beta)
-    low_missing = [(v, e) for e, v, r in zip(t, st, rt) if v <= hi and not r]
-    if not low_missing:
-        return None
-    lo = _f32(lo_f * beta)
-    # alternatives: resident inactive experts in (lo, beta] (no inactive score exceeds beta)
-    alts = [(-m.item(e), e) for e in (m > lo).nonzero()[0].tolist() if resident[e]]
-    if not alts:
-        return None
-    use = min(len(low_missing), len(alts))
-    # the best alternatives join (score descending, lower id first); the lowest-scored missing leave
-    if use < len(alts):
-        alts.sort()
-    if use < len(low_missing):
-        low_missing.sort()
-    dropped = {e for _, e in low_missing[:use]}
-    sel = [(-v, e) for e, v in zip(t, st) if e not in dropped]
-    sel += alts[:use]
-    sel.sort()
-    return [e for _, e in sel], use
+    out = np.empty(len(row), dtype=np.int64)
+    use = kernels.substitute(p[None], row[None], resident, hi_f, lo_f, out)
+    if use < 0:
+        raise ValueError("substitute_one needs the router's expert ids (no -1 padding)")
+    return None if use == 0 else (out, use)

@@ -120,10 +120,10 @@ def test_online_access_equals_batch_insert_touch(policy):
         assert (hit_a == hit_b).all() and (a.resident == b.resident).all(), t
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "static"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "static", "belady"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_python_lane_state_equals_vectorised(policy, seed):
-    """Single-lane calls on the Python lane state (access, one-row insert / touch, prefetch inserts,
+def test_kernel_lane_equals_vectorised(policy, seed):
+    """Single-lane calls on the compiled kernels (access, one-row insert / touch, prefetch inserts,
     repeated and missing times, a batch call in between) give the vectorised path's hits, resident
     sets, recency, frequency and statistics step by step."""
     E, k, cap = 24, 4, 7
@@ -137,6 +137,8 @@ def test_python_lane_state_equals_vectorised(policy, seed):
         out = []
         for t in range(400):
             ids = rng.choice(E, k, replace=False)
+            if policy == "belady":
+                c.set_next_use(np.array([0, 1]), np.tile(np.arange(E), (2, 1)), rng.integers(t, t + 50, (2, E)))
             r = rng.random()
             if r < 0.25:  # a prefetch (sometimes with its time, sometimes without)
                 pf = np.append(rng.choice(E, 3, replace=False), -1)

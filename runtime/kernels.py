@@ -1,0 +1,391 @@
+"""Compiled one-token kernels of the runtime's per-layer decision (numba).
+
+At decode batch 1 a layer's decision (SMoE Algorithm 1 substitution, the expert cache's access and
+eviction, the prefetch choice) works on one token's 64-odd scores; a numpy call costs 1-3 us there,
+so even a handful of them per part would miss the runtime's microsecond budget. These kernels
+do each part as one compiled loop over the lane's arrays. They are the single-lane paths of
+:class:`~moecast.runtime.cache.ExpertCache`, :func:`~moecast.runtime.substitution.substitute_one`
+and :meth:`~moecast.runtime.prefetch.Prefetcher.choose`; the vectorised numpy paths (many tokens,
+many lanes) are their reference, and the tests compare the two step by step.
+
+Compiled on first use and cached on disk (numba ``cache=True``), so only the first process pays
+the compilation (about a second per kernel). The wrappers call the compiled entry points of
+:func:`entry_point` with arguments whose types they have checked, since the dispatcher's own type
+resolution (about 0.1 us per argument) would otherwise cost more than the kernels' work.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from numba import njit, types
+
+# eviction policy codes of the kernels (ExpertCache.policy -> code)
+POLICY_CODE = {"lru": 0, "lfu": 1, "belady": 2, "static": 3}
+_BIG = np.iinfo(np.int64).max
+_NU_CAP = np.int64(1) << 36  # next-use times beyond this count as never (as in cache.py)
+
+
+@njit(cache=True, nogil=True)
+def _shielded(e, a, b):
+    found = False  # plain loops: numba compiles no generator expressions
+    for x in a:
+        found |= x == e
+    for x in b:
+        found |= x == e
+    return found
+
+
+@njit(cache=True, nogil=True)
+def _evict(res, last, freq, nu, pf, lane, n, policy, shift, shield_a, shield_b, need):
+    """Evict up to ``need`` resident items of ``lane`` outside both shields, lowest key first.
+
+    Keys as ExpertCache._key: unique per item (the id in the low bits), so a strict minimum finds
+    the same victims as the vectorised argmin / argpartition. Returns (evicted, prefetched wasted).
+    """
+    n_ev = 0
+    wasted = 0
+    for _ in range(need):
+        best = _BIG
+        bi = -1
+        for e in range(n):
+            if not res[lane, e] or _shielded(e, shield_a, shield_b):
+                continue
+            if policy == 0:
+                key = ((last[lane, e] + 1) << shift) | e
+            elif policy == 1:
+                key = (freq[lane, e] << (shift + 24)) | ((last[lane, e] + 1) << shift) | e
+            else:
+                key = ((_NU_CAP - min(nu[lane, e], _NU_CAP)) << shift) | e
+            if key < best:
+                best = key
+                bi = e
+        if bi < 0:
+            break
+        res[lane, bi] = False
+        if pf[lane, bi]:
+            pf[lane, bi] = False
+            wasted += 1
+        n_ev += 1
+    return n_ev, wasted
+
+
+@njit(cache=True, nogil=True)
+def access(res, last, freq, pf, nu, count, lane, n, cap, ids, t, insert, policy, shift, hits):
+    """ExpertCache.access on one lane: hits into ``hits``; returns (evicted, wasted, prefetch used)."""
+    nmiss = 0
+    for i in range(ids.shape[0]):
+        h = res[lane, ids[i]]
+        hits[i] = h
+        if not h:
+            nmiss += 1
+    n_ev = 0
+    wasted = 0
+    if insert and policy != 3 and nmiss > 0:
+        cnt = count[lane]
+        room = nmiss
+        need = cnt + nmiss - cap
+        if need > 0:
+            n_ev, wasted = _evict(res, last, freq, nu, pf, lane, n, policy, shift, ids, ids[:0], need)
+            cnt -= n_ev
+            room = cap - cnt
+        put = 0
+        for i in range(ids.shape[0]):
+            if not hits[i] and put < room:
+                res[lane, ids[i]] = True
+                put += 1
+        count[lane] = cnt + put
+    used = 0
+    for i in range(ids.shape[0]):
+        e = ids[i]
+        last[lane, e] = t
+        freq[lane, e] += 1
+        if hits[i] and pf[lane, e]:
+            pf[lane, e] = False
+            used += 1
+    return n_ev, wasted, used
+
+
+@njit(cache=True, nogil=True)
+def insert(res, last, freq, pf, nu, count, lane, n, cap, row, shield, prefetch, t, policy, shift, new):
+    """ExpertCache.insert for one row (-1 padding; ``t`` < 0: no recency). Returns (evicted, wasted,
+    inserted, new ids before the room cut); ``new`` marks the ids inserted now."""
+    n_new = 0
+    for i in range(row.shape[0]):
+        e = row[i]
+        nw = e >= 0 and not res[lane, e]
+        new[i] = nw
+        if nw:
+            n_new += 1
+    if n_new == 0:
+        return 0, 0, 0, 0
+    free = cap - count[lane]
+    need = n_new - free
+    n_ev = 0
+    wasted = 0
+    room = n_new
+    if need > 0:
+        n_ev, wasted = _evict(res, last, freq, nu, pf, lane, n, policy, shift, row, shield, need)
+        room = free + n_ev
+    put = 0
+    for i in range(row.shape[0]):
+        if new[i]:
+            if put >= room:  # fewer slots than new ids: the first ones stay (callers order by priority)
+                new[i] = False
+                continue
+            e = row[i]
+            res[lane, e] = True
+            if t >= 0:
+                last[lane, e] = t
+            if prefetch:
+                pf[lane, e] = True
+            put += 1
+    count[lane] += put - n_ev
+    return n_ev, wasted, put, n_new
+
+
+@njit(cache=True, nogil=True)
+def touch(res, last, freq, pf, lane, row, t):
+    """ExpertCache.touch for one row: recency, frequency, prefetch use. Returns prefetched used."""
+    used = 0
+    for i in range(row.shape[0]):
+        e = row[i]
+        if e < 0:
+            continue
+        last[lane, e] = t
+        freq[lane, e] += 1
+        if pf[lane, e] and res[lane, e]:
+            pf[lane, e] = False
+            used += 1
+    return used
+
+
+@njit(cache=True, nogil=True)
+def _before(va, ea, vb, eb):
+    """(score descending, id ascending) order."""
+    return va > vb or (va == vb and ea < eb)
+
+
+@njit(cache=True, nogil=True)
+def substitute(P, T, resident, hi_f, lo_f, out):
+    """SMoE Algorithm 1 for the token in row 0 of ``P`` [1, E] (router probabilities) and ``T``
+    [1, k] (the router's experts; see substitution.substitute_one). Returns 0 when nothing
+    changes, else the substituted count with the new ids in ``out`` [k] (score descending, lower
+    id first); -1 when the row holds padding (< 0), which only the vectorised path handles."""
+    p = P[0]
+    row = T[0]
+    k = row.shape[0]
+    n = p.shape[0]
+    for i in range(k):
+        if row[i] < 0 or row[i] >= n:
+            return -1
+    all_res = True
+    for i in range(k):
+        if not resident[row[i]]:
+            all_res = False
+    if all_res:
+        return 0
+    # S_{k+1}: the best score the router did not choose (NaN anywhere there: no band, no change)
+    chosen = np.zeros(n, np.bool_)
+    for i in range(k):
+        chosen[row[i]] = True
+    beta = -np.inf
+    for e in range(n):
+        if chosen[e]:
+            continue
+        v = np.float32(p[e])
+        if v != v:
+            return 0
+        if v > beta:
+            beta = v
+    hi = np.float32(hi_f * np.float64(beta))
+    lo = np.float32(lo_f * np.float64(beta))
+    # low-score missing experts, lowest score first (ties: lower id)
+    lm_v = np.empty(k, np.float32)
+    lm_e = np.empty(k, np.int64)
+    nl = 0
+    for i in range(k):
+        e = row[i]
+        v = np.float32(p[e])
+        if v <= hi and not resident[e]:
+            j = nl
+            while j > 0 and (lm_v[j - 1] > v or (lm_v[j - 1] == v and lm_e[j - 1] > e)):
+                lm_v[j] = lm_v[j - 1]
+                lm_e[j] = lm_e[j - 1]
+                j -= 1
+            lm_v[j] = v
+            lm_e[j] = e
+            nl += 1
+    if nl == 0:
+        return 0
+    # alternatives: the best ``nl`` resident inactive experts with a score in (lo, beta]
+    al_v = np.empty(nl, np.float32)
+    al_e = np.empty(nl, np.int64)
+    na = 0
+    for e in range(n):
+        if not resident[e]:
+            continue
+        v = np.float32(p[e])
+        if not v > lo or chosen[e]:
+            continue
+        if na == nl and not _before(v, e, al_v[na - 1], al_e[na - 1]):
+            continue
+        j = na if na < nl else nl - 1
+        while j > 0 and _before(v, e, al_v[j - 1], al_e[j - 1]):
+            al_v[j] = al_v[j - 1]
+            al_e[j] = al_e[j - 1]
+            j -= 1
+        al_v[j] = v
+        al_e[j] = e
+        if na < nl:
+            na += 1
+    if na == 0:
+        return 0
+    use = min(nl, na)
+    # the router's experts minus the dropped, plus the alternatives, in (score desc, id asc) order
+    sv = np.empty(k, np.float32)
+    m = 0
+    for i in range(k):
+        e = row[i]
+        dropped = False
+        for j in range(use):
+            if lm_e[j] == e:
+                dropped = True
+        if dropped:
+            continue
+        v = np.float32(p[e])
+        j = m
+        while j > 0 and _before(v, e, sv[j - 1], out[j - 1]):
+            sv[j] = sv[j - 1]
+            out[j] = out[j - 1]
+            j -= 1
+        sv[j] = v
+        out[j] = e
+        m += 1
+    for a in range(use):
+        v = al_v[a]
+        e = al_e[a]
+        j = m
+        while j > 0 and _before(v, e, sv[j - 1], out[j - 1]):
+            sv[j] = sv[j - 1]
+            out[j] = out[j - 1]
+            j -= 1
+        sv[j] = v
+        out[j] = e
+        m += 1
+    return use
+
+
+@njit(cache=True, nogil=True)
+def gap_count(t_gap, t_attn, t_io, used, issued, num_experts):
+    """PreScope Eqs. 6-7 for one link gap: prefetches that fit, with R_hit = used / issued."""
+    if not np.isfinite(t_io):
+        return 0
+    if t_io <= 0:
+        return num_experts
+    f = (t_gap + t_attn) / t_io
+    fr = np.floor(f + 0.5)
+    r_hit = used / issued
+    xi = r_hit * (f - fr + 1) - (1 - r_hit) * (fr - f)
+    n = int(fr) if xi > 0 else int(fr) - 1
+    return max(n, 0)
+
+
+@njit(cache=True, nogil=True)
+def choose(s, resident, k, t_gap, t_attn, t_io, used, issued, out):
+    """Prefetcher's one-token choice: the ``k`` best scores (ties: lower id), walked from the top,
+    keeping the non-resident ones with a positive score, up to n (Eqs. 6-7 for ``t_gap``; k when
+    ``t_gap`` is NaN). Returns the count, or -1 when a score is NaN (the caller sorts then)."""
+    n = k if t_gap != t_gap else gap_count(t_gap, t_attn, t_io, used, issued, s.shape[0])
+    if n <= 0:
+        return 0
+    top_v = np.empty(k, np.float64)
+    top_e = np.empty(k, np.int64)
+    nt = 0
+    for e in range(s.shape[0]):
+        v = np.float64(s[e])
+        if v != v:
+            return -1
+        # ascending ids: an equal score never displaces an earlier one
+        if nt == k and not v > top_v[k - 1]:
+            continue
+        j = nt if nt < k else k - 1
+        while j > 0 and v > top_v[j - 1]:
+            top_v[j] = top_v[j - 1]
+            top_e[j] = top_e[j - 1]
+            j -= 1
+        top_v[j] = v
+        top_e[j] = e
+        if nt < k:
+            nt += 1
+    got = 0
+    for i in range(nt):
+        if not top_v[i] > 0:
+            break  # scores <= 0 are never candidates
+        e = top_e[i]
+        if not resident[e]:
+            out[got] = e
+            got += 1
+            if got == n:
+                break
+    return got
+
+
+def entry_point(kernel, *argtypes):
+    """The compiled function of ``kernel`` for exactly ``argtypes``, called without the dispatcher's
+    per-call type resolution. The caller must pass arguments of these types (dtype, dimensions;
+    arrays typed with layout "A" take any strides): the entry point does not check them. Falls back
+    to the kernel itself where numba does not expose the entry point."""
+    sig = tuple(argtypes)
+    kernel.compile(sig)
+    cres = kernel.overloads.get(sig)
+    return getattr(cres, "entry_point", None) or kernel
+
+
+def _arr(dtype, ndim: int, layout: str = "A") -> types.Array:
+    return types.Array(dtype, ndim, layout)
+
+
+_b1, _i1 = _arr(types.bool_, 1), _arr(types.int64, 1)
+_b2c, _i2c, _i1c, _b1c = (
+    _arr(types.bool_, 2, "C"),
+    _arr(types.int64, 2, "C"),
+    _arr(types.int64, 1, "C"),
+    _arr(types.bool_, 1, "C"),
+)
+_state = (_b2c, _i2c, _i2c, _b2c, _i2c, _i1c)  # resident, last, freq, prefetched, next use, count
+_int, _flt = types.int64, types.float64
+
+
+@functools.cache
+def cache_kernels():
+    """(access, insert, touch) entry points for ExpertCache's own arrays (all C-contiguous; ids and
+    rows int64, one dimension; hits / new masks freshly allocated bool)."""
+    acc = entry_point(access, *_state, _int, _int, _int, _i1, _int, types.bool_, _int, _int, _b1c)
+    ins = entry_point(insert, *_state, _int, _int, _int, _i1, _i1, types.bool_, _int, _int, _int, _b1c)
+    tch = entry_point(touch, _b2c, _i2c, _i2c, _b2c, _int, _i1, _int)
+    return acc, ins, tch
+
+
+def score_kernels(kernel, ndim: int, extra: tuple) -> dict:
+    """Entry points of ``kernel`` (substitute or choose) for float32 and float64 scores of ``ndim``
+    dimensions; ``extra`` the types of the remaining arguments."""
+    return {
+        np.dtype(dt): entry_point(kernel, _arr(nt, ndim), *extra)
+        for dt, nt in ((np.float32, types.float32), (np.float64, types.float64))
+    }
+
+
+@functools.cache
+def substitute_kernels() -> dict:
+    """substitute's entry points by score dtype: (P [1, E], T int64 [1, k], resident bool [E], hi,
+    lo, out int64 [k])."""
+    return score_kernels(substitute, 2, (_arr(types.int64, 2), _b1, _flt, _flt, _i1))
+
+
+@functools.cache
+def choose_kernels() -> dict:
+    """choose's entry points by score dtype: (s, resident, k, t_gap, t_attn, t_io, used, issued,
+    out int64 [k])."""
+    return score_kernels(choose, 1, (_b1, _int, _flt, _flt, _flt, _int, _int, _i1))
