@@ -592,12 +592,13 @@ class LLaPor(Predictor):
         """
         w = self._layer_weights(layer)
         bags = np.asarray(feats["bags"])[:, layer]  # [B, n]; the pad id indexes a zero row
-        if "deep_off" in w:
-            # this token's ids at layers < l, as rows of the per-layer table (mix weight folded in)
-            route = np.asarray(feats["route"])[:, :layer].reshape(len(bags), -1)
-            bags = np.concatenate([bags, route + w["deep_off"]], axis=1)
-        # multi-hot @ W and the deep-history sum as one gather over the layer's input table
+        # multi-hot @ W as a gather-sum over the layer's input table
         h = w["table"][bags].sum(1)
+        if "deep_off" in w:
+            # this token's ids at layers < l: rows of the embedding table all layers share (hot in
+            # the CPU cache from one layer to the next), weighted by this layer's mix
+            route = np.asarray(feats["route"])[:, :layer].reshape(len(bags), -1)
+            h += w["deep_w"] @ w["deep_table"][route + w["deep_off"]]
         h += w["bias"]
         if "tok" in w:
             te = w["tok"][np.asarray(feats["tokens"])].reshape(len(bags), -1)
@@ -627,16 +628,21 @@ class LLaPor(Predictor):
             return t.detach().float().numpy().copy()
 
         V, E, H = self.spec.vocab, self.num_experts, net.net.hidden
-        # input table: the layer's sparse-feature rows, one zero row for the pad id (V), then
-        # with deep_history the rows of every earlier layer's experts scaled by their mix weight
-        parts = [np_(net.w_in.weight[layer])[:V], np.zeros((1, H), np.float32)]
+        # input table: the layer's sparse-feature rows, one zero row for the pad id (V)
+        w: dict[str, Any] = {
+            "table": np.ascontiguousarray(
+                np.vstack([np_(net.w_in.weight[layer])[:V], np.zeros((1, H), np.float32)])
+            )
+        }
         bias = np_(net.w_in.bias[layer])
-        w: dict[str, Any] = {}
         if self.spec.deep_history and layer > 0:
+            # earlier layers' expert embeddings: one table for all layers, each layer's mix apart
+            if "deep" not in cache:
+                cache["deep"] = np.ascontiguousarray(np_(net.deep_emb).reshape(-1, H))
             mix = np_((net.deep_mix * net.deep_mask)[layer, :layer])  # [layer]
-            parts.append((np_(net.deep_emb[:layer]) * mix[:, None, None]).reshape(layer * E, H))
-            w["deep_off"] = V + 1 + np.repeat(np.arange(layer) * E, self.top_k)
-        w["table"] = np.ascontiguousarray(np.vstack(parts))
+            w["deep_table"] = cache["deep"]
+            w["deep_w"] = np.repeat(mix, self.top_k).astype(np.float32)
+            w["deep_off"] = np.repeat(np.arange(layer) * E, self.top_k)
         if self.spec.token_buckets:
             w["tok"] = np_(net.tok.weight)
             w["tok_proj"] = np_(net.tok_proj.weight[layer])
