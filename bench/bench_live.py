@@ -1,6 +1,6 @@
 """Live runtime figures on ``tiny`` (CPU): attach overhead at full residency, and SMoE's alpha sweep.
 
-    python bench/bench_live.py [--tokens 32] [--repeats 3] [--texts 6] [--text-tokens 64] [--capacity 0.25]
+    python bench/bench_live.py [--tokens 32] [--repeats 5] [--texts 6] [--text-tokens 64] [--capacity 0.25]
 
 Prints (goals from the live-runtime issue):
 - overhead of the attached runtime vs plain ``generate`` at full residency (goal <= 15 %);
@@ -51,7 +51,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--texts", type=int, default=6)
     ap.add_argument("--text-tokens", type=int, default=64)
     ap.add_argument("--capacity", default="0.25")
@@ -68,14 +68,20 @@ def main() -> None:
         # interleaved so that load from other processes hits both alike
         plain.append(_generate_ms(model, ids, args.tokens))
         rt = attach(model, policy="smoe", capacity=None, alpha=0.0)
+        _generate_ms(model, ids, 4)  # warm-up: the first attach loads the compiled decision kernels
         live.append(_generate_ms(model, ids, args.tokens))
         stats = rt.stats()
         rt.detach()
-    p, lv = statistics.median(plain), statistics.median(live)
-    print(f"\nfull residency, {args.tokens} new tokens, median of {args.repeats}:")
-    print(f"  plain generate      {p:7.2f} ms/token")
-    print(f"  attached (alpha 0)  {lv:7.2f} ms/token   hit rate {stats['hit_rate']:.3f}")
-    print(f"  overhead            {100 * (lv / p - 1):+7.1f} %   (goal <= 15 %)")
+    # best of N: on a shared machine other processes only ever add time, so the minimum is the
+    # cleanest estimate of each; the medians are printed beside it
+    p, lv = min(plain), min(live)
+    pm, lm = statistics.median(plain), statistics.median(live)
+    print(f"\nfull residency, {args.tokens} new tokens, best of {args.repeats} (median in brackets):")
+    print(f"  plain generate      {p:7.2f} ms/token  ({pm:.2f})")
+    print(f"  attached (alpha 0)  {lv:7.2f} ms/token  ({lm:.2f})   hit rate {stats['hit_rate']:.3f}")
+    print(
+        f"  overhead            {100 * (lv / p - 1):+7.1f} %   (goal <= 15 %; medians {100 * (lm / pm - 1):+.1f} %)"
+    )
 
     rows = heldout_rows(tok, "sharegpt", args.texts, args.text_tokens)
     alphas = [float(a) for a in args.alphas.split(",")]

@@ -51,9 +51,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from moecast.collect.traceset import RequestTrace
+from moecast.predictors import llapor_kernel
 from moecast.predictors.base import Predictor
-from scipy.special import expit as _sigmoid
-from scipy.special import ndtr as _ndtr
 from torch import nn
 
 GROUPS = ("input", "middle", "output")
@@ -502,11 +501,6 @@ def format_groups(groups: dict[str, list[int]], moe_layers: list[int]) -> str:
     return "layer groups  " + "  |  ".join(parts)
 
 
-def _gelu(x: np.ndarray) -> np.ndarray:
-    # exact (erf) GELU, as torch.nn.functional.gelu: x * Phi(x), Phi = the normal CDF (ndtr)
-    return x * _ndtr(x)
-
-
 class LLaPor(Predictor):
     """Layer-ahead predictor (PreScope §4.2); see the module docstring for its inputs."""
 
@@ -586,37 +580,24 @@ class LLaPor(Predictor):
     def score_layer(self, layer: int, feats: dict[str, torch.Tensor | np.ndarray]) -> np.ndarray:
         """[B, E] scores of one layer for a batch of tokens: the runtime's per-layer call.
 
-        Runs only that layer's predictor, in numpy on weights cached per layer (a batch-1
-        call costs a few small matrix-vector products, no torch dispatch). ``feats`` are
-        rows of ``features()`` (all layers' inputs; only this layer's are read).
+        Runs only that layer's predictor, as one compiled loop (:mod:`.llapor_kernel`) on
+        weights packed once per layer: no torch dispatch, no per-operation numpy calls.
+        ``feats`` are rows of ``features()`` (all layers' inputs; only this layer's are read).
         """
         w = self._layer_weights(layer)
         bags = np.asarray(feats["bags"])[:, layer]  # [B, n]; the pad id indexes a zero row
-        # multi-hot @ W as a gather-sum over the layer's input table
-        h = w["table"][bags].sum(1)
-        if "deep_off" in w:
-            # this token's ids at layers < l: rows of the embedding table all layers share (hot in
-            # the CPU cache from one layer to the next), weighted by this layer's mix
-            route = np.asarray(feats["route"])[:, :layer].reshape(len(bags), -1)
-            h += w["deep_w"] @ w["deep_table"][route + w["deep_off"]]
-        h += w["bias"]
-        if "tok" in w:
-            te = w["tok"][np.asarray(feats["tokens"])].reshape(len(bags), -1)
-            h += te @ w["tok_proj"]
-        if "dense_proj" in w:
-            h += np.asarray(feats["dense"])[:, layer] @ w["dense_proj"]
-        h = _gelu(h)
-        for W, b in w["hidden"]:
-            h = _gelu(h @ W + b)
-        if "res_gate" in w:
-            H = h.shape[1]
-            both = h @ w["res_gate"][0] + w["res_gate"][1]  # res1 and the gating unit in one product
-            r = _gelu(both[:, :H]) @ w["res2"][0] + w["res2"][1]
-            h = h + _sigmoid(both[:, H:]) * r
-        logits = h @ w["head"][0] + w["head"][1]
-        if "skip" in w:
-            logits += np.asarray(feats["dense"])[:, layer] @ w["skip"][0] + w["skip"][1]
-        return _sigmoid(logits)
+        B = len(bags)
+        none_i = np.zeros((B, 0), np.int64)
+        route = np.asarray(feats["route"])[:, :layer].reshape(B, -1) if "deep_off" in w else none_i
+        tokens = np.asarray(feats["tokens"]).reshape(B, -1) if "tok" in w else none_i
+        dense = (
+            np.asarray(feats["dense"], np.float32)[:, layer]
+            if "dense_proj" in w
+            else np.zeros((B, 0), np.float32)
+        )
+        out = np.empty((B, self.num_experts), np.float32)
+        llapor_kernel.forward(bags, route, tokens, dense, *w["packed"], out)
+        return out
 
     def _layer_weights(self, layer: int) -> dict[str, Any]:
         cache = self.__dict__.setdefault("_layer_cache", {})
@@ -666,6 +647,7 @@ class LLaPor(Predictor):
             w["res_gate"] = (np.ascontiguousarray(np.hstack([r1, g])), np.concatenate([b1, bg]))
             w["res2"] = pick(body.res2)
         w["head"] = pick(body.head)
+        w["packed"] = llapor_kernel.pack(w, H, E)
         cache[layer] = w
         return w
 
