@@ -11,7 +11,7 @@ repeats, each said in the table) in a few minutes; without it the full versions 
 Puffin TraceSet, the 1,999-file import, ...). ``--train`` also trains the predictors that are
 missing (LLaPor on DeepSeek, ~30 min; the CasMoE EAM/EAP), otherwise they are reported missing.
 
-Benches: collect, import, tiny, replay, predictors, casmoe, live, policylang (``--only``).
+Benches: collect, import, tiny, replay, predictors, prefetch, casmoe, live, policylang (``--only``).
 Timings are wall-clock on this machine, under whatever else runs on it: the load average is
 recorded before and after every bench.
 """
@@ -339,7 +339,10 @@ def b_replay(ctx: Ctx) -> list[Figure]:
         re.MULTILINE,
     )
     for pol, mode, a, b, c in rows:
-        figs.append(Figure("replay", f"hit rate 10/25/50 % {pol} {mode}", f"{a} / {b} / {c}", note=note))
+        why = note
+        if pol in ("prefetch", "presched"):  # these policies' default predictor is the oracle
+            why = ", ".join(filter(None, [note, "oracle predictor (the policy's default): a bound"]))
+        figs.append(Figure("replay", f"hit rate 10/25/50 % {pol} {mode}", f"{a} / {b} / {c}", note=why))
     if not rows:
         figs.append(Figure("replay", "hit rates", "see output", note=str(ctx.logs / "replay.log")))
     skipped = re.findall(r"^\|\s*(\w+)\s*\|\s*-\s*\|.*\((.*)\)\s*$", out, re.MULTILINE)
@@ -508,6 +511,57 @@ def b_predictors(ctx: Ctx) -> list[Figure]:
     return figs
 
 
+PREFETCH_HW = ("prescope-a100-pcie4", "gh200-nvlink-c2c")
+NON_LEARNED = ("lru", "lfu", "static", "belady")
+
+
+def b_prefetch(ctx: Ctx) -> list[Figure]:
+    """LLaPor prefetch vs every non-learned policy at 10 % capacity on the held-out DeepSeek requests
+    (``moecast replay --holdout 0.1 --json``), per hardware profile: the LLaPor issue's replay target."""
+    ds = _first(*DS_CKPTS)
+    if ds is None or not DS_TRACES.is_dir():
+        return [Figure("prefetch", "(bench)", "no DeepSeek LLaPor checkpoint or traces", verdict="MISSING")]
+    holdout = "0.1"
+    figs: list[Figure] = []
+    for hw in PREFETCH_HW:
+        hits: dict[str, float] = {}
+        for name, extra in (
+            *((p, [p]) for p in NON_LEARNED),
+            ("LLaPor prefetch", ["prefetch", "--predictor", str(ds)]),
+            ("LLaPor + PreSched", ["presched", "--predictor", str(ds)]),
+            ("oracle + PreSched (bound)", ["presched", "--predictor", "oracle"]),
+        ):
+            cmd = [sys.executable, "-m", "moecast", "replay", "--traces", str(DS_TRACES), "--policy", *extra]
+            cmd += [
+                "--capacity",
+                "0.1",
+                "--cold",
+                "true",
+                "--holdout",
+                holdout,
+                "--hardware",
+                hw,
+                "--json",
+                "true",
+            ]
+            rc, out, err, dt = _run(ctx, "prefetch", cmd, 900)
+            rows = _json_lines(out)
+            if rc != 0 or not rows:
+                return [*figs, _failed("prefetch", rc, err, dt, ctx)]
+            hits[name] = float(rows[-1]["hit_rate"])
+        best = max(NON_LEARNED, key=lambda p: hits[p])
+        q = f"held-out {holdout} of the requests, cold, capacity 10 %; {hw}"
+        figs.append(fig("prefetch", f"10 % hit, best non-learned ({best}), {hw}", hits[best], note=q))
+        for name in ("LLaPor prefetch", "LLaPor + PreSched"):
+            f = fig("prefetch", f"10 % hit, {name}, {hw}", hits[name], goal=f"> {best}", note=q, judge=False)
+            f.verdict = "ok" if hits[name] > hits[best] else "MISS"  # exact, not the rounded print
+            figs.append(f)
+        figs.append(
+            fig("prefetch", f"10 % hit, oracle + PreSched (bound), {hw}", hits["oracle + PreSched (bound)"])
+        )
+    return figs
+
+
 def b_casmoe(ctx: Ctx) -> list[Figure]:
     eam, eap = ROOT / "runs" / "casmoe" / "eam.safetensors", ROOT / "runs" / "casmoe" / "eap.safetensors"
     args = ["--traces", str(DS_TRACES), "--eam", str(eam), "--eap", str(eap), "--json"]
@@ -663,6 +717,7 @@ BENCHES: dict[str, Callable[[Ctx], list[Figure]]] = {
     "tiny": b_tiny,
     "replay": b_replay,
     "predictors": b_predictors,
+    "prefetch": b_prefetch,
     "casmoe": b_casmoe,
     "live": b_live,
     "policylang": b_policylang,
