@@ -175,6 +175,13 @@ class ExpertCache:
             self._kc = kernels.cache_kernels()
         return self._kc
 
+    def _bad_ids(self, lane: int, ids: np.ndarray) -> None:
+        if not 0 <= lane < self.lanes:
+            raise IndexError(f"lane {lane} does not exist; this cache has {self.lanes} lane(s)")
+        raise IndexError(
+            f"expert ids {ids.tolist()} out of range: items are 0..{self.N - 1} (-1 pads insert/touch rows)"
+        )
+
     def _kernel_stats(self, evicted: int, wasted: int, used: int = 0) -> None:
         st = self.stats
         st.evictions += evicted
@@ -224,7 +231,11 @@ class ExpertCache:
         if self._kernel and len(lanes) == 1:
             tt = np.asarray(t).reshape(-1)[0] if np.ndim(t) else t
             row = _i64(np.asarray(ids).reshape(-1))
-            used = self._kernels()[2](self._res, self._last, self._freq, self._pf, int(lanes[0]), row, int(tt))
+            used = self._kernels()[2](
+                self._res, self._last, self._freq, self._pf, int(lanes[0]), row, int(tt)
+            )
+            if used < 0:
+                self._bad_ids(int(lanes[0]), row)
             self.stats.prefetch_used += used
             return
         f = self._flat(lanes, ids)
@@ -305,6 +316,8 @@ class ExpertCache:
                 self._no_shield if shield is None else _i64(np.asarray(shield).reshape(-1)),
                 prefetch, -1 if t is None else int(t), self._code, self._shift, new,
             )  # fmt: skip
+            if ev < 0:
+                self._bad_ids(lane, row)
             self._kernel_stats(ev, wasted)
             if prefetch:
                 self.stats.prefetch_inserted += put
@@ -395,6 +408,8 @@ class ExpertCache:
                 self._caps[lane], ids, tt, insert, self._code, self._shift, hits,
             )  # fmt: skip
             if ev or wasted or used:
+                if ev < 0:
+                    self._bad_ids(lane, ids)
                 self._kernel_stats(ev, wasted, used)
             return hits
         res = self._res[lane]

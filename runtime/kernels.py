@@ -73,7 +73,13 @@ def _evict(res, last, freq, nu, pf, lane, n, policy, shift, shield_a, shield_b, 
 
 @njit(cache=True, nogil=True)
 def access(res, last, freq, pf, nu, count, lane, n, cap, ids, t, insert, policy, shift, hits):
-    """ExpertCache.access on one lane: hits into ``hits``; returns (evicted, wasted, prefetch used)."""
+    """ExpertCache.access on one lane: hits into ``hits``; returns (evicted, wasted, prefetch used),
+    or evicted -1 (nothing changed) for an id outside [0, n) or a lane that does not exist."""
+    if lane < 0 or lane >= res.shape[0]:
+        return -1, 0, 0
+    for i in range(ids.shape[0]):
+        if ids[i] < 0 or ids[i] >= n:
+            return -1, 0, 0
     nmiss = 0
     for i in range(ids.shape[0]):
         h = res[lane, ids[i]]
@@ -110,7 +116,13 @@ def access(res, last, freq, pf, nu, count, lane, n, cap, ids, t, insert, policy,
 @njit(cache=True, nogil=True)
 def insert(res, last, freq, pf, nu, count, lane, n, cap, row, shield, prefetch, t, policy, shift, new):
     """ExpertCache.insert for one row (-1 padding; ``t`` < 0: no recency). Returns (evicted, wasted,
-    inserted, new ids before the room cut); ``new`` marks the ids inserted now."""
+    inserted, new ids before the room cut); ``new`` marks the ids inserted now. Evicted -1 (nothing
+    changed): an id >= n or a lane that does not exist."""
+    if lane < 0 or lane >= res.shape[0]:
+        return -1, 0, 0, 0
+    for i in range(row.shape[0]):
+        if row[i] >= n:
+            return -1, 0, 0, 0
     n_new = 0
     for i in range(row.shape[0]):
         e = row[i]
@@ -147,7 +159,13 @@ def insert(res, last, freq, pf, nu, count, lane, n, cap, row, shield, prefetch, 
 
 @njit(cache=True, nogil=True)
 def touch(res, last, freq, pf, lane, row, t):
-    """ExpertCache.touch for one row: recency, frequency, prefetch use. Returns prefetched used."""
+    """ExpertCache.touch for one row: recency, frequency, prefetch use. Returns prefetched used, or
+    -1 (nothing changed) for an id >= the lane width or a lane that does not exist."""
+    if lane < 0 or lane >= res.shape[0]:
+        return -1
+    for i in range(row.shape[0]):
+        if row[i] >= res.shape[1] - 1:
+            return -1
     used = 0
     for i in range(row.shape[0]):
         e = row[i]

@@ -140,6 +140,8 @@ class Prefetcher:
         from the best down (ties to the lower id, as the batch path's stable sort)."""
         if resident.__class__ is not np.ndarray or resident.dtype is not _BOOL_DT or resident.ndim != 1:
             resident = np.asarray(resident, dtype=bool).reshape(-1)
+        if resident.shape[0] != s.shape[0]:
+            raise ValueError(f"resident has {resident.shape[0]} experts, the scores {s.shape[0]}")
         kern = (self._kern or self._load())(s.dtype)
         if kern is None:
             s = s.astype(np.float64)

@@ -153,6 +153,10 @@ class SubstitutingRouter:
             row = topk if topk.dtype is _I64_DT else topk.astype(np.int64)
             if resident.__class__ is not np.ndarray or resident.dtype is not _BOOL_DT or resident.ndim != 1:
                 resident = np.asarray(resident, dtype=bool).reshape(-1)
+            if resident.shape[0] != probs.shape[1]:
+                raise ValueError(
+                    f"resident has {resident.shape[0]} experts, the router scores {probs.shape[1]}"
+                )
             buf = self._buf
             if buf is None or buf.shape[0] != topk.shape[1]:
                 buf = self._buf = np.empty(topk.shape[1], dtype=np.int64)
@@ -184,6 +188,8 @@ def substitute_one(
     are those not resident and the alternatives are resident inactive ones. Scores are compared in
     float32, as in the vectorised path.
     """
+    if resident.shape[0] != p.shape[0]:
+        raise ValueError(f"resident has {resident.shape[0]} experts, the router scores {p.shape[0]}")
     out = np.empty(len(row), dtype=np.int64)
     use = kernels.substitute(p[None], row[None], resident, hi_f, lo_f, out)
     if use < 0:

@@ -138,7 +138,9 @@ def test_kernel_lane_equals_vectorised(policy, seed):
         for t in range(400):
             ids = rng.choice(E, k, replace=False)
             if policy == "belady":
-                c.set_next_use(np.array([0, 1]), np.tile(np.arange(E), (2, 1)), rng.integers(t, t + 50, (2, E)))
+                c.set_next_use(
+                    np.array([0, 1]), np.tile(np.arange(E), (2, 1)), rng.integers(t, t + 50, (2, E))
+                )
             r = rng.random()
             if r < 0.25:  # a prefetch (sometimes with its time, sometimes without)
                 pf = np.append(rng.choice(E, 3, replace=False), -1)
@@ -169,3 +171,21 @@ def test_kernel_lane_equals_vectorised(policy, seed):
         return [*out, c.last.tolist(), c.freq.tolist(), c.count.tolist(), vars(c.stats)]
 
     assert run(True) == run(False)
+
+
+def test_single_lane_kernels_refuse_out_of_range_ids():
+    """The compiled single-lane paths check ids and lanes (numba does not bound-check): a clear
+    IndexError, the cache unchanged."""
+    c = ExpertCache(8, 4, "lru", lanes=2)
+    c.access(np.array([1, 2]), t=0)
+    before = (c.resident.copy(), c.last.copy(), c.freq.copy())
+    for call in (
+        lambda: c.access(np.array([1, 8]), t=1),
+        lambda: c.access(np.array([-1, 2]), t=1),
+        lambda: c.access(np.array([1]), t=1, lane=2),
+        lambda: c.insert(np.array([0]), np.array([[3, 9]])),
+        lambda: c.touch(np.array([0]), np.array([[3, 9]]), 1),
+    ):
+        with pytest.raises(IndexError, match=r"out of range|does not exist"):
+            call()
+    assert all((a == b).all() for a, b in zip(before, (c.resident, c.last, c.freq)))

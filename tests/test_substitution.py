@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from moecast.runtime.balancer import two_pointer, two_pointer_split
@@ -109,3 +110,15 @@ def test_single_token_route_equals_algorithm_1(case, k, which, dtype):
     one, one_n = substitute(p, topk, resident[:1], alpha)
     assert np.array_equal(got, ref) and np.array_equal(one, ref) and np.array_equal(one_n, ref_n)
     assert got.dtype == ref.dtype == one.dtype
+
+
+def test_one_token_paths_refuse_a_resident_mask_of_another_size():
+    """The compiled one-token kernels index the resident mask by expert id: a mask of the wrong
+    length is a clear error, never a read past its end."""
+    from moecast.runtime.prefetch import Prefetcher
+
+    p = np.full((1, 8), 0.125, dtype=np.float32)
+    with pytest.raises(ValueError, match="resident has 4 experts"):
+        SubstitutingRouter(2, 0.2).route(p, np.zeros(4, bool), np.array([[0, 1]]))
+    with pytest.raises(ValueError, match="resident has 4 experts"):
+        Prefetcher(8, 2, t_io=0.1, t_attn=0.1).choose(p[0], np.zeros(4, bool))
