@@ -141,6 +141,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--traces", default="traces/ds-puffin", help="DeepSeek TraceSet (ids only)")
     ap.add_argument("--checkpoint", default=None, help="LLaPor checkpoint for --traces (else: train one)")
     ap.add_argument("--config", default="configs/llapor_deepseek.yaml")
+    ap.add_argument(
+        "--sequence-checkpoint",
+        default=None,
+        help="MoE-Beyond-style sequence checkpoint for --traces (token-ahead)",
+    )
     ap.add_argument("--tiny-traces", default="/tmp/pp/tiny-sg", help="tiny TraceSet with gate inputs")
     ap.add_argument("--tiny-checkpoint", default=None, help="LLaPor checkpoint for --tiny-traces")
     ap.add_argument("--tiny-config", default="configs/llapor_tiny.yaml")
@@ -182,6 +187,10 @@ def main(argv: list[str] | None = None) -> None:
             path, secs = _train(args.config, args.traces, out_dir / "llapor_ds.safetensors", over)
             pred = _load(path, ts)
         preds.append((f"llapor ({Path(args.checkpoint or 'trained').name})", pred, secs))
+        if args.sequence_checkpoint:
+            seq = _load(args.sequence_checkpoint, ts)
+            seq_secs = (seq.meta.get("training") or {}).get("train_seconds")
+            preds.append((f"sequence ({Path(args.sequence_checkpoint).name})", seq, seq_secs))
         table("deepseek held-out", ts, preds, requests, emit)
         timing.append(("deepseek", pred, ts.get(requests[0])))
     if not args.skip_tiny:

@@ -354,6 +354,7 @@ def b_replay(ctx: Ctx) -> list[Figure]:
 
 
 DS_CKPTS = (ROOT / "runs" / "llapor_ds.safetensors", Path("/tmp/best/llapor_ds.safetensors"))
+SEQ_CKPT = ROOT / "runs" / "seq_ds.safetensors"  # moecast train sequence (configs/sequence_deepseek.yaml)
 TINY_CKPTS = (
     ROOT / "runs" / "llapor_tiny.safetensors",
     Path("/tmp/best/llapor_tiny.safetensors"),
@@ -390,6 +391,8 @@ def b_predictors(ctx: Ctx) -> list[Figure]:
     if ds is not None:
         args += ["--checkpoint", str(ds)]
         ds_note = f"checkpoint {ds}"
+        if SEQ_CKPT.is_file():
+            args += ["--sequence-checkpoint", str(SEQ_CKPT)]
     elif ctx.quick:
         ds_note = "no checkpoint: quick-trained here (1 epoch, 300 requests), not the goal run"
     elif ctx.train:
@@ -455,8 +458,15 @@ def b_predictors(ctx: Ctx) -> list[Figure]:
         )
         for r in ds_rows:
             if r is not ll and r.get("recall_at_k") is not None:
+                seq = str(r["predictor"]).startswith("sequence")
                 figs.append(
-                    fig("predictors", f"baseline {r['predictor']} recall@6", r["recall_at_k"], "{:.4f}")
+                    fig(
+                        "predictors",
+                        f"{'' if seq else 'baseline '}{r['predictor']} recall@6 ({r.get('horizon')})",
+                        r["recall_at_k"],
+                        "{:.4f}",
+                        note="MoE-Beyond-style, causal; the next token's experts, all layers" if seq else "",
+                    )
                 )
         figs.append(
             fig(

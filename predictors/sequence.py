@@ -31,12 +31,15 @@ class SequenceConfig:
     num_experts: int
     top_k: int
     token_buckets: int = 32768
-    d_model: int = 128
-    n_heads: int = 4
-    n_blocks: int = 2
-    ffn: int = 256
+    # MoE-Beyond §3.2: a 4-layer encoder, 8 heads, 2048-wide feed-forward, 512-d model, and a 2-layer
+    # GELU MLP head (its width unstated: None = d_model; 0 = a single Linear)
+    d_model: int = 512
+    n_heads: int = 8
+    n_blocks: int = 4
+    ffn: int = 2048
     dropout: float = 0.1
     max_len: int = 512
+    head_hidden: int | None = None
 
 
 class SequenceNet(nn.Module):
@@ -55,7 +58,13 @@ class SequenceNet(nn.Module):
         self.encoder = nn.TransformerEncoder(layer, cfg.n_blocks, enable_nested_tensor=False)
         self.layer_emb = nn.Embedding(cfg.num_layers, d)
         self.norm = nn.LayerNorm(d)
-        self.head = nn.Linear(d, cfg.num_experts)
+        hh = d if cfg.head_hidden is None else cfg.head_hidden
+        # 2-layer head: GELU -> Linear(d, hh) -> GELU -> Linear(hh, E); hh = 0: GELU -> Linear(d, E)
+        self.head = (
+            nn.Sequential(nn.Linear(d, hh), nn.GELU(), nn.Linear(hh, cfg.num_experts))
+            if hh
+            else nn.Linear(d, cfg.num_experts)
+        )
 
     def forward(
         self, tokens: torch.Tensor, prev_route: torch.Tensor, pad: torch.Tensor | None = None
@@ -68,7 +77,8 @@ class SequenceNet(nn.Module):
             )
         pos = torch.arange(T, device=tokens.device)
         x = self.tok(tokens) + self.pos(pos) + self.route(prev_route)
-        causal = torch.triu(torch.full((T, T), float("-inf"), device=tokens.device), 1)
+        # bool like the padding mask (True = may not attend): mixed mask types are deprecated in torch
+        causal = torch.triu(torch.ones(T, T, dtype=torch.bool, device=tokens.device), 1)
         h = self.norm(self.encoder(x, mask=causal, src_key_padding_mask=pad))
         h = h.unsqueeze(2) + self.layer_emb.weight  # [B, T, L, d]
         return self.head(F.gelu(h))
@@ -150,7 +160,8 @@ class SequencePredictor(Predictor):
     @classmethod
     def from_checkpoint(cls, tensors: dict[str, Any], meta: dict[str, Any], path: Path) -> SequencePredictor:
         try:
-            net = SequenceNet(SequenceConfig(**meta["config"]))
+            # checkpoints from before the 2-layer head carry no head_hidden: a single Linear
+            net = SequenceNet(SequenceConfig(**{"head_hidden": 0, **meta["config"]}))
             net.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()})
         except (KeyError, TypeError, RuntimeError) as exc:
             raise ValueError(

@@ -107,6 +107,29 @@ def test_sequence_scores_are_causal(traces):
     assert not (after[7:] == base[7:]).all()
 
 
+def test_sequence_head_is_the_papers_two_layer_mlp_and_old_checkpoints_load(tmp_path):
+    """MoE-Beyond's 2-layer GELU head by default; a checkpoint saved before head_hidden existed (one
+    Linear head, no key in its config) still loads and scores the same."""
+    from dataclasses import asdict
+
+    from moecast.predictors.registry import load
+    from moecast.predictors.sequence import SequenceConfig, SequenceNet, SequencePredictor
+
+    small = dict(token_buckets=50, d_model=16, n_heads=2, n_blocks=1, ffn=16, max_len=8)
+    assert isinstance(SequenceNet(SequenceConfig(2, 8, 2, **small)).head, torch.nn.Sequential)
+    old = SequencePredictor(
+        SequenceNet(SequenceConfig(2, 8, 2, head_hidden=0, **small)).eval(), [0, 1], "f" * 16
+    )
+    assert isinstance(old.net.head, torch.nn.Linear)
+    cfg = asdict(old.cfg)
+    del cfg["head_hidden"]
+    path = old.save(tmp_path / "old.safetensors", {"config": cfg})
+    back = load(path)
+    x = (torch.tensor([[1, 2, 3]]), torch.zeros(1, 3, 16))
+    with torch.no_grad():
+        assert torch.equal(back.net(*x), old.net(*x))
+
+
 def test_cli_errors_are_one_line(traces, tmp_path):
     with pytest.raises(ValueError, match="unknown trainer"):
         train(["nope"])

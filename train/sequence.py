@@ -123,17 +123,30 @@ class SequenceDataModule(pl.LightningDataModule):
 
 
 class SequenceModule(pl.LightningModule):
-    """MoE-Beyond sequence predictor training."""
+    """MoE-Beyond sequence predictor training (§3.2; the defaults are the paper's sizes).
+
+    Args:
+        d_model: encoder width (paper: 512).
+        n_heads: attention heads (paper: 8).
+        n_blocks: encoder layers (paper: 4).
+        ffn: feed-forward width (paper: 2048).
+        dropout: dropout in the encoder.
+        head_hidden: width of the 2-layer GELU head; null = d_model, 0 = a single Linear.
+        lr: AdamW learning rate.
+        weight_decay: AdamW weight decay (paper: 0.01).
+        warmup_epochs: linear warm-up before cosine decay.
+    """
 
     datamodule_class = SequenceDataModule
 
     def __init__(
         self,
-        d_model: int = 128,
-        n_heads: int = 4,
-        n_blocks: int = 2,
-        ffn: int = 256,
+        d_model: int = 512,
+        n_heads: int = 8,
+        n_blocks: int = 4,
+        ffn: int = 2048,
         dropout: float = 0.1,
+        head_hidden: int | None = None,
         lr: float = 1e-3,
         weight_decay: float = 0.01,
         warmup_epochs: int = 1,
@@ -159,6 +172,7 @@ class SequenceModule(pl.LightningModule):
             hp.ffn,
             hp.dropout,
             c.max_len,
+            hp.head_hidden,
         )
         self.net = SequenceNet(self.cfg)
         self.moe_layers = list(dm.ts.meta.model.moe_layers)
