@@ -97,7 +97,11 @@ class CacheStats:
 
 
 class ExpertCache:
-    """``lanes`` independent caches of ``capacity`` items out of ``num_items`` each."""
+    """``lanes`` independent caches of ``capacity`` items out of ``num_items`` each.
+
+    ``scalar_path=False`` sends single-lane calls through the vectorised numpy path as well (the
+    reference the tests compare the compiled kernels with).
+    """
 
     def __init__(
         self,
