@@ -494,3 +494,28 @@ def test_real_puffin_prompts_and_eam(puffin_dir, tmp_path):
     eam = load(out, fingerprint=ts.model.fingerprint)
     plan, conf = eam.query(prompts[0])
     assert plan.shape == (26, 64) and -1.0 <= conf <= 1.0 + 1e-5
+
+
+def test_eap_fine_tuning_runs_the_encoder_with_dropout(tiny_encoder):
+    """SimCSE (Eq. 6) takes the positive from another dropout mask: while training, the encoder
+    (loaded in eval mode by Hugging Face, and kept so by Lightning) must run in train mode, so the
+    two views differ; in validation it runs in eval mode."""
+    import torch
+    from moecast.predictors.casmoe_eap import EAPNet, load_encoder
+    from moecast.train.casmoe import EAPModule
+
+    enc, tok, _ = load_encoder(str(tiny_encoder))
+    assert not enc.training  # as from_pretrained leaves it
+    m = EAPModule(encoder=str(tiny_encoder), freeze_encoder=False)
+    m.net, m.tokenizer, m.max_len = EAPNet(enc, 3, 8), tok, 16
+    m.train()
+    enc.eval()  # Lightning restores the submodules' own modes around validation
+    torch.manual_seed(0)
+    prompts = ["one two three", "four five", "six seven eight nine"]
+    _, cont = m._logits(prompts)
+    assert m.net.encoder.training and cont is not None
+    feats = m._tokenize(prompts)
+    assert not torch.allclose(m.net.embed(feats), m.net.embed(feats))  # two dropout views
+    m.eval()
+    _, cont = m._logits(prompts)
+    assert not m.net.encoder.training and cont is None

@@ -220,6 +220,10 @@ class EAPModule(L.LightningModule):
             emb = torch.stack([self._cache[p] for p in prompts]).to(self.device)
             return self.net.heads(emb), None
         feats = self._tokenize(prompts)
+        # Hugging Face loads encoders in eval mode and Lightning keeps a submodule's own mode, so
+        # set it here: SimCSE's positive is the same prompt through another dropout mask (Eq. 6),
+        # which an eval-mode encoder would make identical (InfoNCE ~ 0, nothing learned)
+        self.net.encoder.train(self.training)
         logits, h = self.net(feats)
         if not self.training or len(prompts) < 2:
             return logits, None
