@@ -33,16 +33,22 @@ def _sigmoid(x):
 
 
 @njit(cache=True, nogil=True)
-def _matvec(x, W, b, y):
-    """y = x @ W + b (W [in, out] row-major: the inner loop runs along a row)."""
-    for j in range(y.shape[0]):
-        y[j] = b[j]
+def _addmv(x, W, y):
+    """y += x @ W (W [in, out] row-major: the inner loop runs along a row)."""
     for i in range(W.shape[0]):
         xi = x[i]
         if xi != 0.0:
             row = W[i]
             for j in range(y.shape[0]):
                 y[j] += xi * row[j]
+
+
+@njit(cache=True, nogil=True)
+def _matvec(x, W, b, y):
+    """y = x @ W + b."""
+    for j in range(y.shape[0]):
+        y[j] = b[j]
+    _addmv(x, W, y)
 
 
 @njit(cache=True, nogil=True)
@@ -75,17 +81,8 @@ def forward(
             for j in range(H):
                 h[j] += wgt * row[j]
         for ti in range(tokens.shape[1]):  # token (and context token) embeddings, projected
-            emb = tok[tokens[b, ti]]
-            for d in range(D):
-                x = emb[d]
-                prow = tok_proj[ti * D + d]
-                for j in range(H):
-                    h[j] += x * prow[j]
-        for i in range(dense.shape[1]):
-            x = dense[b, i]
-            prow = dense_proj[i]
-            for j in range(H):
-                h[j] += x * prow[j]
+            _addmv(tok[tokens[b, ti]], tok_proj[ti * D : (ti + 1) * D], h)
+        _addmv(dense[b], dense_proj, h)
         for j in range(H):
             h[j] = _gelu(h[j])
         for layer in range(hid_w.shape[0]):
@@ -101,11 +98,7 @@ def forward(
                 h[j] += _sigmoid(both[H + j]) * r[j]
         _matvec(h, head_w, head_b, logit)
         if skip_w.shape[0] > 0:
-            for i in range(dense.shape[1]):
-                x = dense[b, i]
-                srow = skip_w[i]
-                for e in range(E):
-                    logit[e] += x * srow[e]
+            _addmv(dense[b], skip_w, logit)
             for e in range(E):
                 logit[e] += skip_b[e]
         for e in range(E):

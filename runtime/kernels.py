@@ -186,6 +186,22 @@ def _before(va, ea, vb, eb):
 
 
 @njit(cache=True, nogil=True)
+def _push(vals, ids, m, cap, v, e):
+    """Insert (v, e) into ``vals``/``ids``[:m], kept in (score descending, id ascending) order and
+    at most ``cap`` long (the last entry drops out when full). Returns the new length."""
+    if m == cap and not _before(v, e, vals[m - 1], ids[m - 1]):
+        return m
+    j = m if m < cap else cap - 1
+    while j > 0 and _before(v, e, vals[j - 1], ids[j - 1]):
+        vals[j] = vals[j - 1]
+        ids[j] = ids[j - 1]
+        j -= 1
+    vals[j] = v
+    ids[j] = e
+    return m + 1 if m < cap else m
+
+
+@njit(cache=True, nogil=True)
 def substitute(P, T, resident, hi_f, lo_f, out):
     """SMoE Algorithm 1 for the token in row 0 of ``P`` [1, E] (router probabilities) and ``T``
     [1, k] (the router's experts; see substitution.substitute_one). Returns 0 when nothing
@@ -219,7 +235,7 @@ def substitute(P, T, resident, hi_f, lo_f, out):
             beta = v
     hi = np.float32(hi_f * np.float64(beta))
     lo = np.float32(lo_f * np.float64(beta))
-    # low-score missing experts, lowest score first (ties: lower id)
+    # low-score missing experts, lowest score first (ties: lower id): kept by negated score
     lm_v = np.empty(k, np.float32)
     lm_e = np.empty(k, np.int64)
     nl = 0
@@ -227,14 +243,7 @@ def substitute(P, T, resident, hi_f, lo_f, out):
         e = row[i]
         v = np.float32(p[e])
         if v <= hi and not resident[e]:
-            j = nl
-            while j > 0 and (lm_v[j - 1] > v or (lm_v[j - 1] == v and lm_e[j - 1] > e)):
-                lm_v[j] = lm_v[j - 1]
-                lm_e[j] = lm_e[j - 1]
-                j -= 1
-            lm_v[j] = v
-            lm_e[j] = e
-            nl += 1
+            nl = _push(lm_v, lm_e, nl, k, -v, e)
     if nl == 0:
         return 0
     # alternatives: the best ``nl`` resident inactive experts with a score in (lo, beta]
@@ -247,17 +256,7 @@ def substitute(P, T, resident, hi_f, lo_f, out):
         v = np.float32(p[e])
         if not v > lo or chosen[e]:
             continue
-        if na == nl and not _before(v, e, al_v[na - 1], al_e[na - 1]):
-            continue
-        j = na if na < nl else nl - 1
-        while j > 0 and _before(v, e, al_v[j - 1], al_e[j - 1]):
-            al_v[j] = al_v[j - 1]
-            al_e[j] = al_e[j - 1]
-            j -= 1
-        al_v[j] = v
-        al_e[j] = e
-        if na < nl:
-            na += 1
+        na = _push(al_v, al_e, na, nl, v, e)
     if na == 0:
         return 0
     use = min(nl, na)
@@ -270,28 +269,10 @@ def substitute(P, T, resident, hi_f, lo_f, out):
         for j in range(use):
             if lm_e[j] == e:
                 dropped = True
-        if dropped:
-            continue
-        v = np.float32(p[e])
-        j = m
-        while j > 0 and _before(v, e, sv[j - 1], out[j - 1]):
-            sv[j] = sv[j - 1]
-            out[j] = out[j - 1]
-            j -= 1
-        sv[j] = v
-        out[j] = e
-        m += 1
+        if not dropped:
+            m = _push(sv, out, m, k, np.float32(p[e]), e)
     for a in range(use):
-        v = al_v[a]
-        e = al_e[a]
-        j = m
-        while j > 0 and _before(v, e, sv[j - 1], out[j - 1]):
-            sv[j] = sv[j - 1]
-            out[j] = out[j - 1]
-            j -= 1
-        sv[j] = v
-        out[j] = e
-        m += 1
+        m = _push(sv, out, m, k, al_v[a], al_e[a])
     return use
 
 
@@ -325,18 +306,7 @@ def choose(s, resident, k, t_gap, t_attn, t_io, used, issued, out):
         v = np.float64(s[e])
         if v != v:
             return -1
-        # ascending ids: an equal score never displaces an earlier one
-        if nt == k and not v > top_v[k - 1]:
-            continue
-        j = nt if nt < k else k - 1
-        while j > 0 and v > top_v[j - 1]:
-            top_v[j] = top_v[j - 1]
-            top_e[j] = top_e[j - 1]
-            j -= 1
-        top_v[j] = v
-        top_e[j] = e
-        if nt < k:
-            nt += 1
+        nt = _push(top_v, top_e, nt, k, v, e)
     got = 0
     for i in range(nt):
         if not top_v[i] > 0:
