@@ -1,7 +1,7 @@
 """CasMoE Table-3-style comparison on held-out requests: EAP alone, EAM alone, the cascade at several epsilon.
 
     python bench/bench_casmoe.py --eam EAM.safetensors --eap EAP.safetensors --traces traces/ds-puffin \
-        [--epsilons 0.3,0.5,0.6,0.7,0.8,0.9] [--k 6] [--max-requests 200] [--threads 1] [--int8] \
+        [--epsilons 0.3,0.5,0.6,0.7,0.8,0.9] [--k 6] [--max-requests 200] [--threads 1] [--int8] [--engine auto] \
         [--lengths] [--json]
 
 Prints plan recall@k (against each held-out request's top-k of its true EP label per
@@ -39,8 +39,14 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=None, help="recall@k (default: the model's top-k)")
     ap.add_argument("--val-fraction", type=float, default=0.1)
     ap.add_argument("--max-requests", type=int, default=None)
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads for the timed planners")
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads of the timed planners' encoders")
     ap.add_argument("--int8", action="store_true", help="dynamic int8 encoders for both planners")
+    ap.add_argument(
+        "--engine",
+        default="auto",
+        choices=("auto", "onnx", "torch"),
+        help="who runs the encoders (auto: ONNX Runtime)",
+    )
     ap.add_argument("--lengths", action="store_true", help="also latency per prompt length")
     ap.add_argument("--repeats", type=int, default=30, help="timed plans per prompt with --lengths")
     ap.add_argument("--json", action="store_true")
@@ -78,18 +84,32 @@ def main() -> None:
             subprocess.run([sys.executable, "-m", "moecast", *cmd], check=True)
 
     from moecast.predictors import load
-    from moecast.predictors.casmoe import compare_planners, format_table
+    from moecast.predictors.casmoe import cascade_wins, compare_planners, format_table
 
     eam_p, eap_p = load(args.eam), load(args.eap)
-    eam_p.embedder.threads = eap_p.threads = args.threads  # the planners' batch-1 thread count
     eps = [float(x) for x in args.epsilons.split(",") if x]
     t0 = time.perf_counter()
     load0 = os.getloadavg()[0]
     rows = compare_planners(
-        eam_p, eap_p, args.traces, eps, args.k, args.val_fraction, 0, args.max_requests, int8=args.int8
+        eam_p,
+        eap_p,
+        args.traces,
+        eps,
+        args.k,
+        args.val_fraction,
+        0,
+        args.max_requests,
+        int8=args.int8,
+        engine=args.engine,
+        threads=args.threads,
+    )
+    engine = (
+        type(eam_p.embedder.fast).__name__ if eam_p.embedder.fast is not None else "sentence-transformers"
     )
     for r in rows:
-        r.update(loadavg_1min=[load0, os.getloadavg()[0]], threads=args.threads, int8=args.int8)
+        r.update(
+            loadavg_1min=[load0, os.getloadavg()[0]], threads=args.threads, int8=args.int8, engine=engine
+        )
     lengths = (
         length_latencies(eam_p, eap_p, args.traces, args.val_fraction, args.repeats) if args.lengths else []
     )
@@ -98,25 +118,19 @@ def main() -> None:
             print(json.dumps(r))
         return
     print(
-        f"CasMoE planners on held-out requests of {args.traces} (torch threads {args.threads}, "
+        f"CasMoE planners on held-out requests of {args.traces} ({engine}, {args.threads} thread(s), "
         f"{'int8' if args.int8 else 'fp32'} encoders, this CPU; load {load0:.2f} -> {os.getloadavg()[0]:.2f})"
     )
     print(format_table(rows))
     best = {r["planner"]: r for r in rows}
     eap = best["EAP"]
-    wins = [
-        r
-        for r in rows
-        if r["planner"].startswith("cascade")
-        and r["recall_at_k"] >= eap["recall_at_k"]
-        and r["mean_latency_ms"] < eap["mean_latency_ms"]
-    ]
+    wins = cascade_wins(rows)
     print(
         f"EAM query incl. embedding: {best['EAM']['mean_latency_ms']:.2f} ms/prompt (target <= 5); "
         f"EAP: {eap['mean_latency_ms']:.2f} ms/prompt (target <= 10)"
     )
     print(
-        "cascade settings with recall >= EAP at lower mean latency: "
+        "cascade settings with recall >= EAP at lower mean latency (paired, > 2 SE): "
         + (", ".join(r["planner"] for r in wins) if wins else "none")
     )
     if lengths:

@@ -194,17 +194,24 @@ def encoder_identity(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-_EMBEDDERS: dict[tuple[str, int | None, str, bool], SentenceEmbedder] = {}
+_EMBEDDERS: dict[tuple[str, int | None, str, bool, str, int | None], SentenceEmbedder] = {}
 
 
 def shared_embedder(
-    spec: str | Path | None, max_length: int | None = None, device: str = "cpu", int8: bool = False
+    spec: str | Path | None,
+    max_length: int | None = None,
+    device: str = "cpu",
+    int8: bool = False,
+    engine: str = "auto",
+    threads: int | None = 1,
 ) -> SentenceEmbedder:
-    """One loaded embedder per (model, limit, device, int8) in a process: an EAM reload or a cascade
-    holding several planners does not load MiniLM again (it is read-only at inference)."""
-    key = (str(resolve_encoder_path(spec)), max_length, device, bool(int8))
+    """One loaded embedder per (model, limit, device, int8, engine, threads) in a process: an EAM
+    reload or a cascade holding several planners does not load MiniLM again (read-only at inference)."""
+    key = (str(resolve_encoder_path(spec)), max_length, device, bool(int8), engine, threads)
     if key not in _EMBEDDERS:
-        _EMBEDDERS[key] = SentenceEmbedder(spec, max_length, device, int8=int8)
+        _EMBEDDERS[key] = SentenceEmbedder(
+            spec, max_length, device, int8=int8, engine=engine, threads=threads
+        )
     return _EMBEDDERS[key]
 
 
@@ -357,19 +364,39 @@ _PROBE_PROMPTS = (
 )
 
 
-def checked_fast_encoder(model: Any, reference: Any, tokenizer: Any, int8: bool, owner: str) -> Any:
-    """A :class:`FastBertEncoder` for ``model`` after checking it against ``reference`` (a function
-    of tokenizer features -> [N, D] unit-norm embeddings) on probe prompts, padded batch included;
-    None, with a warning, when it does not match to 1e-4 (then the reference path is used)."""
+ENGINES = ("auto", "onnx", "torch")
+
+
+def checked_fast_encoder(
+    model: Any,
+    reference: Any,
+    tokenizer: Any,
+    int8: bool,
+    owner: str,
+    engine: str = "auto",
+    threads: int | None = 1,
+) -> Any:
+    """The fastest checked stand-in for ``model``'s sentence embedding, or None for the reference path.
+
+    ``reference`` is a function of tokenizer features -> [N, D] unit-norm embeddings. The
+    candidates are checked on probe prompts, padded batch included: fp32 must match the
+    reference to 1e-4, int8 must keep every probe's cosine to it >= 0.95; one that fails
+    is dropped with a warning. ``engine``: ``onnx`` runs :class:`OrtBertEncoder` (ONNX
+    Runtime, CPU, ``threads`` intra-op threads), ``torch`` :class:`FastBertEncoder`,
+    ``auto`` (default) ONNX Runtime when it is installed and the model is on the CPU.
+    """
     import torch
 
+    if engine not in ENGINES:
+        raise ValueError(f"{owner}: engine {engine!r} is not one of {', '.join(ENGINES)}")
     if fast_encoder_unsupported(model) is not None:
         return None
     fast = FastBertEncoder(model)
     feats = tokenizer(list(_PROBE_PROMPTS), padding=True, return_tensors="pt")
     args = {k: v.to(model.device) for k, v in feats.items() if k in _ENCODER_INPUTS}
     with torch.inference_mode():
-        diff = float((fast(**args) - reference(feats)).abs().max())
+        ref = reference(feats).float().cpu()
+        diff = float((fast(**args).cpu() - ref).abs().max())
     if not diff <= 1e-4:
         warnings.warn(
             f"{owner}: the fast BERT path differs from the reference by {diff:.2g}; using the reference",
@@ -377,7 +404,42 @@ def checked_fast_encoder(model: Any, reference: Any, tokenizer: Any, int8: bool,
             stacklevel=3,
         )
         return None
-    if int8:
+    on_cpu = model.device.type == "cpu"
+    if engine != "torch" and on_cpu:
+        from moecast.predictors.onnx_encoder import OrtBertEncoder, onnxruntime_available
+
+        if onnxruntime_available():
+            try:
+                ort_enc = OrtBertEncoder(model, int8=int8, threads=threads)
+                got = ort_enc(**args)
+            except Exception as exc:  # exporter or runtime gaps for this model: torch still works
+                warnings.warn(
+                    f"{owner}: ONNX Runtime path unavailable ({exc}); using torch", UserWarning, stacklevel=3
+                )
+            else:
+                cos = float((got * ref).sum(-1).min())
+                err = float((got - ref).abs().max())
+                if (cos >= 0.95) if int8 else (err <= 1e-4):
+                    return ort_enc
+                warnings.warn(
+                    f"{owner}: the ONNX Runtime path is off the reference (max diff {err:.2g}, min cosine "
+                    f"{cos:.4f}); using torch",
+                    UserWarning,
+                    stacklevel=3,
+                )
+        elif engine == "onnx":
+            warnings.warn(
+                f"{owner}: engine 'onnx' needs onnxruntime (`pip install onnxruntime onnx`); using torch",
+                UserWarning,
+                stacklevel=3,
+            )
+    elif engine == "onnx":
+        warnings.warn(
+            f"{owner}: engine 'onnx' runs on the CPU only; using torch on {model.device}",
+            UserWarning,
+            stacklevel=3,
+        )
+    if int8 and on_cpu:
         try:
             return FastBertEncoder(model, int8=True)
         except (RuntimeError, AttributeError) as exc:  # quantised ops missing from this torch build
@@ -399,6 +461,8 @@ class SentenceEmbedder:
     bookkeeping per call). One prompt runs unpadded on ``threads`` torch threads
     (default 1, see :func:`torch_threads`; None leaves torch's setting); batches keep
     torch's setting. ``int8`` turns on dynamic int8 Linear layers (CPU, fast path only).
+    ``engine`` picks who runs the fast path (:func:`checked_fast_encoder`): ONNX Runtime
+    by default on the CPU, torch otherwise.
     A prompt longer than ``max_length`` tokens is truncated, and that is said once.
     """
 
@@ -410,6 +474,7 @@ class SentenceEmbedder:
         *,
         int8: bool = False,
         threads: int | None = 1,
+        engine: str = "auto",
     ):
         from sentence_transformers import SentenceTransformer
 
@@ -430,6 +495,7 @@ class SentenceEmbedder:
         self.identity = f"{self.path.name}:{encoder_identity(self.path)}:{self.max_length}"
         self.threads = threads
         self.int8 = bool(int8) and self.model.device.type == "cpu"
+        self.engine = engine
         self._warned = False
         self.fast = self._fast_path()
 
@@ -442,7 +508,13 @@ class SentenceEmbedder:
         if mode not in ("mean", ["mean"], ("mean",)) or not getattr(mods[1], "include_prompt", True):
             return None
         return checked_fast_encoder(
-            getattr(mods[0], "auto_model", None), self._st_forward, self.tokenizer, self.int8, str(self.path)
+            getattr(mods[0], "auto_model", None),
+            self._st_forward,
+            self.tokenizer,
+            self.int8,
+            str(self.path),
+            self.engine,
+            self.threads,
         )
 
     def _st_forward(self, feats: Any) -> Any:
@@ -514,9 +586,11 @@ class EAMConfig:
     ef_construction: int = 200
     ef: int = 64
     seed: int = 0
-    # dynamic int8 Linear layers in the embedder (CPU): ~1.5x faster short queries, embeddings
-    # ~0.98 cosine to fp32's; off by default (see FastBertEncoder)
+    # dynamic int8 Linear layers in the embedder (CPU): ~1.5-2x faster short queries, embeddings
+    # ~0.99 cosine to fp32's with ONNX Runtime; off by default (see OrtBertEncoder, FastBertEncoder)
     int8: bool = False
+    # who runs the embedder: auto (ONNX Runtime on the CPU when installed), onnx or torch
+    engine: str = "auto"
 
 
 def _atomic_hnsw_save(index: Any, path: Path) -> None:
@@ -610,15 +684,29 @@ class EAM(Predictor):
     def plan(self, prompt: str) -> tuple[np.ndarray, str]:
         return self.query(prompt)[0], "eam"
 
-    def set_int8(self, on: bool) -> None:
-        """Query (and fold new keys) with the int8 or the fp32 embedder of the same model.
+    def set_encoder(
+        self, int8: bool | None = None, engine: str | None = None, threads: int | None = None
+    ) -> None:
+        """Query (and fold new keys) with another execution of the same embedding model.
 
-        The index keys stay as built: the two embed to ~0.98 cosine of each other (on the
-        DeepSeek Puffin held-out prompts the plan recall moved by under 0.005); ``save``
-        records the setting.
+        ``int8``: the int8 or the fp32 embedder; ``engine``: ``auto``, ``onnx`` or ``torch``
+        (see :func:`checked_fast_encoder`); ``threads``: batch-1 threads. None keeps each.
+        The index keys stay as built: int8 and fp32 embed to ~0.99 cosine of each other (on
+        the DeepSeek Puffin held-out prompts the plan recall moved by under 0.005); ``save``
+        records ``int8`` and ``engine``.
         """
         e = self.embedder
-        self.embedder = shared_embedder(e.spec, e.max_length, str(e.model.device), int8=bool(on))
+        if engine is not None and engine not in ENGINES:
+            raise ValueError(f"engine {engine!r} is not one of {', '.join(ENGINES)}")
+        self.config.engine = engine if engine is not None else self.config.engine
+        self.embedder = shared_embedder(
+            e.spec,
+            e.max_length,
+            str(e.model.device),
+            int8=e.int8 if int8 is None else bool(int8),
+            engine=self.config.engine,
+            threads=e.threads if threads is None else threads,
+        )
         self.config.int8 = self.embedder.int8  # False off the CPU
 
     def score_request(self, trace: RequestTrace) -> np.ndarray:
@@ -730,7 +818,9 @@ class EAM(Predictor):
                 "with the checkpoint or rebuild with `moecast train eam`"
             )
         cfg = EAMConfig(**meta.get("config", {}))
-        embedder = shared_embedder(meta.get("embedder", "minilm"), max_length=cfg.max_length, int8=cfg.int8)
+        embedder = shared_embedder(
+            meta.get("embedder", "minilm"), max_length=cfg.max_length, int8=cfg.int8, engine=cfg.engine
+        )
         if embedder.identity != meta.get("embedder_id"):
             raise CheckpointError(
                 f"{path}: index built with embedding model {meta.get('embedder_id')}, but {embedder.path} "
@@ -839,10 +929,12 @@ class Cascade(Predictor):
         self.shared_embedding = eap.shares_embedder(eam.embedder)
         self.last_confidence = float("nan")
 
-    def set_int8(self, on: bool) -> None:
-        """Dynamic int8 encoders for both planners (see ``EAM.set_int8``); off by default."""
-        self.eam.set_int8(on)
-        self.eap.int8 = on
+    def set_encoder(
+        self, int8: bool | None = None, engine: str | None = None, threads: int | None = None
+    ) -> None:
+        """The same encoder settings for both planners (see ``EAM.set_encoder``)."""
+        self.eam.set_encoder(int8, engine, threads)
+        self.eap.set_encoder(int8, engine, threads)
 
     def plan(self, prompt: str) -> tuple[np.ndarray, str]:
         emb = self.eam.embedder.embed([prompt])
@@ -978,8 +1070,27 @@ def table3(
         use_eam = eam_run.confidence >= eps
         plans = np.where(use_eam[:, None, None], eam_run.plans, eap_run.plans)
         lat = eam_run.latency_ms + np.where(use_eam, 0.0, fallback_cost)
-        rows.append(row(f"cascade eps={eps:g}", plans, lat, float(use_eam.mean())))
+        r = row(f"cascade eps={eps:g}", plans, lat, float(use_eam.mean()))
+        # paired per prompt: the two planners' timings share each prompt's length and load
+        d = lat - eap_run.latency_ms
+        r["latency_vs_eap_ms"] = float(d.mean())
+        r["latency_vs_eap_se_ms"] = float(d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else float("inf")
+        rows.append(r)
     return rows
+
+
+def cascade_wins(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Cascade rows of :func:`table3` that meet CasMoE's Table-3 claim against the EAP alone: plan
+    recall at least the EAP's and a mean latency lower by more than two standard errors of the
+    paired per-prompt difference (a lower mean inside timing noise is not a win)."""
+    eap = next(r for r in rows if r["planner"] == "EAP")
+    return [
+        r
+        for r in rows
+        if r["planner"].startswith("cascade")
+        and r["recall_at_k"] >= eap["recall_at_k"]
+        and r["latency_vs_eap_ms"] + 2 * r["latency_vs_eap_se_ms"] < 0
+    ]
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -1052,14 +1163,17 @@ def compare_planners(
     max_requests: int | None = None,
     progress: bool = True,
     int8: bool | None = None,
+    engine: str | None = None,
+    threads: int | None = None,
 ) -> list[dict[str, Any]]:
     """CasMoE Table-3-style comparison on the held-out requests of ``traces`` (split by request).
 
     EAP alone, EAM alone and the cascade at each epsilon: plan recall@k against each
     request's true EP top-k (k defaults to the model's top-k) and mean planner latency
     per prompt (:func:`time_planners`), plus the static train-mean-EP plan for reference.
-    ``int8`` switches both planners' encoders to dynamic int8 (True) or fp32 (False);
-    None keeps what the checkpoints say.
+    ``int8`` switches both planners' encoders to dynamic int8 (True) or fp32 (False),
+    ``engine`` to ONNX Runtime or torch, ``threads`` sets their batch-1 threads (see
+    ``EAM.set_encoder``); None keeps what the checkpoints say.
     """
     from moecast.collect.traceset import open_traces
     from moecast.predictors.registry import load
@@ -1081,9 +1195,8 @@ def compare_planners(
     true_ep, _ = ep_labels(ts, val_ids, include_decode)
     baseline = ep_labels(ts, train_ids, include_decode)[0].mean(0) if train_ids else None
     prompts = heldout_prompts(ts, val_ids)
-    if int8 is not None:
-        eam_p.set_int8(int8)
-        eap_p.int8 = int8
+    eam_p.set_encoder(int8, engine, threads)
+    eap_p.set_encoder(int8, engine, threads)
     eam_run, eap_run, fallback = time_planners(eam_p, eap_p, prompts, progress)
     return table3(eam_run, eap_run, true_ep, k or ts.top_k, epsilons, fallback, baseline)
 

@@ -29,6 +29,7 @@ from moecast.collect.traceset import RequestTrace
 from moecast.predictors.base import Predictor
 from moecast.predictors.casmoe import (
     _ENCODER_INPUTS,
+    ENGINES,
     broadcast_plan,
     check_prompts,
     checked_fast_encoder,
@@ -142,6 +143,7 @@ class EAP(Predictor):
         self.extra_meta = dict(extra_meta or {})
         self._warned = False
         self._int8 = False
+        self._engine = "auto"
         self._fast: Any = None  # FastBertEncoder, False (not usable) or None (not built yet)
         self._head_w: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -151,6 +153,27 @@ class EAP(Predictor):
     # used), one prompt unpadded on ``threads`` torch threads (default 1), and the heads
     # as one matmul + one batched matmul on weights laid out once (half the einsums' time).
     threads: int | None = 1
+
+    def set_encoder(
+        self, int8: bool | None = None, engine: str | None = None, threads: int | None = None
+    ) -> None:
+        """Encoder execution settings (see ``EAM.set_encoder``); None keeps each. Rebuilt on next use."""
+        if engine is not None and engine not in ENGINES:
+            raise ValueError(f"engine {engine!r} is not one of {', '.join(ENGINES)}")
+        self._int8 = self._int8 if int8 is None else bool(int8)
+        self._engine = self._engine if engine is None else engine
+        self.threads = self.threads if threads is None else threads
+        self._fast = None
+
+    @property
+    def engine(self) -> str:
+        """Who runs the encoder: ``auto`` (ONNX Runtime on the CPU when installed), ``onnx`` or ``torch``."""
+        return self._engine
+
+    @engine.setter
+    def engine(self, name: str) -> None:
+        self._engine = str(name)
+        self._fast = None
 
     @property
     def int8(self) -> bool:
@@ -179,7 +202,9 @@ class EAP(Predictor):
                 return self.net.embed({k: v.to(enc.device) for k, v in feats.items()})
 
             cpu = next(enc.parameters()).device.type == "cpu"
-            fast = checked_fast_encoder(enc, reference, self.tokenizer, self.int8 and cpu, "EAP encoder")
+            fast = checked_fast_encoder(
+                enc, reference, self.tokenizer, self.int8 and cpu, "EAP encoder", self.engine, self.threads
+            )
             self._fast = fast if fast is not None else False
         return fast or None
 

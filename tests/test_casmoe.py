@@ -28,6 +28,7 @@ from moecast.predictors.casmoe import (
     torch_threads,
 )
 from moecast.predictors.checkpoint import load_raw, save
+from moecast.predictors.onnx_encoder import OrtBertEncoder
 
 TOPICS = [
     "Write a python function that sorts a list of integers",
@@ -270,15 +271,17 @@ FAST_PROMPTS = [
 ]
 
 
+@pytest.mark.parametrize("engine", ["torch", "onnx"])
 @pytest.mark.parametrize("encoder", ["minilm", "tiny"])
-def test_fast_embedding_equals_sentence_transformers(encoder, tiny_encoder):
-    """The batch-1 fast path (and its padded batch form) gives sentence-transformers' own
-    encode() embeddings (mean pooling + normalisation) to 1e-5, prompt by prompt and batched."""
+def test_fast_embedding_equals_sentence_transformers(encoder, engine, tiny_encoder):
+    """The batch-1 fast path (and its padded batch form), run by torch or by ONNX Runtime, gives
+    sentence-transformers' own encode() embeddings (mean pooling + normalisation) to 1e-5,
+    prompt by prompt and batched."""
     import torch
 
     spec = str(tiny_encoder) if encoder == "tiny" else encoder
-    emb = SentenceEmbedder(spec, max_length=64)
-    assert isinstance(emb.fast, FastBertEncoder) and not emb.fast.int8
+    emb = SentenceEmbedder(spec, max_length=64, engine=engine)
+    assert isinstance(emb.fast, OrtBertEncoder if engine == "onnx" else FastBertEncoder) and not emb.fast.int8
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the truncation notice
         one_by_one = np.concatenate([emb.embed([p]) for p in FAST_PROMPTS])
@@ -324,10 +327,11 @@ def test_int8_option_is_close_and_saved(traces, eam_ckpt, tmp_path):
     import shutil
 
     fp32 = SentenceEmbedder("minilm")
-    q = SentenceEmbedder("minilm", int8=True)
-    assert q.fast.int8 and q.identity == fp32.identity  # same model: an index serves both
-    cos = (q.embed(FAST_PROMPTS[1:2]) * fp32.embed(FAST_PROMPTS[1:2])).sum()
-    assert 0.9 < cos < 1.0
+    for engine, cls, bound in (("torch", FastBertEncoder, 0.9), ("onnx", OrtBertEncoder, 0.98)):
+        q = SentenceEmbedder("minilm", int8=True, engine=engine)
+        assert isinstance(q.fast, cls) and q.fast.int8 and q.identity == fp32.identity  # an index serves both
+        cos = (q.embed(FAST_PROMPTS[1:2]) * fp32.embed(FAST_PROMPTS[1:2])).sum()
+        assert bound < cos < 1.0
     for f in eam_ckpt.parent.iterdir():
         if f.is_file():
             shutil.copy(f, tmp_path / f.name)
@@ -335,11 +339,49 @@ def test_int8_option_is_close_and_saved(traces, eam_ckpt, tmp_path):
     eam = load(ckpt)
     assert not eam.config.int8 and not eam.embedder.int8
     plan32, conf32 = eam.query(TOPICS[0])
-    eam.set_int8(True)
+    eam.set_encoder(int8=True)
     plan8, conf8 = eam.query(TOPICS[0])
     assert eam.embedder.int8 and abs(conf8 - conf32) < 0.1 and plan8.shape == plan32.shape
+    eam.set_encoder(engine="torch")
+    assert eam.embedder.int8 and isinstance(eam.embedder.fast, FastBertEncoder)
+    with pytest.raises(ValueError, match="engine 'gpu' is not one of"):
+        eam.set_encoder(engine="gpu")
     eam.save(ckpt)
-    assert load(ckpt).embedder.int8  # the setting travels with the checkpoint
+    again = load(ckpt)  # the settings travel with the checkpoint
+    assert again.embedder.int8 and again.config.engine == "torch"
+
+
+def test_onnx_graph_is_cached_per_weights_and_rebuilt_when_damaged(tiny_encoder, tmp_path, monkeypatch):
+    """The exported graph lands once in $MOECAST_HOME/onnx, named by a hash of the weights (so changed
+    weights get their own file); a damaged file is exported again; without onnxruntime, torch runs."""
+    import torch
+    from moecast.predictors import onnx_encoder
+    from transformers import AutoModel
+
+    monkeypatch.setenv("MOECAST_HOME", str(tmp_path / "home"))
+    model = AutoModel.from_pretrained(str(tiny_encoder)).eval()
+    ids = torch.tensor([[2, 5, 7, 9, 3]])
+    first = OrtBertEncoder(model, threads=1)
+    stamp = first.path.stat().st_mtime_ns
+    assert first.path.parent == tmp_path / "home" / "onnx" and not list(first.path.parent.glob("tmp*"))
+    ref = first(ids)
+    assert OrtBertEncoder(model).path.stat().st_mtime_ns == stamp  # read, not exported again
+    first.path.write_bytes(b"not an onnx graph")
+    monkeypatch.setattr(onnx_encoder, "_SESSIONS", {})  # a new process: nothing loaded yet
+    with pytest.warns(UserWarning, match="unreadable"):
+        again = OrtBertEncoder(model)
+    np.testing.assert_allclose(again(ids).numpy(), ref.numpy(), atol=1e-6)
+    with torch.no_grad():
+        model.embeddings.word_embeddings.weight[5] += torch.linspace(-1, 1, model.config.hidden_size)
+    changed = OrtBertEncoder(model)
+    assert changed.path != first.path and not np.allclose(changed(ids).numpy(), ref.numpy(), atol=1e-3)
+    assert len(list(first.path.parent.glob("*-fp32.onnx"))) == 2
+    monkeypatch.setattr(onnx_encoder, "onnxruntime_available", lambda: False)
+    with pytest.warns(UserWarning, match="needs onnxruntime"):
+        emb = SentenceEmbedder(str(tiny_encoder), engine="onnx")
+    assert isinstance(emb.fast, FastBertEncoder)
+    with pytest.raises(ValueError, match="engine 'cuda' is not one of"):
+        SentenceEmbedder(str(tiny_encoder), engine="cuda")
 
 
 # ----------------------------------------------------------------------------- EAP and cascade
@@ -376,7 +418,11 @@ def test_eap_fast_path_equals_module_path(eap_ckpt):
     assert eap._fast_encoder() is not None
     np.testing.assert_allclose(plans, ref, atol=1e-5)
     np.testing.assert_allclose(batched, ref, atol=1e-5)
-    eap.int8 = True
+    assert isinstance(eap._fast_encoder(), OrtBertEncoder)  # the default engine on the CPU
+    eap.set_encoder(engine="torch")
+    assert isinstance(eap._fast_encoder(), FastBertEncoder)
+    np.testing.assert_allclose(np.stack([eap.plan(p)[0] for p in FAST_PROMPTS]), ref, atol=1e-5)
+    eap.set_encoder(int8=True, engine="onnx")
     assert eap._fast_encoder().int8 and eap.plan(FAST_PROMPTS[1])[0].shape == plans.shape[1:]
 
 
