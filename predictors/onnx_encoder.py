@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import tempfile
 import warnings
@@ -47,14 +48,29 @@ def onnxruntime_available() -> bool:
     return True
 
 
+# config entries that do not change the encoder's arithmetic: sentence-transformers and a plain
+# AutoModel load of the same MiniLM differ in use_cache, and must share one graph
+_CONFIG_NOT_IN_GRAPH = frozenset(
+    {
+        "use_cache",
+        "_name_or_path",
+        "transformers_version",
+        "architectures",
+        "return_dict",
+        "output_hidden_states",
+    }
+)
+
+
 def weights_digest(model: Any) -> str:
     """Hash of a model's config and every tensor's bytes: one cached graph per set of weights."""
     import torch
 
     h = hashlib.blake2b(digest_size=12)
-    h.update(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
+    cfg = {k: v for k, v in model.config.to_dict().items() if k not in _CONFIG_NOT_IN_GRAPH}
+    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
     for name, t in model.state_dict().items():
-        h.update(name.encode())
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
         h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
@@ -122,14 +138,20 @@ def export_onnx(model: Any, int8: bool = False, directory: Path | None = None) -
             from onnxruntime.quantization import QuantType, quantize_dynamic
 
             tmp_q = Path(tmp) / "int8.onnx"
-            quantize_dynamic(
-                str(tmp_fp32),
-                str(tmp_q),
-                weight_type=QuantType.QInt8,
-                per_channel=True,
-                op_types_to_quantize=["MatMul"],
-                extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT, "MatMulConstBOnly": True},
-            )
+            root = logging.getLogger()
+            level = root.level
+            root.setLevel(logging.ERROR)  # the quantiser's advice on pre-processing goes to the root logger
+            try:
+                quantize_dynamic(
+                    str(tmp_fp32),
+                    str(tmp_q),
+                    weight_type=QuantType.QInt8,
+                    per_channel=True,
+                    op_types_to_quantize=["MatMul"],
+                    extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT, "MatMulConstBOnly": True},
+                )
+            finally:
+                root.setLevel(level)
             os.replace(tmp_q, out)
         if tmp_fp32 != fp32:
             os.replace(tmp_fp32, fp32)
