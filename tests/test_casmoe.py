@@ -17,6 +17,7 @@ from moecast.predictors.casmoe import (
     FastBertEncoder,
     SentenceEmbedder,
     buffer_path,
+    cascade_wins,
     checked_fast_encoder,
     compare_planners,
     ep_label,
@@ -484,6 +485,31 @@ def test_cascade_gate_and_table3(traces, eam_ckpt, eap_ckpt, tmp_path):
     assert by["cascade eps=1"]["recall_at_k"] == pytest.approx(by["EAP"]["recall_at_k"])
     assert by["cascade eps=0"]["eam_share"] == 1.0
     assert all(0 <= r["recall_at_k"] <= 1 and r["mean_latency_ms"] >= 0 for r in rows)
+    assert all(r["latency_vs_eap_se_ms"] >= 0 for n, r in by.items() if n.startswith("cascade"))
+
+    # `moecast train cascade --traces`: the comparison with chosen encoder settings, kept and logged
+    out2 = tmp_path / "cascade2.safetensors"
+    build_cascade_checkpoint(
+        str(eam_ckpt), str(eap_ckpt), str(out2), 0.5, str(traces), [0.0, 1.0], 0.25, engine="torch", int8=True
+    )
+    saved = json.loads((tmp_path / "cascade2.run" / "table3.json").read_text())
+    assert {r["planner"] for r in saved["rows"]} >= {"EAP", "EAM", "cascade eps=0.5"}
+    assert list((tmp_path / "cascade2.run" / "wandb").glob("offline-run-*"))
+
+
+def test_cascade_win_needs_recall_and_a_latency_gain_beyond_noise():
+    eap = {"planner": "EAP", "recall_at_k": 0.50, "mean_latency_ms": 10.0}
+
+    def casc(name, recall, d, se):
+        return {"planner": name, "recall_at_k": recall, "latency_vs_eap_ms": d, "latency_vs_eap_se_ms": se}
+
+    rows = [
+        eap,
+        casc("cascade eps=0.5", 0.51, -2.0, 0.5),  # a win
+        casc("cascade eps=0.6", 0.51, -0.3, 0.25),  # faster on average, within two standard errors
+        casc("cascade eps=0.7", 0.49, -5.0, 0.1),  # faster, less recall
+    ]
+    assert [r["planner"] for r in cascade_wins(rows)] == ["cascade eps=0.5"]
 
 
 def test_cascade_refuses_planners_of_different_models(traces, eam_ckpt, eap_ckpt, tmp_path):

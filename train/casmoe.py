@@ -357,6 +357,7 @@ def build_eam_index(
     run_dir: str | None = None,
     wandb: bool = True,
     int8: bool = False,
+    engine: str = "auto",
 ) -> Path:
     """Build CasMoE's EAM (Eqs. 4-5): embed the training prompts, index them, evaluate on held-out.
 
@@ -378,7 +379,9 @@ def build_eam_index(
         run_dir: where the metrics and the offline wandb run go (default ``<out>.run``).
         wandb: log the evaluation to an offline wandb run.
         int8: embed with dynamic int8 Linear layers (CPU; ~1.5x faster short queries, embeddings
-            ~0.98 cosine to fp32's); saved with the EAM, which then queries that way too.
+            ~0.99 cosine to fp32's); saved with the EAM, which then queries that way too.
+        engine: who runs the embedder: auto (ONNX Runtime on the CPU when installed), onnx or torch;
+            saved with the EAM.
     """
     from moecast.train.cli import run_dir_for
 
@@ -391,7 +394,7 @@ def build_eam_index(
         raise ValueError(f"{traces}: no training requests to index")
     ep_train, weighted = ep_labels(ts, train_ids, include_decode)
     prompts = _prompts(ts, train_ids)
-    emb_model = SentenceEmbedder(embedder, max_length=max_length, int8=int8)
+    emb_model = SentenceEmbedder(embedder, max_length=max_length, int8=int8, engine=engine)
     # embed in length order so each batch pads to similar lengths, then restore the order
     order = np.argsort([len(p) for p in prompts], kind="stable")
     keys = np.empty((len(prompts), emb_model.dim), np.float32)
@@ -408,6 +411,7 @@ def build_eam_index(
         ef=ef,
         seed=seed,
         int8=emb_model.int8,
+        engine=engine,
     )
     info = _data_info(ts, traces, weighted, include_decode)
     eam = EAM(
@@ -480,6 +484,27 @@ def _log_wandb(
         run.finish()
 
 
+def _log_table3(run_dir: Path, name: str, rows: list[dict[str, Any]]) -> None:
+    """The Table-3 comparison as one offline wandb run: a table and ``<planner>/<metric>`` scalars."""
+    import wandb
+
+    mode = "online" if os.environ.get("WANDB_MODE") == "online" else "offline"
+    run = wandb.init(
+        project="moecast", name=name, group="cascade", dir=str(run_dir), mode=mode, reinit="finish_previous"
+    )
+    try:
+        cols = ["planner", "recall_at_k", "f1_micro", "mean_latency_ms", "p50_latency_ms", "eam_share"]
+        table = wandb.Table(columns=cols, data=[[r.get(c) for c in cols] for r in rows])
+        data: dict[str, Any] = {"table3": table}
+        for r in rows:
+            for c in cols[1:]:
+                if isinstance(r.get(c), (int, float)):
+                    data[f"{r['planner']}/{c}"] = r[c]
+        run.log(data)
+    finally:
+        run.finish()
+
+
 def build_eam(argv: list[str]) -> Path:
     """``moecast train eam --traces T --out CKPT [--config configs/eam_minilm.yaml] [options]``."""
     from jsonargparse import auto_cli
@@ -501,6 +526,11 @@ def build_cascade_checkpoint(
     seed: int = 0,
     max_requests: int | None = None,
     json_out: bool = False,
+    int8: bool | None = None,
+    engine: str | None = None,
+    threads: int | None = None,
+    run_dir: str | None = None,
+    wandb: bool = True,
 ) -> Path:
     """Write CasMoE's gated cascade (EAM if cosine confidence >= epsilon, else EAP); with traces, compare.
 
@@ -515,6 +545,11 @@ def build_cascade_checkpoint(
         seed: split seed.
         max_requests: compare on at most this many held-out requests.
         json_out: print one JSON object per comparison row instead of a table.
+        int8: compare with int8 (true) or fp32 (false) encoders; default: as the checkpoints say.
+        engine: compare with the encoders run by onnx, torch or auto; default: as the checkpoints say.
+        threads: batch-1 encoder threads for the comparison (default: 1).
+        run_dir: where the comparison's table3.json and offline wandb run go (default ``<out>.run``).
+        wandb: log the comparison (one row per planner, scalars and a table) to an offline wandb run.
     """
     from moecast.predictors.casmoe import Cascade
     from moecast.predictors.registry import load
@@ -528,7 +563,26 @@ def build_cascade_checkpoint(
     if traces:
         eps = sorted(set([*(epsilons or [0.3, 0.5, 0.6, 0.7, 0.8, 0.9]), epsilon]))
         t0 = time.perf_counter()
-        rows = compare_planners(eam_p, eap_p, traces, eps, None, val_fraction, seed, max_requests)
+        rows = compare_planners(
+            eam_p,
+            eap_p,
+            traces,
+            eps,
+            None,
+            val_fraction,
+            seed,
+            max_requests,
+            int8=int8,
+            engine=engine,
+            threads=threads,
+        )
+        from moecast.train.cli import run_dir_for
+
+        rd = run_dir_for(Path(out), run_dir)
+        rd.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(rd / "table3.json", {"traces": str(traces), "rows": rows})
+        if wandb:
+            _log_table3(rd, Path(out).stem, rows)
         if json_out:
             for r in rows:
                 print(json.dumps(r))
