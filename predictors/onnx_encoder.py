@@ -189,7 +189,7 @@ class OrtBertEncoder:
 
     Same call as :class:`~moecast.predictors.casmoe.FastBertEncoder`; returns a torch
     tensor so the EAP's heads take it as they are. ``threads``: ONNX Runtime's intra-op
-    threads (None: its default, every core). The graph reflects the weights when built;
+    threads for one prompt (None: its default, every core); batches use every core. The graph reflects the weights when built;
     build it again if the model is trained further.
     """
 
@@ -197,6 +197,8 @@ class OrtBertEncoder:
         self, model: Any, int8: bool = False, threads: int | None = 1, directory: Path | None = None
     ):
         self.int8 = bool(int8)
+        self.threads = threads
+        self._batch_session: Any = None
         self.path = export_onnx(model, self.int8, directory)
         try:
             self.session = _session(self.path, threads)
@@ -213,5 +215,10 @@ class OrtBertEncoder:
 
         ids = np.ascontiguousarray(input_ids.cpu().numpy(), dtype=np.int64)
         mask = np.ones_like(ids) if attention_mask is None else attention_mask.cpu().numpy().astype(np.int64)
-        (out,) = self.session.run(None, {"input_ids": ids, "attention_mask": mask})
+        session = self.session
+        if len(ids) > 1 and self.threads:
+            # batches (building an index, embedding a training set) take every core, as torch does
+            session = self._batch_session or _session(self.path, None)
+            self._batch_session = session
+        (out,) = session.run(None, {"input_ids": ids, "attention_mask": mask})
         return torch.from_numpy(out)
