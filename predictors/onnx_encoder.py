@@ -11,13 +11,16 @@ GEMMs are faster at batch 1 than torch's.
 Linear layers of each block): per-output-channel int8 weights, activations quantised per
 tensor at run time; attention's activation-activation products stay fp32.
 
-Measured on this project's 2-core AMD EPYC (AVX2, no VNNI), all-MiniLM-L6-v2, one prompt,
-2 threads, min of 30 (``/tmp/onnx/bench.py`` in the session log; the bench is
-``python bench/bench_casmoe.py --engine onnx|torch``):
+Measured on this project's 2-core AMD EPYC (AVX2, no VNNI) with ``python bench/bench_casmoe.py
+[--engine onnx|torch] [--int8] [--threads N]``: EAM query latency (embedding + HNSW) over the 200
+held-out DeepSeek Puffin prompts (median 28 tokens), p50, same session, load ~0.8:
 
-- fp32: 5.4 / 8.1 / 57 ms at 16 / 28 / 256 tokens, against torch's 10.3 / 15.9 / 58 ms;
-- int8: 2.7 / 4.2 / 50 ms (torch's int8: 7.2 / 7.5 / 41 ms), embeddings 0.992-0.995 cosine to
-  fp32's (torch's int8, with the ``reduce_range`` AVX2 needs: 0.977 on average).
+- fp32, 1 thread: 12.3 ms by ONNX Runtime against 17.4 ms by torch (means 25.7 and 28.4 ms; the
+  mean is set by the few prompts near the 256-token limit, which are compute-bound in both);
+- int8, 1 thread: 8.0 against 11.6 ms; int8, 2 threads: 7.1 against 7.5 ms (no gain there);
+- int8 plan recall@6: EAM 0.4840 by ONNX Runtime (per-channel weights, embeddings 0.992-0.995
+  cosine to fp32's on probe prompts) against 0.4763 by torch (``reduce_range``, 0.977 on
+  average); fp32 gives 0.4806.
 
 The exported graph is cached under ``$MOECAST_HOME/onnx/`` keyed by a hash of the weights
 (so a fine-tuned EAP encoder gets its own), written atomically; a later load only reads it.
