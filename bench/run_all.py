@@ -625,14 +625,9 @@ def _casmoe_figures(ctx: Ctx, setting: str, lines: list[dict]) -> list[Figure]:
     ]
     casc = [r for n, r in rows.items() if n and n.startswith("cascade")]
     if casc and eap_r:
-        # CasMoE's Table-3 claim: recall >= EAP and a lower mean latency beyond timing noise
-        # (paired per prompt, > 2 standard errors)
-        wins = [
-            r
-            for r in casc
-            if r["recall_at_k"] >= eap_r["recall_at_k"]
-            and r["latency_vs_eap_ms"] + 2 * r["latency_vs_eap_se_ms"] < 0
-        ]
+        from moecast.predictors.casmoe import cascade_wins
+
+        wins = cascade_wins(list(rows.values()))
         best = (
             min(wins, key=lambda r: r["mean_latency_ms"])
             if wins

@@ -367,6 +367,13 @@ _PROBE_PROMPTS = (
 ENGINES = ("auto", "onnx", "torch")
 
 
+def check_engine(engine: str, owner: str = "encoder") -> str:
+    """``engine`` when it names one of :data:`ENGINES`, else one clear ValueError."""
+    if engine not in ENGINES:
+        raise ValueError(f"{owner}: engine {engine!r} is not one of {', '.join(ENGINES)}")
+    return engine
+
+
 def checked_fast_encoder(
     model: Any,
     reference: Any,
@@ -387,8 +394,7 @@ def checked_fast_encoder(
     """
     import torch
 
-    if engine not in ENGINES:
-        raise ValueError(f"{owner}: engine {engine!r} is not one of {', '.join(ENGINES)}")
+    check_engine(engine, owner)
     if fast_encoder_unsupported(model) is not None:
         return None
     fast = FastBertEncoder(model)
@@ -696,9 +702,8 @@ class EAM(Predictor):
         records ``int8`` and ``engine``.
         """
         e = self.embedder
-        if engine is not None and engine not in ENGINES:
-            raise ValueError(f"engine {engine!r} is not one of {', '.join(ENGINES)}")
-        self.config.engine = engine if engine is not None else self.config.engine
+        if engine is not None:
+            self.config.engine = check_engine(engine, "EAM")
         self.embedder = shared_embedder(
             e.spec,
             e.max_length,

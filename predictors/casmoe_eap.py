@@ -29,8 +29,8 @@ from moecast.collect.traceset import RequestTrace
 from moecast.predictors.base import Predictor
 from moecast.predictors.casmoe import (
     _ENCODER_INPUTS,
-    ENGINES,
     broadcast_plan,
+    check_engine,
     check_prompts,
     checked_fast_encoder,
     encoder_identity,
@@ -158,32 +158,21 @@ class EAP(Predictor):
         self, int8: bool | None = None, engine: str | None = None, threads: int | None = None
     ) -> None:
         """Encoder execution settings (see ``EAM.set_encoder``); None keeps each. Rebuilt on next use."""
-        if engine is not None and engine not in ENGINES:
-            raise ValueError(f"engine {engine!r} is not one of {', '.join(ENGINES)}")
         self._int8 = self._int8 if int8 is None else bool(int8)
-        self._engine = self._engine if engine is None else engine
+        self._engine = self._engine if engine is None else check_engine(engine, "EAP")
         self.threads = self.threads if threads is None else threads
         self._fast = None
 
     @property
     def engine(self) -> str:
-        """Who runs the encoder: ``auto`` (ONNX Runtime on the CPU when installed), ``onnx`` or ``torch``."""
+        """Who runs the encoder: ``auto`` (ONNX Runtime on the CPU when installed), ``onnx`` or ``torch``
+        (change with ``set_encoder``)."""
         return self._engine
-
-    @engine.setter
-    def engine(self, name: str) -> None:
-        self._engine = str(name)
-        self._fast = None
 
     @property
     def int8(self) -> bool:
-        """Dynamic int8 Linear layers in the encoder (CPU; see ``FastBertEncoder``); off by default."""
+        """Dynamic int8 Linear layers in the encoder (CPU; off by default; change with ``set_encoder``)."""
         return self._int8
-
-    @int8.setter
-    def int8(self, on: bool) -> None:
-        self._int8 = bool(on)
-        self._fast = None
 
     def tokenize(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         check_prompts(prompts)

@@ -19,7 +19,7 @@ held-out DeepSeek Puffin prompts (median 28 tokens), p50, same session, load ~0.
   mean is set by the few prompts near the 256-token limit, which are compute-bound in both);
 - int8, 1 thread: 8.0 against 11.6 ms; int8, 2 threads: 7.1 against 7.5 ms (no gain there);
 - int8 plan recall@6: EAM 0.4840 by ONNX Runtime (per-channel weights, embeddings 0.992-0.995
-  cosine to fp32's on probe prompts) against 0.4763 by torch (``reduce_range``, 0.977 on
+  cosine to fp32's on 16-256-token test prompts) against 0.4763 by torch (``reduce_range``, 0.977 on
   average); fp32 gives 0.4806.
 
 The exported graph is cached under ``$MOECAST_HOME/onnx/`` keyed by a hash of the weights
@@ -200,8 +200,6 @@ class OrtBertEncoder:
         self, model: Any, int8: bool = False, threads: int | None = 1, directory: Path | None = None
     ):
         self.int8 = bool(int8)
-        self.threads = threads
-        self._batch_session: Any = None
         self.path = export_onnx(model, self.int8, directory)
         try:
             self.session = _session(self.path, threads)
@@ -218,10 +216,7 @@ class OrtBertEncoder:
 
         ids = np.ascontiguousarray(input_ids.cpu().numpy(), dtype=np.int64)
         mask = np.ones_like(ids) if attention_mask is None else attention_mask.cpu().numpy().astype(np.int64)
-        session = self.session
-        if len(ids) > 1 and self.threads:
-            # batches (building an index, embedding a training set) take every core, as torch does
-            session = self._batch_session or _session(self.path, None)
-            self._batch_session = session
+        # batches (building an index, embedding a training set) take every core, as torch does
+        session = self.session if len(ids) == 1 else _session(self.path, None)
         (out,) = session.run(None, {"input_ids": ids, "attention_mask": mask})
         return torch.from_numpy(out)
