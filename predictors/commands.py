@@ -49,11 +49,14 @@ def evaluate_predictor(
     extra_k: tuple[int, ...] = (),
     progress: bool = True,
     groups_hint: dict[str, list[int]] | None = None,
+    online_lr: float = 0.0,
 ) -> dict[str, Any]:
     """Metrics of ``pred`` over ``requests`` (see ``moecast.predictors.metrics``).
 
     Per-group figures use the predictor's own layer groups, else ``groups_hint``
-    (for baselines, which have none: the groups LLaPor would detect, so the two compare)."""
+    (for baselines, which have none: the groups LLaPor would detect, so the two compare).
+    ``online_lr`` > 0: after scoring each request, one online update (PreScope §4.2.2) on its
+    true routing, so request r is predicted by a model that has seen the requests before it."""
     from moecast.predictors.metrics import MetricAccumulator
 
     if not requests:
@@ -61,6 +64,8 @@ def evaluate_predictor(
     missing = [f for f in getattr(pred, "needs", ()) if f != "token_id" and not ts.has(f)]
     if missing:
         ts.require(missing[0], f"predictor {pred.name}")
+    if online_lr and not hasattr(pred, "update"):
+        raise ValueError(f"--online_lr: the {pred.name} predictor has no online update; only LLaPor has")
     m = ts.meta.model
     acc = MetricAccumulator(m.num_layers, m.num_experts, k or m.top_k, extra_k)
     for trace in tqdm(
@@ -71,6 +76,8 @@ def evaluate_predictor(
         leave=False,
     ):
         acc.update(pred.score_request(trace), trace.topk_ids)
+        if online_lr:
+            pred.update(pred.features(trace), trace.topk_ids, lr=online_lr)
     groups = getattr(pred, "groups", None) or getattr(pred, "meta", {}).get("groups") or groups_hint
     return acc.result(groups)
 
@@ -99,6 +106,7 @@ def evaluate(
     json: bool = False,
     save: str | None = None,
     max_requests: int | None = None,
+    online_lr: float = 0.0,
 ) -> dict[str, Any]:
     """Evaluate a predictor checkpoint (or a named baseline) on a TraceSet.
 
@@ -112,6 +120,8 @@ def evaluate(
         json: print one JSON object instead of a table
         save: with a baseline, also write it as a checkpoint here
         max_requests: evaluate at most this many requests of the split
+        online_lr: > 0 updates LLaPor online (PreScope §4.2.2) after each request, at this learning
+            rate, with its training loss; the checkpoint file is left as it is
     """
     from moecast.collect.traceset import open_traces
     from moecast.predictors.registry import load
@@ -119,6 +129,8 @@ def evaluate(
     if not traces:
         raise ValueError("moecast predictors eval needs --traces DIR (the TraceSet to evaluate on)")
     ts = open_traces(traces)
+    if online_lr < 0:
+        raise ValueError(f"--online_lr must be >= 0, not {online_lr}")
     if split not in ("val", "train", "all"):
         raise ValueError(f"--split must be val, train or all, not {split!r}")
     train_ids, val_ids = ts.split(val_fraction, seed)
@@ -134,7 +146,9 @@ def evaluate(
             pred.save(save)
     extra = tuple(x for x in (1, 2, 4) if x < ts.meta.model.top_k)
     hint = None if getattr(pred, "groups", None) else detected_groups(ts, train_ids)
-    res = evaluate_predictor(pred, ts, requests, k, extra_k=extra, progress=not json, groups_hint=hint)
+    res = evaluate_predictor(
+        pred, ts, requests, k, extra_k=extra, progress=not json, groups_hint=hint, online_lr=online_lr
+    )
     out = {
         "predictor": pred.name,
         "horizon": pred.horizon,
@@ -142,6 +156,7 @@ def evaluate(
         "traces": str(ts.path),
         "split": split,
         "requests": len(requests),
+        "online_lr": online_lr,
         **res,
     }
     if json:
@@ -153,7 +168,8 @@ def evaluate(
 
 def format_table(res: dict[str, Any], moe_layers: list[int]) -> str:
     lines = [
-        f"{res['predictor']} ({res['horizon']}) on {res['traces']} [{res['split']}: {res['requests']} requests, {res['tokens']} tokens]",
+        f"{res['predictor']} ({res['horizon']}) on {res['traces']} [{res['split']}: {res['requests']} requests, {res['tokens']} tokens]"
+        + (f", updated online at lr {res['online_lr']:g} after each request" if res.get("online_lr") else ""),
         f"{'scope':<14}{'recall@' + str(res['k']):>10}{'precision':>11}{'f1_micro':>10}{'f1_macro':>10}",
         f"{'all':<14}{res['recall_at_k']:>10.4f}{res['precision']:>11.4f}{res['f1_micro']:>10.4f}{res['f1_macro']:>10.4f}",
     ]

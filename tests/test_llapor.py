@@ -10,7 +10,7 @@ from conftest import make_synthetic_traceset
 from moecast.collect.traceset import MissingFieldError, TraceSet
 from moecast.predictors import load
 from moecast.predictors.baselines import FrequencyPredictor
-from moecast.predictors.commands import evaluate_predictor
+from moecast.predictors.commands import evaluate, evaluate_predictor
 from moecast.predictors.llapor import (
     FeatureSpec,
     LLaPor,
@@ -139,7 +139,7 @@ def test_training_beats_the_hot_table_and_roundtrips(tmp_path):
 
 
 def test_softmax_loss_ranks_experts_and_trains(tmp_path):
-    from moecast.train.llapor import topk_softmax_loss
+    from moecast.predictors.llapor import topk_softmax_loss
 
     target = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
     good = topk_softmax_loss(torch.tensor([[5.0, 5.0, -5.0, -5.0]]), target)
@@ -189,6 +189,46 @@ def test_online_update_reduces_loss_on_a_shifted_workload(tmp_path):
         pred.update(batch, truth, lr=3e-3)
     after = pred.update(batch, truth, lr=0.0)
     assert after < before * 0.8
+
+
+def test_online_update_uses_the_loss_the_checkpoint_was_trained_with(tmp_path):
+    from moecast.predictors.llapor import topk_softmax_loss
+    from moecast.predictors.metrics import multi_hot
+
+    path = make_synthetic_traceset(tmp_path / "s", num_requests=8, num_layers=3, tokens=12)
+    module, dm = _fit(path, epochs=1, loss="softmax")
+    pred = load(module.export(tmp_path / "s.safetensors", dm, {}))
+    assert pred.meta["hyper_parameters"]["loss"] == "softmax"
+    trace = TraceSet(path).get(dm.val_ids[0])
+    feats = pred.features(trace)
+    for m in pred.net.modules():  # update runs in train mode: no dropout noise in the comparison
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    with torch.no_grad():
+        want = float(
+            topk_softmax_loss(pred.net(**feats), torch.from_numpy(multi_hot(trace.topk_ids, 8, np.float32)))
+        )
+    assert pred.update(feats, trace.topk_ids, lr=0.0) == pytest.approx(want, rel=1e-5)
+    # a checkpoint that records no loss gets the paper's focal loss
+    pred.meta.pop("hyper_parameters")
+    assert pred.update(feats, trace.topk_ids, lr=0.0) != pytest.approx(want, rel=1e-3)
+
+
+def test_eval_with_online_updates_keeps_the_checkpoint(tmp_path):
+    path = make_synthetic_traceset(tmp_path / "o", num_requests=8, num_layers=3, tokens=12)
+    module, dm = _fit(path, epochs=1)
+    ckpt = module.export(tmp_path / "o.safetensors", dm, {})
+    before = ckpt.read_bytes()
+    plain = evaluate(str(ckpt), str(path), split="all", json=True)
+    online = evaluate(str(ckpt), str(path), split="all", json=True, online_lr=1e-2)
+    assert plain["online_lr"] == 0.0 and online["online_lr"] == 1e-2
+    # the first request is scored before any update; later ones by an updated model
+    assert online["recall_at_k"] != plain["recall_at_k"]
+    assert ckpt.read_bytes() == before
+    with pytest.raises(ValueError, match="online_lr"):
+        evaluate(str(ckpt), str(path), online_lr=-1.0)
+    with pytest.raises(ValueError, match="no online update"):
+        evaluate("frequency", str(path), online_lr=1e-3)
 
 
 def test_bad_inputs_fail_with_one_clear_error(tmp_path):

@@ -24,19 +24,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from moecast.predictors.llapor import GROUPS, LLaPor, LLaPorNet, NetConfig, balanced_focal_loss
+from moecast.predictors.llapor import GROUPS, LOSSES, LLaPor, LLaPorNet, NetConfig, llapor_loss
 from moecast.train.data import LLaPorDataModule, check_range
-
-LOSSES = ("focal", "bce", "softmax")
-
-
-def topk_softmax_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of a softmax over experts against the true top-k set (uniform 1/k each).
-
-    Ranks experts within a (token, layer) row, which is what recall@k scores; the
-    paper's per-expert sigmoid losses score each expert on its own."""
-    k = target.sum(-1, keepdim=True).clamp_min(1)
-    return -((torch.log_softmax(logits, -1) * target).sum(-1, keepdim=True) / k).mean()
 
 
 class LLaPorModule(pl.LightningModule):
@@ -126,11 +115,7 @@ class LLaPorModule(pl.LightningModule):
 
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         kind = self.hparams.get("loss", "focal")
-        if kind == "softmax":
-            return topk_softmax_loss(logits, target)
-        if kind == "bce":
-            return torch.nn.functional.binary_cross_entropy_with_logits(logits, target)
-        return balanced_focal_loss(logits, target, self.inv_freq, self.lam, self.hparams.gamma)
+        return llapor_loss(kind, logits, target, self.inv_freq, self.lam, self.hparams.gamma)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         logits = self(self._augment(batch))
