@@ -183,7 +183,12 @@ def format_table(res: dict[str, Any], moe_layers: list[int]) -> str:
         if key.startswith("recall_at_") and key != "recall_at_k"
     ]
     if extra:
-        lines.append("also: " + ", ".join(extra))
+        lines.append(
+            "also: "
+            + ", ".join(extra)
+            + f" (recall@x: share of the predicted x inside the true top-{res['k']}"
+            + ("; recall@4 is PreScope Table 3's Top-4 accuracy)" if "recall_at_4" in res else ")")
+        )
     per = res["per_layer"]["recall_at_k"]
     lines.append("per layer recall@k: " + " ".join(f"{moe_layers[i]}:{v:.3f}" for i, v in enumerate(per)))
     return "\n".join(lines)
