@@ -565,13 +565,11 @@ def b_prefetch(ctx: Ctx) -> list[Figure]:
         best = max(NON_LEARNED, key=lambda p: hits[p])
         q = f"held-out {holdout} of the requests, cold, capacity 10 %; {hw}"
 
-        def t(name: str, tpot: dict[str, float] = tpot) -> str:
-            # a CPU-computed miss moves nothing but is not a hit: PreSched can cut the step time
-            # while its hit rate falls, so every row says both
-            return f"modeled TPOT {tpot[name]:.1f} ms"
-
+        # a CPU-computed miss moves nothing but is not a hit: PreSched can cut the step time while
+        # its hit rate falls, so every row says both
+        t = {name: f"modeled TPOT {v:.1f} ms" for name, v in tpot.items()}
         figs.append(
-            fig("prefetch", f"10 % hit, best non-learned ({best}), {hw}", hits[best], note=f"{t(best)}; {q}")
+            fig("prefetch", f"10 % hit, best non-learned ({best}), {hw}", hits[best], note=f"{t[best]}; {q}")
         )
         for name in ("LLaPor prefetch", "LLaPor + PreSched"):
             f = fig(
@@ -579,7 +577,7 @@ def b_prefetch(ctx: Ctx) -> list[Figure]:
                 f"10 % hit, {name}, {hw}",
                 hits[name],
                 goal=f"> {best}",
-                note=f"{t(name)}; {q}",
+                note=f"{t[name]}; {q}",
                 judge=False,
             )
             f.verdict = "ok" if hits[name] > hits[best] else "MISS"  # exact, not the rounded print
@@ -590,11 +588,11 @@ def b_prefetch(ctx: Ctx) -> list[Figure]:
                 "prefetch",
                 f"10 % hit, PreSched without a predictor, {hw}",
                 hits["PreSched, no predictor"],
-                note=t("PreSched, no predictor"),
+                note=t["PreSched, no predictor"],
             )
         )
         bound = "oracle + PreSched (bound)"
-        figs.append(fig("prefetch", f"10 % hit, {bound}, {hw}", hits[bound], note=t(bound)))
+        figs.append(fig("prefetch", f"10 % hit, {bound}, {hw}", hits[bound], note=t[bound]))
     return figs
 
 

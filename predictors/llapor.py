@@ -444,6 +444,15 @@ def topk_softmax_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tenso
     return -((torch.log_softmax(logits, -1) * target).sum(-1, keepdim=True) / k).mean()
 
 
+def group_lambda(
+    num_layers: int, groups: dict[str, list[int]], lam_io: float, lam_middle: float
+) -> torch.Tensor:
+    """[L] lambda of the focal term per layer: ``lam_io`` for the input/output groups, ``lam_middle`` for the middle."""
+    lam = torch.full((num_layers,), float(lam_io))
+    lam[groups.get("middle", [])] = float(lam_middle)
+    return lam
+
+
 def llapor_loss(
     kind: str,
     logits: torch.Tensor,
@@ -706,9 +715,12 @@ class LLaPor(Predictor):
         hp = self.meta.get("hyper_parameters", {})
         kind = hp.get("loss", "focal")
         gamma = float(hp.get("gamma", 2.0) if gamma is None else gamma)
-        lam_t = torch.full((self.num_layers,), float(hp.get("lam_io", 0.5) if lam is None else lam))
         if lam is None:
-            lam_t[self.groups.get("middle", [])] = float(hp.get("lam_middle", 0.0))
+            lam_t = group_lambda(
+                self.num_layers, self.groups, hp.get("lam_io", 0.5), hp.get("lam_middle", 0.0)
+            )
+        else:
+            lam_t = torch.full((self.num_layers,), float(lam))
         target = torch.from_numpy(multi_hot(np.asarray(truth), self.num_experts, np.float32))
         if self._opt is None or self._opt.param_groups[0]["lr"] != lr:
             self._opt = torch.optim.AdamW(self.net.parameters(), lr=lr, weight_decay=0.0)

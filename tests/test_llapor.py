@@ -18,6 +18,7 @@ from moecast.predictors.llapor import (
     NetConfig,
     balanced_focal_loss,
     detect_groups,
+    group_lambda,
     routing_correlation,
 )
 from moecast.train.data import LLaPorDataModule
@@ -209,9 +210,19 @@ def test_online_update_uses_the_loss_the_checkpoint_was_trained_with(tmp_path):
             topk_softmax_loss(pred.net(**feats), torch.from_numpy(multi_hot(trace.topk_ids, 8, np.float32)))
         )
     assert pred.update(feats, trace.topk_ids, lr=0.0) == pytest.approx(want, rel=1e-5)
-    # a checkpoint that records no loss gets the paper's focal loss
+    # a checkpoint that records no loss gets the paper's focal loss (lambda 0.5 / 0 by group, gamma 2)
     pred.meta.pop("hyper_parameters")
-    assert pred.update(feats, trace.topk_ids, lr=0.0) != pytest.approx(want, rel=1e-3)
+    with torch.no_grad():
+        focal = float(
+            balanced_focal_loss(
+                pred.net(**feats),
+                torch.from_numpy(multi_hot(trace.topk_ids, 8, np.float32)),
+                torch.ones(3, 8),
+                group_lambda(3, pred.groups, 0.5, 0.0),
+                2.0,
+            )
+        )
+    assert pred.update(feats, trace.topk_ids, lr=0.0) == pytest.approx(focal, rel=1e-5)
 
 
 def test_eval_with_online_updates_keeps_the_checkpoint(tmp_path):

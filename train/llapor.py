@@ -24,7 +24,15 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from moecast.predictors.llapor import GROUPS, LOSSES, LLaPor, LLaPorNet, NetConfig, llapor_loss
+from moecast.predictors.llapor import (
+    GROUPS,
+    LOSSES,
+    LLaPor,
+    LLaPorNet,
+    NetConfig,
+    group_lambda,
+    llapor_loss,
+)
 from moecast.train.data import LLaPorDataModule, check_range
 
 
@@ -90,8 +98,7 @@ class LLaPorModule(pl.LightningModule):
         if dm.spec.token_exact:
             self.net.tok_vocab.copy_(torch.from_numpy(dm.token_vocab))
         self.register_buffer("inv_freq", torch.from_numpy(dm.inv_freq))
-        lam = torch.full((dm.spec.num_layers,), float(hp.lam_io))
-        lam[dm.groups.get("middle", [])] = float(hp.lam_middle)
+        lam = group_lambda(dm.spec.num_layers, dm.groups, hp.lam_io, hp.lam_middle)
         self.register_buffer("lam", lam)
         self.moe_layers = list(dm.ts.meta.model.moe_layers)
 
