@@ -17,7 +17,8 @@ One command prints every figure the predictor issues ask for::
    the traces are absent (make them with ``moecast collect --model tiny --workloads sharegpt
    --max-requests 64 --max-new-tokens 32 --gate-inputs --out /tmp/pp/tiny-sg``).
 3. LLaPor inference on CPU, batch 1, one thread: ``score_layer`` (the runtime's per-layer call,
-   numpy, fed the token's feature row as numpy arrays) in µs per layer, median over every layer and many repeats; plus the batched torch
+   numpy, fed the token's feature row as numpy arrays) in µs per layer, median over every layer and many repeats,
+   with its int8 weights (the default) and with float32 weights; plus the batched torch
    network over all layers divided by L. The 1-minute load average is printed beside it: on a
    shared machine timings scale with it.
 
@@ -61,20 +62,26 @@ def _train(config: str, traces: str, out: Path, overrides: list[str]) -> tuple[s
 
 
 def latency_us(pred: Any, trace: Any, repeats: int) -> dict[str, float]:
-    """Batch-1 CPU latency of one token, one thread: score_layer µs per layer and torch µs per layer."""
+    """Batch-1 CPU latency of one token, one thread: score_layer µs per layer (its int8 weights,
+    the runtime's default, and float32) and torch µs per layer."""
     feats = pred.features(trace)
     row = min(5, len(trace.topk_ids) - 1)
     one = {k: v[row : row + 1] for k, v in feats.items()}
     one_np = {k: v.numpy() for k, v in one.items()}  # the token's feature row, as numpy
     L = pred.num_layers
-    for layer in range(L):
-        pred.score_layer(layer, one_np)  # warm-up (and per-layer weight cache)
-    per = []
-    for _ in range(repeats):
-        t = time.perf_counter()
+    per: dict[bool, list[float]] = {True: [], False: []}
+    for int8 in (True, False):
+        pred.int8_kernel = int8
         for layer in range(L):
-            pred.score_layer(layer, one_np)
-        per.append((time.perf_counter() - t) / L * 1e6)
+            pred.score_layer(layer, one_np)  # warm-up (and per-layer weight cache)
+    for _ in range(repeats):  # the two precisions alternate, so load changes hit both alike
+        for int8 in (True, False):
+            pred.int8_kernel = int8
+            t = time.perf_counter()
+            for layer in range(L):
+                pred.score_layer(layer, one_np)
+            per[int8].append((time.perf_counter() - t) / L * 1e6)
+    pred.int8_kernel = True
     with torch.no_grad():
         pred.net(**one)
         t = time.perf_counter()
@@ -82,8 +89,9 @@ def latency_us(pred: Any, trace: Any, repeats: int) -> dict[str, float]:
             pred.net(**one)
         torch_us = (time.perf_counter() - t) / repeats / L * 1e6
     return {
-        "score_layer_us_median": statistics.median(per),
-        "score_layer_us_p90": float(np.percentile(per, 90)),
+        "score_layer_us_median": statistics.median(per[True]),
+        "score_layer_us_p90": float(np.percentile(per[True], 90)),
+        "score_layer_float32_us_median": statistics.median(per[False]),
         "torch_all_layers_us_per_layer": torch_us,
         "loadavg_1min": os.getloadavg()[0],
     }
@@ -232,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
             lat = latency_us(pred, trace, repeats)
             emit(
                 f"{name:<10} score_layer {lat['score_layer_us_median']:7.1f} µs/layer median "
-                f"(p90 {lat['score_layer_us_p90']:.1f}); torch all-layers {lat['torch_all_layers_us_per_layer']:.1f} "
+                f"(p90 {lat['score_layer_us_p90']:.1f}; float32 weights {lat['score_layer_float32_us_median']:.1f}); torch all-layers {lat['torch_all_layers_us_per_layer']:.1f} "
                 f"µs/layer; load average {lat['loadavg_1min']:.2f} on {os.cpu_count()} CPUs",
                 {"bench": "latency", "traces": name, **lat, "cpus": os.cpu_count()},
             )

@@ -512,6 +512,7 @@ def b_predictors(ctx: Ctx) -> list[Figure]:
                 us / 1e3 if isinstance(us, (int, float)) else None,
                 "{:.4f} ms",
                 "<= 0.1 ms",
+                f"int8 weights; float32 {r.get('score_layer_float32_us_median', float('nan')):.1f} us; "
                 f"torch all layers {r.get('torch_all_layers_us_per_layer', float('nan')):.1f} us/layer; "
                 f"load {_fmt_load(r.get('loadavg_1min'))}",
             )

@@ -5,7 +5,9 @@ The runtime asks LLaPor for one layer's scores of one token between two layers o
 gather-sum over the layer's input table, the earlier layers' expert embeddings, a few
 matrix-vector products and GELUs: numpy would spend most of it in per-call overhead (about 30
 calls of 1-3 us), so the whole layer runs here as one loop. :meth:`LLaPor.score_layer` packs
-the layer's weights once (:func:`pack`) and the tests compare the result with the torch network.
+the layer's weights once (:func:`pack`): matrices as int8 with per-column scales by default
+(:func:`quantize`: the loop is bound by reading them), float32 on request. The tests compare
+both with the torch network: float32 to rounding, int8 within its quantisation error.
 """
 
 from __future__ import annotations
@@ -33,32 +35,39 @@ def _sigmoid(x):
 
 
 @njit(cache=True, nogil=True)
-def _addmv(x, W, y):
-    """y += x @ W (W [in, out] row-major: the inner loop runs along a row)."""
+def _addmv(x, W, s, acc, y):
+    """y += (x @ W) * s: W [in, out] row-major (the inner loop runs along a row), int8 with
+    per-output-column scales ``s`` or float32 with ``s`` = 1; ``acc`` is scratch of len(y)."""
+    for j in range(y.shape[0]):
+        acc[j] = 0.0
     for i in range(W.shape[0]):
         xi = x[i]
         if xi != 0.0:
             row = W[i]
             for j in range(y.shape[0]):
-                y[j] += xi * row[j]
+                acc[j] += xi * np.float32(row[j])
+    for j in range(y.shape[0]):
+        y[j] += acc[j] * s[j]
 
 
 @njit(cache=True, nogil=True)
-def _matvec(x, W, b, y):
-    """y = x @ W + b."""
+def _matvec(x, W, s, b, acc, y):
+    """y = (x @ W) * s + b."""
     for j in range(y.shape[0]):
         y[j] = b[j]
-    _addmv(x, W, y)
+    _addmv(x, W, s, acc, y)
 
 
 @njit(cache=True, nogil=True)
 def forward(
     bags, route, tokens, dense,  # features: [B, n], [B, r], [B, t], [B, Dd] (r, t, Dd may be 0)
-    table, bias, deep_table, deep_w, deep_off, tok, tok_proj, dense_proj,
-    hid_w, hid_b, res_w, res_b, res2_w, res2_b, head_w, head_b, skip_w, skip_b,
+    table, bias, deep_table, deep_w, deep_off, tok, tok_proj, tok_s, dense_proj, dense_s,
+    hid_w, hid_s, hid_b, res_w, res_s, res_b, res2_w, res2_s, res2_b, head_w, head_s, head_b,
+    skip_w, skip_s, skip_b,
     out,
 ):  # fmt: skip
-    """Scores [B, E] of one layer into ``out``; parts with zero-size weights are absent."""
+    """Scores [B, E] of one layer into ``out``; parts with zero-size weights are absent.
+    Every matrix comes with its per-output-column scales (``*_s``): see :func:`pack`."""
     B = bags.shape[0]
     H = table.shape[1]
     E = head_w.shape[1]
@@ -68,6 +77,7 @@ def forward(
     both = np.empty(res_w.shape[1], np.float32)
     r = np.empty(H, np.float32)
     logit = np.empty(E, np.float32)
+    acc = np.empty(max(2 * H, E), np.float32)
     for b in range(B):
         for j in range(H):
             h[j] = bias[j]
@@ -81,36 +91,58 @@ def forward(
             for j in range(H):
                 h[j] += wgt * row[j]
         for ti in range(tokens.shape[1]):  # token (and context token) embeddings, projected
-            _addmv(tok[tokens[b, ti]], tok_proj[ti * D : (ti + 1) * D], h)
-        _addmv(dense[b], dense_proj, h)
+            _addmv(tok[tokens[b, ti]], tok_proj[ti * D : (ti + 1) * D], tok_s, acc, h)
+        _addmv(dense[b], dense_proj, dense_s, acc, h)
         for j in range(H):
             h[j] = _gelu(h[j])
         for layer in range(hid_w.shape[0]):
-            _matvec(h, hid_w[layer], hid_b[layer], t)
+            _matvec(h, hid_w[layer], hid_s[layer], hid_b[layer], acc, t)
             for j in range(H):
                 h[j] = _gelu(t[j])
         if res_w.shape[0] > 0:  # middle group: gated residual block
-            _matvec(h, res_w, res_b, both)
+            _matvec(h, res_w, res_s, res_b, acc, both)
             for j in range(H):
                 t[j] = _gelu(both[j])
-            _matvec(t, res2_w, res2_b, r)
+            _matvec(t, res2_w, res2_s, res2_b, acc, r)
             for j in range(H):
                 h[j] += _sigmoid(both[H + j]) * r[j]
-        _matvec(h, head_w, head_b, logit)
+        _matvec(h, head_w, head_s, head_b, acc, logit)
         if skip_w.shape[0] > 0:
-            _addmv(dense[b], skip_w, logit)
+            _addmv(dense[b], skip_w, skip_s, acc, logit)
             for e in range(E):
                 logit[e] += skip_b[e]
         for e in range(E):
             out[b, e] = _sigmoid(logit[e])
 
 
-def pack(w: dict[str, Any], H: int, E: int) -> tuple:
+def quantize(W: np.ndarray, int8: bool) -> tuple[np.ndarray, np.ndarray]:
+    """``W`` [..., in, out] as (weights, per-output-column scales [..., out]).
+
+    int8: symmetric, scale = max |column| / 127, so every column keeps its full range and the
+    error per weight is at most scale / 2. At batch 1 the layer's matrix-vector products are
+    bound by reading the weights (1.2 MB per layer at hidden 256 in float32, 26 layers per token,
+    more than the caches hold): a quarter of the bytes is what makes a wider LLaPor fit the
+    0.1 ms budget. float32: the weights unchanged, scales 1.
+    """
+    W = np.asarray(W, _F32)
+    if not int8 or W.size == 0:
+        return np.ascontiguousarray(W, np.int8 if int8 else _F32), np.ones(W.shape[:-2] + W.shape[-1:], _F32)
+    s = np.abs(W).max(axis=-2) / 127.0
+    s = np.where(s > 0, s, 1.0).astype(_F32)
+    Q = np.clip(np.rint(W / s[..., None, :]), -127, 127).astype(np.int8)
+    return np.ascontiguousarray(Q), np.ascontiguousarray(s)
+
+
+def pack(w: dict[str, Any], H: int, E: int, int8: bool = True) -> tuple:
     """The layer's numpy weights (LLaPor._layer_weights) as :func:`forward`'s weight arguments,
-    absent parts as zero-size arrays."""
+    absent parts as zero-size arrays. Matrices are int8 with per-column scales unless ``int8``
+    is False; the gathered tables (a few rows read per token) and biases stay float32."""
 
     def f32(a: Any, shape: tuple) -> np.ndarray:
         return np.ascontiguousarray(a, dtype=_F32) if a is not None else np.zeros(shape, _F32)
+
+    def mat(a: Any, shape: tuple) -> tuple[np.ndarray, np.ndarray]:
+        return quantize(a if a is not None else np.zeros(shape, _F32), int8)
 
     hidden = w.get("hidden") or []
     res = w.get("res_gate")
@@ -123,16 +155,16 @@ def pack(w: dict[str, Any], H: int, E: int) -> tuple:
         f32(w.get("deep_w"), (0,)),
         np.ascontiguousarray(w["deep_off"], dtype=_I64) if "deep_off" in w else np.zeros(0, _I64),
         f32(w.get("tok"), (1, 1)),
-        f32(w.get("tok_proj"), (0, H)),
-        f32(w.get("dense_proj"), (0, H)),
-        f32(np.stack([W for W, _ in hidden]) if hidden else None, (0, H, H)),
+        *mat(w.get("tok_proj"), (0, H)),
+        *mat(w.get("dense_proj"), (0, H)),
+        *mat(np.stack([W for W, _ in hidden]) if hidden else None, (0, H, H)),
         f32(np.stack([b for _, b in hidden]) if hidden else None, (0, H)),
-        f32(res[0] if res else None, (0, 2 * H)),
+        *mat(res[0] if res else None, (0, 2 * H)),
         f32(res[1] if res else None, (0,)),
-        f32(res2[0] if res2 else None, (0, H)),
+        *mat(res2[0] if res2 else None, (0, H)),
         f32(res2[1] if res2 else None, (0,)),
-        f32(w["head"][0], ()),
+        *mat(w["head"][0], ()),
         f32(w["head"][1], ()),
-        f32(skip[0] if skip else None, (0, E)),
+        *mat(skip[0] if skip else None, (0, E)),
         f32(skip[1] if skip else None, (0,)),
     )

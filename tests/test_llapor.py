@@ -28,6 +28,19 @@ from moecast.train.llapor import LLaPorModule
 torch.set_num_threads(1)
 
 
+def assert_kernel_matches(pred: LLaPor, feats: dict, expected: np.ndarray, layers: range) -> None:
+    """score_layer (the runtime's compiled per-layer path) against the torch network's scores
+    ``expected`` [B, L, E]: float32 weights to rounding; int8 weights within their error."""
+    pred.int8_kernel = False
+    for layer in layers:
+        assert np.allclose(pred.score_layer(layer, feats), expected[:, layer], atol=1e-5)
+    pred.int8_kernel = True
+    for layer in layers:
+        got = pred.score_layer(layer, feats)
+        assert np.abs(got - expected[:, layer]).max() < 0.02
+        assert not np.allclose(got, expected[:, layer], atol=1e-7)  # really the int8 weights
+
+
 def _fit(path, epochs=8, loss="focal", **data):
     torch.manual_seed(0)
     dm = LLaPorDataModule(str(path), val_fraction=0.25, batch_size=64, **data)
@@ -85,8 +98,7 @@ def test_scores_are_causal_for_the_layer_ahead_horizon():
     assert not np.allclose(after[t, li + 1], base[t, li + 1])  # it does use the previous layer
     # the runtime's per-layer numpy path gives the same scores as the batched network
     feats = pred.features(trace)
-    for layer in range(4):
-        assert np.allclose(pred.score_layer(layer, feats), after[:, layer], atol=1e-5)
+    assert_kernel_matches(pred, feats, after, range(4))
 
 
 def test_group_detection_covers_layers_in_order():
@@ -135,8 +147,7 @@ def test_training_beats_the_hot_table_and_roundtrips(tmp_path):
     full = pred.score_request(trace)
     assert np.allclose(full, torch.sigmoid(module.net(**pred.features(trace))).detach().numpy())
     one = {k: v[3:4] for k, v in pred.features(trace).items()}  # batch 1, dense features included
-    for layer in range(4):
-        assert np.allclose(pred.score_layer(layer, one)[0], full[3, layer], atol=1e-5)
+    assert_kernel_matches(pred, one, full[3:4], range(4))
 
 
 def test_softmax_loss_ranks_experts_and_trains(tmp_path):
@@ -161,8 +172,7 @@ def test_softmax_loss_ranks_experts_and_trains(tmp_path):
     trace = ts.get(dm.val_ids[0])
     one = {k: v[3:4] for k, v in pred.features(trace).items()}
     full = pred.score_request(trace)
-    for layer in range(4):  # the numpy per-layer path includes the dense skip
-        assert np.allclose(pred.score_layer(layer, one)[0], full[3, layer], atol=1e-5)
+    assert_kernel_matches(pred, one, full[3:4], range(4))  # the dense skip included
 
 
 def test_id_only_traces_use_id_features(tmp_path):
@@ -387,8 +397,7 @@ def test_repeat_token_and_exact_vocab_are_causal():
     trace.topk_ids = changed
     # the runtime's per-layer numpy path gives the same scores as the batched network
     feats = pred.features(trace)
-    for layer in range(4):
-        assert np.allclose(pred.score_layer(layer, feats), after[:, layer], atol=1e-5)
+    assert_kernel_matches(pred, feats, after, range(4))
 
 
 def test_context_votes_pool_earlier_tokens_by_path_overlap():
@@ -417,5 +426,21 @@ def test_token_exact_and_repeat_token_train_and_roundtrip(tmp_path):
     trace = ts.get(dm.val_ids[0])
     full = pred.score_request(trace)
     feats = pred.features(trace)
-    for layer in range(3):
-        assert np.allclose(pred.score_layer(layer, feats), full[:, layer], atol=1e-5)
+    assert_kernel_matches(pred, feats, full, range(3))
+
+
+def test_kernel_quantize_keeps_each_column_within_half_a_step():
+    from moecast.predictors.llapor_kernel import quantize
+
+    rng = np.random.default_rng(0)
+    W = rng.standard_normal((2, 48, 24)).astype(np.float32) * np.linspace(0.01, 3, 24, dtype=np.float32)
+    W[1, :, 5] = 0  # an all-zero column keeps a usable scale
+    Q, s = quantize(W, int8=True)
+    assert Q.dtype == np.int8 and Q.shape == W.shape and s.shape == (2, 24)
+    assert np.abs(Q).max() == 127 and s[1, 5] == 1.0 and (Q[1, :, 5] == 0).all()
+    err = np.abs(Q * s[:, None, :] - W)
+    assert (err <= s[:, None, :] / 2 + 1e-7).all()
+    F, ones = quantize(W, int8=False)
+    assert F.dtype == np.float32 and np.array_equal(F, W) and (ones == 1).all()
+    Z, z = quantize(np.zeros((0, 8), np.float32), int8=True)  # an absent part
+    assert Z.shape == (0, 8) and Z.dtype == np.int8 and z.shape == (8,)
