@@ -97,6 +97,61 @@ def latency_us(pred: Any, trace: Any, repeats: int) -> dict[str, float]:
     }
 
 
+def state_reference(model_dir: str, texts: int = 60) -> dict[str, list[float | None]]:
+    """How far layer l-1 can see in ``tiny``: per layer, recall@k of layer l's true router applied to
+
+    - ``gate_reuse``: layer l-1's gate input (the gate-reuse baseline, on the model's own run);
+    - ``input_state``: the token's whole state when layer l-1 ends, i.e. layer l's input hidden
+      state through layer l's post-attention norm: everything but layer l's attention.
+
+    Run on the first ``texts`` held-out ShareGPT texts of ``tiny``'s own split. A reference, not a
+    ceiling: a predictor that also reads the context (as LLaPor does) can pass it.
+    """
+    import itertools
+
+    from moecast.collect import sharegpt
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    layers = model.model.layers
+    k = model.config.num_experts_per_tok
+    gin: dict[int, torch.Tensor] = {}
+    hooks = [
+        layer.mlp.register_forward_pre_hook(
+            lambda m, a, i=i: gin.__setitem__(i, a[0].reshape(-1, a[0].shape[-1]))
+        )
+        for i, layer in enumerate(layers)
+    ]
+
+    def top(li: int, x: torch.Tensor) -> np.ndarray:
+        return torch.topk(x @ layers[li].mlp.gate.weight.T, k, dim=-1).indices.numpy()
+
+    def recall(a: np.ndarray, b: np.ndarray) -> float:
+        return float((a[:, :, None] == b[:, None, :]).any(-1).mean())
+
+    sums = {"gate_reuse": np.zeros(len(layers)), "input_state": np.zeros(len(layers))}
+    n = 0
+    try:
+        with torch.no_grad():
+            for text in itertools.islice(
+                sharegpt.training_texts(split="val", max_chars_per_text=2000), texts
+            ):
+                ids = tok(text, return_tensors="pt", truncation=True, max_length=256)["input_ids"]
+                hs = model(input_ids=ids, output_hidden_states=True).hidden_states  # hs[l]: layer l's input
+                t = ids.shape[1]
+                for li in range(1, len(layers)):
+                    truth = top(li, gin[li])
+                    sums["gate_reuse"][li] += recall(top(li, gin[li - 1]), truth) * t
+                    state = layers[li].post_attention_layernorm(hs[li][0])
+                    sums["input_state"][li] += recall(top(li, state), truth) * t
+                n += t
+    finally:
+        for h in hooks:
+            h.remove()
+    return {key: [None] + [float(v / n) for v in arr[1:]] for key, arr in sums.items()}
+
+
 def table(
     name: str, ts: Any, preds: list[tuple[str, Any, float | None]], requests: list[str], emit: Any
 ) -> dict[str, dict]:
@@ -179,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
             print(text, flush=True)
 
     from moecast.collect.traceset import open_traces
-    from moecast.predictors.commands import build_baseline
+    from moecast.predictors.commands import build_baseline, evaluate_predictor
 
     timing: list[tuple[str, Any, Any]] = []
     if not args.skip_ds:
@@ -232,6 +287,20 @@ def main(argv: list[str] | None = None) -> None:
             preds.append((f"llapor ({Path(args.tiny_checkpoint or 'trained').name})", pred, secs))
             table("tiny held-out", ts, preds, requests, emit)
             timing.append(("tiny", pred, ts.get(requests[0])))
+            if Path(args.tiny_model).is_dir():
+                ref = state_reference(args.tiny_model, 20 if args.quick else 60)
+                per = evaluate_predictor(pred, ts, requests, progress=False)["per_layer"]["recall_at_k"]
+
+                def row(v: list) -> str:
+                    return " ".join("   -  " if x is None else f"{x:.3f}" for x in v)
+
+                emit(
+                    "\n[tiny] how far layer l-1 can see: recall@k per layer of the true router of layer l on\n"
+                    f"  layer l-1's gate input (gate reuse)        {row(ref['gate_reuse'])}\n"
+                    f"  layer l's input state (all but attention)  {row(ref['input_state'])}\n"
+                    f"  LLaPor (held-out traces)                   {row(per)}",
+                    {"bench": "tiny-reference", **ref, "llapor_per_layer": per},
+                )
     if timing:
         emit(
             "\n[latency] LLaPor on CPU, batch 1, 1 thread (score_layer = the runtime's per-layer call)", None

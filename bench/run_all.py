@@ -503,6 +503,21 @@ def b_predictors(ctx: Ctx) -> list[Figure]:
                 judge=tiny_ck is not None,
             )
         )
+        ref = next((r for r in tiny_rows if r.get("bench") == "tiny-reference"), None)
+        if ref:
+
+            def per_layer(v: list) -> str:
+                return " ".join(f"{x:.3f}" for x in v if x is not None)
+
+            figs.append(
+                Figure(
+                    "predictors",
+                    "tiny: true router of layer l on its input state, layers 1..L-1",
+                    per_layer(ref["input_state"]),
+                    note=f"all but layer l's attention; gate reuse {per_layer(ref['gate_reuse'])}; "
+                    f"LLaPor {per_layer(ref['llapor_per_layer'][1:])}",
+                )
+            )
     for name, r in lat.items():
         us = r.get("score_layer_us_median")
         figs.append(

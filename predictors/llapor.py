@@ -19,6 +19,10 @@ when layer l-1 finishes for the current token (PreScope §4.2.1):
   with this token's ids at the last ``context_vote`` layers below l (a dense input);
   ``token_exact``: token ids index a vocabulary from the training split (stored in the
   checkpoint as ``tok_vocab``) instead of being hashed into ``token_buckets``.
+- ``context_gate`` (TraceSets with gate inputs): the PCA of layer l's gate input of the
+  last ``context_gate`` tokens. Layer l's attention mixes those tokens' layer-l states into
+  this token's gate input, the part of it that layer l-1's gate input cannot show; they
+  finished every layer before this token started, so this stays causal.
 - ``dense_skip``: a linear map from the dense features (gate-input PCA, weights)
   straight to the logits beside the MLP, i.e. a learned router on layer l-1's
   gate input (gate reuse with learned instead of borrowed weights).
@@ -83,6 +87,7 @@ class FeatureSpec:
         0  # >0: earlier tokens' layer-l ids, weighted by path overlap over this many layers < l
     )
     vote_power: float = 4.0  # weight of an earlier token = (1 + overlap) ** vote_power
+    context_gate: int = 0  # PCA of layer l's gate input of tokens t-1 .. t-context_gate (needs gate_pca)
 
     @property
     def vocab(self) -> int:
@@ -101,7 +106,7 @@ class FeatureSpec:
     @property
     def dense_dim(self) -> int:
         return (
-            self.pca_max
+            self.pca_max * (1 + self.context_gate)
             + (self.num_experts if self.weights else 0)
             + (self.num_experts if self.context_vote else 0)
         )
@@ -255,7 +260,9 @@ def dense_features(
     pos: np.ndarray | None = None,
 ) -> np.ndarray:
     """[T, L, dense_dim] float32: PCA of layer l-1's gate input and layer l-1's weights (zeros at
-    layer 0), then with ``context_vote`` the earlier tokens' pooled layer-l ids (``context_votes``).
+    layer 0), then with ``context_vote`` the earlier tokens' pooled layer-l ids (``context_votes``),
+    then with ``context_gate`` the PCA of layer l's gate input of tokens t-1, t-2, .. (zeros before
+    a request's first token; ``pos`` is each row's position in its request).
 
     ``pca_in`` is the already projected gate input [T, L, pca_max] (row l = layer l's own gate input).
     """
@@ -272,6 +279,14 @@ def dense_features(
         off += spec.num_experts
     if spec.context_vote:
         out[:, :, off : off + spec.num_experts] = context_votes(spec, ids, pos)
+        off += spec.num_experts
+    if spec.context_gate and pca_in is not None:
+        P = spec.pca_max
+        pos = np.arange(T) if pos is None else np.asarray(pos)
+        for n in range(1, spec.context_gate + 1):
+            rows = np.nonzero(pos >= n)[0]
+            out[rows, :, off : off + P] = pca_in[rows - n]
+            off += P
     return out
 
 
@@ -644,10 +659,8 @@ class LLaPor(Predictor):
         return out
 
     def _layer_weights(self, layer: int) -> dict[str, Any]:
-        cache = self.__dict__.setdefault("_layer_cache", {})
-        if cache.get("int8") != self.int8_kernel:  # packed for the other precision
-            cache.clear()
-            cache["int8"] = self.int8_kernel
+        # one cache per precision: packed int8 and float32 weights can both be kept
+        cache = self.__dict__.setdefault("_layer_cache", {}).setdefault(self.int8_kernel, {})
         if layer in cache:
             return cache[layer]
         net = self.net

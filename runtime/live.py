@@ -192,7 +192,10 @@ class LiveRuntime:
         self._tok_history: list[int] = []  # and their token ids
         self._cur_ids = np.zeros((0, self.num_layers, self.top_k), np.int64)
         self._cur_w = np.zeros((0, self.num_layers, self.top_k), np.float32)
+        # gate inputs [m, L, H] of this forward's last m tokens (m = 1, or LLaPor's context_gate in
+        # prefill), and the last context_gate finished tokens' [L, H] rows
         self._cur_gate: np.ndarray | None = None
+        self._gate_history: list[np.ndarray] = []
         self._input_ids: torch.Tensor | None = None
         self.planner: Any = None
         self.last_plan_branch: str | None = None
@@ -321,8 +324,9 @@ class LiveRuntime:
         self._cur_ids = np.zeros((n, self.num_layers, self.top_k), np.int64)
         self._cur_w = np.zeros((n, self.num_layers, self.top_k), np.float32)
         needs_gate = self.prefetch == "predictor" and "gate_inputs" in getattr(self.predictor, "needs", ())
+        keep = max(1, min(n, self._context_gate()))
         self._cur_gate = (
-            np.zeros((self.num_layers, self.info.hidden_size), np.float32) if needs_gate else None
+            np.zeros((keep, self.num_layers, self.info.hidden_size), np.float32) if needs_gate else None
         )
         self._clock = 0.0
         self._link_free = 0.0
@@ -342,6 +346,9 @@ class LiveRuntime:
                 self._history.append(self._cur_ids[0].copy())
                 self._history = self._history[-32:]
                 self._tok_history = [*self._tok_history, self._current_token()][-32:]
+                if self._cur_gate is not None and self._context_gate():
+                    self._gate_history = [*self._gate_history, self._cur_gate[-1].copy()]
+                    self._gate_history = self._gate_history[-self._context_gate() :]
         else:
             s.prefill_steps += 1
             s.measured_prefill_ms += wall
@@ -350,6 +357,8 @@ class LiveRuntime:
                 self._history = [r for r in self._cur_ids[-32:]]
                 ids = self._input_ids.reshape(-1) if self._input_ids is not None else torch.zeros(0)
                 self._tok_history = [int(t) for t in ids[-32:]]
+                if self._cur_gate is not None and self._context_gate():
+                    self._gate_history = [g.copy() for g in self._cur_gate]
         self._step += 1
 
     # ------------------------------------------------------------------ the experts call
@@ -416,8 +425,11 @@ class LiveRuntime:
         if len(self._cur_ids) == n:
             self._cur_ids[:, pos] = ids
             self._cur_w[:, pos] = weights.detach().float().cpu().numpy()
-            if self._cur_gate is not None and n == 1:
-                self._cur_gate[pos] = hidden[0].detach().float().cpu().numpy()
+            if self._cur_gate is not None:
+                m = len(self._cur_gate)
+                self._cur_gate[:, pos] = (
+                    hidden.reshape(-1, hidden.shape[-1])[-m:].detach().float().cpu().numpy()
+                )
         lane = np.array([pos])
         out: torch.Tensor | None = None
         uniq, counts = np.unique(ids, return_counts=True)
@@ -641,8 +653,15 @@ class LiveRuntime:
             return None
         g = np.zeros((t, self.num_layers, self.info.hidden_size), np.float16)
         if self._cur_gate is not None:
-            g[-1] = self._cur_gate
+            g[-1] = self._cur_gate[-1]
+        prev = self._gate_history[-(t - 1) :] if t > 1 else []
+        if prev:  # LLaPor's context_gate: the finished tokens' gate inputs at every layer
+            g[t - 1 - len(prev) : t - 1] = np.stack(prev)
         return g
+
+    def _context_gate(self) -> int:
+        spec = getattr(self.predictor, "spec", None)
+        return int(getattr(spec, "context_gate", 0) or 0)
 
     # ------------------------------------------------------------------ results
     def reset_stats(self) -> None:

@@ -441,17 +441,32 @@ def test_llapor_prefetch_and_online_update_keep_logits(model_dir, llapor_for_mod
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     pred = load(llapor_for_model)
+    assert pred.spec.context_gate == 1  # configs/llapor_tiny.yaml: the previous token's gate inputs
     ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(4))
     ref = decode_logits(model, ids, steps=4)
     before = {k: v.clone() for k, v in pred.net.state_dict().items()}
+    blocks = [layer.mlp for layer in model.model.layers]
+    seen: dict[int, torch.Tensor] = {}  # each MoE block's input (its router's input) of the last token
+    hooks = [
+        b.register_forward_pre_hook(
+            lambda m, a, i=i: seen.__setitem__(i, a[0].reshape(-1, a[0].shape[-1])[-1])
+        )
+        for i, b in enumerate(blocks)
+    ]
     rt = attach(
         model, policy="lru", capacity=2, alpha=0.0, predictor=pred, online_update=True, online_lr=1e-2
     )
     try:
         got = decode_logits(model, ids, steps=4)
         stats = rt.stats()
+        # the finished token's gate inputs reach the next token's features (context_gate)
+        trace = rt._layer_ahead_trace()
+        want = torch.stack([seen[i] for i in range(len(blocks))]).numpy()
+        assert np.allclose(trace.gate_inputs[-2].astype(np.float32), want, atol=2e-2, rtol=1e-2)
     finally:
         rt.detach()
+        for h in hooks:
+            h.remove()
     assert torch.allclose(got, ref, atol=2e-5, rtol=1e-5)  # prefetch and learning never change outputs
     assert stats["prefetch"] == "predictor" and stats["prefetches"] > 0
     assert stats["online_updates"] == 4 and np.isfinite(stats["online_loss"])

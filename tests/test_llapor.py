@@ -444,3 +444,20 @@ def test_kernel_quantize_keeps_each_column_within_half_a_step():
     assert F.dtype == np.float32 and np.array_equal(F, W) and (ones == 1).all()
     Z, z = quantize(np.zeros((0, 8), np.float32), int8=True)  # an absent part
     assert Z.shape == (0, 8) and Z.dtype == np.int8 and z.shape == (8,)
+
+
+def test_context_gate_feeds_the_previous_tokens_same_layer_gate_input():
+    from moecast.predictors.llapor import dense_features
+
+    spec = FeatureSpec(
+        num_layers=3, num_experts=4, top_k=1, gate_pca=True, pca_dims=[2, 2, 2], context_gate=2
+    )
+    assert spec.dense_dim == 2 * 3
+    pca_in = np.arange(5 * 3 * 2, dtype=np.float32).reshape(5, 3, 2) + 1  # [T, L, P]
+    ids = np.zeros((5, 3, 1), np.int64)
+    pos = np.array([0, 1, 2, 0, 1])  # two requests: rows 0-2 and 3-4
+    out = dense_features(spec, pca_in, None, ids, pos)
+    assert (out[:, 0, :2] == 0).all() and np.array_equal(out[:, 1:, :2], pca_in[:, :-1])  # layer-ahead
+    assert np.array_equal(out[2, :, 2:4], pca_in[1]) and np.array_equal(out[2, :, 4:6], pca_in[0])
+    assert (out[0, :, 2:] == 0).all() and (out[3, :, 2:] == 0).all()  # a request's first token
+    assert np.array_equal(out[4, :, 2:4], pca_in[3]) and (out[4, :, 4:6] == 0).all()  # not across requests

@@ -463,6 +463,8 @@ def test_training_resumes_from_last_checkpoint(tmp_path, capsys, monkeypatch):
     run = run_dir_for(out)
     last = run / "checkpoints" / "last.ckpt"
     assert last.is_file()
+    # last.ckpt is the final epoch's even when that epoch did not improve the monitored metric
+    assert torch.load(last, weights_only=False)["epoch"] == 1
     first = next((run / "csv").glob("version_*/metrics.csv"))
     assert _logged_epochs(first) == {0, 1}
     # an interrupted run: killed after its last checkpoint, before the export

@@ -128,16 +128,25 @@ def _make_cli_class() -> type:
                 ),
                 CSVLogger(save_dir=str(run_dir), name="csv"),
             ]
-            ckpt = ModelCheckpoint(
+            best = ModelCheckpoint(
                 dirpath=str(run_dir / "checkpoints"),
                 filename="best",
                 monitor=MONITOR,
                 mode="max",
                 save_top_k=1,
-                save_last=True,
+            )
+            # last.ckpt after every epoch, for --resume. Not the best callback's save_last: Lightning
+            # writes that only in an epoch that also wrote a best checkpoint, so a resumed run would
+            # repeat every epoch since the best one
+            last = ModelCheckpoint(
+                dirpath=str(run_dir / "checkpoints"),
+                filename="last",
+                monitor=None,
+                save_top_k=1,
+                enable_version_counter=False,
             )
             base = self._get(self.config_init, "trainer", default={}) or {}
-            callbacks = [*(base.get("callbacks") or []), ckpt]
+            callbacks = [*(base.get("callbacks") or []), best, last]
             kwargs.setdefault("default_root_dir", str(run_dir))
             return super().instantiate_trainer(logger=loggers, callbacks=callbacks, **kwargs)
 

@@ -139,6 +139,7 @@ class LLaPorDataModule(pl.LightningDataModule):
         repeat_token: bool = False,
         context_vote: int = 0,
         vote_power: float = 4.0,
+        context_gate: int = 0,
         gate_pca: bool | str = "auto",
         weights: bool | str = "auto",
         pca_io: int = 256,
@@ -162,6 +163,7 @@ class LLaPorDataModule(pl.LightningDataModule):
             ("token_dim", token_dim, 1),
             ("token_min_count", token_min_count, 1),
             ("context_vote", context_vote, 0),
+            ("context_gate", context_gate, 0),
             ("pca_io", pca_io, 1),
             ("pca_middle", pca_middle, 1),
             ("pca_fit_rows", pca_fit_rows, 1),
@@ -228,8 +230,9 @@ class LLaPorDataModule(pl.LightningDataModule):
         pca_dims = [0] * L
         if use_gate:
             group_of = {li: g for g, ls in self.groups.items() for li in ls}
-            for li in range(L - 1):
-                want = hp.pca_middle if group_of[li + 1] == "middle" else hp.pca_io
+            # layer l's PCA feeds layer l+1 (and, with context_gate, layer l itself)
+            for li in range(L if hp.context_gate else L - 1):
+                want = hp.pca_middle if group_of[min(li + 1, L - 1)] == "middle" else hp.pca_io
                 pca_dims[li] = int(min(want, m.hidden_size, len(sub)))
         # token_exact: the training split's token ids seen >= token_min_count times get their own
         # embedding row (one more row for every other id); token_buckets then counts those rows
@@ -254,6 +257,7 @@ class LLaPorDataModule(pl.LightningDataModule):
             repeat_token=hp.repeat_token,
             context_vote=hp.context_vote,
             vote_power=float(hp.vote_power),
+            context_gate=hp.context_gate if use_gate else 0,
             gate_pca=use_gate,
             pca_dims=pca_dims,
             gate_hidden=m.hidden_size if use_gate else 0,
@@ -271,7 +275,9 @@ class LLaPorDataModule(pl.LightningDataModule):
                 from sklearn.decomposition import PCA
 
                 pca_in = np.zeros((len(gate), L, self.spec.pca_max), np.float32)
-                for li in range(L - 1):
+                for li in range(L):
+                    if not pca_dims[li]:
+                        continue
                     pca = PCA(n_components=pca_dims[li], random_state=hp.seed).fit(gate[sub, li])
                     self.pca_components[li, : pca_dims[li]] = pca.components_
                     self.pca_mean[li] = pca.mean_
