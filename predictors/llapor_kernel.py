@@ -168,3 +168,30 @@ def pack(w: dict[str, Any], H: int, E: int, int8: bool = True) -> tuple:
         *mat(skip[0] if skip else None, (0, E)),
         f32(skip[1] if skip else None, (0,)),
     )
+
+
+@njit(cache=True, nogil=True)
+def row_bags(topk, t, layer, prev_layers, history_tokens, history_layers, repeat_row, E, pad, out):
+    """Token ``t``'s sparse feature ids at ``layer`` into ``out`` [nbag]: the runtime's one-row
+    version of :func:`moecast.predictors.llapor.sparse_bags` (same blocks, same order; the tests
+    compare them). ``topk`` [T, L, k] holds one request from position 0; ``repeat_row`` is the
+    token's earlier occurrence (-1: none) or -2 without ``repeat_token``."""
+    k = topk.shape[2]
+    i = 0
+    for d in range(1, prev_layers + 1):  # this token's ids at layers l-1 .. l-prev_layers
+        for c in range(k):
+            out[i] = topk[t, layer - d, c] + (d - 1) * E if layer >= d else pad
+            i += 1
+    base = prev_layers * E
+    for j in range(1, history_tokens + 1):  # token t-j's ids at layers l, l-1, ..
+        for dd in range(history_layers):
+            for c in range(k):
+                out[i] = topk[t - j, layer - dd, c] + base if (layer >= dd and t >= j) else pad
+                i += 1
+            base += E
+    if repeat_row != -2:  # this token's latest earlier occurrence, layer l
+        for c in range(k):
+            out[i] = topk[repeat_row, layer, c] + base if repeat_row >= 0 else pad
+            i += 1
+    if i == 0:
+        out[0] = pad

@@ -607,36 +607,52 @@ class LiveRuntime:
         return int(self._input_ids.reshape(-1)[-1]) if self._input_ids is not None else 0
 
     def _layer_ahead_trace(self) -> Any:
-        """Recent tokens plus the current one as a request trace (the current token's later layers are 0)."""
+        """Recent tokens plus the current one as a request trace (the current token's later layers are 0).
+
+        The finished tokens' rows change once per forward, the current row once per layer: the
+        window's arrays are built once per forward step and only the last row is rewritten.
+        """
         from moecast.collect.traceset import RequestTrace
 
-        hist = self._history[-16:]
-        toks = self._tok_history[-len(hist) :] if hist else []
-        toks = [0] * (len(hist) - len(toks)) + toks
-        ids = np.stack([*hist, self._cur_ids[0]]).astype(np.int16)
-        w = np.concatenate([np.zeros((len(hist), self.num_layers, self.top_k), np.float32), self._cur_w[:1]])
+        cache = self.__dict__.get("_window")
+        if cache is None or cache[0] != self._step:
+            hist = self._history[-16:]
+            T, L, k = len(hist) + 1, self.num_layers, self.top_k
+            toks = self._tok_history[-len(hist) :] if hist else []
+            tok_ids = np.array([0] * (len(hist) - len(toks)) + toks + [0], np.int64)
+            ids = np.zeros((T, L, k), np.int16)
+            if hist:
+                ids[:-1] = np.stack(hist)
+            w = np.zeros((T, L, k), np.float16)  # the finished tokens' weights are not kept
+            cache = (self._step, tok_ids, ids, w, self._gate_rows(T))
+            self.__dict__["_window"] = cache
+        _, tok_ids, ids, w, gate = cache
+        tok_ids[-1] = self._current_token()
+        ids[-1] = self._cur_ids[0]
+        w[-1] = self._cur_w[0]
+        if gate is not None and self._cur_gate is not None:
+            gate[-1] = self._cur_gate[-1]
         return RequestTrace(
             request_id="live",
             workload="live",
             category="",
             prompt="",
-            token_ids=np.array([*toks, self._current_token()], np.int64),
+            token_ids=tok_ids,
             token_texts=[""] * len(ids),
             is_decode=np.ones(len(ids), bool),
             topk_ids=ids,
-            topk_weights=w.astype(np.float16),
+            topk_weights=w,
             router_probs=None,
-            gate_inputs=self._gate_rows(len(ids)),
+            gate_inputs=gate,
         )
 
     def _predict_layer_ahead(self, nxt: int) -> np.ndarray:
         """Layer-ahead predictor on the current token: what is known when layer nxt-1 finished."""
         trace = self._layer_ahead_trace()
         p = self.predictor
-        if hasattr(p, "features") and hasattr(p, "score_layer"):
-            # only layer nxt's head on the current token's row (LLaPor's numpy per-layer path)
-            row = {k: v[-1:] for k, v in p.features(trace).items()}
-            return np.asarray(p.score_layer(nxt, row))[0]
+        if hasattr(p, "features_at") and hasattr(p, "score_layer"):
+            # only layer nxt's inputs and head on the current token (LLaPor's compiled per-layer path)
+            return np.asarray(p.score_layer(nxt, p.features_at(trace, nxt)))[0]
         return p.score_request(trace)[-1, nxt]
 
     def _online_update(self) -> None:

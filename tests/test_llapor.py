@@ -461,3 +461,43 @@ def test_context_gate_feeds_the_previous_tokens_same_layer_gate_input():
     assert np.array_equal(out[2, :, 2:4], pca_in[1]) and np.array_equal(out[2, :, 4:6], pca_in[0])
     assert (out[0, :, 2:] == 0).all() and (out[3, :, 2:] == 0).all()  # a request's first token
     assert np.array_equal(out[4, :, 2:4], pca_in[3]) and (out[4, :, 4:6] == 0).all()  # not across requests
+
+
+def test_features_at_builds_the_runtime_row_as_features_does(tmp_path):
+    import dataclasses
+
+    path = make_synthetic_traceset(tmp_path / "fa", num_requests=12, num_layers=4, num_experts=8, hidden=16)
+    module, dm = _fit(
+        path,
+        epochs=1,
+        prev_layers=2,
+        deep_history=True,
+        history_tokens=2,
+        token_buckets=64,
+        context_tokens=1,
+        repeat_token=True,
+        context_vote=1,
+        context_gate=2,
+        dense_skip=True,
+    )
+    pred = load(module.export(tmp_path / "fa.safetensors", dm, {}))
+    spec = pred.spec
+    assert spec.gate_pca and spec.weights and spec.context_gate == 2 and spec.context_vote == 1
+    full = TraceSet(path).get(dm.val_ids[0])
+    for t in (0, 1, 2, len(full) - 1):  # the first tokens have no (or not every) earlier token
+        trace = dataclasses.replace(
+            full,
+            token_ids=full.token_ids[: t + 1],
+            topk_ids=full.topk_ids[: t + 1],
+            topk_weights=full.topk_weights[: t + 1],
+            gate_inputs=full.gate_inputs[: t + 1],
+        )
+        ref = {k: v[-1:].numpy() for k, v in pred.features(trace).items()}
+        for layer in range(4):
+            row = pred.features_at(trace, layer)
+            assert set(row) == set(ref) == {"bags", "route", "tokens", "dense"}
+            assert np.array_equal(row["route"], ref["route"])
+            assert np.array_equal(row["bags"][:, layer], ref["bags"][:, layer])
+            assert np.array_equal(row["tokens"], ref["tokens"])
+            assert np.allclose(row["dense"][:, layer], ref["dense"][:, layer], atol=1e-5)
+            assert np.allclose(pred.score_layer(layer, row), pred.score_layer(layer, ref), atol=1e-6)
