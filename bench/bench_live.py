@@ -6,7 +6,10 @@ Prints (goals from the live-runtime issue):
 - overhead of the attached runtime vs plain ``generate`` at full residency (goal <= 15 %);
 - alpha = 0.3: perplexity change on held-out ShareGPT text (goal <= 2 %) and greedy
   next-token agreement with alpha = 0 (goal >= 95 %);
-- the whole alpha sweep (SMoE Table IV-style), with modeled TPOT on the default profile.
+- the whole alpha sweep (SMoE Table IV-style), with modeled TPOT on the default profile;
+- with a LLaPor checkpoint for ``tiny`` (``--predictor``, default runs/llapor_tiny.safetensors when
+  present): ms/token attached with layer-ahead prediction, and the per-layer prediction call
+  inside the decode loop (window, features of that layer, score_layer), median and p90 in µs.
 
 Uses the built ``tiny`` default model when it exists ($MOECAST_HOME/tiny/default),
 otherwise the quick ``test`` preset (said in the output).
@@ -17,8 +20,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
+
+from moecast.errors import MoecastError
 
 
 def _model():
@@ -45,6 +51,54 @@ def _generate_ms(model, ids, tokens: int) -> float:
     return (time.perf_counter() - t0) * 1e3 / tokens
 
 
+def _predictor_row(model, ids, args) -> None:
+    """At ``--capacity``: ms/token attached with lru alone and with LLaPor's layer-ahead prefetch,
+    and the per-layer prediction call inside the decode loop."""
+    import numpy as np
+    from moecast.predictors.registry import load
+    from moecast.runtime.live import attach
+
+    capacity = float(args.capacity)
+    try:
+        pred = load(args.predictor)
+        attach(model, policy="lru", capacity=capacity, predictor=pred).detach()
+    except (ValueError, MoecastError) as exc:
+        print(f"\nLLaPor in the decode loop: skipped ({exc})")
+        return
+    calls: list[float] = []
+    ms: dict[str, list[float]] = {"lru": [], "lru + LLaPor": []}
+    for _ in range(args.repeats):  # interleaved, as above
+        for name in ms:
+            rt = attach(model, policy="lru", capacity=capacity, predictor=pred if "LLaPor" in name else None)
+            if "LLaPor" in name:
+                inner = rt._predict_layer_ahead
+
+                def timed(nxt: int, inner=inner):
+                    t0 = time.perf_counter()
+                    out = inner(nxt)
+                    calls.append(time.perf_counter() - t0)
+                    return out
+
+                rt._predict_layer_ahead = timed
+            try:
+                mark = len(calls)
+                _generate_ms(model, ids, 4)  # warm-up (kernels, packed weights): not counted
+                del calls[mark:]
+                ms[name].append(_generate_ms(model, ids, args.tokens))
+            finally:
+                rt.detach()
+    us = np.array(calls) * 1e6
+    print(
+        f"\nLLaPor in the decode loop ({Path(args.predictor).name}, capacity {capacity}, best of {args.repeats}):"
+    )
+    for name, v in ms.items():
+        print(f"  {name:<18} {min(v):7.2f} ms/token  ({statistics.median(v):.2f})")
+    print(
+        f"  per-layer prediction {np.median(us):6.1f} us median, p90 {np.percentile(us, 90):.1f} us "
+        f"({len(us)} calls: window, that layer's features, score_layer)"
+    )
+
+
 def main() -> None:
     from moecast.runtime.live import attach
     from moecast.runtime.live_cli import heldout_rows, sweep
@@ -56,6 +110,11 @@ def main() -> None:
     ap.add_argument("--text-tokens", type=int, default=64)
     ap.add_argument("--capacity", default="0.25")
     ap.add_argument("--alphas", default="0,0.1,0.2,0.3,0.4,0.5,0.6")
+    ap.add_argument(
+        "--predictor",
+        default=str(Path(__file__).resolve().parents[1] / "runs" / "llapor_tiny.safetensors"),
+        help="LLaPor checkpoint for tiny (skipped when absent or trained on another model)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     model, tok, preset = _model()
@@ -82,6 +141,11 @@ def main() -> None:
     print(
         f"  overhead            {100 * (lv / p - 1):+7.1f} %   (goal <= 15 %; medians {100 * (lm / pm - 1):+.1f} %)"
     )
+
+    if Path(args.predictor).is_file() and preset == "default":
+        _predictor_row(model, ids, args)
+    else:
+        print(f"\nLLaPor in the decode loop: skipped (no checkpoint {args.predictor} for tiny default)")
 
     rows = heldout_rows(tok, "sharegpt", args.texts, args.text_tokens)
     alphas = [float(a) for a in args.alphas.split(",")]

@@ -738,6 +738,14 @@ def b_live(ctx: Ctx) -> list[Figure]:
         ),
         fig(
             "live",
+            "LLaPor per-layer prediction in the decode loop (us)",
+            _num(r"per-layer prediction\s+([\d.]+) us median", out),
+            "{:.1f} us",
+            "<= 100 us",
+            note + "; window + that layer's features + score_layer, tiny, runs/llapor_tiny.safetensors",
+        ),
+        fig(
+            "live",
             "alpha=0.3 perplexity change",
             _num(r"alpha = 0\.3: perplexity change ([-+]?[\d.]+) %", out),
             "{:+.2f} %",
