@@ -197,6 +197,7 @@ class LiveRuntime:
         self._cur_gate: np.ndarray | None = None
         self._gate_history: list[np.ndarray] = []
         self._input_ids: torch.Tensor | None = None
+        self._cur_token = 0
         self.planner: Any = None
         self.last_plan_branch: str | None = None
         self._place()
@@ -320,6 +321,8 @@ class LiveRuntime:
         # one new token per sequence with a cache = a decode step (SMoE's TPOT is measured on these)
         self._decode = seq == 1
         self._input_ids = ids
+        # read once per forward: a torch index and int() cost ~20 us, paid at every layer otherwise
+        self._cur_token = int(ids.reshape(-1)[-1]) if ids is not None and ids.numel() else 0
         n = ids.numel() if ids is not None else 0
         self._cur_ids = np.zeros((n, self.num_layers, self.top_k), np.int64)
         self._cur_w = np.zeros((n, self.num_layers, self.top_k), np.float32)
@@ -604,7 +607,7 @@ class LiveRuntime:
         return None
 
     def _current_token(self) -> int:
-        return int(self._input_ids.reshape(-1)[-1]) if self._input_ids is not None else 0
+        return self._cur_token
 
     def _layer_ahead_trace(self) -> Any:
         """Recent tokens plus the current one as a request trace (the current token's later layers are 0).
