@@ -711,7 +711,8 @@ class LLaPor(Predictor):
         Runs only that layer's predictor, as one compiled loop (:mod:`.llapor_kernel`) on
         weights packed once per layer (int8 matrices unless ``int8_kernel`` is False): no torch
         dispatch, no per-operation numpy calls.
-        ``feats`` are rows of ``features()`` (all layers' inputs; only this layer's are read).
+        ``feats`` are rows of ``features()`` (all layers' inputs; only this layer's are read) or
+        the one row of ``features_at(trace, layer)``.
         """
         w = self._layer_weights(layer)
         bags = np.asarray(feats["bags"])[:, layer]  # [B, n]; the pad id indexes a zero row
