@@ -641,8 +641,7 @@ class LLaPor(Predictor):
         if spec.repeat_token:
             same = np.flatnonzero(np.asarray(trace.token_ids[:t]) == trace.token_ids[t])
             repeat = int(same[-1]) if len(same) else -1
-        n = max(1, spec.sparse_blocks * spec.top_k)
-        bags = np.full((1, L, n), spec.vocab, np.int64)
+        bags = np.full((1, L, max(1, spec.sparse_blocks * spec.top_k)), spec.vocab, np.int64)
         llapor_kernel.row_bags(
             ids, t, layer, spec.prev_layers, spec.history_tokens, spec.history_layers, repeat,
             spec.num_experts, spec.vocab, bags[0, layer],
@@ -651,48 +650,63 @@ class LLaPor(Predictor):
         if spec.deep_history:
             feats["route"] = ids[t:].astype(np.int64)
         if spec.token_buckets:
-            window = np.asarray(trace.token_ids[max(0, t - spec.context_tokens) :], np.int64)[::-1]
-            vocab = self.net.tok_vocab.numpy() if spec.token_exact else None
-            tok = np.full(1 + spec.context_tokens, spec.token_buckets, np.int64)  # pad before the start
-            tok[: len(window)] = token_buckets_of(spec, window, vocab)
-            feats["tokens"] = tok[None, :] if spec.context_tokens else tok[:1]
+            if spec.context_tokens:
+                window = np.asarray(trace.token_ids[max(0, t - spec.context_tokens) :], np.int64)[::-1]
+                vocab = self.net.tok_vocab.numpy() if spec.token_exact else None
+                tok = np.full(1 + spec.context_tokens, spec.token_buckets, np.int64)  # pad before the start
+                tok[: len(window)] = token_buckets_of(spec, window, vocab)
+                feats["tokens"] = tok[None, :]
+            elif spec.token_exact:
+                feats["tokens"] = token_buckets_of(spec, trace.token_ids[t:], self.net.tok_vocab.numpy())
+            else:
+                feats["tokens"] = np.array([int(trace.token_ids[t]) % spec.token_buckets], np.int64)
         if not spec.dense_dim:
             return feats
-        dense = np.zeros((1, spec.num_layers, spec.dense_dim), np.float32)
-        P, E = spec.pca_max, spec.num_experts
-        if "_pca_np" not in self.__dict__:  # numpy copies: torch indexing costs µs per call
-            pca = self.net.pca
-            self._pca_np = (pca.mean.numpy().copy(), pca.components.numpy().transpose(0, 2, 1).copy())
-        mean, comps_t = self._pca_np  # [L, H], [L, H, C]
-
-        def project(t: int, li: int) -> np.ndarray:
-            g = np.asarray(trace.gate_inputs[t, li], np.float32)
-            if not np.isfinite(g).all():
-                raise ValueError(f"request {trace.request_id}: gate_inputs contain NaN or inf; re-collect it")
-            return (g - mean[li]) @ comps_t[li, :, : spec.pca_dims[li]]
-
+        dense = np.zeros((1, L, spec.dense_dim), np.float32)
         out = dense[0, layer]
+        proj = self._projections()
         if spec.gate_pca and layer > 0:
-            out[: spec.pca_dims[layer - 1]] = project(t, layer - 1)
-        off = P
+            mean, comps = proj[layer - 1]
+            np.matmul(
+                trace.gate_inputs[t, layer - 1].astype(np.float32) - mean, comps, out=out[: comps.shape[1]]
+            )
+        off = spec.pca_max
         if spec.weights:
             if layer > 0:
-                w = np.asarray(trace.topk_weights[t, layer - 1], np.float32)
-                if not np.isfinite(w).all():
-                    raise ValueError(
-                        f"request {trace.request_id}: topk_weights contain NaN or inf; re-collect it"
-                    )
-                out[off + ids[t, layer - 1].astype(np.int64)] = w
-            off += E
+                out[off + ids[t, layer - 1].astype(np.int64)] = trace.topk_weights[t, layer - 1]
+            off += spec.num_experts
         if spec.context_vote:
-            out[off : off + E] = context_votes(spec, ids)[t, layer]
-            off += E
+            out[off : off + spec.num_experts] = context_votes(spec, ids)[t, layer]
+            off += spec.num_experts
         for n in range(1, spec.context_gate + 1):
             if t - n >= 0 and spec.gate_pca:
-                out[off : off + spec.pca_dims[layer]] = project(t - n, layer)
-            off += P
+                mean, comps = proj[layer]
+                np.matmul(
+                    trace.gate_inputs[t - n, layer].astype(np.float32) - mean,
+                    comps,
+                    out=out[off : off + comps.shape[1]],
+                )
+            off += spec.pca_max
+        # NaN or inf in a gate input or weight survives the projection (inf * 0 is NaN): one check
+        if not np.isfinite(out).all():
+            bad_w = spec.weights and layer > 0 and not np.isfinite(trace.topk_weights[t, layer - 1]).all()
+            field = "topk_weights" if bad_w else "gate_inputs"
+            raise ValueError(f"request {trace.request_id}: {field} contain NaN or inf; re-collect it")
         feats["dense"] = dense
         return feats
+
+    def _projections(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per layer, the PCA mean [H] and components [H, pca_dims[l]] as contiguous numpy arrays:
+        torch indexing and strided slices cost microseconds on the runtime's per-layer call."""
+        proj = self.__dict__.get("_proj_np")
+        if proj is None:
+            pca, dims = self.net.pca, self.spec.pca_dims
+            proj = [
+                (pca.mean[li].numpy().copy(), np.ascontiguousarray(pca.components[li, : dims[li]].numpy().T))
+                for li in range(self.spec.num_layers)
+            ]
+            self.__dict__["_proj_np"] = proj
+        return proj
 
     def _pca_mask(self) -> np.ndarray:
         m = np.zeros((self.num_layers, self.spec.pca_max), np.float32)

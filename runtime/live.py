@@ -613,7 +613,8 @@ class LiveRuntime:
         """Recent tokens plus the current one as a request trace (the current token's later layers are 0).
 
         The finished tokens' rows change once per forward, the current row once per layer: the
-        window's arrays are built once per forward step and only the last row is rewritten.
+        window (arrays and trace) is built once per forward step and only its last row is
+        rewritten in place, so a caller must not keep it across steps.
         """
         from moecast.collect.traceset import RequestTrace
 
@@ -627,27 +628,28 @@ class LiveRuntime:
             if hist:
                 ids[:-1] = np.stack(hist)
             w = np.zeros((T, L, k), np.float16)  # the finished tokens' weights are not kept
-            cache = (self._step, tok_ids, ids, w, self._gate_rows(T))
+            trace = RequestTrace(
+                request_id="live",
+                workload="live",
+                category="",
+                prompt="",
+                token_ids=tok_ids,
+                token_texts=[""] * T,
+                is_decode=np.ones(T, bool),
+                topk_ids=ids,
+                topk_weights=w,
+                router_probs=None,
+                gate_inputs=self._gate_rows(T),
+            )
+            cache = (self._step, trace)
             self.__dict__["_window"] = cache
-        _, tok_ids, ids, w, gate = cache
-        tok_ids[-1] = self._current_token()
-        ids[-1] = self._cur_ids[0]
-        w[-1] = self._cur_w[0]
-        if gate is not None and self._cur_gate is not None:
-            gate[-1] = self._cur_gate[-1]
-        return RequestTrace(
-            request_id="live",
-            workload="live",
-            category="",
-            prompt="",
-            token_ids=tok_ids,
-            token_texts=[""] * len(ids),
-            is_decode=np.ones(len(ids), bool),
-            topk_ids=ids,
-            topk_weights=w,
-            router_probs=None,
-            gate_inputs=gate,
-        )
+        trace = cache[1]
+        trace.token_ids[-1] = self._current_token()
+        trace.topk_ids[-1] = self._cur_ids[0]
+        trace.topk_weights[-1] = self._cur_w[0]
+        if trace.gate_inputs is not None and self._cur_gate is not None:
+            trace.gate_inputs[-1] = self._cur_gate[-1]
+        return trace
 
     def _predict_layer_ahead(self, nxt: int) -> np.ndarray:
         """Layer-ahead predictor on the current token: what is known when layer nxt-1 finished."""

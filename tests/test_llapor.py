@@ -501,3 +501,17 @@ def test_features_at_builds_the_runtime_row_as_features_does(tmp_path):
             assert np.array_equal(row["tokens"], ref["tokens"])
             assert np.allclose(row["dense"][:, layer], ref["dense"][:, layer], atol=1e-5)
             assert np.allclose(pred.score_layer(layer, row), pred.score_layer(layer, ref), atol=1e-6)
+    # without context tokens the token input is the current token's bucket alone
+    pred.spec = dataclasses.replace(spec, context_tokens=0)
+    ref = pred.features(trace)["tokens"][-1:].numpy()
+    assert np.array_equal(pred.features_at(trace, 2)["tokens"], ref) and ref.shape == (1,)
+    pred.spec = spec
+    # a non-finite gate input or router weight: one clear line, whichever feature reads it
+    bad = dataclasses.replace(trace, gate_inputs=trace.gate_inputs.copy())
+    bad.gate_inputs[-1, 1, 3] = np.nan
+    with pytest.raises(ValueError, match="gate_inputs contain NaN or inf"):
+        pred.features_at(bad, 2)
+    bad = dataclasses.replace(trace, topk_weights=trace.topk_weights.copy())
+    bad.topk_weights[-1, 1, 0] = np.inf
+    with pytest.raises(ValueError, match="topk_weights contain NaN or inf"):
+        pred.features_at(bad, 2)
