@@ -123,6 +123,27 @@ class FeatureSpec:
         return out
 
 
+@dataclass(frozen=True)
+class _RowConstants:
+    """Shapes and numpy weights :meth:`LLaPor.features_at` needs, derived once per spec."""
+
+    spec: FeatureSpec
+    nbag: int
+    route_layers: int
+    ntok: int
+    buckets: int
+    dense_dim: int
+    pca_max: int
+    vote_dim: int
+    mean: np.ndarray  # [L, H] PCA means
+    comps: np.ndarray  # [L, H, C] components, transposed; layer l reads its first pca_dims[l] columns
+    pca_dims: np.ndarray
+
+
+_NO_GATE = np.zeros((1, 1, 1), np.float32)  # feature_row's gate and weight rows when the features read none
+_NO_W = np.zeros(1, np.float32)
+
+
 def previous_occurrence(token_ids: np.ndarray, pos: np.ndarray) -> np.ndarray:
     """[N] for each row of a token table: the row of the latest earlier occurrence of the same
     token id in the same request (``pos`` restarts at 0 for every request), or -1."""
@@ -635,78 +656,75 @@ class LLaPor(Predictor):
         """
         spec = self.spec
         ids = np.asarray(trace.topk_ids)
-        T, L = ids.shape[0], spec.num_layers
+        T, L, k = ids.shape[0], spec.num_layers, spec.top_k
         t = T - 1
-        repeat = -2
-        if spec.repeat_token:
-            same = np.flatnonzero(np.asarray(trace.token_ids[:t]) == trace.token_ids[t])
-            repeat = int(same[-1]) if len(same) else -1
-        bags = np.full((1, L, max(1, spec.sparse_blocks * spec.top_k)), spec.vocab, np.int64)
-        llapor_kernel.row_bags(
-            ids, t, layer, spec.prev_layers, spec.history_tokens, spec.history_layers, repeat,
-            spec.num_experts, spec.vocab, bags[0, layer],
+        i64, f32 = np.int64, np.float32
+        c = self._row_constants()
+        bags = np.full((1, L, c.nbag), spec.vocab, i64)
+        route = np.empty((1, c.route_layers, k), i64)
+        tokens = np.empty((1, c.ntok), i64)
+        dense = np.zeros((1, L, c.dense_dim), f32)
+        gate = _NO_GATE
+        if spec.gate_pca:  # the rows the projections read: token t and its context_gate predecessors
+            gate = np.asarray(trace.gate_inputs[max(0, t - spec.context_gate) :], f32)
+        wrow = _NO_W
+        if spec.weights and layer > 0:
+            wrow = np.asarray(trace.topk_weights[t, layer - 1], f32)
+        ok = llapor_kernel.feature_row(
+            ids, np.asarray(trace.token_ids, i64), gate, wrow, t, layer,
+            spec.prev_layers, spec.history_tokens, spec.history_layers, spec.repeat_token, spec.num_experts,
+            spec.vocab, c.buckets, spec.context_tokens, spec.gate_pca, c.mean, c.comps,
+            c.pca_dims, c.pca_max, spec.weights, c.vote_dim,
+            spec.context_gate, bags[0, layer], route[0], tokens[0], dense[0, layer],
         )  # fmt: skip
-        feats: dict[str, np.ndarray] = {"bags": bags}
-        if spec.deep_history:
-            feats["route"] = ids[t:].astype(np.int64)
-        if spec.token_buckets:
-            if spec.context_tokens:
-                window = np.asarray(trace.token_ids[max(0, t - spec.context_tokens) :], np.int64)[::-1]
-                vocab = self.net.tok_vocab.numpy() if spec.token_exact else None
-                tok = np.full(1 + spec.context_tokens, spec.token_buckets, np.int64)  # pad before the start
-                tok[: len(window)] = token_buckets_of(spec, window, vocab)
-                feats["tokens"] = tok[None, :]
-            elif spec.token_exact:
-                feats["tokens"] = token_buckets_of(spec, trace.token_ids[t:], self.net.tok_vocab.numpy())
-            else:
-                feats["tokens"] = np.array([int(trace.token_ids[t]) % spec.token_buckets], np.int64)
-        if not spec.dense_dim:
-            return feats
-        dense = np.zeros((1, L, spec.dense_dim), np.float32)
-        out = dense[0, layer]
-        proj = self._projections()
-        if spec.gate_pca and layer > 0:
-            mean, comps = proj[layer - 1]
-            np.matmul(
-                trace.gate_inputs[t, layer - 1].astype(np.float32) - mean, comps, out=out[: comps.shape[1]]
-            )
-        off = spec.pca_max
-        if spec.weights:
-            if layer > 0:
-                out[off + ids[t, layer - 1].astype(np.int64)] = trace.topk_weights[t, layer - 1]
-            off += spec.num_experts
-        if spec.context_vote:
-            out[off : off + spec.num_experts] = context_votes(spec, ids)[t, layer]
-            off += spec.num_experts
-        for n in range(1, spec.context_gate + 1):
-            if t - n >= 0 and spec.gate_pca:
-                mean, comps = proj[layer]
-                np.matmul(
-                    trace.gate_inputs[t - n, layer].astype(np.float32) - mean,
-                    comps,
-                    out=out[off : off + comps.shape[1]],
-                )
-            off += spec.pca_max
-        # NaN or inf in a gate input or weight survives the projection (inf * 0 is NaN): one check
-        if not np.isfinite(out).all():
-            bad_w = spec.weights and layer > 0 and not np.isfinite(trace.topk_weights[t, layer - 1]).all()
+        if not ok:
+            bad_w = spec.weights and layer > 0 and not np.isfinite(wrow).all()
             field = "topk_weights" if bad_w else "gate_inputs"
             raise ValueError(f"request {trace.request_id}: {field} contain NaN or inf; re-collect it")
-        feats["dense"] = dense
+        feats: dict[str, np.ndarray] = {"bags": bags}
+        if spec.deep_history:
+            feats["route"] = route
+        if spec.token_buckets:
+            if spec.token_exact:  # sorted-vocabulary lookup: rare, so left to numpy
+                window = np.asarray(trace.token_ids[max(0, t - spec.context_tokens) :], i64)[::-1]
+                tok = np.full(1 + spec.context_tokens, spec.token_buckets, i64)
+                tok[: len(window)] = token_buckets_of(spec, window, self.net.tok_vocab.numpy())
+                tokens = tok[None, :]
+            feats["tokens"] = tokens if spec.context_tokens else tokens[0]
+        if spec.context_vote:
+            off = spec.pca_max + (spec.num_experts if spec.weights else 0)
+            dense[0, layer, off : off + spec.num_experts] = context_votes(spec, ids)[t, layer]
+        if c.dense_dim:
+            feats["dense"] = dense
         return feats
 
-    def _projections(self) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Per layer, the PCA mean [H] and components [H, pca_dims[l]] as contiguous numpy arrays:
-        torch indexing and strided slices cost microseconds on the runtime's per-layer call."""
-        proj = self.__dict__.get("_proj_np")
-        if proj is None:
-            pca, dims = self.net.pca, self.spec.pca_dims
-            proj = [
-                (pca.mean[li].numpy().copy(), np.ascontiguousarray(pca.components[li, : dims[li]].numpy().T))
-                for li in range(self.spec.num_layers)
-            ]
-            self.__dict__["_proj_np"] = proj
-        return proj
+    def _row_constants(self) -> _RowConstants:
+        """What :meth:`features_at` derives from the spec and the PCA, once per spec: the spec's
+        properties and torch-to-numpy copies cost microseconds on the runtime's per-layer call."""
+        c = self.__dict__.get("_row_consts")
+        spec = self.spec
+        if c is None or c.spec is not spec:
+            if spec.gate_pca:
+                pca = self.net.pca
+                mean = np.ascontiguousarray(pca.mean.numpy(), np.float32)
+                comps = np.ascontiguousarray(pca.components.numpy().transpose(0, 2, 1), np.float32)
+            else:
+                mean, comps = np.zeros((0, 0), np.float32), np.zeros((0, 0, 0), np.float32)
+            c = _RowConstants(
+                spec=spec,
+                nbag=max(1, spec.sparse_blocks * spec.top_k),
+                route_layers=spec.num_layers if spec.deep_history else 0,
+                ntok=1 + spec.context_tokens if spec.token_buckets and not spec.token_exact else 0,
+                buckets=max(spec.token_buckets, 1),
+                dense_dim=spec.dense_dim,
+                pca_max=spec.pca_max,
+                vote_dim=spec.num_experts if spec.context_vote else 0,
+                mean=mean,
+                comps=comps,
+                pca_dims=np.array(spec.pca_dims or [0] * spec.num_layers, np.int64),
+            )
+            self.__dict__["_row_consts"] = c
+        return c
 
     def _pca_mask(self) -> np.ndarray:
         m = np.zeros((self.num_layers, self.spec.pca_max), np.float32)

@@ -672,7 +672,7 @@ class LiveRuntime:
     def _gate_rows(self, t: int) -> np.ndarray | None:
         if "gate_inputs" not in getattr(self.predictor, "needs", ()):
             return None
-        g = np.zeros((t, self.num_layers, self.info.hidden_size), np.float16)
+        g = np.zeros((t, self.num_layers, self.info.hidden_size), np.float32)  # what the features read
         if self._cur_gate is not None:
             g[-1] = self._cur_gate[-1]
         prev = self._gate_history[-(t - 1) :] if t > 1 else []

@@ -505,6 +505,12 @@ def test_features_at_builds_the_runtime_row_as_features_does(tmp_path):
     pred.spec = dataclasses.replace(spec, context_tokens=0)
     ref = pred.features(trace)["tokens"][-1:].numpy()
     assert np.array_equal(pred.features_at(trace, 2)["tokens"], ref) and ref.shape == (1,)
+    seen = np.unique(np.asarray(trace.token_ids[::2], np.int64))  # half the ids: some unseen
+    pred.net.register_buffer("tok_vocab", torch.from_numpy(seen))
+    for ctx in (0, 1):  # token ids looked up in the training vocabulary instead of hashed
+        pred.spec = dataclasses.replace(spec, context_tokens=ctx, token_exact=True)
+        ref = pred.features(trace)["tokens"][-1:].numpy()
+        assert np.array_equal(pred.features_at(trace, 2)["tokens"], ref)
     pred.spec = spec
     # a non-finite gate input or router weight: one clear line, whichever feature reads it
     bad = dataclasses.replace(trace, gate_inputs=trace.gate_inputs.copy())
