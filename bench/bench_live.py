@@ -9,7 +9,8 @@ Prints (goals from the live-runtime issue):
 - the whole alpha sweep (SMoE Table IV-style), with modeled TPOT on the default profile;
 - with a LLaPor checkpoint for ``tiny`` (``--predictor``, default runs/llapor_tiny.safetensors when
   present): ms/token attached with layer-ahead prediction, and the per-layer prediction call
-  inside the decode loop (window, features of that layer, score_layer), median and p90 in µs.
+  inside the decode loop (window, features of that layer, score_layer), median and p90 in µs,
+  and the same calls out of the loop with warm caches.
 
 Uses the built ``tiny`` default model when it exists ($MOECAST_HOME/tiny/default),
 otherwise the quick ``test`` preset (said in the output).
@@ -88,6 +89,7 @@ def _predictor_row(model, ids, args) -> None:
             finally:
                 rt.detach()
     us = np.array(calls) * 1e6
+    warm = _warm_prediction_us(model, ids, pred, capacity)
     print(
         f"\nLLaPor in the decode loop ({Path(args.predictor).name}, capacity {capacity}, best of {args.repeats}):"
     )
@@ -97,6 +99,42 @@ def _predictor_row(model, ids, args) -> None:
         f"  per-layer prediction {np.median(us):6.1f} us median, p90 {np.percentile(us, 90):.1f} us "
         f"({len(us)} calls: window, that layer's features, score_layer)"
     )
+    print(
+        f"  the same calls out of the loop {warm:6.1f} us median (warm caches: the rest is the model's "
+        "own work between layers evicting the predictor's data on this CPU)"
+    )
+
+
+def _warm_prediction_us(model, ids, pred, capacity: float) -> float:
+    """Median µs of features_at + score_layer on snapshots of the live windows, each repeated
+    back to back: the predictor's own cost once its weights and code are in the caches."""
+    import copy
+
+    import numpy as np
+    from moecast.runtime.live import attach
+
+    snaps: list[tuple[object, int]] = []
+    rt = attach(model, policy="lru", capacity=capacity, predictor=pred)
+    inner = rt._predict_layer_ahead
+
+    def grab(nxt: int):
+        snaps.append((copy.deepcopy(rt._layer_ahead_trace()), nxt))
+        return inner(nxt)
+
+    rt._predict_layer_ahead = grab
+    try:
+        _generate_ms(model, ids, 4)
+    finally:
+        rt.detach()
+    med = []
+    for trace, layer in snaps:
+        ts = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            pred.score_layer(layer, pred.features_at(trace, layer))
+            ts.append(time.perf_counter() - t0)
+        med.append(np.median(ts[5:]))
+    return float(np.median(med)) * 1e6
 
 
 def main() -> None:

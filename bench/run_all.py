@@ -746,6 +746,14 @@ def b_live(ctx: Ctx) -> list[Figure]:
         ),
         fig(
             "live",
+            "LLaPor per-layer prediction out of the loop, warm caches (us)",
+            _num(r"out of the loop\s+([\d.]+) us median", out),
+            "{:.1f} us",
+            "<= 100 us",
+            note + "; the same calls on snapshots of the live windows, back to back",
+        ),
+        fig(
+            "live",
             "alpha=0.3 perplexity change",
             _num(r"alpha = 0\.3: perplexity change ([-+]?[\d.]+) %", out),
             "{:+.2f} %",
