@@ -166,8 +166,9 @@ def table(
         f"experts, top-{k}; held-out {len(requests)} requests",
         None,
     )
+    w = max([34] + [len(label) + 1 for label, _, _ in preds])  # a long checkpoint name widens the column
     emit(
-        f"{'predictor':<34}{'horizon':<14}{'recall@' + str(k):>10}{'recall@4':>10}{'f1_micro':>10}"
+        f"{'predictor':<{w}}{'horizon':<14}{'recall@' + str(k):>10}{'recall@4':>10}{'f1_micro':>10}"
         f"{'f1_macro':>10}{'train s':>9}   per group recall@{k}",
         None,
     )
@@ -178,7 +179,7 @@ def table(
         secs_s = f"{secs:>9.1f}" if isinstance(secs, (int, float)) else f"{'-':>9}"
         r4 = res.get("recall_at_4", res["recall_at_k"] if k == 4 else float("nan"))
         emit(
-            f"{label[-34:]:<34}{pred.horizon:<14}{res['recall_at_k']:>10.4f}{r4:>10.4f}"
+            f"{label:<{w}}{pred.horizon:<14}{res['recall_at_k']:>10.4f}{r4:>10.4f}"
             f"{res['f1_micro']:>10.4f}{res['f1_macro']:>10.4f}{secs_s}   {gtxt}",
             {
                 "bench": name,
