@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
             print(text, flush=True)
 
     from moecast.collect.traceset import open_traces
-    from moecast.predictors.commands import build_baseline, evaluate_predictor
+    from moecast.predictors.commands import build_baseline
 
     timing: list[tuple[str, Any, Any]] = []
     if not args.skip_ds:
@@ -285,12 +285,13 @@ def main(argv: list[str] | None = None) -> None:
                     args.tiny_config, args.tiny_traces, out_dir / "llapor_tiny.safetensors", over
                 )
                 pred = _load(path, ts)
-            preds.append((f"llapor ({Path(args.tiny_checkpoint or 'trained').name})", pred, secs))
-            table("tiny held-out", ts, preds, requests, emit)
+            label = f"llapor ({Path(args.tiny_checkpoint or 'trained').name})"
+            preds.append((label, pred, secs))
+            results = table("tiny held-out", ts, preds, requests, emit)
             timing.append(("tiny", pred, ts.get(requests[0])))
             if Path(args.tiny_model).is_dir():
                 ref = state_reference(args.tiny_model, 20 if args.quick else 60)
-                per = evaluate_predictor(pred, ts, requests, progress=False)["per_layer"]["recall_at_k"]
+                per = results[label]["per_layer"]["recall_at_k"]
 
                 def row(v: list) -> str:
                     return " ".join("   -  " if x is None else f"{x:.3f}" for x in v)

@@ -196,6 +196,7 @@ class LiveRuntime:
         # prefill), and the last context_gate finished tokens' [L, H] rows
         self._cur_gate: np.ndarray | None = None
         self._gate_history: list[np.ndarray] = []
+        self._window: tuple[int, Any] | None = None  # (step, the layer-ahead window trace)
         self._input_ids: torch.Tensor | None = None
         self._cur_token = 0
         self.planner: Any = None
@@ -618,8 +619,7 @@ class LiveRuntime:
         """
         from moecast.collect.traceset import RequestTrace
 
-        cache = self.__dict__.get("_window")
-        if cache is None or cache[0] != self._step:
+        if self._window is None or self._window[0] != self._step:
             hist = self._history[-16:]
             T, L, k = len(hist) + 1, self.num_layers, self.top_k
             toks = self._tok_history[-len(hist) :] if hist else []
@@ -641,9 +641,8 @@ class LiveRuntime:
                 router_probs=None,
                 gate_inputs=self._gate_rows(T),
             )
-            cache = (self._step, trace)
-            self.__dict__["_window"] = cache
-        trace = cache[1]
+            self._window = (self._step, trace)
+        trace = self._window[1]
         trace.token_ids[-1] = self._current_token()
         trace.topk_ids[-1] = self._cur_ids[0]
         trace.topk_weights[-1] = self._cur_w[0]
