@@ -97,22 +97,28 @@ def latency_us(pred: Any, trace: Any, repeats: int) -> dict[str, float]:
     }
 
 
-def state_reference(model_dir: str, texts: int = 60) -> dict[str, list[float | None]]:
+def state_reference(
+    model_dir: str, texts: int = 60, windows: tuple[int, ...] = (2, 8, 32)
+) -> dict[str, list[float | None]]:
     """How far layer l-1 can see in ``tiny``: per layer, recall@k of layer l's true router applied to
 
     - ``gate_reuse``: layer l-1's gate input (the gate-reuse baseline, on the model's own run);
     - ``input_state``: the token's whole state when layer l-1 ends, i.e. layer l's input hidden
-      state through layer l's post-attention norm: everything but layer l's attention.
+      state through layer l's post-attention norm: everything but layer l's attention;
+    - ``window_W`` (W in ``windows``): layer l's state with layer l's own attention (the model's
+      weights) computed over only the token itself, the W tokens before it and the request's
+      first token (the attention sink): how much of the earlier context layer l's routing reads.
 
     Run on the first ``texts`` held-out ShareGPT texts of ``tiny``'s own split. A reference, not a
-    ceiling: a predictor that also reads the context (as LLaPor does) can pass it.
+    ceiling: a predictor that also reads the context (as LLaPor does) can pass ``input_state``.
     """
     import itertools
 
     from moecast.collect import sharegpt
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    # eager attention: the windowed rows pass their own additive mask
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
     layers = model.model.layers
     k = model.config.num_experts_per_tok
@@ -130,7 +136,8 @@ def state_reference(model_dir: str, texts: int = 60) -> dict[str, list[float | N
     def recall(a: np.ndarray, b: np.ndarray) -> float:
         return float((a[:, :, None] == b[:, None, :]).any(-1).mean())
 
-    sums = {"gate_reuse": np.zeros(len(layers)), "input_state": np.zeros(len(layers))}
+    keys = ["gate_reuse", "input_state", *(f"window_{w}" for w in windows)]
+    sums = {key: np.zeros(len(layers)) for key in keys}
     n = 0
     try:
         with torch.no_grad():
@@ -140,11 +147,24 @@ def state_reference(model_dir: str, texts: int = 60) -> dict[str, list[float | N
                 ids = tok(text, return_tensors="pt", truncation=True, max_length=256)["input_ids"]
                 hs = model(input_ids=ids, output_hidden_states=True).hidden_states  # hs[l]: layer l's input
                 t = ids.shape[1]
+                pe = model.model.rotary_emb(hs[0], torch.arange(t)[None])
+                q, kk = torch.arange(t)[:, None], torch.arange(t)[None]
+                masks = {
+                    w: torch.zeros(t, t).masked_fill(~((kk <= q) & ((q - kk <= w) | (kk == 0))), -torch.inf)
+                    for w in windows
+                }
                 for li in range(1, len(layers)):
                     truth = top(li, gin[li])
                     sums["gate_reuse"][li] += recall(top(li, gin[li - 1]), truth) * t
                     state = layers[li].post_attention_layernorm(hs[li][0])
                     sums["input_state"][li] += recall(top(li, state), truth) * t
+                    x = layers[li].input_layernorm(hs[li])
+                    for w, mask in masks.items():
+                        attn = layers[li].self_attn(
+                            hidden_states=x, position_embeddings=pe, attention_mask=mask[None, None]
+                        )[0]
+                        state = layers[li].post_attention_layernorm(hs[li][0] + attn[0])
+                        sums[f"window_{w}"][li] += recall(top(li, state), truth) * t
                 n += t
     finally:
         for h in hooks:
@@ -300,7 +320,12 @@ def main(argv: list[str] | None = None) -> None:
                     "\n[tiny] how far layer l-1 can see: recall@k per layer of the true router of layer l on\n"
                     f"  layer l-1's gate input (gate reuse)        {row(ref['gate_reuse'])}\n"
                     f"  layer l's input state (all but attention)  {row(ref['input_state'])}\n"
-                    f"  LLaPor (held-out traces)                   {row(per)}",
+                    + "".join(
+                        f"  ... + layer l's attention, last {key[7:]:>2} tokens {row(v)}\n"
+                        for key, v in ref.items()
+                        if key.startswith("window_")
+                    )
+                    + f"  LLaPor (held-out traces)                   {row(per)}",
                     {"bench": "tiny-reference", **ref, "llapor_per_layer": per},
                 )
     if timing:

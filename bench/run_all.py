@@ -518,6 +518,16 @@ def b_predictors(ctx: Ctx) -> list[Figure]:
                     f"LLaPor {per_layer(ref['llapor_per_layer'][1:])}",
                 )
             )
+            for key in (k for k in ref if k.startswith("window_")):
+                v = [x for x in ref[key] if x is not None]
+                figs.append(
+                    Figure(
+                        "predictors",
+                        f"tiny: ... plus layer l's own attention over the last {key[7:]} tokens, layers 1..L-1",
+                        per_layer(v),
+                        note=f"mean {sum(v) / len(v):.3f}; the context layer l-1 cannot see, by the model's weights",
+                    )
+                )
     for name, r in lat.items():
         us = r.get("score_layer_us_median")
         figs.append(

@@ -151,3 +151,22 @@ def test_presets_and_cli_errors(tmp_path, capsys):
         main(["build-tiny", "--preset", "nope", "--out", str(tmp_path / "x")])
     assert "unknown tiny preset 'nope'" in str(exc.value)
     assert not (tmp_path / "x").exists()
+
+
+def test_state_reference_recomputes_layer_attention(built, monkeypatch):
+    """bench_predictors' "how far layer l-1 can see": the windowed rows rerun layer l's attention
+    with their own mask; an unbounded window must give back the model's own routing exactly."""
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    sys.modules.pop("bench_predictors", None)
+    from bench_predictors import state_reference
+
+    ref = state_reference(str(built), texts=2, windows=(0, 10**6))
+    layers = get_preset("test").num_layers
+    assert set(ref) == {"gate_reuse", "input_state", "window_0", "window_1000000"}
+    assert all(len(v) == layers and v[0] is None for v in ref.values())
+    assert ref["window_1000000"][1:] == pytest.approx([1.0] * (layers - 1))
+    # the token alone (plus the first token) is not its whole context
+    assert min(ref["window_0"][1:]) < 1.0
