@@ -279,8 +279,9 @@ def dense_features(
     weights: np.ndarray | None,
     ids: np.ndarray,
     pos: np.ndarray | None = None,
+    dtype: Any = np.float32,
 ) -> np.ndarray:
-    """[T, L, dense_dim] float32: PCA of layer l-1's gate input and layer l-1's weights (zeros at
+    """[T, L, dense_dim] ``dtype`` (float32 unless asked): PCA of layer l-1's gate input and layer l-1's weights (zeros at
     layer 0), then with ``context_vote`` the earlier tokens' pooled layer-l ids (``context_votes``),
     then with ``context_gate`` the PCA of layer l's gate input of tokens t-1, t-2, .. (zeros before
     a request's first token; ``pos`` is each row's position in its request).
@@ -288,14 +289,14 @@ def dense_features(
     ``pca_in`` is the already projected gate input [T, L, pca_max] (row l = layer l's own gate input).
     """
     T, L = ids.shape[0], spec.num_layers
-    out = np.zeros((T, L, spec.dense_dim), np.float32)
+    out = np.zeros((T, L, spec.dense_dim), dtype)
     if spec.gate_pca and pca_in is not None:
         out[:, 1:, : spec.pca_max] = pca_in[:, :-1]
     off = spec.pca_max
     if spec.weights:
         if weights is not None:
-            w = np.zeros((T, L, spec.num_experts), np.float32)
-            np.put_along_axis(w, ids.astype(np.int64), weights.astype(np.float32), axis=-1)
+            w = np.zeros((T, L, spec.num_experts), dtype)
+            np.put_along_axis(w, ids.astype(np.int64), weights.astype(dtype), axis=-1)
             out[:, 1:, off : off + spec.num_experts] = w[:, :-1]
         off += spec.num_experts
     if spec.context_vote:

@@ -148,6 +148,15 @@ def test_training_beats_the_hot_table_and_roundtrips(tmp_path):
     assert np.allclose(full, torch.sigmoid(module.net(**pred.features(trace))).detach().numpy())
     one = {k: v[3:4] for k, v in pred.features(trace).items()}  # batch 1, dense features included
     assert_kernel_matches(pred, one, full[3:4], range(4))
+    # what training saw is what the runtime builds: the data module keeps dense features in
+    # float16 (memory), so those agree to float16 rounding and the rest exactly
+    batch = dm.batch(dm.val_rows[: len(trace.token_ids)])
+    served = pred.features(trace)
+    assert set(batch) == set(served) | {"target"}
+    assert dm.dense.dtype == np.float16 and batch["dense"].dtype == torch.float32
+    for key, value in served.items():
+        tol = 2e-3 * float(value.abs().max()) if key == "dense" else 0
+        assert torch.allclose(batch[key].to(value.dtype), value, rtol=0, atol=tol), key
 
 
 def test_softmax_loss_ranks_experts_and_trains(tmp_path):

@@ -28,6 +28,17 @@ from moecast.predictors.llapor import (
 from moecast.predictors.metrics import multi_hot
 from torch.utils.data import DataLoader, Dataset
 
+# Dense features (gate-input PCA, router weights) are held for every token of the TraceSet, so
+# they are stored as float16, the precision the gate inputs are collected in, and widened to
+# float32 one batch at a time: half the memory, and a rounding (~1e-3 relative) far below the
+# training noise (model.noise_std).
+DENSE_DTYPE = np.float16
+CHUNK = 65536  # rows converted to float32 at a time
+
+
+def _chunks(a: np.ndarray) -> Any:
+    return (a[i : i + CHUNK].astype(np.float32) for i in range(0, len(a), CHUNK))
+
 
 def split_requests(
     ts: TraceSet, val_fraction: float, seed: int, max_requests: int | None
@@ -209,8 +220,10 @@ class LLaPorDataModule(pl.LightningDataModule):
 
         use_gate = self._want("gate_pca", "gate_inputs", ts)
         use_w = self._want("weights", "topk_weights", ts)
-        gate = ts.array("gate_inputs", ids_order).astype(np.float32) if use_gate else None
-        if gate is not None and not np.isfinite(gate).all():
+        # kept in the stored dtype (float16): a float32 copy of every token's gate inputs was the
+        # largest array of the build; rows are converted chunk by chunk where they are used
+        gate = ts.array("gate_inputs", ids_order) if use_gate else None
+        if gate is not None and not all(np.isfinite(c).all() for c in _chunks(gate)):
             raise ValueError(f"{ts.path}: gate_inputs contain NaN or inf; re-collect the traces")
 
         # layer groups (§3.1): from config, or from the training split's statistics
@@ -223,7 +236,7 @@ class LLaPorDataModule(pl.LightningDataModule):
                     f"configured groups {self.groups} must cover layer positions 0..{L - 1} exactly once"
                 )
         else:
-            cos = gate_cosine(gate[sub]) if gate is not None else None
+            cos = gate_cosine(gate[sub].astype(np.float32)) if gate is not None else None
             self.groups, self.group_signal = detect_groups(cos, routing_correlation(self.topk[sub], E), L)
         print(format_groups(self.groups, m.moe_layers))
 
@@ -274,18 +287,23 @@ class LLaPorDataModule(pl.LightningDataModule):
             if use_gate:
                 from sklearn.decomposition import PCA
 
-                pca_in = np.zeros((len(gate), L, self.spec.pca_max), np.float32)
+                pca_in = np.zeros((len(gate), L, self.spec.pca_max), DENSE_DTYPE)
                 for li in range(L):
                     if not pca_dims[li]:
                         continue
-                    pca = PCA(n_components=pca_dims[li], random_state=hp.seed).fit(gate[sub, li])
-                    self.pca_components[li, : pca_dims[li]] = pca.components_
-                    self.pca_mean[li] = pca.mean_
-                    pca_in[:, li, : pca_dims[li]] = (gate[:, li] - pca.mean_) @ pca.components_.T
+                    pca = PCA(n_components=pca_dims[li], random_state=hp.seed)
+                    pca.fit(gate[sub, li].astype(np.float32))
+                    comps, mean = pca.components_.astype(np.float32), pca.mean_.astype(np.float32)
+                    self.pca_components[li, : pca_dims[li]] = comps
+                    self.pca_mean[li] = mean
+                    for lo, c in zip(range(0, len(gate), CHUNK), _chunks(gate)):
+                        pca_in[lo : lo + len(c), li, : pca_dims[li]] = (c[:, li] - mean) @ comps.T
+                del gate
             w = ts.array("topk_weights", ids_order) if use_w else None
             if w is not None and not np.isfinite(np.asarray(w, np.float32)).all():
                 raise ValueError(f"{ts.path}: topk_weights contain NaN or inf; re-collect the traces")
-            self.dense = dense_features(self.spec, pca_in, w, self.topk, self.pos)
+            self.dense = dense_features(self.spec, pca_in, w, self.topk, self.pos, dtype=DENSE_DTYPE)
+            del pca_in, w
         # expert frequencies f_i per layer on the training split, for the balancing loss
         counts = np.zeros((L, E))
         for li in range(L):
@@ -325,7 +343,7 @@ class LLaPorDataModule(pl.LightningDataModule):
                 token_context(self.spec, self.token_ids, rows, self.pos[rows], self.token_vocab)
             )
         if self.dense is not None:
-            out["dense"] = torch.from_numpy(self.dense[rows])
+            out["dense"] = torch.from_numpy(self.dense[rows].astype(np.float32))
         return out
 
     def _loader(self, rows: np.ndarray, shuffle: bool) -> DataLoader:
