@@ -440,17 +440,19 @@ class TraceSet:
                         )
 
     # --------------------------------------------------------------- arrays
-    def _part_array(self, p: int, name: str) -> np.ndarray:
+    def _width(self, name: str) -> int:
         m = self.meta.model
-        last = {
+        return {
             "topk_ids": m.top_k,
             "topk_weights": m.top_k,
             "router_probs": m.num_experts,
             "gate_inputs": m.hidden_size,
         }[name]
+
+    def _part_array(self, p: int, name: str) -> np.ndarray:
         col = self._tok_tables[p].column(name).combine_chunks()
         values = col.values.to_numpy(zero_copy_only=True) if col.offset == 0 else col.flatten().to_numpy()
-        return values.reshape(len(col), m.num_layers, last)
+        return values.reshape(len(col), self.meta.model.num_layers, self._width(name))
 
     def array(self, name: str, requests: Iterable[str] | None = None) -> np.ndarray:
         """[tokens, layers, k|E|H] numpy array of a per-layer field (rows in request, then token order).
@@ -474,6 +476,22 @@ class TraceSet:
                 cache[p] = self._part_array(p, name)
             chunks.append(cache[p][s:e])
         return np.concatenate(chunks) if chunks else np.zeros((0, *self._part_array(0, name).shape[1:]))
+
+    def rows(self, name: str, requests: Iterable[str] | None = None) -> FieldRows:
+        """A lazy ``array(name, requests)``: the same rows, read from the memory-mapped parts only
+        when indexed, so a training run holds one batch of a wide field (gate inputs), not all."""
+        if name != "topk_ids":
+            self.require(name, f"TraceSet.rows({name!r})")
+        ids = self.request_ids if requests is None else list(requests)
+        blocks = [self._part_array(p, name) for p in range(len(self._parts))]
+        if not ids:
+            shape = blocks[0].shape[1:] if blocks else (self.meta.model.num_layers, self._width(name))
+            return FieldRows(blocks, np.zeros(0, np.int32), np.zeros(0, np.int64), shape)
+        loc = np.array([self._locate(r) for r in ids], dtype=np.int64).reshape(-1, 3)
+        lengths = loc[:, 2] - loc[:, 1]
+        starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+        offset = np.repeat(loc[:, 1], lengths) + np.arange(int(lengths.sum())) - starts
+        return FieldRows(blocks, np.repeat(loc[:, 0], lengths).astype(np.int32), offset, blocks[0].shape[1:])
 
     def column(self, name: str, requests: Iterable[str] | None = None) -> np.ndarray:
         """A scalar token column (position, token_id, phase, ...) as numpy, same row order as ``array``."""
@@ -565,6 +583,56 @@ class TraceSet:
     def vocab(self) -> dict[str, int] | None:
         path = self.path / "vocab.json"
         return json.loads(path.read_text()) if path.exists() else None
+
+
+def _gather_rows(blocks: Any, part: np.ndarray, offset: np.ndarray, out: np.ndarray) -> None:
+    from numba import njit
+
+    global _gather_rows  # compiled on first use: collection never pays numba's import
+
+    @njit(cache=True, nogil=True)
+    def gather(blocks: Any, part: np.ndarray, offset: np.ndarray, out: np.ndarray) -> None:
+        for i in range(part.shape[0]):
+            out[i, :] = blocks[part[i]][offset[i]]
+
+    _gather_rows = gather
+    gather(blocks, part, offset, out)
+
+
+class FieldRows:
+    """Rows of one per-layer field over a list of requests, gathered from the TraceSet's memory-mapped
+    parts on indexing (``TraceSet.rows``). Holds only the row -> (part, offset) map in memory."""
+
+    def __init__(
+        self, blocks: list[np.ndarray], part: np.ndarray, offset: np.ndarray, row_shape: tuple[int, ...]
+    ) -> None:
+        self.blocks, self.part, self.offset = blocks, part, offset
+        self.row_shape = tuple(row_shape)
+        self.dtype = blocks[0].dtype if blocks else np.dtype(np.float32)
+        self._flat: Any = None
+
+    def __len__(self) -> int:
+        return len(self.offset)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self), *self.row_shape)
+
+    def __getitem__(self, idx: Any) -> np.ndarray:
+        """``idx``: a slice or an integer array of rows -> [n, *row_shape] in the stored dtype."""
+        idx = np.arange(len(self))[idx] if isinstance(idx, slice) else np.asarray(idx, dtype=np.int64)
+        part, offset = self.part[idx], self.offset[idx]
+        if len(self.blocks) == 1:
+            return self.blocks[0][offset]
+        if self._flat is None:
+            from numba import typed
+
+            # the parts' rows as raw bits (one integer type per item size), one list for the kernel
+            bits = f"u{self.dtype.itemsize}"
+            self._flat = typed.List([b.reshape(len(b), -1).view(bits) for b in self.blocks])
+        out = np.empty((len(idx), int(np.prod(self.row_shape))), self._flat[0].dtype)
+        _gather_rows(self._flat, part, offset, out)
+        return out.view(self.dtype).reshape(len(idx), *self.row_shape)
 
 
 def open_traces(path: str | Path, *, require_nonempty: bool = True) -> TraceSet:

@@ -281,34 +281,63 @@ def dense_features(
     pos: np.ndarray | None = None,
     dtype: Any = np.float32,
 ) -> np.ndarray:
-    """[T, L, dense_dim] ``dtype`` (float32 unless asked): PCA of layer l-1's gate input and layer l-1's weights (zeros at
-    layer 0), then with ``context_vote`` the earlier tokens' pooled layer-l ids (``context_votes``),
-    then with ``context_gate`` the PCA of layer l's gate input of tokens t-1, t-2, .. (zeros before
-    a request's first token; ``pos`` is each row's position in its request).
+    """[T, L, dense_dim] ``dtype`` (float32 unless asked) for the tokens of whole requests: PCA of
+    layer l-1's gate input and layer l-1's weights (zeros at layer 0), then with ``context_vote``
+    the earlier tokens' pooled layer-l ids (``context_votes``), then with ``context_gate`` the PCA
+    of layer l's gate input of tokens t-1, t-2, .. (zeros before a request's first token; ``pos``
+    is each row's position in its request). The layout is :func:`dense_rows`'.
 
     ``pca_in`` is the already projected gate input [T, L, pca_max] (row l = layer l's own gate input).
     """
-    T, L = ids.shape[0], spec.num_layers
-    out = np.zeros((T, L, spec.dense_dim), dtype)
-    if spec.gate_pca and pca_in is not None:
-        out[:, 1:, : spec.pca_max] = pca_in[:, :-1]
+    T = ids.shape[0]
+    earlier = []
+    if spec.context_gate and pca_in is not None:
+        pos = np.arange(T) if pos is None else np.asarray(pos)
+        for n in range(1, spec.context_gate + 1):
+            prev = np.zeros_like(pca_in)
+            rows = np.nonzero(pos >= n)[0]
+            prev[rows] = pca_in[rows - n]
+            earlier.append(prev)
+    votes = context_votes(spec, ids, pos) if spec.context_vote else None
+    return dense_rows(spec, pca_in, earlier, weights, ids, votes, dtype)
+
+
+def dense_rows(
+    spec: FeatureSpec,
+    pca_own: np.ndarray | None,
+    pca_earlier: list[np.ndarray],
+    weights: np.ndarray | None,
+    ids: np.ndarray,
+    votes: np.ndarray | None,
+    dtype: Any = np.float32,
+) -> np.ndarray:
+    """[B, L, dense_dim] for B independent tokens, from each token's own per-layer inputs:
+
+    ``pca_own`` [B, L, pca_max] its projected gate inputs (layer l's row feeds layer l+1),
+    ``pca_earlier`` the same of tokens t-1, t-2, .. (``context_gate`` arrays, zeros where the
+    request has no such token), ``weights`` / ``ids`` [B, L, k] its router weights and experts,
+    ``votes`` [B, L, E] its ``context_votes`` row. Training builds batches with it; the runtime's
+    compiled ``llapor_kernel.feature_row`` builds the same row.
+    """
+    B, L = ids.shape[0], spec.num_layers
+    out = np.zeros((B, L, spec.dense_dim), dtype)
+    if spec.gate_pca and pca_own is not None:
+        out[:, 1:, : spec.pca_max] = pca_own[:, :-1]
     off = spec.pca_max
     if spec.weights:
         if weights is not None:
-            w = np.zeros((T, L, spec.num_experts), dtype)
+            w = np.zeros((B, L, spec.num_experts), dtype)
             np.put_along_axis(w, ids.astype(np.int64), weights.astype(dtype), axis=-1)
             out[:, 1:, off : off + spec.num_experts] = w[:, :-1]
         off += spec.num_experts
     if spec.context_vote:
-        out[:, :, off : off + spec.num_experts] = context_votes(spec, ids, pos)
+        if votes is not None:
+            out[:, :, off : off + spec.num_experts] = votes
         off += spec.num_experts
-    if spec.context_gate and pca_in is not None:
-        P = spec.pca_max
-        pos = np.arange(T) if pos is None else np.asarray(pos)
-        for n in range(1, spec.context_gate + 1):
-            rows = np.nonzero(pos >= n)[0]
-            out[rows, :, off : off + P] = pca_in[rows - n]
-            off += P
+    if spec.context_gate and pca_own is not None:
+        for prev in pca_earlier:
+            out[:, :, off : off + spec.pca_max] = prev
+            off += spec.pca_max
     return out
 
 

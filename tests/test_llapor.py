@@ -148,15 +148,18 @@ def test_training_beats_the_hot_table_and_roundtrips(tmp_path):
     assert np.allclose(full, torch.sigmoid(module.net(**pred.features(trace))).detach().numpy())
     one = {k: v[3:4] for k, v in pred.features(trace).items()}  # batch 1, dense features included
     assert_kernel_matches(pred, one, full[3:4], range(4))
-    # what training saw is what the runtime builds: the data module keeps dense features in
-    # float16 (memory), so those agree to float16 rounding and the rest exactly
-    batch = dm.batch(dm.val_rows[: len(trace.token_ids)])
+    # what training saw is what the runtime builds: the data module reads gate inputs from the
+    # TraceSet per batch (no per-token dense table) and gives the same rows, in a shuffled batch too
+    from moecast.collect.traceset import FieldRows
+
+    assert isinstance(dm.gate, FieldRows) and not hasattr(dm, "dense")
+    rows = dm.val_rows[: len(trace.token_ids)]
     served = pred.features(trace)
-    assert set(batch) == set(served) | {"target"}
-    assert dm.dense.dtype == np.float16 and batch["dense"].dtype == torch.float32
-    for key, value in served.items():
-        tol = 2e-3 * float(value.abs().max()) if key == "dense" else 0
-        assert torch.allclose(batch[key].to(value.dtype), value, rtol=0, atol=tol), key
+    for order in (np.arange(len(rows)), np.random.default_rng(0).permutation(len(rows))):
+        batch = dm.batch(rows[order])
+        assert set(batch) == set(served) | {"target"} and batch["dense"].dtype == torch.float32
+        for key, value in served.items():
+            assert torch.allclose(batch[key].to(value.dtype), value[order], atol=1e-5), key
 
 
 def test_softmax_loss_ranks_experts_and_trains(tmp_path):
@@ -282,16 +285,16 @@ def test_bad_inputs_fail_with_one_clear_error(tmp_path):
 
 def test_nan_gate_inputs_in_training_data_are_refused(tmp_path, monkeypatch):
     path = make_synthetic_traceset(tmp_path / "n", num_requests=6, num_layers=3, hidden=16)
-    real = TraceSet.array
+    real = TraceSet._part_array  # what both TraceSet.array and TraceSet.rows read
 
-    def poisoned(self, name, requests=None):
-        out = real(self, name, requests)
+    def poisoned(self, p, name):
+        out = real(self, p, name)
         if name == "gate_inputs":
             out = out.astype(np.float32)
             out[2, 1, 3] = np.inf
         return out
 
-    monkeypatch.setattr(TraceSet, "array", poisoned)
+    monkeypatch.setattr(TraceSet, "_part_array", poisoned)
     with pytest.raises(ValueError, match="NaN or inf"):
         LLaPorDataModule(str(path)).setup()
 

@@ -83,3 +83,22 @@ def test_merge_dedups(tmp_path):
     out = merge([a, a], tmp_path / "m")
     assert out.num_requests == 6
     np.testing.assert_array_equal(out.array("topk_ids"), TraceSet(a).array("topk_ids"))
+
+
+def test_rows_is_a_lazy_array(tmp_path):
+    """TraceSet.rows reads the same rows as TraceSet.array, gathered across parts on indexing."""
+    ts = TraceSet(make_synthetic_traceset(tmp_path / "t", num_requests=6, tokens=5))
+    assert len(ts._parts) == 2  # the gather crosses parts
+    ids = [ts.request_ids[i] for i in (4, 0, 5, 2)]  # both parts, out of order
+    rng = np.random.default_rng(0)
+    for name in ("topk_ids", "topk_weights", "router_probs", "gate_inputs"):
+        full, lazy = ts.array(name, ids), ts.rows(name, ids)
+        assert lazy.shape == full.shape and lazy.dtype == full.dtype and len(lazy) == len(full)
+        idx = rng.permutation(len(full))[:11]
+        assert np.array_equal(lazy[idx], full[idx])
+        assert np.array_equal(lazy[3:17], full[3:17]) and np.array_equal(lazy[:], full)
+    assert np.array_equal(ts.rows("topk_ids")[:], ts.array("topk_ids"))
+    assert ts.rows("gate_inputs", []).shape == (0, *ts.array("gate_inputs").shape[1:])
+    bare = TraceSet(make_synthetic_traceset(tmp_path / "bare", with_optional=False))
+    with pytest.raises(MissingFieldError, match="gate_inputs"):
+        bare.rows("gate_inputs")

@@ -1,9 +1,11 @@
-"""Lightning data modules over a TraceSet: request-level split, features built as numpy arrays once.
+"""Lightning data modules over a TraceSet: request-level split, per-token inputs built batch by batch.
 
-Every rank builds the same arrays deterministically from the same files and the
-seeded ``TraceSet.split`` (so DDP needs no broadcast); batches are assembled
-with vectorised numpy in ``__getitems__`` (one call per batch, no per-row
-Python).
+Every rank reads the same files and the seeded ``TraceSet.split`` (so DDP needs no broadcast).
+The narrow per-token fields (expert ids, router weights, positions, token ids) are held as numpy
+arrays; the wide one, gate inputs, is read from the TraceSet's memory-mapped Arrow parts for each
+batch (``TraceSet.rows``) and projected there, so memory does not grow with the hidden size times
+the token count. A batch is assembled with vectorised numpy in ``__getitems__`` (one call per
+batch, no per-row Python).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from moecast.collect.traceset import TraceSet, open_traces
 from moecast.predictors.llapor import (
     FeatureSpec,
+    dense_rows,
     detect_groups,
     format_groups,
     gate_cosine,
@@ -28,16 +31,7 @@ from moecast.predictors.llapor import (
 from moecast.predictors.metrics import multi_hot
 from torch.utils.data import DataLoader, Dataset
 
-# Dense features (gate-input PCA, router weights) are held for every token of the TraceSet, so
-# they are stored as float16, the precision the gate inputs are collected in, and widened to
-# float32 one batch at a time: half the memory, and a rounding (~1e-3 relative) far below the
-# training noise (model.noise_std).
-DENSE_DTYPE = np.float16
-CHUNK = 65536  # rows converted to float32 at a time
-
-
-def _chunks(a: np.ndarray) -> Any:
-    return (a[i : i + CHUNK].astype(np.float32) for i in range(0, len(a), CHUNK))
+CHUNK = 65536  # rows of gate inputs checked at a time
 
 
 def split_requests(
@@ -220,10 +214,11 @@ class LLaPorDataModule(pl.LightningDataModule):
 
         use_gate = self._want("gate_pca", "gate_inputs", ts)
         use_w = self._want("weights", "topk_weights", ts)
-        # kept in the stored dtype (float16): a float32 copy of every token's gate inputs was the
-        # largest array of the build; rows are converted chunk by chunk where they are used
-        gate = ts.array("gate_inputs", ids_order) if use_gate else None
-        if gate is not None and not all(np.isfinite(c).all() for c in _chunks(gate)):
+        # read lazily from the memory-mapped parts (the widest field by far); checked in chunks
+        gate = ts.rows("gate_inputs", ids_order) if use_gate else None
+        if gate is not None and not all(
+            np.isfinite(gate[lo : lo + CHUNK]).all() for lo in range(0, len(gate), CHUNK)
+        ):
             raise ValueError(f"{ts.path}: gate_inputs contain NaN or inf; re-collect the traces")
 
         # layer groups (§3.1): from config, or from the training split's statistics
@@ -279,31 +274,37 @@ class LLaPorDataModule(pl.LightningDataModule):
         )
         self.pca_components = np.zeros((L, self.spec.pca_max, m.hidden_size if use_gate else 0), np.float32)
         self.pca_mean = np.zeros((L, m.hidden_size if use_gate else 0), np.float32)
-        self.dense = None
+        # dense features are built batch by batch: the gate inputs stay in the memory-mapped parts
+        self.gate = gate if self.spec.dense_dim else None
+        self.weights = self.votes = None
         if self.spec.dense_dim:
-            from moecast.predictors.llapor import dense_features
-
-            pca_in = None
             if use_gate:
                 from sklearn.decomposition import PCA
 
-                pca_in = np.zeros((len(gate), L, self.spec.pca_max), DENSE_DTYPE)
+                fit_rows = gate[sub].astype(np.float32)
                 for li in range(L):
                     if not pca_dims[li]:
                         continue
                     pca = PCA(n_components=pca_dims[li], random_state=hp.seed)
-                    pca.fit(gate[sub, li].astype(np.float32))
-                    comps, mean = pca.components_.astype(np.float32), pca.mean_.astype(np.float32)
-                    self.pca_components[li, : pca_dims[li]] = comps
-                    self.pca_mean[li] = mean
-                    for lo, c in zip(range(0, len(gate), CHUNK), _chunks(gate)):
-                        pca_in[lo : lo + len(c), li, : pca_dims[li]] = (c[:, li] - mean) @ comps.T
-                del gate
-            w = ts.array("topk_weights", ids_order) if use_w else None
-            if w is not None and not np.isfinite(np.asarray(w, np.float32)).all():
-                raise ValueError(f"{ts.path}: topk_weights contain NaN or inf; re-collect the traces")
-            self.dense = dense_features(self.spec, pca_in, w, self.topk, self.pos, dtype=DENSE_DTYPE)
-            del pca_in, w
+                    pca.fit(fit_rows[:, li])
+                    self.pca_components[li, : pca_dims[li]] = pca.components_
+                    self.pca_mean[li] = pca.mean_
+                # (x - mean) @ C^T as one batched multiply-add: x @ C^T + (-mean @ C^T)
+                self._proj_layers = torch.tensor([li for li in range(L) if pca_dims[li]])
+                comps = torch.from_numpy(self.pca_components[self._proj_layers])
+                self._proj = comps.transpose(1, 2).contiguous()
+                self._proj_bias = -torch.bmm(
+                    torch.from_numpy(self.pca_mean[self._proj_layers])[:, None], self._proj
+                )
+            if use_w:
+                self.weights = np.ascontiguousarray(ts.array("topk_weights", ids_order))
+                if not np.isfinite(self.weights).all():
+                    raise ValueError(f"{ts.path}: topk_weights contain NaN or inf; re-collect the traces")
+            if self.spec.context_vote:
+                from moecast.predictors.llapor import context_votes
+
+                # pools over every earlier token of the request, so it is built once (float16)
+                self.votes = context_votes(self.spec, self.topk, self.pos).astype(np.float16)
         # expert frequencies f_i per layer on the training split, for the balancing loss
         counts = np.zeros((L, E))
         for li in range(L):
@@ -342,9 +343,41 @@ class LLaPorDataModule(pl.LightningDataModule):
             out["tokens"] = torch.from_numpy(
                 token_context(self.spec, self.token_ids, rows, self.pos[rows], self.token_vocab)
             )
-        if self.dense is not None:
-            out["dense"] = torch.from_numpy(self.dense[rows].astype(np.float32))
+        if self.spec.dense_dim:
+            out["dense"] = torch.from_numpy(self._dense(rows))
         return out
+
+    def _project(self, rows: np.ndarray) -> np.ndarray:
+        """[B, L, pca_max] float32 PCA projections of the rows' gate inputs (zeros in unused layers)."""
+        # torch widens float16 to float32 vectorised (numpy's astype is several times slower here)
+        x = torch.from_numpy(self.gate[rows])[:, self._proj_layers].float().transpose(0, 1)
+        y = torch.baddbmm(self._proj_bias, x, self._proj).transpose(0, 1)
+        if len(self._proj_layers) == self.spec.num_layers:
+            return y.numpy()
+        out = torch.zeros(len(rows), self.spec.num_layers, self.spec.pca_max)
+        out[:, self._proj_layers] = y
+        return out.numpy()
+
+    def _dense(self, rows: np.ndarray) -> np.ndarray:
+        """The rows' dense features (``dense_rows``), gate inputs read from the TraceSet for this batch."""
+        own, earlier = None, []
+        if self.gate is not None:
+            own = self._project(rows)
+            pos = self.pos[rows]
+            for n in range(1, self.spec.context_gate + 1):
+                prev = np.zeros_like(own)
+                has = np.nonzero(pos >= n)[0]
+                if len(has):
+                    prev[has] = self._project(rows[has] - n)
+                earlier.append(prev)
+        return dense_rows(
+            self.spec,
+            own,
+            earlier,
+            None if self.weights is None else self.weights[rows],
+            self.topk[rows],
+            None if self.votes is None else self.votes[rows],
+        )
 
     def _loader(self, rows: np.ndarray, shuffle: bool) -> DataLoader:
         if len(rows) == 0:
