@@ -233,6 +233,8 @@ def train(argv: list[str]) -> Path | Any:
         "resumed_from": ckpt_path,
         "torch_threads": torch.get_num_threads(),
     }
+    if not cli.trainer.is_global_zero:
+        return out  # under DDP every rank runs this; rank 0 writes the file
     path = cli.model.export(out, cli.datamodule, info)
     import sys
 

@@ -29,7 +29,7 @@ from moecast.predictors.llapor import (
     token_context,
 )
 from moecast.predictors.metrics import multi_hot
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 CHUNK = 65536  # rows of gate inputs checked at a time
 
@@ -94,6 +94,28 @@ def check_flag(section: str, name: str, value: Any, also: tuple[str, ...] = ()) 
     if not isinstance(value, bool) and value not in also:
         allowed = " or ".join(["true", "false", *(repr(a) for a in also)])
         raise ValueError(f"{section}.{name} must be {allowed}, got {value!r}")
+
+
+def recall_across_ranks(module: pl.LightningModule, hits: torch.Tensor, rows: float) -> torch.Tensor | None:
+    """Per-layer recall over the whole validation split, or None when it had no rows: under DDP
+    each rank sees a shard, so the ranks' hit sums and row counts are added before dividing."""
+    stats = torch.cat([hits.detach().double().cpu(), torch.tensor([float(rows)], dtype=torch.float64)])
+    if module.trainer.world_size > 1:
+        stats = module.all_gather(stats.to(module.device)).reshape(-1, len(stats)).sum(0).cpu()
+    return stats[:-1] / stats[-1] if stats[-1] > 0 else None
+
+
+def eval_sampler(n: int) -> Sampler | None:
+    """Validation under DDP: each rank takes every world-th item, unpadded. Lightning's default
+    sampler evens the shards by repeating items, which ``recall_across_ranks`` would count twice.
+    None (Lightning's choice) on one process, or with fewer items than ranks."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or not 1 < dist.get_world_size() <= n:
+        return None
+    from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+
+    return UnrepeatedDistributedSampler(range(n), shuffle=False)
 
 
 class RowBatches(Dataset):
@@ -388,6 +410,7 @@ class LLaPorDataModule(pl.LightningDataModule):
             RowBatches(self, rows),
             batch_size=self.hparams.batch_size,
             shuffle=shuffle,
+            sampler=None if shuffle else eval_sampler(len(rows)),
             collate_fn=_identity,
             num_workers=self.hparams.num_workers,
         )

@@ -33,7 +33,7 @@ from moecast.predictors.llapor import (
     group_lambda,
     llapor_loss,
 )
-from moecast.train.data import LLaPorDataModule, check_range
+from moecast.train.data import LLaPorDataModule, check_range, recall_across_ranks
 
 
 class LLaPorModule(pl.LightningModule):
@@ -147,9 +147,9 @@ class LLaPorModule(pl.LightningModule):
         self.log("val/loss", loss, batch_size=len(logits))
 
     def on_validation_epoch_end(self) -> None:
-        if not self._rows:
+        per_layer = recall_across_ranks(self, self._hits, self._rows)
+        if per_layer is None:
             return
-        per_layer = self._hits / self._rows
         self.log("val/recall", float(per_layer.mean()), prog_bar=True)
         for g in GROUPS:
             layers = self.net.groups.get(g, [])

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from moecast.collect.traceset import open_traces
 from moecast.predictors.metrics import multi_hot
 from moecast.predictors.sequence import SequenceConfig, SequenceNet, SequencePredictor
-from moecast.train.data import split_requests
+from moecast.train.data import eval_sampler, recall_across_ranks, split_requests
 from torch.utils.data import DataLoader, Dataset
 
 
@@ -111,6 +111,7 @@ class SequenceDataModule(pl.LightningDataModule):
             RequestBatches(self, reqs),
             batch_size=self.hparams.batch_size,
             shuffle=shuffle,
+            sampler=None if shuffle else eval_sampler(len(reqs)),
             collate_fn=_identity,
             num_workers=self.hparams.num_workers,
         )
@@ -202,9 +203,9 @@ class SequenceModule(pl.LightningModule):
         self.log("val/loss", loss, batch_size=len(batch["tokens"]))
 
     def on_validation_epoch_end(self) -> None:
-        if not self._rows:
+        per_layer = recall_across_ranks(self, self._hits, self._rows)
+        if per_layer is None:
             return
-        per_layer = self._hits / self._rows
         self.log("val/recall", float(per_layer.mean()), prog_bar=True)
         for pos, v in enumerate(per_layer.tolist()):
             self.log(f"val/recall_layer/{self.moe_layers[pos]}", v)
