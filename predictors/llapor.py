@@ -279,9 +279,8 @@ def dense_features(
     weights: np.ndarray | None,
     ids: np.ndarray,
     pos: np.ndarray | None = None,
-    dtype: Any = np.float32,
 ) -> np.ndarray:
-    """[T, L, dense_dim] ``dtype`` (float32 unless asked) for the tokens of whole requests: PCA of
+    """[T, L, dense_dim] float32 for the tokens of whole requests: PCA of
     layer l-1's gate input and layer l-1's weights (zeros at layer 0), then with ``context_vote``
     the earlier tokens' pooled layer-l ids (``context_votes``), then with ``context_gate`` the PCA
     of layer l's gate input of tokens t-1, t-2, .. (zeros before a request's first token; ``pos``
@@ -299,7 +298,7 @@ def dense_features(
             prev[rows] = pca_in[rows - n]
             earlier.append(prev)
     votes = context_votes(spec, ids, pos) if spec.context_vote else None
-    return dense_rows(spec, pca_in, earlier, weights, ids, votes, dtype)
+    return dense_rows(spec, pca_in, earlier, weights, ids, votes)
 
 
 def dense_rows(
@@ -309,9 +308,8 @@ def dense_rows(
     weights: np.ndarray | None,
     ids: np.ndarray,
     votes: np.ndarray | None,
-    dtype: Any = np.float32,
 ) -> np.ndarray:
-    """[B, L, dense_dim] for B independent tokens, from each token's own per-layer inputs:
+    """[B, L, dense_dim] float32 for B independent tokens, from each token's own per-layer inputs:
 
     ``pca_own`` [B, L, pca_max] its projected gate inputs (layer l's row feeds layer l+1),
     ``pca_earlier`` the same of tokens t-1, t-2, .. (``context_gate`` arrays, zeros where the
@@ -320,14 +318,14 @@ def dense_rows(
     compiled ``llapor_kernel.feature_row`` builds the same row.
     """
     B, L = ids.shape[0], spec.num_layers
-    out = np.zeros((B, L, spec.dense_dim), dtype)
+    out = np.zeros((B, L, spec.dense_dim), np.float32)
     if spec.gate_pca and pca_own is not None:
         out[:, 1:, : spec.pca_max] = pca_own[:, :-1]
     off = spec.pca_max
     if spec.weights:
         if weights is not None:
-            w = np.zeros((B, L, spec.num_experts), dtype)
-            np.put_along_axis(w, ids.astype(np.int64), weights.astype(dtype), axis=-1)
+            w = np.zeros((B, L, spec.num_experts), np.float32)
+            np.put_along_axis(w, ids.astype(np.int64), weights.astype(np.float32), axis=-1)
             out[:, 1:, off : off + spec.num_experts] = w[:, :-1]
         off += spec.num_experts
     if spec.context_vote:

@@ -312,7 +312,7 @@ class LLaPorDataModule(pl.LightningDataModule):
                     self.pca_components[li, : pca_dims[li]] = pca.components_
                     self.pca_mean[li] = pca.mean_
                 # (x - mean) @ C^T as one batched multiply-add: x @ C^T + (-mean @ C^T)
-                self._proj_layers = torch.tensor([li for li in range(L) if pca_dims[li]])
+                self._proj_layers = torch.tensor([li for li in range(L) if pca_dims[li]], dtype=torch.long)
                 comps = torch.from_numpy(self.pca_components[self._proj_layers])
                 self._proj = comps.transpose(1, 2).contiguous()
                 self._proj_bias = -torch.bmm(
@@ -371,6 +371,8 @@ class LLaPorDataModule(pl.LightningDataModule):
 
     def _project(self, rows: np.ndarray) -> np.ndarray:
         """[B, L, pca_max] float32 PCA projections of the rows' gate inputs (zeros in unused layers)."""
+        if not len(self._proj_layers):  # one MoE layer: no gate input feeds a later layer
+            return np.zeros((len(rows), self.spec.num_layers, self.spec.pca_max), np.float32)
         # torch widens float16 to float32 vectorised (numpy's astype is several times slower here)
         x = torch.from_numpy(self.gate[rows])[:, self._proj_layers].float().transpose(0, 1)
         y = torch.baddbmm(self._proj_bias, x, self._proj).transpose(0, 1)
