@@ -75,9 +75,12 @@ def evaluate_predictor(
         disable=not progress,
         leave=False,
     ):
-        acc.update(pred.score_request(trace), trace.topk_ids)
-        if online_lr:
-            pred.update(pred.features(trace), trace.topk_ids, lr=online_lr)
+        if online_lr:  # score, then learn from the same features
+            feats = pred.features(trace)
+            acc.update(pred.score_features(feats), trace.topk_ids)
+            pred.update(feats, trace.topk_ids, lr=online_lr)
+        else:
+            acc.update(pred.score_request(trace), trace.topk_ids)
     groups = getattr(pred, "groups", None) or getattr(pred, "meta", {}).get("groups") or groups_hint
     return acc.result(groups)
 

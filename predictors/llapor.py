@@ -762,8 +762,12 @@ class LLaPor(Predictor):
 
     @torch.no_grad()
     def score_request(self, trace: RequestTrace) -> np.ndarray:
+        return self.score_features(self.features(trace))
+
+    def score_features(self, feats: dict[str, torch.Tensor]) -> np.ndarray:
+        """[T, L, E] scores of ``features()`` rows (what ``update`` also takes)."""
         self.net.eval()
-        return torch.sigmoid(self.net(**self.features(trace))).numpy().astype(np.float32)
+        return torch.sigmoid(self.net(**feats)).numpy().astype(np.float32)
 
     def score_layer(self, layer: int, feats: dict[str, torch.Tensor | np.ndarray]) -> np.ndarray:
         """[B, E] scores of one layer for a batch of tokens: the runtime's per-layer call.
