@@ -767,7 +767,8 @@ class LLaPor(Predictor):
     def score_features(self, feats: dict[str, torch.Tensor]) -> np.ndarray:
         """[T, L, E] scores of ``features()`` rows (what ``update`` also takes)."""
         self.net.eval()
-        return torch.sigmoid(self.net(**feats)).numpy().astype(np.float32)
+        with torch.no_grad():  # after an online update the weights require grad
+            return torch.sigmoid(self.net(**feats)).numpy().astype(np.float32)
 
     def score_layer(self, layer: int, feats: dict[str, torch.Tensor | np.ndarray]) -> np.ndarray:
         """[B, E] scores of one layer for a batch of tokens: the runtime's per-layer call.
