@@ -106,6 +106,24 @@ class MetricAccumulator:
             self.extra_sum[x] += recall_per_row(scores, true_ids, x).sum(0)
         self.rows += scores.shape[0]
 
+    def counts(self) -> np.ndarray:
+        """Every running count as one float64 vector (exact below 2**53): what processes sum."""
+        parts = [self.tp, self.fp, self.fn, self.recall_sum, *self.extra_sum.values(), self.rows]
+        return np.concatenate([np.asarray(a, np.float64).ravel() for a in parts])
+
+    def set_counts(self, vec: np.ndarray) -> None:
+        """Replace the running counts by a ``counts()`` vector (e.g. the sum over DDP ranks)."""
+        vec = np.asarray(vec, np.float64)
+        if vec.shape != self.counts().shape:
+            raise ValueError(f"counts of shape {vec.shape}, expected {self.counts().shape}")
+        cut = np.cumsum([self.tp.size] * 3 + [self.L] * (2 + len(self.extra_k)))[:-1]
+        tp, fp, fn, recall_sum, *extra, rows = np.split(vec, cut)
+        shape = self.tp.shape
+        self.tp, self.fp, self.fn = (np.rint(a).astype(np.int64).reshape(shape) for a in (tp, fp, fn))
+        self.recall_sum = recall_sum.copy()
+        self.extra_sum = {x: e.copy() for x, e in zip(self.extra_k, extra)}
+        self.rows = np.rint(rows).astype(np.int64)
+
     def result(self, groups: Mapping[str, Sequence[int]] | None = None) -> dict[str, Any]:
         """Metrics overall, per layer and per layer group (a group is a list of layer positions)."""
         if self.rows.sum() == 0:

@@ -91,6 +91,22 @@ def test_accumulator_equals_one_shot():
         assert got[key] == pytest.approx(one[key])
 
 
+def test_accumulator_counts_add_across_processes():
+    """What DDP validation does: each rank's counts summed give the one-process result."""
+    scores, truth = _random_case(4, T=50)
+    ranks = [MetricAccumulator(3, 8, 2, extra_k=(1,)) for _ in range(2)]
+    ranks[0].update(scores[::2], truth[::2])
+    ranks[1].update(scores[1::2], truth[1::2])
+    whole = MetricAccumulator(3, 8, 2, extra_k=(1,))
+    whole.update(scores, truth)
+    merged = MetricAccumulator(3, 8, 2, extra_k=(1,))
+    merged.set_counts(ranks[0].counts() + ranks[1].counts())
+    assert np.array_equal(merged.counts(), whole.counts())
+    assert merged.result({"g": [0, 2]}) == whole.result({"g": [0, 2]})
+    with pytest.raises(ValueError, match="counts of shape"):
+        merged.set_counts(np.zeros(3))
+
+
 def test_plan_broadcasts_over_tokens():
     _, truth = _random_case(4)
     plan = np.random.default_rng(0).random((3, 8))  # [L, E] prompt-level plan

@@ -54,7 +54,11 @@ def test_llapor_cli_trains_exports_and_resumes(traces, tmp_path, capsys, monkeyp
     assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "checkpoints" / "best.ckpt").is_file()
     assert list((run / "wandb").glob("offline-run-*")), "wandb run must live in the run dir"
     metrics = next((run / "csv").glob("version_*/metrics.csv")).read_text()
-    assert "val/recall_group/" in metrics and "val/recall_layer/" in metrics
+    header = metrics.splitlines()[0].split(",")
+    for name in ("recall", "precision", "f1_micro", "f1_macro"):  # overall, per layer, per group
+        assert f"val/{name}" in header
+        assert {f"val/{name}_layer/{layer}" for layer in (1, 2, 3)} <= set(header)
+        assert any(h.startswith(f"val/{name}_group/") for h in header)
     assert not (tmp_path / "lightning_logs").exists() and not (tmp_path / "wandb").exists()
     # hyper-parameter override from the command line reached the model and the checkpoint
     pred = load(out, fingerprint=TraceSet(traces).meta.model.fingerprint)

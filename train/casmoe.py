@@ -39,10 +39,13 @@ from moecast.predictors.casmoe import (
     format_table,
     index_path,
     plan_recall,
+    plan_truth,
     prompt_text,
     run_planner,
 )
 from moecast.predictors.casmoe_eap import EAP, EAPNet, load_encoder, tokenizer_limit
+from moecast.predictors.metrics import MetricAccumulator
+from moecast.train.data import eval_sampler, log_validation
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
@@ -130,7 +133,12 @@ class EAPDataModule(L.LightningDataModule):
         return DataLoader(self.train_pairs, batch_size=self.batch_size, shuffle=True, collate_fn=self.collate)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_pairs, batch_size=max(self.batch_size, 64), collate_fn=self.collate)
+        return DataLoader(
+            self.val_pairs,
+            batch_size=max(self.batch_size, 64),
+            collate_fn=self.collate,
+            sampler=eval_sampler(len(self.val_pairs)),
+        )
 
 
 class EAPModule(L.LightningModule):
@@ -175,7 +183,6 @@ class EAPModule(L.LightningModule):
         self.net: EAPNet | None = None
         self.tokenizer: Any = None
         self._cache: dict[str, torch.Tensor] = {}
-        self._val: list[tuple[np.ndarray, np.ndarray]] = []
         self.info: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ build
@@ -250,23 +257,19 @@ class EAPModule(L.LightningModule):
             self.log("train/infonce", cont, batch_size=bs)
         return loss
 
+    def on_validation_epoch_start(self) -> None:
+        k = self.hparams.eval_k or self.info["top_k"]
+        self._acc = MetricAccumulator(self.info["num_layers"], self.info["num_experts"], k)
+
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         logits, _ = self._logits(batch["prompts"])
         self.log("val/huber", self._huber(logits, batch["ep"]), batch_size=len(batch["prompts"]))
-        self._val.append((torch.softmax(logits.float(), -1).cpu().numpy(), batch["ep"].numpy()))
+        # plan recall (plan_recall's definition): the plan against the top-k of the true EP
+        plans = torch.softmax(logits.float(), -1).cpu().numpy()
+        self._acc.update(plans, plan_truth(batch["ep"].numpy(), self._acc.k))
 
     def on_validation_epoch_end(self) -> None:
-        if not self._val:
-            return
-        plans = np.concatenate([p for p, _ in self._val])
-        eps = np.concatenate([e for _, e in self._val])
-        self._val = []
-        k = self.hparams.eval_k or self.info["top_k"]
-        r = plan_recall(plans, eps, k)
-        self.log("val/recall", r["recall_at_k"], prog_bar=True)
-        self.log("val/f1_micro", r["f1_micro"])
-        for i, v in enumerate(r["per_layer"]["recall_at_k"]):
-            self.log(f"val/recall_layer_{self.info['moe_layers'][i]}", float(v))
+        log_validation(self, self._acc, self.info["moe_layers"])
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         hp = self.hparams
@@ -478,7 +481,7 @@ def _log_wandb(
     try:
         data = {f"val/{k}": v for k, v in scalars.items() if isinstance(v, (int, float))}
         if per_layer:
-            data.update({f"val/recall_layer_{m}": v for m, v in zip(moe_layers, per_layer)})
+            data.update({f"val/recall_layer/{m}": v for m, v in zip(moe_layers, per_layer)})
         run.log(data)
     finally:
         run.finish()

@@ -28,7 +28,7 @@ from moecast.predictors.llapor import (
     sparse_bags,
     token_context,
 )
-from moecast.predictors.metrics import multi_hot
+from moecast.predictors.metrics import MetricAccumulator, multi_hot
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 CHUNK = 65536  # rows of gate inputs checked at a time
@@ -96,18 +96,43 @@ def check_flag(section: str, name: str, value: Any, also: tuple[str, ...] = ()) 
         raise ValueError(f"{section}.{name} must be {allowed}, got {value!r}")
 
 
-def recall_across_ranks(module: pl.LightningModule, hits: torch.Tensor, rows: float) -> torch.Tensor | None:
-    """Per-layer recall over the whole validation split, or None when it had no rows: under DDP
-    each rank sees a shard, so the ranks' hit sums and row counts are added before dividing."""
-    stats = torch.cat([hits.detach().double().cpu(), torch.tensor([float(rows)], dtype=torch.float64)])
+def log_validation(
+    module: pl.LightningModule,
+    acc: MetricAccumulator,
+    moe_layers: list[int],
+    groups: dict[str, list[int]] | None = None,
+) -> dict[str, Any] | None:
+    """Log the held-out metrics (predictors.metrics: recall@k, precision, micro and macro F1)
+    overall, per MoE layer and per layer group; returns them, or None when there were no rows.
+
+    Under DDP each rank validated a shard (``eval_sampler``): the ranks' counts are summed first,
+    so every rank logs the whole split's figures. ``val/recall`` is recall@k, the monitored value.
+    """
     if module.trainer.world_size > 1:
-        stats = module.all_gather(stats.to(module.device)).reshape(-1, len(stats)).sum(0).cpu()
-    return stats[:-1] / stats[-1] if stats[-1] > 0 else None
+        vec = torch.from_numpy(acc.counts()).to(module.device)
+        acc.set_counts(module.all_gather(vec).reshape(-1, len(vec)).sum(0).cpu().numpy())
+    if not acc.rows.sum():
+        return None
+    parts = {f"layer/{layer}": [i] for i, layer in enumerate(moe_layers)}
+    parts.update({f"group/{g}": list(ls) for g, ls in (groups or {}).items() if ls})
+    res = acc.result(parts)
+    names = {
+        "recall_at_k": "recall",
+        "precision": "precision",
+        "f1_micro": "f1_micro",
+        "f1_macro": "f1_macro",
+    }
+    for key, name in names.items():
+        module.log(f"val/{name}", res[key], prog_bar=name == "recall")
+        for part, summary in res["per_group"].items():
+            kind, label = part.split("/", 1)
+            module.log(f"val/{name}_{kind}/{label}", summary[key])
+    return res
 
 
 def eval_sampler(n: int) -> Sampler | None:
     """Validation under DDP: each rank takes every world-th item, unpadded. Lightning's default
-    sampler evens the shards by repeating items, which ``recall_across_ranks`` would count twice.
+    sampler evens the shards by repeating items, which ``log_validation`` would count twice.
     None (Lightning's choice) on one process, or with fewer items than ranks."""
     import torch.distributed as dist
 

@@ -25,7 +25,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from moecast.predictors.llapor import (
-    GROUPS,
     LOSSES,
     LLaPor,
     LLaPorNet,
@@ -33,7 +32,8 @@ from moecast.predictors.llapor import (
     group_lambda,
     llapor_loss,
 )
-from moecast.train.data import LLaPorDataModule, check_range, recall_across_ranks
+from moecast.predictors.metrics import MetricAccumulator
+from moecast.train.data import LLaPorDataModule, check_range, log_validation
 
 
 class LLaPorModule(pl.LightningModule):
@@ -132,32 +132,20 @@ class LLaPorModule(pl.LightningModule):
 
     # ------------------------------------------------------------------ validation metrics
     def on_validation_epoch_start(self) -> None:
-        L = self.net.spec.num_layers
-        self._hits = torch.zeros(L, dtype=torch.float64)
-        self._rows = 0
+        spec = self.net.spec
+        self._acc = MetricAccumulator(spec.num_layers, spec.num_experts, spec.top_k)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         logits = self(batch)
         loss = self._loss(logits, batch["target"])
-        k = self.net.spec.top_k
-        pred = logits.topk(k, dim=-1).indices
-        hits = batch["target"].gather(-1, pred).sum(-1) / k  # [B, L]
-        self._hits += hits.sum(0).double().cpu()
-        self._rows += len(logits)
+        truth = batch["target"].topk(self.net.spec.top_k, dim=-1).indices  # the k true experts
+        self._acc.update(logits.detach().float().cpu().numpy(), truth.cpu().numpy())
         self.log("val/loss", loss, batch_size=len(logits))
 
     def on_validation_epoch_end(self) -> None:
-        per_layer = recall_across_ranks(self, self._hits, self._rows)
-        if per_layer is None:
-            return
-        self.log("val/recall", float(per_layer.mean()), prog_bar=True)
-        for g in GROUPS:
-            layers = self.net.groups.get(g, [])
-            if layers:
-                self.log(f"val/recall_group/{g}", float(per_layer[layers].mean()))
-        for pos, value in enumerate(per_layer.tolist()):
-            self.log(f"val/recall_layer/{self.moe_layers[pos]}", value)
-        self.last_val = {"recall_at_k": float(per_layer.mean()), "per_layer": per_layer.tolist()}
+        res = log_validation(self, self._acc, self.moe_layers, self.net.groups)
+        if res is not None:
+            self.last_val = {"recall_at_k": res["recall_at_k"], "per_layer": res["per_layer"]["recall_at_k"]}
 
     # ------------------------------------------------------------------ optimisation
     def configure_optimizers(self) -> Any:

@@ -17,9 +17,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from moecast.collect.traceset import open_traces
-from moecast.predictors.metrics import multi_hot
+from moecast.predictors.metrics import MetricAccumulator, multi_hot
 from moecast.predictors.sequence import SequenceConfig, SequenceNet, SequencePredictor
-from moecast.train.data import eval_sampler, recall_across_ranks, split_requests
+from moecast.train.data import eval_sampler, log_validation, split_requests
 from torch.utils.data import DataLoader, Dataset
 
 
@@ -190,26 +190,19 @@ class SequenceModule(pl.LightningModule):
         return loss
 
     def on_validation_epoch_start(self) -> None:
-        self._hits = torch.zeros(self.cfg.num_layers, dtype=torch.float64)
-        self._rows = 0
+        self._acc = MetricAccumulator(self.cfg.num_layers, self.cfg.num_experts, self.cfg.top_k)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         loss, logits = self._loss(batch)
-        k = self.cfg.top_k
-        hits = batch["target"].gather(-1, logits.topk(k, -1).indices).sum(-1) / k  # [B, T, L]
-        valid = ~batch["pad"]
-        self._hits += hits[valid].sum(0).double()
-        self._rows += int(valid.sum())
+        valid = ~batch["pad"]  # [B, T]: the real tokens
+        truth = batch["target"][valid].topk(self.cfg.top_k, dim=-1).indices  # [N, L, k]
+        self._acc.update(logits[valid].detach().float().cpu().numpy(), truth.cpu().numpy())
         self.log("val/loss", loss, batch_size=len(batch["tokens"]))
 
     def on_validation_epoch_end(self) -> None:
-        per_layer = recall_across_ranks(self, self._hits, self._rows)
-        if per_layer is None:
-            return
-        self.log("val/recall", float(per_layer.mean()), prog_bar=True)
-        for pos, v in enumerate(per_layer.tolist()):
-            self.log(f"val/recall_layer/{self.moe_layers[pos]}", v)
-        self.last_val = {"recall_at_k": float(per_layer.mean()), "per_layer": per_layer.tolist()}
+        res = log_validation(self, self._acc, self.moe_layers)
+        if res is not None:
+            self.last_val = {"recall_at_k": res["recall_at_k"], "per_layer": res["per_layer"]["recall_at_k"]}
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams
