@@ -270,6 +270,8 @@ class LLaPorDataModule(pl.LightningDataModule):
 
         # layer groups (§3.1): from config, or from the training split's statistics
         sub = self.train_rows[:: max(1, n_train // hp.pca_fit_rows)]
+        # the sampled training rows' gate inputs: group detection and the PCA fit both read them
+        gate_sub = gate[sub].astype(np.float32) if gate is not None else None
         if hp.groups:
             self.groups = {g: list(v) for g, v in hp.groups.items()}
             covered = sorted(x for layers in self.groups.values() for x in layers)
@@ -278,7 +280,7 @@ class LLaPorDataModule(pl.LightningDataModule):
                     f"configured groups {self.groups} must cover layer positions 0..{L - 1} exactly once"
                 )
         else:
-            cos = gate_cosine(gate[sub].astype(np.float32)) if gate is not None else None
+            cos = gate_cosine(gate_sub) if gate_sub is not None else None
             self.groups, self.group_signal = detect_groups(cos, routing_correlation(self.topk[sub], E), L)
         print(format_groups(self.groups, m.moe_layers))
 
@@ -328,12 +330,11 @@ class LLaPorDataModule(pl.LightningDataModule):
             if use_gate:
                 from sklearn.decomposition import PCA
 
-                fit_rows = gate[sub].astype(np.float32)
                 for li in range(L):
                     if not pca_dims[li]:
                         continue
                     pca = PCA(n_components=pca_dims[li], random_state=hp.seed)
-                    pca.fit(fit_rows[:, li])
+                    pca.fit(gate_sub[:, li])
                     self.pca_components[li, : pca_dims[li]] = pca.components_
                     self.pca_mean[li] = pca.mean_
                 # (x - mean) @ C^T as one batched multiply-add: x @ C^T + (-mean @ C^T)
