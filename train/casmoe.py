@@ -198,6 +198,11 @@ class EAPModule(L.LightningModule):
         self.net = EAPNet(
             enc, self.info["num_layers"], self.info["num_experts"], hp.hidden, hp.intermediate, hp.dropout
         )
+        pooler = getattr(enc, "pooler", None)
+        if isinstance(pooler, torch.nn.Module):
+            # EAPNet.embed mean-pools the last hidden state: the pooler head never reaches the loss,
+            # and DDP refuses a trainable parameter without a gradient
+            pooler.requires_grad_(False)
         if hp.freeze_encoder:
             enc.requires_grad_(False)
             self._embed_all([p for p, _ in dm.train_pairs + dm.val_pairs])
