@@ -1,0 +1,157 @@
+"""Ablation: which hidden state of layer l-1 should LLaPor read? Trains LLaPor twice and prints val recall.
+
+PreScope §4.2.1 feeds layer l's predictor the PCA of layer l-1's gate input a (Eq. 1: the
+attention output that layer l-1's router reads), plus layer l-1's experts and weights; from
+those the block output x' = sum_i w_i Expert_i(a) (+ residual) is determined, but the network
+has to learn the experts to use it. This bench compares
+
+- ``gate_input``: the paper's feature, as ``configs/llapor_tiny.yaml`` trains it;
+- ``layer_output``: the same network and features, with layer l-1's gate input replaced by layer
+  l's input hidden state (layer l-1's block output, per-token RMS-normalised, PCA as the data
+  module does: same components per layer). It is known only once layer l-1's experts have run,
+  so a runtime using it gets less lead time for the prefetch (layer l's attention only, instead
+  of layer l-1's experts plus layer l's attention), and moecast's attach point (the experts
+  interface) does not see it: hence an ablation, not a feature.
+
+The layer outputs are recomputed with the model that produced the traces (teacher-forced on each
+request's tokens; the bench checks the recomputed routing matches the trace's). Same split,
+seed, config and epochs for both rows::
+
+    python bench/ablate_llapor_state.py --traces traces/tiny-sg8192 --max-requests 1024 --epochs 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+
+def _model(spec: str) -> Any:
+    if spec == "tiny":
+        from moecast.collect.tiny import load_tiny
+
+        return load_tiny()[0]
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(spec).eval()
+
+
+def layer_outputs(model: Any, dm: Any, moe_layers: list[int]) -> tuple[np.ndarray, float]:
+    """[N, L, H] float32: row (t, l) is MoE layer l+1's input hidden state of token t (zeros at l = L-1),
+    for the data module's token table; and the share of (token, layer) top-k sets the model's
+    recomputed routing reproduces."""
+    ids_order = dm.train_ids + dm.val_ids
+    lens = dm.ts.request_lengths(ids_order)
+    L = len(moe_layers)
+    out = np.zeros((len(dm.topk), L, model.config.hidden_size), np.float32)
+    k = dm.spec.top_k
+    same, total, start = 0, 0, 0
+    with torch.no_grad():
+        for n in lens:
+            tok = torch.from_numpy(dm.token_ids[start : start + n])[None]
+            res = model(input_ids=tok, output_hidden_states=True, output_router_logits=True)
+            hs = res.hidden_states  # hs[m]: decoder layer m's input
+            for li in range(L - 1):
+                x = hs[moe_layers[li + 1]][0].float()
+                out[start : start + n, li] = (x * x.pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt()).numpy()
+            for li, logits in enumerate(res.router_logits):
+                top = torch.topk(logits.reshape(n, -1).float(), k, -1).indices.numpy()
+                truth = dm.topk[start : start + n, li]
+                same += int((top[:, :, None] == truth[:, None, :]).any(-1).sum())
+                total += n * k
+            start += n
+    return out, same / max(total, 1)
+
+
+def run(variant: str, args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, Any]:
+    import lightning.pytorch as pl
+    from moecast.train.data import LLaPorDataModule
+    from moecast.train.llapor import LLaPorModule
+    from sklearn.decomposition import PCA
+
+    class DataModule(LLaPorDataModule):
+        def setup(self, stage: str | None = None) -> None:
+            if self._built:
+                return
+            super().setup(stage)
+            self.state = None
+            if variant == "gate_input":
+                return
+            if not self.spec.gate_pca:
+                raise SystemExit(f"{args.traces}: no gate inputs; the ablation compares against them")
+            states, agree = layer_outputs(_model(args.model), self, list(self.ts.meta.model.moe_layers))
+            if agree < 0.99:
+                raise SystemExit(
+                    f"--model {args.model} reproduces only {agree:.1%} of the traces' routing; "
+                    "pass the model that collected them"
+                )
+            print(f"  layer outputs {states.shape}: recomputed routing matches {agree:.4%} of the trace")
+            n_train = len(self.train_rows)
+            fit = np.arange(0, n_train, max(1, n_train // self.hparams.pca_fit_rows))
+            self.state = np.zeros((len(states), self.spec.num_layers, self.spec.pca_max), np.float32)
+            for li, dims in enumerate(self.spec.pca_dims[:-1]):
+                if dims:
+                    pca = PCA(n_components=dims, random_state=self.hparams.seed).fit(states[fit, li])
+                    self.state[:, li, :dims] = pca.transform(states[:, li])
+
+        def batch(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
+            out = super().batch(rows)
+            if self.state is not None:  # layer l reads row l-1: layer l's input instead of l-1's gate input
+                out["dense"][:, 1:, : self.spec.pca_max] = torch.from_numpy(self.state[rows][:, :-1])
+            return out
+
+    pl.seed_everything(cfg.get("seed_everything", 0))
+    data = {**cfg["data"], "max_requests": args.max_requests}
+    dm = DataModule(args.traces, **data)
+    module = LLaPorModule(**cfg["model"])
+    trainer = pl.Trainer(
+        max_epochs=args.epochs,
+        accelerator="cpu",
+        devices=1,
+        gradient_clip_val=cfg["trainer"].get("gradient_clip_val"),
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+        num_sanity_val_steps=0,
+    )
+    t = time.perf_counter()
+    trainer.fit(module, dm)
+    res = module.last_val
+    return {
+        "variant": variant,
+        "recall": res["recall_at_k"],
+        "per_layer": res["per_layer"],
+        "s": time.perf_counter() - t,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--traces", default="traces/tiny-sg8192", help="TraceSet with gate inputs")
+    ap.add_argument(
+        "--model", default="tiny", help="the model that collected the traces: tiny or a model folder"
+    )
+    ap.add_argument("--config", default="configs/llapor_tiny.yaml")
+    ap.add_argument("--max-requests", type=int, default=1024)
+    ap.add_argument("--epochs", type=int, default=8)
+    ap.add_argument("--variants", default="gate_input,layer_output")
+    args = ap.parse_args()
+    with open(args.config) as f:
+        cfg = yaml.safe_load(f)
+    rows = [run(v, args, cfg) for v in args.variants.split(",")]
+    print(
+        f"\nLLaPor val recall@k, {args.traces}, {args.max_requests} requests, {args.epochs} epochs ({args.config}):"
+    )
+    for r in rows:
+        layers = " ".join(f"{x:.3f}" for x in r["per_layer"])
+        print(f"  {r['variant']:<13} {r['recall']:.4f}   per layer {layers}   {r['s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
