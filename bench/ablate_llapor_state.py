@@ -31,26 +31,17 @@ import torch
 import yaml
 
 
-def _model(spec: str) -> Any:
-    if spec == "tiny":
-        from moecast.collect.tiny import load_tiny
-
-        return load_tiny()[0]
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(spec).eval()
-
-
 def layer_outputs(model: Any, dm: Any, moe_layers: list[int]) -> tuple[np.ndarray, float]:
     """[N, L, H] float32: row (t, l) is MoE layer l+1's input hidden state of token t (zeros at l = L-1),
     for the data module's token table; and the share of (token, layer) top-k sets the model's
     recomputed routing reproduces."""
+    from moecast.predictors.metrics import recall_per_row
+
     ids_order = dm.train_ids + dm.val_ids
     lens = dm.ts.request_lengths(ids_order)
     L = len(moe_layers)
     out = np.zeros((len(dm.topk), L, model.config.hidden_size), np.float32)
-    k = dm.spec.top_k
-    same, total, start = 0, 0, 0
+    hits, start = [], 0
     with torch.no_grad():
         for n in lens:
             tok = torch.from_numpy(dm.token_ids[start : start + n])[None]
@@ -59,17 +50,15 @@ def layer_outputs(model: Any, dm: Any, moe_layers: list[int]) -> tuple[np.ndarra
             for li in range(L - 1):
                 x = hs[moe_layers[li + 1]][0].float()
                 out[start : start + n, li] = (x * x.pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt()).numpy()
-            for li, logits in enumerate(res.router_logits):
-                top = torch.topk(logits.reshape(n, -1).float(), k, -1).indices.numpy()
-                truth = dm.topk[start : start + n, li]
-                same += int((top[:, :, None] == truth[:, None, :]).any(-1).sum())
-                total += n * k
+            logits = torch.stack([r.reshape(n, -1) for r in res.router_logits], 1).float().numpy()
+            hits.append(recall_per_row(logits, dm.topk[start : start + n]).ravel())
             start += n
-    return out, same / max(total, 1)
+    return out, float(np.concatenate(hits).mean())
 
 
 def run(variant: str, args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, Any]:
     import lightning.pytorch as pl
+    from moecast.collect.models import load_model
     from moecast.train.data import LLaPorDataModule
     from moecast.train.llapor import LLaPorModule
     from sklearn.decomposition import PCA
@@ -84,7 +73,9 @@ def run(variant: str, args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str
                 return
             if not self.spec.gate_pca:
                 raise SystemExit(f"{args.traces}: no gate inputs; the ablation compares against them")
-            states, agree = layer_outputs(_model(args.model), self, list(self.ts.meta.model.moe_layers))
+            states, agree = layer_outputs(
+                load_model(args.model)[0], self, list(self.ts.meta.model.moe_layers)
+            )
             if agree < 0.99:
                 raise SystemExit(
                     f"--model {args.model} reproduces only {agree:.1%} of the traces' routing; "
@@ -135,7 +126,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--traces", default="traces/tiny-sg8192", help="TraceSet with gate inputs")
     ap.add_argument(
-        "--model", default="tiny", help="the model that collected the traces: tiny or a model folder"
+        "--model",
+        default="tiny",
+        help="the model that collected the traces (as moecast collect --model takes it)",
     )
     ap.add_argument("--config", default="configs/llapor_tiny.yaml")
     ap.add_argument("--max-requests", type=int, default=1024)
