@@ -134,10 +134,16 @@ def test_sparse_and_dense_masking_are_separate_knobs():
     from moecast.train.llapor import LLaPorModule
 
     torch.manual_seed(0)
+    spec = FeatureSpec(num_layers=3, num_experts=8, top_k=2)
+    net = LLaPorNet(spec, {"input": [0], "middle": [1], "output": [2]}, NetConfig(hidden=8, dropout=0.0))
     batch = {"bags": torch.zeros(64, 3, 4, dtype=torch.long), "dense": torch.ones(64, 3, 16)}
-    default = LLaPorModule(noise_std=0.0, mask_prob=0.0)._augment(batch)
-    assert torch.equal(default["dense"], batch["dense"])
+    sparse_only = LLaPorModule(noise_std=0.0, mask_prob=0.5)
+    sparse_only.net = net  # what setup() builds from the data
+    out = sparse_only._augment(batch)
+    assert 0.4 < (out["bags"] == spec.vocab).float().mean() < 0.6  # ids masked to the padding id
+    assert torch.equal(out["dense"], batch["dense"])  # dense untouched by default
     masked = LLaPorModule(noise_std=0.0, mask_prob=0.0, mask_dense=0.5)._augment(batch)
+    assert torch.equal(masked["bags"], batch["bags"])
     assert 0.4 < (masked["dense"] == 0).float().mean() < 0.6
     with pytest.raises(ValueError, match="mask_dense"):
         LLaPorModule(mask_dense=1.0)
