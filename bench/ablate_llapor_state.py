@@ -13,9 +13,18 @@ has to learn the experts to use it. This bench compares
   of layer l-1's experts plus layer l's attention), and moecast's attach point (the experts
   interface) does not see it: hence an ablation, not a feature.
 
-The layer outputs are recomputed with the model that produced the traces (teacher-forced on each
+- ``speculative``: the paper's features plus one more dense block per layer: the PCA of layer l's
+  state after layer l's own attention run early, at layer l-1's gate input
+  (``bench_predictors.speculative_state``: earlier tokens' keys and values exact, as a decode
+  step's KV cache holds them; the token's own from its residual before layer l-1's experts).
+  Layer l's attention over the context is what LLaPor's inputs lack (the "how far layer l-1 can
+  see" reference in ``bench_predictors.py``); this row measures what the model's own attention
+  weights add. A runtime would have to run each layer's attention twice and attach to the
+  attention modules, so it is an ablation, not a feature.
+
+The hidden states are recomputed with the model that produced the traces (teacher-forced on each
 request's tokens; the bench checks the recomputed routing matches the trace's). Same split,
-seed, config and epochs for both rows::
+seed, config and epochs for every row::
 
     python bench/ablate_llapor_state.py --traces traces/tiny-sg8192 --max-requests 1024 --epochs 8
 """
@@ -23,41 +32,68 @@ seed, config and epochs for both rows::
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import yaml
 
+VARIANTS = ("gate_input", "layer_output", "speculative")
 
-def layer_outputs(model: Any, dm: Any, moe_layers: list[int]) -> tuple[np.ndarray, float]:
-    """[N, L, H] float32: row (t, l) is MoE layer l+1's input hidden state of token t (zeros at l = L-1),
-    for the data module's token table; and the share of (token, layer) top-k sets the model's
-    recomputed routing reproduces."""
+
+def layer_states(model: Any, dm: Any, moe_layers: list[int], variant: str) -> tuple[np.ndarray, float]:
+    """[N, L, H] float32 for the data module's token table, and the share of (token, layer) top-k
+    sets the model's recomputed routing reproduces. ``layer_output``: row (t, l) is MoE layer
+    l+1's input hidden state of token t (zeros at l = L-1). ``speculative``: row (t, l) is layer
+    l's speculative state (zeros at l = 0)."""
+    from bench_predictors import speculative_state
     from moecast.predictors.metrics import recall_per_row
 
     ids_order = dm.train_ids + dm.val_ids
     lens = dm.ts.request_lengths(ids_order)
     L = len(moe_layers)
+    layers = model.model.layers
     out = np.zeros((len(dm.topk), L, model.config.hidden_size), np.float32)
+    mout: dict[int, torch.Tensor] = {}
+    hooks = [
+        layers[m].mlp.register_forward_hook(lambda mod, a, o, li=li: mout.__setitem__(li, o[0]))
+        for li, m in enumerate(moe_layers)
+    ]
     hits, start = [], 0
     with torch.no_grad():
         for n in lens:
             tok = torch.from_numpy(dm.token_ids[start : start + n])[None]
             res = model(input_ids=tok, output_hidden_states=True, output_router_logits=True)
             hs = res.hidden_states  # hs[m]: decoder layer m's input
-            for li in range(L - 1):
-                x = hs[moe_layers[li + 1]][0].float()
-                out[start : start + n, li] = (x * x.pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt()).numpy()
+            if variant == "speculative":
+                pe = model.model.rotary_emb(hs[0], torch.arange(n)[None])
+                for li in range(1, L):
+                    m = moe_layers[li]
+                    if moe_layers[li - 1] != m - 1:
+                        raise SystemExit("the speculative row needs MoE layers that follow each other")
+                    state = speculative_state(layers[m], hs[m][0], hs[m][0] - mout[li - 1], pe)
+                    out[start : start + n, li] = state.float().numpy()
+            else:
+                for li in range(L - 1):
+                    x = hs[moe_layers[li + 1]][0].float()
+                    out[start : start + n, li] = (
+                        x * x.pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt()
+                    ).numpy()
             logits = torch.stack([r.reshape(n, -1) for r in res.router_logits], 1).float().numpy()
             hits.append(recall_per_row(logits, dm.topk[start : start + n]).ravel())
             start += n
+    for h in hooks:
+        h.remove()
     return out, float(np.concatenate(hits).mean())
 
 
 def run(variant: str, args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, Any]:
     import lightning.pytorch as pl
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_predictors
     from moecast.collect.models import load_model
     from moecast.train.data import LLaPorDataModule
     from moecast.train.llapor import LLaPorModule
@@ -73,31 +109,45 @@ def run(variant: str, args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str
                 return
             if not self.spec.gate_pca:
                 raise SystemExit(f"{args.traces}: no gate inputs; the ablation compares against them")
-            states, agree = layer_outputs(
-                load_model(args.model)[0], self, list(self.ts.meta.model.moe_layers)
+            states, agree = layer_states(
+                load_model(args.model)[0], self, list(self.ts.meta.model.moe_layers), variant
             )
             if agree < 0.99:
                 raise SystemExit(
                     f"--model {args.model} reproduces only {agree:.1%} of the traces' routing; "
                     "pass the model that collected them"
                 )
-            print(f"  layer outputs {states.shape}: recomputed routing matches {agree:.4%} of the trace")
+            print(f"  {variant} {states.shape}: recomputed routing matches {agree:.4%} of the trace")
             n_train = len(self.train_rows)
             fit = np.arange(0, n_train, max(1, n_train // self.hparams.pca_fit_rows))
             self.state = np.zeros((len(states), self.spec.num_layers, self.spec.pca_max), np.float32)
-            for li, dims in enumerate(self.spec.pca_dims[:-1]):
+            # layer_output: row l feeds layer l+1 (as the gate input's PCA does); speculative: row l is layer l's
+            dims_by_row = (
+                self.spec.pca_dims[:-1] if variant == "layer_output" else [0, *self.spec.pca_dims[1:]]
+            )
+            for li, dims in enumerate(dims_by_row):
                 if dims:
                     pca = PCA(n_components=dims, random_state=self.hparams.seed).fit(states[fit, li])
                     self.state[:, li, :dims] = pca.transform(states[:, li])
 
         def batch(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
             out = super().batch(rows)
-            if self.state is not None:  # layer l reads row l-1: layer l's input instead of l-1's gate input
+            if self.state is None:
+                return out
+            if (
+                variant == "layer_output"
+            ):  # layer l reads row l-1: layer l's input instead of l-1's gate input
                 out["dense"][:, 1:, : self.spec.pca_max] = torch.from_numpy(self.state[rows][:, :-1])
+            else:  # the extra context block (the last dense block) holds layer l's speculative state
+                out["dense"][:, :, -self.spec.pca_max :] = torch.from_numpy(self.state[rows])
             return out
 
+    if variant not in VARIANTS:
+        raise SystemExit(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
     pl.seed_everything(cfg.get("seed_everything", 0))
     data = {**cfg["data"], "max_requests": args.max_requests}
+    if variant == "speculative":
+        data["context_gate"] = int(data.get("context_gate") or 0) + 1
     dm = DataModule(args.traces, **data)
     module = LLaPorModule(**cfg["model"])
     trainer = pl.Trainer(
@@ -133,7 +183,7 @@ def main() -> None:
     ap.add_argument("--config", default="configs/llapor_tiny.yaml")
     ap.add_argument("--max-requests", type=int, default=1024)
     ap.add_argument("--epochs", type=int, default=8)
-    ap.add_argument("--variants", default="gate_input,layer_output")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
     args = ap.parse_args()
     with open(args.config) as f:
         cfg = yaml.safe_load(f)

@@ -97,6 +97,25 @@ def latency_us(pred: Any, trace: Any, repeats: int) -> dict[str, float]:
     }
 
 
+def speculative_state(layer: Any, exact: torch.Tensor, cur: torch.Tensor, pe: tuple) -> torch.Tensor:
+    """[T, H] layer ``layer``'s post-attention-norm state when its attention runs on ``cur`` [T, H]
+    (each token's early estimate of its input) against the exact inputs ``exact`` [T, H] of the
+    tokens before it: token i's query, key and value come from ``cur[i]``, tokens j < i's keys and
+    values from ``exact[j]``. One call of the layer's own attention module over [exact; cur] with a
+    mask, so it holds for any attention the module implements (rotary ``pe`` [1, T, d] pairs).
+    ``cur == exact`` gives back the model's own state."""
+    t = exact.shape[0]
+    x = torch.cat([layer.input_layernorm(exact), layer.input_layernorm(cur)])[None]
+    pe2 = tuple(torch.cat([p, p], 1) for p in pe)
+    q, kk = torch.arange(t)[:, None], torch.arange(t)[None]
+    mask = torch.full((2 * t, 2 * t), -torch.inf)
+    mask[:t, :t] = torch.zeros(t, t).masked_fill(kk > q, -torch.inf)  # the exact half: plain causal
+    mask[t:, :t] = torch.zeros(t, t).masked_fill(kk >= q, -torch.inf)  # earlier tokens, exact
+    mask[t:, t:] = torch.zeros(t, t).masked_fill(kk != q, -torch.inf)  # itself, early
+    attn = layer.self_attn(hidden_states=x, position_embeddings=pe2, attention_mask=mask[None, None])[0]
+    return layer.post_attention_layernorm(cur + attn[0, t:])
+
+
 def state_reference(
     model_dir: str, texts: int = 60, windows: tuple[int, ...] = (2, 8, 32)
 ) -> dict[str, list[float | None]]:
@@ -108,6 +127,11 @@ def state_reference(
     - ``window_W`` (W in ``windows``): layer l's state with layer l's own attention (the model's
       weights) computed over only the token itself, the W tokens before it and the request's
       first token (the attention sink): how much of the earlier context layer l's routing reads.
+    - ``speculative``: layer l's attention run early, when layer l-1's gate input is known (the
+      point LLaPor predicts from): the earlier tokens' keys and values exact (a decode step's KV
+      cache holds them), the token's own query, key and value from its residual before layer
+      l-1's experts (:func:`speculative_state`). What the model's own weights give with the context
+      but without layer l-1's expert output.
 
     Run on the first ``texts`` held-out ShareGPT texts of ``tiny``'s own split. A reference, not a
     ceiling: a predictor that also reads the context (as LLaPor does) can pass ``input_state``.
@@ -136,7 +160,13 @@ def state_reference(
     def recall(a: np.ndarray, b: np.ndarray) -> float:
         return float((a[:, :, None] == b[:, None, :]).any(-1).mean())
 
-    keys = ["gate_reuse", "input_state", *(f"window_{w}" for w in windows)]
+    mout: dict[int, torch.Tensor] = {}
+    hooks += [
+        layer.mlp.register_forward_hook(lambda m, a, o, i=i: mout.__setitem__(i, o[0]))
+        for i, layer in enumerate(layers)
+    ]
+
+    keys = ["gate_reuse", "input_state", *(f"window_{w}" for w in windows), "speculative"]
     sums = {key: np.zeros(len(layers)) for key in keys}
     n = 0
     try:
@@ -165,6 +195,8 @@ def state_reference(
                         )[0]
                         state = layers[li].post_attention_layernorm(hs[li][0] + attn[0])
                         sums[f"window_{w}"][li] += recall(top(li, state), truth) * t
+                    state = speculative_state(layers[li], hs[li][0], hs[li][0] - mout[li - 1], pe)
+                    sums["speculative"][li] += recall(top(li, state), truth) * t
                 n += t
     finally:
         for h in hooks:
@@ -325,6 +357,7 @@ def main(argv: list[str] | None = None) -> None:
                         for key, v in ref.items()
                         if key.startswith("window_")
                     )
+                    + f"  ... layer l's attention at l-1's gate input  {row(ref['speculative'])}\n"
                     + f"  LLaPor (held-out traces)                   {row(per)}",
                     {"bench": "tiny-reference", **ref, "llapor_per_layer": per},
                 )

@@ -165,8 +165,82 @@ def test_state_reference_recomputes_layer_attention(built, monkeypatch):
 
     ref = state_reference(str(built), texts=2, windows=(0, 10**6))
     layers = get_preset("test").num_layers
-    assert set(ref) == {"gate_reuse", "input_state", "window_0", "window_1000000"}
+    assert set(ref) == {"gate_reuse", "input_state", "window_0", "window_1000000", "speculative"}
     assert all(len(v) == layers and v[0] is None for v in ref.values())
     assert ref["window_1000000"][1:] == pytest.approx([1.0] * (layers - 1))
     # the token alone (plus the first token) is not its whole context
     assert min(ref["window_0"][1:]) < 1.0
+    assert all(0.0 <= x <= 1.0 for x in ref["speculative"][1:])
+
+
+def test_speculative_state_is_the_layers_own_state_when_the_early_input_is_exact(built, monkeypatch):
+    """bench_predictors.speculative_state runs layer l's attention over [exact; early] with a mask:
+    fed the exact inputs as the early ones it must reproduce the layer's gate input, and an early
+    input for the last token alone must leave the earlier tokens' states unchanged."""
+    import sys
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    sys.modules.pop("bench_predictors", None)
+    from bench_predictors import speculative_state
+
+    model = AutoModelForCausalLM.from_pretrained(str(built), attn_implementation="eager").eval()
+    layer = model.model.layers[1]
+    gin = {}
+    layer.mlp.register_forward_pre_hook(lambda m, a: gin.__setitem__(1, a[0][0]))
+    ids = torch.arange(3, 3 + 12)[None]
+    with torch.no_grad():
+        hs = model(input_ids=ids, output_hidden_states=True).hidden_states
+        pe = model.model.rotary_emb(hs[0], torch.arange(12)[None])
+        exact = hs[1][0]
+        torch.testing.assert_close(speculative_state(layer, exact, exact, pe), gin[1], atol=1e-5, rtol=1e-4)
+        early = exact.clone()
+        early[-1] = early[-1] * 0.5 + 1.0
+        out = speculative_state(layer, exact, early, pe)
+    torch.testing.assert_close(out[:-1], gin[1][:-1], atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(out[-1], gin[1][-1], atol=1e-3)
+
+
+def test_ablate_llapor_state_speculative_row_runs_end_to_end(built, tmp_path, monkeypatch):
+    """bench/ablate_llapor_state.py's speculative row on real tiny traces: it recomputes the
+    routing with the model (the bench stops below 99 % agreement), adds one dense block per layer
+    and trains LLaPor on it."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    import yaml
+    from moecast import configs_dir
+    from moecast.collect.commands import collect
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    for mod in ("bench_predictors", "ablate_llapor_state"):
+        sys.modules.pop(mod, None)
+    import ablate_llapor_state as bench
+
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = [{"question": f"how many apples are {i} plus {i + 3}?", "answer": "#### 1"} for i in range(8)]
+    (data / "gsm8k.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    traces = collect(
+        model=str(built),
+        workloads="gsm8k",
+        data_dir=str(data),
+        out=str(tmp_path / "ts"),
+        max_new_tokens=4,
+        gate_inputs=True,
+        progress=False,
+    )
+    cfg = yaml.safe_load((configs_dir() / "llapor_tiny.yaml").read_text())
+    cfg["model"]["hidden"] = 16
+    cfg["data"].update(val_fraction=0.25, batch_size=32)
+    args = argparse.Namespace(traces=str(traces), model=str(built), max_requests=None, epochs=1)
+    res = bench.run("speculative", args, cfg)
+    assert res["variant"] == "speculative"
+    assert len(res["per_layer"]) == get_preset("test").num_layers
+    assert 0.0 < res["recall"] <= 1.0
+    with pytest.raises(SystemExit, match="unknown variant"):
+        bench.run("nope", args, cfg)
