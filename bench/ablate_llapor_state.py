@@ -32,6 +32,7 @@ seed, config and epochs for every row::
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -52,41 +53,40 @@ def layer_states(model: Any, dm: Any, moe_layers: list[int], variant: str) -> tu
     from bench_predictors import speculative_state
     from moecast.predictors.metrics import recall_per_row
 
-    ids_order = dm.train_ids + dm.val_ids
-    lens = dm.ts.request_lengths(ids_order)
-    L = len(moe_layers)
-    layers = model.model.layers
+    lens = dm.ts.request_lengths(dm.train_ids + dm.val_ids)
+    L, layers = len(moe_layers), model.model.layers
+    if variant == "speculative" and any(b != a + 1 for a, b in itertools.pairwise(moe_layers)):
+        raise SystemExit("the speculative row needs MoE layers that follow each other")
     out = np.zeros((len(dm.topk), L, model.config.hidden_size), np.float32)
-    mout: dict[int, torch.Tensor] = {}
+    mout: dict[int, torch.Tensor] = {}  # MoE layer -> its block output (what layer l-1's experts add)
     hooks = [
         layers[m].mlp.register_forward_hook(lambda mod, a, o, li=li: mout.__setitem__(li, o[0]))
         for li, m in enumerate(moe_layers)
     ]
     hits, start = [], 0
-    with torch.no_grad():
-        for n in lens:
-            tok = torch.from_numpy(dm.token_ids[start : start + n])[None]
-            res = model(input_ids=tok, output_hidden_states=True, output_router_logits=True)
-            hs = res.hidden_states  # hs[m]: decoder layer m's input
-            if variant == "speculative":
-                pe = model.model.rotary_emb(hs[0], torch.arange(n)[None])
-                for li in range(1, L):
-                    m = moe_layers[li]
-                    if moe_layers[li - 1] != m - 1:
-                        raise SystemExit("the speculative row needs MoE layers that follow each other")
-                    state = speculative_state(layers[m], hs[m][0], hs[m][0] - mout[li - 1], pe)
-                    out[start : start + n, li] = state.float().numpy()
-            else:
-                for li in range(L - 1):
-                    x = hs[moe_layers[li + 1]][0].float()
-                    out[start : start + n, li] = (
-                        x * x.pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt()
-                    ).numpy()
-            logits = torch.stack([r.reshape(n, -1) for r in res.router_logits], 1).float().numpy()
-            hits.append(recall_per_row(logits, dm.topk[start : start + n]).ravel())
-            start += n
-    for h in hooks:
-        h.remove()
+    try:
+        with torch.no_grad():
+            for n in lens:
+                tok = torch.from_numpy(dm.token_ids[start : start + n])[None]
+                res = model(input_ids=tok, output_hidden_states=True, output_router_logits=True)
+                hs = res.hidden_states  # hs[m]: decoder layer m's input
+                if variant == "speculative":
+                    pe = model.model.rotary_emb(hs[0], torch.arange(n)[None])
+                    for li in range(1, L):
+                        m = moe_layers[li]
+                        state = speculative_state(layers[m], hs[m][0], hs[m][0] - mout[li - 1], pe)
+                        out[start : start + n, li] = state.float().numpy()
+                else:
+                    for li in range(L - 1):
+                        x = hs[moe_layers[li + 1]][0].float()
+                        x = x * x.pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt()
+                        out[start : start + n, li] = x.numpy()
+                logits = torch.stack([r.reshape(n, -1) for r in res.router_logits], 1).float().numpy()
+                hits.append(recall_per_row(logits, dm.topk[start : start + n]).ravel())
+                start += n
+    finally:
+        for h in hooks:
+            h.remove()
     return out, float(np.concatenate(hits).mean())
 
 
@@ -134,9 +134,8 @@ def run(variant: str, args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str
             out = super().batch(rows)
             if self.state is None:
                 return out
-            if (
-                variant == "layer_output"
-            ):  # layer l reads row l-1: layer l's input instead of l-1's gate input
+            if variant == "layer_output":
+                # layer l reads row l-1: layer l's input instead of l-1's gate input
                 out["dense"][:, 1:, : self.spec.pca_max] = torch.from_numpy(self.state[rows][:, :-1])
             else:  # the extra context block (the last dense block) holds layer l's speculative state
                 out["dense"][:, :, -self.spec.pca_max :] = torch.from_numpy(self.state[rows])

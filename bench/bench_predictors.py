@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
                         for key, v in ref.items()
                         if key.startswith("window_")
                     )
-                    + f"  ... layer l's attention at l-1's gate input  {row(ref['speculative'])}\n"
+                    + f"  layer l's attention early, at l-1's input  {row(ref['speculative'])}\n"
                     + f"  LLaPor (held-out traces)                   {row(per)}",
                     {"bench": "tiny-reference", **ref, "llapor_per_layer": per},
                 )

@@ -213,8 +213,9 @@ def test_ablate_llapor_state_speculative_row_runs_end_to_end(built, tmp_path, mo
     from pathlib import Path
 
     import yaml
-    from moecast import configs_dir
     from moecast.collect.commands import collect
+
+    from moecast import configs_dir
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
     for mod in ("bench_predictors", "ablate_llapor_state"):
