@@ -128,3 +128,28 @@ def tiny_encoder(tmp_path_factory) -> Path:
     BertModel(cfg).save_pretrained(str(out))
     tok.save_pretrained(str(out))
     return out
+
+
+def collect_gate_traces(model_dir: Path, root: Path, requests: int, max_new_tokens: int) -> Path:
+    """A TraceSet with gate inputs of ``model_dir`` on ``requests`` small local gsm8k-style prompts
+    (offline: the workload file is written under ``root``)."""
+    import json
+
+    from moecast.collect.commands import collect
+
+    data = root / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    rows = [
+        {"question": f"question {i}: how many apples are {i} plus {i + 3}?", "answer": "#### 1"}
+        for i in range(requests)
+    ]
+    (data / "gsm8k.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return collect(
+        model=str(model_dir),
+        workloads="gsm8k",
+        data_dir=str(data),
+        out=str(root / "ts"),
+        max_new_tokens=max_new_tokens,
+        gate_inputs=True,
+        progress=False,
+    )

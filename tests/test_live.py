@@ -390,28 +390,13 @@ def test_planner_preloads_plan_and_keeps_logits():
 @pytest.fixture(scope="module")
 def llapor_for_model(model_dir, tmp_path_factory):
     """Traces of ``model_dir`` (with gate inputs) and a LLaPor trained on them for two epochs."""
-    from moecast.collect.commands import collect
+    from conftest import collect_gate_traces
     from moecast.train.cli import train
 
     from moecast import configs_dir
 
     root = tmp_path_factory.mktemp("live-llapor")
-    data = root / "data"
-    data.mkdir()
-    rows = [
-        {"question": f"question {i}: how many apples are {i} plus {i + 3}?", "answer": "#### 1"}
-        for i in range(12)
-    ]
-    (data / "gsm8k.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    traces = collect(
-        model=str(model_dir),
-        workloads="gsm8k",
-        data_dir=str(data),
-        out=str(root / "ts"),
-        max_new_tokens=6,
-        gate_inputs=True,
-        progress=False,
-    )
+    traces = collect_gate_traces(model_dir, root, requests=12, max_new_tokens=6)
     ckpt = root / "llapor.safetensors"
     train(
         [

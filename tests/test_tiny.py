@@ -213,7 +213,7 @@ def test_ablate_llapor_state_speculative_row_runs_end_to_end(built, tmp_path, mo
     from pathlib import Path
 
     import yaml
-    from moecast.collect.commands import collect
+    from conftest import collect_gate_traces
 
     from moecast import configs_dir
 
@@ -222,19 +222,7 @@ def test_ablate_llapor_state_speculative_row_runs_end_to_end(built, tmp_path, mo
         sys.modules.pop(mod, None)
     import ablate_llapor_state as bench
 
-    data = tmp_path / "data"
-    data.mkdir()
-    rows = [{"question": f"how many apples are {i} plus {i + 3}?", "answer": "#### 1"} for i in range(8)]
-    (data / "gsm8k.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    traces = collect(
-        model=str(built),
-        workloads="gsm8k",
-        data_dir=str(data),
-        out=str(tmp_path / "ts"),
-        max_new_tokens=4,
-        gate_inputs=True,
-        progress=False,
-    )
+    traces = collect_gate_traces(built, tmp_path, requests=8, max_new_tokens=4)
     cfg = yaml.safe_load((configs_dir() / "llapor_tiny.yaml").read_text())
     cfg["model"]["hidden"] = 16
     cfg["data"].update(val_fraction=0.25, batch_size=32)
