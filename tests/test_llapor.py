@@ -41,11 +41,18 @@ def assert_kernel_matches(pred: LLaPor, feats: dict, expected: np.ndarray, layer
         assert not np.allclose(got, expected[:, layer], atol=1e-7)  # really the int8 weights
 
 
-def _fit(path, epochs=8, loss="focal", **data):
+def _fit(path, epochs=8, loss="focal", model=None, **data):
     torch.manual_seed(0)
     dm = LLaPorDataModule(str(path), val_fraction=0.25, batch_size=64, **data)
     module = LLaPorModule(
-        hidden=32, warmup_epochs=1, lr_io=5e-3, lr_middle=5e-3, lr_shared=5e-3, mask_prob=0.0, loss=loss
+        hidden=32,
+        warmup_epochs=1,
+        lr_io=5e-3,
+        lr_middle=5e-3,
+        lr_shared=5e-3,
+        mask_prob=0.0,
+        loss=loss,
+        **(model or {}),
     )
     trainer = pl.Trainer(
         max_epochs=epochs,
@@ -178,7 +185,8 @@ def test_training_beats_the_hot_table_and_roundtrips(tmp_path):
     served = pred.features(trace)
     for order in (np.arange(len(rows)), np.random.default_rng(0).permutation(len(rows))):
         batch = dm.batch(rows[order])
-        assert set(batch) == set(served) | {"target"} and batch["dense"].dtype == torch.float32
+        # plus the training targets: the top-k set and the router's probabilities (data.soft_targets auto)
+        assert set(batch) == set(served) | {"target", "probs"} and batch["dense"].dtype == torch.float32
         for key, value in served.items():
             assert torch.allclose(batch[key].to(value.dtype), value[order], atol=1e-5), key
 
@@ -206,6 +214,54 @@ def test_softmax_loss_ranks_experts_and_trains(tmp_path):
     one = {k: v[3:4] for k, v in pred.features(trace).items()}
     full = pred.score_request(trace)
     assert_kernel_matches(pred, one, full[3:4], range(4))  # the dense skip included
+
+
+def test_distill_loss_targets_the_routers_softened_ranking():
+    from moecast.predictors.llapor import distill_softmax_loss, topk_softmax_loss
+
+    target = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    logits = torch.tensor([[1.0, 0.0, 3.0, -1.0]])
+    assert torch.isclose(
+        distill_softmax_loss(logits, target, probs, 0.0, 2.0), topk_softmax_loss(logits, target)
+    )
+    for weight, temp in ((1.0, 1.0), (1.0, 2.0), (0.5, 2.0)):
+        soft = torch.softmax(probs.log() / temp, -1)
+        q = (1 - weight) * target / 2 + weight * soft
+        best = q.log().requires_grad_()  # the softmax cross-entropy's minimiser is log q
+        distill_softmax_loss(best, target, probs, weight, temp).backward()
+        assert best.grad.abs().max() < 1e-6
+    ent = [-(p * p.log()).sum() for p in (torch.softmax(probs.log() / t, -1) for t in (1.0, 2.0, 4.0))]
+    assert ent[0] < ent[1] < ent[2]  # a higher temperature shows more of the tail's order
+
+
+def test_distillation_trains_on_router_probs_and_refuses_what_it_cannot_use(tmp_path):
+    path = make_synthetic_traceset(
+        tmp_path / "tr", num_requests=24, num_layers=4, num_experts=8, hidden=16, tokens=16
+    )
+    module, dm = _fit(path, loss="softmax", model={"distill": 1.0, "distill_temperature": 2.0})
+    batch = dm.batch(dm.train_rows[:5])
+    assert batch["probs"].shape == (5, 4, 8) and torch.allclose(
+        batch["probs"].sum(-1), torch.ones(5, 4), atol=1e-2
+    )
+    pred = load(module.export(tmp_path / "d.safetensors", dm, {}))
+    assert pred.metadata()["hyper_parameters"]["distill"] == 1.0
+    ts = TraceSet(path)
+    res = evaluate_predictor(pred, ts, dm.val_ids, progress=False)
+    hot = evaluate_predictor(FrequencyPredictor.fit(ts, dm.train_ids), ts, dm.val_ids, progress=False)
+    assert res["recall_at_k"] > hot["recall_at_k"] + 0.15
+    with pytest.raises(ValueError, match=r"model\.loss: softmax"):
+        LLaPorModule(loss="focal", distill=0.5)
+    with pytest.raises(ValueError, match=r"model\.distill"):
+        LLaPorModule(loss="softmax", distill=1.5)
+    ids_only = make_synthetic_traceset(tmp_path / "ids", num_requests=8, num_layers=3, with_optional=False)
+    with pytest.raises(ValueError, match="no router_probs"):
+        _fit(ids_only, epochs=1, loss="softmax", model={"distill": 1.0})
+    with pytest.raises(MissingFieldError, match="router_probs"):
+        LLaPorDataModule(str(ids_only), soft_targets=True).setup()
+    no_probs = LLaPorDataModule(str(path), soft_targets=False)
+    no_probs.setup()
+    assert "probs" not in no_probs.batch(no_probs.train_rows[:2])
 
 
 def test_id_only_traces_use_id_features(tmp_path):
@@ -304,13 +360,14 @@ def test_bad_inputs_fail_with_one_clear_error(tmp_path):
         LLaPorDataModule(str(ids_only), val_fraction=0.5, max_requests=1).setup()
 
 
-def test_nan_gate_inputs_in_training_data_are_refused(tmp_path, monkeypatch):
+@pytest.mark.parametrize("field", ["gate_inputs", "router_probs"])
+def test_nan_gate_inputs_in_training_data_are_refused(field, tmp_path, monkeypatch):
     path = make_synthetic_traceset(tmp_path / "n", num_requests=6, num_layers=3, hidden=16)
     real = TraceSet._part_array  # what both TraceSet.array and TraceSet.rows read
 
     def poisoned(self, p, name):
         out = real(self, p, name)
-        if name == "gate_inputs":
+        if name == field:
             out = out.astype(np.float32)
             out[2, 1, 3] = np.inf
         return out

@@ -159,6 +159,14 @@ class RowBatches(Dataset):
         return self.dm.batch(self.rows[np.asarray(idx)])
 
 
+def _finite_rows(ts: TraceSet, name: str, requests: list[str]) -> Any:
+    """``ts.rows(name, requests)``, checked for NaN / inf chunk by chunk (never all in memory)."""
+    rows = ts.rows(name, requests)
+    if not all(np.isfinite(rows[lo : lo + CHUNK]).all() for lo in range(0, len(rows), CHUNK)):
+        raise ValueError(f"{ts.path}: {name} contain NaN or inf; re-collect the traces")
+    return rows
+
+
 def _identity(batch: Any) -> Any:
     return batch
 
@@ -168,7 +176,9 @@ class LLaPorDataModule(pl.LightningDataModule):
 
     Features follow the TraceSet's fields: ``gate_pca`` / ``weights`` ``"auto"`` use gate
     inputs / router weights when present (an ID-only import gets neither); ``True``
-    demands them (a clear error when missing), ``False`` skips them.
+    demands them (a clear error when missing), ``False`` skips them. ``soft_targets``
+    does the same for the router's probabilities, which only the model's distillation
+    loss (``model.distill``) reads: batches then carry ``probs`` [B, L, E].
     """
 
     def __init__(
@@ -198,6 +208,7 @@ class LLaPorDataModule(pl.LightningDataModule):
         pca_middle: int = 512,
         pca_fit_rows: int = 20000,
         groups: dict[str, list[int]] | None = None,
+        soft_targets: bool | str = "auto",
         num_workers: int = 0,
     ) -> None:
         super().__init__()
@@ -229,6 +240,7 @@ class LLaPorDataModule(pl.LightningDataModule):
         check_flag(d, "repeat_token", repeat_token)
         check_flag(d, "gate_pca", gate_pca, ("auto",))
         check_flag(d, "weights", weights, ("auto",))
+        check_flag(d, "soft_targets", soft_targets, ("auto",))
         if groups is not None and not (
             isinstance(groups, dict)
             and all(isinstance(v, list) and all(isinstance(x, int) for x in v) for v in groups.values())
@@ -262,11 +274,7 @@ class LLaPorDataModule(pl.LightningDataModule):
         use_gate = self._want("gate_pca", "gate_inputs", ts)
         use_w = self._want("weights", "topk_weights", ts)
         # read lazily from the memory-mapped parts (the widest field by far); checked in chunks
-        gate = ts.rows("gate_inputs", ids_order) if use_gate else None
-        if gate is not None and not all(
-            np.isfinite(gate[lo : lo + CHUNK]).all() for lo in range(0, len(gate), CHUNK)
-        ):
-            raise ValueError(f"{ts.path}: gate_inputs contain NaN or inf; re-collect the traces")
+        gate = _finite_rows(ts, "gate_inputs", ids_order) if use_gate else None
 
         # layer groups (§3.1): from config, or from the training split's statistics
         sub = self.train_rows[:: max(1, n_train // hp.pca_fit_rows)]
@@ -353,6 +361,9 @@ class LLaPorDataModule(pl.LightningDataModule):
 
                 # pools over every earlier token of the request, so it is built once (float16)
                 self.votes = context_votes(self.spec, self.topk, self.pos).astype(np.float16)
+        # the router's probabilities, for the model's distillation loss: read per batch like gate inputs
+        want_probs = self._want("soft_targets", "router_probs", ts)
+        self.probs = _finite_rows(ts, "router_probs", ids_order) if want_probs else None
         # expert frequencies f_i per layer on the training split, for the balancing loss
         counts = np.zeros((L, E))
         for li in range(L):
@@ -385,6 +396,8 @@ class LLaPorDataModule(pl.LightningDataModule):
             ),
             "target": torch.from_numpy(multi_hot(self.topk[rows], self.spec.num_experts, np.float32)),
         }
+        if self.probs is not None:
+            out["probs"] = torch.from_numpy(np.asarray(self.probs[rows], np.float32))
         if self.spec.deep_history:
             out["route"] = torch.from_numpy(self.topk[rows].astype(np.int64))
         if self.spec.token_buckets:

@@ -5,7 +5,10 @@
   group uses the balancing term plus ``lam_middle`` * focal (default 0: balancing BCE
   alone). ``loss: softmax`` instead ranks the experts of each (token, layer) with a
   softmax cross-entropy against the true top-k set (aligned with recall@k);
-  ``loss: bce`` is plain per-expert BCE.
+  ``loss: bce`` is plain per-expert BCE. ``distill`` > 0 (softmax loss only) mixes the
+  router's recorded probabilities, softened by ``distill_temperature``, into the softmax
+  target (``distill_softmax_loss``; needs ``router_probs`` in the TraceSet). Validation
+  loss and online updates keep the hard top-k target.
 - Optimiser: AdamW with one parameter group per layer group (lr and weight decay
   from config; the middle group gets higher ones, as in the paper) plus one for
   the shared parts (input tables, token embedding). Input/output groups and the
@@ -33,6 +36,7 @@ from moecast.predictors.llapor import (
     LLaPor,
     LLaPorNet,
     NetConfig,
+    distill_softmax_loss,
     group_lambda,
     llapor_loss,
 )
@@ -64,11 +68,19 @@ class LLaPorModule(pl.LightningModule):
         mask_prob: float = 0.1,
         mask_dense: float = 0.0,
         loss: str = "focal",
+        distill: float = 0.0,
+        distill_temperature: float = 2.0,
     ) -> None:
         super().__init__()
         if loss not in LOSSES:
             raise ValueError(f"model.loss must be one of {', '.join(LOSSES)}, not {loss!r}")
         m = "model"
+        check_range(m, "distill", distill, float, 0, 1)
+        check_range(m, "distill_temperature", distill_temperature, float, 0, open_lo=True)
+        if distill > 0 and loss != "softmax":
+            raise ValueError(
+                f"model.distill mixes the router's probabilities into the softmax loss; set model.loss: softmax (not {loss!r}) or model.distill: 0"
+            )
         for name, value in (("hidden", hidden), ("depth_io", depth_io), ("depth_middle", depth_middle)):
             check_range(m, name, value, int, 1)
         check_range(m, "warmup_epochs", warmup_epochs, int, 0)
@@ -94,6 +106,11 @@ class LLaPorModule(pl.LightningModule):
             return
         dm = self.trainer.datamodule
         hp = self.hparams
+        if hp.get("distill", 0.0) > 0 and dm.probs is None:
+            raise ValueError(
+                f"model.distill > 0 needs the router's probabilities, and {dm.ts.path} has no router_probs "
+                "(or data.soft_targets is false); collect with router probabilities or set model.distill: 0"
+            )
         self.net = LLaPorNet(
             dm.spec, dm.groups, NetConfig(hp.hidden, hp.depth_io, hp.depth_middle, hp.dropout)
         )
@@ -125,13 +142,19 @@ class LLaPorModule(pl.LightningModule):
             out["dense"] = d
         return out
 
-    def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def _loss(
+        self, logits: torch.Tensor, target: torch.Tensor, probs: torch.Tensor | None = None
+    ) -> torch.Tensor:
         kind = self.hparams.get("loss", "focal")
+        weight = float(self.hparams.get("distill", 0.0))
+        if weight > 0 and probs is not None:
+            temp = float(self.hparams.get("distill_temperature", 2.0))
+            return distill_softmax_loss(logits, target, probs, weight, temp)
         return llapor_loss(kind, logits, target, self.inv_freq, self.lam, self.hparams.gamma)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         logits = self(self._augment(batch))
-        loss = self._loss(logits, batch["target"])
+        loss = self._loss(logits, batch["target"], batch.get("probs"))
         self.log("train/loss", loss, prog_bar=True, batch_size=len(logits))
         return loss
 
