@@ -512,7 +512,7 @@ def distill_softmax_loss(
     logits: torch.Tensor,
     target: torch.Tensor,
     probs: torch.Tensor,
-    weight: float,
+    weight: float | torch.Tensor,
     temperature: float,
 ) -> torch.Tensor:
     """The softmax loss against a target that mixes the true top-k set with the router's own
@@ -528,7 +528,7 @@ def distill_softmax_loss(
     """
     k = target.sum(-1, keepdim=True).clamp_min(1)
     soft = torch.softmax(torch.log(probs.float().clamp_min(1e-12)) / temperature, -1)
-    q = (1 - weight) * target / k + weight * soft
+    q = (1 - weight) * target / k + weight * soft  # weight: a float or one per layer, [L, 1]
     return -(torch.log_softmax(logits, -1) * q).sum(-1).mean()
 
 

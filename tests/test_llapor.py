@@ -231,6 +231,20 @@ def test_distill_loss_targets_the_routers_softened_ranking():
         best = q.log().requires_grad_()  # the softmax cross-entropy's minimiser is log q
         distill_softmax_loss(best, target, probs, weight, temp).backward()
         assert best.grad.abs().max() < 1e-6
+    # one weight per layer ([L, 1]): layer 0 on the top-k set alone, layer 1 on the router alone
+    two = torch.stack([logits, logits.flip(-1)], 1)  # [B, L=2, E]
+    per_layer = distill_softmax_loss(
+        two,
+        target[:, None].expand(-1, 2, -1),
+        probs[:, None].expand(-1, 2, -1),
+        torch.tensor([[0.0], [1.0]]),
+        2.0,
+    )
+    parts = (
+        distill_softmax_loss(logits, target, probs, 0.0, 2.0),
+        distill_softmax_loss(logits.flip(-1), target, probs, 1.0, 2.0),
+    )
+    assert torch.isclose(per_layer, (parts[0] + parts[1]) / 2)
     ent = [-(p * p.log()).sum() for p in (torch.softmax(probs.log() / t, -1) for t in (1.0, 2.0, 4.0))]
     assert ent[0] < ent[1] < ent[2]  # a higher temperature shows more of the tail's order
 
@@ -239,7 +253,10 @@ def test_distillation_trains_on_router_probs_and_refuses_what_it_cannot_use(tmp_
     path = make_synthetic_traceset(
         tmp_path / "tr", num_requests=24, num_layers=4, num_experts=8, hidden=16, tokens=16
     )
-    module, dm = _fit(path, loss="softmax", model={"distill": 1.0, "distill_temperature": 2.0})
+    module, dm = _fit(
+        path, loss="softmax", model={"distill": 1.0, "distill_temperature": 2.0, "distill_first": 0.5}
+    )
+    assert module.distill_weights.flatten().tolist() == [0.5, 1.0, 1.0, 1.0]  # the first MoE layer apart
     batch = dm.batch(dm.train_rows[:5])
     assert batch["probs"].shape == (5, 4, 8) and torch.allclose(
         batch["probs"].sum(-1), torch.ones(5, 4), atol=1e-2

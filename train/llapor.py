@@ -70,6 +70,7 @@ class LLaPorModule(pl.LightningModule):
         loss: str = "focal",
         distill: float = 0.0,
         distill_temperature: float = 2.0,
+        distill_first: float | None = None,
     ) -> None:
         super().__init__()
         if loss not in LOSSES:
@@ -77,7 +78,8 @@ class LLaPorModule(pl.LightningModule):
         m = "model"
         check_range(m, "distill", distill, float, 0, 1)
         check_range(m, "distill_temperature", distill_temperature, float, 0, open_lo=True)
-        if distill > 0 and loss != "softmax":
+        check_range(m, "distill_first", distill_first, float, 0, 1, optional=True)
+        if max(distill, distill_first or 0.0) > 0 and loss != "softmax":
             raise ValueError(
                 f"model.distill mixes the router's probabilities into the softmax loss; set model.loss: softmax (not {loss!r}) or model.distill: 0"
             )
@@ -106,7 +108,11 @@ class LLaPorModule(pl.LightningModule):
             return
         dm = self.trainer.datamodule
         hp = self.hparams
-        if hp.get("distill", 0.0) > 0 and dm.probs is None:
+        weights = torch.full((dm.spec.num_layers, 1), float(hp.get("distill", 0.0)))
+        if hp.get("distill_first") is not None:
+            weights[0] = float(hp.distill_first)  # the first MoE layer: token and context features only
+        self.register_buffer("distill_weights", weights, persistent=False)
+        if weights.max() > 0 and dm.probs is None:
             raise ValueError(
                 f"model.distill > 0 needs the router's probabilities, and {dm.ts.path} has no router_probs "
                 "(or data.soft_targets is false); collect with router probabilities or set model.distill: 0"
@@ -146,10 +152,10 @@ class LLaPorModule(pl.LightningModule):
         self, logits: torch.Tensor, target: torch.Tensor, probs: torch.Tensor | None = None
     ) -> torch.Tensor:
         kind = self.hparams.get("loss", "focal")
-        weight = float(self.hparams.get("distill", 0.0))
-        if weight > 0 and probs is not None:
+        weights = getattr(self, "distill_weights", None)
+        if probs is not None and weights is not None and weights.max() > 0:
             temp = float(self.hparams.get("distill_temperature", 2.0))
-            return distill_softmax_loss(logits, target, probs, weight, temp)
+            return distill_softmax_loss(logits, target, probs, weights, temp)
         return llapor_loss(kind, logits, target, self.inv_freq, self.lam, self.hparams.gamma)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
