@@ -204,7 +204,7 @@ def test_softmax_loss_ranks_experts_and_trains(tmp_path):
         tmp_path / "tr", num_requests=24, num_layers=4, num_experts=8, hidden=16, tokens=16
     )
     module, dm = _fit(path, loss="softmax", dense_skip=True)
-    assert dm.spec.dense_skip
+    assert dm.spec.dense_skip and module.distill_weights is None  # the top-k loss: distillation off
     pred = load(module.export(tmp_path / "s.safetensors", dm, {}))
     ts = TraceSet(path)
     res = evaluate_predictor(pred, ts, dm.val_ids, progress=False)
@@ -245,8 +245,6 @@ def test_distill_loss_targets_the_routers_softened_ranking():
         distill_softmax_loss(logits.flip(-1), target, probs, 1.0, 2.0),
     )
     assert torch.isclose(per_layer, (parts[0] + parts[1]) / 2)
-    ent = [-(p * p.log()).sum() for p in (torch.softmax(probs.log() / t, -1) for t in (1.0, 2.0, 4.0))]
-    assert ent[0] < ent[1] < ent[2]  # a higher temperature shows more of the tail's order
 
 
 def test_distillation_trains_on_router_probs_and_refuses_what_it_cannot_use(tmp_path):

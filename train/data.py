@@ -397,7 +397,7 @@ class LLaPorDataModule(pl.LightningDataModule):
             "target": torch.from_numpy(multi_hot(self.topk[rows], self.spec.num_experts, np.float32)),
         }
         if self.probs is not None:
-            out["probs"] = torch.from_numpy(np.asarray(self.probs[rows], np.float32))
+            out["probs"] = torch.from_numpy(self.probs[rows]).float()  # widened by torch, as in _project
         if self.spec.deep_history:
             out["route"] = torch.from_numpy(self.topk[rows].astype(np.int64))
         if self.spec.token_buckets:

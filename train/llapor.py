@@ -111,8 +111,11 @@ class LLaPorModule(pl.LightningModule):
         weights = torch.full((dm.spec.num_layers, 1), float(hp.get("distill", 0.0)))
         if hp.get("distill_first") is not None:
             weights[0] = float(hp.distill_first)  # the first MoE layer: token and context features only
-        self.register_buffer("distill_weights", weights, persistent=False)
-        if weights.max() > 0 and dm.probs is None:
+        # decided once here, not per step: None when the loss is the top-k one
+        self.register_buffer(
+            "distill_weights", weights if bool(weights.max() > 0) else None, persistent=False
+        )
+        if self.distill_weights is not None and dm.probs is None:
             raise ValueError(
                 f"model.distill > 0 needs the router's probabilities, and {dm.ts.path} has no router_probs "
                 "(or data.soft_targets is false); collect with router probabilities or set model.distill: 0"
@@ -153,7 +156,7 @@ class LLaPorModule(pl.LightningModule):
     ) -> torch.Tensor:
         kind = self.hparams.get("loss", "focal")
         weights = getattr(self, "distill_weights", None)
-        if probs is not None and weights is not None and weights.max() > 0:
+        if probs is not None and weights is not None:
             temp = float(self.hparams.get("distill_temperature", 2.0))
             return distill_softmax_loss(logits, target, probs, weights, temp)
         return llapor_loss(kind, logits, target, self.inv_freq, self.lam, self.hparams.gamma)
