@@ -186,13 +186,21 @@ def main() -> None:
     args = ap.parse_args()
     with open(args.config) as f:
         cfg = yaml.safe_load(f)
-    rows = [run(v, args, cfg) for v in args.variants.split(",")]
+
+    def line(r: dict[str, Any]) -> str:
+        layers = " ".join(f"{x:.3f}" for x in r["per_layer"])
+        return f"  {r['variant']:<13} {r['recall']:.4f}   per layer {layers}   {r['s']:.0f} s"
+
+    rows = []
+    for v in args.variants.split(","):
+        rows.append(run(v, args, cfg))
+        # each variant takes minutes: its figure survives a later kill
+        print("done:" + line(rows[-1]), flush=True)
     print(
         f"\nLLaPor val recall@k, {args.traces}, {args.max_requests} requests, {args.epochs} epochs ({args.config}):"
     )
     for r in rows:
-        layers = " ".join(f"{x:.3f}" for x in r["per_layer"])
-        print(f"  {r['variant']:<13} {r['recall']:.4f}   per layer {layers}   {r['s']:.0f} s")
+        print(line(r))
 
 
 if __name__ == "__main__":
