@@ -376,7 +376,7 @@ def test_bad_inputs_fail_with_one_clear_error(tmp_path):
 
 
 @pytest.mark.parametrize("field", ["gate_inputs", "router_probs"])
-def test_nan_gate_inputs_in_training_data_are_refused(field, tmp_path, monkeypatch):
+def test_nan_or_inf_in_wide_training_fields_is_refused(field, tmp_path, monkeypatch):
     path = make_synthetic_traceset(tmp_path / "n", num_requests=6, num_layers=3, hidden=16)
     real = TraceSet._part_array  # what both TraceSet.array and TraceSet.rows read
 
@@ -388,7 +388,7 @@ def test_nan_gate_inputs_in_training_data_are_refused(field, tmp_path, monkeypat
         return out
 
     monkeypatch.setattr(TraceSet, "_part_array", poisoned)
-    with pytest.raises(ValueError, match="NaN or inf"):
+    with pytest.raises(ValueError, match=f"{field} contain NaN or inf"):  # the message names the field
         LLaPorDataModule(str(path)).setup()
 
 
