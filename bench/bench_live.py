@@ -97,7 +97,7 @@ def _predictor_row(model, ids, args) -> None:
         print(f"  {name:<18} {min(v):7.2f} ms/token  ({statistics.median(v):.2f})")
     print(
         f"  per-layer prediction {np.median(us):6.1f} us median, p90 {np.percentile(us, 90):.1f} us "
-        f"({len(us)} calls: window, that layer's features, score_layer)"
+        f"({len(us)} calls: window, then score_at: that layer's features and network)"
     )
     print(
         f"  the same calls out of the loop {warm:6.1f} us median (warm caches: the rest is the model's "
@@ -106,7 +106,7 @@ def _predictor_row(model, ids, args) -> None:
 
 
 def _warm_prediction_us(model, ids, pred, capacity: float) -> float:
-    """Median µs of features_at + score_layer on snapshots of the live windows, each repeated
+    """Median µs of score_at on snapshots of the live windows, each repeated
     back to back: the predictor's own cost once its weights and code are in the caches."""
     import copy
 
@@ -131,7 +131,7 @@ def _warm_prediction_us(model, ids, pred, capacity: float) -> float:
         ts = []
         for _ in range(20):
             t0 = time.perf_counter()
-            pred.score_layer(layer, pred.features_at(trace, layer))
+            pred.score_at(trace, layer)
             ts.append(time.perf_counter() - t0)
         med.append(np.median(ts[5:]))
     return float(np.median(med)) * 1e6

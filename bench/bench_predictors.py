@@ -16,11 +16,15 @@ One command prints every figure the predictor issues ask for::
    baseline (router weights from ``--tiny-model``), per layer group. Skipped with a note when
    the traces are absent (make them with ``moecast collect --model tiny --workloads sharegpt
    --max-requests 64 --max-new-tokens 32 --gate-inputs --out /tmp/pp/tiny-sg``).
-3. LLaPor inference on CPU, batch 1, one thread: ``score_layer`` (the runtime's per-layer call,
-   numpy, fed the token's feature row as numpy arrays) in µs per layer, median over every layer and many repeats,
-   with its int8 weights (the default) and with float32 weights; plus the batched torch
-   network over all layers divided by L. The 1-minute load average is printed beside it: on a
-   shared machine timings scale with it.
+3. LLaPor inference on CPU, batch 1, one thread, µs per layer, median over every layer and
+   many repeats: ``score_at`` (the runtime's per-layer call: the layer's features from the
+   request so far, then its network, the gate inputs' PCA folded into the first matrices),
+   the same unfolded (``features_at`` + ``score_layer``), ``score_layer`` alone on a ready
+   feature row with int8 (the default) and float32 weights, and the batched torch network over
+   all layers divided by L. One more row times a gate-input LLaPor at a real model's width
+   (``wide_llapor``: random weights, ``--wide-hidden`` 2048 = DeepSeek-V2-Lite), which no
+   trace here has. The 1-minute load average is printed beside it: on a shared machine timings
+   scale with it.
 
 ``--quick``: at most 60 held-out requests per trace set, LLaPor trained (only when no checkpoint
 is given) on 300 requests for 1 epoch (tiny: 5 epochs), fewer timing repeats. ``--json`` prints
@@ -61,40 +65,110 @@ def _train(config: str, traces: str, out: Path, overrides: list[str]) -> tuple[s
     return str(out), time.perf_counter() - t
 
 
-def latency_us(pred: Any, trace: Any, repeats: int) -> dict[str, float]:
-    """Batch-1 CPU latency of one token, one thread: score_layer µs per layer (its int8 weights,
-    the runtime's default, and float32) and torch µs per layer."""
-    feats = pred.features(trace)
+def _prefix(trace: Any, n: int) -> Any:
+    """The request's first ``n`` tokens, as the runtime's window holds them at token n-1."""
+    from dataclasses import fields, replace
+
+    cut = {
+        f.name: getattr(trace, f.name)[:n]
+        for f in fields(trace)
+        if f.name
+        in (
+            "token_ids",
+            "token_texts",
+            "is_decode",
+            "topk_ids",
+            "topk_weights",
+            "router_probs",
+            "gate_inputs",
+        )
+        and getattr(trace, f.name) is not None
+    }
+    return replace(trace, **cut)
+
+
+def latency_us(pred: Any, trace: Any, repeats: int, torch_too: bool = True) -> dict[str, float]:
+    """Batch-1 CPU latency of one token, one thread, µs per layer: ``score_at`` (the runtime's
+    per-layer call: that layer's features from the request so far, then its network; int8
+    weights, the runtime's default), ``score_layer`` alone on a ready feature row (int8 and
+    float32 weights), the unfolded ``features_at`` + ``score_layer``, and torch over all layers / L."""
     row = min(5, len(trace.topk_ids) - 1)
-    one = {k: v[row : row + 1] for k, v in feats.items()}
-    one_np = {k: v.numpy() for k, v in one.items()}  # the token's feature row, as numpy
+    window = _prefix(trace, row + 1)
     L = pred.num_layers
-    per: dict[bool, list[float]] = {True: [], False: []}
+    rows = {layer: pred.features_at(window, layer) for layer in range(L)}
+    per: dict[str, list[float]] = {"at": [], "unfolded": [], "int8": [], "float32": []}
+    calls = {
+        "at": lambda layer: pred.score_at(window, layer),
+        "unfolded": lambda layer: pred.score_layer(layer, pred.features_at(window, layer)),
+        "int8": lambda layer: pred.score_layer(layer, rows[layer]),
+    }
     for int8 in (True, False):
         pred.int8_kernel = int8
         for layer in range(L):
-            pred.score_layer(layer, one_np)  # warm-up (and per-layer weight cache)
-    for _ in range(repeats):  # the two precisions alternate, so load changes hit both alike
-        for int8 in (True, False):
-            pred.int8_kernel = int8
+            pred.score_layer(layer, rows[layer])  # warm-up (and per-layer weight cache)
+    for layer in range(L):
+        pred.score_at(window, layer)
+    for _ in range(repeats):  # the variants alternate, so load changes hit all alike
+        for name in per:
+            pred.int8_kernel = name != "float32"
+            fn = calls.get(name, calls["int8"])
             t = time.perf_counter()
             for layer in range(L):
-                pred.score_layer(layer, one_np)
-            per[int8].append((time.perf_counter() - t) / L * 1e6)
+                fn(layer)
+            per[name].append((time.perf_counter() - t) / L * 1e6)
     pred.int8_kernel = True
-    with torch.no_grad():
-        pred.net(**one)
-        t = time.perf_counter()
-        for _ in range(repeats):
-            pred.net(**one)
-        torch_us = (time.perf_counter() - t) / repeats / L * 1e6
-    return {
-        "score_layer_us_median": statistics.median(per[True]),
-        "score_layer_us_p90": float(np.percentile(per[True], 90)),
-        "score_layer_float32_us_median": statistics.median(per[False]),
-        "torch_all_layers_us_per_layer": torch_us,
+    out = {
+        "score_at_us_median": statistics.median(per["at"]),
+        "score_at_us_p90": float(np.percentile(per["at"], 90)),
+        "unfolded_us_median": statistics.median(per["unfolded"]),
+        "score_layer_us_median": statistics.median(per["int8"]),
+        "score_layer_us_p90": float(np.percentile(per["int8"], 90)),
+        "score_layer_float32_us_median": statistics.median(per["float32"]),
         "loadavg_1min": os.getloadavg()[0],
     }
+    if torch_too:
+        one = {k: torch.as_tensor(v) for k, v in pred.features(window).items()}
+        one = {k: v[row : row + 1] for k, v in one.items()}
+        with torch.no_grad():
+            pred.net(**one)
+            t = time.perf_counter()
+            for _ in range(repeats):
+                pred.net(**one)
+            out["torch_all_layers_us_per_layer"] = (time.perf_counter() - t) / repeats / L * 1e6
+    return out
+
+
+def wide_llapor(gate_hidden: int = 2048, seed: int = 0) -> tuple[Any, Any]:
+    """A LLaPor with gate inputs at a real model's width, random weights, and a 17-token window.
+
+    No model that runs here has DeepSeek-V2-Lite's width (hidden 2048, 26 MoE layers, 64
+    experts, top-6), and its real traces carry no gate inputs, so the latency of a gate-input
+    LLaPor at that size is timed on random weights: the cost depends on the shapes alone.
+    Shapes as ``configs/llapor_tiny.yaml`` trains them (hidden 128, PCA 256 for the input and
+    output groups and 512 for the middle, the previous token's gate input, a skip path).
+    """
+    from moecast.collect.traceset import RequestTrace
+    from moecast.predictors.llapor import FeatureSpec, LLaPor, LLaPorNet, NetConfig
+
+    L, E, k, T = 26, 64, 6, 17
+    torch.manual_seed(seed)
+    spec = FeatureSpec(
+        num_layers=L, num_experts=E, top_k=k, prev_layers=1, history_tokens=2, token_buckets=4096,
+        token_dim=32, gate_pca=True, pca_dims=[256] * 3 + [512] * 20 + [256] * 3, gate_hidden=gate_hidden,
+        weights=True, deep_history=True, context_tokens=2, dense_skip=True, context_gate=1,
+    )  # fmt: skip
+    groups = {"input": [0, 1, 2], "middle": list(range(3, 23)), "output": [23, 24, 25]}
+    net = LLaPorNet(spec, groups, NetConfig(hidden=128, depth_io=1, depth_middle=2, dropout=0.0))
+    with torch.no_grad():
+        net.pca.components.normal_(std=gate_hidden**-0.5)
+        net.dense_skip.weight.normal_(std=0.01)
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.permutation(E)[:k] for _ in range(T * L)]).reshape(T, L, k).astype(np.int16)
+    trace = RequestTrace(
+        "wide", "random", "", "", rng.integers(0, 30000, T), [""] * T, np.ones(T, bool), ids,
+        rng.random((T, L, k)).astype(np.float16), None, rng.standard_normal((T, L, gate_hidden)).astype(np.float32),
+    )  # fmt: skip
+    return LLaPor(net, list(range(1, L + 1))), trace
 
 
 def speculative_state(layer: Any, exact: torch.Tensor, cur: torch.Tensor, pe: tuple) -> torch.Tensor:
@@ -273,6 +347,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--skip-ds", action="store_true")
     ap.add_argument("--skip-tiny", action="store_true")
     ap.add_argument("--json", action="store_true", help="one JSON object per result line")
+    ap.add_argument("--skip-wide", action="store_true", help="no latency row at a real model's width")
+    ap.add_argument(
+        "--wide-hidden", type=int, default=2048, help="gate width of that row (DeepSeek-V2-Lite: 2048)"
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # batch-1 inference; tiny tensors only pay for thread hand-offs
     max_req = args.max_requests or (60 if args.quick else None)
@@ -361,16 +439,26 @@ def main(argv: list[str] | None = None) -> None:
                     + f"  LLaPor (held-out traces)                   {row(per)}",
                     {"bench": "tiny-reference", **ref, "llapor_per_layer": per},
                 )
+    if not args.skip_wide:
+        timing.append((f"wide-{args.wide_hidden}", *wide_llapor(args.wide_hidden)))
     if timing:
         emit(
-            "\n[latency] LLaPor on CPU, batch 1, 1 thread (score_layer = the runtime's per-layer call)", None
+            "\n[latency] LLaPor on CPU, batch 1, 1 thread, us/layer (score_at = the runtime's per-layer call: "
+            "features + network)",
+            None,
         )
         for name, pred, trace in timing:
-            lat = latency_us(pred, trace, repeats)
+            lat = latency_us(pred, trace, repeats, torch_too=not name.startswith("wide"))
+            torch_part = (
+                f"; torch all-layers {lat['torch_all_layers_us_per_layer']:.1f}"
+                if "torch_all_layers_us_per_layer" in lat
+                else ""
+            )
             emit(
-                f"{name:<10} score_layer {lat['score_layer_us_median']:7.1f} µs/layer median "
-                f"(p90 {lat['score_layer_us_p90']:.1f}; float32 weights {lat['score_layer_float32_us_median']:.1f}); torch all-layers {lat['torch_all_layers_us_per_layer']:.1f} "
-                f"µs/layer; load average {lat['loadavg_1min']:.2f} on {os.cpu_count()} CPUs",
+                f"{name:<10} score_at {lat['score_at_us_median']:7.1f} median (p90 {lat['score_at_us_p90']:.1f}); "
+                f"unfolded features_at + score_layer {lat['unfolded_us_median']:.1f}; score_layer alone "
+                f"{lat['score_layer_us_median']:.1f} (float32 weights {lat['score_layer_float32_us_median']:.1f}){torch_part}; "
+                f"load average {lat['loadavg_1min']:.2f} on {os.cpu_count()} CPUs",
                 {"bench": "latency", "traces": name, **lat, "cpus": os.cpu_count()},
             )
 

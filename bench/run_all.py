@@ -529,7 +529,9 @@ def b_predictors(ctx: Ctx) -> list[Figure]:
                     )
                 )
     for name, r in lat.items():
-        us = r.get("score_layer_us_median")
+        us = r.get("score_at_us_median", r.get("score_layer_us_median"))
+        wide = str(name).startswith("wide")
+        torch_us = r.get("torch_all_layers_us_per_layer")
         figs.append(
             fig(
                 "predictors",
@@ -537,9 +539,17 @@ def b_predictors(ctx: Ctx) -> list[Figure]:
                 us / 1e3 if isinstance(us, (int, float)) else None,
                 "{:.4f} ms",
                 "<= 0.1 ms",
-                f"int8 weights; float32 {r.get('score_layer_float32_us_median', float('nan')):.1f} us; "
-                f"torch all layers {r.get('torch_all_layers_us_per_layer', float('nan')):.1f} us/layer; "
-                f"load {_fmt_load(r.get('loadavg_1min'))}",
+                ("random weights, gate inputs at a real model's width; " if wide else "")
+                + "score_at (features + network), int8 weights; "
+                f"unfolded features_at + score_layer {r.get('unfolded_us_median', float('nan')):.1f} us; "
+                f"score_layer alone {r.get('score_layer_us_median', float('nan')):.1f} us "
+                f"(float32 {r.get('score_layer_float32_us_median', float('nan')):.1f} us); "
+                + (
+                    f"torch all layers {torch_us:.1f} us/layer; "
+                    if isinstance(torch_us, (int, float))
+                    else ""
+                )
+                + f"load {_fmt_load(r.get('loadavg_1min'))}",
             )
         )
     if not any(f.name.startswith("LLaPor inference") for f in figs):

@@ -142,6 +142,8 @@ class _RowConstants:
 
 _NO_GATE = np.zeros((1, 1, 1), np.float32)  # feature_row's gate and weight rows when the features read none
 _NO_W = np.zeros(1, np.float32)
+_NO_RAW = np.zeros((1, 0, 1), np.float32)  # score_layer: no raw gate inputs (its dense rows hold the PCA)
+_NO_RAW_OK = np.zeros((1, 0), np.bool_)
 
 
 def previous_occurrence(token_ids: np.ndarray, pos: np.ndarray) -> np.ndarray:
@@ -823,8 +825,75 @@ class LLaPor(Predictor):
             else np.zeros((B, 0), np.float32)
         )
         out = np.empty((B, self.num_experts), np.float32)
-        llapor_kernel.forward(bags, route, tokens, dense, *w["packed"], out)
+        llapor_kernel.forward(bags, route, tokens, dense, *w["packed"], _NO_RAW, _NO_RAW_OK, out)
         return out
+
+    def score_at(self, trace: RequestTrace, layer: int) -> np.ndarray:
+        """[E] scores of layer ``layer`` for the last token of ``trace``: the runtime's per-layer
+        call, ``score_layer(layer, features_at(trace, layer))[0]`` with the gate inputs' PCA
+        folded into the layer's first matrices (:func:`.llapor_kernel.fold_pca`).
+
+        At a real model's width the projection dominates the call: at Hg 2048 and 512
+        components it reads a 4 MB matrix per gate input; folded, each gate input meets one
+        [Hg, hidden + E] int8 matrix (~0.4 MB at hidden 128). Equal to the unfolded call up to
+        the int8 rounding (tested). Without gate inputs, or once :meth:`update` has run, it is
+        that call.
+        """
+        w = self._layer_weights(layer)
+        blocks = w["fold_blocks"]
+        if not blocks or self._opt is not None:
+            # online updates (update()) change the weights every token: folding them again
+            # each time would cost more than it saves
+            return self.score_layer(layer, self.features_at(trace, layer))[0]
+        packed = w.get("packed_fold")
+        if packed is None:  # folded on first use: only the runtime's path reads it
+            mean, folded = self._fold(layer, w)
+            packed = w["packed_fold"] = (
+                *w["packed"][:-3],
+                mean,
+                *llapor_kernel.quantize(folded, self.int8_kernel),
+            )
+        spec = self.spec
+        ids = np.asarray(trace.topk_ids)
+        t, k = ids.shape[0] - 1, spec.top_k
+        i64, f32 = np.int64, np.float32
+        c = self._row_constants()
+        bags = np.full((1, c.nbag), spec.vocab, i64)
+        route = np.empty((c.route_layers, k), i64)
+        tokens = np.empty((1, c.ntok), i64)
+        dense = np.zeros((1, c.dense_dim), f32)  # the PCA blocks stay zero: folded below
+        wrow = _NO_W
+        if spec.weights and layer > 0:
+            wrow = np.asarray(trace.topk_weights[t, layer - 1], f32)
+        ok = llapor_kernel.feature_row(
+            ids, np.asarray(trace.token_ids, i64), _NO_GATE, wrow, t, layer,
+            spec.prev_layers, spec.history_tokens, spec.history_layers, spec.repeat_token, spec.num_experts,
+            spec.vocab, c.buckets, spec.context_tokens, False, c.mean, c.comps,
+            c.pca_dims, c.pca_max, spec.weights, c.vote_dim,
+            spec.context_gate, bags[0], route, tokens[0], dense[0],
+        )  # fmt: skip
+        if not ok:
+            raise ValueError(f"request {trace.request_id}: topk_weights contain NaN or inf; re-collect it")
+        if spec.context_vote:
+            off = spec.pca_max + (spec.num_experts if spec.weights else 0)
+            dense[0, off : off + spec.num_experts] = context_votes(spec, ids)[t, layer]
+        gate = trace.gate_inputs
+        raw = np.zeros((1, len(blocks), spec.gate_hidden), f32)
+        present = np.zeros((1, len(blocks)), np.bool_)
+        for i, (back, src) in enumerate(blocks):  # token t - back's gate input at layer src
+            if t >= back:
+                raw[0, i] = gate[t - back, src]
+                present[0, i] = True
+        if spec.token_exact:
+            tokens = self.features_at(trace, layer)["tokens"].reshape(1, -1)
+        route_in = route[:layer].reshape(1, -1) if "deep_off" in w else np.zeros((1, 0), i64)
+        out = np.empty((1, self.num_experts), f32)
+        if not llapor_kernel.forward(
+            bags, route_in, tokens if "tok" in w else np.zeros((1, 0), i64),
+            dense if "dense_proj" in w else np.zeros((1, 0), f32), *packed, raw, present, out,
+        ):  # fmt: skip
+            raise ValueError(f"request {trace.request_id}: gate_inputs contain NaN or inf; re-collect it")
+        return out[0]
 
     def _layer_weights(self, layer: int) -> dict[str, Any]:
         # one cache per precision: packed int8 and float32 weights can both be kept
@@ -862,6 +931,7 @@ class LLaPor(Predictor):
             if self.spec.dense_skip:
                 w["skip"] = (np_(net.dense_skip.weight[layer]), np_(net.dense_skip.bias[layer]))
         w["bias"] = bias
+        w["fold_blocks"] = self._fold_blocks(layer)
         group = next(g for g, ls in self.groups.items() if layer in ls)
         j = self.groups[group].index(layer)
         body = net.bodies[group]
@@ -878,6 +948,36 @@ class LLaPor(Predictor):
         w["packed"] = llapor_kernel.pack(w, H, E, int8=self.int8_kernel)
         cache[layer] = w
         return w
+
+    def _fold_blocks(self, layer: int) -> list[tuple[int, int]]:
+        """The gate inputs layer ``layer``'s dense features project, as (tokens back, source
+        layer), in their order in ``dense``: layer-1's of this token, then layer's of the
+        ``context_gate`` previous tokens."""
+        spec = self.spec
+        if not spec.gate_pca:
+            return []
+        first = [(0, layer - 1)] if layer > 0 else []
+        return first + [(n, layer) for n in range(1, spec.context_gate + 1)]
+
+    def _fold(self, layer: int, w: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+        """(means [G, Hg], folded matrices [G, Hg, hidden (+ E)]) of ``_fold_blocks(layer)``."""
+        spec, pca = self.spec, self.net.pca
+        dims = spec.pca_dims
+        readers = [w["dense_proj"]] + ([w["skip"][0]] if "skip" in w else [])
+        offsets = [0] + [
+            spec.pca_max * n + spec.num_experts * (int(spec.weights) + int(bool(spec.context_vote)))
+            for n in range(1, spec.context_gate + 1)
+        ]
+        means, mats = [], []
+        for back, src in w["fold_blocks"]:
+            off = offsets[back]
+            m, W = llapor_kernel.fold_pca(
+                pca.mean[src].numpy(), pca.components[src].numpy(), dims[src],
+                [r[off : off + dims[src]] for r in readers],
+            )  # fmt: skip
+            means.append(m)
+            mats.append(W)
+        return np.stack(means), np.stack(mats)
 
     # ------------------------------------------------------------------ online learning
     def update(

@@ -34,19 +34,36 @@ def _sigmoid(x):
     return z / (1.0 + z)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath={"contract"})
 def _addmv(x, W, s, acc, y):
     """y += (x @ W) * s: W [in, out] row-major (the inner loop runs along a row), int8 with
-    per-output-column scales ``s`` or float32 with ``s`` = 1; ``acc`` is scratch of len(y)."""
-    for j in range(y.shape[0]):
+    per-output-column scales ``s`` or float32 with ``s`` = 1; ``acc`` is scratch of len(y).
+    Fused multiply-adds only ("contract"): no reassociation, and NaN / inf keep their meaning."""
+    n = y.shape[0]
+    for j in range(n):
         acc[j] = 0.0
-    for i in range(W.shape[0]):
+    rows = W.shape[0]
+    i = 0
+    while i + 4 <= rows:  # four rows per pass over acc: a quarter of its loads and stores
+        x0, x1, x2, x3 = x[i], x[i + 1], x[i + 2], x[i + 3]
+        if x0 != 0.0 or x1 != 0.0 or x2 != 0.0 or x3 != 0.0:
+            r0, r1, r2, r3 = W[i], W[i + 1], W[i + 2], W[i + 3]
+            for j in range(n):
+                acc[j] += (
+                    x0 * np.float32(r0[j])
+                    + x1 * np.float32(r1[j])
+                    + x2 * np.float32(r2[j])
+                    + x3 * np.float32(r3[j])
+                )
+        i += 4
+    while i < rows:
         xi = x[i]
         if xi != 0.0:
             row = W[i]
-            for j in range(y.shape[0]):
+            for j in range(n):
                 acc[j] += xi * np.float32(row[j])
-    for j in range(y.shape[0]):
+        i += 1
+    for j in range(n):
         y[j] += acc[j] * s[j]
 
 
@@ -63,24 +80,43 @@ def forward(
     bags, route, tokens, dense,  # features: [B, n], [B, r], [B, t], [B, Dd] (r, t, Dd may be 0)
     table, bias, deep_table, deep_w, deep_off, tok, tok_proj, tok_s, dense_proj, dense_s,
     hid_w, hid_s, hid_b, res_w, res_s, res_b, res2_w, res2_s, res2_b, head_w, head_s, head_b,
-    skip_w, skip_s, skip_b,
+    skip_w, skip_s, skip_b, fold_mean, fold_w, fold_s,
+    graw, gok,  # raw gate inputs [B, G, Hg] of the folded blocks, and which are present [B, G]
     out,
 ):  # fmt: skip
     """Scores [B, E] of one layer into ``out``; parts with zero-size weights are absent.
-    Every matrix comes with its per-output-column scales (``*_s``): see :func:`pack`."""
+    Every matrix comes with its per-output-column scales (``*_s``): see :func:`pack`.
+
+    ``graw`` (G > 0 only on :meth:`LLaPor.score_at`'s path): gate inputs whose PCA blocks of
+    ``dense`` are left zero; block g adds ``(graw[b, g] - fold_mean[g]) @ fold_w[g]``, the PCA
+    folded into the first layer and the skip path (:func:`fold_pca`). Returns False when a raw
+    gate input is NaN or inf (the scores are then meaningless)."""
     B = bags.shape[0]
     H = table.shape[1]
     E = head_w.shape[1]
     D = tok.shape[1]
+    F = fold_w.shape[2]
     h = np.empty(H, np.float32)
     t = np.empty(H, np.float32)
     both = np.empty(res_w.shape[1], np.float32)
     r = np.empty(H, np.float32)
     logit = np.empty(E, np.float32)
-    acc = np.empty(max(2 * H, E), np.float32)
+    acc = np.empty(max(2 * H, E, F), np.float32)
+    folded = np.zeros(F, np.float32)
+    d = np.empty(graw.shape[2], np.float32)
+    ok = True
     for b in range(B):
+        for j in range(F):
+            folded[j] = 0.0
+        for g in range(graw.shape[1]):
+            if gok[b, g]:
+                for i in range(d.shape[0]):
+                    d[i] = graw[b, g, i] - fold_mean[g, i]
+                    if not math.isfinite(d[i]):
+                        ok = False
+                _addmv(d, fold_w[g], fold_s[g], acc, folded)
         for j in range(H):
-            h[j] = bias[j]
+            h[j] = bias[j] + folded[j]
         for i in range(bags.shape[1]):  # multi-hot @ W_in as a gather-sum (pad id: a zero row)
             row = table[bags[b, i]]
             for j in range(H):
@@ -111,8 +147,12 @@ def forward(
             _addmv(dense[b], skip_w, skip_s, acc, logit)
             for e in range(E):
                 logit[e] += skip_b[e]
+        if F > H:  # the folded skip path's logits
+            for e in range(E):
+                logit[e] += folded[H + e]
         for e in range(E):
             out[b, e] = _sigmoid(logit[e])
+    return ok
 
 
 def quantize(W: np.ndarray, int8: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -131,6 +171,24 @@ def quantize(W: np.ndarray, int8: bool) -> tuple[np.ndarray, np.ndarray]:
     s = np.where(s > 0, s, 1.0).astype(_F32)
     Q = np.clip(np.rint(W / s[..., None, :]), -127, 127).astype(np.int8)
     return np.ascontiguousarray(Q), np.ascontiguousarray(s)
+
+
+def fold_pca(
+    mean: np.ndarray, comps: np.ndarray, dims: int, rows: list[np.ndarray]
+) -> tuple[np.ndarray, np.ndarray]:
+    """One gate-input block's PCA folded into the matrices that read its components.
+
+    PreScope §4.2.1 projects the gate input a onto its first ``dims`` principal components,
+    z = (a - mean) @ comps[:dims].T, and only linear maps read z (the first layer, and the skip
+    path to the logits): z @ W = (a - mean) @ (comps[:dims].T @ W). Folded, the runtime never
+    forms z: one [Hg, sum of outputs] product replaces the [Hg, dims] projection plus the
+    [dims, outputs] one, and the PCA matrix (4 MB per layer in float32 at Hg 2048, dims 512)
+    is never read. ``rows``: each reader's [dims, out] rows for this block, concatenated
+    along the outputs. Returns (mean [Hg], folded [Hg, sum of outs]).
+    """
+    c = np.asarray(comps, np.float64)[:dims]  # [dims, Hg]
+    W = np.hstack([np.asarray(r, np.float64) for r in rows])
+    return np.asarray(mean, _F32), np.ascontiguousarray((c.T @ W).astype(_F32))
 
 
 def pack(w: dict[str, Any], H: int, E: int, int8: bool = True) -> tuple:
@@ -167,6 +225,9 @@ def pack(w: dict[str, Any], H: int, E: int, int8: bool = True) -> tuple:
         f32(w["head"][1], ()),
         *mat(skip[0] if skip else None, (0, E)),
         f32(skip[1] if skip else None, (0,)),
+        # no folded gate-input blocks: LLaPor.score_at swaps in its own (fold_pca)
+        np.zeros((0, 1), _F32),
+        *mat(None, (0, 1, H)),
     )
 
 

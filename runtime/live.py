@@ -654,9 +654,10 @@ class LiveRuntime:
         """Layer-ahead predictor on the current token: what is known when layer nxt-1 finished."""
         trace = self._layer_ahead_trace()
         p = self.predictor
-        if hasattr(p, "features_at") and hasattr(p, "score_layer"):
-            # only layer nxt's inputs and head on the current token (LLaPor's compiled per-layer path)
-            return np.asarray(p.score_layer(nxt, p.features_at(trace, nxt)))[0]
+        if hasattr(p, "score_at"):
+            # only layer nxt's inputs and head on the current token (LLaPor's compiled per-layer
+            # path, the gate inputs' PCA folded into its first matrices)
+            return np.asarray(p.score_at(trace, nxt))
         return p.score_request(trace)[-1, nxt]
 
     def _online_update(self) -> None:

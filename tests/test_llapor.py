@@ -568,6 +568,61 @@ def test_context_gate_feeds_the_previous_tokens_same_layer_gate_input():
     assert np.array_equal(out[4, :, 2:4], pca_in[3]) and (out[4, :, 4:6] == 0).all()  # not across requests
 
 
+def test_score_at_folds_the_pca_into_the_first_matrices(tmp_path):
+    """score_at, the runtime's per-layer call, is score_layer(features_at) with each gate input's
+    PCA folded into the matrices that read it: equal in float32, within int8 error by default."""
+    import dataclasses
+
+    path = make_synthetic_traceset(tmp_path / "sa", num_requests=12, num_layers=4, num_experts=8, hidden=16)
+    module, dm = _fit(
+        path,
+        epochs=1,
+        deep_history=True,
+        history_tokens=1,
+        token_buckets=64,
+        context_tokens=1,
+        context_vote=1,
+        context_gate=2,
+        dense_skip=True,
+        pca_io=6,
+        pca_middle=10,
+        groups={"input": [0], "middle": [1, 2], "output": [3]},
+    )
+    pred = load(module.export(tmp_path / "sa.safetensors", dm, {}))
+    spec = pred.spec
+    assert spec.pca_dims == [10, 10, 6, 6] and spec.gate_hidden == 16  # fewer components than the width
+    torch.manual_seed(1)
+    with torch.no_grad():  # weights of every size, so a misplaced block or mean would show
+        for w in (pred.net.dense_proj.weight, pred.net.dense_skip.weight, pred.net.pca.mean):
+            w.normal_(std=0.5)
+    full = TraceSet(path).get(dm.val_ids[0])
+    for t in (0, 1, 2, len(full) - 1):  # the first tokens lack some or all context_gate rows
+        trace = dataclasses.replace(
+            full,
+            token_ids=full.token_ids[: t + 1],
+            topk_ids=full.topk_ids[: t + 1],
+            topk_weights=full.topk_weights[: t + 1],
+            gate_inputs=full.gate_inputs[: t + 1],
+        )
+        for layer in range(4):
+            pred.int8_kernel = False
+            ref = pred.score_layer(layer, pred.features_at(trace, layer))[0]
+            assert np.allclose(pred.score_at(trace, layer), ref, atol=1e-5)
+            pred.int8_kernel = True
+            assert np.abs(pred.score_at(trace, layer) - ref).max() < 0.02
+    moved = dataclasses.replace(trace, gate_inputs=trace.gate_inputs * 3)
+    assert np.abs(pred.score_at(moved, 2) - pred.score_at(trace, 2)).max() > 1e-3  # the gate inputs count
+    for row, layer in ((-1, 1), (-2, 2)):  # this token's layer-1 gate input, then a context token's
+        bad = dataclasses.replace(trace, gate_inputs=trace.gate_inputs.copy())
+        bad.gate_inputs[row, layer, 3] = np.inf
+        with pytest.raises(ValueError, match="gate_inputs contain NaN or inf"):
+            pred.score_at(bad, 2)
+    bad = dataclasses.replace(trace, topk_weights=trace.topk_weights.copy())
+    bad.topk_weights[-1, 1, 0] = np.nan
+    with pytest.raises(ValueError, match="topk_weights contain NaN or inf"):
+        pred.score_at(bad, 2)
+
+
 def test_features_at_builds_the_runtime_row_as_features_does(tmp_path):
     import dataclasses
 
