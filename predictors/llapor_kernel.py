@@ -112,9 +112,10 @@ def forward(
             if gok[b, g]:
                 for i in range(d.shape[0]):
                     d[i] = graw[b, g, i] - fold_mean[g, i]
-                    if not math.isfinite(d[i]):
-                        ok = False
                 _addmv(d, fold_w[g], fold_s[g], acc, folded)
+        for j in range(F):  # a NaN or inf input reaches every output (times a zero weight: NaN)
+            if not math.isfinite(folded[j]):
+                ok = False
         for j in range(H):
             h[j] = bias[j] + folded[j]
         for i in range(bags.shape[1]):  # multi-hot @ W_in as a gather-sum (pad id: a zero row)
