@@ -762,7 +762,8 @@ def b_live(ctx: Ctx) -> list[Figure]:
             _num(r"per-layer prediction\s+([\d.]+) us median", out),
             "{:.1f} us",
             "<= 100 us",
-            note + "; window + score_at (that layer's features and network), tiny, runs/llapor_tiny.safetensors",
+            note
+            + "; window + score_at (that layer's features and network), tiny, runs/llapor_tiny.safetensors",
         ),
         fig(
             "live",
