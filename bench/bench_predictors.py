@@ -65,35 +65,13 @@ def _train(config: str, traces: str, out: Path, overrides: list[str]) -> tuple[s
     return str(out), time.perf_counter() - t
 
 
-def _prefix(trace: Any, n: int) -> Any:
-    """The request's first ``n`` tokens, as the runtime's window holds them at token n-1."""
-    from dataclasses import fields, replace
-
-    cut = {
-        f.name: getattr(trace, f.name)[:n]
-        for f in fields(trace)
-        if f.name
-        in (
-            "token_ids",
-            "token_texts",
-            "is_decode",
-            "topk_ids",
-            "topk_weights",
-            "router_probs",
-            "gate_inputs",
-        )
-        and getattr(trace, f.name) is not None
-    }
-    return replace(trace, **cut)
-
-
 def latency_us(pred: Any, trace: Any, repeats: int, torch_too: bool = True) -> dict[str, float]:
     """Batch-1 CPU latency of one token, one thread, µs per layer: ``score_at`` (the runtime's
     per-layer call: that layer's features from the request so far, then its network; int8
     weights, the runtime's default), ``score_layer`` alone on a ready feature row (int8 and
     float32 weights), the unfolded ``features_at`` + ``score_layer``, and torch over all layers / L."""
     row = min(5, len(trace.topk_ids) - 1)
-    window = _prefix(trace, row + 1)
+    window = trace.prefix(row + 1)
     L = pred.num_layers
     rows = {layer: pred.features_at(window, layer) for layer in range(L)}
     per: dict[str, list[float]] = {"at": [], "unfolded": [], "int8": [], "float32": []}

@@ -29,7 +29,7 @@ import json
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -317,6 +317,19 @@ class RequestTrace:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    def prefix(self, n: int) -> RequestTrace:
+        """The first ``n`` tokens (views, no copy): what a decoder holds while token n-1 runs."""
+        cut = (
+            "token_ids",
+            "token_texts",
+            "is_decode",
+            "topk_ids",
+            "topk_weights",
+            "router_probs",
+            "gate_inputs",
+        )
+        return replace(self, **{f: getattr(self, f)[:n] for f in cut if getattr(self, f) is not None})
 
 
 class TraceSet:

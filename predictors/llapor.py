@@ -716,7 +716,13 @@ class LLaPor(Predictor):
         the ``context_gate`` previous tokens). Other layers' dense entries are left zero. Equal to
         ``features(trace)[-1:]`` at ``layer`` (tested).
         """
+        return self._row(trace, layer, project=True)
+
+    def _row(self, trace: RequestTrace, layer: int, project: bool) -> dict[str, np.ndarray]:
+        """:meth:`features_at`; with ``project`` False the gate inputs' PCA blocks stay zero
+        (:meth:`score_at` feeds the raw gate inputs to the folded matrices instead)."""
         spec = self.spec
+        project = project and spec.gate_pca
         ids = np.asarray(trace.topk_ids)
         T, L, k = ids.shape[0], spec.num_layers, spec.top_k
         t = T - 1
@@ -727,7 +733,7 @@ class LLaPor(Predictor):
         tokens = np.empty((1, c.ntok), i64)
         dense = np.zeros((1, L, c.dense_dim), f32)
         gate = _NO_GATE
-        if spec.gate_pca:  # the rows the projections read: token t and its context_gate predecessors
+        if project:  # the rows the projections read: token t and its context_gate predecessors
             gate = np.asarray(trace.gate_inputs[max(0, t - spec.context_gate) :], f32)
         wrow = _NO_W
         if spec.weights and layer > 0:
@@ -735,7 +741,7 @@ class LLaPor(Predictor):
         ok = llapor_kernel.feature_row(
             ids, np.asarray(trace.token_ids, i64), gate, wrow, t, layer,
             spec.prev_layers, spec.history_tokens, spec.history_layers, spec.repeat_token, spec.num_experts,
-            spec.vocab, c.buckets, spec.context_tokens, spec.gate_pca, c.mean, c.comps,
+            spec.vocab, c.buckets, spec.context_tokens, project, c.mean, c.comps,
             c.pca_dims, c.pca_max, spec.weights, c.vote_dim,
             spec.context_gate, bags[0, layer], route[0], tokens[0], dense[0, layer],
         )  # fmt: skip
@@ -814,6 +820,19 @@ class LLaPor(Predictor):
         the one row of ``features_at(trace, layer)``.
         """
         w = self._layer_weights(layer)
+        return self._forward(layer, w, w["packed"], feats, _NO_RAW, _NO_RAW_OK)[0]
+
+    def _forward(
+        self,
+        layer: int,
+        w: dict[str, Any],
+        packed: tuple,
+        feats: dict[str, torch.Tensor | np.ndarray],
+        raw: np.ndarray,
+        present: np.ndarray,
+    ) -> tuple[np.ndarray, bool]:
+        """(scores [B, E], whether the raw gate inputs were finite): layer ``layer``'s slice of
+        ``feats`` through :func:`.llapor_kernel.forward` with ``packed`` weights."""
         bags = np.asarray(feats["bags"])[:, layer]  # [B, n]; the pad id indexes a zero row
         B = len(bags)
         none_i = np.zeros((B, 0), np.int64)
@@ -825,8 +844,8 @@ class LLaPor(Predictor):
             else np.zeros((B, 0), np.float32)
         )
         out = np.empty((B, self.num_experts), np.float32)
-        llapor_kernel.forward(bags, route, tokens, dense, *w["packed"], _NO_RAW, _NO_RAW_OK, out)
-        return out
+        ok = llapor_kernel.forward(bags, route, tokens, dense, *packed, raw, present, out)
+        return out, ok
 
     def score_at(self, trace: RequestTrace, layer: int) -> np.ndarray:
         """[E] scores of layer ``layer`` for the last token of ``trace``: the runtime's per-layer
@@ -853,45 +872,16 @@ class LLaPor(Predictor):
                 mean,
                 *llapor_kernel.quantize(folded, self.int8_kernel),
             )
-        spec = self.spec
-        ids = np.asarray(trace.topk_ids)
-        t, k = ids.shape[0] - 1, spec.top_k
-        i64, f32 = np.int64, np.float32
-        c = self._row_constants()
-        bags = np.full((1, c.nbag), spec.vocab, i64)
-        route = np.empty((c.route_layers, k), i64)
-        tokens = np.empty((1, c.ntok), i64)
-        dense = np.zeros((1, c.dense_dim), f32)  # the PCA blocks stay zero: folded below
-        wrow = _NO_W
-        if spec.weights and layer > 0:
-            wrow = np.asarray(trace.topk_weights[t, layer - 1], f32)
-        ok = llapor_kernel.feature_row(
-            ids, np.asarray(trace.token_ids, i64), _NO_GATE, wrow, t, layer,
-            spec.prev_layers, spec.history_tokens, spec.history_layers, spec.repeat_token, spec.num_experts,
-            spec.vocab, c.buckets, spec.context_tokens, False, c.mean, c.comps,
-            c.pca_dims, c.pca_max, spec.weights, c.vote_dim,
-            spec.context_gate, bags[0], route, tokens[0], dense[0],
-        )  # fmt: skip
-        if not ok:
-            raise ValueError(f"request {trace.request_id}: topk_weights contain NaN or inf; re-collect it")
-        if spec.context_vote:
-            off = spec.pca_max + (spec.num_experts if spec.weights else 0)
-            dense[0, off : off + spec.num_experts] = context_votes(spec, ids)[t, layer]
-        gate = trace.gate_inputs
-        raw = np.zeros((1, len(blocks), spec.gate_hidden), f32)
+        feats = self._row(trace, layer, project=False)
+        t, gate = len(trace.topk_ids) - 1, trace.gate_inputs
+        raw = np.zeros((1, len(blocks), self.spec.gate_hidden), np.float32)
         present = np.zeros((1, len(blocks)), np.bool_)
         for i, (back, src) in enumerate(blocks):  # token t - back's gate input at layer src
             if t >= back:
                 raw[0, i] = gate[t - back, src]
                 present[0, i] = True
-        if spec.token_exact:
-            tokens = self.features_at(trace, layer)["tokens"].reshape(1, -1)
-        route_in = route[:layer].reshape(1, -1) if "deep_off" in w else np.zeros((1, 0), i64)
-        out = np.empty((1, self.num_experts), f32)
-        if not llapor_kernel.forward(
-            bags, route_in, tokens if "tok" in w else np.zeros((1, 0), i64),
-            dense if "dense_proj" in w else np.zeros((1, 0), f32), *packed, raw, present, out,
-        ):  # fmt: skip
+        out, ok = self._forward(layer, w, packed, feats, raw, present)
+        if not ok:
             raise ValueError(f"request {trace.request_id}: gate_inputs contain NaN or inf; re-collect it")
         return out[0]
 

@@ -597,13 +597,7 @@ def test_score_at_folds_the_pca_into_the_first_matrices(tmp_path):
             w.normal_(std=0.5)
     full = TraceSet(path).get(dm.val_ids[0])
     for t in (0, 1, 2, len(full) - 1):  # the first tokens lack some or all context_gate rows
-        trace = dataclasses.replace(
-            full,
-            token_ids=full.token_ids[: t + 1],
-            topk_ids=full.topk_ids[: t + 1],
-            topk_weights=full.topk_weights[: t + 1],
-            gate_inputs=full.gate_inputs[: t + 1],
-        )
+        trace = full.prefix(t + 1)
         for layer in range(4):
             pred.int8_kernel = False
             ref = pred.score_layer(layer, pred.features_at(trace, layer))[0]
@@ -645,13 +639,7 @@ def test_features_at_builds_the_runtime_row_as_features_does(tmp_path):
     assert spec.gate_pca and spec.weights and spec.context_gate == 2 and spec.context_vote == 1
     full = TraceSet(path).get(dm.val_ids[0])
     for t in (0, 1, 2, len(full) - 1):  # the first tokens have no (or not every) earlier token
-        trace = dataclasses.replace(
-            full,
-            token_ids=full.token_ids[: t + 1],
-            topk_ids=full.topk_ids[: t + 1],
-            topk_weights=full.topk_weights[: t + 1],
-            gate_inputs=full.gate_inputs[: t + 1],
-        )
+        trace = full.prefix(t + 1)
         ref = {k: v[-1:].numpy() for k, v in pred.features(trace).items()}
         for layer in range(4):
             row = pred.features_at(trace, layer)

@@ -23,6 +23,11 @@ def test_roundtrip_arrays_and_order(synthetic_traces):
     assert list(r.is_decode) == [False] * 6 + [True] * 6
     np.testing.assert_array_equal(ts.array("topk_ids", ["req-4"]), r.topk_ids)
     assert [q.request_id for q in ts] == [f"req-{i}" for i in range(6)]
+    # a decoder's view at token 4: the first five tokens of every per-token field
+    head = r.prefix(5)
+    assert len(head) == 5 and head.token_texts == r.token_texts[:5] and head.request_id == "req-4"
+    for name in ("token_ids", "is_decode", "topk_ids", "topk_weights", "router_probs", "gate_inputs"):
+        np.testing.assert_array_equal(getattr(head, name), getattr(r, name)[:5])
 
 
 def test_split_is_deterministic_and_by_request(synthetic_traces):
