@@ -61,6 +61,9 @@ PREFETCH = ("auto", "none", "online", "predictor")
 BALANCE = ("smoe", "load", "cpu")
 
 # experts module -> (runtime, layer position); kept outside the module so attaching leaves no trace on it
+# finished tokens in the layer-ahead window: LLaPor's history, context and repeat-token features
+# look back at most this far on the runtime's path
+_WINDOW = 16
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -353,6 +356,7 @@ class LiveRuntime:
                 if self._cur_gate is not None and self._context_gate():
                     self._gate_history = [*self._gate_history, self._cur_gate[-1].copy()]
                     self._gate_history = self._gate_history[-self._context_gate() :]
+                self._advance_window()
         else:
             s.prefill_steps += 1
             s.measured_prefill_ms += wall
@@ -613,35 +617,13 @@ class LiveRuntime:
     def _layer_ahead_trace(self) -> Any:
         """Recent tokens plus the current one as a request trace (the current token's later layers are 0).
 
-        The finished tokens' rows change once per forward, the current row once per layer: the
-        window (arrays and trace) is built once per forward step and only its last row is
-        rewritten in place, so a caller must not keep it across steps.
+        The finished tokens' rows change once per forward, the current row once per layer. Once the
+        window is full (``_WINDOW`` finished tokens), a decode step shifts it by one row in place
+        (:meth:`_advance_window`) instead of building it again, and only its last row is rewritten
+        per layer, so a caller must not keep it across steps.
         """
-        from moecast.collect.traceset import RequestTrace
-
         if self._window is None or self._window[0] != self._step:
-            hist = self._history[-16:]
-            T, L, k = len(hist) + 1, self.num_layers, self.top_k
-            toks = self._tok_history[-len(hist) :] if hist else []
-            tok_ids = np.array([0] * (len(hist) - len(toks)) + toks + [0], np.int64)
-            ids = np.zeros((T, L, k), np.int16)
-            if hist:
-                ids[:-1] = np.stack(hist)
-            w = np.zeros((T, L, k), np.float16)  # the finished tokens' weights are not kept
-            trace = RequestTrace(
-                request_id="live",
-                workload="live",
-                category="",
-                prompt="",
-                token_ids=tok_ids,
-                token_texts=[""] * T,
-                is_decode=np.ones(T, bool),
-                topk_ids=ids,
-                topk_weights=w,
-                router_probs=None,
-                gate_inputs=self._gate_rows(T),
-            )
-            self._window = (self._step, trace)
+            self._window = (self._step, self._build_window())
         trace = self._window[1]
         trace.token_ids[-1] = self._current_token()
         trace.topk_ids[-1] = self._cur_ids[0]
@@ -649,6 +631,59 @@ class LiveRuntime:
         if trace.gate_inputs is not None and self._cur_gate is not None:
             trace.gate_inputs[-1] = self._cur_gate[-1]
         return trace
+
+    def _build_window(self) -> Any:
+        from moecast.collect.traceset import RequestTrace
+
+        hist = self._history[-_WINDOW:]
+        T, L, k = len(hist) + 1, self.num_layers, self.top_k
+        toks = self._tok_history[-len(hist) :] if hist else []
+        tok_ids = np.array([0] * (len(hist) - len(toks)) + toks + [0], np.int64)
+        ids = np.zeros((T, L, k), np.int16)
+        if hist:
+            ids[:-1] = np.stack(hist)
+        w = np.zeros((T, L, k), np.float16)  # the finished tokens' weights are not kept
+        return RequestTrace(
+            request_id="live",
+            workload="live",
+            category="",
+            prompt="",
+            token_ids=tok_ids,
+            token_texts=[""] * T,
+            is_decode=np.ones(T, bool),
+            topk_ids=ids,
+            topk_weights=w,
+            router_probs=None,
+            gate_inputs=self._gate_rows(T),
+        )
+
+    def _advance_window(self) -> None:
+        """After a one-token decode step: carry this step's full window into the next step, one row on.
+
+        The last row holds the finished token (its id, every layer's ids and gate input); the row
+        shift drops the oldest token, so the window equals what :meth:`_build_window` would build
+        from the histories, without restacking them (tested). Only the ``context_gate`` rows the
+        features read hold gate inputs; the rows before them stay zero.
+        """
+        win = self._window
+        if win is None or win[0] != self._step or len(win[1]) != _WINDOW + 1:
+            self._window = None  # not built this step, or still filling: built again when next read
+            return
+        tr = win[1]
+        # the last layers ran after the last prediction call: their ids and gate inputs are not in the row yet
+        tr.topk_ids[-1] = self._cur_ids[0]
+        for a in (tr.token_ids, tr.topk_ids):
+            a[:-1] = a[1:]
+        tr.topk_weights[-2:] = 0
+        g, cg = tr.gate_inputs, self._context_gate()
+        if g is not None:
+            if cg:
+                g[-cg - 1 : -2] = g[-cg:-1]
+                g[-2] = self._cur_gate[-1]
+            g[-1] = 0
+        tr.token_ids[-1] = 0
+        tr.topk_ids[-1] = 0
+        self._window = (self._step + 1, tr)
 
     def _predict_layer_ahead(self, nxt: int) -> np.ndarray:
         """Layer-ahead predictor on the current token: what is known when layer nxt-1 finished."""

@@ -459,3 +459,48 @@ def test_llapor_prefetch_and_online_update_keep_logits(model_dir, llapor_for_mod
     assert changed, "online updates must move the predictor's weights"
     with pytest.raises(ValueError, match="online_update needs"):
         attach(model, online_update=True)
+
+
+@pytest.mark.parametrize("context_gate", [1, 3])
+def test_layer_ahead_window_shifts_in_place_as_built_from_the_histories(
+    model_dir, llapor_for_model, context_gate
+):
+    """Past 16 finished tokens, a decode step shifts the window one row instead of rebuilding it;
+    at every prediction it must equal the window built afresh from the histories (with 3 gate
+    rows kept as well: the checkpoint reads 1, the window must carry what the runtime keeps)."""
+    from moecast.predictors.registry import load
+    from moecast.runtime import live
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    rt = attach(model, policy="lru", capacity=2, alpha=0.0, predictor=load(llapor_for_model))
+    inner, build = rt._predict_layer_ahead, rt._build_window
+    builds, checked = [0], []
+
+    def counted():
+        builds[0] += 1
+        return build()
+
+    def checking(nxt: int):
+        got = rt._layer_ahead_trace()
+        want = build()
+        want.token_ids[-1] = rt._current_token()
+        want.topk_ids[-1] = rt._cur_ids[0]
+        want.topk_weights[-1] = rt._cur_w[0]
+        want.gate_inputs[-1] = rt._cur_gate[-1]
+        for f in ("token_ids", "topk_ids", "topk_weights", "gate_inputs"):
+            assert np.array_equal(getattr(got, f), getattr(want, f)), (len(checked), nxt, f)
+        checked.append(len(got))
+        return inner(nxt)
+
+    rt._predict_layer_ahead, rt._build_window = checking, counted
+    rt._context_gate = lambda: context_gate
+    steps = live._WINDOW + 8
+    try:
+        decode_logits(model, torch.arange(5, 9)[None, :], steps=steps)
+    finally:
+        rt.detach()
+    assert checked and max(checked) == live._WINDOW + 1
+    # 4 prompt tokens: the window fills after 12 decode steps and is shifted, not built, after that
+    assert builds[0] <= live._WINDOW - 4 + 1 < steps
+    assert checked.count(live._WINDOW + 1) >= 8 * (len(model.model.layers) - 1)
