@@ -60,10 +60,10 @@ LIVE_POLICIES = ("smoe", *(p for p in POLICIES if p != "belady"))
 PREFETCH = ("auto", "none", "online", "predictor")
 BALANCE = ("smoe", "load", "cpu")
 
-# experts module -> (runtime, layer position); kept outside the module so attaching leaves no trace on it
 # finished tokens in the layer-ahead window: LLaPor's history, context and repeat-token features
 # look back at most this far on the runtime's path
 _WINDOW = 16
+# experts module -> (runtime, layer position); kept outside the module so attaching leaves no trace on it
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -675,7 +675,7 @@ class LiveRuntime:
         for a in (tr.token_ids, tr.topk_ids):
             a[:-1] = a[1:]
         tr.topk_weights[-2:] = 0
-        g, cg = tr.gate_inputs, self._context_gate()
+        g, cg = tr.gate_inputs, min(self._context_gate(), _WINDOW)
         if g is not None:
             if cg:
                 g[-cg - 1 : -2] = g[-cg:-1]
