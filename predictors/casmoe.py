@@ -86,13 +86,16 @@ def ep_labels(
 def ep_label(trace: RequestTrace, num_experts: int, include_decode: bool = False) -> np.ndarray:
     """EP matrix [L, E] of one request (Eq. 3), router-weighted when the trace has weights."""
     keep = np.ones(len(trace), bool) if include_decode else ~np.asarray(trace.is_decode, bool)
-    ids = np.asarray(trace.topk_ids[keep], np.int64)
-    L = ids.shape[1] if ids.ndim == 3 else trace.topk_ids.shape[1]
-    w = (
-        np.asarray(trace.topk_weights[keep], np.float64)
-        if trace.topk_weights is not None
-        else np.ones(ids.shape, np.float64)
-    )
+    w = trace.topk_weights[keep] if trace.topk_weights is not None else None
+    return ep_matrix(trace.topk_ids[keep], w, num_experts)
+
+
+def ep_matrix(topk_ids: np.ndarray, topk_weights: np.ndarray | None, num_experts: int) -> np.ndarray:
+    """Eq. 3 on one prompt's routing, ids and weights [T, L, k] (weights None: plain counts):
+    [L, E], each layer's row normalised to sum to 1 (uniform for a layer with no tokens)."""
+    ids = np.asarray(topk_ids, np.int64)
+    L = ids.shape[1]
+    w = np.asarray(topk_weights, np.float64) if topk_weights is not None else np.ones(ids.shape, np.float64)
     flat = np.arange(L)[None, :, None] * num_experts + ids
     ep = np.bincount(flat.ravel(), weights=w.ravel(), minlength=L * num_experts).reshape(L, num_experts)
     tot = ep.sum(-1, keepdims=True)
@@ -950,6 +953,11 @@ class Cascade(Predictor):
         if self.shared_embedding:
             return self.eap.plan_from_embedding(emb)[0], "eap"
         return self.eap.plan(prompt)[0], "eap"
+
+    def observe(self, prompt: str, ep: np.ndarray) -> bool:
+        """A served prompt and its EP into the EAM's buffer (:meth:`EAM.observe`); the EAP is
+        trained offline and has no buffer."""
+        return self.eam.observe(prompt, ep)
 
     def score_request(self, trace: RequestTrace) -> np.ndarray:
         plan, _ = self.plan(prompt_text(trace))

@@ -82,6 +82,7 @@ class LiveConfig:
     device: str | None = None
     online_update: bool = False
     online_lr: float = 1e-4
+    learn_plans: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in LIVE_POLICIES:
@@ -112,6 +113,8 @@ class LiveStats:
     cpu_experts: int = 0  # (step, layer, expert) groups computed on the CPU
     cpu_uses: int = 0
     plan_loads: int = 0  # experts a prompt plan (CasMoE) loaded before decoding
+    plans_learned: int = 0  # planned prompts whose prefill EP went to the planner's buffer (CasMoE)
+    plans_folded: int = 0  # of those, the ones that filled the buffer and were folded into the index
     online_updates: int = 0  # PreScope §4.2.2 continual-learning steps taken on decoded tokens
     online_loss: float = float("nan")  # the predictor's loss on the latest decoded token, before its update
     measured_decode_ms: list[float] = field(default_factory=list)
@@ -202,6 +205,7 @@ class LiveRuntime:
         self._window: tuple[int, Any] | None = None  # (step, the layer-ahead window trace)
         self._input_ids: torch.Tensor | None = None
         self._cur_token = 0
+        self._learn_prompt: str | None = None  # a planned prompt whose prefill routing goes to the planner
         self.planner: Any = None
         self.last_plan_branch: str | None = None
         self._place()
@@ -250,7 +254,20 @@ class LiveRuntime:
         self.cache.preload(np.arange(self.num_layers), np.stack([s.expert_in for s in self.stores]))
         self._identity = [bool((s.expert_in == np.arange(s.num_slots)).all()) for s in self.stores]
         self.last_plan_branch = branch
+        if self.config.learn_plans:
+            self._learn_prompt = prompt
         return branch
+
+    def _learn_plan(self) -> None:
+        """CasMoE's buffer: the planned prompt and its EP (Eq. 3), from the routing of its prefill,
+        go to the planner (:meth:`EAM.observe`), which folds C of them into its index."""
+        from moecast.predictors.casmoe import ep_matrix
+
+        prompt, self._learn_prompt = self._learn_prompt, None
+        ep = ep_matrix(self._cur_ids, self._cur_w, self.num_experts)
+        folded = self.planner.observe(prompt, ep)
+        self.stats_.plans_learned += 1
+        self.stats_.plans_folded += int(bool(folded))
 
     # ------------------------------------------------------------------ attach / detach
     def _attach(self) -> None:
@@ -361,6 +378,8 @@ class LiveRuntime:
             s.prefill_steps += 1
             s.measured_prefill_ms += wall
             s.modeled_prefill_ms += self._clock
+            if self._learn_prompt is not None and len(self._cur_ids):
+                self._learn_plan()
             if self.prefetch == "predictor" and len(self._cur_ids):
                 self._history = [r for r in self._cur_ids[-32:]]
                 ids = self._input_ids.reshape(-1) if self._input_ids is not None else torch.zeros(0)
@@ -402,6 +421,9 @@ class LiveRuntime:
             # full residency: nothing can miss, be evicted or substituted, so skip the bookkeeping;
             # the slots hold every expert at its own index, so the wrapped implementation runs on them as is
             used = int(torch.unique(top_k_index).numel())
+            if self._learn_prompt is not None and len(self._cur_ids) == n:  # the planner learns the prefill
+                self._cur_ids[:, pos] = top_k_index.detach().cpu().numpy()
+                self._cur_w[:, pos] = top_k_weights.detach().float().cpu().numpy()
             s.uses += top_k_index.numel()
             s.hits += top_k_index.numel()
             if self._decode:
@@ -802,6 +824,7 @@ def attach(
     planner: Any = None,
     online_update: bool = False,
     online_lr: float = 1e-4,
+    learn_plans: bool = False,
 ) -> LiveRuntime:
     """Attach the live runtime to a transformers MoE model in one call; ``rt.detach()`` undoes it.
 
@@ -822,6 +845,9 @@ def attach(
         online_update: After each decoded token, one continual-learning step of the layer-ahead predictor
             on its now-known routing (PreScope §4.2.2); off by default.
         online_lr: Learning rate of those steps.
+        learn_plans: CasMoE's buffer: each prompt given to ``rt.plan`` goes, with the EP of its prefill's
+            routing (Eq. 3), to the planner's buffer, which folds C of them into the EAM's index (and
+            rewrites a saved EAM's files); needs an EAM or cascade planner. Off by default.
     Errors (nothing is changed on the model): unsupported family, capacity below top-k, alpha outside [0, 1),
     a predictor for another model.
     """
@@ -837,9 +863,13 @@ def attach(
         device,
         online_update,
         online_lr,
+        learn_plans,
     )
     if online_update and not hasattr(predictor, "update"):
         raise ValueError("online_update needs a layer-ahead predictor with an update step (LLaPor)")
+    if learn_plans and not hasattr(planner, "observe"):
+        given = "none was given" if planner is None else f"{getattr(planner, 'name', '?')} has no buffer"
+        raise ValueError(f"learn_plans needs a planner with a buffer (an EAM or cascade checkpoint); {given}")
     structure = find_moe_structure(model)
     if predictor is not None:
         fp = model_info(model, structure, "").fingerprint

@@ -66,6 +66,15 @@ def _print_stats(stats: dict[str, Any]) -> None:
     ]
     if stats.get("plan_loads"):
         rows.insert(5, ("plan preload", f"{stats['plan_loads']} experts loaded before decoding"))
+    if "plan_buffered" in stats:
+        folded = "folded into the index now; " if stats["plans_folded"] else ""
+        rows.append(
+            (
+                "plan buffer",
+                f"{folded}{stats['plan_buffered']} of {stats['plan_buffer_size']} prompts buffered, "
+                f"index holds {stats['plan_index_size']}",
+            )
+        )
     if stats.get("online_updates"):
         rows.append(
             ("online learning", f"{stats['online_updates']} steps, last loss {stats['online_loss']:.4f}")
@@ -88,6 +97,7 @@ def run(
     hardware: str = "smoe-s3-a6000",
     max_new_tokens: int = 32,
     online_update: bool = False,
+    learn_plans: bool = False,
     json: bool = False,
 ) -> dict[str, Any]:
     """Generate text with the live runtime attached and report its cache, substitution and TPOT figures.
@@ -105,6 +115,8 @@ def run(
         hardware: Hardware profile (configs/hardware name or YAML path) for modeled times.
         max_new_tokens: Tokens to generate (greedy).
         online_update: Continual learning of the predictor on each decoded token (PreScope §4.2.2).
+        learn_plans: CasMoE's buffer: the prompt and the EP of its prefill go to the planner's EAM, which
+            folds every C (its buffer_size, paper 30) into its index and rewrites its checkpoint files.
         json: Print one JSON object instead of text and a table.
     """
     from moecast.collect.models import load_model
@@ -127,6 +139,7 @@ def run(
         balance=balance,
         planner=plan,
         online_update=online_update,
+        learn_plans=learn_plans,
     )
     try:
         branch = rt.plan(prompt) if plan is not None else None
@@ -147,11 +160,16 @@ def run(
         rt.detach()
     text = tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     result = {"model": name, "prompt": prompt, "output": text, **stats}
+    if learn_plans:  # where the planner's buffer stands (a cascade buffers in its EAM)
+        eam = getattr(plan, "eam", plan)
+        result.update(
+            plan_buffered=len(eam.buffer), plan_buffer_size=eam.config.buffer_size, plan_index_size=eam.size
+        )
     if json:
         print(jsonlib.dumps(result))
     else:
         print(f"{prompt}\n--> {text}\n")
-        _print_stats(stats)
+        _print_stats(result)
     return result
 
 

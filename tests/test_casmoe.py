@@ -497,6 +497,12 @@ def test_cascade_gate_and_table3(traces, eam_ckpt, eap_ckpt, tmp_path):
     assert branch == "eap"
     np.testing.assert_allclose(plan, cascade.eap.plan(seen)[0], rtol=1e-5)
     assert cascade.score_request(ts.get(val_ids[0])).shape == (len(ts.get(val_ids[0])), 3, 8)
+    # CasMoE's buffer is the EAM's: a served prompt observed through the cascade lands there
+    cascade.eam.path = None  # in memory: the shared fixture's files stay as they are
+    ep = ep_label(ts.get(val_ids[0]), 8)
+    assert not cascade.observe("a prompt the cascade served", ep)
+    assert [e["prompt"] for e in cascade.eam.buffer] == ["a prompt the cascade served"]
+    np.testing.assert_allclose(cascade.eam.buffer[0]["ep"], ep)
 
     rows = compare_planners(
         eam_ckpt, eap_ckpt, traces, epsilons=[0.0, 1.0], val_fraction=0.25, progress=False

@@ -387,16 +387,108 @@ def test_planner_preloads_plan_and_keeps_logits():
     assert hooks_of(model) == 0  # a refused attach leaves the model untouched
 
 
+class _LearningPlanner(_FixedPlanner):
+    """A planner stand-in with CasMoE's buffer call: records what it is given."""
+
+    def __init__(self, plan: np.ndarray) -> None:
+        super().__init__(plan)
+        self.seen: list[tuple[str, np.ndarray]] = []
+
+    def observe(self, prompt: str, ep: np.ndarray) -> bool:
+        self.seen.append((prompt, ep))
+        return len(self.seen) % 2 == 0  # "folds" every second prompt
+
+
+@pytest.mark.parametrize("capacity", [2, None])
+def test_learn_plans_gives_the_planner_the_prompt_and_its_prefill_ep(capacity):
+    """CasMoE's buffer: the planned prompt goes to the planner with Eq. 3's EP of its prefill
+    routing (as ep_label computes it from a collected trace), once per plan, at partial and full
+    residency (the runtime's shortcut path) alike."""
+    from moecast.collect.models import find_moe_structure
+    from moecast.collect.recorder import RoutingRecorder
+    from moecast.predictors.casmoe import ep_matrix
+
+    model = make_model("qwen2_moe")
+    ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(5))
+    with RoutingRecorder(find_moe_structure(model), 2).attach(model) as rec, torch.no_grad():
+        model(input_ids=ids)
+        routing = rec.take()
+    want = ep_matrix(routing.topk_ids.numpy(), routing.topk_weights.numpy(), 8)
+    planner = _LearningPlanner(np.ones((2, 8), np.float32))
+    rt = attach(model, policy="lru", capacity=capacity, alpha=0.0, planner=planner, learn_plans=True)
+    try:
+        rt.plan("what is a mixture of experts?")
+        decode_logits(model, ids, steps=2)
+        decode_logits(model, ids, steps=1)  # not planned: not learned
+        rt.plan("and a second prompt")
+        decode_logits(model, ids, steps=1)
+        stats = rt.stats()
+    finally:
+        rt.detach()
+    assert [p for p, _ in planner.seen] == ["what is a mixture of experts?", "and a second prompt"]
+    np.testing.assert_allclose(planner.seen[0][1], want, atol=1e-6)
+    assert np.allclose(planner.seen[0][1].sum(-1), 1.0)
+    assert stats["plans_learned"] == 2 and stats["plans_folded"] == 1
+    with pytest.raises(
+        ValueError, match=r"learn_plans needs a planner with a buffer .*; fixed has no buffer"
+    ):
+        attach(model, planner=_FixedPlanner(np.ones((2, 8), np.float32)), learn_plans=True)
+    assert hooks_of(model) == 0
+
+
 @pytest.fixture(scope="module")
-def llapor_for_model(model_dir, tmp_path_factory):
-    """Traces of ``model_dir`` (with gate inputs) and a LLaPor trained on them for two epochs."""
+def model_traces(model_dir, tmp_path_factory):
+    """Traces of ``model_dir`` with gate inputs, 12 small requests."""
     from conftest import collect_gate_traces
+
+    root = tmp_path_factory.mktemp("live-traces")
+    return collect_gate_traces(model_dir, root, requests=12, max_new_tokens=6)
+
+
+def test_cli_run_learn_plans_folds_served_prompts_into_the_eam(model_dir, model_traces, tmp_path, capsys):
+    """`moecast run --planner EAM --learn_plans true`: each run buffers its prompt on disk; the run
+    that fills C folds them into the index, and the next load plans the served prompt from it."""
+    from moecast.predictors import load
+    from moecast.predictors.casmoe import buffer_path
+    from moecast.train.casmoe import build_eam_index
+
+    from moecast.cli import main
+
+    ckpt = tmp_path / "eam.safetensors"
+    build_eam_index(
+        str(model_traces), str(ckpt), k_neighbours=1, buffer_size=2, val_fraction=0.25, wandb=False
+    )
+    n0 = load(ckpt).size
+    prompts = ["Tell me about volcanoes in Iceland", "How do rockets reach orbit"]
+    outs = []
+    for prompt in prompts:
+        main(
+            ["run", "--model", str(model_dir), "--prompt", prompt, "--planner", str(ckpt), "--capacity", "2",
+             "--max-new-tokens", "2", "--learn_plans", "true", "--json"]
+        )  # fmt: skip
+        outs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+        if len(outs) == 1:
+            assert len(buffer_path(ckpt).read_text().splitlines()) == 1  # on disk before the run ends
+    assert [o["plans_learned"] for o in outs] == [1, 1] and [o["plans_folded"] for o in outs] == [0, 1]
+    assert outs[0]["plan_buffered"] == 1 and outs[1]["plan_buffered"] == 0
+    assert outs[1]["plan_index_size"] == n0 + 2 and not buffer_path(ckpt).exists()
+    eam = load(ckpt)
+    assert eam.size == n0 + 2
+    _, conf = eam.query(prompts[1])
+    assert conf == pytest.approx(1.0, abs=1e-4)  # the served prompt is now in the index
+    with pytest.raises(SystemExit, match=r"learn_plans needs a planner with a buffer .*; none was given"):
+        main(["run", "--model", str(model_dir), "--max-new-tokens", "1", "--learn_plans", "true"])
+
+
+@pytest.fixture(scope="module")
+def llapor_for_model(model_dir, model_traces, tmp_path_factory):
+    """A LLaPor trained on ``model_traces`` for two epochs."""
     from moecast.train.cli import train
 
     from moecast import configs_dir
 
     root = tmp_path_factory.mktemp("live-llapor")
-    traces = collect_gate_traces(model_dir, root, requests=12, max_new_tokens=6)
+    traces = model_traces
     ckpt = root / "llapor.safetensors"
     train(
         [
