@@ -16,7 +16,9 @@ experts call (DESIGN.md, "Where moecast attaches": every transformers-5 MoE fami
 4. misses: SMoE Algorithm 2 (:class:`moecast.runtime.balancer.Balancer`) loads the
    larger ones into slots (evicting by the cache policy, the layer's own experts
    shielded, SMoE Eq. 3 for ``score``/``smoe``) and computes the rest on the CPU from
-   host memory; prefill loads every miss;
+   host memory; prefill loads every miss. ``balance="presched"`` splits them by PreScope's
+   PreSched instead (:class:`moecast.runtime.presched.PreSched`, Algorithm 1: Eq. 5 with the
+   predicted next layer's experts in the same link queue), which also sizes step 5's prefetch;
 5. prefetch for the next layer: the next layer's gate applied to this layer's gate input
    (SMoE §IV-C online prediction, without the next layer's attention: the gate-reuse
    form of DESIGN.md) or a layer-ahead predictor checkpoint (LLaPor); the top-score
@@ -50,6 +52,7 @@ from moecast.runtime.cache import POLICIES, ExpertCache, resolve_capacity
 from moecast.runtime.cost_model import CostModel, load_profile
 from moecast.runtime.expert_store import LayerStore, SlotView
 from moecast.runtime.prefetch import Prefetcher
+from moecast.runtime.presched import PreSched
 from moecast.runtime.substitution import substitute
 
 from moecast.errors import MoecastError
@@ -58,7 +61,7 @@ LIVE_IMPL = "moecast_live"
 #: ``policy`` names: the cache policies, plus ``smoe`` (SMoE Eq. 3 score eviction; substitution by alpha)
 LIVE_POLICIES = ("smoe", *(p for p in POLICIES if p != "belady"))
 PREFETCH = ("auto", "none", "online", "predictor")
-BALANCE = ("smoe", "load", "cpu")
+BALANCE = ("smoe", "presched", "load", "cpu")
 
 # finished tokens in the layer-ahead window: LLaPor's history, context and repeat-token features
 # look back at most this far on the runtime's path
@@ -174,6 +177,9 @@ class LiveRuntime:
         self.cost = CostModel.from_profile(load_profile(config.hardware), self.info.expert_bytes)
         # Algorithm 2's t_cpu is per token; at decode batch sizes C dominates, so one token's full cost
         self.balancer = Balancer(self.cost.t_io, self.cost.beta + self.cost.c)
+        self.presched = PreSched(self.cost)
+        self._next_scores: tuple[int, np.ndarray | None] | None = None  # (layer, scores) predicted early
+        self._pf_quota: int | None = None  # PreSched's prefetch count for the next layer
         self.prefetcher = Prefetcher(self.num_experts, self.top_k, self.cost.t_io, self.cost.t_attn)
         self.cache = ExpertCache(
             self.num_experts,
@@ -355,6 +361,7 @@ class LiveRuntime:
         self._clock = 0.0
         self._link_free = 0.0
         self._arrival[:] = 0.0
+        self._next_scores = None
         self._t0 = time.perf_counter()
 
     def _post_forward(self, module: Any, args: Any, output: Any) -> None:
@@ -473,7 +480,10 @@ class LiveRuntime:
             self.prefetcher.record(int(pf.sum()), 0)
         missing, m_counts = uniq[~hit], counts[~hit]
         to_load = missing
-        if len(missing) and self._decode:
+        self._pf_quota = None
+        if self._decode and self.config.balance == "presched" and not self.full:
+            to_load = missing[np.sort(self._presched(pos, hidden, m_counts))]
+        elif len(missing) and self._decode:
             if self.config.balance == "smoe":
                 to_load = missing[np.sort(self.balancer.decide(m_counts)[0])]
             elif self.config.balance == "cpu":
@@ -607,7 +617,12 @@ class LiveRuntime:
             return
         st = self.stores[nxt]
         start = max(self._link_free, issued)
-        cand = self.prefetcher.choose(scores, st.resident(), t_gap=max(0.0, max(self._clock, issued) - start))
+        if self._pf_quota is not None:  # PreSched sized it (Eqs. 6-7 with the CPU's share of the layer)
+            cand = self.prefetcher.choose(scores, st.resident())[: self._pf_quota]
+        else:
+            cand = self.prefetcher.choose(
+                scores, st.resident(), t_gap=max(0.0, max(self._clock, issued) - start)
+            )
         cand = cand[: self.capacity]
         if not len(cand):
             return
@@ -619,8 +634,31 @@ class LiveRuntime:
         self.stats_.prefetches += len(loaded)
         self.stats_.transfers += len(loaded)
 
+    def _presched(self, pos: int, hidden: torch.Tensor, m_counts: np.ndarray) -> np.ndarray:
+        """PreSched Algorithm 1 for this decode layer: which of its misses (indices into
+        ``m_counts``, their token counts) are loaded; the rest run on the CPU, and the prefetch count
+        for the next layer is kept for :meth:`_prefetch`. The next layer's pending experts are its
+        predicted top-k per token that are not resident, with the tokens predicted for each."""
+        nxt = pos + 1
+        sizes = np.zeros(0)
+        if self.prefetch != "none" and nxt < self.num_layers:
+            scores = self._predict(nxt, hidden)
+            self._next_scores = (nxt, scores)
+            if scores is not None:
+                top = np.argsort(-np.atleast_2d(scores), axis=1, kind="stable")[:, : self.top_k]
+                ids, n = np.unique(top, return_counts=True)
+                sizes = n[~self.stores[nxt].resident()[ids]]
+        delay = max(0.0, self._link_free - self._clock)
+        load, _cpu, n_pf = self.presched.decide(m_counts, sizes, delay, self.prefetcher.r_hit)
+        self._pf_quota = n_pf if nxt < self.num_layers else None
+        return load
+
     def _predict(self, nxt: int, hidden: torch.Tensor) -> np.ndarray | None:
         """Scores [B, E] of layer ``nxt`` for this step's tokens."""
+        early = self._next_scores
+        if early is not None and early[0] == nxt:  # PreSched asked for them before the layer ran
+            self._next_scores = None
+            return early[1]
         if self.prefetch == "online":
             router = self.structure.layers[nxt].router
             w = getattr(router, "weight", None)
@@ -837,7 +875,9 @@ def attach(
         predictor: A layer-ahead predictor (``moecast.predictors.registry.load(ckpt, fingerprint)``) for prefetch.
         hardware: Hardware profile name (configs/hardware) or YAML path for the modeled times.
         prefetch: auto (predictor if given, online for smoe), none, online (next gate on this gate input), predictor.
-        balance: Misses in decode: smoe (Algorithm 2), load (always load), cpu (always CPU).
+        balance: Misses in decode: smoe (SMoE Algorithm 2), presched (PreScope's PreSched, Algorithm 1: the
+            load/CPU split with the predicted next layer in the link queue, and the prefetch count),
+            load (always load), cpu (always CPU).
         warm: Fill the slots at attach (SMoE §4.1); False starts every layer empty.
         score_window: SMoE Eq. 3's n (steps averaged by the score policy).
         device: Where slots live (default: where the experts are; a CUDA device for the real path).

@@ -111,7 +111,9 @@ def run(
         alpha: SMoE substitution threshold in [0, 1); 0 leaves the routing unchanged.
         capacity: Experts per layer on the device: fraction (0.25), count (6), bytes (512MB) or ``all``.
         prefetch: auto, none, online (next gate on the current gate input, SMoE §IV-C) or predictor.
-        balance: Misses: smoe (SMoE Algorithm 2), load (always load) or cpu (always compute on the CPU).
+        balance: Misses: smoe (SMoE Algorithm 2), presched (PreScope's PreSched: load/CPU split with the
+            predicted next layer's experts in the link queue, and the prefetch count), load (always load)
+            or cpu (always compute on the CPU).
         hardware: Hardware profile (configs/hardware name or YAML path) for modeled times.
         max_new_tokens: Tokens to generate (greedy).
         online_update: Continual learning of the predictor on each decoded token (PreScope §4.2.2).

@@ -108,19 +108,15 @@ def schedule(
 
 
 class PreSched:
-    """Online per-layer PreSched: missing experts' token counts (+ predicted next layer) -> plan."""
+    """Online per-layer PreSched (the live runtime's ``balance="presched"``): the layer's missing
+    experts' token counts and the predicted next layer's non-resident ones -> (load, CPU, prefetch
+    count), :func:`schedule` on one row. R_hit comes from the caller's prefetch record."""
 
     def __init__(self, cost: CostModel) -> None:
         self.cost = cost
-        self.prefetch_hits = 1
-        self.prefetch_total = 2  # uninformed prior R_hit = 0.5
-
-    def record_prefetch(self, used: int, issued: int) -> None:
-        self.prefetch_hits += used
-        self.prefetch_total += issued
 
     def decide(
-        self, cur_tokens: np.ndarray, next_tokens: np.ndarray, delay: float = 0.0
+        self, cur_tokens: np.ndarray, next_tokens: np.ndarray, delay: float = 0.0, r_hit: float = 0.5
     ) -> tuple[np.ndarray, np.ndarray, int]:
         """-> (indices of cur to load, indices of cur for the CPU, prefetch count for the next layer)."""
         cur = np.asarray(cur_tokens, dtype=np.float64)
@@ -132,7 +128,7 @@ class PreSched:
             np.sort(nxt)[None, :],
             np.array([len(nxt)]),
             np.array([delay]),
-            np.array([self.prefetch_hits / self.prefetch_total]),
+            np.array([r_hit]),
             self.cost,
         )
         split = int(d.n_cpu[0])

@@ -98,6 +98,7 @@ SETTINGS = [
         for c, f in ((0.25, "online"), (0.5, "none"))
     ),
     dict(policy="smoe", capacity=2, prefetch="online", balance="cpu"),
+    dict(policy="lru", capacity=2, prefetch="online", balance="presched", hardware="prescope-a100-pcie4"),
     dict(policy="smoe", capacity=None),
 ]
 
@@ -175,6 +176,68 @@ def test_cpu_balance_computes_misses_on_host_exactly():
     assert stats["cpu_experts"] > 0 and stats["cpu_uses"] >= stats["cpu_experts"]
     assert torch.allclose(got, ref, atol=2e-5, rtol=1e-5)
     assert stats["tpot_modeled_ms"] > 0 and stats["tpot_measured_ms"] > 0
+
+
+def _eq5_loads(sizes: np.ndarray, delay: float, cost) -> int:
+    """PreScope Eq. 5 written out: misses ascending by tokens; the largest n - i' are loaded for the
+    smallest i' with delay + (n - i') t_io + t_g < t_c(first i'), none such: all on the CPU."""
+    sizes = np.sort(sizes)
+    n, tc = len(sizes), 0.0
+    for i in range(n + 1):
+        if delay + (n - i) * cost.t_io + cost.t_g < tc:
+            return n - i
+        if i < n:
+            tc += cost.beta * sizes[i] + cost.c
+    return 0
+
+
+@pytest.mark.parametrize("hardware", ["prescope-a100-pcie4", "gh200-nvlink-c2c"])
+def test_presched_balance_follows_algorithm_1_and_sizes_the_prefetch(hardware):
+    """balance="presched": each decode layer loads the misses Eq. 5 picks, computes the others on
+    the CPU (exactly: logits unchanged at alpha 0) and prefetches at most PreSched's count. On the
+    PCIe profile every miss of one token goes to the CPU; over NVLink-C2C some are loaded."""
+    model = make_model("qwen2_moe")
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(6))
+    ref = decode_logits(model, ids, steps=6)
+    rt = attach(
+        model, policy="lru", capacity=2, alpha=0.0, balance="presched", prefetch="online", hardware=hardware
+    )
+    calls: list[tuple] = []
+    inner = rt.presched.decide
+
+    def spy(cur, nxt, delay, r_hit):
+        out = inner(cur, nxt, delay, r_hit)
+        calls.append((np.array(cur), np.array(nxt), delay, out))
+        return out
+
+    rt.presched.decide = spy
+    try:
+        got = decode_logits(model, ids, steps=6)
+        stats = rt.stats()
+    finally:
+        rt.detach()
+    assert torch.allclose(got, ref, atol=2e-5, rtol=1e-5)
+    assert len(calls) == 6 * 2  # every decode layer is scheduled, misses or not
+    for cur, _nxt, delay, (load, cpu, _n_pf) in calls:
+        assert len(load) == _eq5_loads(cur, delay, rt.cost)
+        assert sorted([*load.tolist(), *cpu.tolist()]) == list(range(len(cur)))
+        if len(load) and len(cpu):  # the experts with the most tokens are the ones loaded
+            assert cur[cpu].max() <= cur[load].min()
+    assert stats["cpu_experts"] == sum(len(c[3][1]) for c in calls) > 0
+    assert any(len(c[3][0]) for c in calls) == (hardware == "gh200-nvlink-c2c")
+    # the next layer's prefetch is PreSched's count (Eqs. 6-7), from predictions made before the layer ran
+    assert any(len(c[1]) for c in calls)
+    assert 0 < stats["prefetches"] <= sum(c[3][2] for c in calls)
+    rt = attach(
+        model, policy="lru", capacity=2, alpha=0.0, balance="presched", prefetch="online", hardware=hardware
+    )
+    inner = rt.presched.decide
+    rt.presched.decide = lambda *a: (*inner(*a)[:2], 0)  # PreSched says: no prefetch
+    try:
+        decode_logits(model, ids, steps=6)
+        assert rt.stats()["prefetches"] == 0
+    finally:
+        rt.detach()
 
 
 def test_expert_store_slots_are_preallocated_and_hold_the_loaded_expert():
