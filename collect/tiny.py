@@ -694,13 +694,3 @@ def ensure_tiny(preset: str = "default") -> Path:
     if _is_built(path):
         return path
     return build_tiny(preset=preset)
-
-
-def load_tiny(preset: str = "default"):
-    """(model, tokenizer) of ``tiny``, built on first use; the model is in eval mode."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = ensure_tiny(preset)
-    model = AutoModelForCausalLM.from_pretrained(path)
-    model.eval()
-    return model, AutoTokenizer.from_pretrained(path)

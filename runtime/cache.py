@@ -196,20 +196,6 @@ class ExpertCache:
         return lanes[:, None] * self.W + np.where(ids >= 0, ids, self.N)
 
     # ------------------------------------------------------------------ state
-    def reset(self, lanes: np.ndarray | None = None) -> None:
-        """Empty the given lanes (all when None): a cold start."""
-        sel = slice(None) if lanes is None else lanes
-        self.resident[sel] = False
-        self._count[sel] = 0
-        self._last_v[sel] = -1
-        self._freq_v[sel] = 0
-        self.prefetched[sel] = False
-        if self.next_use is not None:
-            self.next_use[sel] = _NEVER
-        if self.policy == "score":
-            self._ring[sel] = 0
-            self.score_sum[sel] = 0
-
     def preload(self, lanes: np.ndarray, items: np.ndarray) -> None:
         """Fill lanes with items (e.g. the static hot-expert table or a prompt plan), no eviction needed.
 

@@ -92,10 +92,6 @@ POLICIES: dict[str, PolicySpec] = {
 DEFAULT_HARDWARE = "prescope-a100-pcie4"
 
 
-def policies_help() -> str:
-    return "; ".join(f"{k}: {v.help}" for k, v in POLICIES.items())
-
-
 @dataclass
 class ReplayConfig:
     policy: str = "lru"

@@ -492,6 +492,8 @@ def test_learn_plans_gives_the_planner_the_prompt_and_its_prefill_ep(capacity):
     np.testing.assert_allclose(planner.seen[0][1], want, atol=1e-6)
     assert np.allclose(planner.seen[0][1].sum(-1), 1.0)
     assert stats["plans_learned"] == 2 and stats["plans_folded"] == 1
+    rt.reset_stats()
+    assert rt.stats()["plans_learned"] == 0 and rt.stats()["uses"] == 0
     with pytest.raises(
         ValueError, match=r"learn_plans needs a planner with a buffer .*; fixed has no buffer"
     ):
