@@ -114,7 +114,7 @@ def evaluate(
     """Evaluate a predictor checkpoint (or a named baseline) on a TraceSet.
 
     Args:
-        checkpoint: predictor .safetensors, or frequency | frequency-request | moe-infinity | gate-reuse:MODEL_DIR
+        checkpoint: predictor .safetensors, or frequency | frequency-request | cooccurrence | moe-infinity | gate-reuse:MODEL_DIR
         traces: TraceSet directory
         split: val (held-out requests, default) | train | all; same split as training (val_fraction, seed)
         val_fraction: share of requests held out
