@@ -34,29 +34,34 @@ def _sigmoid(x):
     return z / (1.0 + z)
 
 
+@njit(cache=True, nogil=True, inline="always", fastmath={"contract"})
+def _acc4(x0, x1, x2, x3, W, i, acc, n):
+    """acc += x0 W[i] + x1 W[i+1] + x2 W[i+2] + x3 W[i+3]: four rows per pass over acc, a quarter
+    of its loads and stores. Its own function: the inner loop then runs at full width whether or
+    not the caller tests the rows for zero first (written inline, the test cost ~30 %)."""
+    r0, r1, r2, r3 = W[i], W[i + 1], W[i + 2], W[i + 3]
+    for j in range(n):
+        acc[j] += (
+            x0 * np.float32(r0[j]) + x1 * np.float32(r1[j]) + x2 * np.float32(r2[j]) + x3 * np.float32(r3[j])
+        )
+
+
 @njit(cache=True, nogil=True, fastmath={"contract"})
 def _addmv(x, W, s, acc, y):
-    """y += (x @ W) * s for a mostly-zero ``x`` (multi-hot, or a feature row whose PCA slots
-    :meth:`LLaPor.score_at` leaves zero): W [in, out] row-major (the inner loop runs along a
-    row), int8 with per-output-column scales ``s`` or float32 with ``s`` = 1; ``acc`` is scratch
-    of len(y). Groups of four rows that are all zero are skipped. Fused multiply-adds only
-    ("contract"): no reassociation, and NaN / inf keep their meaning."""
+    """y += (x @ W) * s: W [in, out] row-major (the inner loop runs along a row), int8 with
+    per-output-column scales ``s`` or float32 with ``s`` = 1; ``acc`` is scratch of len(y).
+    Groups of four zero rows of ``x`` are skipped (multi-hot inputs, and the PCA slots
+    :meth:`LLaPor.score_at` leaves zero). Fused multiply-adds only ("contract"): no
+    reassociation, and NaN / inf keep their meaning."""
     n = y.shape[0]
     for j in range(n):
         acc[j] = 0.0
     rows = W.shape[0]
     i = 0
-    while i + 4 <= rows:  # four rows per pass over acc: a quarter of its loads and stores
+    while i + 4 <= rows:
         x0, x1, x2, x3 = x[i], x[i + 1], x[i + 2], x[i + 3]
         if x0 != 0.0 or x1 != 0.0 or x2 != 0.0 or x3 != 0.0:
-            r0, r1, r2, r3 = W[i], W[i + 1], W[i + 2], W[i + 3]
-            for j in range(n):
-                acc[j] += (
-                    x0 * np.float32(r0[j])
-                    + x1 * np.float32(r1[j])
-                    + x2 * np.float32(r2[j])
-                    + x3 * np.float32(r3[j])
-                )
+            _acc4(x0, x1, x2, x3, W, i, acc, n)
         i += 4
     while i < rows:
         xi = x[i]
@@ -69,45 +74,12 @@ def _addmv(x, W, s, acc, y):
         y[j] += acc[j] * s[j]
 
 
-@njit(cache=True, nogil=True, fastmath={"contract"})
-def _addmv_dense(x, W, s, acc, y):
-    """:func:`_addmv` for a dense ``x`` (gate inputs, embeddings, activations): no zero test,
-    whose branch keeps the inner loop from running at full width. On a [2048 x 192] int8 block
-    (a folded gate input at DeepSeek-V2-Lite's width) 19.0 -> 15.3 us with the weights in cache
-    and 24 -> 18 us from memory; eight rows a pass is faster in cache (13.6) but slower from
-    memory (25), where the runtime's calls mostly find them."""
-    n = y.shape[0]
-    for j in range(n):
-        acc[j] = 0.0
-    rows = W.shape[0]
-    i = 0
-    while i + 4 <= rows:
-        x0, x1, x2, x3 = x[i], x[i + 1], x[i + 2], x[i + 3]
-        r0, r1, r2, r3 = W[i], W[i + 1], W[i + 2], W[i + 3]
-        for j in range(n):
-            acc[j] += (
-                x0 * np.float32(r0[j])
-                + x1 * np.float32(r1[j])
-                + x2 * np.float32(r2[j])
-                + x3 * np.float32(r3[j])
-            )
-        i += 4
-    while i < rows:
-        xi = x[i]
-        row = W[i]
-        for j in range(n):
-            acc[j] += xi * np.float32(row[j])
-        i += 1
-    for j in range(n):
-        y[j] += acc[j] * s[j]
-
-
 @njit(cache=True, nogil=True)
 def _matvec(x, W, s, b, acc, y):
     """y = (x @ W) * s + b."""
     for j in range(y.shape[0]):
         y[j] = b[j]
-    _addmv_dense(x, W, s, acc, y)
+    _addmv(x, W, s, acc, y)
 
 
 @njit(cache=True, nogil=True)
@@ -147,7 +119,7 @@ def forward(
             if gok[b, g]:
                 for i in range(d.shape[0]):
                     d[i] = graw[b, g, i] - fold_mean[g, i]
-                _addmv_dense(d, fold_w[g], fold_s[g], acc, folded)
+                _addmv(d, fold_w[g], fold_s[g], acc, folded)
         for j in range(F):  # a NaN or inf input reaches every output (times a zero weight: NaN)
             if not math.isfinite(folded[j]):
                 ok = False
@@ -163,7 +135,7 @@ def forward(
             for j in range(H):
                 h[j] += wgt * row[j]
         for ti in range(tokens.shape[1]):  # token (and context token) embeddings, projected
-            _addmv_dense(tok[tokens[b, ti]], tok_proj[ti * D : (ti + 1) * D], tok_s, acc, h)
+            _addmv(tok[tokens[b, ti]], tok_proj[ti * D : (ti + 1) * D], tok_s, acc, h)
         _addmv(dense[b], dense_proj, dense_s, acc, h)
         for j in range(H):
             h[j] = _gelu(h[j])

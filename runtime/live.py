@@ -178,8 +178,8 @@ class LiveRuntime:
         # Algorithm 2's t_cpu is per token; at decode batch sizes C dominates, so one token's full cost
         self.balancer = Balancer(self.cost.t_io, self.cost.beta + self.cost.c)
         self.presched = PreSched(self.cost)
-        self._next_scores: tuple[int, np.ndarray | None] | None = None  # (layer, scores) predicted early
-        self._pf_quota: int | None = None  # PreSched's prefetch count for the next layer
+        # PreSched's prefetch for the next layer: (layer, its experts, best first, as many as Eqs. 6-7 allow)
+        self._pf_plan: tuple[int, np.ndarray] | None = None
         self.prefetcher = Prefetcher(self.num_experts, self.top_k, self.cost.t_io, self.cost.t_attn)
         self.cache = ExpertCache(
             self.num_experts,
@@ -361,7 +361,7 @@ class LiveRuntime:
         self._clock = 0.0
         self._link_free = 0.0
         self._arrival[:] = 0.0
-        self._next_scores = None
+        self._pf_plan = None
         self._t0 = time.perf_counter()
 
     def _post_forward(self, module: Any, args: Any, output: Any) -> None:
@@ -480,7 +480,7 @@ class LiveRuntime:
             self.prefetcher.record(int(pf.sum()), 0)
         missing, m_counts = uniq[~hit], counts[~hit]
         to_load = missing
-        self._pf_quota = None
+        self._pf_plan = None
         if self._decode and self.config.balance == "presched" and not self.full:
             to_load = missing[np.sort(self._presched(pos, hidden, m_counts))]
         elif len(missing) and self._decode:
@@ -612,17 +612,16 @@ class LiveRuntime:
         Transfers go after this layer's on-demand loads; the gap is the link time left until this
         layer's experts finish (the Prefetcher adds the next layer's attention).
         """
-        scores = self._predict(nxt, hidden)
-        if scores is None:
-            return
-        st = self.stores[nxt]
         start = max(self._link_free, issued)
-        if self._pf_quota is not None:  # PreSched sized it (Eqs. 6-7 with the CPU's share of the layer)
-            cand = self.prefetcher.choose(scores, st.resident())[: self._pf_quota]
+        plan = self._pf_plan
+        if plan is not None and plan[0] == nxt:  # PreSched chose them before the layer ran
+            cand = plan[1]
         else:
-            cand = self.prefetcher.choose(
-                scores, st.resident(), t_gap=max(0.0, max(self._clock, issued) - start)
-            )
+            scores = self._predict(nxt, hidden)
+            if scores is None:
+                return
+            resident = self.stores[nxt].resident()
+            cand = self.prefetcher.choose(scores, resident, t_gap=max(0.0, max(self._clock, issued) - start))
         cand = cand[: self.capacity]
         if not len(cand):
             return
@@ -637,28 +636,29 @@ class LiveRuntime:
     def _presched(self, pos: int, hidden: torch.Tensor, m_counts: np.ndarray) -> np.ndarray:
         """PreSched Algorithm 1 for this decode layer: which of its misses (indices into
         ``m_counts``, their token counts) are loaded; the rest run on the CPU, and the prefetch count
-        for the next layer is kept for :meth:`_prefetch`. The next layer's pending experts are its
-        predicted top-k per token that are not resident, with the tokens predicted for each."""
+        for the next layer is kept for :meth:`_prefetch`. The next layer's pending experts are the
+        prefetcher's candidates (each token's predicted top-k, not resident), with the tokens
+        predicted for each."""
         nxt = pos + 1
+        cand = np.zeros(0, np.int64)
         sizes = np.zeros(0)
         if self.prefetch != "none" and nxt < self.num_layers:
             scores = self._predict(nxt, hidden)
-            self._next_scores = (nxt, scores)
             if scores is not None:
-                top = np.argsort(-np.atleast_2d(scores), axis=1, kind="stable")[:, : self.top_k]
-                ids, n = np.unique(top, return_counts=True)
-                sizes = n[~self.stores[nxt].resident()[ids]]
+                cand = self.prefetcher.choose(scores, self.stores[nxt].resident())
+                s = np.atleast_2d(scores)
+                if len(s) == 1:
+                    sizes = np.ones(len(cand))
+                else:
+                    top = np.argsort(-s, axis=1, kind="stable")[:, : self.top_k]
+                    sizes = (top[:, :, None] == cand[None, None, :]).any(1).sum(0)
         delay = max(0.0, self._link_free - self._clock)
         load, _cpu, n_pf = self.presched.decide(m_counts, sizes, delay, self.prefetcher.r_hit)
-        self._pf_quota = n_pf if nxt < self.num_layers else None
+        self._pf_plan = (nxt, cand[:n_pf])
         return load
 
     def _predict(self, nxt: int, hidden: torch.Tensor) -> np.ndarray | None:
         """Scores [B, E] of layer ``nxt`` for this step's tokens."""
-        early = self._next_scores
-        if early is not None and early[0] == nxt:  # PreSched asked for them before the layer ran
-            self._next_scores = None
-            return early[1]
         if self.prefetch == "online":
             router = self.structure.layers[nxt].router
             w = getattr(router, "weight", None)

@@ -238,6 +238,22 @@ def test_presched_balance_follows_algorithm_1_and_sizes_the_prefetch(hardware):
         assert rt.stats()["prefetches"] == 0
     finally:
         rt.detach()
+    # a batch of two: each predicted expert carries the tokens predicted for it (1 or 2)
+    batch = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(7))
+    ref = decode_logits(model, batch, steps=3)
+    rt = attach(
+        model, policy="lru", capacity=2, alpha=0.0, balance="presched", prefetch="online", hardware=hardware
+    )
+    sizes: list[np.ndarray] = []
+    inner = rt.presched.decide
+    rt.presched.decide = lambda cur, nxt, *a: (sizes.append(np.array(nxt)), inner(cur, nxt, *a))[1]
+    try:
+        got = decode_logits(model, batch, steps=3)
+    finally:
+        rt.detach()
+    assert torch.allclose(got, ref, atol=2e-5, rtol=1e-5)
+    every = np.concatenate(sizes)
+    assert set(every.tolist()) <= {1, 2} and 2 in every  # both tokens predicted for some
 
 
 def test_expert_store_slots_are_preallocated_and_hold_the_loaded_expert():
