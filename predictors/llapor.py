@@ -850,40 +850,59 @@ class LLaPor(Predictor):
     def score_at(self, trace: RequestTrace, layer: int) -> np.ndarray:
         """[E] scores of layer ``layer`` for the last token of ``trace``: the runtime's per-layer
         call, ``score_layer(layer, features_at(trace, layer))[0]`` with the gate inputs' PCA
-        folded into the layer's first matrices (:func:`.llapor_kernel.fold_pca`).
+        folded into the layer's first matrices (:func:`.llapor_kernel.fold_pca`), the feature
+        row and the network in one compiled call (:func:`.llapor_kernel.score_row`).
 
         At a real model's width the projection dominates the call: at Hg 2048 and 512
         components it reads a 4 MB matrix per gate input; folded, each gate input meets one
         [Hg, hidden + E] int8 matrix (~0.4 MB at hidden 128). Equal to the unfolded call up to
-        the int8 rounding (tested). Without gate inputs, or once :meth:`update` has run, it is
-        that call.
+        the int8 rounding (tested). Once :meth:`update` has run, or with features built in
+        numpy (``token_exact``, ``context_vote``), it is that call.
         """
-        w = self._layer_weights(layer)
-        blocks = w["fold_blocks"]
-        if not blocks or self._opt is not None:
+        spec = self.spec
+        if self._opt is not None or spec.token_exact or spec.context_vote:
             # online updates (update()) change the weights every token: folding them again
             # each time would cost more than it saves
             return self.score_layer(layer, self.features_at(trace, layer))[0]
-        packed = w.get("packed_fold")
-        if packed is None:  # folded on first use: only the runtime's path reads it
-            mean, folded = self._fold(layer, w)
-            packed = w["packed_fold"] = (
-                *w["packed"][:-3],
-                mean,
-                *llapor_kernel.quantize(folded, self.int8_kernel),
-            )
-        feats = self._row(trace, layer, project=False)
-        t, gate = len(trace.topk_ids) - 1, trace.gate_inputs
-        raw = np.zeros((1, len(blocks), self.spec.gate_hidden), np.float32)
-        present = np.zeros((1, len(blocks)), np.bool_)
-        for i, (back, src) in enumerate(blocks):  # token t - back's gate input at layer src
-            if t >= back:
-                raw[0, i] = gate[t - back, src]
-                present[0, i] = True
-        out, ok = self._forward(layer, w, packed, feats, raw, present)
-        if not ok:
-            raise ValueError(f"request {trace.request_id}: gate_inputs contain NaN or inf; re-collect it")
+        w = self._layer_weights(layer)
+        args = w.get("row_args")
+        if args is None:  # built on first use: only the runtime's path reads it
+            args = w["row_args"] = self._row_args(layer, w)
+        blocks, consts, packed = args
+        ids = np.asarray(trace.topk_ids)
+        t = len(ids) - 1
+        gate = _NO_GATE
+        if len(blocks):
+            gate = trace.gate_inputs
+            if not (isinstance(gate, np.ndarray) and gate.dtype == np.float32):
+                gate = np.asarray(gate[max(0, t - int(blocks[:, 0].max())) :], np.float32)
+        wrow = _NO_W
+        if spec.weights and layer > 0:
+            wrow = np.asarray(trace.topk_weights[t, layer - 1], np.float32)
+        out = np.empty((1, self.num_experts), np.float32)
+        bad = llapor_kernel.score_row(
+            ids, np.asarray(trace.token_ids, np.int64), wrow, gate, t, layer, blocks, *consts, packed, out
+        )
+        if bad:
+            field = "topk_weights" if bad == 1 else "gate_inputs"
+            raise ValueError(f"request {trace.request_id}: {field} contain NaN or inf; re-collect it")
         return out[0]
+
+    def _row_args(self, layer: int, w: dict[str, Any]) -> tuple[np.ndarray, tuple, tuple]:
+        """:meth:`score_at`'s constant arguments of :func:`.llapor_kernel.score_row` for ``layer``:
+        the folded blocks, the spec's sizes and the packed weights (the PCA folded in)."""
+        spec, c = self.spec, self._row_constants()
+        blocks = np.array(w["fold_blocks"], np.int64).reshape(-1, 2)
+        packed = w["packed"]
+        if len(blocks):
+            mean, folded = self._fold(layer, w)
+            packed = (*packed[:-3], mean, *llapor_kernel.quantize(folded, self.int8_kernel))
+        consts = (
+            spec.prev_layers, spec.history_tokens, spec.history_layers, spec.repeat_token,
+            spec.num_experts, spec.vocab, c.buckets, spec.weights, spec.context_gate, c.pca_max, c.nbag,
+            c.ntok if "tok" in w else 0, c.dense_dim if "dense_proj" in w else 0, "deep_off" in w,
+        )  # fmt: skip
+        return blocks, consts, packed
 
     def _layer_weights(self, layer: int) -> dict[str, Any]:
         # one cache per precision: packed int8 and float32 weights can both be kept

@@ -321,3 +321,45 @@ def feature_row(
         if not math.isfinite(dense[i]):
             return False
     return True
+
+
+@njit(cache=True, nogil=True)
+def score_row(
+    ids, tok_ids, wrow, gate, t, layer,  # request: [T, L, k], [T], token t's layer-1 weights [k]; [m, L, Hg] (row m-1 = token t)
+    blocks,  # [G, 2] the folded gate-input blocks: (tokens back, source layer)
+    prev_layers, history_tokens, history_layers, repeat_token, E, pad, token_buckets,
+    weights, context_gate, pca_max, nbag, ntok, dense_dim, deep,
+    packed,  # :func:`forward`'s weight arguments, the folded blocks' (:func:`fold_pca`) last
+    out,  # [1, E]
+):  # fmt: skip
+    """Token ``t``'s scores at ``layer``: :func:`feature_row` (the gate inputs' PCA blocks left
+    zero) then :func:`forward` with the blocks' raw gate inputs, in one call. The runtime's
+    per-layer path (:meth:`LLaPor.score_at`): the two calls from Python, with the arrays
+    between them, cost ~20 us on top of the network at a real model's width.
+    Returns 0, or 1 when a router weight and 2 when a gate input is NaN or inf."""
+    k = ids.shape[2]
+    bags = np.empty((1, nbag), np.int64)
+    tokens = np.empty((1, ntok), np.int64)
+    dense = np.zeros((1, dense_dim), np.float32)
+    no_pca = np.zeros((0, 0), np.float32)
+    ok = feature_row(
+        ids, tok_ids, gate, wrow, t, layer, prev_layers, history_tokens, history_layers, repeat_token,
+        E, pad, token_buckets, ntok, False, no_pca, np.zeros((0, 0, 0), np.float32), np.zeros(0, np.int64),
+        pca_max, weights and dense_dim > 0, 0, context_gate, bags[0], np.empty((0, k), np.int64), tokens[0], dense[0],
+    )  # fmt: skip
+    if not ok:
+        return 1
+    route = np.empty((1, layer * k if deep else 0), np.int64)  # this token's ids at the earlier layers
+    for i in range(route.shape[1]):
+        route[0, i] = ids[t, i // k, i % k]
+    G, m = blocks.shape[0], gate.shape[0]
+    graw = np.empty((1, G, gate.shape[2]), np.float32)
+    gok = np.zeros((1, G), np.bool_)
+    for g in range(G):
+        back = blocks[g, 0]
+        if t >= back:
+            graw[0, g] = gate[m - 1 - back, blocks[g, 1]]
+            gok[0, g] = True
+    if not forward(bags, route, tokens, dense, *packed, graw, gok, out):
+        return 2
+    return 0

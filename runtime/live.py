@@ -209,6 +209,7 @@ class LiveRuntime:
         self._cur_gate: np.ndarray | None = None
         self._gate_history: list[np.ndarray] = []
         self._window: tuple[int, Any] | None = None  # (step, the layer-ahead window trace)
+        self._gate_done = 0  # layers of the current token's gate inputs already in the window
         self._input_ids: torch.Tensor | None = None
         self._cur_token = 0
         self._learn_prompt: str | None = None  # a planned prompt whose prefill routing goes to the planner
@@ -674,22 +675,30 @@ class LiveRuntime:
     def _current_token(self) -> int:
         return self._cur_token
 
-    def _layer_ahead_trace(self) -> Any:
+    def _layer_ahead_trace(self, upto: int | None = None) -> Any:
         """Recent tokens plus the current one as a request trace (the current token's later layers are 0).
 
         The finished tokens' rows change once per forward, the current row once per layer. Once the
         window is full (``_WINDOW`` finished tokens), a decode step shifts it by one row in place
         (:meth:`_advance_window`) instead of building it again, and only its last row is rewritten
-        per layer, so a caller must not keep it across steps.
+        per layer, so a caller must not keep it across steps. With ``upto`` (the layer about to be
+        predicted), only the current token's gate inputs of the layers that ran since the last call
+        are copied: the whole [L, H] row is ~0.2 MB at a real model's width, per layer.
         """
         if self._window is None or self._window[0] != self._step:
             self._window = (self._step, self._build_window())
+            self._gate_done = 0
         trace = self._window[1]
         trace.token_ids[-1] = self._current_token()
         trace.topk_ids[-1] = self._cur_ids[0]
         trace.topk_weights[-1] = self._cur_w[0]
         if trace.gate_inputs is not None and self._cur_gate is not None:
-            trace.gate_inputs[-1] = self._cur_gate[-1]
+            if upto is None:
+                trace.gate_inputs[-1] = self._cur_gate[-1]
+            elif upto > self._gate_done:  # the later layers' rows are still zero on both sides
+                done = self._gate_done
+                trace.gate_inputs[-1, done:upto] = self._cur_gate[-1, done:upto]
+                self._gate_done = upto
         return trace
 
     def _build_window(self) -> Any:
@@ -741,13 +750,14 @@ class LiveRuntime:
                 g[-cg - 1 : -2] = g[-cg:-1]
                 g[-2] = self._cur_gate[-1]
             g[-1] = 0
+            self._gate_done = 0
         tr.token_ids[-1] = 0
         tr.topk_ids[-1] = 0
         self._window = (self._step + 1, tr)
 
     def _predict_layer_ahead(self, nxt: int) -> np.ndarray:
         """Layer-ahead predictor on the current token: what is known when layer nxt-1 finished."""
-        trace = self._layer_ahead_trace()
+        trace = self._layer_ahead_trace(nxt)
         p = self.predictor
         if hasattr(p, "score_at"):
             # only layer nxt's inputs and head on the current token (LLaPor's compiled per-layer

@@ -655,7 +655,7 @@ def test_layer_ahead_window_shifts_in_place_as_built_from_the_histories(
         return build()
 
     def checking(nxt: int):
-        got = rt._layer_ahead_trace()
+        got = rt._layer_ahead_trace(nxt)  # the runtime's call: copies only the layers run since the last
         want = build()
         want.token_ids[-1] = rt._current_token()
         want.topk_ids[-1] = rt._cur_ids[0]

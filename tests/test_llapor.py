@@ -281,10 +281,20 @@ def test_distillation_trains_on_router_probs_and_refuses_what_it_cannot_use(tmp_
 
 def test_id_only_traces_use_id_features(tmp_path):
     path = make_synthetic_traceset(tmp_path / "ids", num_requests=12, num_layers=3, with_optional=False)
-    module, dm = _fit(path, epochs=2, prev_layers=2, history_tokens=2, token_buckets=64)
+    module, dm = _fit(
+        path, epochs=2, prev_layers=2, history_tokens=2, token_buckets=64, context_tokens=1,
+        deep_history=True, repeat_token=True,
+    )  # fmt: skip
     assert not dm.spec.gate_pca and not dm.spec.weights and dm.spec.fields() == ["topk_ids", "token_id"]
     pred = load(module.export(tmp_path / "ids.safetensors", dm, {}))
-    assert pred.score_request(TraceSet(path).get(dm.val_ids[0])).shape == (12, 3, 8)
+    trace = TraceSet(path).get(dm.val_ids[0])
+    full = pred.score_request(trace)
+    assert full.shape == (12, 3, 8)
+    # the runtime's per-layer call (one compiled call, llapor_kernel.score_row) on each prefix
+    pred.int8_kernel = False
+    for t in range(len(trace)):
+        for layer in range(3):
+            assert np.allclose(pred.score_at(trace.prefix(t + 1), layer), full[t, layer], atol=1e-5)
 
 
 def test_online_update_reduces_loss_on_a_shifted_workload(tmp_path):
@@ -568,9 +578,12 @@ def test_context_gate_feeds_the_previous_tokens_same_layer_gate_input():
     assert np.array_equal(out[4, :, 2:4], pca_in[3]) and (out[4, :, 4:6] == 0).all()  # not across requests
 
 
-def test_score_at_folds_the_pca_into_the_first_matrices(tmp_path):
+@pytest.mark.parametrize("context_vote", [0, 1])
+def test_score_at_folds_the_pca_into_the_first_matrices(tmp_path, context_vote):
     """score_at, the runtime's per-layer call, is score_layer(features_at) with each gate input's
-    PCA folded into the matrices that read it: equal in float32, within int8 error by default."""
+    PCA folded into the matrices that read it: equal in float32, within int8 error by default.
+    Without context votes it runs as one compiled call (llapor_kernel.score_row); with them,
+    which are built in numpy, as the two calls."""
     import dataclasses
 
     path = make_synthetic_traceset(tmp_path / "sa", num_requests=12, num_layers=4, num_experts=8, hidden=16)
@@ -581,7 +594,7 @@ def test_score_at_folds_the_pca_into_the_first_matrices(tmp_path):
         history_tokens=1,
         token_buckets=64,
         context_tokens=1,
-        context_vote=1,
+        context_vote=context_vote,
         context_gate=2,
         dense_skip=True,
         pca_io=6,
