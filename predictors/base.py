@@ -43,6 +43,11 @@ class Predictor(ABC):
     def score_request(self, trace: RequestTrace) -> np.ndarray:
         """[T, L, E] float32 scores for every token and MoE layer of one request (causal for the horizon)."""
 
+    @property
+    def label(self) -> str:
+        """How reports name it: ``name`` unless one kind covers several variants."""
+        return self.name
+
     def metadata(self) -> dict[str, Any]:
         return {"kind": self.name, "horizon": self.horizon, "fingerprint": self.fingerprint}
 

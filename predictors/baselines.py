@@ -133,6 +133,10 @@ class FrequencyPredictor(_Base):
         # the prior (< 1 per expert) only breaks ties among equal prefix counts
         return (before + prior).astype(np.float32)
 
+    @property
+    def label(self) -> str:
+        return "frequency-request" if self.mode == "request" else "frequency"
+
     def tensors(self) -> dict[str, Any]:
         return {"table": self.table.astype(np.float32)}
 
@@ -166,7 +170,7 @@ class GateReusePredictor(_Base):
         files = sorted(model_dir.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(
-                f"{model_dir}: no *.safetensors weights; point --model-dir at a Hugging Face model folder"
+                f"{model_dir}: no *.safetensors weights; name a Hugging Face model folder, as in gate-reuse:MODEL_DIR"
             )
         m = ts.meta.model
         found: dict[int, np.ndarray] = {}

@@ -38,7 +38,7 @@ def build_baseline(spec: str, ts: Any, train_ids: list[str]) -> Any:
     if spec.startswith("gate-reuse:"):
         ts.require("gate_inputs", "the gate-reuse baseline")
         return GateReusePredictor.from_model_dir(spec.split(":", 1)[1], ts)
-    raise ValueError(f"{spec}: neither a checkpoint file nor a baseline ({', '.join(BASELINES)})")
+    raise ValueError(f"{spec}: no such checkpoint file, and not a baseline name ({', '.join(BASELINES)})")
 
 
 def evaluate_predictor(
@@ -103,8 +103,8 @@ def evaluate(
     checkpoint: str,
     traces: str | None = None,
     split: str = "val",
-    val_fraction: float = 0.1,
-    seed: int = 0,
+    val_fraction: float | None = None,
+    seed: int | None = None,
     k: int | None = None,
     json: bool = False,
     save: str | None = None,
@@ -117,9 +117,9 @@ def evaluate(
         checkpoint: predictor .safetensors, or frequency | frequency-request | cooccurrence | moe-infinity | gate-reuse:MODEL_DIR
         traces: TraceSet directory
         split: val (held-out requests, default) | train | all; same split as training (val_fraction, seed)
-        val_fraction: share of requests held out
-        seed: split seed
-        k: recall@k (default: the model's top-k)
+        val_fraction: share of requests held out (default: the checkpoint's training split, else 0.1)
+        seed: split seed (default: the checkpoint's training split, else 0)
+        k: recall@k, 1 to the number of experts (default: the model's top-k)
         json: print one JSON object instead of a table
         save: with a baseline, also write it as a checkpoint here
         max_requests: evaluate at most this many requests of the split
@@ -136,14 +136,24 @@ def evaluate(
         raise ValueError(f"--online_lr must be >= 0, not {online_lr}")
     if split not in ("val", "train", "all"):
         raise ValueError(f"--split must be val, train or all, not {split!r}")
+    E = ts.meta.model.num_experts
+    if k is not None and not (isinstance(k, int) and 1 <= k <= E):
+        raise ValueError(f"--k must be an integer from 1 to the model's {E} experts, not {k!r}")
+    fp = ts.meta.model.fingerprint
+    pred = None
+    if Path(checkpoint).is_file():
+        pred = load(checkpoint, fingerprint=fp, against=f"TraceSet {ts.path} ({ts.meta.model.name_or_path})")
+        # the held-out requests of the checkpoint's own training run, unless told otherwise
+        trained = getattr(pred, "meta", {}).get("split") or {}
+        val_fraction = trained.get("val_fraction", 0.1) if val_fraction is None else val_fraction
+        seed = trained.get("seed", 0) if seed is None else seed
+    val_fraction = 0.1 if val_fraction is None else val_fraction
+    seed = 0 if seed is None else seed
     train_ids, val_ids = ts.split(val_fraction, seed)
     requests = {"val": val_ids, "train": train_ids, "all": list(ts.request_ids)}[split]
     if max_requests:
         requests = requests[:max_requests]
-    fp = ts.meta.model.fingerprint
-    if Path(checkpoint).is_file():
-        pred = load(checkpoint, fingerprint=fp, against=f"TraceSet {ts.path} ({ts.meta.model.name_or_path})")
-    else:
+    if pred is None:
         pred = build_baseline(checkpoint, ts, train_ids)
         if save:
             pred.save(save)
@@ -153,11 +163,13 @@ def evaluate(
         pred, ts, requests, k, extra_k=extra, progress=not json, groups_hint=hint, online_lr=online_lr
     )
     out = {
-        "predictor": pred.name,
+        "predictor": pred.label,
         "horizon": pred.horizon,
         "checkpoint": checkpoint,
         "traces": str(ts.path),
         "split": split,
+        "val_fraction": val_fraction,
+        "seed": seed,
         "requests": len(requests),
         "online_lr": online_lr,
         **res,

@@ -41,6 +41,14 @@ class SequenceConfig:
     max_len: int = 512
     head_hidden: int | None = None
 
+    def __post_init__(self) -> None:
+        # score_request slides windows of max_len tokens: without one token per window it cannot advance
+        if isinstance(self.max_len, bool) or not isinstance(self.max_len, int) or self.max_len < 1:
+            raise ValueError(
+                f"sequence predictor max_len must be a positive integer, got {self.max_len!r}; "
+                "retrain with data.max_len >= 2"
+            )
+
 
 class SequenceNet(nn.Module):
     """Causal transformer encoder + layer-id embeddings -> [B, T, L, E] logits."""
@@ -127,19 +135,21 @@ class SequencePredictor(Predictor):
         T = len(tok)
         out = np.zeros((T, self.num_layers, self.num_experts), np.float32)
         W = self.cfg.max_len
-        # longer requests: causal windows of max_len with stride max_len/2; every position
-        # past the first half-window keeps at least max_len/2 tokens of context
+        # longer requests: causal windows of max_len with stride max_len/2 (at least 1, so max_len 1
+        # still advances); a window's first W - step positions were scored by the one before it with
+        # more context, so every position past the first window keeps at least max_len/2 tokens
+        step = max(1, W // 2)
         start = 0
         while True:
             hi = min(T, start + W)
             logits = self.net(torch.from_numpy(tok[start:hi])[None], torch.from_numpy(prev[start:hi])[None])[
                 0
             ]
-            keep = 0 if start == 0 else W // 2
+            keep = 0 if start == 0 else W - step
             out[start + keep : hi] = torch.sigmoid(logits[keep:]).numpy()
             if hi == T:
                 break
-            start += W // 2
+            start += step
         return out
 
     def metadata(self) -> dict[str, Any]:

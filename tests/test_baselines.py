@@ -205,3 +205,70 @@ def test_cli_reaches_eval(synthetic_traces, capsys):
 
     main(["predictors", "eval", "moe-infinity", "--traces", str(synthetic_traces), "--json"])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["predictor"] == "moe-infinity"
+
+
+def _activation_traces(path: Path, routes: dict[str, list[tuple[int, int]]]) -> TraceSet:
+    """Traces with L = 2 layers, E = 4 experts, top-1: request -> each token's (layer 0, layer 1) expert."""
+    info = ModelInfo("activation-test", "synthetic", [1, 2], 4, 1, 0, 8, 100, True)
+    fields = {"topk_weights": False, "router_probs": False, "gate_inputs": False}
+    writer = TraceWriter(path, TraceMeta(info, fields=fields))
+    recs = []
+    for rid, tokens in routes.items():
+        T = len(tokens)
+        ids = np.array(tokens, np.int16).reshape(T, 2, 1)
+        recs.append(RequestRecord(rid, "w", "c", "p", np.arange(T), ["t"] * T, np.zeros(T, bool), ids))
+    writer.write(recs)
+    return TraceSet(path)
+
+
+def test_activation_matrix_matching_picks_the_most_cosine_similar_request(tmp_path):
+    spread = [(e, e) for e in (0, 1, 2, 3)] * 2
+    query_head = [(e, e) for e in (0, 0, 0, 1, 1, 2, 2, 3, 3)]  # counts [3, 2, 2, 2] at both layers
+    ts = _activation_traces(
+        tmp_path / "t",
+        {
+            "hot0": [(0, 0)] * 8,  # stored [L, E] rows: [1, 0, 0, 0] at both layers
+            "spread": spread,  # [.25, .25, .25, .25] at both layers
+            "split": [(3, 2)] * 8,  # expert 3 at layer 0, expert 2 at layer 1
+            "query": query_head + [(0, 0)] * 21,
+            "query2": [(3, 2)] * 5 + [(0, 1)],
+        },
+    )
+    pred = ActivationMatrixPredictor.fit(ts, ["hot0", "spread", "split"])
+    hot0, spread_m, split = pred.matrices
+    assert np.allclose(hot0, [[1, 0, 0, 0]] * 2) and np.allclose(spread_m, 0.25)
+    assert np.allclose(split, [[0, 0, 0, 1], [0, 0, 1, 0]])
+
+    scores = pred.score_request(ts.get("query"))
+    assert np.allclose(scores[0], pred.matrices.mean(0))  # nothing seen yet
+    # after the 9 head tokens (counts [3, 2, 2, 2]): cosine 0.98 with "spread", 0.65 with "hot0".
+    # An unnormalised match (dot product 4.5 vs 6) would pick "hot0": the matching is by cosine
+    assert np.allclose(scores[9], spread_m)
+    assert np.allclose(scores[1], hot0)  # one token on expert 0: "hot0" is the exact direction
+    assert np.allclose(scores[-1], hot0)  # 21 more tokens on expert 0 outweigh the head
+    # token t sees tokens < t only; every row is the stored matrix nearest by cosine to that prefix
+    hot = np.zeros((30, 2, 4))
+    np.put_along_axis(hot, ts.get("query").topk_ids.astype(np.int64), 1.0, -1)
+    prefix = (np.cumsum(hot, 0) - hot).reshape(30, -1)
+    stored = pred.matrices.reshape(3, -1)
+    cos = prefix @ stored.T / np.maximum(np.linalg.norm(prefix, axis=1, keepdims=True), 1e-12)
+    cos /= np.linalg.norm(stored, axis=1)
+    best = cos[1:].argmax(1)
+    assert set(best.tolist()) == {0, 1}  # the match moves from "hot0" to "spread" and back
+    assert np.allclose(scores[1:], pred.matrices[best])
+    # a request routed like "split" is matched to it, from its second token on
+    assert np.allclose(pred.score_request(ts.get("query2"))[1:], split)
+
+
+def test_activation_matrix_collection_holds_1000_requests_by_default(tmp_path):
+    import inspect
+
+    from moecast.predictors.commands import build_baseline
+
+    assert inspect.signature(ActivationMatrixPredictor.fit).parameters["capacity"].default == 1000
+    ts = _activation_traces(tmp_path / "t", {f"r{i}": [(i % 4, (i // 4) % 4)] for i in range(1003)})
+    pred = build_baseline("moe-infinity", ts, ts.request_ids)  # what `predictors eval moe-infinity` builds
+    assert isinstance(pred, ActivationMatrixPredictor)
+    assert pred.matrices.shape == (1000, 2, 4) and pred.metadata()["capacity"] == 1000
+    small = ActivationMatrixPredictor.fit(ts, ts.request_ids[:10])  # fewer requests: all of them, in order
+    assert np.allclose(small.matrices[:, 0].argmax(-1), [i % 4 for i in range(10)])

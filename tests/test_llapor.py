@@ -119,6 +119,18 @@ def test_group_detection_covers_layers_in_order():
     cos = np.array([0, 0.2, 0.9, 0.95, 0.9, 0.3])
     groups, _ = detect_groups(cos, np.full(6, 0.5), 6)
     assert groups == {"input": [0, 1], "middle": [2, 3, 4], "output": [5]}
+    # from gate inputs: layers 1-4 share a direction (slowly changing residual stream), 0 and 5 do not
+    from moecast.predictors.llapor import gate_cosine
+
+    base = rng.standard_normal((400, 1, 32))
+    gin = np.concatenate(
+        [rng.standard_normal((400, 1, 32)), base + 0.1 * rng.standard_normal((400, 4, 32)), rng.standard_normal((400, 1, 32))],
+        axis=1,
+    )  # fmt: skip
+    cos = gate_cosine(gin)
+    assert cos[0] == 0 and np.allclose(cos[2:5], 0.99, atol=0.01) and abs(cos[1]) < 0.1 and abs(cos[5]) < 0.1
+    groups, _ = detect_groups(cos, np.full(6, 0.5), 6)
+    assert groups == {"input": [0, 1], "middle": [2, 3, 4], "output": [5]}
 
 
 def test_balanced_focal_loss_matches_the_paper_formula():
@@ -682,3 +694,92 @@ def test_features_at_builds_the_runtime_row_as_features_does(tmp_path):
     bad.topk_weights[-1, 1, 0] = np.inf
     with pytest.raises(ValueError, match="topk_weights contain NaN or inf"):
         pred.features_at(bad, 2)
+
+
+def test_cli_exports_the_best_epochs_metrics_and_honours_logger_and_root_dir(tmp_path, monkeypatch):
+    """The exported weights are the best epoch's (best.ckpt), and so must the recorded metrics be:
+    here validation falls after the first epoch, so the last epoch's figures would be wrong.
+    ``--trainer.logger false`` and ``--trainer.default_root_dir`` are the user's to set."""
+    from moecast.train.cli import train
+    from moecast.train.llapor import LLaPorModule
+
+    from moecast import configs_dir
+
+    path = make_synthetic_traceset(tmp_path / "b", num_requests=8, num_layers=3, num_experts=8, hidden=16)
+    scores = iter([0.9, 0.5, 0.4])
+
+    def falling(self):  # one value per epoch, logged as log_validation logs it
+        if self.trainer.sanity_checking:
+            return
+        r = next(scores)
+        self.log("val/recall", r)
+        self.last_val = {"recall_at_k": r, "per_layer": [r, r, r]}
+
+    monkeypatch.setattr(LLaPorModule, "on_validation_epoch_end", falling)
+    out, root = tmp_path / "b.safetensors", tmp_path / "root"
+    train(
+        [
+            "llapor", "--config", str(configs_dir() / "llapor_tiny.yaml"), "--traces", str(path),
+            "--out", str(out), "--trainer.max_epochs", "3", "--trainer.enable_progress_bar", "false",
+            "--model.hidden", "16", "--early_stopping.patience", "5", "--trainer.logger", "false",
+            "--trainer.default_root_dir", str(root),
+        ]
+    )  # fmt: skip
+    training = load(out).metadata()["training"]
+    assert training["best_score"] == pytest.approx(0.9) and training["epochs"] == 3
+    assert training["recall_at_k"] == pytest.approx(0.9) and training["per_layer"] == pytest.approx([0.9] * 3)
+    run = tmp_path / "b.run"
+    assert not (run / "wandb").exists() and not (run / "csv").exists()  # no loggers
+    assert (run / "checkpoints" / "best.ckpt").is_file()  # checkpoints stay in the run directory
+    assert root.is_dir()
+
+
+def test_eval_uses_the_checkpoints_split_and_checks_k(tmp_path, capsys):
+    """A checkpoint trained on another split than the default is scored on its own held-out
+    requests; --k outside 1..E is one clear error; the per-request hot table reports its name."""
+    import json
+
+    path = make_synthetic_traceset(tmp_path / "s", num_requests=12, num_layers=3)
+    module, dm = _fit(path, epochs=1)  # val_fraction 0.25
+    out = module.export(tmp_path / "s.safetensors", dm, {})
+    res = evaluate(str(out), str(path), json=True)
+    assert res["val_fraction"] == 0.25 and res["requests"] == len(dm.val_ids) == 3
+    assert evaluate(str(out), str(path), val_fraction=0.5, json=True)["requests"] == 6  # unless told
+    capsys.readouterr()
+    for k in (-1, 0, 9):
+        with pytest.raises(
+            ValueError, match=r"--k must be an integer from 1 to the model's 8 experts"
+        ) as exc:
+            evaluate(str(out), str(path), k=k)
+        assert "\n" not in str(exc.value)
+    res = evaluate(str(out), str(path), k=8, json=True)
+    assert res["k"] == 8 and res["recall_at_k"] == pytest.approx(1.0)  # all 8 experts: every true one
+    evaluate("frequency-request", str(path), json=True)
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["predictor"] == "frequency-request"
+    with pytest.raises(ValueError, match="no such checkpoint file, and not a baseline name"):
+        evaluate(str(tmp_path / "missing.safetensors"), str(path))
+
+
+def test_configured_group_names_are_checked(tmp_path):
+    path = make_synthetic_traceset(tmp_path / "g", num_requests=4, num_layers=3)
+    with pytest.raises(
+        ValueError, match=r"data\.groups: unknown group inp, mid; the groups are input, middle and output"
+    ):
+        LLaPorDataModule(str(path), groups={"inp": [0], "mid": [1], "output": [2]})
+
+
+def test_default_features_follow_the_traces_fields(tmp_path):
+    """Unset, token_buckets and history_tokens give the paper's inputs on traces with gate inputs
+    and, on ID-only traces, the features that exist: the token's embedding and layer l's ids of
+    the previous token. Set, they are what the user said."""
+    full = make_synthetic_traceset(tmp_path / "full", num_requests=4, num_layers=3)
+    ids = make_synthetic_traceset(tmp_path / "ids", num_requests=4, num_layers=3, with_optional=False)
+    for path, kwargs, want in (
+        (full, {}, (0, 0)),
+        (ids, {}, (4096, 1)),
+        (ids, {"token_buckets": 0, "history_tokens": 0}, (0, 0)),
+        (full, {"token_buckets": 64, "history_tokens": 2}, (64, 2)),
+    ):
+        dm = LLaPorDataModule(str(path), val_fraction=0.25, **kwargs)
+        dm.setup("fit")
+        assert (dm.spec.token_buckets, dm.spec.history_tokens) == want, (path.name, kwargs)

@@ -153,6 +153,126 @@ def test_sequence_head_is_the_papers_two_layer_mlp_and_old_checkpoints_load(tmp_
         assert torch.equal(back.net(*x), old.net(*x))
 
 
+def test_sequence_window_of_one_token_finishes(traces):
+    """max_len 1 made the sliding window's stride max_len // 2 = 0: scoring never finished. Each
+    token is now scored in a window of its own; a config with no window at all is refused."""
+    import signal
+
+    from moecast.predictors.sequence import SequenceConfig, SequenceNet, SequencePredictor, sequence_inputs
+
+    torch.manual_seed(0)
+    small = dict(token_buckets=100, d_model=16, n_heads=2, n_blocks=1, ffn=16, dropout=0.0)
+    pred = SequencePredictor(SequenceNet(SequenceConfig(3, 8, 2, max_len=1, **small)), [1, 2, 3])
+    trace = TraceSet(traces).get(TraceSet(traces).request_ids[0])
+
+    def hung(*_: object) -> None:
+        raise TimeoutError("score_request with max_len 1 did not finish")
+
+    # a hang fails the test instead of blocking the run
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(20)
+    try:
+        out = pred.score_request(trace)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    tok, prev = sequence_inputs(trace.token_ids, trace.topk_ids, pred.cfg)
+    with torch.no_grad():
+        alone = [
+            torch.sigmoid(
+                pred.net(torch.from_numpy(tok[t : t + 1])[None], torch.from_numpy(prev[t : t + 1])[None])
+            )
+            for t in range(len(tok))
+        ]
+    assert out.shape == (12, 3, 8)
+    assert torch.allclose(torch.from_numpy(out), torch.cat([a[0] for a in alone]))
+    with pytest.raises(ValueError, match="max_len must be a positive integer, got 0"):
+        SequenceConfig(3, 8, 2, max_len=0)
+
+
+@pytest.mark.parametrize(
+    ("section", "kwargs", "message"),
+    [
+        ("data", {"max_len": 1}, r"data\.max_len must be an integer in \[2, inf\], got 1"),
+        ("data", {"max_len": 0}, r"data\.max_len"),
+        ("data", {"token_buckets": 0}, r"data\.token_buckets must be an integer in \[1, inf\], got 0"),
+        ("data", {"batch_size": 0}, r"data\.batch_size"),
+        ("data", {"val_fraction": 0.0}, r"data\.val_fraction"),
+        ("data", {"val_fraction": 1.0}, r"data\.val_fraction"),
+        ("data", {"seed": 0.5}, r"data\.seed"),
+        ("data", {"max_requests": 0}, r"data\.max_requests"),
+        ("data", {"num_workers": -1}, r"data\.num_workers"),
+        (
+            "model",
+            {"d_model": 30, "n_heads": 4},
+            r"model\.d_model \(30\) must be divisible by model\.n_heads \(4\)",
+        ),
+        ("model", {"n_heads": 0}, r"model\.n_heads"),
+        ("model", {"d_model": 0}, r"model\.d_model"),
+        ("model", {"n_blocks": 0}, r"model\.n_blocks"),
+        ("model", {"ffn": 0}, r"model\.ffn"),
+        ("model", {"dropout": 1.0}, r"model\.dropout"),
+        ("model", {"head_hidden": -1}, r"model\.head_hidden"),
+        ("model", {"lr": 0.0}, r"model\.lr"),
+        ("model", {"weight_decay": -0.1}, r"model\.weight_decay"),
+        ("model", {"warmup_epochs": -1}, r"model\.warmup_epochs"),
+        ("model", {"warmup_epochs": 1.5}, r"model\.warmup_epochs"),
+    ],
+)
+def test_sequence_hyper_parameters_are_checked_up_front(section, kwargs, message):
+    """Bad values are one-line ValueErrors when the modules are built, not torch tracebacks later."""
+    from moecast.train.sequence import SequenceDataModule, SequenceModule
+
+    with pytest.raises(ValueError, match=message) as exc:
+        if section == "data":
+            SequenceDataModule("never-read", **kwargs)
+        else:
+            SequenceModule(**kwargs)
+    assert "\n" not in str(exc.value)
+
+
+def test_sequence_schedule_needs_an_epoch_count():
+    """max_epochs -1 (bounded by time or steps only) used to squeeze warm-up and cosine into one epoch."""
+    import lightning.pytorch as pl
+    from moecast.train.sequence import SequenceModule
+
+    module = SequenceModule()
+    module.net = torch.nn.Linear(2, 2)
+    trainer = pl.Trainer(
+        max_epochs=-1, max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False
+    )
+    module.trainer = trainer
+    with pytest.raises(ValueError, match=r"trainer\.max_epochs must be a positive number of epochs, got -1"):
+        module.configure_optimizers()
+    trainer.fit_loop.max_epochs = 3  # a planned run still gets its schedule
+    assert module.configure_optimizers()["lr_scheduler"]["interval"] == "epoch"
+
+
+def test_sequence_checkpoint_carries_its_epochs_metrics(traces, tmp_path):
+    """best.ckpt holds the validation metrics of the epoch its weights are from, for the export."""
+    import lightning.pytorch as pl
+    from moecast.train.sequence import SequenceDataModule, SequenceModule
+
+    pl.seed_everything(0)
+    dm = SequenceDataModule(str(traces), val_fraction=0.25, batch_size=4, token_buckets=64, max_len=16)
+    module = SequenceModule(d_model=16, n_heads=2, n_blocks=1, ffn=16, head_hidden=16)
+    trainer = pl.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(module, datamodule=dm)
+    trainer.save_checkpoint(tmp_path / "epoch.ckpt")
+    saved = torch.load(tmp_path / "epoch.ckpt", map_location="cpu", weights_only=False)["moecast_val"]
+    assert saved["recall_at_k"] == pytest.approx(float(trainer.callback_metrics["val/recall"]))
+    assert saved == module.last_val and len(saved["per_layer"]) == 3
+
+
 def test_cli_errors_are_one_line(traces, tmp_path):
     with pytest.raises(ValueError, match="unknown trainer"):
         train(["nope"])

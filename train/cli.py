@@ -118,16 +118,19 @@ def _make_cli_class() -> type:
             traces = Path(cfg["traces"]).name
             predictor = type(self.model).__name__
             offline = os.environ.get("WANDB_MODE", "offline") != "online"
-            loggers = [
-                WandbLogger(
-                    project="moecast",
-                    group=f"{traces}-{predictor}",
-                    name=Path(cfg["out"]).stem,
-                    save_dir=str(run_dir),
-                    offline=offline,
-                ),
-                CSVLogger(save_dir=str(run_dir), name="csv"),
-            ]
+            base = self._get(self.config_init, "trainer", default={}) or {}
+            loggers: Any = base.get("logger")
+            if loggers is None or loggers is True:  # not set by the user: wandb (offline) and CSV
+                loggers = [
+                    WandbLogger(
+                        project="moecast",
+                        group=f"{traces}-{predictor}",
+                        name=Path(cfg["out"]).stem,
+                        save_dir=str(run_dir),
+                        offline=offline,
+                    ),
+                    CSVLogger(save_dir=str(run_dir), name="csv"),
+                ]
             best = ModelCheckpoint(
                 dirpath=str(run_dir / "checkpoints"),
                 filename="best",
@@ -145,9 +148,9 @@ def _make_cli_class() -> type:
                 save_top_k=1,
                 enable_version_counter=False,
             )
-            base = self._get(self.config_init, "trainer", default={}) or {}
             callbacks = [*(base.get("callbacks") or []), best, last]
-            kwargs.setdefault("default_root_dir", str(run_dir))
+            if not base.get("default_root_dir"):
+                kwargs.setdefault("default_root_dir", str(run_dir))
             return super().instantiate_trainer(logger=loggers, callbacks=callbacks, **kwargs)
 
     return MoecastCLI
@@ -221,8 +224,10 @@ def train(argv: list[str]) -> Path | Any:
     best = ckpt_cb.best_model_path if ckpt_cb is not None else ""
     if best and Path(best).is_file():
         # Export the best validation epoch, not the last one.
-        state = torch.load(best, map_location="cpu", weights_only=False)["state_dict"]
-        cli.model.load_state_dict(state)
+        ckpt = torch.load(best, map_location="cpu", weights_only=False)
+        cli.model.load_state_dict(ckpt["state_dict"])
+        if ckpt.get("moecast_val") is not None:  # that epoch's metrics, not the last epoch's
+            cli.model.last_val = ckpt["moecast_val"]
     score = ckpt_cb.best_model_score if ckpt_cb is not None else None
     info = {
         "best_score": float(score) if score is not None else None,

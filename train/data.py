@@ -96,6 +96,19 @@ def check_flag(section: str, name: str, value: Any, also: tuple[str, ...] = ()) 
         raise ValueError(f"{section}.{name} must be {allowed}, got {value!r}")
 
 
+def planned_epochs(trainer: Any, what: str) -> int:
+    """``trainer.max_epochs`` as the length ``what`` (a warm-up and cosine schedule) is laid out
+    over: one clear ``ValueError`` when the run has no epoch count (-1: bounded by max_time or
+    max_steps only), which would squeeze the whole schedule into the first epoch."""
+    total = trainer.max_epochs
+    if total is None or int(total) < 1:
+        raise ValueError(
+            f"trainer.max_epochs must be a positive number of epochs, got {total!r}: {what} is laid out "
+            "over it (bound the wall time with trainer.max_time as well)"
+        )
+    return int(total)
+
+
 def log_validation(
     module: pl.LightningModule,
     acc: MetricAccumulator,
@@ -179,6 +192,43 @@ class LLaPorDataModule(pl.LightningDataModule):
     demands them (a clear error when missing), ``False`` skips them. ``soft_targets``
     does the same for the router's probabilities, which only the model's distillation
     loss (``model.distill``) reads: batches then carry ``probs`` [B, L, E].
+
+    The defaults are the paper's inputs (layer l-1's ids, weights and gate-input PCA). On traces
+    without gate inputs (an ID-only import) ``token_buckets`` and ``history_tokens`` default to
+    the features that exist instead: a learned embedding of the token and layer l's ids of the
+    previous token (set them explicitly to override either way).
+
+    Args:
+        traces: TraceSet directory (``--traces``)
+        val_fraction: share of requests held out for validation (request-level split)
+        seed: split seed
+        batch_size: token rows per batch
+        max_requests: train on at most this many requests (all when null)
+        prev_layers: this token's ids at layers l-1 .. l-prev_layers, one multi-hot block each
+        deep_history: also every earlier layer's ids of this token (learned per-layer mix)
+        history_tokens: layer l's ids of the previous history_tokens tokens (null: 1 on traces
+            without gate inputs, else 0)
+        history_layers: with history_tokens, also their ids at layers l-1 .. (this many layers)
+        context_tokens: embeddings of the previous context_tokens tokens (needs token_buckets)
+        dense_skip: a linear path from the dense features straight to the logits
+        token_buckets: rows of the learned token embedding (ids hashed into them); 0 = no token
+            (null: 4096 on traces without gate inputs, else 0)
+        token_dim: width of the token embedding
+        token_exact: the training split's token ids get their own rows (token_buckets then counts them)
+        token_min_count: with token_exact, ids seen fewer times share one row
+        repeat_token: layer l's ids of this token's latest earlier occurrence in the request
+        context_vote: > 0: earlier tokens' layer-l ids pooled by path overlap over this many layers
+        vote_power: sharpness of that overlap weighting
+        context_gate: PCA of layer l's gate input of the previous context_gate tokens
+        gate_pca: PCA of layer l-1's gate input: auto (when the traces have gate inputs) | true | false
+        weights: layer l-1's router weights: auto | true | false
+        pca_io: PCA components for the input and output groups (PreScope: 256), capped by the hidden size
+        pca_middle: PCA components for the middle group (PreScope: 512), capped by the hidden size
+        pca_fit_rows: training rows sampled to fit the PCA and detect the groups
+        groups: null = detect from the traces (§3.1); or {input: [..], middle: [..], output: [..]}
+            with MoE-layer positions 0..L-1
+        soft_targets: read router_probs for model.distill: auto | true | false
+        num_workers: DataLoader worker processes
     """
 
     def __init__(
@@ -190,11 +240,11 @@ class LLaPorDataModule(pl.LightningDataModule):
         max_requests: int | None = None,
         prev_layers: int = 1,
         deep_history: bool = False,
-        history_tokens: int = 0,
+        history_tokens: int | None = None,
         history_layers: int = 1,
         context_tokens: int = 0,
         dense_skip: bool = False,
-        token_buckets: int = 0,
+        token_buckets: int | None = None,
         token_dim: int = 32,
         token_exact: bool = False,
         token_min_count: int = 1,
@@ -219,10 +269,8 @@ class LLaPorDataModule(pl.LightningDataModule):
         for name, value, lo in (
             ("batch_size", batch_size, 1),
             ("prev_layers", prev_layers, 0),
-            ("history_tokens", history_tokens, 0),
             ("history_layers", history_layers, 0),
             ("context_tokens", context_tokens, 0),
-            ("token_buckets", token_buckets, 0),
             ("token_dim", token_dim, 1),
             ("token_min_count", token_min_count, 1),
             ("context_vote", context_vote, 0),
@@ -233,6 +281,8 @@ class LLaPorDataModule(pl.LightningDataModule):
             ("num_workers", num_workers, 0),
         ):
             check_range(d, name, value, int, lo)
+        check_range(d, "history_tokens", history_tokens, int, 0, optional=True)
+        check_range(d, "token_buckets", token_buckets, int, 0, optional=True)
         check_flag(d, "deep_history", deep_history)
         check_flag(d, "dense_skip", dense_skip)
         check_flag(d, "token_exact", token_exact)
@@ -246,6 +296,10 @@ class LLaPorDataModule(pl.LightningDataModule):
             and all(isinstance(v, list) and all(isinstance(x, int) for x in v) for v in groups.values())
         ):
             raise ValueError(f"data.groups must be null or {{group: [layer positions]}}, got {groups!r}")
+        if groups is not None and set(groups) - {"input", "middle", "output"}:
+            # a misspelt name would train every layer as no group: no middle body, rates or PCA width
+            bad = ", ".join(sorted(set(groups) - {"input", "middle", "output"}))
+            raise ValueError(f"data.groups: unknown group {bad}; the groups are input, middle and output")
         self.save_hyperparameters()
         self.traces = traces
         self._built = False
@@ -302,8 +356,11 @@ class LLaPorDataModule(pl.LightningDataModule):
         # token_exact: the training split's token ids seen >= token_min_count times get their own
         # embedding row (one more row for every other id); token_buckets then counts those rows
         self.token_vocab = None
-        buckets = hp.token_buckets
-        if hp.token_buckets and hp.token_exact:
+        # null: the paper's inputs when the gate input exists, else the ID-only features (see above)
+        buckets = hp.token_buckets if hp.token_buckets is not None else (0 if use_gate else 4096)
+        history = hp.history_tokens if hp.history_tokens is not None else (0 if use_gate else 1)
+        use_tok = bool(buckets)
+        if use_tok and hp.token_exact:
             uniq, cnt = np.unique(self.token_ids[:n_train], return_counts=True)
             self.token_vocab = uniq[cnt >= hp.token_min_count]
             buckets = len(self.token_vocab) + 1
@@ -313,12 +370,12 @@ class LLaPorDataModule(pl.LightningDataModule):
             top_k=k,
             prev_layers=hp.prev_layers,
             deep_history=hp.deep_history,
-            history_tokens=hp.history_tokens,
+            history_tokens=history,
             history_layers=hp.history_layers,
-            context_tokens=hp.context_tokens if hp.token_buckets else 0,
+            context_tokens=hp.context_tokens if use_tok else 0,
             token_buckets=buckets,
             token_dim=hp.token_dim,
-            token_exact=bool(hp.token_exact and hp.token_buckets),
+            token_exact=bool(hp.token_exact and use_tok),
             repeat_token=hp.repeat_token,
             context_vote=hp.context_vote,
             vote_power=float(hp.vote_power),

@@ -41,11 +41,35 @@ from moecast.predictors.llapor import (
     llapor_loss,
 )
 from moecast.predictors.metrics import MetricAccumulator
-from moecast.train.data import LLaPorDataModule, check_range, log_validation
+from moecast.train.data import LLaPorDataModule, check_range, log_validation, planned_epochs
 
 
 class LLaPorModule(pl.LightningModule):
-    """Trains all of a model's LLaPor predictors together (one network per layer, grouped)."""
+    """Trains all of a model's LLaPor predictors together (one network per layer, grouped).
+
+    Args:
+        hidden: width of each layer's network
+        depth_io: hidden Linear-GELU-Dropout layers of the input and output groups
+        depth_middle: hidden layers of the middle group, which also has the gated residual block
+        dropout: dropout after each hidden layer
+        lr_io: AdamW learning rate of the input and output groups (warm-up, then cosine)
+        lr_middle: AdamW learning rate of the middle group (cosine, no warm-up)
+        lr_shared: AdamW learning rate of the shared parts (embeddings, input tables)
+        weight_decay_io: AdamW weight decay of the input/output groups and the shared parts
+        weight_decay_middle: AdamW weight decay of the middle group
+        warmup_epochs: linear warm-up epochs of the input/output groups (PreScope: 5)
+        lam_io: lambda of the focal term, input and output groups (the paper leaves it open)
+        lam_middle: lambda of the focal term, middle group (0: expert-balancing BCE alone)
+        gamma: focal-loss focusing parameter
+        noise_std: Gaussian noise on the dense features while training
+        mask_prob: share of sparse feature ids masked while training
+        mask_dense: share of dense features zeroed while training
+        loss: focal (the paper's: balancing BCE weighted by 1/f_i plus lambda * focal) | softmax
+            (a softmax over each row's experts against the true top-k: ranks them as recall@k scores)
+        distill: weight of the router's probabilities in the softmax target (needs router_probs)
+        distill_temperature: temperature that softens those probabilities
+        distill_first: the first MoE layer's distill weight (null: distill)
+    """
 
     datamodule_class = LLaPorDataModule
 
@@ -184,6 +208,10 @@ class LLaPorModule(pl.LightningModule):
         if res is not None:
             self.last_val = {"recall_at_k": res["recall_at_k"], "per_layer": res["per_layer"]["recall_at_k"]}
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # the metrics of the epoch these weights are from: the export reads them back from best.ckpt
+        checkpoint["moecast_val"] = getattr(self, "last_val", None)
+
     # ------------------------------------------------------------------ optimisation
     def configure_optimizers(self) -> Any:
         hp = self.hparams
@@ -204,7 +232,7 @@ class LLaPorModule(pl.LightningModule):
             )
         warms = [pg.pop("warm") for pg in groups]
         opt = torch.optim.AdamW(groups)
-        total = max(int(self.trainer.max_epochs or 1), 1)
+        total = planned_epochs(self.trainer, "the learning-rate warm-up and cosine")
         warm_epochs = min(hp.warmup_epochs, max(total - 1, 0))
 
         def warm_cosine(epoch: int) -> float:

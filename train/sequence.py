@@ -19,7 +19,13 @@ import torch.nn.functional as F
 from moecast.collect.traceset import open_traces
 from moecast.predictors.metrics import MetricAccumulator, multi_hot
 from moecast.predictors.sequence import SequenceConfig, SequenceNet, SequencePredictor
-from moecast.train.data import eval_sampler, log_validation, split_requests
+from moecast.train.data import (
+    check_range,
+    eval_sampler,
+    log_validation,
+    planned_epochs,
+    split_requests,
+)
 from torch.utils.data import DataLoader, Dataset
 
 
@@ -56,6 +62,17 @@ class SequenceDataModule(pl.LightningDataModule):
         num_workers: int = 0,
     ) -> None:
         super().__init__()
+        d = "data"
+        # an empty validation split has nothing to select the best epoch by
+        check_range(d, "val_fraction", val_fraction, float, 0, 1, open_lo=True, open_hi=True)
+        check_range(d, "seed", seed, int)
+        check_range(d, "max_requests", max_requests, int, 1, optional=True)
+        check_range(d, "batch_size", batch_size, int, 1)
+        check_range(d, "token_buckets", token_buckets, int, 1)
+        # requests are truncated to max_len: with 1 only each request's first token is trained on,
+        # and its previous-token routing input is always empty
+        check_range(d, "max_len", max_len, int, 2)
+        check_range(d, "num_workers", num_workers, int, 0)
         self.save_hyperparameters()
         self.traces = traces
         self._built = False
@@ -153,6 +170,19 @@ class SequenceModule(pl.LightningModule):
         warmup_epochs: int = 1,
     ) -> None:
         super().__init__()
+        m = "model"
+        for name, value in (("d_model", d_model), ("n_heads", n_heads), ("n_blocks", n_blocks), ("ffn", ffn)):
+            check_range(m, name, value, int, 1)
+        if d_model % n_heads:
+            # torch's multi-head attention splits d_model evenly over the heads and only asserts it
+            raise ValueError(
+                f"model.d_model ({d_model}) must be divisible by model.n_heads ({n_heads}); change one of them"
+            )
+        check_range(m, "dropout", dropout, float, 0, 1, open_hi=True)
+        check_range(m, "head_hidden", head_hidden, int, 0, optional=True)
+        check_range(m, "lr", lr, float, 0, open_lo=True)
+        check_range(m, "weight_decay", weight_decay, float, 0)
+        check_range(m, "warmup_epochs", warmup_epochs, int, 0)
         self.save_hyperparameters()
         self.net: SequenceNet | None = None
 
@@ -204,10 +234,14 @@ class SequenceModule(pl.LightningModule):
         if res is not None:
             self.last_val = {"recall_at_k": res["recall_at_k"], "per_layer": res["per_layer"]["recall_at_k"]}
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # the metrics of the epoch these weights are from: the export reads them back from best.ckpt
+        checkpoint["moecast_val"] = getattr(self, "last_val", None)
+
     def configure_optimizers(self) -> Any:
         hp = self.hparams
+        total = planned_epochs(self.trainer, "the learning-rate warm-up and cosine")
         opt = torch.optim.AdamW(self.net.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
-        total = max(int(self.trainer.max_epochs or 1), 1)
         warm = min(hp.warmup_epochs, max(total - 1, 0))
 
         def schedule(epoch: int) -> float:
@@ -241,7 +275,8 @@ class SequenceModule(pl.LightningModule):
                 **dict(self.hparams),
                 **{k: v for k, v in dict(dm.hparams).items() if k != "traces"},
             },
-            "training": {**info, **getattr(self, "last_val", {})},
+            # None: read back from a checkpoint saved before any validation epoch
+            "training": {**info, **(getattr(self, "last_val", None) or {})},
             "net": asdict(self.cfg),
         }
         return pred.save(out, extra)
