@@ -629,6 +629,10 @@ def test_score_at_folds_the_pca_into_the_first_matrices(tmp_path, context_vote):
             assert np.allclose(pred.score_at(trace, layer), ref, atol=1e-5)
             pred.int8_kernel = True
             assert np.abs(pred.score_at(trace, layer) - ref).max() < 0.02
+    # float32 gate inputs (the live runtime's window) are read in place, float16 (a TraceSet's) converted
+    wide = dataclasses.replace(trace, gate_inputs=trace.gate_inputs.astype(np.float32))
+    assert trace.gate_inputs.dtype == np.float16
+    assert all(np.array_equal(pred.score_at(wide, la), pred.score_at(trace, la)) for la in range(4))
     moved = dataclasses.replace(trace, gate_inputs=trace.gate_inputs * 3)
     assert np.abs(pred.score_at(moved, 2) - pred.score_at(trace, 2)).max() > 1e-3  # the gate inputs count
     for row, layer in ((-1, 1), (-2, 2)):  # this token's layer-1 gate input, then a context token's
@@ -783,3 +787,39 @@ def test_default_features_follow_the_traces_fields(tmp_path):
         dm = LLaPorDataModule(str(path), val_fraction=0.25, **kwargs)
         dm.setup("fit")
         assert (dm.spec.token_buckets, dm.spec.history_tokens) == want, (path.name, kwargs)
+
+
+def test_a_run_that_fails_before_its_first_checkpoint_leaves_no_run_behind(tmp_path, monkeypatch):
+    """A setting the traces cannot serve fails in setup with one line; the run directory (and the
+    wandb run in it) that this call created is removed, while a run directory that already
+    held a checkpoint is kept."""
+    import sys
+
+    from moecast.train.cli import train
+
+    from moecast import configs_dir
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    ids = make_synthetic_traceset(tmp_path / "ids", num_requests=6, num_layers=3, with_optional=False)
+    out = tmp_path / "x.safetensors"
+    args = [
+        "llapor",
+        "--config",
+        str(configs_dir() / "llapor_tiny.yaml"),
+        "--traces",
+        str(ids),
+        "--out",
+        str(out),
+    ]
+    with pytest.raises(Exception, match="gate_inputs"):
+        train([*args, "--data.gate_pca", "true", "--trainer.enable_progress_bar", "false"])
+    assert not (tmp_path / "x.run").exists() and not out.exists()
+    assert "wandb" not in sys.modules or sys.modules["wandb"].run is None
+    kept = tmp_path / "x.run" / "checkpoints"
+    kept.mkdir(parents=True)
+    (kept / "last.ckpt").write_bytes(b"")  # an earlier run's: not this call's to remove
+    with pytest.raises(Exception, match="gate_inputs"):
+        train(
+            [*args, "--data.gate_pca", "true", "--resume", "never", "--trainer.enable_progress_bar", "false"]
+        )
+    assert (kept / "last.ckpt").is_file()

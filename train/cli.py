@@ -114,6 +114,7 @@ def _make_cli_class() -> type:
         def instantiate_trainer(self, **kwargs: Any) -> Any:
             cfg = self.config_init
             run_dir = run_dir_for(cfg["out"], cfg["run_dir"])
+            self.new_run_dir = not run_dir.exists()  # a run that fails before any checkpoint leaves none
             run_dir.mkdir(parents=True, exist_ok=True)
             traces = Path(cfg["traces"]).name
             predictor = type(self.model).__name__
@@ -169,6 +170,19 @@ def _resume_path(resume: str, run_dir: Path) -> str | None:
     return resume
 
 
+def _discard_failed_run(cli: Any, run_dir: Path) -> None:
+    """A run that failed before writing any checkpoint (bad data, a setting the traces cannot
+    serve) leaves nothing to resume: close its wandb run and remove the run directory it created,
+    so the error is the last thing printed and no empty run waits to be synced."""
+    import shutil
+    import sys
+
+    if "wandb" in sys.modules and sys.modules["wandb"].run is not None:
+        sys.modules["wandb"].finish(exit_code=1)
+    if getattr(cli, "new_run_dir", False) and not any((run_dir / "checkpoints").glob("*.ckpt")):
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
 def train(argv: list[str]) -> Path | Any:
     """Train a predictor (``moecast train NAME ...``); returns the exported checkpoint path."""
     if not argv or argv[0] in ("-h", "--help"):
@@ -218,7 +232,11 @@ def train(argv: list[str]) -> Path | Any:
     import time
 
     started = time.perf_counter()
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
+    try:
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
+    except Exception:  # an interrupted run keeps its logs
+        _discard_failed_run(cli, run_dir)
+        raise
     train_seconds = time.perf_counter() - started
     ckpt_cb = cli.trainer.checkpoint_callback
     best = ckpt_cb.best_model_path if ckpt_cb is not None else ""
