@@ -48,7 +48,18 @@ def _identity(batch: Any) -> Any:
 
 
 class SequenceDataModule(pl.LightningDataModule):
-    """Requests of a TraceSet as padded token sequences (request-level split via TraceSet.split)."""
+    """Requests of a TraceSet as padded token sequences (request-level split via TraceSet.split).
+
+    Args:
+        traces: TraceSet directory (``--traces``)
+        val_fraction: share of requests held out for validation
+        seed: split seed
+        batch_size: requests per batch
+        max_requests: train on at most this many requests (all when null)
+        token_buckets: rows of the token embedding (ids hashed into them)
+        max_len: tokens per request seen in training (longer ones are cut); the predictor's window
+        num_workers: DataLoader worker processes
+    """
 
     def __init__(
         self,
