@@ -126,6 +126,12 @@ def _print_result(res: ReplayResult) -> None:
     for k in keys:
         print(f"{k:<{width}}  {_fmt(d[k])}")
     print("hit rate per layer: " + " ".join(f"{h:.3f}" for h in res.hit_rate_per_layer))
+    if d["predictor"] not in (None, "none") and not d["prefetches_landed"]:
+        print(
+            f"note: no prefetch landed, so the predictor changed nothing here. A prefetch may not delay a "
+            "layer's own loads (SMoE), so it lands only if a transfer fits in the link time a layer leaves "
+            f"free, which under {d['hardware']} may never happen; compare --hardware gh200-nvlink-c2c"
+        )
 
 
 def compare(
@@ -156,7 +162,7 @@ def compare(
         predictors: comma-separated: none, oracle, checkpoint paths.
         capacities: comma-separated capacities (fractions, experts or bytes).
         planners: comma-separated: none and/or prompt-ahead checkpoints (EAM, EAP, cascade); each planner
-            preloads its plan per request and runs with every policy except belady.
+            preloads its plan per request and runs with every policy except belady and static.
         plan_weight: weight of a plan as a log-linear prior on the predictor's scores (0: preload only).
         holdout: replay only the held-out requests of ``TraceSet.split(holdout, seed=0)``, the ones
             predictors trained with the same validation fraction never saw (default: every request).
@@ -205,8 +211,10 @@ def compare(
         demand_only = spec.predictor == "none"
         for pr in ["none"] if demand_only else preds:
             for pl in plans:
-                if pl != "none" and spec.eviction == "belady":
-                    continue  # belady is the demand-only bound; a plan would change what it bounds
+                if pl != "none" and spec.eviction in ("belady", "static"):
+                    # belady is the demand-only bound (a plan would change what it bounds); static
+                    # never inserts, so a preloaded plan would move bytes and change nothing
+                    continue
                 groups[(p, pr, pl)] = caps
     for (p, pr, pl), cs in tqdm(groups.items(), desc="compare", disable=json):
         cfg = ReplayConfig(

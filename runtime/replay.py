@@ -289,13 +289,23 @@ def replay_capacities(
         raise ValueError(
             "belady is the demand-only offline optimum; use it with --predictor none and no --planner"
         )
+    if spec.eviction == "static" and (pred_name not in (None, "none") or cfg.planner):
+        # the table is fixed: a prefetch or a preloaded plan would move bytes and change no hit
+        raise ValueError(
+            "static pins the hot-expert table and never inserts; use it with --predictor none and no --planner"
+        )
     predictor = _load_predictor(pred_name, ts)
     if not (math.isfinite(cfg.plan_weight) and cfg.plan_weight >= 0):
         raise ValueError(f"--plan-weight must be a finite number >= 0, got {cfg.plan_weight}")
     planner = _load_predictor(cfg.planner, ts) if cfg.planner else None
-    if planner is not None and getattr(planner, "horizon", "") != "prompt-ahead":
+    if planner is not None and (
+        getattr(planner, "horizon", "") != "prompt-ahead" or not hasattr(planner, "plan")
+    ):
+        # MoE-Infinity's matching is prompt-ahead in the paper's sense but reads the request's
+        # routing so far, token by token: it has no plan to preload before decoding
         raise ValueError(
-            f"--planner {cfg.planner}: a {planner.horizon} predictor; a planner must be prompt-ahead (EAM, EAP, cascade)"
+            f"--planner {cfg.planner}: {planner.name} ({planner.horizon}) does not plan from the prompt; "
+            "a planner is an EAM, EAP or cascade checkpoint (give other predictors as --predictor)"
         )
     for p in (predictor, planner):
         for f in getattr(p, "needs", ()):

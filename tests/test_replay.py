@@ -273,6 +273,9 @@ class PlanPredictor:
     def from_checkpoint(cls, tensors, meta, path):
         return cls(int(meta["num_experts"]))
 
+    def plan(self, prompt):  # what makes it a planner; replay reads score_request's rows
+        raise NotImplementedError("a replay-only test planner")
+
     def score_request(self, trace):
         T, L, _k = trace.topk_ids.shape
         plan = np.zeros((L, self.E), dtype=np.float32)
@@ -307,6 +310,14 @@ def test_planner_checkpoint_preloads_and_prefetches(tmp_path):
     planned = replay(ts, ReplayConfig(policy="lru", capacity=6, cold=True, planner=str(ck)))
     assert planned.hit_rate > base.hit_rate
     assert planned.prefetch_accuracy is not None and 0 < planned.prefetch_accuracy <= 1
+    # compare pairs the planner with lru but not with static (which would only move bytes)
+    from moecast.runtime.commands import compare
+
+    out = tmp_path / "cmp"
+    compare(str(ts.path), policies="lru,static", predictors="none", capacities="6", planners=f"none,{ck}",
+            out=str(out), cold=True, wandb=False, json=True)  # fmt: skip
+    rows = (out / "table.csv").read_text().strip().splitlines()[1:]
+    assert sorted(r.split(",")[0] for r in rows) == ["lru", "lru", "static"]
     bad = tmp_path / "other.safetensors"
     checkpoint.save(
         bad,
@@ -490,3 +501,43 @@ def test_negative_plan_weight_is_refused(tmp_path):
     ts = TraceSet(make_synthetic_traceset(tmp_path / "s", num_requests=2))
     with pytest.raises(ValueError, match="plan-weight"):
         replay(ts, ReplayConfig(policy="lru", capacity=4, plan_weight=-1.0))
+
+
+def test_static_and_planners_refuse_what_would_change_nothing(tmp_path, capsys):
+    """static never inserts, so a predictor's prefetches or a plan would only move bytes; a
+    prompt-ahead checkpoint without a plan (MoE-Infinity matches the routing so far) is no planner;
+    a predictor that never lands a prefetch is said to have changed nothing."""
+    from moecast.predictors.baselines import ActivationMatrixPredictor, FrequencyPredictor
+
+    path = make_synthetic_traceset(tmp_path / "s", num_requests=6, num_layers=3, num_experts=16, top_k=2)
+    ts = TraceSet(path)
+    for kw in ({"predictor": "oracle"}, {"planner": "oracle"}):
+        with pytest.raises(ValueError, match="static pins the hot-expert table and never inserts"):
+            replay(ts, ReplayConfig(policy="static", capacity=4, **kw))
+    mi = ActivationMatrixPredictor.fit(ts, ts.request_ids).save(tmp_path / "mi.safetensors")
+    with pytest.raises(ValueError, match=r"moe-infinity \(prompt-ahead\) does not plan from the prompt"):
+        replay(ts, ReplayConfig(policy="lru", capacity=4, planner=str(mi)))
+    assert replay(ts, ReplayConfig(policy="prefetch", capacity=4, predictor=str(mi))).prefetches_landed > 0
+    hot = FrequencyPredictor.fit(ts, ts.request_ids).save(tmp_path / "hot.safetensors")
+    code, out, _ = _run_cli(
+        ["replay", "--traces", str(path), "--policy", "prefetch", "--capacity", "4", "--predictor", str(hot),
+         "--hardware", "prescope-v100-pcie3"],
+        capsys,
+    )  # fmt: skip
+    assert not code and "note: no prefetch landed" not in out
+    code, out, _ = _run_cli(
+        ["replay", "--traces", str(path), "--policy", "prefetch", "--capacity", "4", "--predictor", str(hot),
+         "--hardware", str(_profile(tmp_path, NO_LINK))],
+        capsys,
+    )  # fmt: skip
+    assert not code and "note: no prefetch landed, so the predictor changed nothing" in out
+
+
+def _profile(tmp_path: Path, prof: HardwareProfile) -> Path:
+    import dataclasses
+
+    import yaml
+
+    f = tmp_path / f"{prof.name}.yaml"
+    f.write_text(yaml.safe_dump({k: v for k, v in dataclasses.asdict(prof).items()}))
+    return f
