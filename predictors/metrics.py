@@ -134,9 +134,10 @@ class MetricAccumulator:
         out["k"] = self.k
         out["tokens"] = int(self.rows[0])
         with np.errstate(invalid="ignore", divide="ignore"):
+            each = [self._summary(np.array([i])) for i in range(self.L)]
             out["per_layer"] = {
                 "recall_at_k": (self.recall_sum / self.rows).tolist(),
-                "f1_macro": [self._summary(np.array([i]))["f1_macro"] for i in range(self.L)],
+                **{m: [e[m] for e in each] for m in ("precision", "f1_micro", "f1_macro")},
             }
         for x in self.extra_k:
             out[f"recall_at_{x}"] = float(self.extra_sum[x].sum() / self.rows.sum())

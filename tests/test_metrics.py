@@ -78,6 +78,13 @@ def test_precision_and_f1_agree_with_sklearn():
     assert res["f1_macro"] == pytest.approx(macro)
     assert res["per_group"]["a"]["recall_at_k"] == pytest.approx(recall_at_k(scores[:, 0], truth[:, 0]))
     assert res["per_layer"]["recall_at_k"][1] == pytest.approx(recall_at_k(scores[:, 1], truth[:, 1]))
+    for li in range(2):  # per layer: the same definitions on that layer's rows
+        g1, p1 = multi_hot(truth[:, li], 6), multi_hot(topk_indices(scores[:, li], 2), 6)
+        assert res["per_layer"]["precision"][li] == pytest.approx(precision_score(g1, p1, average="micro"))
+        assert res["per_layer"]["f1_micro"][li] == pytest.approx(f1_score(g1, p1, average="micro"))
+        assert res["per_layer"]["f1_macro"][li] == pytest.approx(
+            f1_score(g1, p1, average="macro", zero_division=np.nan)
+        )
 
 
 def test_accumulator_equals_one_shot():
