@@ -48,11 +48,12 @@ import numpy as np
 import torch
 from moecast.collect.models import MoEStructure, find_moe_structure, model_info
 from moecast.runtime.balancer import Balancer
-from moecast.runtime.cache import POLICIES, ExpertCache, resolve_capacity
+from moecast.runtime.cache import POLICIES, ExpertCache, StaticTable, resolve_capacity
 from moecast.runtime.cost_model import CostModel, load_profile
 from moecast.runtime.expert_store import LayerStore, SlotView
 from moecast.runtime.prefetch import Prefetcher
 from moecast.runtime.presched import PreSched
+from moecast.runtime.replay import POLICIES as REPLAY_POLICIES
 from moecast.runtime.substitution import substitute
 
 from moecast.errors import MoecastError
@@ -94,6 +95,13 @@ class LiveConfig:
         if not math.isfinite(a) or not 0 <= a < 1:
             raise ValueError(f"alpha must be in [0, 1) (SMoE's substitution threshold), got {self.alpha}")
         self.alpha = a
+        # replay's rule, so that one policy name means the same in both runtimes: alpha is the
+        # substitution threshold, and only policies that substitute (smoe) take one
+        if a > 0 and not substitutes(self.policy):
+            raise ValueError(
+                f"alpha applies to substitution, which policy {self.policy!r} does not use; "
+                "use policy smoe or alpha 0"
+            )
         if self.prefetch not in PREFETCH:
             raise ValueError(f"unknown prefetch {self.prefetch!r}; choose one of {', '.join(PREFETCH)}")
         if self.balance not in BALANCE:
@@ -161,18 +169,30 @@ class LiveRuntime:
         )
         self.full = self.capacity >= self.num_experts
         self.predictor = predictor
+        # static never inserts, so a predictor cannot prefetch under it: its predictor is the
+        # hot-expert table that fills the slots once (DESIGN.md: eviction static = hot-expert table)
+        self.hot_table: np.ndarray | None = None
+        if config.policy == "static" and predictor is not None:
+            self.hot_table = hot_table(predictor, self.num_layers, self.num_experts)
         prefetch = config.prefetch
         if prefetch == "auto":
-            prefetch = (
-                "predictor" if predictor is not None else ("online" if config.policy == "smoe" else "none")
-            )
+            if self.hot_table is not None:
+                prefetch = "none"
+            else:
+                prefetch = (
+                    "predictor"
+                    if predictor is not None
+                    else ("online" if config.policy == "smoe" else "none")
+                )
         if prefetch == "predictor" and predictor is None:
             raise ValueError("prefetch='predictor' needs a predictor checkpoint (--predictor CKPT)")
-        if prefetch == "predictor" and getattr(predictor, "horizon", "") != "layer-ahead":
+        if prefetch == "predictor" and self.hot_table is not None:
             raise ValueError(
-                f"the live prefetcher needs a layer-ahead predictor (e.g. LLaPor); {getattr(predictor, 'name', '?')} "
-                f"is {getattr(predictor, 'horizon', '?')}"
+                f"under policy static {getattr(predictor, 'name', '?')} is the hot-expert table, not a "
+                "prefetcher; use prefetch auto or none"
             )
+        if prefetch == "predictor" and getattr(predictor, "horizon", "") != "layer-ahead":
+            raise ValueError(_not_a_prefetcher(predictor))
         self.prefetch = prefetch
         self.cost = CostModel.from_profile(load_profile(config.hardware), self.info.expert_bytes)
         # Algorithm 2's t_cpu is per token; at decode batch sizes C dominates, so one token's full cost
@@ -224,8 +244,9 @@ class LiveRuntime:
         if not self.config.warm and not self.full and self.config.policy != "static":
             return
         initial = np.arange(self.capacity)
-        if self.config.policy == "static" and self.predictor is not None and hasattr(self.predictor, "table"):
-            initial = np.asarray(self.predictor.table)[:, : self.capacity]
+        if self.hot_table is not None and not self.full:  # full residency holds every expert anyway
+            # replay's static choice: each layer's top-capacity experts by score, ties by lower id
+            initial = StaticTable(self.hot_table).per_layer(self.capacity)
         for pos, store in enumerate(self.stores):
             row = initial[pos] if initial.ndim == 2 else initial
             store.fill(row)
@@ -809,6 +830,61 @@ class LiveRuntime:
         return d
 
 
+def substitutes(policy: str) -> bool:
+    """Whether ``policy`` substitutes experts, i.e. takes an alpha: the replay's rule (its PolicySpec)."""
+    return bool(getattr(REPLAY_POLICIES.get(policy), "substitution", False))
+
+
+def hot_table(predictor: Any, num_layers: int, num_experts: int) -> np.ndarray:
+    """The [L, E] expert scores a static policy pins from (a frequency checkpoint's ``table``)."""
+    name = getattr(predictor, "name", type(predictor).__name__)
+    table = getattr(predictor, "table", None)
+    shape = np.shape(table) if table is not None else None
+    if shape != (num_layers, num_experts):
+        has = "no table" if shape is None else f"a table of shape {shape}"
+        raise ValueError(
+            f"policy static pins a hot-expert table of [{num_layers}, {num_experts}] expert scores; {name} "
+            f"has {has}: pass a frequency checkpoint (moecast predictors eval frequency --save CKPT) or no predictor"
+        )
+    table = np.asarray(table, np.float64)
+    if not np.isfinite(table).all():
+        raise ValueError(f"{name}'s hot-expert table holds non-finite scores; rebuild the checkpoint")
+    return table
+
+
+def _not_a_prefetcher(predictor: Any) -> str:
+    """Why ``predictor`` cannot prefetch in the live runtime, and what to do with it instead."""
+    name, horizon = getattr(predictor, "name", "?"), getattr(predictor, "horizon", "?")
+    head = f"the live prefetcher needs a layer-ahead predictor (e.g. LLaPor); {name} is {horizon}"
+    if horizon == "prompt-ahead" and hasattr(predictor, "plan"):
+        return f"{head}: pass it as the planner (--planner CKPT), which preloads its plan before decoding"
+    if horizon == "prompt-ahead":
+        return f"{head}: {_MATCHES_ROUTING}"
+    if horizon == "statistical":
+        return f"{head}: under policy static (--policy static) its table is the hot-expert table"
+    return head
+
+
+# ActivationMatrixPredictor (MoE-Infinity) is prompt-ahead by what it may know, but it matches the
+# request's own routing so far rather than the prompt text, so it has nothing to preload live
+_MATCHES_ROUTING = (
+    "it scores a request by matching the request's own routing so far, not the prompt text, so it has "
+    "no plan to preload; evaluate it with `moecast predictors eval` or `moecast replay --predictor CKPT` "
+    "(live planners are EAM, EAP or cascade checkpoints)"
+)
+
+
+def _not_a_planner(planner: Any) -> str:
+    """Why ``planner`` cannot plan in the live runtime, and what to do with it instead."""
+    name, horizon = getattr(planner, "name", "?"), getattr(planner, "horizon", "?")
+    if horizon == "prompt-ahead":
+        return f"planner {name} has no plan(prompt): {_MATCHES_ROUTING}"
+    tail = "; pass it as the predictor (--predictor CKPT) to prefetch" if horizon == "layer-ahead" else ""
+    return (
+        f"planner {name} is {horizon}; a planner must be a prompt-ahead EAM, EAP or cascade checkpoint{tail}"
+    )
+
+
 def _substituted_weights(
     weights: torch.Tensor, old: np.ndarray, new: np.ndarray, probs: np.ndarray
 ) -> torch.Tensor:
@@ -878,11 +954,15 @@ def attach(
 
     Args:
         model: A loaded transformers causal LM of a family using the experts interface.
-        policy: ``smoe`` (SMoE Eq. 3 score eviction + substitution) or a cache policy: lru, lfu, score, static.
+        policy: ``smoe`` (SMoE Eq. 3 score eviction + substitution) or a cache policy: lru, lfu, score,
+            static (fixed slots: a predictor's hot-expert table, else experts 0..c-1; misses on the CPU).
         capacity: Experts per layer on the device: a fraction of E (0.25), a count (6), bytes ("512MB");
             None: all of them (full residency).
-        alpha: SMoE substitution threshold in [0, 1); 0 leaves the routing untouched.
-        predictor: A layer-ahead predictor (``moecast.predictors.registry.load(ckpt, fingerprint)``) for prefetch.
+        alpha: SMoE substitution threshold in [0, 1); 0 leaves the routing untouched. Only ``smoe``
+            substitutes (the replay's rule), so alpha > 0 with another policy is refused.
+        predictor: A layer-ahead predictor (``moecast.predictors.registry.load(ckpt, fingerprint)``) for prefetch;
+            under ``static``, a predictor with an [L, E] score ``table`` (frequency): each layer pins its
+            top-capacity experts, as the replay's static table does.
         hardware: Hardware profile name (configs/hardware) or YAML path for the modeled times.
         prefetch: auto (predictor if given, online for smoe), none, online (next gate on this gate input), predictor.
         balance: Misses in decode: smoe (SMoE Algorithm 2), presched (PreScope's PreSched, Algorithm 1: the
@@ -898,8 +978,8 @@ def attach(
         learn_plans: CasMoE's buffer: each prompt given to ``rt.plan`` goes, with the EP of its prefill's
             routing (Eq. 3), to the planner's buffer, which folds C of them into the EAM's index (and
             rewrites a saved EAM's files); needs an EAM or cascade planner. Off by default.
-    Errors (nothing is changed on the model): unsupported family, capacity below top-k, alpha outside [0, 1),
-    a predictor for another model.
+    Errors (nothing is changed on the model): unsupported family, capacity below top-k, alpha outside [0, 1)
+    or given to a policy that does not substitute, a predictor for another model or of the wrong kind.
     """
     cfg = LiveConfig(
         policy,
@@ -930,10 +1010,7 @@ def attach(
             )
     if planner is not None:
         if getattr(planner, "horizon", "") != "prompt-ahead" or not hasattr(planner, "plan"):
-            raise ValueError(
-                f"planner {getattr(planner, 'name', '?')} is {getattr(planner, 'horizon', '?')}; a planner must be "
-                "prompt-ahead (EAM, EAP or cascade)"
-            )
+            raise ValueError(_not_a_planner(planner))
         fp = model_info(model, structure, "").fingerprint
         if getattr(planner, "fingerprint", None) and planner.fingerprint != fp:
             raise ValueError(

@@ -22,12 +22,32 @@ from typing import Any
 
 import numpy as np
 import torch
-from moecast.runtime.live import attach
+from moecast.runtime.live import attach, substitutes
+
+#: ``moecast run``'s alpha under a policy that substitutes (smoe) when none is given: SMoE's setting
+DEFAULT_ALPHA = 0.3
 
 
 def _threads() -> None:
     # the machines moecast targets share a few cores; one thread keeps runs predictable
     torch.set_num_threads(int(os.environ.get("MOECAST_THREADS", "1")))
+
+
+def _json_safe(obj: Any) -> Any:
+    """``obj`` with every non-finite float as None: strict JSON parsers reject NaN and Infinity."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    if isinstance(obj, np.generic):
+        return _json_safe(obj.item())
+    return obj
+
+
+def _dumps(obj: Any) -> str:
+    return jsonlib.dumps(_json_safe(obj), allow_nan=False)
 
 
 def _load_predictor(path: str | None, model: Any, name: str):
@@ -90,7 +110,7 @@ def run(
     predictor: str | None = None,
     planner: str | None = None,
     policy: str = "smoe",
-    alpha: float = 0.3,
+    alpha: float | None = None,
     capacity: str = "0.25",
     prefetch: str = "auto",
     balance: str = "smoe",
@@ -105,10 +125,12 @@ def run(
     Args:
         model: ``tiny`` (the embedded default), ``tiny:PRESET`` or a local Hugging Face model directory.
         prompt: Prompt text.
-        predictor: Layer-ahead predictor checkpoint (LLaPor) for prefetch; checked against the model's fingerprint.
+        predictor: Layer-ahead predictor checkpoint (LLaPor) for prefetch; under ``--policy static``, a
+            frequency checkpoint whose table pins each layer's top experts. Checked against the model's fingerprint.
         planner: Prompt-ahead checkpoint (CasMoE EAM, EAP or cascade): its plan for the prompt is preloaded before decoding.
-        policy: smoe (score eviction + substitution), lru, lfu, score or static.
-        alpha: SMoE substitution threshold in [0, 1); 0 leaves the routing unchanged.
+        policy: smoe (score eviction + substitution), lru, lfu, score or static (fixed hot-expert table).
+        alpha: SMoE substitution threshold in [0, 1) for policy smoe (default 0.3); 0 leaves the routing
+            unchanged. Other policies do not substitute (as in ``moecast replay``) and refuse alpha > 0.
         capacity: Experts per layer on the device: fraction (0.25), count (6), bytes (512MB) or ``all``.
         prefetch: auto, none, online (next gate on the current gate input, SMoE §IV-C) or predictor.
         balance: Misses: smoe (SMoE Algorithm 2), presched (PreScope's PreSched: load/CPU split with the
@@ -127,6 +149,8 @@ def run(
     cap: Any = None if str(capacity).lower() in ("all", "none", "full") else capacity
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    if alpha is None:
+        alpha = DEFAULT_ALPHA if substitutes(policy) else 0.0
     lm, tok, name = load_model(model, dtype="float32")
     pred = _load_predictor(predictor, lm, name)
     plan = _load_predictor(planner, lm, name)
@@ -168,7 +192,7 @@ def run(
             plan_buffered=len(eam.buffer), plan_buffer_size=eam.config.buffer_size, plan_index_size=eam.size
         )
     if json:
-        print(jsonlib.dumps(result))
+        print(_dumps(result))
     else:
         print(f"{prompt}\n--> {text}\n")
         _print_stats(result)
@@ -329,6 +353,10 @@ def eval_accuracy(
     bad = [a for a in grid if not 0 <= a < 1]
     if bad or not grid:
         raise ValueError(f"--alphas {alphas!r}: every alpha must be in [0, 1)")
+    if grid[-1] > 0 and not substitutes(policy):
+        raise ValueError(
+            f"--alphas sweeps substitution, which policy {policy!r} does not use; use --policy smoe"
+        )
     if texts < 1 or tokens < 8:
         raise ValueError("--texts must be >= 1 and --tokens >= 8")
     if tpot_budget is not None and not (math.isfinite(tpot_budget) and tpot_budget > 0):
@@ -344,10 +372,10 @@ def eval_accuracy(
         )
     if json:
         for r in results:
-            print(jsonlib.dumps({"model": name, "workloads": workloads, **r}))
+            print(_dumps({"model": name, "workloads": workloads, **r}))
         if choice is not None:
             print(
-                jsonlib.dumps(
+                _dumps(
                     {
                         "tpot_budget_ms": tpot_budget,
                         "chosen_alpha": choice.alpha,

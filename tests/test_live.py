@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import numpy as np
@@ -293,6 +294,7 @@ def test_unsupported_family_is_refused_and_model_untouched():
         (dict(alpha=-0.1), r"alpha must be in \[0, 1\)"),
         (dict(alpha=float("nan")), r"alpha must be in \[0, 1\)"),
         (dict(policy="fifo"), "unknown policy"),
+        (dict(policy="lru", alpha=0.3), "alpha applies to substitution, which policy 'lru' does not use"),
         (dict(hardware="no-such-gpu"), "unknown hardware profile"),
         (dict(prefetch="predictor"), "needs a predictor"),
     ],
@@ -677,3 +679,171 @@ def test_layer_ahead_window_shifts_in_place_as_built_from_the_histories(
     # 4 prompt tokens: the window fills after 12 decode steps and is shifted, not built, after that
     assert builds[0] <= live._WINDOW - 4 + 1 < steps
     assert checked.count(live._WINDOW + 1) >= 8 * (len(model.model.layers) - 1)
+
+
+# ----------------------------------------------------------------------------- policy / checkpoint fit
+
+
+@pytest.fixture(scope="module")
+def frequency_for_model(model_traces, tmp_path_factory):
+    """A global frequency checkpoint (PreScope's hot-expert table) of ``model_traces``."""
+    from moecast.collect.traceset import TraceSet
+    from moecast.predictors.baselines import FrequencyPredictor
+
+    ts = TraceSet(model_traces)
+    path = tmp_path_factory.mktemp("live-frequency") / "frequency.safetensors"
+    FrequencyPredictor.fit(ts, ts.request_ids, "global").save(path)
+    return path
+
+
+def _stub(name: str, horizon: str, **attrs):
+    """A predictor stand-in of any kind: only what the live runtime reads before it runs."""
+    return type(name, (), {"name": name, "horizon": horizon, "fingerprint": None, **attrs})()
+
+
+def test_static_pins_each_layers_top_experts_of_a_frequency_table(model_dir, frequency_for_model, capsys):
+    """--policy static with a frequency checkpoint: the slots hold each layer's top-capacity experts
+    by table score (the replay's StaticTable choice), never change, and the CLI reaches it without
+    --prefetch none; a static policy refuses a predictor without an [L, E] table in one line."""
+    from moecast.predictors.registry import load
+    from moecast.runtime.cache import StaticTable
+    from transformers import AutoModelForCausalLM
+
+    from moecast.cli import main
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    pred = load(frequency_for_model)
+    want = np.argsort(-pred.table, axis=1, kind="stable")[:, :2]
+    assert np.array_equal(want, StaticTable(pred.table).per_layer(2))
+    assert not all(set(w.tolist()) == {0, 1} for w in want)  # the table says something experts 0..1 do not
+    ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(8))
+    ref = decode_logits(model, ids, steps=4)
+    rt = attach(model, policy="static", capacity=2, predictor=pred, prefetch="none")
+    try:
+        for pos, store in enumerate(rt.stores):
+            assert sorted(store.expert_in.tolist()) == sorted(want[pos].tolist()), pos
+            assert sorted(rt.cache.resident_ids(pos).tolist()) == sorted(want[pos].tolist())
+        got = decode_logits(model, ids, steps=4)
+        stats = rt.stats()
+        for pos, store in enumerate(rt.stores):  # static: misses run on the CPU, the table stays
+            assert sorted(store.expert_in.tolist()) == sorted(want[pos].tolist())
+    finally:
+        rt.detach()
+    assert torch.allclose(got, ref, atol=2e-5, rtol=1e-5)
+    assert stats["transfers"] == 0 and stats["cpu_experts"] > 0
+    # the CLI: a statistical checkpoint under static is the table, with or without --prefetch none,
+    # and on a prompt like the traces' it hits more often than static's default slots (experts 0..c-1)
+    base = ["run", "--model", str(model_dir), "--prompt", "question 3: how many apples are 3 plus 6?",
+            "--policy", "static", "--capacity", "2", "--max-new-tokens", "8", "--json"]  # fmt: skip
+    runs = {}
+    for name, extra in (
+        ("table", ["--predictor", str(frequency_for_model)]),
+        ("table, prefetch none", ["--predictor", str(frequency_for_model), "--prefetch", "none"]),
+        ("no table", []),
+    ):
+        main([*base, *extra])
+        runs[name] = out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert out["policy"] == "static" and out["prefetch"] == "none" and out["capacity"] == 2
+        assert out["transfers"] == 0 and out["alpha"] == 0.0
+    assert runs["table"]["hit_rate"] == runs["table, prefetch none"]["hit_rate"]
+    assert runs["table"]["hit_rate"] > runs["no table"]["hit_rate"]
+    # a static policy needs an [L, E] score table; a cooccurrence-like [L, E, E] one or none is refused
+    cooc = _stub("cooccurrence", "layer-ahead", table=np.ones((2, 8, 8), np.float32))
+    with pytest.raises(ValueError, match=r"policy static pins a hot-expert table .*cooccurrence has a table of shape \(2, 8, 8\)"):  # fmt: skip
+        attach(model, policy="static", capacity=2, predictor=cooc)
+    with pytest.raises(ValueError, match=r"policy static pins a hot-expert table .*llapor has no table"):
+        attach(model, policy="static", capacity=2, predictor=_stub("llapor", "layer-ahead"))
+    with pytest.raises(ValueError, match="is the hot-expert table, not a prefetcher"):
+        attach(model, policy="static", capacity=2, predictor=pred, prefetch="predictor")
+    # a statistical predictor is still no prefetcher under the other policies
+    with pytest.raises(ValueError, match=r"frequency is statistical: under policy static"):
+        attach(model, policy="lru", capacity=2, predictor=pred)
+    assert hooks_of(model) == 0
+
+
+def test_alpha_only_for_substituting_policies_like_replay(model_dir, capsys):
+    """Replay refuses --alpha for policies that do not substitute and defaults it to 0; live does the
+    same: `run` substitutes by default (alpha 0.3) only under smoe, and alpha > 0 elsewhere is an error."""
+    from moecast.runtime.live_cli import eval_accuracy
+    from moecast.runtime.replay import POLICIES as REPLAY_POLICIES
+
+    from moecast.cli import main
+
+    model = make_model("qwen3_moe")
+    for policy in ("lru", "lfu", "score", "static"):
+        assert not REPLAY_POLICIES[policy].substitution
+        with pytest.raises(ValueError, match=f"alpha applies to substitution, which policy '{policy}' does not use"):  # fmt: skip
+            attach(model, policy=policy, capacity=2, alpha=0.3)
+        attach(model, policy=policy, capacity=2, alpha=0.0).detach()
+    assert inspect.signature(attach).parameters["alpha"].default == 0.0
+    base = [
+        "run",
+        "--model",
+        str(model_dir),
+        "--prompt",
+        "hello world",
+        "--capacity",
+        "2",
+        "--max-new-tokens",
+        "3",
+    ]
+    main([*base, "--policy", "lru", "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["policy"] == "lru" and out["alpha"] == 0.0
+    assert out["substituted"] == 0 and out["substitution_rate"] == 0.0
+    main([*base, "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["policy"] == "smoe" and out["alpha"] == 0.3  # SMoE's default where it substitutes
+    with pytest.raises(SystemExit, match="alpha applies to substitution, which policy 'lru' does not use"):
+        main([*base, "--policy", "lru", "--alpha", "0.3"])
+    with pytest.raises(ValueError, match="--alphas sweeps substitution, which policy 'lru' does not use"):
+        eval_accuracy(model=str(model_dir), policy="lru", alphas="0,0.3", plot="")
+
+
+def test_cli_run_json_is_strict_null_for_undefined_rates(model_dir, capsys):
+    """`moecast run --json`: undefined figures (no prefetches, no online loss) are null, never the
+    bare token NaN that strict JSON parsers reject."""
+    from moecast.cli import main
+
+    def no_constants(c: str):
+        raise AssertionError(f"non-standard JSON constant {c} in moecast run --json")
+
+    main(
+        ["run", "--model", str(model_dir), "--prompt", "hello world", "--policy", "lru", "--alpha", "0",
+         "--prefetch", "none", "--capacity", "2", "--max-new-tokens", "2", "--json"]
+    )  # fmt: skip
+    raw = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "NaN" not in raw and "Infinity" not in raw
+    out = json.loads(raw, parse_constant=no_constants)
+    assert out["prefetches"] == 0 and out["prefetch_accuracy"] is None and out["online_loss"] is None
+    assert out["hit_rate"] is not None and 0 <= out["hit_rate"] <= 1  # defined figures stay numbers
+
+
+def test_prompt_ahead_checkpoints_get_a_true_refusal(model_dir, model_traces, tmp_path, capsys):
+    """MoE-Infinity is prompt-ahead but matches the request's own routing, so it cannot plan live; a
+    planner (EAM/EAP/cascade) given as the prefetcher is pointed to the planner argument."""
+    from moecast.collect.traceset import TraceSet
+    from moecast.predictors.baselines import ActivationMatrixPredictor
+
+    from moecast.cli import main
+
+    ts = TraceSet(model_traces)
+    ckpt = tmp_path / "moe-infinity.safetensors"
+    ActivationMatrixPredictor.fit(ts, ts.request_ids).save(ckpt)
+    base = ["run", "--model", str(model_dir), "--capacity", "2", "--max-new-tokens", "1"]
+    for flag in ("--planner", "--predictor"):
+        with pytest.raises(SystemExit) as err:
+            main([*base, flag, str(ckpt)])
+        msg = str(err.value)
+        assert "matching the request's own routing so far" in msg and "moecast predictors eval" in msg, msg
+        assert "moecast replay --predictor" in msg and "a planner must be prompt-ahead" not in msg, msg
+    model = make_model("qwen2_moe")
+    with pytest.raises(ValueError, match=r"eam is prompt-ahead: pass it as the planner \(--planner CKPT\)"):
+        attach(model, capacity=2, predictor=_eam_stub())
+    with pytest.raises(ValueError, match=r"planner llapor is layer-ahead; .*pass it as the predictor"):
+        attach(model, planner=_stub("llapor", "layer-ahead"))
+    assert hooks_of(model) == 0
+
+
+def _eam_stub():
+    return _stub("eam", "prompt-ahead", plan=lambda self, prompt: (np.ones((2, 8), np.float32), "eam"))
