@@ -214,10 +214,11 @@ def model_info(
         shared = (
             int(any(n.startswith(block + ".shared_expert") for n, _ in model.named_modules())) if block else 0
         )
-    expert_bytes = 0
+    expert_bytes = expert_numel = 0
     if first.experts is not None:
         total = sum(p.numel() * p.element_size() for p in first.experts.parameters())
         expert_bytes = total // int(num_experts)
+        expert_numel = sum(p.numel() for p in first.experts.parameters()) // int(num_experts)
     if norm_topk_prob is None:
         norm_topk_prob = bool(getattr(config, "norm_topk_prob", False))
     info = ModelInfo(
@@ -232,8 +233,16 @@ def model_info(
         norm_topk_prob=bool(norm_topk_prob),
     )
     # Two models with the same routing shape (e.g. two fine-tunes' configs) must not share a fingerprint.
-    info.fingerprint = model_fingerprint({**info.architecture(), "config": config_hash(config)})
+    info.fingerprint = fingerprint_of(info, config_hash(config), expert_numel)
     return info
+
+
+def fingerprint_of(info: ModelInfo, cfg_hash: str, expert_numel: int) -> str:
+    """The model's fingerprint: its routing shape and config hash. It names the model, not the dtype
+    it was loaded in (traces collected in bfloat16 serve a float32 load, as ``moecast run`` makes),
+    so the expert size enters as float32 bytes, which is also what every earlier fingerprint used."""
+    arch = {**info.architecture(), "expert_bytes": int(expert_numel) * 4}
+    return model_fingerprint({**arch, "config": cfg_hash})
 
 
 def resolve_model_path(model: str) -> tuple[str, Path | str]:

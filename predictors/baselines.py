@@ -76,15 +76,16 @@ def _check_model_dir(model_dir: Path, ts: TraceSet) -> None:
     cfg = model_dir / "config.json"
     if not cfg.is_file():
         return  # not a Hugging Face folder; the weight-shape check below still applies
-    from moecast.collect.models import config_hash
-    from moecast.collect.traceset import model_fingerprint
+    import torch
+    from moecast.collect.models import config_hash, fingerprint_of
     from transformers import AutoConfig
 
     m = ts.meta.model
+    # the traces' expert size is in the dtype they were collected in; the fingerprint counts float32
+    dtype = getattr(torch, str(ts.meta.collection.get("dtype", "float32")), torch.float32)
+    numel = m.expert_bytes // max(torch.empty(0, dtype=dtype).element_size(), 1)
     try:
-        got = model_fingerprint(
-            {**m.architecture(), "config": config_hash(AutoConfig.from_pretrained(model_dir))}
-        )
+        got = fingerprint_of(m, config_hash(AutoConfig.from_pretrained(model_dir)), numel)
     except (OSError, ValueError):
         return
     if m.fingerprint and got != m.fingerprint:

@@ -498,3 +498,12 @@ def test_fingerprint_tells_models_apart():
     assert fa != fb
     # the same model under another name/path keeps its fingerprint
     assert model_info(a, find_moe_structure(a), "elsewhere").fingerprint == fa
+    # and in another dtype (traces collected in bfloat16 serve a float32 load), while the expert
+    # size the cost model reads stays the loaded one
+    import copy
+
+    import torch
+
+    a16, a32 = copy.deepcopy(a).to(torch.bfloat16), a  # build() is cached: convert a copy
+    i16, i32 = model_info(a16, find_moe_structure(a16), "a"), model_info(a32, find_moe_structure(a32), "a")
+    assert i16.fingerprint == i32.fingerprint == fa and i16.expert_bytes * 2 == i32.expert_bytes
