@@ -182,6 +182,7 @@ def collect(
                 old = jsonlib.loads(meta_path.read_text()).get("collection", {})
             except ValueError:
                 old = {}
+            _same_settings(out_path, old, collection)
             collection["workloads"] = list(
                 dict.fromkeys([*old.get("workloads", []), *collection["workloads"]])
             )
@@ -197,6 +198,26 @@ def collect(
         torch.set_num_threads(previous_threads)
     _summary(out_path, specs, stats, shard_index, num_shards, json)
     return out_path
+
+
+# what makes two runs' tokens comparable; batch size and request counts only change how many there are
+_SAME_SETTINGS = ("max_new_tokens", "greedy", "max_prompt_tokens", "chat_template")
+
+
+def _same_settings(out: Path, old: dict[str, Any], new: dict[str, Any]) -> None:
+    """Refuse to resume (or add a shard to) a TraceSet collected with other generation settings or
+    another dtype: its meta.json could describe only one of the two runs."""
+    og, ng = old.get("generation") or {}, new.get("generation") or {}
+    diff = [
+        f"{k} {og.get(k)!r} -> {ng.get(k)!r}" for k in _SAME_SETTINGS if k in og and og.get(k) != ng.get(k)
+    ]
+    if old.get("dtype") and old.get("dtype") != new.get("dtype"):
+        diff.append(f"dtype {old.get('dtype')!r} -> {new.get('dtype')!r}")
+    if diff:
+        raise TraceSetError(
+            f"{out} was collected with other settings ({'; '.join(diff)}); rerun with the same options "
+            "to resume it, or collect into another --out"
+        )
 
 
 def _summary(
@@ -260,16 +281,7 @@ def merge_traces(sources: list[str], out: str | None = None, json: bool = False)
     out_path = Path(out)
     if any(Path(s).resolve() == out_path.resolve() for s in sources):
         raise TraceSetError(f"--out {out} is also a source; merge into a new directory")
-    if out_path.exists() and (out_path / "meta.json").exists():
-        first = TraceSet(sources[0])
-        existing = TraceSet(out_path)
-        if existing.meta.model.fingerprint != first.meta.model.fingerprint:
-            raise TraceSetError(
-                f"{out} holds traces of model {existing.meta.model.name_or_path} (fingerprint "
-                f"{existing.meta.model.fingerprint}), not {first.meta.model.name_or_path} "
-                f"(fingerprint {first.meta.model.fingerprint}); choose another --out"
-            )
-    ts = merge(sources, out_path)
+    ts = merge(sources, out_path)  # checks an existing --out against the sources before writing
     summary = {
         "out": str(out_path),
         "sources": len(sources),

@@ -5,7 +5,8 @@ A TraceSet is a directory::
     meta.json                 schema version, model description, collection settings, fields present
     requests/part-*.arrow     one row per request
     tokens/part-*.arrow       one row per token, every MoE layer in one row
-    vocab.json                (imports only) token text -> id map used for ``token_id``
+    vocab.json                (optional) token text -> id map for ``token_id``; the MoE-Beyond import writes none
+                              (its ids are hashes of the token text: meta.collection.token_id_kind)
 
 Every part file is an Arrow IPC stream, the format Hugging Face ``datasets``
 memory-maps (``Dataset.from_file``), so a TraceSet streams, shards and maps
@@ -199,7 +200,13 @@ class TraceWriter:
         (self.path / "tokens").mkdir(parents=True, exist_ok=True)
         meta_path = self.path / "meta.json"
         if meta_path.exists():
-            existing = TraceMeta.from_json(json.loads(meta_path.read_text()), str(meta_path))
+            try:
+                data = json.loads(meta_path.read_text())
+            except json.JSONDecodeError as exc:
+                raise TraceSetError(
+                    f"{meta_path}: unreadable JSON ({exc}); fix or delete it, or collect into another --out"
+                ) from exc
+            existing = TraceMeta.from_json(data, str(meta_path))
             if existing.model.fingerprint != meta.model.fingerprint:
                 raise TraceSetError(
                     f"{self.path} holds traces of model {existing.model.name_or_path} "
@@ -213,7 +220,9 @@ class TraceWriter:
                 )
         if overwrite_meta and (shard == 0 or not meta_path.exists()):
             atomic_write_json(meta_path, meta.to_json())
-        for stale in list(self.path.glob("*/.part-*.tmp-*")):
+        # this shard's leftovers only: another shard writing into the same directory may be about
+        # to rename its own temporaries
+        for stale in list(self.path.glob(f"*/.part-s{shard:03d}-*.tmp-*")):
             stale.unlink(missing_ok=True)
         self.done: set[str] = set()
         self._seq = 0
@@ -294,9 +303,15 @@ def _read_table(path: Path) -> pa.Table:
         with pa.memory_map(str(path), "r") as source:
             return pa.ipc.open_stream(source).read_all()
     except (pa.ArrowInvalid, OSError) as exc:
-        raise TraceSetError(
-            f"{path}: corrupt or truncated shard ({exc}); delete it and re-run the collection to rewrite it"
-        ) from exc
+        raise TraceSetError(f"{path}: corrupt or truncated part ({exc}); {_redo_part(path.name)}") from exc
+
+
+def _redo_part(name: str) -> str:
+    # a request counts as collected while requests/<part> names it: both files must go
+    return (
+        f"delete requests/{name} and tokens/{name}, then re-run the collection (or import) with the "
+        "same options: it collects the requests of that part again"
+    )
 
 
 @dataclass
@@ -354,9 +369,7 @@ class TraceSet:
         names = sorted(p.name for p in (self.path / "requests").glob("part-*.arrow"))
         missing = [n for n in names if not (self.path / "tokens" / n).exists()]
         if missing:
-            raise TraceSetError(
-                f"{self.path}: tokens part {missing[0]} missing; re-run the collection to rewrite it"
-            )
+            raise TraceSetError(f"{self.path}: tokens part {missing[0]} missing; {_redo_part(missing[0])}")
         self._parts = names
         self._req_tables = [_read_table(self.path / "requests" / n) for n in names]
         self._tok_tables = [_read_table(self.path / "tokens" / n) for n in names]
@@ -670,7 +683,30 @@ def merge(sources: Sequence[str | Path], out: str | Path) -> TraceSet:
         if ts.meta.fields != first.fields:
             raise TraceSetError(f"cannot merge {ts.path}: fields {ts.meta.fields} differ from {first.fields}")
     out = Path(out)
+    existing = TraceSet(out) if (out / "meta.json").exists() else None
+    metas = [ts.meta for ts in sets] + ([existing.meta] if existing is not None else [])
+    if existing is not None:  # checked before anything is written: a refused merge leaves it as it was
+        if existing.meta.model.fingerprint != first.model.fingerprint:
+            raise TraceSetError(
+                f"{out} holds traces of model {existing.meta.model.name_or_path} (fingerprint "
+                f"{existing.meta.model.fingerprint}), not {first.model.name_or_path} "
+                f"(fingerprint {first.model.fingerprint}); choose another --out"
+            )
+        if existing.meta.fields != first.fields:
+            raise TraceSetError(
+                f"{out} holds fields {existing.meta.fields}, the sources {first.fields}; choose another --out"
+            )
     meta = TraceMeta(model=first.model, collection=dict(first.collection), fields=dict(first.fields))
+    # every source's workloads stay named (collection settings of the first source otherwise)
+    meta.collection["workloads"] = list(
+        dict.fromkeys(w for m in metas for w in m.collection.get("workloads", []))
+    )
+    meta.collection["categories"] = {
+        k: v for m in metas for k, v in (m.collection.get("categories") or {}).items()
+    }
+    gens = {str(ts.path): ts.meta.collection.get("generation") for ts in sets}
+    if len({json.dumps(g, sort_keys=True) for g in gens.values()}) > 1:
+        meta.collection["generation_by_source"] = gens
     meta.collection["merged_from"] = [str(s) for s in sources]
     meta.collection["merged_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     (out / "requests").mkdir(parents=True, exist_ok=True)
@@ -679,7 +715,11 @@ def merge(sources: Sequence[str | Path], out: str | Path) -> TraceSet:
     seen: set[str] = set()
     existing = TraceSet(out)
     seen.update(existing.request_ids)
-    seq = len(existing._parts)
+    # after the highest existing number, not the count: a deleted part leaves a gap in the numbering
+    taken = [
+        int(n[len("part-s000-") : -len(".arrow")]) for n in existing._parts if n.startswith("part-s000-")
+    ]
+    seq = max(taken, default=-1) + 1
     for ts in sets:
         if (ts.path / "vocab.json").exists() and not (out / "vocab.json").exists():
             atomic_write_bytes(out / "vocab.json", (ts.path / "vocab.json").read_bytes())

@@ -340,6 +340,23 @@ def test_collect_writes_resumes_and_scores(saved, data_dir, tmp_path):
     trace = ts.get("gsm8k-000003")
     assert trace.topk_ids.shape[1:] == (2, 2) and trace.router_probs.shape[1:] == (2, 8)
     np.testing.assert_allclose(trace.router_probs.astype(np.float32).sum(-1), 1.0, atol=1e-2)
+    # resuming with other generation settings would mix two kinds of tokens under one meta.json
+    with pytest.raises(TraceSetError, match=r"collected with other settings \(max_new_tokens 4 -> 2\)"):
+        collect(model=str(model), workloads="gsm8k", out=str(out), max_requests=9, max_new_tokens=2,
+                batch_size=2, chunk_size=2, data_dir=str(data_dir), progress=False)  # fmt: skip
+    assert TraceSet(out).num_requests == 8
+    # a damaged part: the error's advice (delete both files of the part, re-run) collects it again
+    name = sorted(p.name for p in (out / "tokens").glob("part-*.arrow"))[1]
+    blob = (out / "tokens" / name).read_bytes()
+    (out / "tokens" / name).write_bytes(blob[: len(blob) // 2])
+    with pytest.raises(TraceSetError, match=f"delete requests/{name} and tokens/{name}, then re-run") as exc:
+        TraceSet(out)
+    assert "\n" not in str(exc.value)
+    (out / "tokens" / name).unlink()
+    (out / "requests" / name).unlink()
+    collect(model=str(model), workloads="gsm8k", out=str(out), max_requests=8, max_new_tokens=4,
+            batch_size=2, chunk_size=2, data_dir=str(data_dir), progress=False)  # fmt: skip
+    assert sorted(TraceSet(out).request_ids) == [f"gsm8k-{i:06d}" for i in range(8)]
 
 
 def test_shards_and_merge_equal_one_run(saved, data_dir, tmp_path):

@@ -107,3 +107,48 @@ def test_rows_is_a_lazy_array(tmp_path):
     bare = TraceSet(make_synthetic_traceset(tmp_path / "bare", with_optional=False))
     with pytest.raises(MissingFieldError, match="gate_inputs"):
         bare.rows("gate_inputs")
+
+
+def test_merge_into_an_existing_set_checks_it_first_and_never_overwrites_a_part(tmp_path):
+    """An existing --out with other fields is refused before anything is written; new parts are
+    numbered after the highest existing one, so a gap (a deleted part) cannot make one overwrite
+    another; every source's workloads stay named."""
+    import shutil
+
+    a = make_synthetic_traceset(tmp_path / "a", num_requests=4, seed=0)
+    ids_only = make_synthetic_traceset(tmp_path / "i", num_requests=4, seed=0, with_optional=False)
+    before = (ids_only / "meta.json").read_bytes()
+    with pytest.raises(TraceSetError, match="holds fields"):
+        merge([a], ids_only)
+    assert (ids_only / "meta.json").read_bytes() == before and TraceSet(ids_only).num_requests == 4
+    out = tmp_path / "out"
+    shutil.copytree(a, out)
+    parts = sorted(p.name for p in (out / "requests").glob("part-*.arrow"))
+    assert len(parts) >= 2, parts
+    for d in ("requests", "tokens"):  # the advice for a damaged part: delete both files
+        (out / d / parts[0]).unlink()
+    kept = set(TraceSet(out).request_ids)
+    other = make_synthetic_traceset(tmp_path / "b", num_requests=3, seed=1)
+    meta = json.loads((other / "meta.json").read_text())
+    meta["collection"] = {"workloads": ["boolq"]}
+    (other / "meta.json").write_text(json.dumps(meta))
+    # ids that do not collide with a's
+    merged = merge([other], out)
+    assert set(merged.request_ids) >= kept and merged.num_requests == len(
+        kept | set(TraceSet(other).request_ids)
+    )
+    assert "boolq" in merged.meta.collection["workloads"]
+
+
+def test_a_writer_leaves_other_shards_temporaries_alone(tmp_path):
+    from moecast.collect.traceset import TraceMeta, TraceWriter
+
+    path = make_synthetic_traceset(tmp_path / "t")
+    mine, theirs = (
+        path / "tokens" / ".part-s001-00000.arrow.tmp-1",
+        path / "tokens" / ".part-s000-00007.arrow.tmp-2",
+    )
+    mine.write_bytes(b"x")
+    theirs.write_bytes(b"y")
+    TraceWriter(path, TraceMeta.from_json(json.loads((path / "meta.json").read_text())), shard=1)
+    assert not mine.exists() and theirs.exists()  # shard 0 may be about to rename its file
