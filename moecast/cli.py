@@ -42,17 +42,35 @@ def _resolve(target: str) -> Callable:
 
 
 def _describe(target: str) -> str:
-    return target.split(":")[0].replace("moecast.", "")
+    """The first line of the target's docstring, read from its source without importing it
+    (``moecast --help`` must not import torch)."""
+    import ast
+    import importlib.util
+
+    module, func = target.split(":")
+    try:
+        origin = importlib.util.find_spec(module).origin
+        tree = ast.parse(open(origin, encoding="utf-8").read())  # noqa: SIM115 (read once)
+        node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == func)
+        return (ast.get_docstring(node) or "").strip().splitlines()[0].rstrip(".")
+    except (AttributeError, ImportError, OSError, StopIteration, SyntaxError, IndexError):
+        return module.replace("moecast.", "")
+
+
+def _description(func: Callable) -> str:
+    """The docstring above its ``Args:`` section: ``--help`` shows it whole, not its first line."""
+    import inspect
+    import re
+
+    doc = inspect.getdoc(func) or ""
+    return re.split(r"\n(?:Args|Arguments|Returns|Raises|Yields):\s*\n", doc)[0].strip()
 
 
 def _usage() -> str:
     lines = ["usage: moecast COMMAND [options]   (moecast COMMAND --help for its options)", "", "commands:"]
     for name, target in COMMANDS.items():
-        if isinstance(target, dict):
-            for sub, t in target.items():
-                lines.append(f"  {name} {sub:<18} ({_describe(t)})")
-        else:
-            lines.append(f"  {name:<26} ({_describe(target)})")
+        for sub, t in target.items() if isinstance(target, dict) else [("", target)]:
+            lines.append(f"  {(name + ' ' + sub).strip():<24}{_describe(t)}")
     return "\n".join(lines)
 
 
@@ -129,6 +147,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"moecast: unknown command {name!r}; run `moecast --help` for the list")
     prog = f"moecast {name}"
     if isinstance(target, dict):
+        if rest and rest[0] in ("-h", "--help"):
+            print("\n".join(f"  moecast {name} {sub:<14}{_describe(t)}" for sub, t in target.items()))
+            return
         if not rest or rest[0] not in target:
             sys.exit(
                 f"moecast {name}: choose one of {', '.join(target)} (e.g. `moecast {name} {next(iter(target))} --help`)"
@@ -141,10 +162,24 @@ def main(argv: list[str] | None = None) -> None:
     if name in RAW_ARGV:
         run_command(lambda: func(rest))
         return
-    from jsonargparse import auto_cli
+    import argparse
+
+    from jsonargparse import DefaultHelpFormatter, auto_cli
+
+    class Formatter(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter):
+        """jsonargparse's, with the description's paragraphs and lists kept as written."""
 
     rest = _list_positional(func, _bare_flags(func, [_underscore(a) for a in rest]))
-    run_command(lambda: auto_cli(func, args=rest, as_positional=True, prog=prog))
+    run_command(
+        lambda: auto_cli(
+            func,
+            args=rest,
+            as_positional=True,
+            prog=prog,
+            description=_description(func),
+            formatter_class=Formatter,
+        )
+    )
 
 
 if __name__ == "__main__":

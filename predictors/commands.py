@@ -10,11 +10,12 @@ from a model folder); ``--save PATH`` keeps the built baseline as a checkpoint.
 
 from __future__ import annotations
 
-import json as _json
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
+
+from moecast.jsonout import dumps
 
 BASELINES = ("frequency", "frequency-request", "cooccurrence", "moe-infinity", "gate-reuse:MODEL_DIR")
 
@@ -175,7 +176,7 @@ def evaluate(
         **res,
     }
     if json:
-        print(_json.dumps(out))
+        print(dumps(out))
     else:
         print(format_table(out, ts.meta.model.moe_layers))
     return out

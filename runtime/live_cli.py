@@ -13,7 +13,6 @@ phase where SMoE substitutes), plus the substitution rate and modeled TPOT. With
 
 from __future__ import annotations
 
-import json as jsonlib
 import math
 import os
 import tempfile
@@ -24,6 +23,8 @@ import numpy as np
 import torch
 from moecast.runtime.live import attach, substitutes
 
+from moecast.jsonout import dumps
+
 #: ``moecast run``'s alpha under a policy that substitutes (smoe) when none is given: SMoE's setting
 DEFAULT_ALPHA = 0.3
 
@@ -31,23 +32,6 @@ DEFAULT_ALPHA = 0.3
 def _threads() -> None:
     # the machines moecast targets share a few cores; one thread keeps runs predictable
     torch.set_num_threads(int(os.environ.get("MOECAST_THREADS", "1")))
-
-
-def _json_safe(obj: Any) -> Any:
-    """``obj`` with every non-finite float as None: strict JSON parsers reject NaN and Infinity."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    if isinstance(obj, np.generic):
-        return _json_safe(obj.item())
-    return obj
-
-
-def _dumps(obj: Any) -> str:
-    return jsonlib.dumps(_json_safe(obj), allow_nan=False)
 
 
 def _load_predictor(path: str | None, model: Any, name: str):
@@ -192,7 +176,7 @@ def run(
             plan_buffered=len(eam.buffer), plan_buffer_size=eam.config.buffer_size, plan_index_size=eam.size
         )
     if json:
-        print(_dumps(result))
+        print(dumps(result))
     else:
         print(f"{prompt}\n--> {text}\n")
         _print_stats(result)
@@ -202,8 +186,11 @@ def run(
 # ----------------------------------------------------------------------------- accuracy
 
 
-def heldout_rows(tokenizer: Any, workloads: str, texts: int, tokens: int) -> list[list[int]]:
-    """Token rows of held-out text: ShareGPT's validation conversations, or a workload's prompts."""
+def heldout_rows(
+    tokenizer: Any, workloads: str, texts: int, tokens: int, data_dir: str | None = None
+) -> list[list[int]]:
+    """Token rows of held-out text: ShareGPT's validation conversations, or a workload's prompts
+    (read from ``data_dir`` as ``moecast collect --data-dir`` reads them)."""
     rows: list[list[int]] = []
     for name in [w.strip() for w in workloads.split(",") if w.strip()]:
         if name == "sharegpt":
@@ -213,7 +200,7 @@ def heldout_rows(tokenizer: Any, workloads: str, texts: int, tokens: int) -> lis
         else:
             from moecast.collect.workloads import get_spec, load_requests
 
-            source = (r.prompt for r in load_requests(get_spec(name), limit=texts))
+            source = (r.prompt for r in load_requests(get_spec(name), data_dir, limit=texts))
         n = 0
         for text in source:
             ids = tokenizer(text)["input_ids"][:tokens]
@@ -325,6 +312,7 @@ def eval_accuracy(
     tokens: int = 96,
     tpot_budget: float | None = None,
     plot: str = "eval-accuracy.png",
+    data_dir: str | None = None,
     json: bool = False,
 ) -> list[dict[str, Any]]:
     """SMoE Table IV-style accuracy sweep over alpha: perplexity, agreement with alpha = 0, substitution rate, TPOT.
@@ -340,6 +328,8 @@ def eval_accuracy(
         tokens: Tokens per text (scored token by token, every one a decode step).
         tpot_budget: TPOT budget R in ms: choose alpha by SMoE Eq. 5 (fitted T(alpha), smallest alpha meeting R).
         plot: PNG path for the figure ('' for none).
+        data_dir: Folder with local datasets for named workloads: <name>/, <name>.jsonl, .json or .parquet
+            (as ``moecast collect --data-dir``; no hub download is attempted).
         json: One JSON object per alpha (and one for the Eq. 5 choice) instead of a table.
     """
     from moecast.collect.models import load_model
@@ -361,9 +351,14 @@ def eval_accuracy(
         raise ValueError("--texts must be >= 1 and --tokens >= 8")
     if tpot_budget is not None and not (math.isfinite(tpot_budget) and tpot_budget > 0):
         raise ValueError(f"--tpot-budget must be a positive number of ms, got {tpot_budget}")
+    if plot and (Path(plot).is_dir() or any(p.exists() and not p.is_dir() for p in Path(plot).parents)):
+        # checked before the sweep, not after it
+        raise ValueError(
+            f"--plot {plot}: not a writable file path (a directory, or under a file); choose another"
+        )
     cap: Any = None if str(capacity).lower() in ("all", "none", "full") else capacity
     lm, tok, name = load_model(model, dtype="float32")
-    rows = heldout_rows(tok, workloads, texts, tokens)
+    rows = heldout_rows(tok, workloads, texts, tokens, data_dir)
     results = sweep(lm, rows, grid, progress=not json, policy=policy, capacity=cap, hardware=hardware)
     choice = None
     if tpot_budget is not None:
@@ -372,10 +367,10 @@ def eval_accuracy(
         )
     if json:
         for r in results:
-            print(_dumps({"model": name, "workloads": workloads, **r}))
+            print(dumps({"model": name, "workloads": workloads, **r}))
         if choice is not None:
             print(
-                _dumps(
+                dumps(
                     {
                         "tpot_budget_ms": tpot_budget,
                         "chosen_alpha": choice.alpha,
