@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from collections.abc import Callable
@@ -12,10 +13,38 @@ class MoecastError(Exception):
     """Base for errors a user can fix; the message says how."""
 
 
+# What to do about a file-system error, by errno: the OS message names the path but not the fix.
+_OS_HINTS: dict[int, str] = {
+    errno.ENOENT: "check the path, or create what it names first",
+    errno.EEXIST: "something is already at that path; remove it or choose another path",
+    errno.ENOTDIR: "a part of that path is a file, not a directory; choose another path",
+    errno.EISDIR: "that path is a directory; give a file path",
+    errno.EACCES: "choose a path you may write, or fix its permissions",
+    errno.EPERM: "choose a path you may write, or fix its permissions",
+    errno.EROFS: "that file system is read-only; choose a writable path",
+    errno.ENOSPC: "the disk is full; free some space or choose a path on another disk",
+    errno.ENAMETOOLONG: "choose a shorter path",
+    errno.ENOTEMPTY: "the directory is not empty; empty it or choose another path",
+}
+
+
 def user_errors() -> tuple[type[BaseException], ...]:
     from moecast.collect.traceset import TraceSetError
 
-    return (MoecastError, TraceSetError, FileNotFoundError, ValueError, KeyError, NotADirectoryError)
+    # OSError covers every file-system failure (missing, exists, not a directory, permission, disk
+    # full): the user fixes the path, so a traceback would only hide the message
+    return (MoecastError, TraceSetError, OSError, ValueError, KeyError)
+
+
+def _message(exc: BaseException) -> str:
+    if isinstance(exc, KeyError) and exc.args:
+        return str(exc.args[0])  # str(KeyError) would quote the message
+    msg = str(exc)
+    # an error the OS raised carries errno and the path; ours carry a full sentence and no errno
+    if isinstance(exc, OSError) and exc.errno is not None and exc.filename is not None:
+        hint = _OS_HINTS.get(exc.errno, "check the path and try again")
+        msg = f"{msg}: {hint}"
+    return msg
 
 
 def run_command(call: Callable[[], Any]) -> Any:
@@ -29,5 +58,5 @@ def run_command(call: Callable[[], Any]) -> Any:
     except user_errors() as exc:
         if os.environ.get("MOECAST_DEBUG"):
             raise
-        msg = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+        msg = _message(exc)
         sys.exit(f"moecast: error: {msg.splitlines()[0] if msg else type(exc).__name__}")

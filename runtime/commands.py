@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import os
+import sys
 from pathlib import Path
 
 from moecast.runtime.replay import DEFAULT_HARDWARE, POLICIES, ReplayConfig, ReplayResult
@@ -47,7 +48,9 @@ def replay(
         capacity: per-layer cache size: a fraction of the experts (0.25), whole experts (6), or bytes (512MB).
         cold: start every request (group of --batch-size requests) with an empty cache; default: caches persist (stream).
         shared: one cache for all layers (capacity x layers experts) instead of one per layer.
-        predictor: none, oracle, or a predictor checkpoint (.safetensors) that drives prefetching.
+        predictor: none, oracle (future knowledge: the routing that will happen, an upper bound), or a
+            predictor checkpoint (.safetensors) that drives prefetching; null: the policy's own (oracle,
+            i.e. future knowledge, for prefetch, presched and smoe; none for the others).
         planner: a prompt-ahead predictor checkpoint: preloads each request's planned experts and is a prefetch prior.
         plan_weight: weight of the plan as a log-linear prior on --predictor's scores (0: preload only).
         hardware: hardware profile name (configs/hardware) or YAML path.
@@ -84,7 +87,7 @@ def replay(
     if json:
         print(_json_line(res))
         return
-    _print_result(res)
+    _print_result(res, predictor_given=predictor is not None)
 
 
 def _need_traces(traces: str) -> None:
@@ -95,12 +98,13 @@ def _need_traces(traces: str) -> None:
 
 
 def _json_line(res: ReplayResult) -> str:
-    import json as _j
+    from moecast.jsonout import dumps
 
-    return _j.dumps(res.to_json())
+    # strict: an absent link's layer times are infinite, an undefined rate NaN
+    return dumps(res.to_json())
 
 
-def _print_result(res: ReplayResult) -> None:
+def _print_result(res: ReplayResult, predictor_given: bool = True) -> None:
     d = res.to_json()
     keys = [
         "policy",
@@ -132,6 +136,12 @@ def _print_result(res: ReplayResult) -> None:
             "layer's own loads (SMoE), so it lands only if a transfer fits in the link time a layer leaves "
             f"free, which under {d['hardware']} may never happen; compare --hardware gh200-nvlink-c2c"
         )
+    if not predictor_given and d["predictor"] == "oracle":
+        # the prefetching policies default to the oracle, so their numbers are an upper bound the user
+        # did not ask for; say so next to the table rather than only in --help
+        print(
+            "note: predictor oracle (future knowledge): the policy's default; pass --predictor CKPT or none"
+        )
 
 
 def compare(
@@ -159,14 +169,17 @@ def compare(
     Args:
         traces: TraceSet directory.
         policies: comma-separated policy names (see `moecast replay --help`).
-        predictors: comma-separated: none, oracle, checkpoint paths.
-        capacities: comma-separated capacities (fractions, experts or bytes).
+        predictors: comma-separated: none (no predictor, also for prefetch, presched and smoe, whose
+            `moecast replay` default is the oracle), oracle (future knowledge: an upper bound), checkpoint
+            paths. Policies that never prefetch run with none only.
+        capacities: comma-separated capacities (fractions, experts or bytes); those that hold fewer experts
+            than the model's top-k are skipped with a note.
         planners: comma-separated: none and/or prompt-ahead checkpoints (EAM, EAP, cascade); each planner
             preloads its plan per request and runs with every policy except belady and static.
         plan_weight: weight of a plan as a log-linear prior on the predictor's scores (0: preload only).
         holdout: replay only the held-out requests of ``TraceSet.split(holdout, seed=0)``, the ones
             predictors trained with the same validation fraction never saw (default: every request).
-        out: output directory.
+        out: output directory (created; must not be a file).
         cold: caches start empty per request; default stream.
         shared: one cache for all layers.
         hardware: hardware profile name or YAML path.
@@ -180,6 +193,8 @@ def compare(
 
     _need_traces(traces)
     pols = [p.strip() for p in policies.split(",") if p.strip()]
+    if not pols:
+        raise ValueError(f"--policies is empty; give one or more of {', '.join(POLICIES)}")
     for p in pols:
         if p not in POLICIES:
             raise ValueError(f"unknown policy {p!r}; choose from {', '.join(POLICIES)}")
@@ -187,36 +202,30 @@ def compare(
     caps = [c.strip() for c in capacities.split(",") if c.strip()]
     if not caps:
         raise ValueError("--capacities is empty; give e.g. 0.1,0.25,0.5")
-    ts = TraceSet(traces)
-    outdir = Path(out)
-    outdir.mkdir(parents=True, exist_ok=True)
-    rows: list[dict] = []
-    from tqdm import tqdm
-
     plans = [p.strip() for p in planners.split(",") if p.strip()] or ["none"]
+    # every check that needs no replay runs before out/ is created or a replay starts (they take
+    # minutes), so a bad argument leaves nothing behind
+    cells = _cells(pols, preds, plans)
     for pl in plans:
         if pl != "none" and not Path(pl).is_file():
             raise FileNotFoundError(
                 f"--planners: no checkpoint at {pl}; train one with `moecast train cascade`"
             )
+    outdir = Path(out)
+    _check_out_dir(outdir)
+    ts = TraceSet(traces)
+    caps = _usable_capacities(caps, ts, json)
     requests = None
     if holdout is not None:
         requests = ts.split(holdout, seed=0)[1]
         if not requests:
             raise ValueError(f"--holdout {holdout} leaves no held-out requests in {traces}")
-    # the capacities of one (policy, predictor, planner) run as lanes of one vectorised pass
-    groups: dict[tuple[str, str, str], list[str]] = {}
-    for p in pols:
-        spec = POLICIES[p]
-        demand_only = spec.predictor == "none"
-        for pr in ["none"] if demand_only else preds:
-            for pl in plans:
-                if pl != "none" and spec.eviction in ("belady", "static"):
-                    # belady is the demand-only bound (a plan would change what it bounds); static
-                    # never inserts, so a preloaded plan would move bytes and change nothing
-                    continue
-                groups[(p, pr, pl)] = caps
-    for (p, pr, pl), cs in tqdm(groups.items(), desc="compare", disable=json):
+    outdir.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    from tqdm import tqdm
+
+    # the capacities of one (policy, predictor, planner) cell run as lanes of one vectorised pass
+    for p, pr, pl in tqdm(cells, desc="compare", disable=json):
         cfg = ReplayConfig(
             policy=p,
             cold=cold,
@@ -229,7 +238,7 @@ def compare(
             batch_size=batch_size,
             requests=requests,
         )
-        for res in engine.replay_capacities(ts, cfg, cs):
+        for res in engine.replay_capacities(ts, cfg, caps):
             row = res.to_json()
             row["predictor"] = Path(pr).stem if pr not in ("none", "oracle") else pr
             row["planner"] = Path(pl).stem if pl != "none" else "none"
@@ -266,6 +275,84 @@ def compare(
         print("\n".join(md))
         print(note.strip())
         print(f"wrote {outdir / 'table.md'}, {outdir / 'table.csv'}, {outdir / 'plot.png'}")
+
+
+def _cells(pols: list[str], preds: list[str], plans: list[str]) -> list[tuple[str, str, str]]:
+    """The (policy, predictor, planner) runs of a compare; raises if none is left."""
+    cells: list[tuple[str, str, str]] = []
+    for p in pols:
+        spec = POLICIES[p]
+        for pr in ["none"] if spec.predictor == "none" else preds:
+            for pl in plans:
+                if pl != "none" and spec.eviction in ("belady", "static"):
+                    # belady is the demand-only bound (a plan would change what it bounds); static
+                    # never inserts, so a preloaded plan would move bytes and change nothing
+                    continue
+                cells.append((p, pr, pl))
+    cells = list(dict.fromkeys(cells))  # a name given twice runs once
+    if not cells:
+        # only belady/static with only planners: every pair was skipped above
+        raise ValueError(
+            f"no cell to run: no planner applies to {', '.join(pols)} (belady is the demand-only bound, "
+            "static never inserts); include none in --planners (e.g. --planners none,CKPT) or add a policy "
+            "such as lru"
+        )
+    return cells
+
+
+def _check_out_dir(out: Path) -> None:
+    """``--out`` must be a directory or a path that mkdir can create; checked before the replays run."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(
+            f"--out {out} is a file; give a directory for table.md, table.csv and plot.png "
+            "(or a path that does not exist yet)"
+        )
+    # mkdir(parents=True) creates everything below the nearest existing ancestor, which must be a
+    # writable directory (a file there is the NotADirectoryError mkdir would raise later)
+    base = out
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        raise ValueError(f"--out {out}: {base} is a file, not a directory; choose another --out")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"--out {out}: cannot create it in {base}; choose another --out or fix its permissions"
+        )
+
+
+def _usable_capacities(caps: list[str], ts, json: bool) -> list[str]:
+    """The capacities that hold at least top-k experts; the others are skipped with one note.
+
+    A sweep's default (0.1) is below top-k on small models (tiny: 3 of 32 experts, top-4), and one
+    unusable point should not sink the rest; `moecast replay` with that one capacity still refuses it.
+    """
+    from moecast.runtime.cache import resolve_capacity
+
+    m = ts.meta.model
+    E, k = m.num_experts, m.top_k
+    kept: list[str] = []
+    skipped: list[str] = []
+    for c in caps:
+        # top_k=0 disables only the top-k check, so a malformed capacity is still an error here and
+        # the count equals the one replay resolves
+        n = resolve_capacity(c, E, 0, m.expert_bytes)
+        if n >= k:
+            kept.append(c)
+        else:
+            skipped.append(f"{c} ({n} experts)")
+    if not kept:
+        raise ValueError(
+            f"every capacity in --capacities ({', '.join(caps)}) holds fewer experts than top-k = {k} of "
+            f"{E}; use at least {k} experts ({k / E:.3f})"
+        )
+    if skipped:
+        note = (
+            f"note: skipping capacities {', '.join(skipped)}: below top-k = {k} of {E} experts, where one "
+            f"token's experts would evict each other; the smallest usable is {k} experts ({k / E:.3f})"
+        )
+        # --json keeps stdout one JSON object per cell
+        print(note, file=sys.stderr if json else sys.stdout)
+    return kept
 
 
 def _log_wandb(row: dict, ts, outdir: Path) -> None:

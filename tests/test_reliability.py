@@ -483,3 +483,101 @@ def test_training_resumes_from_last_checkpoint(tmp_path, capsys, monkeypatch):
     main([*base, "--trainer.max_epochs", "1", "--resume", "never"])
     assert "resuming" not in capsys.readouterr().out
     assert load(out).metadata()["training"]["resumed_from"] is None
+
+
+# ----------------------------------------------------------------------------- (f) file-system errors
+
+
+def _os_error_cases(tmp: Path) -> dict[str, tuple[object, str]]:
+    """name -> (a call that fails the way a command's write would, what the hint must say)."""
+    import errno
+
+    afile = tmp / "afile"
+    afile.write_text("x")
+    adir = tmp / "adir"
+    adir.mkdir()
+    return {
+        "exists": (lambda: os.mkdir(afile), "remove it or choose another path"),
+        "not-a-dir": (lambda: (afile / "sub").mkdir(parents=True), "is a file, not a directory"),
+        "is-a-dir": (lambda: open(adir, "w"), "give a file path"),
+        # as root chmod does not deny anything, so raise what the OS would
+        "permission": (
+            lambda: (_ for _ in ()).throw(
+                PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(adir))
+            ),
+            "fix its permissions",
+        ),
+        "disk-full": (
+            lambda: (_ for _ in ()).throw(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(adir))),
+            "free some space",
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", ["exists", "not-a-dir", "is-a-dir", "permission", "disk-full"])
+def test_os_errors_are_one_line_with_path_and_hint(tmp_path, monkeypatch, case):
+    from moecast.errors import run_command
+
+    monkeypatch.delenv("MOECAST_DEBUG", raising=False)
+    call, hint = _os_error_cases(tmp_path)[case]
+    with pytest.raises(SystemExit) as exc:
+        run_command(call)
+    msg = str(exc.value.code)
+    assert msg.startswith("moecast: error: [Errno ") and "\n" not in msg, msg
+    assert str(tmp_path) in msg and hint in msg, msg
+    assert issubclass(OSError, user_errors())  # what the fuzz checks above accept, too
+
+
+def test_os_error_without_errno_keeps_its_own_message(monkeypatch):
+    from moecast.errors import run_command
+
+    monkeypatch.delenv("MOECAST_DEBUG", raising=False)
+
+    def fail() -> None:
+        raise FileExistsError("/x exists and is not a tiny model; remove it")
+
+    with pytest.raises(SystemExit) as exc:
+        run_command(fail)
+    assert exc.value.code == "moecast: error: /x exists and is not a tiny model; remove it"
+
+
+def test_compare_out_is_checked_before_any_replay(tmp_path, capsys, monkeypatch):
+    from moecast.runtime import replay as engine
+
+    from moecast.cli import main
+
+    def no_replay(*a, **k):
+        raise AssertionError("compare replayed before checking --out")
+
+    monkeypatch.setattr(engine, "replay_capacities", no_replay)
+    path = make_synthetic_traceset(tmp_path / "s", num_experts=8, top_k=2)
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    for out in (afile, afile / "sub"):
+        with pytest.raises(SystemExit) as exc:
+            main(
+                [
+                    "compare",
+                    "--traces",
+                    str(path),
+                    "--capacities",
+                    "0.5",
+                    "--wandb",
+                    "false",
+                    "--out",
+                    str(out),
+                ]
+            )
+        msg = str(exc.value.code)
+        assert msg.startswith("moecast: error: --out ") and "\n" not in msg, msg
+        assert str(afile) in msg and "directory" in msg, msg
+        assert "Traceback" not in capsys.readouterr().err
+    assert afile.read_text() == "keep me"
+
+
+def test_compare_out_file_from_the_shell_is_one_line(tmp_path):
+    path = make_synthetic_traceset(tmp_path / "s", num_experts=8, top_k=2)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    run = _moecast("compare", "--traces", str(path), "--capacities", "0.5", "--out", str(afile))
+    _assert_one_line_error(run, str(afile))

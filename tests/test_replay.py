@@ -541,3 +541,114 @@ def _profile(tmp_path: Path, prof: HardwareProfile) -> Path:
     f = tmp_path / f"{prof.name}.yaml"
     f.write_text(yaml.safe_dump({k: v for k, v in dataclasses.asdict(prof).items()}))
     return f
+
+
+def _one_line_error(code: object, *needles: str) -> str:
+    msg = str(code)
+    assert msg.startswith("moecast: error: ") and "\n" not in msg, msg
+    for needle in needles:
+        assert needle in msg, msg
+    return msg
+
+
+def test_compare_with_no_cell_fails_before_writing(tmp_path, capsys):
+    """No policy, or only policies that take no planner with only planners: one line, no out/ left behind."""
+    path = make_synthetic_traceset(tmp_path / "s", num_experts=8, top_k=2)
+    ckpt = tmp_path / "plan.safetensors"
+    ckpt.write_bytes(b"")  # never loaded: the cell list is empty before any checkpoint is read
+    out = tmp_path / "cmp"
+    base = ["compare", "--traces", str(path), "--capacities", "0.5", "--wandb", "false", "--out", str(out)]
+    code, _, _ = _run_cli([*base, "--policies", ""], capsys)
+    _one_line_error(code, "--policies is empty")
+    code, _, _ = _run_cli([*base, "--policies", "static,belady", "--planners", str(ckpt)], capsys)
+    _one_line_error(code, "static, belady", "--planners none")
+    assert not out.exists()
+
+
+def test_compare_skips_capacities_below_top_k(tmp_path, capsys):
+    """The default 0.1 is 3 of 32 experts, below top-4: compare skips it with a note; replay still refuses it."""
+    path = make_synthetic_traceset(tmp_path / "s", num_experts=32, top_k=4, num_requests=3, tokens=6)
+    out = tmp_path / "cmp"
+    code, text, _ = _run_cli(
+        ["compare", "--traces", str(path), "--policies", "lru", "--wandb", "false", "--out", str(out)], capsys
+    )
+    assert not code, code
+    notes = [ln for ln in text.splitlines() if ln.startswith("note: skipping")]
+    assert len(notes) == 1 and "0.1 (3 experts)" in notes[0] and "top-k = 4" in notes[0], text
+    rows = list(csv_rows(out / "table.csv"))
+    assert [r["capacity"] for r in rows] == ["8", "16"]  # 0.25 and 0.5 of 32
+    # --json keeps stdout one JSON object per cell: the note goes to stderr
+    code, text, err = _run_cli(
+        ["compare", "--traces", str(path), "--policies", "lru", "--capacities", "0.1,4", "--wandb", "false",
+         "--json", "--out", str(out)],
+        capsys,
+    )  # fmt: skip
+    assert not code and [json.loads(ln)["capacity"] for ln in text.splitlines()] == [4]
+    assert "note: skipping capacities 0.1" in err
+    code, _, _ = _run_cli(
+        ["compare", "--traces", str(path), "--capacities", "0.1,2", "--wandb", "false", "--out", str(out)],
+        capsys,
+    )
+    _one_line_error(code, "0.1, 2", "top-k = 4")
+    code, _, _ = _run_cli(
+        ["compare", "--traces", str(path), "--capacities", "0.1,lots", "--out", str(out)], capsys
+    )
+    _one_line_error(code, "'lots'")  # a malformed capacity is still an error, not a skip
+    code, _, _ = _run_cli(["replay", "--traces", str(path), "--capacity", "0.1"], capsys)
+    _one_line_error(code, "below top-k")
+
+
+def csv_rows(path: Path):
+    import csv
+
+    with open(path, newline="") as f:
+        yield from csv.DictReader(f)
+
+
+def _squash(text: str) -> str:
+    return " ".join(text.split())  # argparse wraps help at the terminal width
+
+
+def test_predictor_help_states_the_policy_default(capsys):
+    from moecast.runtime.replay import POLICIES
+
+    oracle = [p for p, s in POLICIES.items() if s.predictor == "oracle"]
+    others = [p for p, s in POLICIES.items() if s.predictor == "none"]
+    assert oracle and len(oracle) + len(others) == len(POLICIES)
+    code, out, _ = _run_cli(["replay", "--help"], capsys)
+    want = f"null: the policy's own (oracle, i.e. future knowledge, for {', '.join(oracle[:-1])} and {oracle[-1]}; none for the others)"
+    assert not code and want in _squash(out), _squash(out)
+    code, out, _ = _run_cli(["compare", "--help"], capsys)
+    text = _squash(out)
+    assert not code and "oracle (future knowledge" in text
+    # compare passes none itself, so there the prefetching policies run without a predictor
+    assert f"none (no predictor, also for {', '.join(oracle[:-1])} and {oracle[-1]}, whose" in text, text
+
+
+def test_replay_flags_an_oracle_it_chose_itself(tmp_path, capsys):
+    path = make_synthetic_traceset(tmp_path / "s", num_experts=8, top_k=2)
+    note = "note: predictor oracle (future knowledge): the policy's default; pass --predictor CKPT or none"
+    base = ["replay", "--traces", str(path), "--capacity", "4"]
+    for policy in ("prefetch", "presched"):
+        code, out, _ = _run_cli([*base, "--policy", policy], capsys)
+        assert not code and note in out.splitlines(), out
+    for extra in (["--policy", "prefetch", "--predictor", "oracle"], ["--policy", "prefetch", "--predictor", "none"],
+                  ["--policy", "lru"], ["--policy", "prefetch", "--json"]):  # fmt: skip
+        code, out, _ = _run_cli([*base, *extra], capsys)
+        assert not code and "note: predictor oracle" not in out, (extra, out)
+
+
+def test_replay_json_is_strict_without_a_link(tmp_path, capsys):
+    """A profile with no link (transfer_gbps 0) has infinite transfer times: null in --json, not Infinity."""
+    path = make_synthetic_traceset(tmp_path / "s", num_requests=3, num_experts=8, top_k=2)
+    code, out, _ = _run_cli(
+        ["replay", "--traces", str(path), "--policy", "lru", "--capacity", "4", "--json",
+         "--hardware", str(_profile(tmp_path, NO_LINK))],
+        capsys,
+    )  # fmt: skip
+
+    def refuse(name):
+        raise ValueError(f"not strict JSON: {name}")
+
+    obj = json.loads(out.strip().splitlines()[-1], parse_constant=refuse)
+    assert not code and None in obj["layer_time_ms_per_layer"]
