@@ -437,9 +437,12 @@ def profile(
     if traces:
         from moecast.collect.traceset import TraceSet
 
-        m = TraceSet(traces).meta.model
+        ts = TraceSet(traces)
+        m = ts.meta.model
+        # expert_bytes are in the dtype the traces were collected in (imports: bfloat16)
+        width = {"float32": 4, "float64": 8}.get(str(ts.meta.collection.get("dtype", "bfloat16")), 2)
         hidden_size = m.hidden_size
-        intermediate_size = max(1, m.expert_bytes // (3 * m.hidden_size * 2))
+        intermediate_size = max(1, m.expert_bytes // (3 * m.hidden_size * width))
     prof = measure(hidden_size, intermediate_size, name=name)
     from moecast.collect.traceset import atomic_write_bytes
 

@@ -146,3 +146,30 @@ def test_schedule_unit_equals_schedule_for_one_token_sizes():
                 b = schedule_unit(*args_unit, delay, r_hit, cost)
                 for f in ("n_load", "n_cpu", "t_cpu", "n_prefetch"):
                     assert (getattr(a, f) == getattr(b, f)).all(), f
+
+
+def test_profile_reads_the_expert_shape_in_the_traces_dtype(tmp_path, monkeypatch):
+    """expert_bytes are in the dtype the traces were collected in: a float32 set's experts are half
+    the width a 2-byte reading would give."""
+    import json
+
+    from conftest import make_synthetic_traceset
+    from moecast.collect.traceset import TraceSet
+    from moecast.runtime import commands
+    from moecast.runtime import profile as prof
+
+    path = make_synthetic_traceset(tmp_path / "t", hidden=16)
+    m = TraceSet(path).meta.model
+    seen = {}
+
+    def fake(hidden, intermediate, name="local"):
+        seen["shape"] = (hidden, intermediate)
+        return load_profile("prescope-a100-pcie4")
+
+    monkeypatch.setattr(prof, "measure", fake)
+    for dtype, width in (("float32", 4), ("bfloat16", 2)):
+        meta = json.loads((path / "meta.json").read_text())
+        meta["collection"]["dtype"] = dtype
+        (path / "meta.json").write_text(json.dumps(meta))
+        commands.profile(traces=str(path), out=str(tmp_path / f"{dtype}.yaml"))
+        assert seen["shape"] == (16, max(1, m.expert_bytes // (3 * 16 * width)))
