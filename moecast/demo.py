@@ -39,6 +39,28 @@ def _done(path: Path) -> bool:
     return path.is_file() and path.stat().st_size > 0
 
 
+def _reuse(path: Path, settings: dict[str, Any]) -> bool:
+    """Whether ``path`` was trained with ``settings`` (its stamp beside it) and can be reused; a
+    checkpoint from other settings (more requests, other epochs) is trained again, from scratch."""
+    import json
+
+    stamp = path.with_name(path.name + ".settings.json")
+    if _done(path) and stamp.is_file() and json.loads(stamp.read_text()) == settings:
+        print(f"reusing {path}")
+        return True
+    if _done(path):
+        print(f"{path.name}: trained with other settings than this run's; training it again")
+    return False
+
+
+def _stamp(path: Path, settings: dict[str, Any]) -> None:
+    import json
+
+    from moecast.collect.traceset import atomic_write_json
+
+    atomic_write_json(path.with_name(path.name + ".settings.json"), json.loads(json.dumps(settings)))
+
+
 def _label(row: dict[str, str]) -> str:
     policy, predictor, planner = row["policy"], row["predictor"], row.get("planner", "none")
     names = {
@@ -111,7 +133,7 @@ def demo(
 ) -> Path:
     """Run the whole moecast pipeline on the embedded ``tiny`` model and print the comparison.
 
-    Re-running reuses every finished stage (delete OUT to start over).
+    Re-running reuses every finished stage trained with the same settings (delete OUT to start over).
 
     Args:
         out: Folder for the demo's traces, checkpoints, wandb runs, table and plot.
@@ -171,7 +193,19 @@ def demo(
     _stage(4, total, "train predictors: LLaPor (PreScope), EAM + EAP + cascade (CasMoE)", t0)
     llapor = ckpt / "llapor.safetensors"
     eam, eap, cascade = ckpt / "eam.safetensors", ckpt / "eap.safetensors", ckpt / "cascade.safetensors"
-    if not _done(llapor):
+    from moecast.collect.traceset import TraceSet
+
+    # what each checkpoint depends on: the traces it learns from and its own settings
+    data = {"preset": preset, "requests": TraceSet(traces).num_requests, "max_new_tokens": max_new_tokens}
+    settings = {
+        llapor: {**data, "llapor_epochs": llapor_epochs},
+        eam: {**data, "encoder": encoder},
+        eap: {**data, "encoder": encoder, "eap_epochs": eap_epochs},
+    }
+    settings[cascade] = {**settings[eap], "epsilon": epsilon}
+    # a checkpoint from other settings leaves a run directory whose last.ckpt must not be resumed
+    fresh = {p: ["--resume", "never"] if _done(p) else [] for p in (llapor, eap)}
+    if not _reuse(llapor, settings[llapor]):
         train(
             [
                 "llapor",
@@ -185,11 +219,11 @@ def demo(
                 str(llapor_epochs),
                 "--data.val_fraction",
                 str(HOLDOUT),
+                *fresh[llapor],
             ]
         )
-    else:
-        print(f"reusing {llapor}")
-    if not _done(eam):
+        _stamp(llapor, settings[llapor])
+    if not _reuse(eam, settings[eam]):
         train(
             [
                 "eam",
@@ -207,9 +241,8 @@ def demo(
                 str(wandb).lower(),
             ]
         )
-    else:
-        print(f"reusing {eam}")
-    if not _done(eap):
+        _stamp(eam, settings[eam])
+    if not _reuse(eap, settings[eap]):
         train(
             [
                 "eap",
@@ -225,11 +258,11 @@ def demo(
                 str(eap_epochs),
                 "--data.val_fraction",
                 str(HOLDOUT),
+                *fresh[eap],
             ]
         )
-    else:
-        print(f"reusing {eap}")
-    if not _done(cascade):
+        _stamp(eap, settings[eap])
+    if not _reuse(cascade, settings[cascade]):
         train(
             [
                 "cascade",
@@ -247,8 +280,7 @@ def demo(
                 str(HOLDOUT),
             ]
         )
-    else:
-        print(f"reusing {cascade}")
+        _stamp(cascade, settings[cascade])
 
     _stage(5, total, "replay the held-out requests under each policy (moecast compare)", t0)
     cmp_dir = root / "compare"

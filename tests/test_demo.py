@@ -85,3 +85,23 @@ def test_demo_rerun_reuses_finished_stages(demo_run):
     assert again.returncode == 0, again.stderr[-3000:]
     assert {p: p.stat().st_mtime_ns for p in ckpts} == before
     assert "reusing" in again.stdout + again.stderr
+
+
+def test_demo_rerun_with_other_settings_trains_what_they_change(demo_run):
+    """Another LLaPor epoch count retrains LLaPor (from scratch) and reuses the CasMoE checkpoints;
+    the stamps beside the checkpoints say what each was trained with."""
+    out, args, _ = demo_run
+    eam = out / "ckpt" / "eam.safetensors"
+    before = eam.stat().st_mtime_ns
+    changed = list(args)
+    changed[changed.index("--llapor-epochs") + 1] = "1"
+    again = subprocess.run(changed, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    text = again.stdout + again.stderr
+    assert "llapor.safetensors: trained with other settings" in text and f"reusing {eam}" in text
+    assert eam.stat().st_mtime_ns == before
+    stamp = json.loads((out / "ckpt" / "llapor.safetensors.settings.json").read_text())
+    assert stamp["llapor_epochs"] == 1
+    from moecast.predictors import load
+
+    assert load(out / "ckpt" / "llapor.safetensors").metadata()["training"]["epochs"] == 1
