@@ -720,10 +720,14 @@ def merge(sources: Sequence[str | Path], out: str | Path) -> TraceSet:
         int(n[len("part-s000-") : -len(".arrow")]) for n in existing._parts if n.startswith("part-s000-")
     ]
     seq = max(taken, default=-1) + 1
+    from tqdm import tqdm
+
+    bar = tqdm(total=sum(len(ts._parts) for ts in sets), desc="merge", unit="part", leave=False)
     for ts in sets:
         if (ts.path / "vocab.json").exists() and not (out / "vocab.json").exists():
             atomic_write_bytes(out / "vocab.json", (ts.path / "vocab.json").read_bytes())
         for p, _name in enumerate(ts._parts):
+            bar.update()
             req, tok = ts._req_tables[p], ts._tok_tables[p]
             ids = req.column("request_id").to_pylist()
             keep = [r not in seen for r in ids]
@@ -740,4 +744,5 @@ def merge(sources: Sequence[str | Path], out: str | Path) -> TraceSet:
             _write_table(out / "requests" / new, req)
             seq += 1
             seen.update(req.column("request_id").to_pylist())
+    bar.close()
     return TraceSet(out)

@@ -486,7 +486,8 @@ def balanced_focal_loss(
 ) -> torch.Tensor:
     """PreScope §4.2.2: L = L_expert + lambda * L_focal, averaged over experts (N) and rows.
 
-    ``inv_freq`` [L, E] is 1/f_i normalised to mean 1 per layer (the expert-balancing term);
+    ``inv_freq`` [L, E] is 1/f_i normalised to mean 1 per layer (the expert-balancing term; f_i from
+    add-one-smoothed counts of the training split, so an expert never chosen there gets a finite weight);
     ``lam`` [L] is lambda per layer (0 for the middle group, where the paper gives no loss:
     we use the balancing term alone, configurable). focal = (1 - p_t)^gamma * BCE.
     """
