@@ -130,6 +130,8 @@ def _print_result(res: ReplayResult, predictor_given: bool = True) -> None:
     for k in keys:
         print(f"{k:<{width}}  {_fmt(d[k])}")
     print("hit rate per layer: " + " ".join(f"{h:.3f}" for h in res.hit_rate_per_layer))
+    if d.get("hot_table_from"):
+        print(f"hot-expert table counted on {d['hot_table_from']}")
     if d["predictor"] not in (None, "none") and not d["prefetches_landed"]:
         print(
             f"note: no prefetch landed, so the predictor changed nothing here. A prefetch may not delay a "

@@ -312,13 +312,20 @@ def replay_capacities(
             ts.require(f, f"predictor {getattr(p, 'name', '?')}")
 
     d = _data(ts, rids, need_probs=spec.eviction == "score" or use_sub)
+    hot, hot_from = None, None
+    if spec.eviction == "static" or spec.preload_hot:
+        hot, hot_from = _hot_table(ts, rids, d, E)
 
     def _finish(st: Any, tpots: Any, any_decode: Any, n_steps: Any) -> list[ReplayResult]:
         elapsed = time.perf_counter() - t0
-        return _results(
+        res = _results(
             st, tpots, any_decode, n_steps, elapsed, ts, cfg, spec, use_sub, pred_name,
             caps, E, L, B, profile, m, rids, d,
         )  # fmt: skip
+        for r in res:
+            if hot_from:
+                r.extra["hot_table_from"] = hot_from
+        return res
 
     if (
         cfg.fast
@@ -332,7 +339,7 @@ def replay_capacities(
         and spec.eviction in ("lru", "lfu", "belady", "static")
         and fast.valid_for_fast(d.topk, E)
     ):
-        st, tpots, any_decode, n_steps = _fast_demand(d, spec.eviction, caps, cfg.cold, cost, L, E, k)
+        st, tpots, any_decode, n_steps = _fast_demand(d, spec.eviction, caps, cfg.cold, cost, L, E, k, hot)
         return _finish(st, tpots, any_decode, n_steps)
 
     fast_wave = (
@@ -422,7 +429,7 @@ def replay_capacities(
                     cand[c0:c1] = _rank_candidates(
                         pred_ids[c0:c1].reshape(-1, kp), pred_sc[c0:c1].reshape(-1, kp), E
                     ).reshape(c1 - c0, L, kp)
-        pre = StaticTable.from_topk(d.topk, E).per_layer(cap) if spec.preload_hot else None
+        pre = hot.per_layer(cap) if spec.preload_hot else None
         any_decode = bool(d.decode.any())
         basis = d.decode if any_decode else np.ones(len(d.topk), dtype=bool)
         st = fast.wavefront_b1(
@@ -462,7 +469,7 @@ def replay_capacities(
     tok_all, start_all, len_all = tok, start, stream_len
     by_len = np.argsort(-len_all, kind="stable")
     per_chunk = max(1, cfg.chunk_lanes // (C * (1 if cfg.shared else L)))
-    table = StaticTable.from_topk(d.topk, E) if spec.eviction == "static" or spec.preload_hot else None
+    table = hot
     chunks = [by_len[i : i + per_chunk] for i in range(0, G_all, per_chunk)]
     for gmap in chunks:
         tok, start, stream_len = tok_all[gmap], start_all[gmap], len_all[gmap]
@@ -764,7 +771,20 @@ def _results(
     return results
 
 
-def _fast_demand(d, eviction, caps, cold, cost, L, E, k):
+def _hot_table(ts: TraceSet, rids: list[str], d: _Data, E: int) -> tuple[StaticTable, str]:
+    """PreScope's hot-expert table (Sec. 4.4) for the static policy and PreSched's start: counted on
+    the TraceSet's other requests when only some are replayed (a profile of past traffic, as a
+    deployment would have), on the replayed ones themselves when all are (in-sample, and said so)."""
+    chosen = set(rids)
+    others = [r for r in ts.request_ids if r not in chosen]
+    if others:
+        return StaticTable.from_topk(
+            ts.array("topk_ids", others), E
+        ), f"the {len(others)} requests not replayed"
+    return StaticTable.from_topk(d.topk, E), "the replayed requests themselves (in-sample)"
+
+
+def _fast_demand(d, eviction, caps, cold, cost, L, E, k, hot=None):
     """Demand-only per-layer replay at batch 1 (see :mod:`moecast.runtime.fastreplay`): statistics
     in the layout of the general engine, from the misses of every (token, layer, capacity)."""
     N = len(d.topk)
@@ -775,7 +795,7 @@ def _fast_demand(d, eviction, caps, cold, cost, L, E, k):
         for ci, c in enumerate(caps):
             misses[:, :, ci] = (dist >= c).sum(2)
     elif eviction == "static":
-        order = StaticTable.from_topk(d.topk, E).per_layer(E)
+        order = (hot if hot is not None else StaticTable.from_topk(d.topk, E)).per_layer(E)
         misses = fast.static_hits(d.topk, order, caps)
     else:
         misses = fast.simulate_demand(d.topk, d.lengths, cold, caps, eviction, E)

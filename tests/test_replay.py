@@ -652,3 +652,26 @@ def test_replay_json_is_strict_without_a_link(tmp_path, capsys):
 
     obj = json.loads(out.strip().splitlines()[-1], parse_constant=refuse)
     assert not code and None in obj["layer_time_ms_per_layer"]
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_static_table_comes_from_the_requests_not_replayed(tmp_path, fast):
+    """Replaying held-out requests, the hot-expert table is a profile of the other requests (what a
+    deployment would have), not of the replayed ones; replaying all of them, it is in-sample and
+    the result says so."""
+    from moecast.runtime.cache import StaticTable
+
+    ts = TraceSet(
+        make_synthetic_traceset(tmp_path / "s", num_requests=8, num_layers=3, num_experts=16, top_k=2)
+    )
+    rids = ts.request_ids[:3]
+    others = [r for r in ts.request_ids if r not in rids]
+    cap = 4
+    table = StaticTable.from_topk(ts.array("topk_ids", others), 16).per_layer(cap)  # [L, cap]
+    ids = ts.array("topk_ids", rids)  # [N, L, k]
+    want = np.mean([[e in table[layer] for e in row] for t in ids for layer, row in enumerate(t)])
+    res = replay(ts, ReplayConfig(policy="static", capacity=cap, cold=True, requests=rids, fast=fast))
+    assert res.hit_rate == pytest.approx(want)
+    assert res.extra["hot_table_from"] == "the 5 requests not replayed"
+    in_sample = replay(ts, ReplayConfig(policy="static", capacity=cap, cold=True, fast=fast))
+    assert "in-sample" in in_sample.extra["hot_table_from"]
