@@ -80,7 +80,8 @@ def traces_info(path: Path, json: bool = False) -> None:
         "model": m.name_or_path,
         "family": m.family,
         "fingerprint": m.fingerprint,
-        "moe_layers": len(m.moe_layers),
+        "moe_layers": list(m.moe_layers),  # as meta.json has them: the model's layer indices
+        "num_moe_layers": len(m.moe_layers),
         "num_experts": m.num_experts,
         "top_k": m.top_k,
         "num_shared_experts": m.num_shared_experts,

@@ -103,6 +103,7 @@ def test_cli_import_and_info(puffin_dir, tmp_path):
     )
     summary = json.loads(info.stdout)
     assert summary["requests"] == 3 and summary["top_k"] == 6 and len(summary["layers"]) == 26
+    assert summary["num_moe_layers"] == 26 and summary["moe_layers"] == list(range(1, 27))  # as in meta.json
     assert "router_probs" in summary["absent"]
     assert all(0 < layer["freq_entropy"] <= np.log(64) + 1e-9 for layer in summary["layers"])
     bad = subprocess.run(
