@@ -177,7 +177,8 @@ def compare(
         capacities: comma-separated capacities (fractions, experts or bytes); those that hold fewer experts
             than the model's top-k are skipped with a note.
         planners: comma-separated: none and/or prompt-ahead checkpoints (EAM, EAP, cascade); each planner
-            preloads its plan per request and runs with every policy except belady and static.
+            preloads its plan per request (under static it is pinned in the table's place) and runs
+            with every policy except belady.
         plan_weight: weight of a plan as a log-linear prior on the predictor's scores (0: preload only).
         holdout: replay only the held-out requests of ``TraceSet.split(holdout, seed=0)``, the ones
             predictors trained with the same validation fraction never saw (default: every request).
@@ -286,18 +287,15 @@ def _cells(pols: list[str], preds: list[str], plans: list[str]) -> list[tuple[st
         spec = POLICIES[p]
         for pr in ["none"] if spec.predictor == "none" else preds:
             for pl in plans:
-                if pl != "none" and spec.eviction in ("belady", "static"):
-                    # belady is the demand-only bound (a plan would change what it bounds); static
-                    # never inserts, so a preloaded plan would move bytes and change nothing
-                    continue
+                if pl != "none" and spec.eviction == "belady":
+                    continue  # belady is the demand-only bound; a plan would change what it bounds
                 cells.append((p, pr, pl))
     cells = list(dict.fromkeys(cells))  # a name given twice runs once
     if not cells:
-        # only belady/static with only planners: every pair was skipped above
+        # only belady with only planners: every pair was skipped above
         raise ValueError(
-            f"no cell to run: no planner applies to {', '.join(pols)} (belady is the demand-only bound, "
-            "static never inserts); include none in --planners (e.g. --planners none,CKPT) or add a policy "
-            "such as lru"
+            f"no cell to run: no planner applies to {', '.join(pols)} (belady is the demand-only bound); "
+            "include none in --planners (e.g. --planners none,CKPT) or add a policy such as lru"
         )
     return cells
 

@@ -289,10 +289,11 @@ def replay_capacities(
         raise ValueError(
             "belady is the demand-only offline optimum; use it with --predictor none and no --planner"
         )
-    if spec.eviction == "static" and (pred_name not in (None, "none") or cfg.planner):
-        # the table is fixed: a prefetch or a preloaded plan would move bytes and change no hit
+    if spec.eviction == "static" and pred_name not in (None, "none"):
+        # the slots are fixed: a prefetch would move bytes and change no hit (a --planner's plan
+        # is pinned in the table's place for its request, as the live runtime does)
         raise ValueError(
-            "static pins the hot-expert table and never inserts; use it with --predictor none and no --planner"
+            "static pins its experts and never inserts, so nothing can prefetch into it; use --predictor none"
         )
     predictor = _load_predictor(pred_name, ts)
     if not (math.isfinite(cfg.plan_weight) and cfg.plan_weight >= 0):
@@ -544,7 +545,15 @@ def replay_capacities(
                     plan_ids = plan_top[rq, lay[starting]][:, : max(cap // B, 1)] + (
                         off[starting, 0] if cfg.shared else 0
                     )
-                    ins = cache.insert(act[starting], plan_ids, prefetch=True, t=None)
+                    if spec.eviction == "static":
+                        # static never inserts: the request's plan is pinned in the table's place
+                        # (CasMoE's per-prompt placement); what was not resident is transferred
+                        new = (plan_ids >= 0) & ~cache.lookup(act[starting], plan_ids)
+                        new &= np.cumsum(plan_ids >= 0, axis=1) <= cache.capacity_of[act[starting]][:, None]
+                        cache.preload(act[starting], plan_ids)
+                        ins = new
+                    else:
+                        ins = cache.insert(act[starting], plan_ids, prefetch=True, t=None)
                     _acc(st["pf_inserted"], cap_of_lane[act[starting]] * L + lay[starting], ins.sum(1))
 
             # prefetch arrival: top predicted non-resident experts that fit in the free link time

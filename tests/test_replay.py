@@ -310,14 +310,28 @@ def test_planner_checkpoint_preloads_and_prefetches(tmp_path):
     planned = replay(ts, ReplayConfig(policy="lru", capacity=6, cold=True, planner=str(ck)))
     assert planned.hit_rate > base.hit_rate
     assert planned.prefetch_accuracy is not None and 0 < planned.prefetch_accuracy <= 1
-    # compare pairs the planner with lru but not with static (which would only move bytes)
+    # under static the request's plan is pinned in the hot table's place (as the live runtime does):
+    # this perfect plan then holds each layer's most used experts of the request itself
+    from moecast.runtime.cache import StaticTable
+
+    static = replay(ts, ReplayConfig(policy="static", capacity=6, cold=True))
+    pinned = replay(ts, ReplayConfig(policy="static", capacity=6, cold=True, planner=str(ck)))
+    uses = hits = 0
+    for rid in ts.request_ids:
+        ids = ts.get(rid).topk_ids
+        plan = StaticTable.from_topk(ids, 16).per_layer(6)
+        hits += sum(e in plan[layer] for t in ids for layer, row in enumerate(t) for e in row)
+        uses += ids.size
+    assert pinned.hit_rate == pytest.approx(hits / uses) and pinned.hit_rate > static.hit_rate
+    assert pinned.prefetches_landed == 0 and pinned.bytes_moved > 0  # plans are loaded, not prefetched
+    # compare pairs the planner with lru and static, not belady
     from moecast.runtime.commands import compare
 
     out = tmp_path / "cmp"
-    compare(str(ts.path), policies="lru,static", predictors="none", capacities="6", planners=f"none,{ck}",
+    compare(str(ts.path), policies="lru,static,belady", predictors="none", capacities="6", planners=f"none,{ck}",
             out=str(out), cold=True, wandb=False, json=True)  # fmt: skip
     rows = (out / "table.csv").read_text().strip().splitlines()[1:]
-    assert sorted(r.split(",")[0] for r in rows) == ["lru", "lru", "static"]
+    assert sorted(r.split(",")[0] for r in rows) == ["belady", "lru", "lru", "static", "static"]
     bad = tmp_path / "other.safetensors"
     checkpoint.save(
         bad,
@@ -504,16 +518,15 @@ def test_negative_plan_weight_is_refused(tmp_path):
 
 
 def test_static_and_planners_refuse_what_would_change_nothing(tmp_path, capsys):
-    """static never inserts, so a predictor's prefetches or a plan would only move bytes; a
-    prompt-ahead checkpoint without a plan (MoE-Infinity matches the routing so far) is no planner;
-    a predictor that never lands a prefetch is said to have changed nothing."""
+    """static never inserts, so a predictor's prefetches would only move bytes; a prompt-ahead
+    checkpoint without a plan (MoE-Infinity matches the routing so far) is no planner; a predictor
+    that never lands a prefetch is said to have changed nothing."""
     from moecast.predictors.baselines import ActivationMatrixPredictor, FrequencyPredictor
 
     path = make_synthetic_traceset(tmp_path / "s", num_requests=6, num_layers=3, num_experts=16, top_k=2)
     ts = TraceSet(path)
-    for kw in ({"predictor": "oracle"}, {"planner": "oracle"}):
-        with pytest.raises(ValueError, match="static pins the hot-expert table and never inserts"):
-            replay(ts, ReplayConfig(policy="static", capacity=4, **kw))
+    with pytest.raises(ValueError, match="static pins its experts and never inserts"):
+        replay(ts, ReplayConfig(policy="static", capacity=4, predictor="oracle"))
     mi = ActivationMatrixPredictor.fit(ts, ts.request_ids).save(tmp_path / "mi.safetensors")
     with pytest.raises(ValueError, match=r"moe-infinity \(prompt-ahead\) does not plan from the prompt"):
         replay(ts, ReplayConfig(policy="lru", capacity=4, planner=str(mi)))
@@ -560,8 +573,8 @@ def test_compare_with_no_cell_fails_before_writing(tmp_path, capsys):
     base = ["compare", "--traces", str(path), "--capacities", "0.5", "--wandb", "false", "--out", str(out)]
     code, _, _ = _run_cli([*base, "--policies", ""], capsys)
     _one_line_error(code, "--policies is empty")
-    code, _, _ = _run_cli([*base, "--policies", "static,belady", "--planners", str(ckpt)], capsys)
-    _one_line_error(code, "static, belady", "--planners none")
+    code, _, _ = _run_cli([*base, "--policies", "belady", "--planners", str(ckpt)], capsys)
+    _one_line_error(code, "belady", "--planners none")
     assert not out.exists()
 
 
