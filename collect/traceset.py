@@ -712,9 +712,9 @@ def merge(sources: Sequence[str | Path], out: str | Path) -> TraceSet:
     (out / "requests").mkdir(parents=True, exist_ok=True)
     (out / "tokens").mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "meta.json", meta.to_json())
-    seen: set[str] = set()
-    existing = TraceSet(out)
-    seen.update(existing.request_ids)
+    if existing is None:
+        existing = TraceSet(out)  # the empty set just written; its parts are what the numbering reads
+    seen: set[str] = set(existing.request_ids)
     # after the highest existing number, not the count: a deleted part leaves a gap in the numbering
     taken = [
         int(n[len("part-s000-") : -len(".arrow")]) for n in existing._parts if n.startswith("part-s000-")

@@ -11,6 +11,7 @@ import importlib
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 # name -> "module:function" (a nested dict is a command group, e.g. `moecast traces info`)
 COMMANDS: dict[str, str | dict[str, str]] = {
@@ -50,7 +51,7 @@ def _describe(target: str) -> str:
     module, func = target.split(":")
     try:
         origin = importlib.util.find_spec(module).origin
-        tree = ast.parse(open(origin, encoding="utf-8").read())  # noqa: SIM115 (read once)
+        tree = ast.parse(Path(origin).read_text(encoding="utf-8"))
         node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == func)
         return (ast.get_docstring(node) or "").strip().splitlines()[0].rstrip(".")
     except (AttributeError, ImportError, OSError, StopIteration, SyntaxError, IndexError):

@@ -54,11 +54,9 @@ def _reuse(path: Path, settings: dict[str, Any]) -> bool:
 
 
 def _stamp(path: Path, settings: dict[str, Any]) -> None:
-    import json
-
     from moecast.collect.traceset import atomic_write_json
 
-    atomic_write_json(path.with_name(path.name + ".settings.json"), json.loads(json.dumps(settings)))
+    atomic_write_json(path.with_name(path.name + ".settings.json"), settings)
 
 
 def _label(row: dict[str, str]) -> str:

@@ -215,7 +215,6 @@ def compare(
                 f"--planners: no checkpoint at {pl}; train one with `moecast train cascade`"
             )
     outdir = Path(out)
-    _check_out_dir(outdir)
     ts = TraceSet(traces)
     caps = _usable_capacities(caps, ts, json)
     requests = None
@@ -223,7 +222,13 @@ def compare(
         requests = ts.split(holdout, seed=0)[1]
         if not requests:
             raise ValueError(f"--holdout {holdout} leaves no held-out requests in {traces}")
-    outdir.mkdir(parents=True, exist_ok=True)
+    try:  # before any replay runs (they take minutes)
+        outdir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(
+            f"--out {out}: {exc.strerror} ({exc.filename}); give a directory for table.md, table.csv and "
+            "plot.png, or a path that can be created"
+        ) from exc
     rows: list[dict] = []
     from tqdm import tqdm
 
@@ -298,26 +303,6 @@ def _cells(pols: list[str], preds: list[str], plans: list[str]) -> list[tuple[st
             "include none in --planners (e.g. --planners none,CKPT) or add a policy such as lru"
         )
     return cells
-
-
-def _check_out_dir(out: Path) -> None:
-    """``--out`` must be a directory or a path that mkdir can create; checked before the replays run."""
-    if out.exists() and not out.is_dir():
-        raise ValueError(
-            f"--out {out} is a file; give a directory for table.md, table.csv and plot.png "
-            "(or a path that does not exist yet)"
-        )
-    # mkdir(parents=True) creates everything below the nearest existing ancestor, which must be a
-    # writable directory (a file there is the NotADirectoryError mkdir would raise later)
-    base = out
-    while not base.exists() and base != base.parent:
-        base = base.parent
-    if not base.is_dir():
-        raise ValueError(f"--out {out}: {base} is a file, not a directory; choose another --out")
-    if not os.access(base, os.W_OK | os.X_OK):
-        raise ValueError(
-            f"--out {out}: cannot create it in {base}; choose another --out or fix its permissions"
-        )
 
 
 def _usable_capacities(caps: list[str], ts, json: bool) -> list[str]:

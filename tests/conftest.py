@@ -153,3 +153,13 @@ def collect_gate_traces(model_dir: Path, root: Path, requests: int, max_new_toke
         gate_inputs=True,
         progress=False,
     )
+
+
+def quiet_trainer(max_epochs: int, **kw):
+    """A CPU Lightning trainer for tests: no logger, checkpoints, progress bar or model summary."""
+    import lightning.pytorch as pl
+
+    quiet = dict(
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
+    )
+    return pl.Trainer(max_epochs=max_epochs, accelerator="cpu", **{**quiet, **kw})

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-from conftest import make_synthetic_traceset
+from conftest import make_synthetic_traceset, quiet_trainer
 from moecast.collect.traceset import MissingFieldError, TraceSet
 from moecast.predictors import load
 from moecast.predictors.baselines import FrequencyPredictor
@@ -54,16 +53,7 @@ def _fit(path, epochs=8, loss="focal", model=None, **data):
         loss=loss,
         **(model or {}),
     )
-    trainer = pl.Trainer(
-        max_epochs=epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        gradient_clip_val=1.0,
-    )
-    trainer.fit(module, datamodule=dm)
+    quiet_trainer(epochs, gradient_clip_val=1.0).fit(module, datamodule=dm)
     return module, dm
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from conftest import make_synthetic_traceset
+from conftest import make_synthetic_traceset, quiet_trainer
 from moecast.collect.traceset import TraceSet
 from moecast.predictors import load
 from moecast.predictors.llapor import LLaPor, balanced_focal_loss, group_lambda, llapor_loss
@@ -50,18 +50,6 @@ def dm(traces: Path) -> LLaPorDataModule:
     return data
 
 
-def _trainer(max_epochs: int, **kw: Any) -> pl.Trainer:
-    return pl.Trainer(
-        max_epochs=max_epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        **kw,
-    )
-
-
 def _built(dm: LLaPorDataModule, **hp: Any) -> LLaPorModule:
     """A module whose network is built from ``dm`` (its ``setup`` reads only ``trainer.datamodule``)."""
     torch.manual_seed(0)
@@ -88,7 +76,7 @@ def _fit(path: Path, epochs: int, **model: Any) -> tuple[LLaPorModule, LLaPorDat
     data = LLaPorDataModule(str(path), val_fraction=0.25, batch_size=64)
     hp = {"hidden": 32, "warmup_epochs": 1, "lr_io": 5e-3, "lr_middle": 5e-3, "lr_shared": 5e-3}
     module = LLaPorModule(mask_prob=0.0, **{**hp, **model})
-    _trainer(epochs, gradient_clip_val=1.0).fit(module, datamodule=data)
+    quiet_trainer(epochs, gradient_clip_val=1.0).fit(module, datamodule=data)
     return module, data
 
 
@@ -105,7 +93,7 @@ HP_OPT = {
 
 def test_adamw_groups_take_lr_and_weight_decay_by_layer_group(dm: LLaPorDataModule) -> None:
     module = _built(dm, **HP_OPT)
-    module.trainer = _trainer(8)
+    module.trainer = quiet_trainer(8)
     conf = module.configure_optimizers()
     opt = conf["optimizer"]
     assert isinstance(opt, torch.optim.AdamW)
@@ -143,7 +131,7 @@ def test_schedule_warms_up_io_and_shared_groups_and_anneals_the_middle_one(
 ) -> None:
     total, warmup = 8, HP_OPT["warmup_epochs"]
     module = _built(dm, **HP_OPT)
-    module.trainer = _trainer(total)
+    module.trainer = quiet_trainer(total)
     conf = module.configure_optimizers()
     opt, sched = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
     names = _group_names(module, opt)
@@ -171,7 +159,7 @@ def test_schedule_warms_up_io_and_shared_groups_and_anneals_the_middle_one(
     assert got[total // 2, names.index("input")] > got[total // 2, mid]
 
     # a run with no epoch count cannot lay the schedule out
-    module.trainer = _trainer(-1, max_time={"minutes": 1})
+    module.trainer = quiet_trainer(-1, max_time={"minutes": 1})
     with pytest.raises(ValueError, match="max_epochs"):
         module.configure_optimizers()
 
@@ -187,7 +175,9 @@ def test_schedule_warms_up_io_and_shared_groups_and_anneals_the_middle_one(
     epochs = 4
     fitted = LLaPorModule(hidden=16, **HP_OPT)
     data = LLaPorDataModule(str(dm.traces), val_fraction=0.25, batch_size=64, groups=GROUPS)
-    _trainer(epochs, callbacks=[log], limit_train_batches=1, limit_val_batches=0).fit(fitted, datamodule=data)
+    quiet_trainer(epochs, callbacks=[log], limit_train_batches=1, limit_val_batches=0).fit(
+        fitted, datamodule=data
+    )
     bases = {"shared": HP_OPT["lr_shared"], "input": HP_OPT["lr_io"], "output": HP_OPT["lr_io"]}
     bases["middle"] = HP_OPT["lr_middle"]
     fit_names = _group_names(fitted, fitted.trainer.optimizers[0])

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import make_synthetic_traceset
+from conftest import make_synthetic_traceset, quiet_trainer
 from moecast.collect.traceset import TraceSet
 from moecast.predictors import load
 from moecast.predictors.commands import evaluate
@@ -233,14 +233,11 @@ def test_sequence_hyper_parameters_are_checked_up_front(section, kwargs, message
 
 def test_sequence_schedule_needs_an_epoch_count():
     """max_epochs -1 (bounded by time or steps only) used to squeeze warm-up and cosine into one epoch."""
-    import lightning.pytorch as pl
     from moecast.train.sequence import SequenceModule
 
     module = SequenceModule()
     module.net = torch.nn.Linear(2, 2)
-    trainer = pl.Trainer(
-        max_epochs=-1, max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False
-    )
+    trainer = quiet_trainer(-1, max_steps=1)
     module.trainer = trainer
     with pytest.raises(ValueError, match=r"trainer\.max_epochs must be a positive number of epochs, got -1"):
         module.configure_optimizers()
@@ -256,16 +253,7 @@ def test_sequence_checkpoint_carries_its_epochs_metrics(traces, tmp_path):
     pl.seed_everything(0)
     dm = SequenceDataModule(str(traces), val_fraction=0.25, batch_size=4, token_buckets=64, max_len=16)
     module = SequenceModule(d_model=16, n_heads=2, n_blocks=1, ffn=16, head_hidden=16)
-    trainer = pl.Trainer(
-        max_epochs=1,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
+    trainer = quiet_trainer(1, devices=1, num_sanity_val_steps=0)
     trainer.fit(module, datamodule=dm)
     trainer.save_checkpoint(tmp_path / "epoch.ckpt")
     saved = torch.load(tmp_path / "epoch.ckpt", map_location="cpu", weights_only=False)["moecast_val"]
