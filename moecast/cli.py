@@ -23,7 +23,10 @@ COMMANDS: dict[str, str | dict[str, str]] = {
         "merge": "moecast.collect.commands:merge_traces",
     },
     "train": "moecast.train.cli:train",
-    "predictors": {"eval": "moecast.predictors.commands:evaluate"},
+    "predictors": {
+        "eval": "moecast.predictors.commands:evaluate",
+        "remember": "moecast.predictors.commands:remember",
+    },
     "profile": "moecast.runtime.commands:profile",
     "replay": "moecast.runtime.commands:replay",
     "compare": "moecast.runtime.commands:compare",

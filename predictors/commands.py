@@ -182,6 +182,65 @@ def evaluate(
     return out
 
 
+def remember(
+    checkpoint: str,
+    traces: str | None = None,
+    out: str | None = None,
+    requests: str = "train",
+    ngrams: list[int] | None = None,
+    max_postings: int = 32,
+    weight: float = 1.0,
+) -> dict[str, Any]:
+    """Give a LLaPor checkpoint a context memory built from a TraceSet (or rebuild or remove it).
+
+    The memory (moecast.predictors.context_memory) holds the routes that the traces' tokens took
+    after each context of ``ngrams`` tokens. LLaPor adds its votes to the network's scores for
+    tokens whose context it has seen. The network's weights are copied unchanged, so no
+    retraining is needed when new traffic is collected.
+
+    Args:
+        checkpoint: LLaPor .safetensors
+        traces: TraceSet of the same model
+        out: where to write the checkpoint with the memory (may be ``checkpoint`` itself)
+        requests: train (the checkpoint's own training split of these traces, so that
+            `moecast predictors eval` on its held-out split stays held out) | all (every request:
+            held-out figures on these traces are then no longer held out)
+        ngrams: context lengths to index (default 6 8 16 32); an empty list removes the memory
+        max_postings: occurrences kept per context (the latest)
+        weight: the votes' weight against the network's softmax (both sum to k per layer)
+    """
+    from moecast.collect.traceset import open_traces
+    from moecast.predictors.context_memory import MemoryConfig, build
+    from moecast.predictors.llapor import LLaPor
+    from moecast.predictors.registry import load
+
+    if not traces or not out:
+        raise ValueError("moecast predictors remember needs --traces DIR and --out CKPT.safetensors")
+    if requests not in ("train", "all"):
+        raise ValueError(f"--requests must be train or all, not {requests!r}")
+    ts = open_traces(traces)
+    pred = load(checkpoint, fingerprint=ts.meta.model.fingerprint, against=f"TraceSet {ts.path}")
+    if not isinstance(pred, LLaPor):
+        raise ValueError(f"{checkpoint} is a {pred.name} checkpoint; a context memory goes with LLaPor only")
+    ngrams = [6, 8, 16, 32] if ngrams is None else list(ngrams)
+    if ngrams:
+        cfg = MemoryConfig(tuple(ngrams), max_postings, weight)
+        split = pred.meta.get("split") or {}
+        if requests == "train":
+            ids, _ = ts.split(split.get("val_fraction", 0.1), split.get("seed", 0))
+        else:
+            ids = list(ts.request_ids)
+        pred.memory = build(ts, ids, cfg, progress=True)
+    else:
+        pred.memory = None
+    meta = {k: v for k, v in pred.meta.items() if k != "memory"}
+    meta["memory_from"] = None if pred.memory is None else {"traces": str(ts.path), "requests": requests}
+    path = pred.save(out, meta)
+    res = {"checkpoint": str(path), "memory": None if pred.memory is None else pred.memory.metadata()}
+    print(dumps(res))
+    return res
+
+
 def format_table(res: dict[str, Any], moe_layers: list[int]) -> str:
     lines = [
         f"{res['predictor']} ({res['horizon']}) on {res['traces']} [{res['split']}: {res['requests']} requests, {res['tokens']} tokens]"

@@ -41,6 +41,10 @@ Linear-GELU-Dropout stack; the middle group is deeper and adds a residual block
 
 ``update(features, truth)`` does online gradient steps (§4.2.2, last sentence);
 it is off unless called.
+
+A checkpoint may carry a context memory (:mod:`.context_memory`, not from PreScope): the
+routes that training tokens took after the same text. Its votes are added to the network's
+softmax in :meth:`LLaPor.score_request` and :meth:`LLaPor.score_at`.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ import torch.nn.functional as F
 from moecast.collect.traceset import RequestTrace
 from moecast.predictors import llapor_kernel
 from moecast.predictors.base import Predictor
+from moecast.predictors.context_memory import ContextMemory
 from torch import nn
 
 GROUPS = ("input", "middle", "output")
@@ -652,8 +657,10 @@ class LLaPor(Predictor):
         fingerprint: str | None = None,
         meta: dict[str, Any] | None = None,
         int8_kernel: bool = True,
+        memory: ContextMemory | None = None,
     ) -> None:
         self.net = net.eval()
+        self.memory = memory
         # score_layer's matrices as int8 (llapor_kernel.quantize): about 2x faster at batch 1;
         # False keeps float32, equal to the torch network up to rounding
         self.int8_kernel = int8_kernel
@@ -803,7 +810,24 @@ class LLaPor(Predictor):
 
     @torch.no_grad()
     def score_request(self, trace: RequestTrace) -> np.ndarray:
-        return self.score_features(self.features(trace))
+        scores = self.score_features(self.features(trace))
+        if self.memory is None:
+            return scores
+        return self.with_memory(scores, self.memory.votes(trace.token_ids))
+
+    def with_memory(self, scores: np.ndarray, votes: np.ndarray) -> np.ndarray:
+        """The network's scores (sigmoids, [..., E]) with the context memory's votes added.
+
+        A softmax-trained network's rows become its softmax times k (from the sigmoids: a
+        softmax is the odds p / (1 - p) normalised), so that both terms sum to k per row; a
+        focal- or BCE-trained network's sigmoids already estimate each expert's chance.
+        """
+        assert self.memory is not None
+        if self.meta.get("hyper_parameters", {}).get("loss") == "softmax":
+            p = np.clip(scores, 1e-7, 1 - 1e-7)
+            odds = p / (1 - p)
+            scores = odds * (self.top_k / odds.sum(-1, keepdims=True))
+        return (scores + self.memory.config.weight * votes).astype(np.float32)
 
     def score_features(self, feats: dict[str, torch.Tensor]) -> np.ndarray:
         """[T, L, E] scores of ``features()`` rows (what ``update`` also takes)."""
@@ -864,7 +888,8 @@ class LLaPor(Predictor):
         if self._opt is not None or spec.token_exact or spec.context_vote:
             # online updates (update()) change the weights every token: folding them again
             # each time would cost more than it saves
-            return self.score_layer(layer, self.features_at(trace, layer))[0]
+            row = self.score_layer(layer, self.features_at(trace, layer))[0]
+            return row if self.memory is None else self._blend_row(row, trace, layer)
         w = self._layer_weights(layer)
         args = w.get("row_args")
         if args is None:  # built on first use: only the runtime's path reads it
@@ -887,7 +912,18 @@ class LLaPor(Predictor):
         if bad:
             field = "topk_weights" if bad == 1 else "gate_inputs"
             raise ValueError(f"request {trace.request_id}: {field} contain NaN or inf; re-collect it")
+        if self.memory is not None:
+            return self._blend_row(out[0], trace, layer)
         return out[0]
+
+    def _blend_row(self, row: np.ndarray, trace: RequestTrace, layer: int) -> np.ndarray:
+        """One row of :meth:`with_memory`, compiled (:func:`.llapor_kernel.blend_row`)."""
+        assert self.memory is not None
+        votes = self.memory.votes_last(trace.token_ids)[layer]
+        out = np.empty_like(row)
+        softmax = self.meta.get("hyper_parameters", {}).get("loss") == "softmax"
+        llapor_kernel.blend_row(row, votes, float(self.top_k), self.memory.config.weight, softmax, out)
+        return out
 
     def _row_args(self, layer: int, w: dict[str, Any]) -> tuple[np.ndarray, tuple, tuple]:
         """:meth:`score_at`'s constant arguments of :func:`.llapor_kernel.score_row` for ``layer``:
@@ -1048,25 +1084,34 @@ class LLaPor(Predictor):
             "net": asdict(self.net.net),
             "groups": self.groups,
             "needs": list(self.spec.fields()),
+            "memory": None if self.memory is None else self.memory.metadata(),
         }
 
     def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
         from moecast.predictors.checkpoint import save
 
-        return save(path, dict(self.net.state_dict()), {**self.metadata(), **(extra or {})})
+        tensors: dict[str, Any] = dict(self.net.state_dict())
+        if self.memory is not None:
+            tensors.update(self.memory.tensors())
+        return save(path, tensors, {**self.metadata(), **(extra or {})})
 
     @classmethod
     def from_checkpoint(cls, tensors: dict[str, Any], meta: dict[str, Any], path: Path) -> LLaPor:
         try:
             spec = FeatureSpec(**meta["features"])
             net = LLaPorNet(spec, {g: list(v) for g, v in meta["groups"].items()}, NetConfig(**meta["net"]))
-            net.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()})
-        except (KeyError, TypeError, RuntimeError) as exc:
+            weights = {k: v for k, v in tensors.items() if not k.startswith("memory.")}
+            net.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in weights.items()})
+            memory = None
+            if meta.get("memory"):
+                memory = ContextMemory.from_tensors(tensors, meta["memory"], spec.num_experts)
+        except (KeyError, TypeError, RuntimeError, ValueError) as exc:
             raise ValueError(
                 f"{path}: LLaPor checkpoint does not match this moecast ({exc}); retrain it"
             ) from exc
-        return cls(net, meta["moe_layers"], meta.get("fingerprint"), meta)
+        return cls(net, meta["moe_layers"], meta.get("fingerprint"), meta, memory=memory)
 
 
 def describe(pred: LLaPor) -> str:
-    return json.dumps({"features": asdict(pred.spec), "groups": pred.groups})
+    memory = None if pred.memory is None else pred.memory.metadata()
+    return json.dumps({"features": asdict(pred.spec), "groups": pred.groups, "memory": memory})

@@ -363,3 +363,23 @@ def score_row(
     if not forward(bags, route, tokens, dense, *packed, graw, gok, out):
         return 2
     return 0
+
+
+@njit(cache=True, nogil=True)
+def blend_row(p, votes, k, weight, softmax, out):
+    """out = the row's network scores ``p`` (sigmoids) plus ``weight`` x the context memory's
+    ``votes``; with ``softmax`` the sigmoids become the softmax times k first (odds p / (1 - p)
+    normalised). :meth:`LLaPor.with_memory` for one row, without its ~6 numpy calls."""
+    n = p.shape[0]
+    if softmax:
+        total = 0.0
+        for e in range(n):
+            q = min(max(p[e], 1e-7), 1.0 - 1e-7)
+            out[e] = q / (1.0 - q)
+            total += out[e]
+        scale = k / total
+        for e in range(n):
+            out[e] = out[e] * scale + weight * votes[e]
+    else:
+        for e in range(n):
+            out[e] = p[e] + weight * votes[e]

@@ -31,6 +31,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from moecast.predictors.context_memory import MemoryConfig, build
 from moecast.predictors.llapor import (
     LOSSES,
     LLaPor,
@@ -69,6 +70,10 @@ class LLaPorModule(pl.LightningModule):
         distill: weight of the router's probabilities in the softmax target (needs router_probs)
         distill_temperature: temperature that softens those probabilities
         distill_first: the first MoE layer's distill weight (null: distill)
+        memory_ngrams: context lengths of the context memory built from the training split at
+            export (predictors/context_memory.py; not PreScope's); empty: no memory
+        memory_postings: occurrences the memory keeps per context (the latest)
+        memory_weight: the memory's votes against the network's softmax (both sum to k)
     """
 
     datamodule_class = LLaPorDataModule
@@ -95,6 +100,9 @@ class LLaPorModule(pl.LightningModule):
         distill: float = 0.0,
         distill_temperature: float = 2.0,
         distill_first: float | None = None,
+        memory_ngrams: list[int] | None = None,
+        memory_postings: int = 32,
+        memory_weight: float = 1.0,
     ) -> None:
         super().__init__()
         if loss not in LOSSES:
@@ -123,6 +131,10 @@ class LLaPorModule(pl.LightningModule):
             ("noise_std", noise_std),
         ):
             check_range(m, name, value, float, 0)
+        # checked now, not after hours of training at export
+        self.memory_config = (
+            MemoryConfig(tuple(memory_ngrams), memory_postings, memory_weight) if memory_ngrams else None
+        )
         self.save_hyperparameters()
         self.net: LLaPorNet | None = None
 
@@ -251,7 +263,11 @@ class LLaPorModule(pl.LightningModule):
     def export(self, out: Path, dm: LLaPorDataModule, info: dict[str, Any]) -> Path:
         """Write the trained predictor as one .safetensors loadable by ``moecast.predictors.load``."""
         m = dm.ts.meta.model
-        pred = LLaPor(self.net.cpu().eval(), m.moe_layers, m.fingerprint)
+        memory = None
+        if self.memory_config is not None:
+            memory = build(dm.ts, dm.train_ids, self.memory_config, progress=True)
+            print(f"context memory: {len(memory.keys)} contexts of {len(memory.routes)} training tokens")
+        pred = LLaPor(self.net.cpu().eval(), m.moe_layers, m.fingerprint, memory=memory)
         extra = {
             "model_name": m.name_or_path,
             "trained_on": str(dm.ts.path),
