@@ -233,9 +233,8 @@ def remember(
         pred.memory = build(ts, ids, cfg, progress=True)
     else:
         pred.memory = None
-    meta = {k: v for k, v in pred.meta.items() if k != "memory"}
-    meta["memory_from"] = None if pred.memory is None else {"traces": str(ts.path), "requests": requests}
-    path = pred.save(out, meta)
+    source = None if pred.memory is None else {"traces": str(ts.path), "requests": requests}
+    path = pred.save(out, {"memory_from": source})
     res = {"checkpoint": str(path), "memory": None if pred.memory is None else pred.memory.metadata()}
     print(dumps(res))
     return res

@@ -816,18 +816,21 @@ class LLaPor(Predictor):
         return self.with_memory(scores, self.memory.votes(trace.token_ids))
 
     def with_memory(self, scores: np.ndarray, votes: np.ndarray) -> np.ndarray:
-        """The network's scores (sigmoids, [..., E]) with the context memory's votes added.
+        """The network's scores (sigmoids, [..., E]) with the context memory's votes added
+        (:func:`.llapor_kernel.blend_rows`).
 
         A softmax-trained network's rows become its softmax times k (from the sigmoids: a
         softmax is the odds p / (1 - p) normalised), so that both terms sum to k per row; a
         focal- or BCE-trained network's sigmoids already estimate each expert's chance.
         """
         assert self.memory is not None
-        if self.meta.get("hyper_parameters", {}).get("loss") == "softmax":
-            p = np.clip(scores, 1e-7, 1 - 1e-7)
-            odds = p / (1 - p)
-            scores = odds * (self.top_k / odds.sum(-1, keepdims=True))
-        return (scores + self.memory.config.weight * votes).astype(np.float32)
+        E = scores.shape[-1]
+        p = np.ascontiguousarray(scores, np.float32).reshape(-1, E)
+        v = np.ascontiguousarray(votes, np.float32).reshape(-1, E)
+        out = np.empty_like(p)
+        softmax = self.meta.get("hyper_parameters", {}).get("loss") == "softmax"
+        llapor_kernel.blend_rows(p, v, float(self.top_k), self.memory.config.weight, softmax, out)
+        return out.reshape(scores.shape)
 
     def score_features(self, feats: dict[str, torch.Tensor]) -> np.ndarray:
         """[T, L, E] scores of ``features()`` rows (what ``update`` also takes)."""
@@ -917,13 +920,9 @@ class LLaPor(Predictor):
         return out[0]
 
     def _blend_row(self, row: np.ndarray, trace: RequestTrace, layer: int) -> np.ndarray:
-        """One row of :meth:`with_memory`, compiled (:func:`.llapor_kernel.blend_row`)."""
+        """:meth:`with_memory` for the last token's row of ``layer``: one lookup per token."""
         assert self.memory is not None
-        votes = self.memory.votes_last(trace.token_ids)[layer]
-        out = np.empty_like(row)
-        softmax = self.meta.get("hyper_parameters", {}).get("loss") == "softmax"
-        llapor_kernel.blend_row(row, votes, float(self.top_k), self.memory.config.weight, softmax, out)
-        return out
+        return self.with_memory(row, self.memory.votes_last(trace.token_ids)[layer])
 
     def _row_args(self, layer: int, w: dict[str, Any]) -> tuple[np.ndarray, tuple, tuple]:
         """:meth:`score_at`'s constant arguments of :func:`.llapor_kernel.score_row` for ``layer``:

@@ -366,20 +366,20 @@ def score_row(
 
 
 @njit(cache=True, nogil=True)
-def blend_row(p, votes, k, weight, softmax, out):
-    """out = the row's network scores ``p`` (sigmoids) plus ``weight`` x the context memory's
-    ``votes``; with ``softmax`` the sigmoids become the softmax times k first (odds p / (1 - p)
-    normalised). :meth:`LLaPor.with_memory` for one row, without its ~6 numpy calls."""
-    n = p.shape[0]
-    if softmax:
-        total = 0.0
-        for e in range(n):
-            q = min(max(p[e], 1e-7), 1.0 - 1e-7)
-            out[e] = q / (1.0 - q)
-            total += out[e]
-        scale = k / total
-        for e in range(n):
-            out[e] = out[e] * scale + weight * votes[e]
-    else:
-        for e in range(n):
-            out[e] = p[e] + weight * votes[e]
+def blend_rows(p, votes, k, weight, softmax, out):
+    """out = each row's network scores ``p`` [N, E] (sigmoids) plus ``weight`` x the context
+    memory's ``votes`` [N, E]; with ``softmax`` the sigmoids become the softmax times k first
+    (odds p / (1 - p) normalised), so both terms sum to k per row. :meth:`LLaPor.with_memory`."""
+    for i in range(p.shape[0]):
+        if softmax:
+            total = 0.0
+            for e in range(p.shape[1]):
+                q = min(max(p[i, e], 1e-7), 1.0 - 1e-7)
+                out[i, e] = q / (1.0 - q)
+                total += out[i, e]
+            scale = k / total
+            for e in range(p.shape[1]):
+                out[i, e] = out[i, e] * scale + weight * votes[i, e]
+        else:
+            for e in range(p.shape[1]):
+                out[i, e] = p[i, e] + weight * votes[i, e]

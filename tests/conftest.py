@@ -36,6 +36,34 @@ def puffin_dir() -> Path:
     return PUFFIN
 
 
+def synthetic_writer(
+    path: Path,
+    *,
+    num_layers: int,
+    num_experts: int,
+    top_k: int,
+    hidden: int = 16,
+    with_optional: bool = True,
+    name: str = "synthetic",
+):
+    """A TraceWriter for a synthetic model (the optional per-layer fields present or not)."""
+    from moecast.collect.traceset import ModelInfo, TraceMeta, TraceWriter
+
+    info = ModelInfo(
+        name_or_path=name,
+        family="synthetic",
+        moe_layers=list(range(1, num_layers + 1)),
+        num_experts=num_experts,
+        top_k=top_k,
+        num_shared_experts=0,
+        hidden_size=hidden,
+        expert_bytes=3 * hidden * 32 * 2,
+        norm_topk_prob=True,
+    )
+    fields = {"topk_weights": with_optional, "router_probs": with_optional, "gate_inputs": with_optional}
+    return TraceWriter(path, TraceMeta(model=info, collection={"source": "synthetic"}, fields=fields))
+
+
 def make_synthetic_traceset(
     path: Path,
     *,
@@ -49,22 +77,17 @@ def make_synthetic_traceset(
     with_optional: bool = True,
 ):
     """A small TraceSet with structured routing (each layer's choice depends on the previous layer)."""
-    from moecast.collect.traceset import ModelInfo, RequestRecord, TraceMeta, TraceWriter
+    from moecast.collect.traceset import RequestRecord
 
     rng = np.random.default_rng(seed)
-    info = ModelInfo(
-        name_or_path="synthetic",
-        family="synthetic",
-        moe_layers=list(range(1, num_layers + 1)),
+    writer = synthetic_writer(
+        path,
+        num_layers=num_layers,
         num_experts=num_experts,
         top_k=top_k,
-        num_shared_experts=0,
-        hidden_size=hidden,
-        expert_bytes=3 * hidden * 32 * 2,
-        norm_topk_prob=True,
+        hidden=hidden,
+        with_optional=with_optional,
     )
-    fields = {"topk_weights": with_optional, "router_probs": with_optional, "gate_inputs": with_optional}
-    writer = TraceWriter(path, TraceMeta(model=info, collection={"source": "synthetic"}, fields=fields))
     W = rng.normal(size=(num_layers, hidden, num_experts))
     records = []
     for r in range(num_requests):

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import quiet_trainer
-from moecast.collect.traceset import ModelInfo, RequestRecord, TraceMeta, TraceSet, TraceWriter
+from conftest import quiet_trainer, synthetic_writer
+from moecast.collect.traceset import RequestRecord, TraceSet
 from moecast.predictors import load
 from moecast.predictors.commands import remember
 from moecast.predictors.context_memory import MemoryConfig, build, context_keys, last_keys
@@ -37,19 +37,9 @@ def _route(tok: np.ndarray, t: int) -> np.ndarray:
 def _write(path: Path, num_requests: int = 24, seed: int = 0) -> Path:
     """Requests that open with one of three templates and go on with random tokens."""
     rng = np.random.default_rng(seed)
-    info = ModelInfo(
-        name_or_path="memory-test",
-        family="synthetic",
-        moe_layers=list(range(1, L + 1)),
-        num_experts=E,
-        top_k=K,
-        num_shared_experts=0,
-        hidden_size=16,
-        expert_bytes=1024,
-        norm_topk_prob=True,
+    writer = synthetic_writer(
+        path, num_layers=L, num_experts=E, top_k=K, with_optional=False, name="memory-test"
     )
-    fields = {"topk_weights": False, "router_probs": False, "gate_inputs": False}
-    writer = TraceWriter(path, TraceMeta(model=info, collection={"source": "synthetic"}, fields=fields))
     records = []
     for r in range(num_requests):
         tok = np.array(TEMPLATES[r % 3] + list(rng.integers(40, 200, size=8)))
