@@ -201,7 +201,7 @@ def main() -> None:
         print(
             f"  {r['alpha']:>5.2f}  {r['perplexity']:>8.3f}  {100 * r['perplexity_change']:>+6.2f}%  "
             f"{100 * r['agreement']:>5.1f}%  {100 * r['substitution_rate']:>5.1f}%  {100 * r['hit_rate']:>5.1f}%  "
-            f"{r['tpot_modeled_ms']:>8.3f}ms  {r['tpot_measured_ms']:>6.2f}ms"
+            f"{r['modeled_tpot_ms']:>8.3f}ms  {r['measured_tpot_ms']:>6.2f}ms"
         )
     at = next((r for r in res if abs(r["alpha"] - 0.3) < 1e-9), None)
     if at is not None:

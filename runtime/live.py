@@ -119,7 +119,7 @@ class LiveStats:
     routed: int = 0  # (token, layer, expert) uses the router chose in decode steps
     substituted: int = 0
     transfers: int = 0  # on-demand loads + prefetches
-    prefetches: int = 0
+    prefetches_issued: int = 0
     prefetch_used: int = 0
     cpu_experts: int = 0  # (step, layer, expert) groups computed on the CPU
     cpu_uses: int = 0
@@ -137,11 +137,15 @@ class LiveStats:
         d = {k: v for k, v in asdict(self).items() if not isinstance(v, list)}
         d["hit_rate"] = self.hits / self.uses if self.uses else float("nan")
         d["substitution_rate"] = self.substituted / self.routed if self.routed else 0.0
-        d["prefetch_accuracy"] = self.prefetch_used / self.prefetches if self.prefetches else float("nan")
-        d["tpot_measured_ms"] = (
+        # on-demand loads, as replay's `loads` counts them (transfers less prefetches and plan preloads)
+        d["loads"] = self.transfers - self.prefetches_issued - self.plan_loads
+        d["prefetch_accuracy"] = (
+            self.prefetch_used / self.prefetches_issued if self.prefetches_issued else float("nan")
+        )
+        d["measured_tpot_ms"] = (
             float(np.mean(self.measured_decode_ms)) if self.measured_decode_ms else float("nan")
         )
-        d["tpot_modeled_ms"] = (
+        d["modeled_tpot_ms"] = (
             float(np.mean(self.modeled_decode_ms)) if self.modeled_decode_ms else float("nan")
         )
         return d
@@ -652,7 +656,7 @@ class LiveRuntime:
             self._arrival[nxt, e] = start + (i + 1) * self.cost.t_io
         self._link_free = start + len(loaded) * self.cost.t_io
         self.prefetcher.record(0, len(loaded))
-        self.stats_.prefetches += len(loaded)
+        self.stats_.prefetches_issued += len(loaded)
         self.stats_.transfers += len(loaded)
 
     def _presched(self, pos: int, hidden: torch.Tensor, m_counts: np.ndarray) -> np.ndarray:

@@ -62,11 +62,11 @@ def _print_stats(stats: dict[str, Any]) -> None:
         ),
         (
             "transfers",
-            f"{stats['transfers']}  ({stats['prefetches']} prefetches, accuracy {stats['prefetch_accuracy']:.2f})",
+            f"{stats['transfers']}  ({stats['prefetches_issued']} prefetches, accuracy {stats['prefetch_accuracy']:.2f})",
         ),
         ("CPU-computed experts", f"{stats['cpu_experts']}  ({stats['cpu_uses']} token uses)"),
-        ("TPOT measured", f"{stats['tpot_measured_ms']:.2f} ms  (this machine, {stats['device']})"),
-        ("TPOT modeled", f"{stats['tpot_modeled_ms']:.3f} ms  (hardware profile {stats['hardware']})"),
+        ("TPOT measured", f"{stats['measured_tpot_ms']:.2f} ms  (this machine, {stats['device']})"),
+        ("TPOT modeled", f"{stats['modeled_tpot_ms']:.3f} ms  (hardware profile {stats['hardware']})"),
     ]
     if stats.get("plan_loads"):
         rows.insert(5, ("plan preload", f"{stats['plan_loads']} experts loaded before decoding"))
@@ -261,8 +261,8 @@ def sweep(
                 "hit_rate": stats["hit_rate"],
                 "transfers_per_token": stats["transfers"] / max(1, stats["decode_steps"]),
                 "cpu_experts_per_token": stats["cpu_experts"] / max(1, stats["decode_steps"]),
-                "tpot_modeled_ms": stats["tpot_modeled_ms"],
-                "tpot_measured_ms": stats["tpot_measured_ms"],
+                "modeled_tpot_ms": stats["modeled_tpot_ms"],
+                "measured_tpot_ms": stats["measured_tpot_ms"],
                 "tokens": len(nll),
             }
         )
@@ -283,7 +283,7 @@ def _plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
     ax[1].plot(a, [100 * r["substitution_rate"] for r in results], "s--", label="substitution rate")
     ax[1].set_ylabel("%")
     ax[1].legend(fontsize=8)
-    ax[2].plot(a, [r["tpot_modeled_ms"] for r in results], "o-")
+    ax[2].plot(a, [r["modeled_tpot_ms"] for r in results], "o-")
     ax[2].set_ylabel("modeled TPOT (ms)")
     for x in ax:
         x.set_xlabel("alpha")
@@ -363,7 +363,7 @@ def eval_accuracy(
     choice = None
     if tpot_budget is not None:
         choice = choose_alpha(
-            [r["alpha"] for r in results], [r["tpot_modeled_ms"] for r in results], tpot_budget
+            [r["alpha"] for r in results], [r["modeled_tpot_ms"] for r in results], tpot_budget
         )
     if json:
         for r in results:
@@ -391,7 +391,7 @@ def eval_accuracy(
             print(
                 f"  {r['alpha']:>5.2f}  {r['perplexity']:>8.3f}  {100 * r['perplexity_change']:>+6.2f}%  "
                 f"{100 * r['agreement']:>5.1f}%  {100 * r['substitution_rate']:>5.1f}%  {100 * r['hit_rate']:>5.1f}%  "
-                f"{r['tpot_modeled_ms']:>8.3f}ms  {r['tpot_measured_ms']:>6.2f}ms"
+                f"{r['modeled_tpot_ms']:>8.3f}ms  {r['measured_tpot_ms']:>6.2f}ms"
             )
     if plot:
         _plot(results, Path(plot), f"{name}: accuracy vs alpha ({workloads}, capacity {capacity})")

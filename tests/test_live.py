@@ -176,7 +176,7 @@ def test_cpu_balance_computes_misses_on_host_exactly():
         rt.detach()
     assert stats["cpu_experts"] > 0 and stats["cpu_uses"] >= stats["cpu_experts"]
     assert torch.allclose(got, ref, atol=2e-5, rtol=1e-5)
-    assert stats["tpot_modeled_ms"] > 0 and stats["tpot_measured_ms"] > 0
+    assert stats["modeled_tpot_ms"] > 0 and stats["measured_tpot_ms"] > 0
 
 
 def _eq5_loads(sizes: np.ndarray, delay: float, cost) -> int:
@@ -228,7 +228,7 @@ def test_presched_balance_follows_algorithm_1_and_sizes_the_prefetch(hardware):
     assert any(len(c[3][0]) for c in calls) == (hardware == "gh200-nvlink-c2c")
     # the next layer's prefetch is PreSched's count (Eqs. 6-7), from predictions made before the layer ran
     assert any(len(c[1]) for c in calls)
-    assert 0 < stats["prefetches"] <= sum(c[3][2] for c in calls)
+    assert 0 < stats["prefetches_issued"] <= sum(c[3][2] for c in calls)
     rt = attach(
         model, policy="lru", capacity=2, alpha=0.0, balance="presched", prefetch="online", hardware=hardware
     )
@@ -236,7 +236,7 @@ def test_presched_balance_follows_algorithm_1_and_sizes_the_prefetch(hardware):
     rt.presched.decide = lambda *a: (*inner(*a)[:2], 0)  # PreSched says: no prefetch
     try:
         decode_logits(model, ids, steps=6)
-        assert rt.stats()["prefetches"] == 0
+        assert rt.stats()["prefetches_issued"] == 0
     finally:
         rt.detach()
     # a batch of two: each predicted expert carries the tokens predicted for it (1 or 2)
@@ -391,11 +391,19 @@ def test_cli_run_prints_stats(model_dir, capsys):
         "substitution_rate",
         "transfers",
         "cpu_experts",
-        "tpot_measured_ms",
-        "tpot_modeled_ms",
+        "measured_tpot_ms",
+        "modeled_tpot_ms",
     ):
         assert key in out
     assert out["decode_steps"] == 3 and out["capacity"] == 2
+    assert out["loads"] + out["prefetches_issued"] + out["plan_loads"] == out["transfers"]
+    # the figures replay also reports go by replay's names, so the two outputs line up
+    from dataclasses import fields
+
+    from moecast.runtime.replay import ReplayResult
+
+    shared = {"hit_rate", "substitution_rate", "loads", "prefetches_issued", "cpu_experts", "modeled_tpot_ms"}
+    assert shared <= {f.name for f in fields(ReplayResult)} and shared <= set(out)
 
 
 def test_cli_eval_accuracy_sweep_and_budget(model_dir, tmp_path, capsys):
@@ -628,7 +636,7 @@ def test_llapor_prefetch_and_online_update_keep_logits(model_dir, llapor_for_mod
         for h in hooks:
             h.remove()
     assert torch.allclose(got, ref, atol=2e-5, rtol=1e-5)  # prefetch and learning never change outputs
-    assert stats["prefetch"] == "predictor" and stats["prefetches"] > 0
+    assert stats["prefetch"] == "predictor" and stats["prefetches_issued"] > 0
     assert stats["online_updates"] == 4 and np.isfinite(stats["online_loss"])
     changed = any(not torch.equal(before[k], v) for k, v in pred.net.state_dict().items())
     assert changed, "online updates must move the predictor's weights"
@@ -815,7 +823,7 @@ def test_cli_run_json_is_strict_null_for_undefined_rates(model_dir, capsys):
     raw = capsys.readouterr().out.strip().splitlines()[-1]
     assert "NaN" not in raw and "Infinity" not in raw
     out = json.loads(raw, parse_constant=no_constants)
-    assert out["prefetches"] == 0 and out["prefetch_accuracy"] is None and out["online_loss"] is None
+    assert out["prefetches_issued"] == 0 and out["prefetch_accuracy"] is None and out["online_loss"] is None
     assert out["hit_rate"] is not None and 0 <= out["hit_rate"] <= 1  # defined figures stay numbers
 
 
