@@ -295,7 +295,6 @@ def demo(
             holdout=HOLDOUT,
             out=str(cmp_dir),
             cold=cold,
-            alpha=0.1,
             wandb=wandb,
             json=True,
         )

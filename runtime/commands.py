@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from moecast.runtime.replay import DEFAULT_HARDWARE, POLICIES, ReplayConfig, ReplayResult
+from moecast.runtime.substitution import resolve_alpha
 
 
 def _fmt(v: object) -> str:
@@ -29,7 +30,7 @@ def replay(
     planner: str | None = None,
     plan_weight: float = 0.1,
     hardware: str = DEFAULT_HARDWARE,
-    alpha: float = 0.0,
+    alpha: float | None = None,
     batch_size: int = 1,
     holdout: float | None = None,
     json: bool = False,
@@ -54,7 +55,8 @@ def replay(
         planner: a prompt-ahead predictor checkpoint: preloads each request's planned experts and is a prefetch prior.
         plan_weight: weight of the plan as a log-linear prior on --predictor's scores (0: preload only).
         hardware: hardware profile name (configs/hardware) or YAML path.
-        alpha: SMoE substitution threshold (policy smoe); 0 leaves routing unchanged.
+        alpha: SMoE substitution threshold (policy smoe; default 0.3, as in ``moecast run``); 0 leaves
+            routing unchanged. Policies that do not substitute take none.
         batch_size: decode batch: requests interleaved per step.
         holdout: replay only the held-out requests of ``TraceSet.split(holdout, seed=0)`` (those a
             predictor trained with the same validation fraction never saw).
@@ -78,7 +80,7 @@ def replay(
         planner=planner,
         plan_weight=plan_weight,
         hardware=hardware,
-        alpha=alpha,
+        alpha=resolve_alpha(alpha, getattr(POLICIES.get(policy), "substitution", False)),
         batch_size=batch_size,
         requests=requests,
         progress=not json,
@@ -158,7 +160,7 @@ def compare(
     cold: bool = False,
     shared: bool = False,
     hardware: str = DEFAULT_HARDWARE,
-    alpha: float = 0.1,
+    alpha: float | None = None,
     batch_size: int = 1,
     wandb: bool = True,
     json: bool = False,
@@ -186,7 +188,7 @@ def compare(
         cold: caches start empty per request; default stream.
         shared: one cache for all layers.
         hardware: hardware profile name or YAML path.
-        alpha: substitution threshold for policy smoe.
+        alpha: substitution threshold for policy smoe (default 0.3, as in ``moecast replay`` and ``run``).
         batch_size: decode batch size.
         wandb: log one offline wandb run per cell.
         json: print one JSON object per cell instead of the table.
@@ -242,7 +244,7 @@ def compare(
             planner=None if pl == "none" else pl,
             plan_weight=plan_weight,
             hardware=hardware,
-            alpha=alpha if POLICIES[p].substitution else 0.0,
+            alpha=resolve_alpha(alpha, True) if POLICIES[p].substitution else 0.0,
             batch_size=batch_size,
             requests=requests,
         )

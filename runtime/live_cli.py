@@ -22,11 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 from moecast.runtime.live import attach, substitutes
+from moecast.runtime.substitution import resolve_alpha
 
 from moecast.jsonout import dumps
-
-#: ``moecast run``'s alpha under a policy that substitutes (smoe) when none is given: SMoE's setting
-DEFAULT_ALPHA = 0.3
 
 
 def _threads() -> None:
@@ -113,7 +111,7 @@ def run(
             frequency checkpoint whose table pins each layer's top experts. Checked against the model's fingerprint.
         planner: Prompt-ahead checkpoint (CasMoE EAM, EAP or cascade): its plan for the prompt is preloaded before decoding.
         policy: smoe (score eviction + substitution), lru, lfu, score or static (fixed hot-expert table).
-        alpha: SMoE substitution threshold in [0, 1) for policy smoe (default 0.3); 0 leaves the routing
+        alpha: SMoE substitution threshold in [0, 1) for policy smoe (default 0.3, as in replay and compare); 0 leaves the routing
             unchanged. Other policies do not substitute (as in ``moecast replay``) and refuse alpha > 0.
         capacity: Experts per layer on the device: fraction (0.25), count (6), bytes (512MB) or ``all``.
         prefetch: auto, none, online (next gate on the current gate input, SMoE §IV-C) or predictor.
@@ -133,8 +131,7 @@ def run(
     cap: Any = None if str(capacity).lower() in ("all", "none", "full") else capacity
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
-    if alpha is None:
-        alpha = DEFAULT_ALPHA if substitutes(policy) else 0.0
+    alpha = resolve_alpha(alpha, substitutes(policy))
     lm, tok, name = load_model(model, dtype="float32")
     pred = _load_predictor(predictor, lm, name)
     plan = _load_predictor(planner, lm, name)

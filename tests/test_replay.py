@@ -688,3 +688,42 @@ def test_static_table_comes_from_the_requests_not_replayed(tmp_path, fast):
     assert res.extra["hot_table_from"] == "the 5 requests not replayed"
     in_sample = replay(ts, ReplayConfig(policy="static", capacity=cap, cold=True, fast=fast))
     assert "in-sample" in in_sample.extra["hot_table_from"]
+
+
+def test_alpha_defaults_to_one_value_for_substituting_policies(tmp_path, capsys):
+    """--alpha left out: smoe substitutes with DEFAULT_ALPHA in replay and compare alike (as
+    `moecast run` does), policies that do not substitute get 0; given, it is used as is."""
+    from moecast.runtime.substitution import DEFAULT_ALPHA
+
+    path = make_synthetic_traceset(tmp_path / "s", num_experts=8, top_k=2)
+
+    def replay_alpha(*extra: str) -> float:
+        code, out, _ = _run_cli(
+            ["replay", "--traces", str(path), "--capacity", "4", "--json", *extra], capsys
+        )
+        assert code in (None, 0), code
+        return json.loads(out.strip().splitlines()[-1])["alpha"]
+
+    assert replay_alpha("--policy", "smoe") == DEFAULT_ALPHA
+    assert replay_alpha("--policy", "smoe", "--alpha", "0") == 0.0
+    assert replay_alpha("--policy", "lru") == 0.0
+    code, out, _ = _run_cli(
+        [
+            "compare",
+            "--traces",
+            str(path),
+            "--policies",
+            "lru,smoe",
+            "--capacities",
+            "4",
+            "--out",
+            str(tmp_path / "cmp"),
+            "--wandb",
+            "false",
+            "--json",
+        ],
+        capsys,
+    )
+    assert code in (None, 0), code
+    cells = {c["policy"]: c["alpha"] for c in map(json.loads, out.strip().splitlines())}
+    assert cells == {"lru": 0.0, "smoe": DEFAULT_ALPHA}
