@@ -64,6 +64,27 @@ def synthetic_writer(
     return TraceWriter(path, TraceMeta(model=info, collection={"source": "synthetic"}, fields=fields))
 
 
+def synthetic_record(
+    r: int, token_ids: np.ndarray, topk_ids: np.ndarray, phases: np.ndarray | None = None, **optional
+):
+    """Request ``r`` of a synthetic TraceSet: its token ids and [T, L, k] routes (prefill unless
+    ``phases`` says otherwise), plus any optional per-layer field (topk_weights, ...)."""
+    from moecast.collect.traceset import RequestRecord
+
+    T = len(token_ids)
+    return RequestRecord(
+        request_id=f"req-{r}",
+        workload="synthetic",
+        category="chat",
+        prompt=f"prompt {r}",
+        token_ids=token_ids,
+        token_texts=[f"t{i}" for i in range(T)],
+        phases=np.zeros(T, bool) if phases is None else phases,
+        topk_ids=topk_ids.astype(np.int16),
+        **optional,
+    )
+
+
 def make_synthetic_traceset(
     path: Path,
     *,
@@ -77,8 +98,6 @@ def make_synthetic_traceset(
     with_optional: bool = True,
 ):
     """A small TraceSet with structured routing (each layer's choice depends on the previous layer)."""
-    from moecast.collect.traceset import RequestRecord
-
     rng = np.random.default_rng(seed)
     writer = synthetic_writer(
         path,
@@ -102,15 +121,11 @@ def make_synthetic_traceset(
         phases = np.zeros(T, dtype=bool)
         phases[T // 2 :] = True
         records.append(
-            RequestRecord(
-                request_id=f"req-{r}",
-                workload="synthetic",
-                category="chat",
-                prompt=f"prompt {r}",
-                token_ids=rng.integers(0, 100, size=T),
-                token_texts=[f"t{i}" for i in range(T)],
-                phases=phases,
-                topk_ids=ids.astype(np.int16),
+            synthetic_record(
+                r,
+                rng.integers(0, 100, size=T),
+                ids,
+                phases,
                 topk_weights=w.astype(np.float16) if with_optional else None,
                 router_probs=probs.astype(np.float16) if with_optional else None,
                 gate_inputs=np.repeat(x[:, None, :], num_layers, 1).astype(np.float16)

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import quiet_trainer, synthetic_writer
-from moecast.collect.traceset import RequestRecord, TraceSet
+from conftest import quiet_trainer, synthetic_record, synthetic_writer
+from moecast.collect.traceset import TraceSet
 from moecast.predictors import load
 from moecast.predictors.commands import remember
 from moecast.predictors.context_memory import MemoryConfig, build, context_keys, last_keys
@@ -43,19 +43,8 @@ def _write(path: Path, num_requests: int = 24, seed: int = 0) -> Path:
     records = []
     for r in range(num_requests):
         tok = np.array(TEMPLATES[r % 3] + list(rng.integers(40, 200, size=8)))
-        ids = np.stack([_route(tok, t) for t in range(len(tok))]).astype(np.int16)
-        records.append(
-            RequestRecord(
-                request_id=f"req-{r}",
-                workload="synthetic",
-                category="chat",
-                prompt=f"prompt {r}",
-                token_ids=tok,
-                token_texts=[f"t{i}" for i in tok],
-                phases=np.zeros(len(tok), bool),
-                topk_ids=ids,
-            )
-        )
+        ids = np.stack([_route(tok, t) for t in range(len(tok))])
+        records.append(synthetic_record(r, tok, ids))
     writer.write(records)
     return path
 
