@@ -8,8 +8,8 @@ import os
 import sys
 from pathlib import Path
 
-from moecast.runtime.replay import DEFAULT_HARDWARE, POLICIES, ReplayConfig, ReplayResult
-from moecast.runtime.substitution import resolve_alpha
+from moecast.runtime.policy import POLICIES
+from moecast.runtime.replay import DEFAULT_HARDWARE, ReplayConfig, ReplayResult
 
 
 def _fmt(v: object) -> str:
@@ -80,7 +80,7 @@ def replay(
         planner=planner,
         plan_weight=plan_weight,
         hardware=hardware,
-        alpha=resolve_alpha(alpha, getattr(POLICIES.get(policy), "substitution", False)),
+        alpha=alpha,
         batch_size=batch_size,
         requests=requests,
         progress=not json,
@@ -244,7 +244,7 @@ def compare(
             planner=None if pl == "none" else pl,
             plan_weight=plan_weight,
             hardware=hardware,
-            alpha=resolve_alpha(alpha, True) if POLICIES[p].substitution else 0.0,
+            alpha=alpha if POLICIES[p].substitutes else None,
             batch_size=batch_size,
             requests=requests,
         )
@@ -292,7 +292,7 @@ def _cells(pols: list[str], preds: list[str], plans: list[str]) -> list[tuple[st
     cells: list[tuple[str, str, str]] = []
     for p in pols:
         spec = POLICIES[p]
-        for pr in ["none"] if spec.predictor == "none" else preds:
+        for pr in preds if spec.prefetches else ["none"]:
             for pl in plans:
                 if pl != "none" and spec.eviction == "belady":
                     continue  # belady is the demand-only bound; a plan would change what it bounds

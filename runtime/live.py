@@ -51,9 +51,9 @@ from moecast.runtime.balancer import Balancer
 from moecast.runtime.cache import POLICIES, ExpertCache, StaticTable, resolve_capacity
 from moecast.runtime.cost_model import CostModel, load_profile
 from moecast.runtime.expert_store import LayerStore, SlotView
+from moecast.runtime.policy import substitutes
 from moecast.runtime.prefetch import Prefetcher
 from moecast.runtime.presched import PreSched
-from moecast.runtime.replay import POLICIES as REPLAY_POLICIES
 from moecast.runtime.substitution import substitute
 
 from moecast.errors import MoecastError
@@ -832,11 +832,6 @@ class LiveRuntime:
             simulated_device=not self.stores[0].cuda,
         )
         return d
-
-
-def substitutes(policy: str) -> bool:
-    """Whether ``policy`` substitutes experts, i.e. takes an alpha: the replay's rule (its PolicySpec)."""
-    return bool(getattr(REPLAY_POLICIES.get(policy), "substitution", False))
 
 
 def hot_table(predictor: Any, num_layers: int, num_experts: int) -> np.ndarray:

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from moecast.runtime.live import attach, substitutes
-from moecast.runtime.substitution import resolve_alpha
+from moecast.runtime.live import attach
+from moecast.runtime.policy import resolve_alpha, substitutes
 
 from moecast.jsonout import dumps
 

@@ -48,53 +48,18 @@ from moecast.runtime import fastreplay as fast
 from moecast.runtime.balancer import two_pointer_split
 from moecast.runtime.cache import ExpertCache, StaticTable, resolve_capacity
 from moecast.runtime.cost_model import CostModel, HardwareProfile, load_profile
+from moecast.runtime.policy import POLICIES as POLICIES  # the presets, where bench looks them up
+from moecast.runtime.policy import Policy, get_policy
 from moecast.runtime.prefetch import OraclePredictor, plan_prior, top_predictions
 from moecast.runtime.presched import schedule
 from moecast.runtime.substitution import substitute
 
-
-@dataclass(frozen=True)
-class PolicySpec:
-    """A named runtime policy: eviction + substitution + balancer + default predictor."""
-
-    eviction: str
-    substitution: bool = False
-    balancer: str = "none"  # none | smoe | presched
-    predictor: str = "none"
-    preload_hot: bool = False  # start from PreScope's hot-expert table (Sec. 4.4) instead of empty
-    help: str = ""
-
-
-POLICIES: dict[str, PolicySpec] = {
-    "lru": PolicySpec("lru", help="LRU eviction, misses loaded on demand"),
-    "lfu": PolicySpec("lfu", help="LFU eviction (access counts since start, then recency, then id)"),
-    "score": PolicySpec("score", help="SMoE Eq. 3 score-averaged eviction with shield (needs router_probs)"),
-    "static": PolicySpec("static", help="PreScope hot-expert table, fixed; misses streamed, never kept"),
-    "belady": PolicySpec("belady", help="offline optimum eviction (demand only, replay bound)"),
-    "prefetch": PolicySpec(
-        "lru", predictor="oracle", help="LRU + top-score prefetch (SMoE C4) from --predictor"
-    ),
-    "presched": PolicySpec(
-        "lru",
-        balancer="presched",
-        predictor="oracle",
-        preload_hot=True,
-        help="PreScope: hot-expert table start, LRU, PreSched Alg. 1 (Eq. 5 load/CPU split, Eqs. 6-7 prefetch sizing)",
-    ),
-    "smoe": PolicySpec(
-        "score",
-        substitution=True,
-        balancer="smoe",
-        predictor="oracle",
-        help="SMoE: Eq. 3 eviction + Alg. 1 substitution + prefetch + Alg. 2 CPU balancing (needs router_probs)",
-    ),
-}
 DEFAULT_HARDWARE = "prescope-a100-pcie4"
 
 
 @dataclass
 class ReplayConfig:
-    policy: str = "lru"
+    policy: str | Policy = "lru"  # a preset name (runtime/policy.py POLICIES) or a Policy
     capacity: float | str = 0.25
     cold: bool = False
     shared: bool = False
@@ -103,7 +68,7 @@ class ReplayConfig:
     # weight of the plan as a log-linear prior on the token-level scores (prefetch.plan_prior)
     plan_weight: float = 0.1
     hardware: str | HardwareProfile = DEFAULT_HARDWARE
-    alpha: float = 0.0
+    alpha: float | None = None  # None: the policy's default (policy.resolve_alpha)
     batch_size: int = 1
     score_window: int = 8
     requests: list[str] | None = None
@@ -251,9 +216,7 @@ def replay_capacities(
     t0 = time.perf_counter()
     if not isinstance(ts, TraceSet):
         ts = TraceSet(ts)
-    if cfg.policy not in POLICIES:
-        raise ValueError(f"unknown policy {cfg.policy!r}; choose one of {', '.join(POLICIES)}")
-    spec = POLICIES[cfg.policy]
+    spec = get_policy(cfg.policy, cfg.alpha)
     m = ts.meta.model
     L, E, k = m.num_layers, m.num_experts, m.top_k
     rids = list(cfg.requests) if cfg.requests is not None else list(ts.request_ids)
@@ -264,15 +227,9 @@ def replay_capacities(
     B = int(cfg.batch_size)
     if B < 1:
         raise ValueError(f"batch size must be >= 1, got {B}")
-    if cfg.alpha < 0 or not math.isfinite(cfg.alpha):
-        raise ValueError(f"alpha must be a number >= 0, got {cfg.alpha}")
-    use_sub = spec.substitution and cfg.alpha > 0
+    use_sub = spec.substituting
     if spec.eviction == "score" or use_sub:
-        ts.require("router_probs", f"policy {cfg.policy!r} (SMoE score eviction / substitution)")
-    if cfg.alpha > 0 and not spec.substitution:
-        raise ValueError(
-            f"--alpha applies to substitution, which policy {cfg.policy!r} does not use; use --policy smoe"
-        )
+        ts.require("router_probs", f"policy {spec.name!r} (SMoE score eviction / substitution)")
     if spec.eviction == "score" and cfg.shared:
         raise ValueError(
             "score eviction keeps one score window per layer; drop --shared or choose another policy"
@@ -284,7 +241,7 @@ def replay_capacities(
     cap = int(caps.max())
     profile = cfg.hardware if isinstance(cfg.hardware, HardwareProfile) else load_profile(cfg.hardware)
     cost = CostModel.from_profile(profile, m.expert_bytes)
-    pred_name = spec.predictor if cfg.predictor is None else cfg.predictor
+    pred_name = ("oracle" if spec.prefetches else "none") if cfg.predictor is None else cfg.predictor
     if spec.eviction == "belady" and (pred_name not in (None, "none") or cfg.planner):
         raise ValueError(
             "belady is the demand-only offline optimum; use it with --predictor none and no --planner"
@@ -314,7 +271,7 @@ def replay_capacities(
 
     d = _data(ts, rids, need_probs=spec.eviction == "score" or use_sub)
     hot, hot_from = None, None
-    if spec.eviction == "static" or spec.preload_hot:
+    if spec.eviction == "static" or spec.preload == "hot":
         hot, hot_from = _hot_table(ts, rids, d, E)
 
     def _finish(st: Any, tpots: Any, any_decode: Any, n_steps: Any) -> list[ReplayResult]:
@@ -335,7 +292,7 @@ def replay_capacities(
         and predictor is None
         and planner is None
         and spec.balancer == "none"
-        and not spec.preload_hot
+        and spec.preload != "hot"
         and spec.eviction in ("lru", "lfu", "belady", "static")
         and fast.valid_for_fast(d.topk, E)
     ):
@@ -356,7 +313,7 @@ def replay_capacities(
         t_io = cost.t_io
         if (
             spec.balancer == "none"
-            and not spec.preload_hot
+            and spec.preload != "hot"
             and (
                 math.isinf(t_io)
                 or (t_io > 0 and (cost.t_attn + k * cost.t_g) * (1 + 1e-12) / t_io + 1e-9 < 1)
@@ -429,7 +386,7 @@ def replay_capacities(
                     cand[c0:c1] = _rank_candidates(
                         pred_ids[c0:c1].reshape(-1, kp), pred_sc[c0:c1].reshape(-1, kp), E
                     ).reshape(c1 - c0, L, kp)
-        pre = hot.per_layer(cap) if spec.preload_hot else None
+        pre = hot.per_layer(cap) if spec.preload == "hot" else None
         any_decode = bool(d.decode.any())
         basis = d.decode if any_decode else np.ones(len(d.topk), dtype=bool)
         st = fast.wavefront_b1(
@@ -507,7 +464,7 @@ def replay_capacities(
             lane_order = np.argsort(-lane_end, kind="stable")
             sorted_end = lane_end[lane_order]
 
-        for i in _progress(range(n_iter), cfg.progress, f"replay {cfg.policy}"):
+        for i in _progress(range(n_iter), cfg.progress, f"replay {spec.name}"):
             if cfg.shared:
                 s_i, l_i = divmod(i, L)
                 act = np.flatnonzero(stream_len[stream_of_lane] > s_i)
@@ -602,7 +559,7 @@ def replay_capacities(
                 if cfg.shared:
                     res = res.reshape(n * B, L, E)[np.arange(n * B), np.repeat(lay, B)]
                 new_ids, nsub = substitute(
-                    probs, ids.reshape(n * B, k), res, cfg.alpha, group=np.repeat(np.arange(n), B)
+                    probs, ids.reshape(n * B, k), res, spec.alpha, group=np.repeat(np.arange(n), B)
                 )
                 ids = np.where(tvalid[:, :, None], new_ids.reshape(n, B, k), -1)
                 _acc(st["subs"], cap_of_lane[act] * L + lay, (nsub.reshape(n, B) * tvalid).sum(1))
@@ -650,6 +607,8 @@ def replay_capacities(
                     consumer = act if cfg.shared else act + 1
                     has_next = lay < L - 1
                     pf_n[consumer[has_next]] = dec.n_prefetch[has_next]
+                elif spec.balancer == "cpu":
+                    n_load = np.zeros_like(n_miss)
                 else:
                     n_load = n_miss
                 col = np.arange(mids.shape[1])[None, :]
@@ -736,7 +695,7 @@ def _results(
         inserted = t["pf_inserted"].sum()
         cfg_out = {
             "traces": str(ts.path),
-            "policy": cfg.policy,
+            "policy": spec.name,
             "eviction": spec.eviction,
             "substitution": use_sub,
             "balancer": spec.balancer,
@@ -748,7 +707,7 @@ def _results(
             "mode": "cold" if cfg.cold else "stream",
             "batch_size": B,
             "hardware": profile.name,
-            "alpha": cfg.alpha,
+            "alpha": spec.alpha,
         }
         results.append(
             ReplayResult(

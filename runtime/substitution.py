@@ -23,18 +23,6 @@ from moecast.runtime import kernels
 
 _BOOL_DT, _I64_DT = np.dtype(bool), np.dtype(np.int64)
 
-#: alpha for a policy that substitutes (smoe) when none is given, in ``moecast run``, ``replay`` and
-#: ``compare`` alike. SMoE picks alpha per TPOT budget (Eq. 5: ``moecast eval-accuracy --tpot-budget``);
-#: 0.3 is the middle of its Table IV range and kept tiny's perplexity within 0.01 % (bench ``live``).
-DEFAULT_ALPHA = 0.3
-
-
-def resolve_alpha(alpha: float | None, substitutes: bool) -> float:
-    """``alpha`` as given, or the default of a policy that does (DEFAULT_ALPHA) or does not (0) substitute."""
-    if alpha is None:
-        return DEFAULT_ALPHA if substitutes else 0.0
-    return alpha
-
 
 def substitute(
     scores: np.ndarray,

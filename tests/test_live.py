@@ -773,13 +773,13 @@ def test_alpha_only_for_substituting_policies_like_replay(model_dir, capsys):
     """Replay refuses --alpha for policies that do not substitute and defaults it to 0; live does the
     same: `run` substitutes by default (alpha 0.3) only under smoe, and alpha > 0 elsewhere is an error."""
     from moecast.runtime.live_cli import eval_accuracy
-    from moecast.runtime.replay import POLICIES as REPLAY_POLICIES
+    from moecast.runtime.policy import POLICIES as REPLAY_POLICIES
 
     from moecast.cli import main
 
     model = make_model("qwen3_moe")
     for policy in ("lru", "lfu", "score", "static"):
-        assert not REPLAY_POLICIES[policy].substitution
+        assert not REPLAY_POLICIES[policy].substitutes
         with pytest.raises(ValueError, match=f"alpha applies to substitution, which policy '{policy}' does not use"):  # fmt: skip
             attach(model, policy=policy, capacity=2, alpha=0.3)
         attach(model, policy=policy, capacity=2, alpha=0.0).detach()

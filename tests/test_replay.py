@@ -623,10 +623,10 @@ def _squash(text: str) -> str:
 
 
 def test_predictor_help_states_the_policy_default(capsys):
-    from moecast.runtime.replay import POLICIES
+    from moecast.runtime.policy import POLICIES
 
-    oracle = [p for p, s in POLICIES.items() if s.predictor == "oracle"]
-    others = [p for p, s in POLICIES.items() if s.predictor == "none"]
+    oracle = [p for p, s in POLICIES.items() if s.prefetches]
+    others = [p for p, s in POLICIES.items() if not s.prefetches]
     assert oracle and len(oracle) + len(others) == len(POLICIES)
     code, out, _ = _run_cli(["replay", "--help"], capsys)
     want = f"null: the policy's own (oracle, i.e. future knowledge, for {', '.join(oracle[:-1])} and {oracle[-1]}; none for the others)"
@@ -693,7 +693,7 @@ def test_static_table_comes_from_the_requests_not_replayed(tmp_path, fast):
 def test_alpha_defaults_to_one_value_for_substituting_policies(tmp_path, capsys):
     """--alpha left out: smoe substitutes with DEFAULT_ALPHA in replay and compare alike (as
     `moecast run` does), policies that do not substitute get 0; given, it is used as is."""
-    from moecast.runtime.substitution import DEFAULT_ALPHA
+    from moecast.runtime.policy import DEFAULT_ALPHA
 
     path = make_synthetic_traceset(tmp_path / "s", num_experts=8, top_k=2)
 

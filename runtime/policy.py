@@ -1,0 +1,137 @@
+"""Runtime policies: what the replay and the live runtime do at each MoE layer, as one value.
+
+A :class:`Policy` names five choices (DESIGN.md, "Runtime"):
+
+- ``eviction``: the cache's eviction rule (:mod:`moecast.runtime.cache`: lru, lfu, score, static,
+  belady);
+- ``alpha``: SMoE's substitution threshold (Algorithm 1, :mod:`moecast.runtime.substitution`); only a
+  policy that ``substitutes`` takes one, and ``alpha = 0`` leaves the routing unchanged;
+- ``balancer``: what happens to a layer's misses: ``none`` loads every one, ``smoe`` splits them by
+  SMoE Algorithm 2, ``presched`` by PreScope's PreSched (Algorithm 1, which also sizes the next
+  layer's prefetch), ``cpu`` computes every one on the CPU;
+- ``prefetch``: ``predictor`` prefetches the next layer's predicted experts, from the run's
+  predictor (a checkpoint), else the runtime's own source (the oracle in replay: an upper bound;
+  the next gate on this gate input in the live runtime); ``none`` never prefetches;
+- ``preload``: ``hot`` starts every cache from PreScope's hot-expert table (Sec. 4.4), ``none``
+  from empty (replay) or the runtime's initial placement (live).
+
+:data:`POLICIES` holds the named presets that ``--policy`` selects in ``moecast replay``,
+``compare`` and ``run``. Whether a policy substitutes, and the alpha it takes when none is given
+(:func:`resolve_alpha`), is decided here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+#: alpha for a policy that substitutes (smoe) when none is given, in ``moecast run``, ``replay`` and
+#: ``compare`` alike. SMoE picks alpha per TPOT budget (Eq. 5: ``moecast eval-accuracy --tpot-budget``);
+#: 0.3 is the middle of its Table IV range and kept tiny's perplexity within 0.01 % (bench ``live``).
+DEFAULT_ALPHA = 0.3
+
+EVICTIONS = ("lru", "lfu", "score", "static", "belady")
+BALANCERS = ("none", "smoe", "presched", "cpu")
+PREFETCH = ("none", "predictor")
+PRELOAD = ("none", "hot")
+
+
+def resolve_alpha(alpha: float | None, substitutes: bool) -> float:
+    """``alpha`` as given, or the default of a policy that does (DEFAULT_ALPHA) or does not (0) substitute."""
+    if alpha is None:
+        return DEFAULT_ALPHA if substitutes else 0.0
+    return float(alpha)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """One runtime policy; see the module docstring for each field."""
+
+    name: str
+    eviction: str
+    substitutes: bool = False
+    alpha: float = 0.0
+    balancer: str = "none"
+    prefetch: str = "none"
+    preload: str = "none"
+    help: str = ""
+
+    def __post_init__(self) -> None:
+        for what, value, allowed in (
+            ("eviction", self.eviction, EVICTIONS),
+            ("balancer", self.balancer, BALANCERS),
+            ("prefetch", self.prefetch, PREFETCH),
+            ("preload", self.preload, PRELOAD),
+        ):
+            if value not in allowed:
+                raise ValueError(f"unknown {what} {value!r}; choose one of {', '.join(allowed)}")
+        a = self.alpha
+        if not (isinstance(a, (int, float)) and math.isfinite(a) and a >= 0):
+            raise ValueError(f"alpha must be a number >= 0 (SMoE's substitution threshold), got {a}")
+        if a > 0 and not self.substitutes:
+            raise ValueError(
+                f"--alpha applies to substitution, which policy {self.name!r} does not use; use --policy smoe"
+            )
+
+    @property
+    def substituting(self) -> bool:
+        """Whether this run changes the routing (a substituting policy with alpha > 0)."""
+        return self.substitutes and self.alpha > 0
+
+    @property
+    def prefetches(self) -> bool:
+        return self.prefetch != "none"
+
+    def with_alpha(self, alpha: float | None) -> Policy:
+        """This policy with ``alpha`` (None: the default, :func:`resolve_alpha`)."""
+        return dataclasses.replace(self, alpha=resolve_alpha(alpha, self.substitutes))
+
+
+POLICIES: dict[str, Policy] = {
+    p.name: p
+    for p in (
+        Policy("lru", "lru", help="LRU eviction, misses loaded on demand"),
+        Policy("lfu", "lfu", help="LFU eviction (access counts since start, then recency, then id)"),
+        Policy("score", "score", help="SMoE Eq. 3 score-averaged eviction with shield (needs router_probs)"),
+        Policy("static", "static", help="PreScope hot-expert table, fixed; misses streamed, never kept"),
+        Policy("belady", "belady", help="offline optimum eviction (demand only, replay bound)"),
+        Policy(
+            "prefetch",
+            "lru",
+            prefetch="predictor",
+            help="LRU + top-score prefetch (SMoE C4) from --predictor",
+        ),
+        Policy(
+            "presched",
+            "lru",
+            balancer="presched",
+            prefetch="predictor",
+            preload="hot",
+            help="PreScope: hot-expert table start, LRU, PreSched Alg. 1 (Eq. 5 load/CPU split, Eqs. 6-7 prefetch sizing)",
+        ),
+        Policy(
+            "smoe",
+            "score",
+            substitutes=True,
+            alpha=DEFAULT_ALPHA,
+            balancer="smoe",
+            prefetch="predictor",
+            help="SMoE: Eq. 3 eviction + Alg. 1 substitution + prefetch + Alg. 2 CPU balancing (needs router_probs)",
+        ),
+    )
+}
+
+
+def get_policy(policy: str | Policy, alpha: float | None = None) -> Policy:
+    """The preset named ``policy`` (or ``policy`` itself) with ``alpha`` resolved; one line if unknown."""
+    if isinstance(policy, Policy):
+        return policy if alpha is None else policy.with_alpha(alpha)
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    return POLICIES[policy].with_alpha(alpha)
+
+
+def substitutes(policy: str) -> bool:
+    """Whether the policy named ``policy`` substitutes experts, i.e. takes an alpha."""
+    return policy in POLICIES and POLICIES[policy].substitutes

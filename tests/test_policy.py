@@ -1,0 +1,67 @@
+"""Runtime policies: presets, the one alpha rule, refusals."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_synthetic_traceset
+from moecast.collect.traceset import TraceSet
+from moecast.runtime.policy import DEFAULT_ALPHA, POLICIES, Policy, get_policy, resolve_alpha, substitutes
+from moecast.runtime.replay import ReplayConfig, replay
+
+
+def test_presets_name_the_papers_choices():
+    assert {n: (p.eviction, p.balancer, p.prefetch, p.preload) for n, p in POLICIES.items()} == {
+        "lru": ("lru", "none", "none", "none"),
+        "lfu": ("lfu", "none", "none", "none"),
+        "score": ("score", "none", "none", "none"),
+        "static": ("static", "none", "none", "none"),
+        "belady": ("belady", "none", "none", "none"),
+        "prefetch": ("lru", "none", "predictor", "none"),
+        "presched": ("lru", "presched", "predictor", "hot"),
+        "smoe": ("score", "smoe", "predictor", "none"),
+    }
+    assert [n for n in POLICIES if substitutes(n)] == ["smoe"]
+    assert not substitutes("no-such-policy")
+
+
+def test_alpha_defaults_only_where_the_policy_substitutes():
+    assert resolve_alpha(None, True) == DEFAULT_ALPHA == 0.3
+    assert resolve_alpha(None, False) == 0.0
+    assert resolve_alpha(0.1, True) == 0.1
+    assert get_policy("smoe").alpha == 0.3 and get_policy("smoe").substituting
+    assert get_policy("smoe", 0.0).alpha == 0.0 and not get_policy("smoe", 0.0).substituting
+    assert get_policy("lru").alpha == 0.0
+    with pytest.raises(ValueError, match="alpha applies to substitution, which policy 'lru' does not use"):
+        get_policy("lru", 0.2)
+    for bad in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="alpha must be a number >= 0"):
+            get_policy("smoe", bad)
+
+
+def test_unknown_names_are_one_line():
+    with pytest.raises(ValueError, match="unknown policy 'fifo'; choose one of lru, lfu"):
+        get_policy("fifo")
+    with pytest.raises(ValueError, match="unknown balancer 'greedy'"):
+        Policy("x", "lru", balancer="greedy")
+    with pytest.raises(ValueError, match="unknown eviction 'fifo'"):
+        Policy("x", "fifo")
+
+
+def test_replay_config_takes_the_policy_default_alpha(tmp_path):
+    """ReplayConfig(policy="smoe") substitutes as `moecast replay --policy smoe` does (alpha 0.3)."""
+    ts = TraceSet(make_synthetic_traceset(tmp_path / "s", num_experts=8, top_k=2, tokens=12))
+    cfg = dict(policy="smoe", predictor="none", capacity=3, batch_size=2)
+    default = replay(ts, ReplayConfig(**cfg))
+    assert default.config["alpha"] == DEFAULT_ALPHA
+    assert default.to_json() == {
+        **replay(ts, ReplayConfig(**cfg, alpha=0.3)).to_json(),
+        "wall_s": default.wall_s,
+    }
+    assert replay(ts, ReplayConfig(**cfg, alpha=0.0)).substitution_rate == 0.0
+    # a Policy value is accepted in place of a preset name
+    own = Policy("lru-presched", "lru", balancer="presched")
+    r = replay(ts, ReplayConfig(policy=own, capacity=3, predictor="none"))
+    assert r.config["policy"] == "lru-presched" and r.config["balancer"] == "presched"
+    # balancer cpu: nothing is ever loaded, so an empty cache stays empty and every use runs on the CPU
+    cpu = replay(ts, ReplayConfig(policy=Policy("cpu", "lru", balancer="cpu"), capacity=3, cold=True))
+    assert cpu.loads == 0 and cpu.hit_rate == 0.0 and cpu.cpu_experts == cpu.accesses
