@@ -84,7 +84,7 @@ def main() -> None:
             subprocess.run([sys.executable, "-m", "moecast", *cmd], check=True)
 
     from moecast.predictors import load
-    from moecast.predictors.casmoe import cascade_wins, compare_planners, format_table
+    from moecast.train.planner_report import cascade_wins, compare_planners, format_table
 
     eam_p, eap_p = load(args.eam), load(args.eap)
     eps = [float(x) for x in args.epsilons.split(",") if x]
@@ -147,7 +147,8 @@ def length_latencies(eam, eap, traces: str, val_fraction: float, repeats: int) -
     """Per-planner latency on three held-out prompts: ~16 tokens, the median length, one past the limit."""
     import numpy as np
     from moecast.collect.traceset import open_traces
-    from moecast.predictors.casmoe import Cascade, heldout_prompts
+    from moecast.predictors.cascade import Cascade
+    from moecast.train.planner_report import heldout_prompts
 
     ts = open_traces(traces)
     prompts = heldout_prompts(ts, ts.split(val_fraction, 0)[1])

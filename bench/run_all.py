@@ -687,7 +687,7 @@ def _casmoe_figures(ctx: Ctx, setting: str, lines: list[dict]) -> list[Figure]:
     ]
     casc = [r for n, r in rows.items() if n and n.startswith("cascade")]
     if casc and eap_r:
-        from moecast.predictors.casmoe import cascade_wins
+        from moecast.train.planner_report import cascade_wins
 
         wins = cascade_wins(list(rows.values()))
         best = (

@@ -2,7 +2,7 @@
 
 The CasMoE planners (casmoe-eam-eap-cascade.md, EAM Eq. 4 and the EAP's encoder) spend
 almost all of a query in the encoder. :class:`OrtBertEncoder` computes the same
-function as :class:`~moecast.predictors.casmoe.FastBertEncoder` (Hugging Face's
+function as :class:`~moecast.predictors.bert_encoder.FastBertEncoder` (Hugging Face's
 ``BertModel``, then sentence-transformers' mean ``Pooling`` and ``Normalize``), exported
 once with ``torch.onnx`` and executed by ONNX Runtime, whose fused CPU kernels and int8
 GEMMs are faster at batch 1 than torch's.
@@ -190,7 +190,7 @@ def _session(path: Path, threads: int | None) -> Any:
 class OrtBertEncoder:
     """[N, T] token ids -> [N, D] unit-norm sentence embeddings, by ONNX Runtime (CPU).
 
-    Same call as :class:`~moecast.predictors.casmoe.FastBertEncoder`; returns a torch
+    Same call as :class:`~moecast.predictors.bert_encoder.FastBertEncoder`; returns a torch
     tensor so the EAP's heads take it as they are. ``threads``: ONNX Runtime's intra-op
     threads for one prompt (None: its default, every core); batches use every core. The graph reflects the weights when built;
     build it again if the model is trained further.

@@ -16,9 +16,9 @@ KINDS: dict[str, str] = {
     "gate-reuse": "moecast.predictors.baselines:GateReusePredictor",
     "moe-infinity": "moecast.predictors.baselines:ActivationMatrixPredictor",
     "cooccurrence": "moecast.predictors.baselines:CooccurrencePredictor",
-    "eam": "moecast.predictors.casmoe:EAM",
-    "eap": "moecast.predictors.casmoe:EAP",
-    "cascade": "moecast.predictors.casmoe:Cascade",
+    "eam": "moecast.predictors.eam:EAM",
+    "eap": "moecast.predictors.eap:EAP",
+    "cascade": "moecast.predictors.cascade:Cascade",
 }
 
 

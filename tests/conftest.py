@@ -147,7 +147,7 @@ def synthetic_traces(tmp_path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_encoder(tmp_path_factory) -> Path:
     """A 2-layer, 32-wide BERT with MiniLM's tokenizer: trains in seconds."""
-    from moecast.predictors.casmoe import resolve_encoder_path
+    from moecast.predictors.sentence_encoder import resolve_encoder_path
     from transformers import AutoTokenizer, BertConfig, BertModel
 
     out = tmp_path_factory.mktemp("tiny-encoder")

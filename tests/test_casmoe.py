@@ -11,25 +11,14 @@ import pytest
 from conftest import make_synthetic_traceset
 from moecast.collect.traceset import TraceSet
 from moecast.predictors import CheckpointError, load
-from moecast.predictors.casmoe import (
-    EAM,
-    Cascade,
-    FastBertEncoder,
-    SentenceEmbedder,
-    buffer_path,
-    cascade_wins,
-    checked_fast_encoder,
-    compare_planners,
-    ep_label,
-    ep_labels,
-    fast_encoder_unsupported,
-    index_path,
-    plan_recall,
-    prompt_text,
-    torch_threads,
-)
+from moecast.predictors.bert_encoder import FastBertEncoder, checked_fast_encoder, fast_encoder_unsupported
+from moecast.predictors.cascade import Cascade
+from moecast.predictors.casmoe import ep_label, ep_labels, plan_recall, prompt_text
 from moecast.predictors.checkpoint import load_raw, save
+from moecast.predictors.eam import EAM, buffer_path, index_path
 from moecast.predictors.onnx_encoder import OrtBertEncoder
+from moecast.predictors.sentence_encoder import SentenceEmbedder, torch_threads
+from moecast.train.planner_report import cascade_wins, compare_planners
 
 TOPICS = [
     "Write a python function that sorts a list of integers",
@@ -601,7 +590,7 @@ def test_eap_fine_tuning_runs_the_encoder_with_dropout(tiny_encoder):
     (loaded in eval mode by Hugging Face, and kept so by Lightning) must run in train mode, so the
     two views differ; in validation it runs in eval mode."""
     import torch
-    from moecast.predictors.casmoe_eap import EAPNet, load_encoder
+    from moecast.predictors.eap import EAPNet, load_encoder
     from moecast.train.casmoe import EAPModule
 
     enc, tok, _ = load_encoder(str(tiny_encoder))

@@ -28,24 +28,13 @@ import lightning as L
 import numpy as np
 import torch
 from moecast.collect.traceset import TraceSet, atomic_write_json, open_traces
-from moecast.predictors.casmoe import (
-    EAM,
-    EAMConfig,
-    SentenceEmbedder,
-    compare_planners,
-    encoder_identity,
-    encoder_spec,
-    ep_labels,
-    format_table,
-    index_path,
-    plan_recall,
-    plan_truth,
-    prompt_text,
-    run_planner,
-)
-from moecast.predictors.casmoe_eap import EAP, EAPNet, load_encoder, tokenizer_limit
+from moecast.predictors.casmoe import ep_labels, plan_recall, plan_truth, prompt_text
+from moecast.predictors.eam import EAM, EAMConfig, index_path
+from moecast.predictors.eap import EAP, EAPNet, load_encoder, tokenizer_limit
 from moecast.predictors.metrics import MetricAccumulator
+from moecast.predictors.sentence_encoder import SentenceEmbedder, encoder_identity, encoder_spec
 from moecast.train.data import eval_sampler, log_validation
+from moecast.train.planner_report import compare_planners, format_table, run_planner
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
@@ -559,7 +548,7 @@ def build_cascade_checkpoint(
         run_dir: where the comparison's table3.json and offline wandb run go (default ``<out>.run``).
         wandb: log the comparison (one row per planner, scalars and a table) to an offline wandb run.
     """
-    from moecast.predictors.casmoe import Cascade
+    from moecast.predictors.cascade import Cascade
     from moecast.predictors.registry import load
 
     eam_p, eap_p = load(eam), load(eap)

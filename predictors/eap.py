@@ -27,19 +27,16 @@ import numpy as np
 import torch
 from moecast.collect.traceset import RequestTrace
 from moecast.predictors.base import Predictor
-from moecast.predictors.casmoe import (
-    _ENCODER_INPUTS,
-    broadcast_plan,
-    check_engine,
+from moecast.predictors.bert_encoder import ENCODER_INPUTS, check_engine, checked_fast_encoder
+from moecast.predictors.casmoe import broadcast_plan, prompt_text
+from moecast.predictors.checkpoint import CheckpointError, save
+from moecast.predictors.sentence_encoder import (
     check_prompts,
-    checked_fast_encoder,
     encoder_identity,
     note_truncation,
-    prompt_text,
     resolve_encoder_path,
     torch_threads,
 )
-from moecast.predictors.checkpoint import CheckpointError, save
 from torch import nn
 
 
@@ -204,7 +201,7 @@ class EAP(Predictor):
         if fast is None:
             return self.net.embed(feats)
         dev = self.net.proj.weight.device
-        return fast(**{k: v.to(dev) for k, v in feats.items() if k in _ENCODER_INPUTS})
+        return fast(**{k: v.to(dev) for k, v in feats.items() if k in ENCODER_INPUTS})
 
     def _heads(self, emb: torch.Tensor) -> torch.Tensor:
         """[N, L, E] plans (per-layer softmax) of the heads, ``EAPNet.heads`` in eval mode."""
