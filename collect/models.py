@@ -158,22 +158,46 @@ def find_moe_structure(model: Any, router_pattern: str | None = None) -> MoEStru
             "transformers' experts interface: it is not an MoE model, or pass --router-pattern REGEX naming its routers"
         )
     router_cls, index = _router_recorder(model)
-    kind = "softmax"
     if router_cls is not None:
         for name, module in named:
             if isinstance(module, router_cls):
                 idx = layer_index(name)
                 if idx in layers and layers[idx].router is None:
                     layers[idx].router_name, layers[idx].router = name, module
-                    # DeepSeek-V3-style routers score experts with a sigmoid plus a selection bias
-                    if (
-                        hasattr(module, "e_score_correction_bias")
-                        or getattr(model.config, "scoring_func", "") == "sigmoid"
-                    ):
-                        kind = "sigmoid-normalised"
+    if any(e.router is None for e in layers.values()):
+        # releases that do not record router_logits for a family (transformers 5.17's DeepSeek-V2/V3)
+        _sibling_routers(model, layers)
+        index = 0
+    kind = "softmax"
+    # DeepSeek-V3-style routers score experts with a sigmoid plus a selection bias
+    if any(hasattr(e.router, "e_score_correction_bias") for e in layers.values()) or (
+        getattr(model.config, "scoring_func", "") == "sigmoid"
+    ):
+        kind = "sigmoid-normalised"
     return MoEStructure(
         layers=[layers[i] for i in sorted(layers)], router_output_index=index, router_probs_kind=kind
     )
+
+
+def _sibling_routers(model: Any, layers: dict[int, MoELayer]) -> None:
+    """Routers found by shape where ``_can_record_outputs`` names none: the module beside the experts
+    (same parent) that owns a ``weight`` of shape [num_experts, hidden]. Every release's routers return
+    their logits first, so the recorded output index is 0."""
+    import torch
+
+    modules = dict(model.named_modules())
+    for entry in layers.values():
+        if entry.router is not None:
+            continue
+        parent_name = entry.experts_name.rpartition(".")[0]
+        num_experts = int(getattr(entry.experts, "num_experts", 0) or 0)
+        for child_name, child in modules[parent_name].named_children():
+            weight = getattr(child, "weight", None)
+            if child is entry.experts or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+                continue
+            if weight.shape[0] == num_experts:
+                entry.router_name, entry.router = f"{parent_name}.{child_name}", child
+                break
 
 
 def _first_attr(obj: Any, keys: tuple[str, ...]) -> Any:

@@ -855,3 +855,25 @@ def test_prompt_ahead_checkpoints_get_a_true_refusal(model_dir, model_traces, tm
 
 def _eam_stub():
     return _stub("eam", "prompt-ahead", plan=lambda self, prompt: (np.ones((2, 8), np.float32), "eam"))
+
+
+def test_routers_found_by_shape_when_the_release_records_none(monkeypatch):
+    # transformers 5.17's DeepSeek-V2/V3 do not name their router in _can_record_outputs: the router is
+    # then the experts' sibling with a [num_experts, hidden] weight, and the runtime stays exact.
+    model = make_model("deepseek_v2")
+    cls = type(model)
+    recorders = {k: v for k, v in cls._can_record_outputs.items() if k != "router_logits"}
+    monkeypatch.setattr(cls, "_can_record_outputs", recorders)
+    ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(1))
+    ref = decode_logits(model, ids)
+    rt = attach(model, alpha=0.0, policy="lru", capacity=0.25)
+    try:
+        assert [e.router_name for e in rt.structure.layers] == [
+            "model.layers.0.mlp.gate",
+            "model.layers.1.mlp.gate",
+        ]
+        got = decode_logits(model, ids)
+        assert rt.stats()["transfers"] > 0
+    finally:
+        rt.detach()
+    assert torch.allclose(got, ref, atol=2e-5, rtol=1e-5)
