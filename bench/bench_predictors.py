@@ -126,7 +126,9 @@ def wide_llapor(gate_hidden: int = 2048, seed: int = 0) -> tuple[Any, Any]:
     output groups and 512 for the middle, the previous token's gate input, a skip path).
     """
     from moecast.collect.traceset import RequestTrace
-    from moecast.predictors.llapor import FeatureSpec, LLaPor, LLaPorNet, NetConfig
+    from moecast.predictors.llapor import LLaPor
+    from moecast.predictors.llapor_features import FeatureSpec
+    from moecast.predictors.llapor_net import LLaPorNet, NetConfig
 
     L, E, k, T = 26, 64, 6, 17
     torch.manual_seed(seed)

@@ -89,7 +89,7 @@ def evaluate_predictor(
 def detected_groups(ts: Any, train_ids: list[str], max_rows: int = 20000) -> dict[str, list[int]] | None:
     """The layer groups LLaPor training detects (PreScope §3.1) on this split, for baselines' per-group rows."""
     import numpy as np
-    from moecast.predictors.llapor import detect_groups, gate_cosine, routing_correlation
+    from moecast.predictors.llapor_groups import detect_groups, gate_cosine, routing_correlation
 
     if not train_ids:
         return None

@@ -200,7 +200,7 @@ def fold_pca(
 
 
 def pack(w: dict[str, Any], H: int, E: int, int8: bool = True) -> tuple:
-    """The layer's numpy weights (LLaPor._layer_weights) as :func:`forward`'s weight arguments,
+    """The layer's numpy weights (:func:`.llapor_weights.layer_weights`) as :func:`forward`'s weight arguments,
     absent parts as zero-size arrays. Matrices are int8 with per-column scales unless ``int8``
     is False; the gathered tables (a few rows read per token) and biases stay float32."""
 
@@ -242,7 +242,7 @@ def pack(w: dict[str, Any], H: int, E: int, int8: bool = True) -> tuple:
 @njit(cache=True, nogil=True)
 def row_bags(topk, t, layer, prev_layers, history_tokens, history_layers, repeat_row, E, pad, out):
     """Token ``t``'s sparse feature ids at ``layer`` into ``out`` [nbag]: the runtime's one-row
-    version of :func:`moecast.predictors.llapor.sparse_bags` (same blocks, same order; the tests
+    version of :func:`moecast.predictors.llapor_features.sparse_bags` (same blocks, same order; the tests
     compare them). ``topk`` [T, L, k] holds one request from position 0; ``repeat_row`` is the
     token's earlier occurrence (-1: none) or -2 without ``repeat_token``."""
     k = topk.shape[2]

@@ -10,16 +10,10 @@ from moecast.collect.traceset import MissingFieldError, TraceSet
 from moecast.predictors import load
 from moecast.predictors.baselines import FrequencyPredictor
 from moecast.predictors.commands import evaluate, evaluate_predictor
-from moecast.predictors.llapor import (
-    FeatureSpec,
-    LLaPor,
-    LLaPorNet,
-    NetConfig,
-    balanced_focal_loss,
-    detect_groups,
-    group_lambda,
-    routing_correlation,
-)
+from moecast.predictors.llapor import LLaPor
+from moecast.predictors.llapor_features import FeatureSpec
+from moecast.predictors.llapor_groups import detect_groups, routing_correlation
+from moecast.predictors.llapor_net import LLaPorNet, NetConfig, balanced_focal_loss, group_lambda
 from moecast.train.data import LLaPorDataModule
 from moecast.train.llapor import LLaPorModule
 
@@ -110,7 +104,7 @@ def test_group_detection_covers_layers_in_order():
     groups, _ = detect_groups(cos, np.full(6, 0.5), 6)
     assert groups == {"input": [0, 1], "middle": [2, 3, 4], "output": [5]}
     # from gate inputs: layers 1-4 share a direction (slowly changing residual stream), 0 and 5 do not
-    from moecast.predictors.llapor import gate_cosine
+    from moecast.predictors.llapor_groups import gate_cosine
 
     base = rng.standard_normal((400, 1, 32))
     gin = np.concatenate(
@@ -194,7 +188,7 @@ def test_training_beats_the_hot_table_and_roundtrips(tmp_path):
 
 
 def test_softmax_loss_ranks_experts_and_trains(tmp_path):
-    from moecast.predictors.llapor import topk_softmax_loss
+    from moecast.predictors.llapor_net import topk_softmax_loss
 
     target = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
     good = topk_softmax_loss(torch.tensor([[5.0, 5.0, -5.0, -5.0]]), target)
@@ -219,7 +213,7 @@ def test_softmax_loss_ranks_experts_and_trains(tmp_path):
 
 
 def test_distill_loss_targets_the_routers_softened_ranking():
-    from moecast.predictors.llapor import distill_softmax_loss, topk_softmax_loss
+    from moecast.predictors.llapor_net import distill_softmax_loss, topk_softmax_loss
 
     target = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
@@ -319,7 +313,7 @@ def test_online_update_reduces_loss_on_a_shifted_workload(tmp_path):
 
 
 def test_online_update_uses_the_loss_the_checkpoint_was_trained_with(tmp_path):
-    from moecast.predictors.llapor import topk_softmax_loss
+    from moecast.predictors.llapor_net import topk_softmax_loss
     from moecast.predictors.metrics import multi_hot
 
     path = make_synthetic_traceset(tmp_path / "s", num_requests=8, num_layers=3, tokens=12)
@@ -405,7 +399,7 @@ def test_nan_or_inf_in_wide_training_fields_is_refused(field, tmp_path, monkeypa
 
 
 def test_token_context_and_history_layers_are_causal_features():
-    from moecast.predictors.llapor import sparse_bags, token_context
+    from moecast.predictors.llapor_features import sparse_bags, token_context
 
     spec = FeatureSpec(
         num_layers=3,
@@ -464,7 +458,7 @@ def test_groups_from_config_are_used_and_checked(tmp_path):
 
 def test_repeat_token_and_exact_vocab_are_causal():
     from moecast.collect.traceset import RequestTrace
-    from moecast.predictors.llapor import previous_occurrence, token_buckets_of
+    from moecast.predictors.llapor_features import previous_occurrence, token_buckets_of
 
     # previous occurrence: same token earlier in the same request only (pos restarts at 0)
     pos = np.array([0, 1, 2, 3, 0, 1])
@@ -518,7 +512,7 @@ def test_repeat_token_and_exact_vocab_are_causal():
 
 
 def test_context_votes_pool_earlier_tokens_by_path_overlap():
-    from moecast.predictors.llapor import context_votes
+    from moecast.predictors.llapor_features import context_votes
 
     spec = FeatureSpec(num_layers=2, num_experts=4, top_k=1, context_vote=1, vote_power=1.0)
     # request A: 3 tokens, request B: 1 token; ids[t, l, 0]
@@ -564,7 +558,7 @@ def test_kernel_quantize_keeps_each_column_within_half_a_step():
 
 
 def test_context_gate_feeds_the_previous_tokens_same_layer_gate_input():
-    from moecast.predictors.llapor import dense_features
+    from moecast.predictors.llapor_features import dense_features
 
     spec = FeatureSpec(
         num_layers=3, num_experts=4, top_k=1, gate_pca=True, pca_dims=[2, 2, 2], context_gate=2

@@ -19,7 +19,8 @@ import yaml
 from conftest import make_synthetic_traceset, quiet_trainer
 from moecast.collect.traceset import TraceSet
 from moecast.predictors import load
-from moecast.predictors.llapor import LLaPor, balanced_focal_loss, group_lambda, llapor_loss
+from moecast.predictors.llapor import LLaPor
+from moecast.predictors.llapor_net import balanced_focal_loss, group_lambda, llapor_loss
 from moecast.predictors.metrics import multi_hot, recall_at_k
 from moecast.train.data import LLaPorDataModule
 from moecast.train.llapor import LLaPorModule

@@ -17,17 +17,15 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from moecast.collect.traceset import TraceSet, open_traces
-from moecast.predictors.llapor import (
+from moecast.predictors.llapor_features import (
     FeatureSpec,
+    context_votes,
     dense_rows,
-    detect_groups,
-    format_groups,
-    gate_cosine,
     previous_occurrence,
-    routing_correlation,
     sparse_bags,
     token_context,
 )
+from moecast.predictors.llapor_groups import detect_groups, format_groups, gate_cosine, routing_correlation
 from moecast.predictors.metrics import MetricAccumulator, multi_hot
 from torch.utils.data import DataLoader, Dataset, Sampler
 
@@ -414,8 +412,6 @@ class LLaPorDataModule(pl.LightningDataModule):
                 if not np.isfinite(self.weights).all():
                     raise ValueError(f"{ts.path}: topk_weights contain NaN or inf; re-collect the traces")
             if self.spec.context_vote:
-                from moecast.predictors.llapor import context_votes
-
                 # pools over every earlier token of the request, so it is built once (float16)
                 self.votes = context_votes(self.spec, self.topk, self.pos).astype(np.float16)
         # the router's probabilities, for the model's distillation loss: read per batch like gate inputs

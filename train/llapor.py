@@ -32,9 +32,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from moecast.predictors.context_memory import MemoryConfig, build
-from moecast.predictors.llapor import (
+from moecast.predictors.llapor import LLaPor
+from moecast.predictors.llapor_net import (
     LOSSES,
-    LLaPor,
     LLaPorNet,
     NetConfig,
     distill_softmax_loss,
