@@ -13,6 +13,14 @@ each slot holds. :class:`SlotView` presents the slots to the experts implementat
 model already uses, as if they were the module's own weights, so resident experts run
 with exactly the model's arithmetic.
 
+On CUDA a copy into a slot waits only for the last kernel that read that slot (one event
+recorded on the compute stream after each call that reads slots), not for everything
+queued on the compute stream, so a prefetch into layer l+1's slots starts while layer l
+computes. Pinned host memory is bounded: the host copies are pinned only when they fit
+the pinning budget; otherwise they stay pageable and each transfer goes through a small
+ring of pinned staging buffers (``STAGING_BUFFERS`` experts), and ``pinned_bytes`` says
+how much is pinned.
+
 On a CPU-only machine the "device" is the CPU: slots are still pre-allocated and loads
 really copy weights into them (so what runs is what was loaded), but their duration
 comes from the cost model on the live runtime's virtual clock, not from a wall clock.
@@ -29,6 +37,9 @@ from torch import nn
 
 #: PreScope §4.4 uses one CUDA stream per piece (gate, up, down)
 TRANSFER_STREAMS = 3
+#: pinned buffers a transfer from pageable host memory goes through; a buffer is reused once its
+#: previous copy has landed, so this bounds the pinned memory of the staging path
+STAGING_BUFFERS = 4
 
 
 @dataclass
@@ -76,16 +87,45 @@ def _piece(t: torch.Tensor, piece: Piece) -> torch.Tensor:
     return t.narrow(piece.dim, piece.start, piece.stop - piece.start)
 
 
+class CudaOps:
+    """The stream and event calls a :class:`LayerStore` makes; a test passes an object with the same methods."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def stream(self) -> Any:
+        return torch.cuda.Stream(device=self.device)
+
+    def current(self) -> Any:
+        return torch.cuda.current_stream(self.device)
+
+    def event(self) -> Any:
+        return torch.cuda.Event()
+
+    def on(self, stream: Any) -> Any:
+        return torch.cuda.stream(stream)
+
+
 class LayerStore:
     """Host copies of one layer's experts and ``num_slots`` pre-allocated device slots.
 
     ``device`` is where slots live: a CUDA device for the real path, the CPU for the
-    simulated one. Host tensors are the module's own tensors when they already are in
-    host memory and no pinning is needed (the CPU-only case: nothing is duplicated),
-    otherwise pinned host copies.
+    simulated one. ``ops`` issues the asynchronous copies (default: :class:`CudaOps` on a
+    CUDA device, none on the CPU, where copies are synchronous). Host tensors are the
+    module's own tensors when they are in host memory; pinning replaces the module's
+    tensors by pinned ones of equal value, so nothing is held twice. ``pin`` (default:
+    on CUDA) pins the host copies; with ``pin=False`` transfers are staged through
+    ``STAGING_BUFFERS`` pinned buffers instead.
     """
 
-    def __init__(self, experts: nn.Module, num_slots: int, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        experts: nn.Module,
+        num_slots: int,
+        device: torch.device | str | None = None,
+        ops: Any = None,
+        pin: bool | None = None,
+    ) -> None:
         self.experts = experts
         self.num_experts = int(experts.num_experts)
         if not 1 <= num_slots <= self.num_experts:
@@ -95,15 +135,10 @@ class LayerStore:
         first = next(iter(params.values()))
         self.device = torch.device(device) if device is not None else first.device
         self.cuda = self.device.type == "cuda"
-        pin = self.cuda and torch.cuda.is_available()
-        self.host: dict[str, torch.Tensor] = {}
-        for name, t in params.items():
-            t = t.detach()
-            if t.device.type != "cpu" or pin:
-                # pinned memory lets the copy engine read host memory directly (asynchronous DMA)
-                t = t.to("cpu").contiguous()
-                t = t.pin_memory() if pin else t
-            self.host[name] = t
+        self.ops = ops if ops is not None else (CudaOps(self.device) if self.cuda else None)
+        can_pin = self.cuda and torch.cuda.is_available()
+        pin = can_pin if pin is None else bool(pin) and can_pin
+        self.host = {name: _host_copy(experts, name, t, pin) for name, t in params.items()}
         # AsyncIO's pre-registered buffers: allocated once, only ever overwritten
         self.slots = {
             name: torch.empty((self.num_slots, *t.shape[1:]), dtype=t.dtype, device=self.device)
@@ -116,9 +151,24 @@ class LayerStore:
         self.loads = 0
         self.bytes_moved = 0
         self._streams: list[Any] = []
-        self._events: dict[int, list[Any]] = {}
-        if self.cuda:
-            self._streams = [torch.cuda.Stream(device=self.device) for _ in range(TRANSFER_STREAMS)]
+        self._events: dict[
+            int, list[Any]
+        ] = {}  # slot -> its transfer's events (until the compute stream waits)
+        self._read_events: dict[int, Any] = {}  # slot -> event after the last kernel that read it
+        self._staging: list[dict[str, torch.Tensor]] = []
+        self._staging_events: list[list[Any]] = []
+        self._next_staging = 0
+        if self.ops is not None:
+            self._streams = [self.ops.stream() for _ in range(TRANSFER_STREAMS)]
+            if not pin:
+                self._staging = [
+                    {n: _empty_like_row(t, can_pin) for n, t in self.host.items()}
+                    for _ in range(STAGING_BUFFERS)
+                ]
+                self._staging_events = [[] for _ in self._staging]
+        self.pinned_bytes = self.expert_bytes * (self.num_experts if pin else 0)
+        if can_pin:
+            self.pinned_bytes += self.expert_bytes * len(self._staging)
 
     # ------------------------------------------------------------------ residency
     def resident(self) -> np.ndarray:
@@ -132,9 +182,9 @@ class LayerStore:
     def load(self, expert: int, evict: int | None = None) -> int:
         """Copy ``expert`` into a free slot, or into ``evict``'s slot; returns the slot.
 
-        On CUDA the pieces go out on the transfer streams from pinned memory and the
-        slot records one event per piece; :meth:`wait` makes the compute stream wait
-        for them. On the CPU the copy is synchronous.
+        With ``ops`` the pieces go out on the transfer streams, each after the last kernel
+        that read the slot, and the slot records one event per piece; :meth:`wait` makes the
+        compute stream wait for them. Without, the copy is synchronous.
         """
         expert = int(expert)
         if self.slot_of[expert] >= 0:
@@ -156,35 +206,64 @@ class LayerStore:
         self.bytes_moved += self.expert_bytes
         return slot
 
+    def source(self, expert: int) -> dict[str, torch.Tensor]:
+        """One expert's host tensors, by parameter name (a subclass may read them from elsewhere)."""
+        return {name: t[expert] for name, t in self.host.items()}
+
     def _copy(self, expert: int, slot: int) -> None:
-        if not self.cuda:
+        if self.ops is None:
+            src = self.source(expert)
             for p in self.pieces:
-                _piece(self.slots[p.param][slot], p).copy_(_piece(self.host[p.param][expert], p))
+                _piece(self.slots[p.param][slot], p).copy_(_piece(src[p.param], p))
             return
-        compute = torch.cuda.current_stream(self.device)
+        src, buffer = self._staged(expert)
+        # kernels queued after this event do not read the slot: the copy waits for it alone
+        read = self._read_events.pop(slot, None)
         events = []
         for i, p in enumerate(self.pieces):
+            # a piece always takes the same stream, so copies into one slot stay in order
             stream = self._streams[i % len(self._streams)]
-            # the slot may still be read by kernels already queued on the compute stream
-            stream.wait_stream(compute)
-            with torch.cuda.stream(stream):
-                _piece(self.slots[p.param][slot], p).copy_(
-                    _piece(self.host[p.param][expert], p), non_blocking=True
-                )
-                ev = torch.cuda.Event()
+            if read is not None:
+                stream.wait_event(read)
+            with self.ops.on(stream):
+                _piece(self.slots[p.param][slot], p).copy_(_piece(src[p.param], p), non_blocking=True)
+                ev = self.ops.event()
                 ev.record(stream)
                 events.append(ev)
         self._events[slot] = events
+        if buffer is not None:
+            self._staging_events[buffer] = events
+
+    def _staged(self, expert: int) -> tuple[dict[str, torch.Tensor], int | None]:
+        """The tensors a transfer reads: pinned host rows, or a staging buffer filled from pageable memory."""
+        if not self._staging:
+            return self.source(expert), None
+        b = self._next_staging
+        self._next_staging = (b + 1) % len(self._staging)
+        for ev in self._staging_events[b]:  # the buffer's previous transfer must have read it
+            ev.synchronize()
+        for name, row in self.source(expert).items():
+            self._staging[b][name].copy_(row)
+        return self._staging[b], b
 
     def wait(self, slots: np.ndarray | list[int] | None = None) -> None:
         """Make the compute stream wait until the given slots' transfers (all, if None) have landed."""
-        if not self.cuda:
+        if self.ops is None:
             return
-        compute = torch.cuda.current_stream(self.device)
+        compute = self.ops.current()
         keys = list(self._events) if slots is None else [int(s) for s in slots if int(s) in self._events]
         for s in keys:
             for ev in self._events.pop(s):
                 compute.wait_event(ev)
+
+    def mark_read(self, slots: np.ndarray | list[int]) -> None:
+        """Record that kernels now queued on the compute stream read ``slots``; a copy into one waits for them."""
+        if self.ops is None or not len(slots):
+            return
+        ev = self.ops.event()
+        ev.record(self.ops.current())
+        for s in slots:
+            self._read_events[int(s)] = ev
 
     def fill(self, experts: np.ndarray | list[int]) -> None:
         """Load ``experts`` into free slots (initial placement), as many as fit."""
@@ -192,6 +271,28 @@ class LayerStore:
             if self.free_slot() is None:
                 break
             self.load(int(e))
+
+
+def _host_copy(experts: nn.Module, name: str, t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """``t`` in host memory, pinned when asked; a host tensor of the module is replaced by its pinned copy."""
+    t = t.detach()
+    if t.device.type == "cpu" and not pin:
+        return t
+    # pinned memory lets the copy engine read host memory directly (asynchronous DMA)
+    host = t.to("cpu").contiguous()
+    host = host.pin_memory() if pin else host
+    if t.device.type == "cpu":
+        # equal values in pinned memory: the module keeps working and the weights are held once
+        target = experts._parameters if name in experts._parameters else experts._buffers
+        if name in experts._parameters:
+            target[name].data = host
+        else:
+            target[name] = host
+    return host
+
+
+def _empty_like_row(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    return torch.empty(t.shape[1:], dtype=t.dtype, pin_memory=pin)
 
 
 class SlotView:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -50,7 +51,7 @@ from moecast.collect.models import MoEStructure, find_moe_structure, model_info
 from moecast.runtime.balancer import Balancer
 from moecast.runtime.cache import POLICIES, ExpertCache, StaticTable, resolve_capacity
 from moecast.runtime.cost_model import CostModel, load_profile
-from moecast.runtime.expert_store import LayerStore, SlotView
+from moecast.runtime.expert_store import LayerStore, SlotView, expert_params
 from moecast.runtime.policy import substitutes
 from moecast.runtime.prefetch import Prefetcher
 from moecast.runtime.presched import PreSched
@@ -87,6 +88,7 @@ class LiveConfig:
     online_update: bool = False
     online_lr: float = 1e-4
     learn_plans: bool = False
+    pinned_mb: float | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in LIVE_POLICIES:
@@ -106,6 +108,8 @@ class LiveConfig:
             raise ValueError(f"unknown prefetch {self.prefetch!r}; choose one of {', '.join(PREFETCH)}")
         if self.balance not in BALANCE:
             raise ValueError(f"unknown balance {self.balance!r}; choose one of {', '.join(BALANCE)}")
+        if self.pinned_mb is not None and not (math.isfinite(self.pinned_mb) and self.pinned_mb >= 0):
+            raise ValueError(f"pinned_mb must be a size in MB >= 0, got {self.pinned_mb}")
 
 
 @dataclass
@@ -128,6 +132,7 @@ class LiveStats:
     plans_folded: int = 0  # of those, the ones that filled the buffer and were folded into the index
     online_updates: int = 0  # PreScope §4.2.2 continual-learning steps taken on decoded tokens
     online_loss: float = float("nan")  # the predictor's loss on the latest decoded token, before its update
+    host_syncs: int = 0  # device-to-host reads the experts calls waited for (one per layer and step)
     measured_decode_ms: list[float] = field(default_factory=list)
     modeled_decode_ms: list[float] = field(default_factory=list)
     measured_prefill_ms: float = 0.0
@@ -212,7 +217,11 @@ class LiveRuntime:
             lanes=self.num_layers,
             score_window=config.score_window,
         )
-        self.stores = [LayerStore(e.experts, self.capacity, config.device) for e in structure.layers]
+        self.stores = self._make_stores(structure, config)
+        # CPU experts run on a worker thread while the device computes the resident ones
+        self.overlap_cpu = any(st.cuda for st in self.stores)
+        self._pool: ThreadPoolExecutor | None = None
+        self._next_scores: np.ndarray | None = None
         self.stats_ = LiveStats()
         self._previous: dict[str, Any] | None = None
         self._layer_prev: list[str | None] = []
@@ -240,6 +249,14 @@ class LiveRuntime:
         self.planner: Any = None
         self.last_plan_branch: str | None = None
         self._place()
+
+    def _make_stores(self, structure: MoEStructure, config: LiveConfig) -> list[LayerStore]:
+        """One store per MoE layer; host copies are pinned only while their total fits the pinning budget."""
+        experts = [e.experts for e in structure.layers]
+        total = sum(_host_bytes(e) for e in experts)
+        budget = pinned_budget(config.pinned_mb)
+        pin = None if total <= budget else False
+        return [LayerStore(e, self.capacity, config.device, pin=pin) for e in experts]
 
     # ------------------------------------------------------------------ placement
     def _place(self) -> None:
@@ -353,6 +370,9 @@ class LiveRuntime:
         for entry in self.structure.layers:
             if _ATTACHED.get(entry.experts, (None,))[0] is self:
                 del _ATTACHED[entry.experts]
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     def __enter__(self) -> LiveRuntime:
         return self
@@ -422,19 +442,54 @@ class LiveRuntime:
         self._step += 1
 
     # ------------------------------------------------------------------ the experts call
-    def _probs(self, pos: int, n: int) -> np.ndarray:
+    def _router_probs(self, pos: int, n: int) -> torch.Tensor:
+        """The layer's router probabilities for its last ``n`` tokens, where the logits are (the device)."""
         logits = self._logits[pos]
         if logits is None:
             raise MoecastError(
                 f"MoE layer {self.structure.layers[pos].layer} ran its experts without its router hook"
             )
-        logits = logits.reshape(-1, logits.shape[-1])[-n:].float()
+        logits = logits.detach().reshape(-1, logits.shape[-1])[-n:].float()
         if self.structure.router_probs_kind == "sigmoid-normalised":
             s = torch.sigmoid(logits)
-            p = s / s.sum(-1, keepdim=True)
-        else:
-            p = torch.softmax(logits, dim=-1)
-        return p.detach().cpu().numpy()
+            return s / s.sum(-1, keepdim=True)
+        return torch.softmax(logits, dim=-1)
+
+    def _read_layer(
+        self, pos: int, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """What this layer's decisions read on the host, in one device-to-host synchronisation.
+
+        The routing ids must be read; the weights, router probabilities, hidden rows (gate inputs for
+        the predictor, inputs of CPU experts) and the online prefetcher's next-layer scores are
+        computed on the device first and travel with them, so no later read stalls the layer.
+        """
+        n = index.shape[0]
+        want: dict[str, torch.Tensor] = {"ids": index}
+        substituting = self._decode and self.config.alpha > 0 and not self.full
+        if substituting or self.cache.policy == "score" or self.prefetch != "none":
+            want["probs"] = self._router_probs(pos, n)
+        if len(self._cur_ids) == n or substituting or self._cpu_possible():
+            want["w"] = weights
+        if self._cur_gate is not None or self._cpu_possible():
+            want["hidden"] = hidden
+        self._next_scores = None
+        nxt = pos + 1
+        if self._decode and self.prefetch == "online" and not self.full and nxt < self.num_layers:
+            scores = self._online_scores(nxt, hidden)
+            if scores is not None:
+                want["next"] = scores
+        got = dict(zip(want, to_host(list(want.values()))))
+        self.stats_.host_syncs += 1
+        if "next" in got:
+            self._next_scores = got["next"].numpy()
+        return got
+
+    def _cpu_possible(self) -> bool:
+        """Whether this layer may compute experts on the CPU (static never loads; balancers split decode misses)."""
+        return not self.full and (
+            self.config.policy == "static" or (self._decode and self.config.balance != "load")
+        )
 
     def forward_layer(
         self,
@@ -464,15 +519,12 @@ class LiveRuntime:
             self._clock += cost.t_attn + cost.t_g * used
             view = SlotView(module, st.slots, st.num_slots, False)
             return self._impl[pos](view, hidden, top_k_index, top_k_weights, **kwargs)
-        ids = top_k_index.detach().cpu().numpy().astype(np.int64)
+        host = self._read_layer(pos, hidden, top_k_index, top_k_weights)
+        ids = host["ids"].numpy().astype(np.int64)
+        probs = host["probs"].numpy() if "probs" in host else None
+        w_host = host.get("w")
         weights = top_k_weights
         self._clock += cost.t_attn
-        need_probs = (
-            (self._decode and self.config.alpha > 0)
-            or self.cache.policy == "score"
-            or self.prefetch != "none"
-        )
-        probs = self._probs(pos, n) if need_probs else None
         if self._decode:
             s.routed += ids.size
             if self.config.alpha > 0 and not self.full:
@@ -481,20 +533,20 @@ class LiveRuntime:
                     probs, ids, resident, self.config.alpha, group=np.zeros(n, np.int64)
                 )
                 if used.any():
-                    weights = _substituted_weights(top_k_weights, ids, new_ids, probs)
-                    top_k_index = torch.from_numpy(new_ids).to(top_k_index.device, top_k_index.dtype)
+                    w_host = _substituted_weights(w_host, ids, new_ids, probs)
+                    weights = to_device(w_host, weights.device)
+                    top_k_index = to_device(
+                        torch.from_numpy(new_ids).to(top_k_index.dtype), top_k_index.device
+                    )
                     ids = new_ids
                     s.substituted += int(used.sum())
         if len(self._cur_ids) == n:
             self._cur_ids[:, pos] = ids
-            self._cur_w[:, pos] = weights.detach().float().cpu().numpy()
+            self._cur_w[:, pos] = w_host.float().numpy()
             if self._cur_gate is not None:
                 m = len(self._cur_gate)
-                self._cur_gate[:, pos] = (
-                    hidden.reshape(-1, hidden.shape[-1])[-m:].detach().float().cpu().numpy()
-                )
+                self._cur_gate[:, pos] = host["hidden"].reshape(-1, hidden.shape[-1])[-m:].float().numpy()
         lane = np.array([pos])
-        out: torch.Tensor | None = None
         uniq, counts = np.unique(ids, return_counts=True)
         hit = st.slot_of[uniq] >= 0
         s.uses += int(ids.size)
@@ -517,44 +569,19 @@ class LiveRuntime:
         # the device waits for prefetched experts still on the link
         hit_ids = uniq[hit]
         dev_ready = max(self._clock, float(self._arrival[pos, hit_ids].max()) if len(hit_ids) else 0.0)
-        dev_done = dev_ready + cost.t_g * len(hit_ids)
         self.cache.touch(lane, uniq[None, :], self._step)
         if probs is not None and self.cache.policy == "score":
             self.cache.observe_scores(lane, probs.mean(0, keepdims=True))
-        # resident experts, and misses that fit beside them, run from the slots in one call; more misses
-        # than slots (a long prefill) stream through the slots in waves of `capacity` experts
-        if len(hit_ids) + len(to_load) <= self.capacity:
-            waves = [to_load]
-            first = True
-        else:
-            out = self._device(pos, module, hidden, top_k_index, weights, hit_ids, kwargs)
-            waves = [to_load[i : i + self.capacity] for i in range(0, len(to_load), self.capacity)]
-            first = False
-        on_device = [hit_ids]
-        for wave in waves:
-            loaded = self._load(pos, wave, shield=uniq if first else wave) if len(wave) else wave
-            if len(loaded):
-                link_start = max(self._link_free, self._clock)
-                self._link_free = link_start + cost.t_io * len(loaded)
-                dev_done = max(dev_done, self._link_free) + cost.t_g * len(loaded)
-                s.transfers += len(loaded)
-            if first:
-                out = self._device(
-                    pos, module, hidden, top_k_index, weights, np.concatenate([hit_ids, loaded]), kwargs
-                )
-            else:
-                part = self._device(pos, module, hidden, top_k_index, weights, loaded, kwargs)
-                out = part if out is None else (out if part is None else out + part)
-            on_device.append(loaded)
-        # whatever is not on the device now (balancer's choice, or a static cache) runs on the CPU
-        to_cpu = np.setdiff1d(uniq, np.concatenate(on_device))
+        call = _ExpertsCall(module, hidden, top_k_index, weights, ids, kwargs, host, w_host)
+        out, dev_done, to_cpu, cpu_part = self._run_experts(pos, call, hit_ids, to_load, uniq, dev_ready)
         cpu_done = self._clock
         if len(to_cpu):
             cpu_tokens = counts[np.isin(uniq, to_cpu)]
             cpu_done += float(np.sum(cost.t_cpu(cpu_tokens)))
             s.cpu_experts += len(to_cpu)
             s.cpu_uses += int(cpu_tokens.sum())
-            part = self._host(pos, module, hidden, top_k_index, weights, to_cpu, kwargs)
+            # the join: the CPU's experts were computed while the device ran its own
+            part = to_device(cpu_part(), hidden.device)
             out = part if out is None else out + part
         if out is None:
             out = torch.zeros_like(hidden)
@@ -563,59 +590,115 @@ class LiveRuntime:
             self._prefetch(pos + 1, hidden, dev_ready)
         return out
 
-    def _device(
+    def _run_experts(
         self,
         pos: int,
-        module: Any,
-        hidden: torch.Tensor,
-        index: torch.Tensor,
-        weights: torch.Tensor,
-        experts: np.ndarray,
-        kwargs: dict[str, Any],
-    ) -> torch.Tensor | None:
+        call: _ExpertsCall,
+        hit_ids: np.ndarray,
+        to_load: np.ndarray,
+        uniq: np.ndarray,
+        dev_ready: float,
+    ) -> tuple[torch.Tensor | None, float, np.ndarray, Any]:
+        """Load ``to_load``, run the resident experts on the device and start the rest on the CPU.
+
+        Returns the device's output (None if it ran nothing), when the device is done (virtual ms),
+        the experts left to the CPU and a callable that joins their output (host memory). Resident
+        experts, and misses that fit beside them, run from the slots in one call, with the CPU's
+        experts computed meanwhile; more misses than slots (a long prefill) stream through the slots
+        in waves of ``capacity`` experts.
+        """
+        dev_done = dev_ready + self.cost.t_g * len(hit_ids)
+        if len(hit_ids) + len(to_load) <= self.capacity:
+            loaded = self._load(pos, to_load, shield=uniq) if len(to_load) else to_load
+            dev_done = self._charge_loads(loaded, dev_done)
+            on_device = np.concatenate([hit_ids, loaded])
+            to_cpu = np.setdiff1d(uniq, on_device)
+            # started before the device call, which may block the host (a wrapped implementation may sync)
+            cpu_part = self._start_cpu(pos, call, to_cpu) if len(to_cpu) else None
+            return self._device(pos, call, on_device), dev_done, to_cpu, cpu_part
+        out = self._device(pos, call, hit_ids)
+        on_device = [hit_ids]
+        for wave in (to_load[i : i + self.capacity] for i in range(0, len(to_load), self.capacity)):
+            loaded = self._load(pos, wave, shield=wave) if len(wave) else wave
+            dev_done = self._charge_loads(loaded, dev_done)
+            part = self._device(pos, call, loaded)
+            out = part if out is None else (out if part is None else out + part)
+            on_device.append(loaded)
+        to_cpu = np.setdiff1d(uniq, np.concatenate(on_device))
+        return out, dev_done, to_cpu, self._start_cpu(pos, call, to_cpu) if len(to_cpu) else None
+
+    def _charge_loads(self, loaded: np.ndarray, dev_done: float) -> float:
+        """On-demand loads on the virtual link: the device computes them once they land."""
+        if not len(loaded):
+            return dev_done
+        link_start = max(self._link_free, self._clock)
+        self._link_free = link_start + self.cost.t_io * len(loaded)
+        self.stats_.transfers += len(loaded)
+        return max(dev_done, self._link_free) + self.cost.t_g * len(loaded)
+
+    def _device(self, pos: int, call: _ExpertsCall, experts: np.ndarray) -> torch.Tensor | None:
         """The (token, expert) pairs of ``experts`` (resident) from their device slots, with the wrapped implementation.
 
         Pairs of other experts carry the sentinel id ``num_slots``, which every experts implementation
         skips (its expert-parallel path), so the call computes exactly the pairs that run on the device.
+        The slot ids are mapped on the host (the ids are there already) and sent without a sync; the
+        compute stream waits only for these slots' transfers, and an event after the call marks them read.
         """
         if not len(experts):
             return None
         st = self.stores[pos]
         slot_of = st.slot_of
-        if len(experts) == len(np.unique(index.cpu().numpy())):
+        if len(experts) == len(np.unique(call.ids)):
             table = slot_of
             partial = False
         else:
             table = np.full(st.num_experts, st.num_slots, np.int64)
             table[experts] = slot_of[experts]
             partial = True
-        slot_ids = torch.from_numpy(table).to(index.device)[index]
-        if st.cuda:
-            st.wait(st.slot_of[experts])
-        return self._impl[pos](
-            SlotView(module, st.slots, st.num_slots, partial), hidden, slot_ids, weights, **kwargs
+        slot_ids = to_device(torch.from_numpy(table[call.ids]), call.index.device)
+        slots = slot_of[experts]
+        st.wait(slots)
+        out = self._impl[pos](
+            SlotView(call.module, st.slots, st.num_slots, partial),
+            call.hidden,
+            slot_ids,
+            call.weights,
+            **call.kwargs,
         )
+        st.mark_read(slots)
+        return out
 
-    def _host(
-        self,
-        pos: int,
-        module: Any,
-        hidden: torch.Tensor,
-        index: torch.Tensor,
-        weights: torch.Tensor,
-        experts: np.ndarray,
-        kwargs: dict[str, Any],
-    ) -> torch.Tensor:
+    def _start_cpu(self, pos: int, call: _ExpertsCall, experts: np.ndarray) -> Any:
+        """Start the CPU's experts (on the worker thread when overlapping); returns the join."""
+        if "hidden" not in call.host:  # not foreseen by _read_layer: read the rows now
+            call.host["hidden"], call.host["w"] = to_host([call.hidden, call.weights])
+            call.w_host = call.host["w"]
+            self.stats_.host_syncs += 1
+        grad = torch.is_grad_enabled()
+
+        def job() -> torch.Tensor:
+            with torch.set_grad_enabled(grad):  # grad mode is per thread
+                return self._host(pos, call, experts)
+
+        if not self.overlap_cpu:
+            out = job()
+            return lambda: out
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moecast-cpu-experts")
+        return self._pool.submit(job).result
+
+    def _host(self, pos: int, call: _ExpertsCall, experts: np.ndarray) -> torch.Tensor:
         """CPU-assisted computation (SMoE §5.4): only the tokens routed to ``experts``, from host memory, on the host."""
         st = self.stores[pos]
         table = np.full(st.num_experts, st.num_experts, np.int64)
         table[experts] = experts
-        cpu_ids = torch.from_numpy(table)[index.cpu()]
+        cpu_ids = torch.from_numpy(table[call.ids])
         rows = (cpu_ids < st.num_experts).any(1)
-        host_view = SlotView(module, st.host, st.num_experts, True)
-        part = self._impl[pos](host_view, hidden[rows].cpu(), cpu_ids[rows], weights[rows].cpu(), **kwargs)
-        out = torch.zeros_like(hidden)
-        out[rows.to(hidden.device)] = part.to(hidden.device, hidden.dtype)
+        hidden = call.host["hidden"].reshape(-1, call.hidden.shape[-1])
+        host_view = SlotView(call.module, st.host, st.num_experts, True)
+        part = self._impl[pos](host_view, hidden[rows], cpu_ids[rows], call.w_host[rows], **call.kwargs)
+        out = torch.zeros(hidden.shape, dtype=call.hidden.dtype)
+        out[rows] = part.to(call.hidden.dtype)
         return out
 
     def _load(self, pos: int, experts: np.ndarray, shield: np.ndarray, prefetch: bool = False) -> np.ndarray:
@@ -685,17 +768,21 @@ class LiveRuntime:
 
     def _predict(self, nxt: int, hidden: torch.Tensor) -> np.ndarray | None:
         """Scores [B, E] of layer ``nxt`` for this step's tokens."""
-        if self.prefetch == "online":
-            router = self.structure.layers[nxt].router
-            w = getattr(router, "weight", None)
-            if w is None or tuple(w.shape) != (self.num_experts, hidden.shape[-1]):
-                return None
-            with torch.no_grad():
-                logits = torch.nn.functional.linear(hidden.to(w.dtype), w).float()
-            return torch.softmax(logits, -1).cpu().numpy()
+        if self.prefetch == "online":  # computed on the device and read with the layer's ids
+            return self._next_scores
         if self.prefetch == "predictor" and len(self._cur_ids) == 1:
             return self._predict_layer_ahead(nxt)[None, :]
         return None
+
+    def _online_scores(self, nxt: int, hidden: torch.Tensor) -> torch.Tensor | None:
+        """SMoE §IV-C online prediction on the device: layer ``nxt``'s gate applied to this layer's gate input."""
+        router = self.structure.layers[nxt].router
+        w = getattr(router, "weight", None)
+        if w is None or tuple(w.shape) != (self.num_experts, hidden.shape[-1]):
+            return None
+        with torch.no_grad():
+            logits = torch.nn.functional.linear(hidden.to(w.dtype), w).float()
+        return torch.softmax(logits, -1)
 
     def _current_token(self) -> int:
         return self._cur_token
@@ -830,8 +917,25 @@ class LiveRuntime:
             hardware=self.cost.profile,
             device=str(self.stores[0].device),
             simulated_device=not self.stores[0].cuda,
+            pinned_bytes=sum(st.pinned_bytes for st in self.stores),
         )
         return d
+
+
+def pinned_budget(pinned_mb: float | None) -> int:
+    """Bytes of host memory the runtime may pin: ``pinned_mb``, or half of the memory available now."""
+    if pinned_mb is not None:
+        return int(pinned_mb * 2**20)
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return 0  # unknown: pin nothing but the staging buffers
+    return avail // 2
+
+
+def _host_bytes(experts: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in expert_params(experts).values())
 
 
 def hot_table(predictor: Any, num_layers: int, num_experts: int) -> np.ndarray:
@@ -887,9 +991,10 @@ def _not_a_planner(planner: Any) -> str:
 def _substituted_weights(
     weights: torch.Tensor, old: np.ndarray, new: np.ndarray, probs: np.ndarray
 ) -> torch.Tensor:
-    """Router weights for the substituted ids: kept experts keep theirs, a substitute gets its probability
-    scaled like the row's own weights (exact for softmax routers with or without top-k renormalisation)."""
-    w = weights.detach().float().cpu().numpy()
+    """Router weights for the substituted ids (host tensors in and out, in ``weights``' dtype): kept experts
+    keep theirs, a substitute gets its probability scaled like the row's own weights (exact for softmax
+    routers with or without top-k renormalisation)."""
+    w = weights.float().numpy()
     rows = np.arange(len(old))[:, None]
     p_old = probs[rows, old]
     scale = w.sum(1, keepdims=True) / np.maximum(p_old.sum(1, keepdims=True), 1e-20)
@@ -899,7 +1004,53 @@ def _substituted_weights(
     kept = match.any(2)
     src = match.argmax(2)
     out = np.where(kept, np.take_along_axis(w, src, 1), out)
-    return torch.from_numpy(out.astype(np.float32)).to(weights.device, weights.dtype)
+    return torch.from_numpy(out.astype(np.float32)).to(weights.dtype)
+
+
+@dataclass
+class _ExpertsCall:
+    """One experts call's inputs: device tensors, and the host copies :meth:`LiveRuntime._read_layer` read."""
+
+    module: Any
+    hidden: torch.Tensor
+    index: torch.Tensor
+    weights: torch.Tensor
+    ids: np.ndarray
+    kwargs: dict[str, Any]
+    host: dict[str, torch.Tensor]
+    w_host: torch.Tensor | None
+
+
+def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Host copies of ``tensors`` with at most one synchronisation.
+
+    Device tensors are copied without blocking into pinned buffers (from the caching host
+    allocator) and one event is waited for; host tensors are returned as they are (detached).
+    """
+    tensors = [t.detach() for t in tensors]
+    dev = [t for t in tensors if t.device.type == "cuda"]
+    if not dev:
+        return tensors
+    out = []
+    for t in tensors:
+        if t.device.type != "cuda":
+            out.append(t)
+            continue
+        buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        buf.copy_(t, non_blocking=True)
+        out.append(buf)
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(dev[0].device))
+    ev.synchronize()
+    return out
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without a synchronisation: pinned, then copied asynchronously."""
+    if device.type != "cuda":
+        return t
+    # the caching host allocator keeps the pinned block until the copy that reads it has run
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _resolve_impl(name: str | None, module: Any):
@@ -948,6 +1099,7 @@ def attach(
     online_update: bool = False,
     online_lr: float = 1e-4,
     learn_plans: bool = False,
+    pinned_mb: float | None = None,
 ) -> LiveRuntime:
     """Attach the live runtime to a transformers MoE model in one call; ``rt.detach()`` undoes it.
 
@@ -977,6 +1129,8 @@ def attach(
         learn_plans: CasMoE's buffer: each prompt given to ``rt.plan`` goes, with the EP of its prefill's
             routing (Eq. 3), to the planner's buffer, which folds C of them into the EAM's index (and
             rewrites a saved EAM's files); needs an EAM or cascade planner. Off by default.
+        pinned_mb: Host memory (MB) the expert copies may pin on CUDA (default: half the available
+            memory); above it they stay pageable and transfers go through a few pinned staging buffers.
     Errors (nothing is changed on the model): unsupported family, capacity below top-k, alpha outside [0, 1)
     or given to a policy that does not substitute, a predictor for another model or of the wrong kind.
     """
@@ -993,6 +1147,7 @@ def attach(
         online_update,
         online_lr,
         learn_plans,
+        pinned_mb,
     )
     if online_update and not hasattr(predictor, "update"):
         raise ValueError("online_update needs a layer-ahead predictor with an update step (LLaPor)")
