@@ -148,10 +148,10 @@ def length_latencies(eam, eap, traces: str, val_fraction: float, repeats: int) -
     import numpy as np
     from moecast.collect.traceset import open_traces
     from moecast.predictors.cascade import Cascade
-    from moecast.train.planner_report import heldout_prompts
+    from moecast.predictors.casmoe import prompt_texts
 
     ts = open_traces(traces)
-    prompts = heldout_prompts(ts, ts.split(val_fraction, 0)[1])
+    prompts = prompt_texts(ts, ts.split(val_fraction, 0)[1])
     tok = eam.embedder.tokenizer
     n = np.array([len(tok(p, truncation=False)["input_ids"]) for p in prompts])
     limit = eam.embedder.max_length

@@ -100,6 +100,11 @@ def prompt_text(trace_or_ts: RequestTrace | TraceSet, rid: str | None = None) ->
     return detokenize(pieces)
 
 
+def prompt_texts(ts: TraceSet, requests: Sequence[str]) -> list[str]:
+    """The prompts of ``requests`` in ``ts`` (:func:`prompt_text` of each)."""
+    return [prompt_text(ts, rid) for rid in requests]
+
+
 # ----------------------------------------------------------------------------- plan metrics
 
 

@@ -60,7 +60,7 @@ def traces(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def eam_ckpt(traces, tmp_path_factory) -> Path:
-    from moecast.train.casmoe import build_eam_index
+    from moecast.train.eam import build_eam_index
 
     out = tmp_path_factory.mktemp("eam") / "eam.safetensors"
     build_eam_index(str(traces), str(out), k_neighbours=1, val_fraction=0.25, wandb=False)
@@ -470,7 +470,7 @@ def test_eap_training_under_ddp(traces, tiny_encoder, tmp_path):
 
 
 def test_cascade_gate_and_table3(traces, eam_ckpt, eap_ckpt, tmp_path):
-    from moecast.train.casmoe import build_cascade_checkpoint
+    from moecast.train.cascade import build_cascade_checkpoint
 
     ts = TraceSet(traces)
     out = tmp_path / "cascade.safetensors"
@@ -569,7 +569,7 @@ def test_train_eam_cli_with_yaml_config(traces, tmp_path, capsys):
 
 def test_real_puffin_prompts_and_eam(puffin_dir, tmp_path):
     from moecast.collect.moe_beyond import import_moe_beyond
-    from moecast.train.casmoe import build_eam_index
+    from moecast.train.eam import build_eam_index
 
     ts = import_moe_beyond(puffin_dir, out=tmp_path / "ds", max_files=10)
     prompts = [prompt_text(ts, r) for r in ts.request_ids]
@@ -591,7 +591,7 @@ def test_eap_fine_tuning_runs_the_encoder_with_dropout(tiny_encoder):
     two views differ; in validation it runs in eval mode."""
     import torch
     from moecast.predictors.eap import EAPNet, load_encoder
-    from moecast.train.casmoe import EAPModule
+    from moecast.train.eap import EAPModule
 
     enc, tok, _ = load_encoder(str(tiny_encoder))
     assert not enc.training  # as from_pretrained leaves it

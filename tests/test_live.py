@@ -541,7 +541,7 @@ def test_cli_run_learn_plans_folds_served_prompts_into_the_eam(model_dir, model_
     that fills C folds them into the index, and the next load plans the served prompt from it."""
     from moecast.predictors import load
     from moecast.predictors.eam import buffer_path
-    from moecast.train.casmoe import build_eam_index
+    from moecast.train.eam import build_eam_index
 
     from moecast.cli import main
 

@@ -19,8 +19,8 @@
    gradient training (e.g. an index); it parses its own arguments.
 
 To add a trainer, add one line below, e.g.
-``"eap": "moecast.train.casmoe:EAPModule"`` (a LightningModule, case 1) or
-``"eam": "moecast.train.casmoe:build_eam"`` (a function, case 2), then
+``"eap": "moecast.train.eap:EAPModule"`` (a LightningModule, case 1) or
+``"eam": "moecast.train.eam:build_eam"`` (a function, case 2), then
 ``moecast train eap --config configs/eap_tiny.yaml --traces ... --out ...``.
 
 The run directory defaults to ``<out without suffix>.run/`` beside ``--out``
@@ -40,10 +40,9 @@ from typing import Any
 TRAINERS: dict[str, str] = {
     "llapor": "moecast.train.llapor:LLaPorModule",
     "sequence": "moecast.train.sequence:SequenceModule",
-    # CasMoE (owned by the CasMoE engineer; entries resolve once moecast.train.casmoe exists)
-    "eap": "moecast.train.casmoe:EAPModule",
-    "eam": "moecast.train.casmoe:build_eam",
-    "cascade": "moecast.train.casmoe:build_cascade",
+    "eap": "moecast.train.eap:EAPModule",
+    "eam": "moecast.train.eam:build_eam",
+    "cascade": "moecast.train.cascade:build_cascade",
 }
 
 MONITOR = "val/recall"

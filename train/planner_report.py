@@ -15,9 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from moecast.collect.traceset import TraceSet
 from moecast.predictors.base import Predictor
-from moecast.predictors.casmoe import ep_labels, plan_recall, prompt_text
+from moecast.predictors.casmoe import ep_labels, plan_recall, prompt_texts
 from moecast.predictors.eam import EAM
 
 
@@ -176,10 +175,6 @@ def time_planners(
     return eam_run, eap_run, fb_ms if shared else None
 
 
-def heldout_prompts(ts: TraceSet, requests: Sequence[str]) -> list[str]:
-    return [prompt_text(ts, rid) for rid in requests]
-
-
 def compare_planners(
     eam: str | Path | EAM,
     eap: str | Path | Any,
@@ -222,7 +217,7 @@ def compare_planners(
     include_decode = bool(eam_p.extra_meta.get("include_decode", False))
     true_ep, _ = ep_labels(ts, val_ids, include_decode)
     baseline = ep_labels(ts, train_ids, include_decode)[0].mean(0) if train_ids else None
-    prompts = heldout_prompts(ts, val_ids)
+    prompts = prompt_texts(ts, val_ids)
     eam_p.set_encoder(int8, engine, threads)
     eap_p.set_encoder(int8, engine, threads)
     eam_run, eap_run, fallback = time_planners(eam_p, eap_p, prompts, progress)
