@@ -582,17 +582,7 @@ class TraceSet:
         """Deterministic request-level train/validation split (same seed, same split, any machine)."""
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
-        if val_fraction == 0:
-            return list(self.request_ids), []
-
-        # Hash-based rank keeps the split stable when requests are added or reordered.
-        def rank(rid: str) -> str:
-            return hashlib.sha256(f"{seed}:{rid}".encode()).hexdigest()
-
-        ordered = sorted(self.request_ids, key=rank)
-        n_val = max(1, round(len(ordered) * val_fraction)) if len(ordered) > 1 else 0
-        val = set(ordered[:n_val])
-        return [r for r in self.request_ids if r not in val], [r for r in self.request_ids if r in val]
+        return split_request_ids(self.request_ids, val_fraction, seed)
 
     def datasets(self) -> tuple[Any, Any]:
         """The (requests, tokens) tables as Hugging Face ``datasets.Dataset`` (memory-mapped)."""
@@ -609,6 +599,23 @@ class TraceSet:
     def vocab(self) -> dict[str, int] | None:
         path = self.path / "vocab.json"
         return json.loads(path.read_text()) if path.exists() else None
+
+
+def split_request_ids(
+    request_ids: Sequence[str], val_fraction: float = 0.1, seed: int = 0
+) -> tuple[list[str], list[str]]:
+    """:meth:`TraceSet.split` of these ids, without opening a TraceSet (e.g. a source's file names)."""
+    if val_fraction == 0:
+        return list(request_ids), []
+
+    # Hash-based rank keeps the split stable when requests are added or reordered.
+    def rank(rid: str) -> str:
+        return hashlib.sha256(f"{seed}:{rid}".encode()).hexdigest()
+
+    ordered = sorted(request_ids, key=rank)
+    n_val = max(1, round(len(ordered) * val_fraction)) if len(ordered) > 1 else 0
+    val = set(ordered[:n_val])
+    return [r for r in request_ids if r not in val], [r for r in request_ids if r in val]
 
 
 def _gather_rows(blocks: Any, part: np.ndarray, offset: np.ndarray, out: np.ndarray) -> None:

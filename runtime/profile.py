@@ -40,15 +40,23 @@ def _sig(x: float, digits: int = 4) -> float:
 
 
 def measure(
-    hidden: int, intermediate: int, name: str = "local", token_counts=(1, 2, 4, 8, 16), repeat: int = 5
+    hidden: int,
+    intermediate: int,
+    name: str = "local",
+    token_counts=(1, 2, 4, 8, 16),
+    repeat: int = 5,
+    dtype: str = "float32",
 ) -> HardwareProfile:
+    """The profile for an expert of ``hidden`` x ``intermediate``; the CPU expert runs in ``dtype``
+    (the model's: bf16 matmuls take another code path than float32 ones on the CPU)."""
     import torch
 
     torch.manual_seed(0)
     threads = torch.get_num_threads()
-    wg = torch.randn(intermediate, hidden) * 0.02
-    wu = torch.randn(intermediate, hidden) * 0.02
-    wd = torch.randn(hidden, intermediate) * 0.02
+    dt = getattr(torch, dtype)
+    wg = (torch.randn(intermediate, hidden) * 0.02).to(dt)
+    wu = (torch.randn(intermediate, hidden) * 0.02).to(dt)
+    wd = (torch.randn(hidden, intermediate) * 0.02).to(dt)
     expert_bytes = 3 * hidden * intermediate * 2  # bf16, the dtype a runtime moves
 
     def expert(x):
@@ -60,12 +68,12 @@ def measure(
     ms = []
     with torch.inference_mode():
         for m in token_counts:
-            x = torch.randn(m, hidden)
+            x = torch.randn(m, hidden, dtype=dt)
             ms.append(_time(lambda x=x: expert(x), repeat))
     beta, c = np.polyfit(np.asarray(token_counts, dtype=float), np.asarray(ms), 1)
     # a positive slope even where the timings are flat (tiny experts): Eq. 3's beta is per token
     beta, c = max(float(beta), 1e-6), max(float(c), 0.0)
-    source = f"measured by moecast profile on this machine (CPU, {threads} threads; expert {hidden}x{intermediate})"
+    source = f"measured by moecast profile on this machine (CPU, {threads} threads; {dtype} expert {hidden}x{intermediate})"
     if torch.cuda.is_available():
         dev = torch.device("cuda")
         host = torch.empty(expert_bytes // 2, dtype=torch.bfloat16).pin_memory()
@@ -106,3 +114,47 @@ def measure(
         attn_ms=_sig(t_attn),
         source=source,
     )
+
+
+def _skip_experts(module, hidden_states, top_k_index, top_k_weights, **kwargs):
+    """An experts implementation that computes nothing: what is left of a forward is the dense part."""
+    return hidden_states.new_zeros(hidden_states.shape)
+
+
+def _sync(device) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def dense_layer_ms(model, steps: int = 8, prompt: int = 8, repeat: int = 3) -> float:
+    """Non-expert time (ms) per MoE layer of ``model`` on its device: the median decode step with every
+    routed expert skipped (attention, router, shared experts, norms, and the embedding and output
+    head shared out over the layers), divided by the MoE layer count."""
+    import torch
+    from moecast.collect.models import find_moe_structure
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    layers = len(find_moe_structure(model).layers)
+    device = next(model.parameters()).device
+    ALL_EXPERTS_FUNCTIONS["moecast_skip"] = _skip_experts
+    previous = model.get_experts_implementation()
+    model.set_experts_implementation("moecast_skip")
+    vocab = int(model.config.vocab_size)
+    ids = torch.arange(prompt + steps + 1, device=device)[None] % vocab
+    samples = []
+    try:
+        with torch.inference_mode():
+            for _ in range(repeat):
+                out = model(input_ids=ids[:, :prompt], use_cache=True)
+                cache = out.past_key_values
+                _sync(device)
+                t0 = time.perf_counter()
+                for t in range(prompt, prompt + steps):
+                    out = model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+                _sync(device)
+                samples.append((time.perf_counter() - t0) / steps)
+    finally:
+        model.set_experts_implementation(previous)
+    return float(np.median(samples)) * 1e3 / layers

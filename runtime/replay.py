@@ -63,7 +63,8 @@ class ReplayConfig:
     capacity: float | str = 0.25
     cold: bool = False
     shared: bool = False
-    predictor: str | None = None  # none | oracle | checkpoint path; None = the policy's default
+    # none | oracle | checkpoint path | a loaded predictor object; None = the policy's default
+    predictor: Any = None
     planner: str | None = None
     # weight of the plan as a log-linear prior on the token-level scores (prefetch.plan_prior)
     plan_weight: float = 0.1
@@ -191,6 +192,8 @@ def _load_predictor(name: str | None, ts: TraceSet) -> Any:
 
     if name in (None, "none"):
         return None
+    if not isinstance(name, str):  # already loaded (a bench adapting a checkpoint to its model)
+        return name
     if name == "oracle":
         return OraclePredictor(ts.num_layers, ts.num_experts, ts.top_k)
     if name in BUILTIN:
@@ -253,6 +256,8 @@ def replay_capacities(
             "static pins its experts and never inserts, so nothing can prefetch into it; use --predictor none"
         )
     predictor = _load_predictor(pred_name, ts)
+    if predictor is not None and not isinstance(pred_name, str):
+        pred_name = getattr(predictor, "name", type(predictor).__name__)
     if not (math.isfinite(cfg.plan_weight) and cfg.plan_weight >= 0):
         raise ValueError(f"--plan-weight must be a finite number >= 0, got {cfg.plan_weight}")
     planner = _load_predictor(cfg.planner, ts) if cfg.planner else None

@@ -1,0 +1,715 @@
+"""The CUDA path measured in one command: profile, exactness and TPOT at 25 % of experts resident.
+
+    python bench/bench_gpu.py [--out DIR] [--device cuda|cpu] [--quick] [--layers N]
+                              [--predictor TINY_CKPT] [--ds-predictor DS_CKPT] [--traces PATH]
+
+Writes DIR/gpu-<device>.md (date, command, machine, tables, and the traceback of any row that
+failed: every row runs on its own, so one failure never costs the rest) and DIR/gpu-<device>.json
+(the rows). DIR defaults to bench/results/.
+
+Two models:
+- ``tiny``, the project's embedded model (the built default preset when it exists, else the quick
+  ``test`` preset: the output says which), its own routing;
+- a DeepSeek-V2-Lite-shaped random-weight model (bench/ds_model.py: hidden 2048, expert
+  intermediate 1408, 64 routed + 2 shared experts, top-6, bf16, ``--layers`` MoE layers) whose
+  routing is the recorded routing of held-out DeepSeek requests (a benchmark mode; without the
+  traces its random router decides, and the output says so).
+
+Per model:
+1. profile: CPU time of one expert of the model's shape and dtype (beta, C), non-expert time per
+   layer measured on the model, and on CUDA pinned host-to-device bandwidth and kernel time per expert
+   (:func:`moecast.runtime.profile.measure`); written as a hardware-profile YAML beside the results;
+2. exactness: logits of the live runtime at alpha 0 (25 % resident, LRU) against the unmodified model's;
+3. TPOT at 25 % resident (teacher-forced decode of the same tokens in every row; the mean wall time of a
+   decode step, the first two steps excluded as warm-up):
+   - full residency (the floor);
+   - accelerate offload (CUDA only): ``dispatch_model`` with a device map that keeps the experts modules
+     of the first layers on the GPU while they fit in the budget (25 % of the experts' bytes) and maps
+     the others to "cpu", i.e. streamed to the GPU at each use (accelerate's unit is the module, so a
+     layer's experts are resident or offloaded together; the map is built by hand because
+     ``infer_auto_device_map`` would offload attention as well);
+   - on-demand LRU; LLaPor prefetch (LRU + layer-ahead prefetch); PreSched with CPU experts;
+     SMoE (tiny only: it needs router probabilities);
+   beside each, the modeled TPOT: ``runtime.replay`` of the same routing (recorded from the
+   unmodified model) under the profile just measured, with the row's policy.
+
+On a machine without CUDA (``--device cpu``) every row except the CUDA ones runs: a dry run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ds_model  # the bench folder is not a package
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CAPACITY = 0.25
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+@dataclass
+class Setup:
+    """One model prepared for the rows."""
+
+    name: str
+    model: Any
+    device: torch.device
+    requests: list[np.ndarray]  # token ids of each request: prompt, then the decoded tokens
+    prompt: int
+    routing: ds_model.Routing
+    notes: list[str] = field(default_factory=list)
+    predictor: Any = None  # layer-ahead predictor for the live rows
+    replay_predictor: Any = None  # the same for replay (a checkpoint path or the object)
+    profile: Any = None  # HardwareProfile
+    profile_path: Path | None = None
+    traces: Path | None = None  # TraceSet of the unmodified model's routing, for replay
+    substitutes: bool = False  # SMoE row (needs the model's own router probabilities)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+# ----------------------------------------------------------------------------- running tokens
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def run_request(s: Setup, i: int, keep_logits: bool = False, on_forward: Callable | None = None):
+    """Prefill request ``i``'s prompt, then decode its remaining tokens one by one (teacher-forced).
+
+    Returns (decode step ms, logits [steps + 1, V] or None)."""
+    toks = torch.as_tensor(s.requests[i], device=s.device)[None]
+    out = s.model(input_ids=toks[:, : s.prompt], use_cache=True)
+    if on_forward:
+        on_forward(False)
+    logits = [out.logits[0, -1].float().cpu()] if keep_logits else None
+    cache = out.past_key_values
+    times = []
+    for t in range(s.prompt, toks.shape[1]):
+        _sync(s.device)
+        t0 = time.perf_counter()
+        out = s.model(input_ids=toks[:, t : t + 1], past_key_values=cache, use_cache=True)
+        _sync(s.device)
+        times.append((time.perf_counter() - t0) * 1e3)
+        if on_forward:
+            on_forward(True)
+        if keep_logits:
+            logits.append(out.logits[0, -1].float().cpu())
+    return times, (torch.stack(logits) if keep_logits else None)
+
+
+def run_all(s: Setup, override: Any = None, keep_logits: bool = False, on_forward: Callable | None = None):
+    """Every request in order; (decode ms per step, first two excluded, and the logits per request)."""
+    times, logits = [], []
+    for i in range(len(s.requests)):
+        if override is not None:
+            override.start(s.routing.requests[i])
+        t, lg = run_request(s, i, keep_logits, on_forward)
+        times += t
+        logits.append(lg)
+    return times[2:] if len(times) > 2 else times, logits
+
+
+def timed(s: Setup) -> tuple[float, list[float]]:
+    with ds_model.routed(s.model, s.routing) as ov:
+        times, _ = run_all(s, ov)
+    return float(np.mean(times)), times
+
+
+# ----------------------------------------------------------------------------- setups
+
+
+def tiny_setup(args: argparse.Namespace, device: torch.device) -> Setup:
+    from moecast.collect.tiny import _default_out, _is_built, ensure_tiny
+    from moecast.runtime.live_cli import heldout_rows
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    preset = args.tiny_preset
+    if preset == "auto":
+        preset = "default" if _is_built(_default_out("default")) else "test"
+    path = ensure_tiny(preset)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    n = args.prompt + args.tokens
+    rows = [r for r in heldout_rows(tok, "sharegpt", args.requests * 4, n) if len(r) >= n][: args.requests]
+    if not rows:
+        raise RuntimeError(f"no held-out ShareGPT text of {n} tokens; lower --prompt/--tokens")
+    s = Setup(
+        "tiny", model, device, [np.array(r) for r in rows], args.prompt, ds_model.Routing(), substitutes=True
+    )
+    s.notes.append(f"tiny preset {preset} ({path}), float32, its own routing")
+    s.tiny_path = path  # type: ignore[attr-defined]
+    return s
+
+
+def ds_setup(args: argparse.Namespace, device: torch.device) -> Setup:
+    overrides = DS_TEST_SHAPE if args.ds_shape == "test" else {}
+    cfg = ds_model.ds_config(args.layers, **overrides)
+    model = ds_model.build_ds_model(cfg, torch.bfloat16, str(device))
+    n = args.prompt + args.tokens
+    routing = ds_model.load_routing(args.traces, args.requests, n, args.layers, cfg.vocab_size)
+    if routing.recorded:
+        reqs = [r.tokens[:n] for r in routing.requests]
+        for r in routing.requests:
+            r.topk_ids = r.topk_ids[:n]
+        note = f"BENCHMARK MODE: routing replaced by the {routing.source}"
+    else:
+        gen = np.random.default_rng(0)
+        reqs = [gen.integers(0, cfg.vocab_size, n) for _ in range(args.requests)]
+        note = f"{routing.source}: the model's own random router decides (not DeepSeek's routing)"
+    s = Setup("deepseek-shaped", model, device, reqs, args.prompt, routing)
+    shape = "test sizes" if args.ds_shape == "test" else "DeepSeek-V2-Lite shape"
+    s.notes += [
+        f"random weights, {shape}: hidden {cfg.hidden_size}, expert intermediate {cfg.moe_intermediate_size}, "
+        f"{cfg.n_routed_experts} routed + {cfg.n_shared_experts} shared experts, top-{cfg.num_experts_per_tok}, "
+        f"{args.layers} MoE layers, bf16",
+        note,
+    ]
+    return s
+
+
+# sizes for the test suite's dry run (seconds on a CPU)
+DS_TEST_SHAPE = dict(
+    hidden_size=64,
+    moe_intermediate_size=32,
+    num_experts_per_tok=6,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=8,
+    vocab_size=512,
+    intermediate_size=128,
+)
+
+
+def _structure(model: Any) -> Any:
+    from moecast.collect.models import find_moe_structure
+
+    return find_moe_structure(model)
+
+
+def profile_model(s: Setup, out: Path, device_tag: str) -> dict:
+    """The hardware profile for this model's experts, with the model's own non-expert time per layer."""
+    from moecast.runtime.profile import dense_layer_ms, measure
+
+    info = _info(s)
+    e = _structure(s.model).layers[0].experts
+    hidden = int(s.model.config.hidden_size)
+    inter = int(info.expert_bytes // (3 * hidden * next(e.parameters()).element_size()))
+    dtype = str(next(e.parameters()).dtype).replace("torch.", "")
+    prof = measure(hidden, inter, name=f"bench-{device_tag}-{s.name}", dtype=dtype)
+    if not s.cuda and torch.cuda.is_available():
+        prof.source += "; device rows of this bench ran on the CPU"
+    prof = replace(prof, attn_ms=round(dense_layer_ms(s.model), 5))
+    prof.source += "; attn_ms: the model's decode step with routed experts skipped, per MoE layer"
+    prof.ref_expert_bytes = int(info.expert_bytes)
+    s.profile = prof
+    s.profile_path = out / f"{prof.name}.yaml"
+    tmp = s.profile_path.with_name(f".{s.profile_path.name}.tmp")
+    tmp.write_text(prof.to_yaml())
+    tmp.replace(s.profile_path)
+    return {
+        "h2d_gbps": prof.transfer_gbps,
+        "kernel_ms_per_expert": prof.gpu_expert_ms,
+        "cpu_beta_ms": prof.cpu_beta_ms,
+        "cpu_c_ms": prof.cpu_c_ms,
+        "dense_ms_per_layer": prof.attn_ms,
+        "expert_bytes": int(info.expert_bytes),
+        "source": prof.source,
+    }
+
+
+def _info(s: Setup) -> Any:
+    from moecast.collect.models import model_info
+
+    return model_info(s.model, _structure(s.model), s.name)
+
+
+def record_traces(s: Setup, out: Path) -> None:
+    """The unmodified model's routing of every request, as a TraceSet for replay."""
+    from moecast.collect.recorder import RoutingRecorder
+    from moecast.collect.traceset import RequestRecord, TraceMeta, TraceWriter
+
+    st = _structure(s.model)
+    info = _info(s)
+    gate = "gate_inputs" in getattr(s.predictor, "needs", ())
+    rec = RoutingRecorder(st, info.top_k, router_probs=True, gate_inputs=gate)
+    steps: list[Any] = []
+    with ds_model.routed(s.model, s.routing) as ov, rec.attach(s.model):
+        records = []
+        for i in range(len(s.requests)):
+            if ov is not None:
+                ov.start(s.routing.requests[i])
+            steps.clear()
+            run_request(s, i, on_forward=lambda _decode: steps.append(rec.take()))
+            ids = torch.cat([x.topk_ids for x in steps]).cpu().numpy()
+            T = len(ids)
+            opt = {
+                "topk_weights": torch.cat([x.topk_weights for x in steps]).cpu().numpy().astype(np.float16),
+                "router_probs": torch.cat([x.router_probs for x in steps]).cpu().numpy().astype(np.float16),
+            }
+            if gate:
+                opt["gate_inputs"] = (
+                    torch.cat([x.gate_inputs for x in steps]).float().cpu().numpy().astype(np.float16)
+                )
+            phases = np.arange(T) >= s.prompt
+            records.append(
+                RequestRecord(
+                    f"{s.name}-{i}",
+                    "bench",
+                    "",
+                    "",
+                    s.requests[i][:T],
+                    [""] * T,
+                    phases,
+                    ids.astype(np.int16),
+                    **opt,
+                )
+            )
+    fields = {"topk_weights": True, "router_probs": True, "gate_inputs": gate}
+    s.traces = out / f"traces-{s.name}"
+    TraceWriter(s.traces, TraceMeta(model=info, collection={"source": "bench_gpu"}, fields=fields)).write(
+        records
+    )
+
+
+# ----------------------------------------------------------------------------- predictors
+
+
+def tiny_predictor(s: Setup, args: argparse.Namespace, work: Path) -> None:
+    """LLaPor for tiny: ``--predictor``, else one trained here in seconds on fresh traces of tiny."""
+    from moecast.predictors.registry import load
+
+    ckpt = Path(args.predictor) if args.predictor else None
+    if ckpt is None:
+        from moecast.collect.commands import collect
+        from moecast.train.cli import train
+
+        from moecast import configs_dir
+
+        traces = collect(
+            model=str(s.tiny_path),  # type: ignore[attr-defined]
+            workloads="sharegpt",
+            out=str(work / "tiny-train-traces"),
+            max_requests=args.train_requests,
+            max_new_tokens=16,
+            gate_inputs=True,
+            device="cpu",
+            progress=False,
+        )
+        ckpt = work / "llapor-tiny.safetensors"
+        train(
+            ["llapor", "--config", str(configs_dir() / "llapor_tiny.yaml"), "--traces", str(traces),
+             "--out", str(ckpt), "--trainer.max_epochs", str(args.train_epochs),
+             "--trainer.enable_progress_bar", "false", "--data.val_fraction", "0.25"]
+        )  # fmt: skip
+        s.notes.append(
+            f"LLaPor: trained here ({args.train_requests} requests, {args.train_epochs} epochs), not the tuned checkpoint"
+        )
+    else:
+        s.notes.append(f"LLaPor: {ckpt}")
+    s.predictor = load(str(ckpt), fingerprint=_info(s).fingerprint, against=f"tiny {s.name}")
+    s.replay_predictor = str(ckpt)
+
+
+def ds_predictor(s: Setup, args: argparse.Namespace) -> None:
+    if not args.ds_predictor:
+        s.notes.append("LLaPor: no DeepSeek checkpoint given (--ds-predictor): its row is skipped")
+        return
+    if not s.routing.recorded:
+        s.notes.append(
+            "LLaPor: the DeepSeek checkpoint needs the recorded routing (no traces): its row is skipped"
+        )
+        return
+    s.predictor = ds_model.ds_predictor(args.ds_predictor, s.routing, args.layers)
+    s.replay_predictor = s.predictor
+    s.notes.append(f"LLaPor: {args.ds_predictor} on the first {args.layers} MoE layers")
+
+
+# ----------------------------------------------------------------------------- rows
+
+
+def _experts_to(s: Setup, device: str | torch.device) -> None:
+    for e in _structure(s.model).layers:
+        e.experts.to(device)
+
+
+def modeled(s: Setup, policy: str, capacity: float | int, predictor: Any = None, alpha: float = 0.0) -> dict:
+    from moecast.runtime.replay import ReplayConfig, replay
+
+    r = replay(
+        str(s.traces),
+        ReplayConfig(policy=policy, capacity=capacity, hardware=s.profile, predictor=predictor, alpha=alpha),
+    )
+    return {"modeled_tpot_ms": r.modeled_tpot_ms, "modeled_hit_rate": r.hit_rate}
+
+
+def row_full(s: Setup) -> dict:
+    ms, _ = timed(s)
+    return {"measured_tpot_ms": ms, "hit_rate": 1.0, **modeled(s, "lru", _info(s).num_experts, "none")}
+
+
+def _logits(s: Setup, attached: bool) -> list[torch.Tensor]:
+    from moecast.runtime.live import attach
+
+    rt = None
+    if attached:
+        rt = attach(
+            s.model, policy="lru", capacity=CAPACITY, device=_live_device(s), prefetch="none", balance="load"
+        )
+    try:
+        with ds_model.routed(s.model, s.routing) as ov:
+            return run_all(s, ov, keep_logits=True)[1]
+    finally:
+        if rt is not None:
+            rt.detach()
+
+
+def exactness(s: Setup) -> dict:
+    """Alpha-0 logits of the live runtime (LRU, 25 %, experts served from slots / host) vs the model's.
+
+    Twice: one token per forward from the first token on (every forward's experts fit in the
+    slots: the runtime runs the wrapped implementation once, as the model does), and with the
+    prefill (its experts outnumber the slots and run in waves, whose partial sums may round
+    otherwise in bf16; the KV cache then carries that into the decode steps)."""
+    out: dict[str, Any] = {}
+    for tag, prompt in (("", 1), ("prefill_", s.prompt)):
+        t = replace(s, prompt=prompt)
+        ref, got = _logits(t, False), _logits(t, True)
+        out[f"{tag}equal"] = all(torch.equal(a, b) for a, b in zip(ref, got))
+        out[f"{tag}max_abs_diff"] = max(float((a - b).abs().max()) for a, b in zip(ref, got))
+        out[f"{tag}positions"] = sum(len(a) for a in ref)
+        out.setdefault("max_abs_logit", max(float(a.abs().max()) for a in ref))
+    return out
+
+
+def _live_device(s: Setup) -> str | None:
+    return str(s.device) if s.cuda else None
+
+
+def live_row(
+    s: Setup, policy: str, replay_policy: str, replay_pred: Any, alpha: float = 0.0, **kw: Any
+) -> dict:
+    from moecast.runtime.live import attach
+
+    rt = attach(
+        s.model, policy=policy, capacity=CAPACITY, alpha=alpha, device=_live_device(s),
+        hardware=str(s.profile_path), **kw,
+    )  # fmt: skip
+    try:
+        if s.cuda:
+            torch.cuda.reset_peak_memory_stats(s.device)
+        ms, _ = timed(s)
+        st = rt.stats()
+    finally:
+        rt.detach()
+    row = {
+        "measured_tpot_ms": ms,
+        "hit_rate": st["hit_rate"],
+        "live_modeled_tpot_ms": st["modeled_tpot_ms"],
+        "loads": st["loads"],
+        "prefetches_issued": st["prefetches_issued"],
+        "cpu_experts": st["cpu_experts"],
+        "substitution_rate": st["substitution_rate"],
+    }
+    if s.cuda:
+        row["peak_gpu_mb"] = torch.cuda.max_memory_allocated(s.device) / 2**20
+    row.update(modeled(s, replay_policy, CAPACITY, replay_pred, alpha))
+    return row
+
+
+def row_accelerate(s: Setup) -> dict:
+    """Experts offloaded with accelerate at the same GPU budget (CUDA only; leaves the model dispatched)."""
+    from accelerate import dispatch_model
+
+    dm, keep = ds_model.accelerate_map(s.model, CAPACITY, main=s.device.index or 0, offload="cpu")
+    _experts_to(s, "cpu")
+    layers = _structure(s.model).layers
+    for e in layers[:keep]:
+        e.experts.to(s.device)
+    torch.cuda.reset_peak_memory_stats(s.device)
+    dispatch_model(s.model, device_map=dm, main_device=s.device.index or 0)
+    ms, _ = timed(s)
+    return {
+        "measured_tpot_ms": ms,
+        "resident_layers": f"{keep} of {len(layers)}",
+        "peak_gpu_mb": torch.cuda.max_memory_allocated(s.device) / 2**20,
+        "modeled_tpot_ms": None,
+    }
+
+
+def run_rows(s: Setup, report: Report) -> None:
+    """Every row of one model, each guarded (a failure is recorded with its traceback; the rest go on)."""
+    g = report.guard
+    g(s, "full residency", lambda: row_full(s))
+    g(s, "exactness (alpha 0)", lambda: exactness(s), kind="exactness")
+    if s.cuda:  # the live rows serve experts from host memory: the GPU keeps only the slots
+        _experts_to(s, "cpu")
+    g(s, "on-demand LRU", lambda: live_row(s, "lru", "lru", "none", prefetch="none", balance="load"))
+    if s.predictor is not None:
+        g(
+            s,
+            "LLaPor prefetch",
+            lambda: live_row(s, "lru", "prefetch", s.replay_predictor, predictor=s.predictor, balance="load"),
+        )
+    else:
+        report.skip(s, "LLaPor prefetch", "no predictor for this model (see notes)")
+    pre_kw = {"predictor": s.predictor} if s.predictor is not None else {"prefetch": "none"}
+    g(
+        s,
+        "PreSched + CPU experts",
+        lambda: live_row(s, "lru", "presched", s.replay_predictor or "none", balance="presched", **pre_kw),
+    )
+    if s.substitutes:
+        from moecast.runtime.substitution import DEFAULT_ALPHA
+
+        # modeled without prefetch: replay has no gate-reuse predictor (the live row's online prefetch)
+        g(
+            s,
+            f"SMoE (alpha {DEFAULT_ALPHA})",
+            lambda: live_row(s, "smoe", "smoe", "none", alpha=DEFAULT_ALPHA),
+        )
+    else:
+        report.skip(s, "SMoE", "tiny only: the recorded DeepSeek routing has no router probabilities")
+    if s.cuda:
+        g(s, "accelerate offload (device_map)", lambda: row_accelerate(s))
+    else:
+        report.skip(s, "accelerate offload (device_map)", "CUDA only (dry run)")
+
+
+# ----------------------------------------------------------------------------- report
+
+
+@dataclass
+class Report:
+    device: str
+    rows: list[dict] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    sections: list[str] = field(default_factory=list)
+
+    def guard(self, s: Setup | None, name: str, fn: Callable[[], dict], kind: str = "tpot") -> dict | None:
+        model = s.name if s else "-"
+        log(f"[{model}] {name} ...")
+        t0 = time.perf_counter()
+        try:
+            row = fn()
+            status = "ok"
+        except Exception:  # the GPU time is scarce: record it and go on
+            tb = traceback.format_exc()
+            self.failures.append(f"### {model}: {name}\n\n```\n{tb}```\n")
+            log(tb)
+            row, status = {}, "FAILED"
+        row = {"model": model, "config": name, "kind": kind, "status": status, "capacity": CAPACITY, **row}
+        row["seconds"] = round(time.perf_counter() - t0, 1)
+        self.rows.append(row)
+        log(f"[{model}] {name}: {status} in {row['seconds']} s {_brief(row)}")
+        return row if status == "ok" else None
+
+    def skip(self, s: Setup, name: str, why: str) -> None:
+        self.rows.append({"model": s.name, "config": name, "kind": "tpot", "status": "skipped", "note": why})
+        log(f"[{s.name}] {name}: skipped ({why})")
+
+
+def _brief(row: dict) -> str:
+    keys = ("measured_tpot_ms", "modeled_tpot_ms", "hit_rate", "equal", "max_abs_diff")
+    return " ".join(f"{k}={_fmt(row[k])}" for k in keys if k in row)
+
+
+def _fmt(v: Any, digits: int = 3) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "NO"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}" if abs(v) >= 1e-3 or v == 0 else f"{v:.2e}"
+    return str(v)
+
+
+def markdown(report: Report, args: argparse.Namespace, setups: list[Setup], machine: str, wall: float) -> str:
+    lines = [
+        f"# bench_gpu on {report.device}",
+        "",
+        f"- date: {dt.datetime.now().astimezone().isoformat(timespec='seconds')}",
+        f"- command: `{' '.join(shlex.quote(a) for a in sys.argv)}`",
+        f"- machine: {machine}",
+        f"- wall time: {wall:.0f} s; capacity {int(CAPACITY * 100)} % of each layer's routed experts resident",
+        "",
+    ]
+    for s in setups:
+        lines += [f"## {s.name}", ""] + [f"- {n}" for n in s.notes] + [""]
+        prof = next((r for r in report.rows if r["model"] == s.name and r["kind"] == "profile"), None)
+        if prof and prof["status"] == "ok":
+            lines += [
+                "| profile | value |",
+                "|---|---|",
+                *(f"| {k} | {_fmt(prof[k], 4)} |" for k in ("h2d_gbps", "kernel_ms_per_expert", "cpu_beta_ms",
+                                                          "cpu_c_ms", "dense_ms_per_layer", "expert_bytes")),
+                f"| source | {prof['source']} |",
+                "",
+            ]  # fmt: skip
+        ex = next((r for r in report.rows if r["model"] == s.name and r["kind"] == "exactness"), None)
+        if ex and ex["status"] == "ok":
+            lines += [
+                f"Exactness at alpha 0 (live runtime, LRU at 25 %, against the unmodified model): one token per "
+                f"forward, logits equal: **{_fmt(ex['equal'])}** (max |diff| {_fmt(ex['max_abs_diff'])}, "
+                f"{ex['positions']} positions); after a {s.prompt}-token prefill (experts in waves through the "
+                f"slots): equal **{_fmt(ex['prefill_equal'])}** (max |diff| {_fmt(ex['prefill_max_abs_diff'])}); "
+                f"max |logit| {_fmt(ex['max_abs_logit'])}",
+                "",
+            ]
+        lines += [
+            "| config | status | measured TPOT ms | modeled TPOT ms | hit rate | modeled hit | loads | CPU experts | peak GPU MB |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in report.rows:
+            if r["model"] != s.name or r["kind"] != "tpot":
+                continue
+            cells = [r["config"], r["status"] + (f": {r['note']}" if r.get("note") else "")]
+            cells += [_fmt(r.get(k)) for k in ("measured_tpot_ms", "modeled_tpot_ms", "hit_rate", "modeled_hit_rate",
+                                               "loads", "cpu_experts", "peak_gpu_mb")]  # fmt: skip
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    if report.failures:
+        lines += ["## Failures", "", *report.failures]
+    return "\n".join(lines) + "\n"
+
+
+def machine_line(device: torch.device) -> str:
+    parts = [platform.node(), platform.processor() or platform.machine(), f"{os.cpu_count()} CPUs",
+             f"torch {torch.__version__}", f"{torch.get_num_threads()} threads"]  # fmt: skip
+    import transformers
+
+    parts.append(f"transformers {transformers.__version__}")
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        parts.append(f"{p.name} ({p.total_memory / 2**30:.0f} GiB), CUDA {torch.version.cuda}")
+    return ", ".join(p for p in parts if p)
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+# ----------------------------------------------------------------------------- entry points
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(RESULTS), help="folder for gpu-<device>.md/.json and the profiles")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--quick", action="store_true", help="fewer requests and tokens, 2 DeepSeek-shaped layers"
+    )
+    ap.add_argument(
+        "--layers", type=int, default=None, help="MoE layers of the DeepSeek-shaped model (default 4)"
+    )
+    ap.add_argument("--requests", type=int, default=None, help="requests per model (default 3)")
+    ap.add_argument("--prompt", type=int, default=None, help="prompt tokens per request (default 32)")
+    ap.add_argument("--tokens", type=int, default=None, help="decode steps per request (default 48)")
+    ap.add_argument("--predictor", default=None, help="LLaPor checkpoint for tiny (default: train one here)")
+    ap.add_argument("--ds-predictor", default=None, help="LLaPor checkpoint of the DeepSeek traces")
+    ap.add_argument(
+        "--traces", default=None, help="DeepSeek traces: CSV folder or a ds_model.py --extract .npz"
+    )
+    ap.add_argument("--tiny-preset", default="auto", help="tiny preset (auto: default when built, else test)")
+    ap.add_argument(
+        "--ds-shape", default="lite", choices=["lite", "test"], help="test: small sizes (the test suite)"
+    )
+    ap.add_argument("--models", default="tiny,deepseek", help="which models to run")
+    ap.add_argument("--train-requests", type=int, default=None)
+    ap.add_argument("--train-epochs", type=int, default=None)
+    args = ap.parse_args(argv)
+    q = args.quick
+    defaults = dict(layers=2 if q else 4, requests=2 if q else 3, prompt=16 if q else 32, tokens=12 if q else 48,
+                    train_requests=16 if q else 48, train_epochs=2 if q else 8)  # fmt: skip
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    return args
+
+
+def rows(argv: list[str] | None = None) -> list[dict]:
+    """Run the bench (arguments as on the command line) and return its rows; writes the .md and .json."""
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here; run with --device cpu for the dry run")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = torch.cuda.get_device_name(device).replace(" ", "-") if device.type == "cuda" else "cpu"
+    # replay traces and a tiny LLaPor trained here: fresh each run, removed at the end
+    with tempfile.TemporaryDirectory(prefix="bench_gpu-") as tmp:
+        return _run(args, device, out, tag, Path(tmp))
+
+
+def _run(args: argparse.Namespace, device: torch.device, out: Path, tag: str, work: Path) -> list[dict]:
+    report = Report(str(device))
+    t0 = time.perf_counter()
+    setups: list[Setup] = []
+    builders = {"tiny": tiny_setup, "deepseek": ds_setup}
+    for name in [m.strip() for m in args.models.split(",") if m.strip()]:
+        holder: dict[str, Setup] = {}
+
+        def build(n: str = name, h: dict = holder) -> dict:
+            h["s"] = builders[n](args, device)
+            return {}
+
+        if report.guard(None, f"build {name}", build, kind="setup") is None:
+            continue
+        s = holder["s"]
+        setups.append(s)
+        if name == "tiny":
+            report.guard(s, "LLaPor for tiny", lambda s=s: tiny_predictor(s, args, work) or {}, kind="setup")
+        else:
+            ds_predictor(s, args)
+        if report.guard(s, "profile", lambda s=s: profile_model(s, out, tag), kind="profile") is None:
+            continue
+        if (
+            report.guard(
+                s, "record routing for replay", lambda s=s: record_traces(s, work) or {}, kind="setup"
+            )
+            is None
+        ):
+            continue
+        run_rows(s, report)
+        del s.model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    wall = time.perf_counter() - t0
+    _write(out / f"gpu-{tag}.md", markdown(report, args, setups, machine_line(device), wall))
+    _write(out / f"gpu-{tag}.json", json.dumps(report.rows, indent=1, default=str) + "\n")
+    log(f"wrote {out / f'gpu-{tag}.md'} ({wall:.0f} s)")
+    return report.rows
+
+
+if __name__ == "__main__":
+    rows()

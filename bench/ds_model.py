@@ -1,0 +1,347 @@
+"""A DeepSeek-V2-Lite-shaped MoE with random weights, routed by recorded DeepSeek traces (a benchmark mode).
+
+The expert shape is DeepSeek-V2-Lite's (hidden 2048, expert intermediate 1408, 64 routed + 2 shared
+experts, top-6, MLA attention, bf16); the weights are random and ``--layers N`` MoE layers are built
+(the real model has 26, after one dense layer that is left out). No model that runs here can
+produce DeepSeek's routing, so the routers' decisions are replaced by the ids recorded from the
+real model (``../shared/traces/deepseek-v2-lite-puffin``, the held-out 10 % of prompts by
+``TraceSet.split(0.1, seed=0)``, the split the DeepSeek LLaPor checkpoint was trained on).
+Without the traces, the model's own random router decides, and the benches say so.
+
+The replacement goes through the model's standard path: each router module's forward returns the
+recorded ids, weights from logits whose top-k are those ids (so hooks that read router
+probabilities see a distribution consistent with the routing), and the experts interface is
+called with them as usual.
+
+    python bench/ds_model.py --extract routing.npz [--requests 8]
+
+writes the held-out routing of a few requests to a small file that ``--traces`` also accepts
+(for a machine that does not have the 185 MB of CSV files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PUFFIN_NAME = "deepseek-v2-lite-puffin"
+# where a checkout finds ../shared (worktrees), or a copy of it inside the repository (device machines)
+PUFFIN_DIRS = (ROOT.parent / "shared" / "traces" / PUFFIN_NAME, ROOT / "shared" / "traces" / PUFFIN_NAME)
+# DeepSeek-V2-Lite's shape (config.json of deepseek-ai/DeepSeek-V2-Lite-Chat)
+DS_LITE = dict(
+    hidden_size=2048,
+    moe_intermediate_size=1408,
+    n_routed_experts=64,
+    n_shared_experts=2,
+    num_experts_per_tok=6,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    kv_lora_rank=512,
+    q_lora_rank=None,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    vocab_size=102400,
+    intermediate_size=10944,
+)
+#: the DeepSeek traces' MoE layer count (model layers 1..26)
+DS_MOE_LAYERS = 26
+
+
+def ds_config(layers: int, **overrides: Any) -> Any:
+    """A DeepseekV2Config of DeepSeek-V2-Lite's shape with ``layers`` MoE layers (sizes overridable, for tests)."""
+    from transformers import DeepseekV2Config
+
+    shape = {**DS_LITE, **overrides}
+    return DeepseekV2Config(
+        num_hidden_layers=layers,
+        first_k_dense_replace=0,
+        n_group=1,
+        topk_group=1,
+        topk_method="greedy",
+        norm_topk_prob=False,
+        routed_scaling_factor=1.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        **shape,
+    )
+
+
+def build_ds_model(cfg: Any, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", seed: int = 0) -> Any:
+    """Random weights (the family's own initialisation, seeded), built directly on ``device`` in ``dtype``."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------- recorded routing
+
+
+@dataclass
+class RoutedRequest:
+    """One recorded request: its token ids (model vocabulary), hashed ids (the traces') and routes [T, L, k]."""
+
+    request_id: str
+    tokens: np.ndarray  # [T] ids in the model's vocabulary
+    token_hashes: np.ndarray  # [T] the TraceSet's token ids (hash of the token text)
+    topk_ids: np.ndarray  # [T, L, k]
+
+
+@dataclass
+class Routing:
+    """Held-out requests of the DeepSeek traces, or nothing (``source`` says which)."""
+
+    requests: list[RoutedRequest] = field(default_factory=list)
+    source: str = ""
+
+    @property
+    def recorded(self) -> bool:
+        return bool(self.requests)
+
+
+def find_puffin(path: str | None = None) -> Path | None:
+    """The DeepSeek traces (a CSV directory or an ``--extract`` file): ``path``, else the shared copy."""
+    if path:
+        p = Path(path)
+        if not p.exists():
+            raise FileNotFoundError(
+                f"{p}: no such DeepSeek traces (a CSV directory or a .npz from --extract)"
+            )
+        return p
+    return next((p for p in PUFFIN_DIRS if p.is_dir()), None)
+
+
+def held_out_requests(
+    source: Path, n: int, min_tokens: int, layers: int
+) -> list[tuple[str, list[str], np.ndarray]]:
+    """(request id, token texts, ids [T, layers, k]) of the first ``n`` held-out prompts with >= ``min_tokens`` tokens."""
+    from moecast.collect.moe_beyond import list_files, parse_file
+    from moecast.collect.traceset import split_request_ids
+
+    files = {f"puffin-{k}": p for k, p in list_files(source)}
+    _, held = split_request_ids(sorted(files), 0.1, 0)
+    out = []
+    for rid in sorted(held, key=lambda r: int(r.split("-")[1])):
+        _, texts, ids = parse_file(files[rid])
+        if len(texts) >= min_tokens:
+            out.append((rid, texts, ids[:, :layers]))
+        if len(out) >= n:
+            break
+    return out
+
+
+def load_routing(path: str | None, n: int, min_tokens: int, layers: int, vocab: int) -> Routing:
+    """Routing for ``n`` requests of at least ``min_tokens`` tokens; empty when no traces are found."""
+    from moecast.collect.moe_beyond import token_hash
+
+    src = find_puffin(path)
+    if src is None:
+        return Routing(source=f"no DeepSeek traces (looked in {', '.join(map(str, PUFFIN_DIRS))})")
+    if src.suffix == ".npz":
+        z = np.load(src)
+        rows = [(str(r), None, z[f"ids_{i}"], z[f"hash_{i}"]) for i, r in enumerate(z["request_ids"])]
+        rows = [r for r in rows if len(r[2]) >= min_tokens][:n]
+    else:
+        raw = held_out_requests(src, n, min_tokens, layers)
+        rows = [(r, t, ids, np.array([token_hash(x) for x in t], np.int64)) for r, t, ids in raw]
+    if any(r[2].shape[1] < layers for r in rows):
+        raise ValueError(f"{src}: the recorded routing has fewer than {layers} MoE layers; lower --layers")
+    # the model's vocabulary: each distinct token of these requests gets its own id
+    uniq = np.unique(np.concatenate([r[3] for r in rows])) if rows else np.zeros(0, np.int64)
+    reqs = [
+        RoutedRequest(rid, np.searchsorted(uniq, h) % vocab, h, ids[:, :layers].astype(np.int64))
+        for rid, _t, ids, h in rows
+    ]
+    return Routing(reqs, f"recorded routing of {len(reqs)} held-out DeepSeek-V2-Lite requests ({src})")
+
+
+class RoutingOverride:
+    """Replace every router's decision by the recorded ids of the request being run.
+
+    ``install(model, structure)`` wraps each router module's forward; a forward pre-hook on the model
+    takes the next ``seq`` rows of the request (``start(request)`` resets to its first token), so a
+    prefill followed by one-token decode steps walks the request in order.
+    """
+
+    def __init__(self) -> None:
+        self.ids: torch.Tensor | None = None  # [T, L, k]
+        self.pos = 0
+        self.rows = slice(0, 0)
+        self._undo: list[Any] = []
+
+    def start(self, request: RoutedRequest) -> None:
+        self.ids = torch.from_numpy(request.topk_ids)
+        self.pos = 0
+
+    def install(self, model: Any, structure: Any) -> RoutingOverride:
+        for layer, entry in enumerate(structure.layers):
+            router = entry.router
+            router.forward = self._forward(router, layer)
+            self._undo.append(lambda r=router: r.__dict__.pop("forward", None))
+        self._undo.append(model.register_forward_pre_hook(self._advance, with_kwargs=True).remove)
+        return self
+
+    def remove(self) -> None:
+        for undo in self._undo:
+            undo()
+        self._undo = []
+
+    def _advance(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        n = int(ids.shape[-1])
+        self.rows = slice(self.pos, self.pos + n)
+        self.pos += n
+
+    def _forward(self, router: Any, layer: int):
+        original = router.forward
+
+        def forward(hidden_states: torch.Tensor):
+            logits, _w, _i = original(hidden_states)
+            if self.ids is None:
+                raise RuntimeError("RoutingOverride.start(request) was not called before the forward")
+            ids = self.ids[self.rows, layer].to(logits.device)
+            # lift the recorded experts above every other logit: the softmax's top-k is then the recording
+            lifted = logits.scatter(1, ids, logits.max(1, keepdim=True).values + 4.0 + logits.gather(1, ids))
+            weights = lifted.softmax(-1).gather(1, ids) * router.routed_scaling_factor
+            return lifted, weights, ids
+
+        return forward
+
+
+@contextlib.contextmanager
+def routed(model: Any, routing: Routing):
+    """The model with its routers replaced by ``routing`` (no change when it holds no requests)."""
+    if not routing.recorded:
+        yield None
+        return
+    from moecast.collect.models import find_moe_structure
+
+    ov = RoutingOverride().install(model, find_moe_structure(model))
+    try:
+        yield ov
+    finally:
+        ov.remove()
+
+
+# ----------------------------------------------------------------------------- accelerate baseline
+
+
+def accelerate_map(model: Any, budget_fraction: float, main: Any, offload: str) -> tuple[dict[str, Any], int]:
+    """accelerate device map: every module on ``main`` except the experts modules past the budget
+    (mapped to ``offload``: "cpu" or "disk"). accelerate's unit is the module, so a layer's experts are
+    resident or offloaded together: the first ``int(budget_fraction * layers)`` layers keep theirs
+    (never over the budget). Built by hand because ``infer_auto_device_map`` offloads attention too."""
+    from moecast.collect.models import find_moe_structure
+
+    layers = find_moe_structure(model).layers
+    keep = int(budget_fraction * len(layers))
+    offloaded = {e.experts_name for e in layers[keep:]}
+    dm: dict[str, Any] = {}
+
+    def walk(prefix: str, module: Any) -> None:
+        for name, child in module.named_children():
+            full = f"{prefix}{name}"
+            if full in offloaded:
+                dm[full] = offload
+            elif any(o.startswith(full + ".") for o in offloaded):
+                for pname, _ in child.named_parameters(recurse=False):
+                    dm[f"{full}.{pname}"] = main
+                walk(full + ".", child)
+            else:
+                dm[full] = main
+
+    walk("", model)
+    return dm, keep
+
+
+# ----------------------------------------------------------------------------- the DeepSeek predictor
+
+
+class LayerSubsetPredictor:
+    """A layer-ahead checkpoint of the full 26-layer DeepSeek model used on the first ``layers`` MoE layers.
+
+    The bench model has fewer layers, other token ids and another fingerprint than the model the
+    checkpoint was trained on; this adapter maps them back: the window is padded to the checkpoint's
+    layer count (the layers the bench model lacks are never known before they are predicted), and the
+    token ids are replaced by the traces' ones.
+    """
+
+    horizon = "layer-ahead"
+    fingerprint = None
+
+    def __init__(self, inner: Any, token_hashes: dict[int, int], layers: int) -> None:
+        self.inner = inner
+        self.name = getattr(inner, "name", "llapor")
+        self.needs = tuple(n for n in getattr(inner, "needs", ()) if n != "gate_inputs")
+        self.spec = None  # no gate-input context: the DeepSeek traces have none
+        self.hashes = token_hashes
+        self.layers = layers
+        self.full = len(inner.moe_layers) if hasattr(inner, "moe_layers") else DS_MOE_LAYERS
+
+    def _full(self, trace: Any) -> Any:
+        from dataclasses import replace
+
+        T, L, k = trace.topk_ids.shape
+        ids = np.zeros((T, self.full, k), trace.topk_ids.dtype)
+        ids[:, :L] = trace.topk_ids
+        w = np.zeros((T, self.full, k), trace.topk_weights.dtype)
+        w[:, :L] = trace.topk_weights
+        toks = np.array([self.hashes.get(int(t), 0) for t in trace.token_ids], np.int64)
+        return replace(trace, topk_ids=ids, topk_weights=w, token_ids=toks, gate_inputs=None)
+
+    def score_at(self, trace: Any, layer: int) -> np.ndarray:
+        t = self._full(trace)
+        if hasattr(self.inner, "score_at"):
+            return np.asarray(self.inner.score_at(t, layer))
+        return self.inner.score_request(t)[-1, layer]
+
+    def score_request(self, trace: Any) -> np.ndarray:
+        return self.inner.score_request(self._full(trace))[:, :, : self.layers]
+
+
+def ds_predictor(path: str, routing: Routing, layers: int) -> LayerSubsetPredictor:
+    """The DeepSeek checkpoint at ``path`` for the bench model (token ids mapped back to the traces')."""
+    from moecast.predictors.registry import load
+
+    hashes = {int(t): int(h) for r in routing.requests for t, h in zip(r.tokens, r.token_hashes)}
+    return LayerSubsetPredictor(load(path), hashes, layers)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description="Extract held-out DeepSeek routing into a small .npz for --traces."
+    )
+    ap.add_argument("--extract", required=True, help="the .npz to write")
+    ap.add_argument("--traces", default=None, help="the CSV directory (default: the shared copy)")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--min-tokens", type=int, default=64)
+    args = ap.parse_args()
+    src = find_puffin(args.traces)
+    if src is None:
+        raise SystemExit("no DeepSeek traces found; pass --traces DIR")
+    rows = held_out_requests(src, args.requests, args.min_tokens, DS_MOE_LAYERS)
+    from moecast.collect.moe_beyond import token_hash
+
+    arrays: dict[str, np.ndarray] = {"request_ids": np.array([r for r, _, _ in rows])}
+    for i, (_r, texts, ids) in enumerate(rows):
+        arrays[f"ids_{i}"] = ids.astype(np.int16)
+        arrays[f"hash_{i}"] = np.array([token_hash(t) for t in texts], np.int64)
+    out = Path(args.extract)
+    tmp = out.with_name(f".{out.name}.tmp.npz")
+    np.savez_compressed(tmp, **arrays)
+    tmp.replace(out)
+    print(f"wrote {out}: {len(rows)} held-out requests")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""bench/bench_gpu.py's dry run on the CPU (so it cannot rot before a GPU runs it) and bench/ds_model.py's parts."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import ds_model  # noqa: E402
+
+SMALL = dict(
+    hidden_size=32,
+    moe_intermediate_size=16,
+    n_routed_experts=64,
+    num_experts_per_tok=6,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    kv_lora_rank=8,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=8,
+    vocab_size=128,
+    intermediate_size=64,
+)
+
+
+def _request(T: int, L: int, seed: int = 0) -> ds_model.RoutedRequest:
+    rng = np.random.default_rng(seed)
+    ids = np.stack([[rng.choice(64, 6, replace=False) for _ in range(L)] for _ in range(T)])
+    return ds_model.RoutedRequest("r", np.arange(T) % 128, np.arange(T) + 1000, ids)
+
+
+def test_routing_override_makes_the_model_use_the_recorded_ids():
+    from moecast.collect.models import find_moe_structure
+    from moecast.collect.recorder import RoutingRecorder
+
+    model = ds_model.build_ds_model(ds_model.ds_config(2, **SMALL), torch.float32)
+    req = _request(5, 2)
+    routing = ds_model.Routing([req], "test")
+    st = find_moe_structure(model)
+    seen = []
+    with torch.no_grad(), ds_model.routed(model, routing) as ov, RoutingRecorder(st, 6).attach(model) as rec:
+        ov.start(req)
+        toks = torch.as_tensor(req.tokens)[None]
+        out = model(input_ids=toks[:, :3], use_cache=True)  # prefill of 3, then 2 decode steps
+        seen.append(rec.take())
+        for t in (3, 4):
+            out = model(input_ids=toks[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
+            seen.append(rec.take())
+    got = torch.cat([s.topk_ids for s in seen]).numpy()
+    assert np.array_equal(np.sort(got, -1), np.sort(req.topk_ids, -1))
+    probs = torch.cat([s.router_probs for s in seen]).numpy()
+    top = np.argsort(-probs, -1)[..., :6]  # the lifted logits' top-6 are the recording
+    assert np.array_equal(np.sort(top, -1), np.sort(req.topk_ids, -1))
+    assert "forward" not in st.layers[0].router.__dict__  # removed on exit
+
+
+def test_held_out_requests_are_the_trainings_validation_split(puffin_dir):
+    from moecast.collect.traceset import split_request_ids
+
+    rows = ds_model.held_out_requests(puffin_dir, 2, 16, 3)
+    names = [f"puffin-{p.name.split('_')[1]}" for p in puffin_dir.glob("prompt_*_data.csv")]
+    _, held = split_request_ids(sorted(names), 0.1, 0)
+    assert len(held) == round(len(names) * 0.1) and all(r in held for r, _, _ in rows)
+    assert all(ids.shape[1:] == (3, 6) and len(t) == len(ids) >= 16 for _, t, ids in rows)
+
+
+def test_accelerate_disk_offload_keeps_the_logits(tmp_path):
+    from accelerate import dispatch_model
+
+    model = ds_model.build_ds_model(ds_model.ds_config(4, **SMALL), torch.float32)
+    ids = torch.arange(6)[None]
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    dm, keep = ds_model.accelerate_map(model, 0.25, main="cpu", offload="disk")
+    assert keep == 1  # one layer of four keeps its experts: 25 % of the experts' bytes
+    assert [k for k, v in dm.items() if v == "disk"] == [f"model.layers.{i}.mlp.experts" for i in (1, 2, 3)]
+    dispatch_model(model, device_map=dm, main_device="cpu", offload_dir=str(tmp_path))
+    assert model.model.layers[2].mlp.experts.down_proj.device.type == "meta"  # really offloaded
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, ref)
+
+
+def test_dry_run_runs_every_cpu_row(tmp_path, monkeypatch):
+    import bench_gpu
+
+    monkeypatch.setattr(sys, "argv", ["bench_gpu.py"])
+    args = ["--device", "cpu", "--quick", "--ds-shape", "test", "--tiny-preset", "test", "--out", str(tmp_path),
+            "--requests", "1", "--prompt", "8", "--tokens", "5", "--train-requests", "8", "--train-epochs", "1"]  # fmt: skip
+    rows = bench_gpu.rows(args)
+    by = {(r["model"], r["config"]): r for r in rows}
+    assert not [r for r in rows if r["status"] == "FAILED"]
+    for model in ("tiny", "deepseek-shaped"):
+        assert by[(model, "exactness (alpha 0)")]["equal"] is True  # one token per forward: bit-identical
+        assert by[(model, "accelerate offload (device_map)")]["status"] == "skipped"
+        for cfg in ("full residency", "on-demand LRU", "PreSched + CPU experts"):
+            r = by[(model, cfg)]
+            assert r["measured_tpot_ms"] > 0 and r["modeled_tpot_ms"] > 0
+        assert by[(model, "full residency")]["hit_rate"] == 1.0
+        assert by[(model, "on-demand LRU")]["cpu_experts"] == 0  # on demand: every miss is loaded
+    assert by[("tiny", "LLaPor prefetch")]["prefetches_issued"] > 0
+    assert by[("tiny", "SMoE (alpha 0.3)")]["status"] == "ok"
+    assert by[("deepseek-shaped", "LLaPor prefetch")]["status"] == "skipped"  # no DeepSeek checkpoint given
+    md = (tmp_path / "gpu-cpu.md").read_text()
+    assert "## tiny" in md and "## deepseek-shaped" in md and "command:" in md and "machine:" in md
+    assert ("BENCHMARK MODE" if ds_model.find_puffin() is not None else "own random router") in md
+    assert json.loads((tmp_path / "gpu-cpu.json").read_text()) == json.loads(json.dumps(rows, default=str))
+    assert (tmp_path / "bench-cpu-tiny.yaml").is_file()
+
+
+def test_a_failing_row_is_recorded_and_the_rest_go_on(tmp_path):
+    import bench_gpu
+
+    report = bench_gpu.Report("cpu")
+    assert report.guard(None, "boom", lambda: 1 / 0) is None
+    assert report.guard(None, "fine", lambda: {"x": 1}) is not None
+    assert [r["status"] for r in report.rows] == ["FAILED", "ok"]
+    assert "ZeroDivisionError" in report.failures[0]
