@@ -488,7 +488,7 @@ def run_rows(s: Setup, report: Report) -> None:
         lambda: live_row(s, "lru", "presched", s.replay_predictor or "none", balance="presched", **pre_kw),
     )
     if s.substitutes:
-        from moecast.runtime.substitution import DEFAULT_ALPHA
+        from moecast.runtime.policy import DEFAULT_ALPHA
 
         # modeled without prefetch: replay has no gate-reuse predictor (the live row's online prefetch)
         g(
