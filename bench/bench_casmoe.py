@@ -29,6 +29,145 @@ import time
 from pathlib import Path
 
 
+def build(traces: str, eam: str, eap: str) -> None:
+    """Build the EAM and train the frozen-MiniLM EAP (the quick CPU recipe) with ``moecast train``."""
+    cfg = Path(__file__).resolve().parents[1] / "configs"
+    for kind, config, out in (("eam", "eam_minilm.yaml", eam), ("eap", "eap_minilm_frozen.yaml", eap)):
+        cmd = ["train", kind, "--config", str(cfg / config), "--traces", traces, "--out", out]
+        subprocess.run([sys.executable, "-m", "moecast", *cmd], check=True)
+
+
+def measure(
+    traces: str,
+    eam: str,
+    eap: str,
+    epsilons: list[float],
+    k: int | None = None,
+    val_fraction: float = 0.1,
+    max_requests: int | None = None,
+    threads: int = 1,
+    int8: bool = False,
+    engine: str = "auto",
+    lengths: bool = False,
+    repeats: int = 30,
+) -> list[dict]:
+    """The Table-3 rows (``"planner"``: EAM, EAP, static, cascade eps=...), then with ``lengths``
+    the rows per prompt length (``"bench": "casmoe-length"``)."""
+    import torch
+    from moecast.predictors import load
+    from moecast.train.planner_report import compare_planners
+
+    torch.set_num_threads(threads)
+    eam_p, eap_p = load(eam), load(eap)
+    load0 = os.getloadavg()[0]
+    rows = compare_planners(
+        eam_p,
+        eap_p,
+        traces,
+        epsilons,
+        k,
+        val_fraction,
+        0,
+        max_requests,
+        int8=int8,
+        engine=engine,
+        threads=threads,
+    )
+    engine_name = (
+        type(eam_p.embedder.fast).__name__ if eam_p.embedder.fast is not None else "sentence-transformers"
+    )
+    for r in rows:
+        r.update(loadavg_1min=[load0, os.getloadavg()[0]], threads=threads, int8=int8, engine=engine_name)
+    if lengths:
+        rows += length_latencies(eam_p, eap_p, traces, val_fraction, repeats)
+    return rows
+
+
+def rows(quick: bool, ds_traces: Path, eam: Path, eap: Path, train: bool = False) -> list[dict]:
+    """At the checkpoints' default (fp32, 1 thread) and the fastest setting measured on a 2-core CPU
+    (int8, 2 threads, with the latency per prompt length: how far the encoder alone is from 5 ms).
+    Without checkpoints, ``train`` builds them. ``quick``: 50 held-out requests, 5 plans per length."""
+    from bench.figures import missing
+
+    if not (Path(eam).is_file() and Path(eap).is_file()):
+        if not train:
+            return [
+                missing(
+                    "casmoe",
+                    "no checkpoints (runs/casmoe/{eam,eap}.safetensors; --train or bench_casmoe.py --build)",
+                    "EAM / EAP / cascade",
+                )
+            ]
+        build(str(ds_traces), str(eam), str(eap))
+    eps = [0.3, 0.5, 0.6, 0.7, 0.8, 0.9]
+    common = {"max_requests": 50 if quick else None}
+    fast = {"int8": True, "threads": 2, "lengths": True, "repeats": 5 if quick else 20}
+    out: list[dict] = []
+    for setting, extra in (("fp32 1 thread", {}), ("int8 2 threads", fast)):
+        got = measure(str(ds_traces), str(eam), str(eap), eps, **common, **extra)
+        out += setting_rows(setting, got, quick, extra.get("repeats", 0))
+    return out
+
+
+def setting_rows(setting: str, lines: list[dict], quick: bool, repeats: int) -> list[dict]:
+    """The table's rows for one setting: EAM and EAP latency, the best cascade against EAP, lengths."""
+    from moecast.train.planner_report import cascade_wins
+
+    from bench.figures import fig, row
+
+    by = {r.get("planner"): r for r in lines if "planner" in r}
+    note = "quick: 50 held-out requests; " if quick else ""
+    out = []
+    for name, goal in (("EAM", "<= 5 ms"), ("EAP", "<= 10 ms")):
+        r = by.get(name, {})
+        out.append(
+            fig(
+                "casmoe",
+                f"{name} latency per prompt, {setting} (ms)",
+                r.get("mean_latency_ms"),
+                "{:.2f} ms",
+                goal,
+                f"{note}{r.get('engine', '?')}; p50 {r.get('p50_latency_ms', float('nan')):.2f} ms; "
+                f"recall {r.get('recall_at_k', float('nan')):.4f}",
+            )
+        )
+    casc = [r for n, r in by.items() if n and n.startswith("cascade")]
+    eap = by.get("EAP")
+    if casc and eap:
+        wins = cascade_wins(list(by.values()))
+        best = (
+            min(wins, key=lambda r: r["mean_latency_ms"])
+            if wins
+            else max(casc, key=lambda r: (r["recall_at_k"], -r["mean_latency_ms"]))
+        )
+        d = best["recall_at_k"] - eap["recall_at_k"]
+        out.append(
+            row(
+                "casmoe",
+                f"cascade recall vs EAP (best cascade), {setting}",
+                f"{best['recall_at_k']:.4f} vs {eap['recall_at_k']:.4f} ({d:+.4f}); "
+                f"{best['latency_vs_eap_ms']:+.2f} +- {best['latency_vs_eap_se_ms']:.2f} ms vs EAP",
+                ">= EAP at lower latency",
+                "ok" if wins else "MISS",
+                f"{best['planner']}, EAM share {best.get('eam_share', float('nan')):.2f}; latency paired per prompt",
+                best["recall_at_k"],
+            )
+        )
+    for r in lines:
+        if r.get("bench") == "casmoe-length" and r.get("timed") == "EAM":
+            out.append(
+                fig(
+                    "casmoe",
+                    f"EAM latency, one {r['prompt']} prompt ({r['tokens']} tokens), {setting} (ms)",
+                    r["p50_ms"],
+                    "{:.2f} ms",
+                    "<= 5 ms",
+                    f"p50 of {repeats} plans; min {r['min_ms']:.2f} ms",
+                )
+            )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--traces", default="traces/ds-puffin")
@@ -53,81 +192,43 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("WANDB_MODE", "offline")
-
-    import torch
-
-    torch.set_num_threads(args.threads)
     if args.build:
-        cfg = Path(__file__).resolve().parents[1] / "configs"
-        for cmd in (
-            [
-                "train",
-                "eam",
-                "--config",
-                str(cfg / "eam_minilm.yaml"),
-                "--traces",
-                args.traces,
-                "--out",
-                args.eam,
-            ],
-            [
-                "train",
-                "eap",
-                "--config",
-                str(cfg / "eap_minilm_frozen.yaml"),
-                "--traces",
-                args.traces,
-                "--out",
-                args.eap,
-            ],
-        ):
-            subprocess.run([sys.executable, "-m", "moecast", *cmd], check=True)
+        build(args.traces, args.eam, args.eap)
+    from moecast.train.planner_report import cascade_wins, format_table
 
-    from moecast.predictors import load
-    from moecast.train.planner_report import cascade_wins, compare_planners, format_table
-
-    eam_p, eap_p = load(args.eam), load(args.eap)
-    eps = [float(x) for x in args.epsilons.split(",") if x]
     t0 = time.perf_counter()
-    load0 = os.getloadavg()[0]
-    rows = compare_planners(
-        eam_p,
-        eap_p,
+    eps = [float(x) for x in args.epsilons.split(",") if x]
+    got = measure(
         args.traces,
+        args.eam,
+        args.eap,
         eps,
         args.k,
         args.val_fraction,
-        0,
         args.max_requests,
-        int8=args.int8,
-        engine=args.engine,
-        threads=args.threads,
-    )
-    engine = (
-        type(eam_p.embedder.fast).__name__ if eam_p.embedder.fast is not None else "sentence-transformers"
-    )
-    for r in rows:
-        r.update(
-            loadavg_1min=[load0, os.getloadavg()[0]], threads=args.threads, int8=args.int8, engine=engine
-        )
-    lengths = (
-        length_latencies(eam_p, eap_p, args.traces, args.val_fraction, args.repeats) if args.lengths else []
+        args.threads,
+        args.int8,
+        args.engine,
+        args.lengths,
+        args.repeats,
     )
     if args.json:
-        for r in rows + lengths:
+        for r in got:
             print(json.dumps(r))
         return
+    rows_ = [r for r in got if "planner" in r]
+    lengths = [r for r in got if r.get("bench") == "casmoe-length"]
+    load0, load1 = rows_[0]["loadavg_1min"]
     print(
-        f"CasMoE planners on held-out requests of {args.traces} ({engine}, {args.threads} thread(s), "
-        f"{'int8' if args.int8 else 'fp32'} encoders, this CPU; load {load0:.2f} -> {os.getloadavg()[0]:.2f})"
+        f"CasMoE planners on held-out requests of {args.traces} ({rows_[0]['engine']}, {args.threads} thread(s), "
+        f"{'int8' if args.int8 else 'fp32'} encoders, this CPU; load {load0:.2f} -> {load1:.2f})"
     )
-    print(format_table(rows))
-    best = {r["planner"]: r for r in rows}
-    eap = best["EAP"]
-    wins = cascade_wins(rows)
+    print(format_table(rows_))
+    best = {r["planner"]: r for r in rows_}
+    wins = cascade_wins(rows_)
     print(
         f"EAM query incl. embedding: {best['EAM']['mean_latency_ms']:.2f} ms/prompt (target <= 5); "
-        f"EAP: {eap['mean_latency_ms']:.2f} ms/prompt (target <= 10)"
+        f"EAP: {best['EAP']['mean_latency_ms']:.2f} ms/prompt (target <= 10)"
     )
     print(
         "cascade settings with recall >= EAP at lower mean latency (paired, > 2 SE): "

@@ -17,6 +17,99 @@ import tempfile
 import time
 
 
+def measure(
+    model: str = "tiny",
+    requests: int = 16,
+    max_new_tokens: int = 32,
+    batch_size: int = 8,
+    max_prompt_tokens: int = 256,
+    repeats: int = 3,
+    threads: int = 1,
+    gate_inputs: bool = False,
+) -> dict:
+    """Untraced and traced generation of the same requests (best of ``repeats``), then a collection to disk."""
+    import torch
+    from moecast.collect.models import find_moe_structure, load_model, model_info
+    from moecast.collect.recorder import RoutingRecorder
+    from moecast.collect.runner import Collector, GenerationSettings
+    from moecast.collect.traceset import TraceMeta, TraceWriter
+    from moecast.collect.workloads import get_spec, load_requests
+
+    torch.set_num_threads(threads)
+    net, tokenizer, name = load_model(model)
+    structure = find_moe_structure(net)
+    info = model_info(net, structure, name)
+    reqs = load_requests(get_spec("sharegpt"), None, limit=requests)
+    settings = GenerationSettings(
+        max_new_tokens=max_new_tokens, batch_size=batch_size, max_prompt_tokens=max_prompt_tokens
+    )
+    recorder = RoutingRecorder(structure, info.top_k, router_probs=True, gate_inputs=gate_inputs)
+
+    def timed(traced: bool) -> tuple[float, int]:
+        if traced:
+            recorder.attach(net)
+        try:
+            col = Collector(net, tokenizer, recorder if traced else None, settings)
+            start = time.perf_counter()
+            col.run(reqs, None, progress=False)
+            return time.perf_counter() - start, col.tokens_done
+        finally:
+            if traced:
+                recorder.detach()
+
+    timed(False)  # warm-up: first calls allocate and pick kernels
+    plain, traced = [], []
+    tokens = 0
+    for _ in range(repeats):
+        t, _n = timed(False)
+        plain.append(t)
+        t, tokens = timed(True)
+        traced.append(t)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        fields = {"topk_weights": True, "router_probs": True, "gate_inputs": gate_inputs}
+        writer = TraceWriter(f"{tmp}/traces", TraceMeta(model=info, collection={}, fields=fields))
+        recorder.attach(net)
+        try:
+            _, stats = Collector(net, tokenizer, recorder, settings).run(reqs, writer, progress=False)
+        finally:
+            recorder.detach()
+    return {
+        "model": name,
+        "info": info,
+        "requests": len(reqs),
+        "tokens": tokens,
+        "plain": plain,
+        "traced": traced,
+        "overhead": min(traced) / min(plain) - 1,
+        "collection": stats,
+    }
+
+
+def rows(quick: bool) -> list[dict]:
+    """Tracing overhead and collection throughput on ``tiny`` (the test preset when the default is not built)."""
+    from bench.figures import fig, tiny_built
+
+    model, note = "tiny", ""
+    if not tiny_built("default"):
+        model, note = "tiny:test", "tiny default not built; on the test preset"
+    kw = {}
+    if quick:
+        kw = {"requests": 8, "max_new_tokens": 16, "repeats": 2}
+        note = ", ".join(filter(None, [note, "quick: 8 requests x 16 tokens, best of 2"]))
+    m = measure(model, **kw)
+    return [
+        fig("collect", f"tracing overhead on {model}", m["overhead"] * 100, "{:+.1f} %", "<= 10 %", note),
+        fig(
+            "collect",
+            f"collection tokens/s on {model} (to disk)",
+            m["collection"]["tokens_per_s"],
+            "{:,.0f}",
+            note=note,
+        ),
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny", help="tiny, tiny:PRESET or a local MoE model directory")
@@ -30,69 +123,20 @@ def main() -> None:
         "--gate-inputs", action="store_true", help="also record gate inputs (more host copies)"
     )
     args = parser.parse_args()
-
-    import torch
-    from moecast.collect.models import find_moe_structure, load_model, model_info
-    from moecast.collect.recorder import RoutingRecorder
-    from moecast.collect.runner import Collector, GenerationSettings
-    from moecast.collect.traceset import TraceMeta, TraceWriter
-    from moecast.collect.workloads import get_spec, load_requests
-
-    torch.set_num_threads(args.threads)
-    model, tokenizer, name = load_model(args.model)
-    structure = find_moe_structure(model)
-    info = model_info(model, structure, name)
-    requests = load_requests(get_spec("sharegpt"), None, limit=args.requests)
-    settings = GenerationSettings(
-        max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size,
-        max_prompt_tokens=args.max_prompt_tokens,
-    )
-    recorder = RoutingRecorder(structure, info.top_k, router_probs=True, gate_inputs=args.gate_inputs)
-
-    def timed(traced: bool) -> tuple[float, int]:
-        if traced:
-            recorder.attach(model)
-        try:
-            col = Collector(model, tokenizer, recorder if traced else None, settings)
-            start = time.perf_counter()
-            col.run(requests, None, progress=False)
-            return time.perf_counter() - start, col.tokens_done
-        finally:
-            if traced:
-                recorder.detach()
-
-    timed(False)  # warm-up: first calls allocate and pick kernels
-    plain, traced = [], []
-    tokens = 0
-    for _ in range(args.repeats):
-        t, _n = timed(False)
-        plain.append(t)
-        t, tokens = timed(True)
-        traced.append(t)
+    m = measure(**vars(args))
+    info, plain, traced, tokens = m["info"], m["plain"], m["traced"], m["tokens"]
+    stats = m["collection"]
     best_plain, best_traced = min(plain), min(traced)
-    overhead = best_traced / best_plain - 1
-
-    with tempfile.TemporaryDirectory() as tmp:
-        fields = {"topk_weights": True, "router_probs": True, "gate_inputs": args.gate_inputs}
-        writer = TraceWriter(f"{tmp}/traces", TraceMeta(model=info, collection={}, fields=fields))
-        recorder.attach(model)
-        try:
-            col = Collector(model, tokenizer, recorder, settings)
-            _, stats = col.run(requests, writer, progress=False)
-        finally:
-            recorder.detach()
-
     print(
-        f"model {name}: {info.family}, {info.num_layers} MoE layers x {info.num_experts} experts, top-{info.top_k}; "
-        f"{len(requests)} ShareGPT requests, batch {args.batch_size}, {args.max_new_tokens} new tokens, "
+        f"model {m['model']}: {info.family}, {info.num_layers} MoE layers x {info.num_experts} experts, top-{info.top_k}; "
+        f"{m['requests']} ShareGPT requests, batch {args.batch_size}, {args.max_new_tokens} new tokens, "
         f"{args.threads} thread(s), best of {args.repeats}"
     )
     print(f"  tokens per pass                 {tokens:,}")
     print(f"  untraced generation             {best_plain:.3f} s  ({tokens / best_plain:,.0f} tok/s)")
     print(f"  traced generation               {best_traced:.3f} s  ({tokens / best_traced:,.0f} tok/s)")
     print(
-        f"  tracing overhead                {overhead * 100:+.1f} %  (goal <= 10 %)  "
+        f"  tracing overhead                {m['overhead'] * 100:+.1f} %  (goal <= 10 %)  "
         f"[all repeats: untraced {', '.join(f'{t:.2f}' for t in plain)}; traced {', '.join(f'{t:.2f}' for t in traced)}]"
     )
     print(

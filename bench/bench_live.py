@@ -27,6 +27,8 @@ import torch
 
 from moecast.errors import MoecastError
 
+DEFAULT_PREDICTOR = str(Path(__file__).resolve().parents[1] / "runs" / "llapor_tiny.safetensors")
+
 
 def _model():
     from moecast.collect.tiny import _default_out, _is_built, ensure_tiny
@@ -52,23 +54,21 @@ def _generate_ms(model, ids, tokens: int) -> float:
     return (time.perf_counter() - t0) * 1e3 / tokens
 
 
-def _predictor_row(model, ids, args) -> None:
-    """At ``--capacity``: ms/token attached with lru alone and with LLaPor's layer-ahead prefetch,
-    and the per-layer prediction call inside the decode loop."""
+def _predictor_timing(model, ids, predictor: str, capacity: float, tokens: int, repeats: int) -> dict:
+    """At ``capacity``: ms/token attached with lru alone and with LLaPor's layer-ahead prefetch,
+    and the per-layer prediction call inside the decode loop (µs), or ``{"skipped": why}``."""
     import numpy as np
     from moecast.predictors.registry import load
     from moecast.runtime.live import attach
 
-    capacity = float(args.capacity)
     try:
-        pred = load(args.predictor)
+        pred = load(predictor)
         attach(model, policy="lru", capacity=capacity, predictor=pred).detach()
     except (ValueError, MoecastError) as exc:
-        print(f"\nLLaPor in the decode loop: skipped ({exc})")
-        return
+        return {"skipped": str(exc)}
     calls: list[float] = []
     ms: dict[str, list[float]] = {"lru": [], "lru + LLaPor": []}
-    for _ in range(args.repeats):  # interleaved, as above
+    for _ in range(repeats):  # interleaved, as above
         for name in ms:
             rt = attach(model, policy="lru", capacity=capacity, predictor=pred if "LLaPor" in name else None)
             if "LLaPor" in name:
@@ -85,24 +85,17 @@ def _predictor_row(model, ids, args) -> None:
                 mark = len(calls)
                 _generate_ms(model, ids, 4)  # warm-up (kernels, packed weights): not counted
                 del calls[mark:]
-                ms[name].append(_generate_ms(model, ids, args.tokens))
+                ms[name].append(_generate_ms(model, ids, tokens))
             finally:
                 rt.detach()
     us = np.array(calls) * 1e6
-    warm = _warm_prediction_us(model, ids, pred, capacity)
-    print(
-        f"\nLLaPor in the decode loop ({Path(args.predictor).name}, capacity {capacity}, best of {args.repeats}):"
-    )
-    for name, v in ms.items():
-        print(f"  {name:<18} {min(v):7.2f} ms/token  ({statistics.median(v):.2f})")
-    print(
-        f"  per-layer prediction {np.median(us):6.1f} us median, p90 {np.percentile(us, 90):.1f} us "
-        f"({len(us)} calls: window, then score_at: that layer's features and network)"
-    )
-    print(
-        f"  the same calls out of the loop {warm:6.1f} us median (warm caches: the rest is the model's "
-        "own work between layers evicting the predictor's data on this CPU)"
-    )
+    return {
+        "ms_per_token": ms,
+        "calls": len(us),
+        "median_us": float(np.median(us)),
+        "p90_us": float(np.percentile(us, 90)),
+        "warm_us": _warm_prediction_us(model, ids, pred, capacity),
+    }
 
 
 def _warm_prediction_us(model, ids, pred, capacity: float) -> float:
@@ -137,10 +130,117 @@ def _warm_prediction_us(model, ids, pred, capacity: float) -> float:
     return float(np.median(med)) * 1e6
 
 
-def main() -> None:
+def measure(
+    tokens: int = 32,
+    repeats: int = 5,
+    texts: int = 6,
+    text_tokens: int = 64,
+    capacity: str = "0.25",
+    alphas: tuple[float, ...] = (0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6),
+    predictor: str = DEFAULT_PREDICTOR,
+) -> dict:
+    """Full-residency overhead (best of ``repeats``), the LLaPor timing, and the alpha sweep."""
     from moecast.runtime.live import attach
     from moecast.runtime.live_cli import heldout_rows, sweep
 
+    torch.set_num_threads(1)
+    model, tok, preset = _model()
+    ids = torch.tensor([tok("Tell me about the history of the printing press.")["input_ids"]])
+    _generate_ms(model, ids, 4)  # warm-up
+    plain, live = [], []
+    for _ in range(repeats):
+        # interleaved so that load from other processes hits both alike
+        plain.append(_generate_ms(model, ids, tokens))
+        rt = attach(model, policy="smoe", capacity=None, alpha=0.0)
+        _generate_ms(model, ids, 4)  # warm-up: the first attach loads the compiled decision kernels
+        live.append(_generate_ms(model, ids, tokens))
+        stats = rt.stats()
+        rt.detach()
+    out = {
+        "preset": preset,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "plain": plain,
+        "live": live,
+        "hit_rate": stats["hit_rate"],
+    }
+    if Path(predictor).is_file() and preset == "default":
+        out["llapor"] = _predictor_timing(model, ids, predictor, float(capacity), tokens, repeats)
+    else:
+        out["llapor"] = {"skipped": f"no checkpoint {predictor} for tiny default"}
+    rows = heldout_rows(tok, "sharegpt", texts, text_tokens)
+    t0 = time.perf_counter()
+    out["sweep"] = sweep(model, rows, list(alphas), progress=False, policy="smoe", capacity=capacity)
+    out["sweep_texts"], out["sweep_seconds"] = len(rows), time.perf_counter() - t0
+    return out
+
+
+def overhead(m: dict) -> float:
+    """Attached over plain ms/token, best of the repeats: on a shared machine other processes only
+    ever add time, so the minimum is the cleanest estimate of each."""
+    return min(m["live"]) / min(m["plain"]) - 1
+
+
+def rows(quick: bool, tiny_checkpoint: Path | None = None) -> list[dict]:
+    """``quick``: 16 tokens x 2 repeats, 3 texts x 32 tokens, alphas 0 and 0.3."""
+    from bench.figures import fig, shown
+
+    kw = {"tokens": 16, "repeats": 2, "texts": 3, "text_tokens": 32, "alphas": (0, 0.3)} if quick else {}
+    predictor = str(tiny_checkpoint or DEFAULT_PREDICTOR)
+    m = measure(**kw, predictor=predictor)
+    note = ", ".join(
+        filter(None, [f"tiny {m['preset']}", "quick: 16 tokens x 2, 3 texts x 32 tokens" if quick else ""])
+    )
+    at = next((r for r in m["sweep"] if abs(r["alpha"] - 0.3) < 1e-9), {})
+    change, agree = at.get("perplexity_change"), at.get("agreement")
+    return [
+        fig(
+            "live", "live runtime overhead at full residency", 100 * overhead(m), "{:+.1f} %", "<= 15 %", note
+        ),
+        *_llapor_rows(m["llapor"], note, shown(predictor)),
+        fig(
+            "live",
+            "alpha=0.3 perplexity change",
+            None if change is None else 100 * change,
+            "{:+.2f} %",
+            "<= 2 %",
+            note,
+        ),
+        fig(
+            "live",
+            "alpha=0.3 greedy agreement",
+            None if agree is None else 100 * agree,
+            "{:.1f} %",
+            ">= 95 %",
+            note,
+        ),
+    ]
+
+
+def _llapor_rows(ll: dict, note: str, predictor: str) -> list[dict]:
+    from bench.figures import fig, row
+
+    names = {
+        "median_us": (
+            "LLaPor per-layer prediction in the decode loop (us)",
+            f"; window + score_at (that layer's features and network), tiny, {predictor}",
+        ),
+        "warm_us": (
+            "LLaPor per-layer prediction out of the loop, warm caches (us)",
+            "; the same calls on snapshots of the live windows, back to back",
+        ),
+    }
+    if "skipped" in ll:
+        return [
+            row("live", name, f"skipped: {ll['skipped']}", "<= 100 us", note=note)
+            for name, _ in names.values()
+        ]
+    return [
+        fig("live", name, ll[key], "{:.1f} us", "<= 100 us", note + more)
+        for key, (name, more) in names.items()
+    ]
+
+
+def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
@@ -150,49 +250,44 @@ def main() -> None:
     ap.add_argument("--alphas", default="0,0.1,0.2,0.3,0.4,0.5,0.6")
     ap.add_argument(
         "--predictor",
-        default=str(Path(__file__).resolve().parents[1] / "runs" / "llapor_tiny.safetensors"),
+        default=DEFAULT_PREDICTOR,
         help="LLaPor checkpoint for tiny (skipped when absent or trained on another model)",
     )
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    model, tok, preset = _model()
-    print(f"tiny ({preset} preset), {sum(p.numel() for p in model.parameters()):,} parameters, 1 CPU thread")
-
-    ids = torch.tensor([tok("Tell me about the history of the printing press.")["input_ids"]])
-    _generate_ms(model, ids, 4)  # warm-up
-    plain, live = [], []
-    for _ in range(args.repeats):
-        # interleaved so that load from other processes hits both alike
-        plain.append(_generate_ms(model, ids, args.tokens))
-        rt = attach(model, policy="smoe", capacity=None, alpha=0.0)
-        _generate_ms(model, ids, 4)  # warm-up: the first attach loads the compiled decision kernels
-        live.append(_generate_ms(model, ids, args.tokens))
-        stats = rt.stats()
-        rt.detach()
-    # best of N: on a shared machine other processes only ever add time, so the minimum is the
-    # cleanest estimate of each; the medians are printed beside it
-    p, lv = min(plain), min(live)
-    pm, lm = statistics.median(plain), statistics.median(live)
+    alphas = tuple(float(a) for a in args.alphas.split(","))
+    m = measure(
+        args.tokens, args.repeats, args.texts, args.text_tokens, args.capacity, alphas, args.predictor
+    )
+    print(f"tiny ({m['preset']} preset), {m['parameters']:,} parameters, 1 CPU thread")
+    p, lv = min(m["plain"]), min(m["live"])
+    pm, lm = statistics.median(m["plain"]), statistics.median(m["live"])
     print(f"\nfull residency, {args.tokens} new tokens, best of {args.repeats} (median in brackets):")
     print(f"  plain generate      {p:7.2f} ms/token  ({pm:.2f})")
-    print(f"  attached (alpha 0)  {lv:7.2f} ms/token  ({lm:.2f})   hit rate {stats['hit_rate']:.3f}")
+    print(f"  attached (alpha 0)  {lv:7.2f} ms/token  ({lm:.2f})   hit rate {m['hit_rate']:.3f}")
     print(
-        f"  overhead            {100 * (lv / p - 1):+7.1f} %   (goal <= 15 %; medians {100 * (lm / pm - 1):+.1f} %)"
+        f"  overhead            {100 * overhead(m):+7.1f} %   (goal <= 15 %; medians {100 * (lm / pm - 1):+.1f} %)"
     )
-
-    if Path(args.predictor).is_file() and preset == "default":
-        _predictor_row(model, ids, args)
+    ll = m["llapor"]
+    if "skipped" in ll:
+        print(f"\nLLaPor in the decode loop: skipped ({ll['skipped']})")
     else:
-        print(f"\nLLaPor in the decode loop: skipped (no checkpoint {args.predictor} for tiny default)")
-
-    rows = heldout_rows(tok, "sharegpt", args.texts, args.text_tokens)
-    alphas = [float(a) for a in args.alphas.split(",")]
-    t0 = time.perf_counter()
-    res = sweep(model, rows, alphas, progress=False, policy="smoe", capacity=args.capacity)
-    n_tok = res[0]["tokens"]
+        print(
+            f"\nLLaPor in the decode loop ({Path(args.predictor).name}, capacity {args.capacity}, best of {args.repeats}):"
+        )
+        for name, v in ll["ms_per_token"].items():
+            print(f"  {name:<18} {min(v):7.2f} ms/token  ({statistics.median(v):.2f})")
+        print(
+            f"  per-layer prediction {ll['median_us']:6.1f} us median, p90 {ll['p90_us']:.1f} us "
+            f"({ll['calls']} calls: window, then score_at: that layer's features and network)"
+        )
+        print(
+            f"  the same calls out of the loop {ll['warm_us']:6.1f} us median (warm caches: the rest is the model's "
+            "own work between layers evicting the predictor's data on this CPU)"
+        )
+    res = m["sweep"]
     print(
-        f"\nalpha sweep: {len(rows)} held-out ShareGPT texts, {n_tok} tokens scored one by one (decode steps), "
-        f"capacity {args.capacity}, {time.perf_counter() - t0:.0f} s"
+        f"\nalpha sweep: {m['sweep_texts']} held-out ShareGPT texts, {res[0]['tokens']} tokens scored one by one "
+        f"(decode steps), capacity {args.capacity}, {m['sweep_seconds']:.0f} s"
     )
     print(
         f"  {'alpha':>5}  {'ppl':>8}  {'d ppl':>7}  {'agree':>6}  {'subst':>6}  {'hit':>6}  {'TPOT model':>10}  {'measured':>8}"

@@ -184,6 +184,31 @@ SEMANTICS = (
 )
 
 
+def rows(quick: bool, ds_traces: Path) -> list[dict]:
+    """Hit rates at 10/25/50 %, ours beside MoE-PolicyLang's. ``quick``: 50 requests, else 200."""
+    from bench.figures import missing, row, shown
+
+    if not Path(ds_traces).is_dir():
+        return [missing("policylang", f"{shown(ds_traces)} absent")]
+    res = run(str(ds_traces), 50 if quick else 200, [0.1, 0.25, 0.5])
+    if res.get("error"):
+        return [missing("policylang", res["error"], "MoE-PolicyLang")]
+    by: dict[str, list] = {}
+    for r in res["rows"]:
+        by.setdefault(r["policy"], []).append(r)
+    return [
+        row(
+            "policylang",
+            f"hit rate 10/25/50 % {pol}: moecast | PolicyLang {rs[0]['their_policy']}",
+            " / ".join(f"{r['moecast']:.3f}" for r in rs)
+            + "  |  "
+            + " / ".join(f"{r['policylang']:.3f}" for r in rs),
+            note=f"{res['subset']}, cold per request; softmax {res['softmax']}",
+        )
+        for pol, rs in by.items()
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--traces", default=str(Path(__file__).resolve().parents[1] / "traces" / "ds-puffin"))

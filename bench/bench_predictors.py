@@ -2,8 +2,8 @@
 
 One command prints every figure the predictor issues ask for::
 
-    python bench/bench_predictors.py --checkpoint /tmp/best/llapor_ds.safetensors \
-        --tiny-traces /tmp/pp/tiny-sg --tiny-checkpoint /tmp/best/llapor_tiny.safetensors
+    python bench/bench_predictors.py --checkpoint runs/llapor_ds.safetensors \
+        --tiny-traces traces/tiny-sg --tiny-checkpoint runs/llapor_tiny.safetensors
     python bench/bench_predictors.py --quick      # minutes: small training runs, fewer requests
 
 1. DeepSeek-V2-Lite (``--traces``, default ``traces/ds-puffin``), held-out 10% of prompts
@@ -15,7 +15,7 @@ One command prints every figure the predictor issues ask for::
 2. tiny traces with gate inputs (``--tiny-traces``): the same table plus the gate-reuse
    baseline (router weights from ``--tiny-model``), per layer group. Skipped with a note when
    the traces are absent (make them with ``moecast collect --model tiny --workloads sharegpt
-   --max-requests 64 --max-new-tokens 32 --gate-inputs --out /tmp/pp/tiny-sg``).
+   --max-requests 64 --max-new-tokens 32 --gate-inputs --out traces/tiny-sg``).
 3. LLaPor inference on CPU, batch 1, one thread, µs per layer, median over every layer and
    many repeats: ``score_at`` (the runtime's per-layer call: the layer's features from the
    request so far, then its network, the gate inputs' PCA folded into the first matrices),
@@ -39,11 +39,14 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from moecast import home
 
 DS_BASELINES = ("frequency", "frequency-request", "cooccurrence", "moe-infinity")
 
@@ -259,21 +262,22 @@ def state_reference(
 
 
 def table(
-    name: str, ts: Any, preds: list[tuple[str, Any, float | None]], requests: list[str], emit: Any
-) -> dict[str, dict]:
+    name: str, ts: Any, preds: list[tuple[str, Any, float | None]], requests: list[str]
+) -> Iterator[tuple[str, dict | None]]:
+    """(text line, JSON object) per predictor; returns each predictor's evaluation by label."""
     from moecast.predictors.commands import detected_groups, evaluate_predictor
 
     k = ts.meta.model.top_k
     train_ids, _ = ts.split(0.1, 0)
     hint = detected_groups(ts, train_ids)
     results = {}
-    emit(
+    yield (
         f"\n[{name}] {ts.path}: {ts.meta.model.name_or_path}, {ts.num_layers} MoE layers, {ts.num_experts} "
         f"experts, top-{k}; held-out {len(requests)} requests",
         None,
     )
     w = max([34] + [len(label) + 1 for label, _, _ in preds])  # a long checkpoint name widens the column
-    emit(
+    yield (
         f"{'predictor':<{w}}{'horizon':<14}{'recall@' + str(k):>10}{'recall@4':>10}{'f1_micro':>10}"
         f"{'f1_macro':>10}{'train s':>9}   per group recall@{k}",
         None,
@@ -284,7 +288,7 @@ def table(
         gtxt = "  ".join(f"{g} {r['recall_at_k']:.4f}" for g, r in groups.items())
         secs_s = f"{secs:>9.1f}" if isinstance(secs, (int, float)) else f"{'-':>9}"
         r4 = res.get("recall_at_4", res["recall_at_k"] if k == 4 else float("nan"))
-        emit(
+        yield (
             f"{label:<{w}}{pred.horizon:<14}{res['recall_at_k']:>10.4f}{r4:>10.4f}"
             f"{res['f1_micro']:>10.4f}{res['f1_macro']:>10.4f}{secs_s}   {gtxt}",
             {
@@ -306,7 +310,7 @@ def table(
     return results
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--traces", default="traces/ds-puffin", help="DeepSeek TraceSet (ids only)")
     ap.add_argument("--checkpoint", default=None, help="LLaPor checkpoint for --traces (else: train one)")
@@ -316,11 +320,13 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="MoE-Beyond-style sequence checkpoint for --traces (token-ahead)",
     )
-    ap.add_argument("--tiny-traces", default="/tmp/pp/tiny-sg", help="tiny TraceSet with gate inputs")
+    ap.add_argument("--tiny-traces", default="traces/tiny-sg", help="tiny TraceSet with gate inputs")
     ap.add_argument("--tiny-checkpoint", default=None, help="LLaPor checkpoint for --tiny-traces")
     ap.add_argument("--tiny-config", default="configs/llapor_tiny.yaml")
-    ap.add_argument("--tiny-model", default=str(Path.home() / ".cache/moecast/tiny/default"))
-    ap.add_argument("--out-dir", default="/tmp/bench_predictors", help="where trained checkpoints go")
+    ap.add_argument("--tiny-model", default=str(home() / "tiny" / "default"))
+    ap.add_argument(
+        "--out-dir", default=str(home() / "bench" / "predictors"), help="where trained checkpoints go"
+    )
     ap.add_argument("--max-requests", type=int, default=None, help="held-out requests per trace set")
     ap.add_argument("--repeats", type=int, default=None, help="timing repeats (all layers each)")
     ap.add_argument("--quick", action="store_true", help="small training runs, 60 requests, fewer repeats")
@@ -331,18 +337,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--wide-hidden", type=int, default=2048, help="gate width of that row (DeepSeek-V2-Lite: 2048)"
     )
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def results(args: argparse.Namespace) -> Iterator[tuple[str, dict | None]]:
+    """Every result as (text line, JSON object or None): main prints one or the other, rows reads the objects."""
     torch.set_num_threads(1)  # batch-1 inference; tiny tensors only pay for thread hand-offs
     max_req = args.max_requests or (60 if args.quick else None)
     repeats = args.repeats or (50 if args.quick else 300)
     out_dir = Path(args.out_dir)
-
-    def emit(text: str, obj: dict | None) -> None:
-        if args.json:
-            if obj is not None:
-                print(json.dumps(obj), flush=True)
-        else:
-            print(text, flush=True)
 
     from moecast.collect.traceset import open_traces
     from moecast.predictors.commands import build_baseline
@@ -365,11 +368,11 @@ def main(argv: list[str] | None = None) -> None:
             seq = _load(args.sequence_checkpoint, ts)
             seq_secs = (seq.meta.get("training") or {}).get("train_seconds")
             preds.append((f"sequence ({Path(args.sequence_checkpoint).name})", seq, seq_secs))
-        table("deepseek held-out", ts, preds, requests, emit)
+        yield from table("deepseek held-out", ts, preds, requests)
         timing.append(("deepseek", pred, ts.get(requests[0])))
     if not args.skip_tiny:
         if not Path(args.tiny_traces, "meta.json").is_file():
-            emit(
+            yield (
                 f"\n[tiny] skipped: no TraceSet at {args.tiny_traces} (moecast collect --model tiny --workloads "
                 "sharegpt --max-requests 64 --max-new-tokens 32 --gate-inputs --out PATH)",
                 {"bench": "tiny", "skipped": f"no TraceSet at {args.tiny_traces}"},
@@ -397,16 +400,16 @@ def main(argv: list[str] | None = None) -> None:
                 pred = _load(path, ts)
             label = f"llapor ({Path(args.tiny_checkpoint or 'trained').name})"
             preds.append((label, pred, secs))
-            results = table("tiny held-out", ts, preds, requests, emit)
+            evaluated = yield from table("tiny held-out", ts, preds, requests)
             timing.append(("tiny", pred, ts.get(requests[0])))
             if Path(args.tiny_model).is_dir():
                 ref = state_reference(args.tiny_model, 20 if args.quick else 60)
-                per = results[label]["per_layer"]["recall_at_k"]
+                per = evaluated[label]["per_layer"]["recall_at_k"]
 
                 def row(v: list) -> str:
                     return " ".join("   -  " if x is None else f"{x:.3f}" for x in v)
 
-                emit(
+                yield (
                     "\n[tiny] how far layer l-1 can see: recall@k per layer of the true router of layer l on\n"
                     f"  layer l-1's gate input (gate reuse)        {row(ref['gate_reuse'])}\n"
                     f"  layer l's input state (all but attention)  {row(ref['input_state'])}\n"
@@ -422,7 +425,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.skip_wide:
         timing.append((f"wide-{args.wide_hidden}", *wide_llapor(args.wide_hidden)))
     if timing:
-        emit(
+        yield (
             "\n[latency] LLaPor on CPU, batch 1, 1 thread, us/layer (score_at = the runtime's per-layer call: "
             "features + network)",
             None,
@@ -434,13 +437,224 @@ def main(argv: list[str] | None = None) -> None:
                 if "torch_all_layers_us_per_layer" in lat
                 else ""
             )
-            emit(
+            yield (
                 f"{name:<10} score_at {lat['score_at_us_median']:7.1f} median (p90 {lat['score_at_us_p90']:.1f}); "
                 f"unfolded features_at + score_layer {lat['unfolded_us_median']:.1f}; score_layer alone "
                 f"{lat['score_layer_us_median']:.1f} (float32 weights {lat['score_layer_float32_us_median']:.1f}){torch_part}; "
                 f"load average {lat['loadavg_1min']:.2f} on {os.cpu_count()} CPUs",
                 {"bench": "latency", "traces": name, **lat, "cpus": os.cpu_count()},
             )
+
+
+def tiny_pair(checkpoint: Path | None, traces: Path | None) -> tuple[Path | None, Path | None]:
+    """(tiny TraceSet with gate inputs, a LLaPor checkpoint trained on it): the checkpoint's own
+    ``trained_on`` when that TraceSet is here, else ``traces`` without a checkpoint."""
+    from bench.figures import checkpoint_meta
+
+    if checkpoint is not None and Path(checkpoint).is_file():
+        try:
+            on = checkpoint_meta(Path(checkpoint)).get("trained_on")
+        except (OSError, ValueError):
+            on = None
+        if on and (Path(on) / "meta.json").is_file():
+            return Path(on), Path(checkpoint)
+    if traces is not None and (Path(traces) / "meta.json").is_file():
+        return Path(traces), None
+    return None, None
+
+
+def rows(
+    quick: bool,
+    work: Path,
+    ds_traces: Path,
+    ds_checkpoint: Path | None = None,
+    seq_checkpoint: Path | None = None,
+    tiny_checkpoint: Path | None = None,
+    tiny_traces: Path | None = None,
+    train: bool = False,
+) -> list[dict]:
+    """LLaPor on DeepSeek and tiny against the baselines, and its latency. Without a checkpoint,
+    ``quick`` trains a small one and ``train`` the full one; otherwise that trace set is skipped."""
+    from bench.figures import first_file, missing, shown
+
+    ds = first_file(ds_checkpoint)
+    tiny_traces, tiny_ck = tiny_pair(tiny_checkpoint, tiny_traces)
+    argv = ["--traces", str(ds_traces), "--out-dir", str(Path(work) / "predictors")]
+    ds_note, tiny_note = "", ""
+    if ds is not None:
+        argv += ["--checkpoint", str(ds)]
+        ds_note = f"checkpoint {shown(ds)}"
+        if first_file(seq_checkpoint):
+            argv += ["--sequence-checkpoint", str(seq_checkpoint)]
+    elif quick:
+        ds_note = "no checkpoint: quick-trained here (1 epoch, 300 requests), not the goal run"
+    elif train:
+        ds_note = "trained here with configs/llapor_deepseek.yaml"
+    skip_ds = not Path(ds_traces).is_dir() or (ds is None and not quick and not train)
+    skip_tiny = tiny_traces is None or (tiny_ck is None and not quick and not train)
+    if tiny_traces is not None:
+        argv += ["--tiny-traces", str(tiny_traces)]
+        if tiny_ck is not None:
+            argv += ["--tiny-checkpoint", str(tiny_ck)]
+            tiny_note = f"checkpoint {shown(tiny_ck)}"
+        elif quick:
+            tiny_note = "no checkpoint: quick-trained here (5 epochs)"
+    argv += ["--skip-ds"] * skip_ds + ["--skip-tiny"] * skip_tiny + ["--quick"] * quick
+    if skip_ds and skip_tiny:
+        return [
+            missing(
+                "predictors",
+                "no checkpoints (runs/llapor_ds.safetensors, runs/llapor_tiny.safetensors) "
+                "and no tiny traces; --quick trains small ones, --train full ones",
+                "LLaPor DeepSeek / tiny",
+            )
+        ]
+    objs = [obj for _text, obj in results(parse(argv)) if obj is not None]
+    q = "quick: 60 held-out requests; " if quick else ""
+    out = _ds_rows(objs, q + ds_note, judged=ds is not None or (train and not quick)) if not skip_ds else []
+    if skip_ds:
+        out.append(
+            missing(
+                "predictors",
+                "no checkpoint (runs/llapor_ds.safetensors; --train)",
+                "LLaPor DeepSeek held-out recall@6",
+                ">= 0.85",
+            )
+        )
+    if skip_tiny:
+        out.append(
+            missing(
+                "predictors",
+                "no tiny traces with gate inputs / checkpoint (see bench_predictors.py)",
+                "tiny LLaPor held-out recall@k",
+                ">= 0.97",
+            )
+        )
+    else:
+        out += _tiny_rows(objs, q + tiny_note, judged=tiny_ck is not None)
+    return out + _latency_rows(objs)
+
+
+def _ds_rows(objs: list[dict], note: str, judged: bool) -> list[dict]:
+    from bench.figures import fig
+
+    ds = [r for r in objs if str(r.get("bench", "")).startswith("deepseek")]
+    ll = next((r for r in ds if str(r.get("predictor", "")).startswith("llapor")), None)
+    out = [
+        fig(
+            "predictors",
+            "LLaPor DeepSeek held-out recall@6",
+            ll and ll.get("recall_at_k"),
+            "{:.4f}",
+            ">= 0.85",
+            note,
+            judged=judged,
+        )
+    ]
+    for r in ds:
+        if r is not ll and r.get("recall_at_k") is not None:
+            seq = str(r["predictor"]).startswith("sequence")
+            out.append(
+                fig(
+                    "predictors",
+                    f"{'' if seq else 'baseline '}{r['predictor']} recall@6 ({r.get('horizon')})",
+                    r["recall_at_k"],
+                    "{:.4f}",
+                    note="MoE-Beyond-style, causal; the next token's experts, all layers" if seq else "",
+                )
+            )
+    out.append(
+        fig(
+            "predictors",
+            "LLaPor DeepSeek training time (s)",
+            ll and ll.get("train_seconds"),
+            "{:.0f} s",
+            "<= 1800 s",
+            note,
+            judged=judged,
+        )
+    )
+    return out
+
+
+def _tiny_rows(objs: list[dict], note: str, judged: bool) -> list[dict]:
+    from bench.figures import fig, row
+
+    tiny = [r for r in objs if str(r.get("bench", "")).startswith("tiny")]
+    ll = next((r for r in tiny if str(r.get("predictor", "")).startswith("llapor")), None)
+    skipped = next((r.get("skipped") for r in tiny if r.get("skipped")), None)
+    out = [
+        fig(
+            "predictors",
+            "tiny LLaPor held-out recall@k",
+            ll and ll.get("recall_at_k"),
+            "{:.4f}",
+            ">= 0.97",
+            skipped or note,
+            judged=judged,
+        )
+    ]
+    ref = next((r for r in tiny if r.get("bench") == "tiny-reference"), None)
+    if ref is None:
+        return out
+
+    def per_layer(v: list) -> str:
+        return " ".join(f"{x:.3f}" for x in v if x is not None)
+
+    out.append(
+        row(
+            "predictors",
+            "tiny: true router of layer l on its input state, layers 1..L-1",
+            per_layer(ref["input_state"]),
+            note=f"all but layer l's attention; gate reuse {per_layer(ref['gate_reuse'])}; "
+            f"LLaPor {per_layer(ref['llapor_per_layer'][1:])}",
+        )
+    )
+    for key in (k for k in ref if k.startswith("window_")):
+        v = [x for x in ref[key] if x is not None]
+        out.append(
+            row(
+                "predictors",
+                f"tiny: ... plus layer l's own attention over the last {key[7:]} tokens, layers 1..L-1",
+                per_layer(v),
+                note=f"mean {sum(v) / len(v):.3f}; the context layer l-1 cannot see, by the model's weights",
+            )
+        )
+    return out
+
+
+def _latency_rows(objs: list[dict]) -> list[dict]:
+    from bench.figures import fig, row
+
+    out = []
+    for r in (r for r in objs if r.get("bench") == "latency"):
+        name, us, torch_us = r["traces"], r["score_at_us_median"], r.get("torch_all_layers_us_per_layer")
+        out.append(
+            fig(
+                "predictors",
+                f"LLaPor inference ms/layer ({name}, batch 1, 1 thread)",
+                us / 1e3,
+                "{:.4f} ms",
+                "<= 0.1 ms",
+                ("random weights, gate inputs at a real model's width; " if name.startswith("wide") else "")
+                + "score_at (features + network), int8 weights; "
+                f"unfolded features_at + score_layer {r['unfolded_us_median']:.1f} us; "
+                f"score_layer alone {r['score_layer_us_median']:.1f} us "
+                f"(float32 {r['score_layer_float32_us_median']:.1f} us); "
+                + (f"torch all layers {torch_us:.1f} us/layer; " if torch_us is not None else "")
+                + f"load {r['loadavg_1min']:.2f}",
+            )
+        )
+    return out or [row("predictors", "LLaPor inference ms/layer", "see its log", "<= 0.1 ms")]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    for text, obj in results(args):
+        if not args.json:
+            print(text, flush=True)
+        elif obj is not None:
+            print(json.dumps(obj), flush=True)
 
 
 if __name__ == "__main__":

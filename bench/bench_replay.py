@@ -20,6 +20,7 @@ import math
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import numpy as np
 
@@ -138,6 +139,124 @@ def _sweep(traces, policies, cold, rids, hardware, workers) -> tuple[dict, float
     return merged, time.perf_counter() - t0
 
 
+def call_floor_us() -> float:
+    """CPU µs of one tiny numpy call now: the floor the decision cost is read against."""
+    a = np.zeros(64)
+    call_us = math.inf
+    for _ in range(3):
+        t0 = time.process_time()
+        for _ in range(20000):
+            a.sum()
+        call_us = min(call_us, (time.process_time() - t0) / 20000 * 1e6)
+    return call_us
+
+
+def _skip_reason(ts, policy: str, rid: str) -> str:
+    from moecast.runtime.replay import ReplayConfig, replay
+
+    try:
+        replay(ts, ReplayConfig(policy=policy, capacity=0.25, requests=[rid]))
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def measure(
+    traces: str,
+    requests: int = 0,
+    workers: int = 2,
+    hardware: str = "prescope-a100-pcie4",
+    stream: bool = True,
+    decision: bool = True,
+) -> dict:
+    """The decision microbenchmark (lru, lfu), then every policy's sweep over CAPS5, cold and stream."""
+    from moecast.collect.traceset import TraceSet
+    from moecast.runtime.replay import POLICIES
+
+    out: dict = {"load_before": os.getloadavg(), "decisions": {}, "sweeps": {}}
+    if decision:
+        out["floor_us"] = call_floor_us()
+        out["decisions"] = {pol: decision_cost(policy=pol) for pol in ("lru", "lfu")}
+    ts = TraceSet(traces)
+    rids = list(ts.request_ids[:requests]) if requests else None
+    sel = rids if rids is not None else list(ts.request_ids)
+    runnable = [p for p in POLICIES if POLICIES[p].eviction != "score" or ts.has("router_probs")]
+    # the costliest first, so the workers finish together
+    order = [
+        p
+        for p in ("presched", "lfu", "belady", "smoe", "score", "prefetch", "lru", "static")
+        if p in runnable
+    ]
+    order += [p for p in runnable if p not in order]
+    for cold in (True,) if not stream else (True, False):
+        out["sweeps"]["cold" if cold else "stream"] = _sweep(traces, order, cold, rids, hardware, workers)
+    out.update(
+        traces=ts,
+        requests=sel,
+        subset=requests,
+        runnable=runnable,
+        skipped={p: _skip_reason(ts, p, sel[0]) for p in POLICIES if p not in runnable},
+        load_after=os.getloadavg(),
+    )
+    return out
+
+
+def hit_table(m: dict) -> dict[tuple[str, str], list[float]]:
+    """(policy, mode) -> hit rates at 10/25/50 %, cold before stream, for the policies that ran."""
+    return {
+        (p, mode): [r[0] for r in res[p][2][:3]]
+        for mode, (res, _wall) in m["sweeps"].items()
+        for p in m["runnable"]
+        if res[p][2] is not None
+    }
+
+
+def rows(quick: bool, ds_traces: Path) -> list[dict]:
+    """``quick``: the first 300 requests."""
+    from bench.figures import fig, missing, row, shown
+
+    if not Path(ds_traces).is_dir():
+        return [missing("replay", f"{shown(ds_traces)} absent (moecast import ...)")]
+    m = measure(str(ds_traces), 300 if quick else 0)
+    total = m["traces"].num_requests
+    note = f"quick: first {len(m['requests'])} of {total} requests" if quick else ""
+    _res, wall = m["sweeps"]["cold"]
+    kind = "Puffin replay (subset)" if quick else "full Puffin replay"
+    out = [
+        fig(
+            "replay",
+            f"{kind}, {len(m['runnable'])} policies x 5 capacities, cold (s)",
+            wall,
+            "{:.1f} s",
+            "< 60 s",
+            note,
+            judged=not quick,
+        )
+    ]
+    for pol, d in m["decisions"].items():
+        out.append(
+            fig(
+                "replay",
+                f"per-layer decision, {pol} + substitution + prefetch choice (us)",
+                round(d["total"], 2),
+                "{:.1f} us",
+                "<= 10 us",
+                f"CPU time {d['total_cpu']:.2f} us; wall time; numpy call floor {m['floor_us']:.2f} us under this load",
+            )
+        )
+    for (pol, mode), hits in hit_table(m).items():
+        why = note
+        if pol in ("prefetch", "presched"):  # these policies' default predictor is the oracle
+            why = ", ".join(filter(None, [note, "oracle predictor (the policy's default): a bound"]))
+        out.append(
+            row("replay", f"hit rate 10/25/50 % {pol} {mode}", " / ".join(f"{h:.3f}" for h in hits), note=why)
+        )
+    for pol, reason in m["skipped"].items():
+        short = "needs router_probs" if "router_probs" in reason else reason
+        out.append(row("replay", f"hit rate {pol}", f"skipped: {short}", note="DeepSeek traces are ids only"))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--traces", default="traces/ds-puffin")
@@ -149,82 +268,49 @@ def main() -> None:
     ap.add_argument("--no-decision", action="store_true", help="skip the per-layer decision microbenchmark")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from moecast.collect.traceset import TraceSet
-    from moecast.runtime.replay import POLICIES
-
+    n_req = args.requests or (200 if args.quick else 0)
+    m = measure(args.traces, n_req, args.workers, args.hardware, not args.no_stream, not args.no_decision)
     print(
-        f"load average (1/5/15 min): {' '.join(f'{x:.2f}' for x in os.getloadavg())}; cpus {os.cpu_count()}"
+        f"load average (1/5/15 min): {' '.join(f'{x:.2f}' for x in m['load_before'])}; cpus {os.cpu_count()}"
     )
-    if not args.no_decision:
-        a = np.zeros(64)
-        call_us = math.inf
-        for _ in range(3):
-            t0 = time.process_time()
-            for _ in range(20000):
-                a.sum()
-            call_us = min(call_us, (time.process_time() - t0) / 20000 * 1e6)
+    if m["decisions"]:
+        call_us = m["floor_us"]
         print(f"numpy call overhead on this machine now: {call_us:.2f} us CPU per tiny call (a.sum() on 64)")
-        for pol in ("lru", "lfu"):
-            d = decision_cost(policy=pol)
+        for pol, d in m["decisions"].items():
             print(
                 f"per-layer decision, 64 experts top-6 batch 1, {pol}, capacity 16, alpha 0.2 (us): "
                 + ", ".join(f"{k} {v:.2f}" for k, v in d.items() if k != "substituted_share")
                 + f" = {d['total_cpu'] / call_us:.1f} tiny numpy calls"
                 + f"  (substituted tokens {d['substituted_share']:.0%}; goal <= 10 us total)"
             )
-
-    ts = TraceSet(args.traces)
-    n_req = args.requests or (200 if args.quick else 0)
-    rids = list(ts.request_ids[:n_req]) if n_req else None
-    sel = rids if rids is not None else list(ts.request_ids)
+    ts, sel = m["traces"], m["requests"]
     print(
         f"TraceSet {ts.path}: {len(sel)} requests, {int(ts.request_lengths(sel).sum())} tokens, "
         f"{ts.num_layers} layers, {ts.num_experts} experts, top-{ts.top_k}; hardware {args.hardware}; "
         f"capacities {', '.join(f'{c:.0%}' for c in CAPS5)}"
     )
-    policies = list(POLICIES)
-    runnable = [p for p in policies if POLICIES[p].eviction != "score" or ts.has("router_probs")]
-    skipped = [p for p in policies if p not in runnable]
-    # the costliest first, so the workers finish together
-    order = [
-        p
-        for p in ("presched", "lfu", "belady", "smoe", "score", "prefetch", "lru", "static")
-        if p in runnable
-    ]
-    order += [p for p in runnable if p not in order]
-    table: dict[tuple[str, str], list[float]] = {}
-    for cold in (True,) if args.no_stream else (True, False):
-        mode = "cold" if cold else "stream"
-        out, wall = _sweep(args.traces, order, cold, rids, args.hardware, args.workers)
+    for mode, (out, wall) in m["sweeps"].items():
         cpu = sum(o[5] for o in out.values())
-        for p in runnable:
-            _, _, rows, err, w, c, n_jobs = out[p]
-            if rows is None:
+        for p in m["runnable"]:
+            _, _, rows_, err, w, c, n_jobs = out[p]
+            if rows_ is None:
                 print(f"  {mode:<6} {p:<9} skipped: {err}")
                 continue
-            table[(p, mode)] = [r[0] for r in rows[:3]]
             print(
                 f"  {mode:<6} {p:<9} {w:6.1f} s wall {c:6.1f} s cpu  hit "
-                + " ".join(f"{r[0]:.3f}" for r in rows)
+                + " ".join(f"{r[0]:.3f}" for r in rows_)
                 + "  TPOT ms "
-                + " ".join(f"{r[1]:.2f}" if r[1] is not None else "-" for r in rows)
+                + " ".join(f"{r[1]:.2f}" if r[1] is not None else "-" for r in rows_)
                 + (f"  ({n_jobs} jobs of capacities in parallel)" if n_jobs > 1 else "")
             )
         print(
-            f"{mode} replay of {len(sel)} requests, {len(runnable)} policies x 5 capacities: {wall:.1f} s wall "
+            f"{mode} replay of {len(sel)} requests, {len(m['runnable'])} policies x 5 capacities: {wall:.1f} s wall "
             f"({cpu:.1f} s cpu over {args.workers} worker(s))"
-            + ("  (goal < 60 s)" if cold and not n_req else "")
+            + ("  (goal < 60 s)" if mode == "cold" and not n_req else "")
         )
-    for p in skipped:
-        try:
-            from moecast.runtime.replay import ReplayConfig, replay
-
-            replay(ts, ReplayConfig(policy=p, capacity=0.25, requests=sel[:1]))
-            reason = ""
-        except ValueError as exc:
-            reason = str(exc)
+    for p, reason in m["skipped"].items():
         print(f"  {p}: skipped ({reason})")
-    print(f"\nload average now: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"\nload average now: {' '.join(f'{x:.2f}' for x in m['load_after'])}")
     print(
         "\nhit rate at 10/25/50 % capacity: per-layer caches, batch 1; demand loads + policy; "
         "prefetch and presched with the oracle predictor;\ncold = every request starts empty, "
@@ -232,11 +318,9 @@ def main() -> None:
     )
     print(f"| {'policy':<9} | {'mode':<6} | {'10%':>6} | {'25%':>6} | {'50%':>6} |")
     print(f"|{'-' * 11}|{'-' * 8}|{'-' * 8}|{'-' * 8}|{'-' * 8}|")
-    for mode in ("cold", "stream"):
-        for p in runnable:
-            if (p, mode) in table:
-                print(f"| {p:<9} | {mode:<6} | " + " | ".join(f"{h:6.3f}" for h in table[(p, mode)]) + " |")
-    for p in skipped:
+    for (p, mode), hits in hit_table(m).items():
+        print(f"| {p:<9} | {mode:<6} | " + " | ".join(f"{h:6.3f}" for h in hits) + " |")
+    for p in m["skipped"]:
         print(f"| {p:<9} | -      |      - |      - |      - |  (needs router_probs)")
 
 

@@ -1,0 +1,159 @@
+"""bench/run_all.py runs bench modules by name and stores their rows; bench/figures.py formats them."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import figures as F  # noqa: E402
+from bench import run_all  # noqa: E402
+
+
+def test_judge_reads_the_goal_bound():
+    assert F.judge(9.9, "<= 10 %") == "ok"
+    assert F.judge(10.1, "<= 10 %") == "MISS"
+    assert F.judge(60.0, "< 60 s") == "MISS"
+    assert F.judge(4.43, ">= 3 x") == "ok"
+    assert F.judge(None, "<= 10 %") == ""
+    assert F.judge(1.0, "< uniform") == ""  # not a number: the bench judges it
+
+
+def test_fig_formats_and_judges():
+    f = F.fig("replay", "hit", 0.26249, "{:.3f}", "> 0.25", "note")
+    assert (f["value"], f["verdict"], f["number"], f["note"]) == ("0.262", "ok", 0.26249, "note")
+    assert F.fig("b", "n", 17.0, "{:.1f} s", "< 60 s", judged=False)["verdict"] == ""
+    assert F.fig("b", "n", None)["value"] == "see its log"
+
+
+def test_format_table_pads_columns():
+    table = F.format_table([F.row("tiny", "build", "440 s", "<= 600 s", "ok", "n")]).splitlines()
+    assert table[0].startswith("bench" + " " * 8 + "figure")
+    # widths 11, 56, 46, 24, 8, two spaces between
+    assert table[2] == "tiny".ljust(11) + "  " + "build".ljust(56) + "  " + "440 s".ljust(46) + "  " + (
+        "<= 600 s".ljust(24) + "  " + "ok".ljust(8) + "  n"
+    )
+
+
+def _entry(value: str, date: str = "2026-01-02") -> dict:
+    machine = {"cpu": "X", "cores": 2, "cuda": None, "torch": "2", "python": "3"}
+    return {
+        "date": date,
+        "command": "python bench/run_all.py",
+        "mode": "full",
+        "machine": machine,
+        "seconds": 3.0,
+        "load_before": "1",
+        "load_after": "1",
+        "inputs": [],
+        "figures": [F.row("x", "fig", value)],
+    }
+
+
+def test_store_merges_by_bench_in_table_order(tmp_path):
+    run_all.store(tmp_path, {"replay": _entry("a")})
+    run_all.store(tmp_path, {"collect": _entry("b")})
+    run_all.store(tmp_path, {"replay": _entry("c", "2026-01-03")})
+    data = json.loads((tmp_path / "run_all.json").read_text())["benches"]
+    assert list(data) == ["collect", "replay"]  # BENCHES order, whatever order they ran in
+    assert data["replay"]["figures"][0]["value"] == "c" and data["collect"]["figures"][0]["value"] == "b"
+    md = (tmp_path / "run_all.md").read_text()
+    assert (
+        "| replay | 2026-01-03 | `python bench/run_all.py` | X, 2 cores, no GPU; torch 2, python 3 | 3 |"
+        in md
+    )
+    assert "| x | fig | c |  |  |  |" in md and "| x | fig | a |" not in md
+
+
+@pytest.fixture
+def fake_benches(tmp_path, monkeypatch):
+    (tmp_path / "fakebench.py").write_text(
+        textwrap.dedent(
+            """
+            def rows(quick, work, ds_traces):
+                print("a line for the log")
+                return [{"bench": "fake", "name": "quick", "value": str(quick), "goal": "",
+                         "verdict": "", "number": None, "note": ds_traces.name}]
+
+            def crash(quick):
+                raise ValueError("boom")
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(run_all.BENCHES, "fake", ("fakebench", "rows"))
+    monkeypatch.setitem(run_all.BENCHES, "crash", ("fakebench", "crash"))
+    monkeypatch.setitem(run_all.BENCHES, "absent", ("bench.no_such_bench", "rows"))
+    return tmp_path
+
+
+def test_run_bench_passes_only_the_inputs_a_bench_names(fake_benches):
+    logs = fake_benches / "logs"
+    logs.mkdir()
+    kwargs = {"work": fake_benches, "ds_traces": Path("/x/ds-puffin"), "train": True}
+    got = run_all.run_bench("fake", True, kwargs, logs, timeout=120)
+    assert got["rows"][0]["value"] == "True" and got["rows"][0]["note"] == "ds-puffin"
+    assert set(got["inputs"]) == {"work", "ds_traces"}  # not train: rows does not take it
+    assert "a line for the log" in (logs / "fake.log").read_text()
+
+
+def test_run_bench_marks_a_crash_and_skips_an_absent_module(fake_benches):
+    logs = fake_benches / "logs"
+    logs.mkdir()
+    got = run_all.run_bench("crash", False, {}, logs, timeout=120)
+    (row,) = got["rows"]
+    assert row["verdict"] == "FAILED" and row["value"] == "exit 1: ValueError: boom"
+    assert run_all.run_bench("absent", False, {}, logs, timeout=120) is None
+
+
+def test_replay_rows_read_the_hit_table_in_mode_then_policy_order():
+    from bench.bench_replay import hit_table
+
+    def res(h):  # (policy, cold, rows of (hit, tpot, prefetch acc, cpu rate), err, wall, cpu, jobs)
+        return (
+            "p",
+            True,
+            [(h, 1.0, 0.0, 0.0), (h + 0.1, 1.0, 0, 0), (h + 0.2, 1, 0, 0), (0.9, 1, 0, 0)],
+            None,
+            0,
+            0,
+            1,
+        )
+
+    m = {
+        "runnable": ["lru", "static"],
+        "sweeps": {
+            "cold": ({"lru": res(0.1), "static": res(0.05)}, 1.0),
+            "stream": ({"lru": res(0.2), "static": res(0.0)}, 1.0),
+        },
+    }
+    table = hit_table(m)
+    assert list(table) == [("lru", "cold"), ("static", "cold"), ("lru", "stream"), ("static", "stream")]
+    assert table[("lru", "cold")] == [0.1, pytest.approx(0.2), pytest.approx(0.3)]
+
+
+def test_predictor_rows_from_the_bench_objects():
+    from bench.bench_predictors import _ds_rows, _latency_rows
+
+    objs = [
+        {"bench": "deepseek held-out", "predictor": "frequency", "horizon": "statistical", "recall_at_k": 0.14339},
+        {"bench": "deepseek held-out", "predictor": "llapor (x)", "recall_at_k": 0.7732, "train_seconds": 1107.4},
+        {"bench": "latency", "traces": "tiny", "score_at_us_median": 23.2, "unfolded_us_median": 28.8,
+         "score_layer_us_median": 14.9, "score_layer_float32_us_median": 18.6, "loadavg_1min": 0.85},
+    ]  # fmt: skip
+    rows = _ds_rows(objs, "checkpoint x", judged=True)
+    assert [(r["name"], r["value"], r["verdict"]) for r in rows] == [
+        ("LLaPor DeepSeek held-out recall@6", "0.7732", "MISS"),  # goal >= 0.85
+        ("baseline frequency recall@6 (statistical)", "0.1434", ""),
+        ("LLaPor DeepSeek training time (s)", "1107 s", "ok"),  # goal <= 1800 s
+    ]
+    (lat,) = _latency_rows(objs)
+    assert lat["value"] == "0.0232 ms" and lat["verdict"] == "ok"  # 23.2 us = 0.0232 ms <= 0.1 ms
+    assert lat["note"].endswith("score_layer alone 14.9 us (float32 18.6 us); load 0.85")
