@@ -34,8 +34,7 @@ def configurations(checkpoint: Path) -> dict[str, tuple[str, str | None]]:
 def measure(traces: Path, checkpoint: Path, hardware: str) -> dict[str, tuple[float, float]]:
     """Row name -> (hit rate, modeled TPOT ms) on ``hardware``."""
     from moecast.collect.traceset import TraceSet
-    from moecast.runtime.replay import POLICIES, ReplayConfig, replay
-    from moecast.runtime.substitution import resolve_alpha
+    from moecast.runtime.replay import ReplayConfig, replay
 
     ts = TraceSet(traces)
     held_out = ts.split(HOLDOUT, seed=0)[1]
@@ -47,7 +46,6 @@ def measure(traces: Path, checkpoint: Path, hardware: str) -> dict[str, tuple[fl
             cold=True,
             predictor=predictor,
             hardware=hardware,
-            alpha=resolve_alpha(None, POLICIES[policy].substitution),
             requests=held_out,
             progress=False,
         )

@@ -84,6 +84,9 @@ def fake_benches(tmp_path, monkeypatch):
 
             def crash(quick):
                 raise ValueError("boom")
+
+            def by_argv(argv):
+                return []
             """
         )
     )
@@ -91,6 +94,7 @@ def fake_benches(tmp_path, monkeypatch):
     monkeypatch.setitem(run_all.BENCHES, "fake", ("fakebench", "rows"))
     monkeypatch.setitem(run_all.BENCHES, "crash", ("fakebench", "crash"))
     monkeypatch.setitem(run_all.BENCHES, "absent", ("bench.no_such_bench", "rows"))
+    monkeypatch.setitem(run_all.BENCHES, "argv", ("fakebench", "by_argv"))
     return tmp_path
 
 
@@ -111,6 +115,8 @@ def test_run_bench_marks_a_crash_and_skips_an_absent_module(fake_benches):
     (row,) = got["rows"]
     assert row["verdict"] == "FAILED" and row["value"] == "exit 1: ValueError: boom"
     assert run_all.run_bench("absent", False, {}, logs, timeout=120) is None
+    (row,) = run_all.run_bench("argv", False, {}, logs, timeout=120)["rows"]
+    assert row["value"] == "exit 1: TypeError: fakebench.by_argv must be rows(quick: bool, ...) to run here"
 
 
 def test_replay_rows_read_the_hit_table_in_mode_then_policy_order():
