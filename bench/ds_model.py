@@ -13,10 +13,11 @@ recorded ids, weights from logits whose top-k are those ids (so hooks that read 
 probabilities see a distribution consistent with the routing), and the experts interface is
 called with them as usual.
 
-    python bench/ds_model.py --extract routing.npz [--requests 8]
+    python bench/ds_model.py [--extract runs/ds_routing.npz] [--requests 8]
 
 writes the held-out routing of a few requests to a small file that ``--traces`` also accepts
-(for a machine that does not have the 185 MB of CSV files).
+(for a machine that does not have the 185 MB of CSV files; the benches find it at its default
+path when no CSV folder is there).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PUFFIN_NAME = "deepseek-v2-lite-puffin"
 # where a checkout finds ../shared (worktrees), or a copy of it inside the repository (device machines)
 PUFFIN_DIRS = (ROOT.parent / "shared" / "traces" / PUFFIN_NAME, ROOT / "shared" / "traces" / PUFFIN_NAME)
+# the default --extract output (runs/ is ignored by git): found when no CSV folder is
+DEFAULT_EXTRACT = ROOT / "runs" / "ds_routing.npz"
 # DeepSeek-V2-Lite's shape (config.json of deepseek-ai/DeepSeek-V2-Lite-Chat)
 DS_LITE = dict(
     hidden_size=2048,
@@ -118,7 +121,9 @@ def find_puffin(path: str | None = None) -> Path | None:
                 f"{p}: no such DeepSeek traces (a CSV directory or a .npz from --extract)"
             )
         return p
-    return next((p for p in PUFFIN_DIRS if p.is_dir()), None)
+    return next(
+        (p for p in PUFFIN_DIRS if p.is_dir()), DEFAULT_EXTRACT if DEFAULT_EXTRACT.is_file() else None
+    )
 
 
 def held_out_requests(
@@ -146,7 +151,8 @@ def load_routing(path: str | None, n: int, min_tokens: int, layers: int, vocab: 
 
     src = find_puffin(path)
     if src is None:
-        return Routing(source=f"no DeepSeek traces (looked in {', '.join(map(str, PUFFIN_DIRS))})")
+        where = ", ".join(map(str, (*PUFFIN_DIRS, DEFAULT_EXTRACT)))
+        return Routing(source=f"no DeepSeek traces (looked in {where})")
     if src.suffix == ".npz":
         z = np.load(src)
         rows = [(str(r), None, z[f"ids_{i}"], z[f"hash_{i}"]) for i, r in enumerate(z["request_ids"])]
@@ -321,10 +327,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description="Extract held-out DeepSeek routing into a small .npz for --traces."
     )
-    ap.add_argument("--extract", required=True, help="the .npz to write")
+    ap.add_argument("--extract", default=str(DEFAULT_EXTRACT), help="the .npz to write")
     ap.add_argument("--traces", default=None, help="the CSV directory (default: the shared copy)")
     ap.add_argument("--requests", type=int, default=8)
-    ap.add_argument("--min-tokens", type=int, default=64)
+    ap.add_argument("--min-tokens", type=int, default=96)
     args = ap.parse_args()
     src = find_puffin(args.traces)
     if src is None:
@@ -337,6 +343,7 @@ def main() -> None:
         arrays[f"ids_{i}"] = ids.astype(np.int16)
         arrays[f"hash_{i}"] = np.array([token_hash(t) for t in texts], np.int64)
     out = Path(args.extract)
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp.npz")
     np.savez_compressed(tmp, **arrays)
     tmp.replace(out)

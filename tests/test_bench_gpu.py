@@ -122,3 +122,17 @@ def test_a_failing_row_is_recorded_and_the_rest_go_on(tmp_path):
     assert report.guard(None, "fine", lambda: {"x": 1}) is not None
     assert [r["status"] for r in report.rows] == ["FAILED", "ok"]
     assert "ZeroDivisionError" in report.failures[0]
+
+
+def test_extracted_routing_equals_the_csv_routing(puffin_dir, tmp_path, monkeypatch):
+    out = tmp_path / "routing.npz"
+    monkeypatch.setattr(
+        sys, "argv", ["ds_model.py", "--extract", str(out), "--traces", str(puffin_dir), "--requests", "2"]
+    )
+    ds_model.main()
+    a = ds_model.load_routing(str(puffin_dir), 2, 64, 3, 1000)
+    b = ds_model.load_routing(str(out), 2, 64, 3, 1000)
+    assert [r.request_id for r in a.requests] == [r.request_id for r in b.requests]
+    for x, y in zip(a.requests, b.requests):
+        assert np.array_equal(x.topk_ids, y.topk_ids) and np.array_equal(x.tokens, y.tokens)
+        assert np.array_equal(x.token_hashes, y.token_hashes) and x.topk_ids.shape[1:] == (3, 6)
