@@ -10,6 +10,8 @@ from typing import Any
 
 from moecast.collect.traceset import TraceMeta, TraceSet, TraceSetError, TraceWriter, merge
 
+from moecast.errors import InputError
+
 SMALL_HIDDEN = 512  # hidden sizes up to this run single-threaded on CPU unless --threads says otherwise
 
 
@@ -102,7 +104,7 @@ def collect(
     from moecast import __version__
 
     if max_requests is not None and max_requests < 1:
-        raise ValueError(
+        raise InputError(
             f"--max-requests must be at least 1 (got {max_requests}); leave it out to use every row"
         )
     settings = GenerationSettings(
@@ -123,7 +125,7 @@ def collect(
     previous_threads = torch.get_num_threads()
     if threads is not None:
         if threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {threads}")
+            raise InputError(f"--threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
     lm, tokenizer, name = load_model(
         model, dtype=dtype, device=_device(device), trust_remote_code=trust_remote_code

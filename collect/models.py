@@ -25,7 +25,7 @@ from typing import Any
 
 from moecast.collect.traceset import ModelInfo, model_fingerprint
 
-from moecast.errors import MoecastError
+from moecast.errors import InputError, MoecastError
 
 # config keys that change between saves of the same weights, not the architecture
 VOLATILE_CONFIG_KEYS = (
@@ -118,7 +118,7 @@ def find_moe_structure(model: Any, router_pattern: str | None = None) -> MoEStru
         try:
             regex = re.compile(router_pattern)
         except re.error as exc:
-            raise ValueError(f"--router-pattern {router_pattern!r} is not a valid regex ({exc})") from exc
+            raise InputError(f"--router-pattern {router_pattern!r} is not a valid regex ({exc})") from exc
         # experts modules, when the model has them, still describe the experts (sizes, shared expert)
         experts = {layer_index(n): (n, m) for n, m in named if is_experts_module(m)}
         layers = []
@@ -306,7 +306,7 @@ def load_model(model: str, dtype: str = "auto", device: str = "cpu", trust_remot
         raise ModelLoadError(f"model {model!r}: cannot read its config ({str(exc).splitlines()[0]})") from exc
     torch_dtype: Any = "auto" if dtype == "auto" else getattr(torch, dtype, None)
     if torch_dtype is None:
-        raise ValueError(f"--dtype {dtype!r} is not a torch dtype; use auto, float32, bfloat16 or float16")
+        raise InputError(f"--dtype {dtype!r} is not a torch dtype; use auto, float32, bfloat16 or float16")
     try:
         lm = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch_dtype, trust_remote_code=trust_remote_code

@@ -29,6 +29,7 @@ import numpy as np
 from moecast.collect.traceset import ModelInfo, RequestRecord, TraceMeta, TraceSet, TraceSetError, TraceWriter
 
 from moecast import __version__
+from moecast.errors import InputError
 
 COLUMNS = ["Layer ID", "Batch Number", "Token", "Activated Expert IDs"]
 FILE_RE = re.compile(r"prompt_(\d+)_data\.csv$")
@@ -109,33 +110,33 @@ def parse_file(
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: not UTF-8 text ({exc.reason}); is it a MoE-Beyond CSV?") from None
+        raise InputError(f"{path}: not UTF-8 text ({exc.reason}); is it a MoE-Beyond CSV?") from None
     if "\x00" in text:
-        raise ValueError(f"{path}: contains NUL bytes; the file is corrupt, restore it from the source")
+        raise InputError(f"{path}: contains NUL bytes; the file is corrupt, restore it from the source")
     try:
         rows = list(csv.reader(io.StringIO(text)))
     except csv.Error as exc:
-        raise ValueError(f"{path}: malformed CSV ({exc})") from None
+        raise InputError(f"{path}: malformed CSV ({exc})") from None
     reader = iter(rows)
     header = next(reader, None)
     if header != COLUMNS:
-        raise ValueError(f"{path}: expected columns {COLUMNS}, got {header}")
+        raise InputError(f"{path}: expected columns {COLUMNS}, got {header}")
     layers: list[int] = []
     tokens: list[str] = []
     id_chunks: list[str] = []
     counts: dict[int, int] = {}
     for lineno, row in enumerate(reader, start=2):
         if len(row) != 4:
-            raise ValueError(
+            raise InputError(
                 f"{path}:{lineno}: expected 4 fields, got {len(row)} (truncated or malformed CSV)"
             )
         try:
             layer = int(row[0])
         except ValueError:
-            raise ValueError(f"{path}:{lineno}: layer id {row[0]!r} is not an integer") from None
+            raise InputError(f"{path}:{lineno}: layer id {row[0]!r} is not an integer") from None
         if layer not in counts:
             if counts and layer < max(counts):
-                raise ValueError(f"{path}:{lineno}: rows of layer {layer} are not grouped together")
+                raise InputError(f"{path}:{lineno}: rows of layer {layer} are not grouped together")
             counts[layer] = 0
             layers.append(layer)
         if layer == layers[0]:
@@ -143,30 +144,30 @@ def parse_file(
         counts[layer] += 1
         ids = row[3].strip()
         if not (ids.startswith("[") and ids.endswith("]")):
-            raise ValueError(f"{path}:{lineno}: expert ids {ids!r} are not a [..] list")
+            raise InputError(f"{path}:{lineno}: expert ids {ids!r} are not a [..] list")
         id_chunks.append(ids[1:-1])
     if not counts:
-        raise ValueError(f"{path}: no rows")
+        raise InputError(f"{path}: no rows")
     T = counts[layers[0]]
     ragged = {L: c for L, c in counts.items() if c != T}
     if ragged:
-        raise ValueError(
+        raise InputError(
             f"{path}: ragged layers: layer {layers[0]} has {T} tokens but {ragged} (truncated CSV?)"
         )
     try:
         flat = np.array([int(x) for chunk in id_chunks for x in chunk.split(",")], dtype=np.int64)
     except ValueError as exc:
-        raise ValueError(f"{path}: non-integer expert id ({exc})") from None
+        raise InputError(f"{path}: non-integer expert id ({exc})") from None
     k = top_k or len(id_chunks[0].split(","))
     if flat.size != len(id_chunks) * k:
-        raise ValueError(f"{path}: every row must list exactly {k} expert ids")
+        raise InputError(f"{path}: every row must list exactly {k} expert ids")
     if flat.size and (flat.min() < 0 or flat.max() >= num_experts):
-        raise ValueError(
+        raise InputError(
             f"{path}: expert id {int(flat.max() if flat.max() >= num_experts else flat.min())} outside 0..{num_experts - 1}"
         )
     ids = flat.reshape(len(layers), T, k).transpose(1, 0, 2)
     if (np.sort(ids, -1)[..., 1:] == np.sort(ids, -1)[..., :-1]).any():
-        raise ValueError(f"{path}: a row lists the same expert twice")
+        raise InputError(f"{path}: a row lists the same expert twice")
     return layers, tokens, ids.astype(np.int16)
 
 
@@ -211,7 +212,7 @@ def import_moe_beyond(
     files = list_files(source)
     if max_files is not None:
         if max_files <= 0:
-            raise ValueError("--max-files must be positive")
+            raise InputError("--max-files must be positive")
         files = files[:max_files]
     _n0, p0 = files[0]
     layers, _, first = parse_file(p0, DEEPSEEK_V2_LITE["num_experts"])

@@ -26,6 +26,8 @@ from moecast.collect.recorder import RoutingRecorder
 from moecast.collect.traceset import RequestRecord, TraceWriter
 from moecast.collect.workloads import WorkloadRequest
 
+from moecast.errors import InputError
+
 
 @dataclass
 class GenerationSettings:
@@ -40,13 +42,13 @@ class GenerationSettings:
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
-            raise ValueError(f"--max-new-tokens must be >= 0, got {self.max_new_tokens}")
+            raise InputError(f"--max-new-tokens must be >= 0, got {self.max_new_tokens}")
         if self.batch_size < 1:
-            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+            raise InputError(f"--batch-size must be >= 1, got {self.batch_size}")
         if self.max_prompt_tokens < 1:
-            raise ValueError(f"--max-prompt-tokens must be >= 1, got {self.max_prompt_tokens}")
+            raise InputError(f"--max-prompt-tokens must be >= 1, got {self.max_prompt_tokens}")
         if self.chunk_size < 1:
-            raise ValueError(f"--chunk-size must be >= 1, got {self.chunk_size}")
+            raise InputError(f"--chunk-size must be >= 1, got {self.chunk_size}")
 
 
 @dataclass
@@ -67,9 +69,9 @@ def shard_requests(
 ) -> list[WorkloadRequest]:
     """Deterministic round-robin split by position in the request list (same list, same split)."""
     if num_shards < 1:
-        raise ValueError(f"--num-shards must be >= 1, got {num_shards}")
+        raise InputError(f"--num-shards must be >= 1, got {num_shards}")
     if not 0 <= shard_index < num_shards:
-        raise ValueError(f"--shard-index must be in [0, {num_shards}), got {shard_index}")
+        raise InputError(f"--shard-index must be in [0, {num_shards}), got {shard_index}")
     return list(requests[shard_index::num_shards])
 
 
@@ -117,7 +119,7 @@ class Collector:
         texts, special = list(prompts), True
         if self.settings.chat_template:
             if not getattr(self.tokenizer, "chat_template", None):
-                raise ValueError(
+                raise InputError(
                     "this model's tokenizer has no chat template; collect without --chat-template"
                 )
             texts = [
@@ -133,7 +135,7 @@ class Collector:
         out = []
         for prompt, ids in zip(prompts, encoded):
             if not ids:
-                raise ValueError(f"prompt {prompt[:40]!r} tokenises to nothing; drop it from the workload")
+                raise InputError(f"prompt {prompt[:40]!r} tokenises to nothing; drop it from the workload")
             out.append(list(ids))
         return out
 

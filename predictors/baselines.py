@@ -31,6 +31,8 @@ from moecast.collect.traceset import ModelInfo, RequestTrace, TraceSet
 from moecast.predictors.base import Predictor
 from moecast.predictors.metrics import multi_hot
 
+from moecast.errors import InputError
+
 
 def _model_meta(model: ModelInfo) -> dict[str, Any]:
     return {
@@ -89,7 +91,7 @@ def _check_model_dir(model_dir: Path, ts: TraceSet) -> None:
     except (OSError, ValueError):
         return
     if m.fingerprint and got != m.fingerprint:
-        raise ValueError(
+        raise InputError(
             f"{model_dir} (fingerprint {got}) is not the model {ts.path} was collected from "
             f"(fingerprint {m.fingerprint}); re-collect the traces or point at that model"
         )
@@ -106,12 +108,12 @@ class FrequencyPredictor(_Base):
         self.table = np.asarray(table, np.float64)
         self.mode = meta.get("mode", "global")
         if self.mode not in ("global", "request"):
-            raise ValueError(f"frequency mode must be global or request, got {self.mode!r}")
+            raise InputError(f"frequency mode must be global or request, got {self.mode!r}")
 
     @classmethod
     def fit(cls, ts: TraceSet, requests: list[str], mode: str = "global") -> FrequencyPredictor:
         if not requests:
-            raise ValueError(f"{ts.path}: no training requests to count experts on")
+            raise InputError(f"{ts.path}: no training requests to count experts on")
         counts = expert_counts(ts.array("topk_ids", requests), ts.num_experts)
         table = counts / counts.sum(1, keepdims=True)
         return cls(
@@ -157,7 +159,7 @@ class GateReusePredictor(_Base):
         super().__init__(meta)
         self.router = np.asarray(router, np.float32)  # [L, E, H]
         if self.router.shape[:2] != (self.num_layers, self.num_experts):
-            raise ValueError(
+            raise InputError(
                 f"router weights have shape {self.router.shape}, expected [{self.num_layers}, {self.num_experts}, H]"
             )
 
@@ -190,7 +192,7 @@ class GateReusePredictor(_Base):
                         found[layer] = w.float().numpy()
         missing = [layer for layer in m.moe_layers if layer not in found]
         if missing:
-            raise ValueError(
+            raise InputError(
                 f"{model_dir}: no router weight [{m.num_experts}, {m.hidden_size}] for MoE layers {missing}; "
                 "is this the model the traces came from?"
             )
@@ -199,13 +201,13 @@ class GateReusePredictor(_Base):
 
     def score_request(self, trace: RequestTrace) -> np.ndarray:
         if trace.gate_inputs is None:
-            raise ValueError(
+            raise InputError(
                 "gate-reuse needs gate_inputs, which these traces lack (imported traces have none); "
                 "re-collect with `moecast collect --gate-inputs`"
             )
         g = np.asarray(trace.gate_inputs, np.float32)
         if not np.isfinite(g).all():
-            raise ValueError(f"request {trace.request_id}: gate_inputs contain NaN or inf; re-collect it")
+            raise InputError(f"request {trace.request_id}: gate_inputs contain NaN or inf; re-collect it")
         src = np.zeros_like(g)
         src[:, 1:] = g[:, :-1]  # layer l scored from layer l-1's gate input
         src[1:, 0] = g[:-1, 0]  # layer 0: the previous token's layer-0 gate input
@@ -234,7 +236,7 @@ class CooccurrencePredictor(_Base):
     @classmethod
     def fit(cls, ts: TraceSet, requests: list[str]) -> CooccurrencePredictor:
         if not requests:
-            raise ValueError(f"{ts.path}: no training requests to count co-occurrences on")
+            raise InputError(f"{ts.path}: no training requests to count co-occurrences on")
         topk = ts.array("topk_ids", requests).astype(np.int64)
         _, L, k = topk.shape
         E = ts.num_experts
@@ -286,7 +288,7 @@ class ActivationMatrixPredictor(_Base):
         cls, ts: TraceSet, requests: list[str], capacity: int = 1000, seed: int = 0
     ) -> ActivationMatrixPredictor:
         if not requests:
-            raise ValueError(f"{ts.path}: no training requests to build activation matrices from")
+            raise InputError(f"{ts.path}: no training requests to build activation matrices from")
         rng = np.random.default_rng(seed)
         chosen = (
             list(requests)

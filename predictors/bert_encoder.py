@@ -13,6 +13,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from moecast.errors import InputError
+
 
 def fast_encoder_unsupported(model: Any) -> str | None:
     """Why :class:`FastBertEncoder` cannot stand in for ``model`` (None when it can)."""
@@ -59,7 +61,7 @@ class FastBertEncoder:
 
         why = fast_encoder_unsupported(model)
         if why:
-            raise ValueError(f"FastBertEncoder: {why}")
+            raise InputError(f"FastBertEncoder: {why}")
         cfg = model.config
         emb = model.embeddings
         self.heads = int(cfg.num_attention_heads)
@@ -147,7 +149,7 @@ ENGINES = ("auto", "onnx", "torch")
 def check_engine(engine: str, owner: str = "encoder") -> str:
     """``engine`` when it names one of :data:`ENGINES`, else one clear ValueError."""
     if engine not in ENGINES:
-        raise ValueError(f"{owner}: engine {engine!r} is not one of {', '.join(ENGINES)}")
+        raise InputError(f"{owner}: engine {engine!r} is not one of {', '.join(ENGINES)}")
     return engine
 
 

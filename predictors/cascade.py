@@ -17,6 +17,8 @@ from moecast.predictors.casmoe import broadcast_plan, prompt_text
 from moecast.predictors.checkpoint import CheckpointError, save
 from moecast.predictors.eam import EAM
 
+from moecast.errors import InputError
+
 
 class Cascade(Predictor):
     """CasMoE's cascade planner with its gate ("Gating", "Inference"): EAM if confidence >= epsilon, else EAP.
@@ -40,7 +42,7 @@ class Cascade(Predictor):
                 f"EAM plans {eam.num_layers}x{eam.num_experts}, EAP {eap.num_layers}x{eap.num_experts}; they do not fit"
             )
         if not 0.0 <= epsilon <= 1.0:
-            raise ValueError(f"epsilon {epsilon} must be a cosine threshold in [0, 1]")
+            raise InputError(f"epsilon {epsilon} must be a cosine threshold in [0, 1]")
         self.eam, self.eap, self.epsilon = eam, eap, float(epsilon)
         self.num_layers, self.num_experts, self.top_k = eam.num_layers, eam.num_experts, eam.top_k
         self.fingerprint = eam.fingerprint

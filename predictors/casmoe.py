@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 from moecast.collect.traceset import RequestTrace, TraceSet
 
+from moecast.errors import InputError
+
 # ----------------------------------------------------------------------------- EP label (Eq. 3)
 
 
@@ -49,7 +51,7 @@ def ep_labels(
     weighted = ts.has("topk_weights")
     w = ts.array("topk_weights", ids).astype(np.float64) if weighted else np.ones(topk.shape, np.float64)
     if np.any(topk < 0) or np.any(topk >= E):
-        raise ValueError(f"{ts.path}: topk_ids outside [0, {E}); the TraceSet is corrupt, re-collect it")
+        raise InputError(f"{ts.path}: topk_ids outside [0, {E}); the TraceSet is corrupt, re-collect it")
     flat = (seg[:, None, None] * L + np.arange(L)[None, :, None]) * E + topk
     ep = np.bincount(flat[keep].ravel(), weights=w[keep].ravel(), minlength=len(ids) * L * E)
     ep = ep.reshape(len(ids), L, E)

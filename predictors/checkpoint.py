@@ -15,11 +15,13 @@ from typing import Any
 
 import numpy as np
 
+from moecast.errors import InputError
+
 FORMAT_VERSION = 1
 REQUIRED_KEYS = ("kind", "format_version", "fingerprint", "moe_layers", "num_experts", "top_k")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     """A checkpoint is missing, corrupt, of another format, or for another model."""
 
 

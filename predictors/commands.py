@@ -15,6 +15,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from moecast.errors import InputError
 from moecast.jsonout import dumps
 
 BASELINES = ("frequency", "frequency-request", "cooccurrence", "moe-infinity", "gate-reuse:MODEL_DIR")
@@ -39,7 +40,7 @@ def build_baseline(spec: str, ts: Any, train_ids: list[str]) -> Any:
     if spec.startswith("gate-reuse:"):
         ts.require("gate_inputs", "the gate-reuse baseline")
         return GateReusePredictor.from_model_dir(spec.split(":", 1)[1], ts)
-    raise ValueError(f"{spec}: no such checkpoint file, and not a baseline name ({', '.join(BASELINES)})")
+    raise InputError(f"{spec}: no such checkpoint file, and not a baseline name ({', '.join(BASELINES)})")
 
 
 def evaluate_predictor(
@@ -61,12 +62,12 @@ def evaluate_predictor(
     from moecast.predictors.metrics import MetricAccumulator
 
     if not requests:
-        raise ValueError(f"{ts.path}: the chosen split holds no requests; use --split all or more requests")
+        raise InputError(f"{ts.path}: the chosen split holds no requests; use --split all or more requests")
     missing = [f for f in getattr(pred, "needs", ()) if f != "token_id" and not ts.has(f)]
     if missing:
         ts.require(missing[0], f"predictor {pred.name}")
     if online_lr and not hasattr(pred, "update"):
-        raise ValueError(f"--online_lr: the {pred.name} predictor has no online update; only LLaPor has")
+        raise InputError(f"--online_lr: the {pred.name} predictor has no online update; only LLaPor has")
     m = ts.meta.model
     acc = MetricAccumulator(m.num_layers, m.num_experts, k or m.top_k, extra_k)
     for trace in tqdm(
@@ -131,15 +132,15 @@ def evaluate(
     from moecast.predictors.registry import load
 
     if not traces:
-        raise ValueError("moecast predictors eval needs --traces DIR (the TraceSet to evaluate on)")
+        raise InputError("moecast predictors eval needs --traces DIR (the TraceSet to evaluate on)")
     ts = open_traces(traces)
     if online_lr < 0:
-        raise ValueError(f"--online_lr must be >= 0, not {online_lr}")
+        raise InputError(f"--online_lr must be >= 0, not {online_lr}")
     if split not in ("val", "train", "all"):
-        raise ValueError(f"--split must be val, train or all, not {split!r}")
+        raise InputError(f"--split must be val, train or all, not {split!r}")
     E = ts.meta.model.num_experts
     if k is not None and not (isinstance(k, int) and 1 <= k <= E):
-        raise ValueError(f"--k must be an integer from 1 to the model's {E} experts, not {k!r}")
+        raise InputError(f"--k must be an integer from 1 to the model's {E} experts, not {k!r}")
     fp = ts.meta.model.fingerprint
     pred = None
     if Path(checkpoint).is_file():
@@ -215,13 +216,13 @@ def remember(
     from moecast.predictors.registry import load
 
     if not traces or not out:
-        raise ValueError("moecast predictors remember needs --traces DIR and --out CKPT.safetensors")
+        raise InputError("moecast predictors remember needs --traces DIR and --out CKPT.safetensors")
     if requests not in ("train", "all"):
-        raise ValueError(f"--requests must be train or all, not {requests!r}")
+        raise InputError(f"--requests must be train or all, not {requests!r}")
     ts = open_traces(traces)
     pred = load(checkpoint, fingerprint=ts.meta.model.fingerprint, against=f"TraceSet {ts.path}")
     if not isinstance(pred, LLaPor):
-        raise ValueError(f"{checkpoint} is a {pred.name} checkpoint; a context memory goes with LLaPor only")
+        raise InputError(f"{checkpoint} is a {pred.name} checkpoint; a context memory goes with LLaPor only")
     ngrams = [6, 8, 16, 32] if ngrams is None else list(ngrams)
     if ngrams:
         cfg = MemoryConfig(tuple(ngrams), max_postings, weight)

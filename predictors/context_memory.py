@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from moecast.errors import InputError
+
 _P = np.uint64(0x100000001B3)  # FNV-64 prime: odd, so the rolling hash is invertible mod 2^64
 _BOS = np.uint64(0x9E3779B97F4A7C15)  # prompt-start marker: prefixes hash apart from mid-text n-grams
 _LEN = np.uint64(0xC2B2AE3D27D4EB4F)
@@ -128,15 +130,15 @@ class MemoryConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "ngrams", tuple(int(n) for n in self.ngrams))
         if any(n < 1 for n in self.ngrams) or len(set(self.ngrams)) != len(self.ngrams):
-            raise ValueError(
+            raise InputError(
                 f"context memory: ngrams (model.memory_ngrams, --ngrams) must be distinct lengths >= 1, got {list(self.ngrams)}"
             )
         if self.max_postings < 1:
-            raise ValueError(
+            raise InputError(
                 f"context memory: max_postings (model.memory_postings, --max_postings) must be >= 1, got {self.max_postings}"
             )
         if not np.isfinite(self.weight) or self.weight < 0:
-            raise ValueError(
+            raise InputError(
                 f"context memory: weight (model.memory_weight, --weight) must be a finite number >= 0, got {self.weight}"
             )
 
@@ -255,7 +257,7 @@ def build(
     """Index the routes of ``request_ids`` (the training split) in ``ts`` by their contexts."""
     ids = list(request_ids)
     if not ids:
-        raise ValueError("the context memory needs at least one training request; the split is empty")
+        raise InputError("the context memory needs at least one training request; the split is empty")
     ts.require("token_id", "the context memory")
     E = ts.num_experts
     routes = ts.array("topk_ids", ids)

@@ -26,6 +26,8 @@ from moecast.predictors.casmoe import broadcast_plan, prompt_text
 from moecast.predictors.checkpoint import CheckpointError, save
 from moecast.predictors.sentence_encoder import SentenceEmbedder, shared_embedder
 
+from moecast.errors import InputError
+
 
 @dataclass
 class EAMConfig:
@@ -92,7 +94,7 @@ class EAM(Predictor):
         self.config = config or EAMConfig()
         self.values = np.ascontiguousarray(values, np.float32)  # [N, L, E]
         if self.values.ndim != 3 or len(self.values) == 0:
-            raise ValueError("EAM needs at least one (prompt, EP) pair with EP of shape [L, E]")
+            raise InputError("EAM needs at least one (prompt, EP) pair with EP of shape [L, E]")
         self.num_layers, self.num_experts = self.values.shape[1:]
         self.moe_layers = list(moe_layers)
         self.top_k = int(top_k)
@@ -177,11 +179,11 @@ class EAM(Predictor):
         """
         ep = np.asarray(ep, np.float32)
         if ep.shape != (self.num_layers, self.num_experts):
-            raise ValueError(
+            raise InputError(
                 f"EP of shape {ep.shape} does not fit this EAM ({self.num_layers} layers x {self.num_experts} experts)"
             )
         if not np.isfinite(ep).all() or (ep < 0).any():
-            raise ValueError(
+            raise InputError(
                 "EP has NaN, inf or negative entries; compute it with ep_label from a valid trace"
             )
         emb = self.embedder.embed([prompt])[0]

@@ -40,6 +40,8 @@ from moecast.predictors.llapor_features import (
 from moecast.predictors.llapor_net import LLaPorNet, NetConfig, group_lambda, llapor_loss
 from moecast.predictors.llapor_weights import fold, layer_weights
 
+from moecast.errors import InputError
+
 
 @dataclass(frozen=True)
 class _RowConstants:
@@ -105,7 +107,7 @@ class LLaPor(Predictor):
             f for f in ("gate_inputs", "topk_weights") if f in spec.fields() and getattr(trace, f) is None
         ]
         if missing:
-            raise ValueError(
+            raise InputError(
                 f"this LLaPor checkpoint was trained with {', '.join(missing)}, which request {trace.request_id} lacks; "
                 "evaluate it on traces collected with those fields"
             )
@@ -123,13 +125,13 @@ class LLaPor(Predictor):
             if spec.gate_pca:
                 g = np.asarray(trace.gate_inputs, np.float32)
                 if not np.isfinite(g).all():
-                    raise ValueError(
+                    raise InputError(
                         f"request {trace.request_id}: gate_inputs contain NaN or inf; re-collect it"
                     )
                 pca_in = self.net.pca.project(g) * self._pca_mask()
             w = trace.topk_weights if spec.weights else None
             if w is not None and not np.isfinite(np.asarray(w, np.float32)).all():
-                raise ValueError(
+                raise InputError(
                     f"request {trace.request_id}: topk_weights contain NaN or inf; re-collect it"
                 )
             feats["dense"] = torch.from_numpy(dense_features(spec, pca_in, w, ids))
@@ -176,7 +178,7 @@ class LLaPor(Predictor):
         if not ok:
             bad_w = spec.weights and layer > 0 and not np.isfinite(wrow).all()
             field = "topk_weights" if bad_w else "gate_inputs"
-            raise ValueError(f"request {trace.request_id}: {field} contain NaN or inf; re-collect it")
+            raise InputError(f"request {trace.request_id}: {field} contain NaN or inf; re-collect it")
         feats: dict[str, np.ndarray] = {"bags": bags}
         if spec.deep_history:
             feats["route"] = route
@@ -334,7 +336,7 @@ class LLaPor(Predictor):
         )
         if bad:
             field = "topk_weights" if bad == 1 else "gate_inputs"
-            raise ValueError(f"request {trace.request_id}: {field} contain NaN or inf; re-collect it")
+            raise InputError(f"request {trace.request_id}: {field} contain NaN or inf; re-collect it")
         if self.memory is not None:
             return self._blend_row(out[0], trace, layer)
         return out[0]
@@ -446,7 +448,7 @@ class LLaPor(Predictor):
             if meta.get("memory"):
                 memory = ContextMemory.from_tensors(tensors, meta["memory"], spec.num_experts)
         except (KeyError, TypeError, RuntimeError, ValueError) as exc:
-            raise ValueError(
+            raise InputError(
                 f"{path}: LLaPor checkpoint does not match this moecast ({exc}); retrain it"
             ) from exc
         return cls(net, meta["moe_layers"], meta.get("fingerprint"), meta, memory=memory)

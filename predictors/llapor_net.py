@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from moecast.predictors.llapor_features import FeatureSpec
 from torch import nn
 
+from moecast.errors import InputError
+
 
 class PCABank(nn.Module):
     """Per-layer PCA (components [L, C, H], mean [L, H]); layer l keeps its first pca_dims[li] components."""
@@ -249,4 +251,4 @@ def llapor_loss(
         return F.binary_cross_entropy_with_logits(logits, target)
     if kind == "focal":
         return balanced_focal_loss(logits, target, inv_freq, lam, gamma)
-    raise ValueError(f"unknown LLaPor loss {kind!r}; use one of {', '.join(LOSSES)}")
+    raise InputError(f"unknown LLaPor loss {kind!r}; use one of {', '.join(LOSSES)}")

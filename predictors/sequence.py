@@ -24,6 +24,8 @@ from moecast.collect.traceset import RequestTrace
 from moecast.predictors.base import Predictor
 from torch import nn
 
+from moecast.errors import InputError
+
 
 @dataclass
 class SequenceConfig:
@@ -44,7 +46,7 @@ class SequenceConfig:
     def __post_init__(self) -> None:
         # score_request slides windows of max_len tokens: without one token per window it cannot advance
         if isinstance(self.max_len, bool) or not isinstance(self.max_len, int) or self.max_len < 1:
-            raise ValueError(
+            raise InputError(
                 f"sequence predictor max_len must be a positive integer, got {self.max_len!r}; "
                 "retrain with data.max_len >= 2"
             )
@@ -80,7 +82,7 @@ class SequenceNet(nn.Module):
         """tokens [B, T] bucket ids, prev_route [B, T, L*E] (token t-1's multi-hot), pad [B, T] True = padding."""
         T = tokens.shape[1]
         if self.cfg.max_len < T:
-            raise ValueError(
+            raise InputError(
                 f"request of {T} tokens is longer than the sequence predictor's max_len {self.cfg.max_len}"
             )
         pos = torch.arange(T, device=tokens.device)
@@ -174,7 +176,7 @@ class SequencePredictor(Predictor):
             net = SequenceNet(SequenceConfig(**{"head_hidden": 0, **meta["config"]}))
             net.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()})
         except (KeyError, TypeError, RuntimeError) as exc:
-            raise ValueError(
+            raise InputError(
                 f"{path}: sequence checkpoint does not match this moecast ({exc}); retrain it"
             ) from exc
         return cls(net, meta["moe_layers"], meta.get("fingerprint"), meta)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moecast.errors import InputError
+
 
 @dataclass
 class AlphaChoice:
@@ -47,7 +49,7 @@ def fit_tpot(alphas: np.ndarray, tpot_ms: np.ndarray, degree: int = 2) -> np.pol
     ok = np.isfinite(a) & np.isfinite(t)
     a, t = a[ok], t[ok]
     if len(a) == 0:
-        raise ValueError(
+        raise InputError(
             "fitting T(alpha) needs at least one measured (alpha, TPOT) point; measure some alphas first"
         )
     deg = max(0, min(int(degree), len(np.unique(a)) - 1))
@@ -67,7 +69,7 @@ def choose_alpha(
     """
     budget = float(budget_ms)
     if not math.isfinite(budget) or budget <= 0:
-        raise ValueError(f"the TPOT budget must be a positive number of milliseconds, got {budget_ms}")
+        raise InputError(f"the TPOT budget must be a positive number of milliseconds, got {budget_ms}")
     poly = fit_tpot(np.asarray(alphas), np.asarray(tpot_ms), degree)
     a = np.asarray(alphas, np.float64)
     xs = np.linspace(float(np.nanmin(a)), float(np.nanmax(a)), grid)

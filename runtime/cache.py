@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 from moecast.runtime import kernels
 
+from moecast.errors import InputError
+
 POLICIES = ("lru", "lfu", "score", "static", "belady")
 _NEVER = np.iinfo(np.int64).max // 4
 _NU_CAP = np.int64(1) << 36  # next-use times beyond this count as never
@@ -54,34 +56,34 @@ def resolve_capacity(capacity: float | str, num_experts: int, top_k: int, expert
         for unit, mult in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
             if text.endswith(unit):
                 if expert_bytes <= 0:
-                    raise ValueError(
+                    raise InputError(
                         "a capacity in bytes needs the model's expert_bytes; give experts or a fraction"
                     )
                 try:
                     n = int(float(text[: -len(unit)]) * mult // expert_bytes)
                 except ValueError:
-                    raise ValueError(f"capacity {capacity!r}: expected e.g. 0.25, 6 or 512MB") from None
+                    raise InputError(f"capacity {capacity!r}: expected e.g. 0.25, 6 or 512MB") from None
                 return _check_capacity(n, num_experts, top_k, capacity)
         try:
             capacity = float(text)
         except ValueError:
-            raise ValueError(
+            raise InputError(
                 f"capacity {capacity!r}: expected a fraction (0.25), experts (6) or bytes (512MB)"
             ) from None
     c = float(capacity)
     if not np.isfinite(c) or c <= 0:
-        raise ValueError(
+        raise InputError(
             f"capacity {capacity!r} must be > 0 (a fraction < 1 of the experts, or experts per layer)"
         )
     n = round(c * num_experts) if c < 1 else int(c)
     if c >= 1 and c != int(c):
-        raise ValueError(f"capacity {capacity!r}: give a fraction below 1 or a whole number of experts")
+        raise InputError(f"capacity {capacity!r}: give a fraction below 1 or a whole number of experts")
     return _check_capacity(n, num_experts, top_k, capacity)
 
 
 def _check_capacity(n: int, num_experts: int, top_k: int, given: object) -> int:
     if n < top_k:
-        raise ValueError(
+        raise InputError(
             f"capacity {given!r} holds {n} experts per layer, below top-k = {top_k}: one token's experts "
             f"would evict each other; use at least {top_k} experts ({top_k / num_experts:.3f} of {num_experts})"
         )
@@ -113,11 +115,11 @@ class ExpertCache:
         scalar_path: bool = True,
     ) -> None:
         if policy not in POLICIES:
-            raise ValueError(f"unknown eviction policy {policy!r}; choose one of {', '.join(POLICIES)}")
+            raise InputError(f"unknown eviction policy {policy!r}; choose one of {', '.join(POLICIES)}")
         self.N = int(num_items)
         caps = np.minimum(np.broadcast_to(np.asarray(capacity, dtype=np.int64), (lanes,)), num_items)
         if (caps <= 0).any():
-            raise ValueError(f"cache capacity must be > 0, got {capacity}")
+            raise InputError(f"cache capacity must be > 0, got {capacity}")
         self.capacity_of = caps.copy()  # per lane (a replay may run several capacities side by side)
         self.capacity = int(caps.max())
         self._shift = max(1, int(self.N - 1).bit_length())

@@ -11,6 +11,8 @@ from pathlib import Path
 from moecast.runtime.policy import POLICIES
 from moecast.runtime.replay import DEFAULT_HARDWARE, ReplayConfig, ReplayResult
 
+from moecast.errors import InputError
+
 
 def _fmt(v: object) -> str:
     if v is None:
@@ -70,7 +72,7 @@ def replay(
     if holdout is not None:
         requests = TraceSet(traces).split(holdout, seed=0)[1]
         if not requests:
-            raise ValueError(f"--holdout {holdout} leaves no held-out requests in {traces}")
+            raise InputError(f"--holdout {holdout} leaves no held-out requests in {traces}")
     cfg = ReplayConfig(
         policy=policy,
         capacity=capacity,
@@ -94,7 +96,7 @@ def replay(
 
 def _need_traces(traces: str) -> None:
     if not traces:
-        raise ValueError(
+        raise InputError(
             "give the TraceSet to replay with --traces PATH (written by `moecast collect` or `moecast import`)"
         )
 
@@ -199,14 +201,14 @@ def compare(
     _need_traces(traces)
     pols = [p.strip() for p in policies.split(",") if p.strip()]
     if not pols:
-        raise ValueError(f"--policies is empty; give one or more of {', '.join(POLICIES)}")
+        raise InputError(f"--policies is empty; give one or more of {', '.join(POLICIES)}")
     for p in pols:
         if p not in POLICIES:
-            raise ValueError(f"unknown policy {p!r}; choose from {', '.join(POLICIES)}")
+            raise InputError(f"unknown policy {p!r}; choose from {', '.join(POLICIES)}")
     preds = [p.strip() for p in predictors.split(",") if p.strip()] or ["none"]
     caps = [c.strip() for c in capacities.split(",") if c.strip()]
     if not caps:
-        raise ValueError("--capacities is empty; give e.g. 0.1,0.25,0.5")
+        raise InputError("--capacities is empty; give e.g. 0.1,0.25,0.5")
     plans = [p.strip() for p in planners.split(",") if p.strip()] or ["none"]
     # every check that needs no replay runs before out/ is created or a replay starts (they take
     # minutes), so a bad argument leaves nothing behind
@@ -223,11 +225,11 @@ def compare(
     if holdout is not None:
         requests = ts.split(holdout, seed=0)[1]
         if not requests:
-            raise ValueError(f"--holdout {holdout} leaves no held-out requests in {traces}")
+            raise InputError(f"--holdout {holdout} leaves no held-out requests in {traces}")
     try:  # before any replay runs (they take minutes)
         outdir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ValueError(
+        raise InputError(
             f"--out {out}: {exc.strerror} ({exc.filename}); give a directory for table.md, table.csv and "
             "plot.png, or a path that can be created"
         ) from exc
@@ -300,7 +302,7 @@ def _cells(pols: list[str], preds: list[str], plans: list[str]) -> list[tuple[st
     cells = list(dict.fromkeys(cells))  # a name given twice runs once
     if not cells:
         # only belady with only planners: every pair was skipped above
-        raise ValueError(
+        raise InputError(
             f"no cell to run: no planner applies to {', '.join(pols)} (belady is the demand-only bound); "
             "include none in --planners (e.g. --planners none,CKPT) or add a policy such as lru"
         )
@@ -328,7 +330,7 @@ def _usable_capacities(caps: list[str], ts, json: bool) -> list[str]:
         else:
             skipped.append(f"{c} ({n} experts)")
     if not kept:
-        raise ValueError(
+        raise InputError(
             f"every capacity in --capacities ({', '.join(caps)}) holds fewer experts than top-k = {k} of "
             f"{E}; use at least {k} experts ({k / E:.3f})"
         )

@@ -24,9 +24,10 @@ from typing import Any
 import yaml
 
 from moecast import configs_dir
+from moecast.errors import InputError
 
 
-class ProfileError(ValueError):
+class ProfileError(InputError):
     """An unknown, unreadable or malformed hardware profile."""
 
 

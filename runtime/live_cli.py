@@ -24,6 +24,7 @@ import torch
 from moecast.runtime.live import attach
 from moecast.runtime.policy import resolve_alpha, substitutes
 
+from moecast.errors import InputError
 from moecast.jsonout import dumps
 
 
@@ -130,7 +131,7 @@ def run(
     _threads()
     cap: Any = None if str(capacity).lower() in ("all", "none", "full") else capacity
     if max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+        raise InputError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     alpha = resolve_alpha(alpha, substitutes(policy))
     lm, tok, name = load_model(model, dtype="float32")
     pred = _load_predictor(predictor, lm, name)
@@ -207,7 +208,7 @@ def heldout_rows(
             if n >= texts:
                 break
     if not rows:
-        raise ValueError(
+        raise InputError(
             f"workloads {workloads!r} gave no text of at least 8 tokens; choose another workload"
         )
     return rows
@@ -336,21 +337,21 @@ def eval_accuracy(
     try:
         grid = sorted({float(a) for a in str(alphas).split(",") if a.strip()})
     except ValueError:
-        raise ValueError(f"--alphas {alphas!r}: expected comma-separated numbers like 0,0.1,0.3") from None
+        raise InputError(f"--alphas {alphas!r}: expected comma-separated numbers like 0,0.1,0.3") from None
     bad = [a for a in grid if not 0 <= a < 1]
     if bad or not grid:
-        raise ValueError(f"--alphas {alphas!r}: every alpha must be in [0, 1)")
+        raise InputError(f"--alphas {alphas!r}: every alpha must be in [0, 1)")
     if grid[-1] > 0 and not substitutes(policy):
-        raise ValueError(
+        raise InputError(
             f"--alphas sweeps substitution, which policy {policy!r} does not use; use --policy smoe"
         )
     if texts < 1 or tokens < 8:
-        raise ValueError("--texts must be >= 1 and --tokens >= 8")
+        raise InputError("--texts must be >= 1 and --tokens >= 8")
     if tpot_budget is not None and not (math.isfinite(tpot_budget) and tpot_budget > 0):
-        raise ValueError(f"--tpot-budget must be a positive number of ms, got {tpot_budget}")
+        raise InputError(f"--tpot-budget must be a positive number of ms, got {tpot_budget}")
     if plot and (Path(plot).is_dir() or any(p.exists() and not p.is_dir() for p in Path(plot).parents)):
         # checked before the sweep, not after it
-        raise ValueError(
+        raise InputError(
             f"--plot {plot}: not a writable file path (a directory, or under a file); choose another"
         )
     cap: Any = None if str(capacity).lower() in ("all", "none", "full") else capacity
@@ -396,7 +397,7 @@ def eval_accuracy(
             print(f"  plot: {plot}")
     if choice is not None:
         if not choice.met:
-            raise ValueError(choice.message())
+            raise InputError(choice.message())
         if not json:
             print("  " + choice.message())
     return results

@@ -26,6 +26,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from moecast.errors import InputError
+
 #: alpha for a policy that substitutes (smoe) when none is given, in ``moecast run``, ``replay`` and
 #: ``compare`` alike. SMoE picks alpha per TPOT budget (Eq. 5: ``moecast eval-accuracy --tpot-budget``);
 #: 0.3 is the middle of its Table IV range and kept tiny's perplexity within 0.01 % (bench ``live``).
@@ -65,12 +67,12 @@ class Policy:
             ("preload", self.preload, PRELOAD),
         ):
             if value not in allowed:
-                raise ValueError(f"unknown {what} {value!r}; choose one of {', '.join(allowed)}")
+                raise InputError(f"unknown {what} {value!r}; choose one of {', '.join(allowed)}")
         a = self.alpha
         if not (isinstance(a, (int, float)) and math.isfinite(a) and a >= 0):
-            raise ValueError(f"alpha must be a number >= 0 (SMoE's substitution threshold), got {a}")
+            raise InputError(f"alpha must be a number >= 0 (SMoE's substitution threshold), got {a}")
         if a > 0 and not self.substitutes:
-            raise ValueError(
+            raise InputError(
                 f"--alpha applies to substitution, which policy {self.name!r} does not use; use --policy smoe"
             )
 
@@ -128,7 +130,7 @@ def get_policy(policy: str | Policy, alpha: float | None = None) -> Policy:
     if isinstance(policy, Policy):
         return policy if alpha is None else policy.with_alpha(alpha)
     if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        raise InputError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     return POLICIES[policy].with_alpha(alpha)
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import numpy as np
 from moecast.runtime import kernels
 
+from moecast.errors import InputError
+
 _BOOL_DT, _I64_DT = np.dtype(bool), np.dtype(np.int64)
 
 
@@ -118,7 +120,7 @@ class SubstitutingRouter:
 
     def __init__(self, top_k: int, alpha: float) -> None:
         if alpha < 0 or not np.isfinite(alpha):
-            raise ValueError(f"alpha must be >= 0 (SMoE's substitution threshold), got {alpha}")
+            raise InputError(f"alpha must be >= 0 (SMoE's substitution threshold), got {alpha}")
         self.top_k = int(top_k)
         self.alpha = float(alpha)
         # the band edges as float32 factors, exactly as substitute() multiplies them (NumPy casts the

@@ -289,7 +289,7 @@ def _loads_or_one_line(load, path: Path, text: str) -> None:
     try:
         load(path)
     except user_errors() as exc:  # what the command line turns into `moecast: error: ...`
-        msg = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+        msg = str(exc)
         assert msg.strip(), f"{type(exc).__name__} without a message"
         assert "\n" not in msg.strip(), f"multi-line error: {msg!r}"
 

@@ -16,6 +16,8 @@ from moecast.collect.traceset import atomic_write_json
 from moecast.train.casmoe import wandb_run
 from moecast.train.planner_report import compare_planners, format_table
 
+from moecast.errors import InputError
+
 
 def _log_table3(run_dir: Path, name: str, rows: list[dict[str, Any]]) -> None:
     """The Table-3 comparison as one wandb run: a table and ``<planner>/<metric>`` scalars."""
@@ -73,7 +75,7 @@ def build_cascade_checkpoint(
 
     eam_p, eap_p = load(eam), load(eap)
     if eam_p.name != "eam" or eap_p.name != "eap":
-        raise ValueError(f"--eam must be an EAM and --eap an EAP checkpoint (got {eam_p.name}, {eap_p.name})")
+        raise InputError(f"--eam must be an EAM and --eap an EAP checkpoint (got {eam_p.name}, {eap_p.name})")
     cascade = Cascade(eam_p, eap_p, epsilon)
     path = cascade.save(out, eam, eap)
     print(f"wrote {path} (epsilon {epsilon}, EAP reuses the EAM embedding: {cascade.shared_embedding})")

@@ -37,6 +37,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from moecast.errors import InputError
+
 TRAINERS: dict[str, str] = {
     "llapor": "moecast.train.llapor:LLaPorModule",
     "sequence": "moecast.train.sequence:SequenceModule",
@@ -58,12 +60,12 @@ def _usage() -> str:
 
 def _resolve(name: str) -> Any:
     if name not in TRAINERS:
-        raise ValueError(f"unknown trainer {name!r}; choose one of {', '.join(TRAINERS)} ({_usage()})")
+        raise InputError(f"unknown trainer {name!r}; choose one of {', '.join(TRAINERS)} ({_usage()})")
     module, attr = TRAINERS[name].split(":")
     try:
         mod = importlib.import_module(module)
     except ModuleNotFoundError as exc:
-        raise ValueError(f"trainer {name!r} is not available in this installation ({exc})") from exc
+        raise InputError(f"trainer {name!r} is not available in this installation ({exc})") from exc
     return getattr(mod, attr)
 
 
@@ -201,7 +203,7 @@ def train(argv: list[str]) -> Path | Any:
     if "--help" not in rest and "-h" not in rest:
         for opt in ("--traces", "--out"):
             if not any(a == opt or a.startswith(opt + "=") for a in rest):
-                raise ValueError(f"moecast train {name} needs {opt}; {_usage()}")
+                raise InputError(f"moecast train {name} needs {opt}; {_usage()}")
     import warnings
 
     # we pass argv explicitly (moecast's own argv differs from LightningCLI's); that is intended
@@ -221,7 +223,7 @@ def train(argv: list[str]) -> Path | Any:
         )
     except ArgumentError as exc:
         detail = " ".join(str(exc).split())
-        raise ValueError(f"{detail} (see `moecast train {name} --help`)") from None
+        raise InputError(f"{detail} (see `moecast train {name} --help`)") from None
     cfg = cli.config_init
     out = Path(cfg["out"])
     run_dir = run_dir_for(out, cfg["run_dir"])

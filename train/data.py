@@ -29,6 +29,8 @@ from moecast.predictors.llapor_groups import detect_groups, format_groups, gate_
 from moecast.predictors.metrics import MetricAccumulator, multi_hot
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from moecast.errors import InputError
+
 CHUNK = 65536  # rows of gate inputs checked at a time
 
 
@@ -41,11 +43,11 @@ def split_requests(
         n_val = max(1, round(max_requests * val_fraction)) if val_ids else 0
         train_ids, val_ids = train_ids[: max_requests - n_val], val_ids[:n_val]
     if not train_ids:
-        raise ValueError(
+        raise InputError(
             f"{ts.path}: the training split is empty ({ts.num_requests} requests); add requests or lower val_fraction"
         )
     if val_fraction > 0 and not val_ids:
-        raise ValueError(
+        raise InputError(
             f"{ts.path}: the validation split is empty; use more requests or a larger val_fraction"
         )
     return train_ids, val_ids
@@ -83,7 +85,7 @@ def check_range(
             left = ("(" if open_lo else "[") + (f"{lo:g}" if lo is not None else "-inf")
             right = (f"{hi:g}" if hi is not None else "inf") + (")" if open_hi else "]")
             rng = f" in {left}, {right}"
-        raise ValueError(
+        raise InputError(
             f"{section}.{name} must be {'an integer' if kind is int else 'a number'}{rng}, got {value!r}"
         )
 
@@ -91,7 +93,7 @@ def check_range(
 def check_flag(section: str, name: str, value: Any, also: tuple[str, ...] = ()) -> None:
     if not isinstance(value, bool) and value not in also:
         allowed = " or ".join(["true", "false", *(repr(a) for a in also)])
-        raise ValueError(f"{section}.{name} must be {allowed}, got {value!r}")
+        raise InputError(f"{section}.{name} must be {allowed}, got {value!r}")
 
 
 def planned_epochs(trainer: Any, what: str) -> int:
@@ -100,7 +102,7 @@ def planned_epochs(trainer: Any, what: str) -> int:
     max_steps only), which would squeeze the whole schedule into the first epoch."""
     total = trainer.max_epochs
     if total is None or int(total) < 1:
-        raise ValueError(
+        raise InputError(
             f"trainer.max_epochs must be a positive number of epochs, got {total!r}: {what} is laid out "
             "over it (bound the wall time with trainer.max_time as well)"
         )
@@ -174,7 +176,7 @@ def _finite_rows(ts: TraceSet, name: str, requests: list[str]) -> Any:
     """``ts.rows(name, requests)``, checked for NaN / inf chunk by chunk (never all in memory)."""
     rows = ts.rows(name, requests)
     if not all(np.isfinite(rows[lo : lo + CHUNK]).all() for lo in range(0, len(rows), CHUNK)):
-        raise ValueError(f"{ts.path}: {name} contain NaN or inf; re-collect the traces")
+        raise InputError(f"{ts.path}: {name} contain NaN or inf; re-collect the traces")
     return rows
 
 
@@ -293,11 +295,11 @@ class LLaPorDataModule(pl.LightningDataModule):
             isinstance(groups, dict)
             and all(isinstance(v, list) and all(isinstance(x, int) for x in v) for v in groups.values())
         ):
-            raise ValueError(f"data.groups must be null or {{group: [layer positions]}}, got {groups!r}")
+            raise InputError(f"data.groups must be null or {{group: [layer positions]}}, got {groups!r}")
         if groups is not None and set(groups) - {"input", "middle", "output"}:
             # a misspelt name would train every layer as no group: no middle body, rates or PCA width
             bad = ", ".join(sorted(set(groups) - {"input", "middle", "output"}))
-            raise ValueError(f"data.groups: unknown group {bad}; the groups are input, middle and output")
+            raise InputError(f"data.groups: unknown group {bad}; the groups are input, middle and output")
         self.save_hyperparameters()
         self.traces = traces
         self._built = False
@@ -315,7 +317,7 @@ class LLaPorDataModule(pl.LightningDataModule):
         ids_order = self.train_ids + self.val_ids
         self.topk = np.ascontiguousarray(ts.array("topk_ids", ids_order))
         if (self.topk < 0).any() or (self.topk >= E).any():
-            raise ValueError(f"{ts.path}: topk_ids outside [0, {E}); the TraceSet is corrupt")
+            raise InputError(f"{ts.path}: topk_ids outside [0, {E}); the TraceSet is corrupt")
         self.pos = positions_of(ts, ids_order)
         self.token_ids = ts.column("token_id", ids_order).astype(np.int64)
         self.prev_same = previous_occurrence(self.token_ids, self.pos) if hp.repeat_token else None
@@ -336,7 +338,7 @@ class LLaPorDataModule(pl.LightningDataModule):
             self.groups = {g: list(v) for g, v in hp.groups.items()}
             covered = sorted(x for layers in self.groups.values() for x in layers)
             if covered != list(range(L)):
-                raise ValueError(
+                raise InputError(
                     f"configured groups {self.groups} must cover layer positions 0..{L - 1} exactly once"
                 )
         else:
@@ -410,7 +412,7 @@ class LLaPorDataModule(pl.LightningDataModule):
             if use_w:
                 self.weights = np.ascontiguousarray(ts.array("topk_weights", ids_order))
                 if not np.isfinite(self.weights).all():
-                    raise ValueError(f"{ts.path}: topk_weights contain NaN or inf; re-collect the traces")
+                    raise InputError(f"{ts.path}: topk_weights contain NaN or inf; re-collect the traces")
             if self.spec.context_vote:
                 # pools over every earlier token of the request, so it is built once (float16)
                 self.votes = context_votes(self.spec, self.topk, self.pos).astype(np.float16)
@@ -497,7 +499,7 @@ class LLaPorDataModule(pl.LightningDataModule):
 
     def _loader(self, rows: np.ndarray, shuffle: bool) -> DataLoader:
         if len(rows) == 0:
-            raise ValueError(
+            raise InputError(
                 f"{self.traces}: the {'training' if shuffle else 'validation'} split has no tokens"
             )
         return DataLoader(

@@ -19,6 +19,8 @@ from moecast.train.casmoe import data_info, per_layer_table, wandb_run
 from moecast.train.planner_report import run_planner
 from tqdm import tqdm
 
+from moecast.errors import InputError
+
 
 def build_eam_index(
     traces: str,
@@ -68,11 +70,11 @@ def build_eam_index(
 
     out_p = Path(out)
     if not str(out_p).endswith(".safetensors"):
-        raise ValueError(f"--out {out}: name the EAM checkpoint *.safetensors")
+        raise InputError(f"--out {out}: name the EAM checkpoint *.safetensors")
     ts = open_traces(traces)
     train_ids, val_ids = ts.split(val_fraction, seed)
     if not train_ids:
-        raise ValueError(f"{traces}: no training requests to index")
+        raise InputError(f"{traces}: no training requests to index")
     ep_train, weighted = ep_labels(ts, train_ids, include_decode)
     prompts = prompt_texts(ts, train_ids)
     emb_model = SentenceEmbedder(embedder, max_length=max_length, int8=int8, engine=engine)

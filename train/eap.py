@@ -26,6 +26,8 @@ from moecast.train.data import eval_sampler, log_validation
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from moecast.errors import InputError
+
 
 class EAPDataModule(L.LightningDataModule):
     """(prompt, EP) pairs of a TraceSet, split by request (CasMoE "Data Calibration", dataset D)."""
@@ -66,7 +68,7 @@ class EAPDataModule(L.LightningDataModule):
         if self.max_requests:
             train_ids = train_ids[: self.max_requests]
         if not train_ids or not val_ids:
-            raise ValueError(
+            raise InputError(
                 f"{self.traces}: {len(train_ids)} training and {len(val_ids)} held-out requests; "
                 "EAP training needs both (more requests or another --data.val_fraction)"
             )

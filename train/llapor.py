@@ -44,6 +44,8 @@ from moecast.predictors.llapor_net import (
 from moecast.predictors.metrics import MetricAccumulator
 from moecast.train.data import LLaPorDataModule, check_range, log_validation, planned_epochs
 
+from moecast.errors import InputError
+
 
 class LLaPorModule(pl.LightningModule):
     """Trains all of a model's LLaPor predictors together (one network per layer, grouped).
@@ -106,13 +108,13 @@ class LLaPorModule(pl.LightningModule):
     ) -> None:
         super().__init__()
         if loss not in LOSSES:
-            raise ValueError(f"model.loss must be one of {', '.join(LOSSES)}, not {loss!r}")
+            raise InputError(f"model.loss must be one of {', '.join(LOSSES)}, not {loss!r}")
         m = "model"
         check_range(m, "distill", distill, float, 0, 1)
         check_range(m, "distill_temperature", distill_temperature, float, 0, open_lo=True)
         check_range(m, "distill_first", distill_first, float, 0, 1, optional=True)
         if max(distill, distill_first or 0.0) > 0 and loss != "softmax":
-            raise ValueError(
+            raise InputError(
                 f"model.distill mixes the router's probabilities into the softmax loss; set model.loss: softmax (not {loss!r}) or model.distill: 0"
             )
         for name, value in (("hidden", hidden), ("depth_io", depth_io), ("depth_middle", depth_middle)):
@@ -152,7 +154,7 @@ class LLaPorModule(pl.LightningModule):
             "distill_weights", weights if bool(weights.max() > 0) else None, persistent=False
         )
         if self.distill_weights is not None and dm.probs is None:
-            raise ValueError(
+            raise InputError(
                 f"model.distill > 0 needs the router's probabilities, and {dm.ts.path} has no router_probs "
                 "(or data.soft_targets is false); collect with router probabilities or set model.distill: 0"
             )

@@ -19,6 +19,8 @@ from moecast.predictors.base import Predictor
 from moecast.predictors.casmoe import ep_labels, plan_recall, prompt_texts
 from moecast.predictors.eam import EAM
 
+from moecast.errors import InputError
+
 
 @dataclass
 class PlannerRun:
@@ -206,14 +208,14 @@ def compare_planners(
     eam_p = eam if isinstance(eam, EAM) else load(eam, ts.model.fingerprint, where)
     eap_p = eap if isinstance(eap, Predictor) else load(eap, ts.model.fingerprint, where)
     if not isinstance(eam_p, EAM) or getattr(eap_p, "name", "") != "eap":
-        raise ValueError(
+        raise InputError(
             f"compare_planners needs an EAM and an EAP checkpoint, got {eam_p.name} and {eap_p.name}"
         )
     train_ids, val_ids = ts.split(val_fraction, seed)
     if max_requests:
         val_ids = val_ids[:max_requests]
     if not val_ids:
-        raise ValueError(f"{ts.path}: no held-out requests at val_fraction={val_fraction}; raise it")
+        raise InputError(f"{ts.path}: no held-out requests at val_fraction={val_fraction}; raise it")
     include_decode = bool(eam_p.extra_meta.get("include_decode", False))
     true_ep, _ = ep_labels(ts, val_ids, include_decode)
     baseline = ep_labels(ts, train_ids, include_decode)[0].mean(0) if train_ids else None

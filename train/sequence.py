@@ -28,6 +28,8 @@ from moecast.train.data import (
 )
 from torch.utils.data import DataLoader, Dataset
 
+from moecast.errors import InputError
+
 
 class RequestBatches(Dataset):
     def __init__(self, dm: SequenceDataModule, requests: np.ndarray) -> None:
@@ -134,7 +136,7 @@ class SequenceDataModule(pl.LightningDataModule):
 
     def _loader(self, reqs: np.ndarray, shuffle: bool) -> DataLoader:
         if len(reqs) == 0:
-            raise ValueError(f"{self.traces}: the {'training' if shuffle else 'validation'} split is empty")
+            raise InputError(f"{self.traces}: the {'training' if shuffle else 'validation'} split is empty")
         return DataLoader(
             RequestBatches(self, reqs),
             batch_size=self.hparams.batch_size,
@@ -186,7 +188,7 @@ class SequenceModule(pl.LightningModule):
             check_range(m, name, value, int, 1)
         if d_model % n_heads:
             # torch's multi-head attention splits d_model evenly over the heads and only asserts it
-            raise ValueError(
+            raise InputError(
                 f"model.d_model ({d_model}) must be divisible by model.n_heads ({n_heads}); change one of them"
             )
         check_range(m, "dropout", dropout, float, 0, 1, open_hi=True)
