@@ -127,7 +127,19 @@ def test_a_failing_row_is_recorded_and_the_rest_go_on(tmp_path):
 def test_extracted_routing_equals_the_csv_routing(puffin_dir, tmp_path, monkeypatch):
     out = tmp_path / "routing.npz"
     monkeypatch.setattr(
-        sys, "argv", ["ds_model.py", "--extract", str(out), "--traces", str(puffin_dir), "--requests", "2"]
+        sys,
+        "argv",
+        [
+            "ds_model.py",
+            "--extract",
+            str(out),
+            "--traces",
+            str(puffin_dir),
+            "--requests",
+            "2",
+            "--min-tokens",
+            "64",
+        ],
     )
     ds_model.main()
     a = ds_model.load_routing(str(puffin_dir), 2, 64, 3, 1000)
