@@ -33,6 +33,7 @@ def replay(
     plan_weight: float = 0.1,
     hardware: str = DEFAULT_HARDWARE,
     alpha: float | None = None,
+    predictor_ms: float | None = None,
     batch_size: int = 1,
     holdout: float | None = None,
     json: bool = False,
@@ -59,6 +60,8 @@ def replay(
         hardware: hardware profile name (configs/hardware) or YAML path.
         alpha: SMoE substitution threshold (policy smoe; default 0.3, as in ``moecast run``); 0 leaves
             routing unchanged. Policies that do not substitute take none.
+        predictor_ms: the predictor's latency per layer (ms), charged before its prefetch may start;
+            default: the checkpoint's measured figure, else the hardware profile's (predictor_ms).
         batch_size: decode batch: requests interleaved per step.
         holdout: replay only the held-out requests of ``TraceSet.split(holdout, seed=0)`` (those a
             predictor trained with the same validation fraction never saw).
@@ -83,6 +86,7 @@ def replay(
         plan_weight=plan_weight,
         hardware=hardware,
         alpha=alpha,
+        predictor_ms=predictor_ms,
         batch_size=batch_size,
         requests=requests,
         progress=not json,
@@ -125,7 +129,9 @@ def _print_result(res: ReplayResult, predictor_given: bool = True) -> None:
         "loads",
         "bytes_moved",
         "modeled_tpot_ms",
+        "modeled_tpot_ms_with_preload",
         "tpot_basis",
+        "predictor_ms",
         "requests",
         "tokens",
         "wall_s",
@@ -136,6 +142,13 @@ def _print_result(res: ReplayResult, predictor_given: bool = True) -> None:
     print("hit rate per layer: " + " ".join(f"{h:.3f}" for h in res.hit_rate_per_layer))
     if d.get("hot_table_from"):
         print(f"hot-expert table counted on {d['hot_table_from']}")
+    if d["modeled_tpot_ms_with_preload"] is not None:
+        print(
+            f"modeled_tpot_ms leaves out the hot-expert table's preload ({d['preload_ms']:.2f} ms of transfers "
+            "at each cache start); modeled_tpot_ms_with_preload charges it"
+        )
+    if d["predictor"] not in (None, "none"):
+        print(f"predictor latency {d['predictor_ms']:.4f} ms per layer, from {d['predictor_ms_from']}")
     if d["predictor"] not in (None, "none") and not d["prefetches_landed"]:
         print(
             f"note: no prefetch landed, so the predictor changed nothing here. A prefetch may not delay a "
@@ -163,6 +176,7 @@ def compare(
     shared: bool = False,
     hardware: str = DEFAULT_HARDWARE,
     alpha: float | None = None,
+    predictor_ms: float | None = None,
     batch_size: int = 1,
     wandb: bool = True,
     json: bool = False,
@@ -191,6 +205,8 @@ def compare(
         shared: one cache for all layers.
         hardware: hardware profile name or YAML path.
         alpha: substitution threshold for policy smoe (default 0.3, as in ``moecast replay`` and ``run``).
+        predictor_ms: the predictor's latency per layer (ms) before its prefetch may start; default: each
+            checkpoint's measured figure, else the hardware profile's.
         batch_size: decode batch size.
         wandb: log one offline wandb run per cell.
         json: print one JSON object per cell instead of the table.
@@ -247,6 +263,7 @@ def compare(
             plan_weight=plan_weight,
             hardware=hardware,
             alpha=alpha if POLICIES[p].substitutes else None,
+            predictor_ms=predictor_ms,
             batch_size=batch_size,
             requests=requests,
         )
@@ -272,6 +289,8 @@ def compare(
         "cpu_experts",
         "bytes_moved",
         "modeled_tpot_ms",
+        "modeled_tpot_ms_with_preload",
+        "tpot_basis",
     ]
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore")
@@ -280,7 +299,7 @@ def compare(
     atomic_write_bytes(outdir / "table.csv", buf.getvalue().encode())
     md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     md += ["| " + " | ".join(_fmt(r[c]) for c in cols) + " |" for r in rows]
-    note = f"\nTraces: {ts.path}; mode: {'cold per request' if cold else 'stream'}; hardware: {hardware}; TPOT basis: {rows[0]['tpot_basis']}\n"
+    note = f"\nTraces: {ts.path}; mode: {'cold per request' if cold else 'stream'}; hardware: {hardware}; TPOT basis: {rows[0]['tpot_basis']}; modeled_tpot_ms leaves out a hot-expert table's preload, modeled_tpot_ms_with_preload charges its transfers at every cache start\n"
     atomic_write_bytes(outdir / "table.md", ("\n".join(md) + "\n" + note).encode())
     _plot(rows, outdir / "plot.png")
     if not json:

@@ -7,7 +7,9 @@ Quantities (PreScope's notation):
 - ``t_g``: device time of one resident expert, flat in the token count at decode batch sizes
   (PreScope Fig. 13, Premise 5);
 - ``t_c(m) = beta * m + C``: CPU time of one expert over ``m`` tokens (PreScope Eq. 3; SMoE Fig. 8);
-- ``t_attn``: per-layer non-expert device time (attention, gate, shared experts).
+- ``t_attn``: per-layer non-expert device time (attention, gate, shared experts);
+- ``predictor_ms``: the prefetch predictor's per-layer latency on the host (optional, default 0):
+  the replay charges it before a prefetch may start (:mod:`moecast.runtime.step`).
 
 Profiles are YAML files under ``configs/hardware/`` (the papers' settings) or written by
 ``moecast profile`` (this machine). Times in a profile are for an expert of ``ref_expert_bytes``
@@ -43,9 +45,11 @@ class HardwareProfile:
     cpu_c_ms: float
     attn_ms: float
     source: str = ""
+    # the prefetch predictor's latency per layer on this host (ms), charged before a prefetch may start
+    predictor_ms: float = 0.0
 
     def __post_init__(self) -> None:
-        for f in ("transfer_gbps", "gpu_expert_ms", "cpu_beta_ms", "cpu_c_ms", "attn_ms"):
+        for f in ("transfer_gbps", "gpu_expert_ms", "cpu_beta_ms", "cpu_c_ms", "attn_ms", "predictor_ms"):
             v = float(getattr(self, f))
             if math.isnan(v) or v < 0:
                 raise ProfileError(f"hardware profile {self.name!r}: {f} = {v}, expected a number >= 0")
@@ -93,7 +97,11 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
         raise ProfileError(f"{path}: expected a mapping of profile fields, got {type(data).__name__}")
     known = {f.name for f in fields(HardwareProfile)}
     unknown = sorted(set(data) - known)
-    missing = sorted(f.name for f in fields(HardwareProfile) if f.name not in data and f.name != "source")
+    missing = sorted(
+        f.name
+        for f in fields(HardwareProfile)
+        if f.name not in data and f.name not in ("source", "predictor_ms")
+    )
     if unknown or missing:
         raise ProfileError(
             f"{path}: "

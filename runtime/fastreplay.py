@@ -1,8 +1,22 @@
-"""Fast replay paths for the common case: per-layer caches, batch size 1, no substitution.
+"""The batch-1 replay engine: per-layer caches, batch size 1, no substitution, no planner.
 
-Same semantics as the general engine in :mod:`moecast.runtime.replay` (DESIGN.md replay: a token's
-top-k at a layer is one access, its own experts are never evicted, ties by lowest id); only the
-algorithm differs:
+Which cases it serves (:mod:`moecast.runtime.replay` picks it; ``ReplayConfig(fast=False)`` never does):
+
+- demand-only ``lru``, ``lfu``, ``belady`` and ``static`` (no predictor, balancer ``none``, no
+  preload): the misses of every (token, layer, capacity), then the modeled layer times from them;
+- ``lru`` with prefetch and/or PreSched, from empty caches or the hot-expert table
+  (:func:`wavefront_b1`), which also takes ``prefetch`` as demand LRU when no prefetch can ever fit
+  in the link window (``t_attn + k * t_g < t_io``).
+
+Everything else (substitution, batches, a shared cache, score eviction, SMoE's balancer, planners,
+ids outside 0..63) goes to the general engine, which runs the per-layer step of
+:mod:`moecast.runtime.step`. How they are kept equal: this engine follows the same rules (DESIGN.md
+replay: a token's top-k at a layer is one access, its own experts are never evicted, ties by lowest
+id; the step's prefetch window, landing and layer time), and tests/test_replay.py compares every
+statistic of both engines (hit rates per layer, loads, CPU experts, prefetches issued and landed,
+bytes moved, prefetch accuracy, layer times, TPOT) on synthetic and real traces, for each policy
+here, with prefetches that land and that never fit; tests/test_replay_hand.py pins both to
+timelines computed by hand. Only the algorithms differ:
 
 - ``lru`` (demand only) is a stack algorithm under these semantics: after every access the resident
   set is the ``c`` items with the highest key (last access step, expert id) among the items seen so
@@ -18,9 +32,11 @@ algorithm differs:
   (policy key with the id in the low bits, ``_BIG`` when not resident), so an eviction is a
   column-wise min. At capacity = top-k the resident set after a token is exactly its experts, for
   every policy, and those lanes come from the LRU distances.
+- prefetch / PreSched: :func:`wavefront_b1` (its docstring).
 
-The result of each path is the number of misses per (token, layer, capacity); the metrics and the
-modeled timeline (no prefetch, every miss loaded) follow from it in :func:`demand_metrics`.
+The demand-only paths return the number of misses per (token, layer, capacity); the replay turns
+them into its statistics and the modeled timeline (no prefetch, every miss loaded: the step's layer
+time with ``n_load`` = misses, :func:`layer_time_table`).
 """
 
 from __future__ import annotations
@@ -149,7 +165,7 @@ def same_as_previous_misses(topk: np.ndarray, lengths: np.ndarray, cold: bool) -
     return out
 
 
-def static_hits(topk: np.ndarray, table_order: np.ndarray, caps: np.ndarray) -> np.ndarray:
+def static_misses(topk: np.ndarray, table_order: np.ndarray, caps: np.ndarray) -> np.ndarray:
     """[N, L, C] misses with a fixed hot-expert table: table_order [L, E] hottest first."""
     N, L, _k = topk.shape
     E = table_order.shape[1]
@@ -292,6 +308,7 @@ def wavefront_b1(
     pred_ids: np.ndarray | None,
     preload: np.ndarray | None,
     basis: np.ndarray,
+    predictor_ms: float = 0.0,
 ) -> dict[str, np.ndarray]:
     """LRU per-layer caches at batch 1 with prefetch and/or PreSched, the general engine's semantics.
 
@@ -304,7 +321,8 @@ def wavefront_b1(
     the ids of a lane are distinct). ``cand`` [N, L, kp]: each (token, layer)'s predicted candidates
     ranked best first (-1 padded); ``pred_ids`` [N, L, kp] the raw predicted ids (PreSched's
     next-layer view); ``preload`` [L, >= max cap] the hot-expert table (PreSched's start);
-    ``basis`` [N] bool: the tokens whose steps count for the modeled TPOT.
+    ``basis`` [N] bool: the tokens whose steps count for the modeled TPOT; ``predictor_ms`` the
+    predictor's latency per layer, taken from each prefetch window (the step's rules).
     Returns statistics reduced to [C * L] (index c * L + layer), and ``tpot_sum`` [C].
     """
     from moecast.runtime.presched import schedule_unit
@@ -350,7 +368,9 @@ def wavefront_b1(
             count[rows] = n_pre
     prefetching = cand is not None
     t_io = cost.t_io
-    free = np.full(lanes, cost.t_attn)
+    t_pred = predictor_ms if prefetching else 0.0
+    first_window = cost.t_attn - t_pred
+    free = np.full(lanes, first_window)
     pf_n = np.full(lanes, -1, dtype=np.int64)
     delay = np.zeros(lanes)
     lane_pf_used = np.ones(lanes)
@@ -424,12 +444,15 @@ def wavefront_b1(
         free_a = free[A]
         delay[A] = 0.0
         if prefetching:
-            # the lanes that may issue a prefetch: PreSched asked for some (-1: as many as fit); without
-            # PreSched one must fit in the free link time (often none does). The others issue nothing.
+            # the lanes that may issue a prefetch: PreSched asked for some; otherwise (no PreSched, or
+            # no PreSched decision: the first layer) one must fit in the free link time (often none
+            # does). The others issue nothing.
             pfa = pf_n[A]
+            capped = (pfa < 0) | (balancer != "presched")
             may = pfa != 0
-            if balancer != "presched" and t_io > 0:
-                may &= (free_a / t_io + 1e-9 >= 1) if finite_io else False
+            if t_io > 0:
+                fits = (free_a / t_io + 1e-9 >= 1) if finite_io else np.zeros(n, dtype=bool)
+                may &= ~capped | fits
             sel = np.flatnonzero(may)
         if prefetching and len(sel):
             a_s = act[sel]
@@ -449,9 +472,8 @@ def wavefront_b1(
             elif t_io <= 0:
                 fit = want
             else:
-                fit = np.floor(free_s / t_io + 1e-9).astype(np.int64)
-            if balancer != "presched":
-                want = np.minimum(want, fit)
+                fit = np.maximum(np.floor(free_s / t_io + 1e-9), 0).astype(np.int64)
+            want = np.where(capped[sel], np.minimum(want, fit), want)
             landed = np.minimum(want, fit)
             if finite_io:
                 started = np.minimum(want, landed + 1)
@@ -538,9 +560,10 @@ def wavefront_b1(
             np.maximum(t_dev, link + np.where(n_load > 0, cost.t_g, 0.0)), t_cpu
         )
         has_next = lay < L - 1
+        busy = np.maximum(link, t_pred) if t_pred else link
         with np.errstate(invalid="ignore"):
-            free[nxt_lane[A][has_next]] = np.nan_to_num(layer_t - link, nan=0.0)[has_next]
-        free[act[lay == 0]] = cost.t_attn
+            free[nxt_lane[A][has_next]] = np.nan_to_num(layer_t - busy, nan=0.0)[has_next]
+        free[act[lay == 0]] = first_window
         acc["hits"][A] += n_hit
         acc["loads"][A] += n_load
         acc["cpu"][A] += n_miss - n_load

@@ -3,36 +3,44 @@
 Semantics (DESIGN.md, "Metrics"):
 
 - A step is one token of each of B interleaved requests (decode batch size B). A layer's access is
-  the union of the step's routed experts at that layer: hits = uses whose expert is resident when
-  the layer runs; the misses are loaded (and inserted, evicting by policy; the current experts are
-  shielded) or computed on the CPU, as the balancer decides. The hit-rate denominator counts every
-  routed use after substitution, cold misses included.
-- Caches persist across requests (stream) or start empty for each group of B requests (``cold``);
-  per layer (``capacity`` experts each) or shared (``capacity * L`` experts for all layers).
-- Three resources per layer: device, CPU, and the serial transfer link (PreScope Premise 4). Layer
-  time = ``t_attn + max(device, link, CPU)`` with link = delay left by a prefetch still in flight
-  (Premise 3) + demand loads, CPU = sum of ``beta * m + C`` (PreScope Eq. 3). A prefetch for layer
-  l is issued when layer l-1's routing is known; it counts only if it finishes before layer l's
-  expert computation starts, i.e. inside the link time layer l-1 leaves free (its window also
-  covers layer l's attention). The first MoE layer's window is its own attention time. Transfers
-  not started by then are cancelled (SMoE Sec. 5.2 clears the queue); one started but unfinished
-  delays layer l's demand loads and its expert is not counted as resident.
+  the union of the step's routed experts at that layer; hits are uses whose expert is resident when
+  the layer runs. The hit-rate denominator counts every routed use after substitution, cold misses
+  included.
+- Caches persist across requests (stream) or start afresh for each group of B requests (``cold``:
+  empty, or PreScope's hot-expert table under a policy that preloads it); per layer (``capacity``
+  experts each) or shared (``capacity * L`` experts for all layers).
+- What happens at one layer (prefetch landing in the link window, substitution, demand loads, the
+  CPU set, the layer time and the next layer's prefetch window, with the predictor's latency
+  charged before a prefetch may start) is :class:`moecast.runtime.step.LayerStep`, the same step
+  the live runtime takes; its docstring states the layer-time formula.
 - Modeled TPOT: mean step time over steps that decode; a prefill-only TraceSet (the imported
   DeepSeek traces) has no decode steps, so each of its tokens is treated as a step and the result
-  says so (``tpot_basis``).
+  says so (``tpot_basis``). A hot-expert table preloaded at each cache start is not in
+  ``modeled_tpot_ms``; ``modeled_tpot_ms_with_preload`` charges its transfers, spread over the steps.
 
-The simulation is vectorised over "lanes" (one cache each): with per-layer caches every (stream,
-layer) pair is a lane and the layers advance as a wavefront (lane of layer l handles step i - l at
-iteration i), so one numpy call moves all layers and all cold streams at once. A shared cache has one
-lane per stream and walks the layers in order.
+A replay (:func:`replay_capacities`) goes through named steps:
 
-Fast paths (:mod:`moecast.runtime.fastreplay`) take over for per-layer caches at batch size 1
-without substitution, the common case: demand-only ``lru`` from LRU stack distances (every capacity
-at once), ``static`` from the table, ``lfu``/``belady`` from a step-synchronous simulation of all
-(request, layer, capacity) caches, ``prefetch``/``presched`` from a wavefront over contiguous lanes
-(and ``prefetch`` as demand LRU when no prefetch can ever fit in the link window:
-``t_attn + k * t_g < t_io``). They give the same results as the general engine
-(``ReplayConfig(fast=False)``; checked in tests/test_replay.py).
+1. :func:`_prepare`: the policy, capacities, cost model, predictor and planner, the trace arrays and
+   the hot-expert table (:func:`_hot_table`), checked once;
+2. a fast engine where one serves the case (below);
+3. :func:`_predictions`: each (token, layer)'s predicted experts and each request's plan;
+4. :func:`_general`: the step grid (:func:`_grid`: streams x steps x B token slots), then per chunk of
+   cold streams the lanes (:func:`_lanes`: one cache each, preloaded) and the wavefront
+   (:func:`_iteration`: demand access, prefetch window and landing, CPU split, all in the step);
+5. :func:`_results`: the DESIGN.md metrics per capacity.
+
+Two engines, kept equal:
+
+- the general engine (this module) serves every case. It is vectorised over "lanes" (one cache
+  each): with per-layer caches every (stream, layer) pair is a lane and the layers advance as a
+  wavefront (lane of layer l handles step i - l at iteration i), so one call of the step moves all
+  layers and all cold streams at once; a shared cache has one lane per stream and walks the layers
+  in order.
+- the batch-1 engine (:mod:`moecast.runtime.fastreplay`) serves per-layer caches at batch size 1
+  without substitution or planner: demand-only ``lru``/``lfu``/``belady``/``static``, and ``lru``
+  with prefetch and/or PreSched. Its module docstring says how. tests/test_replay.py checks that it
+  gives the general engine's statistics exactly (``ReplayConfig(fast=False)`` forces the general
+  one), and tests/test_replay_hand.py pins both to rules computed by hand.
 """
 
 from __future__ import annotations
@@ -45,14 +53,12 @@ from typing import Any
 import numpy as np
 from moecast.collect.traceset import TraceSet, TraceSetError
 from moecast.runtime import fastreplay as fast
-from moecast.runtime.balancer import two_pointer_split
 from moecast.runtime.cache import ExpertCache, StaticTable, resolve_capacity
 from moecast.runtime.cost_model import CostModel, HardwareProfile, load_profile
 from moecast.runtime.policy import POLICIES as POLICIES  # the presets, where bench looks them up
 from moecast.runtime.policy import Policy, get_policy
 from moecast.runtime.prefetch import OraclePredictor, plan_prior, top_predictions
-from moecast.runtime.presched import schedule
-from moecast.runtime.substitution import substitute
+from moecast.runtime.step import STATS, LayerStep
 
 DEFAULT_HARDWARE = "prescope-a100-pcie4"
 
@@ -70,6 +76,9 @@ class ReplayConfig:
     plan_weight: float = 0.1
     hardware: str | HardwareProfile = DEFAULT_HARDWARE
     alpha: float | None = None  # None: the policy's default (policy.resolve_alpha)
+    # the predictor's latency per layer (ms) before its prefetch may start; None: the checkpoint's
+    # measured figure, else the hardware profile's
+    predictor_ms: float | None = None
     batch_size: int = 1
     score_window: int = 8
     requests: list[str] | None = None
@@ -99,6 +108,10 @@ class ReplayResult:
     steps: int
     accesses: int
     wall_s: float
+    # modeled TPOT with the hot-expert table's transfers at every cache start (None: no preload)
+    modeled_tpot_ms_with_preload: float | None = None
+    preload_ms: float = 0.0  # the preload's transfer time at one cache start
+    predictor_ms: float = 0.0  # predictor latency charged per layer before a prefetch
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -108,7 +121,7 @@ class ReplayResult:
         return d
 
 
-# ----------------------------------------------------------------------------- preparation
+# ----------------------------------------------------------------------------- 1. preparation
 
 
 _DATA_MEMO: dict[tuple, _Data] = {}
@@ -187,51 +200,91 @@ def _next_use(topk: np.ndarray, tok: np.ndarray, L: int, E: int, shared: bool) -
     return out
 
 
-def _load_predictor(name: str | None, ts: TraceSet) -> Any:
-    from moecast.runtime.prefetch import BUILTIN
+def _next_use(topk: np.ndarray, tok: np.ndarray, L: int, E: int, shared: bool) -> np.ndarray:
+    """[tokens, L, k] the lane time of the next access of the same (lane, expert) (Belady's future)."""
+    _G, S, _B = tok.shape
+    g, s, b = np.nonzero(tok >= 0)
+    t = tok[g, s, b]
+    ids = topk[t]  # [n, L, k]
+    lay = np.broadcast_to(np.arange(L)[None, :, None], ids.shape)
+    lane = g[:, None, None] * (1 if shared else L) + (0 if shared else lay)
+    item = lane * (L * E if shared else E) + (lay * E if shared else 0) + ids
+    when = s[:, None, None] * L + lay  # lane time, monotone per lane
+    span = S * L + 1
+    key = (item.astype(np.int64) * span + when).reshape(-1)
+    uk = np.unique(key)
+    nxt = np.full(len(uk), np.iinfo(np.int64).max // 4, dtype=np.int64)
+    same = (uk[1:] // span) == (uk[:-1] // span)
+    nxt[:-1][same] = uk[1:][same] % span
+    out = np.empty(topk.shape, dtype=np.int64)
+    out[t] = nxt[np.searchsorted(uk, key)].reshape(ids.shape)
+    return out
 
+
+def _load_predictor(name: str | None, ts: TraceSet) -> Any:
     if name in (None, "none"):
         return None
     if not isinstance(name, str):  # already loaded (a bench adapting a checkpoint to its model)
         return name
     if name == "oracle":
         return OraclePredictor(ts.num_layers, ts.num_experts, ts.top_k)
-    if name in BUILTIN:
-        return None
     from moecast.predictors import registry
 
     return registry.load(name, fingerprint=ts.meta.model.fingerprint, against=f"TraceSet {ts.path}")
 
 
-# ----------------------------------------------------------------------------- replay
+@dataclass
+class _Run:
+    """Everything a replay decided before it runs (see :func:`_prepare`)."""
+
+    ts: TraceSet
+    cfg: ReplayConfig
+    policy: Policy
+    rids: list[str]
+    caps: np.ndarray  # experts per layer, per capacity replayed
+    profile: HardwareProfile
+    cost: CostModel
+    pred_name: str
+    predictor: Any
+    planner: Any
+    data: _Data
+    hot: StaticTable | None
+    hot_from: str | None
+    predictor_ms: float
+    predictor_ms_from: str
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(L, E, k, B): MoE layers, experts, top-k, decode batch size."""
+        m = self.ts.meta.model
+        return m.num_layers, m.num_experts, m.top_k, int(self.cfg.batch_size)
 
 
-def replay(ts: TraceSet | str, cfg: ReplayConfig) -> ReplayResult:
-    """Replay one configuration over a TraceSet and return the DESIGN.md metrics."""
-    return replay_capacities(ts, cfg, [cfg.capacity])[0]
+@dataclass
+class _Outcome:
+    """An engine's statistics ([C * L], index capacity * L + layer) and its steps."""
+
+    stats: dict[str, np.ndarray]
+    tpots: list[float | None]  # mean step time over the basis steps, per capacity
+    any_decode: bool
+    n_steps: int
+    n_basis: int  # steps the TPOT is the mean of
+    starts: int  # cache starts: one per cold stream, or one for the whole stream
 
 
-def replay_capacities(
-    ts: TraceSet | str, cfg: ReplayConfig, capacities: list[float | str]
-) -> list[ReplayResult]:
-    """Replay ``cfg`` at several cache capacities in one vectorised pass (the caches are independent
-    lanes, so this equals one :func:`replay` per capacity, at a fraction of the Python overhead)."""
-    t0 = time.perf_counter()
-    if not isinstance(ts, TraceSet):
-        ts = TraceSet(ts)
+def _prepare(ts: TraceSet, cfg: ReplayConfig, capacities: list[float | str]) -> _Run:
+    """Check a configuration against the TraceSet and load what the replay reads."""
     spec = get_policy(cfg.policy, cfg.alpha)
     m = ts.meta.model
-    L, E, k = m.num_layers, m.num_experts, m.top_k
+    E, k = m.num_experts, m.top_k
     rids = list(cfg.requests) if cfg.requests is not None else list(ts.request_ids)
     if not rids or ts.num_tokens == 0:
         raise TraceSetError(
             f"{ts.path}: the TraceSet holds no requests to replay; collect or import some first"
         )
-    B = int(cfg.batch_size)
-    if B < 1:
-        raise ValueError(f"batch size must be >= 1, got {B}")
-    use_sub = spec.substituting
-    if spec.eviction == "score" or use_sub:
+    if int(cfg.batch_size) < 1:
+        raise ValueError(f"batch size must be >= 1, got {cfg.batch_size}")
+    if spec.eviction == "score" or spec.substituting:
         ts.require("router_probs", f"policy {spec.name!r} (SMoE score eviction / substitution)")
     if spec.eviction == "score" and cfg.shared:
         raise ValueError(
@@ -240,11 +293,23 @@ def replay_capacities(
     caps = np.array([resolve_capacity(c, E, k, m.expert_bytes) for c in capacities], dtype=np.int64)
     if len(caps) == 0:
         raise ValueError("no capacities to replay")
-    C = len(caps)
-    cap = int(caps.max())
     profile = cfg.hardware if isinstance(cfg.hardware, HardwareProfile) else load_profile(cfg.hardware)
-    cost = CostModel.from_profile(profile, m.expert_bytes)
     pred_name = ("oracle" if spec.prefetches else "none") if cfg.predictor is None else cfg.predictor
+    predictor, planner = _predictors(ts, cfg, spec, pred_name)
+    pred_ms, pred_ms_from = _predictor_latency(cfg, predictor, profile)
+    d = _data(ts, rids, need_probs=spec.eviction == "score" or spec.substituting)
+    hot, hot_from = None, None
+    if spec.eviction == "static" or spec.preload == "hot":
+        hot, hot_from = _hot_table(ts, rids, d, E)
+    cost = CostModel.from_profile(profile, m.expert_bytes)
+    return _Run(
+        ts, cfg, spec, rids, caps, profile, cost, pred_name, predictor, planner, d, hot, hot_from,
+        pred_ms, pred_ms_from,
+    )  # fmt: skip
+
+
+def _predictors(ts: TraceSet, cfg: ReplayConfig, spec: Policy, pred_name: str) -> tuple[Any, Any]:
+    """The prefetch predictor and the planner, refused where they could change nothing."""
     if spec.eviction == "belady" and (pred_name not in (None, "none") or cfg.planner):
         raise ValueError(
             "belady is the demand-only offline optimum; use it with --predictor none and no --planner"
@@ -273,474 +338,524 @@ def replay_capacities(
     for p in (predictor, planner):
         for f in getattr(p, "needs", ()):
             ts.require(f, f"predictor {getattr(p, 'name', '?')}")
+    return predictor, planner
 
-    d = _data(ts, rids, need_probs=spec.eviction == "score" or use_sub)
-    hot, hot_from = None, None
-    if spec.eviction == "static" or spec.preload == "hot":
-        hot, hot_from = _hot_table(ts, rids, d, E)
 
-    def _finish(st: Any, tpots: Any, any_decode: Any, n_steps: Any) -> list[ReplayResult]:
-        elapsed = time.perf_counter() - t0
-        res = _results(
-            st, tpots, any_decode, n_steps, elapsed, ts, cfg, spec, use_sub, pred_name,
-            caps, E, L, B, profile, m, rids, d,
-        )  # fmt: skip
-        for r in res if hot_from else []:
-            r.extra["hot_table_from"] = hot_from
-        return res
+def _predictor_latency(cfg: ReplayConfig, predictor: Any, profile: HardwareProfile) -> tuple[float, str]:
+    """(ms per layer, where it comes from): --predictor_ms, the checkpoint's measured figure, or the
+    hardware profile's. Only a predictor's per-layer call is charged (a plan is made before decoding)."""
+    if predictor is None:
+        return 0.0, "no predictor"
+    if cfg.predictor_ms is not None:
+        v = float(cfg.predictor_ms)
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"--predictor_ms must be a finite number of ms >= 0, got {cfg.predictor_ms}")
+        return v, "--predictor_ms"
+    measured = predictor.metadata().get("predictor_ms") if hasattr(predictor, "metadata") else None
+    if measured is not None:
+        return float(measured), "the checkpoint's measured figure"
+    return profile.predictor_ms, f"hardware profile {profile.name}"
 
+
+# ----------------------------------------------------------------------------- replay
+
+
+def replay(ts: TraceSet | str, cfg: ReplayConfig) -> ReplayResult:
+    """Replay one configuration over a TraceSet and return the DESIGN.md metrics."""
+    return replay_capacities(ts, cfg, [cfg.capacity])[0]
+
+
+def replay_capacities(
+    ts: TraceSet | str, cfg: ReplayConfig, capacities: list[float | str]
+) -> list[ReplayResult]:
+    """Replay ``cfg`` at several cache capacities in one vectorised pass (the caches are independent
+    lanes, so this equals one :func:`replay` per capacity, at a fraction of the Python overhead)."""
+    t0 = time.perf_counter()
+    if not isinstance(ts, TraceSet):
+        ts = TraceSet(ts)
+    run = _prepare(ts, cfg, capacities)
+    out = _fast_demand_engine(run)
+    if out is None:
+        pr = _predictions(run)
+        out = _fast_wavefront(run, pr) if _fast_wave_serves(run) else _general(run, pr)
+    return _results(run, out, time.perf_counter() - t0)
+
+
+# ----------------------------------------------------------------------------- 2. fast engines
+
+
+def _fast_wave_serves(run: _Run) -> bool:
+    """Whether the batch-1 wavefront (fastreplay.wavefront_b1) serves this run."""
+    _L, E, _k, B = run.shape
+    spec = run.policy
+    return (
+        run.cfg.fast
+        and not run.cfg.shared
+        and B == 1
+        and not spec.substituting
+        and run.planner is None
+        and spec.eviction == "lru"
+        and spec.balancer in ("none", "presched")
+        and fast.valid_for_fast(run.data.topk, E)
+    )
+
+
+def _fast_demand_engine(run: _Run) -> _Outcome | None:
+    """The demand-only batch-1 paths, where they serve the run; None otherwise."""
+    _L, E, k, B = run.shape
+    spec, cfg, cost = run.policy, run.cfg, run.cost
     if (
         cfg.fast
         and not cfg.shared
         and B == 1
-        and not use_sub
-        and predictor is None
-        and planner is None
+        and not spec.substituting
+        and run.predictor is None
+        and run.planner is None
         and spec.balancer == "none"
         and spec.preload != "hot"
         and spec.eviction in ("lru", "lfu", "belady", "static")
-        and fast.valid_for_fast(d.topk, E)
+        and fast.valid_for_fast(run.data.topk, E)
     ):
-        st, tpots, any_decode, n_steps = _fast_demand(d, spec.eviction, caps, cfg.cold, cost, L, E, k, hot)
-        return _finish(st, tpots, any_decode, n_steps)
+        return _fast_demand(run, spec.eviction)
+    t_io = cost.t_io
+    if (
+        _fast_wave_serves(run)
+        and spec.balancer == "none"
+        and spec.preload != "hot"
+        and (math.isinf(t_io) or (t_io > 0 and (cost.t_attn + k * cost.t_g) * (1 + 1e-12) / t_io + 1e-9 < 1))
+    ):
+        # A prefetch starts only when it fits in the link time the previous layer leaves free,
+        # and at batch 1 that is at most t_attn + k * t_g (the device time of its k experts):
+        # below one transfer no prefetch can ever start, so this is demand LRU exactly.
+        return _fast_demand(run, "lru")
+    return None
 
-    fast_wave = (
-        cfg.fast
-        and not cfg.shared
-        and B == 1
-        and not use_sub
-        and planner is None
-        and spec.eviction == "lru"
-        and spec.balancer in ("none", "presched")
-        and fast.valid_for_fast(d.topk, E)
-    )
-    if fast_wave:
-        t_io = cost.t_io
-        if (
-            spec.balancer == "none"
-            and spec.preload != "hot"
-            and (
-                math.isinf(t_io)
-                or (t_io > 0 and (cost.t_attn + k * cost.t_g) * (1 + 1e-12) / t_io + 1e-9 < 1)
-            )
-        ):
-            # A prefetch starts only when it fits in the link time the previous layer leaves free,
-            # and at batch 1 that is at most t_attn + k * t_g (the device time of its k experts):
-            # below one transfer no prefetch can ever start, so this is demand LRU exactly.
-            st, tpots, any_decode, n_steps = _fast_demand(d, "lru", caps, cfg.cold, cost, L, E, k)
-            return _finish(st, tpots, any_decode, n_steps)
 
-    # predictions: per (token, layer) the top-k predicted ids, best first
-    kp = k
-    pred_ids = pred_sc = None
-    plan_top = None
-    if predictor is not None or planner is not None:
-        pred_ids = np.full((len(d.topk), L, kp), -1, dtype=np.int64)
-        pred_sc = np.zeros((len(d.topk), L, kp), dtype=np.float32)
-        if planner is not None:
-            plan_top = np.zeros((len(rids), L, cap), dtype=np.int64)
-        if isinstance(predictor, OraclePredictor) and planner is None:
-            pred_ids[:] = d.topk
-            pred_sc[:] = 1.0
-        it = _progress(
-            list(enumerate(rids)),
-            cfg.progress and predictor is not None and not isinstance(predictor, OraclePredictor),
-            "predicting",
-        )
-        with _scoring_mode(predictor, planner):
-            for r, rid in it:
-                s0, n = d.starts[r], d.lengths[r]
-                if isinstance(predictor, OraclePredictor) and planner is None:
-                    break
-                if isinstance(predictor, OraclePredictor):
-                    pred_ids[s0 : s0 + n] = d.topk[s0 : s0 + n]
-                    pred_sc[s0 : s0 + n] = 1.0
-                    if planner is None:
-                        continue
-                trace = ts.get(rid)
-                sc = raw_sc = None
-                if predictor is not None and not isinstance(predictor, OraclePredictor):
-                    raw_sc = np.asarray(predictor.score_request(trace), dtype=np.float32)
-                    sc = raw_sc / np.maximum(np.abs(raw_sc).max(-1, keepdims=True), 1e-12)
-                if planner is not None:
-                    plan = np.asarray(planner.score_request(trace), dtype=np.float32)[0]  # [L, E]
-                    plan_top[r] = np.argsort(-plan, axis=1, kind="stable")[:, :cap]
-                    # Alone, a plan only preloads (CasMoE plans before decoding); as a constant per-token
-                    # prefetch it would evict the experts the previous token just used, which at small
-                    # capacities are the likeliest next ones.
-                    if sc is not None:
-                        # the plan as a prior on the token-level scores; a light weight, since a
-                        # request-wide plan knows less about the next token than the predictor does
-                        sc = plan_prior(raw_sc, plan, cfg.plan_weight)
+def _fast_demand(run: _Run, eviction: str) -> _Outcome:
+    """Demand-only per-layer replay at batch 1 (see :mod:`moecast.runtime.fastreplay`): statistics
+    in the layout of the general engine, from the misses of every (token, layer, capacity)."""
+    d, caps, cold = run.data, run.caps, run.cfg.cold
+    L, E, k, _B = run.shape
+    N = len(d.topk)
+    C = len(caps)
+    if eviction == "lru":
+        dist = fast.lru_distances(d.topk, d.lengths, cold)
+        misses = np.empty((N, L, C), dtype=np.int8)  # at most k per (token, layer)
+        for ci, c in enumerate(caps):
+            misses[:, :, ci] = (dist >= c).sum(2)
+    elif eviction == "static":
+        order = (run.hot if run.hot is not None else StaticTable.from_topk(d.topk, E)).per_layer(E)
+        misses = fast.static_misses(d.topk, order, caps)
+    else:
+        misses = fast.simulate_demand(d.topk, d.lengths, cold, caps, eviction, E)
+    lt = fast.layer_time_table(k, run.cost)
+    per = lt[misses]  # [N, L, C] layer times
+    miss_lc = misses.sum(0).T.reshape(-1)  # [C * L], index c * L + layer
+    st = {name: np.zeros(C * L) for name in STATS}
+    st["uses"] = np.full(C * L, float(N * k))
+    st["hits"] = N * k - miss_lc.astype(np.float64)
+    st["loads"] = miss_lc.astype(np.float64)
+    st["time"] = per.sum(0).T.reshape(-1)
+    any_decode = bool(d.decode.any())
+    step = per.sum(1)  # [N, C]: B = 1, every token is one step
+    basis = step[d.decode] if any_decode else step
+    tpots = [float(basis[:, c].mean()) if len(basis) else None for c in range(C)]
+    return _Outcome(st, tpots, any_decode, N, len(basis), len(d.lengths) if cold else 1)
+
+
+def _fast_wavefront(run: _Run, pr: _Predictions) -> _Outcome:
+    """LRU with prefetch and/or PreSched at batch 1 (fastreplay.wavefront_b1)."""
+    d, spec = run.data, run.policy
+    L, E, _k, _B = run.shape
+    cand = None
+    if pr.ids is not None:
+        # B = 1: each (token, layer)'s candidates ranked once for the whole TraceSet, in chunks
+        if isinstance(run.predictor, OraclePredictor):
+            # equal scores, distinct ids: the ranking keeps ascending id order
+            cand = np.sort(pr.ids, axis=2)
+        else:
+            n_tok, kp = len(d.topk), pr.ids.shape[2]
+            cand = np.empty((n_tok, L, kp), dtype=np.int64)
+            for c0 in range(0, n_tok, 8192):
+                c1 = min(n_tok, c0 + 8192)
+                cand[c0:c1] = _rank_candidates(
+                    pr.ids[c0:c1].reshape(-1, kp), pr.scores[c0:c1].reshape(-1, kp), E
+                ).reshape(c1 - c0, L, kp)
+    pre = run.hot.per_layer(int(run.caps.max())) if spec.preload == "hot" else None
+    any_decode = bool(d.decode.any())
+    basis = d.decode if any_decode else np.ones(len(d.topk), dtype=bool)
+    st = fast.wavefront_b1(
+        d.topk, d.lengths, run.cfg.cold, run.caps, E, run.cost, spec.balancer, cand, pr.ids, pre, basis,
+        predictor_ms=run.predictor_ms,
+    )  # fmt: skip
+    n_basis = int(basis.sum())
+    tpots = [float(v / n_basis) if n_basis else None for v in st.pop("tpot_sum")]
+    return _Outcome(st, tpots, any_decode, len(d.topk), n_basis, len(d.lengths) if run.cfg.cold else 1)
+
+
+# ----------------------------------------------------------------------------- 3. predictions
+
+
+@dataclass
+class _Predictions:
+    ids: np.ndarray | None  # [tokens, L, kp] predicted ids, best first (-1: none)
+    scores: np.ndarray | None  # [tokens, L, kp] their scores
+    plan_top: np.ndarray | None  # [requests, L, capacity] each request's planned experts, best first
+
+
+def _predictions(run: _Run) -> _Predictions:
+    """Per (token, layer) the top-k predicted ids (a plan as a prior on them), per request its plan."""
+    predictor, planner, d = run.predictor, run.planner, run.data
+    L, _E, k, _B = run.shape
+    if predictor is None and planner is None:
+        return _Predictions(None, None, None)
+    oracle = isinstance(predictor, OraclePredictor)
+    pred_ids = np.full((len(d.topk), L, k), -1, dtype=np.int64)
+    pred_sc = np.zeros((len(d.topk), L, k), dtype=np.float32)
+    if oracle:
+        pred_ids[:] = d.topk
+        pred_sc[:] = 1.0
+    if planner is None and (oracle or predictor is None):
+        return _Predictions(pred_ids, pred_sc, None)
+    cap = int(run.caps.max())
+    plan_top = np.zeros((len(run.rids), L, cap), dtype=np.int64) if planner is not None else None
+    it = _progress(list(enumerate(run.rids)), run.cfg.progress and not oracle, "predicting")
+    with _scoring_mode(predictor, planner):
+        for r, rid in it:
+            s0, n = d.starts[r], d.lengths[r]
+            trace = run.ts.get(rid)
+            sc = raw_sc = None
+            if predictor is not None and not oracle:
+                raw_sc = np.asarray(predictor.score_request(trace), dtype=np.float32)
+                sc = raw_sc / np.maximum(np.abs(raw_sc).max(-1, keepdims=True), 1e-12)
+            if planner is not None:
+                plan = np.asarray(planner.score_request(trace), dtype=np.float32)[0]  # [L, E]
+                plan_top[r] = np.argsort(-plan, axis=1, kind="stable")[:, :cap]
+                # Alone, a plan only preloads (CasMoE plans before decoding); as a constant per-token
+                # prefetch it would evict the experts the previous token just used, which at small
+                # capacities are the likeliest next ones.
                 if sc is not None:
-                    ids, scs = top_predictions(sc, kp)
-                    pred_ids[s0 : s0 + n], pred_sc[s0 : s0 + n] = ids, scs
-    prefetching = pred_ids is not None
-    if fast_wave:
-        cand = None
-        if prefetching:
-            # B = 1: each (token, layer)'s candidates ranked once for the whole TraceSet, in chunks
-            n_tok = len(d.topk)
-            if isinstance(predictor, OraclePredictor):
-                # equal scores, distinct ids: the ranking keeps ascending id order
-                cand = np.sort(pred_ids, axis=2)
-            else:
-                cand = np.empty((n_tok, L, kp), dtype=np.int64)
-                for c0 in range(0, n_tok, 8192):
-                    c1 = min(n_tok, c0 + 8192)
-                    cand[c0:c1] = _rank_candidates(
-                        pred_ids[c0:c1].reshape(-1, kp), pred_sc[c0:c1].reshape(-1, kp), E
-                    ).reshape(c1 - c0, L, kp)
-        pre = hot.per_layer(cap) if spec.preload == "hot" else None
-        any_decode = bool(d.decode.any())
-        basis = d.decode if any_decode else np.ones(len(d.topk), dtype=bool)
-        st = fast.wavefront_b1(
-            d.topk, d.lengths, cfg.cold, caps, E, cost, spec.balancer, cand, pred_ids, pre, basis
-        )
-        n_basis = int(basis.sum())
-        tpots = [float(v / n_basis) if n_basis else None for v in st.pop("tpot_sum")]
-        return _finish(st, tpots, any_decode, len(d.topk))
+                    # the plan as a prior on the token-level scores; a light weight, since a
+                    # request-wide plan knows less about the next token than the predictor does
+                    sc = plan_prior(raw_sc, plan, run.cfg.plan_weight)
+            if sc is not None:
+                ids, scs = top_predictions(sc, k)
+                pred_ids[s0 : s0 + n], pred_sc[s0 : s0 + n] = ids, scs
+    return _Predictions(pred_ids, pred_sc, plan_top)
 
+
+# ----------------------------------------------------------------------------- 4. the general engine
+
+
+def _general(run: _Run, pr: _Predictions) -> _Outcome:
+    """The general engine over the step grid, in chunks of cold streams (see the module docstring)."""
+    cfg, d = run.cfg, run.data
+    L, E, _k, B = run.shape
+    C = len(run.caps)
     tok, start = _grid(d.lengths, d.starts, B, cfg.cold)
     G, S, _ = tok.shape
     stream_len = (tok >= 0).any(2).sum(1)  # steps per stream (slots finish at different times)
-    N = L * E if cfg.shared else E
-    nu = _next_use(d.topk, tok, L, E, cfg.shared) if spec.eviction == "belady" else None
-    # statistics
-    st = {
-        n: np.zeros(C * L)
-        for n in (
-            "uses",
-            "hits",
-            "loads",
-            "cpu",
-            "subs",
-            "pf_issued",
-            "pf_landed",
-            "pf_started",
-            "pf_used",
-            "pf_inserted",
-            "time",
-        )
-    }
+    nu = _next_use(d.topk, tok, L, E, cfg.shared) if run.policy.eviction == "belady" else None
+    stats = {name: np.zeros(C * L) for name in STATS}
     step_time = np.zeros((C, G, S))
     step_decode = np.zeros((G, S), dtype=bool)
     # Cold streams are independent: replay them in chunks of similar length so the per-lane state
     # stays small (memory bound otherwise) and short streams do not idle behind long ones.
-    G_all = G
-    tok_all, start_all, len_all = tok, start, stream_len
-    by_len = np.argsort(-len_all, kind="stable")
+    by_len = np.argsort(-stream_len, kind="stable")
     per_chunk = max(1, cfg.chunk_lanes // (C * (1 if cfg.shared else L)))
-    table = hot
-    chunks = [by_len[i : i + per_chunk] for i in range(0, G_all, per_chunk)]
-    for gmap in chunks:
-        tok, start, stream_len = tok_all[gmap], start_all[gmap], len_all[gmap]
-        G = len(gmap)
-        lanes = C * G if cfg.shared else C * G * L
-        per_cap = caps * L if cfg.shared else caps
-        cap_of_lane = np.repeat(np.arange(C), lanes // C)
-        cache = ExpertCache(
-            N, per_cap[cap_of_lane], spec.eviction, lanes=lanes, score_window=cfg.score_window
-        )
-        if table is not None:
-            if cfg.shared:
-                cache.preload(np.arange(lanes), np.broadcast_to(table.shared(cap * L), (lanes, cap * L)))
-            else:
-                per = table.per_layer(cap)  # [L, cap]; each lane keeps the first capacity_of[lane]
-                cache.preload(np.arange(lanes), np.tile(per, (C * G, 1)))
-
-        # per-lane link state carried from the producing layer to the consuming one
-        free = np.full(lanes, cost.t_attn)  # link time free before this lane's next compute start
-        pf_n = np.full(
-            lanes, -1, dtype=np.int64
-        )  # PreSched's prefetch count for the lane (-1: as many as fit)
-        delay = np.zeros(lanes)
-        lane_pf_used = np.ones(lanes)
-        lane_pf_landed = np.full(lanes, 2.0)
-        layer_of_lane = np.zeros(lanes, dtype=np.int64) if cfg.shared else np.tile(np.arange(L), C * G)
-        stream_of_lane = np.tile(np.arange(G), C) if cfg.shared else np.tile(np.repeat(np.arange(G), L), C)
-        t_io = cost.t_io
-
-        if cfg.shared:
-            n_iter = int(stream_len.max()) * L
-        else:
-            n_iter = int(stream_len.max()) + L - 1
-            lane_end = stream_len[stream_of_lane] + layer_of_lane
-            lane_order = np.argsort(-lane_end, kind="stable")
-            sorted_end = lane_end[lane_order]
-
-        for i in _progress(range(n_iter), cfg.progress, f"replay {spec.name}"):
-            if cfg.shared:
-                s_i, l_i = divmod(i, L)
-                act = np.flatnonzero(stream_len[stream_of_lane] > s_i)
-                if len(act) == 0:
-                    continue
-                lay = np.full(len(act), l_i)
-                s = np.full(len(act), s_i)
-                g = stream_of_lane[act]
-            else:
-                n_act = int(np.searchsorted(-sorted_end, -i, side="left"))  # lanes with end > i
-                act = lane_order[:n_act]
-                if i < L - 1:
-                    act = act[layer_of_lane[act] <= i]
-                if len(act) == 0:
-                    continue
-                lay = layer_of_lane[act]
-                s = i - lay
-                g = stream_of_lane[act]
-            n = len(act)
-            toks = tok[g, s]  # [n, B]
-            tvalid = toks >= 0
-            tsafe = np.where(tvalid, toks, 0)
-            ids = d.topk[tsafe, lay[:, None]]  # [n, B, k]
-            ids = np.where(tvalid[:, :, None], ids, -1)
-            off = (lay * E)[:, None, None] if cfg.shared else 0
-            lt = s * L + lay  # lane time
-            step_decode[gmap[g], s] |= (d.decode[tsafe] & tvalid).any(1)
-
-            # planner preload at request start (not timed: it happens before the first token)
-            if plan_top is not None:
-                starting = (start[g, s] & tvalid).any(1)
-                if starting.any():
-                    rq = np.searchsorted(d.starts, toks[starting].max(1), side="right") - 1
-                    plan_ids = plan_top[rq, lay[starting]][:, : max(cap // B, 1)] + (
-                        off[starting, 0] if cfg.shared else 0
-                    )
-                    if spec.eviction == "static":
-                        # static never inserts: the request's plan is pinned in the table's place
-                        # (CasMoE's per-prompt placement); what was not resident is transferred
-                        new = (plan_ids >= 0) & ~cache.lookup(act[starting], plan_ids)
-                        new &= np.cumsum(plan_ids >= 0, axis=1) <= cache.capacity_of[act[starting]][:, None]
-                        cache.preload(act[starting], plan_ids)
-                        ins = new
-                    else:
-                        ins = cache.insert(act[starting], plan_ids, prefetch=True, t=None)
-                    _acc(st["pf_inserted"], cap_of_lane[act[starting]] * L + lay[starting], ins.sum(1))
-
-            # prefetch arrival: top predicted non-resident experts that fit in the free link time
-            if prefetching:
-                pid = pred_ids[tsafe, lay[:, None]]  # [n, B, kp]
-                psc = np.where(tvalid[:, :, None], pred_sc[tsafe, lay[:, None]], 0.0)
-                pid = np.where(tvalid[:, :, None] & (pid >= 0), pid, -1)
-                cand = _rank_candidates(pid.reshape(n, -1), psc.reshape(n, -1), E)  # [n, C] best first
-                if cfg.shared:
-                    cand = np.where(cand >= 0, cand + off[:, 0], -1)
-                predicted = cand  # shielded: a prefetch must not evict another predicted expert
-                nonres = (cand >= 0) & ~cache.lookup(act, cand)
-                cand = _compact(np.where(nonres, cand, -1))
-                n_cand = (cand >= 0).sum(1)
-                want = np.where(pf_n[act] >= 0, np.minimum(pf_n[act], n_cand), n_cand)
-                if math.isinf(t_io):
-                    fit = np.zeros(n, dtype=np.int64)
-                elif t_io <= 0:
-                    fit = want
-                else:
-                    fit = np.floor(free[act] / t_io + 1e-9).astype(np.int64)
-                if spec.balancer != "presched":
-                    # SMoE Sec. 5.2 / Fig. 17: prefetch loads must never delay the layer's own loads, so
-                    # only transfers that finish inside the window are started
-                    want = np.minimum(want, fit)
-                landed = np.minimum(want, fit)
-                started = np.where(np.isfinite(t_io), np.minimum(want, landed + 1), 0)
-                new_delay = np.where(
-                    (want > landed) & np.isfinite(t_io) & (t_io > 0), (landed + 1) * t_io - free[act], 0.0
-                )
-                delay[act] = np.maximum(new_delay, 0.0)
-                take = np.arange(cand.shape[1])[None, :] < landed[:, None]
-                ins = cache.insert(act, np.where(take, cand, -1), shield=predicted, prefetch=True, t=lt)
-                _acc(st["pf_inserted"], cap_of_lane[act] * L + lay, ins.sum(1))
-                lane_pf_landed[act] += landed
-                _acc(st["pf_issued"], cap_of_lane[act] * L + lay, want)
-                _acc(st["pf_landed"], cap_of_lane[act] * L + lay, landed)
-                _acc(st["pf_started"], cap_of_lane[act] * L + lay, started)
-            else:
-                delay[act] = 0.0
-
-            # SMoE Algorithm 1 substitution against the lane's resident set (batch-aware via group)
-            if use_sub:
-                flat_t = tsafe.reshape(-1)
-                probs = d.probs[flat_t, np.repeat(lay, B)].astype(np.float32)
-                res = cache.resident[np.repeat(act, B)]
-                if cfg.shared:
-                    res = res.reshape(n * B, L, E)[np.arange(n * B), np.repeat(lay, B)]
-                new_ids, nsub = substitute(
-                    probs, ids.reshape(n * B, k), res, spec.alpha, group=np.repeat(np.arange(n), B)
-                )
-                ids = np.where(tvalid[:, :, None], new_ids.reshape(n, B, k), -1)
-                _acc(st["subs"], cap_of_lane[act] * L + lay, (nsub.reshape(n, B) * tvalid).sum(1))
-
-            # the access: union of the step's experts, with token counts
-            flat = ids.reshape(n, B * k) + (off[:, :, 0] if cfg.shared else 0)
-            flat = np.where(ids.reshape(n, B * k) >= 0, flat, -1)
-            if B > 1:
-                uniq, counts = _union_counts(flat)
-            else:
-                uniq, counts = flat, (flat >= 0).astype(np.int64)
-            hit_u = cache.lookup(act, uniq)
-            if prefetching:
-                used = (hit_u & cache.was_prefetched(act, uniq)).sum(1)
-                lane_pf_used[act] += used
-                _acc(st["pf_used"], cap_of_lane[act] * L + lay, used)
-            uses = counts.sum(1)
-            hits = (counts * hit_u).sum(1)
-            miss = (uniq >= 0) & ~hit_u
-            n_miss = miss.sum(1)
-            # misses ordered by token count, largest first (the balancers' queue order)
-            if spec.balancer == "none" and B == 1:
-                # one token: every miss is loaded and all have one token, so no queue order is needed
-                n_load = n_miss
-                load_ids = np.where(miss, uniq, -1)
-                t_cpu = np.zeros(n)
-            else:
-                msize = np.where(miss, counts, 0)
-                morder = np.argsort(-msize, axis=1, kind="stable")
-                mids = np.take_along_axis(np.where(miss, uniq, -1), morder, 1)
-                msz = np.take_along_axis(msize, morder, 1).astype(np.float64)
-                if spec.balancer == "smoe":
-                    n_load = two_pointer_split(
-                        msz, n_miss, t_io if math.isfinite(t_io) else math.inf, cost.beta
-                    )
-                elif spec.balancer == "presched":
-                    asc = _reverse_valid(msz, n_miss)
-                    _nid, nsz, nn = _next_layer_pending(
-                        act, lay, s, g, tok, pred_ids, cache, cfg.shared, L, E, prefetching
-                    )
-                    dec = schedule(
-                        asc, n_miss, nsz, nn, delay[act], lane_pf_used[act] / lane_pf_landed[act], cost
-                    )
-                    n_load = dec.n_load
-                    consumer = act if cfg.shared else act + 1
-                    has_next = lay < L - 1
-                    pf_n[consumer[has_next]] = dec.n_prefetch[has_next]
-                elif spec.balancer == "cpu":
-                    n_load = np.zeros_like(n_miss)
-                else:
-                    n_load = n_miss
-                col = np.arange(mids.shape[1])[None, :]
-                load_ids = np.where(col < n_load[:, None], mids, -1)
-                cpu_mask = (col >= n_load[:, None]) & (mids >= 0)
-                t_cpu = (np.where(cpu_mask, cost.beta * msz + cost.c, 0.0)).sum(1)
-            cache.insert(act, load_ids, shield=uniq, t=None)
-            cache.touch(act, uniq, lt)
-            if nu is not None:
-                nxt = np.where(tvalid[:, :, None], nu[tsafe, lay[:, None]], np.iinfo(np.int64).max // 4)
-                cache.set_next_use(act, flat, nxt.reshape(n, -1))
-            if spec.eviction == "score":
-                sc_mean = (d.probs[tsafe, lay[:, None]].astype(np.float32) * tvalid[:, :, None]).sum(
-                    1
-                ) / np.maximum(tvalid.sum(1), 1)[:, None]
-                cache.observe_scores(act, sc_mean)
-
-            # timeline of this layer: device, link, CPU in parallel after attention
-            n_dev = (hit_u & (uniq >= 0)).sum(1) + n_load
-            link = delay[act] + n_load * (t_io if math.isfinite(t_io) else 0.0)
-            if not math.isfinite(t_io):
-                link = np.where(n_load > 0, math.inf, link)
-            t_dev = n_dev * cost.t_g
-            layer_t = cost.t_attn + np.maximum(
-                np.maximum(t_dev, link + np.where(n_load > 0, cost.t_g, 0.0)), t_cpu
-            )
-            cl = cap_of_lane[act]
-            step_time[cl, gmap[g], s] += layer_t
-            # the link time this layer leaves free for the next layer's prefetch (its window includes
-            # the next layer's attention)
-            if cfg.shared:
-                with np.errstate(invalid="ignore"):
-                    nxt_free = np.where(lay < L - 1, np.nan_to_num(layer_t - link, nan=0.0), cost.t_attn)
-                free[act] = nxt_free
-            else:
-                has_next = lay < L - 1
-                with np.errstate(invalid="ignore"):
-                    free[act[has_next] + 1] = np.nan_to_num(layer_t - link, nan=0.0)[has_next]
-                free[act[lay == 0]] = cost.t_attn
-
-            _acc(st["uses"], cap_of_lane[act] * L + lay, uses)
-            _acc(st["hits"], cap_of_lane[act] * L + lay, hits)
-            _acc(st["loads"], cap_of_lane[act] * L + lay, n_load)
-            _acc(st["cpu"], cap_of_lane[act] * L + lay, n_miss - n_load)
-            _acc(st["time"], cap_of_lane[act] * L + lay, layer_t)
+    for c0 in range(0, G, per_chunk):
+        gmap = by_len[c0 : c0 + per_chunk]
+        ch = _Chunk(tok[gmap], start[gmap], stream_len[gmap], gmap)
+        ln = _lanes(run, pr, ch)
+        for i in _progress(range(ln.n_iter), cfg.progress, f"replay {run.policy.name}"):
+            _iteration(run, pr, ch, ln, i, nu, step_time, step_decode)
+        for name in STATS:
+            stats[name] += ln.step.stats[name]
+    valid_step = np.arange(S)[None, :] < stream_len[:, None]
     any_decode = bool(step_decode.any())
-    valid_step = np.arange(S)[None, :] < len_all[:, None]
-    basis_mask = valid_step & step_decode if any_decode else valid_step
-    n_steps = int(valid_step.sum())
-    tpots = [float(step_time[c][basis_mask].mean()) if basis_mask.any() else None for c in range(C)]
-    return _finish(st, tpots, any_decode, n_steps)
+    basis = valid_step & step_decode if any_decode else valid_step
+    tpots = [float(step_time[c][basis].mean()) if basis.any() else None for c in range(C)]
+    return _Outcome(stats, tpots, any_decode, int(valid_step.sum()), int(basis.sum()), G)
 
 
-def _results(
-    st,
-    tpots,
-    any_decode,
-    n_steps,
-    wall,
-    ts,
-    cfg,
-    spec,
-    use_sub,
-    pred_name,
-    caps,
-    E,
-    L,
-    B,
-    profile,
-    m,
-    rids,
-    d,
-) -> list[ReplayResult]:
+def _grid(lengths: np.ndarray, starts: np.ndarray, B: int, cold: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The step grid: [streams, steps, B] token index (-1 = idle slot) and request-start flags."""
+    n = len(lengths)
+    if cold:
+        groups = [list(range(g, min(g + B, n))) for g in range(0, n, B)]
+    else:
+        groups = [list(range(n))]
+    streams = []
+    for members in groups:
+        if cold:
+            slots = [[r] for r in members]
+        else:
+            slots = [list(range(b, n, B)) for b in range(B)]
+        slots += [[] for _ in range(B - len(slots))]
+        streams.append(slots)
+    steps = max(max((sum(int(lengths[r]) for r in slot) for slot in slots), default=0) for slots in streams)
+    tok = np.full((len(streams), max(steps, 1), B), -1, dtype=np.int64)
+    start = np.zeros(tok.shape, dtype=bool)
+    for g, slots in enumerate(streams):
+        for b, slot in enumerate(slots):
+            if not slot:
+                continue
+            idx = np.concatenate([np.arange(starts[r], starts[r] + lengths[r]) for r in slot])
+            tok[g, : len(idx), b] = idx
+            pos = np.cumsum([0] + [int(lengths[r]) for r in slot[:-1]])
+            start[g, pos, b] = True
+    return tok, start
+
+
+@dataclass
+class _Chunk:
+    tok: np.ndarray  # [G, S, B] token index per stream, step and slot (-1 idle)
+    start: np.ndarray  # [G, S, B] a request starts in the slot
+    stream_len: np.ndarray  # [G] steps per stream
+    gmap: np.ndarray  # [G] the streams' indices in the whole grid
+
+
+@dataclass
+class _Lanes:
+    """The chunk's caches (lanes) under the step, and where each lane sits."""
+
+    step: LayerStep
+    cap_of: np.ndarray  # [lanes] capacity index
+    layer_of: np.ndarray  # [lanes] layer (per-layer caches; 0 for shared ones)
+    stream_of: np.ndarray  # [lanes] stream in the chunk
+    n_iter: int
+    order: np.ndarray | None = None  # per-layer: lanes by the iteration they end, latest first
+    sorted_end: np.ndarray | None = None
+
+
+def _lanes(run: _Run, pr: _Predictions, ch: _Chunk) -> _Lanes:
+    """One cache per (capacity, stream[, layer]), preloaded with the hot-expert table when there is one."""
+    cfg, caps = run.cfg, run.caps
+    L, E, _k, _B = run.shape
+    C, G = len(caps), len(ch.gmap)
+    lanes = C * G if cfg.shared else C * G * L
+    cap_of = np.repeat(np.arange(C), lanes // C)
+    per_cap = caps * L if cfg.shared else caps
+    cache = ExpertCache(
+        L * E if cfg.shared else E,
+        per_cap[cap_of],
+        run.policy.eviction,
+        lanes=lanes,
+        score_window=cfg.score_window,
+    )
+    cap = int(caps.max())
+    if run.hot is not None:
+        if cfg.shared:
+            cache.preload(np.arange(lanes), np.broadcast_to(run.hot.shared(cap * L), (lanes, cap * L)))
+        else:
+            per = run.hot.per_layer(cap)  # [L, cap]; each lane keeps the first capacity_of[lane]
+            cache.preload(np.arange(lanes), np.tile(per, (C * G, 1)))
+    step = LayerStep(
+        cache, run.policy, run.cost, E, L, stat_base=cap_of * L, n_stats=C * L, shared=cfg.shared,
+        prefetching=pr.ids is not None, predictor_ms=run.predictor_ms,
+    )  # fmt: skip
+    if cfg.shared:
+        stream_of = np.tile(np.arange(G), C)
+        return _Lanes(step, cap_of, np.zeros(lanes, dtype=np.int64), stream_of, int(ch.stream_len.max()) * L)
+    layer_of = np.tile(np.arange(L), C * G)
+    stream_of = np.tile(np.repeat(np.arange(G), L), C)
+    lane_end = ch.stream_len[stream_of] + layer_of
+    order = np.argsort(-lane_end, kind="stable")
+    n_iter = int(ch.stream_len.max()) + L - 1
+    return _Lanes(step, cap_of, layer_of, stream_of, n_iter, order, lane_end[order])
+
+
+def _active(ln: _Lanes, ch: _Chunk, i: int, L: int, shared: bool) -> tuple[np.ndarray, ...]:
+    """The lanes that run at iteration ``i``: (lanes, their layer, their step, their stream)."""
+    if shared:
+        s_i, l_i = divmod(i, L)
+        act = np.flatnonzero(ch.stream_len[ln.stream_of] > s_i)
+        return act, np.full(len(act), l_i), np.full(len(act), s_i), ln.stream_of[act]
+    n_act = int(np.searchsorted(-ln.sorted_end, -i, side="left"))  # lanes with end > i
+    act = ln.order[:n_act]
+    if i < L - 1:
+        act = act[ln.layer_of[act] <= i]  # warm-up: deeper layers not started yet
+    lay = ln.layer_of[act]
+    return act, lay, i - lay, ln.stream_of[act]
+
+
+def _iteration(
+    run: _Run,
+    pr: _Predictions,
+    ch: _Chunk,
+    ln: _Lanes,
+    i: int,
+    nu: np.ndarray | None,
+    step_time: np.ndarray,
+    step_decode: np.ndarray,
+) -> None:
+    """One wavefront iteration: every active lane's layer through the step."""
+    d, shared = run.data, run.cfg.shared
+    L, E, _k, _B = run.shape
+    act, lay, s, g = _active(ln, ch, i, L, shared)
+    if len(act) == 0:
+        return
+    toks = ch.tok[g, s]  # [n, B]
+    tvalid = toks >= 0
+    tsafe = np.where(tvalid, toks, 0)
+    ids = np.where(tvalid[:, :, None], d.topk[tsafe, lay[:, None]], -1)  # [n, B, k]
+    lt = s * L + lay  # lane time
+    step_decode[ch.gmap[g], s] |= (d.decode[tsafe] & tvalid).any(1)
+    if pr.plan_top is not None:
+        _plan_preload(run, pr, ch, ln, act, lay, g, s, toks, tvalid)
+    if pr.ids is not None:
+        ln.step.prefetch(act, lay, _ranked(run, pr, tsafe, tvalid, lay), lt)
+    has_next = lay < L - 1
+    next_lanes = act if shared else np.where(has_next, act + 1, act)
+    restart = ~has_next if shared else lay == 0
+    next_pred = None
+    if pr.ids is not None and run.policy.balancer == "presched":
+        nl = np.minimum(lay + 1, L - 1)
+        pid = pr.ids[tsafe, nl[:, None]]
+        next_pred = np.where(tvalid[:, :, None] & (pid >= 0), pid, -1).reshape(len(act), -1)
+        if shared:
+            next_pred = np.where(next_pred >= 0, next_pred + (nl * E)[:, None], -1)
+    next_use = None
+    if nu is not None:
+        next_use = np.where(tvalid[:, :, None], nu[tsafe, lay[:, None]], np.iinfo(np.int64).max // 4)
+        next_use = next_use.reshape(len(act), -1)
+    probs = d.probs[tsafe, lay[:, None]] if d.probs is not None else None
+    out = ln.step.layer(act, lay, ids, lt, probs, next_lanes, has_next, restart, next_pred, next_use)
+    step_time[ln.cap_of[act], ch.gmap[g], s] += out.layer_t
+
+
+def _ranked(
+    run: _Run, pr: _Predictions, tsafe: np.ndarray, tvalid: np.ndarray, lay: np.ndarray
+) -> np.ndarray:
+    """The rows' predicted experts for their layer, distinct and ranked by summed score (cache items)."""
+    n = len(lay)
+    pid = pr.ids[tsafe, lay[:, None]]  # [n, B, kp]
+    psc = np.where(tvalid[:, :, None], pr.scores[tsafe, lay[:, None]], 0.0)
+    pid = np.where(tvalid[:, :, None] & (pid >= 0), pid, -1)
+    ranked = _rank_candidates(pid.reshape(n, -1), psc.reshape(n, -1), run.shape[1])
+    if run.cfg.shared:
+        ranked = np.where(ranked >= 0, ranked + (lay * run.shape[1])[:, None], -1)
+    return ranked
+
+
+def _plan_preload(
+    run: _Run,
+    pr: _Predictions,
+    ch: _Chunk,
+    ln: _Lanes,
+    act: np.ndarray,
+    lay: np.ndarray,
+    g: np.ndarray,
+    s: np.ndarray,
+    toks: np.ndarray,
+    tvalid: np.ndarray,
+) -> None:
+    """A planner's preload at request start (not timed: it happens before the first token)."""
+    d, cache = run.data, ln.step.cache
+    _L, E, _k, B = run.shape
+    starting = (ch.start[g, s] & tvalid).any(1)
+    if not starting.any():
+        return
+    lanes, layer = act[starting], lay[starting]
+    rq = np.searchsorted(d.starts, toks[starting].max(1), side="right") - 1
+    plan_ids = pr.plan_top[rq, layer][:, : max(int(run.caps.max()) // B, 1)]
+    if run.cfg.shared:
+        plan_ids = plan_ids + (layer * E)[:, None]
+    if run.policy.eviction == "static":
+        # static never inserts: the request's plan is pinned in the table's place (CasMoE's
+        # per-prompt placement); what was not resident is transferred
+        new = (plan_ids >= 0) & ~cache.lookup(lanes, plan_ids)
+        new &= np.cumsum(plan_ids >= 0, axis=1) <= cache.capacity_of[lanes][:, None]
+        cache.preload(lanes, plan_ids)
+        ins = new
+    else:
+        ins = cache.insert(lanes, plan_ids, prefetch=True, t=None)
+    ln.step.add("pf_inserted", lanes, layer, ins.sum(1))
+
+
+# ----------------------------------------------------------------------------- 5. results
+
+
+def _results(run: _Run, out: _Outcome, wall: float) -> list[ReplayResult]:
     """Per capacity: the DESIGN.md metrics from the [C * L] statistics (index c * L + layer)."""
-    C = len(caps)
+    L, _E, _k, _B = run.shape
+    C = len(run.caps)
+    basis = (
+        "decode steps" if out.any_decode else "every token as a step (prefill-only trace, no decode steps)"
+    )
     results = []
     for c in range(C):
-        sl = slice(c * L, (c + 1) * L)
-        t = {name: v[sl] for name, v in st.items()}
+        t = {name: v[c * L : (c + 1) * L] for name, v in out.stats.items()}
         uses = t["uses"].sum()
-        tpot = tpots[c]
+        tpot = out.tpots[c]
         if tpot is not None and not math.isfinite(tpot):
             tpot = None
         inserted = t["pf_inserted"].sum()
-        cfg_out = {
-            "traces": str(ts.path),
-            "policy": spec.name,
-            "eviction": spec.eviction,
-            "substitution": use_sub,
-            "balancer": spec.balancer,
-            "predictor": pred_name or "none",
-            "planner": cfg.planner or "none",
-            "capacity": int(caps[c]),
-            "capacity_fraction": float(caps[c] / E),
-            "shared": cfg.shared,
-            "mode": "cold" if cfg.cold else "stream",
-            "batch_size": B,
-            "hardware": profile.name,
-            "alpha": spec.alpha,
-        }
-        results.append(
-            ReplayResult(
-                config=cfg_out,
-                hit_rate=float(t["hits"].sum() / max(uses, 1)),
-                hit_rate_per_layer=(t["hits"] / np.maximum(t["uses"], 1)).tolist(),
-                prefetch_accuracy=float(t["pf_used"].sum() / inserted) if inserted else None,
-                prefetches_issued=int(t["pf_issued"].sum()),
-                prefetches_landed=int(t["pf_landed"].sum()),
-                loads=int(t["loads"].sum()),
-                cpu_experts=int(t["cpu"].sum()),
-                cpu_expert_rate=float(t["cpu"].sum() / max(uses, 1)),
-                bytes_moved=int((t["loads"].sum() + t["pf_started"].sum()) * m.expert_bytes),
-                substitution_rate=float(t["subs"].sum() / max(uses, 1)),
-                modeled_tpot_ms=tpot,
-                tpot_basis="decode steps"
-                if any_decode
-                else "every token as a step (prefill-only trace, no decode steps)",
-                layer_time_ms_per_layer=(t["time"] / max(n_steps, 1)).tolist(),
-                requests=len(rids),
-                tokens=int(d.lengths.sum()),
-                steps=n_steps,
-                accesses=int(uses),
-                wall_s=wall / C,
-                extra={"capacities_in_pass": C},
-            )
+        preload_ms, with_preload = _preload_charge(run, out, c, tpot)
+        res = ReplayResult(
+            config=_config_row(run, c),
+            hit_rate=float(t["hits"].sum() / max(uses, 1)),
+            hit_rate_per_layer=(t["hits"] / np.maximum(t["uses"], 1)).tolist(),
+            prefetch_accuracy=float(t["pf_used"].sum() / inserted) if inserted else None,
+            prefetches_issued=int(t["pf_issued"].sum()),
+            prefetches_landed=int(t["pf_landed"].sum()),
+            loads=int(t["loads"].sum()),
+            cpu_experts=int(t["cpu"].sum()),
+            cpu_expert_rate=float(t["cpu"].sum() / max(uses, 1)),
+            bytes_moved=int((t["loads"].sum() + t["pf_started"].sum()) * run.ts.meta.model.expert_bytes),
+            substitution_rate=float(t["subs"].sum() / max(uses, 1)),
+            modeled_tpot_ms=tpot,
+            tpot_basis=basis,
+            layer_time_ms_per_layer=(t["time"] / max(out.n_steps, 1)).tolist(),
+            requests=len(run.rids),
+            tokens=int(run.data.lengths.sum()),
+            steps=out.n_steps,
+            accesses=int(uses),
+            wall_s=wall / C,
+            modeled_tpot_ms_with_preload=with_preload,
+            preload_ms=preload_ms,
+            predictor_ms=run.predictor_ms,
+            extra={"capacities_in_pass": C},
         )
+        if run.hot_from:
+            res.extra["hot_table_from"] = run.hot_from
+        results.append(res)
     return results
+
+
+def _config_row(run: _Run, c: int) -> dict[str, Any]:
+    spec, cfg = run.policy, run.cfg
+    E = run.shape[1]
+    return {
+        "traces": str(run.ts.path),
+        "policy": spec.name,
+        "eviction": spec.eviction,
+        "substitution": spec.substituting,
+        "balancer": spec.balancer,
+        "predictor": run.pred_name or "none",
+        "planner": cfg.planner or "none",
+        "capacity": int(run.caps[c]),
+        "capacity_fraction": float(run.caps[c] / E),
+        "shared": cfg.shared,
+        "mode": "cold" if cfg.cold else "stream",
+        "batch_size": run.shape[3],
+        "hardware": run.profile.name,
+        "alpha": spec.alpha,
+        "predictor_ms_from": run.predictor_ms_from,
+    }
+
+
+def _preload_charge(run: _Run, out: _Outcome, c: int, tpot: float | None) -> tuple[float, float | None]:
+    """(transfer time of the hot-expert table at one cache start, TPOT with it charged at every start)."""
+    if run.policy.preload != "hot":
+        return 0.0, None
+    L, E, _k, _B = run.shape
+    n = min(int(run.caps[c]) * L, L * E) if run.cfg.shared else L * min(int(run.caps[c]), E)
+    t_io = run.cost.t_io
+    ms = n * t_io if n else 0.0
+    if tpot is None or not out.n_basis or not math.isfinite(ms):
+        return ms, None
+    return ms, tpot + out.starts * ms / out.n_basis
 
 
 _HOT_MEMO: dict[tuple, tuple[StaticTable, str]] = {}
@@ -768,40 +883,6 @@ def _hot_table(ts: TraceSet, rids: list[str], d: _Data, E: int) -> tuple[StaticT
     return _HOT_MEMO[key]
 
 
-def _fast_demand(d, eviction, caps, cold, cost, L, E, k, hot=None):
-    """Demand-only per-layer replay at batch 1 (see :mod:`moecast.runtime.fastreplay`): statistics
-    in the layout of the general engine, from the misses of every (token, layer, capacity)."""
-    N = len(d.topk)
-    C = len(caps)
-    if eviction == "lru":
-        dist = fast.lru_distances(d.topk, d.lengths, cold)
-        misses = np.empty((N, L, C), dtype=np.int8)  # at most k per (token, layer)
-        for ci, c in enumerate(caps):
-            misses[:, :, ci] = (dist >= c).sum(2)
-    elif eviction == "static":
-        order = (hot if hot is not None else StaticTable.from_topk(d.topk, E)).per_layer(E)
-        misses = fast.static_hits(d.topk, order, caps)
-    else:
-        misses = fast.simulate_demand(d.topk, d.lengths, cold, caps, eviction, E)
-    lt = fast.layer_time_table(k, cost)
-    per = lt[misses]  # [N, L, C] layer times
-    miss_lc = misses.sum(0).T.reshape(-1)  # [C * L], index c * L + layer
-    zeros = np.zeros(C * L)
-    st = {
-        n: zeros.copy()
-        for n in ("cpu", "subs", "pf_issued", "pf_landed", "pf_started", "pf_used", "pf_inserted")
-    }
-    st["uses"] = np.full(C * L, float(N * k))
-    st["hits"] = N * k - miss_lc.astype(np.float64)
-    st["loads"] = miss_lc.astype(np.float64)
-    st["time"] = per.sum(0).T.reshape(-1)
-    any_decode = bool(d.decode.any())
-    step = per.sum(1)  # [N, C]: B = 1, every token is one step
-    basis = step[d.decode] if any_decode else step
-    tpots = [float(basis[:, c].mean()) if len(basis) else None for c in range(C)]
-    return st, tpots, any_decode, N
-
-
 def _scoring_mode(*preds: Any) -> Any:
     """No autograd while checkpoints score a TraceSet (one batched call per request)."""
     import contextlib
@@ -815,10 +896,6 @@ def _scoring_mode(*preds: Any) -> Any:
     return torch.inference_mode()
 
 
-def _acc(target: np.ndarray, idx: np.ndarray, values: np.ndarray) -> None:
-    target += np.bincount(idx, weights=np.asarray(values, dtype=np.float64), minlength=len(target))
-
-
 # ----------------------------------------------------------------------------- helpers
 
 
@@ -828,12 +905,6 @@ def _progress(it: Any, show: bool, desc: str) -> Any:
     from tqdm import tqdm
 
     return tqdm(it, desc=desc, leave=False, mininterval=0.5)
-
-
-def _compact(a: np.ndarray) -> np.ndarray:
-    """Move each row's non-negative entries to the front, keeping their order."""
-    order = np.argsort(a < 0, axis=1, kind="stable")
-    return np.take_along_axis(a, order, 1)
 
 
 def _rank_candidates(ids: np.ndarray, scores: np.ndarray, E: int) -> np.ndarray:
@@ -849,7 +920,6 @@ def _rank_candidates(ids: np.ndarray, scores: np.ndarray, E: int) -> np.ndarray:
     # summed score per distinct id: cumulative sums between group starts
     csum = np.cumsum(ssc, axis=1)
     grp = np.cumsum(first, axis=1) - 1
-    total = np.zeros(sid.shape)
     last = np.ones(sid.shape, dtype=bool)
     last[:, :-1] = first[:, 1:]
     rows = np.broadcast_to(np.arange(len(ids))[:, None], sid.shape)
@@ -864,51 +934,3 @@ def _rank_candidates(ids: np.ndarray, scores: np.ndarray, E: int) -> np.ndarray:
     total = np.where(gid >= 0, total, -np.inf)
     order2 = np.argsort(-total, axis=1, kind="stable")
     return np.take_along_axis(gid, order2, 1)
-
-
-def _union_counts(flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per row: distinct non-negative ids (-1 padded) and how many times each occurs."""
-    big = np.iinfo(np.int64).max
-    srt = np.sort(np.where(flat >= 0, flat, big), axis=1)
-    first = np.ones(srt.shape, dtype=bool)
-    first[:, 1:] = srt[:, 1:] != srt[:, :-1]
-    first &= srt != big
-    grp = np.cumsum(first, axis=1) - 1
-    rows = np.broadcast_to(np.arange(len(flat))[:, None], srt.shape)
-    uniq = np.full(srt.shape, -1, dtype=np.int64)
-    uniq[rows[first], grp[first]] = srt[first]
-    counts = np.zeros(srt.shape, dtype=np.int64)
-    ok = srt != big
-    np.add.at(counts, (rows[ok], grp[ok]), 1)
-    return uniq, counts
-
-
-def _reverse_valid(desc: np.ndarray, n: np.ndarray) -> np.ndarray:
-    """Rows sorted descending in their first n entries -> the same entries ascending."""
-    M = desc.shape[1]
-    idx = np.clip(n[:, None] - 1 - np.arange(M)[None, :], 0, max(M - 1, 0))
-    out = np.take_along_axis(desc, idx, 1) if M else desc
-    return np.where(np.arange(M)[None, :] < n[:, None], out, 0.0)
-
-
-def _next_layer_pending(act, lay, s, g, tok, pred_ids, cache, shared, L, E, prefetching):
-    """PreSched's E_next: predicted experts of the next layer not resident there, with token counts, ascending."""
-    n = len(act)
-    if not prefetching:
-        return None, np.zeros((n, 0)), np.zeros(n, dtype=np.int64)
-    nl = np.minimum(lay + 1, L - 1)
-    toks = tok[g, s]
-    tv = toks >= 0
-    pid = pred_ids[np.where(tv, toks, 0), nl[:, None]]
-    pid = np.where(tv[:, :, None] & (pid >= 0), pid, -1).reshape(n, -1)
-    if shared:
-        pid = np.where(pid >= 0, pid + (nl * E)[:, None], -1)
-    uniq, counts = _union_counts(pid)
-    consumer = act if shared else np.where(lay < L - 1, act + 1, act)
-    res = cache.lookup(consumer, uniq)
-    keep = (uniq >= 0) & ~res & (lay < L - 1)[:, None]
-    sizes = np.where(keep, counts, np.inf).astype(np.float64)
-    sizes = np.sort(sizes, axis=1)
-    nn = keep.sum(1)
-    sizes = np.where(np.isfinite(sizes), sizes, 0.0)
-    return None, sizes, nn

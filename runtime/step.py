@@ -1,0 +1,403 @@
+"""One MoE layer of an offloaded model, as the replay and the live runtime both model it.
+
+A :class:`LayerStep` holds many independent caches ("lanes": a layer of a cold stream at one capacity
+in the replay, a layer of the model in the live runtime) and their :class:`LinkClock`. For the lanes
+that run a layer now it does, in this order:
+
+1. **Prefetch** (:meth:`LayerStep.prefetch`, before the layer's experts run): the predicted experts
+   not resident, best first, are moved over the link in the window the previous layer left free
+   (``free``, below). Only transfers that finish inside it land and count as resident (SMoE Sec. 5.2:
+   a prefetch never delays a layer's own loads; the rest are not started). Under PreSched the layer
+   before chose a count (Eqs. 6-7); one more may be started that does not finish in the window: it
+   delays this layer's demand loads by ``delay`` and its expert is not resident now (Premise 3).
+   A lane no PreSched decision reached (the first layer) takes as many as fit.
+2. **Substitution** (SMoE Algorithm 1, :func:`moecast.runtime.substitution.substitute`) of the
+   routed experts against the resident ones, when the policy substitutes with ``alpha > 0``.
+3. **Access**: the union of the lane's routed experts (one access: DESIGN.md replay semantics);
+   hits are uses whose expert is resident.
+4. **Misses**: the balancer splits them into demand loads and a CPU set (``none``: load all,
+   ``smoe``: Algorithm 2, ``presched``: PreSched Eq. 5, ``cpu``: none loaded). Loads are inserted
+   (evicting by the policy, the layer's own experts shielded).
+5. **Layer time** with ``n_dev`` experts on the device (hits + loads), ``n_load`` demand loads
+   and the CPU set's time ``t_cpu = sum(beta * m + C)`` (PreScope Eq. 3)::
+
+       link    = delay + n_load * t_io
+       layer_t = t_attn + max(n_dev * t_g,  link + t_g * [n_load > 0],  t_cpu)
+
+   Attention first; then the device, the serial link and the CPU run in parallel. The last demand
+   load's expert computes once it lands (``+ t_g``); the others overlap with the link.
+6. **Window** for the next layer's prefetch: its prediction is made once this layer has routed and
+   takes ``t_pred`` (the predictor's latency); its transfers start when both it and this layer's
+   link are done, and must land before the next layer's experts start, after its attention::
+
+       free(next) = layer_t - max(link, t_pred)        free(first layer) = t_attn - t_pred
+
+7. **Statistics** per lane group (the replay: capacity x layer; live: layer), under the names of
+   :class:`moecast.runtime.replay.ReplayResult`.
+
+Everything is vectorised over the lanes that run now (``n`` rows, ``B`` token slots each, ``-1``
+for an idle slot), so one call moves every layer and every cold stream of a replay wavefront, and the
+live runtime calls it with one lane.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+from moecast.runtime.balancer import two_pointer_split
+from moecast.runtime.cache import ExpertCache
+from moecast.runtime.cost_model import CostModel
+from moecast.runtime.policy import Policy
+from moecast.runtime.presched import schedule
+from moecast.runtime.substitution import substitute
+
+STATS = (
+    "uses",  # routed (token, layer, expert) uses after substitution
+    "hits",  # of those, expert resident when the layer ran
+    "loads",  # demand loads
+    "cpu",  # experts computed on the CPU
+    "subs",  # substituted uses
+    "pf_issued",  # prefetches asked for
+    "pf_landed",  # prefetches that landed in the window
+    "pf_started",  # prefetches that moved bytes (landed, plus one PreSched started late)
+    "pf_used",  # prefetched experts used while resident
+    "pf_inserted",  # experts a prefetch (or a plan preload) put in the cache
+    "time",  # modeled layer time (ms)
+)
+
+
+@dataclass
+class LinkClock:
+    """Per lane: the link time free before its next expert compute starts, and what a prefetch left."""
+
+    free: np.ndarray  # the prefetch window of the lane's next layer (ms)
+    delay: np.ndarray  # link time a started, unfinished prefetch takes from the next layer's demand loads
+    pf_n: np.ndarray  # PreSched's prefetch count for the lane's next layer (-1: none decided, as many as fit)
+
+    @classmethod
+    def start(cls, lanes: int, first_window: float) -> LinkClock:
+        return cls(np.full(lanes, first_window), np.zeros(lanes), np.full(lanes, -1, dtype=np.int64))
+
+
+@dataclass
+class LayerOutcome:
+    """What one call of :meth:`LayerStep.layer` decided, per row."""
+
+    ids: np.ndarray  # [n, B, k] routed ids after substitution (-1: idle slot)
+    uniq: np.ndarray  # [n, M] the access: distinct experts (-1 padded)
+    counts: np.ndarray  # [n, M] tokens per expert
+    hit: np.ndarray  # [n, M] resident when the layer ran
+    load_ids: np.ndarray  # [n, M] demand loads (-1 padded)
+    cpu_ids: np.ndarray  # [n, M] experts computed on the CPU (-1 padded)
+    layer_t: np.ndarray  # [n] modeled layer time (ms)
+    link: np.ndarray  # [n] link busy time after attention (ms)
+
+
+@dataclass
+class LayerStep:
+    """The per-layer step over ``cache``'s lanes; see the module docstring for the rules.
+
+    ``stat_base`` [lanes]: each lane's first statistics slot (its slot for a row is ``stat_base +
+    layer``; ``n_stats`` slots in all). ``prefetching``: a predictor (or a plan) may insert experts,
+    so prefetch use is recorded.
+    """
+
+    cache: ExpertCache
+    policy: Policy
+    cost: CostModel
+    num_experts: int
+    num_layers: int
+    stat_base: np.ndarray
+    n_stats: int
+    shared: bool = False
+    prefetching: bool = False
+    predictor_ms: float = 0.0
+    clock: LinkClock = field(init=False)
+    stats: dict[str, np.ndarray] = field(init=False)
+
+    def __post_init__(self) -> None:
+        lanes = len(self.stat_base)
+        self.clock = LinkClock.start(lanes, self.first_window)
+        self.stats = {name: np.zeros(self.n_stats) for name in STATS}
+        # PreSched's R_hit per lane: prefetched experts used / landed, from a prior of 1 / 2
+        self.r_used = np.ones(lanes)
+        self.r_landed = np.full(lanes, 2.0)
+
+    @property
+    def first_window(self) -> float:
+        """The prefetch window of a token's first layer: its attention, less the prediction."""
+        return self.cost.t_attn - (self.predictor_ms if self.prefetching else 0.0)
+
+    def add(self, name: str, lanes: np.ndarray, layer: np.ndarray, values: np.ndarray) -> None:
+        """Add per-row ``values`` to statistic ``name`` in the rows' slots."""
+        idx = self.stat_base[lanes] + layer
+        self.stats[name] += np.bincount(
+            idx, weights=np.asarray(values, dtype=np.float64), minlength=self.n_stats
+        )
+
+    # ------------------------------------------------------------------ 1. prefetch
+    def prefetch(self, lanes: np.ndarray, layer: np.ndarray, ranked: np.ndarray, t: np.ndarray) -> np.ndarray:
+        """Land the lanes' prefetches for the layer they run next; -> [n, M] the experts inserted.
+
+        ``ranked`` [n, M]: the predicted experts, best first, distinct (-1 padded; a shared cache's
+        items). The predicted ones are shielded: a prefetch never evicts another predicted expert.
+        """
+        cache, clock, t_io = self.cache, self.clock, self.cost.t_io
+        n = len(lanes)
+        nonres = (ranked >= 0) & ~cache.lookup(lanes, ranked)
+        cand = _compact(np.where(nonres, ranked, -1))
+        n_cand = (cand >= 0).sum(1)
+        pf_n = clock.pf_n[lanes]
+        want = np.where(pf_n >= 0, np.minimum(pf_n, n_cand), n_cand)
+        free = clock.free[lanes]
+        if math.isinf(t_io):
+            fit = np.zeros(n, dtype=np.int64)
+        elif t_io <= 0:
+            fit = want
+        else:
+            fit = np.maximum(np.floor(free / t_io + 1e-9), 0).astype(np.int64)
+        # only PreSched's own count may start a transfer that does not finish in the window
+        want = np.where((pf_n >= 0) & (self.policy.balancer == "presched"), want, np.minimum(want, fit))
+        landed = np.minimum(want, fit)
+        finite = math.isfinite(t_io)
+        started = np.minimum(want, landed + 1) if finite else np.zeros(n, dtype=np.int64)
+        late = (want > landed) & finite & (t_io > 0)
+        clock.delay[lanes] = np.maximum(np.where(late, (landed + 1) * t_io - free, 0.0), 0.0)
+        take = np.arange(cand.shape[1])[None, :] < landed[:, None]
+        ins = cache.insert(lanes, np.where(take, cand, -1), shield=ranked, prefetch=True, t=t)
+        self.r_landed[lanes] += landed
+        self.add("pf_inserted", lanes, layer, ins.sum(1))
+        self.add("pf_issued", lanes, layer, want)
+        self.add("pf_landed", lanes, layer, landed)
+        self.add("pf_started", lanes, layer, started)
+        return np.where(ins, cand, -1)
+
+    # ------------------------------------------------------------------ 2-7. the layer
+    def layer(
+        self,
+        lanes: np.ndarray,
+        layer: np.ndarray,
+        ids: np.ndarray,
+        t: np.ndarray,
+        probs: np.ndarray | None = None,
+        next_lanes: np.ndarray | None = None,
+        has_next: np.ndarray | None = None,
+        restart: np.ndarray | None = None,
+        next_predicted: np.ndarray | None = None,
+        next_use: np.ndarray | None = None,
+    ) -> LayerOutcome:
+        """Run layer ``layer`` [n] of ``lanes`` [n] on routed ``ids`` [n, B, k] at lane time ``t`` [n].
+
+        ``probs`` [n, B, E] router probabilities (substitution, score eviction); ``next_lanes`` [n]
+        the lanes that run the next layer of the same tokens where ``has_next`` (their window is
+        written), ``restart`` the rows whose lane runs a first layer next (its window is the first
+        layer's); ``next_predicted`` [n, M'] the next layer's predicted experts (PreSched's E_next);
+        ``next_use`` [n, B * k] when each use's expert is used next (belady).
+        """
+        pol = self.policy
+        n, B, _k = ids.shape
+        delay = self.clock.delay[lanes].copy()
+        self.clock.delay[lanes] = 0.0
+        valid = (ids >= 0).any(2)
+        if pol.substituting:
+            ids = self._substitute(lanes, layer, ids, probs, valid)
+        uniq, counts, hit = self._access(lanes, layer, ids)
+        miss = (uniq >= 0) & ~hit
+        n_miss = miss.sum(1)
+        n_load, load_ids, cpu_ids, t_cpu = self._split(
+            lanes, uniq, counts, miss, delay, B == 1, next_lanes, has_next, next_predicted
+        )
+        cache = self.cache
+        cache.insert(lanes, load_ids, shield=uniq, t=None)
+        cache.touch(lanes, uniq, t)
+        if next_use is not None:
+            cache.set_next_use(lanes, self._items(layer, ids).reshape(n, -1), next_use)
+        if pol.eviction == "score":
+            sc = (probs.astype(np.float32) * valid[:, :, None]).sum(1) / np.maximum(valid.sum(1), 1)[:, None]
+            cache.observe_scores(lanes, sc)
+        layer_t, link = self.layer_time((hit & (uniq >= 0)).sum(1) + n_load, n_load, delay, t_cpu)
+        self._advance(lanes, layer_t, link, next_lanes, has_next, restart)
+        self.add("loads", lanes, layer, n_load)
+        self.add("cpu", lanes, layer, n_miss - n_load)
+        self.add("time", lanes, layer, layer_t)
+        return LayerOutcome(ids, uniq, counts, hit, load_ids, cpu_ids, layer_t, link)
+
+    def layer_time(
+        self, n_dev: np.ndarray, n_load: np.ndarray, delay: np.ndarray, t_cpu: np.ndarray | float
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(layer_t, link) by the formula in the module docstring (an absent link: infinite)."""
+        cost = self.cost
+        t_io = cost.t_io
+        link = delay + n_load * (t_io if math.isfinite(t_io) else 0.0)
+        if not math.isfinite(t_io):
+            link = np.where(n_load > 0, math.inf, link)
+        t_dev = n_dev * cost.t_g
+        layer_t = cost.t_attn + np.maximum(
+            np.maximum(t_dev, link + np.where(n_load > 0, cost.t_g, 0.0)), t_cpu
+        )
+        return layer_t, link
+
+    def _items(self, layer: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """Cache items of expert ids (a shared cache numbers them layer * E + expert)."""
+        if not self.shared:
+            return ids
+        off = (layer * self.num_experts).reshape((-1,) + (1,) * (ids.ndim - 1))
+        return np.where(ids >= 0, ids + off, -1)
+
+    def _substitute(
+        self, lanes: np.ndarray, layer: np.ndarray, ids: np.ndarray, probs: np.ndarray, valid: np.ndarray
+    ) -> np.ndarray:
+        """SMoE Algorithm 1 against the lane's resident set (the slots of a row share the set C)."""
+        n, B, k = ids.shape
+        E = self.num_experts
+        res = self.cache.resident[np.repeat(lanes, B)]
+        if self.shared:
+            res = res.reshape(n * B, self.num_layers, E)[np.arange(n * B), np.repeat(layer, B)]
+        new_ids, nsub = substitute(
+            probs.reshape(n * B, E).astype(np.float32),
+            ids.reshape(n * B, k),
+            res,
+            self.policy.alpha,
+            group=np.repeat(np.arange(n), B),
+        )
+        self.add("subs", lanes, layer, (nsub.reshape(n, B) * valid).sum(1))
+        return np.where(valid[:, :, None], new_ids.reshape(n, B, k), -1)
+
+    def _access(
+        self, lanes: np.ndarray, layer: np.ndarray, ids: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The union of the rows' experts with token counts, and which are resident."""
+        n, B, k = ids.shape
+        flat = self._items(layer, ids).reshape(n, B * k)
+        if B > 1:
+            uniq, counts = union_counts(flat)
+        else:
+            uniq, counts = flat, (flat >= 0).astype(np.int64)
+        hit = self.cache.lookup(lanes, uniq)
+        if self.prefetching:
+            used = (hit & self.cache.was_prefetched(lanes, uniq)).sum(1)
+            self.r_used[lanes] += used
+            self.add("pf_used", lanes, layer, used)
+        self.add("uses", lanes, layer, counts.sum(1))
+        self.add("hits", lanes, layer, (counts * hit).sum(1))
+        return uniq, counts, hit
+
+    def _split(
+        self,
+        lanes: np.ndarray,
+        uniq: np.ndarray,
+        counts: np.ndarray,
+        miss: np.ndarray,
+        delay: np.ndarray,
+        one_token: bool,
+        next_lanes: np.ndarray | None,
+        has_next: np.ndarray | None,
+        next_predicted: np.ndarray | None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The balancer: (n_load, load ids, CPU ids, CPU time) from the misses, largest first."""
+        bal, cost = self.policy.balancer, self.cost
+        n = len(lanes)
+        n_miss = miss.sum(1)
+        if bal == "none" and one_token:
+            # one token per expert: every miss is loaded and no queue order is needed
+            none = np.full(uniq.shape, -1)
+            return n_miss, np.where(miss, uniq, -1), none, np.zeros(n)
+        msize = np.where(miss, counts, 0)
+        morder = np.argsort(-msize, axis=1, kind="stable")
+        mids = np.take_along_axis(np.where(miss, uniq, -1), morder, 1)
+        msz = np.take_along_axis(msize, morder, 1).astype(np.float64)
+        if bal == "smoe":
+            n_load = two_pointer_split(
+                msz, n_miss, cost.t_io if math.isfinite(cost.t_io) else math.inf, cost.beta
+            )
+        elif bal == "presched":
+            nsz, nn = self._next_pending(next_lanes, has_next, next_predicted, n)
+            dec = schedule(
+                _reverse_valid(msz, n_miss),
+                n_miss,
+                nsz,
+                nn,
+                delay,
+                self.r_used[lanes] / self.r_landed[lanes],
+                cost,
+            )
+            n_load = dec.n_load
+            if has_next is not None:
+                self.clock.pf_n[next_lanes[has_next]] = dec.n_prefetch[has_next]
+        elif bal == "cpu":
+            n_load = np.zeros_like(n_miss)
+        else:
+            n_load = n_miss
+        col = np.arange(mids.shape[1])[None, :]
+        load_ids = np.where(col < n_load[:, None], mids, -1)
+        cpu_mask = (col >= n_load[:, None]) & (mids >= 0)
+        t_cpu = np.where(cpu_mask, cost.beta * msz + cost.c, 0.0).sum(1)
+        return n_load, load_ids, np.where(cpu_mask, mids, -1), t_cpu
+
+    def _next_pending(
+        self,
+        next_lanes: np.ndarray | None,
+        has_next: np.ndarray | None,
+        predicted: np.ndarray | None,
+        n: int,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """PreSched's E_next: the next layer's predicted experts not resident there, token counts
+        ascending ([n, M'] sizes, [n] how many)."""
+        if predicted is None or next_lanes is None or has_next is None:
+            return np.zeros((n, 0)), np.zeros(n, dtype=np.int64)
+        uniq, counts = union_counts(predicted)
+        res = self.cache.lookup(next_lanes, uniq)
+        keep = (uniq >= 0) & ~res & has_next[:, None]
+        sizes = np.sort(np.where(keep, counts, np.inf).astype(np.float64), axis=1)
+        return np.where(np.isfinite(sizes), sizes, 0.0), keep.sum(1)
+
+    def _advance(
+        self,
+        lanes: np.ndarray,
+        layer_t: np.ndarray,
+        link: np.ndarray,
+        next_lanes: np.ndarray | None,
+        has_next: np.ndarray | None,
+        restart: np.ndarray | None,
+    ) -> None:
+        """Write the prefetch windows this layer leaves: the next layer's, and a first layer's."""
+        busy = np.maximum(link, self.predictor_ms) if self.prefetching and self.predictor_ms else link
+        if next_lanes is not None and has_next is not None:
+            with np.errstate(invalid="ignore"):
+                self.clock.free[next_lanes[has_next]] = np.nan_to_num(layer_t - busy, nan=0.0)[has_next]
+        if restart is not None:
+            self.clock.free[lanes[restart]] = self.first_window
+            self.clock.pf_n[lanes[restart]] = -1  # no PreSched decision reaches a first layer
+
+
+def _compact(a: np.ndarray) -> np.ndarray:
+    """Move each row's non-negative entries to the front, keeping their order."""
+    order = np.argsort(a < 0, axis=1, kind="stable")
+    return np.take_along_axis(a, order, 1)
+
+
+def union_counts(flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row: distinct non-negative ids (-1 padded) and how many times each occurs."""
+    big = np.iinfo(np.int64).max
+    srt = np.sort(np.where(flat >= 0, flat, big), axis=1)
+    first = np.ones(srt.shape, dtype=bool)
+    first[:, 1:] = srt[:, 1:] != srt[:, :-1]
+    first &= srt != big
+    grp = np.cumsum(first, axis=1) - 1
+    rows = np.broadcast_to(np.arange(len(flat))[:, None], srt.shape)
+    uniq = np.full(srt.shape, -1, dtype=np.int64)
+    uniq[rows[first], grp[first]] = srt[first]
+    counts = np.zeros(srt.shape, dtype=np.int64)
+    ok = srt != big
+    np.add.at(counts, (rows[ok], grp[ok]), 1)
+    return uniq, counts
+
+
+def _reverse_valid(desc: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """Rows sorted descending in their first n entries -> the same entries ascending."""
+    M = desc.shape[1]
+    idx = np.clip(n[:, None] - 1 - np.arange(M)[None, :], 0, max(M - 1, 0))
+    out = np.take_along_axis(desc, idx, 1) if M else desc
+    return np.where(np.arange(M)[None, :] < n[:, None], out, 0.0)

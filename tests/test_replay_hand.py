@@ -1,0 +1,221 @@
+"""Replay timing rules pinned by hand: when each prefetch lands, which loads are demand loads, the
+per-layer time and the modeled TPOT, on traces small enough to follow on paper.
+
+Every figure below is worked out in the comments from the rules of runtime/step.py's docstring,
+not from either engine, and both engines (the general one and the batch-1 one) must reproduce it.
+The cost model makes the arithmetic exact: one transfer t_io = 1 ms, one device expert t_g = 0.25 ms,
+attention t_attn = 1.5 ms (0.5 ms in the second trace), top-2 of 8 experts, 2 layers, 2 experts per
+layer resident, every token a decode step:
+
+    layer_t = t_attn + max(n_dev * t_g, delay + n_load * t_io + t_g [n_load > 0], t_cpu)
+    window of layer 1 = layer_t(0) - max(link(0), t_pred);  window of layer 0 = t_attn - t_pred
+    prefetches that land = floor(window / t_io)
+
+With one transfer slot more than the window holds (each prefetch landing one transfer late), every
+test of a prefetch here fails; so does a prefetch started at layer 0 that cannot land.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import synthetic_record, synthetic_writer
+from moecast.collect.traceset import TraceSet
+from moecast.runtime.cost_model import CostModel, HardwareProfile
+from moecast.runtime.policy import Policy
+from moecast.runtime.replay import ReplayConfig, replay
+
+EXPERT_BYTES = 3 * 16 * 32 * 2  # the synthetic model's expert size (conftest.synthetic_writer)
+
+
+def _profile(attn_ms: float, cpu_c_ms: float = 100.0) -> HardwareProfile:
+    return HardwareProfile(
+        name="hand",
+        transfer_gbps=EXPERT_BYTES / 1e6,  # one expert per ms
+        ref_expert_bytes=EXPERT_BYTES,
+        gpu_expert_ms=0.25,
+        cpu_beta_ms=0.0,
+        cpu_c_ms=cpu_c_ms,
+        attn_ms=attn_ms,
+    )
+
+
+def _trace(path: Path, routes: list[list[list[int]]], decode: list[bool] | None = None) -> TraceSet:
+    """One request whose token t routes to routes[t][layer] (top-2 of 8 experts, 2 layers)."""
+    ids = np.array(routes)
+    w = synthetic_writer(path, num_layers=ids.shape[1], num_experts=8, top_k=2, with_optional=False)
+    phases = np.ones(len(ids), bool) if decode is None else np.array(decode)
+    w.write([synthetic_record(0, np.arange(len(ids)), ids, phases)])
+    return TraceSet(path)
+
+
+# token t: [layer 0 experts, layer 1 experts]
+ROUTES_A = [[[0, 1], [2, 3]], [[0, 4], [2, 5]], [[4, 6], [3, 5]]]
+ROUTES_B = [[[0, 1], [2, 3]], [[0, 1], [4, 5]], [[0, 2], [4, 6]]]
+
+
+def test_profile_gives_the_round_numbers():
+    c = CostModel.from_profile(_profile(1.5), EXPERT_BYTES)
+    assert (c.t_io, c.t_g, c.t_attn) == pytest.approx((1.0, 0.25, 1.5))
+
+
+def _run(ts: TraceSet, fast: bool, policy: str | Policy = "prefetch", **kw) -> object:
+    cfg = dict(policy=policy, capacity=2, cold=True, fast=fast, hardware=_profile(1.5))
+    if policy != "lru":
+        cfg["predictor"] = "oracle"
+    return replay(ts, ReplayConfig(**{**cfg, **kw}))
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_demand_loads_and_layer_times_without_prefetch(tmp_path, fast):
+    """LRU on demand, trace A:
+    t0: both layers load both experts: 1.5 + max(0.5, 2 + 0.25) = 3.75 each; step 7.5
+    t1: L0 {0,1} -> {0,4}: hit 0, load 4 (evicts 1): 1.5 + max(0.5, 1.25) = 2.75; L1 {2,3} -> {2,5}:
+        hit 2, load 5 (evicts 3): 2.75; step 5.5
+    t2: L0 {0,4} -> {4,6}: hit 4, load 6; L1 {2,5} -> {3,5}: hit 5, load 3; step 5.5
+    hits 4 / 12, demand loads 8, TPOT (7.5 + 5.5 + 5.5) / 3, per layer (3.75 + 2.75 + 2.75) / 3."""
+    r = _run(_trace(tmp_path / "a", ROUTES_A), fast, "lru")
+    assert r.hit_rate == pytest.approx(4 / 12)
+    assert r.loads == 8 and r.prefetches_landed == 0 and r.cpu_experts == 0
+    assert r.modeled_tpot_ms == pytest.approx(18.5 / 3)
+    assert r.layer_time_ms_per_layer == pytest.approx([9.25 / 3, 9.25 / 3])
+    assert r.bytes_moved == 8 * EXPERT_BYTES
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_oracle_prefetch_lands_only_inside_the_window(tmp_path, fast):
+    """Oracle prefetch, trace A, t_attn 1.5 (candidates: the true experts, lowest id first):
+    t0 L0: window 1.5 -> 1 lands (0); access {0,1}: hit 0, load 1: link 1, 1.5 + max(0.5, 1.25) = 2.75
+       L1: window 2.75 - 1 = 1.75 -> 1 lands (2); hit 2, load 3: 2.75; step 5.5
+    t1 L0: window 1.5 -> 4 lands (evicts 1; 0 is predicted, shielded); hits 2, no load: 1.5 + 0.5 = 2.0
+       L1: window 2.0 -> 5 lands (evicts 3); hits 2: 2.0; step 4.0
+    t2 L0: 6 lands (evicts 0); hits 2: 2.0; L1: 3 lands (evicts 2); hits 2: 2.0; step 4.0
+    hits 10 / 12, demand loads 2 (token 0), 6 prefetches issued, landed and used, TPOT 13.5 / 3."""
+    r = _run(_trace(tmp_path / "a", ROUTES_A), fast)
+    assert r.hit_rate == pytest.approx(10 / 12)
+    assert r.hit_rate_per_layer == pytest.approx([5 / 6, 5 / 6])
+    assert r.loads == 2
+    assert (r.prefetches_issued, r.prefetches_landed) == (6, 6)
+    assert r.prefetch_accuracy == 1.0
+    assert r.modeled_tpot_ms == pytest.approx(4.5)
+    assert r.layer_time_ms_per_layer == pytest.approx([6.75 / 3, 6.75 / 3])
+    assert r.bytes_moved == (2 + 6) * EXPERT_BYTES
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_the_window_is_what_the_previous_layer_leaves(tmp_path, fast):
+    """Oracle prefetch, trace B, t_attn 0.5 and 4 experts per layer: layer 0's window (0.5) never
+    holds a transfer; layer 1's is layer 0's time less its link.
+    t0 L0: 2 loads: link 2, 0.5 + 2.25 = 2.75; L1: window 0.75 -> none; 2 loads: 2.75; step 5.5
+    t1 L0: hits 2, link 0: 0.5 + 0.5 = 1.0; L1: window 1.0 -> exactly 1 lands (4); hit 4, load 5:
+       0.5 + max(0.5, 1.25) = 1.75; step 2.75
+    t2 L0: hit 0, load 2: 1.75; L1: window 0.75 -> none; hit 4, load 6 (evicts 2, the lower of the
+       two least recent): 1.75; step 3.5
+    hits 5 / 12, demand loads 7, 1 prefetch, TPOT 11.75 / 3, per layer 5.5 / 3 and 6.25 / 3."""
+    r = _run(_trace(tmp_path / "b", ROUTES_B), fast, capacity=4, hardware=_profile(0.5))
+    assert r.hit_rate == pytest.approx(5 / 12)
+    assert r.hit_rate_per_layer == pytest.approx([3 / 6, 2 / 6])
+    assert r.loads == 7
+    assert (r.prefetches_issued, r.prefetches_landed) == (1, 1)
+    assert r.modeled_tpot_ms == pytest.approx(11.75 / 3)
+    assert r.layer_time_ms_per_layer == pytest.approx([5.5 / 3, 6.25 / 3])
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_predictor_latency_comes_before_the_prefetch(tmp_path, fast):
+    """Trace A with the predictor taking 0.6 ms per layer: layer 0's window is 1.5 - 0.6 = 0.9, so
+    nothing lands there; layer 1's starts when both the prediction and layer 0's loads are done.
+    t0 L0: 2 loads: 1.5 + 2.25 = 3.75; L1: window 3.75 - max(2, 0.6) = 1.75 -> 2 lands; hit 2,
+       load 3: 2.75; step 6.5
+    t1 L0: hit 0, load 4: link 1, 2.75; L1: window 2.75 - max(1, 0.6) = 1.75 -> 5 lands; hits 2: 2.0
+    t2 L0: hit 4, load 6: 2.75; L1: window 1.75 -> 3 lands; hits 2: 2.0
+    hits 7 / 12, demand loads 5, 3 prefetches, TPOT (6.5 + 4.75 + 4.75) / 3.
+    Trace B with 0.3 ms: at t1 layer 0 has no load, yet layer 1's window is 1.0 - 0.3 = 0.7: none
+    lands. Steps 5.5, 1.0 + 2.75, 1.75 + 1.75: hits 4 / 12, loads 8, TPOT 12.75 / 3."""
+    r = _run(_trace(tmp_path / "a", ROUTES_A), fast, predictor_ms=0.6)
+    assert r.hit_rate_per_layer == pytest.approx([2 / 6, 5 / 6])
+    assert (r.loads, r.prefetches_landed) == (5, 3)
+    assert r.modeled_tpot_ms == pytest.approx(16 / 3)
+    assert r.predictor_ms == 0.6 and r.config["predictor_ms_from"] == "--predictor_ms"
+    b = _run(_trace(tmp_path / "b", ROUTES_B), fast, capacity=4, hardware=_profile(0.5), predictor_ms=0.3)
+    assert b.hit_rate == pytest.approx(4 / 12)
+    assert (b.loads, b.prefetches_landed) == (8, 0)
+    assert b.modeled_tpot_ms == pytest.approx(12.75 / 3)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_tpot_counts_decode_steps_only(tmp_path, fast):
+    """Trace A with token 0 a prefill token: the TPOT is the mean of the decode steps (4.0 and 4.0
+    from the prefetch timeline above); the per-layer times still cover every step."""
+    r = _run(_trace(tmp_path / "a", ROUTES_A, decode=[False, True, True]), fast)
+    assert r.modeled_tpot_ms == pytest.approx(4.0)
+    assert r.tpot_basis == "decode steps"
+    assert r.layer_time_ms_per_layer == pytest.approx([6.75 / 3, 6.75 / 3])
+    prefill = _run(_trace(tmp_path / "p", ROUTES_A, decode=[False] * 3), fast)
+    assert prefill.modeled_tpot_ms == pytest.approx(4.5)
+    assert prefill.tpot_basis.startswith("every token as a step")
+
+
+PRESCHED = Policy("presched-empty", "lru", balancer="presched", prefetch="predictor")
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_presched_late_prefetch_and_no_prefetch_at_layer_0(tmp_path, fast):
+    """PreSched (no hot table), one token [[0, 1], [2, 3]], t_attn 0.5, one CPU expert 2.25 ms:
+    L0: no PreSched decision reaches a first layer, so only what fits in its window may start:
+        0.5 // 1 = none. Eq. 5 on 2 misses: i'=0: 0 + 2 + 0.25 < 0 no; i'=1: 1.25 < 2.25 yes ->
+        load 0, CPU 1 (t_cpu 2.25). Eq. 6: gap 2.25 - 0 - 1 = 1.25, f = (1.25 + 0.5) / 1 = 1.75,
+        |f| = 2, xi = 0.5 * 0.75 - 0.5 * 0.25 > 0 -> 2 prefetches for L1 (both of its experts).
+        Time 0.5 + max(0.25, 1.25, 2.25) = 2.75; L1's window 2.75 - 1 = 1.75.
+    L1: 2 asked, 1 fits: 2 lands, 3 is started and lands 2 - 1.75 = 0.25 ms after L1's experts
+        start (not resident). Eq. 5 on one miss with delay 0.25: i'=0: 0.25 + 1 + 0.25 < 0 no; i'=1:
+        0.5 < 2.25 yes -> 3 on the CPU. Time 0.5 + max(0.25, 0.25, 2.25) = 2.75.
+    hits 1 / 4, demand loads 1, CPU experts 2, prefetches asked 2, landed 1, bytes moved 1 + 2
+    transfers, TPOT 5.5."""
+    ts = _trace(tmp_path / "c", [[[0, 1], [2, 3]]])
+    r = _run(ts, fast, PRESCHED, hardware=_profile(0.5, cpu_c_ms=2.25))
+    assert r.hit_rate_per_layer == pytest.approx([0.0, 0.5])
+    assert (r.loads, r.cpu_experts) == (1, 2)
+    assert (r.prefetches_issued, r.prefetches_landed) == (2, 1)
+    assert r.bytes_moved == 3 * EXPERT_BYTES
+    assert r.layer_time_ms_per_layer == pytest.approx([2.75, 2.75])
+    assert r.modeled_tpot_ms == pytest.approx(5.5)
+
+
+def test_cold_presched_reports_its_preload(tmp_path):
+    """The presched preset starts each cold request from the hot-expert table: 2 experts x 2 layers
+    = 4 transfers of 1 ms at each of the 1 request's starts, spread over its 3 steps."""
+    r = _run(_trace(tmp_path / "a", ROUTES_A), False, "presched")
+    assert r.preload_ms == pytest.approx(4.0)
+    assert r.modeled_tpot_ms_with_preload == pytest.approx(r.modeled_tpot_ms + 4.0 / 3)
+    assert _run(_trace(tmp_path / "b", ROUTES_A), False).modeled_tpot_ms_with_preload is None
+
+
+def test_predictor_latency_from_the_cli_and_the_profile(tmp_path, capsys):
+    """`moecast replay --predictor_ms` charges the given latency; left out, the hardware profile's;
+    a negative one is refused in one line."""
+    import json
+
+    from moecast.runtime.cost_model import load_profile
+
+    from moecast.cli import main
+
+    _trace(tmp_path / "a", ROUTES_A)
+    base = ["replay", "--traces", str(tmp_path / "a"), "--policy", "prefetch", "--capacity", "2", "--json"]
+
+    def row(*extra: str) -> dict:
+        assert main([*base, *extra]) in (None, 0)
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    given = row("--predictor_ms", "0.6")
+    assert (given["predictor_ms"], given["predictor_ms_from"]) == (0.6, "--predictor_ms")
+    default = row()
+    assert default["predictor_ms"] == load_profile("prescope-a100-pcie4").predictor_ms == 0.06
+    assert default["predictor_ms_from"] == "hardware profile prescope-a100-pcie4"
+    assert row("--predictor", "none")["predictor_ms"] == 0.0
+    with pytest.raises(SystemExit) as exc:
+        main([*base, "--predictor_ms", "-1"])
+    msg = str(exc.value.code)
+    assert len(msg.splitlines()) == 1 and "--predictor_ms must be a finite number of ms >= 0" in msg
