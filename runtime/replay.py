@@ -60,6 +60,8 @@ from moecast.runtime.policy import Policy, get_policy
 from moecast.runtime.prefetch import OraclePredictor, plan_prior, top_predictions
 from moecast.runtime.step import STATS, LayerStep
 
+from moecast.errors import InputError
+
 DEFAULT_HARDWARE = "prescope-a100-pcie4"
 
 
@@ -283,16 +285,16 @@ def _prepare(ts: TraceSet, cfg: ReplayConfig, capacities: list[float | str]) -> 
             f"{ts.path}: the TraceSet holds no requests to replay; collect or import some first"
         )
     if int(cfg.batch_size) < 1:
-        raise ValueError(f"batch size must be >= 1, got {cfg.batch_size}")
+        raise InputError(f"batch size must be >= 1, got {cfg.batch_size}")
     if spec.eviction == "score" or spec.substituting:
         ts.require("router_probs", f"policy {spec.name!r} (SMoE score eviction / substitution)")
     if spec.eviction == "score" and cfg.shared:
-        raise ValueError(
+        raise InputError(
             "score eviction keeps one score window per layer; drop --shared or choose another policy"
         )
     caps = np.array([resolve_capacity(c, E, k, m.expert_bytes) for c in capacities], dtype=np.int64)
     if len(caps) == 0:
-        raise ValueError("no capacities to replay")
+        raise InputError("no capacities to replay")
     profile = cfg.hardware if isinstance(cfg.hardware, HardwareProfile) else load_profile(cfg.hardware)
     pred_name = ("oracle" if spec.prefetches else "none") if cfg.predictor is None else cfg.predictor
     predictor, planner = _predictors(ts, cfg, spec, pred_name)
@@ -311,27 +313,27 @@ def _prepare(ts: TraceSet, cfg: ReplayConfig, capacities: list[float | str]) -> 
 def _predictors(ts: TraceSet, cfg: ReplayConfig, spec: Policy, pred_name: str) -> tuple[Any, Any]:
     """The prefetch predictor and the planner, refused where they could change nothing."""
     if spec.eviction == "belady" and (pred_name not in (None, "none") or cfg.planner):
-        raise ValueError(
+        raise InputError(
             "belady is the demand-only offline optimum; use it with --predictor none and no --planner"
         )
     if spec.eviction == "static" and pred_name not in (None, "none"):
         # the slots are fixed: a prefetch would move bytes and change no hit (a --planner's plan
         # is pinned in the table's place for its request, as the live runtime does)
-        raise ValueError(
+        raise InputError(
             "static pins its experts and never inserts, so nothing can prefetch into it; use --predictor none"
         )
     predictor = _load_predictor(pred_name, ts)
     if predictor is not None and not isinstance(pred_name, str):
         pred_name = getattr(predictor, "name", type(predictor).__name__)
     if not (math.isfinite(cfg.plan_weight) and cfg.plan_weight >= 0):
-        raise ValueError(f"--plan-weight must be a finite number >= 0, got {cfg.plan_weight}")
+        raise InputError(f"--plan-weight must be a finite number >= 0, got {cfg.plan_weight}")
     planner = _load_predictor(cfg.planner, ts) if cfg.planner else None
     if planner is not None and (
         getattr(planner, "horizon", "") != "prompt-ahead" or not hasattr(planner, "plan")
     ):
         # MoE-Infinity's matching is prompt-ahead in the paper's sense but reads the request's
         # routing so far, token by token: it has no plan to preload before decoding
-        raise ValueError(
+        raise InputError(
             f"--planner {cfg.planner}: {planner.name} ({planner.horizon}) does not plan from the prompt; "
             "a planner is an EAM, EAP or cascade checkpoint (give other predictors as --predictor)"
         )
@@ -349,7 +351,7 @@ def _predictor_latency(cfg: ReplayConfig, predictor: Any, profile: HardwareProfi
     if cfg.predictor_ms is not None:
         v = float(cfg.predictor_ms)
         if not (math.isfinite(v) and v >= 0):
-            raise ValueError(f"--predictor_ms must be a finite number of ms >= 0, got {cfg.predictor_ms}")
+            raise InputError(f"--predictor_ms must be a finite number of ms >= 0, got {cfg.predictor_ms}")
         return v, "--predictor_ms"
     measured = predictor.metadata().get("predictor_ms") if hasattr(predictor, "metadata") else None
     if measured is not None:
