@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
@@ -93,7 +94,7 @@ def test_dry_run_runs_every_cpu_row(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["bench_gpu.py"])
     args = ["--device", "cpu", "--quick", "--ds-shape", "test", "--tiny-preset", "test", "--out", str(tmp_path),
             "--requests", "1", "--prompt", "8", "--tokens", "5", "--train-requests", "8", "--train-epochs", "1"]  # fmt: skip
-    rows = bench_gpu.rows(args)
+    rows = bench_gpu.run(args)
     by = {(r["model"], r["config"]): r for r in rows}
     assert not [r for r in rows if r["status"] == "FAILED"]
     for model in ("tiny", "deepseek-shaped"):
@@ -112,6 +113,14 @@ def test_dry_run_runs_every_cpu_row(tmp_path, monkeypatch):
     assert ("BENCHMARK MODE" if ds_model.find_puffin() is not None else "own random router") in md
     assert json.loads((tmp_path / "gpu-cpu.json").read_text()) == json.loads(json.dumps(rows, default=str))
     assert (tmp_path / "bench-cpu-tiny.yaml").is_file()
+    figs = bench_gpu.figures(rows)
+    assert {f["verdict"] for f in figs if "alpha-0" in f["name"]} == {"ok"}
+    lru = by[("tiny", "on-demand LRU")]
+    err = next(f for f in figs if f["name"] == "tiny: on-demand LRU |modeled / measured - 1|")
+    assert err["number"] == pytest.approx(abs(lru["modeled_tpot_ms"] / lru["measured_tpot_ms"] - 1))
+    best = min(by[("tiny", c)]["measured_tpot_ms"] for c in bench_gpu.MOECAST_ROWS[1:])
+    ratio = next(f for f in figs if f["name"] == "tiny: best moecast TPOT / on-demand LRU")
+    assert ratio["number"] == pytest.approx(best / lru["measured_tpot_ms"]) and ratio["goal"] == "<= 0.667"
 
 
 def test_a_failing_row_is_recorded_and_the_rest_go_on(tmp_path):
@@ -148,3 +157,11 @@ def test_extracted_routing_equals_the_csv_routing(puffin_dir, tmp_path, monkeypa
     for x, y in zip(a.requests, b.requests):
         assert np.array_equal(x.topk_ids, y.topk_ids) and np.array_equal(x.tokens, y.tokens)
         assert np.array_equal(x.token_hashes, y.token_hashes) and x.topk_ids.shape[1:] == (3, 6)
+
+
+def test_runner_entry_without_cuda_is_one_skipped_row(monkeypatch):
+    import bench_gpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    (row,) = bench_gpu.rows(True)
+    assert row["verdict"] == "SKIPPED" and "tests/test_bench_gpu.py" in row["value"]
