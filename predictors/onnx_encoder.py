@@ -13,7 +13,7 @@ tensor at run time; attention's activation-activation products stay fp32.
 
 Measured on this project's 2-core AMD EPYC (AVX2, no VNNI) with ``python bench/bench_casmoe.py
 [--engine onnx|torch] [--int8] [--threads N]``: EAM query latency (embedding + HNSW) over the 200
-held-out DeepSeek Puffin prompts (median 28 tokens), p50, same session, load ~0.8:
+held-out DeepSeek Puffin prompts (median 28 tokens), p50, all in one process, load ~0.8:
 
 - fp32, 1 thread: 12.3 ms by ONNX Runtime against 17.4 ms by torch (means 25.7 and 28.4 ms; the
   mean is set by the few prompts near the 256-token limit, which are compute-bound in both);

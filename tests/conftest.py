@@ -19,7 +19,7 @@ PUFFIN = SHARED / "traces" / "deepseek-v2-lite-puffin"
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_outputs(tmp_path_factory):
     # wandb, Lightning and the tiny-model cache must never write into the checkout or $HOME;
-    # session scope so that module- and session-scoped fixtures (which run before any
+    # the widest pytest scope, so that module- and run-wide fixtures (which run before any
     # function-scoped one) see the isolated folders too
     root = tmp_path_factory.getbasetemp()
     with pytest.MonkeyPatch.context() as mp:

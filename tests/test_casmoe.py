@@ -37,7 +37,7 @@ TOPICS = [
 
 
 def _distinct_prompts(path: Path) -> None:
-    """Give each synthetic request a real, distinct sentence as its prompt (the helper writes 'prompt N')."""
+    """Give each synthetic request a real, distinct sentence as its prompt (make_synthetic_traceset writes 'prompt N')."""
     import pyarrow as pa
     from moecast.collect.traceset import _read_table, _write_table
 

@@ -72,7 +72,7 @@ def _assert_one_line_error(run: subprocess.CompletedProcess, *needles: str) -> s
 
 
 def _tiny_home(tmp_path_factory) -> Path:
-    # the same $MOECAST_HOME as conftest's autouse fixture: tiny:test is built once per session
+    # the same $MOECAST_HOME as conftest's autouse fixture: tiny:test is built once per test run
     return Path(os.environ.get("MOECAST_TEST_HOME", str(tmp_path_factory.getbasetemp() / "moecast_home")))
 
 
