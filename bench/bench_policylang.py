@@ -20,7 +20,7 @@ recorded top-6: ``0.9 / k`` on each recorded expert (slightly decreasing in the 
 ranking is strict) and the remaining 0.1 spread evenly over the others. Its top-k is then exactly the
 recorded set; nothing else of the distribution is used by the two policies compared here.
 
-The two simulators differ in semantics (DESIGN.md, Metrics): ours treats a token's top-k at a layer as
+The two simulators differ in semantics (docs/design.md, Metrics): ours treats a token's top-k at a layer as
 one access (hits = |top-k ∩ resident| are counted first, then the misses are loaded, and the current
 token's experts are never evicted); MoE-PolicyLang touches the ids one at a time, so a miss of one of
 the token's experts can evict another of the same token's experts before it is looked up, and its

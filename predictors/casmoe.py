@@ -116,7 +116,7 @@ def plan_truth(ep: np.ndarray, k: int) -> np.ndarray:
 
 
 def plan_recall(plans: np.ndarray, true_ep: np.ndarray, k: int) -> dict[str, Any]:
-    """Plan recall@k (DESIGN.md metric) of [N, L, E] plans against the top-k of the true EP labels.
+    """Plan recall@k (docs/design.md, Metrics) of [N, L, E] plans against the top-k of the true EP labels.
 
     Each request is one row per layer: |top-k(plan) ∩ top-k(EP)| / k, averaged over
     requests and layers; also per layer, precision and F1 from the shared accumulator.

@@ -1,4 +1,4 @@
-"""Predictor checkpoints: one ``.safetensors`` file, tensors plus JSON metadata in its header (DESIGN.md).
+"""Predictor checkpoints: one ``.safetensors`` file, tensors plus JSON metadata in its header (docs/design.md).
 
 No pickles. ``save`` writes atomically; ``load_raw`` returns (tensors, metadata);
 ``check_fingerprint`` refuses a checkpoint used with another model, naming both.

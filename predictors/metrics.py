@@ -1,4 +1,4 @@
-"""Prediction metrics, one definition everywhere (DESIGN.md, "Metrics").
+"""Prediction metrics, one definition everywhere (docs/design.md, "Metrics").
 
 - recall@k = |predicted top-k ∩ actual top-k| / k, averaged over (token, layer).
   ``k`` defaults to the model's top-k (the width of the true id array). With a

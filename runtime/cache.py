@@ -1,6 +1,6 @@
 """Expert cache: which experts are resident on the device, and which one leaves when another arrives.
 
-Eviction policies (DESIGN.md, "Runtime"):
+Eviction policies (docs/design.md, "Runtime"):
 
 - ``lru``: least recently accessed first.
 - ``lfu``: fewest accesses since the cache started (counted whether resident or not), then least

@@ -10,7 +10,7 @@ Which cases it serves (:mod:`moecast.runtime.replay` picks it; ``ReplayConfig(fa
 
 Everything else (substitution, batches, a shared cache, score eviction, SMoE's balancer, planners,
 ids outside 0..63) goes to the general engine, which runs the per-layer step of
-:mod:`moecast.runtime.step`. How they are kept equal: this engine follows the same rules (DESIGN.md
+:mod:`moecast.runtime.step`. How they are kept equal: this engine follows the same rules (docs/design.md,
 replay: a token's top-k at a layer is one access, its own experts are never evicted, ties by lowest
 id; the step's prefetch window, landing and layer time), and tests/test_replay.py compares every
 statistic of both engines (hit rates per layer, loads, CPU experts, prefetches issued and landed,

@@ -1,7 +1,7 @@
 """The live runtime: SMoE's importance-driven expert scheduling inside a Hugging Face MoE model.
 
 ``rt = attach(model, policy="smoe", capacity=0.25, alpha=0.3)`` replaces the model's
-experts call (DESIGN.md, "Where moecast attaches": every transformers-5 MoE family calls
+experts call (docs/design.md, "Where moecast attaches": every transformers-5 MoE family calls
 ``experts(hidden_states, top_k_index, top_k_weights)`` after its router) with
 ``moecast_live``. Per MoE layer and forward pass, following SMoE §IV-V (Fig. 9):
 
@@ -21,7 +21,7 @@ experts call (DESIGN.md, "Where moecast attaches": every transformers-5 MoE fami
    predicted next layer's experts in the same link queue), which also sizes step 5's prefetch;
 5. prefetch for the next layer: the next layer's gate applied to this layer's gate input
    (SMoE §IV-C online prediction, without the next layer's attention: the gate-reuse
-   form of DESIGN.md) or a layer-ahead predictor checkpoint (LLaPor); the top-score
+   form of docs/design.md) or a layer-ahead predictor checkpoint (LLaPor); the top-score
    experts not resident are loaded, as many as the link can move while this layer
    computes.
 
@@ -179,7 +179,7 @@ class LiveRuntime:
         self.full = self.capacity >= self.num_experts
         self.predictor = predictor
         # static never inserts, so a predictor cannot prefetch under it: its predictor is the
-        # hot-expert table that fills the slots once (DESIGN.md: eviction static = hot-expert table)
+        # hot-expert table that fills the slots once (docs/design.md: eviction static = hot-expert table)
         self.hot_table: np.ndarray | None = None
         if config.policy == "static" and predictor is not None:
             self.hot_table = hot_table(predictor, self.num_layers, self.num_experts)

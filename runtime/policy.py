@@ -1,6 +1,6 @@
 """Runtime policies: what the replay and the live runtime do at each MoE layer, as one value.
 
-A :class:`Policy` names five choices (DESIGN.md, "Runtime"):
+A :class:`Policy` names five choices (docs/design.md, "Runtime"):
 
 - ``eviction``: the cache's eviction rule (:mod:`moecast.runtime.cache`: lru, lfu, score, static,
   belady);

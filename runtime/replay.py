@@ -1,6 +1,6 @@
 """Trace replay: a discrete-event model of an offloaded MoE over a recorded TraceSet.
 
-Semantics (DESIGN.md, "Metrics"):
+Semantics (docs/design.md, "Metrics"):
 
 - A step is one token of each of B interleaved requests (decode batch size B). A layer's access is
   the union of the step's routed experts at that layer; hits are uses whose expert is resident when
@@ -27,7 +27,7 @@ A replay (:func:`replay_capacities`) goes through named steps:
 4. :func:`_general`: the step grid (:func:`_grid`: streams x steps x B token slots), then per chunk of
    cold streams the lanes (:func:`_lanes`: one cache each, preloaded) and the wavefront
    (:func:`_iteration`: demand access, prefetch window and landing, CPU split, all in the step);
-5. :func:`_results`: the DESIGN.md metrics per capacity.
+5. :func:`_results`: the metrics of docs/design.md per capacity.
 
 Two engines, kept equal:
 
@@ -363,7 +363,7 @@ def _predictor_latency(cfg: ReplayConfig, predictor: Any, profile: HardwareProfi
 
 
 def replay(ts: TraceSet | str, cfg: ReplayConfig) -> ReplayResult:
-    """Replay one configuration over a TraceSet and return the DESIGN.md metrics."""
+    """Replay one configuration over a TraceSet and return the metrics of docs/design.md."""
     return replay_capacities(ts, cfg, [cfg.capacity])[0]
 
 
@@ -779,7 +779,7 @@ def _plan_preload(
 
 
 def _results(run: _Run, out: _Outcome, wall: float) -> list[ReplayResult]:
-    """Per capacity: the DESIGN.md metrics from the [C * L] statistics (index c * L + layer)."""
+    """Per capacity: the metrics of docs/design.md from the [C * L] statistics (index c * L + layer)."""
     L, _E, _k, _B = run.shape
     C = len(run.caps)
     basis = (

@@ -13,7 +13,7 @@ that run a layer now it does, in this order:
    A lane no PreSched decision reached (the first layer) takes as many as fit.
 2. **Substitution** (SMoE Algorithm 1, :func:`moecast.runtime.substitution.substitute`) of the
    routed experts against the resident ones, when the policy substitutes with ``alpha > 0``.
-3. **Access**: the union of the lane's routed experts (one access: DESIGN.md replay semantics);
+3. **Access**: the union of the lane's routed experts (one access: docs/design.md, replay semantics);
    hits are uses whose expert is resident.
 4. **Misses**: the balancer splits them into demand loads and a CPU set (``none``: load all,
    ``smoe``: Algorithm 2, ``presched``: PreSched Eq. 5, ``cpu``: none loaded). Loads are inserted

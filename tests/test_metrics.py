@@ -1,4 +1,4 @@
-"""Metric definitions (DESIGN.md "Metrics") against brute-force and scikit-learn references."""
+"""Metric definitions (docs/design.md, "Metrics") against brute-force and scikit-learn references."""
 
 from __future__ import annotations
 

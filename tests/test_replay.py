@@ -33,7 +33,7 @@ NO_LINK = HardwareProfile(
 
 
 def simple_hit_rate(ts: TraceSet, policy: str, cap: int) -> float:
-    """Deliberately plain per-layer, cold-per-request, demand-only cache (DESIGN.md replay semantics)."""
+    """Deliberately plain per-layer, cold-per-request, demand-only cache (docs/design.md, replay semantics)."""
     hits = uses = 0
     for rid in ts.request_ids:
         ids = ts.get(rid).topk_ids.astype(int)  # [T, L, k]
