@@ -150,6 +150,7 @@ class LayerStore:
         self.expert_in = np.full(self.num_slots, -1, np.int64)  # slot -> expert (-1: empty)
         self.loads = 0
         self.bytes_moved = 0
+        self.wait_s = 0.0  # host time spent blocked on transfers (disk reads, staging reuse)
         self._streams: list[Any] = []
         self._events: dict[
             int, list[Any]
@@ -271,6 +272,16 @@ class LayerStore:
             if self.free_slot() is None:
                 break
             self.load(int(e))
+
+    def cpu_weights(self, experts: np.ndarray) -> tuple[dict[str, torch.Tensor], np.ndarray, int]:
+        """Host tensors that hold ``experts`` for computing them on the CPU: (tensors by name, expert id ->
+        row of those tensors with the sentinel elsewhere, the sentinel = the tensors' expert count)."""
+        table = np.full(self.num_experts, self.num_experts, np.int64)
+        table[experts] = experts
+        return self.host, table, self.num_experts
+
+    def close(self) -> None:
+        """Release what the store holds beyond its tensors (nothing for host memory)."""
 
 
 def _host_copy(experts: nn.Module, name: str, t: torch.Tensor, pin: bool) -> torch.Tensor:

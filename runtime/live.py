@@ -52,6 +52,7 @@ from moecast.runtime.balancer import Balancer
 from moecast.runtime.cache import POLICIES, ExpertCache, StaticTable, resolve_capacity
 from moecast.runtime.cost_model import CostModel, load_profile
 from moecast.runtime.expert_store import LayerStore, SlotView, expert_params
+from moecast.runtime.offload import peak_rss_mb
 from moecast.runtime.policy import substitutes
 from moecast.runtime.prefetch import Prefetcher
 from moecast.runtime.presched import PreSched
@@ -64,6 +65,10 @@ LIVE_IMPL = "moecast_live"
 LIVE_POLICIES = ("smoe", *(p for p in POLICIES if p != "belady"))
 PREFETCH = ("auto", "none", "online", "predictor")
 BALANCE = ("smoe", "presched", "load", "cpu")
+#: where experts that are not resident live: host RAM, or an offload directory read with direct I/O
+OFFLOAD = ("ram", "disk")
+#: the per-layer breakdown of a decode step's wall time, as LiveStats lists and as_dict means
+BREAKDOWN = ("attention", "expert_compute", "transfer_wait", "predictor", "policy")
 
 # finished tokens in the layer-ahead window: LLaPor's history, context and repeat-token features
 # look back at most this far on the runtime's path
@@ -89,6 +94,9 @@ class LiveConfig:
     online_lr: float = 1e-4
     learn_plans: bool = False
     pinned_mb: float | None = None
+    offload: str = "ram"
+    offload_dir: str | None = None
+    io_threads: int = 2
 
     def __post_init__(self) -> None:
         if self.policy not in LIVE_POLICIES:
@@ -108,6 +116,12 @@ class LiveConfig:
             raise ValueError(f"unknown prefetch {self.prefetch!r}; choose one of {', '.join(PREFETCH)}")
         if self.balance not in BALANCE:
             raise ValueError(f"unknown balance {self.balance!r}; choose one of {', '.join(BALANCE)}")
+        if self.offload not in OFFLOAD:
+            raise ValueError(f"unknown offload {self.offload!r}; choose one of {', '.join(OFFLOAD)}")
+        if self.offload == "disk" and not self.offload_dir:
+            raise ValueError("offload disk needs an offload directory (--offload_dir DIR)")
+        if int(self.io_threads) < 1:
+            raise ValueError(f"io_threads must be at least 1, got {self.io_threads}")
         if self.pinned_mb is not None and not (math.isfinite(self.pinned_mb) and self.pinned_mb >= 0):
             raise ValueError(f"pinned_mb must be a size in MB >= 0, got {self.pinned_mb}")
 
@@ -136,6 +150,13 @@ class LiveStats:
     measured_decode_ms: list[float] = field(default_factory=list)
     modeled_decode_ms: list[float] = field(default_factory=list)
     measured_prefill_ms: float = 0.0
+    # per decode step (ms): everything outside the experts calls (attention, dense, router, head), the
+    # experts' arithmetic, host time blocked on transfers, predictor calls, and the rest of the calls
+    attention_decode_ms: list[float] = field(default_factory=list)
+    expert_compute_decode_ms: list[float] = field(default_factory=list)
+    transfer_wait_decode_ms: list[float] = field(default_factory=list)
+    predictor_decode_ms: list[float] = field(default_factory=list)
+    policy_decode_ms: list[float] = field(default_factory=list)
     modeled_prefill_ms: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
@@ -153,6 +174,9 @@ class LiveStats:
         d["modeled_tpot_ms"] = (
             float(np.mean(self.modeled_decode_ms)) if self.modeled_decode_ms else float("nan")
         )
+        for part in BREAKDOWN:
+            ms = getattr(self, f"{part}_decode_ms")
+            d[f"{part}_ms"] = float(np.mean(ms)) if ms else float("nan")
         return d
 
 
@@ -251,12 +275,52 @@ class LiveRuntime:
         self._place()
 
     def _make_stores(self, structure: MoEStructure, config: LiveConfig) -> list[LayerStore]:
-        """One store per MoE layer; host copies are pinned only while their total fits the pinning budget."""
+        """One store per MoE layer; host copies are pinned only while their total fits the pinning budget.
+
+        With ``offload="disk"`` the experts go to the offload directory (written once, resumable) and
+        the module's weights are dropped; each store then reads its misses from there.
+        """
+        self.reader = None
+        self._dropped = False
+        if config.offload == "disk":
+            return self._disk_stores(structure, config)
         experts = [e.experts for e in structure.layers]
         total = sum(_host_bytes(e) for e in experts)
         budget = pinned_budget(config.pinned_mb)
         pin = None if total <= budget else False
         return [LayerStore(e, self.capacity, config.device, pin=pin) for e in experts]
+
+    def _disk_stores(self, structure: MoEStructure, config: LiveConfig) -> list[LayerStore]:
+        from moecast.runtime import offload
+
+        in_memory = all(
+            t.device.type != "meta" for e in structure.layers for t in expert_params(e.experts).values()
+        )
+        meta = offload.offload_meta(self.model, structure)
+        if in_memory:
+            offload.write_offload(self.model, structure, config.offload_dir, dense=False)
+        elif offload.missing_layers(config.offload_dir, meta):
+            raise offload.OffloadError(
+                f"{config.offload_dir} does not hold all of this model's experts and the model has none in "
+                "memory; load it whole once (moecast run --offload disk writes them)"
+            )
+        reader = offload.ExpertReader(config.offload_dir, meta, threads=config.io_threads)
+        device = torch.device(config.device) if config.device else torch.device("cpu")
+        try:
+            if device.type == "cpu":
+                offload.check_fits(self.capacity, reader.layouts, config.capacity)
+            stores = [
+                offload.DiskLayerStore(e.experts, self.capacity, reader, pos, device)
+                for pos, e in enumerate(structure.layers)
+            ]
+        except BaseException:
+            reader.close()
+            raise
+        self.reader = reader
+        if in_memory:
+            offload.drop_experts(structure)
+            self._dropped = True
+        return stores
 
     # ------------------------------------------------------------------ placement
     def _place(self) -> None:
@@ -373,6 +437,16 @@ class LiveRuntime:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        for st in self.stores:
+            st.close()
+        if self.reader is not None:
+            if self._dropped:  # the model gets back the expert weights attach moved to disk
+                from moecast.runtime.offload import restore_experts
+
+                restore_experts(self.structure, self.reader)
+                self._dropped = False
+            self.reader.close()
+            self.reader = None
 
     def __enter__(self) -> LiveRuntime:
         return self
@@ -408,6 +482,7 @@ class LiveRuntime:
         self._link_free = 0.0
         self._arrival[:] = 0.0
         self._pf_plan = None
+        self._acc = dict.fromkeys(("layers", "expert_compute", "transfer_wait", "predictor"), 0.0)
         self._t0 = time.perf_counter()
 
     def _post_forward(self, module: Any, args: Any, output: Any) -> None:
@@ -417,6 +492,7 @@ class LiveRuntime:
             s.decode_steps += 1
             s.measured_decode_ms.append(wall)
             s.modeled_decode_ms.append(self._clock)
+            self._record_breakdown(wall)
             if self.prefetch == "predictor" and len(self._cur_ids) == 1:
                 if self.config.online_update and hasattr(self.predictor, "update"):
                     self._online_update()
@@ -440,6 +516,27 @@ class LiveRuntime:
                 if self._cur_gate is not None and self._context_gate():
                     self._gate_history = [g.copy() for g in self._cur_gate]
         self._step += 1
+
+    def _record_breakdown(self, wall: float) -> None:
+        """One decode step's wall time split: outside the experts calls, and inside them by kind (ms)."""
+        acc, s = {k: v * 1e3 for k, v in self._acc.items()}, self.stats_
+        inner = acc["expert_compute"] + acc["transfer_wait"] + acc["predictor"]
+        s.attention_decode_ms.append(max(0.0, wall - acc["layers"]))
+        s.expert_compute_decode_ms.append(acc["expert_compute"])
+        s.transfer_wait_decode_ms.append(acc["transfer_wait"])
+        s.predictor_decode_ms.append(acc["predictor"])
+        s.policy_decode_ms.append(max(0.0, acc["layers"] - inner))
+
+    def _waited(self) -> float:
+        return sum(st.wait_s for st in self.stores)
+
+    def _timed(self, part: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args)``, its wall time added to ``part`` less the transfer waits inside it (counted apart)."""
+        t0, w0 = time.perf_counter(), self._waited()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._acc[part] += time.perf_counter() - t0 - (self._waited() - w0)
 
     # ------------------------------------------------------------------ the experts call
     def _router_probs(self, pos: int, n: int) -> torch.Tensor:
@@ -476,7 +573,7 @@ class LiveRuntime:
         self._next_scores = None
         nxt = pos + 1
         if self._decode and self.prefetch == "online" and not self.full and nxt < self.num_layers:
-            scores = self._online_scores(nxt, hidden)
+            scores = self._timed("predictor", self._online_scores, nxt, hidden)
             if scores is not None:
                 want["next"] = scores
         got = dict(zip(want, to_host(list(want.values()))))
@@ -501,6 +598,22 @@ class LiveRuntime:
         **kwargs: Any,
     ) -> torch.Tensor:
         """One MoE layer's experts under the runtime (see the module docstring for the steps)."""
+        t0, w0 = time.perf_counter(), self._waited()
+        try:
+            return self._forward_layer(pos, module, hidden, top_k_index, top_k_weights, **kwargs)
+        finally:
+            self._acc["layers"] += time.perf_counter() - t0
+            self._acc["transfer_wait"] += self._waited() - w0
+
+    def _forward_layer(
+        self,
+        pos: int,
+        module: Any,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         st = self.stores[pos]
         s = self.stats_
         cost = self.cost
@@ -517,8 +630,11 @@ class LiveRuntime:
             if self._decode:
                 s.routed += top_k_index.numel()
             self._clock += cost.t_attn + cost.t_g * used
+            st.wait()  # a disk store's slots may still be landing
             view = SlotView(module, st.slots, st.num_slots, False)
-            return self._impl[pos](view, hidden, top_k_index, top_k_weights, **kwargs)
+            return self._timed(
+                "expert_compute", self._impl[pos], view, hidden, top_k_index, top_k_weights, **kwargs
+            )
         host = self._read_layer(pos, hidden, top_k_index, top_k_weights)
         ids = host["ids"].numpy().astype(np.int64)
         probs = host["probs"].numpy() if "probs" in host else None
@@ -581,7 +697,7 @@ class LiveRuntime:
             s.cpu_experts += len(to_cpu)
             s.cpu_uses += int(cpu_tokens.sum())
             # the join: the CPU's experts were computed while the device ran its own
-            part = to_device(cpu_part(), hidden.device)
+            part = to_device(self._timed("expert_compute", cpu_part), hidden.device)
             out = part if out is None else out + part
         if out is None:
             out = torch.zeros_like(hidden)
@@ -658,7 +774,9 @@ class LiveRuntime:
         slot_ids = to_device(torch.from_numpy(table[call.ids]), call.index.device)
         slots = slot_of[experts]
         st.wait(slots)
-        out = self._impl[pos](
+        out = self._timed(
+            "expert_compute",
+            self._impl[pos],
             SlotView(call.module, st.slots, st.num_slots, partial),
             call.hidden,
             slot_ids,
@@ -681,7 +799,7 @@ class LiveRuntime:
                 return self._host(pos, call, experts)
 
         if not self.overlap_cpu:
-            out = job()
+            out = self._timed("expert_compute", job)
             return lambda: out
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moecast-cpu-experts")
@@ -689,13 +807,11 @@ class LiveRuntime:
 
     def _host(self, pos: int, call: _ExpertsCall, experts: np.ndarray) -> torch.Tensor:
         """CPU-assisted computation (SMoE §5.4): only the tokens routed to ``experts``, from host memory, on the host."""
-        st = self.stores[pos]
-        table = np.full(st.num_experts, st.num_experts, np.int64)
-        table[experts] = experts
+        tensors, table, count = self.stores[pos].cpu_weights(experts)
         cpu_ids = torch.from_numpy(table[call.ids])
-        rows = (cpu_ids < st.num_experts).any(1)
+        rows = (cpu_ids < count).any(1)
         hidden = call.host["hidden"].reshape(-1, call.hidden.shape[-1])
-        host_view = SlotView(call.module, st.host, st.num_experts, True)
+        host_view = SlotView(call.module, tensors, count, True)
         part = self._impl[pos](host_view, hidden[rows], cpu_ids[rows], call.w_host[rows], **call.kwargs)
         out = torch.zeros(hidden.shape, dtype=call.hidden.dtype)
         out[rows] = part.to(call.hidden.dtype)
@@ -726,7 +842,7 @@ class LiveRuntime:
         if plan is not None and plan[0] == nxt:  # PreSched chose them before the layer ran
             cand = plan[1]
         else:
-            scores = self._predict(nxt, hidden)
+            scores = self._timed("predictor", self._predict, nxt, hidden)
             if scores is None:
                 return
             resident = self.stores[nxt].resident()
@@ -752,7 +868,7 @@ class LiveRuntime:
         cand = np.zeros(0, np.int64)
         sizes = np.zeros(0)
         if self.prefetch != "none" and nxt < self.num_layers:
-            scores = self._predict(nxt, hidden)
+            scores = self._timed("predictor", self._predict, nxt, hidden)
             if scores is not None:
                 cand = self.prefetcher.choose(scores, self.stores[nxt].resident())
                 s = np.atleast_2d(scores)
@@ -918,6 +1034,11 @@ class LiveRuntime:
             device=str(self.stores[0].device),
             simulated_device=not self.stores[0].cuda,
             pinned_bytes=sum(st.pinned_bytes for st in self.stores),
+            offload=self.config.offload,
+            bytes_read=self.reader.bytes_read if self.reader is not None else 0,
+            disk_reads=self.reader.reads if self.reader is not None else 0,
+            direct_io=bool(self.reader.direct) if self.reader is not None else None,
+            peak_rss_mb=peak_rss_mb(),
         )
         return d
 
@@ -1100,6 +1221,9 @@ def attach(
     online_lr: float = 1e-4,
     learn_plans: bool = False,
     pinned_mb: float | None = None,
+    offload: str = "ram",
+    offload_dir: str | None = None,
+    io_threads: int = 2,
 ) -> LiveRuntime:
     """Attach the live runtime to a transformers MoE model in one call; ``rt.detach()`` undoes it.
 
@@ -1131,6 +1255,12 @@ def attach(
             rewrites a saved EAM's files); needs an EAM or cascade planner. Off by default.
         pinned_mb: Host memory (MB) the expert copies may pin on CUDA (default: half the available
             memory); above it they stay pageable and transfers go through a few pinned staging buffers.
+        offload: Where the experts that are not resident live: ``ram`` (host memory) or ``disk``
+            (``offload_dir``, read with direct I/O; :mod:`moecast.runtime.offload`). Under ``disk`` a
+            model whose experts are in memory has them written to ``offload_dir`` once (resumable) and
+            dropped from memory until ``detach``, which reads them back.
+        offload_dir: The offload directory for ``offload="disk"``.
+        io_threads: Threads reading the offload directory.
     Errors (nothing is changed on the model): unsupported family, capacity below top-k, alpha outside [0, 1)
     or given to a policy that does not substitute, a predictor for another model or of the wrong kind.
     """
@@ -1148,6 +1278,9 @@ def attach(
         online_lr,
         learn_plans,
         pinned_mb,
+        offload,
+        offload_dir,
+        io_threads,
     )
     if online_update and not hasattr(predictor, "update"):
         raise ValueError("online_update needs a layer-ahead predictor with an update step (LLaPor)")

@@ -78,6 +78,17 @@ def _print_stats(stats: dict[str, Any]) -> None:
                 f"index holds {stats['plan_index_size']}",
             )
         )
+    if stats.get("offload") == "disk":
+        io = "direct I/O" if stats["direct_io"] else "buffered reads, pages dropped (no O_DIRECT)"
+        rows.append(("disk reads", f"{stats['disk_reads']} ({stats['bytes_read'] / 2**20:.1f} MiB, {io})"))
+    rows.append(("peak RSS", f"{stats['peak_rss_mb']:.0f} MiB"))
+    parts = ("attention", "expert_compute", "transfer_wait", "predictor", "policy")
+    rows.append(
+        (
+            "decode step split",
+            ", ".join(f"{p.replace('_', ' ')} {stats[p + '_ms']:.2f}" for p in parts) + " ms",
+        )
+    )
     if stats.get("online_updates"):
         rows.append(
             ("online learning", f"{stats['online_updates']} steps, last loss {stats['online_loss']:.4f}")
@@ -101,6 +112,8 @@ def run(
     max_new_tokens: int = 32,
     online_update: bool = False,
     learn_plans: bool = False,
+    offload: str = "ram",
+    offload_dir: str | None = None,
     json: bool = False,
 ) -> dict[str, Any]:
     """Generate text with the live runtime attached and report its cache, substitution and TPOT figures.
@@ -124,6 +137,11 @@ def run(
         online_update: Continual learning of the predictor on each decoded token (PreScope §4.2.2).
         learn_plans: CasMoE's buffer: the prompt and the EP of its prefill go to the planner's EAM, which
             folds every C (its buffer_size, paper 30) into its index and rewrites its checkpoint files.
+        offload: Where the experts that are not resident live: ram (host memory) or disk (``--offload_dir``,
+            read with direct I/O). Under disk the experts are written to DIR once (that run loads the whole
+            model; later runs load only its other weights), and only ``capacity`` experts per layer are in memory.
+        offload_dir: The offload directory for ``--offload disk`` (created if absent; a re-run resumes an
+            interrupted write; another model's directory is refused).
         json: Print one JSON object instead of text and a table.
     """
     from moecast.collect.models import load_model
@@ -133,7 +151,16 @@ def run(
     if max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     alpha = resolve_alpha(alpha, substitutes(policy))
-    lm, tok, name = load_model(model, dtype="float32")
+    if offload == "disk":
+        from moecast.runtime.offload import load_offloaded
+
+        if not offload_dir:
+            raise ValueError("--offload disk needs --offload_dir DIR (where the experts are written once)")
+        lm, tok, name = load_offloaded(model, offload_dir, dtype="float32")
+    elif offload != "ram":
+        raise ValueError(f"unknown --offload {offload!r}; choose ram or disk")
+    else:
+        lm, tok, name = load_model(model, dtype="float32")
     pred = _load_predictor(predictor, lm, name)
     plan = _load_predictor(planner, lm, name)
     rt = attach(
@@ -148,6 +175,8 @@ def run(
         planner=plan,
         online_update=online_update,
         learn_plans=learn_plans,
+        offload=offload,
+        offload_dir=offload_dir,
     )
     try:
         branch = rt.plan(prompt) if plan is not None else None

@@ -1,0 +1,753 @@
+"""The disk tier: routed experts in an offload directory, read with direct I/O into pre-allocated slots.
+
+PreScope §4.4 (AsyncIO) moves experts between tiers with asynchronous, fixed-buffer transfers; this
+is that transfer with a disk as the slow tier, as a CPU user runs a model larger than its RAM today
+with llama.cpp's mmap or accelerate's disk offload, minus the page cache: a miss is served by the
+device, never by the OS's copy of the file.
+
+An offload directory holds:
+- ``meta.json``: the model's fingerprint (config hash and routing shape), each expert tensor's
+  per-expert shape and dtype, the alignment and the file names;
+- ``layer_NNN.safetensors``, one per MoE layer: valid safetensors files whose header is padded with
+  spaces so the data starts at a multiple of ``ALIGN`` bytes, with expert ``e``'s tensors
+  (``e{e}.{name}``) packed in one block at ``data_start + e * stride`` (``stride`` a multiple of
+  ``ALIGN``; ``__pad`` tensors fill the gaps), so one aligned read of ``stride`` bytes loads an expert;
+- ``dense.safetensors``: the model's other weights, so a later load never materialises the experts.
+
+Files are written to a temporary name and renamed when complete, so an interrupted write is resumed
+by writing the missing files again; a directory of another model's experts is refused.
+
+:class:`ExpertReader` reads experts on a small I/O thread pool (``os.preadv`` releases the GIL) with
+``O_DIRECT`` into page-aligned memory; where the file system refuses ``O_DIRECT`` it falls back to
+buffered reads followed by ``posix_fadvise(DONTNEED)`` and says so once. :class:`DiskLayerStore`
+is :class:`moecast.runtime.expert_store.LayerStore` over that reader: on the CPU the slots are
+aligned host memory that a read fills in place; with CUDA a read fills a pinned staging buffer whose
+pieces then go to the device slot on the transfer streams. Experts that are not resident are not
+held in memory anywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import gc
+import json
+import mmap
+import os
+import resource
+import shutil
+import threading
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from moecast.runtime.expert_store import (
+    STAGING_BUFFERS,
+    TRANSFER_STREAMS,
+    CudaOps,
+    LayerStore,
+    _piece,
+    expert_params,
+    split_pieces,
+)
+from safetensors.torch import _TYPES as SAFETENSORS_DTYPES
+from torch import nn
+
+from moecast.errors import MoecastError
+
+#: O_DIRECT needs offsets, lengths and buffer addresses aligned to the device's logical block
+#: size; 4096 covers every common one
+ALIGN = 4096
+FORMAT = "moecast-offload"
+VERSION = 1
+IO_THREADS = 2
+DENSE = "dense.safetensors"
+_DTYPE_NAME = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+
+class OffloadError(MoecastError):
+    """An offload directory that cannot be used as it is; the one-line message says what to do."""
+
+
+class OffloadWarning(UserWarning):
+    """The disk tier runs, but not as asked (buffered reads where direct I/O was refused)."""
+
+
+def _align(n: int) -> int:
+    return -(-int(n) // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where one expert's tensors sit in its block, and the block's aligned size."""
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]  # safetensors dtype names
+    offsets: tuple[int, ...]  # byte offset of each tensor in the expert's block
+    expert_bytes: int  # bytes of one expert's tensors
+    stride: int  # the block: expert_bytes rounded up to ALIGN
+
+    @classmethod
+    def of(cls, params: dict[str, torch.Tensor]) -> ExpertLayout:
+        names, shapes, dtypes, offsets, off = [], [], [], [], 0
+        for name, t in params.items():
+            if t.dtype not in _DTYPE_NAME:
+                raise OffloadError(
+                    f"expert tensor {name} has dtype {t.dtype}, which safetensors cannot store"
+                )
+            size = t.element_size()
+            off = -(-off // size) * size  # each tensor starts at a multiple of its element size
+            names.append(name)
+            shapes.append(tuple(int(x) for x in t.shape[1:]))
+            dtypes.append(_DTYPE_NAME[t.dtype])
+            offsets.append(off)
+            off += int(np.prod(t.shape[1:], dtype=np.int64)) * size
+        return cls(tuple(names), tuple(shapes), tuple(dtypes), tuple(offsets), off, _align(off))
+
+    def as_json(self) -> list[dict[str, Any]]:
+        return [
+            {"name": n, "shape": list(s), "dtype": d} for n, s, d in zip(self.names, self.shapes, self.dtypes)
+        ]
+
+    def nbytes(self, i: int) -> int:
+        return int(np.prod(self.shapes[i], dtype=np.int64)) * SAFETENSORS_DTYPES[self.dtypes[i]].itemsize
+
+    def views(self, base: torch.Tensor, count: int, stride: int | None = None) -> dict[str, torch.Tensor]:
+        """Tensors [count, *shape] by name over ``base`` (uint8), expert ``i``'s block at ``i * stride``."""
+        stride = self.stride if stride is None else stride
+        out = {}
+        for i, name in enumerate(self.names):
+            dtype = SAFETENSORS_DTYPES[self.dtypes[i]]
+            size = dtype.itemsize
+            typed = base[: len(base) // size * size].view(dtype)
+            shape = self.shapes[i]
+            inner = [int(np.prod(shape[j + 1 :], dtype=np.int64)) for j in range(len(shape))]
+            start = (
+                typed.storage_offset() + self.offsets[i] // size
+            )  # as_strided counts from the storage's start
+            out[name] = typed.as_strided((count, *shape), (stride // size, *inner), start)
+        return out
+
+
+def _header(layout: ExpertLayout, num_experts: int) -> tuple[bytes, int]:
+    """The safetensors header (length prefix included), padded so the data starts at a multiple of ALIGN."""
+    entries: dict[str, Any] = {"__metadata__": {"format": "pt", "moecast": FORMAT}}
+    pos = 0
+
+    def pad(upto: int, tag: str) -> None:
+        nonlocal pos
+        if upto > pos:  # safetensors indexes every byte of its buffer: gaps are uint8 tensors
+            entries[tag] = {"dtype": "U8", "shape": [upto - pos], "data_offsets": [pos, upto]}
+            pos = upto
+
+    for e in range(num_experts):
+        base = e * layout.stride
+        for i, name in enumerate(layout.names):
+            pad(base + layout.offsets[i], f"e{e}.__pad{i}")
+            end = pos + layout.nbytes(i)
+            entries[f"e{e}.{name}"] = {
+                "dtype": layout.dtypes[i],
+                "shape": list(layout.shapes[i]),
+                "data_offsets": [pos, end],
+            }
+            pos = end
+        pad(base + layout.stride, f"e{e}.__pad")
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    start = _align(8 + len(text))
+    text += b" " * (start - 8 - len(text))
+    return len(text).to_bytes(8, "little") + text, start
+
+
+# ---------------------------------------------------------------------------------------- metadata
+def offload_meta(model: Any, structure: Any) -> dict[str, Any]:
+    """What an offload directory of this model records: fingerprint, expert layout, file names."""
+    from moecast.collect.models import config_hash, model_info
+
+    info = model_info(model, structure, "")
+    layouts = [ExpertLayout.of(expert_params(e.experts)) for e in structure.layers]
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "fingerprint": info.fingerprint,
+        "config_hash": config_hash(model.config),
+        "num_experts": info.num_experts,
+        "moe_layers": [int(e.layer) for e in structure.layers],
+        "align": ALIGN,
+        "experts": [lay.as_json() for lay in layouts],
+        "files": [f"layer_{pos:03d}.safetensors" for pos in range(len(structure.layers))],
+        "dense": DENSE,
+    }
+
+
+def _layouts(meta: dict[str, Any]) -> list[ExpertLayout]:
+    out = []
+    for tensors in meta["experts"]:
+        fake = {
+            t["name"]: torch.empty((1, *t["shape"]), dtype=SAFETENSORS_DTYPES[t["dtype"]], device="meta")
+            for t in tensors
+        }
+        out.append(ExpertLayout.of(fake))
+    return out
+
+
+def _read_meta(directory: Path) -> dict[str, Any] | None:
+    path = directory / "meta.json"
+    if not path.is_file():
+        return None
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise OffloadError(
+            f"{path} is unreadable ({exc}); remove {directory} and run again to rewrite it"
+        ) from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise OffloadError(
+            f"{directory} is not a moecast offload directory; choose an empty or new --offload_dir"
+        )
+    return meta
+
+
+def _check_same_model(directory: Path, have: dict[str, Any], want: dict[str, Any]) -> None:
+    if have.get("version") != VERSION:
+        raise OffloadError(
+            f"{directory} was written by offload format {have.get('version')}, this moecast reads {VERSION}; "
+            "remove it or choose another --offload_dir"
+        )
+    if have.get("fingerprint") != want["fingerprint"] or have.get("config_hash") != want["config_hash"]:
+        raise OffloadError(
+            f"{directory} holds the experts of another model (fingerprint {have.get('fingerprint')}, this model is "
+            f"{want['fingerprint']}); choose another --offload_dir or remove it"
+        )
+    if have.get("experts") != want["experts"]:
+        raise OffloadError(
+            f"{directory} holds this model's experts in another shape or dtype ({have['experts'][0]} vs "
+            f"{want['experts'][0]}); load the model in the dtype it was written in, or choose another --offload_dir"
+        )
+
+
+def missing_layers(directory: str | Path, meta: dict[str, Any]) -> list[int]:
+    """MoE layer positions whose expert file is not written yet; refuses another model's or a damaged file."""
+    d = Path(directory)
+    have = _read_meta(d)
+    if have is None:
+        return list(range(len(meta["files"])))
+    _check_same_model(d, have, meta)
+    out = []
+    for pos, (name, layout) in enumerate(zip(meta["files"], _layouts(meta))):
+        path = d / name
+        if not path.exists():
+            out.append(pos)
+            continue
+        header, start = _header(layout, meta["num_experts"])
+        want = start + meta["num_experts"] * layout.stride
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(len(header))
+        if size != want or head != header:
+            what = f"truncated ({size} of {want} bytes)" if size < want else "damaged (its header differs)"
+            raise OffloadError(f"expert file {path} is {what}; delete it and run again to rewrite it")
+    return out
+
+
+# ------------------------------------------------------------------------------------------ writing
+def _write_atomic(path: Path, write: Any) -> None:
+    """``write(file)`` into a temporary name, fsync, rename: a half-written file is never taken for complete."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if exc.errno == errno.ENOSPC:
+            raise OffloadError(
+                f"no space left on the disk of {path.parent} while writing {path.name}; free space or choose "
+                "another --offload_dir (the files written so far are kept, and a re-run resumes)"
+            ) from None
+        raise OffloadError(
+            f"cannot write {path} ({exc.strerror or exc}); choose a writable --offload_dir"
+        ) from None
+
+
+def _write_layer(f: Any, params: dict[str, torch.Tensor], layout: ExpertLayout, num_experts: int) -> None:
+    header, _ = _header(layout, num_experts)
+    f.write(header)
+    for e in range(num_experts):
+        block = np.zeros(layout.stride, np.uint8)
+        for i, name in enumerate(layout.names):
+            raw = params[name][e].detach().contiguous().view(torch.uint8).reshape(-1).numpy()
+            block[layout.offsets[i] : layout.offsets[i] + len(raw)] = raw
+        f.write(block.tobytes())
+
+
+def _dense_state(model: nn.Module, expert_names: set[str]) -> dict[str, torch.Tensor]:
+    """The model's non-expert tensors, each storage once (tied weights are tied again on load)."""
+    out, seen = {}, set()
+    for name, t in model.state_dict().items():
+        if name in expert_names or t.device.type == "meta":
+            continue
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = t.detach().contiguous()
+    return out
+
+
+def _expert_names(model: nn.Module, structure: Any) -> set[str]:
+    names = set()
+    for entry in structure.layers:
+        prefix = next(n for n, m in model.named_modules() if m is entry.experts)
+        names |= {f"{prefix}.{p}" for p in expert_params(entry.experts)}
+    return names
+
+
+def prepare_dir(directory: str | Path) -> Path:
+    """Create ``directory`` and prove it writable, or say in one line why it is not."""
+    d = Path(directory).expanduser()
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        probe = d / f".probe-{os.getpid()}"
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise OffloadError(
+                f"the disk of offload directory {d} is full; free space or choose another --offload_dir"
+            ) from None
+        raise OffloadError(
+            f"cannot write to offload directory {d} ({exc.strerror or exc}); choose a writable --offload_dir"
+        ) from None
+    return d
+
+
+def write_offload(
+    model: nn.Module, structure: Any, directory: str | Path, dense: bool = True
+) -> dict[str, Any]:
+    """Write the model's experts (and, with ``dense``, its other weights) into ``directory``, resuming.
+
+    Complete files are kept; missing ones are written, each atomically. Refuses a directory of
+    another model, a damaged file, and a disk without room for what is missing. Returns the meta.
+    """
+    d = prepare_dir(directory)
+    meta = offload_meta(model, structure)
+    todo = missing_layers(d, meta)
+    dense_todo = dense and not (d / DENSE).is_file()
+    if not todo and not dense_todo:
+        return meta
+    layouts = _layouts(meta)
+    need = sum(
+        _header(layouts[p], meta["num_experts"])[1] + meta["num_experts"] * layouts[p].stride for p in todo
+    )
+    free = shutil.disk_usage(d).free
+    if need > free:
+        raise OffloadError(
+            f"the disk of {d} has {free / 2**30:.2f} GiB free and the experts need {need / 2**30:.2f} GiB more; "
+            "free space or choose another --offload_dir"
+        )
+    for pos in todo:
+        params = expert_params(structure.layers[pos].experts)
+        if any(t.device.type == "meta" for t in params.values()):
+            raise OffloadError(
+                f"{d} lacks the experts of MoE layer {meta['moe_layers'][pos]} and this model's experts are not in "
+                "memory; load the model whole once to write them"
+            )
+    _write_atomic(d / "meta.json", lambda f: f.write(json.dumps(meta, indent=1).encode()))
+    for pos in todo:
+        params = {n: t.to("cpu") for n, t in expert_params(structure.layers[pos].experts).items()}
+        _write_atomic(
+            d / meta["files"][pos],
+            lambda f, p=params, lay=layouts[pos]: _write_layer(f, p, lay, meta["num_experts"]),
+        )
+    if dense_todo:
+        from safetensors.torch import save
+
+        state = {k: v.to("cpu") for k, v in _dense_state(model, _expert_names(model, structure)).items()}
+        _write_atomic(d / DENSE, lambda f: f.write(save(state, metadata={"format": "pt", "moecast": FORMAT})))
+    return meta
+
+
+# ------------------------------------------------------------------------------------------ reading
+def _open_direct(path: Path) -> int:
+    """``path`` opened for direct reads (a test replaces this to stand for a file system without O_DIRECT)."""
+    flag = getattr(os, "O_DIRECT", None)
+    if flag is None:
+        raise OSError(errno.EINVAL, "O_DIRECT is not available on this platform", str(path))
+    return os.open(path, os.O_RDONLY | flag)
+
+
+_WARNED: set[str] = set()
+
+
+class ExpertReader:
+    """Aligned reads of whole experts from an offload directory, on a small I/O thread pool."""
+
+    def __init__(self, directory: str | Path, meta: dict[str, Any], threads: int = IO_THREADS) -> None:
+        self.directory = Path(directory)
+        self.meta = meta
+        self.layouts = _layouts(meta)
+        self.starts = [_header(lay, meta["num_experts"])[1] for lay in self.layouts]
+        self.paths = [self.directory / name for name in meta["files"]]
+        self.direct = True
+        self._fds: list[int] = []
+        for path in self.paths:
+            self._fds.append(self._open(path))
+        self.pool = ThreadPoolExecutor(max_workers=max(1, int(threads)), thread_name_prefix="moecast-io")
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+        self.reads = 0
+
+    def _open(self, path: Path) -> int:
+        if self.direct:
+            try:
+                return _open_direct(path)
+            except OSError as exc:
+                if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                    raise OffloadError(f"cannot open expert file {path} ({exc.strerror or exc})") from None
+                self._fallback()
+        return os.open(path, os.O_RDONLY)
+
+    def _fallback(self) -> None:
+        self.direct = False
+        key = str(self.directory)
+        if key not in _WARNED:
+            _WARNED.add(key)
+            warnings.warn(
+                f"the file system of {self.directory} does not support direct I/O (O_DIRECT): experts are read "
+                "through the page cache and their pages dropped after each read (posix_fadvise DONTNEED)",
+                OffloadWarning,
+                stacklevel=3,
+            )
+
+    def read_into(self, pos: int, expert: int, buf: Any) -> None:
+        """Read expert ``expert`` of MoE layer ``pos`` (its whole aligned block) into ``buf``."""
+        view = memoryview(buf).cast("B")
+        stride = self.layouts[pos].stride
+        if len(view) != stride:
+            raise ValueError(f"read buffer of {len(view)} bytes for an expert block of {stride}")
+        offset = self.starts[pos] + int(expert) * stride
+        done = 0
+        while done < stride:
+            try:
+                got = os.preadv(self._fds[pos], [view[done:]], offset + done)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or not self.direct:
+                    raise
+                # the open accepted O_DIRECT but the read did not: read this layer's files buffered
+                self._fallback()
+                self._reopen_buffered()
+                continue
+            if got == 0:
+                raise OffloadError(
+                    f"expert file {self.paths[pos]} ends at byte {offset + done}, before expert {expert}'s end; "
+                    "it is truncated: delete it and run again to rewrite it"
+                )
+            done += got
+        if not self.direct:
+            os.posix_fadvise(self._fds[pos], offset, stride, os.POSIX_FADV_DONTNEED)
+        with self._lock:
+            self.bytes_read += stride
+            self.reads += 1
+
+    def _reopen_buffered(self) -> None:
+        with self._lock:
+            for i, path in enumerate(self.paths):
+                old, self._fds[i] = self._fds[i], os.open(path, os.O_RDONLY)
+                os.close(old)
+
+    def submit(self, pos: int, expert: int, buf: Any) -> Future:
+        return self.pool.submit(self.read_into, pos, expert, buf)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        for fd in self._fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds = []
+
+
+def aligned_bytes(nbytes: int) -> torch.Tensor:
+    """A uint8 tensor of ``nbytes`` page-aligned, zero-filled host memory (an anonymous mmap it keeps alive)."""
+    mm = mmap.mmap(-1, max(ALIGN, _align(nbytes)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # frombuffer warns that the buffer is writable, which is the point
+        return torch.frombuffer(mm, dtype=torch.uint8)[: max(1, int(nbytes))]
+
+
+def pinned_aligned(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of pinned host memory starting at an ALIGN boundary (for O_DIRECT, then DMA)."""
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=True)
+    skip = (-raw.data_ptr()) % ALIGN
+    return raw[skip : skip + nbytes]
+
+
+def _wait(fut: Future | None) -> Any:
+    return None if fut is None else fut.result()
+
+
+# ------------------------------------------------------------------------------------- the store
+class DiskLayerStore(LayerStore):
+    """A :class:`LayerStore` whose slow tier is MoE layer ``pos`` of an offload directory.
+
+    On the CPU a load reads the expert straight into its slot (aligned host memory) on the I/O
+    pool, and :meth:`wait` blocks on the slots' reads; with ``ops`` (CUDA) a read fills a pinned
+    staging buffer and the same I/O thread then queues the pieces' copies to the device slot after
+    the last kernel that read it. The module's own expert tensors are never read.
+    """
+
+    def __init__(
+        self,
+        experts: nn.Module,
+        num_slots: int,
+        reader: ExpertReader,
+        pos: int,
+        device: torch.device | str | None = None,
+        ops: Any = None,
+    ) -> None:
+        self.experts = experts
+        self.num_experts = int(experts.num_experts)
+        if not 1 <= num_slots <= self.num_experts:
+            raise ValueError(f"num_slots must be between 1 and {self.num_experts}, got {num_slots}")
+        self.num_slots = int(num_slots)
+        self.reader, self.pos = reader, pos
+        self.layout = layout = reader.layouts[pos]
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.cuda = self.device.type == "cuda"
+        self.ops = ops if ops is not None else (CudaOps(self.device) if self.cuda else None)
+        self.expert_bytes = layout.expert_bytes
+        self.host = {}
+        self._staging: list[dict[str, torch.Tensor]] = []
+        self._staging_raw: list[torch.Tensor] = []
+        self._streams = []
+        if self.ops is None:
+            self._slot_raw = aligned_bytes(self.num_slots * layout.stride)
+            self.slots = layout.views(self._slot_raw, self.num_slots)
+        else:
+            self.slots = {
+                n: torch.empty((self.num_slots, *s), dtype=SAFETENSORS_DTYPES[d], device=self.device)
+                for n, s, d in zip(layout.names, layout.shapes, layout.dtypes)
+            }
+            self._streams = [self.ops.stream() for _ in range(TRANSFER_STREAMS)]
+            pin = self.cuda and torch.cuda.is_available()
+            for _ in range(STAGING_BUFFERS):
+                raw = pinned_aligned(layout.stride) if pin else aligned_bytes(layout.stride)
+                self._staging_raw.append(raw)
+                self._staging.append({n: v[0] for n, v in layout.views(raw, 1).items()})
+        self.pinned_bytes = layout.stride * len(self._staging) if self.cuda else 0
+        self.pieces = split_pieces(experts, self.slots)
+        self.slot_of = np.full(self.num_experts, -1, np.int64)
+        self.expert_in = np.full(self.num_slots, -1, np.int64)
+        self.loads = 0
+        self.bytes_moved = 0
+        self.wait_s = 0.0
+        self._events: dict[int, list[Any]] = {}
+        self._read_events: dict[int, Any] = {}
+        self._pending: dict[int, Future] = {}  # slot -> its read (and, with ops, the copies it queued)
+        self._staging_busy: list[Future | None] = [None] * len(self._staging)
+        self._next_staging = 0
+
+    def _blocked(self, fut: Future | None) -> Any:
+        if fut is None or fut.done():
+            return _wait(fut)
+        import time
+
+        t0 = time.perf_counter()
+        try:
+            return fut.result()
+        finally:
+            self.wait_s += time.perf_counter() - t0
+
+    def _copy(self, expert: int, slot: int) -> None:
+        # a read still landing in this slot must finish before another overwrites it
+        self._blocked(self._pending.pop(slot, None))
+        if self.ops is None:
+            start = slot * self.layout.stride
+            buf = self._slot_raw[start : start + self.layout.stride].numpy()
+            self._pending[slot] = self.reader.submit(self.pos, expert, buf)
+            return
+        b = self._next_staging
+        self._next_staging = (b + 1) % len(self._staging)
+        for ev in self._blocked(self._staging_busy[b]) or []:  # its previous copies must have read it
+            ev.synchronize()
+        read = self._read_events.pop(slot, None)
+        fut = self.reader.pool.submit(self._read_and_copy, expert, slot, b, read)
+        self._pending[slot] = self._staging_busy[b] = fut
+
+    def _read_and_copy(self, expert: int, slot: int, b: int, read: Any) -> list[Any]:
+        """On an I/O thread: the expert into staging buffer ``b``, then its pieces to the slot's device memory."""
+        self.reader.read_into(self.pos, expert, self._staging_raw[b].numpy())
+        events = []
+        for i, p in enumerate(self.pieces):
+            stream = self._streams[i % len(self._streams)]
+            if read is not None:
+                stream.wait_event(read)
+            with self.ops.on(stream):
+                _piece(self.slots[p.param][slot], p).copy_(
+                    _piece(self._staging[b][p.param], p), non_blocking=True
+                )
+                ev = self.ops.event()
+                ev.record(stream)
+                events.append(ev)
+        return events
+
+    def wait(self, slots: np.ndarray | list[int] | None = None) -> None:
+        """Block until the given slots' reads (all, if None) are done; with ops, the compute stream waits for their copies."""
+        keys = list(self._pending) if slots is None else [int(s) for s in slots if int(s) in self._pending]
+        for s in keys:
+            events = self._blocked(self._pending.pop(s))
+            if self.ops is not None:
+                compute = self.ops.current()
+                for ev in events:
+                    compute.wait_event(ev)
+
+    def source(self, expert: int) -> dict[str, torch.Tensor]:
+        raise NotImplementedError("a disk store reads experts with read_into; it holds no host copies")
+
+    def cpu_weights(self, experts: np.ndarray) -> tuple[dict[str, torch.Tensor], np.ndarray, int]:
+        """``experts`` read from disk into a temporary aligned buffer (one read each, in parallel)."""
+        m = len(experts)
+        base = aligned_bytes(m * self.layout.stride)
+        stride = self.layout.stride
+        futs = [
+            self.reader.submit(self.pos, int(e), base[i * stride : (i + 1) * stride].numpy())
+            for i, e in enumerate(experts)
+        ]
+        for f in futs:
+            self._blocked(f)
+        table = np.full(self.num_experts, m, np.int64)
+        table[np.asarray(experts, np.int64)] = np.arange(m)
+        return self.layout.views(base, m), table, m
+
+    def close(self) -> None:
+        for fut in self._pending.values():
+            with contextlib.suppress(Exception):
+                fut.result()
+        self._pending = {}
+
+
+# -------------------------------------------------------------------------- loading and memory
+def peak_rss_mb() -> float:
+    """The process's peak resident set (VmHWM), in MiB."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo, or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(x.split()[1]) * 1024 for x in f if x.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def check_fits(capacity: int, layouts: list[ExpertLayout], capacity_arg: Any) -> None:
+    """Refuse a capacity whose slots (plus the I/O buffers) exceed the memory available now."""
+    need = sum((capacity + STAGING_BUFFERS) * lay.stride for lay in layouts)
+    avail = available_bytes()
+    if avail is not None and need > avail:
+        per = max(1, int(avail // max(1, sum(lay.stride for lay in layouts))) - STAGING_BUFFERS)
+        raise OffloadError(
+            f"capacity {capacity_arg} ({capacity} experts per layer) needs {need / 2**20:.0f} MiB for the resident "
+            f"experts and {avail / 2**20:.0f} MiB are available; lower --capacity (at most {per} experts per layer fit)"
+        )
+
+
+def drop_experts(structure: Any) -> None:
+    """Replace the experts' weights by meta tensors of the same shape: the disk holds them now."""
+    for entry in structure.layers:
+        mod = entry.experts
+        for name, t in expert_params(mod).items():
+            empty = torch.empty_like(t, device="meta")
+            if name in mod._parameters:
+                mod._parameters[name] = nn.Parameter(empty, requires_grad=False)
+            else:
+                mod._buffers[name] = empty
+    gc.collect()
+
+
+def restore_experts(structure: Any, reader: ExpertReader) -> None:
+    """Read every expert back from disk into the modules (what :func:`drop_experts` replaced)."""
+    for pos, entry in enumerate(structure.layers):
+        mod = entry.experts
+        layout = reader.layouts[pos]
+        n = int(mod.num_experts)
+        base = aligned_bytes(n * layout.stride)
+        for e in range(n):
+            reader.read_into(pos, e, base[e * layout.stride : (e + 1) * layout.stride].numpy())
+        views = layout.views(base, n)
+        for name in expert_params(mod):
+            t = views[name].clone()
+            if name in mod._parameters:
+                mod._parameters[name] = nn.Parameter(t, requires_grad=False)
+            else:
+                mod._buffers[name] = t
+
+
+@contextlib.contextmanager
+def _params_on_meta():
+    """Build modules with their parameters on the meta device and their buffers real (rotary tables)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: Any) -> None:
+        register(module, name, param)
+        if param is not None:
+            p = module._parameters[name]
+            module._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def load_offloaded(model: str, directory: str | Path, dtype: str = "float32") -> tuple[Any, Any, str]:
+    """(model, tokenizer, name) for the disk tier: non-expert weights in memory, experts left on disk.
+
+    The first call for a model writes ``directory`` (this one load holds the whole model in memory);
+    later calls build the model with its parameters on the meta device and load only
+    ``dense.safetensors``, so the experts are never materialised.
+    """
+    from moecast.collect.models import find_moe_structure, load_model, resolve_model_path
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    name, path = resolve_model_path(model)
+    d = prepare_dir(directory)
+    config = AutoConfig.from_pretrained(path)
+    torch_dtype = getattr(torch, dtype)
+    with _params_on_meta():
+        lm = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    structure = find_moe_structure(lm)
+    meta = offload_meta(lm, structure)
+    if missing_layers(d, meta) or not (d / DENSE).is_file():
+        print(f"moecast: writing the experts to {d} once (this load holds the whole model in memory)")
+        full, _, _ = load_model(model, dtype=dtype)
+        write_offload(full, find_moe_structure(full), d)
+        del full
+        gc.collect()
+    from safetensors.torch import load_file
+
+    lm.load_state_dict(load_file(d / DENSE), strict=False, assign=True)
+    lm.tie_weights()
+    experts = _expert_names(lm, structure)
+    left = [n for n, p in lm.named_parameters() if p.device.type == "meta" and n not in experts]
+    if left:
+        raise OffloadError(f"{d / DENSE} lacks weights {left[:3]}; delete it and run again to rewrite it")
+    lm.eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    return lm, tok, name

@@ -1,0 +1,298 @@
+"""The disk tier's offload directory: layout, resumable writes, direct reads and every bad input."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from moecast.collect.models import find_moe_structure
+from moecast.runtime import offload
+from moecast.runtime.expert_store import expert_params
+from moecast.runtime.live import attach
+from moecast.runtime.offload import ALIGN, DiskLayerStore, ExpertReader, OffloadError, OffloadWarning
+from safetensors import safe_open
+from test_datapath import FakeOps
+from test_live import decode_logits, make_model
+
+torch.set_num_threads(1)
+
+# qwen2_moe of test_live: hidden 32, expert width 16, fp32: gate_up [32, 32] and down [32, 16] per expert
+QWEN_EXPERT_BYTES = (2 * 16 * 32 + 32 * 16) * 4  # 6144
+QWEN_STRIDE = 8192  # rounded up to the 4096-byte alignment
+
+
+def _write(model, d):
+    return offload.write_offload(model, find_moe_structure(model), d)
+
+
+def test_files_are_safetensors_with_each_expert_aligned_for_direct_io(tmp_path):
+    model = make_model("qwen2_moe")
+    meta = _write(model, tmp_path)
+    assert json.loads((tmp_path / "meta.json").read_text()) == meta
+    assert meta["experts"][0] == [
+        {"name": "gate_up_proj", "shape": [32, 32], "dtype": "F32"},
+        {"name": "down_proj", "shape": [32, 16], "dtype": "F32"},
+    ]
+    experts = model.model.layers[1].mlp.experts
+    path = tmp_path / meta["files"][1]
+    head = int.from_bytes(path.read_bytes()[:8], "little")
+    start = 8 + head
+    assert start % ALIGN == 0
+    assert path.stat().st_size == start + 8 * QWEN_STRIDE
+    with safe_open(str(path), "pt") as f:  # a plain safetensors reader takes the file as it is
+        header = json.loads(path.read_bytes()[8:start])
+        for e in range(8):
+            assert torch.equal(f.get_tensor(f"e{e}.gate_up_proj"), experts.gate_up_proj[e])
+            assert torch.equal(f.get_tensor(f"e{e}.down_proj"), experts.down_proj[e])
+            assert header[f"e{e}.gate_up_proj"]["data_offsets"][0] == e * QWEN_STRIDE
+            assert header[f"e{e}.down_proj"]["data_offsets"][0] == e * QWEN_STRIDE + 32 * 32 * 4
+    # the dense file holds every other weight, each storage once
+    with safe_open(str(tmp_path / "dense.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "model.embed_tokens.weight" in keys and not any("mlp.experts." in k for k in keys)
+
+
+def test_reader_counts_whole_aligned_blocks(tmp_path):
+    model = make_model("qwen2_moe")
+    meta = _write(model, tmp_path)
+    reader = ExpertReader(tmp_path, meta)
+    try:
+        assert reader.layouts[0].expert_bytes == QWEN_EXPERT_BYTES and reader.layouts[0].stride == QWEN_STRIDE
+        buf = offload.aligned_bytes(QWEN_STRIDE)
+        for e in (3, 0, 7):
+            reader.read_into(1, e, buf.numpy())
+            view = reader.layouts[1].views(buf, 1)
+            assert torch.equal(view["down_proj"][0], model.model.layers[1].mlp.experts.down_proj[e])
+        assert reader.reads == 3 and reader.bytes_read == 3 * 8192
+        assert reader.direct  # ext4 and most local file systems take O_DIRECT
+    finally:
+        reader.close()
+
+
+def test_disk_tier_logits_and_bytes_read_by_hand(tmp_path):
+    """static never loads after the fill: 2 experts x 2 layers read once, then one read per CPU expert."""
+    model = make_model("qwen2_moe")
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(7))
+    ref = decode_logits(model, ids)
+    before = {n: t.clone() for n, t in expert_params(model.model.layers[0].mlp.experts).items()}
+    rt = attach(
+        model, policy="static", capacity=2, prefetch="none", offload="disk", offload_dir=str(tmp_path)
+    )
+    try:
+        # the weights moved to disk: the module holds none, the slots hold capacity x stride per layer
+        assert all(t.device.type == "meta" for t in expert_params(model.model.layers[0].mlp.experts).values())
+        assert rt.stores[0]._slot_raw.numel() == 2 * QWEN_STRIDE
+        got = decode_logits(model, ids)
+        stats = rt.stats()
+    finally:
+        rt.detach()
+    assert torch.allclose(got, ref, atol=2e-5, rtol=1e-5)
+    assert stats["transfers"] == 0 and stats["cpu_experts"] > 0
+    assert stats["disk_reads"] == 4 + stats["cpu_experts"]
+    assert stats["bytes_read"] == 8192 * stats["disk_reads"]
+    assert stats["direct_io"] is True and stats["offload"] == "disk"
+    # detach read the weights back: the model is whole again
+    for n, t in expert_params(model.model.layers[0].mlp.experts).items():
+        assert torch.equal(t, before[n])
+    assert torch.equal(decode_logits(model, ids), ref)
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        dict(policy="lru", capacity=0.25, prefetch="online"),
+        dict(policy="smoe", capacity=2, balance="presched", hardware="prescope-a100-pcie4"),
+        dict(policy="lfu", capacity=None),
+    ],
+)
+def test_disk_tier_alpha_zero_logits_equal_the_model(tmp_path, setting):
+    model = make_model("mixtral")
+    ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(1))
+    ref = decode_logits(model, ids)
+    rt = attach(model, alpha=0.0, offload="disk", offload_dir=str(tmp_path), **setting)
+    try:
+        got = decode_logits(model, ids)
+        stats = rt.stats()
+    finally:
+        rt.detach()
+    assert torch.allclose(got, ref, atol=2e-5, rtol=1e-5)
+    assert stats["disk_reads"] >= stats["transfers"] and stats["bytes_read"] > 0
+    # the decode step's split adds up to its wall time
+    parts = sum(
+        stats[f"{p}_ms"] for p in ("attention", "expert_compute", "transfer_wait", "predictor", "policy")
+    )
+    assert parts == pytest.approx(stats["measured_tpot_ms"], rel=1e-6)
+
+
+def test_an_interrupted_write_resumes_with_the_missing_files_only(tmp_path, monkeypatch):
+    model = make_model("qwen2_moe")
+    real = offload._write_layer
+    calls = []
+
+    def interrupted(f, params, layout, n):
+        calls.append(1)
+        if len(calls) == 2:
+            f.write(b"half")
+            raise KeyboardInterrupt
+        real(f, params, layout, n)
+
+    monkeypatch.setattr(offload, "_write_layer", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _write(model, tmp_path / "a")
+    meta = offload.offload_meta(model, find_moe_structure(model))
+    # the half-written file kept its temporary name: it is not taken for complete
+    assert offload.missing_layers(tmp_path / "a", meta) == [1]
+    assert not (tmp_path / "a" / meta["files"][1]).exists()
+    monkeypatch.setattr(offload, "_write_layer", real)
+    written = []
+    monkeypatch.setattr(offload, "_write_layer", lambda *a: (written.append(1), real(*a)))
+    _write(model, tmp_path / "a")
+    assert len(written) == 1 and offload.missing_layers(tmp_path / "a", meta) == []
+    monkeypatch.setattr(offload, "_write_layer", real)
+    _write(model, tmp_path / "b")  # the same bytes as an uninterrupted write
+    for name in meta["files"]:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+
+def _one_line(exc: pytest.ExceptionInfo) -> str:
+    msg = str(exc.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_another_models_directory_is_refused(tmp_path):
+    _write(make_model("qwen2_moe"), tmp_path)
+    other = make_model("mixtral")
+    with pytest.raises(OffloadError) as exc:
+        attach(other, policy="lru", capacity=2, offload="disk", offload_dir=str(tmp_path))
+    assert "another model" in _one_line(exc)
+    assert other.get_experts_implementation() != "moecast_live"  # nothing changed on the model
+    assert all(t.device.type == "cpu" for t in other.parameters())
+
+
+def test_a_truncated_expert_file_is_refused(tmp_path):
+    model = make_model("qwen2_moe")
+    meta = _write(model, tmp_path)
+    path = tmp_path / meta["files"][0]
+    os.truncate(path, path.stat().st_size - 100)
+    with pytest.raises(OffloadError) as exc:
+        attach(model, policy="lru", capacity=2, offload="disk", offload_dir=str(tmp_path))
+    msg = _one_line(exc)
+    assert "truncated" in msg and str(path) in msg and "delete it" in msg
+
+
+def test_an_unwritable_directory_is_refused(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(OffloadError) as exc:
+        _write(make_model("qwen2_moe"), blocker / "offload")  # a file where a directory must go
+    assert "cannot write to offload directory" in _one_line(exc)
+
+    def denied(self, data):
+        raise PermissionError(errno.EACCES, "Permission denied", str(self))
+
+    monkeypatch.setattr(offload.Path, "write_bytes", denied)
+    with pytest.raises(OffloadError) as exc:
+        _write(make_model("qwen2_moe"), tmp_path / "ro")
+    assert "Permission denied" in _one_line(exc) and "writable --offload_dir" in str(exc.value)
+
+
+def test_a_full_disk_is_refused_before_and_during_the_write(tmp_path, monkeypatch):
+    model = make_model("qwen2_moe")
+    usage = offload.shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(offload.shutil, "disk_usage", lambda p: usage._replace(free=1000))
+    with pytest.raises(OffloadError) as exc:
+        _write(model, tmp_path / "small")
+    assert "GiB free" in _one_line(exc)
+    monkeypatch.undo()
+
+    def full(f, *a):
+        f.write(b"some")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(offload, "_write_layer", full)
+    with pytest.raises(OffloadError) as exc:
+        _write(model, tmp_path / "full")
+    assert "no space left" in _one_line(exc)
+    # the partial file is gone and nothing is taken for complete
+    assert not [p for p in (tmp_path / "full").iterdir() if p.name.startswith(".layer")]
+    meta = offload.offload_meta(model, find_moe_structure(model))
+    assert offload.missing_layers(tmp_path / "full", meta) == [0, 1]
+
+
+def test_without_o_direct_reads_are_buffered_and_dropped_and_it_says_so(tmp_path, monkeypatch):
+    model = make_model("qwen2_moe")
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(2))
+    ref = decode_logits(model, ids)
+
+    def refused(path):
+        raise OSError(errno.EINVAL, "Invalid argument", str(path))
+
+    monkeypatch.setattr(offload, "_open_direct", refused)
+    monkeypatch.setattr(offload, "_WARNED", set())
+    dropped = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(
+        os, "posix_fadvise", lambda fd, off, n, adv: (dropped.append(adv), real(fd, off, n, adv))
+    )
+    with pytest.warns(OffloadWarning, match="does not support direct I/O") as rec:
+        rt = attach(model, policy="lru", capacity=2, offload="disk", offload_dir=str(tmp_path))
+    assert len(rec) == 1  # said once, not per file
+    try:
+        got = decode_logits(model, ids)
+        stats = rt.stats()
+    finally:
+        rt.detach()
+    assert torch.allclose(got, ref, atol=2e-5, rtol=1e-5)
+    assert stats["direct_io"] is False
+    assert len(dropped) >= stats["disk_reads"] and set(dropped) == {os.POSIX_FADV_DONTNEED}
+
+
+def test_a_capacity_larger_than_the_memory_available_is_refused(tmp_path, monkeypatch):
+    model = make_model("qwen2_moe")
+    monkeypatch.setattr(offload, "available_bytes", lambda: 10 * QWEN_STRIDE)
+    with pytest.raises(OffloadError) as exc:
+        attach(model, policy="lru", capacity=6, offload="disk", offload_dir=str(tmp_path))
+    msg = _one_line(exc)
+    # 2 layers x (6 slots + 4 staging buffers) x 8192 bytes needed; 10 blocks fit: 5 - 4 = 1 expert per layer
+    assert "lower --capacity" in msg and "at most 1 experts per layer" in msg
+    assert all(t.device.type == "cpu" for t in model.parameters())  # the weights were not dropped
+
+
+def test_offload_disk_needs_a_directory():
+    with pytest.raises(ValueError, match="offload_dir"):
+        attach(make_model("qwen2_moe"), offload="disk")
+    with pytest.raises(ValueError, match="unknown offload"):
+        attach(make_model("qwen2_moe"), offload="tape")
+
+
+def test_cuda_style_disk_store_reads_into_staging_then_copies_after_the_slots_last_reader(tmp_path):
+    """The CUDA path of the disk store with a fake stream log: read on the I/O pool into a staging
+    buffer, then the pieces' copies wait for the slot's last read event."""
+    model = make_model("mixtral")
+    meta = _write(model, tmp_path)
+    reader = ExpertReader(tmp_path, meta)
+    experts = model.model.layers[0].mlp.experts
+    ops = FakeOps()
+    store = DiskLayerStore(experts, 2, reader, 0, ops=ops)
+    try:
+        store.fill([4, 6])
+        store.wait([0, 1])
+        store.mark_read([0])
+        read_ev = ops.log[-1][2]
+        ops.log.clear()
+        store.load(1, evict=4)
+        store.wait()
+        waits = [e for e in ops.log if e[0] == "wait" and e[1] != "compute"]
+        assert len(waits) == len(store.pieces) and all(w[2] is read_ev for w in waits)
+        assert torch.equal(store.slots["gate_up_proj"][0], experts.gate_up_proj[1])
+        assert torch.equal(store.slots["down_proj"][1], experts.down_proj[6])
+        assert reader.reads == 3 and reader.bytes_read == 3 * reader.layouts[0].stride
+    finally:
+        store.close()
+        reader.close()
+    assert np.array_equal(store.expert_in, [1, 6])

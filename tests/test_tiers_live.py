@@ -1,0 +1,76 @@
+"""``moecast run --offload disk`` on ``tiny``: experts written once, later runs load only the other weights."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from moecast.collect.tiny import build_tiny
+from moecast.runtime.live import attach
+from moecast.runtime.offload import DENSE, load_offloaded, peak_rss_mb
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return build_tiny(out=str(tmp_path_factory.mktemp("tiny") / "test"), preset="test", seed=0)
+
+
+def test_tiny_from_the_offload_directory_gives_the_unmodified_logits(tiny_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    ref_model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    ids = torch.randint(0, 1000, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = ref_model(ids, use_cache=True)
+        ref = [out.logits]
+        ref.append(ref_model(torch.tensor([[5]]), past_key_values=out.past_key_values).logits)
+    for _ in range(2):  # the first load writes the directory, the second reads it
+        lm, _, _ = load_offloaded(str(tiny_dir), tmp_path / "off")
+        # the experts were never materialised: only the dense weights are real
+        experts = lm.model.layers[0].mlp.experts
+        assert experts.gate_up_proj.device.type == "meta"
+        assert lm.model.embed_tokens.weight.device.type == "cpu"
+        assert lm.lm_head.weight is lm.model.embed_tokens.weight  # tied again
+        rt = attach(
+            lm, policy="lru", capacity=0.25, alpha=0.0, offload="disk", offload_dir=str(tmp_path / "off")
+        )
+        try:
+            with torch.no_grad():
+                out = lm(ids, use_cache=True)
+                got = [out.logits, lm(torch.tensor([[5]]), past_key_values=out.past_key_values).logits]
+            stats = rt.stats()
+        finally:
+            rt.detach()
+        for g, r in zip(got, ref):
+            assert torch.allclose(g, r, atol=2e-5, rtol=1e-5)
+        assert stats["bytes_read"] > 0 and stats["decode_steps"] == 1
+        assert 0 < stats["peak_rss_mb"] <= peak_rss_mb()
+
+
+def test_cli_run_offload_disk_writes_once_and_reports_the_tiers(tiny_dir, tmp_path, capsys):
+    from moecast.cli import main
+
+    base = ["run", "--model", str(tiny_dir), "--prompt", "hello there", "--max-new-tokens", "4"]
+    base += ["--policy", "lru", "--capacity", "0.25"]
+    main([*base, "--json"])
+    ram = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    off = tmp_path / "off"
+    main([*base, "--offload", "disk", "--offload_dir", str(off), "--json"])
+    first = capsys.readouterr().out
+    assert "writing the experts" in first and (off / DENSE).is_file()
+    main([*base, "--offload", "disk", "--offload-dir", str(off)])
+    second = capsys.readouterr().out
+    assert "writing the experts" not in second
+    assert "disk reads" in second and "direct I/O" in second and "peak RSS" in second
+    assert "transfer wait" in second
+    disk = json.loads(first.strip().splitlines()[-1])
+    assert disk["output"] == ram["output"]  # alpha 0: the same greedy text from either tier
+    assert disk["offload"] == "disk" and ram["offload"] == "ram" and ram["bytes_read"] == 0
+    assert disk["hit_rate"] == ram["hit_rate"] and disk["transfers"] == ram["transfers"]
+    for key in ("attention_ms", "expert_compute_ms", "transfer_wait_ms", "predictor_ms", "policy_ms"):
+        assert disk[key] >= 0
+    with pytest.raises(SystemExit, match="needs --offload_dir"):
+        main([*base, "--offload", "disk"])
