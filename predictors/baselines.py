@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 from moecast.collect.traceset import ModelInfo, RequestTrace, TraceSet
-from moecast.predictors.base import Predictor
+from moecast.predictors.base import LayerAhead, Predictor
 from moecast.predictors.metrics import multi_hot
 
 from moecast.errors import InputError
@@ -148,7 +148,7 @@ class FrequencyPredictor(_Base):
         return cls(tensors["table"].double().numpy(), meta)
 
 
-class GateReusePredictor(_Base):
+class GateReusePredictor(_Base, LayerAhead):
     """Layer l's router applied to layer l-1's gate input (layer-ahead)."""
 
     name = "gate-reuse"
@@ -214,6 +214,10 @@ class GateReusePredictor(_Base):
         logits = np.einsum("tlh,leh->tle", src, self.router)
         return logits.astype(np.float32)
 
+    @property
+    def gate_width(self) -> int:
+        return int(self.router.shape[2])
+
     def tensors(self) -> dict[str, Any]:
         return {"router": self.router}
 
@@ -222,7 +226,7 @@ class GateReusePredictor(_Base):
         return cls(tensors["router"].float().numpy(), meta)
 
 
-class CooccurrencePredictor(_Base):
+class CooccurrencePredictor(_Base, LayerAhead):
     """Layer-ahead counts: P(expert e at layer l | expert j at layer l-1) from the training split."""
 
     name = "cooccurrence"

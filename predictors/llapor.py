@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from moecast.collect.traceset import RequestTrace
 from moecast.predictors import llapor_kernel
-from moecast.predictors.base import Predictor
+from moecast.predictors.base import LayerAhead
 from moecast.predictors.context_memory import ContextMemory
 from moecast.predictors.llapor_features import (
     FeatureSpec,
@@ -66,11 +66,12 @@ _NO_RAW = np.zeros((1, 0, 1), np.float32)  # score_layer: no raw gate inputs (it
 _NO_RAW_OK = np.zeros((1, 0), np.bool_)
 
 
-class LLaPor(Predictor):
+class LLaPor(LayerAhead):
     """Layer-ahead predictor (PreScope §4.2); see the module docstring for its inputs."""
 
     name = "llapor"
     horizon = "layer-ahead"
+    learns_online = True
 
     def __init__(
         self,
@@ -367,7 +368,23 @@ class LLaPor(Predictor):
         )  # fmt: skip
         return blocks, consts, packed
 
+    @property
+    def gate_width(self) -> int:
+        """Width of the gate inputs the features read (0: none)."""
+        return self.spec.gate_hidden if self.spec.gate_pca else 0
+
+    @property
+    def gate_tokens(self) -> int:
+        """Finished tokens whose gate inputs the features read (``context_gate``)."""
+        return self.spec.context_gate
+
     # ------------------------------------------------------------------ online learning
+    def learn_last(self, trace: RequestTrace, lr: float) -> float:
+        """:meth:`update` on the last token of ``trace``, whose routing is now known (PreScope §4.2.2)."""
+        row = {k: v[-1:] for k, v in self.features(trace).items()}
+        with torch.enable_grad():  # a model's generate() runs under no_grad; the step needs gradients
+            return self.update(row, np.asarray(trace.topk_ids[-1:], np.int64), lr=lr)
+
     def update(
         self,
         feats: dict[str, torch.Tensor],
