@@ -44,6 +44,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from moecast.runtime.step import landing, layer_time, window
 
 _BIG = np.iinfo(np.int64).max
 _CHUNK = 16384  # rows per eviction pass: [rows, E] temporaries stay a few MB
@@ -286,14 +287,8 @@ def seg_start(seg: np.ndarray, starts: np.ndarray, cold: bool) -> np.ndarray:
 
 def layer_time_table(k: int, cost) -> np.ndarray:
     """[k+1] modeled layer time with m misses, all loaded on demand (no prefetch, no CPU)."""
-    t_io = cost.t_io
-    out = np.empty(k + 1)
-    for m in range(k + 1):
-        link = m * (t_io if math.isfinite(t_io) else 0.0)
-        if not math.isfinite(t_io) and m > 0:
-            link = math.inf
-        out[m] = cost.t_attn + max(k * cost.t_g, link + (cost.t_g if m > 0 else 0.0), 0.0)
-    return out
+    m = np.arange(k + 1)
+    return layer_time(cost, np.full(k + 1, k), m, 0.0, 0.0)[0]
 
 
 def wavefront_b1(
@@ -322,86 +317,123 @@ def wavefront_b1(
     ranked best first (-1 padded); ``pred_ids`` [N, L, kp] the raw predicted ids (PreSched's
     next-layer view); ``preload`` [L, >= max cap] the hot-expert table (PreSched's start);
     ``basis`` [N] bool: the tokens whose steps count for the modeled TPOT; ``predictor_ms`` the
-    predictor's latency per layer, taken from each prefetch window (the step's rules).
+    predictor's latency per layer. Landing, layer time and window are the step's own rules
+    (:func:`moecast.runtime.step.landing`, ``layer_time``, ``window``).
     Returns statistics reduced to [C * L] (index c * L + layer), and ``tpot_sum`` [C].
     """
-    from moecast.runtime.presched import schedule_unit
-
-    N, L, k = topk.shape
-    C = len(caps)
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    if cold:
-        g_start, g_len = starts, lengths.astype(np.int64)
-    else:
-        g_start, g_len = np.array([0], dtype=np.int64), np.array([N], dtype=np.int64)
-    G = len(g_len)
-    S = int(g_len.max())
-    sh = max(1, int(E - 1).bit_length())
-    kdt = np.int32 if (int(S + 1).bit_length() + sh + 1) <= 30 else np.int64
-    big = np.iinfo(kdt).max
-    idmask = kdt((1 << sh) - 1)
-    sh1 = sh + 1  # key layout: step | id | prefetched flag
-    lanes = C * G * L
-    # natural lane id (c * G + g) * L + l, stored at position pos[id] (latest-finishing first)
-    o_cap = np.repeat(np.arange(C), G * L)
-    o_layer = np.tile(np.arange(L), C * G)
-    o_stream = np.tile(np.repeat(np.arange(G), L), C)
-    o_end = g_len[o_stream] + o_layer
-    perm = np.argsort(-o_end, kind="stable")
-    pos = np.empty(lanes, dtype=np.int64)
-    pos[perm] = np.arange(lanes)
-    cap_of = o_cap[perm]
-    layer_of = o_layer[perm]
-    capv = caps[cap_of].astype(np.int64)
-    tok0 = g_start[o_stream[perm]]
-    end_sorted = o_end[perm]
-    nxt_lane = np.where(layer_of < L - 1, pos[np.minimum(perm + 1, lanes - 1)], np.arange(lanes))
-    K = np.full((lanes, E), big, dtype=kdt)
-    Kf = K.reshape(-1)
-    count = np.zeros(lanes, dtype=np.int64)
+    w = _Wave(topk, lengths, cold, caps, E, cost, balancer, cand, pred_ids, basis, predictor_ms)
     if preload is not None:
-        for c in range(C):
-            n_pre = min(int(caps[c]), E)
-            rows = np.flatnonzero(cap_of == c)
-            items = preload[layer_of[rows], :n_pre].astype(np.int64)  # [rows, n_pre]
-            K[rows[:, None], items] = items.astype(kdt) << 1  # last = -1: key (0 << sh1) | id << 1
-            count[rows] = n_pre
-    prefetching = cand is not None
-    t_io = cost.t_io
-    t_pred = predictor_ms if prefetching else 0.0
-    first_window = cost.t_attn - t_pred
-    free = np.full(lanes, first_window)
-    pf_n = np.full(lanes, -1, dtype=np.int64)
-    delay = np.zeros(lanes)
-    lane_pf_used = np.ones(lanes)
-    lane_pf_landed = np.full(lanes, 2.0)
-    names = (
-        "hits",
-        "loads",
-        "cpu",
-        "time",
-        "tpot",
-        "pf_issued",
-        "pf_landed",
-        "pf_started",
-        "pf_inserted",
-        "pf_used",
-    )
-    acc = {n_: np.zeros(lanes) for n_ in names}
-    # ids as int8 (E <= 64): the per-step gathers read a quarter of the bytes
-    topk2 = topk.reshape(N * L, k).astype(np.int8)
-    cand2 = cand.reshape(N * L, -1).astype(np.int8) if cand is not None else None
-    pred2 = pred_ids.reshape(N * L, -1).astype(np.int8) if pred_ids is not None else None
-    all_basis = bool(basis.all())
-    kp = cand.shape[2] if prefetching else 0
-    lane_ix = np.arange(lanes)
-    # predictions without -1 padding (the usual case) skip the masking below
-    cand_full = bool(prefetching and (cand2 >= 0).all())
-    pred_full = bool(pred2 is not None and (pred2 >= 0).all())
-    finite_io = math.isfinite(t_io)
+        w.preload(preload)
+    for i in range(w.n_iter):
+        w.iteration(i)
+    return w.results()
 
-    def evict(act_rows: np.ndarray, need: np.ndarray, shield: np.ndarray, shield_full: bool) -> None:
+
+_WAVE_STATS = (
+    "hits",
+    "loads",
+    "cpu",
+    "time",
+    "tpot",
+    "pf_issued",
+    "pf_landed",
+    "pf_started",
+    "pf_inserted",
+    "pf_used",
+)
+
+
+class _Wave:
+    """The state of :func:`wavefront_b1`: lane layout, per-lane keys and link clock, statistics."""
+
+    def __init__(
+        self,
+        topk: np.ndarray,
+        lengths: np.ndarray,
+        cold: bool,
+        caps: np.ndarray,
+        E: int,
+        cost,
+        balancer: str,
+        cand: np.ndarray | None,
+        pred_ids: np.ndarray | None,
+        basis: np.ndarray,
+        predictor_ms: float,
+    ) -> None:
+        N, L, k = topk.shape
+        self.N, self.L, self.k, self.E, self.C = N, L, k, E, len(caps)
+        self.caps, self.cost, self.balancer = caps, cost, balancer
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        if cold:
+            g_start, g_len = starts, lengths.astype(np.int64)
+        else:
+            g_start, g_len = np.array([0], dtype=np.int64), np.array([N], dtype=np.int64)
+        self._layout(g_start, g_len)
+        S = int(g_len.max())
+        self.sh = max(1, int(E - 1).bit_length())
+        self.kdt = np.int32 if (int(S + 1).bit_length() + self.sh + 1) <= 30 else np.int64
+        self.big = np.iinfo(self.kdt).max
+        self.idmask = self.kdt((1 << self.sh) - 1)
+        self.sh1 = self.sh + 1  # key layout: step | id | prefetched flag
+        lanes = self.lanes
+        self.K = np.full((lanes, E), self.big, dtype=self.kdt)
+        self.Kf = self.K.reshape(-1)
+        self.count = np.zeros(lanes, dtype=np.int64)
+        self.prefetching = cand is not None
+        self.t_pred = predictor_ms if self.prefetching else 0.0
+        self.first_window = cost.t_attn - self.t_pred
+        self.free = np.full(lanes, self.first_window)
+        self.pf_n = np.full(lanes, -1, dtype=np.int64)
+        self.delay = np.zeros(lanes)
+        self.r_used = np.ones(lanes)
+        self.r_landed = np.full(lanes, 2.0)
+        self.acc = {name: np.zeros(lanes) for name in _WAVE_STATS}
+        # ids as int8 (E <= 64): the per-step gathers read a quarter of the bytes
+        self.topk2 = topk.reshape(N * L, k).astype(np.int8)
+        self.cand2 = cand.reshape(N * L, -1).astype(np.int8) if cand is not None else None
+        self.pred2 = pred_ids.reshape(N * L, -1).astype(np.int8) if pred_ids is not None else None
+        self.basis = basis
+        self.all_basis = bool(basis.all())
+        self.kp = cand.shape[2] if self.prefetching else 0
+        # predictions without -1 padding (the usual case) skip the masking below
+        self.cand_full = bool(self.prefetching and (self.cand2 >= 0).all())
+        self.pred_full = bool(self.pred2 is not None and (self.pred2 >= 0).all())
+        self.n_iter = S + L - 1
+        self.n_act_of = np.searchsorted(-self.end_sorted, -np.arange(self.n_iter), side="left")
+
+    def _layout(self, g_start: np.ndarray, g_len: np.ndarray) -> None:
+        """Natural lane id (c * G + g) * L + l, stored at position pos[id], latest-finishing first."""
+        C, G, L = self.C, len(g_len), self.L
+        lanes = self.lanes = C * G * L
+        o_cap = np.repeat(np.arange(C), G * L)
+        o_layer = np.tile(np.arange(L), C * G)
+        o_stream = np.tile(np.repeat(np.arange(G), L), C)
+        o_end = g_len[o_stream] + o_layer
+        perm = np.argsort(-o_end, kind="stable")
+        pos = np.empty(lanes, dtype=np.int64)
+        pos[perm] = np.arange(lanes)
+        self.cap_of = o_cap[perm]
+        self.layer_of = o_layer[perm]
+        self.capv = self.caps[self.cap_of].astype(np.int64)
+        self.tok0 = g_start[o_stream[perm]]
+        self.end_sorted = o_end[perm]
+        self.nxt_lane = np.where(
+            self.layer_of < L - 1, pos[np.minimum(perm + 1, lanes - 1)], np.arange(lanes)
+        )
+        self.lane_ix = np.arange(lanes)
+
+    def preload(self, table: np.ndarray) -> None:
+        """Every lane starts from its layer's first ``capacity`` experts of the hot-expert table."""
+        for c in range(self.C):
+            n_pre = min(int(self.caps[c]), self.E)
+            rows = np.flatnonzero(self.cap_of == c)
+            items = table[self.layer_of[rows], :n_pre].astype(np.int64)  # [rows, n_pre]
+            self.K[rows[:, None], items] = items.astype(self.kdt) << 1  # last = -1: key (0 << sh1) | id << 1
+            self.count[rows] = n_pre
+
+    def evict(self, act_rows: np.ndarray, need: np.ndarray, shield: np.ndarray, shield_full: bool) -> None:
         """Evict each row's ``need`` lowest keys outside ``shield`` (keys are unique: id in the low bits)."""
+        K, big, E = self.K, self.big, self.E
         for c0 in range(0, len(act_rows), _CHUNK):
             rows, nd, sh_ = act_rows[c0 : c0 + _CHUNK], need[c0 : c0 + _CHUNK], shield[c0 : c0 + _CHUNK]
             sub = K[rows]  # copy [ne, E]
@@ -417,161 +449,167 @@ def wavefront_b1(
             else:
                 low = np.sort(sub, axis=1)[:, :m]  # the m lowest keys, ascending (one SIMD sort per row)
             take = (low != big) & (np.arange(m)[None, :] < nd[:, None])
-            v = ((low >> 1) & idmask)[take].astype(np.int64)
-            Kf[np.broadcast_to(rows[:, None] * E, take.shape)[take] + v] = big
-            count[rows] -= take.sum(1)
+            v = ((low >> 1) & self.idmask)[take].astype(np.int64)
+            self.Kf[np.broadcast_to(rows[:, None] * E, take.shape)[take] + v] = big
+            self.count[rows] -= take.sum(1)
 
-    n_iter = S + L - 1
-    n_act_of = np.searchsorted(-end_sorted, -np.arange(n_iter), side="left")
-    for i in range(n_iter):
-        n_act = int(n_act_of[i])
+    def iteration(self, i: int) -> None:
+        """The lanes active at iteration ``i``: prefetch, access, split, insert, time."""
+        L, E = self.L, self.E
+        n_act = int(self.n_act_of[i])
         if i < L - 1:
-            A = np.flatnonzero(layer_of[:n_act] <= i)  # warm-up: deeper layers not started yet
+            A = np.flatnonzero(self.layer_of[:n_act] <= i)  # warm-up: deeper layers not started yet
             act = A
         else:
             A = slice(0, n_act)
-            act = lane_ix[:n_act]
-        n = len(act)
-        if n == 0:
-            continue
-        lay = layer_of[A]
+            act = self.lane_ix[:n_act]
+        if len(act) == 0:
+            return
+        lay = self.layer_of[A]
         s = i - lay
-        toks = tok0[A] + s
+        toks = self.tok0[A] + s
         tl = toks * L + lay
         base = act * E
-        newkey = ((s + 1).astype(kdt) << sh1)[:, None]
-        ids = topk2[tl]  # [n, k]
-        free_a = free[A]
-        delay[A] = 0.0
-        if prefetching:
-            # the lanes that may issue a prefetch: PreSched asked for some; otherwise (no PreSched, or
-            # no PreSched decision: the first layer) one must fit in the free link time (often none
-            # does). The others issue nothing.
-            pfa = pf_n[A]
-            capped = (pfa < 0) | (balancer != "presched")
-            may = pfa != 0
-            if t_io > 0:
-                fits = (free_a / t_io + 1e-9 >= 1) if finite_io else np.zeros(n, dtype=bool)
-                may &= ~capped | fits
-            sel = np.flatnonzero(may)
-        if prefetching and len(sel):
-            a_s = act[sel]
-            base_s = base[sel]
-            free_s = free_a[sel]
-            cd = cand2[tl[sel]]  # [n_s, kp] best first
-            if cand_full:
-                nonres = Kf[base_s[:, None] + cd] == big
-            else:
-                cvalid = cd >= 0
-                nonres = cvalid & (Kf[base_s[:, None] + np.where(cvalid, cd, 0)] == big)
-            n_cand = nonres.sum(1)
-            pfs = pfa[sel]
-            want = np.where(pfs >= 0, np.minimum(pfs, n_cand), n_cand)
-            if math.isinf(t_io):
-                fit = np.zeros(len(sel), dtype=np.int64)
-            elif t_io <= 0:
-                fit = want
-            else:
-                fit = np.maximum(np.floor(free_s / t_io + 1e-9), 0).astype(np.int64)
-            want = np.where(capped[sel], np.minimum(want, fit), want)
-            landed = np.minimum(want, fit)
-            if finite_io:
-                started = np.minimum(want, landed + 1)
-            else:
-                started = np.zeros(len(sel), dtype=np.int64)
-            if finite_io and t_io > 0:
-                new_delay = np.where(want > landed, (landed + 1) * t_io - free_s, 0.0)
-                delay[a_s] = np.maximum(new_delay, 0.0)
-            pr = np.flatnonzero(landed > 0)
-            if len(pr):
-                apr = a_s[pr]
-                need = landed[pr] - (capv[apr] - count[apr])
-                er = np.flatnonzero(need > 0)
-                if len(er):
-                    evict(apr[er], need[er], cd[pr[er]], cand_full)
-                # the first `landed` non-resident candidates, best first
-                nr = nonres[pr]
-                take = nr & (np.cumsum(nr, axis=1) <= landed[pr][:, None])
-                cp = cd[pr]
-                fl = (base_s[pr][:, None] + np.where(take, cp, 0))[take]
-                # prefetched and not used yet: the flag bit set
-                nk = np.broadcast_to(newkey[sel[pr]], take.shape)[take]
-                Kf[fl] = nk | (cp[take].astype(kdt) << 1) | 1
-                count[apr] += landed[pr]
-            lane_pf_landed[a_s] += landed
-            acc["pf_issued"][a_s] += want
-            acc["pf_landed"][a_s] += landed
-            acc["pf_inserted"][a_s] += landed
-            acc["pf_started"][a_s] += started
+        newkey = ((s + 1).astype(self.kdt) << self.sh1)[:, None]
+        ids = self.topk2[tl]  # [n, k]
+        self.delay[A] = 0.0
+        if self.prefetching:
+            self._prefetch(A, act, base, tl, newkey)
         fid = base[:, None] + ids
-        kv = Kf[fid]
-        hit = kv != big
-        if prefetching:
+        kv = self.Kf[fid]
+        hit = kv != self.big
+        if self.prefetching:
             used = (hit & ((kv & 1) != 0)).sum(1)
-            lane_pf_used[A] += used
-            acc["pf_used"][A] += used
+            self.r_used[A] += used
+            self.acc["pf_used"][A] += used
         n_hit = hit.sum(1)
-        n_miss = k - n_hit
-        if balancer == "presched":
-            has_next = lay < L - 1
-            if prefetching:
-                nid = pred2[toks * L + np.minimum(lay + 1, L - 1)]
-                consumer = nxt_lane[A]
-                if pred_full:
-                    nres = Kf[(consumer * E)[:, None] + nid] == big  # not resident
-                    nn = nres.sum(1) * has_next
-                else:
-                    nvalid = nid >= 0
-                    nres = Kf[(consumer * E)[:, None] + np.where(nvalid, nid, 0)] != big
-                    nn = (nvalid & ~nres & has_next[:, None]).sum(1)
-                mn_ = kp
-            else:
-                nn = np.zeros(n, dtype=np.int64)
-                mn_ = 0
-            dec = schedule_unit(n_miss, k, nn, mn_, delay[A], lane_pf_used[A] / lane_pf_landed[A], cost)
-            n_load = dec.n_load
-            pf_n[nxt_lane[A][has_next]] = dec.n_prefetch[has_next]
-            # CPU time of the n_miss - n_load experts left (one token each): the scheduler's running sum
-            t_cpu = dec.t_cpu
-        else:
-            n_load = n_miss
-            t_cpu = 0.0
-        lr = np.flatnonzero(n_load > 0)
-        if len(lr):
-            alr = act[lr]
-            need = n_load[lr] - (capv[alr] - count[alr])
-            er = np.flatnonzero(need > 0)
-            if len(er):
-                evict(alr[er], need[er], ids[lr[er]], True)
-            count[alr] += n_load[lr]
-        # loaded: the first n_load misses in routing order; hits and loaded experts get the new key
-        if balancer != "presched" or (n_load == n_miss).all():
-            Kf[fid] = newkey | (ids.astype(kdt) << 1)  # the flag cleared: used
-        else:
-            miss = ~hit
-            now_res = hit | (miss & (np.cumsum(miss, axis=1) <= n_load[:, None]))
-            # misses left to the CPU stay non-resident (their key is big already)
-            Kf[fid] = np.where(now_res, newkey | (ids.astype(kdt) << 1), big)
-        link = delay[A] + n_load * (t_io if math.isfinite(t_io) else 0.0)
-        if not math.isfinite(t_io):
-            link = np.where(n_load > 0, math.inf, link)
-        t_dev = (n_hit + n_load) * cost.t_g
-        layer_t = cost.t_attn + np.maximum(
-            np.maximum(t_dev, link + np.where(n_load > 0, cost.t_g, 0.0)), t_cpu
-        )
+        n_miss = self.k - n_hit
+        n_load, t_cpu = self._split(A, lay, toks, n_miss)
+        self._insert(act, ids, fid, hit, n_load, n_miss, newkey)
+        layer_t, link = layer_time(self.cost, n_hit + n_load, n_load, self.delay[A], t_cpu)
         has_next = lay < L - 1
-        busy = np.maximum(link, t_pred) if t_pred else link
-        with np.errstate(invalid="ignore"):
-            free[nxt_lane[A][has_next]] = np.nan_to_num(layer_t - busy, nan=0.0)[has_next]
-        free[act[lay == 0]] = first_window
+        self.free[self.nxt_lane[A][has_next]] = window(layer_t, link, self.t_pred)[has_next]
+        self.free[act[lay == 0]] = self.first_window
+        acc = self.acc
         acc["hits"][A] += n_hit
         acc["loads"][A] += n_load
         acc["cpu"][A] += n_miss - n_load
         acc["time"][A] += layer_t
-        acc["tpot"][A] += layer_t if all_basis else np.where(basis[toks], layer_t, 0.0)
-    cl = cap_of * L + layer_of
-    out = {name: np.bincount(cl, weights=v, minlength=C * L) for name, v in acc.items()}
-    out["uses"] = np.full(C * L, float(N * k))
-    out["subs"] = np.zeros(C * L)
-    out["tpot_sum"] = out.pop("tpot").reshape(C, L).sum(1)
-    return out
+        acc["tpot"][A] += layer_t if self.all_basis else np.where(self.basis[toks], layer_t, 0.0)
+
+    def _prefetch(self, A, act: np.ndarray, base: np.ndarray, tl: np.ndarray, newkey: np.ndarray) -> None:
+        """Land the active lanes' prefetches (:func:`moecast.runtime.step.landing`)."""
+        t_io, big, Kf = self.cost.t_io, self.big, self.Kf
+        # the lanes that may issue a prefetch: PreSched asked for some; otherwise (no PreSched, or
+        # no PreSched decision: the first layer) one must fit in the free link time (often none
+        # does). The others issue nothing.
+        pfa = self.pf_n[A]
+        free_a = self.free[A]
+        capped = (pfa < 0) | (self.balancer != "presched")
+        may = pfa != 0
+        if t_io > 0:
+            fits = (free_a / t_io + 1e-9 >= 1) if math.isfinite(t_io) else np.zeros(len(act), dtype=bool)
+            may &= ~capped | fits
+        sel = np.flatnonzero(may)
+        if not len(sel):
+            return
+        a_s, base_s = act[sel], base[sel]
+        cd = self.cand2[tl[sel]]  # [n_s, kp] best first
+        if self.cand_full:
+            nonres = Kf[base_s[:, None] + cd] == big
+        else:
+            cvalid = cd >= 0
+            nonres = cvalid & (Kf[base_s[:, None] + np.where(cvalid, cd, 0)] == big)
+        want, landed, started, self.delay[a_s] = landing(
+            nonres.sum(1), pfa[sel], free_a[sel], t_io, self.balancer
+        )
+        pr = np.flatnonzero(landed > 0)
+        if len(pr):
+            apr = a_s[pr]
+            need = landed[pr] - (self.capv[apr] - self.count[apr])
+            er = np.flatnonzero(need > 0)
+            if len(er):
+                self.evict(apr[er], need[er], cd[pr[er]], self.cand_full)
+            # the first `landed` non-resident candidates, best first
+            nr = nonres[pr]
+            take = nr & (np.cumsum(nr, axis=1) <= landed[pr][:, None])
+            cp = cd[pr]
+            fl = (base_s[pr][:, None] + np.where(take, cp, 0))[take]
+            # prefetched and not used yet: the flag bit set
+            nk = np.broadcast_to(newkey[sel[pr]], take.shape)[take]
+            Kf[fl] = nk | (cp[take].astype(self.kdt) << 1) | 1
+            self.count[apr] += landed[pr]
+        self.r_landed[a_s] += landed
+        acc = self.acc
+        acc["pf_issued"][a_s] += want
+        acc["pf_landed"][a_s] += landed
+        acc["pf_inserted"][a_s] += landed
+        acc["pf_started"][a_s] += started
+
+    def _split(
+        self, A, lay: np.ndarray, toks: np.ndarray, n_miss: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray | float]:
+        """(demand loads, CPU time): every miss loaded, or PreSched's Eq. 5 split and its next-layer count."""
+        if self.balancer != "presched":
+            return n_miss, 0.0
+        from moecast.runtime.presched import schedule_unit
+
+        L, E = self.L, self.E
+        has_next = lay < L - 1
+        if self.prefetching:
+            nid = self.pred2[toks * L + np.minimum(lay + 1, L - 1)]
+            consumer = self.nxt_lane[A]
+            if self.pred_full:
+                nres = self.Kf[(consumer * E)[:, None] + nid] == self.big  # not resident
+                nn = nres.sum(1) * has_next
+            else:
+                nvalid = nid >= 0
+                nres = self.Kf[(consumer * E)[:, None] + np.where(nvalid, nid, 0)] != self.big
+                nn = (nvalid & ~nres & has_next[:, None]).sum(1)
+            mn_ = self.kp
+        else:
+            nn = np.zeros(len(lay), dtype=np.int64)
+            mn_ = 0
+        r_hit = self.r_used[A] / self.r_landed[A]
+        dec = schedule_unit(n_miss, self.k, nn, mn_, self.delay[A], r_hit, self.cost)
+        self.pf_n[self.nxt_lane[A][has_next]] = dec.n_prefetch[has_next]
+        # CPU time of the n_miss - n_load experts left (one token each): the scheduler's running sum
+        return dec.n_load, dec.t_cpu
+
+    def _insert(
+        self,
+        act: np.ndarray,
+        ids: np.ndarray,
+        fid: np.ndarray,
+        hit: np.ndarray,
+        n_load: np.ndarray,
+        n_miss: np.ndarray,
+        newkey: np.ndarray,
+    ) -> None:
+        """Demand loads in (evicting the lowest keys, the token's own experts shielded); keys of use."""
+        lr = np.flatnonzero(n_load > 0)
+        if len(lr):
+            alr = act[lr]
+            need = n_load[lr] - (self.capv[alr] - self.count[alr])
+            er = np.flatnonzero(need > 0)
+            if len(er):
+                self.evict(alr[er], need[er], ids[lr[er]], True)
+            self.count[alr] += n_load[lr]
+        # loaded: the first n_load misses in routing order; hits and loaded experts get the new key
+        used_key = newkey | (ids.astype(self.kdt) << 1)  # the flag cleared: used
+        if self.balancer != "presched" or (n_load == n_miss).all():
+            self.Kf[fid] = used_key
+        else:
+            miss = ~hit
+            now_res = hit | (miss & (np.cumsum(miss, axis=1) <= n_load[:, None]))
+            # misses left to the CPU stay non-resident (their key is big already)
+            self.Kf[fid] = np.where(now_res, used_key, self.big)
+
+    def results(self) -> dict[str, np.ndarray]:
+        C, L = self.C, self.L
+        cl = self.cap_of * L + self.layer_of
+        out = {name: np.bincount(cl, weights=v, minlength=C * L) for name, v in self.acc.items()}
+        out["uses"] = np.full(C * L, float(self.N * self.k))
+        out["subs"] = np.zeros(C * L)
+        out["tpot_sum"] = out.pop("tpot").reshape(C, L).sum(1)
+        return out

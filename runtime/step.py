@@ -144,27 +144,12 @@ class LayerStep:
         ``ranked`` [n, M]: the predicted experts, best first, distinct (-1 padded; a shared cache's
         items). The predicted ones are shielded: a prefetch never evicts another predicted expert.
         """
-        cache, clock, t_io = self.cache, self.clock, self.cost.t_io
-        n = len(lanes)
+        cache, clock = self.cache, self.clock
         nonres = (ranked >= 0) & ~cache.lookup(lanes, ranked)
         cand = _compact(np.where(nonres, ranked, -1))
-        n_cand = (cand >= 0).sum(1)
-        pf_n = clock.pf_n[lanes]
-        want = np.where(pf_n >= 0, np.minimum(pf_n, n_cand), n_cand)
-        free = clock.free[lanes]
-        if math.isinf(t_io):
-            fit = np.zeros(n, dtype=np.int64)
-        elif t_io <= 0:
-            fit = want
-        else:
-            fit = np.maximum(np.floor(free / t_io + 1e-9), 0).astype(np.int64)
-        # only PreSched's own count may start a transfer that does not finish in the window
-        want = np.where((pf_n >= 0) & (self.policy.balancer == "presched"), want, np.minimum(want, fit))
-        landed = np.minimum(want, fit)
-        finite = math.isfinite(t_io)
-        started = np.minimum(want, landed + 1) if finite else np.zeros(n, dtype=np.int64)
-        late = (want > landed) & finite & (t_io > 0)
-        clock.delay[lanes] = np.maximum(np.where(late, (landed + 1) * t_io - free, 0.0), 0.0)
+        want, landed, started, clock.delay[lanes] = landing(
+            (cand >= 0).sum(1), clock.pf_n[lanes], clock.free[lanes], self.cost.t_io, self.policy.balancer
+        )
         take = np.arange(cand.shape[1])[None, :] < landed[:, None]
         ins = cache.insert(lanes, np.where(take, cand, -1), shield=ranked, prefetch=True, t=t)
         self.r_landed[lanes] += landed
@@ -217,27 +202,12 @@ class LayerStep:
         if pol.eviction == "score":
             sc = (probs.astype(np.float32) * valid[:, :, None]).sum(1) / np.maximum(valid.sum(1), 1)[:, None]
             cache.observe_scores(lanes, sc)
-        layer_t, link = self.layer_time((hit & (uniq >= 0)).sum(1) + n_load, n_load, delay, t_cpu)
+        layer_t, link = layer_time(self.cost, (hit & (uniq >= 0)).sum(1) + n_load, n_load, delay, t_cpu)
         self._advance(lanes, layer_t, link, next_lanes, has_next, restart)
         self.add("loads", lanes, layer, n_load)
         self.add("cpu", lanes, layer, n_miss - n_load)
         self.add("time", lanes, layer, layer_t)
         return LayerOutcome(ids, uniq, counts, hit, load_ids, cpu_ids, layer_t, link)
-
-    def layer_time(
-        self, n_dev: np.ndarray, n_load: np.ndarray, delay: np.ndarray, t_cpu: np.ndarray | float
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """(layer_t, link) by the formula in the module docstring (an absent link: infinite)."""
-        cost = self.cost
-        t_io = cost.t_io
-        link = delay + n_load * (t_io if math.isfinite(t_io) else 0.0)
-        if not math.isfinite(t_io):
-            link = np.where(n_load > 0, math.inf, link)
-        t_dev = n_dev * cost.t_g
-        layer_t = cost.t_attn + np.maximum(
-            np.maximum(t_dev, link + np.where(n_load > 0, cost.t_g, 0.0)), t_cpu
-        )
-        return layer_t, link
 
     def _items(self, layer: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """Cache items of expert ids (a shared cache numbers them layer * E + expert)."""
@@ -363,13 +333,62 @@ class LayerStep:
         restart: np.ndarray | None,
     ) -> None:
         """Write the prefetch windows this layer leaves: the next layer's, and a first layer's."""
-        busy = np.maximum(link, self.predictor_ms) if self.prefetching and self.predictor_ms else link
         if next_lanes is not None and has_next is not None:
-            with np.errstate(invalid="ignore"):
-                self.clock.free[next_lanes[has_next]] = np.nan_to_num(layer_t - busy, nan=0.0)[has_next]
+            free = window(layer_t, link, self.predictor_ms if self.prefetching else 0.0)
+            self.clock.free[next_lanes[has_next]] = free[has_next]
         if restart is not None:
             self.clock.free[lanes[restart]] = self.first_window
             self.clock.pf_n[lanes[restart]] = -1  # no PreSched decision reaches a first layer
+
+
+def landing(
+    n_cand: np.ndarray, pf_n: np.ndarray, free: np.ndarray, t_io: float, balancer: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Step 1's rule: of ``n_cand`` non-resident candidates, (asked, landed, started, delay) per row.
+
+    ``pf_n`` is PreSched's count (-1: none decided), ``free`` the window. A transfer lands when it
+    finishes inside the window; only PreSched's own count may start one more, which does not land
+    and delays the layer's demand loads by the time it still needs.
+    """
+    n = len(n_cand)
+    want = np.where(pf_n >= 0, np.minimum(pf_n, n_cand), n_cand)
+    if math.isinf(t_io):
+        fit = np.zeros(n, dtype=np.int64)
+    elif t_io <= 0:
+        fit = want
+    else:
+        fit = np.maximum(np.floor(free / t_io + 1e-9), 0).astype(np.int64)
+    want = np.where((pf_n >= 0) & (balancer == "presched"), want, np.minimum(want, fit))
+    landed = np.minimum(want, fit)
+    finite = math.isfinite(t_io)
+    started = np.minimum(want, landed + 1) if finite else np.zeros(n, dtype=np.int64)
+    late = (want > landed) & finite & (t_io > 0)
+    delay = np.maximum(np.where(late, (landed + 1) * t_io - free, 0.0), 0.0)
+    return want, landed, started, delay
+
+
+def layer_time(
+    cost: CostModel,
+    n_dev: np.ndarray,
+    n_load: np.ndarray,
+    delay: np.ndarray | float,
+    t_cpu: np.ndarray | float,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Step 5's formula: (layer_t, link) per row (an absent link: infinite)."""
+    t_io = cost.t_io
+    link = delay + n_load * (t_io if math.isfinite(t_io) else 0.0)
+    if not math.isfinite(t_io):
+        link = np.where(n_load > 0, math.inf, link)
+    t_dev = n_dev * cost.t_g
+    layer_t = cost.t_attn + np.maximum(np.maximum(t_dev, link + np.where(n_load > 0, cost.t_g, 0.0)), t_cpu)
+    return layer_t, link
+
+
+def window(layer_t: np.ndarray, link: np.ndarray, t_pred: float) -> np.ndarray:
+    """Step 6's rule: the next layer's prefetch window, once this layer's link and the prediction are done."""
+    busy = np.maximum(link, t_pred) if t_pred else link
+    with np.errstate(invalid="ignore"):
+        return np.nan_to_num(layer_t - busy, nan=0.0)
 
 
 def _compact(a: np.ndarray) -> np.ndarray:
