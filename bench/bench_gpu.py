@@ -218,32 +218,26 @@ def _structure(model: Any) -> Any:
 
 
 def profile_model(s: Setup, out: Path, device_tag: str) -> dict:
-    """The hardware profile for this model's experts, with the model's own non-expert time per layer."""
-    from moecast.runtime.profile import dense_layer_ms, measure
+    """``moecast profile`` of this model (its expert shape and dtype, its dense time per layer, its
+    predictor's latency), written beside the results; the rows' modeled times come from it."""
+    from moecast.runtime.profile import profile_model as measure_model
 
-    info = _info(s)
-    e = _structure(s.model).layers[0].experts
-    hidden = int(s.model.config.hidden_size)
-    inter = int(info.expert_bytes // (3 * hidden * next(e.parameters()).element_size()))
-    dtype = str(next(e.parameters()).dtype).replace("torch.", "")
-    prof = measure(hidden, inter, name=f"bench-{device_tag}-{s.name}", dtype=dtype)
+    # the DeepSeek adapter's checkpoint is timed as trained (all its layers), as the runtime calls it
+    pred = getattr(s.predictor, "inner", s.predictor)
+    prof, _how = measure_model(s.model, f"bench-{device_tag}-{s.name}", pred)
     if not s.cuda and torch.cuda.is_available():
         prof.source += "; device rows of this bench ran on the CPU"
-    prof = replace(prof, attn_ms=round(dense_layer_ms(s.model), 5))
-    prof.source += "; attn_ms: the model's decode step with routed experts skipped, per MoE layer"
-    prof.ref_expert_bytes = int(info.expert_bytes)
     s.profile = prof
     s.profile_path = out / f"{prof.name}.yaml"
-    tmp = s.profile_path.with_name(f".{s.profile_path.name}.tmp")
-    tmp.write_text(prof.to_yaml())
-    tmp.replace(s.profile_path)
+    _write(s.profile_path, prof.to_yaml())
     return {
         "h2d_gbps": prof.transfer_gbps,
         "kernel_ms_per_expert": prof.gpu_expert_ms,
         "cpu_beta_ms": prof.cpu_beta_ms,
         "cpu_c_ms": prof.cpu_c_ms,
         "dense_ms_per_layer": prof.attn_ms,
-        "expert_bytes": int(info.expert_bytes),
+        "predictor_ms_per_layer": prof.predictor_ms,
+        "expert_bytes": prof.ref_expert_bytes,
         "source": prof.source,
     }
 
@@ -578,7 +572,8 @@ def markdown(report: Report, args: argparse.Namespace, setups: list[Setup], mach
                 "| profile | value |",
                 "|---|---|",
                 *(f"| {k} | {_fmt(prof[k], 4)} |" for k in ("h2d_gbps", "kernel_ms_per_expert", "cpu_beta_ms",
-                                                          "cpu_c_ms", "dense_ms_per_layer", "expert_bytes")),
+                                                          "cpu_c_ms", "dense_ms_per_layer", "predictor_ms_per_layer",
+                                                          "expert_bytes")),
                 f"| source | {prof['source']} |",
                 "",
             ]  # fmt: skip

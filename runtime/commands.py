@@ -424,34 +424,66 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 def profile(
     out: str | None = None,
+    model: str | None = None,
     traces: str | None = None,
+    predictor: str | None = None,
+    offload_dir: str | None = None,
+    disk_mb: int = 256,
     hidden_size: int = 2048,
     intermediate_size: int = 1408,
+    dtype: str = "bfloat16",
     name: str = "local",
     json: bool = False,
 ) -> None:
-    """Measure this machine into a hardware profile YAML (CPU expert time; CUDA bandwidth and kernel time when present).
+    """Measure this machine into a hardware profile YAML (CPU expert time; dense and predictor time per layer; disk and CUDA bandwidth).
 
     Args:
         out: where to write the profile YAML (default $MOECAST_HOME/hardware/<name>.yaml, then usable as --hardware <name>).
+        model: the model at hand (``tiny`` or a local directory): its expert shape and dtype, and its
+            non-expert time per MoE layer measured on it; without it the expert shape comes from
+            --traces or --hidden_size/--intermediate_size and attention time from a stand-in.
         traces: a TraceSet whose model sets the expert shape (its hidden size; intermediate from expert_bytes).
-        hidden_size: expert hidden size when no --traces.
-        intermediate_size: expert intermediate size when no --traces.
+        predictor: a layer-ahead checkpoint whose per-layer latency is measured (with --model, default:
+            a LLaPor of the default size with random weights).
+        offload_dir: measure the direct-read bandwidth of this directory's disk (a temporary file, removed).
+        disk_mb: size of that file (MB).
+        hidden_size: expert hidden size when neither --model nor --traces.
+        intermediate_size: expert intermediate size when neither --model nor --traces.
+        dtype: the CPU expert's dtype when neither --model nor --traces (else the model's or the traces').
         name: profile name.
         json: print the profile as JSON.
     """
-    from moecast.runtime.profile import measure
+    from moecast.runtime import profile as P
 
-    if traces:
-        from moecast.collect.traceset import TraceSet
+    pred = None
+    if predictor:
+        from moecast.predictors.registry import load
 
-        ts = TraceSet(traces)
-        m = ts.meta.model
-        # expert_bytes are in the dtype the traces were collected in (imports: bfloat16)
-        width = {"float32": 4, "float64": 8}.get(str(ts.meta.collection.get("dtype", "bfloat16")), 2)
-        hidden_size = m.hidden_size
-        intermediate_size = max(1, m.expert_bytes // (3 * m.hidden_size * width))
-    prof = measure(hidden_size, intermediate_size, name=name)
+        pred = load(predictor)
+    if model:
+        from moecast.collect.models import load_model
+
+        lm, _tok, _name = load_model(model)
+        prof, _how = P.profile_model(lm, name, pred, offload_dir, disk_mb)
+    else:
+        if traces:
+            from moecast.collect.traceset import TraceSet
+
+            ts = TraceSet(traces)
+            m = ts.meta.model
+            # expert_bytes are in the dtype the traces were collected in (imports: bfloat16)
+            dtype = str(ts.meta.collection.get("dtype", "bfloat16"))
+            width = {"float32": 4, "float64": 8}.get(dtype, 2)
+            hidden_size = m.hidden_size
+            intermediate_size = max(1, m.expert_bytes // (3 * m.hidden_size * width))
+        prof = P.measure(hidden_size, intermediate_size, name=name, dtype=dtype)
+        if pred is not None:
+            prof.predictor_ms = P._sig(P.predictor_latency_ms(pred, hidden_size))
+            prof.source += f"; predictor_ms: {predictor}"
+        if offload_dir:
+            gbps, how = P.disk_read_gbps(offload_dir, disk_mb)
+            prof.disk_read_gbps = P._sig(gbps)
+            prof.source += f"; disk_read_gbps: {how}, {disk_mb} MB in {offload_dir}"
     from moecast.collect.traceset import atomic_write_bytes
 
     from moecast import home
@@ -464,5 +496,6 @@ def profile(
 
         print(__import__("json").dumps(asdict(prof)))
     else:
-        print(prof.to_yaml().rstrip())
+        print(P.table(prof))
+        print(f"  source: {prof.source}")
         print(f"wrote {path}")

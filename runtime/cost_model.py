@@ -47,9 +47,13 @@ class HardwareProfile:
     source: str = ""
     # the prefetch predictor's latency per layer on this host (ms), charged before a prefetch may start
     predictor_ms: float = 0.0
+    # direct-read bandwidth of the disk that holds offloaded experts (GB/s); 0 = not measured
+    disk_read_gbps: float = 0.0
 
     def __post_init__(self) -> None:
-        for f in ("transfer_gbps", "gpu_expert_ms", "cpu_beta_ms", "cpu_c_ms", "attn_ms", "predictor_ms"):
+        for f in (
+            "transfer_gbps", "gpu_expert_ms", "cpu_beta_ms", "cpu_c_ms", "attn_ms", "predictor_ms", "disk_read_gbps",
+        ):  # fmt: skip
             v = float(getattr(self, f))
             if math.isnan(v) or v < 0:
                 raise ProfileError(f"hardware profile {self.name!r}: {f} = {v}, expected a number >= 0")
@@ -100,7 +104,7 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
     missing = sorted(
         f.name
         for f in fields(HardwareProfile)
-        if f.name not in data and f.name not in ("source", "predictor_ms")
+        if f.name not in data and f.name not in ("source", "predictor_ms", "disk_read_gbps")
     )
     if unknown or missing:
         raise ProfileError(

@@ -162,8 +162,8 @@ def test_profile_reads_the_expert_shape_in_the_traces_dtype(tmp_path, monkeypatc
     m = TraceSet(path).meta.model
     seen = {}
 
-    def fake(hidden, intermediate, name="local"):
-        seen["shape"] = (hidden, intermediate)
+    def fake(hidden, intermediate, name="local", dtype="float32"):
+        seen["shape"], seen["dtype"] = (hidden, intermediate), dtype
         return load_profile("prescope-a100-pcie4")
 
     monkeypatch.setattr(prof, "measure", fake)
@@ -173,3 +173,4 @@ def test_profile_reads_the_expert_shape_in_the_traces_dtype(tmp_path, monkeypatc
         (path / "meta.json").write_text(json.dumps(meta))
         commands.profile(traces=str(path), out=str(tmp_path / f"{dtype}.yaml"))
         assert seen["shape"] == (16, max(1, m.expert_bytes // (3 * 16 * width)))
+        assert seen["dtype"] == dtype  # the CPU expert is timed in the traces' dtype
