@@ -126,16 +126,9 @@ class LayerStore:
         ops: Any = None,
         pin: bool | None = None,
     ) -> None:
-        self.experts = experts
-        self.num_experts = int(experts.num_experts)
-        if not 1 <= num_slots <= self.num_experts:
-            raise ValueError(f"num_slots must be between 1 and {self.num_experts}, got {num_slots}")
-        self.num_slots = int(num_slots)
         params = expert_params(experts)
         first = next(iter(params.values()))
-        self.device = torch.device(device) if device is not None else first.device
-        self.cuda = self.device.type == "cuda"
-        self.ops = ops if ops is not None else (CudaOps(self.device) if self.cuda else None)
+        self._setup(experts, num_slots, device if device is not None else first.device, ops)
         can_pin = self.cuda and torch.cuda.is_available()
         pin = can_pin if pin is None else bool(pin) and can_pin
         self.host = {name: _host_copy(experts, name, t, pin) for name, t in params.items()}
@@ -146,16 +139,7 @@ class LayerStore:
         }
         self.pieces = split_pieces(experts, self.host)
         self.expert_bytes = sum(t[0].numel() * t.element_size() for t in self.host.values())
-        self.slot_of = np.full(self.num_experts, -1, np.int64)  # expert -> slot (-1: host only)
-        self.expert_in = np.full(self.num_slots, -1, np.int64)  # slot -> expert (-1: empty)
-        self.loads = 0
-        self.bytes_moved = 0
-        self.wait_s = 0.0  # host time spent blocked on transfers (disk reads, staging reuse)
         self._streams: list[Any] = []
-        self._events: dict[
-            int, list[Any]
-        ] = {}  # slot -> its transfer's events (until the compute stream waits)
-        self._read_events: dict[int, Any] = {}  # slot -> event after the last kernel that read it
         self._staging: list[dict[str, torch.Tensor]] = []
         self._staging_events: list[list[Any]] = []
         self._next_staging = 0
@@ -170,6 +154,24 @@ class LayerStore:
         self.pinned_bytes = self.expert_bytes * (self.num_experts if pin else 0)
         if can_pin:
             self.pinned_bytes += self.expert_bytes * len(self._staging)
+
+    def _setup(self, experts: nn.Module, num_slots: int, device: torch.device | str, ops: Any) -> None:
+        """The slot bookkeeping every store shares (``device`` and ``ops`` as in the class docstring)."""
+        self.experts = experts
+        self.num_experts = int(experts.num_experts)
+        if not 1 <= num_slots <= self.num_experts:
+            raise ValueError(f"num_slots must be between 1 and {self.num_experts}, got {num_slots}")
+        self.num_slots = int(num_slots)
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.ops = ops if ops is not None else (CudaOps(self.device) if self.cuda else None)
+        self.slot_of = np.full(self.num_experts, -1, np.int64)  # expert -> slot (-1: host only)
+        self.expert_in = np.full(self.num_slots, -1, np.int64)  # slot -> expert (-1: empty)
+        self.loads = 0
+        self.bytes_moved = 0
+        self.wait_s = 0.0  # host time blocked on transfers (disk reads, staging reuse)
+        self._events: dict[int, list[Any]] = {}  # slot -> its transfer's events, until waited for
+        self._read_events: dict[int, Any] = {}  # slot -> event after the last kernel that read it
 
     # ------------------------------------------------------------------ residency
     def resident(self) -> np.ndarray:

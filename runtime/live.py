@@ -281,7 +281,7 @@ class LiveRuntime:
         the module's weights are dropped; each store then reads its misses from there.
         """
         self.reader = None
-        self._dropped = False
+        self._dropped: list[torch.device] | None = None  # where attach found the experts it moved to disk
         if config.offload == "disk":
             return self._disk_stores(structure, config)
         experts = [e.experts for e in structure.layers]
@@ -305,7 +305,11 @@ class LiveRuntime:
                 "memory; load it whole once (moecast run --offload disk writes them)"
             )
         reader = offload.ExpertReader(config.offload_dir, meta, threads=config.io_threads)
-        device = torch.device(config.device) if config.device else torch.device("cpu")
+        # slots go where the model computes: its experts' device, else its first real weight's
+        real = [p.device for p in self.model.parameters() if p.device.type != "meta"]
+        first = expert_params(structure.layers[0].experts)
+        here = next(iter(first.values())).device if in_memory else (real[0] if real else torch.device("cpu"))
+        device = torch.device(config.device) if config.device else here
         try:
             if device.type == "cpu":
                 offload.check_fits(self.capacity, reader.layouts, config.capacity)
@@ -318,8 +322,7 @@ class LiveRuntime:
             raise
         self.reader = reader
         if in_memory:
-            offload.drop_experts(structure)
-            self._dropped = True
+            self._dropped = offload.drop_experts(structure)
         return stores
 
     # ------------------------------------------------------------------ placement
@@ -443,8 +446,8 @@ class LiveRuntime:
             if self._dropped:  # the model gets back the expert weights attach moved to disk
                 from moecast.runtime.offload import restore_experts
 
-                restore_experts(self.structure, self.reader)
-                self._dropped = False
+                restore_experts(self.structure, self.reader, self._dropped)
+                self._dropped = None
             self.reader.close()
             self.reader = None
 
@@ -598,22 +601,6 @@ class LiveRuntime:
         **kwargs: Any,
     ) -> torch.Tensor:
         """One MoE layer's experts under the runtime (see the module docstring for the steps)."""
-        t0, w0 = time.perf_counter(), self._waited()
-        try:
-            return self._forward_layer(pos, module, hidden, top_k_index, top_k_weights, **kwargs)
-        finally:
-            self._acc["layers"] += time.perf_counter() - t0
-            self._acc["transfer_wait"] += self._waited() - w0
-
-    def _forward_layer(
-        self,
-        pos: int,
-        module: Any,
-        hidden: torch.Tensor,
-        top_k_index: torch.Tensor,
-        top_k_weights: torch.Tensor,
-        **kwargs: Any,
-    ) -> torch.Tensor:
         st = self.stores[pos]
         s = self.stats_
         cost = self.cost
@@ -1201,7 +1188,13 @@ def live_experts_forward(
             module, hidden_states, top_k_index, top_k_weights, **kwargs
         )
     runtime, pos = entry
-    return runtime.forward_layer(pos, module, hidden_states, top_k_index, top_k_weights, **kwargs)
+    # the layer's wall time and the transfer waits in it, for the decode step's breakdown
+    t0, w0 = time.perf_counter(), runtime._waited()
+    try:
+        return runtime.forward_layer(pos, module, hidden_states, top_k_index, top_k_weights, **kwargs)
+    finally:
+        runtime._acc["layers"] += time.perf_counter() - t0
+        runtime._acc["transfer_wait"] += runtime._waited() - w0
 
 
 def attach(

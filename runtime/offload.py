@@ -48,7 +48,6 @@ import torch
 from moecast.runtime.expert_store import (
     STAGING_BUFFERS,
     TRANSFER_STREAMS,
-    CudaOps,
     LayerStore,
     _piece,
     expert_params,
@@ -512,16 +511,9 @@ class DiskLayerStore(LayerStore):
         device: torch.device | str | None = None,
         ops: Any = None,
     ) -> None:
-        self.experts = experts
-        self.num_experts = int(experts.num_experts)
-        if not 1 <= num_slots <= self.num_experts:
-            raise ValueError(f"num_slots must be between 1 and {self.num_experts}, got {num_slots}")
-        self.num_slots = int(num_slots)
+        self._setup(experts, num_slots, device if device is not None else "cpu", ops)
         self.reader, self.pos = reader, pos
         self.layout = layout = reader.layouts[pos]
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.cuda = self.device.type == "cuda"
-        self.ops = ops if ops is not None else (CudaOps(self.device) if self.cuda else None)
         self.expert_bytes = layout.expert_bytes
         self.host = {}
         self._staging: list[dict[str, torch.Tensor]] = []
@@ -543,13 +535,6 @@ class DiskLayerStore(LayerStore):
                 self._staging.append({n: v[0] for n, v in layout.views(raw, 1).items()})
         self.pinned_bytes = layout.stride * len(self._staging) if self.cuda else 0
         self.pieces = split_pieces(experts, self.slots)
-        self.slot_of = np.full(self.num_experts, -1, np.int64)
-        self.expert_in = np.full(self.num_slots, -1, np.int64)
-        self.loads = 0
-        self.bytes_moved = 0
-        self.wait_s = 0.0
-        self._events: dict[int, list[Any]] = {}
-        self._read_events: dict[int, Any] = {}
         self._pending: dict[int, Future] = {}  # slot -> its read (and, with ops, the copies it queued)
         self._staging_busy: list[Future | None] = [None] * len(self._staging)
         self._next_staging = 0
@@ -667,10 +652,13 @@ def check_fits(capacity: int, layouts: list[ExpertLayout], capacity_arg: Any) ->
         )
 
 
-def drop_experts(structure: Any) -> None:
-    """Replace the experts' weights by meta tensors of the same shape: the disk holds them now."""
+def drop_experts(structure: Any) -> list[torch.device]:
+    """Replace the experts' weights by meta tensors of the same shape (the disk holds them now);
+    returns each layer's device, for :func:`restore_experts`."""
+    devices = []
     for entry in structure.layers:
         mod = entry.experts
+        devices.append(next(iter(expert_params(mod).values())).device)
         for name, t in expert_params(mod).items():
             empty = torch.empty_like(t, device="meta")
             if name in mod._parameters:
@@ -678,10 +666,11 @@ def drop_experts(structure: Any) -> None:
             else:
                 mod._buffers[name] = empty
     gc.collect()
+    return devices
 
 
-def restore_experts(structure: Any, reader: ExpertReader) -> None:
-    """Read every expert back from disk into the modules (what :func:`drop_experts` replaced)."""
+def restore_experts(structure: Any, reader: ExpertReader, devices: list[torch.device]) -> None:
+    """Read every expert back from disk into the modules, on their devices (what :func:`drop_experts` replaced)."""
     for pos, entry in enumerate(structure.layers):
         mod = entry.experts
         layout = reader.layouts[pos]
@@ -691,7 +680,7 @@ def restore_experts(structure: Any, reader: ExpertReader) -> None:
             reader.read_into(pos, e, base[e * layout.stride : (e + 1) * layout.stride].numpy())
         views = layout.views(base, n)
         for name in expert_params(mod):
-            t = views[name].clone()
+            t = views[name].to(devices[pos], copy=True)
             if name in mod._parameters:
                 mod._parameters[name] = nn.Parameter(t, requires_grad=False)
             else:

@@ -4,33 +4,31 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moecast.collect.tiny import get_preset
+from moecast.collect.tiny import get_preset, model_config
 from moecast.runtime.live import attach
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+class _Vocab:
+    """What collect.tiny.model_config reads of a tokenizer: its size and special ids."""
+
+    bos_token_id = eos_token_id = pad_token_id = None
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+
 def tiny_random():
     """``tiny``'s architecture (configs/tiny.yaml, default preset) with random weights."""
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+    from transformers import Qwen2MoeForCausalLM
 
-    p = get_preset("default")
-    cfg = Qwen2MoeConfig(
-        vocab_size=p.vocab_size,
-        hidden_size=p.hidden_size,
-        intermediate_size=p.shared_expert_intermediate_size,
-        moe_intermediate_size=p.moe_intermediate_size,
-        shared_expert_intermediate_size=p.shared_expert_intermediate_size,
-        num_hidden_layers=p.num_layers,
-        num_attention_heads=p.num_heads,
-        num_key_value_heads=p.num_kv_heads,
-        num_experts=p.num_experts,
-        num_experts_per_tok=p.top_k,
-        norm_topk_prob=p.norm_topk_prob,
-        decoder_sparse_step=1,
-    )
+    preset = get_preset("default")
     torch.manual_seed(0)
-    return Qwen2MoeForCausalLM(cfg).eval()
+    return Qwen2MoeForCausalLM(model_config(preset, _Vocab(preset.vocab_size))).eval()
 
 
 def mixtral_random():
@@ -121,3 +119,25 @@ def test_experts_in_host_memory_run_from_device_slots():
         rt.detach()
     assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
     assert stats["transfers"] > 0 and stats["hit_rate"] < 1
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [dict(policy="lru", capacity=0.25, prefetch="online"), dict(policy="smoe", capacity=2, balance="cpu")],
+)
+def test_disk_tier_reads_through_pinned_staging_into_device_slots(tmp_path, setting):
+    model = mixtral_random().cuda()
+    ids = torch.randint(0, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(4)).cuda()
+    ref = decode(model, ids)
+    rt = attach(model, alpha=0.0, offload="disk", offload_dir=str(tmp_path), **setting)
+    try:
+        assert rt.stores[0].cuda and model.model.layers[0].mlp.experts.gate_up_proj.device.type == "meta"
+        got = decode(model, ids)
+        stats = rt.stats()
+    finally:
+        rt.detach()
+    assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
+    assert stats["bytes_read"] > 0 and stats["device"].startswith("cuda")
+    # detach put the weights back on the GPU
+    assert model.model.layers[0].mlp.experts.gate_up_proj.device.type == "cuda"
+    assert torch.equal(decode(model, ids), ref)
