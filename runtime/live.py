@@ -33,7 +33,16 @@ implementation and removes every hook, leaving the model bit-identical.
 Time is reported two ways: measured wall time of each forward on this machine (the
 arithmetic is real), and modeled time from :class:`moecast.runtime.cost_model.CostModel`
 on a virtual clock (attention, device experts, serial transfers, CPU experts overlapped
-with the device), which is what an accelerator with that profile would take.
+with the device), which is what an accelerator with that profile would take. The measured
+decode step is split into attention / dense (outside the experts calls), expert compute,
+host time blocked on transfers, predictor and policy (``*_ms`` in :meth:`LiveRuntime.stats`).
+
+Data path: each layer reads the device once (:meth:`LiveRuntime._read_layer`: the routing
+ids with everything the host decisions need), copies into a slot wait only for the last
+kernel that read it (:mod:`moecast.runtime.expert_store`), and CPU-computed experts run on a
+worker thread while the device computes the resident ones. The slow tier is host RAM
+(pinned within a budget) or, with ``offload="disk"``, an offload directory read with direct
+I/O (:mod:`moecast.runtime.offload`).
 """
 
 from __future__ import annotations
