@@ -95,46 +95,10 @@ class Setup:
 # ----------------------------------------------------------------------------- running tokens
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@torch.inference_mode()
-def run_request(s: Setup, i: int, keep_logits: bool = False, on_forward: Callable | None = None):
-    """Prefill request ``i``'s prompt, then decode its remaining tokens one by one (teacher-forced).
-
-    Returns (decode step ms, logits [steps + 1, V] or None)."""
-    toks = torch.as_tensor(s.requests[i], device=s.device)[None]
-    out = s.model(input_ids=toks[:, : s.prompt], use_cache=True)
-    if on_forward:
-        on_forward(False)
-    logits = [out.logits[0, -1].float().cpu()] if keep_logits else None
-    cache = out.past_key_values
-    times = []
-    for t in range(s.prompt, toks.shape[1]):
-        _sync(s.device)
-        t0 = time.perf_counter()
-        out = s.model(input_ids=toks[:, t : t + 1], past_key_values=cache, use_cache=True)
-        _sync(s.device)
-        times.append((time.perf_counter() - t0) * 1e3)
-        if on_forward:
-            on_forward(True)
-        if keep_logits:
-            logits.append(out.logits[0, -1].float().cpu())
-    return times, (torch.stack(logits) if keep_logits else None)
-
-
 def run_all(s: Setup, override: Any = None, keep_logits: bool = False, on_forward: Callable | None = None):
-    """Every request in order; (decode ms per step, first two excluded, and the logits per request)."""
-    times, logits = [], []
-    for i in range(len(s.requests)):
-        if override is not None:
-            override.start(s.routing.requests[i])
-        t, lg = run_request(s, i, keep_logits, on_forward)
-        times += t
-        logits.append(lg)
-    return times[2:] if len(times) > 2 else times, logits
+    return ds_model.decode_all(
+        s.model, s.requests, s.prompt, s.device, s.routing, override, keep_logits, on_forward
+    )
 
 
 def timed(s: Setup) -> tuple[float, list[float]]:
@@ -264,7 +228,9 @@ def record_traces(s: Setup, out: Path) -> None:
             if ov is not None:
                 ov.start(s.routing.requests[i])
             steps.clear()
-            run_request(s, i, on_forward=lambda _decode: steps.append(rec.take()))
+            ds_model.decode(
+                s.model, s.requests[i], s.prompt, s.device, on_forward=lambda _d: steps.append(rec.take())
+            )
             ids = torch.cat([x.topk_ids for x in steps]).cpu().numpy()
             T = len(ids)
             opt = {

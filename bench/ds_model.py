@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -237,6 +238,68 @@ def routed(model: Any, routing: Routing):
         yield ov
     finally:
         ov.remove()
+
+
+# ----------------------------------------------------------------------------- running tokens
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def decode(
+    model: Any,
+    tokens: np.ndarray,
+    prompt: int,
+    device: torch.device,
+    keep_logits: bool = False,
+    on_forward: Any = None,
+) -> tuple[list[float], torch.Tensor | None]:
+    """Prefill ``tokens[:prompt]``, then decode the rest one by one (teacher-forced, the same tokens in
+    every configuration). Returns (ms of each decode step, logits [steps + 1, V] when kept);
+    ``on_forward(is_decode)`` runs after each forward."""
+    toks = torch.as_tensor(tokens, device=device)[None]
+    out = model(input_ids=toks[:, :prompt], use_cache=True)
+    if on_forward:
+        on_forward(False)
+    logits = [out.logits[0, -1].float().cpu()] if keep_logits else []
+    cache = out.past_key_values
+    times = []
+    for t in range(prompt, toks.shape[1]):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = model(input_ids=toks[:, t : t + 1], past_key_values=cache, use_cache=True)
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+        if on_forward:
+            on_forward(True)
+        if keep_logits:
+            logits.append(out.logits[0, -1].float().cpu())
+    return times, (torch.stack(logits) if keep_logits else None)
+
+
+def decode_all(
+    model: Any,
+    requests: list[np.ndarray],
+    prompt: int,
+    device: torch.device,
+    routing: Routing,
+    override: RoutingOverride | None,
+    keep_logits: bool = False,
+    on_forward: Any = None,
+) -> tuple[list[float], list[torch.Tensor | None]]:
+    """Every request in order (the override walks each one's recorded routing); the decode steps'
+    ms without the first two (warm-up), and the logits per request."""
+    times, logits = [], []
+    for i, tokens in enumerate(requests):
+        if override is not None:
+            override.start(routing.requests[i])
+        t, lg = decode(model, tokens, prompt, device, keep_logits, on_forward)
+        times += t
+        logits.append(lg)
+    return times[2:] if len(times) > 2 else times, logits
 
 
 # ----------------------------------------------------------------------------- accelerate baseline
