@@ -304,6 +304,7 @@ def wavefront_b1(
     preload: np.ndarray | None,
     basis: np.ndarray,
     predictor_ms: float = 0.0,
+    decode: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """LRU per-layer caches at batch 1 with prefetch and/or PreSched, the general engine's semantics.
 
@@ -317,11 +318,12 @@ def wavefront_b1(
     ranked best first (-1 padded); ``pred_ids`` [N, L, kp] the raw predicted ids (PreSched's
     next-layer view); ``preload`` [L, >= max cap] the hot-expert table (PreSched's start);
     ``basis`` [N] bool: the tokens whose steps count for the modeled TPOT; ``predictor_ms`` the
-    predictor's latency per layer. Landing, layer time and window are the step's own rules
+    predictor's latency per layer; ``decode`` [N] bool: the decode tokens (the others are prefill:
+    no prefetch, every miss loaded; None: every token is a decode step). Landing, layer time and window are the step's own rules
     (:func:`moecast.runtime.step.landing`, ``layer_time``, ``window``).
     Returns statistics reduced to [C * L] (index c * L + layer), and ``tpot_sum`` [C].
     """
-    w = _Wave(topk, lengths, cold, caps, E, cost, balancer, cand, pred_ids, basis, predictor_ms)
+    w = _Wave(topk, lengths, cold, caps, E, cost, balancer, cand, pred_ids, basis, predictor_ms, decode)
     if preload is not None:
         w.preload(preload)
     for i in range(w.n_iter):
@@ -359,6 +361,7 @@ class _Wave:
         pred_ids: np.ndarray | None,
         basis: np.ndarray,
         predictor_ms: float,
+        decode: np.ndarray | None,
     ) -> None:
         N, L, k = topk.shape
         self.N, self.L, self.k, self.E, self.C = N, L, k, E, len(caps)
@@ -393,6 +396,7 @@ class _Wave:
         self.cand2 = cand.reshape(N * L, -1).astype(np.int8) if cand is not None else None
         self.pred2 = pred_ids.reshape(N * L, -1).astype(np.int8) if pred_ids is not None else None
         self.basis = basis
+        self.decode = decode
         self.all_basis = bool(basis.all())
         self.kp = cand.shape[2] if self.prefetching else 0
         # predictions without -1 padding (the usual case) skip the masking below
@@ -473,8 +477,9 @@ class _Wave:
         newkey = ((s + 1).astype(self.kdt) << self.sh1)[:, None]
         ids = self.topk2[tl]  # [n, k]
         self.delay[A] = 0.0
+        dec = self.decode[toks] if self.decode is not None else None
         if self.prefetching:
-            self._prefetch(A, act, base, tl, newkey)
+            self._prefetch(A, act, base, tl, newkey, dec)
         fid = base[:, None] + ids
         kv = self.Kf[fid]
         hit = kv != self.big
@@ -484,7 +489,7 @@ class _Wave:
             self.acc["pf_used"][A] += used
         n_hit = hit.sum(1)
         n_miss = self.k - n_hit
-        n_load, t_cpu = self._split(A, lay, toks, n_miss)
+        n_load, t_cpu = self._split(A, lay, toks, n_miss, dec)
         self._insert(act, ids, fid, hit, n_load, n_miss, newkey)
         layer_t, link = layer_time(self.cost, n_hit + n_load, n_load, self.delay[A], t_cpu)
         has_next = lay < L - 1
@@ -497,7 +502,9 @@ class _Wave:
         acc["time"][A] += layer_t
         acc["tpot"][A] += layer_t if self.all_basis else np.where(self.basis[toks], layer_t, 0.0)
 
-    def _prefetch(self, A, act: np.ndarray, base: np.ndarray, tl: np.ndarray, newkey: np.ndarray) -> None:
+    def _prefetch(
+        self, A, act: np.ndarray, base: np.ndarray, tl: np.ndarray, newkey: np.ndarray, dec: np.ndarray | None
+    ) -> None:
         """Land the active lanes' prefetches (:func:`moecast.runtime.step.landing`)."""
         t_io, big, Kf = self.cost.t_io, self.big, self.Kf
         # the lanes that may issue a prefetch: PreSched asked for some; otherwise (no PreSched, or
@@ -507,6 +514,8 @@ class _Wave:
         free_a = self.free[A]
         capped = (pfa < 0) | (self.balancer != "presched")
         may = pfa != 0
+        if dec is not None:
+            may &= dec  # prefill prefetches nothing
         if t_io > 0:
             fits = (free_a / t_io + 1e-9 >= 1) if math.isfinite(t_io) else np.zeros(len(act), dtype=bool)
             may &= ~capped | fits
@@ -547,9 +556,10 @@ class _Wave:
         acc["pf_started"][a_s] += started
 
     def _split(
-        self, A, lay: np.ndarray, toks: np.ndarray, n_miss: np.ndarray
+        self, A, lay: np.ndarray, toks: np.ndarray, n_miss: np.ndarray, dec: np.ndarray | None
     ) -> tuple[np.ndarray, np.ndarray | float]:
-        """(demand loads, CPU time): every miss loaded, or PreSched's Eq. 5 split and its next-layer count."""
+        """(demand loads, CPU time): every miss loaded, or PreSched's Eq. 5 split and its next-layer
+        count (decode rows; prefill loads every miss)."""
         if self.balancer != "presched":
             return n_miss, 0.0
         from moecast.runtime.presched import schedule_unit
@@ -571,10 +581,14 @@ class _Wave:
             nn = np.zeros(len(lay), dtype=np.int64)
             mn_ = 0
         r_hit = self.r_used[A] / self.r_landed[A]
-        dec = schedule_unit(n_miss, self.k, nn, mn_, self.delay[A], r_hit, self.cost)
-        self.pf_n[self.nxt_lane[A][has_next]] = dec.n_prefetch[has_next]
-        # CPU time of the n_miss - n_load experts left (one token each): the scheduler's running sum
-        return dec.n_load, dec.t_cpu
+        plan = schedule_unit(n_miss, self.k, nn, mn_, self.delay[A], r_hit, self.cost)
+        if dec is None:
+            self.pf_n[self.nxt_lane[A][has_next]] = plan.n_prefetch[has_next]
+            # CPU time of the n_miss - n_load experts left (one token each): the scheduler's running sum
+            return plan.n_load, plan.t_cpu
+        decided = has_next & dec
+        self.pf_n[self.nxt_lane[A][decided]] = plan.n_prefetch[decided]
+        return np.where(dec, plan.n_load, n_miss), np.where(dec, plan.t_cpu, 0.0)
 
     def _insert(
         self,

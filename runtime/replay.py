@@ -6,6 +6,8 @@ Semantics (docs/design.md, "Metrics"):
   the union of the step's routed experts at that layer; hits are uses whose expert is resident when
   the layer runs. The hit-rate denominator counts every routed use after substitution, cold misses
   included.
+- Prompt tokens of a TraceSet with decode steps are prefill (SMoE Sec. 4.1, as the live runtime does):
+  neither substituted nor balanced, every miss loaded, no prefetch for them.
 - Caches persist across requests (stream) or start afresh for each group of B requests (``cold``:
   empty, or PreScope's hot-expert table under a policy that preloads it); per layer (``capacity``
   experts each) or shared (``capacity * L`` experts for all layers).
@@ -147,6 +149,7 @@ class _Data:
         self.lengths = ts.request_lengths(rids)
         self.starts = np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64)
         self.decode = ts.column("phase", rids) == "decode"
+        self.has_decode = bool(self.decode.any())
         self.probs = ts.array("router_probs", rids) if need_probs else None
         self.weights = ts.array("topk_weights", rids) if ts.has("topk_weights") else None
 
@@ -488,7 +491,7 @@ def _fast_wavefront(run: _Run, pr: _Predictions) -> _Outcome:
     basis = d.decode if any_decode else np.ones(len(d.topk), dtype=bool)
     st = fast.wavefront_b1(
         d.topk, d.lengths, run.cfg.cold, run.caps, E, run.cost, spec.balancer, cand, pr.ids, pre, basis,
-        predictor_ms=run.predictor_ms,
+        predictor_ms=run.predictor_ms, decode=d.decode if d.has_decode else None,
     )  # fmt: skip
     n_basis = int(basis.sum())
     tpots = [float(v / n_basis) if n_basis else None for v in st.pop("tpot_sum")]
@@ -702,11 +705,17 @@ def _iteration(
     tsafe = np.where(tvalid, toks, 0)
     ids = np.where(tvalid[:, :, None], d.topk[tsafe, lay[:, None]], -1)  # [n, B, k]
     lt = s * L + lay  # lane time
-    step_decode[ch.gmap[g], s] |= (d.decode[tsafe] & tvalid).any(1)
+    dec = (d.decode[tsafe] & tvalid).any(1)
+    step_decode[ch.gmap[g], s] |= dec
+    # a TraceSet without decode steps has each token replayed as one (tpot_basis)
+    decode = dec if d.has_decode else None
     if pr.plan_top is not None:
         _plan_preload(run, pr, ch, ln, act, lay, g, s, toks, tvalid)
     if pr.ids is not None:
-        ln.step.prefetch(act, lay, _ranked(run, pr, tsafe, tvalid, lay), lt)
+        ranked = _ranked(run, pr, tsafe, tvalid, lay)
+        if decode is not None:
+            ranked[~decode] = -1  # prefill prefetches nothing
+        ln.step.prefetch(act, lay, ranked, lt)
     has_next = lay < L - 1
     next_lanes = act if shared else np.where(has_next, act + 1, act)
     restart = ~has_next if shared else lay == 0
@@ -722,7 +731,7 @@ def _iteration(
         next_use = np.where(tvalid[:, :, None], nu[tsafe, lay[:, None]], np.iinfo(np.int64).max // 4)
         next_use = next_use.reshape(len(act), -1)
     probs = d.probs[tsafe, lay[:, None]] if d.probs is not None else None
-    out = ln.step.layer(act, lay, ids, lt, probs, next_lanes, has_next, restart, next_pred, next_use)
+    out = ln.step.layer(act, lay, ids, lt, probs, next_lanes, has_next, restart, next_pred, next_use, decode)
     step_time[ln.cap_of[act], ch.gmap[g], s] += out.layer_t
 
 

@@ -12,7 +12,8 @@ that run a layer now it does, in this order:
    delays this layer's demand loads by ``delay`` and its expert is not resident now (Premise 3).
    A lane no PreSched decision reached (the first layer) takes as many as fit.
 2. **Substitution** (SMoE Algorithm 1, :func:`moecast.runtime.substitution.substitute`) of the
-   routed experts against the resident ones, when the policy substitutes with ``alpha > 0``.
+   routed experts against the resident ones, when the policy substitutes with ``alpha > 0``
+   (:meth:`LayerStep.route`).
 3. **Access**: the union of the lane's routed experts (one access: docs/design.md, replay semantics);
    hits are uses whose expert is resident.
 4. **Misses**: the balancer splits them into demand loads and a CPU set (``none``: load all,
@@ -31,6 +32,9 @@ that run a layer now it does, in this order:
    link are done, and must land before the next layer's experts start, after its attention::
 
        free(next) = layer_t - max(link, t_pred)        free(first layer) = t_attn - t_pred
+
+Prefill (SMoE Sec. 4.1: prefill loads what it needs): a row that is not a decode step is neither
+substituted nor balanced (every miss is loaded), and its caller asks no prefetch for it.
 
 7. **Statistics** per lane group (the replay: capacity x layer; live: layer), under the names of
    :class:`moecast.runtime.replay.ReplayResult`.
@@ -172,6 +176,8 @@ class LayerStep:
         restart: np.ndarray | None = None,
         next_predicted: np.ndarray | None = None,
         next_use: np.ndarray | None = None,
+        decode: np.ndarray | None = None,
+        routed: bool = False,
     ) -> LayerOutcome:
         """Run layer ``layer`` [n] of ``lanes`` [n] on routed ``ids`` [n, B, k] at lane time ``t`` [n].
 
@@ -179,20 +185,21 @@ class LayerStep:
         the lanes that run the next layer of the same tokens where ``has_next`` (their window is
         written), ``restart`` the rows whose lane runs a first layer next (its window is the first
         layer's); ``next_predicted`` [n, M'] the next layer's predicted experts (PreSched's E_next);
-        ``next_use`` [n, B * k] when each use's expert is used next (belady).
+        ``next_use`` [n, B * k] when each use's expert is used next (belady); ``decode`` [n] the
+        rows that are decode steps (None: all); ``routed``: ``ids`` went through :meth:`route`.
         """
         pol = self.policy
         n, B, _k = ids.shape
         delay = self.clock.delay[lanes].copy()
         self.clock.delay[lanes] = 0.0
         valid = (ids >= 0).any(2)
-        if pol.substituting:
-            ids = self._substitute(lanes, layer, ids, probs, valid)
+        if not routed:
+            ids = self.route(lanes, layer, ids, probs, decode)
         uniq, counts, hit = self._access(lanes, layer, ids)
         miss = (uniq >= 0) & ~hit
         n_miss = miss.sum(1)
         n_load, load_ids, cpu_ids, t_cpu = self._split(
-            lanes, uniq, counts, miss, delay, B == 1, next_lanes, has_next, next_predicted
+            lanes, uniq, counts, miss, delay, B == 1, decode, next_lanes, has_next, next_predicted
         )
         cache = self.cache
         cache.insert(lanes, load_ids, shield=uniq, t=None)
@@ -215,6 +222,22 @@ class LayerStep:
             return ids
         off = (layer * self.num_experts).reshape((-1,) + (1,) * (ids.ndim - 1))
         return np.where(ids >= 0, ids + off, -1)
+
+    def route(
+        self,
+        lanes: np.ndarray,
+        layer: np.ndarray,
+        ids: np.ndarray,
+        probs: np.ndarray | None,
+        decode: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Step 2: the rows' routed ids [n, B, k] after substitution (decode rows, substituting policy)."""
+        if not self.policy.substituting:
+            return ids
+        valid = (ids >= 0).any(2)
+        if decode is not None:
+            valid = valid & decode[:, None]
+        return np.where(valid[:, :, None], self._substitute(lanes, layer, ids, probs, valid), ids)
 
     def _substitute(
         self, lanes: np.ndarray, layer: np.ndarray, ids: np.ndarray, probs: np.ndarray, valid: np.ndarray
@@ -262,14 +285,18 @@ class LayerStep:
         miss: np.ndarray,
         delay: np.ndarray,
         one_token: bool,
+        decode: np.ndarray | None,
         next_lanes: np.ndarray | None,
         has_next: np.ndarray | None,
         next_predicted: np.ndarray | None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The balancer: (n_load, load ids, CPU ids, CPU time) from the misses, largest first."""
+        """The balancer: (n_load, load ids, CPU ids, CPU time) from the misses, largest first; a
+        prefill row loads every miss."""
         bal, cost = self.policy.balancer, self.cost
         n = len(lanes)
         n_miss = miss.sum(1)
+        if decode is not None and not decode.any():
+            bal = "none"
         if bal == "none" and one_token:
             # one token per expert: every miss is loaded and no queue order is needed
             none = np.full(uniq.shape, -1)
@@ -279,8 +306,9 @@ class LayerStep:
         mids = np.take_along_axis(np.where(miss, uniq, -1), morder, 1)
         msz = np.take_along_axis(msize, morder, 1).astype(np.float64)
         if bal == "smoe":
+            # Algorithm 2's CPU cost per token: at decode batch sizes C dominates, so one token's whole t_c
             n_load = two_pointer_split(
-                msz, n_miss, cost.t_io if math.isfinite(cost.t_io) else math.inf, cost.beta
+                msz, n_miss, cost.t_io if math.isfinite(cost.t_io) else math.inf, cost.beta + cost.c
             )
         elif bal == "presched":
             nsz, nn = self._next_pending(next_lanes, has_next, next_predicted, n)
@@ -295,11 +323,14 @@ class LayerStep:
             )
             n_load = dec.n_load
             if has_next is not None:
-                self.clock.pf_n[next_lanes[has_next]] = dec.n_prefetch[has_next]
+                decided = has_next if decode is None else has_next & decode
+                self.clock.pf_n[next_lanes[decided]] = dec.n_prefetch[decided]
         elif bal == "cpu":
             n_load = np.zeros_like(n_miss)
         else:
             n_load = n_miss
+        if decode is not None:
+            n_load = np.where(decode, n_load, n_miss)
         col = np.arange(mids.shape[1])[None, :]
         load_ids = np.where(col < n_load[:, None], mids, -1)
         cpu_mask = (col >= n_load[:, None]) & (mids >= 0)

@@ -96,8 +96,10 @@ def make_synthetic_traceset(
     tokens: int = 12,
     seed: int = 0,
     with_optional: bool = True,
+    decode_from: int | None = None,
 ):
-    """A small TraceSet with structured routing (each layer's choice depends on the previous layer)."""
+    """A small TraceSet with structured routing (each layer's choice depends on the previous layer);
+    each request's tokens from ``decode_from`` on (default: its second half) are decode steps."""
     rng = np.random.default_rng(seed)
     writer = synthetic_writer(
         path,
@@ -119,7 +121,7 @@ def make_synthetic_traceset(
         w = np.take_along_axis(probs, ids, -1)
         w /= w.sum(-1, keepdims=True)
         phases = np.zeros(T, dtype=bool)
-        phases[T // 2 :] = True
+        phases[T // 2 if decode_from is None else decode_from :] = True
         records.append(
             synthetic_record(
                 r,

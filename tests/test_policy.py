@@ -62,6 +62,8 @@ def test_replay_config_takes_the_policy_default_alpha(tmp_path):
     own = Policy("lru-presched", "lru", balancer="presched")
     r = replay(ts, ReplayConfig(policy=own, capacity=3, predictor="none"))
     assert r.config["policy"] == "lru-presched" and r.config["balancer"] == "presched"
-    # balancer cpu: nothing is ever loaded, so an empty cache stays empty and every use runs on the CPU
-    cpu = replay(ts, ReplayConfig(policy=Policy("cpu", "lru", balancer="cpu"), capacity=3, cold=True))
+    # balancer cpu: a decode step loads nothing, so an empty cache stays empty and every use runs on
+    # the CPU (prefill would load what it needs)
+    dec = TraceSet(make_synthetic_traceset(tmp_path / "d", num_experts=8, top_k=2, tokens=12, decode_from=0))
+    cpu = replay(dec, ReplayConfig(policy=Policy("cpu", "lru", balancer="cpu"), capacity=3, cold=True))
     assert cpu.loads == 0 and cpu.hit_rate == 0.0 and cpu.cpu_experts == cpu.accesses

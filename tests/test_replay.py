@@ -114,9 +114,10 @@ def test_reference_on_synthetic(tmp_path):
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("cold", [False, True])
 def test_oracle_with_free_link_hits_everything(tmp_path, shared, cold):
+    # decode steps only: a prefill token loads what it needs without prefetching (SMoE Sec. 4.1)
     ts = TraceSet(
         make_synthetic_traceset(
-            tmp_path / "s", num_requests=4, num_layers=3, num_experts=16, top_k=2, tokens=10
+            tmp_path / "s", num_requests=4, num_layers=3, num_experts=16, top_k=2, tokens=10, decode_from=0
         )
     )
     r = replay(

@@ -147,12 +147,15 @@ def test_predictor_latency_comes_before_the_prefetch(tmp_path, fast):
 
 @pytest.mark.parametrize("fast", [True, False])
 def test_tpot_counts_decode_steps_only(tmp_path, fast):
-    """Trace A with token 0 a prefill token: the TPOT is the mean of the decode steps (4.0 and 4.0
-    from the prefetch timeline above); the per-layer times still cover every step."""
+    """Trace A with token 0 a prefill token (SMoE Sec. 4.1: no prefetch, every miss loaded): it loads
+    all 4 experts, 3.75 ms per layer; tokens 1 and 2 then prefetch as in the timeline above (4.0 ms
+    each). The TPOT is the mean of the decode steps, the per-layer times cover every step:
+    (3.75 + 2.0 + 2.0) / 3 per layer; hits 8 / 12."""
     r = _run(_trace(tmp_path / "a", ROUTES_A, decode=[False, True, True]), fast)
     assert r.modeled_tpot_ms == pytest.approx(4.0)
     assert r.tpot_basis == "decode steps"
-    assert r.layer_time_ms_per_layer == pytest.approx([6.75 / 3, 6.75 / 3])
+    assert r.layer_time_ms_per_layer == pytest.approx([7.75 / 3, 7.75 / 3])
+    assert r.hit_rate == pytest.approx(8 / 12) and r.loads == 4
     prefill = _run(_trace(tmp_path / "p", ROUTES_A, decode=[False] * 3), fast)
     assert prefill.modeled_tpot_ms == pytest.approx(4.5)
     assert prefill.tpot_basis.startswith("every token as a step")
@@ -219,3 +222,19 @@ def test_predictor_latency_from_the_cli_and_the_profile(tmp_path, capsys):
         main([*base, "--predictor_ms", "-1"])
     msg = str(exc.value.code)
     assert len(msg.splitlines()) == 1 and "--predictor_ms must be a finite number of ms >= 0" in msg
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_prefill_loads_what_it_needs(tmp_path, fast):
+    """A balancer that sends every miss to the CPU (0.5 ms each), trace A with token 0 in prefill:
+    t0 (prefill) loads its 4 experts: 3.75 ms per layer;
+    t1: L0 {0,1} -> {0,4}: hit 0, 4 on the CPU: 1.5 + max(0.25, 0.5) = 2.0; L1 {2,3} -> {2,5}: 2.0
+    t2: L0 {0,1} -> {4,6}: both on the CPU: 1.5 + 1.0 = 2.5; L1 {2,3} -> {3,5}: hit 3: 2.0
+    hits 3 / 12, demand loads 4, CPU experts 5, TPOT (4.0 + 4.5) / 2."""
+    cpu = Policy("cpu", "lru", balancer="cpu")
+    ts = _trace(tmp_path / "a", ROUTES_A, decode=[False, True, True])
+    r = replay(ts, ReplayConfig(policy=cpu, capacity=2, cold=True, fast=fast, hardware=_profile(1.5, 0.5)))
+    assert r.hit_rate == pytest.approx(3 / 12)
+    assert (r.loads, r.cpu_experts) == (4, 5)
+    assert r.modeled_tpot_ms == pytest.approx(4.25)
+    assert r.layer_time_ms_per_layer == pytest.approx([8.25 / 3, 7.75 / 3])
