@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import mmap
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,6 +89,135 @@ def build_ds_model(cfg: Any, dtype: torch.dtype = torch.bfloat16, device: str = 
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     return model.eval()
+
+
+# ----------------------------------------------------------------------------- experts on disk
+
+
+def _dense_init(model: Any, expert_names: set[str], seed: int) -> None:
+    """Random non-expert weights in place of the meta ones (norms 1, the rest N(0, 0.02) as the family's init)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in list(model.named_parameters()):
+        if name in expert_names or p.device.type != "meta":
+            continue
+        mod_name, _, attr = name.rpartition(".")
+        mod = model.get_submodule(mod_name)
+        t = torch.ones(p.shape) if "norm" in name else torch.randn(p.shape, generator=gen) * 0.02
+        mod._parameters[attr] = torch.nn.Parameter(t.to(p.dtype), requires_grad=False)
+
+
+def ensure_offload(cfg: Any, directory: str | Path, seed: int = 0) -> Path:
+    """The model's experts in an offload directory (runtime/offload.py's format), generated once: one
+    MoE layer at a time (random, seeded per layer), so no more than one layer's experts is ever in
+    memory; the non-expert weights go to its dense file. A re-run keeps the complete files."""
+    from moecast.collect.models import find_moe_structure
+    from moecast.runtime import offload as O
+    from safetensors.torch import save
+
+    d = O.prepare_dir(directory)
+    model = _meta_model(cfg)
+    st = find_moe_structure(model)
+    meta = O.offload_meta(model, st)
+    todo = O.missing_layers(d, meta)
+    if not todo and (d / O.DENSE).is_file():
+        return d
+    O._write_atomic(d / "meta.json", lambda f: f.write(json.dumps(meta, indent=1).encode()))
+    layouts = O._layouts(meta)
+    for pos in todo:
+        gen = torch.Generator().manual_seed(seed * 1000 + pos + 1)
+        shapes = {n: t.shape for n, t in O.expert_params(st.layers[pos].experts).items()}
+        params = {n: (torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16) for n, s in shapes.items()}
+        O._write_atomic(
+            d / meta["files"][pos],
+            lambda f, p=params, pos=pos: O._write_layer(f, p, layouts[pos], meta["num_experts"]),
+        )
+        del params
+    if not (d / O.DENSE).is_file():
+        names = O._expert_names(model, st)
+        _dense_init(model, names, seed)
+        state = O._dense_state(model, names)
+        O._write_atomic(
+            d / O.DENSE, lambda f: f.write(save(state, metadata={"format": "pt", "moecast": O.FORMAT}))
+        )
+    return d
+
+
+def _meta_model(cfg: Any) -> Any:
+    from moecast.runtime.offload import _params_on_meta
+    from transformers import AutoModelForCausalLM
+
+    with _params_on_meta():
+        return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+
+
+def load_dense(cfg: Any, directory: str | Path) -> Any:
+    """The model with its non-expert weights from the offload directory and its experts on the meta
+    device (the live runtime's disk tier reads them; they are never materialised)."""
+    from moecast.runtime.offload import DENSE
+    from safetensors.torch import load_file
+
+    model = _meta_model(cfg)
+    model.load_state_dict(load_file(Path(directory) / DENSE), strict=False, assign=True)
+    return model.eval()
+
+
+def expert_views(directory: str | Path) -> list[dict[str, torch.Tensor]]:
+    """Per MoE layer, its experts' stacked tensors as views of the memory-mapped layer files (no read
+    happens until a page is touched: llama.cpp's way of holding weights)."""
+    from moecast.runtime.offload import _header, _layouts, _read_meta
+
+    d = Path(directory)
+    meta = _read_meta(d)
+    out = []
+    for name, layout in zip(meta["files"], _layouts(meta)):
+        with open(d / name, "rb") as f:
+            mm = mmap.mmap(
+                f.fileno(), 0, access=mmap.ACCESS_COPY
+            )  # private: pages stay the file's until written
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # frombuffer warns that the buffer is writable
+            base = torch.frombuffer(mm, dtype=torch.uint8)
+        out.append(layout.views(base[_header(layout, meta["num_experts"])[1] :], meta["num_experts"]))
+    return out
+
+
+def _set_experts(model: Any, layer_tensors: list[dict[str, torch.Tensor] | None]) -> None:
+    from moecast.collect.models import find_moe_structure
+
+    for entry, tensors in zip(find_moe_structure(model).layers, layer_tensors):
+        for name, t in (tensors or {}).items():
+            entry.experts._parameters[name] = torch.nn.Parameter(t, requires_grad=False)
+
+
+def mmap_experts(model: Any, directory: str | Path) -> None:
+    """The page-cache baseline: the model's experts are the memory-mapped files themselves."""
+    _set_experts(model, expert_views(directory))
+
+
+def accelerate_disk(model: Any, directory: str | Path, folder: str | Path, capacity: float) -> int:
+    """accelerate's disk offload of the experts at ``capacity``: the first layers' experts in RAM within the
+    budget, the others in ``folder`` (accelerate's format, written once), loaded at each use by its hooks.
+    Returns the layers kept in RAM."""
+    from accelerate import dispatch_model
+    from accelerate.utils import offload_weight, save_offload_index
+
+    views = expert_views(directory)
+    dm, keep = accelerate_map(model, capacity, main="cpu", offload="disk")
+    folder = Path(folder)
+    if not (folder / "index.json").is_file():
+        from moecast.collect.models import find_moe_structure
+
+        folder.mkdir(parents=True, exist_ok=True)
+        index: dict[str, Any] = {}
+        for entry, tensors in zip(find_moe_structure(model).layers, views):
+            for name, t in tensors.items():
+                offload_weight(t, f"{entry.experts_name}.{name}", str(folder), index)
+        save_offload_index(index, str(folder))
+    _set_experts(
+        model, [{n: t.clone() for n, t in v.items()} if i < keep else None for i, v in enumerate(views)]
+    )
+    dispatch_model(model, device_map=dm, main_device="cpu", offload_dir=str(folder))
+    return keep
 
 
 # ----------------------------------------------------------------------------- recorded routing
@@ -260,6 +392,8 @@ def decode(
     """Prefill ``tokens[:prompt]``, then decode the rest one by one (teacher-forced, the same tokens in
     every configuration). Returns (ms of each decode step, logits [steps + 1, V] when kept);
     ``on_forward(is_decode)`` runs after each forward."""
+    # transformers 5.2x renames past_key_values (a FutureWarning per forward); 5.17 knows only that name
+    warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)
     toks = torch.as_tensor(tokens, device=device)[None]
     out = model(input_ids=toks[:, :prompt], use_cache=True)
     if on_forward:

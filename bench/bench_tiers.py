@@ -1,0 +1,515 @@
+"""Measured TPOT with the experts on disk: moecast's disk tier against what a CPU user runs today.
+
+    python bench/bench_tiers.py [--layers N] [--quick] [--json] [--predictor DS_CKPT]
+                                [--capacities 0.1,0.25,0.5] [--out DIR]
+
+The model is bench/ds_model.py's DeepSeek-V2-Lite-shaped one (hidden 2048, expert intermediate 1408,
+64 routed + 2 shared experts, top-6, bf16, random weights; 26 MoE layers, ``--layers`` fewer), its
+routing replaced by the recorded ids of held-out DeepSeek requests (a benchmark mode). Its experts
+are generated once into an offload directory under $MOECAST_HOME/bench_tiers (runtime/offload.py's
+format: one aligned block per expert), and every configuration reads them from there; the other
+weights are loaded once (experts never materialised).
+
+Rows, at each capacity (share of each layer's experts resident in RAM), with measured TPOT (mean
+wall time of a decode step; the same teacher-forced tokens everywhere), modeled TPOT (runtime.replay
+of the same routing under the profile measured here at the start: CPU expert time, non-expert time
+per layer, predictor latency, and the disk's direct-read bandwidth as the link), hit rate, bytes
+read from the disk and peak RSS:
+- moecast's disk tier (direct I/O, asynchronous reads): LRU and LFU on demand, static hot table
+  (counted on other held-out requests), LLaPor prefetch (``--predictor``, the DeepSeek checkpoint),
+  oracle prefetch (a bound: the next layer's true experts);
+- page cache: the experts mmap'd from the same safetensors files (llama.cpp's approach, the
+  family's eager experts so only routed experts are touched), the process held by a memory cgroup
+  to its non-expert usage plus the experts' budget (bench/memlimit.py; needs root: the row says
+  when it cannot);
+- accelerate disk offload: ``dispatch_model`` with a device map that keeps the first layers'
+  experts modules in RAM within the budget and the others in an ``offload_folder`` (accelerate's
+  own format, written once), under the same cgroup.
+The external baselines have no modeled TPOT and no hit rate (null).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_gpu  # the guarded rows and the figures' formatting
+import ds_model
+import memlimit
+
+RESULTS = Path(__file__).resolve().parent / "results"
+KEYS = ("config", "capacity", "measured_tpot_ms", "modeled_tpot_ms", "hit_rate", "bytes_read", "peak_rss_mb")
+
+
+@dataclass
+class Tiers:
+    """The model and everything the rows share."""
+
+    args: argparse.Namespace
+    cfg: Any
+    directory: Path
+    model: Any
+    routing: ds_model.Routing
+    requests: list[np.ndarray]
+    notes: list[str] = field(default_factory=list)
+    predictor: Any = None
+    hot: Any = None  # FrequencyTable of other held-out requests, for static
+    traces: Path | None = None
+    profile: Any = None
+    profile_path: Path | None = None
+    expert_bytes: int = 0
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.cfg.num_hidden_layers)
+
+
+class FrequencyTable:
+    """A hot-expert table ([L, E] use counts of other requests) for the live runtime's static policy."""
+
+    name = "frequency"
+    horizon = "statistical"
+    fingerprint = None
+    needs = ()
+
+    def __init__(self, table: np.ndarray) -> None:
+        self.table = table
+
+
+class NextLayerOracle:
+    """Layer-ahead 'prediction' that knows the recorded routing: the next layer's true experts (a bound)."""
+
+    name = "oracle"
+    horizon = "layer-ahead"
+    fingerprint = None
+    needs = ()
+    spec = None
+
+    def __init__(self, override: ds_model.RoutingOverride, num_experts: int) -> None:
+        self.override = override
+        self.num_experts = num_experts
+
+    def score_at(self, trace: Any, layer: int) -> np.ndarray:
+        s = np.zeros(self.num_experts, np.float32)
+        s[self.override.ids[self.override.rows.start, layer].numpy()] = 1.0
+        return s
+
+
+# ----------------------------------------------------------------------------- setup
+
+
+def offload_home(args: argparse.Namespace) -> Path:
+    from moecast import home
+
+    return home() / "bench_tiers" / f"{args.ds_shape}-L{args.layers}"
+
+
+def setup(args: argparse.Namespace) -> Tiers:
+    overrides = bench_gpu.DS_TEST_SHAPE if args.ds_shape == "test" else {}
+    cfg = ds_model.ds_config(args.layers, **overrides)
+    d = offload_home(args) / "experts"
+    print(f"experts in {d} (generated once)", flush=True)
+    ds_model.ensure_offload(cfg, d)
+    n = args.prompt + args.tokens
+    routing = ds_model.load_routing(
+        args.traces, args.requests + args.hot_requests, n, args.layers, cfg.vocab_size
+    )
+    t = Tiers(args, cfg, d, ds_model.load_dense(cfg, d), routing, [])
+    if routing.recorded:
+        hot = routing.requests[args.requests :]
+        routing.requests = [
+            replace(r, tokens=r.tokens[:n], topk_ids=r.topk_ids[:n])
+            for r in routing.requests[: args.requests]
+        ]
+        t.requests = [r.tokens for r in routing.requests]
+        table = np.zeros((args.layers, cfg.n_routed_experts))
+        for r in hot:
+            np.add.at(table, (np.arange(args.layers)[None, :, None], r.topk_ids), 1)
+        t.hot = FrequencyTable(table)
+        t.notes.append(f"BENCHMARK MODE: routing replaced by the {routing.source}")
+        t.notes.append(f"static's hot table: counted on {len(hot)} other held-out requests")
+    else:
+        gen = np.random.default_rng(0)
+        t.requests = [gen.integers(0, cfg.vocab_size, n) for _ in range(args.requests)]
+        t.notes.append(f"{routing.source}: the model's own random router decides; no modeled figures")
+    shape = "test sizes" if args.ds_shape == "test" else "DeepSeek-V2-Lite shape"
+    t.notes.insert(0, f"random weights, {shape}, {args.layers} MoE layers, bf16, experts in {d}")
+    from moecast.runtime.offload import _read_meta
+
+    t.expert_bytes = int(_layout(d).expert_bytes) if _read_meta(d) else 0
+    return t
+
+
+def _layout(d: Path) -> Any:
+    from moecast.runtime.offload import _layouts, _read_meta
+
+    return _layouts(_read_meta(d))[0]
+
+
+def profile(t: Tiers, out: Path) -> dict:
+    """This machine for this model, with the disk as the link and the CPU as the fast tier's compute."""
+    from moecast.runtime.profile import profile_model
+
+    pred = getattr(t.predictor, "inner", t.predictor)
+    prof, _how = profile_model(t.model, "bench-tiers", pred, offload_dir=t.directory, disk_mb=t.args.disk_mb)
+    # no accelerator: the slow tier's link is the disk, and resident experts compute on the CPU
+    prof = replace(prof, transfer_gbps=prof.disk_read_gbps, gpu_expert_ms=prof.cpu_beta_ms + prof.cpu_c_ms)
+    prof.source += "; link = the offload disk's direct reads, device expert = the CPU expert at one token"
+    t.profile, t.profile_path = prof, out / "bench-tiers-profile.yaml"
+    bench_gpu._write(t.profile_path, prof.to_yaml())
+    return {
+        k: getattr(prof, k) for k in ("disk_read_gbps", "cpu_beta_ms", "cpu_c_ms", "attn_ms", "predictor_ms")
+    }
+
+
+def write_traces(t: Tiers, path: Path) -> None:
+    """The recorded routing as a TraceSet for replay (the bench's requests)."""
+    from moecast.collect.models import find_moe_structure, model_info
+    from moecast.collect.traceset import RequestRecord, TraceMeta, TraceWriter
+
+    info = model_info(t.model, find_moe_structure(t.model), "deepseek-shaped")
+    meta = TraceMeta(model=info, collection={"source": "bench_tiers"})
+    records = [
+        RequestRecord(r.request_id, "bench", "", "", r.tokens, [""] * len(r.tokens),
+                      np.arange(len(r.tokens)) >= t.args.prompt, r.topk_ids.astype(np.int16))
+        for r in t.routing.requests
+    ]  # fmt: skip
+    TraceWriter(path, meta).write(records)
+    t.traces = path
+
+
+# ----------------------------------------------------------------------------- rows
+
+
+def reset_peak_rss() -> None:
+    """Start the process's peak RSS (VmHWM) again from its current RSS, so each row reports its own."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def modeled(t: Tiers, policy: str, capacity: float, predictor: Any = "none") -> dict:
+    from moecast.runtime.replay import ReplayConfig, replay
+
+    if t.traces is None or t.profile is None:
+        return {"modeled_tpot_ms": None}
+    r = replay(
+        str(t.traces), ReplayConfig(policy=policy, capacity=capacity, hardware=t.profile, predictor=predictor)
+    )
+    return {"modeled_tpot_ms": r.modeled_tpot_ms, "modeled_hit_rate": r.hit_rate}
+
+
+def live_row(t: Tiers, name: str, capacity: float, replay_policy: str, replay_pred: Any, **kw: Any) -> dict:
+    from moecast.runtime.live import attach
+
+    reset_peak_rss()
+    rt = attach(
+        t.model, capacity=capacity, offload="disk", offload_dir=str(t.directory),
+        hardware=str(t.profile_path or "prescope-a100-pcie4"), balance="load", **kw,
+    )  # fmt: skip
+    try:
+        with ds_model.routed(t.model, t.routing) as ov:
+            if isinstance(kw.get("predictor"), NextLayerOracle):
+                kw["predictor"].override = ov
+            times, _ = ds_model.decode_all(
+                t.model, t.requests, t.args.prompt, torch.device("cpu"), t.routing, ov
+            )
+        st = rt.stats()
+    finally:
+        rt.detach()
+    return {
+        "config": name,
+        "measured_tpot_ms": float(np.mean(times)),
+        "hit_rate": st["hit_rate"],
+        "bytes_read": st.get("bytes_read"),
+        "peak_rss_mb": st.get("peak_rss_mb"),
+        "live_modeled_tpot_ms": st.get("modeled_tpot_ms"),
+        "transfer_wait_ms": st.get("transfer_wait_ms"),
+        **modeled(t, replay_policy, capacity, replay_pred),
+    }
+
+
+def moecast_rows(t: Tiers, report: Any, capacity: float) -> None:
+    g = report.guard
+    s = SimpleNamespace(name=f"{int(capacity * 100)} %")
+    g(s, "lru", lambda: live_row(t, "lru", capacity, "lru", "none", policy="lru", prefetch="none"))
+    g(s, "lfu", lambda: live_row(t, "lfu", capacity, "lfu", "none", policy="lfu", prefetch="none"))
+    if t.hot is not None:
+        g(
+            s,
+            "static hot",
+            lambda: live_row(t, "static hot", capacity, "static", "none", policy="static", predictor=t.hot),
+        )
+    if t.predictor is not None:
+        g(
+            s,
+            "llapor prefetch",
+            lambda: live_row(
+                t, "llapor prefetch", capacity, "prefetch", t.predictor, policy="lru", predictor=t.predictor
+            ),
+        )
+    else:
+        report.skip(s, "llapor prefetch", "no DeepSeek checkpoint (--predictor)")
+    if t.routing.recorded:
+        oracle = NextLayerOracle(ds_model.RoutingOverride(), t.cfg.n_routed_experts)
+        g(
+            s,
+            "oracle prefetch (bound)",
+            lambda: live_row(
+                t, "oracle prefetch (bound)", capacity, "prefetch", "oracle", policy="lru", predictor=oracle
+            ),
+        )
+
+
+def child_row(t: Tiers, kind: str, capacity: float) -> dict:
+    """A baseline in a process of its own, held to the budget by a memory cgroup."""
+    why = memlimit.available()
+    if why:
+        raise RuntimeError(f"cannot hold the process to the budget: {why}")
+    argv = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--child-capacity", str(capacity),
+            *t.args.passthrough]  # fmt: skip
+    cg = memlimit.Cgroup("moecast-tiers")
+    try:
+        p = cg.run(argv, timeout=t.args.child_timeout)
+    finally:
+        cg.remove()
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode != 0 or not lines:
+        tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
+        killed = " (killed: over the memory limit)" if p.returncode in (-9, 137) else ""
+        raise RuntimeError(f"{kind} exited {p.returncode}{killed}: {' | '.join(tail)}")
+    return json.loads(lines[-1])
+
+
+def child_main(args: argparse.Namespace) -> None:
+    """In the limited process: build the baseline, cap the cgroup at usage + budget, decode, print one JSON line."""
+    from moecast.runtime.offload import peak_rss_mb
+
+    overrides = bench_gpu.DS_TEST_SHAPE if args.ds_shape == "test" else {}
+    cfg = ds_model.ds_config(args.layers, **overrides)
+    d = offload_home(args) / "experts"
+    model = ds_model.load_dense(cfg, d)
+    n = args.prompt + args.tokens
+    routing = ds_model.load_routing(args.traces, args.requests, n, args.layers, cfg.vocab_size)
+    reqs = [r.tokens[:n] for r in routing.requests] or [
+        np.random.default_rng(0).integers(0, cfg.vocab_size, n) for _ in range(args.requests)
+    ]
+    budget = int(args.child_capacity * cfg.n_routed_experts) * args.layers * int(_layout(d).expert_bytes)
+    # start cold, as the disk tier does: no expert file's pages left in the page cache by earlier rows
+    for f in [*d.glob("layer_*.safetensors"), *(offload_home(args) / "accelerate").glob("*.dat")]:
+        fd = os.open(f, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    if args.child == "page cache":
+        ds_model.mmap_experts(model, d)
+        model.set_experts_implementation("eager")  # touches only the routed experts' pages
+    else:
+        ds_model.accelerate_disk(model, d, offload_home(args) / "accelerate", args.child_capacity)
+    # the experts' budget, and room for the decode's own work (activations, KV cache, allocator):
+    # 10 % of what is held, as the target for moecast's peak RSS allows, and 64 MiB
+    limit = memlimit.limit_self(budget, slack=0.1, floor=64 << 20)
+    read0 = _read_bytes()
+    reset_peak_rss()
+    with ds_model.routed(model, routing) as ov:
+        times, _ = ds_model.decode_all(model, reqs, args.prompt, torch.device("cpu"), routing, ov)
+    print(json.dumps({
+        "config": args.child, "measured_tpot_ms": float(np.mean(times)), "modeled_tpot_ms": None, "hit_rate": None,
+        "bytes_read": _read_bytes() - read0, "peak_rss_mb": peak_rss_mb(),
+        "cgroup_limit_mb": limit / 2**20 if limit else None,
+        "cgroup_peak_mb": (memlimit.peak_bytes() or 0) / 2**20, "budget_mb": budget / 2**20,
+    }), flush=True)  # fmt: skip
+
+
+def _read_bytes() -> int:
+    """Bytes this process caused to be read from storage (page-cache hits excluded)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
+# ----------------------------------------------------------------------------- entry points
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=None, help="MoE layers (default 26, quick 4)")
+    ap.add_argument("--quick", action="store_true", help="4 layers, one request, few tokens")
+    ap.add_argument("--json", action="store_true", help="one JSON object per row")
+    ap.add_argument("--capacities", default="0.1,0.25,0.5")
+    ap.add_argument("--predictor", default=None, help="LLaPor checkpoint of the DeepSeek traces")
+    ap.add_argument("--traces", default=None, help="DeepSeek traces: CSV folder or a ds_model.py .npz")
+    ap.add_argument("--requests", type=int, default=None)
+    ap.add_argument("--hot-requests", type=int, default=4, help="other held-out requests for static's table")
+    ap.add_argument("--prompt", type=int, default=None)
+    ap.add_argument("--tokens", type=int, default=None)
+    ap.add_argument("--disk-mb", type=int, default=256, help="size of the disk-bandwidth probe")
+    ap.add_argument("--ds-shape", default="lite", choices=["lite", "test"], help="test: small sizes (tests)")
+    ap.add_argument("--baselines", default="page cache,accelerate", help="external baselines to run")
+    ap.add_argument("--out", default=str(RESULTS), help="tiers-<host>.md/.json and the profile go here")
+    ap.add_argument("--child-timeout", type=float, default=3600)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child-capacity", type=float, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    q = args.quick
+    for k, v in dict(
+        layers=4 if q else 26, requests=1 if q else 2, prompt=8 if q else 16, tokens=12 if q else 32
+    ).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    args.passthrough = ["--layers", str(args.layers), "--requests", str(args.requests), "--prompt", str(args.prompt),
+                        "--tokens", str(args.tokens), "--ds-shape", args.ds_shape]  # fmt: skip
+    if args.traces:
+        args.passthrough += ["--traces", args.traces]
+    return args
+
+
+def run(argv: list[str] | None = None) -> list[dict]:
+    """Every row (dicts with :data:`KEYS` and a status); prints them, writes DIR/tiers-<host>.md/.json."""
+    args = parse_args(argv)
+    if args.child:
+        child_main(args)
+        return []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    report = bench_gpu.Report("cpu")
+    t0 = time.perf_counter()
+    holder: dict[str, Tiers] = {}
+    report.guard(None, "setup", lambda: holder.setdefault("t", setup(args)) and {}, kind="setup")
+    if "t" not in holder:
+        return _finish(report, args, out, None, t0)
+    t = holder["t"]
+    if args.predictor:
+        report.guard(None, "DeepSeek LLaPor", lambda: _load_predictor(t) or {}, kind="setup")
+    report.guard(None, "profile", lambda: profile(t, out), kind="profile")
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="bench_tiers-") as tmp:
+        if t.routing.recorded:
+            report.guard(
+                None, "routing for replay", lambda: write_traces(t, Path(tmp) / "traces") or {}, kind="setup"
+            )
+        for cap in [float(c) for c in args.capacities.split(",")]:
+            moecast_rows(t, report, cap)
+            s = SimpleNamespace(name=f"{int(cap * 100)} %")
+            for kind in [b.strip() for b in args.baselines.split(",") if b.strip()]:
+                report.guard(s, kind, lambda k=kind, c=cap: child_row(t, k, c))
+    return _finish(report, args, out, t, t0)
+
+
+def _load_predictor(t: Tiers) -> None:
+    if not t.routing.recorded:
+        raise RuntimeError("the DeepSeek checkpoint needs the recorded routing (no traces found)")
+    t.predictor = ds_model.ds_predictor(t.args.predictor, t.routing, t.args.layers)
+
+
+def _finish(report: Any, args: argparse.Namespace, out: Path, t: Tiers | None, t0: float) -> list[dict]:
+    rows = []
+    for r in report.rows:
+        if r["kind"] != "tpot":
+            continue
+        cap = float(r["model"].rstrip(" %")) / 100
+        rows.append({**{k: r.get(k) for k in KEYS}, "config": r["config"], "capacity": cap, "status": r["status"],
+                     **{k: v for k, v in r.items() if k not in KEYS and k not in ("model", "kind", "capacity")}})  # fmt: skip
+    host = os.uname().nodename
+    bench_gpu._write(out / f"tiers-{host}.json", json.dumps(rows, indent=1, default=str) + "\n")
+    bench_gpu._write(out / f"tiers-{host}.md", markdown(report, rows, args, t, time.perf_counter() - t0))
+    if args.json:
+        for r in rows:
+            print(json.dumps({k: r.get(k) for k in (*KEYS, "status")}, default=str), flush=True)
+    else:
+        print(table(rows), flush=True)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = f"{'capacity':>8}  {'config':<26} {'status':<8} {'measured':>9} {'modeled':>9} {'hit':>6} {'read MB':>9} {'peak RSS MB':>11}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        mb = None if r.get("bytes_read") is None else r["bytes_read"] / 2**20
+        lines.append(
+            f"{r['capacity']:>8.2f}  {r['config']:<26} {r['status']:<8} {bench_gpu._fmt(r.get('measured_tpot_ms')):>9} "
+            f"{bench_gpu._fmt(r.get('modeled_tpot_ms')):>9} {bench_gpu._fmt(r.get('hit_rate')):>6} "
+            f"{bench_gpu._fmt(mb, 1):>9} {bench_gpu._fmt(r.get('peak_rss_mb'), 0):>11}"
+        )
+    return "\n".join(lines)
+
+
+def markdown(report: Any, rows: list[dict], args: argparse.Namespace, t: Tiers | None, wall: float) -> str:
+    import datetime as dt
+    import shlex
+
+    prof = next((r for r in report.rows if r["kind"] == "profile" and r["status"] == "ok"), None)
+    lines = [
+        "# bench_tiers: experts on disk, measured",
+        "",
+        f"- date: {dt.datetime.now().astimezone().isoformat(timespec='seconds')}",
+        f"- command: `{' '.join(shlex.quote(a) for a in sys.argv)}`",
+        f"- machine: {bench_gpu.machine_line(torch.device('cpu'))}",
+        f"- wall time: {wall:.0f} s; baselines held by a memory cgroup: {memlimit.available() or 'yes'}",
+        *(f"- {n}" for n in (t.notes if t else [])),
+    ]
+    if prof:
+        lines.append("- profile: " + ", ".join(f"{k} {bench_gpu._fmt(prof[k], 4)}" for k in
+                                               ("disk_read_gbps", "cpu_beta_ms", "cpu_c_ms", "attn_ms", "predictor_ms")))  # fmt: skip
+    lines += ["", "```", table(rows), "```", ""]
+    if report.failures:
+        lines += ["## Failures", "", *report.failures]
+    return "\n".join(lines) + "\n"
+
+
+def rows(quick: bool, ds_checkpoint: Path | None = None) -> list[dict]:
+    """bench/run_all.py's entry: the rows as figures (TPOT at 25 % against the page cache and LRU)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench import figures as F
+
+    argv = ["--quick"] if quick else []
+    if ds_checkpoint is not None and Path(ds_checkpoint).is_file():
+        argv += ["--predictor", str(ds_checkpoint)]
+    raw = run(argv)
+    out = []
+    for r in raw:
+        name = f"{int(r['capacity'] * 100)} %: {r['config']} TPOT ms"
+        if r["status"] != "ok":
+            out.append(
+                F.row(
+                    "tiers",
+                    name,
+                    r["status"],
+                    verdict="FAILED" if r["status"] == "FAILED" else "SKIPPED",
+                    note=r.get("note", ""),
+                )
+            )
+            continue
+        note = f"modeled {bench_gpu._fmt(r.get('modeled_tpot_ms'))}, hit {bench_gpu._fmt(r.get('hit_rate'))}, peak RSS {bench_gpu._fmt(r.get('peak_rss_mb'), 0)} MB"
+        out.append(F.fig("tiers", name, r["measured_tpot_ms"], "{:.1f}", note=note))
+    at = {r["config"]: r for r in raw if r["capacity"] == 0.25 and r["status"] == "ok"}
+    best = min((r for c, r in at.items() if "llapor" in c), key=lambda r: r["measured_tpot_ms"], default=None)
+    for base, goal in (("page cache", "<= 0.6"), ("lru", "< 1")):
+        if best and base in at:
+            out.append(
+                F.fig(
+                    "tiers",
+                    f"25 %: best llapor / {base}",
+                    best["measured_tpot_ms"] / at[base]["measured_tpot_ms"],
+                    "{:.2f}",
+                    goal,
+                )
+            )
+    return out
+
+
+if __name__ == "__main__":
+    run()
