@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
@@ -41,6 +42,20 @@ def test_quick_run_at_test_sizes(tmp_path, capsys):
             assert r["cgroup_limit_mb"] >= r["budget_mb"]
         else:
             assert r["status"] == "FAILED"
+    lru = by["lru"]
+    assert (
+        lru["budget_mb"]
+        == 16
+        * 4
+        * bench_tiers._layout(bench_tiers.offload_home(bench_tiers.parse_args(args)) / "experts").expert_bytes
+        / 2**20
+    )
+    figs = {f["name"]: f for f in bench_tiers.figures(rows)}
+    rss = figs["25 %: lru peak RSS / (budget + non-expert)"]
+    assert rss["number"] == pytest.approx(lru["peak_rss_mb"] / (lru["budget_mb"] + lru["dense_mb"]))
+    if recorded:
+        err = figs["25 %: lru |modeled / measured - 1|"]
+        assert err["number"] == pytest.approx(abs(lru["modeled_tpot_ms"] / lru["measured_tpot_ms"] - 1))
     md = next(tmp_path.glob("tiers-*.md")).read_text()
     assert "command:" in md and "machine:" in md and "profile:" in md
 
