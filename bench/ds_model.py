@@ -509,7 +509,7 @@ class LayerSubsetPredictor:
         return self.inner.score_request(t)[-1, layer]
 
     def score_request(self, trace: Any) -> np.ndarray:
-        return self.inner.score_request(self._full(trace))[:, :, : self.layers]
+        return self.inner.score_request(self._full(trace))[:, : self.layers]
 
 
 def ds_predictor(path: str, routing: Routing, layers: int) -> LayerSubsetPredictor:

@@ -53,8 +53,8 @@ MODELS = {"tiny": tiny_random, "mixtral": mixtral_random}
 SETTINGS = [
     dict(policy="lru", capacity=0.25, prefetch="online"),
     dict(policy="smoe", capacity=0.25, prefetch="online"),
-    dict(policy="lru", capacity=2, balance="cpu", prefetch="none"),
-    dict(policy="lru", capacity=2, balance="presched", prefetch="online", hardware="prescope-a100-pcie4"),
+    dict(policy="lru", capacity=4, balance="cpu", prefetch="none"),
+    dict(policy="lru", capacity=4, balance="presched", prefetch="online", hardware="prescope-a100-pcie4"),
     dict(policy="lfu", capacity=0.5, prefetch="none", pinned_mb=0),  # pageable host, staging ring
     dict(policy="smoe", capacity=None),
 ]
