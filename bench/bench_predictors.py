@@ -7,7 +7,7 @@ One command prints every figure the predictor issues ask for::
     python bench/bench_predictors.py --quick      # minutes: small training runs, fewer requests
 
 1. DeepSeek-V2-Lite (``--traces``, default ``traces/ds-puffin``), held-out 10% of prompts
-   (``TraceSet.split(0.1, seed=0)``, the split training uses): recall@k, recall@4, F1 per
+   (the test side of ``TraceSet.splits()``, the default split training uses): recall@k, recall@4, F1 per
    predictor: the count baselines (global / per-request frequency, MoE-Infinity activation
    matrices, built on the training split) and LLaPor. With ``--checkpoint`` LLaPor is read
    from that file (no training; its recorded training time is shown); without it LLaPor is
@@ -268,7 +268,7 @@ def table(
     from moecast.predictors.commands import detected_groups, evaluate_predictor
 
     k = ts.meta.model.top_k
-    train_ids, _ = ts.split(0.1, 0)
+    train_ids = ts.splits().train
     hint = detected_groups(ts, train_ids)
     results = {}
     yield (
@@ -353,8 +353,9 @@ def results(args: argparse.Namespace) -> Iterator[tuple[str, dict | None]]:
     timing: list[tuple[str, Any, Any]] = []
     if not args.skip_ds:
         ts = open_traces(args.traces)
-        train_ids, val_ids = ts.split(0.1, 0)
-        requests = val_ids[:max_req] if max_req else val_ids
+        sides = ts.splits()  # the default split training uses; test is reported
+        train_ids, test_ids = sides.train, sides.test
+        requests = test_ids[:max_req] if max_req else test_ids
         preds = [(b, build_baseline(b, ts, train_ids), None) for b in DS_BASELINES]
         if args.checkpoint:
             pred = _load(args.checkpoint, ts)
@@ -379,8 +380,9 @@ def results(args: argparse.Namespace) -> Iterator[tuple[str, dict | None]]:
             )
         else:
             ts = open_traces(args.tiny_traces)
-            train_ids, val_ids = ts.split(0.1, 0)
-            requests = val_ids[:max_req] if max_req else val_ids
+            sides = ts.splits()
+            train_ids, test_ids = sides.train, sides.test
+            requests = test_ids[:max_req] if max_req else test_ids
             preds = [
                 (b, build_baseline(b, ts, train_ids), None)
                 for b in ("frequency", "cooccurrence", "moe-infinity")

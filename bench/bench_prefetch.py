@@ -2,9 +2,9 @@
 
     python bench/bench_prefetch.py --checkpoint runs/llapor_ds.safetensors [--traces traces/ds-puffin]
 
-Per hardware profile, replays the held-out 10 % of the requests (``TraceSet.split(0.1, seed=0)``,
-the ones the checkpoint never saw), cold per request, as ``moecast replay --holdout 0.1 --cold``
-does: the non-learned policies, LLaPor prefetch, PreSched with and without LLaPor, and PreSched
+Per hardware profile, replays the test side of the checkpoint's own split (``TraceSet.splits``,
+requests it never trained or selected on), cold per request, as ``moecast replay --holdout test
+--cold`` does: the non-learned policies, LLaPor prefetch, PreSched with and without LLaPor, and PreSched
 with the oracle (a bound). A miss computed on the CPU moves nothing but is not a hit, so PreSched
 can cut the step time while its hit rate falls: every row gives both.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 HARDWARE = ("prescope-a100-pcie4", "gh200-nvlink-c2c")
 NON_LEARNED = ("lru", "lfu", "static", "belady")
-HOLDOUT = 0.1
+HOLDOUT = "test"
 CAPACITY = "0.1"
 
 
@@ -34,10 +34,11 @@ def configurations(checkpoint: Path) -> dict[str, tuple[str, str | None]]:
 def measure(traces: Path, checkpoint: Path, hardware: str) -> dict[str, tuple[float, float]]:
     """Row name -> (hit rate, modeled TPOT ms) on ``hardware``."""
     from moecast.collect.traceset import TraceSet
+    from moecast.predictors.provenance import holdout
     from moecast.runtime.replay import ReplayConfig, replay
 
     ts = TraceSet(traces)
-    held_out = ts.split(HOLDOUT, seed=0)[1]
+    held_out = holdout(ts, HOLDOUT, [str(checkpoint)])[0]
     out = {}
     for name, (policy, predictor) in configurations(checkpoint).items():
         cfg = ReplayConfig(
@@ -67,7 +68,7 @@ def rows(quick: bool, ds_traces: Path, ds_checkpoint: Path | None = None) -> lis
         hits = {name: v[0] for name, v in m.items()}
         t = {name: f"modeled TPOT {v[1]:.1f} ms" for name, v in m.items()}
         best = max(NON_LEARNED, key=lambda p: hits[p])
-        q = f"held-out {HOLDOUT} of the requests, cold, capacity 10 %; {hw}"
+        q = f"the checkpoint's test requests, cold, capacity 10 %; {hw}"
         out.append(
             fig("prefetch", f"10 % hit, best non-learned ({best}), {hw}", hits[best], note=f"{t[best]}; {q}")
         )
@@ -101,7 +102,7 @@ def main() -> None:
     ap.add_argument("--hardware", default=",".join(HARDWARE), help="comma-separated hardware profiles")
     args = ap.parse_args()
     for hw in args.hardware.split(","):
-        print(f"{hw}: held-out {HOLDOUT} of {args.traces}, cold, capacity {CAPACITY}")
+        print(f"{hw}: the checkpoint's test requests of {args.traces}, cold, capacity {CAPACITY}")
         for name, (hit, tpot) in measure(Path(args.traces), Path(args.checkpoint), hw).items():
             print(f"  {name:<28} hit {hit:.3f}  modeled TPOT {tpot:6.1f} ms")
 

@@ -7,6 +7,9 @@ Routing statistics (vectorised over all tokens):
   (only when ``router_probs`` were recorded), against ln(E) for a uniform router;
 - skew: the most used expert's share over the mean share (1.0 = balanced), and the
   share of uses taken by the top 10% of experts.
+
+Duplicate prompts: requests whose normalised prompt text (token ids where there is none) equals
+another request's; :meth:`TraceSet.splits` keeps each such group on one side.
 """
 
 from __future__ import annotations
@@ -92,6 +95,8 @@ def traces_info(path: Path, json: bool = False) -> None:
         "prefill_tokens": ts.num_tokens - decode,
         "decode_tokens": decode,
         "workloads": workloads,
+        "traceset_id": ts.traceset_id,
+        **ts.duplicate_prompts(),
         "fields": ts.fields_present(),
         "absent": [f for f in ("topk_weights", "router_probs", "gate_inputs") if not ts.has(f)],
         "source": ts.meta.collection.get("source", "moecast collect"),
@@ -110,6 +115,11 @@ def traces_info(path: Path, json: bool = False) -> None:
     )
     print(
         f"  requests   {ts.num_requests}  ({', '.join(f'{k}: {v}' for k, v in workloads.items()) or 'none'})"
+    )
+    print(
+        f"  prompts    {summary['distinct_prompts']} distinct; {summary['duplicate_requests']} requests share "
+        f"their prompt with another ({summary['duplicate_groups']} prompts, up to {summary['largest_group']} "
+        "copies); splits keep copies on one side"
     )
     print(f"  tokens     {ts.num_tokens}  (prefill {ts.num_tokens - decode}, decode {decode})")
     print(

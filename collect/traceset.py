@@ -29,15 +29,19 @@ import hashlib
 import json
 import os
 import time
+import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 
 from moecast.errors import InputError
+
+if TYPE_CHECKING:
+    from moecast.collect.splits import Splits
 
 SCHEMA_VERSION = 1
 OPTIONAL_FIELDS = ("topk_weights", "router_probs", "gate_inputs")
@@ -220,6 +224,13 @@ class TraceWriter:
                     f"{self.path} was collected with fields {existing.fields}, this run has {meta.fields}; "
                     "use the same options or another --out"
                 )
+            # the TraceSet keeps its identity as requests are added (checkpoints name it)
+            for key in ("traceset_id", "contains_tracesets"):
+                meta.collection.pop(key, None)
+                if existing.collection.get(key):
+                    meta.collection[key] = existing.collection[key]
+        else:
+            meta.collection.setdefault("traceset_id", uuid.uuid4().hex[:16])
         if overwrite_meta and (shard == 0 or not meta_path.exists()):
             atomic_write_json(meta_path, meta.to_json())
         # this shard's leftovers only: another shard writing into the same directory may be about
@@ -395,6 +406,7 @@ class TraceSet:
                     )
                 self._req_rows[r] = (p, row)
         self.request_ids: list[str] = [r for r in self._req_rows]
+        self._prompt_keys: dict[str, str] | None = None
 
     # --------------------------------------------------------------- properties
     @property
@@ -580,8 +592,62 @@ class TraceSet:
         for rid in self.request_ids if requests is None else requests:
             yield self.get(rid)
 
+    # --------------------------------------------------------------- splits
+    @property
+    def traceset_id(self) -> str:
+        """This TraceSet's identity, kept when requests are added (meta.json ``collection.traceset_id``);
+        a TraceSet written before ids existed is known by its resolved path."""
+        own = self.meta.collection.get("traceset_id")
+        if own:
+            return str(own)
+        return "path-" + hashlib.sha256(str(self.path.resolve()).encode()).hexdigest()[:16]
+
+    def contains_traceset(self, traceset_id: str | None) -> bool:
+        """Whether this TraceSet is, or was merged from, the TraceSet of that id (the one a
+        checkpoint trained on): its splits then hold that TraceSet's requests on the same sides."""
+        inner = self.meta.collection.get("contains_tracesets") or []
+        return bool(traceset_id) and (traceset_id == self.traceset_id or traceset_id in inner)
+
+    def prompt_keys(self) -> dict[str, str]:
+        """request id -> hash of its normalised prompt text (its prompt token ids where it has none)."""
+        if self._prompt_keys is None:
+            from moecast.collect.splits import prompt_key
+
+            keys: dict[str, str] = {}
+            no_ids = str(self.meta.collection.get("token_id_kind", "")).startswith("absent")
+            for table in self._req_tables:
+                for rid, text in zip(
+                    table.column("request_id").to_pylist(), table.column("prompt").to_pylist()
+                ):
+                    if (text or "").strip():
+                        keys[rid] = prompt_key(text)
+                    elif no_ids:
+                        keys[rid] = prompt_key("", self.array("topk_ids", [rid]).ravel(), "routes")
+                    else:
+                        ids = self.column("token_id", [rid])
+                        prefill = self.column("phase", [rid]) != "decode"
+                        keys[rid] = prompt_key("", ids[prefill] if prefill.any() else ids)
+            self._prompt_keys = keys
+        return self._prompt_keys
+
+    def splits(self, val_fraction: float = 0.1, test_fraction: float = 0.1, seed: int = 0) -> Splits:
+        """Train / val / test by prompt group, seeded and stable as requests are added
+        (:mod:`moecast.collect.splits`). Tune and select on val; report test."""
+        from moecast.collect.splits import Splits, SplitSpec, assign
+
+        spec = SplitSpec(val_fraction, test_fraction, seed)
+        side = assign(self.prompt_keys(), spec)
+        by = {name: [r for r in self.request_ids if side[r] == name] for name in ("train", "val", "test")}
+        return Splits(spec, by["train"], by["val"], by["test"], self.traceset_id)
+
+    def duplicate_prompts(self) -> dict[str, int]:
+        from moecast.collect.splits import duplicate_counts
+
+        return duplicate_counts(self.prompt_keys())
+
     def split(self, val_fraction: float = 0.1, seed: int = 0) -> tuple[list[str], list[str]]:
-        """Deterministic request-level train/validation split (same seed, same split, any machine)."""
+        """The ungrouped train/validation split of earlier moecast versions, kept only to score
+        checkpoints that recorded it; new work uses :meth:`splits`."""
         if not 0.0 <= val_fraction < 1.0:
             raise InputError(f"val_fraction must be in [0, 1), got {val_fraction}")
         return split_request_ids(self.request_ids, val_fraction, seed)
@@ -717,6 +783,13 @@ def merge(sources: Sequence[str | Path], out: str | Path) -> TraceSet:
     if len({json.dumps(g, sort_keys=True) for g in gens.values()}) > 1:
         meta.collection["generation_by_source"] = gens
     meta.collection["merged_from"] = [str(s) for s in sources]
+    # the sources' requests keep their sides (splits hash prompts), so a checkpoint trained on a
+    # source is scored on the merged set's split, not on all of it
+    meta.collection["traceset_id"] = existing.traceset_id if existing is not None else uuid.uuid4().hex[:16]
+    meta.collection["contains_tracesets"] = sorted(
+        {i for ts in sets for i in [ts.traceset_id, *(ts.meta.collection.get("contains_tracesets") or [])]}
+        | set((existing.meta.collection.get("contains_tracesets") or []) if existing is not None else [])
+    )
     meta.collection["merged_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     (out / "requests").mkdir(parents=True, exist_ok=True)
     (out / "tokens").mkdir(parents=True, exist_ok=True)

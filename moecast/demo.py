@@ -30,7 +30,7 @@ from typing import Any
 from moecast.errors import InputError
 
 FIXTURE_WORKLOADS = "gsm8k,boolq,race-middle,wic,triviaqa,gaokao"
-HOLDOUT = 0.1  # the validation fraction every trainer uses by default; compare replays exactly those requests
+HOLDOUT = 0.1  # the val fraction every trainer uses by default; compare replays their test side
 
 
 def _stage(n: int, total: int, title: str, t0: float) -> None:
@@ -294,7 +294,7 @@ def demo(
             predictors=str(llapor),
             planners=f"none,{cascade}",
             capacities=capacities,
-            holdout=HOLDOUT,
+            holdout="test",
             out=str(cmp_dir),
             cold=cold,
             wandb=wandb,
@@ -319,7 +319,7 @@ def demo(
         print(jsonlib.dumps(result, default=str))
         return root
     print(
-        f"\nHeld-out requests of {traces} (TraceSet.split({HOLDOUT}, seed=0)), {mode}; hardware profile "
+        f"\nHeld-out test requests of {traces} (TraceSet.splits(), the checkpoints' split), {mode}; hardware profile "
         "prescope-a100-pcie4; capacity = share of each layer's experts resident.\n"
     )
     print(table)

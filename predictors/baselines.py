@@ -1,9 +1,13 @@
 """Baseline predictors: frequency tables, gate reuse, and MoE-Infinity activation-matrix matching.
 
+- ``HotTablePlanner``: the same global table as a prompt-ahead plan, the trivial baseline that
+  ``--planner hot`` puts beside every planner in replay and compare.
 - ``FrequencyPredictor`` (statistical; PreScope's hot-expert table, §4.1): ``mode="global"``
   scores every token with the training split's per-layer expert counts;
   ``mode="request"`` adds the counts of the request's own earlier tokens (prefix only),
   with the global table as a prior that breaks ties and covers the first token.
+- ``PublishedPredictions``: MoE-Beyond's published per-token predictions read from their CSVs,
+  so its model is compared on its own test prompts without being rerun.
 - ``GateReusePredictor`` (layer-ahead; the gate-based strategy of PreScope §3.2 / Fate):
   applies layer l's own router weights to layer l-1's gate input, relying on the high
   cosine similarity of adjacent gate inputs. Layer 0 uses the previous token's layer-0
@@ -146,6 +150,77 @@ class FrequencyPredictor(_Base):
     @classmethod
     def from_checkpoint(cls, tensors: dict[str, Any], meta: dict[str, Any], path: Path) -> FrequencyPredictor:
         return cls(tensors["table"].double().numpy(), meta)
+
+
+class HotTablePlanner(FrequencyPredictor):
+    """The global hot-expert table as a prompt-ahead plan (``--planner hot``): every prompt gets
+    the training requests' per-layer expert frequencies. What a planner costs nothing to beat."""
+
+    name = "hot"
+    horizon = "prompt-ahead"
+
+    @classmethod
+    def fit(cls, ts: TraceSet, requests: list[str], mode: str = "global") -> HotTablePlanner:
+        pred = super().fit(ts, requests, "global")
+        return cls(pred.table, pred.meta)
+
+    def plan(self, prompt: str) -> tuple[np.ndarray, str]:
+        return self.table.astype(np.float32), "hot"
+
+    def observe(self, prompt: str, ep: np.ndarray) -> bool:
+        return False  # a fixed table: nothing learns from new prompts
+
+    @property
+    def label(self) -> str:
+        return "hot"
+
+
+class PublishedPredictions(_Base):
+    """MoE-Beyond's published predictions (``test_datasets/predicted_csvs``), scored as published:
+    request ``<workload>-<N>`` takes ``prompt_<N>``'s Predicted Expert IDs, after a check that the
+    file's Activated Expert IDs are that request's routing (the predictions are for those tokens).
+    ``moecast predictors eval moe-beyond:DIR --traces T``, T imported from the same DIR."""
+
+    name = "moe-beyond"
+    horizon = "token-ahead"
+
+    def __init__(self, folder: Path, meta: dict[str, Any]) -> None:
+        from moecast.collect.moe_beyond import PREDICTED_COLUMNS, list_files
+
+        super().__init__(meta)
+        self.folder = Path(folder)
+        self.files = dict(list_files(self.folder, PREDICTED_COLUMNS))
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, ts: TraceSet) -> PublishedPredictions:
+        return cls(Path(folder), {**_model_meta(ts.meta.model), "source": str(folder)})
+
+    def score_request(self, trace: RequestTrace) -> np.ndarray:
+        from moecast.collect.moe_beyond import parse_predicted
+
+        tail = trace.request_id.rsplit("-", 1)[-1]
+        path = self.files.get(int(tail)) if tail.isdigit() else None
+        if path is None:
+            raise InputError(
+                f"{self.folder}: no predictions for request {trace.request_id} (prompt number {tail}); "
+                "evaluate on a TraceSet imported from this folder (moecast import moe-beyond DIR)"
+            )
+        layers, activated, predicted = parse_predicted(path, self.num_experts)
+        same = activated.shape[:2] == trace.topk_ids.shape[:2] and np.array_equal(
+            np.sort(activated, -1), np.sort(np.asarray(trace.topk_ids), -1)
+        )
+        if layers != self.moe_layers or not same:
+            raise InputError(
+                f"{path}: its Activated Expert IDs are not request {trace.request_id}'s routing "
+                f"({activated.shape[0]} tokens against {len(trace)}): the predictions are for other "
+                "tokens; import this folder itself (moecast import moe-beyond DIR --out T) and evaluate on T"
+            )
+        return multi_hot(predicted, self.num_experts, np.float32)
+
+    def tensors(self) -> dict[str, Any]:
+        raise InputError(
+            "MoE-Beyond's predictions stay in their CSV folder; evaluate moe-beyond:DIR directly"
+        )
 
 
 class GateReusePredictor(_Base, LayerAhead):

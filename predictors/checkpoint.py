@@ -71,6 +71,22 @@ def load_raw(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return tensors, meta
 
 
+def load_metadata(path: str | Path) -> dict[str, Any]:
+    """The moecast metadata of a checkpoint without reading its tensors."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            header = fh.metadata() or {}
+    except Exception as exc:  # safetensors raises its own error types for corrupt headers
+        raise CheckpointError(f"{path}: not a readable safetensors file ({exc}); re-export it") from exc
+    if "moecast" not in header:
+        raise CheckpointError(
+            f"{path}: a safetensors file without moecast metadata; export it with `moecast train`"
+        )
+    return json.loads(header["moecast"])
+
+
 def check_fingerprint(
     meta: dict[str, Any], fingerprint: str, against: str, path: str | Path = "checkpoint"
 ) -> None:

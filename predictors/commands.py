@@ -2,10 +2,12 @@
 
 CHECKPOINT is a ``.safetensors`` predictor, or a baseline built on the spot from
 the TraceSet's training split: ``frequency`` (global hot-expert table),
-``frequency-request`` (per-request prefix counts), ``cooccurrence`` (layer-ahead
+``frequency-request`` (per-request prefix counts), ``hot`` (the global table as a prompt-ahead
+plan), ``cooccurrence`` (layer-ahead
 counts of layer l's experts given layer l-1's), ``moe-infinity``
-(activation-matrix matching) or ``gate-reuse:MODEL_DIR`` (router weights read
-from a model folder); ``--save PATH`` keeps the built baseline as a checkpoint.
+(activation-matrix matching), ``gate-reuse:MODEL_DIR`` (router weights read
+from a model folder) or ``moe-beyond:DIR`` (MoE-Beyond's published predictions, read from its
+``predicted_csvs`` folder); ``--save PATH`` keeps a built baseline as a checkpoint.
 """
 
 from __future__ import annotations
@@ -18,7 +20,15 @@ from tqdm import tqdm
 from moecast.errors import InputError
 from moecast.jsonout import dumps
 
-BASELINES = ("frequency", "frequency-request", "cooccurrence", "moe-infinity", "gate-reuse:MODEL_DIR")
+BASELINES = (
+    "frequency",
+    "frequency-request",
+    "cooccurrence",
+    "moe-infinity",
+    "hot",
+    "gate-reuse:MODEL_DIR",
+    "moe-beyond:DIR",
+)
 
 
 def build_baseline(spec: str, ts: Any, train_ids: list[str]) -> Any:
@@ -27,16 +37,22 @@ def build_baseline(spec: str, ts: Any, train_ids: list[str]) -> Any:
         CooccurrencePredictor,
         FrequencyPredictor,
         GateReusePredictor,
+        HotTablePlanner,
+        PublishedPredictions,
     )
 
     if spec == "frequency":
         return FrequencyPredictor.fit(ts, train_ids, "global")
     if spec == "frequency-request":
         return FrequencyPredictor.fit(ts, train_ids, "request")
+    if spec == "hot":
+        return HotTablePlanner.fit(ts, train_ids)
     if spec == "cooccurrence":
         return CooccurrencePredictor.fit(ts, train_ids)
     if spec == "moe-infinity":
         return ActivationMatrixPredictor.fit(ts, train_ids)
+    if spec.startswith("moe-beyond:"):
+        return PublishedPredictions.from_folder(spec.split(":", 1)[1], ts)
     if spec.startswith("gate-reuse:"):
         ts.require("gate_inputs", "the gate-reuse baseline")
         return GateReusePredictor.from_model_dir(spec.split(":", 1)[1], ts)
@@ -104,23 +120,28 @@ def detected_groups(ts: Any, train_ids: list[str], max_rows: int = 20000) -> dic
 def evaluate(
     checkpoint: str,
     traces: str | None = None,
-    split: str = "val",
+    split: str | None = None,
     val_fraction: float | None = None,
+    test_fraction: float | None = None,
     seed: int | None = None,
     k: int | None = None,
     json: bool = False,
     save: str | None = None,
     max_requests: int | None = None,
     online_lr: float = 0.0,
-) -> dict[str, Any]:
-    """Evaluate a predictor checkpoint (or a named baseline) on a TraceSet.
+) -> dict[str, Any] | list[dict[str, Any]]:
+    """Evaluate a predictor checkpoint (or a named baseline) on a TraceSet and say which split it scored.
 
     Args:
-        checkpoint: predictor .safetensors, or frequency | frequency-request | cooccurrence | moe-infinity | gate-reuse:MODEL_DIR
+        checkpoint: predictor .safetensors, or frequency | frequency-request | cooccurrence |
+            moe-infinity | hot | gate-reuse:MODEL_DIR | moe-beyond:DIR (MoE-Beyond's published
+            predictions, ``predicted_csvs``); several, comma-separated, are scored one after another
         traces: TraceSet directory
-        split: val (held-out requests, default) | train | all; same split as training (val_fraction, seed)
-        val_fraction: share of requests held out (default: the checkpoint's training split, else 0.1)
-        seed: split seed (default: the checkpoint's training split, else 0)
+        split: test | val | train | all. Default: test (never trained or selected on) on the
+            TraceSet the checkpoint was trained on, all requests on any other
+        val_fraction: share of requests in val (default: the checkpoint's split, else 0.1)
+        test_fraction: share of requests in test (default: the checkpoint's split, else 0.1)
+        seed: split seed (default: the checkpoint's split, else 0)
         k: recall@k, 1 to the number of experts (default: the model's top-k)
         json: print one JSON object instead of a table
         save: with a baseline, also write it as a checkpoint here
@@ -129,38 +150,43 @@ def evaluate(
             rate, with its training loss; the checkpoint file is left as it is
     """
     from moecast.collect.traceset import open_traces
+    from moecast.predictors.provenance import choose, trained_on
     from moecast.predictors.registry import load
 
+    if "," in checkpoint and not Path(checkpoint).is_file():
+        given = dict(split=split, val_fraction=val_fraction, test_fraction=test_fraction, seed=seed, k=k)
+        return [
+            evaluate(c.strip(), traces, **given, json=json, max_requests=max_requests, online_lr=online_lr)
+            for c in checkpoint.split(",")
+            if c.strip()
+        ]
     if not traces:
         raise InputError("moecast predictors eval needs --traces DIR (the TraceSet to evaluate on)")
     ts = open_traces(traces)
     if online_lr < 0:
         raise InputError(f"--online_lr must be >= 0, not {online_lr}")
-    if split not in ("val", "train", "all"):
-        raise InputError(f"--split must be val, train or all, not {split!r}")
     E = ts.meta.model.num_experts
     if k is not None and not (isinstance(k, int) and 1 <= k <= E):
         raise InputError(f"--k must be an integer from 1 to the model's {E} experts, not {k!r}")
-    fp = ts.meta.model.fingerprint
     pred = None
     if Path(checkpoint).is_file():
+        fp = ts.meta.model.fingerprint
         pred = load(checkpoint, fingerprint=fp, against=f"TraceSet {ts.path} ({ts.meta.model.name_or_path})")
-        # the held-out requests of the checkpoint's own training run, unless told otherwise
-        trained = getattr(pred, "meta", {}).get("split") or {}
-        val_fraction = trained.get("val_fraction", 0.1) if val_fraction is None else val_fraction
-        seed = trained.get("seed", 0) if seed is None else seed
-    val_fraction = 0.1 if val_fraction is None else val_fraction
-    seed = 0 if seed is None else seed
-    train_ids, val_ids = ts.split(val_fraction, seed)
-    requests = {"val": val_ids, "train": train_ids, "all": list(ts.request_ids)}[split]
-    if max_requests:
-        requests = requests[:max_requests]
+    record = None if pred is None else trained_on(pred)
+    if (pred is not None and record is None) or checkpoint.startswith("moe-beyond:"):
+        # no training record (or MoE-Beyond's own predictions): scored whole, as on a TraceSet it never saw
+        from moecast.predictors.provenance import TrainedOn
+
+        record = TrainedOn(traceset_id="unrecorded")
+    chosen = choose(ts, record, split, val_fraction, test_fraction, seed, who=checkpoint)
+    requests = chosen.requests[:max_requests] if max_requests else chosen.requests
     if pred is None:
-        pred = build_baseline(checkpoint, ts, train_ids)
+        pred = build_baseline(checkpoint, ts, chosen.train)
         if save:
+            pred.meta["split"] = {**(chosen.spec or {}), "traceset_id": ts.traceset_id}
             pred.save(save)
     extra = tuple(x for x in (1, 2, 4) if x < ts.meta.model.top_k)
-    hint = None if getattr(pred, "groups", None) else detected_groups(ts, train_ids)
+    hint = None if getattr(pred, "groups", None) else detected_groups(ts, chosen.train)
     res = evaluate_predictor(
         pred, ts, requests, k, extra_k=extra, progress=not json, groups_hint=hint, online_lr=online_lr
     )
@@ -169,9 +195,7 @@ def evaluate(
         "horizon": pred.horizon,
         "checkpoint": checkpoint,
         "traces": str(ts.path),
-        "split": split,
-        "val_fraction": val_fraction,
-        "seed": seed,
+        **chosen.report(),
         "requests": len(requests),
         "online_lr": online_lr,
         **res,
@@ -226,9 +250,10 @@ def remember(
     ngrams = [6, 8, 16, 32] if ngrams is None else list(ngrams)
     if ngrams:
         cfg = MemoryConfig(tuple(ngrams), max_postings, weight)
-        split = pred.meta.get("split") or {}
         if requests == "train":
-            ids, _ = ts.split(split.get("val_fraction", 0.1), split.get("seed", 0))
+            from moecast.predictors.provenance import choose, trained_on
+
+            ids = choose(ts, trained_on(pred), "train", who=checkpoint).requests
         else:
             ids = list(ts.request_ids)
         pred.memory = build(ts, ids, cfg, progress=True)
@@ -245,6 +270,7 @@ def format_table(res: dict[str, Any], moe_layers: list[int]) -> str:
     lines = [
         f"{res['predictor']} ({res['horizon']}) on {res['traces']} [{res['split']}: {res['requests']} requests, {res['tokens']} tokens]"
         + (f", updated online at lr {res['online_lr']:g} after each request" if res.get("online_lr") else ""),
+        *(f"note: {n}" for n in res.get("split_notes") or []),
         f"{'scope':<14}{'recall@' + str(res['k']):>10}{'precision':>11}{'f1_micro':>10}{'f1_macro':>10}",
         f"{'all':<14}{res['recall_at_k']:>10.4f}{res['precision']:>11.4f}{res['f1_micro']:>10.4f}{res['f1_macro']:>10.4f}",
     ]

@@ -293,7 +293,11 @@ class EAM(Predictor):
                 f"{idx} holds {index.get_current_count()} keys of dim {index.dim}, the checkpoint {len(values)} "
                 f"EP values for dim {embedder.dim}; the files do not belong together, rebuild with `moecast train eam`"
             )
-        extra = {k: meta[k] for k in ("trained_on", "ep_weighting", "include_decode", "metrics") if k in meta}
+        extra = {
+            k: meta[k]
+            for k in ("trained_on", "ep_weighting", "include_decode", "metrics", "split")
+            if k in meta
+        }
         eam = cls(
             embedder,
             values,

@@ -304,7 +304,11 @@ class EAP(Predictor):
                 f"{path}: EAP tensors do not fit its metadata (missing {missing[:3]}, unexpected {unexpected[:3]}); "
                 "re-export it with `moecast train eap`"
             )
-        extra = {k: meta[k] for k in ("trained_on", "ep_weighting", "include_decode", "metrics") if k in meta}
+        extra = {
+            k: meta[k]
+            for k in ("trained_on", "ep_weighting", "include_decode", "metrics", "split")
+            if k in meta
+        }
         return cls(
             net,
             tokenizer,

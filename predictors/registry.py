@@ -13,6 +13,7 @@ KINDS: dict[str, str] = {
     "llapor": "moecast.predictors.llapor:LLaPor",
     "sequence": "moecast.predictors.sequence:SequencePredictor",
     "frequency": "moecast.predictors.baselines:FrequencyPredictor",
+    "hot": "moecast.predictors.baselines:HotTablePlanner",
     "gate-reuse": "moecast.predictors.baselines:GateReusePredictor",
     "moe-infinity": "moecast.predictors.baselines:ActivationMatrixPredictor",
     "cooccurrence": "moecast.predictors.baselines:CooccurrencePredictor",
@@ -37,4 +38,7 @@ def load(path: str | Path, fingerprint: str | None = None, against: str = "this 
     if fingerprint is not None:
         check_fingerprint(meta, fingerprint, against, path)
     module, cls = KINDS[kind].split(":")
-    return getattr(importlib.import_module(module), cls).from_checkpoint(tensors, meta, Path(path))
+    pred = getattr(importlib.import_module(module), cls).from_checkpoint(tensors, meta, Path(path))
+    # the header as written: where and on which split it was trained (moecast.predictors.provenance)
+    pred.checkpoint_meta = meta
+    return pred

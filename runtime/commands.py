@@ -35,7 +35,7 @@ def replay(
     alpha: float | None = None,
     predictor_ms: float | None = None,
     batch_size: int = 1,
-    holdout: float | None = None,
+    holdout: str | None = None,
     json: bool = False,
 ) -> None:
     """Replay a TraceSet through one runtime configuration and print the metrics.
@@ -55,7 +55,9 @@ def replay(
         predictor: none, oracle (future knowledge: the routing that will happen, an upper bound), or a
             predictor checkpoint (.safetensors) that drives prefetching; null: the policy's own (oracle,
             i.e. future knowledge, for prefetch, presched and smoe; none for the others).
-        planner: a prompt-ahead predictor checkpoint: preloads each request's planned experts and is a prefetch prior.
+        planner: a prompt-ahead predictor checkpoint (EAM, EAP, cascade), or hot (the training requests'
+            hot-expert table as the plan, the baseline a planner must beat): preloads each request's
+            planned experts and is a prefetch prior.
         plan_weight: weight of the plan as a log-linear prior on --predictor's scores (0: preload only).
         hardware: hardware profile name (configs/hardware) or YAML path.
         alpha: SMoE substitution threshold (policy smoe; default 0.3, as in ``moecast run``); 0 leaves
@@ -63,19 +65,16 @@ def replay(
         predictor_ms: the predictor's latency per layer (ms), charged before its prefetch may start;
             default: the checkpoint's measured figure, else the hardware profile's (predictor_ms).
         batch_size: decode batch: requests interleaved per step.
-        holdout: replay only the held-out requests of ``TraceSet.split(holdout, seed=0)`` (those a
-            predictor trained with the same validation fraction never saw).
+        holdout: replay only held-out requests: test (or val) of the split that --predictor and
+            --planner were trained on (``TraceSet.splits``; the default split without a checkpoint);
+            a number is the test share, refused where it disagrees with a checkpoint's split.
         json: print one JSON object instead of a table.
     """
     from moecast.collect.traceset import TraceSet
     from moecast.runtime import replay as engine
 
     _need_traces(traces)
-    requests = None
-    if holdout is not None:
-        requests = TraceSet(traces).split(holdout, seed=0)[1]
-        if not requests:
-            raise InputError(f"--holdout {holdout} leaves no held-out requests in {traces}")
+    requests, hot_from = _held_out(TraceSet(traces), holdout, [predictor, planner])
     cfg = ReplayConfig(
         policy=policy,
         capacity=capacity,
@@ -89,6 +88,7 @@ def replay(
         predictor_ms=predictor_ms,
         batch_size=batch_size,
         requests=requests,
+        hot_requests=hot_from,
         progress=not json,
     )
     res = engine.replay(traces, cfg)
@@ -96,6 +96,17 @@ def replay(
         print(_json_line(res))
         return
     _print_result(res, predictor_given=predictor is not None)
+
+
+def _held_out(
+    ts, holdout: str | float | None, checkpoints: list[str | None]
+) -> tuple[list[str] | None, list[str] | None]:
+    """(requests to replay, requests the hot table counts on) for --holdout; (None, None) without it."""
+    if holdout is None:
+        return None, None
+    from moecast.predictors.provenance import holdout as split_holdout
+
+    return split_holdout(ts, holdout, [c for c in checkpoints if c])
 
 
 def _need_traces(traces: str) -> None:
@@ -170,7 +181,7 @@ def compare(
     capacities: str = "0.1,0.25,0.5",
     planners: str = "none",
     plan_weight: float = 0.1,
-    holdout: float | None = None,
+    holdout: str | None = None,
     out: str = "compare",
     cold: bool = False,
     shared: bool = False,
@@ -194,12 +205,13 @@ def compare(
             paths. Policies that never prefetch run with none only.
         capacities: comma-separated capacities (fractions, experts or bytes); those that hold fewer experts
             than the model's top-k are skipped with a note.
-        planners: comma-separated: none and/or prompt-ahead checkpoints (EAM, EAP, cascade); each planner
-            preloads its plan per request (under static it is pinned in the table's place) and runs
-            with every policy except belady.
+        planners: comma-separated: none, hot and/or prompt-ahead checkpoints (EAM, EAP, cascade); each
+            planner preloads its plan per request (under static it is pinned in the table's place) and
+            runs with every policy except belady. hot (the training requests' hot-expert table as the
+            plan) is added beside any checkpoint planner, so each is judged against what costs nothing.
         plan_weight: weight of a plan as a log-linear prior on the predictor's scores (0: preload only).
-        holdout: replay only the held-out requests of ``TraceSet.split(holdout, seed=0)``, the ones
-            predictors trained with the same validation fraction never saw (default: every request).
+        holdout: replay only held-out requests: test (or val) of the split the checkpoints were trained
+            on, which must be one split (a number is the test share; default: every request).
         out: output directory (created; must not be a file).
         cold: caches start empty per request; default stream.
         shared: one cache for all layers.
@@ -226,22 +238,21 @@ def compare(
     if not caps:
         raise InputError("--capacities is empty; give e.g. 0.1,0.25,0.5")
     plans = [p.strip() for p in planners.split(",") if p.strip()] or ["none"]
+    if any(p not in ("none", "hot") for p in plans) and "hot" not in plans:
+        plans.append("hot")
     # every check that needs no replay runs before out/ is created or a replay starts (they take
     # minutes), so a bad argument leaves nothing behind
     cells = _cells(pols, preds, plans)
     for pl in plans:
-        if pl != "none" and not Path(pl).is_file():
+        if pl not in ("none", "hot") and not Path(pl).is_file():
             raise FileNotFoundError(
                 f"--planners: no checkpoint at {pl}; train one with `moecast train cascade`"
             )
     outdir = Path(out)
     ts = TraceSet(traces)
     caps = _usable_capacities(caps, ts, json)
-    requests = None
-    if holdout is not None:
-        requests = ts.split(holdout, seed=0)[1]
-        if not requests:
-            raise InputError(f"--holdout {holdout} leaves no held-out requests in {traces}")
+    checkpoints = [c for c in preds + plans if c not in ("none", "oracle", "hot")]
+    requests, hot_from = _held_out(ts, holdout, checkpoints)
     try:  # before any replay runs (they take minutes)
         outdir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -266,6 +277,7 @@ def compare(
             predictor_ms=predictor_ms,
             batch_size=batch_size,
             requests=requests,
+            hot_requests=hot_from,
         )
         for res in engine.replay_capacities(ts, cfg, caps):
             row = res.to_json()

@@ -15,7 +15,7 @@ link is one serial queue; (5) device time of a loaded expert is masked by transf
   steps on ``prescope-a100-pcie4``, 1,652 on ``gh200-nvlink-c2c`` and 15,878 (3.3 %) on
   ``prescope-v100-pcie3`` (rows reaching :func:`_prefetch_count` with predicted next-layer experts
   but none queued, during ``moecast replay --policy presched --predictor oracle --capacity 0.1
-  --cold true --holdout 0.1 --hardware NAME`` on the imported traces).
+  --cold true --holdout test --hardware NAME`` on the imported traces).
 - Eq. 5: the current layer loads E_cur[i'..] for the smallest i' with
   ``T_G = alpha + (n - i') t_io + t_g < T_C = t_c(E_cur[0..i'-1])``, the rest run on the CPU
   (with no such i' everything runs on the CPU).

@@ -86,6 +86,8 @@ class ReplayConfig:
     batch_size: int = 1
     score_window: int = 8
     requests: list[str] | None = None
+    # the requests `--planner hot` counts experts on (None: those not replayed, else all of them)
+    hot_requests: list[str] | None = None
     progress: bool = False
     chunk_lanes: int = 20000  # cold streams replayed together (bounds the per-lane state in memory)
     fast: bool = True  # use the fast paths where they apply (False: the general engine, for cross-checks)
@@ -238,6 +240,17 @@ def _load_predictor(name: str | None, ts: TraceSet) -> Any:
     return registry.load(name, fingerprint=ts.meta.model.fingerprint, against=f"TraceSet {ts.path}")
 
 
+def _load_planner(cfg: ReplayConfig, ts: TraceSet) -> Any:
+    if cfg.planner != "hot":
+        return _load_predictor(cfg.planner, ts)
+    from moecast.predictors.baselines import HotTablePlanner
+
+    replayed = list(cfg.requests) if cfg.requests is not None else list(ts.request_ids)
+    chosen = set(replayed)
+    counted = cfg.hot_requests or [r for r in ts.request_ids if r not in chosen] or replayed
+    return HotTablePlanner.fit(ts, counted)
+
+
 @dataclass
 class _Run:
     """Everything a replay decided before it runs (see :func:`_prepare`)."""
@@ -330,7 +343,7 @@ def _predictors(ts: TraceSet, cfg: ReplayConfig, spec: Policy, pred_name: str) -
         pred_name = getattr(predictor, "name", type(predictor).__name__)
     if not (math.isfinite(cfg.plan_weight) and cfg.plan_weight >= 0):
         raise InputError(f"--plan-weight must be a finite number >= 0, got {cfg.plan_weight}")
-    planner = _load_predictor(cfg.planner, ts) if cfg.planner else None
+    planner = _load_planner(cfg, ts) if cfg.planner else None
     if planner is not None and (
         getattr(planner, "horizon", "") != "prompt-ahead" or not hasattr(planner, "plan")
     ):

@@ -176,7 +176,17 @@ def test_cli_reports_bad_input_in_one_line(synthetic_traces, tmp_path):
         ),
         (["predictors", "eval", "gate-reuse:" + str(tmp_path), "--traces", str(ids_only)], "gate_inputs"),
         (
-            ["predictors", "eval", "frequency", "--traces", str(synthetic_traces), "--val-fraction", "0"],
+            [
+                "predictors",
+                "eval",
+                "frequency",
+                "--traces",
+                str(synthetic_traces),
+                "--split",
+                "val",
+                "--val-fraction",
+                "0",
+            ],
             "split",
         ),
         (["predictors", "eval", "frequency", "--traces", str(tmp_path / "missing")], "missing"),

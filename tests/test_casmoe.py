@@ -154,7 +154,8 @@ def test_eam_retrieves_indexed_prompt_exactly(traces, eam_ckpt):
     ts = TraceSet(traces)
     eam = load(eam_ckpt, fingerprint=ts.model.fingerprint)
     assert isinstance(eam, EAM) and eam.horizon == "prompt-ahead"
-    train_ids, val_ids = ts.split(0.25, 0)
+    sides = ts.splits(0.25, 0.1, 0)
+    train_ids, val_ids = sides.train, sides.val
     assert eam.size == len(train_ids)
     ep, _ = ep_labels(ts, train_ids)
     plan, conf = eam.query(prompt_text(ts, train_ids[0]))
@@ -464,8 +465,8 @@ def test_eap_training_under_ddp(traces, tiny_encoder, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.count("wrote ") == 1
     metrics = load_raw(out)[1]["metrics"]
-    # 3 held-out prompts split 2 / 1 over the ranks; the export re-plans all 3 on one process
-    assert metrics["val_requests"] == 3
+    # 5 val prompts split 3 / 2 over the ranks; the export re-plans all 5 on one process
+    assert metrics["val_requests"] == len(TraceSet(traces).splits(0.25, 0.1, 0).val) == 5
     assert metrics["best_score"] == pytest.approx(metrics["val_recall_at_k"], abs=1e-6)
 
 
@@ -477,7 +478,8 @@ def test_cascade_gate_and_table3(traces, eam_ckpt, eap_ckpt, tmp_path):
     build_cascade_checkpoint(str(eam_ckpt), str(eap_ckpt), str(out), epsilon=0.5)
     cascade = load(out, fingerprint=ts.model.fingerprint)
     assert isinstance(cascade, Cascade) and cascade.epsilon == 0.5
-    train_ids, val_ids = ts.split(0.25, 0)
+    sides = ts.splits(0.25, 0.1, 0)
+    train_ids, val_ids = sides.train, sides.val
     seen = prompt_text(ts, train_ids[0])
     plan, branch = cascade.plan(seen)  # an indexed prompt: cosine 1 >= 0.5
     assert branch == "eam"

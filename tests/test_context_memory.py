@@ -82,7 +82,8 @@ def test_last_keys_equal_the_vectorised_keys(T: int) -> None:
 # ---------------------------------------------------------------------- the index
 def test_votes_are_the_latest_occurrences_shares_of_each_expert(traces: Path) -> None:
     ts = TraceSet(traces)
-    train, held = ts.split(0.25, 0)
+    sides = ts.splits(0.25, 0.1, 0)
+    train, held = sides.train, sides.val + sides.test
     cfg = MemoryConfig(ngrams=(2, 4), max_postings=3)
     mem = build(ts, train, cfg)
     # brute force: for each context, its occurrences in request then token order, the last 3 kept
@@ -141,7 +142,7 @@ def trained(traces: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_export_builds_the_memory_from_the_training_split_only(trained: Path, traces: Path) -> None:
     pred = load(trained)
     ts = TraceSet(traces)
-    train, _ = ts.split(0.25, 0)
+    train = ts.splits(0.25, 0.1, 0).train
     assert pred.memory is not None and pred.metadata()["memory"]["ngrams"] == [2, 4]
     assert len(pred.memory.routes) == ts.request_lengths(train).sum()
     # none of the held-out requests' own routes are in it: every stored route is a training token's
@@ -151,7 +152,8 @@ def test_export_builds_the_memory_from_the_training_split_only(trained: Path, tr
 def test_scores_add_the_votes_to_the_softmax_and_raise_held_out_recall(trained: Path, traces: Path) -> None:
     pred = load(trained)
     ts = TraceSet(traces)
-    _, held = ts.split(0.25, 0)
+    sides = ts.splits(0.25, 0.1, 0)
+    held = sides.val + sides.test
     memory = pred.memory
     with_mem, without, truth = [], [], []
     for r in ts.iter_requests(held):
@@ -173,7 +175,8 @@ def test_score_at_blends_like_score_request(trained: Path, traces: Path) -> None
     pred = load(trained)
     pred.int8_kernel = False
     ts = TraceSet(traces)
-    _, held = ts.split(0.25, 0)
+    sides = ts.splits(0.25, 0.1, 0)
+    held = sides.val + sides.test
     r = ts.get(held[0])
     full = pred.score_request(r)
     for t in range(len(r.token_ids)):

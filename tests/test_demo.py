@@ -15,6 +15,7 @@ REQUIRED = [
     "SMoE substitution + llapor prefetch",
     "LRU + llapor prefetch",
     "LRU, on demand + cascade preload",
+    "LRU, on demand + hot preload",  # the trivial plan beside every planner
     "Belady (offline bound)",
 ]
 

@@ -156,7 +156,7 @@ def test_training_beats_the_hot_table_and_roundtrips(tmp_path):
     path = make_synthetic_traceset(
         tmp_path / "tr", num_requests=24, num_layers=4, num_experts=8, hidden=16, tokens=16
     )
-    module, dm = _fit(path)
+    module, dm = _fit(path, epochs=12, test_fraction=0.0)  # 24 requests: all but val train
     assert dm.spec.gate_pca and dm.spec.weights  # chosen from the fields present
     out = module.export(tmp_path / "llapor.safetensors", dm, {"best_score": None})
     ts = TraceSet(path)
@@ -731,8 +731,15 @@ def test_eval_uses_the_checkpoints_split_and_checks_k(tmp_path, capsys):
     module, dm = _fit(path, epochs=1)  # val_fraction 0.25
     out = module.export(tmp_path / "s.safetensors", dm, {})
     res = evaluate(str(out), str(path), json=True)
-    assert res["val_fraction"] == 0.25 and res["requests"] == len(dm.val_ids) == 3
-    assert evaluate(str(out), str(path), val_fraction=0.5, json=True)["requests"] == 6  # unless told
+    sides = TraceSet(path).splits(0.25, 0.1, 0)
+    assert res["split"] == "test" and res["split_spec"]["val_fraction"] == 0.25
+    assert res["requests"] == len(sides.test) > 0
+    val = evaluate(str(out), str(path), split="val", json=True)
+    assert val["requests"] == len(dm.val_ids) == len(sides.val)
+    with pytest.raises(
+        ValueError, match="disagrees with the split"
+    ):  # another split would score training requests
+        evaluate(str(out), str(path), val_fraction=0.5, json=True)
     capsys.readouterr()
     for k in (-1, 0, 9):
         with pytest.raises(

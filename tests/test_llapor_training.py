@@ -226,7 +226,8 @@ def test_middle_body_is_deeper_with_a_gated_residual_and_io_bodies_are_plain(dm:
 # ---------------------------------------------------------------------- 4. expert balancing 1/f_i
 def test_balancing_weights_are_inverse_training_frequencies(dm: LLaPorDataModule, traces: Path) -> None:
     ts = TraceSet(traces)
-    train_ids, val_ids = ts.split(0.25, 0)
+    sides = ts.splits(0.25, 0.1, 0)
+    train_ids, val_ids = sides.train, sides.val
     assert sorted(train_ids) == sorted(dm.train_ids) and val_ids
     L, E = ts.num_layers, ts.num_experts
 

@@ -113,3 +113,93 @@ def test_cli_import_and_info(puffin_dir, tmp_path):
     )
     assert bad.returncode != 0 and "Traceback" not in bad.stderr and "no such TraceSet" in bad.stderr
     assert TraceSet(out).num_tokens == summary["tokens"]
+
+
+# ----------------------------------------------------------------------------- test set and predictions
+
+
+def _write_formatted(path, tokens, routes):
+    """MoE-Beyond's test-set layout: rows grouped by layer (1, 2), token order within; routes [T][L]."""
+    _write(
+        path,
+        [[layer + 1, 0, tok, str(routes[t][layer])] for layer in range(2) for t, tok in enumerate(tokens)],
+    )
+
+
+def _write_predicted(path, activated, predicted):
+    """MoE-Beyond's predicted_csvs layout: Token is the position; activated and predicted [T][L]."""
+    with open(path, "w", newline="", encoding="utf-8") as fh:
+        w = csv.writer(fh)
+        w.writerow(["Layer ID", "Token", "Activated Expert IDs", "Predicted Expert IDs"])
+        for layer in range(2):
+            for t in range(len(activated)):
+                w.writerow([layer + 1, t, str(activated[t][layer]), str(predicted[t][layer])])
+
+
+def test_the_test_set_layout_imports_in_prompt_number_order(tmp_path):
+    src = tmp_path / "formatted_csvs"
+    src.mkdir()
+    routes = {n: [[[n % 60, 61], [62, 63]], [[1, 2], [3, n % 60 + 4]]] for n in (10, 2, 1)}
+    for n in (10, 2, 1):
+        _write_formatted(src / f"prompt_{n}_data_formatted.csv", ["Ġhi", f"Ġp{n}"], routes[n])
+    (src / "notes.csv").write_text("a,b\n1,2\n")  # another header: not a trace, skipped
+    ts = import_moe_beyond(src, out=tmp_path / "t", workers=1)
+    assert ts.request_ids == ["moe-beyond-test-1", "moe-beyond-test-2", "moe-beyond-test-10"]
+    assert ts.meta.collection["workloads"] == ["moe-beyond-test"]
+    assert ts.traceset_id.startswith("mb-") and ts.get("moe-beyond-test-2").prompt == " hi p2"
+    for n in (1, 2, 10):
+        np.testing.assert_array_equal(ts.get(f"moe-beyond-test-{n}").topk_ids, routes[n])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "prompt_1_data.csv").write_text("a,b\n")
+    with pytest.raises(FileNotFoundError, match="no CSV with MoE-Beyond's header"):
+        import_moe_beyond(empty, out=tmp_path / "e")
+
+
+def test_published_predictions_are_scored_as_published(tmp_path, capsys):
+    from moecast.cli import main
+
+    src = tmp_path / "predicted_csvs"
+    src.mkdir()
+    act = {3: [[[0, 1], [2, 3]], [[4, 5], [6, 7]]], 7: [[[8, 9], [10, 11]]]}
+    pred = {3: [[[0, 9], [2, 3]], [[40, 41], [6, 5]]], 7: [[[8, 1], [12, 13]]]}
+    for n in (3, 7):
+        _write_predicted(src / f"prompt_{n}_data_predicted.csv", act[n], pred[n])
+    out = tmp_path / "t"
+    main(["import", "moe-beyond", str(src), "--out", str(out), "--workers", "1"])
+    ts = TraceSet(out)
+    assert ts.request_ids == ["moe-beyond-test-3", "moe-beyond-test-7"]
+    assert ts.get("moe-beyond-test-3").token_texts == ["", ""]
+    capsys.readouterr()
+    main(["predictors", "eval", f"moe-beyond:{src}", "--traces", str(out), "--json", "true"])
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # per (token, layer): |predicted ∩ activated| / 2 over the six rows: 1/2 1 0 1/2 | 1/2 0
+    assert res["split"] == "all" and res["requests"] == 2 and res["tokens"] == 3
+    assert res["recall_at_k"] == pytest.approx((0.5 + 1 + 0 + 0.5 + 0.5 + 0) / 6)
+    # several predictors, comma-separated, each on the same requests: ours beside theirs
+    main(
+        [
+            "predictors",
+            "eval",
+            f"hot,moe-beyond:{src}",
+            "--traces",
+            str(out),
+            "--split",
+            "all",
+            "--json",
+            "true",
+        ]
+    )
+    rows = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert [r["predictor"] for r in rows] == ["hot", "moe-beyond"] and {r["tokens"] for r in rows} == {3}
+    # predictions whose activated experts are not the TraceSet's routing are refused
+    _write_predicted(src / "prompt_7_data_predicted.csv", [[[8, 9], [10, 12]]], pred[7])
+    with pytest.raises(SystemExit) as exc:
+        main(["predictors", "eval", f"moe-beyond:{src}", "--traces", str(out)])
+    assert "are not request moe-beyond-test-7's routing" in str(exc.value.code)
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    _write_predicted(mixed / "prompt_1_data_predicted.csv", act[7], pred[7])
+    _write_formatted(mixed / "prompt_2_data_formatted.csv", ["a"], [[[1, 2], [3, 4]]])
+    with pytest.raises(ValueError, match="mixes traces and prediction CSVs"):
+        import_moe_beyond(mixed, out=tmp_path / "m")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -339,7 +340,8 @@ def llapor_traces(tmp_path_factory):
     return make_synthetic_traceset(tmp_path_factory.mktemp("llapor") / "t", num_requests=8)
 
 
-def _train_with(cfg: dict, traces: Path, tmp: Path, capsys) -> None:
+def _train_with(cfg: dict, traces: Path, tmp: Path, capsys) -> bool:
+    """Train with ``cfg``; True when it was refused (one clean line), False when it trained."""
     from moecast.cli import main
 
     # Lightning's log handlers keep the stream captured when they were made; an earlier
@@ -362,6 +364,8 @@ def _train_with(cfg: dict, traces: Path, tmp: Path, capsys) -> None:
         # one line, moecast's own or the LightningCLI parser's turned into one, never a crash or a usage dump
         assert isinstance(exc.code, str), err[-2000:]
         assert exc.code.startswith("moecast: error: ") and "\n" not in exc.code, exc.code
+        return True
+    return False
 
 
 @settings(
@@ -401,7 +405,19 @@ def test_fuzzed_llapor_config_values(llapor_traces, tmp_path_factory, capsys, se
     bad = st.sampled_from([None, -1, 0, float("nan"), float("inf"), -0.5])
     change = changes.draw(st.dictionaries(st.sampled_from(keys), bad, min_size=1, max_size=2))
     cfg = {**LLAPOR_BASE, section: {**LLAPOR_BASE[section], **change}}
-    _train_with(cfg, llapor_traces, tmp_path_factory.mktemp("cfg"), capsys)
+    refused = _train_with(cfg, llapor_traces, tmp_path_factory.mktemp("cfg"), capsys)
+    # no key of either section means anything by -1 or NaN: those must be refused, not trained with
+    # (None, 0, inf and -0.5 are legal for some keys, e.g. an optional count or an unbounded rate)
+    nonsense = {k: v for k, v in change.items() if v == -1 or (isinstance(v, float) and math.isnan(v))}
+    assert refused or not nonsense, f"{section}: {nonsense} was accepted"
+
+
+@pytest.mark.parametrize("value", [-1, float("nan")])
+@pytest.mark.parametrize("key", ["model.hidden", "model.lr_io", "data.val_fraction", "data.batch_size"])
+def test_nonsense_llapor_values_are_refused(llapor_traces, tmp_path, capsys, key, value):
+    section, name = key.split(".")
+    cfg = {**LLAPOR_BASE, section: {**LLAPOR_BASE[section], name: value}}
+    assert _train_with(cfg, llapor_traces, tmp_path, capsys), f"{key}: {value} was accepted"
 
 
 # ----------------------------------------------------------------------------- (d) checkpoint of another model

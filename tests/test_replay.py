@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -332,7 +333,17 @@ def test_planner_checkpoint_preloads_and_prefetches(tmp_path):
     compare(str(ts.path), policies="lru,static,belady", predictors="none", capacities="6", planners=f"none,{ck}",
             out=str(out), cold=True, wandb=False, json=True)  # fmt: skip
     rows = (out / "table.csv").read_text().strip().splitlines()[1:]
-    assert sorted(r.split(",")[0] for r in rows) == ["belady", "lru", "lru", "static", "static"]
+    # the hot table is added beside the planner: lru and static with none, the plan and hot
+    assert sorted(r.split(",")[0] for r in rows) == [
+        "belady",
+        "lru",
+        "lru",
+        "lru",
+        "static",
+        "static",
+        "static",
+    ]
+    assert sorted(r.split(",")[2] for r in rows if r.startswith("lru,")) == ["hot", "none", "plan"]
     bad = tmp_path / "other.safetensors"
     checkpoint.save(
         bad,
@@ -728,3 +739,32 @@ def test_alpha_defaults_to_one_value_for_substituting_policies(tmp_path, capsys)
     assert code in (None, 0), code
     cells = {c["policy"]: c["alpha"] for c in map(json.loads, out.strip().splitlines())}
     assert cells == {"lru": 0.0, "smoe": DEFAULT_ALPHA}
+
+
+def test_hot_planner_pins_the_training_requests_top_experts(tmp_path, capsys):
+    """--planner hot under static: each layer's c most used experts of the counted requests, pinned;
+    the hit rate is the held-out uses inside them, counted here by hand."""
+    from conftest import synthetic_record, synthetic_writer
+
+    writer = synthetic_writer(tmp_path / "s", num_layers=3, num_experts=16, top_k=2, with_optional=False)
+    # counted requests: per layer experts 0..3 (shifted by 2 per layer) used 9, 6, 3, 2 times, others once
+    pairs = [[0, 1]] * 6 + [[0, 2]] * 3 + [[3, 4], [3, 5], [6, 7]]
+    counted = np.array([[[(e + 2 * layer) % 16 for e in p] for layer in range(3)] for p in pairs])
+    rng = np.random.default_rng(0)
+    records = [synthetic_record(r, np.arange(12), counted) for r in range(6)]
+    for r in range(6, 10):
+        held = np.stack([np.stack([rng.choice(16, 2, replace=False) for _ in range(3)]) for _ in range(12)])
+        records.append(synthetic_record(r, np.arange(12), held))
+    writer.write(records)
+    ts = TraceSet(tmp_path / "s")
+    cfg = ReplayConfig(policy="static", capacity=4, cold=True, planner="hot", hot_requests=ts.request_ids[:6])
+    res = replay(ts, replace(cfg, requests=ts.request_ids[6:]))
+    held = ts.array("topk_ids", ts.request_ids[6:])
+    top = [{(e + 2 * layer) % 16 for e in (0, 1, 2, 3)} for layer in range(3)]
+    hits = sum(int(e) in top[layer] for row in held for layer in range(3) for e in row[layer])
+    assert res.hit_rate == pytest.approx(hits / held.size) and res.config["planner"] == "hot"
+    # the CLI: --planner hot with --holdout test replays the test side of the default split
+    argv = ["replay", "--traces", str(ts.path), "--policy", "lru", "--capacity", "4", "--cold", "true"]
+    code, out, _ = _run_cli([*argv, "--planner", "hot", "--holdout", "test", "--json", "true"], capsys)
+    row = json.loads(out.strip().splitlines()[-1])
+    assert code == 0 and row["planner"] == "hot" and row["requests"] == len(ts.splits().test)

@@ -152,3 +152,114 @@ def test_a_writer_leaves_other_shards_temporaries_alone(tmp_path):
     theirs.write_bytes(b"y")
     TraceWriter(path, TraceMeta.from_json(json.loads((path / "meta.json").read_text())), shard=1)
     assert not mine.exists() and theirs.exists()  # shard 0 may be about to rename its file
+
+
+# ----------------------------------------------------------------------------- grouped splits
+
+
+def _prompted_set(path, prompts, token_ids=None, start=0):
+    """A TraceSet whose request i has prompt ``prompts[i]`` (and token ids ``token_ids[i]``)."""
+    from conftest import synthetic_record, synthetic_writer
+
+    writer = synthetic_writer(path, num_layers=2, num_experts=4, top_k=1, with_optional=False)
+    recs = []
+    for i, text in enumerate(prompts):
+        ids = np.asarray(token_ids[i] if token_ids else [i % 7, 3, 5])
+        rec = synthetic_record(start + i, ids, np.zeros((len(ids), 2, 1)))
+        rec.prompt = text
+        recs.append(rec)
+    writer.write(recs)
+    return TraceSet(path)
+
+
+def _side_by_hand(text: str, seed: int, val: float, test: float) -> str:
+    # the documented rule, computed here apart from moecast.collect.splits
+    import hashlib
+    import unicodedata
+
+    norm = " ".join(unicodedata.normalize("NFKC", text).casefold().split())
+    key = hashlib.sha256(("text:" + norm).encode()).hexdigest()[:24]
+    u = int(hashlib.sha256(f"{seed}:{key}".encode()).hexdigest()[:13], 16) / 16**13
+    return "test" if u < test else "val" if u < test + val else "train"
+
+
+def test_splits_follow_the_prompt_hash_and_keep_copies_on_one_side(tmp_path):
+    prompts = [f"question number {i}" for i in range(60)]
+    prompts[10] = "  Question NUMBER 3 "  # a copy of request 3 up to case and spacing
+    prompts[20] = prompts[3]
+    ts = _prompted_set(tmp_path / "t", prompts)
+    s = ts.splits(0.2, 0.2, seed=5)
+    side = {r: name for name in ("train", "val", "test") for r in s[name]}
+    assert len(side) == 60 and sorted(s["all"]) == sorted(ts.request_ids)
+    for i, text in enumerate(prompts):
+        assert side[f"req-{i}"] == _side_by_hand(text, 5, 0.2, 0.2), i
+    assert side["req-3"] == side["req-10"] == side["req-20"]
+    assert 0 < len(s.test) < 30 and 0 < len(s.val) < 30
+    assert ts.duplicate_prompts() == {
+        "duplicate_requests": 3,
+        "duplicate_groups": 1,
+        "largest_group": 3,
+        "distinct_prompts": 58,
+    }
+    meta = s.metadata()
+    assert meta["method"] == "prompt-groups-v1" and meta["traceset_id"] == ts.traceset_id
+    assert (meta["val_fraction"], meta["test_fraction"], meta["seed"]) == (0.2, 0.2, 5)
+
+
+def test_requests_without_text_are_grouped_by_their_prompt_token_ids(tmp_path):
+    ids = [[1, 2, 3], [1, 2, 3], [1, 2, 4]] + [[9, 9, i] for i in range(40)]
+    ts = _prompted_set(tmp_path / "t", [""] * len(ids), ids)
+    keys = ts.prompt_keys()
+    assert keys["req-0"] == keys["req-1"] != keys["req-2"]
+    s = ts.splits(0.3, 0.3, seed=1)
+    side = {r: name for name in ("train", "val", "test") for r in s[name]}
+    assert side["req-0"] == side["req-1"]
+    assert ts.duplicate_prompts()["duplicate_requests"] == 2
+
+
+def test_splits_are_stable_as_requests_are_added_and_the_id_is_kept(tmp_path):
+    from conftest import synthetic_record, synthetic_writer
+
+    path = tmp_path / "t"
+    first = _prompted_set(path, [f"p{i}" for i in range(40)])
+    before = first.splits(0.1, 0.1, seed=0)
+    writer = synthetic_writer(path, num_layers=2, num_experts=4, top_k=1, with_optional=False)
+    more = [synthetic_record(100 + i, np.array([1, 2]), np.zeros((2, 2, 1))) for i in range(40)]
+    for i, rec in enumerate(more):
+        rec.prompt = f"new prompt {i}"
+    writer.write(more)
+    grown = TraceSet(path)
+    after = grown.splits(0.1, 0.1, seed=0)
+    assert grown.num_requests == 80 and grown.traceset_id == first.traceset_id
+    assert not grown.traceset_id.startswith("path-")
+    for name in ("train", "val", "test"):
+        assert [r for r in after[name] if r in set(first.request_ids)] == before[name]
+
+
+def test_tiny_sets_still_get_every_side_and_bad_fractions_are_refused(tmp_path):
+    ts = _prompted_set(tmp_path / "t", [f"p{i}" for i in range(4)])
+    s = ts.splits(0.1, 0.1, seed=0)
+    assert len(s.train) == 2 and len(s.val) == 1 and len(s.test) == 1
+    for bad in ((-1, 0.1), (float("nan"), 0.1), (0.6, 0.5), (0.1, 1.0)):
+        with pytest.raises(ValueError, match="fraction"):
+            ts.splits(*bad)
+
+
+def test_merge_records_the_sources_ids(tmp_path):
+    a = _prompted_set(tmp_path / "a", ["x", "y"])
+    b = _prompted_set(tmp_path / "b", ["z"], start=5)
+    m = merge([a.path, b.path], tmp_path / "m")
+    assert m.traceset_id not in (a.traceset_id, b.traceset_id)
+    assert m.contains_traceset(a.traceset_id) and m.contains_traceset(b.traceset_id)
+    assert not a.contains_traceset(b.traceset_id)
+
+
+def test_traces_info_reports_duplicate_prompts(tmp_path, capsys):
+    from moecast.cli import main
+
+    _prompted_set(tmp_path / "t", ["same", "Same ", "other"])
+    main(["traces", "info", str(tmp_path / "t"), "--json", "true"])
+    out = json.loads(capsys.readouterr().out)
+    assert (out["duplicate_requests"], out["duplicate_groups"], out["distinct_prompts"]) == (2, 1, 2)
+    main(["traces", "info", str(tmp_path / "t")])
+    assert "2 requests share their prompt with another (1 prompts" in capsys.readouterr().out

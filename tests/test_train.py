@@ -84,15 +84,16 @@ def test_training_under_ddp(name, traces, tmp_path):
     out = tmp_path / "ddp.safetensors"
     cmd = [sys.executable, "-m", "moecast", "train", name]
     cmd += _args(f"{name}_tiny.yaml", traces, out, "--trainer.max_epochs", "1")
-    cmd += ["--trainer.strategy", "ddp", "--trainer.devices", "2", "--data.val_fraction", "0.25"]
+    cmd += ["--trainer.strategy", "ddp", "--trainer.devices", "2", "--data.val_fraction", "0.4"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.count("wrote ") == 1  # rank 0 exports
     logged = load(out).metadata()["training"]["best_score"]
-    # the exported weights on one process over the whole held-out split: 3 requests, which the
-    # sequence model's ranks split 2 / 1 (no request repeated to even the shards)
-    res = evaluate(str(out), str(traces), val_fraction=0.25, json=True)
-    assert res["tokens"] == 3 * 12
+    # the exported weights on one process over the whole val split: 5 requests, which the
+    # sequence model's ranks split 3 / 2 (no request repeated to even the shards)
+    assert len(TraceSet(traces).splits(0.4, 0.1, 0).val) == 5
+    res = evaluate(str(out), str(traces), split="val", json=True)
+    assert res["tokens"] == 5 * 12
     assert logged == pytest.approx(res["recall_at_k"], abs=1e-6)
 
 

@@ -50,6 +50,7 @@ def build_cascade_checkpoint(
     threads: int | None = None,
     run_dir: str | None = None,
     wandb: bool = True,
+    test_fraction: float = 0.1,
 ) -> Path:
     """Write CasMoE's gated cascade (EAM if cosine confidence >= epsilon, else EAP); with traces, compare.
 
@@ -58,17 +59,18 @@ def build_cascade_checkpoint(
         eap: EAP checkpoint (``moecast train eap``).
         out: cascade checkpoint to write (.safetensors; it names the two beside it).
         epsilon: the gate threshold on the EAM's best cosine similarity.
-        traces: a TraceSet; when given, print the Table-3-style comparison on its held-out requests.
+        traces: a TraceSet; when given, print the Table-3-style comparison on its val requests.
         epsilons: thresholds to compare (default 0.3 0.5 0.6 0.7 0.8 0.9 plus epsilon).
-        val_fraction: held-out share (``TraceSet.split``).
+        val_fraction: share of requests in val, where the comparison runs (``TraceSet.splits``).
         seed: split seed.
-        max_requests: compare on at most this many held-out requests.
+        max_requests: compare on at most this many val requests.
         json_out: print one JSON object per comparison row instead of a table.
         int8: compare with int8 (true) or fp32 (false) encoders; default: as the checkpoints say.
         engine: compare with the encoders run by onnx, torch or auto; default: as the checkpoints say.
         threads: batch-1 encoder threads for the comparison (default: 1).
         run_dir: where the comparison's table3.json and offline wandb run go (default ``<out>.run``).
         wandb: log the comparison (one row per planner, scalars and a table) to an offline wandb run.
+        test_fraction: share of requests in test (as the planners were trained with).
     """
     from moecast.predictors.cascade import Cascade
     from moecast.predictors.registry import load
@@ -94,6 +96,7 @@ def build_cascade_checkpoint(
             int8=int8,
             engine=engine,
             threads=threads,
+            test_fraction=test_fraction,
         )
         from moecast.train.cli import run_dir_for
 

@@ -1,7 +1,8 @@
 """What CasMoE's three planner builds share (casmoe-eam-eap-cascade.md, "Data Calibration").
 
-The dataset D of (prompt, EP) pairs is read from a TraceSet split by request
-(``TraceSet.split(val_fraction, seed)``); :func:`data_info` is what every planner
+The dataset D of (prompt, EP) pairs is read from a TraceSet split by request and prompt
+(``TraceSet.splits(val_fraction, test_fraction, seed)``: planners are built on train and
+evaluated here on val; ``moecast predictors eval`` reports test); :func:`data_info` is what every planner
 checkpoint records about it, :func:`per_layer_table` how a build reports its held-out plan
 recall, and :func:`wandb_run` the offline wandb run a build logs to. The builds:
 :mod:`moecast.train.eap` (Eqs. 6-9), :mod:`moecast.train.eam` (Eqs. 4-5) and

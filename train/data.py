@@ -1,6 +1,6 @@
 """Lightning data modules over a TraceSet: request-level split, per-token inputs built batch by batch.
 
-Every rank reads the same files and the seeded ``TraceSet.split`` (so DDP needs no broadcast).
+Every rank reads the same files and the seeded ``TraceSet.splits`` (so DDP needs no broadcast).
 The narrow per-token fields (expert ids, router weights, positions, token ids) are held as numpy
 arrays; the wide one, gate inputs, is read from the TraceSet's memory-mapped Arrow parts for each
 batch (``TraceSet.rows``) and projected there, so memory does not grow with the hidden size times
@@ -16,6 +16,7 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 import torch
+from moecast.collect.splits import Splits
 from moecast.collect.traceset import TraceSet, open_traces
 from moecast.predictors.llapor_features import (
     FeatureSpec,
@@ -35,22 +36,34 @@ CHUNK = 65536  # rows of gate inputs checked at a time
 
 
 def split_requests(
-    ts: TraceSet, val_fraction: float, seed: int, max_requests: int | None
-) -> tuple[list[str], list[str]]:
-    train_ids, val_ids = ts.split(val_fraction, seed)
+    ts: TraceSet, val_fraction: float, test_fraction: float, seed: int, max_requests: int | None
+) -> tuple[list[str], list[str], Splits]:
+    """(train, val, splits) for a trainer: it fits on train and selects on val; test stays apart."""
+    splits = ts.splits(val_fraction, test_fraction, seed)
+    train_ids, val_ids = splits.train, splits.val
     if max_requests:
         # subsample both sides in proportion, keeping the split itself unchanged
         n_val = max(1, round(max_requests * val_fraction)) if val_ids else 0
         train_ids, val_ids = train_ids[: max_requests - n_val], val_ids[:n_val]
     if not train_ids:
         raise InputError(
-            f"{ts.path}: the training split is empty ({ts.num_requests} requests); add requests or lower val_fraction"
+            f"{ts.path}: the training split is empty ({ts.num_requests} requests); add requests or lower "
+            "val_fraction / test_fraction"
         )
     if val_fraction > 0 and not val_ids:
         raise InputError(
             f"{ts.path}: the validation split is empty; use more requests or a larger val_fraction"
         )
-    return train_ids, val_ids
+    return train_ids, val_ids, splits
+
+
+def split_metadata(dm: Any) -> dict[str, Any]:
+    """The ``split`` a checkpoint records: spec, TraceSet id and the sizes actually trained on."""
+    return {
+        **dm.splits.metadata(),
+        "train_requests": len(dm.train_ids),
+        "val_requests": len(dm.val_ids),
+    }
 
 
 def positions_of(ts: TraceSet, ids: list[str]) -> np.ndarray:
@@ -87,6 +100,18 @@ def check_range(
             rng = f" in {left}, {right}"
         raise InputError(
             f"{section}.{name} must be {'an integer' if kind is int else 'a number'}{rng}, got {value!r}"
+        )
+
+
+def check_split(section: str, val_fraction: Any, test_fraction: Any, seed: Any) -> None:
+    # an empty validation split has nothing to select the best epoch by
+    check_range(section, "val_fraction", val_fraction, float, 0, 1, open_lo=True, open_hi=True)
+    check_range(section, "test_fraction", test_fraction, float, 0, 1, open_hi=True)
+    check_range(section, "seed", seed, int)
+    if val_fraction + test_fraction >= 1:
+        raise InputError(
+            f"{section}.val_fraction + {section}.test_fraction = {val_fraction + test_fraction:g} leaves no "
+            "training requests; keep the sum below 1"
         )
 
 
@@ -200,7 +225,9 @@ class LLaPorDataModule(pl.LightningDataModule):
 
     Args:
         traces: TraceSet directory (``--traces``)
-        val_fraction: share of requests held out for validation (request-level split)
+        val_fraction: share of requests held out for validation: selects the best epoch
+        test_fraction: share of requests held out for testing (``moecast predictors eval``
+            reports it); never trained or selected on
         seed: split seed
         batch_size: token rows per batch
         max_requests: train on at most this many requests (all when null)
@@ -235,6 +262,7 @@ class LLaPorDataModule(pl.LightningDataModule):
         self,
         traces: str,
         val_fraction: float = 0.1,
+        test_fraction: float = 0.1,
         seed: int = 0,
         batch_size: int = 512,
         max_requests: int | None = None,
@@ -263,8 +291,7 @@ class LLaPorDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         d = "data"
-        check_range(d, "val_fraction", val_fraction, float, 0, 1, open_lo=True, open_hi=True)
-        check_range(d, "seed", seed, int)
+        check_split(d, val_fraction, test_fraction, seed)
         check_range(d, "max_requests", max_requests, int, 1, optional=True)
         for name, value, lo in (
             ("batch_size", batch_size, 1),
@@ -313,7 +340,9 @@ class LLaPorDataModule(pl.LightningDataModule):
         self.ts = ts
         m = ts.meta.model
         L, E, k = m.num_layers, m.num_experts, m.top_k
-        self.train_ids, self.val_ids = split_requests(ts, hp.val_fraction, hp.seed, hp.max_requests)
+        self.train_ids, self.val_ids, self.splits = split_requests(
+            ts, hp.val_fraction, hp.test_fraction, hp.seed, hp.max_requests
+        )
         ids_order = self.train_ids + self.val_ids
         self.topk = np.ascontiguousarray(ts.array("topk_ids", ids_order))
         if (self.topk < 0).any() or (self.topk >= E).any():

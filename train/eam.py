@@ -34,6 +34,7 @@ def build_eam_index(
     ef: int = 64,
     seed: int = 0,
     val_fraction: float = 0.1,
+    test_fraction: float = 0.1,
     include_decode: bool = False,
     eval_k: int | None = None,
     batch_size: int = 64,
@@ -55,7 +56,8 @@ def build_eam_index(
         ef_construction: hnswlib build-time beam.
         ef: hnswlib query-time beam.
         seed: split seed and hnswlib seed.
-        val_fraction: share of requests held out for evaluation (``TraceSet.split``).
+        val_fraction: share of requests in val, evaluated here (``TraceSet.splits``).
+        test_fraction: share of requests in test, left for ``moecast predictors eval``.
         include_decode: count decoded tokens in the EP label too.
         eval_k: k of the plan recall@k (default: the model's top-k).
         batch_size: prompts embedded per batch while building.
@@ -72,7 +74,8 @@ def build_eam_index(
     if not str(out_p).endswith(".safetensors"):
         raise InputError(f"--out {out}: name the EAM checkpoint *.safetensors")
     ts = open_traces(traces)
-    train_ids, val_ids = ts.split(val_fraction, seed)
+    splits = ts.splits(val_fraction, test_fraction, seed)
+    train_ids, val_ids = splits.train, splits.val
     if not train_ids:
         raise InputError(f"{traces}: no training requests to index")
     ep_train, weighted = ep_labels(ts, train_ids, include_decode)
@@ -97,6 +100,7 @@ def build_eam_index(
         engine=engine,
     )
     info = data_info(ts, traces, weighted, include_decode)
+    info["split"] = splits.metadata()
     eam = EAM(
         emb_model,
         ep_train,
@@ -105,7 +109,9 @@ def build_eam_index(
         moe_layers=info["moe_layers"],
         top_k=info["top_k"],
         config=cfg,
-        extra_meta={k: info[k] for k in ("trained_on", "ep_weighting", "include_decode", "model_name")},
+        extra_meta={
+            k: info[k] for k in ("trained_on", "ep_weighting", "include_decode", "model_name", "split")
+        },
     )
     metrics: dict[str, Any] = {"indexed_requests": len(train_ids)}
     if val_ids:

@@ -40,20 +40,23 @@ class EAPDataModule(L.LightningDataModule):
         seed: int = 0,
         include_decode: bool = False,
         max_requests: int | None = None,
+        test_fraction: float = 0.1,
     ) -> None:
         """
         Args:
             traces: TraceSet directory (linked from ``--traces``).
             batch_size: prompts per step (also the InfoNCE negatives).
-            val_fraction: share of requests held out (``TraceSet.split``).
+            val_fraction: share of requests in val, which selects the best epoch (``TraceSet.splits``).
             seed: split seed.
             include_decode: count decoded tokens in the EP label too (Eq. 3 sums the prompt's).
             max_requests: use only the first N training requests (quick runs).
+            test_fraction: share of requests in test, never trained or selected on.
         """
         super().__init__()
         self.traces = traces
         self.batch_size = batch_size
         self.val_fraction = val_fraction
+        self.test_fraction = test_fraction
         self.seed = seed
         self.include_decode = include_decode
         self.max_requests = max_requests
@@ -64,7 +67,8 @@ class EAPDataModule(L.LightningDataModule):
         if self._ready:
             return
         ts = open_traces(self.traces)
-        train_ids, val_ids = ts.split(self.val_fraction, self.seed)
+        splits = ts.splits(self.val_fraction, self.test_fraction, self.seed)
+        train_ids, val_ids = splits.train, splits.val
         if self.max_requests:
             train_ids = train_ids[: self.max_requests]
         if not train_ids or not val_ids:
@@ -78,6 +82,7 @@ class EAPDataModule(L.LightningDataModule):
         self.val_pairs = list(zip(prompt_texts(ts, val_ids), ep_val))
         self.info = data_info(ts, self.traces, weighted, self.include_decode)
         self.info.update(train_requests=len(train_ids), val_requests=len(val_ids))
+        self.info["split"] = {**splits.metadata(), "train_requests": len(train_ids)}
         self._ready = True
 
     @staticmethod
@@ -270,7 +275,8 @@ class EAPModule(L.LightningModule):
                 )
             },
             extra_meta={
-                k: self.info[k] for k in ("trained_on", "ep_weighting", "include_decode", "model_name")
+                k: self.info[k]
+                for k in ("trained_on", "ep_weighting", "include_decode", "model_name", "split")
             },
         )
 

@@ -42,7 +42,13 @@ from moecast.predictors.llapor_net import (
     llapor_loss,
 )
 from moecast.predictors.metrics import MetricAccumulator
-from moecast.train.data import LLaPorDataModule, check_range, log_validation, planned_epochs
+from moecast.train.data import (
+    LLaPorDataModule,
+    check_range,
+    log_validation,
+    planned_epochs,
+    split_metadata,
+)
 
 from moecast.errors import InputError
 
@@ -273,12 +279,7 @@ class LLaPorModule(pl.LightningModule):
         extra = {
             "model_name": m.name_or_path,
             "trained_on": str(dm.ts.path),
-            "split": {
-                "val_fraction": dm.hparams.val_fraction,
-                "seed": dm.hparams.seed,
-                "train_requests": len(dm.train_ids),
-                "val_requests": len(dm.val_ids),
-            },
+            "split": split_metadata(dm),
             "hyper_parameters": {
                 **dict(self.hparams),
                 **{k: v for k, v in dict(dm.hparams).items() if k != "traces"},

@@ -190,8 +190,10 @@ def compare_planners(
     int8: bool | None = None,
     engine: str | None = None,
     threads: int | None = None,
+    test_fraction: float = 0.1,
 ) -> list[dict[str, Any]]:
-    """CasMoE Table-3-style comparison on the held-out requests of ``traces`` (split by request).
+    """CasMoE Table-3-style comparison on the val requests of ``traces`` (``TraceSet.splits``: the
+    side that tunes epsilon; test stays for ``moecast predictors eval``).
 
     EAP alone, EAM alone and the cascade at each epsilon: plan recall@k against each
     request's true EP top-k (k defaults to the model's top-k) and mean planner latency
@@ -211,7 +213,8 @@ def compare_planners(
         raise InputError(
             f"compare_planners needs an EAM and an EAP checkpoint, got {eam_p.name} and {eap_p.name}"
         )
-    train_ids, val_ids = ts.split(val_fraction, seed)
+    sides = ts.splits(val_fraction, test_fraction, seed)
+    train_ids, val_ids = sides.train, sides.val
     if max_requests:
         val_ids = val_ids[:max_requests]
     if not val_ids:

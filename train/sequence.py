@@ -21,9 +21,11 @@ from moecast.predictors.metrics import MetricAccumulator, multi_hot
 from moecast.predictors.sequence import SequenceConfig, SequenceNet, SequencePredictor
 from moecast.train.data import (
     check_range,
+    check_split,
     eval_sampler,
     log_validation,
     planned_epochs,
+    split_metadata,
     split_requests,
 )
 from torch.utils.data import DataLoader, Dataset
@@ -54,7 +56,8 @@ class SequenceDataModule(pl.LightningDataModule):
 
     Args:
         traces: TraceSet directory (``--traces``)
-        val_fraction: share of requests held out for validation
+        val_fraction: share of requests held out for validation: selects the best epoch
+        test_fraction: share of requests held out for testing, never trained or selected on
         seed: split seed
         batch_size: requests per batch
         max_requests: train on at most this many requests (all when null)
@@ -67,6 +70,7 @@ class SequenceDataModule(pl.LightningDataModule):
         self,
         traces: str,
         val_fraction: float = 0.1,
+        test_fraction: float = 0.1,
         seed: int = 0,
         batch_size: int = 16,
         max_requests: int | None = None,
@@ -76,9 +80,7 @@ class SequenceDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         d = "data"
-        # an empty validation split has nothing to select the best epoch by
-        check_range(d, "val_fraction", val_fraction, float, 0, 1, open_lo=True, open_hi=True)
-        check_range(d, "seed", seed, int)
+        check_split(d, val_fraction, test_fraction, seed)
         check_range(d, "max_requests", max_requests, int, 1, optional=True)
         check_range(d, "batch_size", batch_size, int, 1)
         check_range(d, "token_buckets", token_buckets, int, 1)
@@ -97,7 +99,9 @@ class SequenceDataModule(pl.LightningDataModule):
         ts = open_traces(self.traces)
         self.ts = ts
         m = ts.meta.model
-        self.train_ids, self.val_ids = split_requests(ts, hp.val_fraction, hp.seed, hp.max_requests)
+        self.train_ids, self.val_ids, self.splits = split_requests(
+            ts, hp.val_fraction, hp.test_fraction, hp.seed, hp.max_requests
+        )
         order = self.train_ids + self.val_ids
         self.topk = np.ascontiguousarray(ts.array("topk_ids", order))
         self.tokens = ts.column("token_id", order).astype(np.int64) % hp.token_buckets
@@ -278,12 +282,7 @@ class SequenceModule(pl.LightningModule):
         extra = {
             "model_name": m.name_or_path,
             "trained_on": str(dm.ts.path),
-            "split": {
-                "val_fraction": dm.hparams.val_fraction,
-                "seed": dm.hparams.seed,
-                "train_requests": len(dm.train_ids),
-                "val_requests": len(dm.val_ids),
-            },
+            "split": split_metadata(dm),
             "hyper_parameters": {
                 **dict(self.hparams),
                 **{k: v for k, v in dict(dm.hparams).items() if k != "traces"},

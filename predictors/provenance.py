@@ -1,0 +1,212 @@
+"""Which requests a checkpoint may be scored on: the split of the run that trained it.
+
+A checkpoint records its split in its metadata (``split``: the :class:`SplitSpec`, the id of
+the TraceSet it trained on and the sides' sizes). On that TraceSet (or one merged from it) the
+held-out sides are the checkpoint's own: test is reported, val was used for selection. On any
+other TraceSet no request was seen in training, so all of them are scored. A split that
+disagrees with the recorded one would score training requests as held out, and is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moecast.collect.splits import SplitSpec
+
+from moecast.errors import InputError
+
+
+@dataclass
+class TrainedOn:
+    """What a checkpoint says about the requests it trained on."""
+
+    spec: SplitSpec | None = None  # grouped train / val / test split
+    legacy: dict[str, Any] | None = None  # ungrouped {val_fraction, seed} of an earlier moecast
+    traceset_id: str | None = None
+    path: str | None = None
+
+    def same_traceset(self, ts: Any) -> bool:
+        if self.traceset_id:
+            return bool(ts.contains_traceset(self.traceset_id))
+        return bool(self.path) and Path(self.path).resolve() == Path(ts.path).resolve()
+
+    def describe(self) -> dict[str, Any] | None:
+        if self.spec is not None:
+            return self.spec.to_json()
+        return None if self.legacy is None else {"method": "ungrouped (earlier moecast)", **self.legacy}
+
+
+def record_from_meta(meta: Any) -> TrainedOn | None:
+    """The training record in one checkpoint's metadata; None when it has none."""
+    if not isinstance(meta, dict) or not (meta.get("split") or meta.get("trained_on")):
+        return None
+    split = meta.get("split") or {}
+    spec = SplitSpec.from_json(split)
+    legacy = None
+    if spec is None and "val_fraction" in split:
+        legacy = {"val_fraction": float(split["val_fraction"]), "seed": int(split.get("seed", 0))}
+    return TrainedOn(spec, legacy, split.get("traceset_id"), meta.get("trained_on"))
+
+
+def trained_on(pred: Any) -> TrainedOn | None:
+    """The training record of a loaded checkpoint (a cascade: its EAM's); None when it has none."""
+    for source in ("checkpoint_meta", "meta", "extra_meta"):
+        record = record_from_meta(getattr(pred, source, None))
+        if record is not None:
+            return record
+    eam = getattr(pred, "eam", None)
+    return trained_on(eam) if eam is not None else None
+
+
+def trained_on_file(path: str | Path) -> TrainedOn | None:
+    """:func:`trained_on` from a checkpoint's header alone (no tensors read)."""
+    from moecast.predictors.checkpoint import load_metadata
+
+    meta = load_metadata(path)
+    record = record_from_meta(meta)
+    eam = (meta.get("files") or {}).get("eam")
+    if record is None and meta.get("kind") == "cascade" and eam:
+        p = Path(eam) if Path(eam).is_absolute() else Path(path).parent / eam
+        return trained_on_file(p) if p.is_file() else None
+    return record
+
+
+@dataclass
+class Chosen:
+    """The requests to score, and how they were chosen (reported beside the figures)."""
+
+    name: str  # test | val | train | all
+    requests: list[str]
+    train: list[str]  # the training side (baselines built on the spot count on it)
+    spec: dict[str, Any] | None
+    checkpoint_traceset: bool
+    notes: list[str] = field(default_factory=list)
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "split": self.name,
+            "split_spec": self.spec,
+            "checkpoint_traceset": self.checkpoint_traceset,
+            "split_notes": self.notes,
+        }
+
+
+def _disagrees(
+    spec: SplitSpec, val_fraction: float | None, test_fraction: float | None, seed: int | None
+) -> str:
+    given = {"val_fraction": val_fraction, "test_fraction": test_fraction, "seed": seed}
+    bad = [f"{k} {v:g}" for k, v in given.items() if v is not None and v != getattr(spec, k)]
+    return ", ".join(bad)
+
+
+def choose(
+    ts: Any,
+    record: TrainedOn | None,
+    split: str | None = None,
+    val_fraction: float | None = None,
+    test_fraction: float | None = None,
+    seed: int | None = None,
+    who: str = "the checkpoint",
+) -> Chosen:
+    """The requests of ``ts`` to score ``split`` on (None: test on the checkpoint's own TraceSet,
+    all elsewhere). ``record`` None means a predictor built here from ``ts`` (a baseline)."""
+    if split not in (None, "test", "val", "train", "all"):
+        raise InputError(f"--split must be test, val, train or all, not {split!r}")
+    same = record is None or record.same_traceset(ts)
+    notes: list[str] = []
+    if record is not None and record.spec is None and same:
+        return _legacy(ts, record, split, val_fraction, seed, who)
+    if record is not None and record.spec is not None and same:
+        bad = _disagrees(record.spec, val_fraction, test_fraction, seed)
+        if bad:
+            raise InputError(
+                f"{bad} disagrees with the split {who} was trained on ({record.spec.to_json()}): its held-out "
+                "requests would include training ones; leave the split options out"
+            )
+        spec = record.spec
+    else:
+        base = record.spec if record is not None and record.spec is not None else SplitSpec()
+        spec = SplitSpec(
+            base.val_fraction if val_fraction is None else val_fraction,
+            base.test_fraction if test_fraction is None else test_fraction,
+            base.seed if seed is None else seed,
+        )
+    name = split or ("test" if same else "all")
+    if not same and name != "all":
+        notes.append(f"{who} was trained on another TraceSet: {name} is this TraceSet's {name} side")
+    if name == "all" and not same:
+        return Chosen("all", list(ts.request_ids), [], None, False, ["none of them was trained on"])
+    sides = ts.splits(spec.val_fraction, spec.test_fraction, spec.seed)
+    return Chosen(name, sides[name], sides.train, spec.to_json(), same, notes)
+
+
+def _legacy(
+    ts: Any, record: TrainedOn, split: str | None, val_fraction: float | None, seed: int | None, who: str
+) -> Chosen:
+    """A checkpoint of an earlier moecast: its ungrouped train / val split, and no test side."""
+    legacy = record.legacy or {"val_fraction": 0.1, "seed": 0}
+    vf = legacy["val_fraction"] if val_fraction is None else val_fraction
+    sd = legacy["seed"] if seed is None else seed
+    if split == "test":
+        raise InputError(
+            f"{who} recorded no test split (an earlier moecast trained it with train / val only); "
+            "retrain it, or score --split val"
+        )
+    train, val = ts.split(vf, sd)
+    name = split or "val"
+    chosen = {"val": val, "train": train, "all": list(ts.request_ids)}[name]
+    note = (
+        f"{who} was trained with the ungrouped split of an earlier moecast: its val side was also used "
+        "for selection and may hold copies of training prompts"
+    )
+    spec = {"method": "ungrouped (earlier moecast)", "val_fraction": vf, "seed": sd}
+    return Chosen(name, chosen, train, spec, True, [note])
+
+
+def holdout(ts: Any, which: str | float, checkpoints: list[str]) -> tuple[list[str], list[str]]:
+    """(held-out requests, training requests) of ``ts`` for ``replay --holdout``: the test (or
+    val) side of the split the checkpoints were trained on, which must be one split. ``which``
+    is test, val, or a number: the test share, refused where it disagrees with a checkpoint's."""
+    name, share = _holdout_arg(which)
+    records = [(c, trained_on_file(c)) for c in checkpoints if c and Path(c).is_file()]
+    records = [(c, r) for c, r in records if r is not None]
+    old = [c for c, r in records if r.spec is None]
+    if old:
+        raise InputError(
+            f"{old[0]} was trained with the ungrouped split of an earlier moecast, which has no test "
+            "side and may hold copies of training prompts on its held-out side; retrain it to replay "
+            "its held-out requests"
+        )
+    specs = {c: r.spec for c, r in records if r.spec is not None}
+    if len(set(specs.values())) > 1:
+        listed = "; ".join(f"{c}: {s.to_json()}" for c, s in specs.items())
+        raise InputError(
+            f"the checkpoints were trained on different splits ({listed}); the held-out requests of one "
+            "are training requests of another, so no one --holdout fits them all"
+        )
+    spec = next(iter(specs.values()), None)
+    if spec is not None and share is not None and share != spec.test_fraction:
+        raise InputError(
+            f"--holdout {share:g} disagrees with the split {next(iter(specs))} was trained on "
+            f"(test_fraction {spec.test_fraction:g}); give --holdout test"
+        )
+    if spec is None:
+        spec = SplitSpec(test_fraction=0.1 if share is None else share)
+    sides = ts.splits(spec.val_fraction, spec.test_fraction, spec.seed)
+    if not sides[name]:
+        raise InputError(f"--holdout {which} leaves no held-out requests in {ts.path}")
+    return sides[name], sides.train
+
+
+def _holdout_arg(which: str | float) -> tuple[str, float | None]:
+    if which in ("test", "val"):
+        return str(which), None
+    try:
+        share = float(which)
+    except (TypeError, ValueError):
+        share = float("nan")
+    if not 0 < share < 1:
+        raise InputError(f"--holdout must be test, val or the test share (e.g. 0.1), not {which!r}")
+    return "test", share
