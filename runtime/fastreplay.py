@@ -285,9 +285,12 @@ def seg_start(seg: np.ndarray, starts: np.ndarray, cold: bool) -> np.ndarray:
     return starts[seg] if cold else np.zeros(len(seg), dtype=np.int64)
 
 
-def layer_time_table(k: int, cost) -> np.ndarray:
-    """[k+1] modeled layer time with m misses, all loaded on demand (no prefetch, no CPU)."""
+def layer_time_table(k: int, cost, on_cpu: bool = False) -> np.ndarray:
+    """[k+1] modeled layer time with m misses of one token each, all loaded on demand (no prefetch),
+    or all computed on the CPU (``on_cpu``)."""
     m = np.arange(k + 1)
+    if on_cpu:
+        return layer_time(cost, k - m, np.zeros(k + 1), 0.0, m * (cost.beta + cost.c))[0]
     return layer_time(cost, np.full(k + 1, k), m, 0.0, 0.0)[0]
 
 
@@ -625,5 +628,6 @@ class _Wave:
         out = {name: np.bincount(cl, weights=v, minlength=C * L) for name, v in self.acc.items()}
         out["uses"] = np.full(C * L, float(self.N * self.k))
         out["subs"] = np.zeros(C * L)
+        out["plan_loads"] = np.zeros(C * L)
         out["tpot_sum"] = out.pop("tpot").reshape(C, L).sum(1)
         return out

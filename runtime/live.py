@@ -8,22 +8,20 @@ experts call (docs/design.md, "Where moecast attaches": every transformers-5 MoE
 1. router probabilities come from a forward hook on the model's router class
    (``_can_record_outputs["router_logits"]``), softmaxed (sigmoid-normalised for
    DeepSeek-V3-style routers);
-2. decode steps only (SMoE §4.1: prefill loads what it needs): the expert-cache router
-   (SMoE Algorithm 1, :mod:`moecast.runtime.substitution`) replaces low-score experts
-   that are not resident by resident ones whose score is within ``alpha`` of beta;
-3. cache lookup (:class:`moecast.runtime.cache.ExpertCache`, one lane per layer):
-   resident experts run from their device slots (:mod:`moecast.runtime.expert_store`);
-4. misses: SMoE Algorithm 2 (:class:`moecast.runtime.balancer.Balancer`) loads the
-   larger ones into slots (evicting by the cache policy, the layer's own experts
-   shielded, SMoE Eq. 3 for ``score``/``smoe``) and computes the rest on the CPU from
-   host memory; prefill loads every miss. ``balance="presched"`` splits them by PreScope's
-   PreSched instead (:class:`moecast.runtime.presched.PreSched`, Algorithm 1: Eq. 5 with the
-   predicted next layer's experts in the same link queue), which also sizes step 5's prefetch;
+2-4. the decisions are the replay's per-layer step (:class:`moecast.runtime.step.LayerStep`,
+   one lane per layer, under a :class:`moecast.runtime.policy.Policy`): in decode steps the
+   expert-cache router (SMoE Algorithm 1) substitutes low-score experts that are not resident,
+   the cache (:class:`moecast.runtime.cache.ExpertCache`) says what is resident, the balancer
+   splits the misses into loads and a CPU set (SMoE Algorithm 2, PreScope's PreSched, or every
+   miss loaded; prefill loads every miss, SMoE §4.1), and the layer's modeled time comes from the
+   step's formula on its link clock. The runtime then moves real weights: loads into the slots
+   the cache freed (:mod:`moecast.runtime.expert_store`), resident experts computed from their
+   slots, the CPU set from host memory;
 5. prefetch for the next layer: the next layer's gate applied to this layer's gate input
    (SMoE §IV-C online prediction, without the next layer's attention: the gate-reuse
-   form of docs/design.md) or a layer-ahead predictor checkpoint (LLaPor); the top-score
-   experts not resident are loaded, as many as the link can move while this layer
-   computes.
+   form of docs/design.md) or a layer-ahead predictor checkpoint (LLaPor) ranks the
+   candidates; the step lands those that fit in the link window the layer leaves (after the
+   predictor's latency), and only those are copied into slots: a late prefetch is no hit.
 
 With ``alpha = 0`` the routing is untouched and every expert is computed exactly as the
 wrapped implementation computes it (the same function runs on the slot buffers), so the
@@ -47,6 +45,7 @@ I/O (:mod:`moecast.runtime.offload`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import weakref
@@ -57,22 +56,20 @@ from typing import Any
 import numpy as np
 import torch
 from moecast.collect.models import MoEStructure, find_moe_structure, model_info
-from moecast.runtime.balancer import Balancer
-from moecast.runtime.cache import POLICIES, ExpertCache, StaticTable, resolve_capacity
+from moecast.runtime.cache import ExpertCache, StaticTable, resolve_capacity
 from moecast.runtime.cost_model import CostModel, load_profile
 from moecast.runtime.expert_store import LayerStore, SlotView, expert_params
 from moecast.runtime.offload import peak_rss_mb
-from moecast.runtime.policy import substitutes
-from moecast.runtime.prefetch import Prefetcher
-from moecast.runtime.presched import PreSched
-from moecast.runtime.substitution import substitute
+from moecast.runtime.policy import POLICIES, Policy, get_policy
+from moecast.runtime.step import LayerStep, layer_time, predictor_latency, ranked_predictions
 
 from moecast.errors import MoecastError
 
 LIVE_IMPL = "moecast_live"
-#: ``policy`` names: the cache policies, plus ``smoe`` (SMoE Eq. 3 score eviction; substitution by alpha)
-LIVE_POLICIES = ("smoe", *(p for p in POLICIES if p != "belady"))
+#: ``policy`` names: the presets of runtime/policy.py but belady (it needs the future: replay only)
+LIVE_POLICIES = tuple(p for p in POLICIES if p != "belady")
 PREFETCH = ("auto", "none", "online", "predictor")
+#: balance overrides the policy's balancer; ``load`` loads every miss (the policy vocabulary's ``none``)
 BALANCE = ("smoe", "presched", "load", "cpu")
 #: where experts that are not resident live: host RAM, or an offload directory read with direct I/O
 OFFLOAD = ("ram", "disk")
@@ -90,11 +87,11 @@ _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 class LiveConfig:
     """What the runtime does; see :func:`attach` for the meaning of each field."""
 
-    policy: str = "smoe"
+    policy: str | Policy = "smoe"
     capacity: float | int | str | None = None
-    alpha: float = 0.0
+    alpha: float | None = None
     prefetch: str = "auto"
-    balance: str = "smoe"
+    balance: str | None = None
     hardware: str = "smoe-s3-a6000"
     warm: bool = True
     score_window: int = 8
@@ -106,25 +103,29 @@ class LiveConfig:
     offload: str = "ram"
     offload_dir: str | None = None
     io_threads: int = 2
+    predictor_ms: float | None = None
 
     def __post_init__(self) -> None:
-        if self.policy not in LIVE_POLICIES:
-            raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(LIVE_POLICIES)}")
-        a = float(self.alpha)
-        if not math.isfinite(a) or not 0 <= a < 1:
-            raise ValueError(f"alpha must be in [0, 1) (SMoE's substitution threshold), got {self.alpha}")
-        self.alpha = a
-        # replay's rule, so that one policy name means the same in both runtimes: alpha is the
-        # substitution threshold, and only policies that substitute (smoe) take one
-        if a > 0 and not substitutes(self.policy):
+        name = self.policy.name if isinstance(self.policy, Policy) else self.policy
+        if name == "belady" or (isinstance(self.policy, Policy) and self.policy.eviction == "belady"):
             raise ValueError(
-                f"alpha applies to substitution, which policy {self.policy!r} does not use; "
-                "use policy smoe or alpha 0"
+                "belady needs the future accesses: it is a replay bound (moecast replay --policy belady)"
             )
+        if not isinstance(self.policy, Policy) and self.policy not in LIVE_POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(LIVE_POLICIES)}")
+        if self.alpha is not None and not (math.isfinite(float(self.alpha)) and 0 <= float(self.alpha) < 1):
+            raise ValueError(f"alpha must be in [0, 1) (SMoE's substitution threshold), got {self.alpha}")
+        # replay's rule, so that one policy name means the same in both runtimes: only policies that
+        # substitute (smoe) take an alpha, 0.3 when none is given
+        self.rule = get_policy(self.policy, self.alpha)
+        self.alpha = self.rule.alpha
         if self.prefetch not in PREFETCH:
             raise ValueError(f"unknown prefetch {self.prefetch!r}; choose one of {', '.join(PREFETCH)}")
-        if self.balance not in BALANCE:
+        if self.balance is not None and self.balance not in BALANCE:
             raise ValueError(f"unknown balance {self.balance!r}; choose one of {', '.join(BALANCE)}")
+        if self.balance is not None:
+            bal = "none" if self.balance == "load" else self.balance
+            self.rule = dataclasses.replace(self.rule, balancer=bal)
         if self.offload not in OFFLOAD:
             raise ValueError(f"unknown offload {self.offload!r}; choose one of {', '.join(OFFLOAD)}")
         if self.offload == "disk" and not self.offload_dir:
@@ -141,15 +142,8 @@ class LiveStats:
 
     decode_steps: int = 0
     prefill_steps: int = 0
-    uses: int = 0  # routed (token, layer, expert) uses after substitution
-    hits: int = 0  # of those, expert resident when the layer ran
     routed: int = 0  # (token, layer, expert) uses the router chose in decode steps
-    substituted: int = 0
-    transfers: int = 0  # on-demand loads + prefetches
-    prefetches_issued: int = 0
-    prefetch_used: int = 0
-    cpu_experts: int = 0  # (step, layer, expert) groups computed on the CPU
-    cpu_uses: int = 0
+    cpu_uses: int = 0  # token uses of the experts computed on the CPU
     plan_loads: int = 0  # experts a prompt plan (CasMoE) loaded before decoding
     plans_learned: int = 0  # planned prompts whose prefill EP went to the planner's buffer (CasMoE)
     plans_folded: int = 0  # of those, the ones that filled the buffer and were folded into the index
@@ -168,15 +162,25 @@ class LiveStats:
     policy_decode_ms: list[float] = field(default_factory=list)
     modeled_prefill_ms: float = 0.0
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self, step: dict[str, np.ndarray]) -> dict[str, Any]:
+        """The counters, the per-layer step's (``step``: LayerStep.stats) under replay's names, and rates."""
         d = {k: v for k, v in asdict(self).items() if not isinstance(v, list)}
-        d["hit_rate"] = self.hits / self.uses if self.uses else float("nan")
-        d["substitution_rate"] = self.substituted / self.routed if self.routed else 0.0
-        # on-demand loads, as replay's `loads` counts them (transfers less prefetches and plan preloads)
-        d["loads"] = self.transfers - self.prefetches_issued - self.plan_loads
-        d["prefetch_accuracy"] = (
-            self.prefetch_used / self.prefetches_issued if self.prefetches_issued else float("nan")
+        t = {name: int(v.sum()) for name, v in step.items() if name != "time"}
+        d.update(
+            uses=t["uses"],
+            hits=t["hits"],
+            substituted=t["subs"],
+            loads=t["loads"],  # on-demand loads
+            cpu_experts=t["cpu"],  # (step, layer, expert) groups computed on the CPU
+            prefetches_issued=t["pf_issued"],
+            prefetches_landed=t["pf_landed"],
+            prefetch_used=t["pf_used"],
+            # experts moved over the link: demand loads, prefetches that landed, plan preloads
+            transfers=t["loads"] + t["pf_landed"] + self.plan_loads,
         )
+        d["hit_rate"] = t["hits"] / t["uses"] if t["uses"] else float("nan")
+        d["substitution_rate"] = t["subs"] / self.routed if self.routed else 0.0
+        d["prefetch_accuracy"] = t["pf_used"] / t["pf_landed"] if t["pf_landed"] else float("nan")
         d["measured_tpot_ms"] = (
             float(np.mean(self.measured_decode_ms)) if self.measured_decode_ms else float("nan")
         )
@@ -211,21 +215,22 @@ class LiveRuntime:
         )
         self.full = self.capacity >= self.num_experts
         self.predictor = predictor
+        rule = config.rule
         # static never inserts, so a predictor cannot prefetch under it: its predictor is the
         # hot-expert table that fills the slots once (docs/design.md: eviction static = hot-expert table)
         self.hot_table: np.ndarray | None = None
-        if config.policy == "static" and predictor is not None:
+        if rule.eviction == "static" and predictor is not None:
             self.hot_table = hot_table(predictor, self.num_layers, self.num_experts)
         prefetch = config.prefetch
         if prefetch == "auto":
+            # a predictor given prefetches (as in the replay); else a policy that prefetches uses the
+            # next layer's gate
             if self.hot_table is not None:
                 prefetch = "none"
+            elif predictor is not None:
+                prefetch = "predictor"
             else:
-                prefetch = (
-                    "predictor"
-                    if predictor is not None
-                    else ("online" if config.policy == "smoe" else "none")
-                )
+                prefetch = "online" if rule.prefetches else "none"
         if prefetch == "predictor" and predictor is None:
             raise ValueError("prefetch='predictor' needs a predictor checkpoint (--predictor CKPT)")
         if prefetch == "predictor" and self.hot_table is not None:
@@ -236,20 +241,33 @@ class LiveRuntime:
         if prefetch == "predictor" and getattr(predictor, "horizon", "") != "layer-ahead":
             raise ValueError(_not_a_prefetcher(predictor))
         self.prefetch = prefetch
-        self.cost = CostModel.from_profile(load_profile(config.hardware), self.info.expert_bytes)
-        # Algorithm 2's t_cpu is per token; at decode batch sizes C dominates, so one token's full cost
-        self.balancer = Balancer(self.cost.t_io, self.cost.beta + self.cost.c)
-        self.presched = PreSched(self.cost)
-        # PreSched's prefetch for the next layer: (layer, its experts, best first, as many as Eqs. 6-7 allow)
-        self._pf_plan: tuple[int, np.ndarray] | None = None
-        self.prefetcher = Prefetcher(self.num_experts, self.top_k, self.cost.t_io, self.cost.t_attn)
+        # the policy as it runs here: a prefetch source given explicitly turns its prefetch on or off
+        self.policy = dataclasses.replace(rule, prefetch="none" if prefetch == "none" else "predictor")
+        profile = load_profile(config.hardware)
+        self.cost = CostModel.from_profile(profile, self.info.expert_bytes)
         self.cache = ExpertCache(
             self.num_experts,
             self.capacity,
-            "score" if config.policy == "smoe" else config.policy,
+            self.policy.eviction,
             lanes=self.num_layers,
             score_window=config.score_window,
         )
+        # the replay's per-layer step, one lane (and one statistics slot) per layer
+        pred_ms = (
+            predictor_latency(config.predictor_ms, predictor, profile) if prefetch != "none" else (0.0, "")
+        )
+        self.step = LayerStep(
+            self.cache,
+            self.policy,
+            self.cost,
+            self.num_experts,
+            self.num_layers,
+            stat_base=np.zeros(self.num_layers, dtype=np.int64),
+            n_stats=self.num_layers,
+            prefetching=prefetch != "none",
+            predictor_ms=pred_ms[0],
+        )
+        self._next: tuple[int, np.ndarray] | None = None  # (layer, its ranked prefetch candidates)
         self.stores = self._make_stores(structure, config)
         # CPU experts run on a worker thread while the device computes the resident ones
         self.overlap_cpu = any(st.cuda for st in self.stores)
@@ -263,9 +281,7 @@ class LiveRuntime:
         self._decode = False
         self._step = 0
         self._t0 = 0.0
-        self._clock = 0.0  # virtual time (ms) within the current forward
-        self._link_free = 0.0  # when the transfer link is idle again (virtual ms)
-        self._arrival = np.zeros((self.num_layers, self.num_experts))  # prefetch landing time per expert
+        self._clock = 0.0  # modeled time (ms) of the current forward: the sum of its layers' times
         self._history: list[np.ndarray] = []  # recent tokens' [L, k] ids (LLaPor history features)
         self._tok_history: list[int] = []  # and their token ids
         self._cur_ids = np.zeros((0, self.num_layers, self.top_k), np.int64)
@@ -338,7 +354,7 @@ class LiveRuntime:
     def _place(self) -> None:
         """SMoE §4.1 parameter initialisation: fill each layer's slots (experts 0..c-1, or static's hot table)."""
         self._identity = [False] * self.num_layers
-        if not self.config.warm and not self.full and self.config.policy != "static":
+        if not self.config.warm and not self.full and self.policy.eviction != "static":
             return
         initial = np.arange(self.capacity)
         if self.hot_table is not None and not self.full:  # full residency holds every expert anyway
@@ -375,7 +391,6 @@ class LiveRuntime:
                 before = store.loads
                 store.load(int(e), evict=None if store.free_slot() is not None else out.pop(0))
                 self.stats_.plan_loads += store.loads - before
-                self.stats_.transfers += store.loads - before
         self.cache.preload(np.arange(self.num_layers), np.stack([s.expert_in for s in self.stores]))
         self._identity = [bool((s.expert_in == np.arange(s.num_slots)).all()) for s in self.stores]
         self.last_plan_branch = branch
@@ -491,9 +506,7 @@ class LiveRuntime:
             np.zeros((keep, self.num_layers, self.info.hidden_size), np.float32) if needs_gate else None
         )
         self._clock = 0.0
-        self._link_free = 0.0
-        self._arrival[:] = 0.0
-        self._pf_plan = None
+        self._next = None
         self._acc = dict.fromkeys(("layers", "expert_compute", "transfer_wait", "predictor"), 0.0)
         self._t0 = time.perf_counter()
 
@@ -575,7 +588,7 @@ class LiveRuntime:
         """
         n = index.shape[0]
         want: dict[str, torch.Tensor] = {"ids": index}
-        substituting = self._decode and self.config.alpha > 0 and not self.full
+        substituting = self._decode and self.policy.substituting and not self.full
         if substituting or self.cache.policy == "score" or self.prefetch != "none":
             want["probs"] = self._router_probs(pos, n)
         if len(self._cur_ids) == n or substituting or self._cpu_possible():
@@ -597,7 +610,7 @@ class LiveRuntime:
     def _cpu_possible(self) -> bool:
         """Whether this layer may compute experts on the CPU (static never loads; balancers split decode misses)."""
         return not self.full and (
-            self.config.policy == "static" or (self._decode and self.config.balance != "load")
+            self.policy.eviction == "static" or (self._decode and self.policy.balancer != "none")
         )
 
     def forward_layer(
@@ -612,141 +625,126 @@ class LiveRuntime:
         """One MoE layer's experts under the runtime (see the module docstring for the steps)."""
         st = self.stores[pos]
         s = self.stats_
-        cost = self.cost
         n = top_k_index.shape[0]
+        lane = np.array([pos])
         if self.full and st.cuda is False and self._identity[pos]:
-            # full residency: nothing can miss, be evicted or substituted, so skip the bookkeeping;
-            # the slots hold every expert at its own index, so the wrapped implementation runs on them as is
-            used = int(torch.unique(top_k_index).numel())
-            if self._learn_prompt is not None and len(self._cur_ids) == n:  # the planner learns the prefill
-                self._cur_ids[:, pos] = top_k_index.detach().cpu().numpy()
-                self._cur_w[:, pos] = top_k_weights.detach().float().cpu().numpy()
-            s.uses += top_k_index.numel()
-            s.hits += top_k_index.numel()
-            if self._decode:
-                s.routed += top_k_index.numel()
-            self._clock += cost.t_attn + cost.t_g * used
-            st.wait()  # a disk store's slots may still be landing
-            view = SlotView(module, st.slots, st.num_slots, False)
-            return self._timed(
-                "expert_compute", self._impl[pos], view, hidden, top_k_index, top_k_weights, **kwargs
-            )
+            return self._full_layer(pos, module, hidden, top_k_index, top_k_weights, kwargs)
         host = self._read_layer(pos, hidden, top_k_index, top_k_weights)
         ids = host["ids"].numpy().astype(np.int64)
-        probs = host["probs"].numpy() if "probs" in host else None
+        probs = host["probs"].numpy()[None] if "probs" in host else None
         w_host = host.get("w")
         weights = top_k_weights
-        self._clock += cost.t_attn
+        decode = np.array([self._decode and not self.full])
         if self._decode:
             s.routed += ids.size
-            if self.config.alpha > 0 and not self.full:
-                resident = np.broadcast_to(st.resident(), probs.shape)
-                new_ids, used = substitute(
-                    probs, ids, resident, self.config.alpha, group=np.zeros(n, np.int64)
-                )
-                if used.any():
-                    w_host = _substituted_weights(w_host, ids, new_ids, probs)
-                    weights = to_device(w_host, weights.device)
-                    top_k_index = to_device(
-                        torch.from_numpy(new_ids).to(top_k_index.dtype), top_k_index.device
-                    )
-                    ids = new_ids
-                    s.substituted += int(used.sum())
+            if (
+                pos == 0 and self.prefetch == "predictor"
+            ):  # the first layer's prefetch, from the token's start
+                self._next = self._next_prediction(0, hidden)[1]
+                self._prefetch()
+        routed = self.step.route(lane, lane, ids[None], probs, decode)[0]
+        if not np.array_equal(routed, ids):
+            w_host = _substituted_weights(w_host, ids, routed, probs[0])
+            weights = to_device(w_host, weights.device)
+            top_k_index = to_device(torch.from_numpy(routed).to(top_k_index.dtype), top_k_index.device)
+            ids = routed
         if len(self._cur_ids) == n:
             self._cur_ids[:, pos] = ids
             self._cur_w[:, pos] = w_host.float().numpy()
             if self._cur_gate is not None:
                 m = len(self._cur_gate)
                 self._cur_gate[:, pos] = host["hidden"].reshape(-1, hidden.shape[-1])[-m:].float().numpy()
-        lane = np.array([pos])
-        uniq, counts = np.unique(ids, return_counts=True)
-        hit = st.slot_of[uniq] >= 0
-        s.uses += int(ids.size)
-        s.hits += int(counts[hit].sum())
-        # prefetched experts count as used once a layer routes to them
-        pf = self.cache.prefetched[pos, uniq] & hit
-        s.prefetch_used += int(pf.sum())
-        if pf.any():
-            self.prefetcher.record(int(pf.sum()), 0)
-        missing, m_counts = uniq[~hit], counts[~hit]
-        to_load = missing
-        self._pf_plan = None
-        if self._decode and self.config.balance == "presched" and not self.full:
-            to_load = missing[np.sort(self._presched(pos, hidden, m_counts))]
-        elif len(missing) and self._decode:
-            if self.config.balance == "smoe":
-                to_load = missing[np.sort(self.balancer.decide(m_counts)[0])]
-            elif self.config.balance == "cpu":
-                to_load = missing[:0]
-        # the device waits for prefetched experts still on the link
-        hit_ids = uniq[hit]
-        dev_ready = max(self._clock, float(self._arrival[pos, hit_ids].max()) if len(hit_ids) else 0.0)
-        self.cache.touch(lane, uniq[None, :], self._step)
-        if probs is not None and self.cache.policy == "score":
-            self.cache.observe_scores(lane, probs.mean(0, keepdims=True))
+        nxt = pos + 1
+        next_ids, self._next = self._next_prediction(nxt, hidden)
+        before = self.cache.resident[pos].copy()
+        o = self.step.layer(
+            lane, lane, ids[None], np.array([self._step]), probs,
+            next_lanes=np.array([min(nxt, self.num_layers - 1)]), has_next=np.array([nxt < self.num_layers]),
+            restart=np.array([pos == 0]), next_predicted=next_ids, decode=decode, routed=True,
+        )  # fmt: skip
+        valid = o.uniq[0] >= 0
+        uniq, counts, hit = o.uniq[0][valid], o.counts[0][valid], o.hit[0][valid]
+        loads = o.load_ids[0][o.load_ids[0] >= 0]
+        placed = loads[self.cache.resident[pos, loads]]  # loads the cache took, into the slots it freed
+        self._move(pos, before, placed)
         call = _ExpertsCall(module, hidden, top_k_index, weights, ids, kwargs, host, w_host)
-        out, dev_done, to_cpu, cpu_part = self._run_experts(pos, call, hit_ids, to_load, uniq, dev_ready)
-        cpu_done = self._clock
+        # loads it did not take stream through the slots (more misses than slots: a long prefill); under
+        # static, which never inserts, the step's streamed misses are computed from host memory here
+        out, to_cpu, cpu_part = self._run_experts(
+            pos, call, uniq[hit], placed, loads[~np.isin(loads, placed)], uniq
+        )
         if len(to_cpu):
-            cpu_tokens = counts[np.isin(uniq, to_cpu)]
-            cpu_done += float(np.sum(cost.t_cpu(cpu_tokens)))
-            s.cpu_experts += len(to_cpu)
-            s.cpu_uses += int(cpu_tokens.sum())
+            s.cpu_uses += int(counts[np.isin(uniq, to_cpu)].sum())
             # the join: the CPU's experts were computed while the device ran its own
             part = to_device(self._timed("expert_compute", cpu_part), hidden.device)
             out = part if out is None else out + part
         if out is None:
             out = torch.zeros_like(hidden)
-        self._clock = max(dev_done, cpu_done)
-        if self._decode and self.prefetch != "none" and pos + 1 < self.num_layers and not self.full:
-            self._prefetch(pos + 1, hidden, dev_ready)
+        self._clock += float(o.layer_t[0])
+        self._prefetch()
         return out
+
+    def _full_layer(
+        self,
+        pos: int,
+        module: Any,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        kwargs: dict[str, Any],
+    ) -> torch.Tensor:
+        """Full residency: nothing can miss, be evicted or substituted, so the bookkeeping is skipped;
+        the slots hold every expert at its own index, so the wrapped implementation runs on them as is."""
+        st, n = self.stores[pos], top_k_index.shape[0]
+        used = int(torch.unique(top_k_index).numel())
+        if self._learn_prompt is not None and len(self._cur_ids) == n:  # the planner learns the prefill
+            self._cur_ids[:, pos] = top_k_index.detach().cpu().numpy()
+            self._cur_w[:, pos] = top_k_weights.detach().float().cpu().numpy()
+        lane = np.array([pos])
+        self.step.add("uses", lane, lane, [top_k_index.numel()])
+        self.step.add("hits", lane, lane, [top_k_index.numel()])
+        if self._decode:
+            self.stats_.routed += top_k_index.numel()
+        layer_t, _ = layer_time(self.cost, np.array([used]), np.zeros(1), 0.0, 0.0)
+        self._clock += float(layer_t[0])
+        self.step.add("time", lane, lane, layer_t)
+        st.wait()  # a disk store's slots may still be landing
+        view = SlotView(module, st.slots, st.num_slots, False)
+        return self._timed(
+            "expert_compute", self._impl[pos], view, hidden, top_k_index, top_k_weights, **kwargs
+        )
 
     def _run_experts(
         self,
         pos: int,
         call: _ExpertsCall,
         hit_ids: np.ndarray,
-        to_load: np.ndarray,
+        placed: np.ndarray,
+        streamed: np.ndarray,
         uniq: np.ndarray,
-        dev_ready: float,
-    ) -> tuple[torch.Tensor | None, float, np.ndarray, Any]:
-        """Load ``to_load``, run the resident experts on the device and start the rest on the CPU.
+    ) -> tuple[torch.Tensor | None, np.ndarray, Any]:
+        """Run the resident experts (hits and the loads just placed) on the device, start the rest on the CPU.
 
-        Returns the device's output (None if it ran nothing), when the device is done (virtual ms),
-        the experts left to the CPU and a callable that joins their output (host memory). Resident
-        experts, and misses that fit beside them, run from the slots in one call, with the CPU's
-        experts computed meanwhile; more misses than slots (a long prefill) stream through the slots
-        in waves of ``capacity`` experts.
+        Returns the device's output (None if it ran nothing), the experts left to the CPU and a
+        callable that joins their output (host memory); the CPU's experts are computed meanwhile.
+        ``streamed``: loads the cache did not keep (more misses than slots, a long prefill): they go
+        through the slots in waves of ``capacity`` experts after the resident ones.
         """
-        dev_done = dev_ready + self.cost.t_g * len(hit_ids)
-        if len(hit_ids) + len(to_load) <= self.capacity:
-            loaded = self._load(pos, to_load, shield=uniq) if len(to_load) else to_load
-            dev_done = self._charge_loads(loaded, dev_done)
-            on_device = np.concatenate([hit_ids, loaded])
+        on_device = np.concatenate([hit_ids, placed])
+        if not len(streamed):
             to_cpu = np.setdiff1d(uniq, on_device)
             # started before the device call, which may block the host (a wrapped implementation may sync)
             cpu_part = self._start_cpu(pos, call, to_cpu) if len(to_cpu) else None
-            return self._device(pos, call, on_device), dev_done, to_cpu, cpu_part
-        out = self._device(pos, call, hit_ids)
-        on_device = [hit_ids]
-        for wave in (to_load[i : i + self.capacity] for i in range(0, len(to_load), self.capacity)):
-            loaded = self._load(pos, wave, shield=wave) if len(wave) else wave
-            dev_done = self._charge_loads(loaded, dev_done)
+            return self._device(pos, call, on_device), to_cpu, cpu_part
+        out = self._device(pos, call, on_device)
+        done = [on_device]
+        for wave in (streamed[i : i + self.capacity] for i in range(0, len(streamed), self.capacity)):
+            loaded = self._load(pos, wave, shield=wave)
             part = self._device(pos, call, loaded)
             out = part if out is None else (out if part is None else out + part)
-            on_device.append(loaded)
-        to_cpu = np.setdiff1d(uniq, np.concatenate(on_device))
-        return out, dev_done, to_cpu, self._start_cpu(pos, call, to_cpu) if len(to_cpu) else None
-
-    def _charge_loads(self, loaded: np.ndarray, dev_done: float) -> float:
-        """On-demand loads on the virtual link: the device computes them once they land."""
-        if not len(loaded):
-            return dev_done
-        link_start = max(self._link_free, self._clock)
-        self._link_free = link_start + self.cost.t_io * len(loaded)
-        self.stats_.transfers += len(loaded)
-        return max(dev_done, self._link_free) + self.cost.t_g * len(loaded)
+            done.append(loaded)
+        to_cpu = np.setdiff1d(uniq, np.concatenate(done))
+        return out, to_cpu, self._start_cpu(pos, call, to_cpu) if len(to_cpu) else None
 
     def _device(self, pos: int, call: _ExpertsCall, experts: np.ndarray) -> torch.Tensor | None:
         """The (token, expert) pairs of ``experts`` (resident) from their device slots, with the wrapped implementation.
@@ -813,70 +811,44 @@ class LiveRuntime:
         out[rows] = part.to(call.hidden.dtype)
         return out
 
-    def _load(self, pos: int, experts: np.ndarray, shield: np.ndarray, prefetch: bool = False) -> np.ndarray:
+    def _load(self, pos: int, experts: np.ndarray, shield: np.ndarray) -> np.ndarray:
         """Insert ``experts`` into layer ``pos``'s cache and copy them into the slots the cache frees."""
-        st = self.stores[pos]
         before = self.cache.resident[pos].copy()
-        inserted = self.cache.insert(
-            np.array([pos]), experts[None, :], shield=shield[None, :], prefetch=prefetch, t=self._step
-        )[0]
-        evicted = np.flatnonzero(before & ~self.cache.resident[pos])
-        ev = list(evicted)
-        for e in experts[inserted]:
-            st.load(int(e), evict=int(ev.pop()) if st.free_slot() is None and ev else None)
+        inserted = self.cache.insert(np.array([pos]), experts[None, :], shield=shield[None, :], t=self._step)[
+            0
+        ]
+        self._move(pos, before, experts[inserted])
         return experts[inserted]
 
+    def _move(self, pos: int, before: np.ndarray, placed: np.ndarray) -> None:
+        """Copy the experts the cache just took (``placed``) into the slots of those it evicted since ``before``."""
+        st = self.stores[pos]
+        ev = list(np.flatnonzero(before & ~self.cache.resident[pos]))
+        for e in placed:
+            st.load(int(e), evict=int(ev.pop()) if st.free_slot() is None and ev else None)
+
     # ------------------------------------------------------------------ prefetch
-    def _prefetch(self, nxt: int, hidden: torch.Tensor, issued: float) -> None:
-        """Prefetch the next layer's predicted top-score experts (SMoE §IV-C), sized by PreScope Eqs. 6-7.
+    def _next_prediction(self, nxt: int, hidden: torch.Tensor) -> tuple[np.ndarray | None, tuple | None]:
+        """Layer ``nxt``'s predicted experts: ([1, B * k] each token's top-k, for PreSched's E_next;
+        (nxt, [1, M] the prefetch candidates ranked)), or Nones where nothing predicts them."""
+        if not self._decode or self.prefetch == "none" or self.full or nxt >= self.num_layers:
+            return None, None
+        scores = self._timed("predictor", self._predict, nxt, hidden)
+        if scores is None:
+            return None, None
+        ids, ranked = ranked_predictions(scores, self.top_k)
+        return ids, (nxt, ranked)
 
-        Transfers go after this layer's on-demand loads; the gap is the link time left until this
-        layer's experts finish (the Prefetcher adds the next layer's attention).
-        """
-        start = max(self._link_free, issued)
-        plan = self._pf_plan
-        if plan is not None and plan[0] == nxt:  # PreSched chose them before the layer ran
-            cand = plan[1]
-        else:
-            scores = self._timed("predictor", self._predict, nxt, hidden)
-            if scores is None:
-                return
-            resident = self.stores[nxt].resident()
-            cand = self.prefetcher.choose(scores, resident, t_gap=max(0.0, max(self._clock, issued) - start))
-        cand = cand[: self.capacity]
-        if not len(cand):
+    def _prefetch(self) -> None:
+        """Land the pending prefetch (SMoE §IV-C, PreScope Eqs. 6-7 under PreSched) through the step,
+        and copy into slots only what lands inside the link window."""
+        if self._next is None:
             return
-        loaded = self._load(nxt, cand, shield=np.zeros(0, np.int64), prefetch=True)
-        for i, e in enumerate(loaded):
-            self._arrival[nxt, e] = start + (i + 1) * self.cost.t_io
-        self._link_free = start + len(loaded) * self.cost.t_io
-        self.prefetcher.record(0, len(loaded))
-        self.stats_.prefetches_issued += len(loaded)
-        self.stats_.transfers += len(loaded)
-
-    def _presched(self, pos: int, hidden: torch.Tensor, m_counts: np.ndarray) -> np.ndarray:
-        """PreSched Algorithm 1 for this decode layer: which of its misses (indices into
-        ``m_counts``, their token counts) are loaded; the rest run on the CPU, and the prefetch count
-        for the next layer is kept for :meth:`_prefetch`. The next layer's pending experts are the
-        prefetcher's candidates (each token's predicted top-k, not resident), with the tokens
-        predicted for each."""
-        nxt = pos + 1
-        cand = np.zeros(0, np.int64)
-        sizes = np.zeros(0)
-        if self.prefetch != "none" and nxt < self.num_layers:
-            scores = self._timed("predictor", self._predict, nxt, hidden)
-            if scores is not None:
-                cand = self.prefetcher.choose(scores, self.stores[nxt].resident())
-                s = np.atleast_2d(scores)
-                if len(s) == 1:
-                    sizes = np.ones(len(cand))
-                else:
-                    top = np.argsort(-s, axis=1, kind="stable")[:, : self.top_k]
-                    sizes = (top[:, :, None] == cand[None, None, :]).any(1).sum(0)
-        delay = max(0.0, self._link_free - self._clock)
-        load, _cpu, n_pf = self.presched.decide(m_counts, sizes, delay, self.prefetcher.r_hit)
-        self._pf_plan = (nxt, cand[:n_pf])
-        return load
+        (nxt, ranked), self._next = self._next, None
+        lane = np.array([nxt])
+        before = self.cache.resident[nxt].copy()
+        ins = self.step.prefetch(lane, lane, ranked, np.array([self._step]))[0]
+        self._move(nxt, before, ins[ins >= 0])
 
     def _predict(self, nxt: int, hidden: torch.Tensor) -> np.ndarray | None:
         """Scores [B, E] of layer ``nxt`` for this step's tokens."""
@@ -1016,15 +988,19 @@ class LiveRuntime:
     # ------------------------------------------------------------------ results
     def reset_stats(self) -> None:
         self.stats_ = LiveStats()
+        for v in self.step.stats.values():
+            v[:] = 0.0
 
     def stats(self) -> dict[str, Any]:
         """Counters and rates since attach: hit rate, substitution rate, transfers, CPU experts, TPOT (measured, modeled)."""
-        d = self.stats_.as_dict()
+        d = self.stats_.as_dict(self.step.stats)
         d.update(
-            policy=self.config.policy,
-            alpha=self.config.alpha,
+            policy=self.policy.name,
+            alpha=self.policy.alpha,
+            balancer=self.policy.balancer,
             capacity=self.capacity,
             num_experts=self.num_experts,
+            modeled_predictor_ms=self.step.predictor_ms,  # charged per layer before a prefetch (replay: predictor_ms)
             prefetch=self.prefetch,
             hardware=self.cost.profile,
             device=str(self.stores[0].device),
@@ -1208,13 +1184,13 @@ def live_experts_forward(
 
 def attach(
     model: Any,
-    policy: str = "smoe",
+    policy: str | Policy = "smoe",
     capacity: float | int | str | None = None,
-    alpha: float = 0.0,
+    alpha: float | None = None,
     predictor: Any = None,
     hardware: str = "smoe-s3-a6000",
     prefetch: str = "auto",
-    balance: str = "smoe",
+    balance: str | None = None,
     warm: bool = True,
     score_window: int = 8,
     device: str | None = None,
@@ -1226,25 +1202,31 @@ def attach(
     offload: str = "ram",
     offload_dir: str | None = None,
     io_threads: int = 2,
+    predictor_ms: float | None = None,
 ) -> LiveRuntime:
     """Attach the live runtime to a transformers MoE model in one call; ``rt.detach()`` undoes it.
 
     Args:
         model: A loaded transformers causal LM of a family using the experts interface.
-        policy: ``smoe`` (SMoE Eq. 3 score eviction + substitution) or a cache policy: lru, lfu, score,
-            static (fixed slots: a predictor's hot-expert table, else experts 0..c-1; misses on the CPU).
+        policy: A preset of runtime/policy.py (the replay's): ``smoe`` (SMoE Eq. 3 score eviction,
+            substitution, SMoE Algorithm 2 balancing, prefetch), ``prefetch`` (LRU + prefetch), ``presched``
+            (LRU, PreSched's load/CPU split and prefetch sizing; here from the initial placement: the runtime
+            has no hot-expert table of its own), or a cache policy: lru, lfu, score, static (fixed slots: a
+            predictor's hot-expert table, else experts 0..c-1); or a :class:`~moecast.runtime.policy.Policy`.
         capacity: Experts per layer on the device: a fraction of E (0.25), a count (6), bytes ("512MB");
             None: all of them (full residency).
-        alpha: SMoE substitution threshold in [0, 1); 0 leaves the routing untouched. Only ``smoe``
-            substitutes (the replay's rule), so alpha > 0 with another policy is refused.
+        alpha: SMoE substitution threshold in [0, 1); 0 leaves the routing untouched; None: the policy's
+            default (0.3 under smoe). Only ``smoe`` substitutes (the replay's rule), so alpha > 0 with
+            another policy is refused.
         predictor: A layer-ahead predictor (``moecast.predictors.registry.load(ckpt, fingerprint)``) for prefetch;
             under ``static``, a predictor with an [L, E] score ``table`` (frequency): each layer pins its
             top-capacity experts, as the replay's static table does.
         hardware: Hardware profile name (configs/hardware) or YAML path for the modeled times.
-        prefetch: auto (predictor if given, online for smoe), none, online (next gate on this gate input), predictor.
-        balance: Misses in decode: smoe (SMoE Algorithm 2), presched (PreScope's PreSched, Algorithm 1: the
-            load/CPU split with the predicted next layer in the link queue, and the prefetch count),
-            load (always load), cpu (always CPU).
+        prefetch: Where prefetch candidates come from: auto (if the policy prefetches: the predictor if
+            given, else online), none, online (next gate on this gate input), predictor.
+        balance: Overrides the policy's balancer for decode misses: smoe (SMoE Algorithm 2), presched
+            (PreScope's PreSched, Algorithm 1: the load/CPU split with the predicted next layer in the link
+            queue, and the prefetch count), load (always load), cpu (always CPU); None: the policy's.
         warm: Fill the slots at attach (SMoE §4.1); False starts every layer empty.
         score_window: SMoE Eq. 3's n (steps averaged by the score policy).
         device: Where slots live (default: where the experts are; a CUDA device for the real path).
@@ -1263,26 +1245,29 @@ def attach(
             dropped from memory until ``detach``, which reads them back.
         offload_dir: The offload directory for ``offload="disk"``.
         io_threads: Threads reading the offload directory.
+        predictor_ms: The predictor's latency per layer (ms) charged before a prefetch may start, as in
+            the replay; None: the checkpoint's measured figure, else the hardware profile's.
     Errors (nothing is changed on the model): unsupported family, capacity below top-k, alpha outside [0, 1)
     or given to a policy that does not substitute, a predictor for another model or of the wrong kind.
     """
     cfg = LiveConfig(
-        policy,
-        capacity,
-        alpha,
-        prefetch,
-        balance,
-        hardware,
-        warm,
-        score_window,
-        device,
-        online_update,
-        online_lr,
-        learn_plans,
-        pinned_mb,
-        offload,
-        offload_dir,
-        io_threads,
+        policy=policy,
+        capacity=capacity,
+        alpha=alpha,
+        prefetch=prefetch,
+        balance=balance,
+        hardware=hardware,
+        warm=warm,
+        score_window=score_window,
+        device=device,
+        online_update=online_update,
+        online_lr=online_lr,
+        learn_plans=learn_plans,
+        pinned_mb=pinned_mb,
+        offload=offload,
+        offload_dir=offload_dir,
+        io_threads=io_threads,
+        predictor_ms=predictor_ms,
     )
     if online_update and not hasattr(predictor, "update"):
         raise ValueError("online_update needs a layer-ahead predictor with an update step (LLaPor)")

@@ -61,7 +61,8 @@ def _print_stats(stats: dict[str, Any]) -> None:
         ),
         (
             "transfers",
-            f"{stats['transfers']}  ({stats['prefetches_issued']} prefetches, accuracy {stats['prefetch_accuracy']:.2f})",
+            f"{stats['transfers']}  ({stats['loads']} on demand, {stats['prefetches_landed']} of "
+            f"{stats['prefetches_issued']} prefetches landed, accuracy {stats['prefetch_accuracy']:.2f})",
         ),
         ("CPU-computed experts", f"{stats['cpu_experts']}  ({stats['cpu_uses']} token uses)"),
         ("TPOT measured", f"{stats['measured_tpot_ms']:.2f} ms  (this machine, {stats['device']})"),
@@ -107,8 +108,9 @@ def run(
     alpha: float | None = None,
     capacity: str = "0.25",
     prefetch: str = "auto",
-    balance: str = "smoe",
+    balance: str | None = None,
     hardware: str = "smoe-s3-a6000",
+    predictor_ms: float | None = None,
     max_new_tokens: int = 32,
     online_update: bool = False,
     learn_plans: bool = False,
@@ -124,15 +126,20 @@ def run(
         predictor: Layer-ahead predictor checkpoint (LLaPor) for prefetch; under ``--policy static``, a
             frequency checkpoint whose table pins each layer's top experts. Checked against the model's fingerprint.
         planner: Prompt-ahead checkpoint (CasMoE EAM, EAP or cascade): its plan for the prompt is preloaded before decoding.
-        policy: smoe (score eviction + substitution), lru, lfu, score or static (fixed hot-expert table).
+        policy: a policy of ``moecast replay`` but belady: smoe (score eviction + substitution + CPU balancing +
+            prefetch), prefetch (LRU + prefetch), presched (LRU + PreSched's load/CPU split and prefetch
+            sizing), lru, lfu, score or static (fixed hot-expert table).
         alpha: SMoE substitution threshold in [0, 1) for policy smoe (default 0.3, as in replay and compare); 0 leaves the routing
             unchanged. Other policies do not substitute (as in ``moecast replay``) and refuse alpha > 0.
         capacity: Experts per layer on the device: fraction (0.25), count (6), bytes (512MB) or ``all``.
-        prefetch: auto, none, online (next gate on the current gate input, SMoE §IV-C) or predictor.
-        balance: Misses: smoe (SMoE Algorithm 2), presched (PreScope's PreSched: load/CPU split with the
-            predicted next layer's experts in the link queue, and the prefetch count), load (always load)
-            or cpu (always compute on the CPU).
+        prefetch: where prefetch candidates come from: auto (if the policy prefetches: --predictor if given,
+            else online), none, online (next gate on the current gate input, SMoE §IV-C) or predictor.
+        balance: overrides the policy's balancer for decode misses: smoe (SMoE Algorithm 2), presched
+            (PreScope's PreSched: load/CPU split with the predicted next layer's experts in the link queue,
+            and the prefetch count), load (always load) or cpu (always compute on the CPU).
         hardware: Hardware profile (configs/hardware name or YAML path) for modeled times.
+        predictor_ms: the predictor's latency per layer (ms) charged before a prefetch may start (default:
+            the checkpoint's measured figure, else the hardware profile's), as in ``moecast replay``.
         max_new_tokens: Tokens to generate (greedy).
         online_update: Continual learning of the predictor on each decoded token (PreScope §4.2.2).
         learn_plans: CasMoE's buffer: the prompt and the EP of its prefill go to the planner's EAM, which
@@ -172,6 +179,7 @@ def run(
         hardware=hardware,
         prefetch=prefetch,
         balance=balance,
+        predictor_ms=predictor_ms,
         planner=plan,
         online_update=online_update,
         learn_plans=learn_plans,

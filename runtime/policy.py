@@ -96,7 +96,12 @@ POLICIES: dict[str, Policy] = {
         Policy("lru", "lru", help="LRU eviction, misses loaded on demand"),
         Policy("lfu", "lfu", help="LFU eviction (access counts since start, then recency, then id)"),
         Policy("score", "score", help="SMoE Eq. 3 score-averaged eviction with shield (needs router_probs)"),
-        Policy("static", "static", help="PreScope hot-expert table, fixed; misses streamed, never kept"),
+        Policy(
+            "static",
+            "static",
+            balancer="cpu",
+            help="PreScope hot-expert table, fixed; misses computed on the CPU (the slots never change)",
+        ),
         Policy("belady", "belady", help="offline optimum eviction (demand only, replay bound)"),
         Policy(
             "prefetch",

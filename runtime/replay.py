@@ -60,7 +60,7 @@ from moecast.runtime.cost_model import CostModel, HardwareProfile, load_profile
 from moecast.runtime.policy import POLICIES as POLICIES  # the presets, where bench looks them up
 from moecast.runtime.policy import Policy, get_policy
 from moecast.runtime.prefetch import OraclePredictor, plan_prior, top_predictions
-from moecast.runtime.step import STATS, LayerStep
+from moecast.runtime.step import STATS, LayerStep, predictor_latency, rank_candidates
 
 from moecast.errors import InputError
 
@@ -314,7 +314,7 @@ def _prepare(ts: TraceSet, cfg: ReplayConfig, capacities: list[float | str]) -> 
     profile = cfg.hardware if isinstance(cfg.hardware, HardwareProfile) else load_profile(cfg.hardware)
     pred_name = ("oracle" if spec.prefetches else "none") if cfg.predictor is None else cfg.predictor
     predictor, planner = _predictors(ts, cfg, spec, pred_name)
-    pred_ms, pred_ms_from = _predictor_latency(cfg, predictor, profile)
+    pred_ms, pred_ms_from = predictor_latency(cfg.predictor_ms, predictor, profile)
     d = _data(ts, rids, need_probs=spec.eviction == "score" or spec.substituting)
     hot, hot_from = None, None
     if spec.eviction == "static" or spec.preload == "hot":
@@ -357,22 +357,6 @@ def _predictors(ts: TraceSet, cfg: ReplayConfig, spec: Policy, pred_name: str) -
         for f in getattr(p, "needs", ()):
             ts.require(f, f"predictor {getattr(p, 'name', '?')}")
     return predictor, planner
-
-
-def _predictor_latency(cfg: ReplayConfig, predictor: Any, profile: HardwareProfile) -> tuple[float, str]:
-    """(ms per layer, where it comes from): --predictor_ms, the checkpoint's measured figure, or the
-    hardware profile's. Only a predictor's per-layer call is charged (a plan is made before decoding)."""
-    if predictor is None:
-        return 0.0, "no predictor"
-    if cfg.predictor_ms is not None:
-        v = float(cfg.predictor_ms)
-        if not (math.isfinite(v) and v >= 0):
-            raise InputError(f"--predictor_ms must be a finite number of ms >= 0, got {cfg.predictor_ms}")
-        return v, "--predictor_ms"
-    measured = predictor.metadata().get("predictor_ms") if hasattr(predictor, "metadata") else None
-    if measured is not None:
-        return float(measured), "the checkpoint's measured figure"
-    return profile.predictor_ms, f"hardware profile {profile.name}"
 
 
 # ----------------------------------------------------------------------------- replay
@@ -429,7 +413,7 @@ def _fast_demand_engine(run: _Run) -> _Outcome | None:
         and not spec.substituting
         and run.predictor is None
         and run.planner is None
-        and spec.balancer == "none"
+        and (spec.balancer == "none" or (spec.eviction, spec.balancer) == ("static", "cpu"))
         and spec.preload != "hot"
         and spec.eviction in ("lru", "lfu", "belady", "static")
         and fast.valid_for_fast(run.data.topk, E)
@@ -466,13 +450,14 @@ def _fast_demand(run: _Run, eviction: str) -> _Outcome:
         misses = fast.static_misses(d.topk, order, caps)
     else:
         misses = fast.simulate_demand(d.topk, d.lengths, cold, caps, eviction, E)
-    lt = fast.layer_time_table(k, run.cost)
+    on_cpu = run.policy.balancer == "cpu"  # static: every miss on the CPU (it never loads)
+    lt = fast.layer_time_table(k, run.cost, on_cpu)
     per = lt[misses]  # [N, L, C] layer times
     miss_lc = misses.sum(0).T.reshape(-1)  # [C * L], index c * L + layer
     st = {name: np.zeros(C * L) for name in STATS}
     st["uses"] = np.full(C * L, float(N * k))
     st["hits"] = N * k - miss_lc.astype(np.float64)
-    st["loads"] = miss_lc.astype(np.float64)
+    st["cpu" if on_cpu else "loads"] = miss_lc.astype(np.float64)
     st["time"] = per.sum(0).T.reshape(-1)
     any_decode = bool(d.decode.any())
     step = per.sum(1)  # [N, C]: B = 1, every token is one step
@@ -496,7 +481,7 @@ def _fast_wavefront(run: _Run, pr: _Predictions) -> _Outcome:
             cand = np.empty((n_tok, L, kp), dtype=np.int64)
             for c0 in range(0, n_tok, 8192):
                 c1 = min(n_tok, c0 + 8192)
-                cand[c0:c1] = _rank_candidates(
+                cand[c0:c1] = rank_candidates(
                     pr.ids[c0:c1].reshape(-1, kp), pr.scores[c0:c1].reshape(-1, kp), E
                 ).reshape(c1 - c0, L, kp)
     pre = run.hot.per_layer(int(run.caps.max())) if spec.preload == "hot" else None
@@ -756,7 +741,7 @@ def _ranked(
     pid = pr.ids[tsafe, lay[:, None]]  # [n, B, kp]
     psc = np.where(tvalid[:, :, None], pr.scores[tsafe, lay[:, None]], 0.0)
     pid = np.where(tvalid[:, :, None] & (pid >= 0), pid, -1)
-    ranked = _rank_candidates(pid.reshape(n, -1), psc.reshape(n, -1), run.shape[1])
+    ranked = rank_candidates(pid.reshape(n, -1), psc.reshape(n, -1), run.shape[1])
     if run.cfg.shared:
         ranked = np.where(ranked >= 0, ranked + (lay * run.shape[1])[:, None], -1)
     return ranked
@@ -795,6 +780,7 @@ def _plan_preload(
     else:
         ins = cache.insert(lanes, plan_ids, prefetch=True, t=None)
     ln.step.add("pf_inserted", lanes, layer, ins.sum(1))
+    ln.step.add("plan_loads", lanes, layer, ins.sum(1))
 
 
 # ----------------------------------------------------------------------------- 5. results
@@ -826,7 +812,10 @@ def _results(run: _Run, out: _Outcome, wall: float) -> list[ReplayResult]:
             loads=int(t["loads"].sum()),
             cpu_experts=int(t["cpu"].sum()),
             cpu_expert_rate=float(t["cpu"].sum() / max(uses, 1)),
-            bytes_moved=int((t["loads"].sum() + t["pf_started"].sum()) * run.ts.meta.model.expert_bytes),
+            bytes_moved=int(
+                (t["loads"].sum() + t["pf_started"].sum() + t["plan_loads"].sum())
+                * run.ts.meta.model.expert_bytes
+            ),
             substitution_rate=float(t["subs"].sum() / max(uses, 1)),
             modeled_tpot_ms=tpot,
             tpot_basis=basis,
@@ -929,32 +918,3 @@ def _progress(it: Any, show: bool, desc: str) -> Any:
     from tqdm import tqdm
 
     return tqdm(it, desc=desc, leave=False, mininterval=0.5)
-
-
-def _rank_candidates(ids: np.ndarray, scores: np.ndarray, E: int) -> np.ndarray:
-    """Per row: distinct ids ranked by summed score, best first (-1 padded)."""
-    if ids.shape[1] == 0:
-        return ids
-    key = np.where(ids >= 0, ids, E)
-    order = np.argsort(key, axis=1, kind="stable")
-    sid = np.take_along_axis(key, order, 1)
-    ssc = np.take_along_axis(np.where(ids >= 0, scores, 0.0), order, 1).astype(np.float64)
-    first = np.ones(sid.shape, dtype=bool)
-    first[:, 1:] = sid[:, 1:] != sid[:, :-1]
-    # summed score per distinct id: cumulative sums between group starts
-    csum = np.cumsum(ssc, axis=1)
-    grp = np.cumsum(first, axis=1) - 1
-    last = np.ones(sid.shape, dtype=bool)
-    last[:, :-1] = first[:, 1:]
-    rows = np.broadcast_to(np.arange(len(ids))[:, None], sid.shape)
-    end_sum = np.zeros(sid.shape)
-    end_sum[rows[last], grp[last]] = csum[last]
-    start_prev = np.zeros(sid.shape)
-    start_prev[rows[first], grp[first]] = (csum - ssc)[first]
-    total = end_sum - start_prev
-    gid = np.full(sid.shape, -1, dtype=np.int64)
-    gid[rows[first], grp[first]] = sid[first]
-    gid[gid == E] = -1
-    total = np.where(gid >= 0, total, -np.inf)
-    order2 = np.argsort(-total, axis=1, kind="stable")
-    return np.take_along_axis(gid, order2, 1)

@@ -34,7 +34,8 @@ that run a layer now it does, in this order:
        free(next) = layer_t - max(link, t_pred)        free(first layer) = t_attn - t_pred
 
 Prefill (SMoE Sec. 4.1: prefill loads what it needs): a row that is not a decode step is neither
-substituted nor balanced (every miss is loaded), and its caller asks no prefetch for it.
+substituted nor balanced (every miss is loaded; under static, which never loads, on the CPU), and
+its caller asks no prefetch for it.
 
 7. **Statistics** per lane group (the replay: capacity x layer; live: layer), under the names of
    :class:`moecast.runtime.replay.ReplayResult`.
@@ -52,10 +53,13 @@ from dataclasses import dataclass, field
 import numpy as np
 from moecast.runtime.balancer import two_pointer_split
 from moecast.runtime.cache import ExpertCache
-from moecast.runtime.cost_model import CostModel
+from moecast.runtime.cost_model import CostModel, HardwareProfile
 from moecast.runtime.policy import Policy
+from moecast.runtime.prefetch import top_predictions
 from moecast.runtime.presched import schedule
 from moecast.runtime.substitution import substitute
+
+from moecast.errors import InputError
 
 STATS = (
     "uses",  # routed (token, layer, expert) uses after substitution
@@ -68,6 +72,7 @@ STATS = (
     "pf_started",  # prefetches that moved bytes (landed, plus one PreSched started late)
     "pf_used",  # prefetched experts used while resident
     "pf_inserted",  # experts a prefetch (or a plan preload) put in the cache
+    "plan_loads",  # experts a plan preload moved before its request (CasMoE)
     "time",  # modeled layer time (ms)
 )
 
@@ -295,8 +300,8 @@ class LayerStep:
         bal, cost = self.policy.balancer, self.cost
         n = len(lanes)
         n_miss = miss.sum(1)
-        if decode is not None and not decode.any():
-            bal = "none"
+        if decode is not None and not decode.any() and self.policy.eviction != "static":
+            bal = "none"  # prefill loads what it needs (static keeps its slots: its misses stay on the CPU)
         if bal == "none" and one_token:
             # one token per expert: every miss is loaded and no queue order is needed
             none = np.full(uniq.shape, -1)
@@ -329,7 +334,7 @@ class LayerStep:
             n_load = np.zeros_like(n_miss)
         else:
             n_load = n_miss
-        if decode is not None:
+        if decode is not None and self.policy.eviction != "static":
             n_load = np.where(decode, n_load, n_miss)
         col = np.arange(mids.shape[1])[None, :]
         load_ids = np.where(col < n_load[:, None], mids, -1)
@@ -451,3 +456,61 @@ def _reverse_valid(desc: np.ndarray, n: np.ndarray) -> np.ndarray:
     idx = np.clip(n[:, None] - 1 - np.arange(M)[None, :], 0, max(M - 1, 0))
     out = np.take_along_axis(desc, idx, 1) if M else desc
     return np.where(np.arange(M)[None, :] < n[:, None], out, 0.0)
+
+
+def rank_candidates(ids: np.ndarray, scores: np.ndarray, E: int) -> np.ndarray:
+    """Per row: distinct ids ranked by summed score, best first (-1 padded)."""
+    if ids.shape[1] == 0:
+        return ids
+    key = np.where(ids >= 0, ids, E)
+    order = np.argsort(key, axis=1, kind="stable")
+    sid = np.take_along_axis(key, order, 1)
+    ssc = np.take_along_axis(np.where(ids >= 0, scores, 0.0), order, 1).astype(np.float64)
+    first = np.ones(sid.shape, dtype=bool)
+    first[:, 1:] = sid[:, 1:] != sid[:, :-1]
+    # summed score per distinct id: cumulative sums between group starts
+    csum = np.cumsum(ssc, axis=1)
+    grp = np.cumsum(first, axis=1) - 1
+    last = np.ones(sid.shape, dtype=bool)
+    last[:, :-1] = first[:, 1:]
+    rows = np.broadcast_to(np.arange(len(ids))[:, None], sid.shape)
+    end_sum = np.zeros(sid.shape)
+    end_sum[rows[last], grp[last]] = csum[last]
+    start_prev = np.zeros(sid.shape)
+    start_prev[rows[first], grp[first]] = (csum - ssc)[first]
+    total = end_sum - start_prev
+    gid = np.full(sid.shape, -1, dtype=np.int64)
+    gid[rows[first], grp[first]] = sid[first]
+    gid[gid == E] = -1
+    total = np.where(gid >= 0, total, -np.inf)
+    order2 = np.argsort(-total, axis=1, kind="stable")
+    return np.take_along_axis(gid, order2, 1)
+
+
+def ranked_predictions(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """[B, E] next-layer scores of a step's tokens -> ([1, B * k] each token's top-k predicted ids,
+    [1, M] the prefetch candidates), as the replay ranks a predictor's: scores scaled by each row's
+    largest magnitude, top-k per token, merged by summed score, ties to the lower id."""
+    s = np.atleast_2d(np.asarray(scores, dtype=np.float32))
+    s = s / np.maximum(np.abs(s).max(-1, keepdims=True), 1e-12)
+    ids, sc = top_predictions(s, k)
+    flat = ids.reshape(1, -1)
+    return flat, rank_candidates(flat, sc.reshape(1, -1), s.shape[1])
+
+
+def predictor_latency(given: float | None, predictor: object, profile: HardwareProfile) -> tuple[float, str]:
+    """(ms per layer, where it comes from) charged before a prefetch may start (step 6): ``given``
+    (--predictor_ms), else the predictor checkpoint's measured figure, else the hardware profile's.
+    No predictor, no charge (a plan is made before decoding)."""
+    if predictor is None:
+        return 0.0, "no predictor"
+    if given is not None:
+        v = float(given)
+        if not (math.isfinite(v) and v >= 0):
+            raise InputError(f"--predictor_ms must be a finite number of ms >= 0, got {given}")
+        return v, "--predictor_ms"
+    meta = getattr(predictor, "metadata", None)
+    measured = meta().get("predictor_ms") if callable(meta) else None
+    if measured is not None:
+        return float(measured), "the checkpoint's measured figure"
+    return profile.predictor_ms, f"hardware profile {profile.name}"

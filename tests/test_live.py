@@ -193,25 +193,26 @@ def _eq5_loads(sizes: np.ndarray, delay: float, cost) -> int:
 
 
 @pytest.mark.parametrize("hardware", ["prescope-a100-pcie4", "gh200-nvlink-c2c"])
-def test_presched_balance_follows_algorithm_1_and_sizes_the_prefetch(hardware):
+def test_presched_balance_follows_algorithm_1_and_sizes_the_prefetch(hardware, monkeypatch):
     """balance="presched": each decode layer loads the misses Eq. 5 picks, computes the others on
     the CPU (exactly: logits unchanged at alpha 0) and prefetches at most PreSched's count. On the
     PCIe profile every miss of one token goes to the CPU; over NVLink-C2C some are loaded."""
+    from moecast.runtime import step as step_mod
+
     model = make_model("qwen2_moe")
     ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(6))
     ref = decode_logits(model, ids, steps=6)
-    rt = attach(
-        model, policy="lru", capacity=2, alpha=0.0, balance="presched", prefetch="online", hardware=hardware
-    )
     calls: list[tuple] = []
-    inner = rt.presched.decide
+    inner = step_mod.schedule
 
-    def spy(cur, nxt, delay, r_hit):
-        out = inner(cur, nxt, delay, r_hit)
-        calls.append((np.array(cur), np.array(nxt), delay, out))
+    def spy(cur, n_cur, nxt, n_nxt, delay, r_hit, cost):
+        out = inner(cur, n_cur, nxt, n_nxt, delay, r_hit, cost)
+        calls.append((cur[0, : n_cur[0]].copy(), nxt[0, : n_nxt[0]].copy(), float(delay[0]), out))
         return out
 
-    rt.presched.decide = spy
+    monkeypatch.setattr(step_mod, "schedule", spy)
+    kw = dict(policy="lru", capacity=2, alpha=0.0, balance="presched", prefetch="online", hardware=hardware)
+    rt = attach(model, **kw)
     try:
         got = decode_logits(model, ids, steps=6)
         stats = rt.stats()
@@ -219,21 +220,22 @@ def test_presched_balance_follows_algorithm_1_and_sizes_the_prefetch(hardware):
         rt.detach()
     assert torch.allclose(got, ref, atol=2e-5, rtol=1e-5)
     assert len(calls) == 6 * 2  # every decode layer is scheduled, misses or not
-    for cur, _nxt, delay, (load, cpu, _n_pf) in calls:
-        assert len(load) == _eq5_loads(cur, delay, rt.cost)
-        assert sorted([*load.tolist(), *cpu.tolist()]) == list(range(len(cur)))
-        if len(load) and len(cpu):  # the experts with the most tokens are the ones loaded
-            assert cur[cpu].max() <= cur[load].min()
-    assert stats["cpu_experts"] == sum(len(c[3][1]) for c in calls) > 0
-    assert any(len(c[3][0]) for c in calls) == (hardware == "gh200-nvlink-c2c")
+    for cur, _nxt, delay, dec in calls:
+        assert int(dec.n_load[0]) == _eq5_loads(cur, delay, rt.cost)
+        assert int(dec.n_load[0] + dec.n_cpu[0]) == len(cur)
+    assert stats["cpu_experts"] == sum(int(c[3].n_cpu[0]) for c in calls) > 0
+    assert any(int(c[3].n_load[0]) for c in calls) == (hardware == "gh200-nvlink-c2c")
     # the next layer's prefetch is PreSched's count (Eqs. 6-7), from predictions made before the layer ran
     assert any(len(c[1]) for c in calls)
-    assert 0 < stats["prefetches_issued"] <= sum(c[3][2] for c in calls)
-    rt = attach(
-        model, policy="lru", capacity=2, alpha=0.0, balance="presched", prefetch="online", hardware=hardware
-    )
-    inner = rt.presched.decide
-    rt.presched.decide = lambda *a: (*inner(*a)[:2], 0)  # PreSched says: no prefetch
+    assert 0 < stats["prefetches_issued"] <= sum(int(c[3].n_prefetch[0]) for c in calls)
+
+    def no_prefetch(*a):  # PreSched says: no prefetch
+        out = inner(*a)
+        out.n_prefetch[:] = 0
+        return out
+
+    monkeypatch.setattr(step_mod, "schedule", no_prefetch)
+    rt = attach(model, **kw)
     try:
         decode_logits(model, ids, steps=6)
         assert rt.stats()["prefetches_issued"] == 0
@@ -242,18 +244,15 @@ def test_presched_balance_follows_algorithm_1_and_sizes_the_prefetch(hardware):
     # a batch of two: each predicted expert carries the tokens predicted for it (1 or 2)
     batch = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(7))
     ref = decode_logits(model, batch, steps=3)
-    rt = attach(
-        model, policy="lru", capacity=2, alpha=0.0, balance="presched", prefetch="online", hardware=hardware
-    )
-    sizes: list[np.ndarray] = []
-    inner = rt.presched.decide
-    rt.presched.decide = lambda cur, nxt, *a: (sizes.append(np.array(nxt)), inner(cur, nxt, *a))[1]
+    calls.clear()
+    monkeypatch.setattr(step_mod, "schedule", spy)
+    rt = attach(model, **kw)
     try:
         got = decode_logits(model, batch, steps=3)
     finally:
         rt.detach()
     assert torch.allclose(got, ref, atol=2e-5, rtol=1e-5)
-    every = np.concatenate(sizes)
+    every = np.concatenate([c[1] for c in calls])
     assert set(every.tolist()) <= {1, 2} and 2 in every  # both tokens predicted for some
 
 
@@ -783,7 +782,7 @@ def test_alpha_only_for_substituting_policies_like_replay(model_dir, capsys):
         with pytest.raises(ValueError, match=f"alpha applies to substitution, which policy '{policy}' does not use"):  # fmt: skip
             attach(model, policy=policy, capacity=2, alpha=0.3)
         attach(model, policy=policy, capacity=2, alpha=0.0).detach()
-    assert inspect.signature(attach).parameters["alpha"].default == 0.0
+    assert inspect.signature(attach).parameters["alpha"].default is None  # the policy's default
     base = [
         "run",
         "--model",

@@ -14,7 +14,7 @@ def test_presets_name_the_papers_choices():
         "lru": ("lru", "none", "none", "none"),
         "lfu": ("lfu", "none", "none", "none"),
         "score": ("score", "none", "none", "none"),
-        "static": ("static", "none", "none", "none"),
+        "static": ("static", "cpu", "none", "none"),
         "belady": ("belady", "none", "none", "none"),
         "prefetch": ("lru", "none", "predictor", "none"),
         "presched": ("lru", "presched", "predictor", "hot"),
