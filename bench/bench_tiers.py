@@ -127,6 +127,8 @@ def setup(args: argparse.Namespace) -> Tiers:
         args.traces, args.requests + args.hot_requests, n, args.layers, cfg.vocab_size
     )
     t = Tiers(args, cfg, d, ds_model.load_dense(cfg, d), routing, [])
+    if "accelerate" in args.baselines:  # here, so that its writes are no baseline's page cache
+        ds_model.accelerate_folder(t.model, d, offload_home(args) / "accelerate")
     if routing.recorded:
         hot = routing.requests[args.requests :]
         routing.requests = [

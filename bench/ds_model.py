@@ -194,25 +194,32 @@ def mmap_experts(model: Any, directory: str | Path) -> None:
     _set_experts(model, expert_views(directory))
 
 
+def accelerate_folder(model: Any, directory: str | Path, folder: str | Path) -> Path:
+    """Every expert tensor in accelerate's offload format (one .dat per tensor and index.json), written
+    once from the offload directory, one layer at a time."""
+    from accelerate.utils import offload_weight, save_offload_index
+    from moecast.collect.models import find_moe_structure
+
+    folder = Path(folder)
+    if (folder / "index.json").is_file():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    index: dict[str, Any] = {}
+    for entry, tensors in zip(find_moe_structure(model).layers, expert_views(directory)):
+        for name, t in tensors.items():
+            offload_weight(t, f"{entry.experts_name}.{name}", str(folder), index)
+    save_offload_index(index, str(folder))  # last: a folder without it is written again
+    return folder
+
+
 def accelerate_disk(model: Any, directory: str | Path, folder: str | Path, capacity: float) -> int:
     """accelerate's disk offload of the experts at ``capacity``: the first layers' experts in RAM within the
-    budget, the others in ``folder`` (accelerate's format, written once), loaded at each use by its hooks.
-    Returns the layers kept in RAM."""
+    budget, the others read from ``folder`` by its hooks at each use. Returns the layers kept in RAM."""
     from accelerate import dispatch_model
-    from accelerate.utils import offload_weight, save_offload_index
 
-    views = expert_views(directory)
+    folder = accelerate_folder(model, directory, folder)
     dm, keep = accelerate_map(model, capacity, main="cpu", offload="disk")
-    folder = Path(folder)
-    if not (folder / "index.json").is_file():
-        from moecast.collect.models import find_moe_structure
-
-        folder.mkdir(parents=True, exist_ok=True)
-        index: dict[str, Any] = {}
-        for entry, tensors in zip(find_moe_structure(model).layers, views):
-            for name, t in tensors.items():
-                offload_weight(t, f"{entry.experts_name}.{name}", str(folder), index)
-        save_offload_index(index, str(folder))
+    views = expert_views(directory)
     _set_experts(
         model, [{n: t.clone() for n, t in v.items()} if i < keep else None for i, v in enumerate(views)]
     )
