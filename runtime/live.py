@@ -637,9 +637,8 @@ class LiveRuntime:
         decode = np.array([self._decode and not self.full])
         if self._decode:
             s.routed += ids.size
-            if (
-                pos == 0 and self.prefetch == "predictor"
-            ):  # the first layer's prefetch, from the token's start
+            # the first layer's prefetch, predicted from what the token's start knows
+            if pos == 0 and self.prefetch == "predictor":
                 self._next = self._next_prediction(0, hidden)[1]
                 self._prefetch()
         routed = self.step.route(lane, lane, ids[None], probs, decode)[0]

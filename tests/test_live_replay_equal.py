@@ -1,0 +1,185 @@
+"""The live runtime and the replay take the same per-layer step, so they report the same values.
+
+A live run on ``tiny``'s architecture (configs/tiny.yaml, random weights) records the routing each
+layer saw; the replay of that routing as a TraceSet, under the same policy, capacity and hardware
+profile, must give the same hit rate, loads, CPU experts, prefetches, substitution rate and modeled
+TPOT. Every forward feeds one token, so each is a decode step on both sides, and both start from
+empty caches. The profile makes prefetch windows tight (one transfer is 0.3 ms, attention 0.4 ms,
+the predictor 0.1 ms), so some prefetches land and some do not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from conftest import synthetic_record
+from moecast.collect.models import find_moe_structure, model_info
+from moecast.collect.tiny import get_preset, model_config
+from moecast.collect.traceset import TraceMeta, TraceSet, TraceWriter
+from moecast.runtime.cost_model import HardwareProfile
+from moecast.runtime.live import attach
+from moecast.runtime.policy import POLICIES
+from moecast.runtime.replay import ReplayConfig, replay
+
+STEPS = 12
+CAPACITY = 8  # of tiny's 32 experts per layer
+
+
+class _Vocab:
+    """What collect.tiny.model_config reads of a tokenizer: its size and special ids."""
+
+    bos_token_id = eos_token_id = pad_token_id = None
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from transformers import Qwen2MoeForCausalLM
+
+    preset = get_preset("default")
+    torch.manual_seed(0)
+    return Qwen2MoeForCausalLM(model_config(preset, _Vocab(preset.vocab_size))).eval()
+
+
+@pytest.fixture(scope="module")
+def profile(tiny, tmp_path_factory):
+    expert_bytes = model_info(tiny, find_moe_structure(tiny), "tiny").expert_bytes
+    prof = HardwareProfile(
+        name="tight-window",
+        transfer_gbps=expert_bytes / 0.3e6,  # one expert in 0.3 ms
+        ref_expert_bytes=expert_bytes,
+        gpu_expert_ms=0.05,
+        cpu_beta_ms=0.05,
+        cpu_c_ms=0.3,
+        attn_ms=0.4,
+        predictor_ms=0.1,
+    )
+    path = tmp_path_factory.mktemp("hw") / "tight-window.yaml"
+    path.write_text(prof.to_yaml())
+    return path
+
+
+class RecordedOracle:
+    """A layer-ahead predictor that knows the routing of a recorded run: the live counterpart of the
+    replay's oracle (the routing at alpha 0 does not depend on the policy)."""
+
+    name = "oracle"
+    horizon = "layer-ahead"
+    needs = ("topk_ids",)
+
+    def __init__(self, ids: np.ndarray, num_experts: int) -> None:
+        self.ids, self.E, self.rt = ids, num_experts, None
+
+    def score_at(self, trace, layer: int) -> np.ndarray:
+        out = np.zeros(self.E, np.float32)
+        out[self.ids[self.rt._step, layer]] = 1.0
+        return out
+
+
+def live_run(model, policy, hw, predictor=None, prefetch="none"):
+    """Run STEPS one-token forwards under the live runtime; -> (stats, routing [T, L, k], probs or None)."""
+    rt = attach(
+        model,
+        policy=policy,
+        capacity=CAPACITY,
+        hardware=str(hw),
+        warm=False,
+        predictor=predictor,
+        prefetch=prefetch,
+    )
+    if predictor is not None:
+        predictor.rt = rt
+    seen: dict[tuple[int, int], tuple] = {}
+    route = rt.step.route
+
+    def recording(lanes, layer, ids, probs, decode=None):
+        seen[(rt._step, int(layer[0]))] = (ids[0, 0].copy(), None if probs is None else probs[0, 0].copy())
+        return route(lanes, layer, ids, probs, decode)
+
+    rt.step.route = recording
+    try:
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([[5]]), use_cache=True)
+            for _ in range(1, STEPS):
+                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+                out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+        stats = rt.stats()
+        info = rt.info
+    finally:
+        rt.detach()
+    L = len(info.moe_layers)
+    ids = np.stack([np.stack([seen[(t, layer)][0] for layer in range(L)]) for t in range(STEPS)])
+    has_probs = seen[(0, 0)][1] is not None
+    probs = (
+        np.stack([np.stack([seen[(t, layer)][1] for layer in range(L)]) for t in range(STEPS)])
+        if has_probs
+        else None
+    )
+    return stats, ids, probs, info
+
+
+def as_traceset(path, info, ids, probs) -> TraceSet:
+    fields = {"topk_weights": False, "router_probs": probs is not None, "gate_inputs": False}
+    w = TraceWriter(path, TraceMeta(model=info, collection={"source": "live run"}, fields=fields))
+    rec = synthetic_record(0, np.arange(STEPS), ids, np.ones(STEPS, bool), router_probs=probs)
+    w.write([rec])
+    return TraceSet(path)
+
+
+# presched from empty caches: the live runtime has no hot-expert table of its own
+PRESCHED = dataclasses.replace(POLICIES["presched"], preload="none")
+CASES = {
+    "lru": (POLICIES["lru"], False),
+    "lfu": (POLICIES["lfu"], False),
+    "oracle prefetch": (POLICIES["prefetch"], True),
+    "presched": (PRESCHED, True),
+    "smoe": (dataclasses.replace(POLICIES["smoe"], prefetch="none"), False),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_live_and_replay_report_equal_values(tiny, profile, tmp_path, case):
+    policy, oracle = CASES[case]
+    predictor = None
+    if oracle:  # the routing at alpha 0, from a first run, is what the oracle knows
+        _, routing, _, info = live_run(tiny, "lru", profile)
+        predictor = RecordedOracle(routing, info.num_experts)
+    stats, ids, probs, info = live_run(tiny, policy, profile, predictor, "auto" if oracle else "none")
+    if oracle:
+        assert np.array_equal(ids, predictor.ids)
+    ts = as_traceset(tmp_path / "ts", info, ids, probs)
+    r = replay(
+        ts,
+        ReplayConfig(
+            policy=policy,
+            capacity=CAPACITY,
+            cold=True,
+            hardware=str(profile),
+            predictor="oracle" if oracle else "none",
+        ),
+    )
+    assert stats["decode_steps"] == r.steps == STEPS
+    assert stats["hit_rate"] == r.hit_rate
+    assert (stats["loads"], stats["cpu_experts"]) == (r.loads, r.cpu_experts)
+    assert (stats["prefetches_issued"], stats["prefetches_landed"]) == (
+        r.prefetches_issued,
+        r.prefetches_landed,
+    )
+    assert stats["substitution_rate"] == pytest.approx(r.substitution_rate, abs=1e-12)
+    assert stats["modeled_tpot_ms"] == pytest.approx(r.modeled_tpot_ms, rel=1e-12)
+    assert stats["modeled_predictor_ms"] == r.predictor_ms
+    # each case exercises what it is about
+    if oracle:
+        assert r.prefetches_landed > 0
+    if case == "presched":
+        assert r.cpu_experts > 0 and r.prefetches_landed < r.prefetches_issued  # a late one delays loads
+    if case == "smoe":
+        assert r.substitution_rate > 0 and r.cpu_experts > 0
