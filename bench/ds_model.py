@@ -4,8 +4,9 @@ The expert shape is DeepSeek-V2-Lite's (hidden 2048, expert intermediate 1408, 6
 experts, top-6, MLA attention, bf16); the weights are random and ``--layers N`` MoE layers are built
 (the real model has 26, after one dense layer that is left out). No model that runs here can
 produce DeepSeek's routing, so the routers' decisions are replaced by the ids recorded from the
-real model (``../shared/traces/deepseek-v2-lite-puffin``, the held-out 10 % of prompts by
-``TraceSet.split(0.1, seed=0)``, the split the DeepSeek LLaPor checkpoint was trained on).
+real model (``../shared/traces/deepseek-v2-lite-puffin``), on prompts that no DeepSeek checkpoint
+trained on: held out both by the earlier ungrouped split (``TraceSet.split(0.1, seed=0)``) and
+as the test side of the prompt-grouped one (``TraceSet.splits()``).
 Without the traces, the model's own random router decides, and the benches say so.
 
 The replacement goes through the model's standard path: each router module's forward returns the
@@ -269,15 +270,22 @@ def find_puffin(path: str | None = None) -> Path | None:
 def held_out_requests(
     source: Path, n: int, min_tokens: int, layers: int
 ) -> list[tuple[str, list[str], np.ndarray]]:
-    """(request id, token texts, ids [T, layers, k]) of the first ``n`` held-out prompts with >= ``min_tokens`` tokens."""
-    from moecast.collect.moe_beyond import list_files, parse_file
+    """(request id, token texts, ids [T, layers, k]) of the first ``n`` held-out prompts with >= ``min_tokens``
+    tokens: held out by the earlier ungrouped split and in the test side of the prompt-grouped one, so
+    that a checkpoint trained under either rule has not seen them. A prompt's grouped side depends on
+    its own prompt key only (collect/splits.py), so it is found without reading the other files."""
+    from moecast.collect.moe_beyond import detokenize, list_files, parse_file
+    from moecast.collect.splits import SplitSpec, assign, prompt_key
     from moecast.collect.traceset import split_request_ids
 
     files = {f"puffin-{k}": p for k, p in list_files(source)}
     _, held = split_request_ids(sorted(files), 0.1, 0)
+    spec = SplitSpec()  # the defaults TraceSet.splits() and the trainers use
     out = []
     for rid in sorted(held, key=lambda r: int(r.split("-")[1])):
         _, texts, ids = parse_file(files[rid])
+        if assign({rid: prompt_key(detokenize(texts))}, spec)[rid] != "test":
+            continue
         if len(texts) >= min_tokens:
             out.append((rid, texts, ids[:, :layers]))
         if len(out) >= n:

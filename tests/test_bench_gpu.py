@@ -62,14 +62,24 @@ def test_routing_override_makes_the_model_use_the_recorded_ids():
     assert "forward" not in st.layers[0].router.__dict__  # removed on exit
 
 
-def test_held_out_requests_are_the_trainings_validation_split(puffin_dir):
+def test_held_out_requests_no_checkpoint_trained_on(puffin_dir, tmp_path):
+    from moecast.collect.moe_beyond import import_moe_beyond
     from moecast.collect.traceset import split_request_ids
 
     rows = ds_model.held_out_requests(puffin_dir, 2, 16, 3)
     names = [f"puffin-{p.name.split('_')[1]}" for p in puffin_dir.glob("prompt_*_data.csv")]
     _, held = split_request_ids(sorted(names), 0.1, 0)
-    assert len(held) == round(len(names) * 0.1) and all(r in held for r, _, _ in rows)
+    assert all(r in held for r, _, _ in rows)  # the earlier ungrouped split's validation side
     assert all(ids.shape[1:] == (3, 6) and len(t) == len(ids) >= 16 for _, t, ids in rows)
+    # and the test side of the prompt-grouped split, as TraceSet.splits() decides it on an import
+    wanted = [int(r.split("-")[1]) for r, _, _ in rows]
+    src = tmp_path / "src"
+    src.mkdir()
+    for p in puffin_dir.glob("prompt_*_data.csv"):
+        if int(p.name.split("_")[1]) in wanted or int(p.name.split("_")[1]) < 20:
+            (src / p.name).symlink_to(p)
+    ts = import_moe_beyond(src, out=tmp_path / "ts", workers=1)
+    assert {r for r, _, _ in rows} <= set(ts.splits().test)
 
 
 def test_accelerate_disk_offload_keeps_the_logits(tmp_path):
@@ -165,3 +175,24 @@ def test_runner_entry_without_cuda_is_one_skipped_row(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     (row,) = bench_gpu.rows(True)
     assert row["verdict"] == "SKIPPED" and "tests/test_bench_gpu.py" in row["value"]
+
+
+def test_ds_predictor_adapter_pads_the_layers_and_maps_the_tokens_back():
+    from moecast.collect.traceset import RequestTrace
+    from moecast.runtime.profile import llapor_standin
+
+    inner = llapor_standin(num_layers=6, num_experts=64, top_k=6)  # the "26-layer" checkpoint
+    ad = ds_model.LayerSubsetPredictor(inner, {5: 12345, 7: 999}, layers=3)
+    ids = np.stack([_request(4, 3, seed=s).topk_ids[0] for s in range(4)]).astype(np.int16)
+
+    def trace(L, toks, routes):
+        return RequestTrace("r", "w", "", "", np.array(toks), [""] * 4, np.ones(4, bool), routes,
+                            np.full((4, L, 6), 1 / 6, np.float16), None, None)  # fmt: skip
+
+    padded = np.zeros((4, 6, 6), np.int16)
+    padded[:, :3] = ids  # the layers the bench model lacks are zero, as before they are known
+    ours, theirs = trace(3, [5, 7, 5, 7], ids), trace(6, [12345, 999, 12345, 999], padded)
+    got = ad.score_request(ours)
+    assert got.shape == (4, 3, 64)  # [tokens, the bench model's layers, experts]
+    assert np.array_equal(got, inner.score_request(theirs)[:, :3])
+    assert np.array_equal(ad.score_at(ours, 2), inner.score_at(theirs, 2))
