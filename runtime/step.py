@@ -51,7 +51,7 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-from moecast.runtime.balancer import two_pointer_split
+from moecast.runtime.balancer import two_pointer, two_pointer_split
 from moecast.runtime.cache import ExpertCache
 from moecast.runtime.cost_model import CostModel, HardwareProfile
 from moecast.runtime.policy import Policy
@@ -141,6 +141,9 @@ class LayerStep:
 
     def add(self, name: str, lanes: np.ndarray, layer: np.ndarray, values: np.ndarray) -> None:
         """Add per-row ``values`` to statistic ``name`` in the rows' slots."""
+        if len(lanes) == 1:  # the live runtime's one lane: no bincount over every slot
+            self.stats[name][self.stat_base[lanes[0]] + layer[0]] += float(values[0])
+            return
         idx = self.stat_base[lanes] + layer
         self.stats[name] += np.bincount(
             idx, weights=np.asarray(values, dtype=np.float64), minlength=self.n_stats
@@ -312,9 +315,11 @@ class LayerStep:
         msz = np.take_along_axis(msize, morder, 1).astype(np.float64)
         if bal == "smoe":
             # Algorithm 2's CPU cost per token: at decode batch sizes C dominates, so one token's whole t_c
-            n_load = two_pointer_split(
-                msz, n_miss, cost.t_io if math.isfinite(cost.t_io) else math.inf, cost.beta + cost.c
-            )
+            t_io = cost.t_io if math.isfinite(cost.t_io) else math.inf
+            if n == 1:  # the literal algorithm: the same decision, without the [M, M] comparison
+                n_load = np.array([len(two_pointer(msz[0, : n_miss[0]], t_io, cost.beta + cost.c)[0])])
+            else:
+                n_load = two_pointer_split(msz, n_miss, t_io, cost.beta + cost.c)
         elif bal == "presched":
             nsz, nn = self._next_pending(next_lanes, has_next, next_predicted, n)
             dec = schedule(
