@@ -143,7 +143,7 @@ def run(variant: str, args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str
 
     if variant not in VARIANTS:
         raise SystemExit(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
-    pl.seed_everything(cfg.get("seed_everything", 0))
+    pl.seed_everything(cfg["train"].get("seed", 0))
     data = {**cfg["data"], "max_requests": args.max_requests}
     if variant == "speculative":
         data["context_gate"] = int(data.get("context_gate") or 0) + 1
@@ -153,7 +153,7 @@ def run(variant: str, args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str
         max_epochs=args.epochs,
         accelerator="cpu",
         devices=1,
-        gradient_clip_val=cfg["trainer"].get("gradient_clip_val"),
+        gradient_clip_val=cfg["train"].get("gradient_clip_val"),
         logger=False,
         enable_checkpointing=False,
         enable_model_summary=False,

@@ -272,9 +272,9 @@ def tiny_predictor(s: Setup, args: argparse.Namespace, work: Path) -> None:
     ckpt = Path(args.predictor) if args.predictor else None
     if ckpt is None:
         from moecast.collect.commands import collect
-        from moecast.train.cli import train
 
         from moecast import configs_dir
+        from moecast.cli import run
 
         traces = collect(
             model=str(s.tiny_path),  # type: ignore[attr-defined]
@@ -287,10 +287,10 @@ def tiny_predictor(s: Setup, args: argparse.Namespace, work: Path) -> None:
             progress=False,
         )
         ckpt = work / "llapor-tiny.safetensors"
-        train(
-            ["llapor", "--config", str(configs_dir() / "llapor_tiny.yaml"), "--traces", str(traces),
-             "--out", str(ckpt), "--trainer.max_epochs", str(args.train_epochs),
-             "--trainer.enable_progress_bar", "false", "--data.val_fraction", "0.25"]
+        run(
+            ["train", "llapor", "--config", str(configs_dir() / "llapor_tiny.yaml"), "--traces", str(traces),
+             "--out", str(ckpt), "--train.max_epochs", str(args.train_epochs),
+             "--train.progress_bar", "false", "--data.val_fraction", "0.25"]
         )  # fmt: skip
         s.notes.append(
             f"LLaPor: trained here ({args.train_requests} requests, {args.train_epochs} epochs), not the tuned checkpoint"

@@ -59,12 +59,12 @@ def _load(path: str, ts: Any) -> Any:
 
 def _train(config: str, traces: str, out: Path, overrides: list[str]) -> tuple[str, float]:
     """Train LLaPor with ``moecast train``; returns (checkpoint path, wall seconds)."""
-    from moecast.train.cli import train
+    from moecast.cli import run
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    argv = ["llapor", "--config", config, "--traces", traces, "--out", str(out), "--resume", "never"]
+    argv = ["train", "llapor", "--config", config, "--traces", traces, "--out", str(out), "--resume", "never"]
     t = time.perf_counter()
-    train(argv + overrides)
+    run(argv + overrides)
     return str(out), time.perf_counter() - t
 
 
@@ -361,7 +361,7 @@ def results(args: argparse.Namespace) -> Iterator[tuple[str, dict | None]]:
             pred = _load(args.checkpoint, ts)
             secs = (pred.meta.get("training") or {}).get("train_seconds")
         else:
-            over = ["--data.max_requests", "300", "--trainer.max_epochs", "1"] if args.quick else []
+            over = ["--data.max_requests", "300", "--train.max_epochs", "1"] if args.quick else []
             path, secs = _train(args.config, args.traces, out_dir / "llapor_ds.safetensors", over)
             pred = _load(path, ts)
         preds.append((f"llapor ({Path(args.checkpoint or 'trained').name})", pred, secs))
@@ -395,7 +395,7 @@ def results(args: argparse.Namespace) -> Iterator[tuple[str, dict | None]]:
                 pred = _load(args.tiny_checkpoint, ts)
                 secs = (pred.meta.get("training") or {}).get("train_seconds")
             else:
-                over = ["--trainer.max_epochs", "5"] if args.quick else []
+                over = ["--train.max_epochs", "5"] if args.quick else []
                 path, secs = _train(
                     args.tiny_config, args.tiny_traces, out_dir / "llapor_tiny.safetensors", over
                 )

@@ -45,6 +45,10 @@ if TYPE_CHECKING:
 
 SCHEMA_VERSION = 1
 OPTIONAL_FIELDS = ("topk_weights", "router_probs", "gate_inputs")
+#: the shares of requests held out by default (``TraceSet.splits``): every trainer selects on val,
+#: ``moecast predictors eval`` and the demo's comparison report test
+VAL_FRACTION = 0.1
+TEST_FRACTION = 0.1
 PHASES = ("prefill", "decode")
 
 
@@ -630,7 +634,9 @@ class TraceSet:
             self._prompt_keys = keys
         return self._prompt_keys
 
-    def splits(self, val_fraction: float = 0.1, test_fraction: float = 0.1, seed: int = 0) -> Splits:
+    def splits(
+        self, val_fraction: float = VAL_FRACTION, test_fraction: float = TEST_FRACTION, seed: int = 0
+    ) -> Splits:
         """Train / val / test by prompt group, seeded and stable as requests are added
         (:mod:`moecast.collect.splits`). Tune and select on val; report test."""
         from moecast.collect.splits import Splits, SplitSpec, assign
@@ -670,7 +676,7 @@ class TraceSet:
 
 
 def split_request_ids(
-    request_ids: Sequence[str], val_fraction: float = 0.1, seed: int = 0
+    request_ids: Sequence[str], val_fraction: float = VAL_FRACTION, seed: int = 0
 ) -> tuple[list[str], list[str]]:
     """:meth:`TraceSet.split` of these ids, without opening a TraceSet (e.g. a source's file names)."""
     if val_fraction == 0:

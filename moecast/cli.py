@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 # name -> "module:function" (a nested dict is a command group, e.g. `moecast traces info`)
 COMMANDS: dict[str, str | dict[str, str]] = {
@@ -22,7 +23,13 @@ COMMANDS: dict[str, str | dict[str, str]] = {
         "info": "moecast.collect.info:traces_info",
         "merge": "moecast.collect.commands:merge_traces",
     },
-    "train": "moecast.train.cli:train",
+    "train": {
+        "llapor": "moecast.train.llapor:fit_llapor",
+        "sequence": "moecast.train.sequence:fit_sequence",
+        "eap": "moecast.train.eap:fit_eap",
+        "eam": "moecast.train.eam:fit_eam",
+        "cascade": "moecast.train.cascade:fit_cascade",
+    },
     "predictors": {
         "eval": "moecast.predictors.commands:evaluate",
         "remember": "moecast.predictors.commands:remember",
@@ -34,8 +41,8 @@ COMMANDS: dict[str, str | dict[str, str]] = {
     "eval-accuracy": "moecast.runtime.live_cli:eval_accuracy",
     "demo": "moecast.demo:demo",
 }
-# Commands that parse their own arguments (LightningCLI owns `train`).
-RAW_ARGV = {"train"}
+# Groups whose required arguments are options too (`moecast train llapor --traces T --out C`)
+NAMED_ONLY = {"train"}
 # Users say `moecast collect traces ...`; it is the same command.
 ALIASES = {("collect", "traces"): ("collect",)}
 
@@ -78,55 +85,44 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
-def _underscore(arg: str) -> str:
-    # Options are spelled with dashes on the command line (--max-requests) and with
-    # underscores in Python signatures; accept both.
-    if not arg.startswith("--"):
-        return arg
-    name, eq, value = arg.partition("=")
-    return name[:2] + name[2:].replace("-", "_") + eq + value
+def _parser_class() -> type:
+    """jsonargparse's parser, as moecast's commands are used (its own parser class, no argv editing):
 
-
-def _bare_flags(func: Callable, args: list[str]) -> list[str]:
-    # `--json`, `--cold`, `--gate-inputs` alone mean true, as users expect of flags;
-    # jsonargparse wants a value for bool parameters, so give it one.
-    import inspect
+    - an option is also accepted with dashes (``--max-requests`` for ``--max_requests``);
+    - a bool option alone means true (``--json``), as users expect of flags;
+    - a list positional takes the bare words (``moecast traces merge A B --out C``);
+    - a wrong argument is one line naming the command's ``--help``, like moecast's other errors.
+    """
     import typing
 
-    try:
-        hints = typing.get_type_hints(func)
-    except Exception:
-        return args
-    flags = {f"--{n}" for n, t in hints.items() if t is bool and n in inspect.signature(func).parameters}
-    out: list[str] = []
-    for i, arg in enumerate(args):
-        out.append(arg)
-        nxt = args[i + 1] if i + 1 < len(args) else None
-        if arg in flags and (nxt is None or nxt.startswith("-") or nxt.lower() not in ("true", "false")):
-            out.append("true")
-    return out
+    from jsonargparse import ArgumentParser
 
+    from moecast.errors import InputError
 
-def _list_positional(func: Callable, args: list[str]) -> list[str]:
-    # `moecast traces merge A B --out C`: jsonargparse reads a list positional as one JSON
-    # value, so the leading bare words become that list when the first parameter is a list.
-    import inspect
-    import json
-    import typing
+    class Parser(ArgumentParser):
+        def add_argument(self, *args: Any, **kwargs: Any) -> Any:
+            hint = getattr(kwargs.get("action"), "_typehint", None)
+            if kwargs.get("type") is bool and "action" not in kwargs:
+                kwargs.update(nargs="?", const=True)
+            elif args and not args[0].startswith("-") and typing.get_origin(hint) is list:
+                (item,) = typing.get_args(hint)
+                del kwargs["action"]
+                kwargs.update(type=item, nargs="+")
+            return super().add_argument(*args, **kwargs)
 
-    params = list(inspect.signature(func).parameters)
-    try:
-        hint = typing.get_type_hints(func).get(params[0]) if params else None
-    except Exception:
-        return args
-    if typing.get_origin(hint) is not list:
-        return args
-    n = 0
-    while n < len(args) and not args[n].startswith("-"):
-        n += 1
-    if n == 0 or (n == 1 and args[0].lstrip().startswith("[")):
-        return args
-    return [json.dumps(args[:n]), *args[n:]]
+        def _parse_optional(self, arg_string: str) -> Any:
+            name, eq, value = arg_string.partition("=")
+            if name.startswith("--") and "-" in name[2:] and name not in self._option_string_actions:
+                underscored = "--" + name[2:].replace("-", "_")
+                if underscored in self._option_string_actions:
+                    arg_string = underscored + eq + value
+            return super()._parse_optional(arg_string)
+
+        def error(self, message: str, ex: Exception | None = None) -> typing.NoReturn:
+            detail = " ".join(str(message).split())
+            raise InputError(f"{self.prog}: {detail} (see `{self.prog} --help`)") from ex
+
+    return Parser
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -142,30 +138,35 @@ def main(argv: list[str] | None = None) -> None:
 
         print(__version__)
         return
+    from moecast.errors import run_command
+
+    run_command(lambda: run(argv))
+
+
+def run(argv: list[str]) -> Any:
+    """Run one ``moecast`` command line and return what its function returns; errors are raised,
+    not printed (:func:`main` prints a user error as one line)."""
+    from moecast.errors import InputError
+
     for alias, real in ALIASES.items():
         if tuple(argv[: len(alias)]) == alias:
             argv = list(real) + argv[len(alias) :]
     name, rest = argv[0], argv[1:]
     target = COMMANDS.get(name)
     if target is None:
-        sys.exit(f"moecast: unknown command {name!r}; run `moecast --help` for the list")
+        raise InputError(f"unknown command {name!r}; run `moecast --help` for the list")
     prog = f"moecast {name}"
     if isinstance(target, dict):
         if rest and rest[0] in ("-h", "--help"):
             print("\n".join(f"  moecast {name} {sub:<14}{_describe(t)}" for sub, t in target.items()))
-            return
+            return None
         if not rest or rest[0] not in target:
-            sys.exit(
-                f"moecast {name}: choose one of {', '.join(target)} (e.g. `moecast {name} {next(iter(target))} --help`)"
+            raise InputError(
+                f"choose a `moecast {name}` command: {', '.join(target)} (e.g. `moecast {name} {next(iter(target))} --help`)"
             )
         prog += f" {rest[0]}"
         target, rest = target[rest[0]], rest[1:]
     func = _resolve(target)
-    from moecast.errors import run_command
-
-    if name in RAW_ARGV:
-        run_command(lambda: func(rest))
-        return
     import argparse
 
     from jsonargparse import DefaultHelpFormatter, auto_cli
@@ -173,16 +174,14 @@ def main(argv: list[str] | None = None) -> None:
     class Formatter(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter):
         """jsonargparse's, with the description's paragraphs and lists kept as written."""
 
-    rest = _list_positional(func, _bare_flags(func, [_underscore(a) for a in rest]))
-    run_command(
-        lambda: auto_cli(
-            func,
-            args=rest,
-            as_positional=True,
-            prog=prog,
-            description=_description(func),
-            formatter_class=Formatter,
-        )
+    return auto_cli(
+        func,
+        args=rest,
+        as_positional=name not in NAMED_ONLY,
+        parser_class=_parser_class(),
+        prog=prog,
+        description=_description(func),
+        formatter_class=Formatter,
     )
 
 

@@ -24,13 +24,16 @@ import io
 import json as jsonlib
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from moecast.collect.traceset import VAL_FRACTION
 from moecast.errors import InputError
 
 FIXTURE_WORKLOADS = "gsm8k,boolq,race-middle,wic,triviaqa,gaokao"
-HOLDOUT = 0.1  # the val fraction every trainer uses by default; compare replays their test side
+# every trainer's val share by default; compare replays their test side
+HOLDOUT = VAL_FRACTION
 
 
 def _stage(n: int, total: int, title: str, t0: float) -> None:
@@ -125,7 +128,7 @@ def demo(
     llapor_epochs: int = 8,
     eap_epochs: int = 30,
     encoder: str = "minilm",
-    capacities: str = "0.125,0.25,0.5",
+    capacities: tuple[float, ...] = (0.125, 0.25, 0.5),
     cold: bool = True,
     epsilon: float = 0.6,
     wandb: bool = True,
@@ -156,7 +159,11 @@ def demo(
     from moecast.collect.fixtures import write_fixtures
     from moecast.collect.tiny import ensure_tiny
     from moecast.runtime.commands import compare
-    from moecast.train.cli import train
+    from moecast.train.cascade import fit_cascade
+    from moecast.train.config import SplitConfig, config_args
+    from moecast.train.eam import fit_eam
+    from moecast.train.eap import fit_eap
+    from moecast.train.llapor import fit_llapor
 
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -204,82 +211,37 @@ def demo(
     }
     settings[cascade] = {**settings[eap], "epsilon": epsilon}
     # a checkpoint from other settings leaves a run directory whose last.ckpt must not be resumed
-    fresh = {p: ["--resume", "never"] if _done(p) else [] for p in (llapor, eap)}
+    resume = {p: "never" if _done(p) else "auto" for p in (llapor, eap)}
+    split = {"val_fraction": HOLDOUT}
     if not _reuse(llapor, settings[llapor]):
-        train(
-            [
-                "llapor",
-                "--config",
-                str(cfg / "llapor_tiny.yaml"),
-                "--traces",
-                str(traces),
-                "--out",
-                str(llapor),
-                "--trainer.max_epochs",
-                str(llapor_epochs),
-                "--data.val_fraction",
-                str(HOLDOUT),
-                *fresh[llapor],
-            ]
+        recipe = config_args(fit_llapor, cfg / "llapor_tiny.yaml")
+        fit_llapor(
+            str(traces),
+            str(llapor),
+            model=recipe["model"],
+            data=replace(recipe["data"], **split),
+            train=replace(recipe["train"], max_epochs=llapor_epochs),
+            resume=resume[llapor],
         )
         _stamp(llapor, settings[llapor])
     if not _reuse(eam, settings[eam]):
-        train(
-            [
-                "eam",
-                "--config",
-                str(cfg / "eam_minilm.yaml"),
-                "--traces",
-                str(traces),
-                "--out",
-                str(eam),
-                "--embedder",
-                encoder,
-                "--val_fraction",
-                str(HOLDOUT),
-                "--wandb",
-                str(wandb).lower(),
-            ]
-        )
+        recipe = config_args(fit_eam, cfg / "eam_minilm.yaml")
+        eam_cfg = replace(recipe["eam"], embedder=encoder)
+        fit_eam(str(traces), str(eam), eam=eam_cfg, data=replace(recipe["data"], **split), wandb=wandb)
         _stamp(eam, settings[eam])
     if not _reuse(eap, settings[eap]):
-        train(
-            [
-                "eap",
-                "--config",
-                str(cfg / "eap_minilm_frozen.yaml"),
-                "--traces",
-                str(traces),
-                "--out",
-                str(eap),
-                "--model.encoder",
-                encoder,
-                "--trainer.max_epochs",
-                str(eap_epochs),
-                "--data.val_fraction",
-                str(HOLDOUT),
-                *fresh[eap],
-            ]
+        recipe = config_args(fit_eap, cfg / "eap_minilm_frozen.yaml")
+        fit_eap(
+            str(traces),
+            str(eap),
+            model=replace(recipe["model"], encoder=encoder),
+            data=replace(recipe["data"], **split),
+            train=replace(recipe["train"], max_epochs=eap_epochs),
+            resume=resume[eap],
         )
         _stamp(eap, settings[eap])
     if not _reuse(cascade, settings[cascade]):
-        train(
-            [
-                "cascade",
-                "--eam",
-                str(eam),
-                "--eap",
-                str(eap),
-                "--out",
-                str(cascade),
-                "--epsilon",
-                str(epsilon),
-                "--traces",
-                str(traces),
-                "--val_fraction",
-                str(HOLDOUT),
-            ]
-        )
+        fit_cascade(str(eam), str(eap), str(cascade), epsilon, str(traces), data=SplitConfig(**split))
         _stamp(cascade, settings[cascade])
 
     _stage(5, total, "replay the held-out requests under each policy (moecast compare)", t0)
@@ -293,7 +255,7 @@ def demo(
             policies="lru,lfu,score,smoe,prefetch,belady",
             predictors=str(llapor),
             planners=f"none,{cascade}",
-            capacities=capacities,
+            capacities=",".join(f"{c:g}" for c in capacities),
             holdout="test",
             out=str(cmp_dir),
             cold=cold,

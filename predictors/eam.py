@@ -31,7 +31,21 @@ from moecast.errors import InputError
 
 @dataclass
 class EAMConfig:
-    """EAM hyper-parameters (configs/eam_*.yaml)."""
+    """EAM hyper-parameters (``moecast train eam --eam.*``, configs/eam_minilm.yaml).
+
+    Args:
+        embedder: 'minilm' (the packaged all-MiniLM-L6-v2) or a local sentence-transformers folder.
+        max_length: token limit of the embedder (longer prompts are truncated, said once).
+        k_neighbours: k' of Eq. 5 (neighbours averaged).
+        buffer_size: C, new pairs buffered before they are folded into the index (paper: 30).
+        M: hnswlib graph degree.
+        ef_construction: hnswlib build-time beam.
+        ef: hnswlib query-time beam.
+        seed: hnswlib seed.
+        int8: embed with dynamic int8 Linear layers (CPU): ~1.5-2x faster short queries, embeddings
+            ~0.99 cosine to fp32's with ONNX Runtime; off by default (see OrtBertEncoder, FastBertEncoder).
+        engine: who runs the embedder: auto (ONNX Runtime on the CPU when installed), onnx or torch.
+    """
 
     embedder: str = "minilm"
     max_length: int = 256
@@ -41,10 +55,7 @@ class EAMConfig:
     ef_construction: int = 200
     ef: int = 64
     seed: int = 0
-    # dynamic int8 Linear layers in the embedder (CPU): ~1.5-2x faster short queries, embeddings
-    # ~0.99 cosine to fp32's with ONNX Runtime; off by default (see OrtBertEncoder, FastBertEncoder)
     int8: bool = False
-    # who runs the embedder: auto (ONNX Runtime on the CPU when installed), onnx or torch
     engine: str = "auto"
 
 

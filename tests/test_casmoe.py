@@ -60,20 +60,23 @@ def traces(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def eam_ckpt(traces, tmp_path_factory) -> Path:
-    from moecast.train.eam import build_eam_index
+    from moecast.predictors.eam import EAMConfig
+    from moecast.train.casmoe import PlanData
+    from moecast.train.eam import fit_eam
 
     out = tmp_path_factory.mktemp("eam") / "eam.safetensors"
-    build_eam_index(str(traces), str(out), k_neighbours=1, val_fraction=0.25, wandb=False)
+    fit_eam(str(traces), str(out), EAMConfig(k_neighbours=1), PlanData(val_fraction=0.25), wandb=False)
     return out
 
 
 @pytest.fixture(scope="module")
 def eap_ckpt(traces, tiny_encoder, tmp_path_factory) -> Path:
-    from moecast.train.cli import train
+    from moecast.cli import run
 
     out = tmp_path_factory.mktemp("eap") / "eap.safetensors"
-    train(
+    run(
         [
+            "train",
             "eap",
             "--config",
             str(Path(__file__).parents[1] / "configs" / "eap_minilm.yaml"),
@@ -89,11 +92,11 @@ def eap_ckpt(traces, tiny_encoder, tmp_path_factory) -> Path:
             "4",
             "--data.val_fraction",
             "0.25",
-            "--trainer.max_epochs",
+            "--train.max_epochs",
             "2",
-            "--trainer.accelerator",
+            "--train.accelerator",
             "cpu",
-            "--trainer.enable_progress_bar",
+            "--train.progress_bar",
             "false",
         ]
     )
@@ -418,29 +421,19 @@ def test_eap_fast_path_equals_module_path(eap_ckpt):
 
 
 def test_eap_frozen_encoder_trains_heads_only(traces, tiny_encoder, tmp_path):
-    from moecast.train.cli import train
+    """The frozen encoder is the EAP's default recipe: no --config needed."""
+    from moecast.train.config import TrainConfig
+    from moecast.train.eap import EAPData, EAPModel, fit_eap
 
     out = tmp_path / "eap_frozen.safetensors"
-    train(
-        [
-            "eap",
-            "--config",
-            str(Path(__file__).parents[1] / "configs" / "eap_minilm_frozen.yaml"),
-            "--traces",
-            str(traces),
-            "--out",
-            str(out),
-            "--model.encoder",
-            str(tiny_encoder),
-            "--model.max_length",
-            "32",
-            "--data.val_fraction",
-            "0.25",
-            "--trainer.max_epochs",
-            "3",
-            "--trainer.enable_progress_bar",
-            "false",
-        ]
+    model = EAPModel(encoder=str(tiny_encoder), max_length=32)
+    assert model.freeze_encoder and TrainConfig().max_epochs < 1000
+    fit_eap(
+        str(traces),
+        str(out),
+        model,
+        EAPData(val_fraction=0.25),
+        TrainConfig(max_epochs=3, progress_bar=False),
     )
     tensors, meta = load_raw(out)
     assert meta["encoder_weights"] == "reference" and not any(k.startswith("encoder.") for k in tensors)
@@ -459,8 +452,8 @@ def test_eap_training_under_ddp(traces, tiny_encoder, tmp_path):
     cmd += ["--config", str(Path(__file__).parents[1] / "configs" / "eap_minilm.yaml")]
     cmd += ["--traces", str(traces), "--out", str(out), "--model.encoder", str(tiny_encoder)]
     cmd += ["--model.max_length", "32", "--data.batch_size", "4", "--data.val_fraction", "0.25"]
-    cmd += ["--trainer.max_epochs", "1", "--trainer.enable_progress_bar", "false"]
-    cmd += ["--trainer.strategy", "ddp", "--trainer.devices", "2"]
+    cmd += ["--train.max_epochs", "1", "--train.progress_bar", "false"]
+    cmd += ["--train.strategy", "ddp", "--train.devices", "2"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.count("wrote ") == 1
@@ -471,11 +464,12 @@ def test_eap_training_under_ddp(traces, tiny_encoder, tmp_path):
 
 
 def test_cascade_gate_and_table3(traces, eam_ckpt, eap_ckpt, tmp_path):
-    from moecast.train.cascade import build_cascade_checkpoint
+    from moecast.train.cascade import fit_cascade
+    from moecast.train.config import SplitConfig
 
     ts = TraceSet(traces)
     out = tmp_path / "cascade.safetensors"
-    build_cascade_checkpoint(str(eam_ckpt), str(eap_ckpt), str(out), epsilon=0.5)
+    fit_cascade(str(eam_ckpt), str(eap_ckpt), str(out), epsilon=0.5)
     cascade = load(out, fingerprint=ts.model.fingerprint)
     assert isinstance(cascade, Cascade) and cascade.epsilon == 0.5
     sides = ts.splits(0.25, 0.1, 0)
@@ -508,9 +502,10 @@ def test_cascade_gate_and_table3(traces, eam_ckpt, eap_ckpt, tmp_path):
 
     # `moecast train cascade --traces`: the comparison with chosen encoder settings, kept and logged
     out2 = tmp_path / "cascade2.safetensors"
-    build_cascade_checkpoint(
-        str(eam_ckpt), str(eap_ckpt), str(out2), 0.5, str(traces), [0.0, 1.0], 0.25, engine="torch", int8=True
-    )
+    fit_cascade(
+        str(eam_ckpt), str(eap_ckpt), str(out2), 0.5, str(traces), [0.0, 1.0], SplitConfig(val_fraction=0.25),
+        engine="torch", int8=True,
+    )  # fmt: skip
     saved = json.loads((tmp_path / "cascade2.run" / "table3.json").read_text())
     assert {r["planner"] for r in saved["rows"]} >= {"EAP", "EAM", "cascade eps=0.5"}
     assert list((tmp_path / "cascade2.run" / "wandb").glob("offline-run-*"))
@@ -556,14 +551,16 @@ def test_train_eam_cli_with_yaml_config(traces, tmp_path, capsys):
             str(traces),
             "--out",
             str(out),
-            "--val_fraction",
+            "--data.val_fraction",
             "0.25",
+            "--eam.k-neighbours",
+            "2",
             "--wandb",
             "false",
         ]
     )
     assert "plan recall@2" in capsys.readouterr().out
-    assert load(out).config.k_neighbours == 3
+    assert load(out).config.k_neighbours == 2
 
 
 # ----------------------------------------------------------------------------- real DeepSeek traces
@@ -571,7 +568,8 @@ def test_train_eam_cli_with_yaml_config(traces, tmp_path, capsys):
 
 def test_real_puffin_prompts_and_eam(puffin_dir, tmp_path):
     from moecast.collect.moe_beyond import import_moe_beyond
-    from moecast.train.eam import build_eam_index
+    from moecast.train.casmoe import PlanData
+    from moecast.train.eam import fit_eam
 
     ts = import_moe_beyond(puffin_dir, out=tmp_path / "ds", max_files=10)
     prompts = [prompt_text(ts, r) for r in ts.request_ids]
@@ -579,7 +577,7 @@ def test_real_puffin_prompts_and_eam(puffin_dir, tmp_path):
     ep, weighted = ep_labels(ts)
     assert not weighted and ep.shape == (10, 26, 64)
     out = tmp_path / "eam.safetensors"
-    build_eam_index(str(tmp_path / "ds"), str(out), val_fraction=0.2, wandb=False)
+    fit_eam(str(tmp_path / "ds"), str(out), data=PlanData(val_fraction=0.2), wandb=False)
     meta = load_raw(out)[1]
     assert meta["ep_weighting"].startswith("count") and meta["fingerprint"] == ts.model.fingerprint
     eam = load(out, fingerprint=ts.model.fingerprint)

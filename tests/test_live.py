@@ -539,15 +539,15 @@ def test_cli_run_learn_plans_folds_served_prompts_into_the_eam(model_dir, model_
     """`moecast run --planner EAM --learn_plans true`: each run buffers its prompt on disk; the run
     that fills C folds them into the index, and the next load plans the served prompt from it."""
     from moecast.predictors import load
-    from moecast.predictors.eam import buffer_path
-    from moecast.train.eam import build_eam_index
+    from moecast.predictors.eam import EAMConfig, buffer_path
+    from moecast.train.casmoe import PlanData
+    from moecast.train.eam import fit_eam
 
     from moecast.cli import main
 
     ckpt = tmp_path / "eam.safetensors"
-    build_eam_index(
-        str(model_traces), str(ckpt), k_neighbours=1, buffer_size=2, val_fraction=0.25, wandb=False
-    )
+    index = EAMConfig(k_neighbours=1, buffer_size=2)
+    fit_eam(str(model_traces), str(ckpt), index, PlanData(val_fraction=0.25), wandb=False)
     n0 = load(ckpt).size
     prompts = ["Tell me about volcanoes in Iceland", "How do rockets reach orbit"]
     outs = []
@@ -573,15 +573,15 @@ def test_cli_run_learn_plans_folds_served_prompts_into_the_eam(model_dir, model_
 @pytest.fixture(scope="module")
 def llapor_for_model(model_dir, model_traces, tmp_path_factory):
     """A LLaPor trained on ``model_traces`` for two epochs."""
-    from moecast.train.cli import train
-
     from moecast import configs_dir
+    from moecast.cli import run
 
     root = tmp_path_factory.mktemp("live-llapor")
     traces = model_traces
     ckpt = root / "llapor.safetensors"
-    train(
+    run(
         [
+            "train",
             "llapor",
             "--config",
             str(configs_dir() / "llapor_tiny.yaml"),
@@ -589,13 +589,13 @@ def llapor_for_model(model_dir, model_traces, tmp_path_factory):
             str(traces),
             "--out",
             str(ckpt),
-            "--trainer.max_epochs",
+            "--train.max_epochs",
             "2",
             "--model.hidden",
             "16",
             "--data.val_fraction",
             "0.25",
-            "--trainer.enable_progress_bar",
+            "--train.progress_bar",
             "false",
         ]
     )

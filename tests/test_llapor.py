@@ -684,14 +684,14 @@ def test_features_at_builds_the_runtime_row_as_features_does(tmp_path):
         pred.features_at(bad, 2)
 
 
-def test_cli_exports_the_best_epochs_metrics_and_honours_logger_and_root_dir(tmp_path, monkeypatch):
+def test_cli_exports_the_best_epochs_metrics_and_honours_logger(tmp_path, monkeypatch):
     """The exported weights are the best epoch's (best.ckpt), and so must the recorded metrics be:
     here validation falls after the first epoch, so the last epoch's figures would be wrong.
-    ``--trainer.logger false`` and ``--trainer.default_root_dir`` are the user's to set."""
-    from moecast.train.cli import train
+    ``--train.logger false`` is the user's to set."""
     from moecast.train.llapor import LLaPorModule
 
     from moecast import configs_dir
+    from moecast.cli import run
 
     path = make_synthetic_traceset(tmp_path / "b", num_requests=8, num_layers=3, num_experts=8, hidden=16)
     scores = iter([0.9, 0.5, 0.4])
@@ -704,22 +704,20 @@ def test_cli_exports_the_best_epochs_metrics_and_honours_logger_and_root_dir(tmp
         self.last_val = {"recall_at_k": r, "per_layer": [r, r, r]}
 
     monkeypatch.setattr(LLaPorModule, "on_validation_epoch_end", falling)
-    out, root = tmp_path / "b.safetensors", tmp_path / "root"
-    train(
+    out = tmp_path / "b.safetensors"
+    run(
         [
-            "llapor", "--config", str(configs_dir() / "llapor_tiny.yaml"), "--traces", str(path),
-            "--out", str(out), "--trainer.max_epochs", "3", "--trainer.enable_progress_bar", "false",
-            "--model.hidden", "16", "--early_stopping.patience", "5", "--trainer.logger", "false",
-            "--trainer.default_root_dir", str(root),
+            "train", "llapor", "--config", str(configs_dir() / "llapor_tiny.yaml"), "--traces", str(path),
+            "--out", str(out), "--train.max_epochs", "3", "--train.progress-bar", "false",
+            "--model.hidden", "16", "--train.patience", "5", "--train.logger", "false",
         ]
     )  # fmt: skip
     training = load(out).metadata()["training"]
     assert training["best_score"] == pytest.approx(0.9) and training["epochs"] == 3
     assert training["recall_at_k"] == pytest.approx(0.9) and training["per_layer"] == pytest.approx([0.9] * 3)
-    run = tmp_path / "b.run"
-    assert not (run / "wandb").exists() and not (run / "csv").exists()  # no loggers
-    assert (run / "checkpoints" / "best.ckpt").is_file()  # checkpoints stay in the run directory
-    assert root.is_dir()
+    run_dir = tmp_path / "b.run"
+    assert not (run_dir / "wandb").exists() and not (run_dir / "csv").exists()  # no loggers
+    assert (run_dir / "checkpoints" / "best.ckpt").is_file()  # checkpoints stay in the run directory
 
 
 def test_eval_uses_the_checkpoints_split_and_checks_k(tmp_path, capsys):
@@ -786,9 +784,11 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_no_run_behind(tmp_p
     held a checkpoint is kept."""
     import sys
 
-    from moecast.train.cli import train
-
     from moecast import configs_dir
+    from moecast.cli import run
+
+    def train(argv: list[str]) -> None:
+        run(["train", *argv])
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     ids = make_synthetic_traceset(tmp_path / "ids", num_requests=6, num_layers=3, with_optional=False)
@@ -803,14 +803,12 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_no_run_behind(tmp_p
         str(out),
     ]
     with pytest.raises(Exception, match="gate_inputs"):
-        train([*args, "--data.gate_pca", "true", "--trainer.enable_progress_bar", "false"])
+        train([*args, "--data.gate_pca", "true", "--train.progress_bar", "false"])
     assert not (tmp_path / "x.run").exists() and not out.exists()
     assert "wandb" not in sys.modules or sys.modules["wandb"].run is None
     kept = tmp_path / "x.run" / "checkpoints"
     kept.mkdir(parents=True)
     (kept / "last.ckpt").write_bytes(b"")  # an earlier run's: not this call's to remove
     with pytest.raises(Exception, match="gate_inputs"):
-        train(
-            [*args, "--data.gate_pca", "true", "--resume", "never", "--trainer.enable_progress_bar", "false"]
-        )
+        train([*args, "--data.gate_pca", "true", "--resume", "never", "--train.progress_bar", "false"])
     assert (kept / "last.ckpt").is_file()

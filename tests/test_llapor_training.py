@@ -300,15 +300,15 @@ def test_cli_wires_early_stopping_on_val_recall_and_gradient_clipping(
     traces: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from lightning.pytorch.callbacks import EarlyStopping
-    from moecast.train.cli import train
 
     from moecast import configs_dir
+    from moecast.cli import run
 
     monkeypatch.chdir(tmp_path)
-    # the tiny config without its early_stopping section: what is checked is the CLI's own wiring
+    # the tiny config without its patience: what is checked is the CLI's own wiring
     cfg = yaml.safe_load((configs_dir() / "llapor_tiny.yaml").read_text())
-    del cfg["early_stopping"]
-    clip_cfg = cfg["trainer"]["gradient_clip_val"] = 0.375  # not Lightning's default (None)
+    del cfg["train"]["patience"]
+    clip_cfg = cfg["train"]["gradient_clip_val"] = 0.375  # not Lightning's default (None)
     cfg_path = tmp_path / "llapor.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
     seen: dict[str, Any] = {"clips": []}
@@ -327,8 +327,9 @@ def test_cli_wires_early_stopping_on_val_recall_and_gradient_clipping(
     out = tmp_path / "es.safetensors"
     # learning rates too small to move a weight: val/recall never improves after the first epoch
     tiny_lr = [f"--model.{k}=1e-12" for k in ("lr_io", "lr_middle", "lr_shared")]
-    train(
+    run(
         [
+            "train",
             "llapor",
             "--config",
             str(cfg_path),
@@ -336,9 +337,9 @@ def test_cli_wires_early_stopping_on_val_recall_and_gradient_clipping(
             str(traces),
             "--out",
             str(out),
-            "--trainer.enable_progress_bar=false",
-            "--trainer.max_epochs=6",
-            "--early_stopping.patience=1",
+            "--train.progress_bar=false",
+            "--train.max_epochs=6",
+            "--train.patience=1",
             "--model.hidden=16",
             "--data.val_fraction=0.25",
             *tiny_lr,

@@ -353,15 +353,15 @@ def _train_with(cfg: dict, traces: Path, tmp: Path, capsys) -> bool:
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "c.yaml").write_text(yaml.safe_dump(cfg))
     args = ["train", "llapor", "--config", str(tmp / "c.yaml"), "--traces", str(traces)]
-    args += ["--out", str(tmp / "o.safetensors"), "--trainer.fast_dev_run", "true"]
-    args += ["--trainer.enable_progress_bar", "false"]
+    args += ["--out", str(tmp / "o.safetensors"), "--train.fast_dev_run", "true"]
+    args += ["--train.progress_bar", "false"]
     try:
         main(args)
     except SystemExit as exc:
         err = capsys.readouterr().err
         assert exc.code not in (0, None)
         assert "Traceback" not in err
-        # one line, moecast's own or the LightningCLI parser's turned into one, never a crash or a usage dump
+        # one line, moecast's own or the parser's turned into one, never a crash or a usage dump
         assert isinstance(exc.code, str), err[-2000:]
         assert exc.code.startswith("moecast: error: ") and "\n" not in exc.code, exc.code
         return True
@@ -465,7 +465,7 @@ def _logged_epochs(metrics_csv: Path) -> set[int]:
 def test_training_resumes_from_last_checkpoint(tmp_path, capsys, monkeypatch):
     import torch
     from moecast.predictors import load
-    from moecast.train.cli import run_dir_for
+    from moecast.train.runner import run_dir_for
 
     from moecast.cli import main
 
@@ -474,8 +474,8 @@ def test_training_resumes_from_last_checkpoint(tmp_path, capsys, monkeypatch):
     traces = make_synthetic_traceset(tmp_path / "tr", num_requests=12)
     out = tmp_path / "ck" / "llapor.safetensors"
     base = ["train", "llapor", "--config", str(configs_dir() / "llapor_tiny.yaml"), "--traces", str(traces)]
-    base += ["--out", str(out), "--trainer.enable_progress_bar", "false", "--model.hidden", "16"]
-    main([*base, "--trainer.max_epochs", "2"])
+    base += ["--out", str(out), "--train.progress_bar", "false", "--model.hidden", "16"]
+    main([*base, "--train.max_epochs", "2"])
     run = run_dir_for(out)
     last = run / "checkpoints" / "last.ckpt"
     assert last.is_file()
@@ -486,7 +486,7 @@ def test_training_resumes_from_last_checkpoint(tmp_path, capsys, monkeypatch):
     # an interrupted run: killed after its last checkpoint, before the export
     out.unlink()
     capsys.readouterr()
-    main([*base, "--trainer.max_epochs", "4", "--resume", "auto"])
+    main([*base, "--train.max_epochs", "4", "--resume", "auto"])
     printed = capsys.readouterr().out
     assert f"resuming from {last}" in printed
     meta = load(out).metadata()["training"]
@@ -496,7 +496,7 @@ def test_training_resumes_from_last_checkpoint(tmp_path, capsys, monkeypatch):
     assert len(logs) == 2
     assert _logged_epochs(logs[-1]) == {2, 3}
     # `--resume never` starts afresh
-    main([*base, "--trainer.max_epochs", "1", "--resume", "never"])
+    main([*base, "--train.max_epochs", "1", "--resume", "never"])
     assert "resuming" not in capsys.readouterr().out
     assert load(out).metadata()["training"]["resumed_from"] is None
 

@@ -1,4 +1,4 @@
-"""`moecast train` end to end: LightningCLI + YAML, wandb/CSV logs in the run dir, export, resume, errors."""
+"""`moecast train` end to end: typed fit functions + YAML, wandb/CSV logs in the run dir, export, resume, errors."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from conftest import make_synthetic_traceset, quiet_trainer
 from moecast.collect.traceset import TraceSet
 from moecast.predictors import load
 from moecast.predictors.commands import evaluate
-from moecast.train.cli import TRAINERS, run_dir_for, train
+from moecast.train.runner import run_dir_for
+
+from moecast.cli import COMMANDS, main, run
 
 torch.set_num_threads(1)
 
@@ -33,10 +35,15 @@ def _args(cfg, traces, out, *extra):
         str(traces),
         "--out",
         str(out),
-        "--trainer.enable_progress_bar",
+        "--train.progress_bar",
         "false",
         *extra,
     ]
+
+
+def train(argv: list[str]) -> object:
+    """``moecast train NAME ...`` as the command line runs it, errors raised rather than printed."""
+    return run(["train", *argv])
 
 
 def test_llapor_cli_trains_exports_and_resumes(traces, tmp_path, capsys, monkeypatch):
@@ -45,7 +52,7 @@ def test_llapor_cli_trains_exports_and_resumes(traces, tmp_path, capsys, monkeyp
     train(
         [
             "llapor",
-            *_args("llapor_tiny.yaml", traces, out, "--trainer.max_epochs", "2", "--model.hidden", "32"),
+            *_args("llapor_tiny.yaml", traces, out, "--train.max_epochs", "2", "--model.hidden", "32"),
         ]
     )
     printed = capsys.readouterr().out
@@ -68,7 +75,7 @@ def test_llapor_cli_trains_exports_and_resumes(traces, tmp_path, capsys, monkeyp
     train(
         [
             "llapor",
-            *_args("llapor_tiny.yaml", traces, out, "--trainer.max_epochs", "3", "--model.hidden", "32"),
+            *_args("llapor_tiny.yaml", traces, out, "--train.max_epochs", "3", "--model.hidden", "32"),
         ]
     )
     assert "resuming from" in capsys.readouterr().out
@@ -83,8 +90,8 @@ def test_training_under_ddp(name, traces, tmp_path):
     split from the files, validates its shard, and the logged recall is the whole split's."""
     out = tmp_path / "ddp.safetensors"
     cmd = [sys.executable, "-m", "moecast", "train", name]
-    cmd += _args(f"{name}_tiny.yaml", traces, out, "--trainer.max_epochs", "1")
-    cmd += ["--trainer.strategy", "ddp", "--trainer.devices", "2", "--data.val_fraction", "0.4"]
+    cmd += _args(f"{name}_tiny.yaml", traces, out, "--train.max_epochs", "1")
+    cmd += ["--train.strategy", "ddp", "--train.devices", "2", "--data.val_fraction", "0.4"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.count("wrote ") == 1  # rank 0 exports
@@ -99,7 +106,7 @@ def test_training_under_ddp(name, traces, tmp_path):
 
 def test_checkpoint_loads_without_lightning(traces, tmp_path):
     out = tmp_path / "seq.safetensors"
-    train(["sequence", *_args("sequence_tiny.yaml", traces, out, "--trainer.max_epochs", "1")])
+    train(["sequence", *_args("sequence_tiny.yaml", traces, out, "--train.max_epochs", "1")])
     code = (
         "import sys; from moecast.predictors import load; p = load(sys.argv[1]); "
         "assert p.horizon == 'token-ahead'; assert 'lightning' not in sys.modules; print('ok')"
@@ -240,7 +247,7 @@ def test_sequence_schedule_needs_an_epoch_count():
     module.net = torch.nn.Linear(2, 2)
     trainer = quiet_trainer(-1, max_steps=1)
     module.trainer = trainer
-    with pytest.raises(ValueError, match=r"trainer\.max_epochs must be a positive number of epochs, got -1"):
+    with pytest.raises(ValueError, match=r"train\.max_epochs must be a positive number of epochs, got -1"):
         module.configure_optimizers()
     trainer.fit_loop.max_epochs = 3  # a planned run still gets its schedule
     assert module.configure_optimizers()["lr_scheduler"]["interval"] == "epoch"
@@ -263,10 +270,17 @@ def test_sequence_checkpoint_carries_its_epochs_metrics(traces, tmp_path):
 
 
 def test_cli_errors_are_one_line(traces, tmp_path):
-    with pytest.raises(ValueError, match="unknown trainer"):
-        train(["nope"])
-    with pytest.raises(ValueError, match="--out"):
+    from moecast.errors import InputError
+
+    with pytest.raises(InputError, match="required: out"):
         train(["llapor", "--traces", str(traces)])
+    with pytest.raises(InputError, match=r"train\.max_epochs must be an integer in \[1, inf\], got 0"):
+        train(
+            [
+                "llapor",
+                *_args("llapor_tiny.yaml", traces, tmp_path / "x.safetensors", "--train.max_epochs", "0"),
+            ]
+        )
     with pytest.raises(FileNotFoundError, match="resume"):
         train(
             [
@@ -280,13 +294,13 @@ def test_cli_errors_are_one_line(traces, tmp_path):
                 ),
             ]
         )
-    assert set(TRAINERS) >= {"llapor", "sequence", "eap", "eam"}
-    from moecast.cli import main
-
-    with pytest.raises(SystemExit) as exc:
-        main(["train", "llapor", "--traces", str(traces)])
-    msg = str(exc.value.code)
-    assert msg.startswith("moecast: error:") and "--out" in msg and "\n" not in msg
+    assert set(COMMANDS["train"]) >= {"llapor", "sequence", "eap", "eam", "cascade"}
+    for argv in (["train", "nope"], ["train", "llapor", "--traces", str(traces)]):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        msg = str(exc.value.code)
+        assert msg.startswith("moecast") and "\n" not in msg, msg
+    assert "required: out" in msg and "moecast train llapor --help" in msg
 
 
 def test_empty_training_split_is_reported(tmp_path):

@@ -14,10 +14,30 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from moecast.collect.traceset import TraceSet
+from moecast.train.config import SplitConfig, check_flag
+
+
+@dataclass(frozen=True)
+class PlanData(SplitConfig):
+    """The (prompt, EP) pairs of a TraceSet a planner learns from, split by request.
+
+    Args:
+        val_fraction: share of requests held out (``TraceSet.split``).
+        seed: split seed.
+        max_requests: use at most this many training requests (quick runs).
+        include_decode: count decoded tokens in the EP label too (Eq. 3 sums the prompt's).
+    """
+
+    include_decode: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_flag("data", "include_decode", self.include_decode)
 
 
 def data_info(ts: TraceSet, traces: str, weighted: bool, include_decode: bool) -> dict[str, Any]:

@@ -10,7 +10,9 @@ batch, no per-row Python).
 
 from __future__ import annotations
 
-import math
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -27,7 +29,8 @@ from moecast.predictors.llapor_features import (
     token_context,
 )
 from moecast.predictors.llapor_groups import detect_groups, format_groups, gate_cosine, routing_correlation
-from moecast.predictors.metrics import MetricAccumulator, multi_hot
+from moecast.predictors.metrics import multi_hot
+from moecast.train.config import SplitConfig, check_flag, check_range
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from moecast.errors import InputError
@@ -35,11 +38,10 @@ from moecast.errors import InputError
 CHUNK = 65536  # rows of gate inputs checked at a time
 
 
-def split_requests(
-    ts: TraceSet, val_fraction: float, test_fraction: float, seed: int, max_requests: int | None
-) -> tuple[list[str], list[str], Splits]:
+def split_requests(ts: TraceSet, split: SplitConfig) -> tuple[list[str], list[str], Splits]:
     """(train, val, splits) for a trainer: it fits on train and selects on val; test stays apart."""
-    splits = ts.splits(val_fraction, test_fraction, seed)
+    val_fraction, max_requests = split.val_fraction, split.max_requests
+    splits = ts.splits(val_fraction, split.test_fraction, split.seed)
     train_ids, val_ids = splits.train, splits.val
     if max_requests:
         # subsample both sides in proportion, keeping the split itself unchanged
@@ -72,102 +74,6 @@ def positions_of(ts: TraceSet, ids: list[str]) -> np.ndarray:
     return np.arange(int(lengths.sum())) - starts
 
 
-def check_range(
-    section: str,
-    name: str,
-    value: Any,
-    kind: type = float,
-    lo: float | None = None,
-    hi: float | None = None,
-    open_lo: bool = False,
-    open_hi: bool = False,
-    optional: bool = False,
-) -> None:
-    """One clear ``ValueError`` when a hyper-parameter has the wrong type or lies outside its range."""
-    if value is None and optional:
-        return
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    ok = number and math.isfinite(value) and (kind is float or float(value).is_integer())
-    if ok and lo is not None:
-        ok = value > lo if open_lo else value >= lo
-    if ok and hi is not None:
-        ok = value < hi if open_hi else value <= hi
-    if not ok:
-        rng = ""
-        if lo is not None or hi is not None:
-            left = ("(" if open_lo else "[") + (f"{lo:g}" if lo is not None else "-inf")
-            right = (f"{hi:g}" if hi is not None else "inf") + (")" if open_hi else "]")
-            rng = f" in {left}, {right}"
-        raise InputError(
-            f"{section}.{name} must be {'an integer' if kind is int else 'a number'}{rng}, got {value!r}"
-        )
-
-
-def check_split(section: str, val_fraction: Any, test_fraction: Any, seed: Any) -> None:
-    # an empty validation split has nothing to select the best epoch by
-    check_range(section, "val_fraction", val_fraction, float, 0, 1, open_lo=True, open_hi=True)
-    check_range(section, "test_fraction", test_fraction, float, 0, 1, open_hi=True)
-    check_range(section, "seed", seed, int)
-    if val_fraction + test_fraction >= 1:
-        raise InputError(
-            f"{section}.val_fraction + {section}.test_fraction = {val_fraction + test_fraction:g} leaves no "
-            "training requests; keep the sum below 1"
-        )
-
-
-def check_flag(section: str, name: str, value: Any, also: tuple[str, ...] = ()) -> None:
-    if not isinstance(value, bool) and value not in also:
-        allowed = " or ".join(["true", "false", *(repr(a) for a in also)])
-        raise InputError(f"{section}.{name} must be {allowed}, got {value!r}")
-
-
-def planned_epochs(trainer: Any, what: str) -> int:
-    """``trainer.max_epochs`` as the length ``what`` (a warm-up and cosine schedule) is laid out
-    over: one clear ``ValueError`` when the run has no epoch count (-1: bounded by max_time or
-    max_steps only), which would squeeze the whole schedule into the first epoch."""
-    total = trainer.max_epochs
-    if total is None or int(total) < 1:
-        raise InputError(
-            f"trainer.max_epochs must be a positive number of epochs, got {total!r}: {what} is laid out "
-            "over it (bound the wall time with trainer.max_time as well)"
-        )
-    return int(total)
-
-
-def log_validation(
-    module: pl.LightningModule,
-    acc: MetricAccumulator,
-    moe_layers: list[int],
-    groups: dict[str, list[int]] | None = None,
-) -> dict[str, Any] | None:
-    """Log the held-out metrics (predictors.metrics: recall@k, precision, micro and macro F1)
-    overall, per MoE layer and per layer group; returns them, or None when there were no rows.
-
-    Under DDP each rank validated a shard (``eval_sampler``): the ranks' counts are summed first,
-    so every rank logs the whole split's figures. ``val/recall`` is recall@k, the monitored value.
-    """
-    if module.trainer.world_size > 1:
-        vec = torch.from_numpy(acc.counts()).to(module.device)
-        acc.set_counts(module.all_gather(vec).reshape(-1, len(vec)).sum(0).cpu().numpy())
-    if not acc.rows.sum():
-        return None
-    parts = {f"layer/{layer}": [i] for i, layer in enumerate(moe_layers)}
-    parts.update({f"group/{g}": list(ls) for g, ls in (groups or {}).items() if ls})
-    res = acc.result(parts)
-    names = {
-        "recall_at_k": "recall",
-        "precision": "precision",
-        "f1_micro": "f1_micro",
-        "f1_macro": "f1_macro",
-    }
-    for key, name in names.items():
-        module.log(f"val/{name}", res[key], prog_bar=name == "recall")
-        for part, summary in res["per_group"].items():
-            kind, label = part.split("/", 1)
-            module.log(f"val/{name}_{kind}/{label}", summary[key])
-    return res
-
-
 def eval_sampler(n: int) -> Sampler | None:
     """Validation under DDP: each rank takes every world-th item, unpadded. Lightning's default
     sampler evens the shards by repeating items, which ``log_validation`` would count twice.
@@ -181,20 +87,41 @@ def eval_sampler(n: int) -> Sampler | None:
     return UnrepeatedDistributedSampler(range(n), shuffle=False)
 
 
-class RowBatches(Dataset):
-    """Rows of a token table; ``__getitems__`` builds a whole batch of LLaPor inputs at once."""
+class Batches(Dataset):
+    """Items (token rows, requests) whose ``__getitems__`` builds a whole batch at once with ``build``."""
 
-    def __init__(self, dm: LLaPorDataModule, rows: np.ndarray) -> None:
-        self.dm, self.rows = dm, rows
+    def __init__(self, build: Callable[[np.ndarray], dict[str, torch.Tensor]], items: np.ndarray) -> None:
+        self.build, self.items = build, items
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.items)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return self.__getitems__([i])
 
     def __getitems__(self, idx: list[int]) -> dict[str, torch.Tensor]:
-        return self.dm.batch(self.rows[np.asarray(idx)])
+        return self.build(self.items[np.asarray(idx)])
+
+
+def batch_loader(
+    build: Callable[[np.ndarray], dict[str, torch.Tensor]],
+    items: np.ndarray,
+    batch_size: int,
+    train: bool,
+    num_workers: int,
+    what: str,
+) -> DataLoader:
+    """Shuffled training batches, or validation batches sharded over DDP ranks (``eval_sampler``)."""
+    if len(items) == 0:
+        raise InputError(f"{what}: the {'training' if train else 'validation'} split is empty")
+    return DataLoader(
+        Batches(build, items),
+        batch_size=batch_size,
+        shuffle=train,
+        sampler=None if train else eval_sampler(len(items)),
+        collate_fn=_identity,
+        num_workers=num_workers,
+    )
 
 
 def _finite_rows(ts: TraceSet, name: str, requests: list[str]) -> Any:
@@ -209,7 +136,8 @@ def _identity(batch: Any) -> Any:
     return batch
 
 
-class LLaPorDataModule(pl.LightningDataModule):
+@dataclass(frozen=True)
+class LLaPorData(SplitConfig):
     """LLaPor training data (PreScope §4.2): per-token inputs for every MoE layer of a TraceSet.
 
     Features follow the TraceSet's fields: ``gate_pca`` / ``weights`` ``"auto"`` use gate
@@ -224,13 +152,12 @@ class LLaPorDataModule(pl.LightningDataModule):
     previous token (set them explicitly to override either way).
 
     Args:
-        traces: TraceSet directory (``--traces``)
         val_fraction: share of requests held out for validation: selects the best epoch
         test_fraction: share of requests held out for testing (``moecast predictors eval``
             reports it); never trained or selected on
         seed: split seed
-        batch_size: token rows per batch
         max_requests: train on at most this many requests (all when null)
+        batch_size: token rows per batch
         prev_layers: this token's ids at layers l-1 .. l-prev_layers, one multi-hot block each
         deep_history: also every earlier layer's ids of this token (learned per-layer mix)
         history_tokens: layer l's ids of the previous history_tokens tokens (null: 1 on traces
@@ -258,66 +185,56 @@ class LLaPorDataModule(pl.LightningDataModule):
         num_workers: DataLoader worker processes
     """
 
-    def __init__(
-        self,
-        traces: str,
-        val_fraction: float = 0.1,
-        test_fraction: float = 0.1,
-        seed: int = 0,
-        batch_size: int = 512,
-        max_requests: int | None = None,
-        prev_layers: int = 1,
-        deep_history: bool = False,
-        history_tokens: int | None = None,
-        history_layers: int = 1,
-        context_tokens: int = 0,
-        dense_skip: bool = False,
-        token_buckets: int | None = None,
-        token_dim: int = 32,
-        token_exact: bool = False,
-        token_min_count: int = 1,
-        repeat_token: bool = False,
-        context_vote: int = 0,
-        vote_power: float = 4.0,
-        context_gate: int = 0,
-        gate_pca: bool | str = "auto",
-        weights: bool | str = "auto",
-        pca_io: int = 256,
-        pca_middle: int = 512,
-        pca_fit_rows: int = 20000,
-        groups: dict[str, list[int]] | None = None,
-        soft_targets: bool | str = "auto",
-        num_workers: int = 0,
-    ) -> None:
-        super().__init__()
+    batch_size: int = 512
+    prev_layers: int = 1
+    deep_history: bool = False
+    history_tokens: int | None = None
+    history_layers: int = 1
+    context_tokens: int = 0
+    dense_skip: bool = False
+    token_buckets: int | None = None
+    token_dim: int = 32
+    token_exact: bool = False
+    token_min_count: int = 1
+    repeat_token: bool = False
+    context_vote: int = 0
+    vote_power: float = 4.0
+    context_gate: int = 0
+    gate_pca: bool | str = "auto"
+    weights: bool | str = "auto"
+    pca_io: int = 256
+    pca_middle: int = 512
+    pca_fit_rows: int = 20000
+    groups: dict[str, list[int]] | None = None
+    soft_targets: bool | str = "auto"
+    num_workers: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         d = "data"
-        check_split(d, val_fraction, test_fraction, seed)
-        check_range(d, "max_requests", max_requests, int, 1, optional=True)
-        for name, value, lo in (
-            ("batch_size", batch_size, 1),
-            ("prev_layers", prev_layers, 0),
-            ("history_layers", history_layers, 0),
-            ("context_tokens", context_tokens, 0),
-            ("token_dim", token_dim, 1),
-            ("token_min_count", token_min_count, 1),
-            ("context_vote", context_vote, 0),
-            ("context_gate", context_gate, 0),
-            ("pca_io", pca_io, 1),
-            ("pca_middle", pca_middle, 1),
-            ("pca_fit_rows", pca_fit_rows, 1),
-            ("num_workers", num_workers, 0),
+        for name, lo in (
+            ("batch_size", 1),
+            ("prev_layers", 0),
+            ("history_layers", 0),
+            ("context_tokens", 0),
+            ("token_dim", 1),
+            ("token_min_count", 1),
+            ("context_vote", 0),
+            ("context_gate", 0),
+            ("pca_io", 1),
+            ("pca_middle", 1),
+            ("pca_fit_rows", 1),
+            ("num_workers", 0),
         ):
-            check_range(d, name, value, int, lo)
-        check_range(d, "history_tokens", history_tokens, int, 0, optional=True)
-        check_range(d, "token_buckets", token_buckets, int, 0, optional=True)
-        check_flag(d, "deep_history", deep_history)
-        check_flag(d, "dense_skip", dense_skip)
-        check_flag(d, "token_exact", token_exact)
-        check_range(d, "vote_power", vote_power, float, 0)
-        check_flag(d, "repeat_token", repeat_token)
-        check_flag(d, "gate_pca", gate_pca, ("auto",))
-        check_flag(d, "weights", weights, ("auto",))
-        check_flag(d, "soft_targets", soft_targets, ("auto",))
+            check_range(d, name, getattr(self, name), int, lo)
+        check_range(d, "history_tokens", self.history_tokens, int, 0, optional=True)
+        check_range(d, "token_buckets", self.token_buckets, int, 0, optional=True)
+        check_range(d, "vote_power", self.vote_power, float, 0)
+        for name in ("deep_history", "dense_skip", "token_exact", "repeat_token"):
+            check_flag(d, name, getattr(self, name))
+        for name in ("gate_pca", "weights", "soft_targets"):
+            check_flag(d, name, getattr(self, name), ("auto",))
+        groups = self.groups
         if groups is not None and not (
             isinstance(groups, dict)
             and all(isinstance(v, list) and all(isinstance(x, int) for x in v) for v in groups.values())
@@ -327,7 +244,19 @@ class LLaPorDataModule(pl.LightningDataModule):
             # a misspelt name would train every layer as no group: no middle body, rates or PCA width
             bad = ", ".join(sorted(set(groups) - {"input", "middle", "output"}))
             raise InputError(f"data.groups: unknown group {bad}; the groups are input, middle and output")
-        self.save_hyperparameters()
+
+
+class LLaPorDataModule(pl.LightningDataModule):
+    """LLaPor training data (PreScope §4.2) of a TraceSet, as :class:`LLaPorData` says.
+
+    ``LLaPorDataModule(traces, config)``, or the settings as keywords (``batch_size=64``).
+    """
+
+    def __init__(self, traces: str, config: LLaPorData | None = None, **settings: Any) -> None:
+        super().__init__()
+        config = config if config is not None else LLaPorData(**settings)
+        self.config = config
+        self.save_hyperparameters(dataclasses.asdict(config))
         self.traces = traces
         self._built = False
 
@@ -340,9 +269,7 @@ class LLaPorDataModule(pl.LightningDataModule):
         self.ts = ts
         m = ts.meta.model
         L, E, k = m.num_layers, m.num_experts, m.top_k
-        self.train_ids, self.val_ids, self.splits = split_requests(
-            ts, hp.val_fraction, hp.test_fraction, hp.seed, hp.max_requests
-        )
+        self.train_ids, self.val_ids, self.splits = split_requests(ts, self.config)
         ids_order = self.train_ids + self.val_ids
         self.topk = np.ascontiguousarray(ts.array("topk_ids", ids_order))
         if (self.topk < 0).any() or (self.topk >= E).any():
@@ -526,19 +453,9 @@ class LLaPorDataModule(pl.LightningDataModule):
             None if self.votes is None else self.votes[rows],
         )
 
-    def _loader(self, rows: np.ndarray, shuffle: bool) -> DataLoader:
-        if len(rows) == 0:
-            raise InputError(
-                f"{self.traces}: the {'training' if shuffle else 'validation'} split has no tokens"
-            )
-        return DataLoader(
-            RowBatches(self, rows),
-            batch_size=self.hparams.batch_size,
-            shuffle=shuffle,
-            sampler=None if shuffle else eval_sampler(len(rows)),
-            collate_fn=_identity,
-            num_workers=self.hparams.num_workers,
-        )
+    def _loader(self, rows: np.ndarray, train: bool) -> DataLoader:
+        hp = self.hparams
+        return batch_loader(self.batch, rows, hp.batch_size, train, hp.num_workers, str(self.traces))
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_rows, True)

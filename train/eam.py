@@ -7,6 +7,7 @@ held-out requests.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -15,94 +16,88 @@ from moecast.collect.traceset import atomic_write_json, open_traces
 from moecast.predictors.casmoe import ep_labels, plan_recall, prompt_texts
 from moecast.predictors.eam import EAM, EAMConfig, index_path
 from moecast.predictors.sentence_encoder import SentenceEmbedder
-from moecast.train.casmoe import data_info, per_layer_table, wandb_run
+from moecast.train.casmoe import PlanData, data_info, per_layer_table, wandb_run
 from moecast.train.planner_report import run_planner
+from moecast.train.runner import run_dir_for
 from tqdm import tqdm
 
 from moecast.errors import InputError
 
 
-def build_eam_index(
+def _embed(embedder: SentenceEmbedder, prompts: list[str], batch_size: int) -> np.ndarray:
+    """[N, D] keys of ``prompts``, embedded in length order so each batch pads to similar lengths."""
+    order = np.argsort([len(p) for p in prompts], kind="stable")
+    keys = np.empty((len(prompts), embedder.dim), np.float32)
+    for i in tqdm(range(0, len(prompts), batch_size), desc="EAM: embedding prompts", unit="batch"):
+        idx = order[i : i + batch_size]
+        keys[idx] = embedder.embed([prompts[j] for j in idx])
+    return keys
+
+
+def _evaluate(eam: EAM, ts: Any, val_ids: list[str], include_decode: bool, k: int) -> dict[str, Any]:
+    """Plan recall@k and query latency of ``eam`` on the held-out requests (printed, and returned)."""
+    run = run_planner(eam, prompt_texts(ts, val_ids), "EAM: held-out queries")
+    r = plan_recall(run.plans, ep_labels(ts, val_ids, include_decode)[0], k)
+    metrics = {
+        "val_recall_at_k": r["recall_at_k"],
+        "k": r["k"],
+        "per_layer_recall": r["per_layer"]["recall_at_k"],
+        "val_requests": len(val_ids),
+        "mean_query_ms": float(run.latency_ms.mean()),
+        "mean_confidence": float(run.confidence.mean()),
+    }
+    print(per_layer_table("EAM", r, eam.moe_layers))
+    print(
+        f"  mean query {metrics['mean_query_ms']:.2f} ms (embedding included), mean confidence {metrics['mean_confidence']:.3f}"
+    )
+    return metrics
+
+
+# fit_eam's defaults (EAMConfig is not frozen: fit_eam gives the EAM a copy)
+_EAM, _DATA = EAMConfig(), PlanData()
+
+
+def fit_eam(
     traces: str,
     out: str,
-    embedder: str = "minilm",
-    max_length: int = 256,
-    k_neighbours: int = 3,
-    buffer_size: int = 30,
-    M: int = 16,
-    ef_construction: int = 200,
-    ef: int = 64,
-    seed: int = 0,
-    val_fraction: float = 0.1,
-    test_fraction: float = 0.1,
-    include_decode: bool = False,
+    eam: EAMConfig = _EAM,
+    data: PlanData = _DATA,
     eval_k: int | None = None,
     batch_size: int = 64,
     run_dir: str | None = None,
     wandb: bool = True,
-    int8: bool = False,
-    engine: str = "auto",
 ) -> Path:
-    """Build CasMoE's EAM (Eqs. 4-5): embed the training prompts, index them, evaluate on held-out.
+    """Build CasMoE's EAM (Eqs. 4-5): embed the training prompts, index them, evaluate on val.
 
     Args:
         traces: TraceSet directory.
         out: the EAM checkpoint (.safetensors); its hnswlib index is written beside it.
-        embedder: 'minilm' (the packaged all-MiniLM-L6-v2) or a local sentence-transformers folder.
-        max_length: token limit of the embedder (longer prompts are truncated, said once).
-        k_neighbours: k' of Eq. 5 (neighbours averaged).
-        buffer_size: C, new pairs buffered before they are folded into the index (paper: 30).
-        M: hnswlib graph degree.
-        ef_construction: hnswlib build-time beam.
-        ef: hnswlib query-time beam.
-        seed: split seed and hnswlib seed.
-        val_fraction: share of requests in val, evaluated here (``TraceSet.splits``).
-        test_fraction: share of requests in test, left for ``moecast predictors eval``.
-        include_decode: count decoded tokens in the EP label too.
+        eam: the embedder and the index (saved with the EAM, which queries that way too).
+        data: the split and the EP labels.
         eval_k: k of the plan recall@k (default: the model's top-k).
         batch_size: prompts embedded per batch while building.
         run_dir: where the metrics and the offline wandb run go (default ``<out>.run``).
         wandb: log the evaluation to an offline wandb run.
-        int8: embed with dynamic int8 Linear layers (CPU; ~1.5x faster short queries, embeddings
-            ~0.99 cosine to fp32's); saved with the EAM, which then queries that way too.
-        engine: who runs the embedder: auto (ONNX Runtime on the CPU when installed), onnx or torch;
-            saved with the EAM.
     """
-    from moecast.train.cli import run_dir_for
-
     out_p = Path(out)
     if not str(out_p).endswith(".safetensors"):
-        raise InputError(f"--out {out}: name the EAM checkpoint *.safetensors")
+        raise InputError(f"out {out}: name the EAM checkpoint *.safetensors")
+    if batch_size < 1:
+        raise InputError(f"batch_size must be at least 1, got {batch_size}")
     ts = open_traces(traces)
-    splits = ts.splits(val_fraction, test_fraction, seed)
+    splits = ts.splits(data.val_fraction, data.test_fraction, data.seed)
     train_ids, val_ids = splits.train, splits.val
+    train_ids = train_ids[: data.max_requests] if data.max_requests else train_ids
     if not train_ids:
         raise InputError(f"{traces}: no training requests to index")
-    ep_train, weighted = ep_labels(ts, train_ids, include_decode)
-    prompts = prompt_texts(ts, train_ids)
-    emb_model = SentenceEmbedder(embedder, max_length=max_length, int8=int8, engine=engine)
-    # embed in length order so each batch pads to similar lengths, then restore the order
-    order = np.argsort([len(p) for p in prompts], kind="stable")
-    keys = np.empty((len(prompts), emb_model.dim), np.float32)
-    for i in tqdm(range(0, len(prompts), batch_size), desc="EAM: embedding prompts", unit="batch"):
-        idx = order[i : i + batch_size]
-        keys[idx] = emb_model.embed([prompts[j] for j in idx])
-    cfg = EAMConfig(
-        embedder=embedder,
-        max_length=emb_model.max_length,
-        k_neighbours=k_neighbours,
-        buffer_size=buffer_size,
-        M=M,
-        ef_construction=ef_construction,
-        ef=ef,
-        seed=seed,
-        int8=emb_model.int8,
-        engine=engine,
-    )
-    info = data_info(ts, traces, weighted, include_decode)
+    ep_train, weighted = ep_labels(ts, train_ids, data.include_decode)
+    embedder = SentenceEmbedder(eam.embedder, max_length=eam.max_length, int8=eam.int8, engine=eam.engine)
+    keys = _embed(embedder, prompt_texts(ts, train_ids), batch_size)
+    cfg = dataclasses.replace(eam, max_length=embedder.max_length, int8=embedder.int8)
+    info = data_info(ts, traces, weighted, data.include_decode)
     info["split"] = splits.metadata()
-    eam = EAM(
-        emb_model,
+    index = EAM(
+        embedder,
         ep_train,
         keys,
         fingerprint=info["fingerprint"],
@@ -115,35 +110,17 @@ def build_eam_index(
     )
     metrics: dict[str, Any] = {"indexed_requests": len(train_ids)}
     if val_ids:
-        run = run_planner(eam, prompt_texts(ts, val_ids), "EAM: held-out queries")
-        r = plan_recall(run.plans, ep_labels(ts, val_ids, include_decode)[0], eval_k or ts.top_k)
-        metrics.update(
-            val_recall_at_k=r["recall_at_k"],
-            k=r["k"],
-            per_layer_recall=r["per_layer"]["recall_at_k"],
-            val_requests=len(val_ids),
-            mean_query_ms=float(run.latency_ms.mean()),
-            mean_confidence=float(run.confidence.mean()),
-        )
-        print(per_layer_table("EAM", r, info["moe_layers"]))
-        print(
-            f"  mean query {metrics['mean_query_ms']:.2f} ms (embedding included), mean confidence {metrics['mean_confidence']:.3f}"
-        )
-    eam.extra_meta["metrics"] = metrics
-    path = eam.save(out_p)
+        metrics.update(_evaluate(index, ts, val_ids, data.include_decode, eval_k or ts.top_k))
+    index.extra_meta["metrics"] = metrics
+    path = index.save(out_p)
     rd = run_dir_for(out_p, run_dir)
     rd.mkdir(parents=True, exist_ok=True)
     atomic_write_json(rd / "metrics.json", metrics)
     if wandb and val_ids:
-        _log_wandb(
-            rd,
-            out_p.stem,
-            {k: v for k, v in metrics.items() if not isinstance(v, list)},
-            metrics.get("per_layer_recall"),
-            info["moe_layers"],
-        )
+        scalars = {k: v for k, v in metrics.items() if not isinstance(v, list)}
+        _log_wandb(rd, out_p.stem, scalars, metrics.get("per_layer_recall"), info["moe_layers"])
     print(
-        f"wrote {path} ({eam.size} prompts indexed; index {index_path(path, eam.generation).name} beside it)"
+        f"wrote {path} ({index.size} prompts indexed; index {index_path(path, index.generation).name} beside it)"
     )
     return path
 
@@ -161,10 +138,3 @@ def _log_wandb(
         if per_layer:
             data.update({f"val/recall_layer/{m}": v for m, v in zip(moe_layers, per_layer)})
         run.log(data)
-
-
-def build_eam(argv: list[str]) -> Path:
-    """``moecast train eam --traces T --out CKPT [--config configs/eam_minilm.yaml] [options]``."""
-    from jsonargparse import auto_cli
-
-    return auto_cli(build_eam_index, args=argv, as_positional=False)

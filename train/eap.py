@@ -10,6 +10,8 @@ the heads learn (the contrastive term then has nothing to train and is skipped).
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,45 +23,50 @@ from moecast.predictors.casmoe import ep_labels, plan_recall, plan_truth, prompt
 from moecast.predictors.eap import EAP, EAPNet, load_encoder, tokenizer_limit
 from moecast.predictors.metrics import MetricAccumulator
 from moecast.predictors.sentence_encoder import encoder_identity, encoder_spec
-from moecast.train.casmoe import data_info, per_layer_table
-from moecast.train.data import eval_sampler, log_validation
+from moecast.train.casmoe import PlanData, data_info, per_layer_table
+from moecast.train.config import TrainConfig, check_range
+from moecast.train.data import eval_sampler
+from moecast.train.module import log_validation
+from moecast.train.runner import fit
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from moecast.errors import InputError
 
 
-class EAPDataModule(L.LightningDataModule):
-    """(prompt, EP) pairs of a TraceSet, split by request (CasMoE "Data Calibration", dataset D)."""
+@dataclass(frozen=True)
+class EAPData(PlanData):
+    """(prompt, EP) pairs of a TraceSet, split by request (CasMoE "Data Calibration", dataset D).
 
-    def __init__(
-        self,
-        traces: str,
-        batch_size: int = 32,
-        val_fraction: float = 0.1,
-        seed: int = 0,
-        include_decode: bool = False,
-        max_requests: int | None = None,
-        test_fraction: float = 0.1,
-    ) -> None:
-        """
-        Args:
-            traces: TraceSet directory (linked from ``--traces``).
-            batch_size: prompts per step (also the InfoNCE negatives).
-            val_fraction: share of requests in val, which selects the best epoch (``TraceSet.splits``).
-            seed: split seed.
-            include_decode: count decoded tokens in the EP label too (Eq. 3 sums the prompt's).
-            max_requests: use only the first N training requests (quick runs).
-            test_fraction: share of requests in test, never trained or selected on.
-        """
+    Args:
+        val_fraction: share of requests in val, which selects the best epoch (``TraceSet.splits``).
+        test_fraction: share of requests in test, never trained or selected on.
+        seed: split seed.
+        max_requests: use only the first N training requests (quick runs).
+        include_decode: count decoded tokens in the EP label too (Eq. 3 sums the prompt's).
+        batch_size: prompts per step (also the InfoNCE negatives).
+    """
+
+    batch_size: int = 64
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_range("data", "batch_size", self.batch_size, int, 1)
+
+
+class EAPDataModule(L.LightningDataModule):
+    """The EAP's training pairs, as :class:`EAPData` says (or its settings as keywords)."""
+
+    def __init__(self, traces: str, config: EAPData | None = None, **settings: Any) -> None:
         super().__init__()
+        config = config if config is not None else EAPData(**settings)
         self.traces = traces
-        self.batch_size = batch_size
-        self.val_fraction = val_fraction
-        self.test_fraction = test_fraction
-        self.seed = seed
-        self.include_decode = include_decode
-        self.max_requests = max_requests
+        self.batch_size = config.batch_size
+        self.val_fraction = config.val_fraction
+        self.test_fraction = config.test_fraction
+        self.seed = config.seed
+        self.include_decode = config.include_decode
+        self.max_requests = config.max_requests
         self.info: dict[str, Any] = {}
         self._ready = False
 
@@ -101,45 +108,62 @@ class EAPDataModule(L.LightningDataModule):
         )
 
 
+@dataclass(frozen=True)
+class EAPModel:
+    """EAP training (CasMoE Eqs. 6-9): encoder + per-layer heads, alpha*InfoNCE + Huber.
+
+    The defaults are the recipe measured on a CPU: a frozen encoder (its embeddings computed once,
+    the heads trained on them); configs/eap_minilm.yaml fine-tunes the encoder instead.
+
+    Args:
+        encoder: 'minilm' (the packaged all-MiniLM-L6-v2) or a local Hugging Face encoder folder.
+        max_length: token limit for prompts (longer ones are truncated, said once).
+        freeze_encoder: train only the heads on fixed embeddings (fast on a CPU).
+        hidden: shared projection width (paper: 64).
+        intermediate: per-layer head width (paper: 128).
+        dropout: head dropout; the encoder's own dropout makes the SimCSE positives.
+        alpha: weight of the contrastive loss in Eq. 9 (paper: 0.05).
+        tau: InfoNCE temperature of Eq. 6 (SimCSE: 0.05).
+        huber_delta: delta of Eq. 8, on EP scaled by E (a uniform expert's share is 1).
+        lr: learning rate of the heads (Adam).
+        encoder_lr: learning rate of the encoder (the paper's 6e-7 barely moves it in a few epochs).
+        weight_decay: AdamW weight decay.
+        eval_k: k of the plan recall@k (default: the model's top-k).
+    """
+
+    encoder: str = "minilm"
+    max_length: int = 256
+    freeze_encoder: bool = True
+    hidden: int = 64
+    intermediate: int = 128
+    dropout: float = 0.1
+    alpha: float = 0.05
+    tau: float = 0.05
+    huber_delta: float = 1.0
+    lr: float = 3e-3
+    encoder_lr: float = 2e-5
+    weight_decay: float = 0.0
+    eval_k: int | None = None
+
+    def __post_init__(self) -> None:
+        m = "model"
+        for name in ("max_length", "hidden", "intermediate"):
+            check_range(m, name, getattr(self, name), int, 1)
+        check_range(m, "dropout", self.dropout, float, 0, 1, open_hi=True)
+        for name in ("tau", "huber_delta", "lr", "encoder_lr"):
+            check_range(m, name, getattr(self, name), float, 0, open_lo=True)
+        for name in ("alpha", "weight_decay"):
+            check_range(m, name, getattr(self, name), float, 0)
+        check_range(m, "eval_k", self.eval_k, int, 1, optional=True)
+
+
 class EAPModule(L.LightningModule):
-    """EAP training (CasMoE Eqs. 6-9): encoder + per-layer heads, alpha*InfoNCE + Huber."""
+    """The EAP's training, as :class:`EAPModel` says (or its settings as keywords)."""
 
-    datamodule_class = EAPDataModule
-
-    def __init__(
-        self,
-        encoder: str = "minilm",
-        max_length: int = 256,
-        freeze_encoder: bool = False,
-        hidden: int = 64,
-        intermediate: int = 128,
-        dropout: float = 0.1,
-        alpha: float = 0.05,
-        tau: float = 0.05,
-        huber_delta: float = 1.0,
-        lr: float = 1e-3,
-        encoder_lr: float = 2e-5,
-        weight_decay: float = 0.0,
-        eval_k: int | None = None,
-    ) -> None:
-        """
-        Args:
-            encoder: 'minilm' (the packaged all-MiniLM-L6-v2) or a local Hugging Face encoder folder.
-            max_length: token limit for prompts (longer ones are truncated, said once).
-            freeze_encoder: train only the heads on fixed embeddings (fast on a CPU).
-            hidden: shared projection width (paper: 64).
-            intermediate: per-layer head width (paper: 128).
-            dropout: head dropout; the encoder's own dropout makes the SimCSE positives.
-            alpha: weight of the contrastive loss in Eq. 9 (paper: 0.05).
-            tau: InfoNCE temperature of Eq. 6 (SimCSE: 0.05).
-            huber_delta: delta of Eq. 8, on EP scaled by E (a uniform expert's share is 1).
-            lr: learning rate of the heads (Adam).
-            encoder_lr: learning rate of the encoder (the paper's 6e-7 barely moves it in a few epochs).
-            weight_decay: AdamW weight decay.
-            eval_k: k of the plan recall@k (default: the model's top-k).
-        """
+    def __init__(self, config: EAPModel | None = None, **settings: Any) -> None:
+        config = config if config is not None else EAPModel(**settings)
         super().__init__()
-        self.save_hyperparameters()
+        self.save_hyperparameters(dataclasses.asdict(config))
         self.net: EAPNet | None = None
         self.tokenizer: Any = None
         self._cache: dict[str, torch.Tensor] = {}
@@ -297,3 +321,31 @@ class EAPModule(L.LightningModule):
         }
         print(per_layer_table("EAP", r, self.info["moe_layers"]))
         return eap.save(out)
+
+
+# fit_eap's defaults (frozen: one instance serves every call): the frozen-encoder recipe, bounded
+_MODEL, _DATA, _TRAIN = EAPModel(), EAPData(), TrainConfig(max_epochs=60, patience=10)
+
+
+def fit_eap(
+    traces: str,
+    out: str,
+    model: EAPModel = _MODEL,
+    data: EAPData = _DATA,
+    train: TrainConfig = _TRAIN,
+    run_dir: str | None = None,
+    resume: str = "auto",
+) -> Path:
+    """Train CasMoE's EAP (Eqs. 6-9) on a TraceSet's prompts and write its checkpoint.
+
+    Args:
+        traces: TraceSet directory to train on.
+        out: the predictor checkpoint to write (.safetensors).
+        model: the encoder, heads, loss and optimiser.
+        data: the split and the EP labels.
+        train: epochs, early stopping, devices, logging.
+        run_dir: Lightning and wandb run directory (default ``<out>.run`` beside ``out``).
+        resume: auto (from the run directory's last.ckpt when present), never, or a .ckpt path.
+    """
+    settings = {"traces": traces, "out": out, "model": model, "data": data, "train": train}
+    return fit(EAPModule(model), EAPDataModule(traces, data), out, train, run_dir, resume, settings)

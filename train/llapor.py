@@ -24,12 +24,11 @@
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict
+import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from moecast.predictors.context_memory import MemoryConfig, build
 from moecast.predictors.llapor import LLaPor
@@ -42,19 +41,17 @@ from moecast.predictors.llapor_net import (
     llapor_loss,
 )
 from moecast.predictors.metrics import MetricAccumulator
-from moecast.train.data import (
-    LLaPorDataModule,
-    check_range,
-    log_validation,
-    planned_epochs,
-    split_metadata,
-)
+from moecast.train.config import TrainConfig, check_range
+from moecast.train.data import LLaPorData, LLaPorDataModule
+from moecast.train.module import RecallModule, planned_epochs, warm_cosine
+from moecast.train.runner import fit
 
 from moecast.errors import InputError
 
 
-class LLaPorModule(pl.LightningModule):
-    """Trains all of a model's LLaPor predictors together (one network per layer, grouped).
+@dataclass(frozen=True)
+class LLaPorModel:
+    """LLaPor's network, loss and optimiser (PreScope §4.2.1-2): one network per layer, grouped.
 
     Args:
         hidden: width of each layer's network
@@ -84,66 +81,70 @@ class LLaPorModule(pl.LightningModule):
         memory_weight: the memory's votes against the network's softmax (both sum to k)
     """
 
-    datamodule_class = LLaPorDataModule
+    hidden: int = 256
+    depth_io: int = 1
+    depth_middle: int = 2
+    dropout: float = 0.1
+    lr_io: float = 2e-3
+    lr_middle: float = 3e-3
+    lr_shared: float = 2e-3
+    weight_decay_io: float = 1e-4
+    weight_decay_middle: float = 1e-3
+    warmup_epochs: int = 5
+    lam_io: float = 0.5
+    lam_middle: float = 0.0
+    gamma: float = 2.0
+    noise_std: float = 0.05
+    mask_prob: float = 0.1
+    mask_dense: float = 0.0
+    loss: str = "focal"
+    distill: float = 0.0
+    distill_temperature: float = 2.0
+    distill_first: float | None = None
+    memory_ngrams: list[int] | None = None
+    memory_postings: int = 32
+    memory_weight: float = 1.0
 
-    def __init__(
-        self,
-        hidden: int = 256,
-        depth_io: int = 1,
-        depth_middle: int = 2,
-        dropout: float = 0.1,
-        lr_io: float = 2e-3,
-        lr_middle: float = 3e-3,
-        lr_shared: float = 2e-3,
-        weight_decay_io: float = 1e-4,
-        weight_decay_middle: float = 1e-3,
-        warmup_epochs: int = 5,
-        lam_io: float = 0.5,
-        lam_middle: float = 0.0,
-        gamma: float = 2.0,
-        noise_std: float = 0.05,
-        mask_prob: float = 0.1,
-        mask_dense: float = 0.0,
-        loss: str = "focal",
-        distill: float = 0.0,
-        distill_temperature: float = 2.0,
-        distill_first: float | None = None,
-        memory_ngrams: list[int] | None = None,
-        memory_postings: int = 32,
-        memory_weight: float = 1.0,
-    ) -> None:
-        super().__init__()
-        if loss not in LOSSES:
-            raise InputError(f"model.loss must be one of {', '.join(LOSSES)}, not {loss!r}")
+    def __post_init__(self) -> None:
+        if self.loss not in LOSSES:
+            raise InputError(f"model.loss must be one of {', '.join(LOSSES)}, not {self.loss!r}")
         m = "model"
-        check_range(m, "distill", distill, float, 0, 1)
-        check_range(m, "distill_temperature", distill_temperature, float, 0, open_lo=True)
-        check_range(m, "distill_first", distill_first, float, 0, 1, optional=True)
-        if max(distill, distill_first or 0.0) > 0 and loss != "softmax":
+        check_range(m, "distill", self.distill, float, 0, 1)
+        check_range(m, "distill_temperature", self.distill_temperature, float, 0, open_lo=True)
+        check_range(m, "distill_first", self.distill_first, float, 0, 1, optional=True)
+        if max(self.distill, self.distill_first or 0.0) > 0 and self.loss != "softmax":
             raise InputError(
-                f"model.distill mixes the router's probabilities into the softmax loss; set model.loss: softmax (not {loss!r}) or model.distill: 0"
+                f"model.distill mixes the router's probabilities into the softmax loss; set model.loss: softmax (not {self.loss!r}) or model.distill: 0"
             )
-        for name, value in (("hidden", hidden), ("depth_io", depth_io), ("depth_middle", depth_middle)):
-            check_range(m, name, value, int, 1)
-        check_range(m, "warmup_epochs", warmup_epochs, int, 0)
-        for name, value in (("dropout", dropout), ("mask_prob", mask_prob), ("mask_dense", mask_dense)):
-            check_range(m, name, value, float, 0, 1, open_hi=True)
-        for name, value in (("lr_io", lr_io), ("lr_middle", lr_middle), ("lr_shared", lr_shared)):
-            check_range(m, name, value, float, 0, open_lo=True)
-        for name, value in (
-            ("weight_decay_io", weight_decay_io),
-            ("weight_decay_middle", weight_decay_middle),
-            ("lam_io", lam_io),
-            ("lam_middle", lam_middle),
-            ("gamma", gamma),
-            ("noise_std", noise_std),
-        ):
-            check_range(m, name, value, float, 0)
-        # checked now, not after hours of training at export
-        self.memory_config = (
-            MemoryConfig(tuple(memory_ngrams), memory_postings, memory_weight) if memory_ngrams else None
-        )
-        self.save_hyperparameters()
+        for name in ("hidden", "depth_io", "depth_middle"):
+            check_range(m, name, getattr(self, name), int, 1)
+        check_range(m, "warmup_epochs", self.warmup_epochs, int, 0)
+        for name in ("dropout", "mask_prob", "mask_dense"):
+            check_range(m, name, getattr(self, name), float, 0, 1, open_hi=True)
+        for name in ("lr_io", "lr_middle", "lr_shared"):
+            check_range(m, name, getattr(self, name), float, 0, open_lo=True)
+        for name in ("weight_decay_io", "weight_decay_middle", "lam_io", "lam_middle", "gamma", "noise_std"):
+            check_range(m, name, getattr(self, name), float, 0)
+        self.memory()  # checked now, not after hours of training at export
+
+    def memory(self) -> MemoryConfig | None:
+        """The context memory built at export, or None."""
+        if not self.memory_ngrams:
+            return None
+        return MemoryConfig(tuple(self.memory_ngrams), self.memory_postings, self.memory_weight)
+
+
+class LLaPorModule(RecallModule):
+    """Trains all of a model's LLaPor predictors together, as :class:`LLaPorModel` says.
+
+    ``LLaPorModule(config)``, or the settings as keywords (``hidden=32``).
+    """
+
+    def __init__(self, config: LLaPorModel | None = None, **settings: Any) -> None:
+        super().__init__()
+        config = config if config is not None else LLaPorModel(**settings)
+        self.memory_config = config.memory()
+        self.save_hyperparameters(dataclasses.asdict(config))
         self.net: LLaPorNet | None = None
 
     # ------------------------------------------------------------------ build from the data
@@ -176,6 +177,7 @@ class LLaPorModule(pl.LightningModule):
         lam = group_lambda(dm.spec.num_layers, dm.groups, hp.lam_io, hp.lam_middle)
         self.register_buffer("lam", lam)
         self.moe_layers = list(dm.ts.meta.model.moe_layers)
+        self.layer_groups = self.net.groups
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.net(batch["bags"], batch.get("tokens"), batch.get("dense"), batch.get("route"))
@@ -223,15 +225,6 @@ class LLaPorModule(pl.LightningModule):
         self._acc.update(logits.detach().float().cpu().numpy(), truth.cpu().numpy())
         self.log("val/loss", loss, batch_size=len(logits))
 
-    def on_validation_epoch_end(self) -> None:
-        res = log_validation(self, self._acc, self.moe_layers, self.net.groups)
-        if res is not None:
-            self.last_val = {"recall_at_k": res["recall_at_k"], "per_layer": res["per_layer"]["recall_at_k"]}
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # the metrics of the epoch these weights are from: the export reads them back from best.ckpt
-        checkpoint["moecast_val"] = getattr(self, "last_val", None)
-
     # ------------------------------------------------------------------ optimisation
     def configure_optimizers(self) -> Any:
         hp = self.hparams
@@ -253,18 +246,8 @@ class LLaPorModule(pl.LightningModule):
         warms = [pg.pop("warm") for pg in groups]
         opt = torch.optim.AdamW(groups)
         total = planned_epochs(self.trainer, "the learning-rate warm-up and cosine")
-        warm_epochs = min(hp.warmup_epochs, max(total - 1, 0))
-
-        def warm_cosine(epoch: int) -> float:
-            if epoch < warm_epochs:
-                return (epoch + 1) / (warm_epochs + 1)
-            t = (epoch - warm_epochs) / max(total - warm_epochs, 1)
-            return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
-
-        def cosine(epoch: int) -> float:
-            return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(epoch / total, 1.0)))
-
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, [warm_cosine if w else cosine for w in warms])
+        warm = warm_cosine(min(hp.warmup_epochs, max(total - 1, 0)), total)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, [warm if w else warm_cosine(0, total) for w in warms])
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "epoch"}}
 
     # ------------------------------------------------------------------ export
@@ -276,15 +259,33 @@ class LLaPorModule(pl.LightningModule):
             memory = build(dm.ts, dm.train_ids, self.memory_config, progress=True)
             print(f"context memory: {len(memory.keys)} contexts of {len(memory.routes)} training tokens")
         pred = LLaPor(self.net.cpu().eval(), m.moe_layers, m.fingerprint, memory=memory)
-        extra = {
-            "model_name": m.name_or_path,
-            "trained_on": str(dm.ts.path),
-            "split": split_metadata(dm),
-            "hyper_parameters": {
-                **dict(self.hparams),
-                **{k: v for k, v in dict(dm.hparams).items() if k != "traces"},
-            },
-            "training": {**info, **getattr(self, "last_val", {})},
-            "net": asdict(self.net.net),
-        }
-        return pred.save(out, extra)
+        return pred.save(out, {**self.run_metadata(dm, info), "net": dataclasses.asdict(self.net.net)})
+
+
+# fit_llapor's defaults (frozen: one instance serves every call); the epochs are bounded, as measured
+# with configs/llapor_tiny.yaml
+_MODEL, _DATA, _TRAIN = LLaPorModel(), LLaPorData(), TrainConfig(max_epochs=30, patience=8)
+
+
+def fit_llapor(
+    traces: str,
+    out: str,
+    model: LLaPorModel = _MODEL,
+    data: LLaPorData = _DATA,
+    train: TrainConfig = _TRAIN,
+    run_dir: str | None = None,
+    resume: str = "auto",
+) -> Path:
+    """Train LLaPor (PreScope §4.2) on a TraceSet and write its checkpoint.
+
+    Args:
+        traces: TraceSet directory to train on.
+        out: the predictor checkpoint to write (.safetensors).
+        model: the network, loss and optimiser.
+        data: the split and the features.
+        train: epochs, early stopping, devices, logging.
+        run_dir: Lightning and wandb run directory (default ``<out>.run`` beside ``out``).
+        resume: auto (from the run directory's last.ckpt when present), never, or a .ckpt path.
+    """
+    settings = {"traces": traces, "out": out, "model": model, "data": data, "train": train}
+    return fit(LLaPorModule(model), LLaPorDataModule(traces, data), out, train, run_dir, resume, settings)

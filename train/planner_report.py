@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from moecast.collect.traceset import TEST_FRACTION, VAL_FRACTION
 from moecast.predictors.base import Predictor
 from moecast.predictors.casmoe import ep_labels, plan_recall, prompt_texts
 from moecast.predictors.eam import EAM
@@ -183,14 +184,14 @@ def compare_planners(
     traces: str | Path,
     epsilons: Sequence[float] = (0.3, 0.5, 0.6, 0.7, 0.8, 0.9),
     k: int | None = None,
-    val_fraction: float = 0.1,
+    val_fraction: float = VAL_FRACTION,
     seed: int = 0,
     max_requests: int | None = None,
     progress: bool = True,
     int8: bool | None = None,
     engine: str | None = None,
     threads: int | None = None,
-    test_fraction: float = 0.1,
+    test_fraction: float = TEST_FRACTION,
 ) -> list[dict[str, Any]]:
     """CasMoE Table-3-style comparison on the val requests of ``traces`` (``TraceSet.splits``: the
     side that tunes epsilon; test stays for ``moecast predictors eval``).

@@ -7,8 +7,8 @@ padding masked out. AdamW with linear warm-up then cosine annealing per epoch.
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict
+import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,76 +19,54 @@ import torch.nn.functional as F
 from moecast.collect.traceset import open_traces
 from moecast.predictors.metrics import MetricAccumulator, multi_hot
 from moecast.predictors.sequence import SequenceConfig, SequenceNet, SequencePredictor
-from moecast.train.data import (
-    check_range,
-    check_split,
-    eval_sampler,
-    log_validation,
-    planned_epochs,
-    split_metadata,
-    split_requests,
-)
-from torch.utils.data import DataLoader, Dataset
+from moecast.train.config import SplitConfig, TrainConfig, check_range
+from moecast.train.data import batch_loader, split_requests
+from moecast.train.module import RecallModule, planned_epochs, warm_cosine
+from moecast.train.runner import fit
+from torch.utils.data import DataLoader
 
 from moecast.errors import InputError
 
 
-class RequestBatches(Dataset):
-    def __init__(self, dm: SequenceDataModule, requests: np.ndarray) -> None:
-        self.dm, self.requests = dm, requests
-
-    def __len__(self) -> int:
-        return len(self.requests)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return self.__getitems__([i])
-
-    def __getitems__(self, idx: list[int]) -> dict[str, torch.Tensor]:
-        return self.dm.batch(self.requests[np.asarray(idx)])
-
-
-def _identity(batch: Any) -> Any:
-    return batch
-
-
-class SequenceDataModule(pl.LightningDataModule):
+@dataclass(frozen=True)
+class SequenceData(SplitConfig):
     """Requests of a TraceSet as padded token sequences (request-level split via TraceSet.split).
 
     Args:
-        traces: TraceSet directory (``--traces``)
         val_fraction: share of requests held out for validation: selects the best epoch
         test_fraction: share of requests held out for testing, never trained or selected on
         seed: split seed
-        batch_size: requests per batch
         max_requests: train on at most this many requests (all when null)
+        batch_size: requests per batch
         token_buckets: rows of the token embedding (ids hashed into them)
         max_len: tokens per request seen in training (longer ones are cut); the predictor's window
         num_workers: DataLoader worker processes
     """
 
-    def __init__(
-        self,
-        traces: str,
-        val_fraction: float = 0.1,
-        test_fraction: float = 0.1,
-        seed: int = 0,
-        batch_size: int = 16,
-        max_requests: int | None = None,
-        token_buckets: int = 32768,
-        max_len: int = 256,
-        num_workers: int = 0,
-    ) -> None:
-        super().__init__()
+    batch_size: int = 16
+    token_buckets: int = 32768
+    max_len: int = 256
+    num_workers: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         d = "data"
-        check_split(d, val_fraction, test_fraction, seed)
-        check_range(d, "max_requests", max_requests, int, 1, optional=True)
-        check_range(d, "batch_size", batch_size, int, 1)
-        check_range(d, "token_buckets", token_buckets, int, 1)
+        check_range(d, "batch_size", self.batch_size, int, 1)
+        check_range(d, "token_buckets", self.token_buckets, int, 1)
         # requests are truncated to max_len: with 1 only each request's first token is trained on,
         # and its previous-token routing input is always empty
-        check_range(d, "max_len", max_len, int, 2)
-        check_range(d, "num_workers", num_workers, int, 0)
-        self.save_hyperparameters()
+        check_range(d, "max_len", self.max_len, int, 2)
+        check_range(d, "num_workers", self.num_workers, int, 0)
+
+
+class SequenceDataModule(pl.LightningDataModule):
+    """The sequence model's training data, as :class:`SequenceData` says (or its settings as keywords)."""
+
+    def __init__(self, traces: str, config: SequenceData | None = None, **settings: Any) -> None:
+        super().__init__()
+        config = config if config is not None else SequenceData(**settings)
+        self.config = config
+        self.save_hyperparameters(dataclasses.asdict(config))
         self.traces = traces
         self._built = False
 
@@ -99,9 +77,7 @@ class SequenceDataModule(pl.LightningDataModule):
         ts = open_traces(self.traces)
         self.ts = ts
         m = ts.meta.model
-        self.train_ids, self.val_ids, self.splits = split_requests(
-            ts, hp.val_fraction, hp.test_fraction, hp.seed, hp.max_requests
-        )
+        self.train_ids, self.val_ids, self.splits = split_requests(ts, self.config)
         order = self.train_ids + self.val_ids
         self.topk = np.ascontiguousarray(ts.array("topk_ids", order))
         self.tokens = ts.column("token_id", order).astype(np.int64) % hp.token_buckets
@@ -138,17 +114,9 @@ class SequenceDataModule(pl.LightningDataModule):
             "pad": torch.from_numpy(pad),
         }
 
-    def _loader(self, reqs: np.ndarray, shuffle: bool) -> DataLoader:
-        if len(reqs) == 0:
-            raise InputError(f"{self.traces}: the {'training' if shuffle else 'validation'} split is empty")
-        return DataLoader(
-            RequestBatches(self, reqs),
-            batch_size=self.hparams.batch_size,
-            shuffle=shuffle,
-            sampler=None if shuffle else eval_sampler(len(reqs)),
-            collate_fn=_identity,
-            num_workers=self.hparams.num_workers,
-        )
+    def _loader(self, reqs: np.ndarray, train: bool) -> DataLoader:
+        hp = self.hparams
+        return batch_loader(self.batch, reqs, hp.batch_size, train, hp.num_workers, str(self.traces))
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_req, True)
@@ -157,7 +125,8 @@ class SequenceDataModule(pl.LightningDataModule):
         return self._loader(self.val_req, False)
 
 
-class SequenceModule(pl.LightningModule):
+@dataclass(frozen=True)
+class SequenceModel:
     """MoE-Beyond sequence predictor training (§3.2; the defaults are the paper's sizes).
 
     Args:
@@ -172,35 +141,39 @@ class SequenceModule(pl.LightningModule):
         warmup_epochs: linear warm-up before cosine decay.
     """
 
-    datamodule_class = SequenceDataModule
+    d_model: int = 512
+    n_heads: int = 8
+    n_blocks: int = 4
+    ffn: int = 2048
+    dropout: float = 0.1
+    head_hidden: int | None = None
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    warmup_epochs: int = 1
 
-    def __init__(
-        self,
-        d_model: int = 512,
-        n_heads: int = 8,
-        n_blocks: int = 4,
-        ffn: int = 2048,
-        dropout: float = 0.1,
-        head_hidden: int | None = None,
-        lr: float = 1e-3,
-        weight_decay: float = 0.01,
-        warmup_epochs: int = 1,
-    ) -> None:
-        super().__init__()
+    def __post_init__(self) -> None:
         m = "model"
-        for name, value in (("d_model", d_model), ("n_heads", n_heads), ("n_blocks", n_blocks), ("ffn", ffn)):
-            check_range(m, name, value, int, 1)
-        if d_model % n_heads:
+        for name in ("d_model", "n_heads", "n_blocks", "ffn"):
+            check_range(m, name, getattr(self, name), int, 1)
+        if self.d_model % self.n_heads:
             # torch's multi-head attention splits d_model evenly over the heads and only asserts it
             raise InputError(
-                f"model.d_model ({d_model}) must be divisible by model.n_heads ({n_heads}); change one of them"
+                f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads}); change one of them"
             )
-        check_range(m, "dropout", dropout, float, 0, 1, open_hi=True)
-        check_range(m, "head_hidden", head_hidden, int, 0, optional=True)
-        check_range(m, "lr", lr, float, 0, open_lo=True)
-        check_range(m, "weight_decay", weight_decay, float, 0)
-        check_range(m, "warmup_epochs", warmup_epochs, int, 0)
-        self.save_hyperparameters()
+        check_range(m, "dropout", self.dropout, float, 0, 1, open_hi=True)
+        check_range(m, "head_hidden", self.head_hidden, int, 0, optional=True)
+        check_range(m, "lr", self.lr, float, 0, open_lo=True)
+        check_range(m, "weight_decay", self.weight_decay, float, 0)
+        check_range(m, "warmup_epochs", self.warmup_epochs, int, 0)
+
+
+class SequenceModule(RecallModule):
+    """The sequence model's training, as :class:`SequenceModel` says (or its settings as keywords)."""
+
+    def __init__(self, config: SequenceModel | None = None, **settings: Any) -> None:
+        super().__init__()
+        config = config if config is not None else SequenceModel(**settings)
+        self.save_hyperparameters(dataclasses.asdict(config))
         self.net: SequenceNet | None = None
 
     def setup(self, stage: str | None = None) -> None:
@@ -246,28 +219,11 @@ class SequenceModule(pl.LightningModule):
         self._acc.update(logits[valid].detach().float().cpu().numpy(), truth.cpu().numpy())
         self.log("val/loss", loss, batch_size=len(batch["tokens"]))
 
-    def on_validation_epoch_end(self) -> None:
-        res = log_validation(self, self._acc, self.moe_layers)
-        if res is not None:
-            self.last_val = {"recall_at_k": res["recall_at_k"], "per_layer": res["per_layer"]["recall_at_k"]}
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # the metrics of the epoch these weights are from: the export reads them back from best.ckpt
-        checkpoint["moecast_val"] = getattr(self, "last_val", None)
-
     def configure_optimizers(self) -> Any:
         hp = self.hparams
         total = planned_epochs(self.trainer, "the learning-rate warm-up and cosine")
         opt = torch.optim.AdamW(self.net.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
-        warm = min(hp.warmup_epochs, max(total - 1, 0))
-
-        def schedule(epoch: int) -> float:
-            if epoch < warm:
-                return (epoch + 1) / (warm + 1)
-            return 0.05 + 0.95 * 0.5 * (
-                1 + math.cos(math.pi * min((epoch - warm) / max(total - warm, 1), 1.0))
-            )
-
+        schedule = warm_cosine(min(hp.warmup_epochs, max(total - 1, 0)), total)
         return {
             "optimizer": opt,
             "lr_scheduler": {
@@ -279,16 +235,33 @@ class SequenceModule(pl.LightningModule):
     def export(self, out: Path, dm: SequenceDataModule, info: dict[str, Any]) -> Path:
         m = dm.ts.meta.model
         pred = SequencePredictor(self.net.cpu().eval(), m.moe_layers, m.fingerprint)
-        extra = {
-            "model_name": m.name_or_path,
-            "trained_on": str(dm.ts.path),
-            "split": split_metadata(dm),
-            "hyper_parameters": {
-                **dict(self.hparams),
-                **{k: v for k, v in dict(dm.hparams).items() if k != "traces"},
-            },
-            # None: read back from a checkpoint saved before any validation epoch
-            "training": {**info, **(getattr(self, "last_val", None) or {})},
-            "net": asdict(self.cfg),
-        }
+        extra = {**self.run_metadata(dm, info), "net": dataclasses.asdict(self.cfg)}
         return pred.save(out, extra)
+
+
+# fit_sequence's defaults (frozen: one instance serves every call); the epochs are bounded
+_MODEL, _DATA, _TRAIN = SequenceModel(), SequenceData(), TrainConfig(max_epochs=10, patience=5)
+
+
+def fit_sequence(
+    traces: str,
+    out: str,
+    model: SequenceModel = _MODEL,
+    data: SequenceData = _DATA,
+    train: TrainConfig = _TRAIN,
+    run_dir: str | None = None,
+    resume: str = "auto",
+) -> Path:
+    """Train the MoE-Beyond sequence predictor (§3.2) on a TraceSet and write its checkpoint.
+
+    Args:
+        traces: TraceSet directory to train on.
+        out: the predictor checkpoint to write (.safetensors).
+        model: the encoder, its head and optimiser.
+        data: the split and the sequences.
+        train: epochs, early stopping, devices, logging.
+        run_dir: Lightning and wandb run directory (default ``<out>.run`` beside ``out``).
+        resume: auto (from the run directory's last.ckpt when present), never, or a .ckpt path.
+    """
+    settings = {"traces": traces, "out": out, "model": model, "data": data, "train": train}
+    return fit(SequenceModule(model), SequenceDataModule(traces, data), out, train, run_dir, resume, settings)
