@@ -58,6 +58,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ds_model  # the bench folder is not a package
+from moecast.runtime.live import BREAKDOWN
 from moecast.runtime.policy import DEFAULT_ALPHA
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -402,6 +403,9 @@ def live_row(
         "prefetches_issued": st["prefetches_issued"],
         "cpu_experts": st["cpu_experts"],
         "substitution_rate": st["substitution_rate"],
+        # the live runtime's own split of a decode step (host wall clock; on CUDA a kernel's time shows
+        # where the host first waits for it)
+        **{f"{part}_ms": st[f"{part}_ms"] for part in BREAKDOWN},
     }
     if s.cuda:
         row["peak_gpu_mb"] = torch.cuda.max_memory_allocated(s.device) / 2**20
@@ -565,6 +569,22 @@ def markdown(report: Report, args: argparse.Namespace, setups: list[Setup], mach
                                                "loads", "cpu_experts", "peak_gpu_mb")]  # fmt: skip
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
+        split = [
+            r for r in report.rows if r["model"] == s.name and r.get("status") == "ok" and "policy_ms" in r
+        ]
+        if split:
+            lines += [
+                "Decode step split by the live runtime (ms per step, host wall clock): "
+                + ", ".join(BREAKDOWN),
+                "",
+                "| config | " + " | ".join(BREAKDOWN) + " |",
+                "|---|" + "---|" * len(BREAKDOWN),
+                *(
+                    "| " + " | ".join([r["config"], *(_fmt(r[f"{p}_ms"]) for p in BREAKDOWN)]) + " |"
+                    for r in split
+                ),
+                "",
+            ]
     if report.failures:
         lines += ["## Failures", "", *report.failures]
     return "\n".join(lines) + "\n"
