@@ -5,7 +5,7 @@ Which cases it serves (:mod:`moecast.runtime.replay` picks it; ``ReplayConfig(fa
 - demand-only ``lru``, ``lfu``, ``belady`` and ``static`` (no predictor, balancer ``none``, no
   preload): the misses of every (token, layer, capacity), then the modeled layer times from them;
 - ``lru`` with prefetch and/or PreSched, from empty caches or the hot-expert table
-  (:func:`wavefront_b1`), which also takes ``prefetch`` as demand LRU when no prefetch can ever fit
+  (:class:`Wavefront`), which also takes ``prefetch`` as demand LRU when no prefetch can ever fit
   in the link window (``t_attn + k * t_g < t_io``).
 
 Everything else (substitution, batches, a shared cache, score eviction, SMoE's balancer, planners,
@@ -32,7 +32,7 @@ timelines computed by hand. Only the algorithms differ:
   (policy key with the id in the low bits, ``_BIG`` when not resident), so an eviction is a
   column-wise min. At capacity = top-k the resident set after a token is exactly its experts, for
   every policy, and those lanes come from the LRU distances.
-- prefetch / PreSched: :func:`wavefront_b1` (its docstring).
+- prefetch / PreSched: :class:`Wavefront` (its docstring).
 
 The demand-only paths return the number of misses per (token, layer, capacity); the replay turns
 them into its statistics and the modeled timeline (no prefetch, every miss loaded: the step's layer
@@ -294,21 +294,21 @@ def layer_time_table(k: int, cost, on_cpu: bool = False) -> np.ndarray:
     return layer_time(cost, np.full(k + 1, k), m, 0.0, 0.0)[0]
 
 
-def wavefront_b1(
-    topk: np.ndarray,
-    lengths: np.ndarray,
-    cold: bool,
-    caps: np.ndarray,
-    E: int,
-    cost,
-    balancer: str,
-    cand: np.ndarray | None,
-    pred_ids: np.ndarray | None,
-    preload: np.ndarray | None,
-    basis: np.ndarray,
-    predictor_ms: float = 0.0,
-    decode: np.ndarray | None = None,
-) -> dict[str, np.ndarray]:
+_WAVE_STATS = (
+    "hits",
+    "loads",
+    "cpu",
+    "time",
+    "tpot",
+    "pf_issued",
+    "pf_landed",
+    "pf_started",
+    "pf_inserted",
+    "pf_used",
+)
+
+
+class Wavefront:
     """LRU per-layer caches at batch 1 with prefetch and/or PreSched, the general engine's semantics.
 
     Layers advance as a wavefront (lane of layer l handles step i - l at iteration i) because a
@@ -324,32 +324,8 @@ def wavefront_b1(
     predictor's latency per layer; ``decode`` [N] bool: the decode tokens (the others are prefill:
     no prefetch, every miss loaded; None: every token is a decode step). Landing, layer time and window are the step's own rules
     (:func:`moecast.runtime.step.landing`, ``layer_time``, ``window``).
-    Returns statistics reduced to [C * L] (index c * L + layer), and ``tpot_sum`` [C].
+    :meth:`run` returns statistics reduced to [C * L] (index c * L + layer), and ``tpot_sum`` [C].
     """
-    w = _Wave(topk, lengths, cold, caps, E, cost, balancer, cand, pred_ids, basis, predictor_ms, decode)
-    if preload is not None:
-        w.preload(preload)
-    for i in range(w.n_iter):
-        w.iteration(i)
-    return w.results()
-
-
-_WAVE_STATS = (
-    "hits",
-    "loads",
-    "cpu",
-    "time",
-    "tpot",
-    "pf_issued",
-    "pf_landed",
-    "pf_started",
-    "pf_inserted",
-    "pf_used",
-)
-
-
-class _Wave:
-    """The state of :func:`wavefront_b1`: lane layout, per-lane keys and link clock, statistics."""
 
     def __init__(
         self,
@@ -363,8 +339,9 @@ class _Wave:
         cand: np.ndarray | None,
         pred_ids: np.ndarray | None,
         basis: np.ndarray,
-        predictor_ms: float,
-        decode: np.ndarray | None,
+        preload: np.ndarray | None = None,
+        predictor_ms: float = 0.0,
+        decode: np.ndarray | None = None,
     ) -> None:
         N, L, k = topk.shape
         self.N, self.L, self.k, self.E, self.C = N, L, k, E, len(caps)
@@ -407,6 +384,13 @@ class _Wave:
         self.pred_full = bool(self.pred2 is not None and (self.pred2 >= 0).all())
         self.n_iter = S + L - 1
         self.n_act_of = np.searchsorted(-self.end_sorted, -np.arange(self.n_iter), side="left")
+        if preload is not None:
+            self.preload(preload)
+
+    def run(self) -> dict[str, np.ndarray]:
+        for i in range(self.n_iter):
+            self.iteration(i)
+        return self.results()
 
     def _layout(self, g_start: np.ndarray, g_len: np.ndarray) -> None:
         """Natural lane id (c * G + g) * L + l, stored at position pos[id], latest-finishing first."""
@@ -437,6 +421,13 @@ class _Wave:
             items = table[self.layer_of[rows], :n_pre].astype(np.int64)  # [rows, n_pre]
             self.K[rows[:, None], items] = items.astype(self.kdt) << 1  # last = -1: key (0 << sh1) | id << 1
             self.count[rows] = n_pre
+
+    def make_room(self, rows: np.ndarray, n_new: np.ndarray, shield: np.ndarray, shield_full: bool) -> None:
+        """Evict what the rows need to take ``n_new`` experts each beyond their free slots."""
+        need = n_new - (self.capv[rows] - self.count[rows])
+        er = np.flatnonzero(need > 0)
+        if len(er):
+            self.evict(rows[er], need[er], shield[er], shield_full)
 
     def evict(self, act_rows: np.ndarray, need: np.ndarray, shield: np.ndarray, shield_full: bool) -> None:
         """Evict each row's ``need`` lowest keys outside ``shield`` (keys are unique: id in the low bits)."""
@@ -538,10 +529,7 @@ class _Wave:
         pr = np.flatnonzero(landed > 0)
         if len(pr):
             apr = a_s[pr]
-            need = landed[pr] - (self.capv[apr] - self.count[apr])
-            er = np.flatnonzero(need > 0)
-            if len(er):
-                self.evict(apr[er], need[er], cd[pr[er]], self.cand_full)
+            self.make_room(apr, landed[pr], cd[pr], self.cand_full)
             # the first `landed` non-resident candidates, best first
             nr = nonres[pr]
             take = nr & (np.cumsum(nr, axis=1) <= landed[pr][:, None])
@@ -607,10 +595,7 @@ class _Wave:
         lr = np.flatnonzero(n_load > 0)
         if len(lr):
             alr = act[lr]
-            need = n_load[lr] - (self.capv[alr] - self.count[alr])
-            er = np.flatnonzero(need > 0)
-            if len(er):
-                self.evict(alr[er], need[er], ids[lr[er]], True)
+            self.make_room(alr, n_load[lr], ids[lr], True)
             self.count[alr] += n_load[lr]
         # loaded: the first n_load misses in routing order; hits and loaded experts get the new key
         used_key = newkey | (ids.astype(self.kdt) << 1)  # the flag cleared: used

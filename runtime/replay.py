@@ -156,57 +156,6 @@ class _Data:
         self.weights = ts.array("topk_weights", rids) if ts.has("topk_weights") else None
 
 
-def _grid(lengths: np.ndarray, starts: np.ndarray, B: int, cold: bool) -> tuple[np.ndarray, np.ndarray]:
-    """[streams, steps, B] token index (-1 = idle slot) and [streams, steps, B] request-start flags."""
-    n = len(lengths)
-    if cold:
-        groups = [list(range(g, min(g + B, n))) for g in range(0, n, B)]
-    else:
-        groups = [list(range(n))]
-    streams = []
-    for members in groups:
-        if cold:
-            slots = [[r] for r in members]
-        else:
-            slots = [list(range(b, n, B)) for b in range(B)]
-        slots += [[] for _ in range(B - len(slots))]
-        streams.append(slots)
-    steps = max(max((sum(int(lengths[r]) for r in slot) for slot in slots), default=0) for slots in streams)
-    tok = np.full((len(streams), max(steps, 1), B), -1, dtype=np.int64)
-    start = np.zeros(tok.shape, dtype=bool)
-    for g, slots in enumerate(streams):
-        for b, slot in enumerate(slots):
-            if not slot:
-                continue
-            idx = np.concatenate([np.arange(starts[r], starts[r] + lengths[r]) for r in slot])
-            tok[g, : len(idx), b] = idx
-            pos = np.cumsum([0] + [int(lengths[r]) for r in slot[:-1]])
-            start[g, pos, b] = True
-    return tok, start
-
-
-def _next_use(topk: np.ndarray, tok: np.ndarray, L: int, E: int, shared: bool) -> np.ndarray:
-    """[tokens, L, k] the lane time of the next access of the same (lane, expert) (Belady's future)."""
-    _G, S, _B = tok.shape
-    topk.shape[2]
-    g, s, b = np.nonzero(tok >= 0)
-    t = tok[g, s, b]
-    ids = topk[t]  # [n, L, k]
-    lay = np.broadcast_to(np.arange(L)[None, :, None], ids.shape)
-    lane = g[:, None, None] * (1 if shared else L) + (0 if shared else lay)
-    item = lane * (L * E if shared else E) + (lay * E if shared else 0) + ids
-    when = s[:, None, None] * L + lay  # lane time, monotone per lane
-    span = S * L + 1
-    key = (item.astype(np.int64) * span + when).reshape(-1)
-    uk = np.unique(key)
-    nxt = np.full(len(uk), np.iinfo(np.int64).max // 4, dtype=np.int64)
-    same = (uk[1:] // span) == (uk[:-1] // span)
-    nxt[:-1][same] = uk[1:][same] % span
-    out = np.empty(topk.shape, dtype=np.int64)
-    out[t] = nxt[np.searchsorted(uk, key)].reshape(ids.shape)
-    return out
-
-
 def _next_use(topk: np.ndarray, tok: np.ndarray, L: int, E: int, shared: bool) -> np.ndarray:
     """[tokens, L, k] the lane time of the next access of the same (lane, expert) (Belady's future)."""
     _G, S, _B = tok.shape
@@ -387,7 +336,7 @@ def replay_capacities(
 
 
 def _fast_wave_serves(run: _Run) -> bool:
-    """Whether the batch-1 wavefront (fastreplay.wavefront_b1) serves this run."""
+    """Whether the batch-1 wavefront (fastreplay.Wavefront) serves this run."""
     _L, E, _k, B = run.shape
     spec = run.policy
     return (
@@ -467,7 +416,7 @@ def _fast_demand(run: _Run, eviction: str) -> _Outcome:
 
 
 def _fast_wavefront(run: _Run, pr: _Predictions) -> _Outcome:
-    """LRU with prefetch and/or PreSched at batch 1 (fastreplay.wavefront_b1)."""
+    """LRU with prefetch and/or PreSched at batch 1 (fastreplay.Wavefront)."""
     d, spec = run.data, run.policy
     L, E, _k, _B = run.shape
     cand = None
@@ -487,10 +436,10 @@ def _fast_wavefront(run: _Run, pr: _Predictions) -> _Outcome:
     pre = run.hot.per_layer(int(run.caps.max())) if spec.preload == "hot" else None
     any_decode = bool(d.decode.any())
     basis = d.decode if any_decode else np.ones(len(d.topk), dtype=bool)
-    st = fast.wavefront_b1(
-        d.topk, d.lengths, run.cfg.cold, run.caps, E, run.cost, spec.balancer, cand, pr.ids, pre, basis,
+    st = fast.Wavefront(
+        d.topk, d.lengths, run.cfg.cold, run.caps, E, run.cost, spec.balancer, cand, pr.ids, basis, pre,
         predictor_ms=run.predictor_ms, decode=d.decode if d.has_decode else None,
-    )  # fmt: skip
+    ).run()  # fmt: skip
     n_basis = int(basis.sum())
     tpots = [float(v / n_basis) if n_basis else None for v in st.pop("tpot_sum")]
     return _Outcome(st, tpots, any_decode, len(d.topk), n_basis, len(d.lengths) if run.cfg.cold else 1)

@@ -203,3 +203,26 @@ def quiet_trainer(max_epochs: int, **kw):
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
     )
     return pl.Trainer(max_epochs=max_epochs, accelerator="cpu", **{**quiet, **kw})
+
+
+class _Vocab:
+    """What collect.tiny.model_config reads of a tokenizer: its size and special ids."""
+
+    bos_token_id = eos_token_id = pad_token_id = None
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+
+def tiny_random():
+    """``tiny``'s architecture (configs/tiny.yaml, default preset) with random weights."""
+    import torch
+    from moecast.collect.tiny import get_preset, model_config
+    from transformers import Qwen2MoeForCausalLM
+
+    preset = get_preset("default")
+    torch.manual_seed(0)
+    return Qwen2MoeForCausalLM(model_config(preset, _Vocab(preset.vocab_size))).eval()

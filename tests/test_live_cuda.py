@@ -4,31 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moecast.collect.tiny import get_preset, model_config
+from conftest import tiny_random
 from moecast.runtime.live import attach
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-class _Vocab:
-    """What collect.tiny.model_config reads of a tokenizer: its size and special ids."""
-
-    bos_token_id = eos_token_id = pad_token_id = None
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    def __len__(self) -> int:
-        return self.size
-
-
-def tiny_random():
-    """``tiny``'s architecture (configs/tiny.yaml, default preset) with random weights."""
-    from transformers import Qwen2MoeForCausalLM
-
-    preset = get_preset("default")
-    torch.manual_seed(0)
-    return Qwen2MoeForCausalLM(model_config(preset, _Vocab(preset.vocab_size))).eval()
 
 
 def mixtral_random():

@@ -15,9 +15,8 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from conftest import synthetic_record
+from conftest import synthetic_record, tiny_random
 from moecast.collect.models import find_moe_structure, model_info
-from moecast.collect.tiny import get_preset, model_config
 from moecast.collect.traceset import TraceMeta, TraceSet, TraceWriter
 from moecast.runtime.cost_model import HardwareProfile
 from moecast.runtime.live import attach
@@ -28,25 +27,9 @@ STEPS = 12
 CAPACITY = 8  # of tiny's 32 experts per layer
 
 
-class _Vocab:
-    """What collect.tiny.model_config reads of a tokenizer: its size and special ids."""
-
-    bos_token_id = eos_token_id = pad_token_id = None
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    def __len__(self) -> int:
-        return self.size
-
-
 @pytest.fixture(scope="module")
 def tiny():
-    from transformers import Qwen2MoeForCausalLM
-
-    preset = get_preset("default")
-    torch.manual_seed(0)
-    return Qwen2MoeForCausalLM(model_config(preset, _Vocab(preset.vocab_size))).eval()
+    return tiny_random()
 
 
 @pytest.fixture(scope="module")
