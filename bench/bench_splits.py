@@ -1,12 +1,14 @@
 """What the split does to held-out figures: the count baselines under the ungrouped split of earlier
 moecast versions (``TraceSet.split(0.1, 0)``) and under the grouped test split (``TraceSet.splits()``).
 
-    python bench/bench_splits.py [--traces traces/ds-puffin] [--json]
+    python bench/bench_splits.py [--traces traces/ds-puffin] [--checkpoint CKPT] [--json]
 
 Rows per baseline (each built on the training side of its own split): the ungrouped held-out
 requests, the same without the copies of training prompts, the copies alone, and the grouped test
 side. A baseline that remembers training routes (MoE-Infinity's activation matrices) scores the
-copies from memory; the gap between the first two rows is what the duplicates added.
+copies from memory; the gap between the first two rows is what the duplicates added. With
+``--checkpoint`` (trained on the grouped split): its test side, and its training requests whose
+prompt has a copy there, which is how a held-out copy of a training prompt is scored.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 BASELINES = ("frequency", "cooccurrence", "moe-infinity")
 
 
-def measure(traces: Path) -> list[dict]:
+def measure(traces: Path, checkpoint: Path | None = None) -> list[dict]:
     from moecast.collect.traceset import open_traces
     from moecast.predictors.commands import build_baseline, evaluate_predictor
 
@@ -39,30 +41,43 @@ def measure(traces: Path) -> list[dict]:
             ("copies of training prompts", old, copies),
             ("grouped test", new, sides.test),
         ):
+            rows.append(_row(name, label, requests, evaluate_predictor(pred, ts, requests, progress=False)))
+    if checkpoint is not None:
+        from moecast.predictors.registry import load
+
+        pred = load(checkpoint, fingerprint=ts.model.fingerprint)
+        count = {}
+        for r in sides.train:
+            count[keys[r]] = count.get(keys[r], 0) + 1
+        copied = [r for r in sides.train if count[keys[r]] > 1]
+        for label, requests in (("grouped test", sides.test), ("training prompts with a copy", copied)):
             res = evaluate_predictor(pred, ts, requests, progress=False)
-            rows.append(
-                {
-                    "baseline": name,
-                    "requests": label,
-                    "n_requests": len(requests),
-                    "tokens": res["tokens"],
-                    "recall_at_k": res["recall_at_k"],
-                }
-            )
+            rows.append(_row(checkpoint.name, label, requests, res))
     return rows
+
+
+def _row(name: str, label: str, requests: list[str], res: dict) -> dict:
+    return {
+        "baseline": name,
+        "requests": label,
+        "n_requests": len(requests),
+        "tokens": res["tokens"],
+        "recall_at_k": res["recall_at_k"],
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--traces", default="traces/ds-puffin")
+    ap.add_argument("--checkpoint", type=Path, default=None)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    for r in measure(Path(args.traces)):
+    for r in measure(Path(args.traces), args.checkpoint):
         if args.json:
             print(json.dumps(r))
         else:
             print(
-                f"{r['baseline']:<14}{r['requests']:<36}{r['n_requests']:>5} requests {r['tokens']:>7} tokens"
+                f"{r['baseline']:<36}{r['requests']:<36}{r['n_requests']:>5} requests {r['tokens']:>7} tokens"
                 f"  recall@k {r['recall_at_k']:.4f}"
             )
 
