@@ -5,6 +5,7 @@ from __future__ import annotations
 import json as jsonlib
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ def _probe_norm_topk(model: Any, tokenizer: Any, recorder: Any) -> bool:
 
 def collect(
     model: str = "tiny",
-    workloads: str = "sharegpt",
+    workloads: Sequence[str] = ("sharegpt",),
     out: str | None = None,
     max_requests: int | None = None,
     max_new_tokens: int = 32,
@@ -73,7 +74,7 @@ def collect(
 
     Args:
         model: ``tiny`` (the embedded model; ``tiny:PRESET`` for another preset) or a local Hugging Face MoE model directory.
-        workloads: Comma-separated workload names (configs/workloads: gsm8k, boolq, race-middle, wic, triviaqa, gaokao, sharegpt) or spec .yaml paths.
+        workloads: Workload names (configs/workloads: gsm8k, boolq, race-middle, wic, triviaqa, gaokao, sharegpt) or spec .yaml paths.
         out: Output TraceSet directory (default: traces/<model>-<workloads>).
         max_requests: Requests per workload (default: every row).
         max_new_tokens: Greedy decode length limit per request.

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -206,8 +206,9 @@ def get_spec(name: str) -> WorkloadSpec:
     return WorkloadSpec.from_yaml(candidate)
 
 
-def parse_workloads(spec: str | list[str]) -> list[WorkloadSpec]:
-    names = [n.strip() for n in (spec.split(",") if isinstance(spec, str) else spec) if n.strip()]
+def parse_workloads(spec: Sequence[str]) -> list[WorkloadSpec]:
+    """The specs of the named workloads (a list of names or spec paths; one bare name is one workload)."""
+    names = [n.strip() for n in ([spec] if isinstance(spec, str) else spec) if n.strip()]
     if not names:
         raise WorkloadError(f"--workloads is empty; choose from {', '.join(available())}")
     if len(set(names)) != len(names):

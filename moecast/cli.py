@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -85,12 +86,30 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+def _list_item(hint: Any) -> type | None:
+    """The item type of a list-like type hint (``list[str]``, ``Sequence[float] | None``), else None."""
+    import collections.abc
+    import typing
+
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        return _list_item(inner[0]) if len(inner) == 1 else None
+    origin = typing.get_origin(hint)
+    if origin in (list, collections.abc.Sequence) and len(args) == 1:
+        return args[0]
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return args[0]
+    return None
+
+
 def _parser_class() -> type:
     """jsonargparse's parser, as moecast's commands are used (its own parser class, no argv editing):
 
     - an option is also accepted with dashes (``--max-requests`` for ``--max_requests``);
     - a bool option alone means true (``--json``), as users expect of flags;
-    - a list positional takes the bare words (``moecast traces merge A B --out C``);
+    - a list takes its items as words (``--policies lru smoe``, ``moecast traces merge A B --out C``);
+      a YAML config gives it as a list;
     - a wrong argument is one line naming the command's ``--help``, like moecast's other errors.
     """
     import typing
@@ -101,13 +120,14 @@ def _parser_class() -> type:
 
     class Parser(ArgumentParser):
         def add_argument(self, *args: Any, **kwargs: Any) -> Any:
-            hint = getattr(kwargs.get("action"), "_typehint", None)
+            item = _list_item(getattr(kwargs.get("action"), "_typehint", None))
             if kwargs.get("type") is bool and "action" not in kwargs:
                 kwargs.update(nargs="?", const=True)
-            elif args and not args[0].startswith("-") and typing.get_origin(hint) is list:
-                (item,) = typing.get_args(hint)
+            elif item is not None:
                 del kwargs["action"]
                 kwargs.update(type=item, nargs="+")
+                if isinstance(kwargs.get("default"), tuple):  # a signature's immutable default
+                    kwargs["default"] = list(kwargs["default"])
             return super().add_argument(*args, **kwargs)
 
         def _parse_optional(self, arg_string: str) -> Any:

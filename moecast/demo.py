@@ -31,7 +31,7 @@ from typing import Any
 from moecast.collect.traceset import VAL_FRACTION
 from moecast.errors import InputError
 
-FIXTURE_WORKLOADS = "gsm8k,boolq,race-middle,wic,triviaqa,gaokao"
+FIXTURE_WORKLOADS = ("gsm8k", "boolq", "race-middle", "wic", "triviaqa", "gaokao")
 # every trainer's val share by default; compare replays their test side
 HOLDOUT = VAL_FRACTION
 
@@ -252,10 +252,10 @@ def demo(
     ):  # compare's wide table is in table.md; the demo prints a compact one
         compare(
             traces=str(traces),
-            policies="lru,lfu,score,smoe,prefetch,belady",
-            predictors=str(llapor),
-            planners=f"none,{cascade}",
-            capacities=",".join(f"{c:g}" for c in capacities),
+            policies=["lru", "lfu", "score", "smoe", "prefetch", "belady"],
+            predictors=[str(llapor)],
+            planners=["none", str(cascade)],
+            capacities=[f"{c:g}" for c in capacities],
             holdout="test",
             out=str(cmp_dir),
             cold=cold,

@@ -6,6 +6,7 @@ import csv
 import io
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from moecast.runtime.policy import POLICIES
@@ -174,12 +175,17 @@ def _print_result(res: ReplayResult, predictor_given: bool = True) -> None:
         )
 
 
+def _words(values: Sequence[str]) -> list[str]:
+    """The non-empty items of a list option; a bare string is one item, not its letters."""
+    return [str(v).strip() for v in ([values] if isinstance(values, str) else values) if str(v).strip()]
+
+
 def compare(
     traces: str = "",
-    policies: str = "lru,lfu,static,belady,presched",
-    predictors: str = "none",
-    capacities: str = "0.1,0.25,0.5",
-    planners: str = "none",
+    policies: Sequence[str] = ("lru", "lfu", "static", "belady", "presched"),
+    predictors: Sequence[str] = ("none",),
+    capacities: Sequence[str] = ("0.1", "0.25", "0.5"),
+    planners: Sequence[str] = ("none",),
     plan_weight: float = 0.1,
     holdout: str | None = None,
     out: str = "compare",
@@ -199,13 +205,13 @@ def compare(
 
     Args:
         traces: TraceSet directory.
-        policies: comma-separated policy names (see `moecast replay --help`).
-        predictors: comma-separated: none (no predictor, also for prefetch, presched and smoe, whose
+        policies: policy names (see `moecast replay --help`).
+        predictors: none (no predictor, also for prefetch, presched and smoe, whose
             `moecast replay` default is the oracle), oracle (future knowledge: an upper bound), checkpoint
             paths. Policies that never prefetch run with none only.
-        capacities: comma-separated capacities (fractions, experts or bytes); those that hold fewer experts
+        capacities: capacities (fractions, experts or bytes); those that hold fewer experts
             than the model's top-k are skipped with a note.
-        planners: comma-separated: none, hot and/or prompt-ahead checkpoints (EAM, EAP, cascade); each
+        planners: none, hot and/or prompt-ahead checkpoints (EAM, EAP, cascade); each
             planner preloads its plan per request (under static it is pinned in the table's place) and
             runs with every policy except belady. hot (the training requests' hot-expert table as the
             plan) is added beside any checkpoint planner, so each is judged against what costs nothing.
@@ -227,17 +233,17 @@ def compare(
     from moecast.runtime import replay as engine
 
     _need_traces(traces)
-    pols = [p.strip() for p in policies.split(",") if p.strip()]
+    pols = _words(policies)
     if not pols:
         raise InputError(f"--policies is empty; give one or more of {', '.join(POLICIES)}")
     for p in pols:
         if p not in POLICIES:
             raise InputError(f"unknown policy {p!r}; choose from {', '.join(POLICIES)}")
-    preds = [p.strip() for p in predictors.split(",") if p.strip()] or ["none"]
-    caps = [c.strip() for c in capacities.split(",") if c.strip()]
+    preds = _words(predictors) or ["none"]
+    caps = _words(capacities)
     if not caps:
-        raise InputError("--capacities is empty; give e.g. 0.1,0.25,0.5")
-    plans = [p.strip() for p in planners.split(",") if p.strip()] or ["none"]
+        raise InputError("--capacities is empty; give e.g. --capacities 0.1 0.25 0.5")
+    plans = _words(planners) or ["none"]
     if any(p not in ("none", "hot") for p in plans) and "hot" not in plans:
         plans.append("hot")
     # every check that needs no replay runs before out/ is created or a replay starts (they take

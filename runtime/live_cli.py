@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -222,12 +223,13 @@ def run(
 
 
 def heldout_rows(
-    tokenizer: Any, workloads: str, texts: int, tokens: int, data_dir: str | None = None
+    tokenizer: Any, workloads: Sequence[str], texts: int, tokens: int, data_dir: str | None = None
 ) -> list[list[int]]:
     """Token rows of held-out text: ShareGPT's validation conversations, or a workload's prompts
     (read from ``data_dir`` as ``moecast collect --data-dir`` reads them)."""
     rows: list[list[int]] = []
-    for name in [w.strip() for w in workloads.split(",") if w.strip()]:
+    names = [workloads] if isinstance(workloads, str) else workloads  # one name, not its letters
+    for name in [w.strip() for w in names if w.strip()]:
         if name == "sharegpt":
             from moecast.collect.sharegpt import training_texts
 
@@ -246,7 +248,7 @@ def heldout_rows(
                 break
     if not rows:
         raise InputError(
-            f"workloads {workloads!r} gave no text of at least 8 tokens; choose another workload"
+            f"workloads {', '.join(workloads)} gave no text of at least 8 tokens; choose another workload"
         )
     return rows
 
@@ -338,8 +340,8 @@ def _plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
 
 def eval_accuracy(
     model: str = "tiny",
-    workloads: str = "sharegpt",
-    alphas: str = "0,0.1,0.2,0.3,0.4,0.5,0.6",
+    workloads: Sequence[str] = ("sharegpt",),
+    alphas: Sequence[float] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6),
     policy: str = "smoe",
     capacity: str = "0.25",
     hardware: str = "smoe-s3-a6000",
@@ -354,8 +356,8 @@ def eval_accuracy(
 
     Args:
         model: ``tiny``, ``tiny:PRESET`` or a local Hugging Face model directory.
-        workloads: Comma-separated: ``sharegpt`` (held-out conversations) or workload names (their prompts).
-        alphas: Comma-separated alphas in [0, 1); 0 is always added (the reference).
+        workloads: ``sharegpt`` (held-out conversations) and/or workload names (their prompts).
+        alphas: Alphas in [0, 1); 0 is always added (the reference).
         policy: Cache policy (smoe, lru, lfu, score, static).
         capacity: Experts per layer on the device (fraction, count, bytes or ``all``).
         hardware: Hardware profile for the modeled TPOT.
@@ -371,13 +373,10 @@ def eval_accuracy(
     from moecast.runtime.alpha import choose_alpha
 
     _threads()
-    try:
-        grid = sorted({float(a) for a in str(alphas).split(",") if a.strip()})
-    except ValueError:
-        raise InputError(f"--alphas {alphas!r}: expected comma-separated numbers like 0,0.1,0.3") from None
+    grid = sorted({float(a) for a in alphas})
     bad = [a for a in grid if not 0 <= a < 1]
     if bad or not grid:
-        raise InputError(f"--alphas {alphas!r}: every alpha must be in [0, 1)")
+        raise InputError(f"--alphas {list(alphas)}: every alpha must be in [0, 1)")
     if grid[-1] > 0 and not substitutes(policy):
         raise InputError(
             f"--alphas sweeps substitution, which policy {policy!r} does not use; use --policy smoe"
@@ -402,7 +401,7 @@ def eval_accuracy(
         )
     if json:
         for r in results:
-            print(dumps({"model": name, "workloads": workloads, **r}))
+            print(dumps({"model": name, "workloads": list(workloads), **r}))
         if choice is not None:
             print(
                 dumps(
@@ -417,7 +416,7 @@ def eval_accuracy(
             )
     else:
         print(
-            f"{name} on {workloads}: {sum(len(r) - 1 for r in rows)} held-out tokens, policy {policy}, capacity {capacity}"
+            f"{name} on {', '.join(workloads)}: {sum(len(r) - 1 for r in rows)} held-out tokens, policy {policy}, capacity {capacity}"
         )
         print(
             f"  {'alpha':>5}  {'ppl':>8}  {'d ppl':>7}  {'agree':>6}  {'subst':>6}  {'hit':>6}  {'TPOT model':>10}  {'measured':>8}"
@@ -429,7 +428,7 @@ def eval_accuracy(
                 f"{r['modeled_tpot_ms']:>8.3f}ms  {r['measured_tpot_ms']:>6.2f}ms"
             )
     if plot:
-        _plot(results, Path(plot), f"{name}: accuracy vs alpha ({workloads}, capacity {capacity})")
+        _plot(results, Path(plot), f"{name}: accuracy vs alpha ({', '.join(workloads)}, capacity {capacity})")
         if not json:
             print(f"  plot: {plot}")
     if choice is not None:

@@ -411,7 +411,7 @@ def test_cli_eval_accuracy_sweep_and_budget(model_dir, tmp_path, capsys):
     png = tmp_path / "acc.png"
     res = eval_accuracy(
         model=str(model_dir),
-        alphas="0,0.3,0.6",
+        alphas=[0, 0.3, 0.6],
         capacity="0.25",
         texts=1,
         tokens=12,
@@ -427,7 +427,7 @@ def test_cli_eval_accuracy_sweep_and_budget(model_dir, tmp_path, capsys):
     with pytest.raises(ValueError, match="no alpha in the measured range meets"):
         eval_accuracy(
             model=str(model_dir),
-            alphas="0,0.3",
+            alphas=[0, 0.3],
             capacity="0.25",
             texts=1,
             tokens=10,
@@ -436,7 +436,7 @@ def test_cli_eval_accuracy_sweep_and_budget(model_dir, tmp_path, capsys):
             json=True,
         )
     with pytest.raises(ValueError, match=r"\[0, 1\)"):
-        eval_accuracy(model=str(model_dir), alphas="0,1.5", plot="")
+        eval_accuracy(model=str(model_dir), alphas=[0, 1.5], plot="")
 
 
 class _FixedPlanner:
@@ -804,7 +804,7 @@ def test_alpha_only_for_substituting_policies_like_replay(model_dir, capsys):
     with pytest.raises(SystemExit, match="alpha applies to substitution, which policy 'lru' does not use"):
         main([*base, "--policy", "lru", "--alpha", "0.3"])
     with pytest.raises(ValueError, match="--alphas sweeps substitution, which policy 'lru' does not use"):
-        eval_accuracy(model=str(model_dir), policy="lru", alphas="0,0.3", plot="")
+        eval_accuracy(model=str(model_dir), policy="lru", alphas=[0, 0.3], plot="")
 
 
 def test_cli_run_json_is_strict_null_for_undefined_rates(model_dir, capsys):

@@ -106,7 +106,8 @@ def _collect_args(data_dir: Path, out: Path) -> list[str]:
         "--model",
         "tiny:test",
         "--workloads",
-        "gsm8k,boolq",
+        "gsm8k",
+        "boolq",
         "--data-dir",
         str(data_dir),
         "--max-requests",
@@ -159,7 +160,7 @@ def test_collect_killed_with_sigkill_then_resumed_equals_uninterrupted(tiny_test
 
     kw = dict(
         model="tiny:test",
-        workloads="gsm8k,boolq",
+        workloads=["gsm8k", "boolq"],
         data_dir=str(data),
         max_requests=12,
         max_new_tokens=6,

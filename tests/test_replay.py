@@ -213,9 +213,11 @@ def test_cli_compare_writes_tables_plot_and_wandb(tmp_path, capsys):
             "--traces",
             str(path),
             "--policies",
-            "lru,prefetch",
+            "lru",
+            "prefetch",
             "--predictors",
-            "none,oracle",
+            "none",
+            "oracle",
             "--capacities",
             "0.5",
             "--out",
@@ -330,7 +332,7 @@ def test_planner_checkpoint_preloads_and_prefetches(tmp_path):
     from moecast.runtime.commands import compare
 
     out = tmp_path / "cmp"
-    compare(str(ts.path), policies="lru,static,belady", predictors="none", capacities="6", planners=f"none,{ck}",
+    compare(str(ts.path), policies=["lru", "static", "belady"], predictors=["none"], capacities=["6"], planners=["none", str(ck)],
             out=str(out), cold=True, wandb=False, json=True)  # fmt: skip
     rows = (out / "table.csv").read_text().strip().splitlines()[1:]
     # the hot table is added beside the planner: lru and static with none, the plan and hot
@@ -583,7 +585,7 @@ def test_compare_with_no_cell_fails_before_writing(tmp_path, capsys):
     ckpt.write_bytes(b"")  # never loaded: the cell list is empty before any checkpoint is read
     out = tmp_path / "cmp"
     base = ["compare", "--traces", str(path), "--capacities", "0.5", "--wandb", "false", "--out", str(out)]
-    code, _, _ = _run_cli([*base, "--policies", ""], capsys)
+    code, _, _ = _run_cli([*base, "--policies", " "], capsys)
     _one_line_error(code, "--policies is empty")
     code, _, _ = _run_cli([*base, "--policies", "belady", "--planners", str(ckpt)], capsys)
     _one_line_error(code, "belady", "--planners none")
@@ -604,19 +606,19 @@ def test_compare_skips_capacities_below_top_k(tmp_path, capsys):
     assert [r["capacity"] for r in rows] == ["8", "16"]  # 0.25 and 0.5 of 32
     # --json keeps stdout one JSON object per cell: the note goes to stderr
     code, text, err = _run_cli(
-        ["compare", "--traces", str(path), "--policies", "lru", "--capacities", "0.1,4", "--wandb", "false",
+        ["compare", "--traces", str(path), "--policies", "lru", "--capacities", "0.1", "4", "--wandb", "false",
          "--json", "--out", str(out)],
         capsys,
     )  # fmt: skip
     assert not code and [json.loads(ln)["capacity"] for ln in text.splitlines()] == [4]
     assert "note: skipping capacities 0.1" in err
     code, _, _ = _run_cli(
-        ["compare", "--traces", str(path), "--capacities", "0.1,2", "--wandb", "false", "--out", str(out)],
+        ["compare", "--traces", str(path), "--capacities", "0.1", "2", "--wandb", "false", "--out", str(out)],
         capsys,
     )
     _one_line_error(code, "0.1, 2", "top-k = 4")
     code, _, _ = _run_cli(
-        ["compare", "--traces", str(path), "--capacities", "0.1,lots", "--out", str(out)], capsys
+        ["compare", "--traces", str(path), "--capacities", "0.1", "lots", "--out", str(out)], capsys
     )
     _one_line_error(code, "'lots'")  # a malformed capacity is still an error, not a skip
     code, _, _ = _run_cli(["replay", "--traces", str(path), "--capacity", "0.1"], capsys)
@@ -725,7 +727,8 @@ def test_alpha_defaults_to_one_value_for_substituting_policies(tmp_path, capsys)
             "--traces",
             str(path),
             "--policies",
-            "lru,smoe",
+            "lru",
+            "smoe",
             "--capacities",
             "4",
             "--out",

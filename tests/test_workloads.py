@@ -122,11 +122,11 @@ def test_errors_name_the_problem(tmp_path, monkeypatch):
     with pytest.raises(WorkloadError, match=r"wic\.jsonl:1"):
         load_requests(get_spec("wic"), tmp_path)
     with pytest.raises(WorkloadError, match="unknown workload"):
-        parse_workloads("gsm8k,nope")
+        parse_workloads(["gsm8k", "nope"])
     with pytest.raises(WorkloadError, match="empty"):
         parse_workloads("")
     with pytest.raises(WorkloadError, match="twice"):
-        parse_workloads("wic,wic")
+        parse_workloads(["wic", "wic"])
     with pytest.raises(WorkloadError, match="at least 1"):
         load_requests(get_spec("wic"), tmp_path, limit=0)
 
