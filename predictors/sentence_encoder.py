@@ -10,8 +10,10 @@ and holds the thread and prompt checks both planners share.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import sys
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -116,6 +118,15 @@ def torch_threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(old)
 
 
+def _sentence_transformer_class() -> Any:
+    """sentence-transformers' model class, imported with stdout held back: under WANDB_MODE=offline
+    (moecast's default) transformers' trainer integrations print a line to stdout when they load, and
+    stdout carries the commands' ``--json`` output."""
+    with contextlib.redirect_stdout(sys.stderr):
+        from sentence_transformers import SentenceTransformer
+    return SentenceTransformer
+
+
 class SentenceEmbedder:
     """Prompt -> L2-normalised sentence embedding of a sentence-transformers model (CasMoE "EAM", Eq. 4).
 
@@ -142,8 +153,7 @@ class SentenceEmbedder:
         threads: int | None = 1,
         engine: str = "auto",
     ):
-        from sentence_transformers import SentenceTransformer
-
+        SentenceTransformer = _sentence_transformer_class()
         self.spec = encoder_spec(spec)
         self.path = resolve_encoder_path(spec)
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -66,3 +67,12 @@ def test_strict_json_turns_undefined_numbers_into_null():
         raise ValueError(name)
 
     assert json.loads(text, parse_constant=refuse) == {"a": None, "b": [None, 1.5], "c": 3}
+
+
+def test_json_stdout_stays_clean_when_the_encoder_loads_under_offline_wandb():
+    # transformers prints "[INFO] Running in WANDB offline mode" to stdout when sentence-transformers
+    # loads its trainer integrations; stdout carries `predictors eval ... --json`
+    code = "from moecast.predictors.sentence_encoder import _sentence_transformer_class as f; f()"
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert done.stdout == ""
