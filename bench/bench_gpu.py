@@ -333,7 +333,7 @@ def modeled(s: Setup, policy: str, capacity: float | int, predictor: Any = None,
         str(s.traces),
         ReplayConfig(policy=policy, capacity=capacity, hardware=s.profile, predictor=predictor, alpha=alpha),
     )
-    return {"modeled_tpot_ms": r.modeled_tpot_ms, "modeled_hit_rate": r.hit_rate}
+    return {"modeled_tpot_ms": r.modeled_tpot_ms, "modeled_hit_rate": r.hit_rate, "tpot_basis": r.tpot_basis}
 
 
 def row_full(s: Setup) -> dict:
@@ -727,10 +727,21 @@ def figures(raw: list[dict]) -> list[dict]:
         ok = {c: r for c, r in by.items() if r.get("status") == "ok" and r.get("kind") == "tpot"}
         for c, r in ok.items():
             note = f"modeled {_fmt(r.get('modeled_tpot_ms'))} ms, hit {_fmt(r.get('hit_rate'))}"
-            out.append(F.fig("gpu", f"{model}: {c} TPOT ms", r["measured_tpot_ms"], "{:.2f}", note=note))
+            basis = r.get("tpot_basis", "") if r.get("modeled_tpot_ms") else ""
+            out.append(
+                F.fig(
+                    "gpu",
+                    f"{model}: {c} TPOT ms",
+                    r["measured_tpot_ms"],
+                    "{:.2f}",
+                    note=note,
+                    tpot_basis=basis,
+                )
+            )
             if r.get("modeled_tpot_ms"):
                 err = abs(r["modeled_tpot_ms"] / r["measured_tpot_ms"] - 1)
-                out.append(F.fig("gpu", f"{model}: {c} |modeled / measured - 1|", err, "{:.2f}", "<= 0.2"))
+                name = f"{model}: {c} |modeled / measured - 1|"
+                out.append(F.fig("gpu", name, err, "{:.2f}", "<= 0.2", tpot_basis=basis))
         best = min(
             (ok[c] for c in MOECAST_ROWS[1:] if c in ok), key=lambda r: r["measured_tpot_ms"], default=None
         )

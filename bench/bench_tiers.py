@@ -209,7 +209,7 @@ def modeled(t: Tiers, policy: str, capacity: float, predictor: Any = "none") -> 
     r = replay(
         str(t.traces), ReplayConfig(policy=policy, capacity=capacity, hardware=t.profile, predictor=predictor)
     )
-    return {"modeled_tpot_ms": r.modeled_tpot_ms, "modeled_hit_rate": r.hit_rate}
+    return {"modeled_tpot_ms": r.modeled_tpot_ms, "modeled_hit_rate": r.hit_rate, "tpot_basis": r.tpot_basis}
 
 
 def live_row(t: Tiers, name: str, capacity: float, replay_policy: str, replay_pred: Any, **kw: Any) -> dict:
@@ -503,10 +503,12 @@ def figures(raw: list[dict]) -> list[dict]:
             )
             continue
         note = f"modeled {bench_gpu._fmt(r.get('modeled_tpot_ms'))}, hit {bench_gpu._fmt(r.get('hit_rate'))}, peak RSS {bench_gpu._fmt(r.get('peak_rss_mb'), 0)} MB"
-        out.append(F.fig("tiers", name, r["measured_tpot_ms"], "{:.1f}", note=note))
+        basis = r.get("tpot_basis", "") if r.get("modeled_tpot_ms") else ""
+        out.append(F.fig("tiers", name, r["measured_tpot_ms"], "{:.1f}", note=note, tpot_basis=basis))
         if r.get("modeled_tpot_ms"):
             err = abs(r["modeled_tpot_ms"] / r["measured_tpot_ms"] - 1)
-            out.append(F.fig("tiers", f"{name[:-8]} |modeled / measured - 1|", err, "{:.2f}", "<= 0.15"))
+            error = f"{name[:-8]} |modeled / measured - 1|"
+            out.append(F.fig("tiers", error, err, "{:.2f}", "<= 0.15", tpot_basis=basis))
         if r.get("dense_mb") is not None and r.get("peak_rss_mb"):
             ratio = r["peak_rss_mb"] / (r["budget_mb"] + r["dense_mb"])
             out.append(

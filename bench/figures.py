@@ -3,8 +3,10 @@
 A figure is a dict with the keys of :data:`KEYS`: the bench, the figure's name, its value as
 printed, the goal, a verdict (``ok`` | ``MISS`` | ``""`` when there is no goal to judge |
 ``FAILED`` | ``MISSING`` | ``SKIPPED``), the value as a number (None when it is not one) and a
-note. Every bench module returns a list of them from its ``rows`` function; bench/run_all.py
-prints, stores and renders them.
+note. A figure that shows a modeled TPOT also carries the replay's ``tpot_basis`` (decode steps, or
+every token of a prefill-only trace replayed as a step), so the tables say what the TPOT averages.
+Every bench module returns a list of them from its ``rows`` function; bench/run_all.py prints,
+stores and renders them.
 """
 
 from __future__ import annotations
@@ -25,7 +27,14 @@ KEYS = ("bench", "name", "value", "goal", "verdict", "number", "note")
 
 
 def row(
-    bench: str, name: str, value: str, goal: str = "", verdict: str = "", note: str = "", number=None
+    bench: str,
+    name: str,
+    value: str,
+    goal: str = "",
+    verdict: str = "",
+    note: str = "",
+    number=None,
+    tpot_basis: str = "",
 ) -> dict:
     return {
         "bench": bench,
@@ -35,6 +44,7 @@ def row(
         "verdict": verdict,
         "number": number,
         "note": note,
+        "tpot_basis": tpot_basis,
     }
 
 
@@ -58,13 +68,14 @@ def fig(
     goal: str = "",
     note: str = "",
     judged: bool = True,
+    tpot_basis: str = "",
 ) -> dict:
     """A numeric figure: ``fmt`` prints it, ``goal`` judges it (unless ``judged`` is False)."""
     if number is None:
-        return row(bench, name, "see its log", goal, note=note)
+        return row(bench, name, "see its log", goal, note=note, tpot_basis=tpot_basis)
     number = float(number)
     verdict = judge(number, goal) if judged else ""
-    return row(bench, name, fmt.format(number), goal, verdict, note, number)
+    return row(bench, name, fmt.format(number), goal, verdict, note, number, tpot_basis)
 
 
 def missing(bench: str, why: str, name: str = "(bench)", goal: str = "") -> dict:
@@ -152,6 +163,12 @@ def describe_machine(info: dict) -> str:
 WIDTHS = (11, 56, 46, 24, 8)
 
 
+def basis_note(f: dict) -> str:
+    """A figure's note with its TPOT basis appended where it has one."""
+    basis = f.get("tpot_basis") or ""  # figures stored before the key existed lack it
+    return "; ".join(filter(None, [f["note"], f"TPOT over {basis}" if basis else ""]))
+
+
 def format_table(figures: list[dict]) -> str:
     """The fixed-width table run_all prints: bench, figure, value, goal, verdict, note."""
     head = ["bench", "figure", "value", "goal", "verdict"]
@@ -159,19 +176,23 @@ def format_table(figures: list[dict]) -> str:
     lines.append("-" * (sum(WIDTHS) + 2 * len(WIDTHS) + 30))
     for f in figures:
         cells = [f["bench"], f["name"], f["value"], f["goal"], f["verdict"]]
-        lines.append("  ".join(str(c).ljust(n) for c, n in zip(cells, WIDTHS)) + "  " + f["note"])
+        lines.append("  ".join(str(c).ljust(n) for c, n in zip(cells, WIDTHS)) + "  " + basis_note(f))
     return "\n".join(lines)
 
 
 def markdown_table(figures: list[dict]) -> str:
+    """run_all.md's figures: a TPOT's basis gets a column of its own, so a reader sees which TPOTs
+    average decode steps and which replay a prefill-only trace's tokens as steps."""
+
     def cell(s: object) -> str:
         return str(s).replace("|", "\\|")
 
-    lines = ["| bench | figure | value | goal | verdict | note |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| bench | figure | value | goal | verdict | TPOT over | note |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for f in figures:
-        lines.append(
-            "| "
-            + " | ".join(cell(f[k]) for k in ("bench", "name", "value", "goal", "verdict", "note"))
-            + " |"
-        )
+        cells = [f[k] for k in ("bench", "name", "value", "goal", "verdict")]
+        cells += [f.get("tpot_basis") or "", f["note"]]
+        lines.append("| " + " | ".join(cell(c) for c in cells) + " |")
     return "\n".join(lines)

@@ -137,7 +137,9 @@ def describe(inputs_taken: dict) -> list[str]:
                 meta = {}
             secs = (meta.get("training") or {}).get("train_seconds")
             on = meta.get("trained_on")
+            split = (meta.get("split") or {}).get("method")  # absent: the ungrouped split of earlier versions
             text += f" ({meta.get('kind', '?')}" + (f", trained on {F.shown(on)}" if on else "")
+            text += f", split {split}" if split else ""
             text += (f" in {secs:.0f} s" if isinstance(secs, (int, float)) else "") + ")"
         out.append(text)
     return out

@@ -128,6 +128,7 @@ def test_dry_run_runs_every_cpu_row(tmp_path, monkeypatch):
     lru = by[("tiny", "on-demand LRU")]
     err = next(f for f in figs if f["name"] == "tiny: on-demand LRU |modeled / measured - 1|")
     assert err["number"] == pytest.approx(abs(lru["modeled_tpot_ms"] / lru["measured_tpot_ms"] - 1))
+    assert err["tpot_basis"] and err["tpot_basis"] == lru["tpot_basis"]  # the replay's, carried
     best = min(by[("tiny", c)]["measured_tpot_ms"] for c in bench_gpu.MOECAST_ROWS[1:])
     ratio = next(f for f in figs if f["name"] == "tiny: best moecast TPOT / on-demand LRU")
     assert ratio["number"] == pytest.approx(best / lru["measured_tpot_ms"]) and ratio["goal"] == "<= 0.667"

@@ -69,7 +69,49 @@ def test_store_merges_by_bench_in_table_order(tmp_path):
         "| replay | 2026-01-03 | `python bench/run_all.py` | X, 2 cores, no GPU; torch 2, python 3 | 3 |"
         in md
     )
-    assert "| x | fig | c |  |  |  |" in md and "| x | fig | a |" not in md
+    assert "| x | fig | c |  |  |  |  |" in md and "| x | fig | a |" not in md
+
+
+def test_a_tpot_basis_is_shown_where_a_figure_has_one():
+    basis = "every token as a step (prefill-only trace, no decode steps)"
+    with_basis = F.fig("prefetch", "tpot", 7.04, "{:.1f} ms", note="cold", tpot_basis=basis)
+    stored_before = {k: v for k, v in F.row("live", "overhead", "+3.6 %").items() if k != "tpot_basis"}
+    md = F.markdown_table([with_basis, stored_before]).splitlines()
+    assert md[0] == "| bench | figure | value | goal | verdict | TPOT over | note |"
+    assert md[2] == f"| prefetch | tpot | 7.0 ms |  |  | {basis} | cold |"
+    assert md[3] == "| live | overhead | +3.6 % |  |  |  |  |"
+    printed = F.format_table([with_basis]).splitlines()[2]
+    assert printed.endswith(f"  cold; TPOT over {basis}")
+
+
+def test_prefetch_rows_pick_the_best_online_policy_and_carry_the_basis():
+    from types import SimpleNamespace
+
+    from bench.bench_prefetch import capacity_rows
+
+    def res(hit, tpot):
+        return [SimpleNamespace(hit_rate=hit, modeled_tpot_ms=tpot, tpot_basis="decode steps", requests=3)]
+
+    m = {
+        "lru": res(0.30, 9.0),
+        "lfu": res(0.35, 8.5),
+        "static": res(0.20, 9.9),
+        "belady": res(0.50, 7.0),  # a bound: never the best non-learned row
+        "LLaPor prefetch": res(0.34, 8.0),
+        "PreSched, no predictor": res(0.25, 6.0),
+        "LLaPor + PreSched": res(0.36, 5.5),
+        "oracle + PreSched (bound)": res(0.60, 5.0),
+    }
+    got = capacity_rows(m, 0, "hw")
+    assert [(r["name"], r["value"], r["goal"], r["verdict"]) for r in got] == [
+        ("10 %, hw: hit rate, modeled TPOT, best non-learned (lfu)", "0.350, 8.5 ms", "", ""),
+        ("10 %, hw: hit rate, modeled TPOT, LLaPor prefetch", "0.340, 8.0 ms", "> lfu", "MISS"),
+        ("10 %, hw: hit rate, modeled TPOT, LLaPor + PreSched", "0.360, 5.5 ms", "> lfu", "ok"),
+        ("10 %, hw: hit rate, modeled TPOT, PreSched without a predictor", "0.250, 6.0 ms", "", ""),
+        ("10 %, hw: hit rate, modeled TPOT, oracle + PreSched (bound)", "0.600, 5.0 ms", "", ""),
+        ("10 %, hw: hit rate, modeled TPOT, Belady (bound)", "0.500, 7.0 ms", "", ""),
+    ]
+    assert {r["tpot_basis"] for r in got} == {"decode steps"} and got[0]["number"] == 0.35
 
 
 @pytest.fixture

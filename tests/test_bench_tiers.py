@@ -56,6 +56,7 @@ def test_quick_run_at_test_sizes(tmp_path, capsys):
     if recorded:
         err = figs["25 %: lru |modeled / measured - 1|"]
         assert err["number"] == pytest.approx(abs(lru["modeled_tpot_ms"] / lru["measured_tpot_ms"] - 1))
+        assert err["tpot_basis"] and err["tpot_basis"] == lru["tpot_basis"]  # the replay's, carried
     md = next(tmp_path.glob("tiers-*.md")).read_text()
     assert "command:" in md and "machine:" in md and "profile:" in md
 

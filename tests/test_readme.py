@@ -42,6 +42,14 @@ def test_results_rows_come_from_run_all(tmp_path, monkeypatch):
     table = readme_table.results_table(path)
     assert "| overhead | +3.6 % | <= 15 % (ok) | live |" in table
     assert "Measured 2026-01-02 on X, 2 cores, no GPU; torch 2, python 3" in table
+    basis = "every token as a step (prefill-only trace, no decode steps)"
+    best = {**figure, "bench": "prefetch", "name": "10 %: best (lfu)", "value": "0.5", "tpot_basis": basis}
+    benches = {"prefetch": {"date": "2026-01-03", "machine": machine, "figures": [best]}}
+    path.write_text(json.dumps({"benches": benches}))
+    monkeypatch.setattr(readme_table, "RESULTS", (("prefetch", "10 %: best", "best{rest}"),))
+    table = readme_table.results_table(path)
+    assert "| best (lfu) | 0.5 | <= 15 % (ok) | prefetch |" in table
+    assert f"Modeled TPOT of the prefetch rows: the mean over {basis}." in table
     monkeypatch.setattr(readme_table, "RESULTS", (("live", "alpha=0.3", "agreement"),))
     with pytest.raises(SystemExit, match=re.escape("no live figure starting 'alpha=0.3'")):
         readme_table.results_table(path)
