@@ -119,89 +119,30 @@ def summarise(table_csv: Path) -> tuple[str, list[dict[str, Any]]]:
     return "\n".join(lines), summary
 
 
-def demo(
-    out: str = "runs/demo",
-    preset: str = "default",
-    requests: int = 96,
-    fixture_requests: int = 16,
-    max_new_tokens: int = 32,
-    llapor_epochs: int = 8,
-    eap_epochs: int = 30,
-    encoder: str = "minilm",
-    capacities: tuple[float, ...] = (0.125, 0.25, 0.5),
-    cold: bool = True,
-    epsilon: float = 0.6,
-    wandb: bool = True,
-    json: bool = False,
-) -> Path:
-    """Run the whole moecast pipeline on the embedded ``tiny`` model and print the comparison.
-
-    Re-running reuses every finished stage trained with the same settings (delete OUT to start over).
-
-    Args:
-        out: Folder for the demo's traces, checkpoints, wandb runs, table and plot.
-        preset: ``tiny`` preset (configs/tiny.yaml); ``test`` builds in seconds.
-        requests: ShareGPT conversations to collect.
-        fixture_requests: Requests per OpenCompass-style fixture workload.
-        max_new_tokens: Greedy decode length per request.
-        llapor_epochs: LLaPor training epochs (early stopping may end sooner).
-        eap_epochs: EAP head training epochs.
-        encoder: EAM/EAP sentence encoder: ``minilm`` (packaged all-MiniLM-L6-v2) or a local model folder.
-        capacities: Cache capacities to compare, as fractions of each layer's experts.
-        cold: Caches start empty for every request (the setting prompt-level planning targets); false: stream.
-        epsilon: Cascade gate: EAM answers when its best cosine similarity is at least this.
-        wandb: Log the EAM build and one run per compared cell to wandb (training runs always log; offline
-            unless configured).
-        json: Print the final summary as one JSON object.
-    """
+def _train_predictors(
+    traces: Path,
+    ckpt: Path,
+    preset: str,
+    max_new_tokens: int,
+    llapor_epochs: int,
+    eap_epochs: int,
+    encoder: str,
+    epsilon: float,
+    wandb: bool,
+) -> tuple[Path, Path, Path, Path]:
+    """Stage 4: LLaPor, the EAM, the EAP and their cascade, each trained by its fit function from the
+    shipped recipe (configs/) unless a checkpoint of the same settings exists; their paths."""
     from moecast import configs_dir
-    from moecast.collect.commands import collect
-    from moecast.collect.fixtures import write_fixtures
-    from moecast.collect.tiny import ensure_tiny
-    from moecast.runtime.commands import compare
+    from moecast.collect.traceset import TraceSet
     from moecast.train.cascade import fit_cascade
     from moecast.train.config import SplitConfig, config_args
     from moecast.train.eam import fit_eam
     from moecast.train.eap import fit_eap
     from moecast.train.llapor import fit_llapor
 
-    os.environ.setdefault("WANDB_MODE", "offline")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault(
-        "WANDB_SILENT", "true"
-    )  # dozens of offline runs; their banners would bury the table
-    if requests < 1 or fixture_requests < 1:
-        raise InputError("--requests and --fixture-requests must be at least 1")
-    root = Path(out)
-    root.mkdir(parents=True, exist_ok=True)
-    traces = root / "traces" / "tiny-mixed"
-    ckpt = root / "ckpt"
-    ckpt.mkdir(exist_ok=True)
     cfg = configs_dir()
-    t0 = time.perf_counter()
-    total = 5
-
-    _stage(1, total, f"tiny model (preset {preset}): build once, then reuse", t0)
-    model_path = ensure_tiny(preset)
-    print(f"tiny model at {model_path}")
-    model = "tiny" if preset == "default" else f"tiny:{preset}"
-
-    _stage(2, total, "fixture datasets in the OpenCompass workloads' column formats", t0)
-    data_dir = write_fixtures(root / "data", rows=fixture_requests, seed=0)
-    print(f"wrote {data_dir}")
-
-    _stage(3, total, "collect router traces: ShareGPT + 6 fixture workloads, prefill + greedy decode", t0)
-    common = dict(
-        model=model, out=str(traces), max_new_tokens=max_new_tokens, gate_inputs=True, data_dir=str(data_dir)
-    )
-    collect(workloads="sharegpt", max_requests=requests, **common)
-    collect(workloads=FIXTURE_WORKLOADS, max_requests=fixture_requests, **common)
-
-    _stage(4, total, "train predictors: LLaPor (PreScope), EAM + EAP + cascade (CasMoE)", t0)
     llapor = ckpt / "llapor.safetensors"
     eam, eap, cascade = ckpt / "eam.safetensors", ckpt / "eap.safetensors", ckpt / "cascade.safetensors"
-    from moecast.collect.traceset import TraceSet
-
     # what each checkpoint depends on: the traces it learns from and its own settings
     data = {"preset": preset, "requests": TraceSet(traces).num_requests, "max_new_tokens": max_new_tokens}
     settings = {
@@ -243,6 +184,85 @@ def demo(
     if not _reuse(cascade, settings[cascade]):
         fit_cascade(str(eam), str(eap), str(cascade), epsilon, str(traces), data=SplitConfig(**split))
         _stamp(cascade, settings[cascade])
+
+    return llapor, eam, eap, cascade
+
+
+def demo(
+    out: str = "runs/demo",
+    preset: str = "default",
+    requests: int = 96,
+    fixture_requests: int = 16,
+    max_new_tokens: int = 32,
+    llapor_epochs: int = 8,
+    eap_epochs: int = 30,
+    encoder: str = "minilm",
+    capacities: tuple[float, ...] = (0.125, 0.25, 0.5),
+    cold: bool = True,
+    epsilon: float = 0.6,
+    wandb: bool = True,
+    json: bool = False,
+) -> Path:
+    """Run the whole moecast pipeline on the embedded ``tiny`` model and print the comparison.
+
+    Re-running reuses every finished stage trained with the same settings (delete OUT to start over).
+
+    Args:
+        out: Folder for the demo's traces, checkpoints, wandb runs, table and plot.
+        preset: ``tiny`` preset (configs/tiny.yaml); ``test`` builds in seconds.
+        requests: ShareGPT conversations to collect.
+        fixture_requests: Requests per OpenCompass-style fixture workload.
+        max_new_tokens: Greedy decode length per request.
+        llapor_epochs: LLaPor training epochs (early stopping may end sooner).
+        eap_epochs: EAP head training epochs.
+        encoder: EAM/EAP sentence encoder: ``minilm`` (packaged all-MiniLM-L6-v2) or a local model folder.
+        capacities: Cache capacities to compare, as fractions of each layer's experts.
+        cold: Caches start empty for every request (the setting prompt-level planning targets); false: stream.
+        epsilon: Cascade gate: EAM answers when its best cosine similarity is at least this.
+        wandb: Log the EAM build and one run per compared cell to wandb (training runs always log; offline
+            unless configured).
+        json: Print the final summary as one JSON object.
+    """
+    from moecast.collect.commands import collect
+    from moecast.collect.fixtures import write_fixtures
+    from moecast.collect.tiny import ensure_tiny
+    from moecast.runtime.commands import compare
+
+    os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault(
+        "WANDB_SILENT", "true"
+    )  # dozens of offline runs; their banners would bury the table
+    if requests < 1 or fixture_requests < 1:
+        raise InputError("--requests and --fixture-requests must be at least 1")
+    root = Path(out)
+    root.mkdir(parents=True, exist_ok=True)
+    traces = root / "traces" / "tiny-mixed"
+    ckpt = root / "ckpt"
+    ckpt.mkdir(exist_ok=True)
+    t0 = time.perf_counter()
+    total = 5
+
+    _stage(1, total, f"tiny model (preset {preset}): build once, then reuse", t0)
+    model_path = ensure_tiny(preset)
+    print(f"tiny model at {model_path}")
+    model = "tiny" if preset == "default" else f"tiny:{preset}"
+
+    _stage(2, total, "fixture datasets in the OpenCompass workloads' column formats", t0)
+    data_dir = write_fixtures(root / "data", rows=fixture_requests, seed=0)
+    print(f"wrote {data_dir}")
+
+    _stage(3, total, "collect router traces: ShareGPT + 6 fixture workloads, prefill + greedy decode", t0)
+    common = dict(
+        model=model, out=str(traces), max_new_tokens=max_new_tokens, gate_inputs=True, data_dir=str(data_dir)
+    )
+    collect(workloads=["sharegpt"], max_requests=requests, **common)
+    collect(workloads=FIXTURE_WORKLOADS, max_requests=fixture_requests, **common)
+
+    _stage(4, total, "train predictors: LLaPor (PreScope), EAM + EAP + cascade (CasMoE)", t0)
+    llapor, eam, eap, cascade = _train_predictors(
+        traces, ckpt, preset, max_new_tokens, llapor_epochs, eap_epochs, encoder, epsilon, wandb
+    )
 
     _stage(5, total, "replay the held-out requests under each policy (moecast compare)", t0)
     cmp_dir = root / "compare"

@@ -41,8 +41,8 @@ _OS_HINTS: dict[int, str] = {
 def user_errors() -> tuple[type[BaseException], ...]:
     # OSError covers every file-system failure (missing, exists, not a directory, permission, disk
     # full): the user fixes the path, so a traceback would only hide the message. ValueError is here
-    # only until runtime/live.py, runtime/replay.py and runtime/expert_store.py raise InputError for
-    # their input checks; a KeyError is always a bug.
+    # only until runtime/live.py and runtime/expert_store.py raise InputError for their input checks;
+    # a KeyError is always a bug.
     return (MoecastError, OSError, ValueError)
 
 

@@ -163,10 +163,10 @@ def run(
         from moecast.runtime.offload import load_offloaded
 
         if not offload_dir:
-            raise ValueError("--offload disk needs --offload_dir DIR (where the experts are written once)")
+            raise InputError("--offload disk needs --offload_dir DIR (where the experts are written once)")
         lm, tok, name = load_offloaded(model, offload_dir, dtype="float32")
     elif offload != "ram":
-        raise ValueError(f"unknown --offload {offload!r}; choose ram or disk")
+        raise InputError(f"unknown --offload {offload!r}; choose ram or disk")
     else:
         lm, tok, name = load_model(model, dtype="float32")
     pred = _load_predictor(predictor, lm, name)

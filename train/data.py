@@ -286,20 +286,10 @@ class LLaPorDataModule(pl.LightningDataModule):
         # read lazily from the memory-mapped parts (the widest field by far); checked in chunks
         gate = _finite_rows(ts, "gate_inputs", ids_order) if use_gate else None
 
-        # layer groups (§3.1): from config, or from the training split's statistics
         sub = self.train_rows[:: max(1, n_train // hp.pca_fit_rows)]
         # the sampled training rows' gate inputs: group detection and the PCA fit both read them
         gate_sub = gate[sub].astype(np.float32) if gate is not None else None
-        if hp.groups:
-            self.groups = {g: list(v) for g, v in hp.groups.items()}
-            covered = sorted(x for layers in self.groups.values() for x in layers)
-            if covered != list(range(L)):
-                raise InputError(
-                    f"configured groups {self.groups} must cover layer positions 0..{L - 1} exactly once"
-                )
-        else:
-            cos = gate_cosine(gate_sub) if gate_sub is not None else None
-            self.groups, self.group_signal = detect_groups(cos, routing_correlation(self.topk[sub], E), L)
+        self._set_groups(sub, gate_sub, L, E)
         print(format_groups(self.groups, m.moe_layers))
 
         pca_dims = [0] * L
@@ -349,22 +339,7 @@ class LLaPorDataModule(pl.LightningDataModule):
         self.weights = self.votes = None
         if self.spec.dense_dim:
             if use_gate:
-                from sklearn.decomposition import PCA
-
-                for li in range(L):
-                    if not pca_dims[li]:
-                        continue
-                    pca = PCA(n_components=pca_dims[li], random_state=hp.seed)
-                    pca.fit(gate_sub[:, li])
-                    self.pca_components[li, : pca_dims[li]] = pca.components_
-                    self.pca_mean[li] = pca.mean_
-                # (x - mean) @ C^T as one batched multiply-add: x @ C^T + (-mean @ C^T)
-                self._proj_layers = torch.tensor([li for li in range(L) if pca_dims[li]], dtype=torch.long)
-                comps = torch.from_numpy(self.pca_components[self._proj_layers])
-                self._proj = comps.transpose(1, 2).contiguous()
-                self._proj_bias = -torch.bmm(
-                    torch.from_numpy(self.pca_mean[self._proj_layers])[:, None], self._proj
-                )
+                self._fit_pca(gate_sub, pca_dims)
             if use_w:
                 self.weights = np.ascontiguousarray(ts.array("topk_weights", ids_order))
                 if not np.isfinite(self.weights).all():
@@ -383,6 +358,37 @@ class LLaPorDataModule(pl.LightningDataModule):
         inv = 1.0 / freq
         self.inv_freq = (inv / inv.mean(1, keepdims=True)).astype(np.float32)
         self._built = True
+
+    def _set_groups(self, sub: np.ndarray, gate_sub: np.ndarray | None, L: int, E: int) -> None:
+        """Layer groups (PreScope §3.1): as configured, or detected from the sampled training rows."""
+        hp = self.hparams
+        if hp.groups:
+            self.groups = {g: list(v) for g, v in hp.groups.items()}
+            covered = sorted(x for layers in self.groups.values() for x in layers)
+            if covered != list(range(L)):
+                raise InputError(
+                    f"configured groups {self.groups} must cover layer positions 0..{L - 1} exactly once"
+                )
+        else:
+            cos = gate_cosine(gate_sub) if gate_sub is not None else None
+            self.groups, self.group_signal = detect_groups(cos, routing_correlation(self.topk[sub], E), L)
+
+    def _fit_pca(self, gate_sub: np.ndarray, pca_dims: list[int]) -> None:
+        """Each layer's gate-input PCA on the sampled training rows, and its projection as one
+        batched multiply-add: (x - mean) @ C^T = x @ C^T + (-mean @ C^T)."""
+        from sklearn.decomposition import PCA
+
+        for li, dims in enumerate(pca_dims):
+            if not dims:
+                continue
+            pca = PCA(n_components=dims, random_state=self.hparams.seed)
+            pca.fit(gate_sub[:, li])
+            self.pca_components[li, :dims] = pca.components_
+            self.pca_mean[li] = pca.mean_
+        self._proj_layers = torch.tensor([li for li, d in enumerate(pca_dims) if d], dtype=torch.long)
+        comps = torch.from_numpy(self.pca_components[self._proj_layers])
+        self._proj = comps.transpose(1, 2).contiguous()
+        self._proj_bias = -torch.bmm(torch.from_numpy(self.pca_mean[self._proj_layers])[:, None], self._proj)
 
     def _want(self, name: str, field: str, ts: TraceSet) -> bool:
         value = self.hparams[name]
