@@ -11,16 +11,14 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
-from moecast.collect.traceset import RequestTrace
-from moecast.predictors.base import Predictor
-from moecast.predictors.casmoe import broadcast_plan, prompt_text
+from moecast.predictors.casmoe import Planner
 from moecast.predictors.checkpoint import CheckpointError, save
 from moecast.predictors.eam import EAM
 
 from moecast.errors import InputError
 
 
-class Cascade(Predictor):
+class Cascade(Planner):
     """CasMoE's cascade planner with its gate ("Gating", "Inference"): EAM if confidence >= epsilon, else EAP.
 
     When the EAP's encoder is frozen and identical to the EAM's embedder, the EAM's
@@ -28,8 +26,6 @@ class Cascade(Predictor):
     """
 
     name: ClassVar[str] = "cascade"
-    horizon: ClassVar[str] = "prompt-ahead"
-    needs: ClassVar[tuple[str, ...]] = ("topk_ids",)
 
     def __init__(self, eam: EAM, eap: Any, epsilon: float) -> None:
         if eam.fingerprint != eap.fingerprint:
@@ -48,6 +44,7 @@ class Cascade(Predictor):
         self.fingerprint = eam.fingerprint
         self.moe_layers = eam.moe_layers
         self.shared_embedding = eap.shares_embedder(eam.embedder)
+        self.extra_meta: dict[str, Any] = {}  # its EAM and EAP keep their builds' records
         self.last_confidence = float("nan")
 
     def set_encoder(
@@ -72,10 +69,6 @@ class Cascade(Predictor):
         trained offline and has no buffer."""
         return self.eam.observe(prompt, ep)
 
-    def score_request(self, trace: RequestTrace) -> np.ndarray:
-        plan, _ = self.plan(prompt_text(trace))
-        return broadcast_plan(plan, len(trace))
-
     def save(self, path: str | Path, eam_path: str | Path, eap_path: str | Path) -> Path:
         """A small checkpoint naming the EAM and EAP checkpoints (paths relative to it when beside it)."""
         path = Path(path)
@@ -89,9 +82,6 @@ class Cascade(Predictor):
 
         meta = {
             **self.metadata(),
-            "moe_layers": self.moe_layers,
-            "num_experts": self.num_experts,
-            "top_k": self.top_k,
             "epsilon": self.epsilon,
             "files": {"eam": rel(eam_path), "eap": rel(eap_path)},
         }

@@ -12,11 +12,13 @@ one definition.
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from moecast.collect.traceset import RequestTrace, TraceSet
+from moecast.predictors.base import Predictor
 
 from moecast.errors import InputError
 
@@ -134,3 +136,43 @@ def plan_recall(plans: np.ndarray, true_ep: np.ndarray, k: int) -> dict[str, Any
 def broadcast_plan(plan: np.ndarray, num_tokens: int) -> np.ndarray:
     """The [L, E] plan repeated over a request's tokens: the prompt-ahead score_request contract."""
     return np.ascontiguousarray(np.broadcast_to(plan.astype(np.float32), (num_tokens, *plan.shape)))
+
+
+#: checkpoint metadata a planner keeps from its build (training data, weighting, split, metrics)
+BUILD_KEYS = ("trained_on", "ep_weighting", "include_decode", "metrics", "split")
+
+
+class Planner(Predictor):
+    """Base of CasMoE's prompt-ahead planners (EAM, EAP, cascade): an [L, E] plan per prompt.
+
+    ``score_request`` repeats the plan of the request's prompt over its tokens; ``metadata``
+    records the model's shape and what the planner kept from its build (``extra_meta``).
+    """
+
+    horizon: ClassVar[str] = "prompt-ahead"
+    needs: ClassVar[tuple[str, ...]] = ("topk_ids",)
+    moe_layers: list[int]
+    extra_meta: dict[str, Any]
+
+    @abstractmethod
+    def plan(self, prompt: str) -> tuple[np.ndarray, str]:
+        """([L, E] plan, which planner answered)."""
+
+    def score_request(self, trace: RequestTrace) -> np.ndarray:
+        plan, _ = self.plan(prompt_text(trace))
+        return broadcast_plan(plan, len(trace))
+
+    def metadata(self) -> dict[str, Any]:
+        return {
+            **super().metadata(),
+            **self.extra_meta,
+            "moe_layers": self.moe_layers,
+            "num_experts": self.num_experts,
+            "num_layers": self.num_layers,
+            "top_k": self.top_k,
+        }
+
+
+def build_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    """The :data:`BUILD_KEYS` of a loaded checkpoint's metadata: a planner's ``extra_meta``."""
+    return {k: meta[k] for k in BUILD_KEYS if k in meta}

@@ -19,10 +19,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
-from moecast.collect.traceset import RequestTrace
-from moecast.predictors.base import Predictor
 from moecast.predictors.bert_encoder import check_engine
-from moecast.predictors.casmoe import broadcast_plan, prompt_text
+from moecast.predictors.casmoe import Planner, build_meta
 from moecast.predictors.checkpoint import CheckpointError, save
 from moecast.predictors.sentence_encoder import SentenceEmbedder, shared_embedder
 
@@ -67,7 +65,7 @@ def _atomic_hnsw_save(index: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
-class EAM(Predictor):
+class EAM(Planner):
     """Expert Activation Matcher: HNSW cosine index of prompt embeddings -> EP (CasMoE Eqs. 4-5).
 
     ``query`` returns the mean EP of the top-k' neighbours (Eq. 5) and the best cosine
@@ -83,8 +81,6 @@ class EAM(Predictor):
     """
 
     name: ClassVar[str] = "eam"
-    horizon: ClassVar[str] = "prompt-ahead"
-    needs: ClassVar[tuple[str, ...]] = ("topk_ids",)
 
     def __init__(
         self,
@@ -174,10 +170,6 @@ class EAM(Predictor):
         )
         self.config.int8 = self.embedder.int8  # False off the CPU
 
-    def score_request(self, trace: RequestTrace) -> np.ndarray:
-        plan, _ = self.plan(prompt_text(trace))
-        return broadcast_plan(plan, len(trace))
-
     # ------------------------------------------------------------------ buffer (C pairs)
     @property
     def size(self) -> int:
@@ -239,24 +231,16 @@ class EAM(Predictor):
 
     # ------------------------------------------------------------------ persistence
     def metadata(self) -> dict[str, Any]:
-        meta = super().metadata()
-        meta.update(self.extra_meta)
-        meta.update(
-            {
-                "moe_layers": self.moe_layers,
-                "num_experts": self.num_experts,
-                "top_k": self.top_k,
-                "num_layers": self.num_layers,
-                "embedder": self.embedder.spec,
-                "embedder_id": self.embedder.identity,
-                "embedding_dim": self.embedder.dim,
-                "config": vars(self.config),
-                "entries": self.size,
-                "generation": self.generation,
-                "folded_seq": self.folded_seq,
-            }
-        )
-        return meta
+        return {
+            **super().metadata(),
+            "embedder": self.embedder.spec,
+            "embedder_id": self.embedder.identity,
+            "embedding_dim": self.embedder.dim,
+            "config": vars(self.config),
+            "entries": self.size,
+            "generation": self.generation,
+            "folded_seq": self.folded_seq,
+        }
 
     def save(self, path: str | Path) -> Path:
         """Write ``path`` (.safetensors with the EP values) and its hnswlib index file beside it."""
@@ -304,11 +288,7 @@ class EAM(Predictor):
                 f"{idx} holds {index.get_current_count()} keys of dim {index.dim}, the checkpoint {len(values)} "
                 f"EP values for dim {embedder.dim}; the files do not belong together, rebuild with `moecast train eam`"
             )
-        extra = {
-            k: meta[k]
-            for k in ("trained_on", "ep_weighting", "include_decode", "metrics", "split")
-            if k in meta
-        }
+        extra = build_meta(meta)
         eam = cls(
             embedder,
             values,

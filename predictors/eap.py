@@ -25,10 +25,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from moecast.collect.traceset import RequestTrace
-from moecast.predictors.base import Predictor
 from moecast.predictors.bert_encoder import ENCODER_INPUTS, check_engine, checked_fast_encoder
-from moecast.predictors.casmoe import broadcast_plan, prompt_text
+from moecast.predictors.casmoe import Planner, build_meta
 from moecast.predictors.checkpoint import CheckpointError, save
 from moecast.predictors.sentence_encoder import (
     check_prompts,
@@ -104,12 +102,10 @@ def tokenizer_limit(tokenizer: Any, encoder: nn.Module, max_length: int | None) 
     return min(int(max_length), limit) if max_length else limit
 
 
-class EAP(Predictor):
+class EAP(Planner):
     """Expert Activation Predictor (CasMoE "EAP"): prompt -> per-layer softmax over experts."""
 
     name: ClassVar[str] = "eap"
-    horizon: ClassVar[str] = "prompt-ahead"
-    needs: ClassVar[tuple[str, ...]] = ("topk_ids",)
 
     def __init__(
         self,
@@ -237,28 +233,17 @@ class EAP(Predictor):
         """True when this EAP's (frozen) encoder computes exactly the embedder's embeddings."""
         return self.frozen and getattr(embedder, "identity", None) == self.encoder_id
 
-    def score_request(self, trace: RequestTrace) -> np.ndarray:
-        plan, _ = self.plan(prompt_text(trace))
-        return broadcast_plan(plan, len(trace))
-
     # ------------------------------------------------------------------ checkpoint
     def metadata(self) -> dict[str, Any]:
-        meta = super().metadata()
-        meta.update(self.extra_meta)
-        meta.update(
-            {
-                "moe_layers": self.moe_layers,
-                "num_experts": self.num_experts,
-                "num_layers": self.num_layers,
-                "top_k": self.top_k,
-                "encoder": self.encoder,
-                "encoder_id": self.encoder_id,
-                "encoder_frozen": self.frozen,
-                "encoder_weights": "reference" if self.frozen else "embedded",
-                "max_length": self.max_length,
-                "hparams": self.hparams,
-            }
-        )
+        meta = {
+            **super().metadata(),
+            "encoder": self.encoder,
+            "encoder_id": self.encoder_id,
+            "encoder_frozen": self.frozen,
+            "encoder_weights": "reference" if self.frozen else "embedded",
+            "max_length": self.max_length,
+            "hparams": self.hparams,
+        }
         if not self.frozen:
             meta["encoder_config"] = self.net.encoder.config.to_dict()
         return meta
@@ -304,11 +289,7 @@ class EAP(Predictor):
                 f"{path}: EAP tensors do not fit its metadata (missing {missing[:3]}, unexpected {unexpected[:3]}); "
                 "re-export it with `moecast train eap`"
             )
-        extra = {
-            k: meta[k]
-            for k in ("trained_on", "ep_weighting", "include_decode", "metrics", "split")
-            if k in meta
-        }
+        extra = build_meta(meta)
         return cls(
             net,
             tokenizer,
