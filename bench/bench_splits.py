@@ -66,6 +66,49 @@ def _row(name: str, label: str, requests: list[str], res: dict) -> dict:
     }
 
 
+LABELS = {
+    "ungrouped held-out": "ungrouped held-out (earlier versions)",
+    "ungrouped held-out without copies": "ungrouped held-out without its copies of training prompts",
+    "copies of training prompts": "the ungrouped held-out copies of training prompts alone",
+    "grouped test": "grouped test",
+    "training prompts with a copy": "training prompts with a copy (scored from memory)",
+}
+
+
+def rows(quick: bool, ds_traces: Path, ds_checkpoint: Path | None = None) -> list[dict]:
+    """bench/run_all.py's entry: recall@k of each baseline, and of the DeepSeek LLaPor checkpoint when it
+    was trained on the grouped split, on each side of :func:`measure`. The same in ``quick`` and full
+    runs (about a minute)."""
+    from moecast.collect.traceset import open_traces
+    from moecast.predictors.provenance import trained_on_file
+
+    from bench.figures import fig, first_file, missing, shown
+
+    if not Path(ds_traces).is_dir():
+        return [missing("splits", f"no DeepSeek TraceSet at {ds_traces}")]
+    k = open_traces(ds_traces).model.top_k
+    ckpt = first_file(ds_checkpoint)
+    record = trained_on_file(str(ckpt)) if ckpt is not None else None
+    grouped = record is not None and record.spec is not None  # its test side is then one it never saw
+    out = []
+    for r in measure(Path(ds_traces), ckpt if grouped else None):
+        llapor = r["baseline"] == getattr(ckpt, "name", None)
+        who = "LLaPor" if llapor else f"baseline {r['baseline']}"
+        note = f"{r['n_requests']} requests, {r['tokens']} tokens"
+        note += f"; checkpoint {shown(ckpt)}" if llapor else ""
+        goal = ">= 0.85" if llapor and r["requests"] == "grouped test" else ""
+        out.append(
+            fig(
+                "splits", f"{who} recall@{k}, {LABELS[r['requests']]}", r["recall_at_k"], "{:.4f}", goal, note
+            )
+        )
+    if not grouped:
+        out.append(
+            missing("splits", "no DeepSeek LLaPor checkpoint trained on the grouped split", "LLaPor recall")
+        )
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--traces", default="traces/ds-puffin")

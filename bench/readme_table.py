@@ -3,9 +3,11 @@
     python bench/readme_table.py          # rewrite both tables between their markers in README.md
     python bench/readme_table.py --check  # exit 1 when README.md differs from what they would be
 
-The results table picks the headline rows of bench/results/run_all.json (:data:`RESULTS`), so every
-figure in the README comes from a file under bench/results; ``bench/run_all.py`` refreshes that
-file, and this script the README.
+The results table picks the headline rows of bench/results/run_all.json (:data:`RESULTS`), beside
+them the same figures as measured on the ungrouped split of earlier versions
+(bench/results/ungrouped-split.json, :data:`BEFORE`), and under it one line per GPU run of
+bench/bench_gpu.py (bench/results/gpu-*.json), so every figure in the README comes from a file under
+bench/results; ``bench/run_all.py`` refreshes run_all.json, and this script the README.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 RUN_ALL = ROOT / "bench" / "results" / "run_all.json"
+UNGROUPED = RUN_ALL.with_name("ungrouped-split.json")
 
 # (bench, the start of the figure's name in run_all.json, how the README names it; {rest} in the
 # label stands for the rest of the figure's name, such as the policy a "best" row picked). At 10 %
@@ -28,8 +31,12 @@ RESULTS = (
     ("import", "import of", "import of the 1,999 DeepSeek trace files"),
     ("replay", "full Puffin replay", "replay of every DeepSeek trace, 6 policies x 5 capacities"),
     ("replay", "per-layer decision, lru", "the runtime's decision per MoE layer (batch 1)"),
-    ("predictors", "LLaPor DeepSeek held-out recall@6", "LLaPor recall@6, DeepSeek (expert ids only)"),
-    ("predictors", "baseline cooccurrence recall@6", "best baseline recall@6, DeepSeek (co-occurrence)"),
+    ("splits", "LLaPor recall@6, grouped test", "LLaPor recall@6, DeepSeek test split (expert ids only)"),
+    (
+        "splits",
+        "baseline cooccurrence recall@6, grouped test",
+        "best baseline recall@6, DeepSeek test split (co-occurrence)",
+    ),
     ("predictors", "tiny LLaPor held-out recall@k", "LLaPor recall@4, tiny (with gate inputs)"),
     ("predictors", "LLaPor inference ms/layer (deepseek", "LLaPor's per-layer call, DeepSeek"),
     *(
@@ -51,32 +58,59 @@ RESULTS = (
 )
 
 
-def results_table(run_all: Path = RUN_ALL) -> str:
-    """The README's results table and the line that says where each figure comes from."""
+# (bench, start) of a row of RESULTS -> (bench, start) of the same figure in UNGROUPED: what it read
+# on the ungrouped held-out split, where 19 of 200 prompts were copies of training prompts.
+BEFORE = {
+    ("splits", "LLaPor recall@6, grouped test"): ("predictors", "LLaPor DeepSeek held-out recall@6"),
+    ("splits", "baseline cooccurrence recall@6, grouped test"): (
+        "predictors",
+        "baseline cooccurrence recall@6",
+    ),
+    **{
+        ("prefetch", f"10 %, gh200-nvlink-c2c: hit rate, modeled TPOT, {config}"): (
+            "prefetch",
+            f"10 % hit, {config}",
+        )
+        for config in ("best non-learned", "LLaPor prefetch", "LLaPor + PreSched")
+    },
+}
+
+
+def _figure(benches: dict, bench: str, start: str, path: Path) -> dict:
+    f = next((f for f in benches.get(bench, {}).get("figures", []) if f["name"].startswith(start)), None)
+    if f is None:
+        raise SystemExit(f"readme_table: no {bench} figure starting {start!r} in {path}; update RESULTS")
+    return f
+
+
+def results_table(run_all: Path = RUN_ALL, ungrouped: Path = UNGROUPED) -> str:
+    """The README's results table and the lines that say where each figure comes from."""
     from bench.figures import describe_machine
 
     benches = json.loads(run_all.read_text())["benches"]
-    lines = ["| measured | value | goal | bench |", "|---|---|---|---|"]
+    before = json.loads(ungrouped.read_text())["benches"] if ungrouped.is_file() else {}
+    old_dates = sorted({b["date"] for b in before.values()})
+    lines = [
+        f"| measured | value | before: ungrouped split ({', '.join(old_dates)}) | goal | bench |",
+        "|---|---|---|---|---|",
+    ]
     used: dict[str, dict] = {}
     bases: dict[str, list[str]] = {}
     for bench, start, label in RESULTS:
-        figures = benches.get(bench, {}).get("figures", [])
-        f = next((f for f in figures if f["name"].startswith(start)), None)
-        if f is None:
-            raise SystemExit(
-                f"readme_table: no {bench} figure starting {start!r} in {run_all}; update RESULTS"
-            )
+        f = _figure(benches, bench, start, run_all)
+        old = BEFORE.get((bench, start))
+        was = _figure(before, *old, ungrouped)["value"] if old and before else ""
         goal = f"{f['goal']} ({f['verdict']})" if f["goal"] and f["verdict"] else f["goal"]
-        lines.append(f"| {label.format(rest=f['name'][len(start) :])} | {f['value']} | {goal} | {bench} |")
+        lines.append(
+            f"| {label.format(rest=f['name'][len(start) :])} | {f['value']} | {was} | {goal} | {bench} |"
+        )
         used[bench] = benches[bench]
-        if f.get("tpot_basis"):
-            bases.setdefault(f["tpot_basis"], [])
-            bases[f["tpot_basis"]] += [bench] if bench not in bases[f["tpot_basis"]] else []
+        if f.get("tpot_basis") and bench not in bases.setdefault(f["tpot_basis"], []):
+            bases[f["tpot_basis"]].append(bench)
     dates = sorted({b["date"] for b in used.values()})
     machines = sorted({describe_machine(b["machine"]) for b in used.values()})
     span = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
-    lines += [
-        "",
+    notes = [
         f"Measured {span} on {' and '.join(machines)} "
         "(`bench/results/run_all.md` gives each row's command and inputs).",
         *(
@@ -84,7 +118,37 @@ def results_table(run_all: Path = RUN_ALL) -> str:
             for basis, names in bases.items()
         ),
     ]
-    return "\n".join(lines)
+    if before:
+        notes.append(
+            "The before column: the same figures on the ungrouped held-out split of earlier versions, "
+            "whose held-out prompts included copies of training prompts "
+            f"(`bench/results/{ungrouped.name}`, which says what else has changed since)."
+        )
+    # each note its own paragraph
+    return "\n".join(lines) + "\n\n" + "\n\n".join([*notes, *gpu_lines(run_all.parent)])
+
+
+def gpu_lines(results: Path) -> list[str]:
+    """One line per GPU run of bench/bench_gpu.py (RESULTS/gpu-DEVICE.json): the DeepSeek-shaped
+    model's measured TPOT per configuration."""
+    out = []
+    for path in sorted(results.glob("gpu-*.json")):
+        rows = [r for r in json.loads(path.read_text()) if r.get("model") == "deepseek-shaped"]
+        tpot = [r for r in rows if r.get("kind") == "tpot" and r.get("status", "").startswith("ok")]
+        if not tpot:
+            continue
+        # the layer count is in accelerate's row ("6 of 26" layers resident)
+        layers = next(
+            (r["resident_layers"].split(" of ")[-1] for r in rows if r.get("resident_layers")), None
+        )
+        shape = f"{layers} MoE layers" if layers else "its MoE layers"
+        times = ", ".join(f"{r['config']} {r['measured_tpot_ms']:.1f}" for r in tpot)
+        out.append(
+            f"On a GPU ({path.stem[4:].replace('-', ' ')}, `bench/results/{path.with_suffix('.md').name}`): the "
+            f"DeepSeek-V2-Lite-shaped model, {shape}, {tpot[0]['capacity'] * 100:g} % of experts resident, "
+            f"measured TPOT in ms: {times}."
+        )
+    return out
 
 
 def commands_table() -> str:

@@ -41,6 +41,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "tiny": ("bench.bench_tiny", "rows"),
     "replay": ("bench.bench_replay", "rows"),
     "predictors": ("bench.bench_predictors", "rows"),
+    "splits": ("bench.bench_splits", "rows"),
     "prefetch": ("bench.bench_prefetch", "rows"),
     "casmoe": ("bench.bench_casmoe", "rows"),
     "live": ("bench.bench_live", "rows"),

@@ -205,3 +205,42 @@ def test_predictor_rows_from_the_bench_objects():
     (lat,) = _latency_rows(objs)
     assert lat["value"] == "0.0232 ms" and lat["verdict"] == "ok"  # 23.2 us = 0.0232 ms <= 0.1 ms
     assert lat["note"].endswith("score_layer alone 14.9 us (float32 18.6 us); load 0.85")
+
+
+def test_split_rows_name_each_side_and_judge_only_llapor_on_test(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import moecast.predictors.provenance as provenance
+    from conftest import make_synthetic_traceset
+
+    from bench import bench_splits
+
+    traces = tmp_path / "ts"
+    make_synthetic_traceset(traces, top_k=2)
+    ckpt = tmp_path / "llapor.safetensors"
+    ckpt.write_bytes(b"")
+    asked = []
+
+    def measure(path, checkpoint):
+        asked.append(checkpoint)
+
+        def side(name, label, recall):
+            return {"baseline": name, "requests": label, "n_requests": 3, "tokens": 30, "recall_at_k": recall}
+
+        return [side("frequency", "ungrouped held-out", 0.25), side("frequency", "grouped test", 0.2)] + (
+            [side(ckpt.name, "grouped test", 0.9)] if checkpoint else []
+        )
+
+    monkeypatch.setattr(bench_splits, "measure", measure)
+    monkeypatch.setattr(provenance, "trained_on_file", lambda p: SimpleNamespace(spec="grouped"))
+    got = bench_splits.rows(False, traces, ckpt)
+    assert [(r["name"], r["value"], r["goal"], r["verdict"]) for r in got] == [
+        ("baseline frequency recall@2, ungrouped held-out (earlier versions)", "0.2500", "", ""),
+        ("baseline frequency recall@2, grouped test", "0.2000", "", ""),
+        ("LLaPor recall@2, grouped test", "0.9000", ">= 0.85", "ok"),
+    ]
+    assert got[2]["note"].startswith("3 requests, 30 tokens; checkpoint ")
+    # a checkpoint of the ungrouped split has no test side it never saw: not scored, and said so
+    monkeypatch.setattr(provenance, "trained_on_file", lambda p: SimpleNamespace(spec=None))
+    got = bench_splits.rows(False, traces, ckpt)
+    assert asked == [ckpt, None] and got[-1]["verdict"] == "MISSING" and len(got) == 3

@@ -30,29 +30,64 @@ def test_every_cli_command_has_a_row():
             assert f"| `moecast {(name + ' ' + sub).strip()}` |" in table
 
 
+def _run_all(path: Path, figures: dict[str, list[dict]], date: str = "2026-01-02") -> Path:
+    machine = {"cpu": "X", "cores": 2, "cuda": None, "torch": "2", "python": "3"}
+    benches = {b: {"date": date, "machine": machine, "figures": fs} for b, fs in figures.items()}
+    path.write_text(json.dumps({"benches": benches}))
+    return path
+
+
 def test_results_rows_come_from_run_all(tmp_path, monkeypatch):
     figure = {"bench": "live", "name": "live runtime overhead at full residency", "value": "+3.6 %",
               "goal": "<= 15 %", "verdict": "ok", "number": 3.6, "note": ""}  # fmt: skip
-    machine = {"cpu": "X", "cores": 2, "cuda": None, "torch": "2", "python": "3"}
-    path = tmp_path / "run_all.json"
-    path.write_text(
-        json.dumps({"benches": {"live": {"date": "2026-01-02", "machine": machine, "figures": [figure]}}})
-    )
+    path = _run_all(tmp_path / "run_all.json", {"live": [figure]})
+    none = tmp_path / "absent.json"
     monkeypatch.setattr(readme_table, "RESULTS", (("live", "live runtime overhead", "overhead"),))
-    table = readme_table.results_table(path)
-    assert "| overhead | +3.6 % | <= 15 % (ok) | live |" in table
+    table = readme_table.results_table(path, none)
+    assert "| overhead | +3.6 % |  | <= 15 % (ok) | live |" in table
     assert "Measured 2026-01-02 on X, 2 cores, no GPU; torch 2, python 3" in table
     basis = "every token as a step (prefill-only trace, no decode steps)"
     best = {**figure, "bench": "prefetch", "name": "10 %: best (lfu)", "value": "0.5", "tpot_basis": basis}
-    benches = {"prefetch": {"date": "2026-01-03", "machine": machine, "figures": [best]}}
-    path.write_text(json.dumps({"benches": benches}))
+    _run_all(path, {"prefetch": [best]}, "2026-01-03")
     monkeypatch.setattr(readme_table, "RESULTS", (("prefetch", "10 %: best", "best{rest}"),))
-    table = readme_table.results_table(path)
-    assert "| best (lfu) | 0.5 | <= 15 % (ok) | prefetch |" in table
+    table = readme_table.results_table(path, none)
+    assert "| best (lfu) | 0.5 |  | <= 15 % (ok) | prefetch |" in table
     assert f"Modeled TPOT of the prefetch rows: the mean over {basis}." in table
     monkeypatch.setattr(readme_table, "RESULTS", (("live", "alpha=0.3", "agreement"),))
     with pytest.raises(SystemExit, match=re.escape("no live figure starting 'alpha=0.3'")):
-        readme_table.results_table(path)
+        readme_table.results_table(path, none)
+
+
+def test_the_before_column_reads_the_ungrouped_split_file(tmp_path, monkeypatch):
+    new = {"bench": "splits", "name": "LLaPor recall@6, grouped test", "value": "0.6947", "goal": "",
+           "verdict": "", "number": 0.6947, "note": ""}  # fmt: skip
+    old = {**new, "bench": "predictors", "name": "LLaPor DeepSeek held-out recall@6", "value": "0.7732"}
+    path = _run_all(tmp_path / "run_all.json", {"splits": [new]}, "2026-01-03")
+    before = _run_all(tmp_path / "ungrouped-split.json", {"predictors": [old]})
+    monkeypatch.setattr(readme_table, "RESULTS", (("splits", "LLaPor recall@6, grouped test", "recall"),))
+    table = readme_table.results_table(path, before).splitlines()
+    assert table[0] == "| measured | value | before: ungrouped split (2026-01-02) | goal | bench |"
+    assert table[2] == "| recall | 0.6947 | 0.7732 |  | splits |"
+    assert any("`bench/results/ungrouped-split.json`" in line for line in table)
+
+
+def test_gpu_line_from_the_gpu_runs_json(tmp_path):
+    rows = [
+        {"model": "deepseek-shaped", "config": "profile", "kind": "profile", "status": "ok"},
+        {"model": "deepseek-shaped", "config": "full residency", "kind": "tpot", "status": "ok",
+         "capacity": 0.25, "measured_tpot_ms": 47.529},
+        {"model": "deepseek-shaped", "config": "SMoE", "kind": "tpot", "status": "skipped"},
+        {"model": "deepseek-shaped", "config": "accelerate offload (device_map)", "kind": "tpot",
+         "status": "ok", "capacity": 0.25, "measured_tpot_ms": 499.183, "resident_layers": "6 of 26"},
+        {"model": "tiny", "config": "full residency", "kind": "tpot", "status": "ok", "capacity": 0.25,
+         "measured_tpot_ms": 3.9},
+    ]  # fmt: skip
+    (tmp_path / "gpu-NVIDIA-H100-80GB-HBM3.json").write_text(json.dumps(rows))
+    assert readme_table.gpu_lines(tmp_path) == [
+        "On a GPU (NVIDIA H100 80GB HBM3, `bench/results/gpu-NVIDIA-H100-80GB-HBM3.md`): the "
+        "DeepSeek-V2-Lite-shaped model, 26 MoE layers, 25 % of experts resident, measured TPOT in ms: "
+        "full residency 47.5, accelerate offload (device_map) 499.2."
+    ]
 
 
 def test_readme_test_command_is_the_one_ci_runs():
