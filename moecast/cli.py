@@ -93,8 +93,12 @@ def _list_item(hint: Any) -> type | None:
 
     args = typing.get_args(hint)
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        inner = [a for a in args if a is not type(None)]
-        return _list_item(inner[0]) if len(inner) == 1 else None
+        # None, or one item as well as a list (``str | list[str]``), is what a list of words covers
+        lists = [a for a in args if a is not type(None) and _list_item(a) is not None]
+        rest = [a for a in args if a is not type(None) and a not in lists]
+        if len(lists) != 1 or any(a is not _list_item(lists[0]) for a in rest):
+            return None
+        return _list_item(lists[0])
     origin = typing.get_origin(hint)
     if origin in (list, collections.abc.Sequence) and len(args) == 1:
         return args[0]

@@ -118,7 +118,7 @@ def detected_groups(ts: Any, train_ids: list[str], max_rows: int = 20000) -> dic
 
 
 def evaluate(
-    checkpoint: str,
+    checkpoint: str | list[str],
     traces: str | None = None,
     split: str | None = None,
     val_fraction: float | None = None,
@@ -135,7 +135,7 @@ def evaluate(
     Args:
         checkpoint: predictor .safetensors, or frequency | frequency-request | cooccurrence |
             moe-infinity | hot | gate-reuse:MODEL_DIR | moe-beyond:DIR (MoE-Beyond's published
-            predictions, ``predicted_csvs``); several, comma-separated, are scored one after another
+            predictions, ``predicted_csvs``); several are scored one after another
         traces: TraceSet directory
         split: test | val | train | all. Default: test (never trained or selected on) on the
             TraceSet the checkpoint was trained on, all requests on any other
@@ -153,13 +153,14 @@ def evaluate(
     from moecast.predictors.provenance import choose, trained_on
     from moecast.predictors.registry import load
 
-    if "," in checkpoint and not Path(checkpoint).is_file():
-        given = dict(split=split, val_fraction=val_fraction, test_fraction=test_fraction, seed=seed, k=k)
-        return [
-            evaluate(c.strip(), traces, **given, json=json, max_requests=max_requests, online_lr=online_lr)
-            for c in checkpoint.split(",")
-            if c.strip()
-        ]
+    if not isinstance(checkpoint, str):
+        if len(checkpoint) != 1:
+            given = dict(split=split, val_fraction=val_fraction, test_fraction=test_fraction, seed=seed, k=k)
+            return [
+                evaluate(c, traces, **given, json=json, max_requests=max_requests, online_lr=online_lr)
+                for c in checkpoint
+            ]
+        checkpoint = checkpoint[0]
     if not traces:
         raise InputError("moecast predictors eval needs --traces DIR (the TraceSet to evaluate on)")
     ts = open_traces(traces)

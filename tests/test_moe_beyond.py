@@ -176,12 +176,13 @@ def test_published_predictions_are_scored_as_published(tmp_path, capsys):
     # per (token, layer): |predicted ∩ activated| / 2 over the six rows: 1/2 1 0 1/2 | 1/2 0
     assert res["split"] == "all" and res["requests"] == 2 and res["tokens"] == 3
     assert res["recall_at_k"] == pytest.approx((0.5 + 1 + 0 + 0.5 + 0.5 + 0) / 6)
-    # several predictors, comma-separated, each on the same requests: ours beside theirs
+    # several predictors, each on the same requests: ours beside theirs
     main(
         [
             "predictors",
             "eval",
-            f"hot,moe-beyond:{src}",
+            "hot",
+            f"moe-beyond:{src}",
             "--traces",
             str(out),
             "--split",
