@@ -7,11 +7,14 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moecast.collect.traceset import TraceMeta, TraceSet, TraceSetError, TraceWriter, merge
 
 from moecast.errors import InputError
+
+if TYPE_CHECKING:
+    from moecast.collect.runner import GenerationSettings
 
 SMALL_HIDDEN = 512  # hidden sizes up to this run single-threaded on CPU unless --threads says otherwise
 
@@ -102,8 +105,6 @@ def collect(
     from moecast.collect.runner import Collector, GenerationSettings, default_shard, shard_requests
     from moecast.collect.workloads import load_requests, parse_workloads
 
-    from moecast import __version__
-
     if max_requests is not None and max_requests < 1:
         raise InputError(
             f"--max-requests must be at least 1 (got {max_requests}); leave it out to use every row"
@@ -156,40 +157,10 @@ def collect(
         recorder.attach(lm)
         if structure.pattern is None and not hasattr(lm.config, "norm_topk_prob"):
             info.norm_topk_prob = _probe_norm_topk(lm, tokenizer, recorder)
-        collection: dict[str, Any] = {
-            "source": "moecast collect",
-            "workloads": [s.name for s in specs],
-            "categories": {s.name: s.category for s in specs},
-            "generation": {
-                "max_new_tokens": max_new_tokens,
-                "greedy": True,
-                "batch_size": batch_size,
-                "max_prompt_tokens": max_prompt_tokens,
-                "max_requests_per_workload": max_requests,
-                "chat_template": chat_template,
-            },
-            "seed": seed,
-            "dtype": str(next(lm.parameters()).dtype).replace("torch.", ""),
-            "tool_version": __version__,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "router_probs_kind": structure.router_probs_kind if want_probs else None,
-            "routing_source": "experts-interface"
-            if structure.pattern is None
-            else f"router-pattern {structure.pattern}",
-            "num_shards": num_shards,
-        }
-        meta_path = out_path / "meta.json"
-        if meta_path.exists():
-            # a resumed or sharded run adds workloads; it does not forget earlier ones
-            try:
-                old = jsonlib.loads(meta_path.read_text()).get("collection", {})
-            except ValueError:
-                old = {}
-            _same_settings(out_path, old, collection)
-            collection["workloads"] = list(
-                dict.fromkeys([*old.get("workloads", []), *collection["workloads"]])
-            )
-            collection["categories"] = {**old.get("categories", {}), **collection["categories"]}
+        dtype_name = str(next(lm.parameters()).dtype).replace("torch.", "")
+        collection = _collection_meta(
+            out_path, specs, settings, max_requests, seed, dtype_name, structure, want_probs, num_shards
+        )
         fields = {"topk_weights": True, "router_probs": want_probs, "gate_inputs": gate_inputs}
         writer = TraceWriter(
             out_path, TraceMeta(model=info, collection=collection, fields=fields), shard=shard_index
@@ -201,6 +172,56 @@ def collect(
         torch.set_num_threads(previous_threads)
     _summary(out_path, specs, stats, shard_index, num_shards, json)
     return out_path
+
+
+def _collection_meta(
+    out_path: Path,
+    specs: list[Any],
+    settings: GenerationSettings,
+    max_requests: int | None,
+    seed: int,
+    dtype_name: str,
+    structure: Any,
+    want_probs: bool,
+    num_shards: int,
+) -> dict[str, Any]:
+    """The TraceSet's ``collection`` record (meta.json); a resumed or sharded run keeps the earlier
+    runs' workloads and must have their generation settings."""
+    from moecast import __version__
+
+    collection: dict[str, Any] = {
+        "source": "moecast collect",
+        "workloads": [s.name for s in specs],
+        "categories": {s.name: s.category for s in specs},
+        "generation": {
+            "max_new_tokens": settings.max_new_tokens,
+            "greedy": True,
+            "batch_size": settings.batch_size,
+            "max_prompt_tokens": settings.max_prompt_tokens,
+            "max_requests_per_workload": max_requests,
+            "chat_template": settings.chat_template,
+        },
+        "seed": seed,
+        "dtype": dtype_name,
+        "tool_version": __version__,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "router_probs_kind": structure.router_probs_kind if want_probs else None,
+        "routing_source": "experts-interface"
+        if structure.pattern is None
+        else f"router-pattern {structure.pattern}",
+        "num_shards": num_shards,
+    }
+    meta_path = out_path / "meta.json"
+    if meta_path.exists():
+        # a resumed or sharded run adds workloads; it does not forget earlier ones
+        try:
+            old = jsonlib.loads(meta_path.read_text()).get("collection", {})
+        except ValueError:
+            old = {}
+        _same_settings(out_path, old, collection)
+        collection["workloads"] = list(dict.fromkeys([*old.get("workloads", []), *collection["workloads"]]))
+        collection["categories"] = {**old.get("categories", {}), **collection["categories"]}
+    return collection
 
 
 # what makes two runs' tokens comparable; batch size and request counts only change how many there are
