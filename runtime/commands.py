@@ -180,6 +180,25 @@ def _words(values: Sequence[str]) -> list[str]:
     return [str(v).strip() for v in ([values] if isinstance(values, str) else values) if str(v).strip()]
 
 
+# the columns of compare's table.md and table.csv
+COMPARE_COLUMNS = [
+    "policy",
+    "predictor",
+    "planner",
+    "capacity",
+    "capacity_fraction",
+    "mode",
+    "hit_rate",
+    "prefetch_accuracy",
+    "substitution_rate",
+    "cpu_experts",
+    "bytes_moved",
+    "modeled_tpot_ms",
+    "modeled_tpot_ms_with_preload",
+    "tpot_basis",
+]
+
+
 def compare(
     traces: str = "",
     policies: Sequence[str] = ("lru", "lfu", "static", "belady", "presched"),
@@ -229,7 +248,7 @@ def compare(
         wandb: log one offline wandb run per cell.
         json: print one JSON object per cell instead of the table.
     """
-    from moecast.collect.traceset import TraceSet, atomic_write_bytes
+    from moecast.collect.traceset import TraceSet
     from moecast.runtime import replay as engine
 
     _need_traces(traces)
@@ -294,30 +313,23 @@ def compare(
                 print(_json_line(res))
             if wandb:
                 _log_wandb(row, ts, outdir)
-    cols = [
-        "policy",
-        "predictor",
-        "planner",
-        "capacity",
-        "capacity_fraction",
-        "mode",
-        "hit_rate",
-        "prefetch_accuracy",
-        "substitution_rate",
-        "cpu_experts",
-        "bytes_moved",
-        "modeled_tpot_ms",
-        "modeled_tpot_ms_with_preload",
-        "tpot_basis",
-    ]
+    _write_compare(rows, outdir, ts.path, cold, hardware, json)
+
+
+def _write_compare(
+    rows: list[dict], outdir: Path, traces: Path, cold: bool, hardware: str, json: bool
+) -> None:
+    """table.csv, table.md and plot.png of a compare (atomically), and the table on stdout unless --json."""
+    from moecast.collect.traceset import atomic_write_bytes
+
     buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore")
+    w = csv.DictWriter(buf, fieldnames=COMPARE_COLUMNS, extrasaction="ignore")
     w.writeheader()
     w.writerows(rows)
     atomic_write_bytes(outdir / "table.csv", buf.getvalue().encode())
-    md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    md += ["| " + " | ".join(_fmt(r[c]) for c in cols) + " |" for r in rows]
-    note = f"\nTraces: {ts.path}; mode: {'cold per request' if cold else 'stream'}; hardware: {hardware}; TPOT basis: {rows[0]['tpot_basis']}; modeled_tpot_ms leaves out a hot-expert table's preload, modeled_tpot_ms_with_preload charges its transfers at every cache start\n"
+    md = ["| " + " | ".join(COMPARE_COLUMNS) + " |", "|" + "---|" * len(COMPARE_COLUMNS)]
+    md += ["| " + " | ".join(_fmt(r[c]) for c in COMPARE_COLUMNS) + " |" for r in rows]
+    note = f"\nTraces: {traces}; mode: {'cold per request' if cold else 'stream'}; hardware: {hardware}; TPOT basis: {rows[0]['tpot_basis']}; modeled_tpot_ms leaves out a hot-expert table's preload, modeled_tpot_ms_with_preload charges its transfers at every cache start\n"
     atomic_write_bytes(outdir / "table.md", ("\n".join(md) + "\n" + note).encode())
     _plot(rows, outdir / "plot.png")
     if not json:
