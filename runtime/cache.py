@@ -21,9 +21,9 @@ cold request) with one vectorised call; the online runtime uses one lane per lay
 layers uses ``layer * E + expert``.
 
 Single-lane calls (:meth:`ExpertCache.access`, and :meth:`~ExpertCache.insert` /
-:meth:`~ExpertCache.touch` with one row) of the ``lru``, ``lfu``, ``belady`` and ``static`` policies
-run as compiled kernels on the same arrays (:mod:`moecast.runtime.kernels`), since at batch 1 a
-dozen numpy calls on 64-element arrays cost more than the decision itself. The decisions are the
+:meth:`~ExpertCache.touch` with one row) run as compiled kernels on the same arrays
+(:mod:`moecast.runtime.kernels`), since at batch 1 a dozen numpy calls on 64-element arrays cost
+more than the decision itself. The decisions are the
 same as the vectorised path's (tests compare them step by step). Treat the public arrays as
 read-only.
 """
@@ -156,6 +156,7 @@ class ExpertCache:
         self._kernel = bool(scalar_path) and policy in kernels.POLICY_CODE
         self._code = kernels.POLICY_CODE.get(policy, -1)
         self._nu_k = self._nu if self._nu is not None else np.zeros((1, 1), dtype=np.int64)
+        self._score_k = self._score if policy == "score" else np.zeros((1, 1))
         self._kc: tuple | None = None  # (access, insert, touch) entry points, loaded on first use
         self._no_shield = np.empty(0, dtype=np.int64)
         self._caps = self.capacity_of.tolist()
@@ -303,8 +304,8 @@ class ExpertCache:
             row = _i64(ids[0])
             new = np.empty(len(row), dtype=bool)
             ev, wasted, put, n_new = self._kernels()[1](
-                self._res, self._last, self._freq, self._pf, self._nu_k, self._count, lane, self.N,
-                self._caps[lane], row,
+                self._res, self._last, self._freq, self._pf, self._nu_k, self._score_k, self._count, lane,
+                self.N, self._caps[lane], row,
                 self._no_shield if shield is None else _i64(np.asarray(shield).reshape(-1)),
                 prefetch, -1 if t is None else int(t), self._code, self._shift, new,
             )  # fmt: skip
@@ -386,8 +387,8 @@ class ExpertCache:
         """Online per-layer call: one step's distinct expert ids -> hit mask; misses inserted.
 
         The ids of this access are shielded, so a token's own experts never evict each other. This
-        single-lane path avoids the batch machinery: one compiled kernel for ``lru``, ``lfu``,
-        ``belady`` and ``static``, a handful of numpy calls for ``score``.
+        single-lane path avoids the batch machinery: one compiled kernel (``scalar_path=False``: a
+        handful of numpy calls).
         """
         if ids.__class__ is not np.ndarray or ids.dtype is not _I64 or ids.ndim != 1:
             ids = np.asarray(ids, dtype=np.int64).reshape(-1)
@@ -396,8 +397,8 @@ class ExpertCache:
         if self._kernel:
             hits = np.empty(ids.shape[0], dtype=bool)
             ev, wasted, used = (self._kc or self._kernels())[0](
-                self._res, self._last, self._freq, self._pf, self._nu_k, self._count, lane, self.N,
-                self._caps[lane], ids, tt, insert, self._code, self._shift, hits,
+                self._res, self._last, self._freq, self._pf, self._nu_k, self._score_k, self._count, lane,
+                self.N, self._caps[lane], ids, tt, insert, self._code, self._shift, hits,
             )  # fmt: skip
             if ev or wasted or used:
                 if ev < 0:

@@ -22,7 +22,7 @@ import numpy as np
 from numba import njit, types
 
 # eviction policy codes of the kernels (ExpertCache.policy -> code)
-POLICY_CODE = {"lru": 0, "lfu": 1, "belady": 2, "static": 3}
+POLICY_CODE = {"lru": 0, "lfu": 1, "belady": 2, "static": 3, "score": 4}
 _BIG = np.iinfo(np.int64).max
 _NU_CAP = np.int64(1) << 36  # next-use times beyond this count as never (as in cache.py)
 
@@ -38,29 +38,54 @@ def _shielded(e, a, b):
 
 
 @njit(cache=True, nogil=True)
-def _evict(res, last, freq, nu, pf, lane, n, policy, shift, shield_a, shield_b, need):
-    """Evict up to ``need`` resident items of ``lane`` outside both shields, lowest key first.
+def _score_first(a, b):
+    """Whether score ``a`` sorts before ``b`` in numpy's ascending order (NaN last)."""
+    return a < b or (b != b and a == a)
 
-    Keys as ExpertCache._key: unique per item (the id in the low bits), so a strict minimum finds
-    the same victims as the vectorised argmin / argpartition. Returns (evicted, prefetched wasted).
+
+@njit(cache=True, nogil=True)
+def _victim(res, last, freq, nu, score, lane, n, policy, shift, shield_a, shield_b):
+    """The resident item of ``lane`` outside both shields with the lowest eviction key (-1: none).
+
+    Integer keys as ExpertCache._key: unique per item (the id in the low bits), so a strict minimum
+    finds the vectorised argmin / argpartition's victim. Score keys (SMoE Eq. 3's window sums) are
+    floats: the first in a stable ascending sort, i.e. ties to the lower id.
     """
-    n_ev = 0
-    wasted = 0
-    for _ in range(need):
-        best = _BIG
-        bi = -1
+    bi = -1
+    if policy == 4:
+        best_s = 0.0
         for e in range(n):
             if not res[lane, e] or _shielded(e, shield_a, shield_b):
                 continue
-            if policy == 0:
-                key = ((last[lane, e] + 1) << shift) | e
-            elif policy == 1:
-                key = (freq[lane, e] << (shift + 24)) | ((last[lane, e] + 1) << shift) | e
-            else:
-                key = ((_NU_CAP - min(nu[lane, e], _NU_CAP)) << shift) | e
-            if key < best:
-                best = key
+            v = score[lane, e]
+            if bi < 0 or _score_first(v, best_s):
+                best_s = v
                 bi = e
+        return bi
+    best = _BIG
+    for e in range(n):
+        if not res[lane, e] or _shielded(e, shield_a, shield_b):
+            continue
+        if policy == 0:
+            key = ((last[lane, e] + 1) << shift) | e
+        elif policy == 1:
+            key = (freq[lane, e] << (shift + 24)) | ((last[lane, e] + 1) << shift) | e
+        else:
+            key = ((_NU_CAP - min(nu[lane, e], _NU_CAP)) << shift) | e
+        if key < best:
+            best = key
+            bi = e
+    return bi
+
+
+@njit(cache=True, nogil=True)
+def _evict(res, last, freq, nu, score, pf, lane, n, policy, shift, shield_a, shield_b, need):
+    """Evict up to ``need`` resident items of ``lane`` outside both shields, lowest key first
+    (:func:`_victim`). Returns (evicted, prefetched wasted)."""
+    n_ev = 0
+    wasted = 0
+    for _ in range(need):
+        bi = _victim(res, last, freq, nu, score, lane, n, policy, shift, shield_a, shield_b)
         if bi < 0:
             break
         res[lane, bi] = False
@@ -72,7 +97,7 @@ def _evict(res, last, freq, nu, pf, lane, n, policy, shift, shield_a, shield_b, 
 
 
 @njit(cache=True, nogil=True)
-def access(res, last, freq, pf, nu, count, lane, n, cap, ids, t, insert, policy, shift, hits):
+def access(res, last, freq, pf, nu, score, count, lane, n, cap, ids, t, insert, policy, shift, hits):
     """ExpertCache.access on one lane: hits into ``hits``; returns (evicted, wasted, prefetch used),
     or evicted -1 (nothing changed) for an id outside [0, n) or a lane that does not exist."""
     if lane < 0 or lane >= res.shape[0]:
@@ -93,7 +118,7 @@ def access(res, last, freq, pf, nu, count, lane, n, cap, ids, t, insert, policy,
         room = nmiss
         need = cnt + nmiss - cap
         if need > 0:
-            n_ev, wasted = _evict(res, last, freq, nu, pf, lane, n, policy, shift, ids, ids[:0], need)
+            n_ev, wasted = _evict(res, last, freq, nu, score, pf, lane, n, policy, shift, ids, ids[:0], need)
             cnt -= n_ev
             room = cap - cnt
         put = 0
@@ -114,7 +139,7 @@ def access(res, last, freq, pf, nu, count, lane, n, cap, ids, t, insert, policy,
 
 
 @njit(cache=True, nogil=True)
-def insert(res, last, freq, pf, nu, count, lane, n, cap, row, shield, prefetch, t, policy, shift, new):
+def insert(res, last, freq, pf, nu, score, count, lane, n, cap, row, shield, prefetch, t, policy, shift, new):
     """ExpertCache.insert for one row (-1 padding; ``t`` < 0: no recency). Returns (evicted, wasted,
     inserted, new ids before the room cut); ``new`` marks the ids inserted now. Evicted -1 (nothing
     changed): an id >= n or a lane that does not exist."""
@@ -138,7 +163,7 @@ def insert(res, last, freq, pf, nu, count, lane, n, cap, row, shield, prefetch, 
     wasted = 0
     room = n_new
     if need > 0:
-        n_ev, wasted = _evict(res, last, freq, nu, pf, lane, n, policy, shift, row, shield, need)
+        n_ev, wasted = _evict(res, last, freq, nu, score, pf, lane, n, policy, shift, row, shield, need)
         room = free + n_ev
     put = 0
     for i in range(row.shape[0]):
@@ -342,7 +367,9 @@ _b2c, _i2c, _i1c, _b1c = (
     _arr(types.int64, 1, "C"),
     _arr(types.bool_, 1, "C"),
 )
-_state = (_b2c, _i2c, _i2c, _b2c, _i2c, _i1c)  # resident, last, freq, prefetched, next use, count
+_f2c = _arr(types.float64, 2, "C")
+# resident, last, freq, prefetched, next use, score window sums, count
+_state = (_b2c, _i2c, _i2c, _b2c, _i2c, _f2c, _i1c)
 _int, _flt = types.int64, types.float64
 
 

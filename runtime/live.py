@@ -266,6 +266,7 @@ class LiveRuntime:
             n_stats=self.num_layers,
             prefetching=prefetch != "none",
             predictor_ms=pred_ms[0],
+            compiled=True,
         )
         self._next: tuple[int, np.ndarray] | None = None  # (layer, its ranked prefetch candidates)
         self.stores = self._make_stores(structure, config)

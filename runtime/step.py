@@ -51,30 +51,18 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+from moecast.runtime import kernels
+from moecast.runtime import step_kernels as sk
 from moecast.runtime.balancer import two_pointer, two_pointer_split
 from moecast.runtime.cache import ExpertCache
 from moecast.runtime.cost_model import CostModel, HardwareProfile
 from moecast.runtime.policy import Policy
 from moecast.runtime.prefetch import top_predictions
 from moecast.runtime.presched import schedule
+from moecast.runtime.step_kernels import STATS
 from moecast.runtime.substitution import substitute
 
 from moecast.errors import InputError
-
-STATS = (
-    "uses",  # routed (token, layer, expert) uses after substitution
-    "hits",  # of those, expert resident when the layer ran
-    "loads",  # demand loads
-    "cpu",  # experts computed on the CPU
-    "subs",  # substituted uses
-    "pf_issued",  # prefetches asked for
-    "pf_landed",  # prefetches that landed in the window
-    "pf_started",  # prefetches that moved bytes (landed, plus one PreSched started late)
-    "pf_used",  # prefetched experts used while resident
-    "pf_inserted",  # experts a prefetch (or a plan preload) put in the cache
-    "plan_loads",  # experts a plan preload moved before its request (CasMoE)
-    "time",  # modeled layer time (ms)
-)
 
 
 @dataclass
@@ -110,7 +98,9 @@ class LayerStep:
 
     ``stat_base`` [lanes]: each lane's first statistics slot (its slot for a row is ``stat_base +
     layer``; ``n_stats`` slots in all). ``prefetching``: a predictor (or a plan) may insert experts,
-    so prefetch use is recorded.
+    so prefetch use is recorded. ``compiled``: calls with one lane and one token (the live runtime's
+    decode steps) run as the compiled kernels of :mod:`moecast.runtime.step_kernels` (the same
+    decisions, statistics and times); the cost model and the predictor latency are then fixed.
     """
 
     cache: ExpertCache
@@ -123,16 +113,20 @@ class LayerStep:
     shared: bool = False
     prefetching: bool = False
     predictor_ms: float = 0.0
+    compiled: bool = False
     clock: LinkClock = field(init=False)
     stats: dict[str, np.ndarray] = field(init=False)
 
     def __post_init__(self) -> None:
         lanes = len(self.stat_base)
         self.clock = LinkClock.start(lanes, self.first_window)
-        self.stats = {name: np.zeros(self.n_stats) for name in STATS}
+        self.table = np.zeros((len(STATS), self.n_stats))  # the statistics, one row each
+        self.stats = {name: self.table[i] for i, name in enumerate(STATS)}
         # PreSched's R_hit per lane: prefetched experts used / landed, from a prior of 1 / 2
         self.r_used = np.ones(lanes)
         self.r_landed = np.full(lanes, 2.0)
+        if self.compiled:
+            self._one = OneLane(self)
 
     @property
     def first_window(self) -> float:
@@ -156,6 +150,8 @@ class LayerStep:
         ``ranked`` [n, M]: the predicted experts, best first, distinct (-1 padded; a shared cache's
         items). The predicted ones are shielded: a prefetch never evicts another predicted expert.
         """
+        if self.compiled and len(lanes) == 1 and not self.shared:
+            return self._one.prefetch(lanes, layer, ranked, t)
         cache, clock = self.cache, self.clock
         nonres = (ranked >= 0) & ~cache.lookup(lanes, ranked)
         cand = _compact(np.where(nonres, ranked, -1))
@@ -196,6 +192,10 @@ class LayerStep:
         ``next_use`` [n, B * k] when each use's expert is used next (belady); ``decode`` [n] the
         rows that are decode steps (None: all); ``routed``: ``ids`` went through :meth:`route`.
         """
+        if self.compiled and self._one.takes(lanes, ids, probs, next_use):
+            return self._one.layer(
+                lanes, layer, ids, t, probs, next_lanes, has_next, restart, next_predicted, decode, routed
+            )
         pol = self.policy
         n, B, _k = ids.shape
         delay = self.clock.delay[lanes].copy()
@@ -242,6 +242,10 @@ class LayerStep:
         """Step 2: the rows' routed ids [n, B, k] after substitution (decode rows, substituting policy)."""
         if not self.policy.substituting:
             return ids
+        if self.compiled and (decode is None or decode.all()) and self._one.takes(lanes, ids, probs, None):
+            routed = self._one.route(lanes, layer, ids, probs)
+            if routed is not None:
+                return routed
         valid = (ids >= 0).any(2)
         if decode is not None:
             valid = valid & decode[:, None]
@@ -382,6 +386,181 @@ class LayerStep:
             self.clock.pf_n[lanes[restart]] = -1  # no PreSched decision reaches a first layer
 
 
+_NO_IDS = np.zeros(0, np.int64)
+_NO_PROBS = np.zeros(1, np.float32)
+
+
+def _i64(a: np.ndarray) -> np.ndarray:
+    return a if a.dtype == np.int64 else a.astype(np.int64)
+
+
+def _time(t: int | np.ndarray) -> int:
+    return int(np.asarray(t).reshape(-1)[0]) if np.ndim(t) else int(t)
+
+
+class OneLane:
+    """A compiled :class:`LayerStep`'s calls with one lane and one token, as the kernels of
+    :mod:`moecast.runtime.step_kernels`: the constants and buffers they take, made once.
+
+    PreSched's split stays :func:`moecast.runtime.presched.schedule` (called between the two layer
+    kernels), and the cache's counters (evictions, prefetches wasted / used / inserted) are added to
+    its :class:`~moecast.runtime.cache.CacheStats` after each call.
+    """
+
+    def __init__(self, step: LayerStep) -> None:
+        self.step = step
+        cache, cost, pol = step.cache, step.cost, step.policy
+        t_pred = step.predictor_ms if step.prefetching else 0.0
+        fcost = (cost.t_io, cost.t_g, cost.t_attn, cost.beta, cost.c, t_pred, step.first_window)
+        self.fcost = np.array(fcost, np.float64)  # in step_kernels' T_IO .. FIRST_WINDOW order
+        self.fout = np.zeros(4)
+        self.info = np.zeros(2, np.int64)
+        self.counters = np.zeros(5, np.int64)
+        self.bal = sk.BALANCER_CODE[pol.balancer]
+        self.score = cache.policy == "score"
+        self.ring = cache._ring if self.score else np.zeros((1, 1, 1), np.float32)
+        self.ring_pos = cache._ring_pos if self.score else np.zeros(1, np.int64)
+        # SMoE Algorithm 1's band edges as substitute() multiplies them (float32 factors)
+        self.hi, self.lo = float(np.float32(1 + pol.alpha)), float(np.float32(1 - pol.alpha))
+        self.ep: tuple | None = None
+
+    def _load(self) -> tuple:
+        self.ep = (*sk.entry_points(), kernels.substitute_kernels())
+        return self.ep
+
+    def takes(self, lanes: np.ndarray, ids: np.ndarray, probs: np.ndarray | None, next_use: object) -> bool:
+        """Whether a call is this path's: one lane, one token, no next-use times, a cache per layer."""
+        return (
+            len(lanes) == 1
+            and ids.shape[1] == 1
+            and ids.shape[2] <= sk.MAX_K
+            and next_use is None
+            and not self.step.shared
+            and (probs is not None or not self.score)
+        )
+
+    def _fold(self) -> None:
+        """Add the kernels' counters to the cache's statistics and insert clock."""
+        ev, wasted, used, inserted, new = self.counters.tolist()
+        if ev or wasted or used or inserted or new:
+            st = self.step.cache.stats
+            st.evictions += ev
+            st.prefetch_wasted += wasted
+            st.prefetch_used += used
+            st.prefetch_inserted += inserted
+            self.step.cache._clock += new
+            self.counters[:] = 0
+
+    def route(
+        self, lanes: np.ndarray, layer: np.ndarray, ids: np.ndarray, probs: np.ndarray
+    ) -> np.ndarray | None:
+        """LayerStep.route (SMoE Algorithm 1) for one decode token; None where it holds padding."""
+        step = self.step
+        ep = self.ep or self._load()
+        p = probs[0] if probs.dtype == np.float32 else probs[0].astype(np.float32)
+        lane = int(lanes[0])
+        out = np.empty(ids.shape[2], np.int64)
+        use = ep[4][p.dtype](p, _i64(ids[0]), step.cache.resident[lane], self.hi, self.lo, out)
+        if use < 0:
+            return None
+        if use == 0:
+            return ids
+        step.table[sk.SUBS, step.stat_base[lane] + layer[0]] += use
+        return out.astype(ids.dtype)[None, None]
+
+    def layer(
+        self,
+        lanes: np.ndarray,
+        layer: np.ndarray,
+        ids: np.ndarray,
+        t: int | np.ndarray,
+        probs: np.ndarray | None,
+        next_lanes: np.ndarray | None,
+        has_next: np.ndarray | None,
+        restart: np.ndarray | None,
+        next_predicted: np.ndarray | None,
+        decode: np.ndarray | None,
+        routed: bool,
+    ) -> LayerOutcome:
+        """LayerStep.layer for one token on one lane (its arguments)."""
+        step = self.step
+        cache, clock = step.cache, step.clock
+        ep = self.ep or self._load()
+        if not routed:
+            ids = step.route(lanes, layer, ids, probs, decode)
+        lane = int(lanes[0])
+        slot = int(step.stat_base[lane] + layer[0])
+        row = _i64(ids[0, 0])
+        k = len(row)
+        dec = decode is None or bool(decode[0])
+        known = next_lanes is not None and has_next is not None
+        nl = int(next_lanes[0]) if known else 0
+        hn = known and bool(has_next[0])
+        pred = _i64(next_predicted[0]) if next_predicted is not None and known else _NO_IDS
+        out, hit, cur, nxt = np.empty((6, k), np.int64), np.empty(k, bool), np.empty(k), np.empty(len(pred))
+        n_load = ep[0](
+            cache._res, cache._pf, lane, slot, row, dec, step.prefetching, self.bal, cache._code, self.fcost,
+            clock.delay, step.r_used, step.table, nl, hn, pred, out, hit, cur, nxt, self.fout, self.info,
+        )  # fmt: skip
+        if n_load == sk.BAD_IDS:
+            cache._bad_ids(lane, row)
+        if n_load == sk.PRESCHED:
+            n_load = self._presched(lanes, next_lanes, has_next, decode, cur, nxt)
+        p = _NO_PROBS
+        if self.score:
+            p = probs[0, 0] if probs.dtype == np.float32 else probs[0, 0].astype(np.float32)
+        ep[1](
+            cache._res, cache._last, cache._freq, cache._pf, cache._nu_k, cache._score_k, cache._count,
+            self.ring, self.ring_pos, lane, slot, cache._caps[lane], _time(t), n_load, p, cache._code,
+            cache._shift, self.fcost, clock.free, clock.pf_n, step.table, nl, hn,
+            restart is not None and bool(restart[0]), out, hit, self.fout, self.counters, np.empty(k),
+        )  # fmt: skip
+        self._fold()
+        times = self.fout[:2].copy()
+        return LayerOutcome(ids, out[0:1], out[1:2], hit[None], out[2:3], out[3:4], times[:1], times[1:])
+
+    def _presched(
+        self,
+        lanes: np.ndarray,
+        next_lanes: np.ndarray | None,
+        has_next: np.ndarray | None,
+        decode: np.ndarray | None,
+        cur: np.ndarray,
+        nxt: np.ndarray,
+    ) -> int:
+        """PreSched's split (Eq. 5) and the next layer's prefetch count (Eqs. 6-7), as LayerStep._split."""
+        step = self.step
+        n_miss, n_next = self.info.tolist()
+        delay = self.fout[sk.DELAY : sk.DELAY + 1].copy()
+        r_hit = step.r_used[lanes] / step.r_landed[lanes]
+        dec = schedule(cur[None], np.array([n_miss]), nxt[None], np.array([n_next]), delay, r_hit, step.cost)
+        if has_next is not None and next_lanes is not None:
+            decided = has_next if decode is None else has_next & decode
+            step.clock.pf_n[next_lanes[decided]] = dec.n_prefetch[decided]
+        return int(dec.n_load[0])
+
+    def prefetch(
+        self, lanes: np.ndarray, layer: np.ndarray, ranked: np.ndarray, t: int | np.ndarray
+    ) -> np.ndarray:
+        """LayerStep.prefetch for one lane."""
+        step = self.step
+        cache, clock = step.cache, step.clock
+        ep = self.ep or self._load()
+        lane = int(lanes[0])
+        row = _i64(ranked[0])
+        out = np.empty(len(row), np.int64)
+        bad = ep[2](
+            cache._res, cache._last, cache._freq, cache._pf, cache._nu_k, cache._score_k, cache._count, lane,
+            int(step.stat_base[lane] + layer[0]), cache._caps[lane], _time(t), row, cache._code, cache._shift,
+            self.bal == sk.BALANCER_CODE["presched"], self.fcost, clock.free, clock.delay, clock.pf_n,
+            step.r_landed, step.table, out, self.counters,
+        )  # fmt: skip
+        if bad:
+            cache._bad_ids(lane, row)
+        self._fold()
+        return out[None]
+
+
 def landing(
     n_cand: np.ndarray, pf_n: np.ndarray, free: np.ndarray, t_io: float, balancer: str
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -497,6 +676,11 @@ def ranked_predictions(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarr
     [1, M] the prefetch candidates), as the replay ranks a predictor's: scores scaled by each row's
     largest magnitude, top-k per token, merged by summed score, ties to the lower id."""
     s = np.atleast_2d(np.asarray(scores, dtype=np.float32))
+    if len(s) == 1:  # one token: compiled, unless a tie at the k-th score leaves it to numpy
+        kp = min(k, s.shape[1])
+        ids, ranked = np.empty((1, kp), np.int64), np.empty((1, kp), np.int64)
+        if sk.entry_points()[3](s[0], k, ids[0], ranked[0]):
+            return ids, ranked
     s = s / np.maximum(np.abs(s).max(-1, keepdims=True), 1e-12)
     ids, sc = top_predictions(s, k)
     flat = ids.reshape(1, -1)

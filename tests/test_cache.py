@@ -120,7 +120,7 @@ def test_online_access_equals_batch_insert_touch(policy):
         assert (hit_a == hit_b).all() and (a.resident == b.resident).all(), t
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "static", "belady"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "static", "belady", "score"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_kernel_lane_equals_vectorised(policy, seed):
     """Single-lane calls on the compiled kernels (access, one-row insert / touch, prefetch inserts,
@@ -141,6 +141,8 @@ def test_kernel_lane_equals_vectorised(policy, seed):
                 c.set_next_use(
                     np.array([0, 1]), np.tile(np.arange(E), (2, 1)), rng.integers(t, t + 50, (2, E))
                 )
+            if policy == "score":  # window means with ties (scores in tenths) among the resident
+                c.observe_scores(np.array([0, 1]), rng.integers(0, 10, (2, E)).astype(np.float32) / 10)
             r = rng.random()
             if r < 0.25:  # a prefetch (sometimes with its time, sometimes without)
                 pf = np.append(rng.choice(E, 3, replace=False), -1)

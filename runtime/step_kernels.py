@@ -1,0 +1,424 @@
+"""Compiled one-token path of the per-layer step (numba): one lane, one token, one call.
+
+:class:`moecast.runtime.step.LayerStep` applies its rules (the docstring of
+:mod:`moecast.runtime.step`) vectorised over lanes. The live runtime calls it with one lane and one
+token per layer, where each of its few dozen numpy calls costs 1-3 us on six-odd experts: the
+decision cost hundreds of microseconds per layer. These kernels take that case whole:
+
+- :func:`layer_one`: steps 3-7 (access, the balancer's split, the inserts and recency, SMoE Eq. 3's
+  score window, the layer time and the next layer's window, the statistics). Under PreSched it
+  stops after the access with PreSched's inputs (the layer's misses and the next layer's pending
+  predicted experts): the caller runs :func:`moecast.runtime.presched.schedule` on them and
+  :func:`finish_one` the rest;
+- :func:`prefetch_one`: step 1 (the landing rule and the prefetch inserts);
+- :func:`rank_one`: the replay's ranking of a predictor's scores for one token
+  (:func:`moecast.runtime.step.ranked_predictions`).
+
+The vectorised path is their reference and the tests compare the two step by step: the
+floating-point operations are the same (numpy's pairwise summation and NaN-propagating maximum
+included), so are the decisions and times. The cache's inserts and recency are the compiled kernels
+of :mod:`moecast.runtime.kernels`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from moecast.runtime import kernels
+from numba import njit, types
+
+#: the step's statistics, one row each of LayerStep's [len(STATS), slots] array
+STATS = (
+    "uses",  # routed (token, layer, expert) uses after substitution
+    "hits",  # of those, expert resident when the layer ran
+    "loads",  # demand loads
+    "cpu",  # experts computed on the CPU
+    "subs",  # substituted uses
+    "pf_issued",  # prefetches asked for
+    "pf_landed",  # prefetches that landed in the window
+    "pf_started",  # prefetches that moved bytes (landed, plus one PreSched started late)
+    "pf_used",  # prefetched experts used while resident
+    "pf_inserted",  # experts a prefetch (or a plan preload) put in the cache
+    "plan_loads",  # experts a plan preload moved before its request (CasMoE)
+    "time",  # modeled layer time (ms)
+)
+USES, HITS, LOADS, CPU, SUBS, PF_ISSUED, PF_LANDED, PF_STARTED, PF_USED, PF_INSERTED, _, TIME = range(12)
+#: balancer codes of the kernels (Policy.balancer -> code)
+BALANCER_CODE = {"none": 0, "smoe": 1, "presched": 2, "cpu": 3}
+STATIC = kernels.POLICY_CODE["static"]
+SCORE = kernels.POLICY_CODE["score"]
+# fcost: the cost model's constants, in this order (LayerStep.one_costs)
+T_IO, T_G, T_ATTN, BETA, C, T_PRED, FIRST_WINDOW = range(7)
+# fout: one call's times (ms)
+LAYER_T, LINK, T_CPU, DELAY = range(4)
+# counters: what the call adds to the cache's CacheStats and its insert clock
+EVICTED, WASTED, USED, INSERTED, NEW = range(5)
+_DMAX = np.finfo(np.float64).max
+#: the most experts per token the kernels take (numpy sums longer rows in another order)
+MAX_K = 128
+
+
+@njit(cache=True, nogil=True)
+def _max(a, b):
+    """np.maximum: NaN when either is."""
+    if a != a or b != b:
+        return np.nan
+    return a if a >= b else b
+
+
+@njit(cache=True, nogil=True)
+def _nan_to_num(x):
+    """np.nan_to_num(x, nan=0.0)."""
+    if x != x:
+        return 0.0
+    if x == np.inf:
+        return _DMAX
+    if x == -np.inf:
+        return -_DMAX
+    return x
+
+
+@njit(cache=True, nogil=True)
+def _sum(a, n):
+    """numpy's pairwise sum of ``a[:n]``, n <= MAX_K (float64; ``.sum()`` of a row adds in this order)."""
+    if n < 8:
+        res = 0.0
+        for i in range(n):
+            res += a[i]
+        return res
+    r = a[:8].copy()
+    i = 8
+    while i < n - (n % 8):
+        for j in range(8):
+            r[j] += a[i + j]
+        i += 8
+    res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]))
+    while i < n:
+        res += a[i]
+        i += 1
+    return res
+
+
+@njit(cache=True, nogil=True)
+def _smoe_loads(n_miss, t_io, t_cpu):
+    """SMoE Algorithm 2 (balancer.two_pointer) on ``n_miss`` misses of one token each: how many load."""
+    c_load = 0.0
+    c_cpu = 0.0
+    left = 0
+    right = n_miss - 1
+    while left <= right:
+        if c_load <= c_cpu:
+            c_load += t_io
+            left += 1
+        else:
+            c_cpu += 1.0 * t_cpu
+            right -= 1
+    return left
+
+
+@njit(cache=True, nogil=True)
+def _next_pending(res, next_lane, has_next, predicted, sizes):
+    """PreSched's E_next (LayerStep._next_pending): the predicted experts not resident in the next
+    lane, token counts ascending into ``sizes`` (0 after the last); returns how many."""
+    P = predicted.shape[0]
+    ids = np.sort(predicted)
+    counts = np.zeros(P, np.int64)
+    m = 0
+    for i in range(P):
+        if ids[i] < 0:
+            continue
+        if m > 0 and ids[i] == ids[m - 1]:
+            counts[m - 1] += 1
+            continue
+        ids[m] = ids[i]
+        counts[m] = 1
+        m += 1
+    n = 0
+    for i in range(m):
+        if has_next and not res[next_lane, ids[i]]:
+            sizes[n] = counts[i]
+            n += 1
+    sizes[:n] = np.sort(sizes[:n])
+    sizes[n:] = 0.0
+    return n
+
+
+#: layer_one's return values besides a count of loads
+IN_PLACE, PRESCHED, BAD_IDS = -1, -2, -3
+
+
+@njit(cache=True, nogil=True)
+def layer_one(
+    res, pf, lane, slot, ids, decode, prefetching, bal, policy, fcost, delay, r_used, stats,
+    next_lane, has_next, predicted, out, hit, cur, nxt, fout, info,
+):  # fmt: skip
+    """Steps 3-4 of LayerStep.layer for one token on ``lane``: the access and the balancer's split.
+
+    ``ids`` [k] the token's experts after substitution (< 0: none). ``out`` [6, k] receives the
+    access (rows: experts, token counts, demand loads, CPU experts, the misses in queue order, their
+    token counts), ``hit`` [k] which were resident, ``info`` (misses, PreSched's pending next-layer
+    experts), ``fout[DELAY]`` the link delay a late prefetch left (the lane's is reset). Returns the
+    number of misses to load, IN_PLACE when every miss is loaded (the load row is written), PRESCHED
+    when :func:`moecast.runtime.presched.schedule` decides (``cur`` then holds the misses' token
+    counts ascending, ``nxt`` the pending ones'), BAD_IDS for an id >= E (nothing changed).
+    """
+    k = ids.shape[0]
+    N = res.shape[1] - 1
+    for i in range(k):
+        if ids[i] >= N:
+            return BAD_IDS
+    d = delay[lane]
+    delay[lane] = 0.0
+    fout[DELAY] = d
+    uses = 0
+    hits = 0
+    used = 0
+    n_miss = 0
+    for i in range(k):
+        e = ids[i]
+        out[0, i] = e
+        c = 1 if e >= 0 else 0
+        out[1, i] = c
+        h = e >= 0 and res[lane, e]
+        hit[i] = h
+        uses += c
+        hits += c if h else 0
+        if h and pf[lane, e]:
+            used += 1
+        if e >= 0 and not h:  # the misses in routed order (one token each: the stable sort keeps it)
+            out[4, n_miss] = e
+            out[5, n_miss] = 1
+            n_miss += 1
+    for i in range(n_miss, k):
+        out[4, i] = -1
+        out[5, i] = 0
+    info[0] = n_miss
+    info[1] = 0
+    if prefetching:
+        r_used[lane] += used
+        stats[PF_USED, slot] += used
+    stats[USES, slot] += uses
+    stats[HITS, slot] += hits
+    if not decode and policy != STATIC:
+        bal = 0  # prefill loads what it needs (static keeps its slots: its misses stay on the CPU)
+    if bal == 0:  # every miss loaded, in place (the vectorised path's one-token shortcut)
+        for i in range(k):
+            out[2, i] = ids[i] if ids[i] >= 0 and not hit[i] else -1
+            out[3, i] = -1
+        return IN_PLACE
+    if bal == 2:
+        for i in range(k):
+            cur[i] = out[5, n_miss - 1 - i] if i < n_miss else 0.0
+        info[1] = _next_pending(res, next_lane, has_next, predicted, nxt)
+        return PRESCHED
+    n_load = 0
+    if bal == 1:
+        t_io = fcost[T_IO]
+        n_load = _smoe_loads(n_miss, t_io if np.isfinite(t_io) else np.inf, fcost[BETA] + fcost[C])
+    return n_load if decode or policy == STATIC else n_miss
+
+
+@njit(cache=True, nogil=True)
+def finish_one(
+    res, last, freq, pf, nu, score, count, ring, ring_pos, lane, slot, cap, t, n_load, probs, policy,
+    shift, fcost, free, pf_n, stats, next_lane, has_next, restart, out, hit, fout, counters, split,
+):  # fmt: skip
+    """Steps 4-7 of LayerStep.layer after :func:`layer_one`, ``n_load`` of the misses loaded
+    (IN_PLACE: layer_one wrote the load row): the load and CPU rows, the inserts (the token's
+    experts shielded) and recency at ``t``, SMoE Eq. 3's window from ``probs`` [E], the layer time
+    and link into ``fout``, the next layer's window, the statistics; the cache's counters into
+    ``counters``. ``split`` [k]: scratch for the CPU times."""
+    k = out.shape[1]
+    N = res.shape[1] - 1
+    n_miss = 0
+    n_hit = 0
+    for i in range(k):
+        n_miss += 1 if out[4, i] >= 0 else 0
+        n_hit += 1 if hit[i] and out[0, i] >= 0 else 0
+    t_cpu = 0.0
+    if n_load == IN_PLACE:
+        n_load = n_miss
+    else:
+        for i in range(k):
+            e = out[4, i]
+            on_cpu = i >= n_load and e >= 0
+            out[2, i] = e if i < n_load else -1
+            out[3, i] = e if on_cpu else -1
+            split[i] = fcost[BETA] * np.float64(out[5, i]) + fcost[C] if on_cpu else 0.0
+        t_cpu = _sum(split, k)
+    if policy != STATIC:  # static never inserts
+        new = np.empty(k, np.bool_)
+        ev, wasted, _put, n_new = kernels.insert(
+            res, last, freq, pf, nu, score, count, lane, N, cap, out[2], out[0], False, -1, policy, shift, new
+        )
+        counters[EVICTED] += ev
+        counters[WASTED] += wasted
+        counters[NEW] += n_new > 0
+    counters[USED] += kernels.touch(res, last, freq, pf, lane, out[0], t)
+    if policy == SCORE:
+        valid = False
+        for i in range(k):
+            valid |= out[0, i] >= 0
+        pos = ring_pos[lane]
+        for e in range(N):
+            sc = np.float64(probs[e]) if valid else 0.0
+            score[lane, e] += sc - np.float64(ring[lane, pos, e])
+            ring[lane, pos, e] = np.float32(sc)
+        ring_pos[lane] = (pos + 1) % ring.shape[1]
+    layer_t, link = layer_time(fcost, n_hit + n_load, n_load, fout[DELAY], t_cpu)
+    fout[LAYER_T] = layer_t
+    fout[LINK] = link
+    fout[T_CPU] = t_cpu
+    if has_next:
+        busy = _max(link, fcost[T_PRED]) if fcost[T_PRED] else link
+        free[next_lane] = _nan_to_num(layer_t - busy)
+    if restart:
+        free[lane] = fcost[FIRST_WINDOW]
+        pf_n[lane] = -1
+    stats[LOADS, slot] += n_load
+    stats[CPU, slot] += n_miss - n_load
+    stats[TIME, slot] += layer_t
+    return n_load
+
+
+@njit(cache=True, nogil=True)
+def layer_time(fcost, n_dev, n_load, delay, t_cpu):
+    """step.layer_time for one row: (layer_t, link)."""
+    t_io = fcost[T_IO]
+    t_g = fcost[T_G]
+    if np.isfinite(t_io):
+        link = delay + np.float64(n_load) * t_io
+    else:
+        link = np.inf if n_load > 0 else delay + np.float64(n_load) * 0.0
+    t_dev = np.float64(n_dev) * t_g
+    layer_t = fcost[T_ATTN] + _max(_max(t_dev, link + (t_g if n_load > 0 else 0.0)), t_cpu)
+    return layer_t, link
+
+
+@njit(cache=True, nogil=True)
+def prefetch_one(
+    res, last, freq, pf, nu, score, count, lane, slot, cap, t, ranked, policy, shift, presched,
+    fcost, free, delay, pf_n, r_landed, stats, out, counters,
+):  # fmt: skip
+    """LayerStep.prefetch for one lane: ``ranked`` [M] the predicted experts best first (-1
+    padded); the inserted ones into ``out`` [M] (-1 elsewhere). Returns -1 for an id out of range
+    (nothing changed), else 0."""
+    M = ranked.shape[0]
+    N = res.shape[1] - 1
+    for i in range(M):
+        if ranked[i] >= N:
+            return -1
+    cand = np.full(M, -1, np.int64)
+    n_cand = 0
+    for i in range(M):
+        e = ranked[i]
+        if e >= 0 and not res[lane, e]:
+            cand[n_cand] = e
+            n_cand += 1
+    want, landed, started, d = landing(n_cand, pf_n[lane], free[lane], fcost[T_IO], presched)
+    delay[lane] = d
+    row = np.full(M, -1, np.int64)
+    row[:landed] = cand[:landed]
+    new = np.zeros(M, np.bool_)
+    if policy != STATIC:  # static never inserts
+        ev, wasted, put, n_new = kernels.insert(
+            res, last, freq, pf, nu, score, count, lane, N, cap, row, ranked, True, t, policy, shift, new
+        )
+        counters[EVICTED] += ev
+        counters[WASTED] += wasted
+        counters[INSERTED] += put
+        counters[NEW] += n_new > 0
+    r_landed[lane] += landed
+    n_ins = 0
+    for i in range(M):
+        out[i] = cand[i] if new[i] else -1
+        n_ins += 1 if new[i] else 0
+    stats[PF_INSERTED, slot] += n_ins
+    stats[PF_ISSUED, slot] += want
+    stats[PF_LANDED, slot] += landed
+    stats[PF_STARTED, slot] += started
+    return 0
+
+
+@njit(cache=True, nogil=True)
+def landing(n_cand, pf_n, free, t_io, presched):
+    """step.landing for one row: (asked, landed, started, delay)."""
+    want = min(pf_n, n_cand) if pf_n >= 0 else n_cand
+    if np.isinf(t_io):
+        fit = 0
+    elif t_io <= 0:
+        fit = want
+    else:
+        fit = np.int64(max(np.floor(free / t_io + 1e-9), 0.0))
+    if not (pf_n >= 0 and presched):
+        want = min(want, fit)
+    landed = min(want, fit)
+    finite = np.isfinite(t_io)
+    started = min(want, landed + 1) if finite else 0
+    late = want > landed and finite and t_io > 0
+    d = _max(np.float64(landed + 1) * t_io - free if late else 0.0, 0.0)
+    return want, landed, started, d
+
+
+@njit(cache=True, nogil=True)
+def rank_one(s, k, ids, ranked):
+    """step.ranked_predictions for one token's scores ``s`` [E] (float32): its top-k ids into
+    ``ids`` (best first, ties to the lower id) and the prefetch candidates into ``ranked``, both
+    ``min(k, E)`` long. Returns False, writing nothing, where the vectorised path's choice depends
+    on numpy's partition (a tie across the k-th score, a NaN): the caller takes that path then."""
+    E = s.shape[0]
+    kp = min(k, E)
+    m = np.float32(0.0)
+    for e in range(E):
+        a = abs(s[e])
+        if a != a:
+            return False
+        m = max(m, a)
+    m = max(m, np.float32(1e-12))
+    v = np.empty(kp + 1, np.float32)
+    top = np.empty(kp + 1, np.int64)
+    n = 0
+    for e in range(E):  # the kp + 1 best, (score descending, id ascending)
+        n = kernels._push(v, top, n, kp + 1, np.float32(s[e] / m), e)
+    if n > kp and v[kp] == v[kp - 1]:
+        return False
+    ids[:kp] = top[:kp]
+    # rank_candidates: summed score per distinct id (each id once here), ranked descending; its
+    # sums come from a cumulative sum in id order, so they are recomputed the same way
+    order = np.argsort(top[:kp])
+    sid = top[:kp][order]
+    ssc = v[:kp][order].astype(np.float64)
+    csum = np.cumsum(ssc)
+    total = csum - (csum - ssc)
+    rank = np.argsort(-total, kind="mergesort")
+    ranked[:kp] = sid[rank]
+    return True
+
+
+def _a(dtype, ndim: int, layout: str = "C") -> types.Array:
+    return types.Array(dtype, ndim, layout)
+
+
+_b1, _i1, _f1, _f1a = _a(types.bool_, 1), _a(types.int64, 1), _a(types.float64, 1), _a(types.float32, 1, "A")
+_b2, _i2, _f2 = _a(types.bool_, 2), _a(types.int64, 2), _a(types.float64, 2)
+_int, _flt, _bool = types.int64, types.float64, types.bool_
+# resident, last, freq, prefetched, next use, score window sums, count (ExpertCache's arrays)
+_CACHE = (_b2, _i2, _i2, _b2, _i2, _f2, _i1)
+
+
+@functools.cache
+def entry_points() -> tuple:
+    """(layer_one, finish_one, prefetch_one, rank_one) called without numba's dispatcher (see
+    kernels.entry_point): the caller passes exactly these types."""
+    ep = kernels.entry_point
+    ids_a = _a(types.int64, 1, "A")
+    return (
+        ep(layer_one, _b2, _b2, _int, _int, ids_a, _bool, _bool, _int, _int, _f1, _f1, _f1, _f2,
+           _int, _bool, ids_a, _i2, _b1, _f1, _f1, _f1, _i1),
+        ep(finish_one, *_CACHE, _a(types.float32, 3), _i1, _int, _int, _int, _int, _int, _f1a, _int,
+           _int, _f1, _f1, _i1, _f2, _int, _bool, _bool, _i2, _b1, _f1, _i1, _f1),
+        ep(prefetch_one, *_CACHE, _int, _int, _int, _int, ids_a, _int, _int, _bool, _f1, _f1, _f1, _i1,
+           _f1, _f2, _i1, _i1),
+        ep(rank_one, _f1a, _int, _i1, _i1),
+    )  # fmt: skip

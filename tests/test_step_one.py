@@ -1,0 +1,152 @@
+"""The compiled one-lane, one-token step (runtime/step_kernels.py) decides as the vectorised step.
+
+Two :class:`LayerStep` run the same calls in the live runtime's order (the first layer's prefetch,
+substitution, the layer with the next layer's predicted experts, the next layer's prefetch), one
+compiled and one on the vectorised numpy path over a cache with ``scalar_path=False``; after every
+call their outcomes, statistics, link clocks and caches must be equal, floats bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from moecast.runtime.cache import ExpertCache
+from moecast.runtime.cost_model import CostModel
+from moecast.runtime.policy import POLICIES
+from moecast.runtime.prefetch import top_predictions
+from moecast.runtime.step import STATS, LayerStep, rank_candidates, ranked_predictions
+
+E, L = 24, 3
+COSTS = {
+    # one transfer 0.3 ms in a 0.4 ms attention: some prefetches land, some not
+    "tight": CostModel(t_io=0.3, t_g=0.05, beta=0.05, c=0.3, t_attn=0.4, expert_bytes=1),
+    # a fast link: loads win SMoE's and PreSched's splits
+    "fast": CostModel(t_io=0.02, t_g=0.01, beta=0.2, c=0.7, t_attn=0.3, expert_bytes=1),
+    # no link at all (transfer_gbps 0): nothing lands, loads take forever
+    "no link": CostModel(t_io=np.inf, t_g=0.05, beta=0.01, c=0.02, t_attn=0.4, expert_bytes=1),
+}
+CASES = {
+    "lru": POLICIES["lru"],
+    "lfu": POLICIES["lfu"],
+    "score": POLICIES["score"],
+    "static": POLICIES["static"],
+    "lru + cpu": dataclasses.replace(POLICIES["lru"], balancer="cpu"),
+    "prefetch": POLICIES["prefetch"],
+    "presched": dataclasses.replace(POLICIES["presched"], preload="none"),
+    "smoe": POLICIES["smoe"].with_alpha(0.5),
+}
+
+
+def _step(policy, cost, k: int, compiled: bool) -> LayerStep:
+    cache = ExpertCache(E, k + 3, policy.eviction, lanes=L, score_window=3, scalar_path=compiled)
+    if policy.eviction == "static":
+        cache.preload(np.arange(L), np.tile(np.arange(k + 3), (L, 1)))
+    return LayerStep(
+        cache, policy, cost, E, L, stat_base=np.zeros(L, np.int64), n_stats=L,
+        prefetching=policy.prefetches, predictor_ms=0.1 if policy.prefetches else 0.0, compiled=compiled,
+    )  # fmt: skip
+
+
+def _state(step: LayerStep) -> list:
+    c = step.cache
+    arrays = [c.resident, c.last, c.freq, c.prefetched, c.count, step.table, step.r_used, step.r_landed]
+    arrays += [step.clock.free, step.clock.delay, step.clock.pf_n]
+    if c.policy == "score":
+        arrays += [c.score_sum, c._ring, c._ring_pos]
+    return [a.tolist() for a in arrays] + [vars(c.stats), c._clock]
+
+
+def _outcome(o) -> list:
+    return [a.tolist() for a in (o.ids, o.uniq, o.counts, o.hit, o.load_ids, o.cpu_ids, o.layer_t, o.link)]
+
+
+def _run(policy, cost, k: int, compiled: bool, seed: int) -> list:
+    """The live runtime's calls on random routing; every outcome and the state after each call."""
+    rng = np.random.default_rng(seed)
+    step = _step(policy, cost, k, compiled)
+    seen: list = []
+    for t in range(40):
+        decode = np.array([t >= 2 or rng.random() < 0.5])  # a few one-token prefills first
+        pending = None
+        for pos in range(L):
+            lane = np.array([pos])
+            ids = rng.choice(E, k, replace=False)[None, None]
+            if rng.random() < 0.1:
+                ids[0, 0, -1] = -1  # an idle slot
+            probs = rng.dirichlet(np.full(E, 0.3), size=(1, 1)).astype(np.float32)
+            if pos == 0 and policy.prefetches and decode[0]:
+                pending = ranked_predictions(rng.random(E).astype(np.float32), k)
+            if pending is not None:
+                seen.append(step.prefetch(lane, lane, pending[1], np.array([t])).tolist())
+                pending = None
+            routed = step.route(lane, lane, ids, probs, decode)
+            seen.append(routed.tolist())
+            nxt = pos + 1
+            pred = None
+            if policy.prefetches and decode[0] and nxt < L:
+                pending = ranked_predictions(rng.random(E).astype(np.float32), k)
+                pred = pending[0]
+            o = step.layer(
+                lane, lane, routed, np.array([t]), probs,
+                next_lanes=np.array([min(nxt, L - 1)]), has_next=np.array([nxt < L]),
+                restart=np.array([pos == 0]), next_predicted=pred, decode=decode, routed=True,
+            )  # fmt: skip
+            seen += [_outcome(o), _state(step)]
+            if pending is not None:
+                seen.append(
+                    step.prefetch(np.array([nxt]), np.array([nxt]), pending[1], np.array([t])).tolist()
+                )
+                pending = None
+            seen.append(_state(step))
+    return seen
+
+
+@pytest.mark.parametrize("cost", list(COSTS))
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("k", [4, 10])
+def test_compiled_one_lane_step_equals_the_vectorised_step(case, cost, k):
+    """k = 10 sums ten CPU times: numpy's pairwise order, not a running sum."""
+    policy, cm = CASES[case], COSTS[cost]
+    want = _run(policy, cm, k, compiled=False, seed=k)
+    got = _run(policy, cm, k, compiled=True, seed=k)
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g == w, f"call {i}"
+    # each case exercises what it is about
+    st = {name: v.sum() for name, v in zip(STATS, np.array(want[-1][5]))}
+    assert st["uses"] > st["hits"] > 0
+    assert (st["cpu"] > 0) == (case in ("static", "lru + cpu", "presched", "smoe"))
+    assert (st["subs"] > 0) == (case == "smoe")
+    assert (st["pf_landed"] > 0) == (policy.prefetches and cost != "no link")
+    if case == "presched" and cost == "tight":
+        assert st["pf_started"] > st["pf_landed"]  # a late one delays the next layer's loads
+
+
+def test_compiled_step_refuses_out_of_range_ids():
+    step = _step(POLICIES["lru"], COSTS["tight"], 4, compiled=True)
+    lane = np.array([0])
+    with pytest.raises(IndexError, match="out of range"):
+        step.layer(lane, lane, np.array([[[1, 2, 3, E]]]), np.array([0]), routed=True)
+    with pytest.raises(IndexError, match="out of range"):
+        step.prefetch(lane, lane, np.array([[E, 1]]), np.array([0]))
+    assert step.table.sum() == 0 and not step.cache.resident.any()
+
+
+@pytest.mark.parametrize("quantum", [0.0, 0.25, 0.5])
+def test_compiled_ranking_equals_numpy(quantum):
+    """ranked_predictions of one token (compiled) against the vectorised ranking; scores rounded to
+    ``quantum`` tie often, across the k-th score too (then the numpy path answers)."""
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        s = rng.random(E).astype(np.float32) * 4 - 1
+        if quantum:
+            s = (np.round(s / quantum) * quantum).astype(np.float32)
+        k = int(rng.integers(1, 8))
+        ids, ranked = ranked_predictions(s, k)
+        n = s[None] / np.maximum(np.abs(s).max(-1, keepdims=True), 1e-12)
+        want_ids, sc = top_predictions(n, k)
+        want = rank_candidates(want_ids.reshape(1, -1), sc.reshape(1, -1), E)
+        assert ranked.tolist() == want.tolist()
+        assert sorted(ids[0].tolist()) == sorted(want_ids[0].tolist())
