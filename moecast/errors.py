@@ -40,10 +40,9 @@ _OS_HINTS: dict[int, str] = {
 
 def user_errors() -> tuple[type[BaseException], ...]:
     # OSError covers every file-system failure (missing, exists, not a directory, permission, disk
-    # full): the user fixes the path, so a traceback would only hide the message. ValueError is here
-    # only until runtime/live.py and runtime/expert_store.py raise InputError for their input checks;
-    # a KeyError is always a bug.
-    return (MoecastError, OSError, ValueError)
+    # full): the user fixes the path, so a traceback would only hide the message. Any other error
+    # (a ValueError or KeyError included) is a bug and keeps its traceback.
+    return (MoecastError, OSError)
 
 
 def _message(exc: BaseException) -> str:

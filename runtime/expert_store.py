@@ -35,6 +35,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from moecast.errors import InputError
+
 #: PreScope §4.4 uses one CUDA stream per piece (gate, up, down)
 TRANSFER_STREAMS = 3
 #: pinned buffers a transfer from pageable host memory goes through; a buffer is reused once its
@@ -59,7 +61,7 @@ def expert_params(experts: nn.Module) -> dict[str, torch.Tensor]:
     tensors.update(dict(experts.named_buffers(recurse=False)))
     out = {name: t for name, t in tensors.items() if t.dim() >= 1 and t.shape[0] == num}
     if not out:
-        raise ValueError(
+        raise InputError(
             f"{type(experts).__name__} has no per-expert weight tensors (first dimension {num}); "
             "the live runtime needs experts stored as stacked tensors, as transformers' experts interface does"
         )
@@ -160,7 +162,7 @@ class LayerStore:
         self.experts = experts
         self.num_experts = int(experts.num_experts)
         if not 1 <= num_slots <= self.num_experts:
-            raise ValueError(f"num_slots must be between 1 and {self.num_experts}, got {num_slots}")
+            raise InputError(f"num_slots must be between 1 and {self.num_experts}, got {num_slots}")
         self.num_slots = int(num_slots)
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"

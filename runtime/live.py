@@ -63,7 +63,7 @@ from moecast.runtime.offload import peak_rss_mb
 from moecast.runtime.policy import POLICIES, Policy, get_policy
 from moecast.runtime.step import LayerStep, layer_time, predictor_latency, ranked_predictions
 
-from moecast.errors import MoecastError
+from moecast.errors import InputError, MoecastError
 
 LIVE_IMPL = "moecast_live"
 #: ``policy`` names: the presets of runtime/policy.py but belady (it needs the future: replay only)
@@ -108,32 +108,32 @@ class LiveConfig:
     def __post_init__(self) -> None:
         name = self.policy.name if isinstance(self.policy, Policy) else self.policy
         if name == "belady" or (isinstance(self.policy, Policy) and self.policy.eviction == "belady"):
-            raise ValueError(
+            raise InputError(
                 "belady needs the future accesses: it is a replay bound (moecast replay --policy belady)"
             )
         if not isinstance(self.policy, Policy) and self.policy not in LIVE_POLICIES:
-            raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(LIVE_POLICIES)}")
+            raise InputError(f"unknown policy {self.policy!r}; choose one of {', '.join(LIVE_POLICIES)}")
         if self.alpha is not None and not (math.isfinite(float(self.alpha)) and 0 <= float(self.alpha) < 1):
-            raise ValueError(f"alpha must be in [0, 1) (SMoE's substitution threshold), got {self.alpha}")
+            raise InputError(f"alpha must be in [0, 1) (SMoE's substitution threshold), got {self.alpha}")
         # replay's rule, so that one policy name means the same in both runtimes: only policies that
         # substitute (smoe) take an alpha, 0.3 when none is given
         self.rule = get_policy(self.policy, self.alpha)
         self.alpha = self.rule.alpha
         if self.prefetch not in PREFETCH:
-            raise ValueError(f"unknown prefetch {self.prefetch!r}; choose one of {', '.join(PREFETCH)}")
+            raise InputError(f"unknown prefetch {self.prefetch!r}; choose one of {', '.join(PREFETCH)}")
         if self.balance is not None and self.balance not in BALANCE:
-            raise ValueError(f"unknown balance {self.balance!r}; choose one of {', '.join(BALANCE)}")
+            raise InputError(f"unknown balance {self.balance!r}; choose one of {', '.join(BALANCE)}")
         if self.balance is not None:
             bal = "none" if self.balance == "load" else self.balance
             self.rule = dataclasses.replace(self.rule, balancer=bal)
         if self.offload not in OFFLOAD:
-            raise ValueError(f"unknown offload {self.offload!r}; choose one of {', '.join(OFFLOAD)}")
+            raise InputError(f"unknown offload {self.offload!r}; choose one of {', '.join(OFFLOAD)}")
         if self.offload == "disk" and not self.offload_dir:
-            raise ValueError("offload disk needs an offload directory (--offload_dir DIR)")
+            raise InputError("offload disk needs an offload directory (--offload_dir DIR)")
         if int(self.io_threads) < 1:
-            raise ValueError(f"io_threads must be at least 1, got {self.io_threads}")
+            raise InputError(f"io_threads must be at least 1, got {self.io_threads}")
         if self.pinned_mb is not None and not (math.isfinite(self.pinned_mb) and self.pinned_mb >= 0):
-            raise ValueError(f"pinned_mb must be a size in MB >= 0, got {self.pinned_mb}")
+            raise InputError(f"pinned_mb must be a size in MB >= 0, got {self.pinned_mb}")
 
 
 @dataclass
@@ -232,14 +232,14 @@ class LiveRuntime:
             else:
                 prefetch = "online" if rule.prefetches else "none"
         if prefetch == "predictor" and predictor is None:
-            raise ValueError("prefetch='predictor' needs a predictor checkpoint (--predictor CKPT)")
+            raise InputError("prefetch='predictor' needs a predictor checkpoint (--predictor CKPT)")
         if prefetch == "predictor" and self.hot_table is not None:
-            raise ValueError(
+            raise InputError(
                 f"under policy static {getattr(predictor, 'name', '?')} is the hot-expert table, not a "
                 "prefetcher; use prefetch auto or none"
             )
         if prefetch == "predictor" and getattr(predictor, "horizon", "") != "layer-ahead":
-            raise ValueError(_not_a_prefetcher(predictor))
+            raise InputError(_not_a_prefetcher(predictor))
         self.prefetch = prefetch
         # the policy as it runs here: a prefetch source given explicitly turns its prefetch on or off
         self.policy = dataclasses.replace(rule, prefetch="none" if prefetch == "none" else "predictor")
@@ -1038,13 +1038,13 @@ def hot_table(predictor: Any, num_layers: int, num_experts: int) -> np.ndarray:
     shape = np.shape(table) if table is not None else None
     if shape != (num_layers, num_experts):
         has = "no table" if shape is None else f"a table of shape {shape}"
-        raise ValueError(
+        raise InputError(
             f"policy static pins a hot-expert table of [{num_layers}, {num_experts}] expert scores; {name} "
             f"has {has}: pass a frequency checkpoint (moecast predictors eval frequency --save CKPT) or no predictor"
         )
     table = np.asarray(table, np.float64)
     if not np.isfinite(table).all():
-        raise ValueError(f"{name}'s hot-expert table holds non-finite scores; rebuild the checkpoint")
+        raise InputError(f"{name}'s hot-expert table holds non-finite scores; rebuild the checkpoint")
     return table
 
 
@@ -1270,24 +1270,24 @@ def attach(
         predictor_ms=predictor_ms,
     )
     if online_update and not hasattr(predictor, "update"):
-        raise ValueError("online_update needs a layer-ahead predictor with an update step (LLaPor)")
+        raise InputError("online_update needs a layer-ahead predictor with an update step (LLaPor)")
     if learn_plans and not hasattr(planner, "observe"):
         given = "none was given" if planner is None else f"{getattr(planner, 'name', '?')} has no buffer"
-        raise ValueError(f"learn_plans needs a planner with a buffer (an EAM or cascade checkpoint); {given}")
+        raise InputError(f"learn_plans needs a planner with a buffer (an EAM or cascade checkpoint); {given}")
     structure = find_moe_structure(model)
     if predictor is not None:
         fp = model_info(model, structure, "").fingerprint
         if getattr(predictor, "fingerprint", None) and predictor.fingerprint != fp:
-            raise ValueError(
+            raise InputError(
                 f"the predictor was trained for model fingerprint {predictor.fingerprint}, this model is {fp}; "
                 "train one on traces of this model"
             )
     if planner is not None:
         if getattr(planner, "horizon", "") != "prompt-ahead" or not hasattr(planner, "plan"):
-            raise ValueError(_not_a_planner(planner))
+            raise InputError(_not_a_planner(planner))
         fp = model_info(model, structure, "").fingerprint
         if getattr(planner, "fingerprint", None) and planner.fingerprint != fp:
-            raise ValueError(
+            raise InputError(
                 f"the planner was built for model fingerprint {planner.fingerprint}, this model is {fp}; "
                 "build one on traces of this model"
             )

@@ -63,7 +63,10 @@ def test_an_os_error_names_the_path_and_what_to_do(tmp_path):
     assert msg.endswith("check the path, or create what it names first")
 
 
-@pytest.mark.parametrize("bug", [KeyError("x"), RuntimeError("boom"), TypeError("wrong type"), IndexError(3)])
+@pytest.mark.parametrize(
+    "bug",
+    [KeyError("x"), ValueError("bad shape"), RuntimeError("boom"), TypeError("wrong type"), IndexError(3)],
+)
 def test_a_bug_keeps_its_traceback(bug):
     with pytest.raises(type(bug)):
         run_command(_raise(bug))
