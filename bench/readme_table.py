@@ -70,14 +70,16 @@ BEFORE = {
         ("prefetch", f"10 %, gh200-nvlink-c2c: hit rate, modeled TPOT, {config}"): (
             "prefetch",
             f"10 % hit, {config}",
+            "gh200-nvlink-c2c",  # the A100 rows share the start
         )
         for config in ("best non-learned", "LLaPor prefetch", "LLaPor + PreSched")
     },
 }
 
 
-def _figure(benches: dict, bench: str, start: str, path: Path) -> dict:
-    f = next((f for f in benches.get(bench, {}).get("figures", []) if f["name"].startswith(start)), None)
+def _figure(benches: dict, bench: str, start: str, path: Path, contains: str = "") -> dict:
+    figures = benches.get(bench, {}).get("figures", [])
+    f = next((f for f in figures if f["name"].startswith(start) and contains in f["name"]), None)
     if f is None:
         raise SystemExit(f"readme_table: no {bench} figure starting {start!r} in {path}; update RESULTS")
     return f
@@ -99,7 +101,7 @@ def results_table(run_all: Path = RUN_ALL, ungrouped: Path = UNGROUPED) -> str:
     for bench, start, label in RESULTS:
         f = _figure(benches, bench, start, run_all)
         old = BEFORE.get((bench, start))
-        was = _figure(before, *old, ungrouped)["value"] if old and before else ""
+        was = _figure(before, old[0], old[1], ungrouped, *old[2:])["value"] if old and before else ""
         goal = f"{f['goal']} ({f['verdict']})" if f["goal"] and f["verdict"] else f["goal"]
         lines.append(
             f"| {label.format(rest=f['name'][len(start) :])} | {f['value']} | {was} | {goal} | {bench} |"

@@ -100,3 +100,13 @@ def test_readme_test_command_is_the_one_ci_runs():
         blocks[0]
         == command.split(' && pip install -q -e ".[dev]"')[0] + " && pip install -q -e . && moecast demo"
     )
+
+
+def test_the_before_column_takes_the_same_hardware_profile():
+    # the ungrouped file holds each prefetch figure once per profile, the A100 ones first; the README's
+    # GH200 rows must read the GH200 ones (LLaPor prefetch 0.432, not the A100's 0.260)
+    before = json.loads(readme_table.UNGROUPED.read_text())["benches"]
+    gh200 = {f["name"]: f["value"] for f in before["prefetch"]["figures"] if "gh200-nvlink-c2c" in f["name"]}
+    table = readme_table.results_table(readme_table.RUN_ALL, readme_table.UNGROUPED)
+    row = next(line for line in table.splitlines() if line.startswith("| ... LLaPor prefetch |"))
+    assert row.split(" | ")[2] == gh200["10 % hit, LLaPor prefetch, gh200-nvlink-c2c"]
