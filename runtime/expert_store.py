@@ -216,10 +216,9 @@ class LayerStore:
         return {name: t[expert] for name, t in self.host.items()}
 
     def _copy(self, expert: int, slot: int) -> None:
-        if self.ops is None:
-            src = self.source(expert)
-            for p in self.pieces:
-                _piece(self.slots[p.param][slot], p).copy_(_piece(src[p.param], p))
+        if self.ops is None:  # a synchronous copy: whole rows (the pieces matter for the streams)
+            for name, row in self.source(expert).items():
+                self.slots[name][slot].copy_(row)
             return
         src, buffer = self._staged(expert)
         # kernels queued after this event do not read the slot: the copy waits for it alone

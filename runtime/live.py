@@ -75,6 +75,8 @@ BALANCE = ("smoe", "presched", "load", "cpu")
 OFFLOAD = ("ram", "disk")
 #: the per-layer breakdown of a decode step's wall time, as LiveStats lists and as_dict means
 BREAKDOWN = ("attention", "expert_compute", "transfer_wait", "predictor", "policy")
+# a forward's decode flag as the step reads it (never written)
+_YES, _NO = np.array([True]), np.array([False])
 
 # finished tokens in the layer-ahead window: LLaPor's history, context and repeat-token features
 # look back at most this far on the runtime's path
@@ -269,6 +271,14 @@ class LiveRuntime:
             compiled=True,
         )
         self._next: tuple[int, np.ndarray] | None = None  # (layer, its ranked prefetch candidates)
+        # each layer's step arguments, made once: its lane, the next layer's lane, whether there is
+        # one, and whether the layer starts a token (the step only reads them)
+        L = self.num_layers
+        self._lanes = [np.array([pos]) for pos in range(L)]
+        self._next_lanes = [np.array([min(pos + 1, L - 1)]) for pos in range(L)]
+        self._has_next = [np.array([pos + 1 < L]) for pos in range(L)]
+        self._restart = [np.array([pos == 0]) for pos in range(L)]
+        self._t = np.array([0])  # the step as the cache's time, set per forward
         self.stores = self._make_stores(structure, config)
         # CPU experts run on a worker thread while the device computes the resident ones
         self.overlap_cpu = any(st.cuda for st in self.stores)
@@ -507,6 +517,7 @@ class LiveRuntime:
             np.zeros((keep, self.num_layers, self.info.hidden_size), np.float32) if needs_gate else None
         )
         self._clock = 0.0
+        self._t = np.array([self._step])
         self._next = None
         self._acc = dict.fromkeys(("layers", "expert_compute", "transfer_wait", "predictor"), 0.0)
         self._t0 = time.perf_counter()
@@ -554,7 +565,8 @@ class LiveRuntime:
         s.policy_decode_ms.append(max(0.0, acc["layers"] - inner))
 
     def _waited(self) -> float:
-        return sum(st.wait_s for st in self.stores)
+        """Host time the stores have blocked on transfers (only a disk store's reads block)."""
+        return sum(st.wait_s for st in self.stores) if self.reader is not None else 0.0
 
     def _timed(self, part: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args)``, its wall time added to ``part`` less the transfer waits inside it (counted apart)."""
@@ -627,7 +639,7 @@ class LiveRuntime:
         st = self.stores[pos]
         s = self.stats_
         n = top_k_index.shape[0]
-        lane = np.array([pos])
+        lane = self._lanes[pos]
         if self.full and st.cuda is False and self._identity[pos]:
             return self._full_layer(pos, module, hidden, top_k_index, top_k_weights, kwargs)
         host = self._read_layer(pos, hidden, top_k_index, top_k_weights)
@@ -635,22 +647,25 @@ class LiveRuntime:
         probs = host["probs"].numpy()[None] if "probs" in host else None
         w_host = host.get("w")
         weights = top_k_weights
-        decode = np.array([self._decode and not self.full])
+        decode = _YES if self._decode and not self.full else _NO
         if self._decode:
             s.routed += ids.size
             # the first layer's prefetch, predicted from what the token's start knows
             if pos == 0 and self.prefetch == "predictor":
                 self._next = self._next_prediction(0, hidden)[1]
                 self._prefetch()
-        routed = self.step.route(lane, lane, ids[None], probs, decode)[0]
-        if not np.array_equal(routed, ids):
+        ids3 = ids[None]
+        routed = self.step.route(lane, lane, ids3, probs, decode)
+        if routed is not ids3 and not np.array_equal(routed[0], ids):
+            routed = routed[0]
             w_host = _substituted_weights(w_host, ids, routed, probs[0])
             weights = to_device(w_host, weights.device)
             top_k_index = to_device(torch.from_numpy(routed).to(top_k_index.dtype), top_k_index.device)
             ids = routed
         if len(self._cur_ids) == n:
             self._cur_ids[:, pos] = ids
-            self._cur_w[:, pos] = w_host.float().numpy()
+            if self.prefetch == "predictor" or self._learn_prompt is not None:  # who reads the weights
+                self._cur_w[:, pos] = w_host.float().numpy()
             if self._cur_gate is not None:
                 m = len(self._cur_gate)
                 self._cur_gate[:, pos] = host["hidden"].reshape(-1, hidden.shape[-1])[-m:].float().numpy()
@@ -658,23 +673,26 @@ class LiveRuntime:
         next_ids, self._next = self._next_prediction(nxt, hidden)
         before = self.cache.resident[pos].copy()
         o = self.step.layer(
-            lane, lane, ids[None], np.array([self._step]), probs,
-            next_lanes=np.array([min(nxt, self.num_layers - 1)]), has_next=np.array([nxt < self.num_layers]),
-            restart=np.array([pos == 0]), next_predicted=next_ids, decode=decode, routed=True,
+            lane, lane, ids[None], self._t, probs, next_lanes=self._next_lanes[pos],
+            has_next=self._has_next[pos], restart=self._restart[pos], next_predicted=next_ids,
+            decode=decode, routed=True,
         )  # fmt: skip
         valid = o.uniq[0] >= 0
         uniq, counts, hit = o.uniq[0][valid], o.counts[0][valid], o.hit[0][valid]
         loads = o.load_ids[0][o.load_ids[0] >= 0]
         placed = loads[self.cache.resident[pos, loads]]  # loads the cache took, into the slots it freed
         self._move(pos, before, placed)
-        call = _ExpertsCall(module, hidden, top_k_index, weights, ids, kwargs, host, w_host)
+        # experts of the call, as np.unique(ids) counts them (the router gives no padding ids)
+        distinct = len(uniq) if ids.min() >= 0 else len(np.unique(ids))
+        call = _ExpertsCall(module, hidden, top_k_index, weights, ids, kwargs, host, w_host, distinct)
         # loads it did not take stream through the slots (more misses than slots: a long prefill); under
         # static, which never inserts, the step's streamed misses are computed from host memory here
-        out, to_cpu, cpu_part = self._run_experts(
-            pos, call, uniq[hit], placed, loads[~np.isin(loads, placed)], uniq
-        )
+        streamed = loads[~np.isin(loads, placed)] if len(placed) < len(loads) else loads[:0]
+        cpu_ids = o.cpu_ids[0]
+        out, to_cpu, cpu_part = self._run_experts(pos, call, uniq[hit], placed, streamed, uniq, cpu_ids)
         if len(to_cpu):
-            s.cpu_uses += int(counts[np.isin(uniq, to_cpu)].sum())
+            # one token: each expert has one use
+            s.cpu_uses += len(to_cpu) if n == 1 else int(counts[np.isin(uniq, to_cpu)].sum())
             # the join: the CPU's experts were computed while the device ran its own
             part = to_device(self._timed("expert_compute", cpu_part), hidden.device)
             out = part if out is None else out + part
@@ -722,17 +740,19 @@ class LiveRuntime:
         placed: np.ndarray,
         streamed: np.ndarray,
         uniq: np.ndarray,
+        cpu_ids: np.ndarray,
     ) -> tuple[torch.Tensor | None, np.ndarray, Any]:
         """Run the resident experts (hits and the loads just placed) on the device, start the rest on the CPU.
 
         Returns the device's output (None if it ran nothing), the experts left to the CPU and a
         callable that joins their output (host memory); the CPU's experts are computed meanwhile.
         ``streamed``: loads the cache did not keep (more misses than slots, a long prefill): they go
-        through the slots in waves of ``capacity`` experts after the resident ones.
+        through the slots in waves of ``capacity`` experts after the resident ones. ``cpu_ids``: the
+        step's CPU set (-1 padded), which is the rest of ``uniq`` when nothing streams.
         """
         on_device = np.concatenate([hit_ids, placed])
         if not len(streamed):
-            to_cpu = np.setdiff1d(uniq, on_device)
+            to_cpu = np.sort(cpu_ids[cpu_ids >= 0])
             # started before the device call, which may block the host (a wrapped implementation may sync)
             cpu_part = self._start_cpu(pos, call, to_cpu) if len(to_cpu) else None
             return self._device(pos, call, on_device), to_cpu, cpu_part
@@ -758,7 +778,7 @@ class LiveRuntime:
             return None
         st = self.stores[pos]
         slot_of = st.slot_of
-        if len(experts) == len(np.unique(call.ids)):
+        if len(experts) == call.distinct:
             table = slot_of
             partial = False
         else:
@@ -822,6 +842,8 @@ class LiveRuntime:
 
     def _move(self, pos: int, before: np.ndarray, placed: np.ndarray) -> None:
         """Copy the experts the cache just took (``placed``) into the slots of those it evicted since ``before``."""
+        if not len(placed):
+            return
         st = self.stores[pos]
         ev = list(np.flatnonzero(before & ~self.cache.resident[pos]))
         for e in placed:
@@ -845,9 +867,9 @@ class LiveRuntime:
         if self._next is None:
             return
         (nxt, ranked), self._next = self._next, None
-        lane = np.array([nxt])
+        lane = self._lanes[nxt]
         before = self.cache.resident[nxt].copy()
-        ins = self.step.prefetch(lane, lane, ranked, np.array([self._step]))[0]
+        ins = self.step.prefetch(lane, lane, ranked, self._t)[0]
         self._move(nxt, before, ins[ins >= 0])
 
     def _predict(self, nxt: int, hidden: torch.Tensor) -> np.ndarray | None:
@@ -1112,6 +1134,7 @@ class _ExpertsCall:
     kwargs: dict[str, Any]
     host: dict[str, torch.Tensor]
     w_host: torch.Tensor | None
+    distinct: int  # distinct expert ids in ``ids``
 
 
 def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

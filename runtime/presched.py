@@ -31,11 +31,14 @@ Vectorised over rows (layers or lanes) so one call schedules a whole replay step
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
+from moecast.runtime import kernels
 from moecast.runtime.cost_model import CostModel
 from moecast.runtime.prefetch import gap_prefetch_count
+from numba import njit, types
 
 
 @dataclass
@@ -68,6 +71,8 @@ def schedule(
     experts; delay [rows] link delay alpha; r_hit [rows] measured prefetch hit rate.
     """
     rows, M = cur_sizes.shape
+    if rows == 1:  # one layer (the live runtime's): one compiled call, the same decision
+        return _schedule_row(cur_sizes, n_cur, next_sizes, n_next, delay, r_hit, cost)
     n_cur = np.asarray(n_cur, dtype=np.int64)
     delay = np.asarray(delay, dtype=np.float64)
     idx = np.arange(M + 1)[None, :]
@@ -105,6 +110,103 @@ def schedule(
     next_in_queue = (is_next & v_all & (ia >= in_queue_from[:, None])).any(1)
     n_pf = _prefetch_count(t_cpu, delay, n_load, n_next, next_in_queue, r_hit, cost, t_io)
     return PreSchedDecision(n_load, first, t_cpu, n_pf)
+
+
+def _schedule_row(
+    cur_sizes: np.ndarray,
+    n_cur: np.ndarray,
+    next_sizes: np.ndarray,
+    n_next: np.ndarray,
+    delay: np.ndarray,
+    r_hit: np.ndarray,
+    cost: CostModel,
+) -> PreSchedDecision:
+    """:func:`schedule` of one row by :func:`schedule_one`."""
+    out = np.zeros(4)
+    _schedule_entry()(
+        np.asarray(cur_sizes[0], np.float64), int(np.asarray(n_cur).reshape(-1)[0]),
+        np.asarray(next_sizes[0], np.float64), int(np.asarray(n_next).reshape(-1)[0]),
+        float(np.asarray(delay).reshape(-1)[0]), float(np.asarray(r_hit).reshape(-1)[0]),
+        cost.t_io, cost.t_g, cost.t_attn, cost.beta, cost.c, out,
+    )  # fmt: skip
+    n_load, first, t_cpu, n_pf = out.tolist()
+    return PreSchedDecision(
+        np.array([int(n_load)]), np.array([int(first)]), np.array([t_cpu]), np.array([int(n_pf)])
+    )
+
+
+@njit(cache=True, nogil=True)
+def _prefix(sizes, valid, beta, c, out):
+    """_tc_prefix of one row: ``out[i]`` = t_c of the first i experts (a running sum, as np.cumsum)."""
+    out[0] = 0.0
+    acc = 0.0
+    for i in range(sizes.shape[0]):
+        per = beta * sizes[i] + c if valid[i] else 0.0
+        acc = per if i == 0 else acc + per
+        out[i + 1] = acc
+
+
+@njit(cache=True, nogil=True)
+def schedule_one(cur, n_cur, nxt, n_next, delay, r_hit, t_io, t_g, t_attn, beta, c, out):
+    """:func:`schedule` for one row, with its floating-point operations in its order; ``out`` gets
+    (n_load, n_cpu, t_cpu, n_prefetch)."""
+    M = cur.shape[0]
+    Mn = nxt.shape[0]
+    t = t_io if np.isfinite(t_io) else 1e30
+    valid = np.arange(M) < n_cur
+    tc = np.empty(M + 1)
+    _prefix(cur, valid, beta, c, tc)
+    first = n_cur  # Eq. 5: the smallest i' with T_G < T_C
+    for i in range(M + 1):
+        if i <= n_cur and delay + np.float64(n_cur - i) * t + t_g < tc[i]:
+            first = i
+            break
+    n_load = n_cur - first
+    t_cpu = tc[first]
+    out[0], out[1], out[2], out[3] = n_load, first, t_cpu, 0
+    if Mn == 0:
+        return
+    allsz = np.empty(M + Mn)  # E_all: both layers' pending experts, ascending (ties: current first)
+    for i in range(M):
+        allsz[i] = cur[i] if i < n_cur else np.inf
+    for j in range(Mn):
+        allsz[M + j] = nxt[j] if j < n_next else np.inf
+    order = np.argsort(allsz, kind="mergesort")
+    srt = allsz[order]
+    v_all = np.isfinite(srt)
+    tca = np.empty(M + Mn + 1)
+    _prefix(np.where(v_all, srt, 0.0), v_all, beta, c, tca)
+    n_all = n_cur + n_next
+    start = M + Mn  # Eq. 4: the first expert of E_all in the link queue
+    for i in range(M + Mn):
+        if v_all[i] and delay + np.float64(n_all - i) * t + t_g < tca[i] + t_attn:
+            start = i
+            break
+    queued = False
+    for i in range(start, M + Mn):
+        queued |= order[i] >= M and v_all[i]
+    if not queued:
+        return
+    # Eqs. 6-7 on the gap the CPU leaves on the link (prefetch.gap_prefetch_count), at most n_next
+    if not np.isfinite(t):
+        n_pf = 0
+    elif t <= 0:
+        n_pf = np.iinfo(np.int32).max
+    else:
+        gap = t_cpu - delay - np.float64(n_load) * t
+        f = (gap + t_attn) / t
+        fr = np.floor(f + 0.5)
+        xi = r_hit * (f - fr + 1) - (1 - r_hit) * (fr - f)
+        n_pf = np.int64(max(fr if xi > 0 else fr - 1, 0.0))
+    out[3] = min(n_pf, n_next)
+
+
+@functools.cache
+def _schedule_entry():
+    f1, i, f = types.Array(types.float64, 1, "A"), types.int64, types.float64
+    return kernels.entry_point(
+        schedule_one, f1, i, f1, i, f, f, f, f, f, f, f, types.Array(types.float64, 1, "C")
+    )
 
 
 class PreSched:
