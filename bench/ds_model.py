@@ -503,22 +503,41 @@ class LayerSubsetPredictor:
         self.needs = tuple(n for n in getattr(inner, "needs", ()) if n != "gate_inputs")
         self.spec = None  # no gate-input context: the DeepSeek traces have none
         self.hashes = token_hashes
+        # token id -> the traces' id as one lookup table; its last entry (0) answers every other id
+        self.lut = np.zeros(max(token_hashes, default=-1) + 2, np.int64)
+        self.lut[list(token_hashes)] = list(token_hashes.values())
         self.layers = layers
         self.full = len(inner.moe_layers) if hasattr(inner, "moe_layers") else DS_MOE_LAYERS
+        self._window: Any = None  # score_at's padded window, reused while its shape holds
 
-    def _full(self, trace: Any) -> Any:
+    def _full(self, trace: Any, reuse: bool = False) -> Any:
+        """``trace`` padded to the checkpoint's layers, with the traces' token ids. ``reuse``: into
+        the window of the last call when the shapes allow (the live runtime's per-layer call, whose
+        window is read at once)."""
         from dataclasses import replace
 
         T, L, k = trace.topk_ids.shape
-        ids = np.zeros((T, self.full, k), trace.topk_ids.dtype)
-        ids[:, :L] = trace.topk_ids
-        w = np.zeros((T, self.full, k), trace.topk_weights.dtype)
-        w[:, :L] = trace.topk_weights
-        toks = np.array([self.hashes.get(int(t), 0) for t in trace.token_ids], np.int64)
-        return replace(trace, topk_ids=ids, topk_weights=w, token_ids=toks, gate_inputs=None)
+        toks = self.lut[np.minimum(np.asarray(trace.token_ids, np.int64), len(self.lut) - 1)]
+        out = self._window if reuse else None
+        shape = (T, self.full, k)
+        if (
+            out is None
+            or out.topk_ids.shape != shape
+            or out.topk_ids.dtype != trace.topk_ids.dtype
+            or out.topk_weights.dtype != trace.topk_weights.dtype
+        ):
+            ids = np.zeros(shape, trace.topk_ids.dtype)
+            w = np.zeros(shape, trace.topk_weights.dtype)
+            out = replace(trace, topk_ids=ids, topk_weights=w, token_ids=toks, gate_inputs=None)
+            if reuse:
+                self._window = out
+        out.token_ids = toks
+        out.topk_ids[:, :L] = trace.topk_ids
+        out.topk_weights[:, :L] = trace.topk_weights
+        return out
 
     def score_at(self, trace: Any, layer: int) -> np.ndarray:
-        t = self._full(trace)
+        t = self._full(trace, reuse=True)
         if hasattr(self.inner, "score_at"):
             return np.asarray(self.inner.score_at(t, layer))
         return self.inner.score_request(t)[-1, layer]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -197,3 +198,10 @@ def test_ds_predictor_adapter_pads_the_layers_and_maps_the_tokens_back():
     assert got.shape == (4, 3, 64)  # [tokens, the bench model's layers, experts]
     assert np.array_equal(got, inner.score_request(theirs)[:, :3])
     assert np.array_equal(ad.score_at(ours, 2), inner.score_at(theirs, 2))
+    # score_at reuses its padded window: another request's tokens (8: unknown, so 0), then a shorter one
+    other, want = trace(3, [7, 8, 5, 5], ids[::-1]), trace(6, [999, 0, 12345, 12345], padded[::-1])
+    assert np.array_equal(ad.score_at(other, 1), inner.score_at(want, 1))
+    short = dataclasses.replace(
+        ours, token_ids=ours.token_ids[:2], topk_ids=ids[:2], topk_weights=ours.topk_weights[:2]
+    )
+    assert np.array_equal(ad.score_at(short, 2), inner.score_at(theirs.prefix(2), 2))
