@@ -12,7 +12,9 @@ of the µs per layer of
   calls (the per-layer step's decision, reading the layer's ids, moving weights into slots, slot
   tables, the CPU split);
 - ``predictor``: the layer-ahead predictor's calls (LLaPor's window and ``score_at``), and the
-  online prefetcher's next-gate scores under smoe.
+  online prefetcher's next-gate scores under smoe and presched;
+- ``decision``: of ``policy``, the per-layer step's calls (:class:`moecast.runtime.step.LayerStep`'s
+  route, layer and prefetch, and the ranking of the predicted experts), timed around each call.
 
 Models: ``tiny`` (a built preset, default ``test``, float32, its own routing) and the DeepSeek-shaped
 model of bench/ds_model.py at the test suite's sizes (64 experts, top-6, ``--ds-layers`` MoE layers,
@@ -44,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "runs"
 CAPACITY = 0.25
 CONFIGS = ("lru", "lfu", "smoe", "presched", "LLaPor prefetch")
-PARTS = ("policy", "predictor")
+PARTS = ("policy", "decision", "predictor")
 # moecast's subpackages, each a top-level folder (pyproject.toml [tool.setuptools.package-dir])
 PACKAGES = ("collect", "predictors", "train", "runtime", "configs")
 
@@ -97,8 +99,30 @@ def _config(name: str, predictor: object, routing: object) -> dict | str:
     return dict(policy=name)
 
 
+def _time_decisions(acc: list[float]) -> None:
+    """Add the wall time of every per-layer step call to ``acc[0]`` (LayerStep and the ranking)."""
+    import time
+
+    from moecast.runtime import live, step
+
+    def timed(fn):
+        def call(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                acc[0] += time.perf_counter() - t0
+
+        return call
+
+    for name in ("route", "layer", "prefetch"):
+        setattr(step.LayerStep, name, timed(getattr(step.LayerStep, name)))
+    live.ranked_predictions = timed(live.ranked_predictions)
+
+
 def measure_tree(args: argparse.Namespace) -> dict:
-    """Per (model, config): the decode steps' policy and predictor µs per layer (this process's tree)."""
+    """Per (model, config): the decode steps' policy, decision and predictor µs per layer (this
+    process's tree)."""
     import torch
 
     sys.path.insert(0, str(ROOT / "bench"))
@@ -108,6 +132,8 @@ def measure_tree(args: argparse.Namespace) -> dict:
 
     print(f"measuring the tree of {Path(live.__file__).parents[1]}", flush=True)
     torch.set_num_threads(1)
+    acc = [0.0]
+    _time_decisions(acc)
     res: dict[str, dict] = {}
     for name, model, routing, reqs, prompt, pred in _models(args):
         for cfg in CONFIGS:
@@ -117,16 +143,28 @@ def measure_tree(args: argparse.Namespace) -> dict:
                 res[key] = {"skipped": kw}
                 continue
             rt = attach(model, capacity=CAPACITY, **kw)
+            decided: list[float] = []
+
+            def forward_done(decode: bool, rt=rt, decided=decided) -> None:
+                if decode:
+                    decided.append(acc[0] * 1e6 / rt.num_layers)
+                acc[0] = 0.0
+
             try:
                 with ds_model.routed(model, routing) as ov:
                     # a first request warms the caches and the compiled kernels: not counted
                     ds_model.decode_all(model, reqs[:1], prompt, torch.device("cpu"), routing, ov)
                     rt.reset_stats()
-                    ds_model.decode_all(model, reqs, prompt, torch.device("cpu"), routing, ov)
+                    acc[0] = 0.0
+                    ds_model.decode_all(
+                        model, reqs, prompt, torch.device("cpu"), routing, ov, on_forward=forward_done
+                    )
                 st = rt.stats_
                 res[key] = {
-                    p: (np.array(getattr(st, f"{p}_decode_ms")) * 1e3 / rt.num_layers).tolist() for p in PARTS
+                    p: (np.array(getattr(st, f"{p}_decode_ms")) * 1e3 / rt.num_layers).tolist()
+                    for p in ("policy", "predictor")
                 }
+                res[key]["decision"] = decided
             finally:
                 rt.detach()
     return res
