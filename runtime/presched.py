@@ -124,10 +124,9 @@ def _schedule_row(
     """:func:`schedule` of one row by :func:`schedule_one`."""
     out = np.zeros(4)
     _schedule_entry()(
-        np.asarray(cur_sizes[0], np.float64), int(np.asarray(n_cur).reshape(-1)[0]),
-        np.asarray(next_sizes[0], np.float64), int(np.asarray(n_next).reshape(-1)[0]),
-        float(np.asarray(delay).reshape(-1)[0]), float(np.asarray(r_hit).reshape(-1)[0]),
-        cost.t_io, cost.t_g, cost.t_attn, cost.beta, cost.c, out,
+        np.asarray(cur_sizes[0], np.float64), int(n_cur[0]), np.asarray(next_sizes[0], np.float64),
+        int(n_next[0]), float(delay[0]), float(np.ravel(r_hit)[0]), cost.t_io, cost.t_g, cost.t_attn,
+        cost.beta, cost.c, out,
     )  # fmt: skip
     n_load, first, t_cpu, n_pf = out.tolist()
     return PreSchedDecision(

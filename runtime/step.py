@@ -531,12 +531,13 @@ class OneLane:
         """PreSched's split (Eq. 5) and the next layer's prefetch count (Eqs. 6-7), as LayerStep._split."""
         step = self.step
         n_miss, n_next = self.info.tolist()
-        delay = self.fout[sk.DELAY : sk.DELAY + 1].copy()
-        r_hit = step.r_used[lanes] / step.r_landed[lanes]
+        lane = int(lanes[0])
+        delay = np.array([self.fout[sk.DELAY]])
+        r_hit = np.array([step.r_used[lane] / step.r_landed[lane]])
         dec = schedule(cur[None], np.array([n_miss]), nxt[None], np.array([n_next]), delay, r_hit, step.cost)
-        if has_next is not None and next_lanes is not None:
-            decided = has_next if decode is None else has_next & decode
-            step.clock.pf_n[next_lanes[decided]] = dec.n_prefetch[decided]
+        # one row: the decision reaches the next layer when it runs the same token's decode step
+        if has_next is not None and next_lanes is not None and has_next[0] and (decode is None or decode[0]):
+            step.clock.pf_n[next_lanes[0]] = dec.n_prefetch[0]
         return int(dec.n_load[0])
 
     def prefetch(
@@ -677,10 +678,9 @@ def ranked_predictions(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarr
     largest magnitude, top-k per token, merged by summed score, ties to the lower id."""
     s = np.atleast_2d(np.asarray(scores, dtype=np.float32))
     if len(s) == 1:  # one token: compiled, unless a tie at the k-th score leaves it to numpy
-        kp = min(k, s.shape[1])
-        ids, ranked = np.empty((1, kp), np.int64), np.empty((1, kp), np.int64)
-        if sk.entry_points()[3](s[0], k, ids[0], ranked[0]):
-            return ids, ranked
+        out = np.empty((2, 1, min(k, s.shape[1])), np.int64)
+        if sk.entry_points()[3](s[0], k, out[0, 0], out[1, 0]):
+            return out[0], out[1]
     s = s / np.maximum(np.abs(s).max(-1, keepdims=True), 1e-12)
     ids, sc = top_predictions(s, k)
     flat = ids.reshape(1, -1)
