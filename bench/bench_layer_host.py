@@ -225,11 +225,11 @@ def table(pooled: dict) -> str:
     lines = [head, "|---|---|" + "---|" * (len(PARTS) * len(trees))]
     for key in keys:
         model, cfg = key.split(" | ")
-        cells = []
-        for p in PARTS:
-            for t in trees:
-                v = pooled[t].get(key, {})
-                cells.append(f"{np.median(v[p]):.1f}" if p in v else v.get("skipped", "-"))
+        skipped = next((v["skipped"] for t in trees if "skipped" in (v := pooled[t].get(key, {}))), None)
+        if skipped:
+            lines.append(f"| {model} | {cfg} | skipped: {skipped} |" + " |" * (len(PARTS) * len(trees) - 1))
+            continue
+        cells = [f"{np.median(pooled[t][key][p]):.1f}" for p in PARTS for t in trees]
         lines.append(f"| {model} | {cfg} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

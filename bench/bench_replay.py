@@ -2,8 +2,9 @@
 
     python bench/bench_replay.py [--traces traces/ds-puffin] [--quick] [--workers 2]
 
-Prints (1) the per-layer online decision cost (cache lookup + substitution + prefetch choice) at
-64 experts, top-6, batch 1; (2) the wall and CPU time of replaying the whole TraceSet for every
+Prints (1) the per-layer online decision cost as the live runtime makes it (LayerStep's compiled
+one-lane calls: substitution, the prediction ranking, the layer, the prefetch) at 64 experts, top-6,
+batch 1; (2) the wall and CPU time of replaying the whole TraceSet for every
 policy at 5 capacities (10/25/50/75/90 %), cold per request, the policies spread over ``--workers``
 processes (all capacities of a policy run in one pass; the costliest, presched, as two passes of
 capacities when there are several workers); (3) the same in stream mode (caches persist
@@ -27,61 +28,90 @@ import numpy as np
 CAPS5 = [0.1, 0.25, 0.5, 0.75, 0.9]
 
 
+def _no_clock() -> float:
+    return 0.0
+
+
 def decision_cost(
     E: int = 64, k: int = 6, cap: int = 16, iters: int = 20000, policy: str = "lru", repeats: int = 3
 ) -> dict:
-    """µs of one layer's online decision: substitution (alpha 0.2), cache access, prefetch choice.
+    """µs of one layer's online decision as the live runtime makes it: the compiled one-lane calls of
+    :class:`moecast.runtime.step.LayerStep` (``compiled=True``), one token, 26 layers in turn.
 
-    ``total_cpu``: CPU time (``process_time``) of the whole decision loop, as the runtime calls the
-    three classes; the parts: a clock read around each call in the same loop (wall time, so a part
-    that another process interrupts reads high). Each the best of ``repeats`` passes.
+    Per layer: substitution (SMoE Algorithm 1 at alpha 0.2 on the policy's eviction), the ranking
+    of the next layer's predicted experts, the layer (access, the balancer's split, inserts,
+    recency, layer time and window) and the next layer's prefetch (the landing rule and its
+    inserts), in the runtime's order. ``total_cpu``: CPU time (``process_time``) of the whole loop;
+    the parts: a clock read around each call in the same loop (wall time, so a part that another
+    process interrupts reads high). Each the best of ``repeats`` passes.
     """
-    from moecast.runtime.cache import ExpertCache
-    from moecast.runtime.prefetch import Prefetcher
-    from moecast.runtime.substitution import SubstitutingRouter
+    import dataclasses
 
+    from moecast.runtime.cache import ExpertCache
+    from moecast.runtime.cost_model import CostModel
+    from moecast.runtime.policy import POLICIES
+    from moecast.runtime.step import LayerStep, ranked_predictions
+
+    L = 26
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(iters, E)) * 2
     # float32, as the live runtime hands them over (router softmax and predictor scores from torch)
     probs = (np.exp(logits) / np.exp(logits).sum(1, keepdims=True)).astype(np.float32)
     topk = np.argsort(-probs, axis=1)[:, :k]
     nxt = np.roll(probs, 1, axis=0)
-    router = SubstitutingRouter(k, 0.2)
-    pf = Prefetcher(E, k, t_io=0.7, t_attn=0.08)
-    pc = time.perf_counter
-    best = {"substitution": math.inf, "cache": math.inf, "prefetch": math.inf, "total_cpu": math.inf}
-    subs = 0
+    pol = dataclasses.replace(POLICIES[policy], substitutes=True, alpha=0.2, prefetch="predictor")
+    # one transfer 0.7 ms in a 1.5 ms attention: a prefetch or two lands per layer
+    cost = CostModel(t_io=0.7, t_g=0.05, beta=0.01, c=0.1, t_attn=1.5, expert_bytes=1)
+    dec = np.array([True])
+    # each layer's arguments made once, as the live runtime makes them
+    lanes = [np.array([i]) for i in range(L)]
+    has_next = [np.array([i + 1 < L]) for i in range(L)]
+    restart = [np.array([i == 0]) for i in range(L)]
+
+    def step() -> LayerStep:
+        return LayerStep(
+            ExpertCache(E, cap, pol.eviction, lanes=L), pol, cost, E, L, stat_base=np.zeros(L, np.int64),
+            n_stats=L, prefetching=True, predictor_ms=0.06, compiled=True,
+        )  # fmt: skip
+
+    def layer(st: LayerStep, i: int, clock) -> tuple[float, ...]:
+        pos = i % L
+        lane, t = lanes[pos], np.array([i // L])
+        t0 = clock()
+        ids = st.route(lane, lane, topk[i][None, None], probs[i][None, None], dec)
+        t1 = clock()
+        pred, ranked = ranked_predictions(nxt[i], k)
+        t2 = clock()
+        nl = lanes[min(pos + 1, L - 1)]
+        st.layer(lane, lane, ids, t, probs[i][None, None], next_lanes=nl, has_next=has_next[pos],
+                 restart=restart[pos], next_predicted=pred, decode=dec, routed=True)  # fmt: skip
+        t3 = clock()
+        if pos + 1 < L:
+            st.prefetch(nl, nl, ranked, t)
+        t4 = clock()
+        return t1 - t0, t2 - t1, t3 - t2, t4 - t3
+
+    names = ("substitution", "ranking", "layer", "prefetch")
+    best = dict.fromkeys((*names, "total_cpu"), math.inf)
+    layer(step(), 0, _no_clock)  # loads the compiled kernels
+    subs = 0.0
     for _ in range(repeats):
-        # the decisions alone, timed as a whole in CPU time (robust to other processes)
-        cache = ExpertCache(E, cap, policy)
+        st = step()  # the decisions alone, timed as a whole in CPU time (robust to other processes)
         c0 = time.process_time()
         for i in range(iters):
-            ids = router.route(probs[i : i + 1], cache.resident[0], topk[i : i + 1])
-            cache.access(ids[0], t=i)
-            pf.choose(nxt[i], cache.resident[0], t_gap=1.5)
+            layer(st, i, _no_clock)
         best["total_cpu"] = min(best["total_cpu"], (time.process_time() - c0) / iters * 1e6)
-        # the same loop with a clock read around each call
-        cache = ExpertCache(E, cap, policy)
-        parts = [0.0, 0.0, 0.0]
-        subs = 0
+        st = step()  # the same loop with a clock read around each call
+        parts = np.zeros(len(names))
         for i in range(iters):
-            t0 = pc()
-            ids = router.route(probs[i : i + 1], cache.resident[0], topk[i : i + 1])
-            t1 = pc()
-            cache.access(ids[0], t=i)
-            t2 = pc()
-            pf.choose(nxt[i], cache.resident[0], t_gap=1.5)
-            t3 = pc()
-            parts[0] += t1 - t0
-            parts[1] += t2 - t1
-            parts[2] += t3 - t2
-            subs += not np.array_equal(ids[0], topk[i])
-        for name, v in zip(("substitution", "cache", "prefetch"), parts):
+            parts += layer(st, i, time.perf_counter)
+        for name, v in zip(names, parts):
             best[name] = min(best[name], v / iters * 1e6)
-    out = {n: best[n] for n in ("substitution", "cache", "prefetch")}
+        subs = st.stats["subs"].sum() / st.stats["uses"].sum()
+    out = {n: best[n] for n in names}
     out["total"] = sum(out.values())
     out["total_cpu"] = best["total_cpu"]
-    out["substituted_share"] = subs / iters
+    out["substituted_share"] = subs
     return out
 
 
@@ -237,7 +267,7 @@ def rows(quick: bool, ds_traces: Path) -> list[dict]:
         out.append(
             fig(
                 "replay",
-                f"per-layer decision, {pol} + substitution + prefetch choice (us)",
+                f"per-layer decision, {pol} + substitution + prefetch (LayerStep one lane, us)",
                 round(d["total"], 2),
                 "{:.1f} us",
                 "<= 10 us",
@@ -278,10 +308,11 @@ def main() -> None:
         print(f"numpy call overhead on this machine now: {call_us:.2f} us CPU per tiny call (a.sum() on 64)")
         for pol, d in m["decisions"].items():
             print(
-                f"per-layer decision, 64 experts top-6 batch 1, {pol}, capacity 16, alpha 0.2 (us): "
+                f"per-layer decision (the live runtime's compiled one-lane step), 64 experts top-6 batch 1, "
+                f"{pol}, capacity 16, alpha 0.2 (us): "
                 + ", ".join(f"{k} {v:.2f}" for k, v in d.items() if k != "substituted_share")
                 + f" = {d['total_cpu'] / call_us:.1f} tiny numpy calls"
-                + f"  (substituted tokens {d['substituted_share']:.0%}; goal <= 10 us total)"
+                + f"  (substituted uses {d['substituted_share']:.0%}; goal <= 10 us total)"
             )
     ts, sel = m["traces"], m["requests"]
     print(

@@ -242,7 +242,7 @@ class LayerStep:
         """Step 2: the rows' routed ids [n, B, k] after substitution (decode rows, substituting policy)."""
         if not self.policy.substituting:
             return ids
-        if self.compiled and (decode is None or decode.all()) and self._one.takes(lanes, ids, probs, None):
+        if self.compiled and self._one.takes(lanes, ids, probs, None) and (decode is None or decode[0]):
             routed = self._one.route(lanes, layer, ids, probs)
             if routed is not None:
                 return routed
@@ -395,7 +395,7 @@ def _i64(a: np.ndarray) -> np.ndarray:
 
 
 def _time(t: int | np.ndarray) -> int:
-    return int(np.asarray(t).reshape(-1)[0]) if np.ndim(t) else int(t)
+    return t.item() if t.__class__ is np.ndarray else int(t)
 
 
 class OneLane:
@@ -413,7 +413,7 @@ class OneLane:
         t_pred = step.predictor_ms if step.prefetching else 0.0
         fcost = (cost.t_io, cost.t_g, cost.t_attn, cost.beta, cost.c, t_pred, step.first_window)
         self.fcost = np.array(fcost, np.float64)  # in step_kernels' T_IO .. FIRST_WINDOW order
-        self.fout = np.zeros(4)
+        self.scratch = np.empty(0)  # the kernels' scratch (PreSched's inputs, the CPU times)
         self.info = np.zeros(2, np.int64)
         self.counters = np.zeros(5, np.int64)
         self.bal = sk.BALANCER_CODE[pol.balancer]
@@ -484,40 +484,43 @@ class OneLane:
     ) -> LayerOutcome:
         """LayerStep.layer for one token on one lane (its arguments)."""
         step = self.step
-        cache, clock = step.cache, step.clock
-        ep = self.ep or self._load()
         if not routed:
             ids = step.route(lanes, layer, ids, probs, decode)
+        cache, clock = step.cache, step.clock
+        ep = self.ep or self._load()
         lane = int(lanes[0])
         slot = int(step.stat_base[lane] + layer[0])
         row = _i64(ids[0, 0])
         k = len(row)
-        dec = decode is None or bool(decode[0])
         known = next_lanes is not None and has_next is not None
-        nl = int(next_lanes[0]) if known else 0
-        hn = known and bool(has_next[0])
+        nl, hn = (int(next_lanes[0]), bool(has_next[0])) if known else (0, False)
         pred = _i64(next_predicted[0]) if next_predicted is not None and known else _NO_IDS
-        out, hit, cur, nxt = np.empty((6, k), np.int64), np.empty(k, bool), np.empty(k), np.empty(len(pred))
+        P = len(pred)
+        if len(self.scratch) < 2 * k + P:
+            self.scratch = np.empty(2 * k + P)
+        p = _NO_PROBS
+        if self.score:
+            p = probs[0, 0] if probs.dtype == np.float32 else probs[0, 0].astype(np.float32)
+        out, hit, fout = np.empty((6, k), np.int64), np.empty(k, bool), np.empty(4)
+        state = (cache._res, cache._last, cache._freq, cache._pf, cache._nu_k, cache._score_k, cache._count)
+        state += (self.ring, self.ring_pos, lane, slot, cache._caps[lane], _time(t))
+        rs = restart is not None and bool(restart[0])
         n_load = ep[0](
-            cache._res, cache._pf, lane, slot, row, dec, step.prefetching, self.bal, cache._code, self.fcost,
-            clock.delay, step.r_used, step.table, nl, hn, pred, out, hit, cur, nxt, self.fout, self.info,
+            *state, row, decode is None or bool(decode[0]), step.prefetching, self.bal, cache._code,
+            cache._shift, self.fcost, clock.delay, clock.free, clock.pf_n, step.r_used, step.table, p, nl, hn,
+            rs, pred, out, hit, self.scratch, fout, self.info, self.counters,
         )  # fmt: skip
         if n_load == sk.BAD_IDS:
             cache._bad_ids(lane, row)
         if n_load == sk.PRESCHED:
-            n_load = self._presched(lanes, next_lanes, has_next, decode, cur, nxt)
-        p = _NO_PROBS
-        if self.score:
-            p = probs[0, 0] if probs.dtype == np.float32 else probs[0, 0].astype(np.float32)
-        ep[1](
-            cache._res, cache._last, cache._freq, cache._pf, cache._nu_k, cache._score_k, cache._count,
-            self.ring, self.ring_pos, lane, slot, cache._caps[lane], _time(t), n_load, p, cache._code,
-            cache._shift, self.fcost, clock.free, clock.pf_n, step.table, nl, hn,
-            restart is not None and bool(restart[0]), out, hit, self.fout, self.counters, np.empty(k),
-        )  # fmt: skip
+            cur, nxt = self.scratch[:k], self.scratch[2 * k : 2 * k + P]
+            n_load = self._presched(lanes, next_lanes, has_next, decode, cur, nxt, fout)
+            ep[1](
+                *state, n_load, p, cache._code, cache._shift, self.fcost, clock.free, clock.pf_n, step.table,
+                nl, hn, rs, out, hit, fout, self.counters, self.scratch[k : 2 * k],
+            )  # fmt: skip
         self._fold()
-        times = self.fout[:2].copy()
-        return LayerOutcome(ids, out[0:1], out[1:2], hit[None], out[2:3], out[3:4], times[:1], times[1:])
+        return LayerOutcome(ids, out[0:1], out[1:2], hit[None], out[2:3], out[3:4], fout[0:1], fout[1:2])
 
     def _presched(
         self,
@@ -527,12 +530,13 @@ class OneLane:
         decode: np.ndarray | None,
         cur: np.ndarray,
         nxt: np.ndarray,
+        fout: np.ndarray,
     ) -> int:
         """PreSched's split (Eq. 5) and the next layer's prefetch count (Eqs. 6-7), as LayerStep._split."""
         step = self.step
         n_miss, n_next = self.info.tolist()
         lane = int(lanes[0])
-        delay = np.array([self.fout[sk.DELAY]])
+        delay = np.array([fout[sk.DELAY]])
         r_hit = np.array([step.r_used[lane] / step.r_landed[lane]])
         dec = schedule(cur[None], np.array([n_miss]), nxt[None], np.array([n_next]), delay, r_hit, step.cost)
         # one row: the decision reaches the next layer when it runs the same token's decode step
@@ -672,14 +676,25 @@ def rank_candidates(ids: np.ndarray, scores: np.ndarray, E: int) -> np.ndarray:
     return np.take_along_axis(gid, order2, 1)
 
 
+_RANK = None  # step_kernels.rank_one's entry point, loaded on first use
+
+
+def _rank_kernel():
+    global _RANK
+    _RANK = sk.entry_points()[3]
+    return _RANK
+
+
 def ranked_predictions(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """[B, E] next-layer scores of a step's tokens -> ([1, B * k] each token's top-k predicted ids,
     [1, M] the prefetch candidates), as the replay ranks a predictor's: scores scaled by each row's
     largest magnitude, top-k per token, merged by summed score, ties to the lower id."""
-    s = np.atleast_2d(np.asarray(scores, dtype=np.float32))
+    s = scores
+    if s.__class__ is not np.ndarray or s.dtype != np.float32 or s.ndim != 2:
+        s = np.atleast_2d(np.asarray(scores, dtype=np.float32))
     if len(s) == 1:  # one token: compiled, unless a tie at the k-th score leaves it to numpy
         out = np.empty((2, 1, min(k, s.shape[1])), np.int64)
-        if sk.entry_points()[3](s[0], k, out[0, 0], out[1, 0]):
+        if (_RANK or _rank_kernel())(s[0], k, out[0, 0], out[1, 0]):
             return out[0], out[1]
     s = s / np.maximum(np.abs(s).max(-1, keepdims=True), 1e-12)
     ids, sc = top_predictions(s, k)

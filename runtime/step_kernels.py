@@ -5,11 +5,11 @@
 token per layer, where each of its few dozen numpy calls costs 1-3 us on six-odd experts: the
 decision cost hundreds of microseconds per layer. These kernels take that case whole:
 
-- :func:`layer_one`: steps 3-7 (access, the balancer's split, the inserts and recency, SMoE Eq. 3's
-  score window, the layer time and the next layer's window, the statistics). Under PreSched it
-  stops after the access with PreSched's inputs (the layer's misses and the next layer's pending
-  predicted experts): the caller runs :func:`moecast.runtime.presched.schedule` on them and
-  :func:`finish_one` the rest;
+- :func:`step_one`: steps 3-7 (:func:`layer_one`: the access and the balancer's split;
+  :func:`finish_one`: the inserts and recency, SMoE Eq. 3's score window, the layer time and the
+  next layer's window, the statistics). Under PreSched it stops after the access with PreSched's
+  inputs (the layer's misses and the next layer's pending predicted experts): the caller runs
+  :func:`moecast.runtime.presched.schedule` on them and :func:`finish_one` the rest;
 - :func:`prefetch_one`: step 1 (the landing rule and the prefetch inserts);
 - :func:`rank_one`: the replay's ranking of a predictor's scores for one token
   (:func:`moecast.runtime.step.ranked_predictions`).
@@ -283,6 +283,30 @@ def finish_one(
 
 
 @njit(cache=True, nogil=True)
+def step_one(
+    res, last, freq, pf, nu, score, count, ring, ring_pos, lane, slot, cap, t, ids, decode, prefetching,
+    bal, policy, shift, fcost, delay, free, pf_n, r_used, stats, probs, next_lane, has_next, restart,
+    predicted, out, hit, scratch, fout, info, counters,
+):  # fmt: skip
+    """:func:`layer_one` then, unless it returns PRESCHED or BAD_IDS, :func:`finish_one`: the layer
+    in one call. ``scratch`` [>= 2k + P]: PreSched's inputs (``cur`` [k], ``nxt`` [P], after the CPU
+    times [k]), P the predicted experts. Returns the number loaded, or layer_one's code."""
+    k = ids.shape[0]
+    P = predicted.shape[0]
+    n_load = layer_one(
+        res, pf, lane, slot, ids, decode, prefetching, bal, policy, fcost, delay, r_used, stats, next_lane,
+        has_next, predicted, out, hit, scratch[:k], scratch[2 * k : 2 * k + P], fout, info,
+    )  # fmt: skip
+    if n_load <= PRESCHED:  # PRESCHED or BAD_IDS
+        return n_load
+    return finish_one(
+        res, last, freq, pf, nu, score, count, ring, ring_pos, lane, slot, cap, t, n_load, probs, policy,
+        shift, fcost, free, pf_n, stats, next_lane, has_next, restart, out, hit, fout, counters,
+        scratch[k : 2 * k],
+    )  # fmt: skip
+
+
+@njit(cache=True, nogil=True)
 def layer_time(fcost, n_dev, n_load, delay, t_cpu):
     """step.layer_time for one row: (layer_t, link)."""
     t_io = fcost[T_IO]
@@ -409,15 +433,16 @@ _CACHE = (_b2, _i2, _i2, _b2, _i2, _f2, _i1)
 
 @functools.cache
 def entry_points() -> tuple:
-    """(layer_one, finish_one, prefetch_one, rank_one) called without numba's dispatcher (see
+    """(step_one, finish_one, prefetch_one, rank_one) called without numba's dispatcher (see
     kernels.entry_point): the caller passes exactly these types."""
     ep = kernels.entry_point
     ids_a = _a(types.int64, 1, "A")
+    ring = (_a(types.float32, 3), _i1)
     return (
-        ep(layer_one, _b2, _b2, _int, _int, ids_a, _bool, _bool, _int, _int, _f1, _f1, _f1, _f2,
-           _int, _bool, ids_a, _i2, _b1, _f1, _f1, _f1, _i1),
-        ep(finish_one, *_CACHE, _a(types.float32, 3), _i1, _int, _int, _int, _int, _int, _f1a, _int,
-           _int, _f1, _f1, _i1, _f2, _int, _bool, _bool, _i2, _b1, _f1, _i1, _f1),
+        ep(step_one, *_CACHE, *ring, _int, _int, _int, _int, ids_a, _bool, _bool, _int, _int, _int, _f1,
+           _f1, _f1, _i1, _f1, _f2, _f1a, _int, _bool, _bool, ids_a, _i2, _b1, _f1, _f1, _i1, _i1),
+        ep(finish_one, *_CACHE, *ring, _int, _int, _int, _int, _int, _f1a, _int, _int, _f1, _f1, _i1, _f2,
+           _int, _bool, _bool, _i2, _b1, _f1, _i1, _a(types.float64, 1, "A")),
         ep(prefetch_one, *_CACHE, _int, _int, _int, _int, ids_a, _int, _int, _bool, _f1, _f1, _f1, _i1,
            _f1, _f2, _i1, _i1),
         ep(rank_one, _f1a, _int, _i1, _i1),
