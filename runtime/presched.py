@@ -72,7 +72,16 @@ def schedule(
     """
     rows, M = cur_sizes.shape
     if rows == 1:  # one layer (the live runtime's): one compiled call, the same decision
-        return _schedule_row(cur_sizes, n_cur, next_sizes, n_next, delay, r_hit, cost)
+        out = np.zeros(4)
+        _schedule_entry()(
+            np.asarray(cur_sizes[0], np.float64), int(n_cur[0]), np.asarray(next_sizes[0], np.float64),
+            int(n_next[0]), float(delay[0]), float(np.ravel(r_hit)[0]), cost.t_io, cost.t_g,
+            cost.t_attn, cost.beta, cost.c, out,
+        )  # fmt: skip
+        n_load, first, t_cpu, n_pf = out.tolist()
+        return PreSchedDecision(
+            np.array([int(n_load)]), np.array([int(first)]), np.array([t_cpu]), np.array([int(n_pf)])
+        )
     n_cur = np.asarray(n_cur, dtype=np.int64)
     delay = np.asarray(delay, dtype=np.float64)
     idx = np.arange(M + 1)[None, :]
@@ -110,28 +119,6 @@ def schedule(
     next_in_queue = (is_next & v_all & (ia >= in_queue_from[:, None])).any(1)
     n_pf = _prefetch_count(t_cpu, delay, n_load, n_next, next_in_queue, r_hit, cost, t_io)
     return PreSchedDecision(n_load, first, t_cpu, n_pf)
-
-
-def _schedule_row(
-    cur_sizes: np.ndarray,
-    n_cur: np.ndarray,
-    next_sizes: np.ndarray,
-    n_next: np.ndarray,
-    delay: np.ndarray,
-    r_hit: np.ndarray,
-    cost: CostModel,
-) -> PreSchedDecision:
-    """:func:`schedule` of one row by :func:`schedule_one`."""
-    out = np.zeros(4)
-    _schedule_entry()(
-        np.asarray(cur_sizes[0], np.float64), int(n_cur[0]), np.asarray(next_sizes[0], np.float64),
-        int(n_next[0]), float(delay[0]), float(np.ravel(r_hit)[0]), cost.t_io, cost.t_g, cost.t_attn,
-        cost.beta, cost.c, out,
-    )  # fmt: skip
-    n_load, first, t_cpu, n_pf = out.tolist()
-    return PreSchedDecision(
-        np.array([int(n_load)]), np.array([int(first)]), np.array([t_cpu]), np.array([int(n_pf)])
-    )
 
 
 @njit(cache=True, nogil=True)
