@@ -520,20 +520,23 @@ class LayerSubsetPredictor:
         toks = self.lut[np.minimum(np.asarray(trace.token_ids, np.int64), len(self.lut) - 1)]
         out = self._window if reuse else None
         shape = (T, self.full, k)
+        # a replayed trace may carry no router weights (the recorded routing's ids only)
+        w_dtype = None if trace.topk_weights is None else trace.topk_weights.dtype
         if (
             out is None
             or out.topk_ids.shape != shape
             or out.topk_ids.dtype != trace.topk_ids.dtype
-            or out.topk_weights.dtype != trace.topk_weights.dtype
+            or (None if out.topk_weights is None else out.topk_weights.dtype) != w_dtype
         ):
             ids = np.zeros(shape, trace.topk_ids.dtype)
-            w = np.zeros(shape, trace.topk_weights.dtype)
+            w = None if w_dtype is None else np.zeros(shape, w_dtype)
             out = replace(trace, topk_ids=ids, topk_weights=w, token_ids=toks, gate_inputs=None)
             if reuse:
                 self._window = out
         out.token_ids = toks
         out.topk_ids[:, :L] = trace.topk_ids
-        out.topk_weights[:, :L] = trace.topk_weights
+        if w_dtype is not None:
+            out.topk_weights[:, :L] = trace.topk_weights
         return out
 
     def score_at(self, trace: Any, layer: int) -> np.ndarray:

@@ -205,3 +205,11 @@ def test_ds_predictor_adapter_pads_the_layers_and_maps_the_tokens_back():
         ours, token_ids=ours.token_ids[:2], topk_ids=ids[:2], topk_weights=ours.topk_weights[:2]
     )
     assert np.array_equal(ad.score_at(short, 2), inner.score_at(theirs.prefix(2), 2))
+    # a replayed trace without router weights (recorded ids only) pads to one without them too
+    bare = dataclasses.replace(ours, topk_weights=None)
+    assert np.array_equal(
+        ad.score_request(bare), inner.score_request(dataclasses.replace(theirs, topk_weights=None))[:, :3]
+    )
+    assert np.array_equal(
+        ad.score_at(bare, 2), inner.score_at(dataclasses.replace(theirs, topk_weights=None), 2)
+    )
