@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from moecast.predictors.base import LayerAhead
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_gpu  # the guarded rows and the figures' formatting
@@ -88,18 +89,20 @@ class FrequencyTable:
         self.table = table
 
 
-class NextLayerOracle:
+class NextLayerOracle(LayerAhead):
     """Layer-ahead 'prediction' that knows the recorded routing: the next layer's true experts (a bound)."""
 
     name = "oracle"
-    horizon = "layer-ahead"
-    fingerprint = None
     needs = ()
-    spec = None
 
-    def __init__(self, override: ds_model.RoutingOverride, num_experts: int) -> None:
+    def __init__(
+        self, override: ds_model.RoutingOverride, num_experts: int, num_layers: int, top_k: int
+    ) -> None:
         self.override = override
-        self.num_experts = num_experts
+        self.num_experts, self.num_layers, self.top_k = num_experts, num_layers, top_k
+
+    def score_request(self, trace: Any) -> np.ndarray:
+        raise NotImplementedError("the oracle reads the running request's recorded routing: live only")
 
     def score_at(self, trace: Any, layer: int) -> np.ndarray:
         s = np.zeros(self.num_experts, np.float32)
@@ -266,7 +269,10 @@ def moecast_rows(t: Tiers, report: Any, capacity: float) -> None:
     else:
         report.skip(s, "llapor prefetch", "no DeepSeek checkpoint (--predictor)")
     if t.routing.recorded:
-        oracle = NextLayerOracle(ds_model.RoutingOverride(), t.cfg.n_routed_experts)
+        cfg = t.cfg
+        oracle = NextLayerOracle(
+            ds_model.RoutingOverride(), cfg.n_routed_experts, cfg.num_hidden_layers, cfg.num_experts_per_tok
+        )
         g(
             s,
             "oracle prefetch (bound)",

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from moecast.predictors.base import LayerAhead
 
 ROOT = Path(__file__).resolve().parents[1]
 PUFFIN_NAME = "deepseek-v2-lite-puffin"
@@ -485,23 +486,23 @@ def accelerate_map(model: Any, budget_fraction: float, main: Any, offload: str) 
 # ----------------------------------------------------------------------------- the DeepSeek predictor
 
 
-class LayerSubsetPredictor:
+class LayerSubsetPredictor(LayerAhead):
     """A layer-ahead checkpoint of the full 26-layer DeepSeek model used on the first ``layers`` MoE layers.
 
     The bench model has fewer layers, other token ids and another fingerprint than the model the
     checkpoint was trained on; this adapter maps them back: the window is padded to the checkpoint's
     layer count (the layers the bench model lacks are never known before they are predicted), and the
-    token ids are replaced by the traces' ones.
+    token ids are replaced by the traces' ones. Its ``stream()`` reads no gate inputs (the DeepSeek
+    traces have none) and scores through :meth:`score_at`.
     """
 
-    horizon = "layer-ahead"
     fingerprint = None
 
     def __init__(self, inner: Any, token_hashes: dict[int, int], layers: int) -> None:
         self.inner = inner
-        self.name = getattr(inner, "name", "llapor")
-        self.needs = tuple(n for n in getattr(inner, "needs", ()) if n != "gate_inputs")
-        self.spec = None  # no gate-input context: the DeepSeek traces have none
+        self.name = inner.name
+        self.needs = tuple(n for n in inner.needs if n != "gate_inputs")
+        self.num_layers, self.num_experts, self.top_k = layers, inner.num_experts, inner.top_k
         self.hashes = token_hashes
         # token id -> the traces' id as one lookup table; its last entry (0) answers every other id
         self.lut = np.zeros(max(token_hashes, default=-1) + 2, np.int64)
@@ -541,7 +542,7 @@ class LayerSubsetPredictor:
 
     def score_at(self, trace: Any, layer: int) -> np.ndarray:
         t = self._full(trace, reuse=True)
-        if hasattr(self.inner, "score_at"):
+        if isinstance(self.inner, LayerAhead):
             return np.asarray(self.inner.score_at(t, layer))
         return self.inner.score_request(t)[-1, layer]
 

@@ -99,7 +99,11 @@ class LayerStream(Protocol):
     ``predict_next(layer)`` scores layer ``layer`` for the step's last token from what the
     earlier layers showed. ``end_token(next_token)`` closes the step: its tokens join the
     window of finished tokens, and ``next_token`` is the token the next step runs (decode).
+    ``gate_rows`` says how many of a step's last tokens' gate inputs ``observe`` reads, so a
+    caller converts no more rows than that (0: it reads none; pass None).
     """
+
+    gate_rows: int
 
     def reset(self, prompt: Sequence[int]) -> None:
         """Forget the previous request; ``prompt`` (token ids) runs next."""
@@ -109,7 +113,8 @@ class LayerStream(Protocol):
         self, layer: int, ids: np.ndarray, weights: np.ndarray | None, gate_input: np.ndarray | None
     ) -> None:
         """Layer ``layer`` ran for the step's n tokens: its top-k ids [n, k], router weights
-        [n, k] and gate inputs (the router's input) [n, H] (None when not recorded)."""
+        [n, k] and gate inputs (the router's input) of the step's last m tokens [m, H], at least
+        ``min(n, gate_rows)`` of them (None when not recorded)."""
         ...
 
     def predict_next(self, layer: int) -> np.ndarray:

@@ -76,6 +76,10 @@ class TraceWindow:
     def learn(self, lr: float) -> float:
         return self.predictor.learn_last(self._trace, lr)
 
+    @property
+    def gate_rows(self) -> int:
+        return max(1, self.gate_tokens) if self.gate_width else 0
+
     # ------------------------------------------------------------------ the window
     @property
     def trace(self) -> RequestTrace:

@@ -56,6 +56,7 @@ from typing import Any
 import numpy as np
 import torch
 from moecast.collect.models import MoEStructure, find_moe_structure, model_info
+from moecast.predictors.base import LayerStream, OnlineStream, StreamingPredictor
 from moecast.runtime.cache import ExpertCache, StaticTable, resolve_capacity
 from moecast.runtime.cost_model import CostModel, load_profile
 from moecast.runtime.expert_store import LayerStore, SlotView, expert_params
@@ -78,9 +79,6 @@ BREAKDOWN = ("attention", "expert_compute", "transfer_wait", "predictor", "polic
 # a forward's decode flag as the step reads it (never written)
 _YES, _NO = np.array([True]), np.array([False])
 
-# finished tokens in the layer-ahead window: LLaPor's history, context and repeat-token features
-# look back at most this far on the runtime's path
-_WINDOW = 16
 # experts module -> (runtime, layer position); kept outside the module so attaching leaves no trace on it
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -240,9 +238,18 @@ class LiveRuntime:
                 f"under policy static {getattr(predictor, 'name', '?')} is the hot-expert table, not a "
                 "prefetcher; use prefetch auto or none"
             )
-        if prefetch == "predictor" and getattr(predictor, "horizon", "") != "layer-ahead":
+        if prefetch == "predictor" and not isinstance(predictor, StreamingPredictor):
             raise InputError(_not_a_prefetcher(predictor))
         self.prefetch = prefetch
+        # the layer-ahead predictor's stream (it keeps the window of finished tokens), fed this
+        # forward's layers while ``_streaming``; the step's last ``_gate_rows`` gate inputs go with them
+        self._stream: LayerStream | None = predictor.stream() if self.prefetch == "predictor" else None
+        self._gate_rows = self._stream.gate_rows if self._stream is not None else 0
+        self._streaming = False
+        if config.online_update and not isinstance(self._stream, OnlineStream):
+            raise InputError(
+                "online_update needs a layer-ahead predictor with an update step (LLaPor) to prefetch"
+            )
         # the policy as it runs here: a prefetch source given explicitly turns its prefetch on or off
         self.policy = dataclasses.replace(rule, prefetch="none" if prefetch == "none" else "predictor")
         profile = load_profile(config.hardware)
@@ -293,17 +300,8 @@ class LiveRuntime:
         self._step = 0
         self._t0 = 0.0
         self._clock = 0.0  # modeled time (ms) of the current forward: the sum of its layers' times
-        self._history: list[np.ndarray] = []  # recent tokens' [L, k] ids (LLaPor history features)
-        self._tok_history: list[int] = []  # and their token ids
         self._cur_ids = np.zeros((0, self.num_layers, self.top_k), np.int64)
         self._cur_w = np.zeros((0, self.num_layers, self.top_k), np.float32)
-        # gate inputs [m, L, H] of this forward's last m tokens (m = 1, or LLaPor's context_gate in
-        # prefill), and the last context_gate finished tokens' [L, H] rows
-        self._cur_gate: np.ndarray | None = None
-        self._gate_history: list[np.ndarray] = []
-        self._window: tuple[int, Any] | None = None  # (step, the layer-ahead window trace)
-        self._gate_done = 0  # layers of the current token's gate inputs already in the window
-        self._input_ids: torch.Tensor | None = None
         self._cur_token = 0
         self._learn_prompt: str | None = None  # a planned prompt whose prefill routing goes to the planner
         self.planner: Any = None
@@ -505,17 +503,19 @@ class LiveRuntime:
         seq = ids.shape[-1] if ids is not None else (emb.shape[1] if emb is not None else 2)
         # one new token per sequence with a cache = a decode step (SMoE's TPOT is measured on these)
         self._decode = seq == 1
-        self._input_ids = ids
         # read once per forward: a torch index and int() cost ~20 us, paid at every layer otherwise
         self._cur_token = int(ids.reshape(-1)[-1]) if ids is not None and ids.numel() else 0
         n = ids.numel() if ids is not None else 0
         self._cur_ids = np.zeros((n, self.num_layers, self.top_k), np.int64)
         self._cur_w = np.zeros((n, self.num_layers, self.top_k), np.float32)
-        needs_gate = self.prefetch == "predictor" and "gate_inputs" in getattr(self.predictor, "needs", ())
-        keep = max(1, min(n, self._context_gate()))
-        self._cur_gate = (
-            np.zeros((keep, self.num_layers, self.info.hidden_size), np.float32) if needs_gate else None
-        )
+        # a prefill starts the stream's request; a one-token decode step closes the step before it
+        # (forwards of several decoded tokens are not predicted, and leave the window as it is)
+        self._streaming = self._stream is not None and (not self._decode or n == 1)
+        if self._streaming:
+            if self._decode:
+                self._stream.end_token(self._cur_token)
+            else:
+                self._stream.reset(ids.detach().reshape(-1).cpu().numpy() if ids is not None else ())
         self._clock = 0.0
         self._t = np.array([self._step])
         self._next = None
@@ -530,28 +530,14 @@ class LiveRuntime:
             s.measured_decode_ms.append(wall)
             s.modeled_decode_ms.append(self._clock)
             self._record_breakdown(wall)
-            if self.prefetch == "predictor" and len(self._cur_ids) == 1:
-                if self.config.online_update and hasattr(self.predictor, "update"):
-                    self._online_update()
-                self._history.append(self._cur_ids[0].copy())
-                self._history = self._history[-32:]
-                self._tok_history = [*self._tok_history, self._current_token()][-32:]
-                if self._cur_gate is not None and self._context_gate():
-                    self._gate_history = [*self._gate_history, self._cur_gate[-1].copy()]
-                    self._gate_history = self._gate_history[-self._context_gate() :]
-                self._advance_window()
+            if self._streaming and self.config.online_update:
+                self._online_update()
         else:
             s.prefill_steps += 1
             s.measured_prefill_ms += wall
             s.modeled_prefill_ms += self._clock
             if self._learn_prompt is not None and len(self._cur_ids):
                 self._learn_plan()
-            if self.prefetch == "predictor" and len(self._cur_ids):
-                self._history = [r for r in self._cur_ids[-32:]]
-                ids = self._input_ids.reshape(-1) if self._input_ids is not None else torch.zeros(0)
-                self._tok_history = [int(t) for t in ids[-32:]]
-                if self._cur_gate is not None and self._context_gate():
-                    self._gate_history = [g.copy() for g in self._cur_gate]
         self._step += 1
 
     def _record_breakdown(self, wall: float) -> None:
@@ -604,9 +590,9 @@ class LiveRuntime:
         substituting = self._decode and self.policy.substituting and not self.full
         if substituting or self.cache.policy == "score" or self.prefetch != "none":
             want["probs"] = self._router_probs(pos, n)
-        if len(self._cur_ids) == n or substituting or self._cpu_possible():
+        if len(self._cur_ids) == n or self._streaming or substituting or self._cpu_possible():
             want["w"] = weights
-        if self._cur_gate is not None or self._cpu_possible():
+        if (self._streaming and self._gate_rows) or self._cpu_possible():
             want["hidden"] = hidden
         self._next_scores = None
         nxt = pos + 1
@@ -664,11 +650,10 @@ class LiveRuntime:
             ids = routed
         if len(self._cur_ids) == n:
             self._cur_ids[:, pos] = ids
-            if self.prefetch == "predictor" or self._learn_prompt is not None:  # who reads the weights
+            if self._learn_prompt is not None:  # the planner reads the prefill's weights
                 self._cur_w[:, pos] = w_host.float().numpy()
-            if self._cur_gate is not None:
-                m = len(self._cur_gate)
-                self._cur_gate[:, pos] = host["hidden"].reshape(-1, hidden.shape[-1])[-m:].float().numpy()
+        if self._streaming:
+            self._observe(pos, ids, w_host, host.get("hidden"), hidden.shape[-1])
         nxt = pos + 1
         next_ids, self._next = self._next_prediction(nxt, hidden)
         before = self.cache.resident[pos].copy()
@@ -876,7 +861,7 @@ class LiveRuntime:
         """Scores [B, E] of layer ``nxt`` for this step's tokens."""
         if self.prefetch == "online":  # computed on the device and read with the layer's ids
             return self._next_scores
-        if self.prefetch == "predictor" and len(self._cur_ids) == 1:
+        if self._streaming:
             return self._predict_layer_ahead(nxt)[None, :]
         return None
 
@@ -890,122 +875,24 @@ class LiveRuntime:
             logits = torch.nn.functional.linear(hidden.to(w.dtype), w).float()
         return torch.softmax(logits, -1)
 
-    def _current_token(self) -> int:
-        return self._cur_token
-
-    def _layer_ahead_trace(self, upto: int | None = None) -> Any:
-        """Recent tokens plus the current one as a request trace (the current token's later layers are 0).
-
-        The finished tokens' rows change once per forward, the current row once per layer. Once the
-        window is full (``_WINDOW`` finished tokens), a decode step shifts it by one row in place
-        (:meth:`_advance_window`) instead of building it again, and only its last row is rewritten
-        per layer, so a caller must not keep it across steps. With ``upto`` (the layer about to be
-        predicted), only the current token's gate inputs of the layers that ran since the last call
-        are copied: the whole [L, H] row is ~0.2 MB at a real model's width, per layer.
-        """
-        if self._window is None or self._window[0] != self._step:
-            self._window = (self._step, self._build_window())
-            self._gate_done = 0
-        trace = self._window[1]
-        trace.token_ids[-1] = self._current_token()
-        trace.topk_ids[-1] = self._cur_ids[0]
-        trace.topk_weights[-1] = self._cur_w[0]
-        if trace.gate_inputs is not None and self._cur_gate is not None:
-            if upto is None:
-                trace.gate_inputs[-1] = self._cur_gate[-1]
-            elif upto > self._gate_done:  # the later layers' rows are still zero on both sides
-                done = self._gate_done
-                trace.gate_inputs[-1, done:upto] = self._cur_gate[-1, done:upto]
-                self._gate_done = upto
-        return trace
-
-    def _build_window(self) -> Any:
-        from moecast.collect.traceset import RequestTrace
-
-        hist = self._history[-_WINDOW:]
-        T, L, k = len(hist) + 1, self.num_layers, self.top_k
-        toks = self._tok_history[-len(hist) :] if hist else []
-        tok_ids = np.array([0] * (len(hist) - len(toks)) + toks + [0], np.int64)
-        ids = np.zeros((T, L, k), np.int16)
-        if hist:
-            ids[:-1] = np.stack(hist)
-        w = np.zeros((T, L, k), np.float16)  # the finished tokens' weights are not kept
-        return RequestTrace(
-            request_id="live",
-            workload="live",
-            category="",
-            prompt="",
-            token_ids=tok_ids,
-            token_texts=[""] * T,
-            is_decode=np.ones(T, bool),
-            topk_ids=ids,
-            topk_weights=w,
-            router_probs=None,
-            gate_inputs=self._gate_rows(T),
-        )
-
-    def _advance_window(self) -> None:
-        """After a one-token decode step: carry this step's full window into the next step, one row on.
-
-        The last row holds the finished token (its id, every layer's ids and gate input); the row
-        shift drops the oldest token, so the window equals what :meth:`_build_window` would build
-        from the histories, without restacking them (tested). Only the ``context_gate`` rows the
-        features read hold gate inputs; the rows before them stay zero.
-        """
-        win = self._window
-        if win is None or win[0] != self._step or len(win[1]) != _WINDOW + 1:
-            self._window = None  # not built this step, or still filling: built again when next read
-            return
-        tr = win[1]
-        # the last layers ran after the last prediction call: their ids and gate inputs are not in the row yet
-        tr.topk_ids[-1] = self._cur_ids[0]
-        for a in (tr.token_ids, tr.topk_ids):
-            a[:-1] = a[1:]
-        tr.topk_weights[-2:] = 0
-        g, cg = tr.gate_inputs, min(self._context_gate(), _WINDOW)
-        if g is not None:
-            if cg:
-                g[-cg - 1 : -2] = g[-cg:-1]
-                g[-2] = self._cur_gate[-1]
-            g[-1] = 0
-            self._gate_done = 0
-        tr.token_ids[-1] = 0
-        tr.topk_ids[-1] = 0
-        self._window = (self._step + 1, tr)
+    def _observe(
+        self, pos: int, ids: np.ndarray, w_host: torch.Tensor, hidden: torch.Tensor | None, width: int
+    ) -> None:
+        """Layer ``pos``'s routing (after substitution) and gate inputs to the predictor's stream."""
+        gate = None
+        if self._gate_rows and hidden is not None:
+            gate = hidden.reshape(-1, width)[-self._gate_rows :].float().numpy()
+        self._stream.observe(pos, ids, w_host.float().numpy(), gate)
 
     def _predict_layer_ahead(self, nxt: int) -> np.ndarray:
         """Layer-ahead predictor on the current token: what is known when layer nxt-1 finished."""
-        trace = self._layer_ahead_trace(nxt)
-        p = self.predictor
-        if hasattr(p, "score_at"):
-            # only layer nxt's inputs and head on the current token (LLaPor's compiled per-layer
-            # path, the gate inputs' PCA folded into its first matrices)
-            return np.asarray(p.score_at(trace, nxt))
-        return p.score_request(trace)[-1, nxt]
+        return self._stream.predict_next(nxt)
 
     def _online_update(self) -> None:
         """PreScope §4.2.2: one small step on the token just decoded, whose routing is now known."""
-        trace = self._layer_ahead_trace()
-        row = {k: v[-1:] for k, v in self.predictor.features(trace).items()}
-        with torch.enable_grad():  # generate() runs under no_grad; the learning step needs gradients
-            loss = self.predictor.update(row, self._cur_ids[:1], lr=self.config.online_lr)
+        loss = self._stream.learn(self.config.online_lr)
         self.stats_.online_updates += 1
         self.stats_.online_loss = float(loss)
-
-    def _gate_rows(self, t: int) -> np.ndarray | None:
-        if "gate_inputs" not in getattr(self.predictor, "needs", ()):
-            return None
-        g = np.zeros((t, self.num_layers, self.info.hidden_size), np.float32)  # what the features read
-        if self._cur_gate is not None:
-            g[-1] = self._cur_gate[-1]
-        prev = self._gate_history[-(t - 1) :] if t > 1 else []
-        if prev:  # LLaPor's context_gate: the finished tokens' gate inputs at every layer
-            g[t - 1 - len(prev) : t - 1] = np.stack(prev)
-        return g
-
-    def _context_gate(self) -> int:
-        spec = getattr(self.predictor, "spec", None)
-        return int(getattr(spec, "context_gate", 0) or 0)
 
     # ------------------------------------------------------------------ results
     def reset_stats(self) -> None:
@@ -1074,6 +961,8 @@ def _not_a_prefetcher(predictor: Any) -> str:
     """Why ``predictor`` cannot prefetch in the live runtime, and what to do with it instead."""
     name, horizon = getattr(predictor, "name", "?"), getattr(predictor, "horizon", "?")
     head = f"the live prefetcher needs a layer-ahead predictor (e.g. LLaPor); {name} is {horizon}"
+    if horizon == "layer-ahead":
+        return f"the live prefetcher drives a layer-ahead predictor through its stream(); {name} has none"
     if horizon == "prompt-ahead" and hasattr(predictor, "plan"):
         return f"{head}: pass it as the planner (--planner CKPT), which preloads its plan before decoding"
     if horizon == "prompt-ahead":
@@ -1292,7 +1181,7 @@ def attach(
         io_threads=io_threads,
         predictor_ms=predictor_ms,
     )
-    if online_update and not hasattr(predictor, "update"):
+    if online_update and not (isinstance(predictor, StreamingPredictor) and predictor.learns_online):
         raise InputError("online_update needs a layer-ahead predictor with an update step (LLaPor)")
     if learn_plans and not hasattr(planner, "observe"):
         given = "none was given" if planner is None else f"{getattr(planner, 'name', '?')} has no buffer"

@@ -627,7 +627,8 @@ def test_llapor_prefetch_and_online_update_keep_logits(model_dir, llapor_for_mod
         got = decode_logits(model, ids, steps=4)
         stats = rt.stats()
         # the finished token's gate inputs reach the next token's features (context_gate)
-        trace = rt._layer_ahead_trace()
+        rt._stream.end_token(0)
+        trace = rt._stream.trace
         want = torch.stack([seen[i] for i in range(len(blocks))]).numpy()
         assert np.allclose(trace.gate_inputs[-2].astype(np.float32), want, atol=2e-2, rtol=1e-2)
     finally:
@@ -643,49 +644,52 @@ def test_llapor_prefetch_and_online_update_keep_logits(model_dir, llapor_for_mod
         attach(model, online_update=True)
 
 
-@pytest.mark.parametrize("context_gate", [1, 3])
-def test_layer_ahead_window_shifts_in_place_as_built_from_the_histories(
-    model_dir, llapor_for_model, context_gate
-):
-    """Past 16 finished tokens, a decode step shifts the window one row instead of rebuilding it;
-    at every prediction it must equal the window built afresh from the histories (with 3 gate
-    rows kept as well: the checkpoint reads 1, the window must carry what the runtime keeps)."""
+def test_layer_ahead_predictions_are_the_predictors_on_the_routing_the_run_saw(model_dir, llapor_for_model):
+    """The runtime drives LLaPor through its stream (reset on the prompt, each layer observed, the
+    step ended by the next token): past the stream's 16-token window, every prediction equals the
+    predictor's score_at on the routing the run fed it, cut to the 16 previous tokens."""
+    from moecast.collect.traceset import RequestTrace
     from moecast.predictors.registry import load
-    from moecast.runtime import live
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    rt = attach(model, policy="lru", capacity=2, alpha=0.0, predictor=load(llapor_for_model))
-    inner, build = rt._predict_layer_ahead, rt._build_window
-    builds, checked = [0], []
-
-    def counted():
-        builds[0] += 1
-        return build()
-
-    def checking(nxt: int):
-        got = rt._layer_ahead_trace(nxt)  # the runtime's call: copies only the layers run since the last
-        want = build()
-        want.token_ids[-1] = rt._current_token()
-        want.topk_ids[-1] = rt._cur_ids[0]
-        want.topk_weights[-1] = rt._cur_w[0]
-        want.gate_inputs[-1] = rt._cur_gate[-1]
-        for f in ("token_ids", "topk_ids", "topk_weights", "gate_inputs"):
-            assert np.array_equal(getattr(got, f), getattr(want, f)), (len(checked), nxt, f)
-        checked.append(len(got))
-        return inner(nxt)
-
-    rt._predict_layer_ahead, rt._build_window = checking, counted
-    rt._context_gate = lambda: context_gate
-    steps = live._WINDOW + 8
+    pred = load(llapor_for_model)
+    rt = attach(model, policy="lru", capacity=2, alpha=0.0, predictor=pred)
+    seen: dict[tuple[int, int], tuple] = {}  # (step, layer) -> ids, weights, gate inputs
+    got: list[tuple[int, int, np.ndarray]] = []
+    observe, predict = rt._stream.observe, rt._predict_layer_ahead
+    rt._stream.observe = lambda layer, ids, w, g: (
+        seen.__setitem__((rt._step, layer), (ids.copy(), w.copy(), g.copy())),
+        observe(layer, ids, w, g),
+    )
+    rt._predict_layer_ahead = lambda nxt: got.append((rt._step, nxt, predict(nxt))) or got[-1][2]
+    prompt, steps = torch.arange(5, 9)[None, :], 24
     try:
-        decode_logits(model, torch.arange(5, 9)[None, :], steps=steps)
+        decode_logits(model, prompt, steps=steps)
     finally:
         rt.detach()
-    assert checked and max(checked) == live._WINDOW + 1
-    # 4 prompt tokens: the window fills after 12 decode steps and is shifted, not built, after that
-    assert builds[0] <= live._WINDOW - 4 + 1 < steps
-    assert checked.count(live._WINDOW + 1) >= 8 * (len(model.model.layers) - 1)
+    L, k, H = pred.num_layers, pred.top_k, seen[0, 0][2].shape[-1]
+    tokens = np.array([*prompt[0].tolist(), *((7 * t + 3) % 64 for t in range(steps))])
+    T = len(tokens)
+    ids, w, gate = (
+        np.zeros((T, L, k), np.int16),
+        np.zeros((T, L, k), np.float16),
+        np.zeros((T, L, H), np.float32),
+    )
+    for (step, layer), (i, wt, g) in seen.items():
+        rows = slice(0, 4) if step == 0 else slice(3 + step, 4 + step)
+        ids[rows, layer], w[rows, layer] = i, wt
+        gate[rows.stop - len(g) : rows.stop, layer] = g  # the prompt's last token's only (context_gate 1)
+    assert len(got) == steps * L and got[-1][0] == steps
+    for step, nxt, scores in got:
+        t = 3 + step
+        lo = max(0, t - 16)
+        n = t + 1 - lo
+        window = RequestTrace(
+            "r", "w", "", "", tokens[lo : t + 1], [""] * n, np.ones(n, bool), ids[lo : t + 1],
+            w[lo : t + 1], None, gate[lo : t + 1],
+        )  # fmt: skip
+        assert np.allclose(scores, pred.score_at(window, nxt), atol=1e-5), (step, nxt)
 
 
 # ----------------------------------------------------------------------------- policy / checkpoint fit

@@ -18,6 +18,7 @@ import torch
 from conftest import synthetic_record, tiny_random
 from moecast.collect.models import find_moe_structure, model_info
 from moecast.collect.traceset import TraceMeta, TraceSet, TraceWriter
+from moecast.predictors.base import LayerAhead
 from moecast.runtime.cost_model import HardwareProfile
 from moecast.runtime.live import attach
 from moecast.runtime.policy import POLICIES
@@ -50,16 +51,19 @@ def profile(tiny, tmp_path_factory):
     return path
 
 
-class RecordedOracle:
+class RecordedOracle(LayerAhead):
     """A layer-ahead predictor that knows the routing of a recorded run: the live counterpart of the
     replay's oracle (the routing at alpha 0 does not depend on the policy)."""
 
     name = "oracle"
-    horizon = "layer-ahead"
     needs = ("topk_ids",)
 
     def __init__(self, ids: np.ndarray, num_experts: int) -> None:
         self.ids, self.E, self.rt = ids, num_experts, None
+        self.num_layers, self.num_experts, self.top_k = ids.shape[1], num_experts, ids.shape[2]
+
+    def score_request(self, trace) -> np.ndarray:
+        raise NotImplementedError("the oracle reads the live run's step: live only")
 
     def score_at(self, trace, layer: int) -> np.ndarray:
         out = np.zeros(self.E, np.float32)
