@@ -111,7 +111,7 @@ def _warm_prediction_us(model, ids, pred, capacity: float) -> float:
     inner = rt._predict_layer_ahead
 
     def grab(nxt: int):
-        snaps.append((copy.deepcopy(rt._layer_ahead_trace()), nxt))
+        snaps.append((copy.deepcopy(rt._stream.trace), nxt))  # the window score_at reads
         return inner(nxt)
 
     rt._predict_layer_ahead = grab

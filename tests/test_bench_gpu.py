@@ -213,3 +213,16 @@ def test_ds_predictor_adapter_pads_the_layers_and_maps_the_tokens_back():
     assert np.array_equal(
         ad.score_at(bare, 2), inner.score_at(dataclasses.replace(theirs, topk_weights=None), 2)
     )
+    # the live runtime drives it through its stream: the window it keeps, padded and mapped the same way
+    stream = ad.stream()
+    stream.reset([5, 7, 5, 7])
+    for layer in range(3):
+        stream.observe(layer, ids[:, layer], ours.topk_weights[:, layer], None)
+    stream.end_token(5)
+    for layer in range(2):
+        stream.observe(layer, ids[:1, layer], ours.topk_weights[:1, layer], None)
+    ids5, w5 = np.zeros((5, 6, 6), np.int16), np.zeros((5, 6, 6), np.float16)
+    ids5[:4], ids5[4, :2], w5[4, :2] = padded, ids[0, :2], 1 / 6
+    running = RequestTrace("r", "w", "", "", np.array([12345, 999, 12345, 999, 12345]), [""] * 5,
+                           np.ones(5, bool), ids5, w5, None, None)  # fmt: skip
+    assert np.array_equal(stream.predict_next(2), inner.score_at(running, 2))
