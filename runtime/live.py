@@ -56,7 +56,13 @@ from typing import Any
 import numpy as np
 import torch
 from moecast.collect.models import MoEStructure, find_moe_structure, model_info
-from moecast.predictors.base import LayerStream, OnlineStream, StreamingPredictor
+from moecast.predictors.base import (
+    LayerStream,
+    LearningPlanner,
+    OnlineStream,
+    PromptPlanner,
+    StreamingPredictor,
+)
 from moecast.runtime.cache import ExpertCache, StaticTable, resolve_capacity
 from moecast.runtime.cost_model import CostModel, load_profile
 from moecast.runtime.expert_store import LayerStore, SlotView, expert_params
@@ -963,7 +969,7 @@ def _not_a_prefetcher(predictor: Any) -> str:
     head = f"the live prefetcher needs a layer-ahead predictor (e.g. LLaPor); {name} is {horizon}"
     if horizon == "layer-ahead":
         return f"the live prefetcher drives a layer-ahead predictor through its stream(); {name} has none"
-    if horizon == "prompt-ahead" and hasattr(predictor, "plan"):
+    if horizon == "prompt-ahead" and isinstance(predictor, PromptPlanner):
         return f"{head}: pass it as the planner (--planner CKPT), which preloads its plan before decoding"
     if horizon == "prompt-ahead":
         return f"{head}: {_MATCHES_ROUTING}"
@@ -1183,22 +1189,22 @@ def attach(
     )
     if online_update and not (isinstance(predictor, StreamingPredictor) and predictor.learns_online):
         raise InputError("online_update needs a layer-ahead predictor with an update step (LLaPor)")
-    if learn_plans and not hasattr(planner, "observe"):
+    if learn_plans and not isinstance(planner, LearningPlanner):
         given = "none was given" if planner is None else f"{getattr(planner, 'name', '?')} has no buffer"
         raise InputError(f"learn_plans needs a planner with a buffer (an EAM or cascade checkpoint); {given}")
     structure = find_moe_structure(model)
     if predictor is not None:
         fp = model_info(model, structure, "").fingerprint
-        if getattr(predictor, "fingerprint", None) and predictor.fingerprint != fp:
+        if predictor.fingerprint and predictor.fingerprint != fp:
             raise InputError(
                 f"the predictor was trained for model fingerprint {predictor.fingerprint}, this model is {fp}; "
                 "train one on traces of this model"
             )
     if planner is not None:
-        if getattr(planner, "horizon", "") != "prompt-ahead" or not hasattr(planner, "plan"):
+        if not isinstance(planner, PromptPlanner) or planner.horizon != "prompt-ahead":
             raise InputError(_not_a_planner(planner))
         fp = model_info(model, structure, "").fingerprint
-        if getattr(planner, "fingerprint", None) and planner.fingerprint != fp:
+        if planner.fingerprint and planner.fingerprint != fp:
             raise InputError(
                 f"the planner was built for model fingerprint {planner.fingerprint}, this model is {fp}; "
                 "build one on traces of this model"

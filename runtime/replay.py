@@ -54,6 +54,7 @@ from typing import Any
 
 import numpy as np
 from moecast.collect.traceset import TraceSet, TraceSetError
+from moecast.predictors.base import PromptPlanner
 from moecast.runtime import fastreplay as fast
 from moecast.runtime.cache import ExpertCache, StaticTable, resolve_capacity
 from moecast.runtime.cost_model import CostModel, HardwareProfile, load_profile
@@ -289,22 +290,20 @@ def _predictors(ts: TraceSet, cfg: ReplayConfig, spec: Policy, pred_name: str) -
         )
     predictor = _load_predictor(pred_name, ts)
     if predictor is not None and not isinstance(pred_name, str):
-        pred_name = getattr(predictor, "name", type(predictor).__name__)
+        pred_name = predictor.name
     if not (math.isfinite(cfg.plan_weight) and cfg.plan_weight >= 0):
         raise InputError(f"--plan-weight must be a finite number >= 0, got {cfg.plan_weight}")
     planner = _load_planner(cfg, ts) if cfg.planner else None
-    if planner is not None and (
-        getattr(planner, "horizon", "") != "prompt-ahead" or not hasattr(planner, "plan")
-    ):
+    if planner is not None and (not isinstance(planner, PromptPlanner) or planner.horizon != "prompt-ahead"):
         # MoE-Infinity's matching is prompt-ahead in the paper's sense but reads the request's
         # routing so far, token by token: it has no plan to preload before decoding
         raise InputError(
             f"--planner {cfg.planner}: {planner.name} ({planner.horizon}) does not plan from the prompt; "
             "a planner is an EAM, EAP or cascade checkpoint (give other predictors as --predictor)"
         )
-    for p in (predictor, planner):
-        for f in getattr(p, "needs", ()):
-            ts.require(f, f"predictor {getattr(p, 'name', '?')}")
+    for p in (p for p in (predictor, planner) if p is not None):
+        for f in p.needs:
+            ts.require(f, f"predictor {p.name}")
     return predictor, planner
 
 

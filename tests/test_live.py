@@ -442,13 +442,17 @@ def test_cli_eval_accuracy_sweep_and_budget(model_dir, tmp_path, capsys):
 class _FixedPlanner:
     """A prompt-ahead planner stand-in: the same [L, E] plan for every prompt."""
 
-    name, horizon, fingerprint = "fixed", "prompt-ahead", None
+    name, horizon, fingerprint, needs, top_k = "fixed", "prompt-ahead", None, (), 2
 
     def __init__(self, plan: np.ndarray) -> None:
         self._plan = plan
+        self.num_layers, self.num_experts = plan.shape
 
     def plan(self, prompt: str) -> tuple[np.ndarray, str]:
         return self._plan, "eam"
+
+    def score_request(self, trace) -> np.ndarray:
+        return np.repeat(self._plan[None], len(trace), 0)
 
 
 def test_planner_preloads_plan_and_keeps_logits():
@@ -857,7 +861,9 @@ def test_prompt_ahead_checkpoints_get_a_true_refusal(model_dir, model_traces, tm
 
 
 def _eam_stub():
-    return _stub("eam", "prompt-ahead", plan=lambda self, prompt: (np.ones((2, 8), np.float32), "eam"))
+    eam = _FixedPlanner(np.ones((2, 8), np.float32))
+    eam.name = "eam"
+    return eam
 
 
 def test_routers_found_by_shape_when_the_release_records_none(monkeypatch):

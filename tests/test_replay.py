@@ -269,13 +269,15 @@ class PlanPredictor:
     name = "test-plan"
     horizon = "prompt-ahead"
     needs = ("topk_ids",)
+    fingerprint = None
 
-    def __init__(self, E: int) -> None:
+    def __init__(self, E: int, L: int = 0, k: int = 0) -> None:
         self.E = E
+        self.num_layers, self.num_experts, self.top_k = L, E, k
 
     @classmethod
     def from_checkpoint(cls, tensors, meta, path):
-        return cls(int(meta["num_experts"]))
+        return cls(int(meta["num_experts"]), len(meta["moe_layers"]), int(meta["top_k"]))
 
     def plan(self, prompt):  # what makes it a planner; replay reads score_request's rows
         raise NotImplementedError("a replay-only test planner")
