@@ -414,7 +414,9 @@ def test_fuzzed_llapor_config_values(llapor_traces, tmp_path_factory, capsys, se
 
 
 @pytest.mark.parametrize("value", [-1, float("nan")])
-@pytest.mark.parametrize("key", ["model.hidden", "model.lr_io", "data.val_fraction", "data.batch_size"])
+@pytest.mark.parametrize(
+    "key", ["model.hidden", "model.lr_io", "data.val_fraction", "data.batch_size", "data.seed"]
+)
 def test_nonsense_llapor_values_are_refused(llapor_traces, tmp_path, capsys, key, value):
     section, name = key.split(".")
     cfg = {**LLAPOR_BASE, section: {**LLAPOR_BASE[section], name: value}}

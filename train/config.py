@@ -82,7 +82,9 @@ class SplitConfig:
         # an empty validation split has nothing to select the best epoch by
         check_range("data", "val_fraction", self.val_fraction, float, 0, 1, open_lo=True, open_hi=True)
         check_range("data", "test_fraction", self.test_fraction, float, 0, 1, open_hi=True)
-        check_range("data", "seed", self.seed, int)
+        check_range(
+            "data", "seed", self.seed, int, 0, 2**32 - 1
+        )  # numpy and sklearn take seeds in this range
         check_range("data", "max_requests", self.max_requests, int, 1, optional=True)
         if self.val_fraction + self.test_fraction >= 1:
             raise InputError(
@@ -136,7 +138,7 @@ class TrainConfig:
         check_range(
             "train", "gradient_clip_val", self.gradient_clip_val, float, 0, open_lo=True, optional=True
         )
-        check_range("train", "seed", self.seed, int)
+        check_range("train", "seed", self.seed, int, 0, 2**32 - 1)
 
 
 def config_args(fit: Callable[..., Any], path: str | Path) -> dict[str, Any]:
