@@ -241,7 +241,7 @@ class LiveRuntime:
             raise InputError("prefetch='predictor' needs a predictor checkpoint (--predictor CKPT)")
         if prefetch == "predictor" and self.hot_table is not None:
             raise InputError(
-                f"under policy static {getattr(predictor, 'name', '?')} is the hot-expert table, not a "
+                f"under policy static {predictor.name} is the hot-expert table, not a "
                 "prefetcher; use prefetch auto or none"
             )
         if prefetch == "predictor" and not isinstance(predictor, StreamingPredictor):
@@ -948,7 +948,8 @@ def _host_bytes(experts: Any) -> int:
 
 def hot_table(predictor: Any, num_layers: int, num_experts: int) -> np.ndarray:
     """The [L, E] expert scores a static policy pins from (a frequency checkpoint's ``table``)."""
-    name = getattr(predictor, "name", type(predictor).__name__)
+    name = predictor.name
+    # the table is a frequency checkpoint's own field: no protocol declares it
     table = getattr(predictor, "table", None)
     shape = np.shape(table) if table is not None else None
     if shape != (num_layers, num_experts):

@@ -23,7 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from moecast.predictors.base import LayerAhead
 from moecast.runtime.cost_model import HardwareProfile, load_profile
+
+from moecast.errors import InputError
 
 
 def _time(fn, repeat: int, min_sample_s: float = 2e-3) -> float:
@@ -246,7 +249,7 @@ def llapor_standin(num_layers: int, num_experts: int, top_k: int, seed: int = 0)
     return LLaPor(LLaPorNet(spec, groups, NetConfig()), list(range(1, num_layers + 1)))
 
 
-def predictor_latency_ms(predictor: Any, hidden: int = 0, window: int = 16, repeat: int = 5) -> float:
+def predictor_latency_ms(predictor: LayerAhead, hidden: int = 0, window: int = 16, repeat: int = 5) -> float:
     """Median ms of one layer-ahead call (``score_at``: one layer's features and network on the
     current token) over the predictor's layers, on a window of ``window`` earlier tokens, as the live
     runtime calls it."""
@@ -256,7 +259,7 @@ def predictor_latency_ms(predictor: Any, hidden: int = 0, window: int = 16, repe
     rng = np.random.default_rng(0)
     T = window + 1
     ids = np.stack([[rng.choice(E, k, replace=False) for _ in range(L)] for _ in range(T)]).astype(np.int16)
-    needs = getattr(predictor, "needs", ())
+    needs = predictor.needs
     trace = RequestTrace(
         request_id="profile", workload="profile", category="", prompt="",
         token_ids=rng.integers(0, 1000, T), token_texts=[""] * T, is_decode=np.ones(T, bool),
@@ -280,6 +283,11 @@ def profile_model(
     """The hardware profile for ``model`` on this machine, and how each figure was obtained."""
     from moecast.collect.models import find_moe_structure, model_info
 
+    if predictor is not None and not isinstance(predictor, LayerAhead):
+        raise InputError(
+            f"the predictor latency is a layer-ahead predictor's per-layer call; {predictor.name} is "
+            f"{predictor.horizon}: give a layer-ahead checkpoint (LLaPor) or none"
+        )
     st = find_moe_structure(model)
     info = model_info(model, st, name)
     p = next(st.layers[0].experts.parameters())
@@ -295,7 +303,7 @@ def profile_model(
         predictor = llapor_standin(len(st.layers), info.num_experts, info.top_k)
         how["predictor_ms"] = "LLaPor of the default size, random weights (no --predictor)"
     else:
-        how["predictor_ms"] = f"{getattr(predictor, 'name', 'predictor')} checkpoint"
+        how["predictor_ms"] = f"{predictor.name} checkpoint"
     prof = replace(prof, predictor_ms=_sig(predictor_latency_ms(predictor, hidden)))
     if offload_dir is not None:
         gbps, method = disk_read_gbps(offload_dir, disk_mb)

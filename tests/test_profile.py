@@ -50,6 +50,16 @@ def test_predictor_latency_of_a_llapor_standin():
     assert P.predictor_latency_ms(pred, repeat=2) > 0
 
 
+def test_a_predictor_without_a_per_layer_call_is_refused_before_anything_is_measured():
+    import numpy as np
+    from moecast.predictors.baselines import FrequencyPredictor
+
+    meta = {"moe_layers": [1, 2], "num_experts": 8, "top_k": 2, "fingerprint": "f", "mode": "global"}
+    freq = FrequencyPredictor(np.ones((2, 8), np.float32), meta)
+    with pytest.raises(ValueError, match="frequency is statistical: give a layer-ahead checkpoint"):
+        P.profile_model(object(), predictor=freq)  # not a model: refused before it is read
+
+
 def test_disk_read_direct_and_the_buffered_fallback(tmp_path, monkeypatch):
     gbps, how = P.disk_read_gbps(tmp_path, size_mb=4, chunk_mb=1)
     assert gbps > 0 and (how == "O_DIRECT" or how.startswith("buffered"))
