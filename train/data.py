@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import numpy as np
@@ -246,30 +246,44 @@ class LLaPorData(SplitConfig):
             raise InputError(f"data.groups: unknown group {bad}; the groups are input, middle and output")
 
 
-class LLaPorDataModule(pl.LightningDataModule):
+class TracesDataModule(pl.LightningDataModule):
+    """Training data of one TraceSet: its settings (a :class:`SplitConfig`), given as one value or as
+    keywords, and its train / val requests, read once by :meth:`_open`."""
+
+    config_class: ClassVar[type[SplitConfig]] = SplitConfig
+
+    def __init__(self, traces: str, config: SplitConfig | None = None, **settings: Any) -> None:
+        super().__init__()
+        config = config if config is not None else self.config_class(**settings)
+        self.config = config
+        self.save_hyperparameters(dataclasses.asdict(config))
+        self.traces = traces
+        self._built = False
+
+    def _open(self) -> TraceSet:
+        """The TraceSet (``self.ts``) and its split (``train_ids``, ``val_ids``, ``splits``)."""
+        self.ts = open_traces(self.traces)
+        self.train_ids, self.val_ids, self.splits = split_requests(self.ts, self.config)
+        return self.ts
+
+
+class LLaPorDataModule(TracesDataModule):
     """LLaPor training data (PreScope §4.2) of a TraceSet, as :class:`LLaPorData` says.
 
     ``LLaPorDataModule(traces, config)``, or the settings as keywords (``batch_size=64``).
     """
 
-    def __init__(self, traces: str, config: LLaPorData | None = None, **settings: Any) -> None:
-        super().__init__()
-        config = config if config is not None else LLaPorData(**settings)
-        self.config = config
-        self.save_hyperparameters(dataclasses.asdict(config))
-        self.traces = traces
-        self._built = False
+    config_class = LLaPorData
+    config: LLaPorData
 
     # ------------------------------------------------------------------ build once
     def setup(self, stage: str | None = None) -> None:
         if self._built:
             return
         hp = self.hparams
-        ts = open_traces(self.traces)
-        self.ts = ts
+        ts = self._open()
         m = ts.meta.model
         L, E, k = m.num_layers, m.num_experts, m.top_k
-        self.train_ids, self.val_ids, self.splits = split_requests(ts, self.config)
         ids_order = self.train_ids + self.val_ids
         self.topk = np.ascontiguousarray(ts.array("topk_ids", ids_order))
         if (self.topk < 0).any() or (self.topk >= E).any():

@@ -12,15 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import numpy as np
 import torch
 import torch.nn.functional as F
-from moecast.collect.traceset import open_traces
 from moecast.predictors.metrics import MetricAccumulator, multi_hot
 from moecast.predictors.sequence import SequenceConfig, SequenceNet, SequencePredictor
 from moecast.train.config import SplitConfig, TrainConfig, check_range
-from moecast.train.data import batch_loader, split_requests
+from moecast.train.data import TracesDataModule, batch_loader
 from moecast.train.module import RecallModule, planned_epochs, warm_cosine
 from moecast.train.runner import fit
 from torch.utils.data import DataLoader
@@ -59,25 +57,18 @@ class SequenceData(SplitConfig):
         check_range(d, "num_workers", self.num_workers, int, 0)
 
 
-class SequenceDataModule(pl.LightningDataModule):
+class SequenceDataModule(TracesDataModule):
     """The sequence model's training data, as :class:`SequenceData` says (or its settings as keywords)."""
 
-    def __init__(self, traces: str, config: SequenceData | None = None, **settings: Any) -> None:
-        super().__init__()
-        config = config if config is not None else SequenceData(**settings)
-        self.config = config
-        self.save_hyperparameters(dataclasses.asdict(config))
-        self.traces = traces
-        self._built = False
+    config_class = SequenceData
+    config: SequenceData
 
     def setup(self, stage: str | None = None) -> None:
         if self._built:
             return
         hp = self.hparams
-        ts = open_traces(self.traces)
-        self.ts = ts
+        ts = self._open()
         m = ts.meta.model
-        self.train_ids, self.val_ids, self.splits = split_requests(ts, self.config)
         order = self.train_ids + self.val_ids
         self.topk = np.ascontiguousarray(ts.array("topk_ids", order))
         self.tokens = ts.column("token_id", order).astype(np.int64) % hp.token_buckets
