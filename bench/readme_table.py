@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -127,7 +128,8 @@ def results_table(run_all: Path = RUN_ALL, ungrouped: Path = UNGROUPED) -> str:
             f"(`bench/results/{ungrouped.name}`, which says what else has changed since)."
         )
     # each note its own paragraph
-    return "\n".join(lines) + "\n\n" + "\n\n".join([*notes, *gpu_lines(run_all.parent)])
+    extra = [*gpu_lines(run_all.parent), *tiers_lines(run_all.parent)]
+    return "\n".join(lines) + "\n\n" + "\n\n".join([*notes, *extra])
 
 
 def gpu_lines(results: Path) -> list[str]:
@@ -149,6 +151,26 @@ def gpu_lines(results: Path) -> list[str]:
             f"On a GPU ({path.stem[4:].replace('-', ' ')}, `bench/results/{path.with_suffix('.md').name}`): the "
             f"DeepSeek-V2-Lite-shaped model, {shape}, {tpot[0]['capacity'] * 100:g} % of experts resident, "
             f"measured TPOT in ms: {times}."
+        )
+    return out
+
+
+def tiers_lines(results: Path, capacity: float = 0.25) -> list[str]:
+    """One line per run of bench/bench_tiers.py (RESULTS/tiers-HOST.json): measured TPOT per
+    configuration at ``capacity``, the experts on disk; the layer count from the run's .md."""
+    out = []
+    for path in sorted(results.glob("tiers-*.json")):
+        rows = [r for r in json.loads(path.read_text()) if r.get("capacity") == capacity]
+        ok = [r for r in rows if r.get("status", "").startswith("ok") and r.get("measured_tpot_ms")]
+        if not ok:
+            continue
+        md = path.with_suffix(".md")
+        found = re.search(r"(\d+) MoE layers", md.read_text()) if md.is_file() else None
+        shape = f"{found.group(1)} MoE layers" if found else "its MoE layers"
+        times = ", ".join(f"{r['config']} {r['measured_tpot_ms']:.0f}" for r in ok)
+        out.append(
+            f"Experts on disk, CPU only (`bench/results/{md.name}`): the DeepSeek-V2-Lite-shaped model, {shape}, "
+            f"{capacity * 100:g} % of experts resident in RAM, measured TPOT in ms: {times}."
         )
     return out
 

@@ -110,3 +110,18 @@ def test_the_before_column_takes_the_same_hardware_profile():
     table = readme_table.results_table(readme_table.RUN_ALL, readme_table.UNGROUPED)
     row = next(line for line in table.splitlines() if line.startswith("| ... LLaPor prefetch |"))
     assert row.split(" | ")[2] == gh200["10 % hit, LLaPor prefetch, gh200-nvlink-c2c"]
+
+
+def test_tiers_line_from_the_tiers_runs_json(tmp_path):
+    rows = [
+        {"config": "lru", "capacity": 0.25, "status": "ok", "measured_tpot_ms": 280.9},
+        {"config": "llapor prefetch", "capacity": 0.25, "status": "ok", "measured_tpot_ms": 214.6},
+        {"config": "accelerate", "capacity": 0.25, "status": "FAILED"},
+        {"config": "lru", "capacity": 0.5, "status": "ok", "measured_tpot_ms": 140.4},
+    ]
+    (tmp_path / "tiers-box.json").write_text(json.dumps(rows))
+    (tmp_path / "tiers-box.md").write_text("- random weights, DeepSeek-V2-Lite shape, 4 MoE layers, bf16\n")
+    assert readme_table.tiers_lines(tmp_path) == [
+        "Experts on disk, CPU only (`bench/results/tiers-box.md`): the DeepSeek-V2-Lite-shaped model, "
+        "4 MoE layers, 25 % of experts resident in RAM, measured TPOT in ms: lru 281, llapor prefetch 215."
+    ]
