@@ -91,7 +91,45 @@ _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 @dataclass
 class LiveConfig:
-    """What the runtime does; see :func:`attach` for the meaning of each field."""
+    """What the runtime does (:func:`attach` takes it whole or field by field).
+
+    Attributes:
+        policy: A preset of runtime/policy.py (the replay's): ``smoe`` (SMoE Eq. 3 score eviction,
+            substitution, SMoE Algorithm 2 balancing, prefetch), ``prefetch`` (LRU + prefetch), ``presched``
+            (LRU, PreSched's load/CPU split and prefetch sizing; here from the initial placement: the runtime
+            has no hot-expert table of its own), or a cache policy: lru, lfu, score, static (fixed slots: a
+            predictor's hot-expert table, else experts 0..c-1); or a :class:`~moecast.runtime.policy.Policy`.
+        capacity: Experts per layer on the device: a fraction of E (0.25), a count (6), bytes ("512MB");
+            None: all of them (full residency).
+        alpha: SMoE substitution threshold in [0, 1); 0 leaves the routing untouched; None: the policy's
+            default (0.3 under smoe). Only ``smoe`` substitutes (the replay's rule), so alpha > 0 with
+            another policy is refused.
+        hardware: Hardware profile name (configs/hardware) or YAML path for the modeled times.
+        prefetch: Where prefetch candidates come from: auto (if the policy prefetches: the predictor if
+            given, else online), none, online (next gate on this gate input), predictor.
+        balance: Overrides the policy's balancer for decode misses: smoe (SMoE Algorithm 2), presched
+            (PreScope's PreSched, Algorithm 1: the load/CPU split with the predicted next layer in the link
+            queue, and the prefetch count), load (always load), cpu (always CPU); None: the policy's.
+        warm: Fill the slots at attach (SMoE §4.1); False starts every layer empty.
+        score_window: SMoE Eq. 3's n (steps averaged by the score policy).
+        device: Where slots live (default: where the experts are; a CUDA device for the real path).
+        online_update: After each decoded token, one continual-learning step of the layer-ahead predictor
+            on its now-known routing (PreScope §4.2.2); off by default.
+        online_lr: Learning rate of those steps.
+        learn_plans: CasMoE's buffer: each prompt given to ``rt.plan`` goes, with the EP of its prefill's
+            routing (Eq. 3), to the planner's buffer, which folds C of them into the EAM's index (and
+            rewrites a saved EAM's files); needs an EAM or cascade planner. Off by default.
+        pinned_mb: Host memory (MB) the expert copies may pin on CUDA (default: half the available
+            memory); above it they stay pageable and transfers go through a few pinned staging buffers.
+        offload: Where the experts that are not resident live: ``ram`` (host memory) or ``disk``
+            (``offload_dir``, read with direct I/O; :mod:`moecast.runtime.offload`). Under ``disk`` a
+            model whose experts are in memory has them written to ``offload_dir`` once (resumable) and
+            dropped from memory until ``detach``, which reads them back.
+        offload_dir: The offload directory for ``offload="disk"``.
+        io_threads: Threads reading the offload directory.
+        predictor_ms: The predictor's latency per layer (ms) charged before a prefetch may start, as in
+            the replay; None: the checkpoint's measured figure, else the hardware profile's.
+    """
 
     policy: str | Policy = "smoe"
     capacity: float | int | str | None = None
@@ -930,6 +968,17 @@ class LiveRuntime:
         return d
 
 
+def live_config(config: LiveConfig | None, settings: dict[str, Any]) -> LiveConfig:
+    """``config`` (default: LiveConfig()) with ``settings`` by field name; an unknown name is refused."""
+    names = [f.name for f in dataclasses.fields(LiveConfig)]
+    unknown = sorted(set(settings) - set(names))
+    if unknown:
+        raise InputError(
+            f"unknown live runtime setting {', '.join(unknown)}; LiveConfig's fields are {', '.join(names)}"
+        )
+    return LiveConfig(**settings) if config is None else dataclasses.replace(config, **settings)
+
+
 def pinned_budget(pinned_mb: float | None) -> int:
     """Bytes of host memory the runtime may pin: ``pinned_mb``, or half of the memory available now."""
     if pinned_mb is not None:
@@ -1103,91 +1152,30 @@ def live_experts_forward(
 
 def attach(
     model: Any,
-    policy: str | Policy = "smoe",
-    capacity: float | int | str | None = None,
-    alpha: float | None = None,
+    config: LiveConfig | None = None,
+    *,
     predictor: Any = None,
-    hardware: str = "smoe-s3-a6000",
-    prefetch: str = "auto",
-    balance: str | None = None,
-    warm: bool = True,
-    score_window: int = 8,
-    device: str | None = None,
     planner: Any = None,
-    online_update: bool = False,
-    online_lr: float = 1e-4,
-    learn_plans: bool = False,
-    pinned_mb: float | None = None,
-    offload: str = "ram",
-    offload_dir: str | None = None,
-    io_threads: int = 2,
-    predictor_ms: float | None = None,
+    **settings: Any,
 ) -> LiveRuntime:
     """Attach the live runtime to a transformers MoE model in one call; ``rt.detach()`` undoes it.
 
+    ``attach(model, policy="smoe", capacity=0.25)``: the settings are :class:`LiveConfig`'s fields,
+    given as one ``config`` or as keywords (keywords override a given config's fields).
+
     Args:
         model: A loaded transformers causal LM of a family using the experts interface.
-        policy: A preset of runtime/policy.py (the replay's): ``smoe`` (SMoE Eq. 3 score eviction,
-            substitution, SMoE Algorithm 2 balancing, prefetch), ``prefetch`` (LRU + prefetch), ``presched``
-            (LRU, PreSched's load/CPU split and prefetch sizing; here from the initial placement: the runtime
-            has no hot-expert table of its own), or a cache policy: lru, lfu, score, static (fixed slots: a
-            predictor's hot-expert table, else experts 0..c-1); or a :class:`~moecast.runtime.policy.Policy`.
-        capacity: Experts per layer on the device: a fraction of E (0.25), a count (6), bytes ("512MB");
-            None: all of them (full residency).
-        alpha: SMoE substitution threshold in [0, 1); 0 leaves the routing untouched; None: the policy's
-            default (0.3 under smoe). Only ``smoe`` substitutes (the replay's rule), so alpha > 0 with
-            another policy is refused.
+        config: What the runtime does (:class:`LiveConfig`); None: its defaults and ``settings``.
         predictor: A layer-ahead predictor (``moecast.predictors.registry.load(ckpt, fingerprint)``) for prefetch;
             under ``static``, a predictor with an [L, E] score ``table`` (frequency): each layer pins its
             top-capacity experts, as the replay's static table does.
-        hardware: Hardware profile name (configs/hardware) or YAML path for the modeled times.
-        prefetch: Where prefetch candidates come from: auto (if the policy prefetches: the predictor if
-            given, else online), none, online (next gate on this gate input), predictor.
-        balance: Overrides the policy's balancer for decode misses: smoe (SMoE Algorithm 2), presched
-            (PreScope's PreSched, Algorithm 1: the load/CPU split with the predicted next layer in the link
-            queue, and the prefetch count), load (always load), cpu (always CPU); None: the policy's.
-        warm: Fill the slots at attach (SMoE §4.1); False starts every layer empty.
-        score_window: SMoE Eq. 3's n (steps averaged by the score policy).
-        device: Where slots live (default: where the experts are; a CUDA device for the real path).
         planner: A prompt-ahead predictor (EAM, EAP, cascade); ``rt.plan(prompt)`` then preloads its plan.
-        online_update: After each decoded token, one continual-learning step of the layer-ahead predictor
-            on its now-known routing (PreScope §4.2.2); off by default.
-        online_lr: Learning rate of those steps.
-        learn_plans: CasMoE's buffer: each prompt given to ``rt.plan`` goes, with the EP of its prefill's
-            routing (Eq. 3), to the planner's buffer, which folds C of them into the EAM's index (and
-            rewrites a saved EAM's files); needs an EAM or cascade planner. Off by default.
-        pinned_mb: Host memory (MB) the expert copies may pin on CUDA (default: half the available
-            memory); above it they stay pageable and transfers go through a few pinned staging buffers.
-        offload: Where the experts that are not resident live: ``ram`` (host memory) or ``disk``
-            (``offload_dir``, read with direct I/O; :mod:`moecast.runtime.offload`). Under ``disk`` a
-            model whose experts are in memory has them written to ``offload_dir`` once (resumable) and
-            dropped from memory until ``detach``, which reads them back.
-        offload_dir: The offload directory for ``offload="disk"``.
-        io_threads: Threads reading the offload directory.
-        predictor_ms: The predictor's latency per layer (ms) charged before a prefetch may start, as in
-            the replay; None: the checkpoint's measured figure, else the hardware profile's.
+        settings: :class:`LiveConfig` fields by name.
     Errors (nothing is changed on the model): unsupported family, capacity below top-k, alpha outside [0, 1)
     or given to a policy that does not substitute, a predictor for another model or of the wrong kind.
     """
-    cfg = LiveConfig(
-        policy=policy,
-        capacity=capacity,
-        alpha=alpha,
-        prefetch=prefetch,
-        balance=balance,
-        hardware=hardware,
-        warm=warm,
-        score_window=score_window,
-        device=device,
-        online_update=online_update,
-        online_lr=online_lr,
-        learn_plans=learn_plans,
-        pinned_mb=pinned_mb,
-        offload=offload,
-        offload_dir=offload_dir,
-        io_threads=io_threads,
-        predictor_ms=predictor_ms,
-    )
+    cfg = live_config(config, settings)
+    online_update, learn_plans = cfg.online_update, cfg.learn_plans
     if online_update and not (isinstance(predictor, StreamingPredictor) and predictor.learns_online):
         raise InputError("online_update needs a layer-ahead predictor with an update step (LLaPor)")
     if learn_plans and not isinstance(planner, LearningPlanner):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import json
 
 import numpy as np
@@ -11,7 +10,7 @@ import torch
 from moecast.collect.models import ModelLoadError
 from moecast.runtime.alpha import choose_alpha, fit_tpot
 from moecast.runtime.expert_store import LayerStore
-from moecast.runtime.live import attach
+from moecast.runtime.live import LiveConfig, attach
 
 torch.set_num_threads(1)
 
@@ -790,7 +789,7 @@ def test_alpha_only_for_substituting_policies_like_replay(model_dir, capsys):
         with pytest.raises(ValueError, match=f"alpha applies to substitution, which policy '{policy}' does not use"):  # fmt: skip
             attach(model, policy=policy, capacity=2, alpha=0.3)
         attach(model, policy=policy, capacity=2, alpha=0.0).detach()
-    assert inspect.signature(attach).parameters["alpha"].default is None  # the policy's default
+    assert LiveConfig.alpha is None  # the policy's default
     base = [
         "run",
         "--model",
@@ -886,3 +885,17 @@ def test_routers_found_by_shape_when_the_release_records_none(monkeypatch):
     finally:
         rt.detach()
     assert torch.allclose(got, ref, atol=2e-5, rtol=1e-5)
+
+
+def test_attach_takes_one_config_or_its_fields_by_name():
+    model = make_model("qwen2_moe")
+    rt = attach(model, LiveConfig(policy="lru", capacity=0.5), capacity=0.25, prefetch="none")
+    try:  # keywords override the config's fields
+        assert (rt.config.policy, rt.config.capacity, rt.config.prefetch) == ("lru", 0.25, "none")
+    finally:
+        rt.detach()
+    with pytest.raises(
+        ValueError, match="unknown live runtime setting capcity; LiveConfig's fields are policy"
+    ):
+        attach(model, capcity=0.25)
+    assert hooks_of(model) == 0
