@@ -67,6 +67,7 @@ class Tiers:
     notes: list[str] = field(default_factory=list)
     predictor: Any = None
     hot: Any = None  # FrequencyTable of other held-out requests, for static
+    hot_routing: list[Any] = field(default_factory=list)  # those requests, for replay's static table
     traces: Path | None = None
     profile: Any = None
     profile_path: Path | None = None
@@ -143,6 +144,7 @@ def setup(args: argparse.Namespace) -> Tiers:
         for r in hot:
             np.add.at(table, (np.arange(args.layers)[None, :, None], r.topk_ids), 1)
         t.hot = FrequencyTable(table)
+        t.hot_routing = [replace(r, tokens=r.tokens[:n], topk_ids=r.topk_ids[:n]) for r in hot]
         t.notes.append(f"BENCHMARK MODE: routing replaced by the {routing.source}")
         t.notes.append(f"static's hot table: counted on {len(hot)} other held-out requests")
     else:
@@ -180,7 +182,8 @@ def profile(t: Tiers, out: Path) -> dict:
 
 
 def write_traces(t: Tiers, path: Path) -> None:
-    """The recorded routing as a TraceSet for replay (the bench's requests)."""
+    """The recorded routing as a TraceSet for replay: the bench's requests, and the other requests that
+    static's hot table is counted on (replayed by no row; replay's static counts its table on them)."""
     from moecast.collect.models import find_moe_structure, model_info
     from moecast.collect.traceset import RequestRecord, TraceMeta, TraceWriter
 
@@ -189,7 +192,7 @@ def write_traces(t: Tiers, path: Path) -> None:
     records = [
         RequestRecord(r.request_id, "bench", "", "", r.tokens, [""] * len(r.tokens),
                       np.arange(len(r.tokens)) >= t.args.prompt, r.topk_ids.astype(np.int16))
-        for r in t.routing.requests
+        for r in [*t.routing.requests, *t.hot_routing]
     ]  # fmt: skip
     TraceWriter(path, meta).write(records)
     t.traces = path
@@ -209,9 +212,15 @@ def modeled(t: Tiers, policy: str, capacity: float, predictor: Any = "none") -> 
 
     if t.traces is None or t.profile is None:
         return {"modeled_tpot_ms": None}
-    r = replay(
-        str(t.traces), ReplayConfig(policy=policy, capacity=capacity, hardware=t.profile, predictor=predictor)
+    cfg = ReplayConfig(
+        policy=policy,
+        capacity=capacity,
+        hardware=t.profile,
+        predictor=predictor,
+        requests=[r.request_id for r in t.routing.requests],
+        hot_requests=[r.request_id for r in t.hot_routing] or None,
     )
+    r = replay(str(t.traces), cfg)
     return {"modeled_tpot_ms": r.modeled_tpot_ms, "modeled_hit_rate": r.hit_rate, "tpot_basis": r.tpot_basis}
 
 
