@@ -11,16 +11,9 @@ GEMMs are faster at batch 1 than torch's.
 Linear layers of each block): per-output-channel int8 weights, activations quantised per
 tensor at run time; attention's activation-activation products stay fp32.
 
-Measured on this project's 2-core AMD EPYC (AVX2, no VNNI) with ``python bench/bench_casmoe.py
-[--engine onnx|torch] [--int8] [--threads N]``: EAM query latency (embedding + HNSW) over the 200
-held-out DeepSeek Puffin prompts (median 28 tokens), p50, all in one process, load ~0.8:
-
-- fp32, 1 thread: 12.3 ms by ONNX Runtime against 17.4 ms by torch (means 25.7 and 28.4 ms; the
-  mean is set by the few prompts near the 256-token limit, which are compute-bound in both);
-- int8, 1 thread: 8.0 against 11.6 ms; int8, 2 threads: 7.1 against 7.5 ms (no gain there);
-- int8 plan recall@6: EAM 0.4840 by ONNX Runtime (per-channel weights, embeddings 0.992-0.995
-  cosine to fp32's on 16-256-token test prompts) against 0.4763 by torch (``reduce_range``, 0.977 on
-  average); fp32 gives 0.4806.
+Measured with ``python bench/bench_casmoe.py [--engine onnx|torch] [--int8] [--threads N]``: at one
+thread ONNX Runtime takes about 0.7x torch's time per EAM query, int8 keeping plan recall (figures,
+dated, in bench/results/experiments.md).
 
 The exported graph is cached under ``$MOECAST_HOME/onnx/`` keyed by a hash of the weights
 (so a fine-tuned EAP encoder gets its own), written atomically; a later load only reads it.
@@ -161,18 +154,18 @@ def export_onnx(model: Any, int8: bool = False, directory: Path | None = None) -
     return out
 
 
-_SESSIONS: dict[tuple[str, int | None], Any] = {}
+_RUNNERS: dict[tuple[str, int | None], Any] = {}
 
 
-def _session(path: Path, threads: int | None) -> Any:
-    """One ONNX Runtime session per (graph file, threads) in a process.
+def _runner(path: Path, threads: int | None) -> Any:
+    """One ONNX Runtime ``InferenceSession`` per (graph file, threads) in a process.
 
-    An EAM and a frozen-encoder EAP embed with the same graph: one session serves both.
-    Intra-op threads do not spin between runs: a second session's spinning pool on this
-    2-core machine took the cores from the first (measured: EAP 27 -> 52 ms per prompt).
+    An EAM and a frozen-encoder EAP embed with the same graph: one runner serves both.
+    Intra-op threads do not spin between runs: a second runner's spinning pool on a 2-core
+    machine takes the cores from the first (EAP 27 -> 52 ms per prompt).
     """
     key = (str(path), threads)
-    if key not in _SESSIONS:
+    if key not in _RUNNERS:
         import onnxruntime as ort
 
         opts = ort.SessionOptions()
@@ -183,8 +176,8 @@ def _session(path: Path, threads: int | None) -> Any:
             opts.intra_op_num_threads = int(threads)
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         opts.log_severity_level = 3  # the quantised graph's shape-inference notes are not the user's business
-        _SESSIONS[key] = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-    return _SESSIONS[key]
+        _RUNNERS[key] = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    return _RUNNERS[key]
 
 
 class OrtBertEncoder:
@@ -202,14 +195,14 @@ class OrtBertEncoder:
         self.int8 = bool(int8)
         self.path = export_onnx(model, self.int8, directory)
         try:
-            self.session = _session(self.path, threads)
+            self.runner = _runner(self.path, threads)
         except Exception as exc:  # a truncated or foreign cache file: rebuild once
             self.path.unlink(missing_ok=True)
             warnings.warn(
                 f"ONNX cache {self.path} unreadable ({exc}); exporting again", UserWarning, stacklevel=2
             )
             self.path = export_onnx(model, self.int8, directory)
-            self.session = _session(self.path, threads)
+            self.runner = _runner(self.path, threads)
 
     def __call__(self, input_ids: Any, attention_mask: Any = None, token_type_ids: Any = None) -> Any:
         import torch
@@ -217,6 +210,6 @@ class OrtBertEncoder:
         ids = np.ascontiguousarray(input_ids.cpu().numpy(), dtype=np.int64)
         mask = np.ones_like(ids) if attention_mask is None else attention_mask.cpu().numpy().astype(np.int64)
         # batches (building an index, embedding a training set) take every core, as torch does
-        session = self.session if len(ids) == 1 else _session(self.path, None)
-        (out,) = session.run(None, {"input_ids": ids, "attention_mask": mask})
+        runner = self.runner if len(ids) == 1 else _runner(self.path, None)
+        (out,) = runner.run(None, {"input_ids": ids, "attention_mask": mask})
         return torch.from_numpy(out)

@@ -361,7 +361,7 @@ def test_onnx_graph_is_cached_per_weights_and_rebuilt_when_damaged(tiny_encoder,
     ref = first(ids)
     assert OrtBertEncoder(model).path.stat().st_mtime_ns == stamp  # read, not exported again
     first.path.write_bytes(b"not an onnx graph")
-    monkeypatch.setattr(onnx_encoder, "_SESSIONS", {})  # a new process: nothing loaded yet
+    monkeypatch.setattr(onnx_encoder, "_RUNNERS", {})  # a new process: nothing loaded yet
     with pytest.warns(UserWarning, match="unreadable"):
         again = OrtBertEncoder(model)
     np.testing.assert_allclose(again(ids).numpy(), ref.numpy(), atol=1e-6)
