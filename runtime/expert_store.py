@@ -221,8 +221,17 @@ class LayerStore:
                 self.slots[name][slot].copy_(row)
             return
         src, buffer = self._staged(expert)
-        # kernels queued after this event do not read the slot: the copy waits for it alone
-        read = self._read_events.pop(slot, None)
+        events = self._copy_pieces(src, slot, self._read_events.pop(slot, None))
+        self._events[slot] = events
+        if buffer is not None:
+            self._staging_events[buffer] = events
+
+    def _copy_pieces(self, src: dict[str, torch.Tensor], slot: int, read: Any) -> list[Any]:
+        """``src``'s pieces into ``slot`` on the transfer streams; one event per piece marks its landing.
+
+        ``read`` is the event after the last kernel that read the slot: the copies wait for it alone,
+        not for everything queued on the compute stream.
+        """
         events = []
         for i, p in enumerate(self.pieces):
             # a piece always takes the same stream, so copies into one slot stay in order
@@ -234,9 +243,7 @@ class LayerStore:
                 ev = self.ops.event()
                 ev.record(stream)
                 events.append(ev)
-        self._events[slot] = events
-        if buffer is not None:
-            self._staging_events[buffer] = events
+        return events
 
     def _staged(self, expert: int) -> tuple[dict[str, torch.Tensor], int | None]:
         """The tensors a transfer reads: pinned host rows, or a staging buffer filled from pageable memory."""

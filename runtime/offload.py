@@ -49,7 +49,6 @@ from moecast.runtime.expert_store import (
     STAGING_BUFFERS,
     TRANSFER_STREAMS,
     LayerStore,
-    _piece,
     expert_params,
     split_pieces,
 )
@@ -569,19 +568,7 @@ class DiskLayerStore(LayerStore):
     def _read_and_copy(self, expert: int, slot: int, b: int, read: Any) -> list[Any]:
         """On an I/O thread: the expert into staging buffer ``b``, then its pieces to the slot's device memory."""
         self.reader.read_into(self.pos, expert, self._staging_raw[b].numpy())
-        events = []
-        for i, p in enumerate(self.pieces):
-            stream = self._streams[i % len(self._streams)]
-            if read is not None:
-                stream.wait_event(read)
-            with self.ops.on(stream):
-                _piece(self.slots[p.param][slot], p).copy_(
-                    _piece(self._staging[b][p.param], p), non_blocking=True
-                )
-                ev = self.ops.event()
-                ev.record(stream)
-                events.append(ev)
-        return events
+        return self._copy_pieces(self._staging[b], slot, read)
 
     def wait(self, slots: np.ndarray | list[int] | None = None) -> None:
         """Block until the given slots' reads (all, if None) are done; with ops, the compute stream waits for their copies."""
