@@ -11,6 +11,15 @@ Quantities (PreScope's notation):
 - ``predictor_ms``: the prefetch predictor's per-layer latency on the host (optional, default 0):
   the replay charges it before a prefetch may start (:mod:`moecast.runtime.step`).
 
+Where the tiers are (:mod:`moecast.runtime.step`, step 5, reads them):
+
+- ``fast_tier``: ``device`` (an accelerator computes the resident experts while the CPU computes
+  its own set: the two overlap) or ``cpu`` (no accelerator: resident experts are computed by the
+  same cores as the CPU set, so their times add);
+- ``slow_tier``: ``host`` (the CPU computes a non-resident expert from host memory) or ``disk``
+  (the experts that are not resident live on a disk: a CPU-computed expert is read over the link
+  first, behind the layer's demand loads).
+
 Profiles are YAML files under ``configs/hardware/`` (the papers' settings) or written by
 ``moecast profile`` (this machine). Times in a profile are for an expert of ``ref_expert_bytes``
 bytes; :class:`CostModel` scales compute and transfer times linearly to the model's expert size.
@@ -21,7 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
@@ -49,6 +58,13 @@ class HardwareProfile:
     predictor_ms: float = 0.0
     # direct-read bandwidth of the disk that holds offloaded experts (GB/s); 0 = not measured
     disk_read_gbps: float = 0.0
+    fast_tier: str = "device"  # device | cpu: where resident experts compute (module docstring)
+    slow_tier: str = "host"  # host | disk: where the other experts live
+
+    TIERS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "fast_tier": ("device", "cpu"),
+        "slow_tier": ("host", "disk"),
+    }
 
     def __post_init__(self) -> None:
         for f in (
@@ -58,6 +74,11 @@ class HardwareProfile:
             if math.isnan(v) or v < 0:
                 raise ProfileError(f"hardware profile {self.name!r}: {f} = {v}, expected a number >= 0")
             setattr(self, f, v)
+        for f, allowed in self.TIERS.items():
+            if getattr(self, f) not in allowed:
+                raise ProfileError(
+                    f"hardware profile {self.name!r}: {f} = {getattr(self, f)!r}, expected one of {', '.join(allowed)}"
+                )
         if int(self.ref_expert_bytes) <= 0:
             raise ProfileError(f"hardware profile {self.name!r}: ref_expert_bytes must be > 0")
         self.ref_expert_bytes = int(self.ref_expert_bytes)
@@ -104,7 +125,8 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
     missing = sorted(
         f.name
         for f in fields(HardwareProfile)
-        if f.name not in data and f.name not in ("source", "predictor_ms", "disk_read_gbps")
+        if f.name not in data
+        and f.name not in ("source", "predictor_ms", "disk_read_gbps", "fast_tier", "slow_tier")
     )
     if unknown or missing:
         raise ProfileError(
@@ -133,6 +155,8 @@ class CostModel:
     t_attn: float
     expert_bytes: int
     profile: str = ""
+    shared_compute: bool = False  # fast_tier cpu: resident and CPU experts share the cores (times add)
+    cpu_reads_link: bool = False  # slow_tier disk: a CPU-computed expert is read over the link first
 
     @classmethod
     def from_profile(cls, profile: HardwareProfile, expert_bytes: int) -> CostModel:
@@ -149,6 +173,8 @@ class CostModel:
             t_attn=profile.attn_ms,
             expert_bytes=int(expert_bytes),
             profile=profile.name,
+            shared_compute=profile.fast_tier == "cpu",
+            cpu_reads_link=profile.slow_tier == "disk",
         )
 
     def t_cpu(self, tokens: Any) -> Any:
