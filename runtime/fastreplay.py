@@ -290,7 +290,7 @@ def layer_time_table(k: int, cost, on_cpu: bool = False) -> np.ndarray:
     or all computed on the CPU (``on_cpu``)."""
     m = np.arange(k + 1)
     if on_cpu:
-        return layer_time(cost, k - m, np.zeros(k + 1), 0.0, m * (cost.beta + cost.c))[0]
+        return layer_time(cost, k - m, np.zeros(k + 1), 0.0, m * (cost.beta + cost.c), m)[0]
     return layer_time(cost, np.full(k + 1, k), m, 0.0, 0.0)[0]
 
 
@@ -485,7 +485,7 @@ class Wavefront:
         n_miss = self.k - n_hit
         n_load, t_cpu = self._split(A, lay, toks, n_miss, dec)
         self._insert(act, ids, fid, hit, n_load, n_miss, newkey)
-        layer_t, link = layer_time(self.cost, n_hit + n_load, n_load, self.delay[A], t_cpu)
+        layer_t, link = layer_time(self.cost, n_hit + n_load, n_load, self.delay[A], t_cpu, n_miss - n_load)
         has_next = lay < L - 1
         self.free[self.nxt_lane[A][has_next]] = window(layer_t, link, self.t_pred)[has_next]
         self.free[act[lay == 0]] = self.first_window

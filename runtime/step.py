@@ -20,13 +20,21 @@ that run a layer now it does, in this order:
    ``smoe``: Algorithm 2, ``presched``: PreSched Eq. 5, ``cpu``: none loaded). Loads are inserted
    (evicting by the policy, the layer's own experts shielded).
 5. **Layer time** with ``n_dev`` experts on the device (hits + loads), ``n_load`` demand loads
-   and the CPU set's time ``t_cpu = sum(beta * m + C)`` (PreScope Eq. 3)::
+   and the CPU set's ``n_cpu`` experts taking ``t_cpu = sum(beta * m + C)`` (PreScope Eq. 3)::
 
        link    = delay + n_load * t_io
-       layer_t = t_attn + max(n_dev * t_g,  link + t_g * [n_load > 0],  t_cpu)
+       dev     = max(n_dev * t_g,  link + t_g * [n_load > 0])
+       layer_t = t_attn + max(dev, t_cpu)
 
    Attention first; then the device, the serial link and the CPU run in parallel. The last demand
-   load's expert computes once it lands (``+ t_g``); the others overlap with the link.
+   load's expert computes once it lands (``+ t_g``); the others overlap with the link. Where the
+   profile's tiers say otherwise (:class:`moecast.runtime.cost_model.HardwareProfile`), with a CPU
+   set (``n_cpu > 0``):
+
+   - ``slow_tier: disk``: the CPU set's weights are read over the link behind the demand loads
+     (``link += n_cpu * t_io``) and its experts compute once all are read (``cpu_start = link``);
+   - ``fast_tier: cpu``: the same cores compute both sets, so they add:
+     ``layer_t = t_attn + max(dev, cpu_start) + t_cpu`` instead of ``max(dev, cpu_start + t_cpu)``.
 6. **Window** for the next layer's prefetch: its prediction is made once this layer has routed and
    takes ``t_pred`` (the predictor's latency); its transfers start when both it and this layer's
    link are done, and must land before the next layer's experts start, after its attention::
@@ -217,7 +225,8 @@ class LayerStep:
         if pol.eviction == "score":
             sc = (probs.astype(np.float32) * valid[:, :, None]).sum(1) / np.maximum(valid.sum(1), 1)[:, None]
             cache.observe_scores(lanes, sc)
-        layer_t, link = layer_time(self.cost, (hit & (uniq >= 0)).sum(1) + n_load, n_load, delay, t_cpu)
+        n_dev = (hit & (uniq >= 0)).sum(1) + n_load
+        layer_t, link = layer_time(self.cost, n_dev, n_load, delay, t_cpu, n_miss - n_load)
         self._advance(lanes, layer_t, link, next_lanes, has_next, restart)
         self.add("loads", lanes, layer, n_load)
         self.add("cpu", lanes, layer, n_miss - n_load)
@@ -411,8 +420,11 @@ class OneLane:
         self.step = step
         cache, cost, pol = step.cache, step.cost, step.policy
         t_pred = step.predictor_ms if step.prefetching else 0.0
-        fcost = (cost.t_io, cost.t_g, cost.t_attn, cost.beta, cost.c, t_pred, step.first_window)
-        self.fcost = np.array(fcost, np.float64)  # in step_kernels' T_IO .. FIRST_WINDOW order
+        fcost = (
+            cost.t_io, cost.t_g, cost.t_attn, cost.beta, cost.c, t_pred, step.first_window,
+            float(cost.shared_compute), float(cost.cpu_reads_link),
+        )  # fmt: skip
+        self.fcost = np.array(fcost, np.float64)  # in step_kernels' T_IO .. CPU_READS order
         self.scratch = np.empty(0)  # the kernels' scratch (PreSched's inputs, the CPU times)
         self.info = np.zeros(2, np.int64)
         self.counters = np.zeros(5, np.int64)
@@ -598,15 +610,32 @@ def layer_time(
     n_load: np.ndarray,
     delay: np.ndarray | float,
     t_cpu: np.ndarray | float,
+    n_cpu: np.ndarray | int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Step 5's formula: (layer_t, link) per row (an absent link: infinite)."""
+    """Step 5's formula: (layer_t, link) per row (an absent link: infinite).
+
+    ``n_cpu`` experts make up the CPU set; where the slow tier is a disk they are read over the
+    link after the demand loads, and where the CPU is also the fast tier their time adds to the
+    resident experts' (module docstring)."""
     t_io = cost.t_io
-    link = delay + n_load * (t_io if math.isfinite(t_io) else 0.0)
-    if not math.isfinite(t_io):
+    finite = math.isfinite(t_io)
+    io = t_io if finite else 0.0
+    link = delay + n_load * io
+    if not finite:
         link = np.where(n_load > 0, math.inf, link)
-    t_dev = n_dev * cost.t_g
-    layer_t = cost.t_attn + np.maximum(np.maximum(t_dev, link + np.where(n_load > 0, cost.t_g, 0.0)), t_cpu)
-    return layer_t, link
+    dev = np.maximum(n_dev * cost.t_g, link + np.where(n_load > 0, cost.t_g, 0.0))
+    on_cpu = np.asarray(n_cpu) > 0
+    cpu_start = 0.0
+    if cost.cpu_reads_link:
+        link = link + n_cpu * io
+        if not finite:
+            link = np.where(on_cpu, math.inf, link)
+        cpu_start = link
+    if cost.shared_compute:
+        busy = np.where(on_cpu, np.maximum(dev, cpu_start) + t_cpu, dev)
+    else:
+        busy = np.maximum(dev, np.where(on_cpu, cpu_start + t_cpu, t_cpu))
+    return cost.t_attn + busy, link
 
 
 def window(layer_t: np.ndarray, link: np.ndarray, t_pred: float) -> np.ndarray:

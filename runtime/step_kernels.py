@@ -49,7 +49,7 @@ BALANCER_CODE = {"none": 0, "smoe": 1, "presched": 2, "cpu": 3}
 STATIC = kernels.POLICY_CODE["static"]
 SCORE = kernels.POLICY_CODE["score"]
 # fcost: the cost model's constants, in this order (LayerStep.one_costs)
-T_IO, T_G, T_ATTN, BETA, C, T_PRED, FIRST_WINDOW = range(7)
+T_IO, T_G, T_ATTN, BETA, C, T_PRED, FIRST_WINDOW, SHARED, CPU_READS = range(9)
 # fout: one call's times (ms)
 LAYER_T, LINK, T_CPU, DELAY = range(4)
 # counters: what the call adds to the cache's CacheStats and its insert clock
@@ -266,7 +266,7 @@ def finish_one(
             score[lane, e] += sc - np.float64(ring[lane, pos, e])
             ring[lane, pos, e] = np.float32(sc)
         ring_pos[lane] = (pos + 1) % ring.shape[1]
-    layer_t, link = layer_time(fcost, n_hit + n_load, n_load, fout[DELAY], t_cpu)
+    layer_t, link = layer_time(fcost, n_hit + n_load, n_load, fout[DELAY], t_cpu, n_miss - n_load)
     fout[LAYER_T] = layer_t
     fout[LINK] = link
     fout[T_CPU] = t_cpu
@@ -307,17 +307,27 @@ def step_one(
 
 
 @njit(cache=True, nogil=True)
-def layer_time(fcost, n_dev, n_load, delay, t_cpu):
+def layer_time(fcost, n_dev, n_load, delay, t_cpu, n_cpu):
     """step.layer_time for one row: (layer_t, link)."""
     t_io = fcost[T_IO]
     t_g = fcost[T_G]
-    if np.isfinite(t_io):
-        link = delay + np.float64(n_load) * t_io
+    finite = np.isfinite(t_io)
+    io = t_io if finite else 0.0
+    link = delay + np.float64(n_load) * io
+    if not finite and n_load > 0:
+        link = np.inf
+    dev = _max(np.float64(n_dev) * t_g, link + (t_g if n_load > 0 else 0.0))
+    cpu_start = 0.0
+    if fcost[CPU_READS] != 0.0:
+        link = link + np.float64(n_cpu) * io
+        if not finite and n_cpu > 0:
+            link = np.inf
+        cpu_start = link
+    if fcost[SHARED] != 0.0:
+        busy = _max(dev, cpu_start) + t_cpu if n_cpu > 0 else dev
     else:
-        link = np.inf if n_load > 0 else delay + np.float64(n_load) * 0.0
-    t_dev = np.float64(n_dev) * t_g
-    layer_t = fcost[T_ATTN] + _max(_max(t_dev, link + (t_g if n_load > 0 else 0.0)), t_cpu)
-    return layer_t, link
+        busy = _max(dev, cpu_start + t_cpu if n_cpu > 0 else t_cpu)
+    return fcost[T_ATTN] + busy, link
 
 
 @njit(cache=True, nogil=True)

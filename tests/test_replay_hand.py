@@ -30,7 +30,7 @@ from moecast.runtime.replay import ReplayConfig, replay
 EXPERT_BYTES = 3 * 16 * 32 * 2  # the synthetic model's expert size (conftest.synthetic_writer)
 
 
-def _profile(attn_ms: float, cpu_c_ms: float = 100.0) -> HardwareProfile:
+def _profile(attn_ms: float, cpu_c_ms: float = 100.0, **tiers: str) -> HardwareProfile:
     return HardwareProfile(
         name="hand",
         transfer_gbps=EXPERT_BYTES / 1e6,  # one expert per ms
@@ -39,6 +39,7 @@ def _profile(attn_ms: float, cpu_c_ms: float = 100.0) -> HardwareProfile:
         cpu_beta_ms=0.0,
         cpu_c_ms=cpu_c_ms,
         attn_ms=attn_ms,
+        **tiers,
     )
 
 
@@ -238,3 +239,56 @@ def test_prefill_loads_what_it_needs(tmp_path, fast):
     assert (r.loads, r.cpu_experts) == (4, 5)
     assert r.modeled_tpot_ms == pytest.approx(4.25)
     assert r.layer_time_ms_per_layer == pytest.approx([8.25 / 3, 7.75 / 3])
+
+
+TIERS_CASES = {
+    # (fast_tier, slow_tier): (TPOT, per-layer mean), worked out in the test's docstring
+    ("device", "host"): (4.25, [8.25 / 3, 7.75 / 3]),
+    ("cpu", "host"): (4.625, [8.5 / 3, 8.25 / 3]),
+    ("device", "disk"): (6.75, [11.25 / 3, 9.75 / 3]),
+}
+
+
+@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("tiers", list(TIERS_CASES))
+def test_cpu_set_on_the_profile_tiers(tmp_path, fast, tiers):
+    """test_prefill_loads_what_it_needs's run (every decode miss on the CPU, C = 0.5 ms) on each tier:
+    t0 (prefill) loads its 4 experts: 3.75 ms per layer on every tier.
+    device/host: the CPU set overlaps the device: t1 2.0 + 2.0, t2 2.5 + 2.0: TPOT 4.25.
+    cpu/host: the same cores, so times add: t1 L0 hit 0 (0.25) + 4 on the CPU (0.5) = 1.5 + 0.75 =
+        2.25, L1 hit 2 + 5 on the CPU: 2.25; t2 L0 {4,6} on the CPU: 1.5 + 1.0 = 2.5, L1 hit 3 + 5:
+        2.25: TPOT (4.5 + 4.75) / 2 = 4.625.
+    device/disk: each CPU expert is read first (1 ms each, serial): t1 L0 max(0.25, 1 + 0.5) = 1.5:
+        3.0, L1 3.0; t2 L0 2 reads then 1.0 of CPU: 4.5, L1 one read: 3.0: TPOT (6.0 + 7.5) / 2."""
+    fast_tier, slow_tier = tiers
+    cpu = Policy("cpu", "lru", balancer="cpu")
+    ts = _trace(tmp_path / "a", ROUTES_A, decode=[False, True, True])
+    hw = _profile(1.5, 0.5, fast_tier=fast_tier, slow_tier=slow_tier)
+    r = replay(ts, ReplayConfig(policy=cpu, capacity=2, cold=True, fast=fast, hardware=hw))
+    tpot, per_layer = TIERS_CASES[tiers]
+    assert (r.loads, r.cpu_experts) == (4, 5)
+    assert r.modeled_tpot_ms == pytest.approx(tpot)
+    assert r.layer_time_ms_per_layer == pytest.approx(per_layer)
+
+
+@pytest.mark.parametrize(
+    "fast_tier, slow_tier, want",
+    [
+        # 8 resident experts (2.0 ms) and one CPU expert (C 0.5) after no demand load
+        ("device", "host", 1.5 + 2.0),  # max(2.0, 0.5)
+        ("cpu", "host", 1.5 + 2.5),  # 2.0 + 0.5
+        ("device", "disk", 1.5 + 2.0),  # max(2.0, 1 read + 0.5)
+        ("cpu", "disk", 1.5 + 2.5),  # max(2.0, 1 read) + 0.5
+    ],
+)
+def test_layer_time_on_each_tier_by_hand(fast_tier, slow_tier, want):
+    """step.layer_time and its compiled twin on one row: link 1 ms per read, t_g 0.25, C 0.5."""
+    from moecast.runtime import step_kernels as sk
+    from moecast.runtime.step import layer_time
+
+    c = CostModel.from_profile(_profile(1.5, 0.5, fast_tier=fast_tier, slow_tier=slow_tier), EXPERT_BYTES)
+    layer_t, link = layer_time(c, np.array([8]), np.array([0]), 0.0, np.array([0.5]), np.array([1]))
+    assert layer_t[0] == pytest.approx(want)
+    assert link[0] == pytest.approx(1.0 if slow_tier == "disk" else 0.0)  # the next prefetch waits for it
+    fcost = np.array([c.t_io, c.t_g, c.t_attn, c.beta, c.c, 0.0, 0.0, c.shared_compute, c.cpu_reads_link])
+    assert sk.layer_time(fcost, 8, 0, 0.0, 0.5, 1) == (layer_t[0], link[0])

@@ -27,6 +27,17 @@ COSTS = {
     "fast": CostModel(t_io=0.02, t_g=0.01, beta=0.2, c=0.7, t_attn=0.3, expert_bytes=1),
     # no link at all (transfer_gbps 0): nothing lands, loads take forever
     "no link": CostModel(t_io=np.inf, t_g=0.05, beta=0.01, c=0.02, t_attn=0.4, expert_bytes=1),
+    # no accelerator and the experts on a disk: the CPU set is read over the link, compute times add
+    "cpu + disk": CostModel(
+        t_io=0.3,
+        t_g=0.05,
+        beta=0.05,
+        c=0.3,
+        t_attn=0.4,
+        expert_bytes=1,
+        shared_compute=True,
+        cpu_reads_link=True,
+    ),
 }
 CASES = {
     "lru": POLICIES["lru"],
