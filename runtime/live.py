@@ -331,8 +331,10 @@ class LiveRuntime:
         self._restart = [np.array([pos == 0]) for pos in range(L)]
         self._t = np.array([0])  # the step as the cache's time, set per forward
         self.stores = self._make_stores(structure, config)
-        # CPU experts run on a worker thread while the device computes the resident ones
-        self.overlap_cpu = any(st.cuda for st in self.stores)
+        # CPU experts run on a worker thread while the device computes the resident ones; with the
+        # experts on a disk also without an accelerator, so that their reads queue behind the demand
+        # loads while the resident experts compute (the step's rule for slow_tier disk)
+        self.overlap_cpu = any(st.cuda for st in self.stores) or self.reader is not None
         self._pool: ThreadPoolExecutor | None = None
         self._next_scores: np.ndarray | None = None
         self.stats_ = LiveStats()
@@ -784,7 +786,7 @@ class LiveRuntime:
             to_cpu = np.sort(cpu_ids[cpu_ids >= 0])
             # started before the device call, which may block the host (a wrapped implementation may sync)
             cpu_part = self._start_cpu(pos, call, to_cpu) if len(to_cpu) else None
-            return self._device(pos, call, on_device), to_cpu, cpu_part
+            return self._resident(pos, call, hit_ids, placed), to_cpu, cpu_part
         out = self._device(pos, call, on_device)
         done = [on_device]
         for wave in (streamed[i : i + self.capacity] for i in range(0, len(streamed), self.capacity)):
@@ -794,6 +796,29 @@ class LiveRuntime:
             done.append(loaded)
         to_cpu = np.setdiff1d(uniq, np.concatenate(done))
         return out, to_cpu, self._start_cpu(pos, call, to_cpu) if len(to_cpu) else None
+
+    def _resident(
+        self, pos: int, call: _ExpertsCall, hit_ids: np.ndarray, placed: np.ndarray
+    ) -> torch.Tensor | None:
+        """The hits, then the demand loads: the step's ``max(n_dev * t_g, link + t_g)``.
+
+        The hits compute while the loads are in flight. Reading from a disk without an accelerator
+        (each call runs to its end before the next starts), a decode step then computes each load
+        as it lands, so only the last one's compute follows the link. On a device the loads stay one
+        call (its stream waits for their copies, the host does not, and a device expert is short
+        beside a transfer); a host-memory store copies synchronously, and a prefill's loads are
+        many (a call per expert would cost more than the overlap gains)."""
+        one_by_one = self._decode and self.reader is not None and not self.stores[pos].cuda
+        parts = [hit_ids] if len(hit_ids) else []
+        if len(placed):
+            parts += list(placed[:, None]) if one_by_one else [placed]
+        if len(parts) <= 1:
+            return self._device(pos, call, parts[0] if parts else placed)
+        out = None
+        for experts in parts:
+            part = self._device(pos, call, experts)
+            out = part if out is None else out + part
+        return out
 
     def _device(self, pos: int, call: _ExpertsCall, experts: np.ndarray) -> torch.Tensor | None:
         """The (token, expert) pairs of ``experts`` (resident) from their device slots, with the wrapped implementation.

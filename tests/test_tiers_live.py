@@ -74,3 +74,39 @@ def test_cli_run_offload_disk_writes_once_and_reports_the_tiers(tiny_dir, tmp_pa
         assert disk[key] >= 0
     with pytest.raises(SystemExit, match="needs --offload_dir"):
         main([*base, "--offload", "disk"])
+
+
+def test_disk_decode_computes_hits_first_then_each_load_as_it_lands(tiny_dir, tmp_path, monkeypatch):
+    """Without an accelerator a decode step's resident experts compute while its demand loads are
+    read, then each load alone once it lands (the step's max(n_dev * t_g, link + t_g)); a prefill's
+    loads stay one call. Logged: the experts of each call and whether its slots were still pending."""
+    from moecast.runtime.live import LiveRuntime
+
+    lm, _, _ = load_offloaded(str(tiny_dir), tmp_path / "off")
+    rt = attach(lm, policy="lru", capacity=0.5, alpha=0.0, offload="disk", offload_dir=str(tmp_path / "off"))
+    calls: list[tuple[bool, list[int], bool]] = []
+    device = LiveRuntime._device
+
+    def logged(self, pos, call, experts):
+        st = self.stores[pos]
+        pending = any(int(s) in st._pending for s in st.slot_of[experts])
+        calls.append((self._decode, sorted(int(e) for e in experts), pending))
+        return device(self, pos, call, experts)
+
+    monkeypatch.setattr(LiveRuntime, "_device", logged)
+    ids = torch.randint(0, 1000, (1, 6), generator=torch.Generator().manual_seed(1))
+    try:
+        with torch.no_grad():
+            out = lm(ids, use_cache=True)
+            cache = out.past_key_values
+            for tok in (7, 11, 13, 17):
+                cache = lm(torch.tensor([[tok]]), past_key_values=cache, use_cache=True).past_key_values
+        loads = rt.stats()["loads"]
+    finally:
+        rt.detach()
+    decode = [c for c in calls if c[0]]
+    singles = [c for c in decode if len(c[1]) == 1]
+    assert loads > 0 and singles, "the run must have decode steps with demand loads"
+    assert all(len(c[1]) >= 1 for c in decode)
+    # a decode call of several experts is the hits (nothing pending); loads come one per call
+    assert not any(c[2] for c in decode if len(c[1]) > 1)
