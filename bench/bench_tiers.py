@@ -228,9 +228,11 @@ def live_row(t: Tiers, name: str, capacity: float, replay_policy: str, replay_pr
     from moecast.runtime.live import attach
 
     reset_peak_rss()
+    # each policy's own balancer, as replay's preset of the same name has it (static: its misses
+    # are computed by the CPU, read from the disk first; the others load every miss)
     rt = attach(
         t.model, capacity=capacity, offload="disk", offload_dir=str(t.directory),
-        hardware=str(t.profile_path or "prescope-a100-pcie4"), balance="load", **kw,
+        hardware=str(t.profile_path or "prescope-a100-pcie4"), **kw,
     )  # fmt: skip
     try:
         with ds_model.routed(t.model, t.routing) as ov:
