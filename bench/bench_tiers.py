@@ -170,10 +170,9 @@ def profile(t: Tiers, out: Path) -> dict:
     from moecast.runtime.profile import profile_model
 
     pred = getattr(t.predictor, "inner", t.predictor)
+    # the experts' directory holds the offload: profile_model reads it as the runtime does and, with
+    # no accelerator, makes the disk the link and the CPU the fast tier (its source says so)
     prof, _how = profile_model(t.model, "bench-tiers", pred, offload_dir=t.directory, disk_mb=t.args.disk_mb)
-    # no accelerator: the slow tier's link is the disk, and resident experts compute on the CPU
-    prof = replace(prof, transfer_gbps=prof.disk_read_gbps, gpu_expert_ms=prof.cpu_beta_ms + prof.cpu_c_ms)
-    prof.source += "; link = the offload disk's direct reads, device expert = the CPU expert at one token"
     t.profile, t.profile_path = prof, out / "bench-tiers-profile.yaml"
     bench_gpu._write(t.profile_path, prof.to_yaml())
     return {
@@ -375,7 +374,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hot-requests", type=int, default=4, help="other held-out requests for static's table")
     ap.add_argument("--prompt", type=int, default=None)
     ap.add_argument("--tokens", type=int, default=None)
-    ap.add_argument("--disk-mb", type=int, default=256, help="size of the disk-bandwidth probe")
+    ap.add_argument(
+        "--disk-mb", type=int, default=256, help="disk probe's temporary file (MB) where no offload is read"
+    )
     ap.add_argument("--ds-shape", default="lite", choices=["lite", "test"], help="test: small sizes (tests)")
     ap.add_argument("--baselines", default="page cache,accelerate", help="external baselines to run")
     ap.add_argument("--out", default=str(RESULTS), help="tiers-<host>.md/.json and the profile go here")

@@ -475,8 +475,11 @@ def profile(
         traces: a TraceSet whose model sets the expert shape (its hidden size; intermediate from expert_bytes).
         predictor: a layer-ahead checkpoint whose per-layer latency is measured (with --model, default:
             a LLaPor of the default size with random weights).
-        offload_dir: measure the direct-read bandwidth of this directory's disk (a temporary file, removed).
-        disk_mb: size of that file (MB).
+        offload_dir: the experts live on this directory's disk (the profile's slow tier; without CUDA
+            the CPU is the fast tier and the disk the link): its direct-read bandwidth is measured as
+            the runtime reads it where it holds an offload (random whole experts on the I/O threads),
+            else on a temporary file (removed), which a host may serve from its cache.
+        disk_mb: size of that temporary file (MB).
         hidden_size: expert hidden size when neither --model nor --traces.
         intermediate_size: expert intermediate size when neither --model nor --traces.
         dtype: the CPU expert's dtype when neither --model nor --traces (else the model's or the traces').
@@ -511,9 +514,8 @@ def profile(
             prof.predictor_ms = P._sig(P.predictor_latency_ms(pred, hidden_size))
             prof.source += f"; predictor_ms: {predictor}"
         if offload_dir:
-            gbps, how = P.disk_read_gbps(offload_dir, disk_mb)
-            prof.disk_read_gbps = P._sig(gbps)
-            prof.source += f"; disk_read_gbps: {how}, {disk_mb} MB in {offload_dir}"
+            prof, how = P.on_disk(prof, offload_dir, disk_mb)
+            prof.source += "".join(f"; {k}: {v}" for k, v in how.items())
     from moecast.collect.traceset import atomic_write_bytes
 
     from moecast import home

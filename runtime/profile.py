@@ -1,23 +1,32 @@
 """``moecast profile``: measure this machine into a hardware profile (PreScope Sec. 4.3.2 variables).
 
 - CPU: a real SwiGLU expert MLP of the model's shape and dtype (gate, up, down projections on the
-  CPU) timed for several token counts; a least-squares line gives PreScope Eq. 3's ``beta`` (per
-  token) and ``C`` (start-up).
+  CPU) timed for several token counts, each call on the next weight set of a ring of distinct
+  experts larger than twice the last-level cache (the runtime's experts come cold from DRAM; one
+  set timed again and again stays in the cache and runs about twice as fast); a least-squares line
+  gives PreScope Eq. 3's ``beta`` (per token) and ``C`` (start-up).
 - CUDA, when present: pinned host-to-device bandwidth for one expert's bytes, device time of the
-  same expert at batch 1 (``t_g``) and a stand-in for attention time (two hidden x hidden matmuls).
-  Without CUDA the device fields are taken from the PreScope A100 profile and the source says so.
+  same expert at batch 1 (``t_g``, over the same ring) and a stand-in for attention time (two
+  hidden x hidden matmuls). Without CUDA the device fields are taken from the PreScope A100 profile
+  and the source says so.
 - With the model at hand (:func:`profile_model`): its non-expert time per MoE layer (a decode step
-  with the routed experts skipped), the layer-ahead predictor's latency per layer (the given
-  checkpoint, else a LLaPor of the default size with random weights: the same computation), and
-  the direct-read bandwidth of an offload directory (O_DIRECT reads of a temporary file; buffered
-  reads after ``posix_fadvise(DONTNEED)`` where the filesystem refuses O_DIRECT, and said so).
+  with the routed experts skipped) and the layer-ahead predictor's latency per layer (the given
+  checkpoint, else a LLaPor of the default size with random weights: the same computation).
+- With an offload directory (:func:`on_disk`): the experts live on its disk (``slow_tier`` disk),
+  whose bandwidth is measured as the runtime reads it (random whole experts with O_DIRECT on the
+  ExpertReader's I/O threads; a directory without an offload gets a temporary file, which a VM's
+  host may serve from its cache). Without CUDA the CPU is the fast tier: the link is the disk and
+  a resident expert costs the CPU expert at one token.
 """
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 import time
+from collections import deque
+from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -52,6 +61,71 @@ def _sig(x: float, digits: int = 4) -> float:
     return float(f"{x:.{digits}g}")
 
 
+# ----------------------------------------------------------------------------- the CPU expert, cold
+
+CACHE_DIR = Path("/sys/devices/system/cpu/cpu0/cache")
+LLC_FALLBACK = 64 << 20  # where /sys does not say (containers without it, other systems)
+RING_MAX = 1024  # experts of a few KB never leave the caches; more sets would only cost time to build
+
+
+def _cache_bytes(text: str) -> int:
+    """A /sys cache size ("491520K", "32M", "512") in bytes."""
+    text = text.strip().upper()
+    unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(text.rstrip("KMG")) * unit
+
+
+def llc_bytes(root: Path | None = None) -> int:
+    """Bytes of the last-level cache: the level-3 cache where there is one, else the largest; 64 MiB
+    where ``root`` (cpu0's cache directory in /sys) cannot be read."""
+    caches = []
+    for index in sorted((root or CACHE_DIR).glob("index*")):
+        try:
+            caches.append((int((index / "level").read_text()), _cache_bytes((index / "size").read_text())))
+        except (OSError, ValueError):
+            continue
+    if not caches:
+        return LLC_FALLBACK
+    level3 = [size for level, size in caches if level == 3]
+    return max(level3) if level3 else max(size for _, size in caches)
+
+
+def ring_size(expert_bytes: int) -> int:
+    """How many distinct experts a cold timing cycles through: more bytes than twice the last-level
+    cache, so each call reads its weights from DRAM as the runtime's slots do; at most a quarter of
+    the available memory (and RING_MAX sets), at least 2."""
+    from moecast.runtime.offload import available_bytes
+
+    n = 2 * llc_bytes() // expert_bytes + 1
+    avail = available_bytes()
+    if avail:
+        n = min(n, avail // 4 // expert_bytes)
+    return int(max(2, min(n, RING_MAX)))
+
+
+def _swiglu(x: Any, w: tuple[Any, Any, Any]) -> Any:
+    """One expert's gate, up and down projections over ``x``."""
+    import torch.nn.functional as F
+
+    wg, wu, wd = w
+    return F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+
+
+def _ring_note(ring: list[tuple[Any, ...]]) -> str:
+    nbytes = sum(t.numel() * t.element_size() for t in ring[0]) * len(ring)
+    mib = f"{nbytes / 2**20:.0f}" if nbytes >= 10 << 20 else f"{nbytes / 2**20:.2g}"
+    if nbytes > 2 * llc_bytes():
+        return f"cold: a ring of {len(ring)} experts ({mib} MiB) > 2x LLC"
+    cap = f"capped at a quarter of available memory or {RING_MAX} sets"
+    return f"cold: a ring of {len(ring)} experts ({mib} MiB) <= 2x LLC ({cap})"
+
+
+def _cycle(ring: list[Any]) -> Any:
+    """A function that returns the ring's next set on each call."""
+    it = itertools.cycle(ring)
+    return lambda: next(it)
+
+
 def measure(
     hidden: int,
     intermediate: int,
@@ -61,62 +135,43 @@ def measure(
     dtype: str = "float32",
 ) -> HardwareProfile:
     """The profile for an expert of ``hidden`` x ``intermediate``; the CPU expert runs in ``dtype``
-    (the model's: bf16 matmuls take another code path than float32 ones on the CPU)."""
+    (the model's: bf16 matmuls take another code path than float32 ones on the CPU), each call on
+    the next weight set of a ring larger than the last-level cache (:func:`ring_size`)."""
     import torch
 
     torch.manual_seed(0)
     threads = torch.get_num_threads()
     dt = getattr(torch, dtype)
-    wg = (torch.randn(intermediate, hidden) * 0.02).to(dt)
-    wu = (torch.randn(intermediate, hidden) * 0.02).to(dt)
-    wd = (torch.randn(hidden, intermediate) * 0.02).to(dt)
+    shapes = ((intermediate, hidden), (intermediate, hidden), (hidden, intermediate))
+    base = tuple((torch.randn(*s) * 0.02).to(dt) for s in shapes)
+    set_bytes = sum(w.numel() * w.element_size() for w in base)
+    # distinct copies (values do not matter, addresses do): one set would stay in the cache
+    ring = [base] + [tuple(w.clone() for w in base) for _ in range(ring_size(set_bytes) - 1)]
     expert_bytes = 3 * hidden * intermediate * 2  # bf16, the dtype a runtime moves
-
-    def expert(x):
-        return torch.nn.functional.linear(
-            torch.nn.functional.silu(torch.nn.functional.linear(x, wg)) * torch.nn.functional.linear(x, wu),
-            wd,
-        )
-
+    weights = _cycle(ring)
     ms = []
     with torch.inference_mode():
         for m in token_counts:
             x = torch.randn(m, hidden, dtype=dt)
-            ms.append(_time(lambda x=x: expert(x), repeat))
+            ms.append(_time(lambda x=x: _swiglu(x, weights()), repeat))
     beta, c = np.polyfit(np.asarray(token_counts, dtype=float), np.asarray(ms), 1)
     # a positive slope even where the timings are flat (tiny experts): Eq. 3's beta is per token
     beta, c = max(float(beta), 1e-6), max(float(c), 0.0)
-    source = f"measured by moecast profile on this machine (CPU, {threads} threads; {dtype} expert {hidden}x{intermediate})"
+    source = (
+        f"measured by moecast profile on this machine (CPU, {threads} threads; {dtype} expert "
+        f"{hidden}x{intermediate}, {_ring_note(ring)})"
+    )
     if torch.cuda.is_available():
-        dev = torch.device("cuda")
-        host = torch.empty(expert_bytes // 2, dtype=torch.bfloat16).pin_memory()
-        buf = torch.empty_like(host, device=dev)
-
-        def copy():
-            buf.copy_(host, non_blocking=True)
-            torch.cuda.synchronize()
-
-        t_copy = _time(copy, repeat)
-        gbps = expert_bytes / (t_copy / 1e3) / 1e9
-        g = [w.to(dev, torch.bfloat16) for w in (wg, wu, wd)]
-        x = torch.randn(1, hidden, device=dev, dtype=torch.bfloat16)
-
-        def gpu_expert():
-            y = torch.nn.functional.silu(x @ g[0].T) * (x @ g[1].T)
-            (y @ g[2].T).sum().item()
-
-        wa = torch.randn(hidden, hidden, device=dev, dtype=torch.bfloat16)
-
-        def attn():
-            (x @ wa @ wa).sum().item()
-
-        t_g, t_attn = _time(gpu_expert, repeat), _time(attn, repeat)
-        source += f"; CUDA {torch.cuda.get_device_name(0)}: pinned H2D copy, bf16 expert and 2-matmul attention stand-in"
+        gbps, t_g, t_attn = _cuda_times(ring, hidden, expert_bytes, repeat)
+        source += (
+            f"; CUDA {torch.cuda.get_device_name(0)}: pinned H2D copy, bf16 expert over the same ring "
+            "and 2-matmul attention stand-in"
+        )
     else:
         ref = load_profile("prescope-a100-pcie4")
         scale = expert_bytes / ref.ref_expert_bytes
         gbps, t_g, t_attn = ref.transfer_gbps, ref.gpu_expert_ms * scale, ref.attn_ms
-        source += "; no CUDA here: link and device times taken from prescope-a100-pcie4"
+        source += NO_CUDA
     return HardwareProfile(
         name=name,
         transfer_gbps=_sig(gbps),
@@ -127,6 +182,40 @@ def measure(
         attn_ms=_sig(t_attn),
         source=source,
     )
+
+
+NO_CUDA = "; no CUDA here: link and device times taken from prescope-a100-pcie4"
+
+
+def _cuda_times(
+    ring: list[tuple[Any, ...]], hidden: int, expert_bytes: int, repeat: int
+) -> tuple[float, float, float]:
+    """(GB/s of a pinned host-to-device expert copy, ms of a bf16 expert at one token cycling
+    through the ring on the device (its L2 holds one expert), ms of a 2-matmul attention stand-in)."""
+    import torch
+
+    dev = torch.device("cuda")
+    host = torch.empty(expert_bytes // 2, dtype=torch.bfloat16).pin_memory()
+    buf = torch.empty_like(host, device=dev)
+
+    def copy() -> None:
+        buf.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+
+    gbps = expert_bytes / (_time(copy, repeat) / 1e3) / 1e9
+    n = max(2, min(len(ring), torch.cuda.mem_get_info()[0] // 4 // expert_bytes))
+    weights = _cycle([tuple(w.to(dev, torch.bfloat16) for w in ws) for ws in ring[:n]])
+    x = torch.randn(1, hidden, device=dev, dtype=torch.bfloat16)
+    wa = torch.randn(hidden, hidden, device=dev, dtype=torch.bfloat16)
+
+    def gpu_expert() -> None:
+        _swiglu(x, weights()).sum().item()
+
+    def attn() -> None:
+        (x @ wa @ wa).sum().item()
+
+    with torch.inference_mode():
+        return gbps, _time(gpu_expert, repeat), _time(attn, repeat)
 
 
 def _skip_experts(module, hidden_states, top_k_index, top_k_weights, **kwargs):
@@ -176,17 +265,37 @@ def dense_layer_ms(model, steps: int = 8, prompt: int = 8, repeat: int = 3) -> f
 # ----------------------------------------------------------------------------- offload disk
 
 _ALIGN = 4096  # O_DIRECT needs buffers, offsets and sizes aligned to the logical block size
+MIN_READ_S = 1.0  # an offload probe reads for at least this long and MIN_READS experts,
+MIN_READS = 32
+READ_BUDGET_MB = 2048  # and stops after this many MB whatever the two say
 
 
-def disk_read_gbps(directory: str | Path, size_mb: int = 256, chunk_mb: int = 4) -> tuple[float, str]:
-    """(GB/s, how) of reading a ``size_mb`` temporary file in ``directory`` in ``chunk_mb`` reads.
+def disk_read_gbps(
+    directory: str | Path,
+    size_mb: int = 256,
+    chunk_mb: int = 4,
+    block_bytes: int | None = None,
+    threads: int | None = None,
+) -> tuple[float, str]:
+    """(GB/s, how) of direct reads from ``directory``'s disk.
 
-    Direct I/O (the page cache never serves the read, as for a miss of the disk tier); where the
-    filesystem refuses O_DIRECT, buffered reads after dropping the file's cached pages, and ``how``
-    says so. The file is written with fsync first and removed afterwards."""
+    An offload directory (its meta.json present) is read as the runtime reads it
+    (:func:`offload_read_gbps`, on ``threads`` I/O threads). Any other directory gets a ``size_mb``
+    temporary file, written with fsync, read once on one thread in ``block_bytes`` reads (an
+    expert's block, where known; else ``chunk_mb`` MB) and removed: O_DIRECT, or buffered reads
+    after dropping the file's cached pages where the filesystem refuses O_DIRECT; ``how`` says which."""
+    from moecast.runtime.offload import _read_meta
+
     d = Path(directory)
+    meta = _read_meta(d) if d.is_dir() else None
+    if meta is not None:
+        return offload_read_gbps(d, meta, threads)
+    block = int(block_bytes) if block_bytes else chunk_mb << 20
+    return _fresh_file_gbps(d, size_mb, max(_ALIGN, -(-block // _ALIGN) * _ALIGN))
+
+
+def _fresh_file_gbps(d: Path, size_mb: int, chunk: int) -> tuple[float, str]:
     d.mkdir(parents=True, exist_ok=True)
-    chunk = max(_ALIGN, (chunk_mb << 20) // _ALIGN * _ALIGN)
     n = max(1, (size_mb << 20) // chunk)
     path = d / f".moecast-profile-{os.getpid()}.bin"
     buf = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT requires
@@ -206,7 +315,7 @@ def disk_read_gbps(directory: str | Path, size_mb: int = 256, chunk_mb: int = 4)
                 raise OSError("no O_DIRECT on this platform")
             os.preadv(fd, [buf], 0)  # some filesystems accept the flag and refuse the read
         except OSError:
-            how = "buffered after posix_fadvise(DONTNEED): the filesystem refuses O_DIRECT"
+            how = "buffered after posix_fadvise(DONTNEED), the filesystem refusing O_DIRECT"
             fd = os.open(path, os.O_RDONLY)
         try:
             if how != "O_DIRECT" and hasattr(os, "posix_fadvise"):
@@ -220,7 +329,70 @@ def disk_read_gbps(directory: str | Path, size_mb: int = 256, chunk_mb: int = 4)
     finally:
         buf.close()
         path.unlink(missing_ok=True)
+    how += (
+        f": a fresh {n * chunk / 2**20:.0f} MiB temporary file read in {chunk / 2**20:.2f} MiB blocks on one "
+        "thread (a host, a VM's, may serve a freshly written file from its cache; an offload directory "
+        "gives the runtime's figure)"
+    )
     return n * chunk / dt / 1e9, how
+
+
+def offload_read_gbps(
+    directory: str | Path, meta: dict[str, Any], threads: int | None = None
+) -> tuple[float, str]:
+    """(GB/s, how) of the runtime's own reads: whole experts at random (layer, expert) from the
+    offload directory's layer files with :class:`~moecast.runtime.offload.ExpertReader` (O_DIRECT on
+    its I/O pool of ``threads``, the runtime's IO_THREADS by default), two reads per thread queued,
+    until MIN_READ_S and MIN_READS have passed or READ_BUDGET_MB are read; bytes over wall time."""
+    from moecast.runtime.offload import IO_THREADS, ExpertReader
+
+    threads = IO_THREADS if threads is None else max(1, int(threads))
+    reader = ExpertReader(directory, meta, threads)
+    try:
+        nbytes, per_read, wall = _random_reads(reader, 2 * threads)
+    finally:
+        reader.close()
+    mode = "O_DIRECT" if reader.direct else "buffered after posix_fadvise(DONTNEED) (no O_DIRECT here)"
+    stride = max(lay.stride for lay in reader.layouts)
+    how = (
+        f"ExpertReader: {len(per_read)} random whole-expert reads of {stride / 2**20:.2f} MiB with {mode} "
+        f"on {threads} I/O threads in {wall:.2f} s, median {np.median(per_read):.2f} ms per read"
+    )
+    return nbytes / wall / 1e9, how
+
+
+def _random_reads(reader: Any, depth: int) -> tuple[int, list[float], float]:
+    """(bytes, ms of each read, wall s) of random expert reads kept ``depth`` deep on the reader's pool."""
+    from moecast.runtime.offload import aligned_bytes
+
+    rng = np.random.default_rng()  # not seeded: a probe run again must not re-read blocks a host just cached
+    strides = [lay.stride for lay in reader.layouts]
+    experts = int(reader.meta["num_experts"])
+    bufs = [aligned_bytes(max(strides)) for _ in range(depth)]
+
+    def timed(pos: int, expert: int, buf: Any) -> float:
+        t = time.perf_counter()
+        reader.read_into(pos, expert, buf)
+        return (time.perf_counter() - t) * 1e3
+
+    pending: deque[Future] = deque()
+    per_read: list[float] = []
+    nbytes, t0 = 0, time.perf_counter()
+    while True:
+        while len(pending) < depth and not _read_enough(t0, len(per_read) + len(pending), nbytes):
+            pos, expert = int(rng.integers(len(strides))), int(rng.integers(experts))
+            # the oldest read, done, had this buffer: at most ``depth`` are in flight
+            buf = bufs[(len(per_read) + len(pending)) % depth][: strides[pos]].numpy()
+            pending.append(reader.pool.submit(timed, pos, expert, buf))
+            nbytes += strides[pos]
+        if not pending:
+            return nbytes, per_read, time.perf_counter() - t0
+        per_read.append(pending.popleft().result())
+
+
+def _read_enough(t0: float, reads: int, nbytes: int) -> bool:
+    long_enough = time.perf_counter() - t0 >= MIN_READ_S and reads >= MIN_READS
+    return long_enough or nbytes >= READ_BUDGET_MB << 20
 
 
 # ----------------------------------------------------------------------------- predictor latency
@@ -306,11 +478,48 @@ def profile_model(
         how["predictor_ms"] = f"{predictor.name} checkpoint"
     prof = replace(prof, predictor_ms=_sig(predictor_latency_ms(predictor, hidden)))
     if offload_dir is not None:
-        gbps, method = disk_read_gbps(offload_dir, disk_mb)
-        prof = replace(prof, disk_read_gbps=_sig(gbps))
-        how["disk_read_gbps"] = f"{method}, {disk_mb} MB in {offload_dir}"
+        prof, disk_how = on_disk(prof, offload_dir, disk_mb, attn_measured=True)
+        how.update(disk_how)
     prof.source += "; " + "; ".join(f"{k}: {v}" for k, v in how.items() if k not in ("cpu", "expert"))
     return prof, how
+
+
+def on_disk(
+    prof: HardwareProfile, offload_dir: str | Path, disk_mb: int = 256, attn_measured: bool = False
+) -> tuple[HardwareProfile, dict[str, str]]:
+    """``prof`` for experts that live in ``offload_dir``, and how its new figures were obtained.
+
+    The slow tier is the disk, whose read bandwidth is measured (:func:`disk_read_gbps`, in blocks
+    of ``prof``'s expert). With CUDA the link is the slower of the host-to-device copy and the disk.
+    Without it the fast tier is the CPU: the link is the disk itself, and a resident expert is
+    computed by the CPU at one token (beta + C); of the reference device's figures only its
+    attention time is left, unless ``attn_measured`` (the model at hand), and the source says so."""
+    import torch
+
+    gbps, method = disk_read_gbps(offload_dir, disk_mb, block_bytes=prof.ref_expert_bytes)
+    disk = _sig(gbps)
+    how = {"disk_read_gbps": f"{method}, in {offload_dir}"}
+    if torch.cuda.is_available():
+        how["tiers"] = (
+            "device and disk: the link is the slower of the host-to-device copy and the disk's reads"
+        )
+        return replace(
+            prof, disk_read_gbps=disk, slow_tier="disk", transfer_gbps=min(prof.transfer_gbps, disk)
+        ), how
+    how["tiers"] = (
+        "cpu and disk: the link is the disk's reads (transfer_gbps = disk_read_gbps) and a resident expert "
+        "is the CPU expert at one token (gpu_expert_ms = cpu_beta_ms + cpu_c_ms)"
+    )
+    no_cuda = "" if attn_measured else ": attention time taken from prescope-a100-pcie4"
+    return replace(
+        prof,
+        disk_read_gbps=disk,
+        transfer_gbps=disk,
+        gpu_expert_ms=_sig(prof.cpu_beta_ms + prof.cpu_c_ms),
+        fast_tier="cpu",
+        slow_tier="disk",
+        source=prof.source.replace(NO_CUDA, "; no CUDA here" + no_cuda),
+    ), how
 
 
 def table(prof: HardwareProfile) -> str:

@@ -1,5 +1,7 @@
-"""`moecast profile` on the CPU, at tiny sizes: expert shape and dtype, dense time on the model, predictor
-latency, offload-disk reads (O_DIRECT and its fallback), and a YAML the replay reads back."""
+"""`moecast profile` on the CPU, at tiny sizes: expert shape and dtype, the cold ring of experts sized
+from the last-level cache, dense time on the model, predictor latency, offload-disk reads (the runtime's
+reader over an offload directory; a temporary file, O_DIRECT and its fallback, elsewhere), the CPU-only
+disk deployment's tiers, and a YAML the replay reads back."""
 
 from __future__ import annotations
 
@@ -62,7 +64,8 @@ def test_a_predictor_without_a_per_layer_call_is_refused_before_anything_is_meas
 
 def test_disk_read_direct_and_the_buffered_fallback(tmp_path, monkeypatch):
     gbps, how = P.disk_read_gbps(tmp_path, size_mb=4, chunk_mb=1)
-    assert gbps > 0 and (how == "O_DIRECT" or how.startswith("buffered"))
+    assert gbps > 0 and (how.startswith("O_DIRECT: a fresh 4 MiB") or how.startswith("buffered"))
+    assert "1.00 MiB blocks" in how and "an offload directory gives the runtime's figure" in how
     assert not list(tmp_path.iterdir())  # the temporary file is removed
     real_open = os.open
 
@@ -114,3 +117,137 @@ def test_a_profile_without_the_new_fields_still_loads(tmp_path):
     bad.write_text(src.to_yaml().replace("disk_read_gbps: 0.0", "disk_read_gbps: -1"))
     with pytest.raises(ValueError, match="disk_read_gbps"):
         load_profile(bad)
+
+
+def _fake_cache(root, caches):
+    for i, (level, size) in enumerate(caches):
+        d = root / f"index{i}"
+        d.mkdir(parents=True)
+        (d / "level").write_text(f"{level}\n")
+        (d / "size").write_text(f"{size}\n")
+    return root
+
+
+def test_the_last_level_cache_is_level_3_else_the_largest_else_64_mib(tmp_path):
+    three = _fake_cache(tmp_path / "a", [(1, "48K"), (2, "2048K"), (3, "491520K")])
+    assert P.llc_bytes(three) == 491520 << 10
+    two = _fake_cache(tmp_path / "b", [(1, "32K"), (2, "1M")])
+    assert P.llc_bytes(two) == 1 << 20
+    assert P.llc_bytes(tmp_path / "none") == 64 << 20
+
+
+EXPERT_BF16 = 3 * 32 * 24 * 2  # the 32x24 bf16 expert of the ring tests: 4608 bytes
+
+
+def _count_weight_sets(monkeypatch):
+    seen = set()
+    real = P._swiglu
+
+    def spy(x, w):
+        seen.add(w[0].data_ptr())
+        return real(x, w)
+
+    monkeypatch.setattr(P, "_swiglu", spy)
+    return seen
+
+
+def test_the_cpu_expert_is_timed_over_a_ring_of_distinct_weights_past_twice_the_llc(tmp_path, monkeypatch):
+    root = _fake_cache(tmp_path, [(2, "8K"), (3, "20K")])  # 20 KiB: a ring of 2 * 20480 // 4608 + 1 = 9
+    monkeypatch.setattr(P, "CACHE_DIR", root)
+    seen = _count_weight_sets(monkeypatch)
+    # at least 2 + 4 calls per token count, however slow this machine is: the ring comes round
+    prof = P.measure(32, 24, token_counts=(1, 2), repeat=4, dtype="bfloat16")
+    assert len(seen) == 9
+    assert "cold: a ring of 9 experts (0.04 MiB) > 2x LLC" in prof.source
+
+
+def test_the_ring_takes_at_most_a_quarter_of_available_memory_and_at_least_two_sets(monkeypatch):
+    from moecast.runtime import offload
+
+    monkeypatch.setattr(P, "llc_bytes", lambda root=None: 1 << 30)
+    monkeypatch.setattr(offload, "available_bytes", lambda: 4 * 5 * EXPERT_BF16)
+    assert P.ring_size(EXPERT_BF16) == 5
+    monkeypatch.setattr(offload, "available_bytes", lambda: EXPERT_BF16)
+    seen = _count_weight_sets(monkeypatch)
+    prof = P.measure(32, 24, token_counts=(1, 2), repeat=1, dtype="bfloat16")
+    assert (
+        len(seen) == 2 and "cold: a ring of 2 experts" in prof.source and "<= 2x LLC (capped" in prof.source
+    )
+
+
+def _offload_dir(tmp_path, model=None):
+    from moecast.collect.models import find_moe_structure
+    from moecast.runtime.offload import write_offload
+
+    model = model or _model()
+    d = tmp_path / "experts"
+    write_offload(model, find_moe_structure(model), d)
+    return d
+
+
+@pytest.mark.filterwarnings("ignore::moecast.runtime.offload.OffloadWarning")  # tmpfs: no O_DIRECT
+def test_an_offload_directory_is_read_as_the_runtime_reads_it(tmp_path, monkeypatch):
+    from moecast.runtime.offload import ExpertReader
+
+    d = _offload_dir(tmp_path)
+    reads = []
+    real = ExpertReader.read_into
+    monkeypatch.setattr(
+        ExpertReader, "read_into", lambda self, pos, e, buf: (reads.append((pos, e)), real(self, pos, e, buf))
+    )
+    monkeypatch.setattr(P, "MIN_READ_S", 0.0)
+    gbps, how = P.disk_read_gbps(d, threads=3)
+    assert (
+        gbps > 0
+        and how.startswith("ExpertReader: 32 random whole-expert reads")
+        and "on 3 I/O threads" in how
+    )
+    assert "ms per read" in how and len(reads) == P.MIN_READS and len(set(reads)) > 8
+    assert sorted(p.name for p in d.iterdir() if p.name.startswith(".")) == []  # no temporary file
+    # the byte budget bounds a probe that would otherwise read on: 1 MiB of 12 KiB blocks
+    monkeypatch.setattr(P, "MIN_READ_S", 60.0)
+    monkeypatch.setattr(P, "READ_BUDGET_MB", 1)
+    reads.clear()
+    P.disk_read_gbps(d)
+    assert len(reads) == -(-(1 << 20) // 12288)
+
+
+@pytest.mark.filterwarnings("ignore::moecast.runtime.offload.OffloadWarning")
+def test_with_an_offload_and_no_cuda_the_cpu_is_the_fast_tier_and_the_disk_the_link(tmp_path, monkeypatch):
+    model = _model()
+    d = _offload_dir(tmp_path, model)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(P, "measure", _quick_measure(P.measure))
+    monkeypatch.setattr(P, "dense_layer_ms", lambda model: 0.5)
+    monkeypatch.setattr(P, "predictor_latency_ms", lambda pred, hidden: 0.1)
+    monkeypatch.setattr(P, "MIN_READ_S", 0.0)
+    prof, how = P.profile_model(model, offload_dir=d)
+    assert (prof.fast_tier, prof.slow_tier) == ("cpu", "disk")
+    assert prof.transfer_gbps == prof.disk_read_gbps > 0
+    assert prof.gpu_expert_ms == pytest.approx(prof.cpu_beta_ms + prof.cpu_c_ms, rel=1e-3)
+    assert how["disk_read_gbps"].startswith("ExpertReader") and "prescope" not in prof.source
+    assert load_profile("prescope-a100-pcie4").fast_tier == "device"  # without an offload nothing changes
+
+
+def test_cli_profile_with_an_offload_dir_and_no_cuda_is_the_cpu_disk_deployment(
+    tmp_path, capsys, monkeypatch
+):
+    from moecast.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(P, "measure", _quick_measure(P.measure))
+    out = tmp_path / "hw.yaml"
+    main(["profile", "--hidden_size", "32", "--intermediate_size", "24", "--offload_dir", str(tmp_path / "d"),
+          "--disk_mb", "1", "--out", str(out)])  # fmt: skip
+    prof = load_profile(out)
+    assert (prof.fast_tier, prof.slow_tier) == (
+        "cpu",
+        "disk",
+    ) and prof.transfer_gbps == prof.disk_read_gbps > 0
+    assert prof.gpu_expert_ms == pytest.approx(prof.cpu_beta_ms + prof.cpu_c_ms, rel=1e-3)
+    assert "no CUDA here: attention time taken from prescope-a100-pcie4" in prof.source
+    assert "a fresh" in prof.source and "tiers: cpu and disk" in prof.source
+    main(["profile", "--hidden_size", "32", "--intermediate_size", "24", "--out", str(out)])
+    prof = load_profile(out)
+    assert (prof.fast_tier, prof.slow_tier) == ("device", "host")
+    assert "link and device times taken from prescope-a100-pcie4" in prof.source
