@@ -237,8 +237,8 @@ def live_row(t: Tiers, name: str, capacity: float, replay_policy: str, replay_pr
         with ds_model.routed(t.model, t.routing) as ov:
             if isinstance(kw.get("predictor"), NextLayerOracle):
                 kw["predictor"].override = ov
-            times, _ = ds_model.decode_all(
-                t.model, t.requests, t.args.prompt, torch.device("cpu"), t.routing, ov
+            times, _ = ds_model.decode_all(  # every decode step: the basis of replay's modeled TPOT
+                t.model, t.requests, t.args.prompt, torch.device("cpu"), t.routing, ov, warmup=0
             )
         st = rt.stats()
     finally:
@@ -342,7 +342,7 @@ def child_main(args: argparse.Namespace) -> None:
     read0 = _read_bytes()
     reset_peak_rss()
     with ds_model.routed(model, routing) as ov:
-        times, _ = ds_model.decode_all(model, reqs, args.prompt, torch.device("cpu"), routing, ov)
+        times, _ = ds_model.decode_all(model, reqs, args.prompt, torch.device("cpu"), routing, ov, warmup=0)
     print(json.dumps({
         "config": args.child, "measured_tpot_ms": float(np.mean(times)), "modeled_tpot_ms": None, "hit_rate": None,
         "bytes_read": _read_bytes() - read0, "peak_rss_mb": peak_rss_mb(),

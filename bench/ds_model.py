@@ -439,9 +439,10 @@ def decode_all(
     override: RoutingOverride | None,
     keep_logits: bool = False,
     on_forward: Any = None,
+    warmup: int = 2,
 ) -> tuple[list[float], list[torch.Tensor | None]]:
     """Every request in order (the override walks each one's recorded routing); the decode steps'
-    ms without the first two (warm-up), and the logits per request."""
+    ms without the first ``warmup`` of the run, and the logits per request."""
     times, logits = [], []
     for i, tokens in enumerate(requests):
         if override is not None:
@@ -449,7 +450,7 @@ def decode_all(
         t, lg = decode(model, tokens, prompt, device, keep_logits, on_forward)
         times += t
         logits.append(lg)
-    return times[2:] if len(times) > 2 else times, logits
+    return times[warmup:] if len(times) > warmup else times, logits
 
 
 # ----------------------------------------------------------------------------- accelerate baseline
