@@ -28,6 +28,7 @@ comes from the cost model on the live runtime's virtual clock, not from a wall c
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -283,12 +284,14 @@ class LayerStore:
                 break
             self.load(int(e))
 
-    def cpu_weights(self, experts: np.ndarray) -> tuple[dict[str, torch.Tensor], np.ndarray, int]:
-        """Host tensors that hold ``experts`` for computing them on the CPU: (tensors by name, expert id ->
-        row of those tensors with the sentinel elsewhere, the sentinel = the tensors' expert count)."""
+    def cpu_waves(self, experts: np.ndarray) -> Iterator[tuple[dict[str, torch.Tensor], np.ndarray, int]]:
+        """Host tensors that hold ``experts`` for computing them on the CPU, in waves (each a subset of
+        ``experts``, together all of them once): (tensors by name, expert id -> row of those tensors with
+        the sentinel elsewhere, the sentinel = the tensors' expert count). The host copies hold every
+        expert already: one wave."""
         table = np.full(self.num_experts, self.num_experts, np.int64)
         table[experts] = experts
-        return self.host, table, self.num_experts
+        yield self.host, table, self.num_experts
 
     def close(self) -> None:
         """Release what the store holds beyond its tensors (nothing for host memory)."""

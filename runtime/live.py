@@ -45,6 +45,7 @@ I/O (:mod:`moecast.runtime.offload`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -126,7 +127,9 @@ class LiveConfig:
             model whose experts are in memory has them written to ``offload_dir`` once (resumable) and
             dropped from memory until ``detach``, which reads them back.
         offload_dir: The offload directory for ``offload="disk"``.
-        io_threads: Threads reading the offload directory.
+        io_threads: Threads reading the offload directory. The experts computed on the CPU are read in
+            waves of max(2, io_threads), two waves at a time, so their buffers stay at
+            2 x max(2, io_threads) experts however many a long prefill computes.
         predictor_ms: The predictor's latency per layer (ms) charged before a prefetch may start, as in
             the replay; None: the checkpoint's measured figure, else the hardware profile's.
     """
@@ -874,16 +877,21 @@ class LiveRuntime:
         return self._pool.submit(job).result
 
     def _host(self, pos: int, call: _ExpertsCall, experts: np.ndarray) -> torch.Tensor:
-        """CPU-assisted computation (SMoE §5.4): only the tokens routed to ``experts``, from host memory, on the host."""
-        tensors, table, count = self.stores[pos].cpu_weights(experts)
-        cpu_ids = torch.from_numpy(table[call.ids])
-        rows = (cpu_ids < count).any(1)
+        """CPU-assisted computation (SMoE §5.4): only the tokens routed to ``experts``, from host memory, on the host.
+
+        The store gives the experts in waves (the disk tier holds a bounded number of them at a time);
+        the waves' parts add up in float32, so one wave's result is exactly its part in the model's dtype.
+        """
         hidden = call.host["hidden"].reshape(-1, call.hidden.shape[-1])
-        host_view = SlotView(call.module, tensors, count, True)
-        part = self._impl[pos](host_view, hidden[rows], cpu_ids[rows], call.w_host[rows], **call.kwargs)
-        out = torch.zeros(hidden.shape, dtype=call.hidden.dtype)
-        out[rows] = part.to(call.hidden.dtype)
-        return out
+        out = torch.zeros(hidden.shape, dtype=torch.float32)
+        with contextlib.closing(self.stores[pos].cpu_waves(experts)) as waves:
+            for tensors, table, count in waves:
+                cpu_ids = torch.from_numpy(table[call.ids])
+                rows = (cpu_ids < count).any(1)
+                view = SlotView(call.module, tensors, count, True)
+                part = self._impl[pos](view, hidden[rows], cpu_ids[rows], call.w_host[rows], **call.kwargs)
+                out[rows] += part.float()
+        return out.to(call.hidden.dtype)
 
     def _load(self, pos: int, experts: np.ndarray, shield: np.ndarray) -> np.ndarray:
         """Insert ``experts`` into layer ``pos``'s cache and copy them into the slots the cache frees."""

@@ -23,7 +23,9 @@ buffered reads followed by ``posix_fadvise(DONTNEED)`` and says so once. :class:
 is :class:`moecast.runtime.expert_store.LayerStore` over that reader: on the CPU the slots are
 aligned host memory that a read fills in place; with CUDA a read fills a pinned staging buffer whose
 pieces then go to the device slot on the transfer streams. Experts that are not resident are not
-held in memory anywhere.
+held in memory anywhere: those computed on the CPU are read in waves into two buffers of
+``cpu_wave`` blocks each (one wave computes while the next is read), so the memory beyond the slots
+is bounded however many experts a prefill sends to the CPU.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import resource
 import shutil
 import threading
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -400,6 +403,11 @@ class ExpertReader:
             self._fds.append(self._open(path))
         self.pool = ThreadPoolExecutor(max_workers=max(1, int(threads)), thread_name_prefix="moecast-io")
         self._lock = threading.Lock()
+        # the CPU's experts are read in waves of cpu_wave experts into two buffers (one wave computes
+        # while the next is read), so a call holds 2 x cpu_wave experts however many it computes
+        self.cpu_wave = max(2, int(threads))
+        self._cpu_raw: torch.Tensor | None = None
+        self._cpu_lock = threading.Lock()
         self.bytes_read = 0
         self.reads = 0
 
@@ -464,8 +472,21 @@ class ExpertReader:
     def submit(self, pos: int, expert: int, buf: Any) -> Future:
         return self.pool.submit(self.read_into, pos, expert, buf)
 
+    @contextlib.contextmanager
+    def cpu_buffers(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The two wave buffers of :meth:`DiskLayerStore.cpu_waves`, held by one caller at a time.
+
+        Allocated at the first use and kept: a fresh buffer per call would zero-fill its pages again."""
+        with self._cpu_lock:
+            if self._cpu_raw is None:
+                stride = max(lay.stride for lay in self.layouts)
+                self._cpu_raw = aligned_bytes(2 * self.cpu_wave * stride)
+            half = len(self._cpu_raw) // 2
+            yield self._cpu_raw[:half], self._cpu_raw[half:]
+
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+        self._cpu_raw = None
         for fd in self._fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -583,20 +604,41 @@ class DiskLayerStore(LayerStore):
     def source(self, expert: int) -> dict[str, torch.Tensor]:
         raise NotImplementedError("a disk store reads experts with read_into; it holds no host copies")
 
-    def cpu_weights(self, experts: np.ndarray) -> tuple[dict[str, torch.Tensor], np.ndarray, int]:
-        """``experts`` read from disk into a temporary aligned buffer (one read each, in parallel)."""
-        m = len(experts)
-        base = aligned_bytes(m * self.layout.stride)
+    def cpu_waves(self, experts: np.ndarray) -> Iterator[tuple[dict[str, torch.Tensor], np.ndarray, int]]:
+        """``experts`` for the CPU, read from disk in waves of at most ``reader.cpu_wave`` experts.
+
+        Each wave is yielded as :meth:`LayerStore.cpu_waves` says; the next wave's reads go to the
+        other of the reader's two buffers while the caller computes this one, so however many experts
+        a call computes (a long prefill's dozens), it holds two waves' blocks.
+        """
+        ids = np.asarray(experts, np.int64)
+        w = self.reader.cpu_wave
+        waves = [ids[i : i + w] for i in range(0, len(ids), w)]
+        with self.reader.cpu_buffers() as bufs:
+            pending = self._read_wave(waves[0], bufs[0]) if waves else []
+            try:
+                for i, wave in enumerate(waves):
+                    for f in pending:
+                        self._blocked(f)
+                    pending = self._read_wave(waves[i + 1], bufs[(i + 1) % 2]) if i + 1 < len(waves) else []
+                    yield self._wave(bufs[i % 2], wave)
+            finally:
+                for f in pending:  # reads still landing must finish before another caller takes the buffers
+                    with contextlib.suppress(Exception):
+                        f.result()
+
+    def _read_wave(self, wave: np.ndarray, buf: torch.Tensor) -> list[Future]:
         stride = self.layout.stride
-        futs = [
-            self.reader.submit(self.pos, int(e), base[i * stride : (i + 1) * stride].numpy())
-            for i, e in enumerate(experts)
+        return [
+            self.reader.submit(self.pos, int(e), buf[i * stride : (i + 1) * stride].numpy())
+            for i, e in enumerate(wave)
         ]
-        for f in futs:
-            self._blocked(f)
+
+    def _wave(self, buf: torch.Tensor, wave: np.ndarray) -> tuple[dict[str, torch.Tensor], np.ndarray, int]:
+        m = len(wave)
         table = np.full(self.num_experts, m, np.int64)
-        table[np.asarray(experts, np.int64)] = np.arange(m)
-        return self.layout.views(base, m), table, m
+        table[wave] = np.arange(m)
+        return self.layout.views(buf, m), table, m
 
     def close(self) -> None:
         for fut in self._pending.values():

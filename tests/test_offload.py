@@ -296,3 +296,45 @@ def test_cuda_style_disk_store_reads_into_staging_then_copies_after_the_slots_la
         store.close()
         reader.close()
     assert np.array_equal(store.expert_in, [1, 6])
+
+
+def test_cpu_experts_are_read_in_two_bounded_wave_buffers(tmp_path, monkeypatch):
+    """However many experts one CPU call computes, the disk store holds two waves of ``cpu_wave``
+    blocks (allocated once, then reused), reads wave i+1 only once wave i is handed out, and gives
+    each expert's exact weights."""
+    model = make_model("mixtral")
+    meta = _write(model, tmp_path)
+    reader = ExpertReader(tmp_path, meta, threads=1)
+    experts = model.model.layers[0].mlp.experts
+    store = DiskLayerStore(experts, 2, reader, 0)
+    stride = reader.layouts[0].stride
+    allocated, submitted, targets = [], [], []
+    real_alloc, real_submit = offload.aligned_bytes, reader.submit
+    monkeypatch.setattr(offload, "aligned_bytes", lambda n: allocated.append(n) or real_alloc(n))
+
+    def submit(pos, e, buf):
+        submitted.append(e)
+        targets.append(buf.__array_interface__["data"][0])
+        return real_submit(pos, e, buf)
+
+    monkeypatch.setattr(reader, "submit", submit)
+    want = {n: t.clone() for n, t in expert_params(experts).items()}
+    try:
+        for call in ([0, 2, 3, 5, 6, 7, 1], [4]):
+            seen = []
+            for i, (tensors, table, count) in enumerate(store.cpu_waves(np.array(call))):
+                assert count <= reader.cpu_wave == 2
+                assert len(submitted) <= 2 * (i + 2)  # this wave's and the next one's reads, no more
+                wave = np.flatnonzero(table < count)
+                for e in wave:
+                    for n, t in tensors.items():
+                        assert torch.equal(t[table[e]], want[n][e])
+                seen += list(wave)
+            assert sorted(seen) == sorted(call) and len(seen) == len(call)
+            submitted.clear()
+    finally:
+        store.close()
+        reader.close()
+    assert allocated == [2 * 2 * stride]  # the two wave buffers, once for both calls
+    base = reader._cpu_raw.data_ptr()
+    assert all(base <= a and a + stride <= base + 4 * stride for a in targets)
