@@ -332,9 +332,10 @@ def test_cpu_experts_are_read_in_two_bounded_wave_buffers(tmp_path, monkeypatch)
                 seen += list(wave)
             assert sorted(seen) == sorted(call) and len(seen) == len(call)
             submitted.clear()
+        base = reader._cpu_raw.data_ptr()
     finally:
         store.close()
         reader.close()
     assert allocated == [2 * 2 * stride]  # the two wave buffers, once for both calls
-    base = reader._cpu_raw.data_ptr()
     assert all(base <= a and a + stride <= base + 4 * stride for a in targets)
+    assert reader._cpu_raw is None  # closing the reader lets them go
