@@ -39,6 +39,7 @@ import os
 import resource
 import shutil
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -410,6 +411,11 @@ class ExpertReader:
         self._cpu_lock = threading.Lock()
         self.bytes_read = 0
         self.reads = 0
+        # wall time with at least one read in flight: bytes_read / busy_s is the disk's rate as
+        # this run saw it (the union of the reads' intervals, so overlapping reads count once)
+        self.busy_s = 0.0
+        self._active = 0
+        self._busy_since = 0.0
 
     def _open(self, path: Path) -> int:
         if self.direct:
@@ -440,6 +446,33 @@ class ExpertReader:
         if len(view) != stride:
             raise ValueError(f"read buffer of {len(view)} bytes for an expert block of {stride}")
         offset = self.starts[pos] + int(expert) * stride
+        self._enter()
+        try:
+            self._read(pos, expert, view, offset, stride)
+        except BaseException:
+            self._leave(0, 0)
+            raise
+        self._leave(stride, 1)
+
+    def _enter(self) -> None:
+        with self._lock:
+            if self._active == 0:
+                self._busy_since = time.perf_counter()
+            self._active += 1
+
+    def _leave(self, nbytes: int, reads: int) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._active == 0:
+                self.busy_s += time.perf_counter() - self._busy_since
+            self.bytes_read += nbytes
+            self.reads += reads
+
+    def observed_gbps(self) -> float | None:
+        """The disk's read rate over the time a read was in flight (None before any read)."""
+        return self.bytes_read / self.busy_s / 1e9 if self.busy_s > 0 else None
+
+    def _read(self, pos: int, expert: int, view: memoryview, offset: int, stride: int) -> None:
         done = 0
         while done < stride:
             try:
@@ -459,9 +492,6 @@ class ExpertReader:
             done += got
         if not self.direct:
             os.posix_fadvise(self._fds[pos], offset, stride, os.POSIX_FADV_DONTNEED)
-        with self._lock:
-            self.bytes_read += stride
-            self.reads += 1
 
     def _reopen_buffered(self) -> None:
         with self._lock:

@@ -468,6 +468,11 @@ def profile_model(
     dtype = str(p.dtype).replace("torch.", "")
     prof = measure(hidden, inter, name=name, dtype=dtype)
     how = {"expert": f"{dtype} {hidden}x{inter}", "cpu": prof.source}
+    fit = implementation_expert_ms(st.layers[0].experts)
+    if fit is not None:
+        # what the runtime pays per expert: its calls of the family's implementation, glue included
+        prof = replace(prof, cpu_beta_ms=_sig(fit[0]), cpu_c_ms=_sig(fit[1]))
+        how["cpu_expert"] = fit[2]
     # times are for the model's own expert (its dtype), which replay scales from
     prof = replace(prof, attn_ms=_sig(dense_layer_ms(model)), ref_expert_bytes=int(info.expert_bytes))
     how["attn_ms"] = "the model's decode step with the routed experts skipped, per MoE layer"
@@ -482,6 +487,51 @@ def profile_model(
         how.update(disk_how)
     prof.source += "; " + "; ".join(f"{k}: {v}" for k, v in how.items() if k not in ("cpu", "expert"))
     return prof, how
+
+
+def implementation_expert_ms(
+    experts: Any, token_counts=(1, 2, 4, 8, 16), repeat: int = 7
+) -> tuple[float, float, str] | None:
+    """(beta, C, how) of one expert as the live runtime computes it on the CPU: a call of the model's
+    experts implementation on a :class:`~moecast.runtime.expert_store.SlotView` over a cold ring of
+    slots (more bytes than twice the last-level cache), one expert's tokens and the others' pairs
+    marked with the sentinel. The call's own work (routing bookkeeping, the implementation's glue)
+    is part of the figure, as it is of the runtime's. None for experts without per-expert weights."""
+    import torch
+    from moecast.runtime.expert_store import SlotView
+    from moecast.runtime.live import _resolve_impl
+
+    params = {n: p for n, p in experts.named_parameters(recurse=False) if p.dim() >= 2}
+    if not params:
+        return None
+    num = next(iter(params.values())).shape[0]
+    set_bytes = sum(p[0].numel() * p.element_size() for p in params.values())
+    n = ring_size(set_bytes)
+    slots = {k: torch.full((n, *p.shape[1:]), 0.01, dtype=p.dtype) for k, p in params.items()}
+    dtype = next(iter(params.values())).dtype
+    hidden = int(experts.config.hidden_size)
+    k = int(getattr(experts.config, "num_experts_per_tok", 2) or 2)
+    impl = _resolve_impl(experts.config._experts_implementation, experts)
+    view = SlotView(experts, slots, n, True)
+    turn = itertools.count()
+    ms = []
+    with torch.inference_mode():
+        for m in token_counts:
+            x = torch.full((m, hidden), 0.01, dtype=dtype)
+            ids = torch.full((m, k), n, dtype=torch.int64)
+            w = torch.full((m, k), 1.0 / k, dtype=dtype)
+
+            def call(x=x, ids=ids, w=w) -> None:
+                ids[:, 0] = next(turn) % n  # the ring's next slot: its weights come from DRAM
+                impl(view, x, ids, w)
+
+            ms.append(_time(call, repeat))
+    beta, c = np.polyfit(np.asarray(token_counts, dtype=float), np.asarray(ms), 1)
+    how = (
+        f"the model's {experts.config._experts_implementation or 'eager'} experts implementation on a slot "
+        f"view, one expert per call, over a ring of {n} slots ({n * set_bytes / 2**20:.0f} MiB; {num} experts)"
+    )
+    return max(float(beta), 1e-6), max(float(c), 0.0), how
 
 
 def on_disk(

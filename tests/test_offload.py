@@ -339,3 +339,27 @@ def test_cpu_experts_are_read_in_two_bounded_wave_buffers(tmp_path, monkeypatch)
     assert allocated == [2 * 2 * stride]  # the two wave buffers, once for both calls
     assert all(base <= a and a + stride <= base + 4 * stride for a in targets)
     assert reader._cpu_raw is None  # closing the reader lets them go
+
+
+def test_reader_observed_rate_counts_overlapping_reads_once(monkeypatch, tmp_path):
+    """bytes_read / busy_s, busy_s the union of the reads' intervals: two reads that overlap in time
+    count their span once, a gap between reads not at all (clock values given by hand)."""
+    from moecast.runtime import offload
+
+    r = offload.ExpertReader.__new__(offload.ExpertReader)
+    r._lock = __import__("threading").Lock()
+    r.bytes_read = r.reads = 0
+    r.busy_s, r._active, r._busy_since = 0.0, 0, 0.0
+    # the clock is read when the disk goes busy or idle: a starts 1.0, b overlaps, both done 1.5;
+    # c runs 3.0 to 10.0
+    clock = iter([1.0, 1.5, 3.0, 10.0])
+    monkeypatch.setattr(offload.time, "perf_counter", lambda: next(clock))
+    r._enter()  # a
+    r._enter()  # b, while a is in flight
+    r._leave(100, 1)  # a done, b still in flight
+    r._leave(100, 1)  # b done: busy 1.0 .. 1.5
+    assert r.busy_s == 0.5
+    r._enter()  # c
+    r._leave(50, 1)
+    assert r.busy_s == 7.5 and (r.bytes_read, r.reads) == (250, 3)
+    assert r.observed_gbps() == 250 / 7.5 / 1e9

@@ -251,3 +251,26 @@ def test_cli_profile_with_an_offload_dir_and_no_cuda_is_the_cpu_disk_deployment(
     prof = load_profile(out)
     assert (prof.fast_tier, prof.slow_tier) == ("device", "host")
     assert "link and device times taken from prescope-a100-pcie4" in prof.source
+
+
+def test_the_cpu_expert_is_the_models_implementation_on_a_cold_ring_of_slots(tmp_path, monkeypatch):
+    """The runtime's call (the family's experts implementation on a slot view, the other pairs carrying
+    the sentinel) is what is timed: each call computes one slot of the ring, the next one, and marks
+    every other pair with the sentinel."""
+    from moecast.runtime.live import _resolve_impl
+
+    monkeypatch.setattr(P, "CACHE_DIR", _fake_cache(tmp_path, [(3, "20K")]))
+    experts = _model().model.layers[0].mlp.experts
+    impl = _resolve_impl(experts.config._experts_implementation, experts)
+    seen = []
+
+    def spy(view, x, ids, w):
+        seen.append((int(ids[0, 0]), bool((ids[:, 1:] == view.num_experts).all())))
+        return impl(view, x, ids, w)
+
+    monkeypatch.setattr("moecast.runtime.live._resolve_impl", lambda name, module: spy)
+    beta, c, how = P.implementation_expert_ms(experts, token_counts=(1, 2), repeat=2)
+    n = P.ring_size(sum(p[0].numel() * p.element_size() for p in experts.parameters() if p.dim() >= 2))
+    assert beta > 0 and c >= 0 and f"ring of {n} slots" in how
+    assert [s for s, _ in seen[: 2 * n]] == [i % n for i in range(2 * n)]  # the next slot each call
+    assert all(other_is_sentinel for _, other_is_sentinel in seen)
