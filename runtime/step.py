@@ -32,9 +32,11 @@ that run a layer now it does, in this order:
    set (``n_cpu > 0``):
 
    - ``slow_tier: disk``: the CPU set's weights are read over the link behind the demand loads
-     (``link += n_cpu * t_io``) and its experts compute once all are read (``cpu_start = link``);
-   - ``fast_tier: cpu``: the same cores compute both sets, so they add:
-     ``layer_t = t_attn + max(dev, cpu_start) + t_cpu`` instead of ``max(dev, cpu_start + t_cpu)``.
+     (``link += n_cpu * t_io``) and each expert computes once read, so the CPU finishes at
+     ``cpu_end = max(first_read + t_cpu, link + t_cpu / n_cpu)`` (``first_read`` = the loads'
+     link + ``t_io``) instead of ``t_cpu``;
+   - ``fast_tier: cpu``: the same cores compute both sets, so their times add:
+     ``layer_t = t_attn + max(dev + t_cpu, cpu_end)`` instead of ``t_attn + max(dev, cpu_end)``.
 6. **Window** for the next layer's prefetch: its prediction is made once this layer has routed and
    takes ``t_pred`` (the predictor's latency); its transfers start when both it and this layer's
    link are done, and must land before the next layer's experts start, after its attention::
@@ -625,16 +627,21 @@ def layer_time(
         link = np.where(n_load > 0, math.inf, link)
     dev = np.maximum(n_dev * cost.t_g, link + np.where(n_load > 0, cost.t_g, 0.0))
     on_cpu = np.asarray(n_cpu) > 0
-    cpu_start = 0.0
+    cpu_end = t_cpu
     if cost.cpu_reads_link:
+        # the CPU set's experts compute as their reads land, behind the loads': the first read
+        # starts the compute, the last one's expert follows the link
+        first = link + io
         link = link + n_cpu * io
         if not finite:
             link = np.where(on_cpu, math.inf, link)
-        cpu_start = link
+        with np.errstate(invalid="ignore", divide="ignore"):
+            last = np.where(on_cpu, t_cpu / np.maximum(n_cpu, 1), 0.0)
+        cpu_end = np.where(on_cpu, np.maximum(first + t_cpu, link + last), t_cpu)
     if cost.shared_compute:
-        busy = np.where(on_cpu, np.maximum(dev, cpu_start) + t_cpu, dev)
+        busy = np.maximum(dev + np.where(on_cpu, t_cpu, 0.0), cpu_end)
     else:
-        busy = np.maximum(dev, np.where(on_cpu, cpu_start + t_cpu, t_cpu))
+        busy = np.maximum(dev, cpu_end)
     return cost.t_attn + busy, link
 
 

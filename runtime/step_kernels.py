@@ -317,16 +317,18 @@ def layer_time(fcost, n_dev, n_load, delay, t_cpu, n_cpu):
     if not finite and n_load > 0:
         link = np.inf
     dev = _max(np.float64(n_dev) * t_g, link + (t_g if n_load > 0 else 0.0))
-    cpu_start = 0.0
+    cpu_end = t_cpu
     if fcost[CPU_READS] != 0.0:
+        first = link + io
         link = link + np.float64(n_cpu) * io
         if not finite and n_cpu > 0:
             link = np.inf
-        cpu_start = link
+        if n_cpu > 0:
+            cpu_end = _max(first + t_cpu, link + t_cpu / np.float64(n_cpu))
     if fcost[SHARED] != 0.0:
-        busy = _max(dev, cpu_start) + t_cpu if n_cpu > 0 else dev
+        busy = _max(dev + (t_cpu if n_cpu > 0 else 0.0), cpu_end)
     else:
-        busy = _max(dev, cpu_start + t_cpu if n_cpu > 0 else t_cpu)
+        busy = _max(dev, cpu_end)
     return fcost[T_ATTN] + busy, link
 
 

@@ -245,7 +245,7 @@ TIERS_CASES = {
     # (fast_tier, slow_tier): (TPOT, per-layer mean), worked out in the test's docstring
     ("device", "host"): (4.25, [8.25 / 3, 7.75 / 3]),
     ("cpu", "host"): (4.625, [8.5 / 3, 8.25 / 3]),
-    ("device", "disk"): (6.75, [11.25 / 3, 9.75 / 3]),
+    ("device", "disk"): (6.5, [10.75 / 3, 9.75 / 3]),
 }
 
 
@@ -258,8 +258,9 @@ def test_cpu_set_on_the_profile_tiers(tmp_path, fast, tiers):
     cpu/host: the same cores, so times add: t1 L0 hit 0 (0.25) + 4 on the CPU (0.5) = 1.5 + 0.75 =
         2.25, L1 hit 2 + 5 on the CPU: 2.25; t2 L0 {4,6} on the CPU: 1.5 + 1.0 = 2.5, L1 hit 3 + 5:
         2.25: TPOT (4.5 + 4.75) / 2 = 4.625.
-    device/disk: each CPU expert is read first (1 ms each, serial): t1 L0 max(0.25, 1 + 0.5) = 1.5:
-        3.0, L1 3.0; t2 L0 2 reads then 1.0 of CPU: 4.5, L1 one read: 3.0: TPOT (6.0 + 7.5) / 2."""
+    device/disk: each CPU expert is read first (1 ms each, serial) and computes once read: t1 L0
+        max(0.25, 1 + 0.5) = 1.5: 3.0, L1 3.0; t2 L0 reads at 1 and 2, computes 1..1.5, 2..2.5:
+        max(1 + 1.0, 2 + 0.5) = 2.5: 4.0, L1 one read: 3.0: TPOT (6.0 + 7.0) / 2."""
     fast_tier, slow_tier = tiers
     cpu = Policy("cpu", "lru", balancer="cpu")
     ts = _trace(tmp_path / "a", ROUTES_A, decode=[False, True, True])
@@ -278,7 +279,7 @@ def test_cpu_set_on_the_profile_tiers(tmp_path, fast, tiers):
         ("device", "host", 1.5 + 2.0),  # max(2.0, 0.5)
         ("cpu", "host", 1.5 + 2.5),  # 2.0 + 0.5
         ("device", "disk", 1.5 + 2.0),  # max(2.0, 1 read + 0.5)
-        ("cpu", "disk", 1.5 + 2.5),  # max(2.0, 1 read) + 0.5
+        ("cpu", "disk", 1.5 + 2.5),  # max(2.0 + 0.5, 1 read + 0.5)
     ],
 )
 def test_layer_time_on_each_tier_by_hand(fast_tier, slow_tier, want):
@@ -292,3 +293,20 @@ def test_layer_time_on_each_tier_by_hand(fast_tier, slow_tier, want):
     assert link[0] == pytest.approx(1.0 if slow_tier == "disk" else 0.0)  # the next prefetch waits for it
     fcost = np.array([c.t_io, c.t_g, c.t_attn, c.beta, c.c, 0.0, 0.0, c.shared_compute, c.cpu_reads_link])
     assert sk.layer_time(fcost, 8, 0, 0.0, 0.5, 1) == (layer_t[0], link[0])
+
+
+def test_cpu_experts_on_a_disk_compute_as_their_reads_land():
+    """Two demand loads, then three CPU experts (0.5 ms each) read behind them, 1 ms per read, one
+    resident expert: the loads land at 2 (their last computes 2..2.25); the CPU reads land at 3, 4, 5
+    and each computes once read, the last 5..5.5: device/disk layer 1.5 + 5.5. With the CPU as the
+    fast tier the resident experts' 0.75 ms and the CPU's 1.5 ms add, which the reads still cover."""
+    from moecast.runtime import step_kernels as sk
+    from moecast.runtime.step import layer_time
+
+    for fast_tier in ("device", "cpu"):
+        c = CostModel.from_profile(_profile(1.5, 0.5, fast_tier=fast_tier, slow_tier="disk"), EXPERT_BYTES)
+        args = (np.array([3]), np.array([2]), 0.0, np.array([1.5]), np.array([3]))
+        layer_t, link = layer_time(c, *args)
+        assert (layer_t[0], link[0]) == pytest.approx((7.0, 5.0))
+        fcost = np.array([c.t_io, c.t_g, c.t_attn, c.beta, c.c, 0.0, 0.0, c.shared_compute, c.cpu_reads_link])
+        assert sk.layer_time(fcost, 3, 2, 0.0, 1.5, 3) == (layer_t[0], link[0])
