@@ -995,6 +995,8 @@ class LiveRuntime:
             offload=self.config.offload,
             bytes_read=self.reader.bytes_read if self.reader is not None else 0,
             disk_reads=self.reader.reads if self.reader is not None else 0,
+            # the disk as this run saw it, beside the profile's figure the modeled time used
+            disk_read_gbps_observed=self.reader.observed_gbps() if self.reader is not None else None,
             direct_io=bool(self.reader.direct) if self.reader is not None else None,
             peak_rss_mb=peak_rss_mb(),
         )
