@@ -48,7 +48,7 @@ def test_tiny_from_the_offload_directory_gives_the_unmodified_logits(tiny_dir, t
             assert torch.allclose(g, r, atol=2e-5, rtol=1e-5)
         assert stats["bytes_read"] > 0 and stats["decode_steps"] == 1
         assert stats["disk_read_gbps_observed"] > 0  # bytes over the time a read was in flight
-        assert 0 < stats["peak_rss_mb"] <= peak_rss_mb()
+        assert 0 < stats["peak_rss_mb"] <= peak_rss_mb() + 1  # the kernel syncs per-thread RSS counts lazily
 
 
 def test_cli_run_offload_disk_writes_once_and_reports_the_tiers(tiny_dir, tmp_path, capsys):
