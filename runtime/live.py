@@ -716,13 +716,19 @@ class LiveRuntime:
         loads = o.load_ids[0][o.load_ids[0] >= 0]
         placed = loads[self.cache.resident[pos, loads]]  # loads the cache took, into the slots it freed
         self._move(pos, before, placed)
+        cpu_ids = o.cpu_ids[0]
+        early = not (cpu_ids >= 0).any()
+        if early:
+            # the next layer's prefetch is queued now, behind this layer's demand loads, so its
+            # transfers run while this layer computes (the step's window opens when the link is free,
+            # not after the experts' compute); a CPU set's reads come first, so it waits for them
+            self._prefetch()
         # experts of the call, as np.unique(ids) counts them (the router gives no padding ids)
         distinct = len(uniq) if ids.min() >= 0 else len(np.unique(ids))
         call = _ExpertsCall(module, hidden, top_k_index, weights, ids, kwargs, host, w_host, distinct)
         # loads it did not take stream through the slots (more misses than slots: a long prefill); under
         # static, which never inserts, the step's streamed misses are computed from host memory here
         streamed = loads[~np.isin(loads, placed)] if len(placed) < len(loads) else loads[:0]
-        cpu_ids = o.cpu_ids[0]
         out, to_cpu, cpu_part = self._run_experts(pos, call, uniq[hit], placed, streamed, uniq, cpu_ids)
         if len(to_cpu):
             # one token: each expert has one use
@@ -733,7 +739,8 @@ class LiveRuntime:
         if out is None:
             out = torch.zeros_like(hidden)
         self._clock += float(o.layer_t[0])
-        self._prefetch()
+        if not early:
+            self._prefetch()
         return out
 
     def _full_layer(
