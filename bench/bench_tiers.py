@@ -11,9 +11,11 @@ format: one aligned block per expert), and every configuration reads them from t
 weights are loaded once (experts never materialised).
 
 Rows, at each capacity (share of each layer's experts resident in RAM), with measured TPOT (mean
-wall time of a decode step; the same teacher-forced tokens everywhere), modeled TPOT (runtime.replay
-of the same routing under the profile measured here at the start: CPU expert time, non-expert time
-per layer, predictor latency, and the disk's direct-read bandwidth as the link), hit rate, bytes
+wall time of every decode step; the same teacher-forced tokens everywhere, after a one-token
+prompt), modeled TPOT (runtime.replay of the same routing under the profile measured here at the
+start: CPU expert time, non-expert time per layer, predictor latency, and the disk's direct-read
+bandwidth as the link), calibrated TPOT (the same replay under the rates the row's own run saw:
+the disk's rate while a read was in flight, one expert's compute, the rest of a layer), hit rate, bytes
 read from the disk and peak RSS (a live row also its RSS just before attach, and the peak over the
 budget plus that: :data:`RSS_RULE`):
 - moecast's disk tier (direct I/O, asynchronous reads): LRU and LFU on demand, static hot table
@@ -432,7 +434,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--traces", default=None, help="DeepSeek traces: CSV folder or a ds_model.py .npz")
     ap.add_argument("--requests", type=int, default=None)
     ap.add_argument("--hot-requests", type=int, default=4, help="other held-out requests for static's table")
-    ap.add_argument("--prompt", type=int, default=None)
+    # one token of prompt: the replay takes a prompt token by token where the live runtime prefills
+    # it in one forward, so a longer prompt would start the two from different caches
+    ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 1)")
     ap.add_argument("--tokens", type=int, default=None)
     ap.add_argument(
         "--disk-mb", type=int, default=256, help="disk probe's temporary file (MB) where no offload is read"
@@ -445,9 +449,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--child-capacity", type=float, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     q = args.quick
-    for k, v in dict(
-        layers=4 if q else 26, requests=1 if q else 2, prompt=8 if q else 16, tokens=12 if q else 32
-    ).items():
+    for k, v in dict(layers=4 if q else 26, requests=1 if q else 2, prompt=1, tokens=19 if q else 47).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     args.passthrough = ["--layers", str(args.layers), "--requests", str(args.requests), "--prompt", str(args.prompt),
