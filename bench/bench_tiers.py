@@ -19,8 +19,9 @@ the disk's rate while a read was in flight, one expert's compute, the rest of a 
 read from the disk and peak RSS (a live row also its RSS just before attach, and the peak over the
 budget plus that: :data:`RSS_RULE`):
 - moecast's disk tier (direct I/O, asynchronous reads): LRU and LFU on demand, static hot table
-  (counted on other held-out requests), LLaPor prefetch (``--predictor``, the DeepSeek checkpoint),
-  oracle prefetch (a bound: the next layer's true experts);
+  (counted on other held-out requests), LLaPor prefetch and prefetch-late (``--predictor``, the
+  DeepSeek checkpoint; prefetch-late also starts one prefetch past the window, which the next layer
+  waits for), and the same two with an oracle (a bound: the next layer's true experts);
 - page cache: the experts mmap'd from the same safetensors files (llama.cpp's approach, the
   family's eager experts so only routed experts are touched), the process held by a memory cgroup
   to its non-expert usage plus the experts' budget (bench/memlimit.py; needs root: the row says
@@ -330,28 +331,38 @@ def moecast_rows(t: Tiers, report: Any, capacity: float) -> None:
             "static hot",
             lambda: live_row(t, "static hot", capacity, "static", "none", policy="static", predictor=t.hot),
         )
-    if t.predictor is not None:
-        g(
-            s,
-            "llapor prefetch",
-            lambda: live_row(
-                t, "llapor prefetch", capacity, "prefetch", t.predictor, policy="lru", predictor=t.predictor
-            ),
-        )
-    else:
-        report.skip(s, "llapor prefetch", "no DeepSeek checkpoint (--predictor)")
+    # prefetch in the window (SMoE), and prefetch-late: one more than the window holds, which the
+    # next layer waits for (a disk read outlasts a layer's attention, so none may fit the window)
+    variants = (("prefetch", "prefetch"), ("prefetch-late", "prefetch-late"))
+    for label, policy in variants:
+        if t.predictor is not None:
+            name = f"llapor {label}"
+            g(
+                s,
+                name,
+                lambda n=name, p=policy: live_row(
+                    t, n, capacity, p, t.predictor, policy=p, predictor=t.predictor
+                ),
+            )
+        else:
+            report.skip(s, f"llapor {label}", "no DeepSeek checkpoint (--predictor)")
     if t.routing.recorded:
         cfg = t.cfg
-        oracle = NextLayerOracle(
-            ds_model.RoutingOverride(), cfg.n_routed_experts, cfg.num_hidden_layers, cfg.num_experts_per_tok
-        )
-        g(
-            s,
-            "oracle prefetch (bound)",
-            lambda: live_row(
-                t, "oracle prefetch (bound)", capacity, "prefetch", "oracle", policy="lru", predictor=oracle
-            ),
-        )
+        for label, policy in variants:
+            oracle = NextLayerOracle(
+                ds_model.RoutingOverride(),
+                cfg.n_routed_experts,
+                cfg.num_hidden_layers,
+                cfg.num_experts_per_tok,
+            )
+            name = f"oracle {label} (bound)"
+            g(
+                s,
+                name,
+                lambda n=name, p=policy, o=oracle: live_row(
+                    t, n, capacity, p, "oracle", policy=p, predictor=o
+                ),
+            )
 
 
 def child_row(t: Tiers, kind: str, capacity: float) -> dict:

@@ -15,6 +15,10 @@ A :class:`Policy` names five choices (docs/design.md, "Runtime"):
 - ``preload``: ``hot`` starts every cache from PreScope's hot-expert table (Sec. 4.4), ``none``
   from empty (replay) or the runtime's initial placement (live).
 
+``late_prefetch`` (with ``prefetch: predictor``): one prefetch more than the window holds is started;
+it lands late but is resident, and the next layer waits for it (where a transfer takes longer than a
+layer's attention, as from a disk, no prefetch fits the window otherwise).
+
 :data:`POLICIES` holds the named presets that ``--policy`` selects in ``moecast replay``,
 ``compare`` and ``run``. Whether a policy substitutes, and the alpha it takes when none is given
 (:func:`resolve_alpha`), is decided here and nowhere else.
@@ -57,6 +61,7 @@ class Policy:
     balancer: str = "none"
     prefetch: str = "none"
     preload: str = "none"
+    late_prefetch: bool = False
     help: str = ""
 
     def __post_init__(self) -> None:
@@ -68,6 +73,11 @@ class Policy:
         ):
             if value not in allowed:
                 raise InputError(f"unknown {what} {value!r}; choose one of {', '.join(allowed)}")
+        if self.late_prefetch and (self.prefetch == "none" or self.balancer == "presched"):
+            raise InputError(
+                f"policy {self.name!r}: late_prefetch needs prefetch predictor and a balancer other than "
+                "presched (PreSched sizes its own prefetch)"
+            )
         a = self.alpha
         if not (isinstance(a, (int, float)) and math.isfinite(a) and a >= 0):
             raise InputError(f"alpha must be a number >= 0 (SMoE's substitution threshold), got {a}")
@@ -108,6 +118,13 @@ POLICIES: dict[str, Policy] = {
             "lru",
             prefetch="predictor",
             help="LRU + top-score prefetch (SMoE C4) from --predictor",
+        ),
+        Policy(
+            "prefetch-late",
+            "lru",
+            prefetch="predictor",
+            late_prefetch=True,
+            help="prefetch, and one more than the window holds, which the next layer waits for (a slow link: disk)",
         ),
         Policy(
             "presched",

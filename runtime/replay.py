@@ -346,6 +346,7 @@ def _fast_wave_serves(run: _Run) -> bool:
         and run.planner is None
         and spec.eviction == "lru"
         and spec.balancer in ("none", "presched")
+        and not spec.late_prefetch
         and fast.valid_for_fast(run.data.topk, E)
     )
 

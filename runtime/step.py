@@ -10,7 +10,9 @@ that run a layer now it does, in this order:
    a prefetch never delays a layer's own loads; the rest are not started). Under PreSched the layer
    before chose a count (Eqs. 6-7); one more may be started that does not finish in the window: it
    delays this layer's demand loads by ``delay`` and its expert is not resident now (Premise 3).
-   A lane no PreSched decision reached (the first layer) takes as many as fit.
+   A lane no PreSched decision reached (the first layer) takes as many as fit. Under a policy's
+   ``late_prefetch`` one more than fits is started and lands late, resident: it delays the layer's
+   demand loads by ``delay`` and its expert computes no sooner than ``delay + t_g`` (``stall``).
 2. **Substitution** (SMoE Algorithm 1, :func:`moecast.runtime.substitution.substitute`) of the
    routed experts against the resident ones, when the policy substitutes with ``alpha > 0``
    (:meth:`LayerStep.route`).
@@ -166,7 +168,12 @@ class LayerStep:
         nonres = (ranked >= 0) & ~cache.lookup(lanes, ranked)
         cand = _compact(np.where(nonres, ranked, -1))
         want, landed, started, clock.delay[lanes] = landing(
-            (cand >= 0).sum(1), clock.pf_n[lanes], clock.free[lanes], self.cost.t_io, self.policy.balancer
+            (cand >= 0).sum(1),
+            clock.pf_n[lanes],
+            clock.free[lanes],
+            self.cost.t_io,
+            self.policy.balancer,
+            self.policy.late_prefetch,
         )
         take = np.arange(cand.shape[1])[None, :] < landed[:, None]
         ins = cache.insert(lanes, np.where(take, cand, -1), shield=ranked, prefetch=True, t=t)
@@ -228,7 +235,8 @@ class LayerStep:
             sc = (probs.astype(np.float32) * valid[:, :, None]).sum(1) / np.maximum(valid.sum(1), 1)[:, None]
             cache.observe_scores(lanes, sc)
         n_dev = (hit & (uniq >= 0)).sum(1) + n_load
-        layer_t, link = layer_time(self.cost, n_dev, n_load, delay, t_cpu, n_miss - n_load)
+        stall = delay if pol.late_prefetch else 0.0
+        layer_t, link = layer_time(self.cost, n_dev, n_load, delay, t_cpu, n_miss - n_load, stall)
         self._advance(lanes, layer_t, link, next_lanes, has_next, restart)
         self.add("loads", lanes, layer, n_load)
         self.add("cpu", lanes, layer, n_miss - n_load)
@@ -424,13 +432,16 @@ class OneLane:
         t_pred = step.predictor_ms if step.prefetching else 0.0
         fcost = (
             cost.t_io, cost.t_g, cost.t_attn, cost.beta, cost.c, t_pred, step.first_window,
-            float(cost.shared_compute), float(cost.cpu_reads_link),
+            float(cost.shared_compute), float(cost.cpu_reads_link), float(pol.late_prefetch),
         )  # fmt: skip
-        self.fcost = np.array(fcost, np.float64)  # in step_kernels' T_IO .. CPU_READS order
+        self.fcost = np.array(fcost, np.float64)  # in step_kernels' T_IO .. LATE order
         self.scratch = np.empty(0)  # the kernels' scratch (PreSched's inputs, the CPU times)
         self.info = np.zeros(2, np.int64)
         self.counters = np.zeros(5, np.int64)
         self.bal = sk.BALANCER_CODE[pol.balancer]
+        self.landing_rule = (
+            sk.LATE if pol.late_prefetch else sk.PRESCHED_ONE if pol.balancer == "presched" else sk.IN_WINDOW
+        )
         self.score = cache.policy == "score"
         self.ring = cache._ring if self.score else np.zeros((1, 1, 1), np.float32)
         self.ring_pos = cache._ring_pos if self.score else np.zeros(1, np.int64)
@@ -571,7 +582,7 @@ class OneLane:
         bad = ep[2](
             cache._res, cache._last, cache._freq, cache._pf, cache._nu_k, cache._score_k, cache._count, lane,
             int(step.stat_base[lane] + layer[0]), cache._caps[lane], _time(t), row, cache._code, cache._shift,
-            self.bal == sk.BALANCER_CODE["presched"], self.fcost, clock.free, clock.delay, clock.pf_n,
+            self.landing_rule, self.fcost, clock.free, clock.delay, clock.pf_n,
             step.r_landed, step.table, out, self.counters,
         )  # fmt: skip
         if bad:
@@ -581,13 +592,14 @@ class OneLane:
 
 
 def landing(
-    n_cand: np.ndarray, pf_n: np.ndarray, free: np.ndarray, t_io: float, balancer: str
+    n_cand: np.ndarray, pf_n: np.ndarray, free: np.ndarray, t_io: float, balancer: str, late: bool = False
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Step 1's rule: of ``n_cand`` non-resident candidates, (asked, landed, started, delay) per row.
 
     ``pf_n`` is PreSched's count (-1: none decided), ``free`` the window. A transfer lands when it
     finishes inside the window; only PreSched's own count may start one more, which does not land
-    and delays the layer's demand loads by the time it still needs.
+    and delays the layer's demand loads by the time it still needs. Under ``late`` (the policy's
+    late_prefetch) one more is started too, and it lands: resident, late by ``delay``.
     """
     n = len(n_cand)
     want = np.where(pf_n >= 0, np.minimum(pf_n, n_cand), n_cand)
@@ -597,12 +609,17 @@ def landing(
         fit = want
     else:
         fit = np.maximum(np.floor(free / t_io + 1e-9), 0).astype(np.int64)
+    finite = math.isfinite(t_io)
+    if late and finite and t_io > 0:
+        landed = np.minimum(want, fit + 1)
+        want = landed
+        delay = np.maximum(np.where(landed > fit, landed * t_io - free, 0.0), 0.0)
+        return want, landed, landed, delay
     want = np.where((pf_n >= 0) & (balancer == "presched"), want, np.minimum(want, fit))
     landed = np.minimum(want, fit)
-    finite = math.isfinite(t_io)
     started = np.minimum(want, landed + 1) if finite else np.zeros(n, dtype=np.int64)
-    late = (want > landed) & finite & (t_io > 0)
-    delay = np.maximum(np.where(late, (landed + 1) * t_io - free, 0.0), 0.0)
+    late_one = (want > landed) & finite & (t_io > 0)
+    delay = np.maximum(np.where(late_one, (landed + 1) * t_io - free, 0.0), 0.0)
     return want, landed, started, delay
 
 
@@ -613,12 +630,14 @@ def layer_time(
     delay: np.ndarray | float,
     t_cpu: np.ndarray | float,
     n_cpu: np.ndarray | int = 0,
+    stall: np.ndarray | float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Step 5's formula: (layer_t, link) per row (an absent link: infinite).
 
     ``n_cpu`` experts make up the CPU set; where the slow tier is a disk they are read over the
     link after the demand loads, and where the CPU is also the fast tier their time adds to the
-    resident experts' (module docstring)."""
+    resident experts' (module docstring). ``stall``: a late prefetch lands that long into the
+    layer's expert phase, and its expert computes after it."""
     t_io = cost.t_io
     finite = math.isfinite(t_io)
     io = t_io if finite else 0.0
@@ -626,6 +645,7 @@ def layer_time(
     if not finite:
         link = np.where(n_load > 0, math.inf, link)
     dev = np.maximum(n_dev * cost.t_g, link + np.where(n_load > 0, cost.t_g, 0.0))
+    dev = np.maximum(dev, np.where(np.asarray(stall) > 0, stall + cost.t_g, 0.0))
     on_cpu = np.asarray(n_cpu) > 0
     cpu_end = t_cpu
     if cost.cpu_reads_link:

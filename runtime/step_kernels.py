@@ -49,7 +49,10 @@ BALANCER_CODE = {"none": 0, "smoe": 1, "presched": 2, "cpu": 3}
 STATIC = kernels.POLICY_CODE["static"]
 SCORE = kernels.POLICY_CODE["score"]
 # fcost: the cost model's constants, in this order (LayerStep.one_costs)
-T_IO, T_G, T_ATTN, BETA, C, T_PRED, FIRST_WINDOW, SHARED, CPU_READS = range(9)
+T_IO, T_G, T_ATTN, BETA, C, T_PRED, FIRST_WINDOW, SHARED, CPU_READS, LATE_PF = range(10)
+#: the prefetch landing rules (step.landing): in the window only, PreSched's one late and not
+#: resident, late_prefetch's one late and resident
+IN_WINDOW, PRESCHED_ONE, LATE = range(3)
 # fout: one call's times (ms)
 LAYER_T, LINK, T_CPU, DELAY = range(4)
 # counters: what the call adds to the cache's CacheStats and its insert clock
@@ -266,7 +269,8 @@ def finish_one(
             score[lane, e] += sc - np.float64(ring[lane, pos, e])
             ring[lane, pos, e] = np.float32(sc)
         ring_pos[lane] = (pos + 1) % ring.shape[1]
-    layer_t, link = layer_time(fcost, n_hit + n_load, n_load, fout[DELAY], t_cpu, n_miss - n_load)
+    stall = fout[DELAY] if fcost[LATE_PF] != 0.0 else 0.0
+    layer_t, link = layer_time(fcost, n_hit + n_load, n_load, fout[DELAY], t_cpu, n_miss - n_load, stall)
     fout[LAYER_T] = layer_t
     fout[LINK] = link
     fout[T_CPU] = t_cpu
@@ -307,7 +311,7 @@ def step_one(
 
 
 @njit(cache=True, nogil=True)
-def layer_time(fcost, n_dev, n_load, delay, t_cpu, n_cpu):
+def layer_time(fcost, n_dev, n_load, delay, t_cpu, n_cpu, stall):
     """step.layer_time for one row: (layer_t, link)."""
     t_io = fcost[T_IO]
     t_g = fcost[T_G]
@@ -317,6 +321,8 @@ def layer_time(fcost, n_dev, n_load, delay, t_cpu, n_cpu):
     if not finite and n_load > 0:
         link = np.inf
     dev = _max(np.float64(n_dev) * t_g, link + (t_g if n_load > 0 else 0.0))
+    if stall > 0:
+        dev = _max(dev, stall + t_g)
     cpu_end = t_cpu
     if fcost[CPU_READS] != 0.0:
         first = link + io
@@ -334,7 +340,7 @@ def layer_time(fcost, n_dev, n_load, delay, t_cpu, n_cpu):
 
 @njit(cache=True, nogil=True)
 def prefetch_one(
-    res, last, freq, pf, nu, score, count, lane, slot, cap, t, ranked, policy, shift, presched,
+    res, last, freq, pf, nu, score, count, lane, slot, cap, t, ranked, policy, shift, rule,
     fcost, free, delay, pf_n, r_landed, stats, out, counters,
 ):  # fmt: skip
     """LayerStep.prefetch for one lane: ``ranked`` [M] the predicted experts best first (-1
@@ -352,7 +358,7 @@ def prefetch_one(
         if e >= 0 and not res[lane, e]:
             cand[n_cand] = e
             n_cand += 1
-    want, landed, started, d = landing(n_cand, pf_n[lane], free[lane], fcost[T_IO], presched)
+    want, landed, started, d = landing(n_cand, pf_n[lane], free[lane], fcost[T_IO], rule)
     delay[lane] = d
     row = np.full(M, -1, np.int64)
     row[:landed] = cand[:landed]
@@ -378,8 +384,8 @@ def prefetch_one(
 
 
 @njit(cache=True, nogil=True)
-def landing(n_cand, pf_n, free, t_io, presched):
-    """step.landing for one row: (asked, landed, started, delay)."""
+def landing(n_cand, pf_n, free, t_io, rule):
+    """step.landing for one row (``rule``: IN_WINDOW, PRESCHED_ONE or LATE): (asked, landed, started, delay)."""
     want = min(pf_n, n_cand) if pf_n >= 0 else n_cand
     if np.isinf(t_io):
         fit = 0
@@ -387,10 +393,14 @@ def landing(n_cand, pf_n, free, t_io, presched):
         fit = want
     else:
         fit = np.int64(max(np.floor(free / t_io + 1e-9), 0.0))
-    if not (pf_n >= 0 and presched):
+    finite = np.isfinite(t_io)
+    if rule == LATE and finite and t_io > 0:
+        landed = min(want, fit + 1)
+        d = _max(np.float64(landed) * t_io - free if landed > fit else 0.0, 0.0)
+        return landed, landed, landed, d
+    if not (pf_n >= 0 and rule == PRESCHED_ONE):
         want = min(want, fit)
     landed = min(want, fit)
-    finite = np.isfinite(t_io)
     started = min(want, landed + 1) if finite else 0
     late = want > landed and finite and t_io > 0
     d = _max(np.float64(landed + 1) * t_io - free if late else 0.0, 0.0)
@@ -455,7 +465,7 @@ def entry_points() -> tuple:
            _f1, _f1, _i1, _f1, _f2, _f1a, _int, _bool, _bool, ids_a, _i2, _b1, _f1, _f1, _i1, _i1),
         ep(finish_one, *_CACHE, *ring, _int, _int, _int, _int, _int, _f1a, _int, _int, _f1, _f1, _i1, _f2,
            _int, _bool, _bool, _i2, _b1, _f1, _i1, _a(types.float64, 1, "A")),
-        ep(prefetch_one, *_CACHE, _int, _int, _int, _int, ids_a, _int, _int, _bool, _f1, _f1, _f1, _i1,
+        ep(prefetch_one, *_CACHE, _int, _int, _int, _int, ids_a, _int, _int, _int, _f1, _f1, _f1, _i1,
            _f1, _f2, _i1, _i1),
         ep(rank_one, _f1a, _int, _i1, _i1),
     )  # fmt: skip

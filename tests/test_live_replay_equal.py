@@ -127,6 +127,7 @@ CASES = {
     "lru": (POLICIES["lru"], False),
     "lfu": (POLICIES["lfu"], False),
     "oracle prefetch": (POLICIES["prefetch"], True),
+    "oracle prefetch-late": (POLICIES["prefetch-late"], True),
     "presched": (PRESCHED, True),
     "smoe": (dataclasses.replace(POLICIES["smoe"], prefetch="none"), False),
 }

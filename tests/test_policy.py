@@ -17,11 +17,21 @@ def test_presets_name_the_papers_choices():
         "static": ("static", "cpu", "none", "none"),
         "belady": ("belady", "none", "none", "none"),
         "prefetch": ("lru", "none", "predictor", "none"),
+        "prefetch-late": ("lru", "none", "predictor", "none"),
         "presched": ("lru", "presched", "predictor", "hot"),
         "smoe": ("score", "smoe", "predictor", "none"),
     }
     assert [n for n in POLICIES if substitutes(n)] == ["smoe"]
     assert not substitutes("no-such-policy")
+    assert [n for n, p in POLICIES.items() if p.late_prefetch] == ["prefetch-late"]
+
+
+def test_late_prefetch_needs_a_prefetch_of_its_own():
+    from moecast.runtime.policy import Policy
+
+    for kw in (dict(), dict(prefetch="predictor", balancer="presched")):
+        with pytest.raises(ValueError, match="late_prefetch needs prefetch predictor"):
+            Policy("x", "lru", late_prefetch=True, **kw)
 
 
 def test_alpha_defaults_only_where_the_policy_substitutes():

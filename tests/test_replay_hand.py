@@ -291,8 +291,10 @@ def test_layer_time_on_each_tier_by_hand(fast_tier, slow_tier, want):
     layer_t, link = layer_time(c, np.array([8]), np.array([0]), 0.0, np.array([0.5]), np.array([1]))
     assert layer_t[0] == pytest.approx(want)
     assert link[0] == pytest.approx(1.0 if slow_tier == "disk" else 0.0)  # the next prefetch waits for it
-    fcost = np.array([c.t_io, c.t_g, c.t_attn, c.beta, c.c, 0.0, 0.0, c.shared_compute, c.cpu_reads_link])
-    assert sk.layer_time(fcost, 8, 0, 0.0, 0.5, 1) == (layer_t[0], link[0])
+    fcost = np.array(
+        [c.t_io, c.t_g, c.t_attn, c.beta, c.c, 0.0, 0.0, c.shared_compute, c.cpu_reads_link, 0.0]
+    )
+    assert sk.layer_time(fcost, 8, 0, 0.0, 0.5, 1, 0.0) == (layer_t[0], link[0])
 
 
 def test_cpu_experts_on_a_disk_compute_as_their_reads_land():
@@ -308,5 +310,29 @@ def test_cpu_experts_on_a_disk_compute_as_their_reads_land():
         args = (np.array([3]), np.array([2]), 0.0, np.array([1.5]), np.array([3]))
         layer_t, link = layer_time(c, *args)
         assert (layer_t[0], link[0]) == pytest.approx((7.0, 5.0))
-        fcost = np.array([c.t_io, c.t_g, c.t_attn, c.beta, c.c, 0.0, 0.0, c.shared_compute, c.cpu_reads_link])
-        assert sk.layer_time(fcost, 3, 2, 0.0, 1.5, 3) == (layer_t[0], link[0])
+        fcost = np.array(
+            [c.t_io, c.t_g, c.t_attn, c.beta, c.c, 0.0, 0.0, c.shared_compute, c.cpu_reads_link, 0.0]
+        )
+        assert sk.layer_time(fcost, 3, 2, 0.0, 1.5, 3, 0.0) == (layer_t[0], link[0])
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_late_prefetch_lands_and_the_layer_waits_for_it(tmp_path, fast):
+    """Oracle prefetch-late, trace B, t_attn 0.5, 4 experts per layer: one prefetch more than the
+    window holds is started; it is resident, delays the link by what it still needs and its expert
+    computes no sooner than that delay + t_g.
+    t0 L0: window 0.5 holds none; 0 lands late by 0.5; hit 0, load 1: link 1.5, 0.5 + 1.75 = 2.25
+       L1: window 2.25 - 1.5 = 0.75: 2 late by 0.25; hit 2, load 3: link 1.25, 0.5 + 1.5 = 2.0
+    t1 L0: {0,1} resident, nothing to prefetch; hits 2: 1.0
+       L1: window 1.0 holds 4, and 5 lands late by 1.0; hits 2, the stall 1.0 + 0.25: 1.75
+    t2 L0: 2 late by 0.5; hits 2, stall 0.75: 1.25
+       L1: window 1.25 - 0.5 = 0.75: 6 late by 0.25 (evicts 2); hits 2: max(0.5, 0.5): 1.0
+    hits 10 / 12, demand loads 2, 6 prefetches landed, TPOT (4.25 + 2.75 + 2.25) / 3 (in-window
+    prefetch: 11.75 / 3, test_the_window_is_what_the_previous_layer_leaves)."""
+    ts = _trace(tmp_path / "b", ROUTES_B)
+    r = _run(ts, fast, "prefetch-late", capacity=4, hardware=_profile(0.5))
+    assert r.hit_rate == pytest.approx(10 / 12)
+    assert r.loads == 2
+    assert (r.prefetches_issued, r.prefetches_landed) == (6, 6)
+    assert r.modeled_tpot_ms == pytest.approx(9.25 / 3)
+    assert r.layer_time_ms_per_layer == pytest.approx([4.5 / 3, 4.75 / 3])

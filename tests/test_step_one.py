@@ -46,6 +46,7 @@ CASES = {
     "static": POLICIES["static"],
     "lru + cpu": dataclasses.replace(POLICIES["lru"], balancer="cpu"),
     "prefetch": POLICIES["prefetch"],
+    "prefetch-late": POLICIES["prefetch-late"],
     "presched": dataclasses.replace(POLICIES["presched"], preload="none"),
     "smoe": POLICIES["smoe"].with_alpha(0.5),
 }
