@@ -19,9 +19,10 @@ the disk's rate while a read was in flight, one expert's compute, the rest of a 
 read from the disk and peak RSS (a live row also its RSS just before attach, and the peak over the
 budget plus that: :data:`RSS_RULE`):
 - moecast's disk tier (direct I/O, asynchronous reads): LRU and LFU on demand, static hot table
-  (counted on other held-out requests), LLaPor prefetch and prefetch-late (``--predictor``, the
-  DeepSeek checkpoint; prefetch-late also starts one prefetch past the window, which the next layer
-  waits for), and the same two with an oracle (a bound: the next layer's true experts);
+  (counted on other held-out requests), LLaPor prefetch, prefetch-late and lfu-prefetch
+  (``--predictor``, the DeepSeek checkpoint; prefetch-late also starts one prefetch past the window,
+  which the next layer waits for; lfu-prefetch evicts by LFU), and the first two with an oracle (a
+  bound: the next layer's true experts);
 - page cache: the experts mmap'd from the same safetensors files (llama.cpp's approach, the
   family's eager experts so only routed experts are touched), the process held by a memory cgroup
   to its non-expert usage plus the experts' budget (bench/memlimit.py; needs root: the row says
@@ -334,7 +335,7 @@ def moecast_rows(t: Tiers, report: Any, capacity: float) -> None:
     # prefetch in the window (SMoE), and prefetch-late: one more than the window holds, which the
     # next layer waits for (a disk read outlasts a layer's attention, so none may fit the window)
     variants = (("prefetch", "prefetch"), ("prefetch-late", "prefetch-late"))
-    for label, policy in variants:
+    for label, policy in (*variants, ("lfu-prefetch", "lfu-prefetch")):
         if t.predictor is not None:
             name = f"llapor {label}"
             g(

@@ -43,20 +43,22 @@ def replay(
 
     Policies: lru (LRU eviction, demand loads); lfu (LFU); score (SMoE Eq. 3 eviction, needs
     router_probs); static (PreScope hot-expert table, fixed); belady (offline optimum, demand only);
-    prefetch (LRU + top-score prefetch from --predictor, default oracle); prefetch-late (prefetch and one
+    prefetch (LRU + top-score prefetch from --predictor, default oracle); lfu-prefetch (the same with LFU
+    eviction); prefetch-late (prefetch and one
     more than the window holds, which the next layer waits for); presched (hot-expert table start, LRU, PreScope
     PreSched load/CPU split and prefetch sizing, default predictor oracle); smoe (SMoE: score
     eviction + substitution with --alpha + prefetch + CPU balancing, needs router_probs).
 
     Args:
         traces: TraceSet directory.
-        policy: one of lru, lfu, score, static, belady, prefetch, prefetch-late, presched, smoe.
+        policy: one of lru, lfu, score, static, belady, prefetch, lfu-prefetch, prefetch-late, presched, smoe.
         capacity: per-layer cache size: a fraction of the experts (0.25), whole experts (6), or bytes (512MB).
         cold: start every request (group of --batch-size requests) with an empty cache; default: caches persist (stream).
         shared: one cache for all layers (capacity x layers experts) instead of one per layer.
         predictor: none, oracle (future knowledge: the routing that will happen, an upper bound), or a
             predictor checkpoint (.safetensors) that drives prefetching; null: the policy's own (oracle,
-            i.e. future knowledge, for prefetch, prefetch-late, presched and smoe; none for the others).
+            i.e. future knowledge, for prefetch, lfu-prefetch, prefetch-late, presched and smoe; none for the
+            others).
         planner: a prompt-ahead predictor checkpoint (EAM, EAP, cascade), or hot (the training requests'
             hot-expert table as the plan, the baseline a planner must beat): preloads each request's
             planned experts and is a prefetch prior.
@@ -226,7 +228,7 @@ def compare(
     Args:
         traces: TraceSet directory.
         policies: policy names (see `moecast replay --help`).
-        predictors: none (no predictor, also for prefetch, prefetch-late, presched and smoe, whose
+        predictors: none (no predictor, also for prefetch, lfu-prefetch, prefetch-late, presched and smoe, whose
             `moecast replay` default is the oracle), oracle (future knowledge: an upper bound), checkpoint
             paths. Policies that never prefetch run with none only.
         capacities: capacities (fractions, experts or bytes); those that hold fewer experts

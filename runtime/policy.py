@@ -120,6 +120,12 @@ POLICIES: dict[str, Policy] = {
             help="LRU + top-score prefetch (SMoE C4) from --predictor",
         ),
         Policy(
+            "lfu-prefetch",
+            "lfu",
+            prefetch="predictor",
+            help="LFU eviction + top-score prefetch from --predictor",
+        ),
+        Policy(
             "prefetch-late",
             "lru",
             prefetch="predictor",

@@ -128,6 +128,7 @@ CASES = {
     "lfu": (POLICIES["lfu"], False),
     "oracle prefetch": (POLICIES["prefetch"], True),
     "oracle prefetch-late": (POLICIES["prefetch-late"], True),
+    "oracle lfu-prefetch": (POLICIES["lfu-prefetch"], True),
     "presched": (PRESCHED, True),
     "smoe": (dataclasses.replace(POLICIES["smoe"], prefetch="none"), False),
 }

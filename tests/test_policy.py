@@ -17,6 +17,7 @@ def test_presets_name_the_papers_choices():
         "static": ("static", "cpu", "none", "none"),
         "belady": ("belady", "none", "none", "none"),
         "prefetch": ("lru", "none", "predictor", "none"),
+        "lfu-prefetch": ("lfu", "none", "predictor", "none"),
         "prefetch-late": ("lru", "none", "predictor", "none"),
         "presched": ("lru", "presched", "predictor", "hot"),
         "smoe": ("score", "smoe", "predictor", "none"),

@@ -47,6 +47,7 @@ CASES = {
     "lru + cpu": dataclasses.replace(POLICIES["lru"], balancer="cpu"),
     "prefetch": POLICIES["prefetch"],
     "prefetch-late": POLICIES["prefetch-late"],
+    "lfu-prefetch": POLICIES["lfu-prefetch"],
     "presched": dataclasses.replace(POLICIES["presched"], preload="none"),
     "smoe": POLICIES["smoe"].with_alpha(0.5),
 }
