@@ -96,7 +96,8 @@ class LiveConfig:
 
     Attributes:
         policy: A preset of runtime/policy.py (the replay's): ``smoe`` (SMoE Eq. 3 score eviction,
-            substitution, SMoE Algorithm 2 balancing, prefetch), ``prefetch`` (LRU + prefetch), ``presched``
+            substitution, SMoE Algorithm 2 balancing, prefetch), ``prefetch`` (LRU + prefetch), ``lfu-prefetch``,
+            ``prefetch-late`` (one prefetch past the window, waited for), ``presched``
             (LRU, PreSched's load/CPU split and prefetch sizing; here from the initial placement: the runtime
             has no hot-expert table of its own), or a cache policy: lru, lfu, score, static (fixed slots: a
             predictor's hot-expert table, else experts 0..c-1); or a :class:`~moecast.runtime.policy.Policy`.

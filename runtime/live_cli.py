@@ -128,8 +128,9 @@ def run(
             frequency checkpoint whose table pins each layer's top experts. Checked against the model's fingerprint.
         planner: Prompt-ahead checkpoint (CasMoE EAM, EAP or cascade): its plan for the prompt is preloaded before decoding.
         policy: a policy of ``moecast replay`` but belady: smoe (score eviction + substitution + CPU balancing +
-            prefetch), prefetch (LRU + prefetch), presched (LRU + PreSched's load/CPU split and prefetch
-            sizing), lru, lfu, score or static (fixed hot-expert table).
+            prefetch), prefetch (LRU + prefetch), lfu-prefetch (LFU + prefetch), prefetch-late (prefetch
+            and one more than the window holds, which the next layer waits for), presched (LRU + PreSched's
+            load/CPU split and prefetch sizing), lru, lfu, score or static (fixed hot-expert table).
         alpha: SMoE substitution threshold in [0, 1) for policy smoe (default 0.3, as in replay and compare); 0 leaves the routing
             unchanged. Other policies do not substitute (as in ``moecast replay``) and refuse alpha > 0.
         capacity: Experts per layer on the device: fraction (0.25), count (6), bytes (512MB) or ``all``.
