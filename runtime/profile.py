@@ -613,6 +613,43 @@ def on_disk(
     ), how
 
 
+def calibrate(prof: HardwareProfile, stats: dict[str, Any], num_layers: int) -> HardwareProfile:
+    """``prof`` with the rates a live run measured (:meth:`LiveRuntime.stats` after decode steps), for a
+    CPU fast tier, where every part of a step is host wall time:
+
+    - the link: the disk's read rate while a read was in flight (``disk_read_gbps_observed``);
+    - one expert: the decode steps' expert compute over the experts they computed (``routed`` uses;
+      at one token per step each use is one expert call), the calls' glue included;
+    - the rest of a layer (``attn_ms``): the step's time outside the experts' compute, transfer waits
+      and the predictor (attention, dense layers, the runtime's own host work), per MoE layer.
+
+    The replay under it models other requests on this machine as the live runtime runs them
+    (bench/bench_tiers.py calibrates on requests it does not measure)."""
+    if prof.fast_tier != "cpu":
+        raise InputError(
+            f"profile {prof.name!r} computes resident experts on a device: calibration from the live run's "
+            "host timers applies to a CPU fast tier (moecast profile --offload_dir without CUDA)"
+        )
+    steps, routed = stats.get("decode_steps") or 0, stats.get("routed") or 0
+    if not steps or not routed:
+        raise InputError(
+            "calibration needs decode steps measured by the live runtime; decode a few tokens first"
+        )
+    expert = stats["expert_compute_ms"] * steps / routed
+    gbps = stats.get("disk_read_gbps_observed") or prof.transfer_gbps
+    return replace(
+        prof,
+        name=prof.name + "-calibrated",
+        transfer_gbps=_sig(gbps),
+        disk_read_gbps=_sig(gbps),
+        gpu_expert_ms=_sig(expert),
+        cpu_c_ms=_sig(max(expert - prof.cpu_beta_ms, 0.0)),
+        attn_ms=_sig((stats["attention_ms"] + stats["policy_ms"]) / num_layers),
+        source=prof.source
+        + f"; calibrated on a live run of {steps} decode steps (moecast.runtime.profile.calibrate)",
+    )
+
+
 def table(prof: HardwareProfile) -> str:
     """The profile as a printed table (ms unless said otherwise)."""
     rows = [

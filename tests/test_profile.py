@@ -274,3 +274,25 @@ def test_the_cpu_expert_is_the_models_implementation_on_a_cold_ring_of_slots(tmp
     assert beta > 0 and c >= 0 and f"ring of {n} slots" in how
     assert [s for s, _ in seen[: 2 * n]] == [i % n for i in range(2 * n)]  # the next slot each call
     assert all(other_is_sentinel for _, other_is_sentinel in seen)
+
+
+def test_calibrate_takes_the_rates_a_live_run_measured():
+    """10 decode steps of a 4-layer top-6 model: 240 expert calls took 48 ms per step, so 2.0 ms each;
+    attention and the runtime's host work 40 + 8 ms per step, 12 ms per layer; the disk 1.5 GB/s."""
+    from dataclasses import replace
+
+    from moecast.runtime.cost_model import HardwareProfile
+
+    base = HardwareProfile(
+        name="cpu-disk", transfer_gbps=3.0, ref_expert_bytes=1000, gpu_expert_ms=1.0, cpu_beta_ms=0.25,
+        cpu_c_ms=0.75, attn_ms=10.0, fast_tier="cpu", slow_tier="disk", disk_read_gbps=3.0,
+    )  # fmt: skip
+    stats = dict(decode_steps=10, routed=240, expert_compute_ms=48.0, attention_ms=40.0, policy_ms=8.0,
+                 disk_read_gbps_observed=1.5)  # fmt: skip
+    cal = P.calibrate(base, stats, num_layers=4)
+    assert (cal.transfer_gbps, cal.disk_read_gbps, cal.gpu_expert_ms, cal.attn_ms) == (1.5, 1.5, 2.0, 12.0)
+    assert cal.cpu_beta_ms == 0.25 and cal.cpu_c_ms == 1.75  # beta + C is the measured call
+    with pytest.raises(ValueError, match="applies to a CPU fast tier"):
+        P.calibrate(replace(base, fast_tier="device"), stats, 4)
+    with pytest.raises(ValueError, match="needs decode steps"):
+        P.calibrate(base, {**stats, "decode_steps": 0}, 4)
