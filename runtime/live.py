@@ -705,7 +705,10 @@ class LiveRuntime:
         if self._streaming:
             self._observe(pos, ids, w_host, host.get("hidden"), hidden.shape[-1])
         nxt = pos + 1
-        next_ids, self._next = self._next_prediction(nxt, hidden)
+        # PreSched sizes this layer's split by the next layer's predicted experts, so it predicts first;
+        # the others predict once the layer's demand loads are on the link, as the step's window has it
+        presched = self.policy.balancer == "presched"
+        next_ids, self._next = self._next_prediction(nxt, hidden) if presched else (None, None)
         before = self.cache.resident[pos].copy()
         o = self.step.layer(
             lane, lane, ids[None], self._t, probs, next_lanes=self._next_lanes[pos],
@@ -717,6 +720,8 @@ class LiveRuntime:
         loads = o.load_ids[0][o.load_ids[0] >= 0]
         placed = loads[self.cache.resident[pos, loads]]  # loads the cache took, into the slots it freed
         self._move(pos, before, placed)
+        if not presched:
+            self._next = self._next_prediction(nxt, hidden)[1]
         cpu_ids = o.cpu_ids[0]
         early = not (cpu_ids >= 0).any()
         if early:
