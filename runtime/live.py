@@ -816,18 +816,19 @@ class LiveRuntime:
     def _resident(
         self, pos: int, call: _ExpertsCall, hit_ids: np.ndarray, placed: np.ndarray
     ) -> torch.Tensor | None:
-        """The hits, then the demand loads: the step's ``max(n_dev * t_g, link + t_g)``.
+        """The resident experts of a call: the hits and the demand loads just placed.
 
-        The hits compute while the loads are in flight. Reading from a disk without an accelerator
-        (each call runs to its end before the next starts), a decode step then computes each load
-        as it lands, so only the last one's compute follows the link. On a device the loads stay one
-        call (its stream waits for their copies, the host does not, and a device expert is short
-        beside a transfer); a host-memory store copies synchronously, and a prefill's loads are
-        many (a call per expert would cost more than the overlap gains)."""
-        one_by_one = self._decode and self.reader is not None and not self.stores[pos].cuda
+        Reading from a disk without an accelerator (each call runs to its end before the next
+        starts), a decode step computes the hits while the loads are read, then each load as it
+        lands, so only the last one's compute follows the link (the step's ``max(n_dev * t_g, link +
+        t_g)``). Elsewhere they are one call, whose outputs stay bit-identical to the wrapped
+        implementation's: a device's stream waits for the copies without blocking the host, a
+        host-memory store copies synchronously, and a prefill's loads are many (a call per expert
+        would cost more than the overlap gains)."""
+        if not (self._decode and self.reader is not None and not self.stores[pos].cuda):
+            return self._device(pos, call, np.concatenate([hit_ids, placed]))
         parts = [hit_ids] if len(hit_ids) else []
-        if len(placed):
-            parts += list(placed[:, None]) if one_by_one else [placed]
+        parts += list(placed[:, None])
         if len(parts) <= 1:
             return self._device(pos, call, parts[0] if parts else placed)
         out = None
