@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import os
 import sys
@@ -466,6 +467,7 @@ def profile(
     intermediate_size: int = 1408,
     dtype: str = "bfloat16",
     name: str = "local",
+    calibrate: int = 0,
     json: bool = False,
 ) -> None:
     """Measure this machine into a hardware profile YAML (CPU expert time; dense and predictor time per layer; disk and CUDA bandwidth).
@@ -487,6 +489,10 @@ def profile(
         intermediate_size: expert intermediate size when neither --model nor --traces.
         dtype: the CPU expert's dtype when neither --model nor --traces (else the model's or the traces').
         name: profile name.
+        calibrate: with --model and --offload_dir on a machine without CUDA, decode this many tokens
+            with the live runtime (LRU, 25 % of experts resident, experts read from the directory) and
+            take the rates it measured: the disk while busy, one expert call, the rest of a layer
+            (attention and the runtime's host work), which the probes above do not see; 0: none.
         json: print the profile as JSON.
     """
     from moecast.runtime import profile as P
@@ -501,7 +507,15 @@ def profile(
 
         lm, _tok, _name = load_model(model)
         prof, _how = P.profile_model(lm, name, pred, offload_dir, disk_mb)
+        if calibrate:
+            if not offload_dir:
+                raise InputError("--calibrate measures the disk tier: give --offload_dir DIR")
+            prof = dataclasses.replace(P.calibrate_live(lm, prof, offload_dir, calibrate), name=name)
     else:
+        if calibrate:
+            raise InputError(
+                "--calibrate runs the live runtime on a model: give --model (tiny or a directory)"
+            )
         if traces:
             from moecast.collect.traceset import TraceSet
 

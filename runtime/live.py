@@ -65,7 +65,7 @@ from moecast.predictors.base import (
     StreamingPredictor,
 )
 from moecast.runtime.cache import ExpertCache, StaticTable, resolve_capacity
-from moecast.runtime.cost_model import CostModel, load_profile
+from moecast.runtime.cost_model import CostModel, HardwareProfile, load_profile
 from moecast.runtime.expert_store import LayerStore, SlotView, expert_params
 from moecast.runtime.offload import peak_rss_mb
 from moecast.runtime.policy import POLICIES, Policy, get_policy
@@ -106,7 +106,7 @@ class LiveConfig:
         alpha: SMoE substitution threshold in [0, 1); 0 leaves the routing untouched; None: the policy's
             default (0.3 under smoe). Only ``smoe`` substitutes (the replay's rule), so alpha > 0 with
             another policy is refused.
-        hardware: Hardware profile name (configs/hardware) or YAML path for the modeled times.
+        hardware: Hardware profile name (configs/hardware), YAML path or HardwareProfile for the modeled times.
         prefetch: Where prefetch candidates come from: auto (if the policy prefetches: the predictor if
             given, else online), none, online (next gate on this gate input), predictor.
         balance: Overrides the policy's balancer for decode misses: smoe (SMoE Algorithm 2), presched
@@ -140,7 +140,7 @@ class LiveConfig:
     alpha: float | None = None
     prefetch: str = "auto"
     balance: str | None = None
-    hardware: str = "smoe-s3-a6000"
+    hardware: str | HardwareProfile = "smoe-s3-a6000"
     warm: bool = True
     score_window: int = 8
     device: str | None = None
@@ -300,7 +300,8 @@ class LiveRuntime:
             )
         # the policy as it runs here: a prefetch source given explicitly turns its prefetch on or off
         self.policy = dataclasses.replace(rule, prefetch="none" if prefetch == "none" else "predictor")
-        profile = load_profile(config.hardware)
+        hw = config.hardware
+        profile = hw if isinstance(hw, HardwareProfile) else load_profile(hw)
         self.cost = CostModel.from_profile(profile, self.info.expert_bytes)
         self.cache = ExpertCache(
             self.num_experts,

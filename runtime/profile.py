@@ -650,6 +650,40 @@ def calibrate(prof: HardwareProfile, stats: dict[str, Any], num_layers: int) -> 
     )
 
 
+def calibrate_live(
+    model: Any,
+    prof: HardwareProfile,
+    offload_dir: str | Path,
+    tokens: int,
+    capacity: float = 0.25,
+    prompt: int = 8,
+) -> HardwareProfile:
+    """``prof`` calibrated (:func:`calibrate`) on a live run of ``model`` with its experts in
+    ``offload_dir``: LRU at ``capacity``, a prefill of ``prompt`` tokens, then ``tokens`` greedy decode
+    steps. The experts are written into the directory first where it holds none."""
+    import torch
+    from moecast.collect.models import find_moe_structure
+    from moecast.runtime.live import attach
+
+    if tokens < 1:
+        raise InputError(f"calibration decodes at least one token, got {tokens}")
+    vocab = int(model.config.vocab_size)
+    ids = (torch.arange(prompt)[None] * 7919 + 13) % vocab  # a fixed prompt: the rates, not the text, matter
+    rt = attach(
+        model, capacity=capacity, offload="disk", offload_dir=str(offload_dir), hardware=prof, policy="lru"
+    )
+    try:
+        with torch.inference_mode():
+            out = model(input_ids=ids, use_cache=True)
+            for _ in range(tokens):
+                nxt = out.logits[:, -1:].argmax(-1)
+                out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+        stats = rt.stats()
+    finally:
+        rt.detach()
+    return calibrate(prof, stats, len(find_moe_structure(model).layers))
+
+
 def table(prof: HardwareProfile) -> str:
     """The profile as a printed table (ms unless said otherwise)."""
     rows = [

@@ -296,3 +296,33 @@ def test_calibrate_takes_the_rates_a_live_run_measured():
         P.calibrate(replace(base, fast_tier="device"), stats, 4)
     with pytest.raises(ValueError, match="needs decode steps"):
         P.calibrate(base, {**stats, "decode_steps": 0}, 4)
+
+
+def test_cli_profile_calibrates_on_a_live_run_of_the_model(tmp_path, monkeypatch):
+    """`moecast profile --model tiny --offload_dir DIR --calibrate 3`: the experts are written into DIR,
+    three tokens are decoded from it, and the profile takes the rates that run measured."""
+    from moecast.cli import main
+    from moecast.collect.tiny import build_tiny
+
+    tiny = build_tiny(out=str(tmp_path / "tiny"), preset="test", seed=0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(P, "measure", _quick_measure(P.measure))
+    monkeypatch.setattr(P, "MIN_READ_S", 0.0)
+    seen = {}
+    real = P.calibrate
+
+    def spy(prof, stats, num_layers):
+        seen.update(stats, layers=num_layers)
+        return real(prof, stats, num_layers)
+
+    monkeypatch.setattr(P, "calibrate", spy)
+    out = tmp_path / "hw.yaml"
+    main(["profile", "--model", str(tiny), "--offload_dir", str(tmp_path / "off"), "--calibrate", "3",
+          "--name", "here", "--out", str(out)])  # fmt: skip
+    prof = load_profile(out)
+    assert seen["decode_steps"] == 3 and seen["bytes_read"] > 0
+    assert prof.name == "here" and "calibrated on a live run of 3 decode steps" in prof.source
+    assert prof.transfer_gbps == pytest.approx(seen["disk_read_gbps_observed"], rel=1e-3)
+    assert prof.gpu_expert_ms == pytest.approx(seen["expert_compute_ms"] * 3 / seen["routed"], rel=1e-3)
+    with pytest.raises(SystemExit):
+        main(["profile", "--hidden_size", "32", "--intermediate_size", "24", "--calibrate", "3"])
