@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from moecast.runtime.policy import POLICIES
+from moecast.runtime.policy import POLICIES, with_policies
 from moecast.runtime.replay import DEFAULT_HARDWARE, ReplayConfig, ReplayResult
 
 from moecast.errors import InputError
@@ -42,24 +42,17 @@ def replay(
 ) -> None:
     """Replay a TraceSet through one runtime configuration and print the metrics.
 
-    Policies: lru (LRU eviction, demand loads); lfu (LFU); score (SMoE Eq. 3 eviction, needs
-    router_probs); static (PreScope hot-expert table, fixed); belady (offline optimum, demand only);
-    prefetch (LRU + top-score prefetch from --predictor, default oracle); lfu-prefetch (the same with LFU
-    eviction); prefetch-late (prefetch and one
-    more than the window holds, which the next layer waits for); presched (hot-expert table start, LRU, PreScope
-    PreSched load/CPU split and prefetch sizing, default predictor oracle); smoe (SMoE: score
-    eviction + substitution with --alpha + prefetch + CPU balancing, needs router_probs).
+    Policies: <POLICY_HELP>.
 
     Args:
         traces: TraceSet directory.
-        policy: one of lru, lfu, score, static, belady, prefetch, lfu-prefetch, prefetch-late, presched, smoe.
+        policy: one of <POLICY_NAMES>.
         capacity: per-layer cache size: a fraction of the experts (0.25), whole experts (6), or bytes (512MB).
         cold: start every request (group of --batch-size requests) with an empty cache; default: caches persist (stream).
         shared: one cache for all layers (capacity x layers experts) instead of one per layer.
         predictor: none, oracle (future knowledge: the routing that will happen, an upper bound), or a
             predictor checkpoint (.safetensors) that drives prefetching; null: the policy's own (oracle,
-            i.e. future knowledge, for prefetch, lfu-prefetch, prefetch-late, presched and smoe; none for the
-            others).
+            i.e. future knowledge, for <PREFETCHING>; none for the others).
         planner: a prompt-ahead predictor checkpoint (EAM, EAP, cascade), or hot (the training requests'
             hot-expert table as the plan, the baseline a planner must beat): preloads each request's
             planned experts and is a prefetch prior.
@@ -223,13 +216,13 @@ def compare(
 ) -> None:
     """Replay every (policy, predictor, capacity) cell; write table.md, table.csv, plot.png and wandb runs.
 
-    Policies that never prefetch (lru, lfu, score, static, belady) are run once per capacity with
+    Policies that never prefetch (<NOT_PREFETCHING>) are run once per capacity with
     predictor none; the others once per predictor. One wandb run per cell, grouped "<traces>/compare".
 
     Args:
         traces: TraceSet directory.
         policies: policy names (see `moecast replay --help`).
-        predictors: none (no predictor, also for prefetch, lfu-prefetch, prefetch-late, presched and smoe, whose
+        predictors: none (no predictor, also for <PREFETCHING>, whose
             `moecast replay` default is the oracle), oracle (future knowledge: an upper bound), checkpoint
             paths. Policies that never prefetch run with none only.
         capacities: capacities (fractions, experts or bytes); those that hold fewer experts
@@ -548,3 +541,8 @@ def profile(
         print(P.table(prof))
         print(f"  source: {prof.source}")
         print(f"wrote {path}")
+
+
+# the presets' names and help, from runtime/policy.py (jsonargparse reads these docstrings)
+replay.__doc__ = with_policies(replay.__doc__ or "")
+compare.__doc__ = with_policies(compare.__doc__ or "")

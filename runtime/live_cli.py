@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 from moecast.runtime.live import attach
-from moecast.runtime.policy import resolve_alpha, substitutes
+from moecast.runtime.policy import resolve_alpha, substitutes, with_policies
 
 from moecast.errors import InputError
 from moecast.jsonout import dumps
@@ -127,10 +127,7 @@ def run(
         predictor: Layer-ahead predictor checkpoint (LLaPor) for prefetch; under ``--policy static``, a
             frequency checkpoint whose table pins each layer's top experts. Checked against the model's fingerprint.
         planner: Prompt-ahead checkpoint (CasMoE EAM, EAP or cascade): its plan for the prompt is preloaded before decoding.
-        policy: a policy of ``moecast replay`` but belady: smoe (score eviction + substitution + CPU balancing +
-            prefetch), prefetch (LRU + prefetch), lfu-prefetch (LFU + prefetch), prefetch-late (prefetch
-            and one more than the window holds, which the next layer waits for), presched (LRU + PreSched's
-            load/CPU split and prefetch sizing), lru, lfu, score or static (fixed hot-expert table).
+        policy: a policy of ``moecast replay`` but belady: <POLICY_HELP>.
         alpha: SMoE substitution threshold in [0, 1) for policy smoe (default 0.3, as in replay and compare); 0 leaves the routing
             unchanged. Other policies do not substitute (as in ``moecast replay``) and refuse alpha > 0.
         capacity: Experts per layer on the device: fraction (0.25), count (6), bytes (512MB) or ``all``.
@@ -438,3 +435,7 @@ def eval_accuracy(
         if not json:
             print("  " + choice.message())
     return results
+
+
+# the presets' names and help, from runtime/policy.py (jsonargparse reads this docstring)
+run.__doc__ = with_policies(run.__doc__ or "", exclude=("belady",))

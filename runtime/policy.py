@@ -165,3 +165,33 @@ def get_policy(policy: str | Policy, alpha: float | None = None) -> Policy:
 def substitutes(policy: str) -> bool:
     """Whether the policy named ``policy`` substitutes experts, i.e. takes an alpha."""
     return policy in POLICIES and POLICIES[policy].substitutes
+
+
+def policy_help(exclude: tuple[str, ...] = ()) -> str:
+    """The presets as a help text lists them: ``name (help); ...`` (POLICIES' order)."""
+    return "; ".join(f"{n} ({p.help})" for n, p in POLICIES.items() if n not in exclude)
+
+
+def policy_names(prefetching: bool | None = None, exclude: tuple[str, ...] = ()) -> list[str]:
+    """Preset names, all or those that do (``prefetching=True``) or do not prefetch."""
+    return [
+        n
+        for n, p in POLICIES.items()
+        if n not in exclude and (prefetching is None or p.prefetches == prefetching)
+    ]
+
+
+def with_policies(doc: str, exclude: tuple[str, ...] = ()) -> str:
+    """``doc`` with its placeholders filled from POLICIES, so no help text lists the presets by hand:
+    ``<POLICY_HELP>`` each preset and its help, ``<POLICY_NAMES>`` the names, ``<PREFETCHING>`` and
+    ``<NOT_PREFETCHING>`` those that do or do not prefetch (``a, b and c``)."""
+
+    def listed(names: list[str]) -> str:
+        return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+    return (
+        doc.replace("<POLICY_HELP>", policy_help(exclude))
+        .replace("<POLICY_NAMES>", ", ".join(policy_names(exclude=exclude)))
+        .replace("<NOT_PREFETCHING>", listed(policy_names(False, exclude)))
+        .replace("<PREFETCHING>", listed(policy_names(True, exclude)))
+    )

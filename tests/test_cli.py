@@ -34,8 +34,11 @@ def test_command_help_shows_the_whole_description(capsys):
         main(["replay", "--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    # the paragraph after the first line (the policies), kept as written, before the options
-    assert "belady (offline optimum, demand only)" in out and out.index("Policies:") < out.index("options:")
+    # the paragraph after the first line (every preset with its help, from POLICIES), before the options
+    from moecast.runtime.policy import POLICIES
+
+    assert all(f"{n} ({p.help})" in " ".join(out.split()) for n, p in POLICIES.items())
+    assert out.index("Policies:") < out.index("options:") and "<POLICY" not in out
 
 
 def test_eval_accuracy_reads_workloads_from_a_data_dir_and_checks_the_plot_path_first(tmp_path):
