@@ -301,8 +301,9 @@ def test_calibrate_takes_the_rates_a_live_run_measured():
 def test_cli_profile_calibrates_on_a_live_run_of_the_model(tmp_path, monkeypatch):
     """`moecast profile --model tiny --offload_dir DIR --calibrate 3`: the experts are written into DIR,
     three tokens are decoded from it, and the profile takes the rates that run measured."""
-    from moecast.cli import main
     from moecast.collect.tiny import build_tiny
+
+    from moecast.cli import main
 
     tiny = build_tiny(out=str(tmp_path / "tiny"), preset="test", seed=0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
