@@ -68,7 +68,7 @@ from moecast.runtime.cache import ExpertCache, StaticTable, resolve_capacity
 from moecast.runtime.cost_model import CostModel, HardwareProfile, load_profile
 from moecast.runtime.expert_store import LayerStore, SlotView, expert_params
 from moecast.runtime.offload import peak_rss_mb
-from moecast.runtime.policy import POLICIES, Policy, get_policy
+from moecast.runtime.policy import POLICIES, Policy, get_policy, with_policies
 from moecast.runtime.step import LayerStep, layer_time, predictor_latency, ranked_predictions
 
 from moecast.errors import InputError, MoecastError
@@ -95,12 +95,10 @@ class LiveConfig:
     """What the runtime does (:func:`attach` takes it whole or field by field).
 
     Attributes:
-        policy: A preset of runtime/policy.py (the replay's): ``smoe`` (SMoE Eq. 3 score eviction,
-            substitution, SMoE Algorithm 2 balancing, prefetch), ``prefetch`` (LRU + prefetch), ``lfu-prefetch``,
-            ``prefetch-late`` (one prefetch past the window, waited for), ``presched``
-            (LRU, PreSched's load/CPU split and prefetch sizing; here from the initial placement: the runtime
-            has no hot-expert table of its own), or a cache policy: lru, lfu, score, static (fixed slots: a
-            predictor's hot-expert table, else experts 0..c-1); or a :class:`~moecast.runtime.policy.Policy`.
+        policy: A preset of runtime/policy.py (the replay's, but belady): <POLICY_HELP>; or a
+            :class:`~moecast.runtime.policy.Policy`. Here presched starts from the initial placement (the
+            runtime has no hot-expert table of its own) and static's fixed slots hold a predictor's
+            hot-expert table, else experts 0..c-1.
         capacity: Experts per layer on the device: a fraction of E (0.25), a count (6), bytes ("512MB");
             None: all of them (full residency).
         alpha: SMoE substitution threshold in [0, 1); 0 leaves the routing untouched; None: the policy's
@@ -182,6 +180,9 @@ class LiveConfig:
             raise InputError(f"io_threads must be at least 1, got {self.io_threads}")
         if self.pinned_mb is not None and not (math.isfinite(self.pinned_mb) and self.pinned_mb >= 0):
             raise InputError(f"pinned_mb must be a size in MB >= 0, got {self.pinned_mb}")
+
+
+LiveConfig.__doc__ = with_policies(LiveConfig.__doc__ or "", exclude=("belady",))
 
 
 @dataclass
