@@ -621,7 +621,9 @@ def calibrate(prof: HardwareProfile, stats: dict[str, Any], num_layers: int) -> 
     - one expert: the decode steps' expert compute over the experts they computed (``routed`` uses;
       at one token per step each use is one expert call), the calls' glue included;
     - the rest of a layer (``attn_ms``): the step's time outside the experts' compute, transfer waits
-      and the predictor (attention, dense layers, the runtime's own host work), per MoE layer.
+      and the predictor (attention, dense layers, the runtime's own host work), per MoE layer;
+    - the predictor's latency per layer as the runtime calls it (features of the live window
+      included), where the run predicted (else ``prof``'s).
 
     The replay under it models other requests on this machine as the live runtime runs them
     (bench/bench_tiers.py calibrates on requests it does not measure)."""
@@ -645,6 +647,9 @@ def calibrate(prof: HardwareProfile, stats: dict[str, Any], num_layers: int) -> 
         gpu_expert_ms=_sig(expert),
         cpu_c_ms=_sig(max(expert - prof.cpu_beta_ms, 0.0)),
         attn_ms=_sig((stats["attention_ms"] + stats["policy_ms"]) / num_layers),
+        predictor_ms=_sig(stats["predictor_ms"] / num_layers)
+        if stats.get("predictor_ms")
+        else prof.predictor_ms,
         source=prof.source
         + f"; calibrated on a live run of {steps} decode steps (moecast.runtime.profile.calibrate)",
     )

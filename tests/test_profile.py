@@ -288,10 +288,12 @@ def test_calibrate_takes_the_rates_a_live_run_measured():
         cpu_c_ms=0.75, attn_ms=10.0, fast_tier="cpu", slow_tier="disk", disk_read_gbps=3.0,
     )  # fmt: skip
     stats = dict(decode_steps=10, routed=240, expert_compute_ms=48.0, attention_ms=40.0, policy_ms=8.0,
-                 disk_read_gbps_observed=1.5)  # fmt: skip
+                 disk_read_gbps_observed=1.5, predictor_ms=0.0)  # fmt: skip
     cal = P.calibrate(base, stats, num_layers=4)
     assert (cal.transfer_gbps, cal.disk_read_gbps, cal.gpu_expert_ms, cal.attn_ms) == (1.5, 1.5, 2.0, 12.0)
     assert cal.cpu_beta_ms == 0.25 and cal.cpu_c_ms == 1.75  # beta + C is the measured call
+    assert cal.predictor_ms == base.predictor_ms  # the run did not predict
+    assert P.calibrate(base, {**stats, "predictor_ms": 2.0}, 4).predictor_ms == 0.5  # 2 ms a step, 4 layers
     with pytest.raises(ValueError, match="applies to a CPU fast tier"):
         P.calibrate(replace(base, fast_tier="device"), stats, 4)
     with pytest.raises(ValueError, match="needs decode steps"):
