@@ -137,35 +137,27 @@ def measure(
     token_counts=(1, 2, 4, 8, 16),
     repeat: int = 5,
     dtype: str = "float32",
+    cpu_expert: tuple[float, float, str] | None = None,
 ) -> HardwareProfile:
     """The profile for an expert of ``hidden`` x ``intermediate``; the CPU expert runs in ``dtype``
     (the model's: bf16 matmuls take another code path than float32 ones on the CPU), each call on
-    the next weight set of a ring larger than the last-level cache (:func:`ring_size`)."""
+    the next weight set of a ring larger than the last-level cache (:func:`ring_size`).
+    ``cpu_expert``: (beta, C, how) already measured (:func:`implementation_expert_ms`, the model at
+    hand), which the SwiGLU's timing then does not repeat."""
     import torch
 
-    torch.manual_seed(0)
     threads = torch.get_num_threads()
-    dt = getattr(torch, dtype)
-    shapes = ((intermediate, hidden), (intermediate, hidden), (hidden, intermediate))
-    base = tuple((torch.randn(*s) * 0.02).to(dt) for s in shapes)
-    set_bytes = sum(w.numel() * w.element_size() for w in base)
-    # distinct copies (values do not matter, addresses do): one set would stay in the cache
-    ring = [base] + [tuple(w.clone() for w in base) for _ in range(ring_size(set_bytes) - 1)]
     expert_bytes = 3 * hidden * intermediate * 2  # bf16, the dtype a runtime moves
-    weights = _cycle(ring)
-    ms = []
-    with torch.inference_mode():
-        for m in token_counts:
-            x = torch.randn(m, hidden, dtype=dt)
-            ms.append(_time(lambda x=x: _swiglu(x, weights()), repeat))
-    beta, c = np.polyfit(np.asarray(token_counts, dtype=float), np.asarray(ms), 1)
-    # a positive slope even where the timings are flat (tiny experts): Eq. 3's beta is per token
-    beta, c = max(float(beta), 1e-6), max(float(c), 0.0)
-    source = (
-        f"measured by moecast profile on this machine (CPU, {threads} threads; {dtype} expert "
-        f"{hidden}x{intermediate}, {_ring_note(ring)})"
-    )
+    ring = None
+    if cpu_expert is None:
+        ring = _weight_ring(hidden, intermediate, dtype)
+        beta, c = _swiglu_fit(ring, hidden, dtype, token_counts, repeat)
+        cpu_note = f"{dtype} expert {hidden}x{intermediate}, {_ring_note(ring)}"
+    else:
+        beta, c, cpu_note = cpu_expert
+    source = f"measured by moecast profile on this machine (CPU, {threads} threads; {cpu_note})"
     if torch.cuda.is_available():
+        ring = ring or _weight_ring(hidden, intermediate, dtype)
         gbps, t_g, t_attn = _cuda_times(ring, hidden, expert_bytes, repeat)
         source += (
             f"; CUDA {torch.cuda.get_device_name(0)}: pinned H2D copy, bf16 expert over the same ring "
@@ -186,6 +178,36 @@ def measure(
         attn_ms=_sig(t_attn),
         source=source,
     )
+
+
+def _weight_ring(hidden: int, intermediate: int, dtype: str) -> list[tuple[Any, ...]]:
+    """Distinct SwiGLU weight sets (values do not matter, addresses do: one set would stay in the
+    cache), as many as :func:`ring_size` asks."""
+    import torch
+
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype)
+    shapes = ((intermediate, hidden), (intermediate, hidden), (hidden, intermediate))
+    base = tuple((torch.randn(*s) * 0.02).to(dt) for s in shapes)
+    set_bytes = sum(w.numel() * w.element_size() for w in base)
+    return [base] + [tuple(w.clone() for w in base) for _ in range(ring_size(set_bytes) - 1)]
+
+
+def _swiglu_fit(
+    ring: list[tuple[Any, ...]], hidden: int, dtype: str, token_counts, repeat: int
+) -> tuple[float, float]:
+    """PreScope Eq. 3's (beta, C) of the SwiGLU, each call on the ring's next weight set."""
+    import torch
+
+    weights = _cycle(ring)
+    ms = []
+    with torch.inference_mode():
+        for m in token_counts:
+            x = torch.randn(m, hidden, dtype=getattr(torch, dtype))
+            ms.append(_time(lambda x=x: _swiglu(x, weights()), repeat))
+    beta, c = np.polyfit(np.asarray(token_counts, dtype=float), np.asarray(ms), 1)
+    # a positive slope even where the timings are flat (tiny experts): Eq. 3's beta is per token
+    return max(float(beta), 1e-6), max(float(c), 0.0)
 
 
 NO_CUDA = "; no CUDA here: link and device times taken from prescope-a100-pcie4"
@@ -470,13 +492,12 @@ def profile_model(
     hidden = int(info.hidden_size)
     inter = max(1, info.expert_bytes // (3 * hidden * p.element_size()))
     dtype = str(p.dtype).replace("torch.", "")
-    prof = measure(hidden, inter, name=name, dtype=dtype)
-    how = {"expert": f"{dtype} {hidden}x{inter}", "cpu": prof.source}
+    # what the runtime pays per expert: its calls of the family's implementation, glue included
     fit = implementation_expert_ms(st.layers[0].experts)
     if fit is not None:
-        # what the runtime pays per expert: its calls of the family's implementation, glue included
-        prof = replace(prof, cpu_beta_ms=_sig(fit[0]), cpu_c_ms=_sig(fit[1]))
-        how["cpu_expert"] = fit[2]
+        fit = (fit[0], fit[1], f"{dtype} expert {hidden}x{inter}: {fit[2]}")
+    prof = measure(hidden, inter, name=name, dtype=dtype, cpu_expert=fit)
+    how = {"expert": f"{dtype} {hidden}x{inter}", "cpu": prof.source}
     # times are for the model's own expert (its dtype), which replay scales from
     prof = replace(prof, attn_ms=_sig(dense_layer_ms(model)), ref_expert_bytes=int(info.expert_bytes))
     how["attn_ms"] = "the model's decode step with the routed experts skipped, per MoE layer"

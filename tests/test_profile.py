@@ -104,8 +104,9 @@ def test_cli_profiles_the_model_at_hand_into_a_yaml_replay_reads(tmp_path, capsy
 
 
 def _quick_measure(real):
-    def quick(hidden, inter, name="local", token_counts=(1, 2), repeat=1, dtype="float32"):
-        return real(hidden, inter, name=name, token_counts=token_counts, repeat=repeat, dtype=dtype)
+    def quick(hidden, inter, name="local", token_counts=(1, 2), repeat=1, dtype="float32", cpu_expert=None):
+        return real(hidden, inter, name=name, token_counts=token_counts, repeat=repeat, dtype=dtype,
+                    cpu_expert=cpu_expert)  # fmt: skip
 
     return quick
 
@@ -329,3 +330,11 @@ def test_cli_profile_calibrates_on_a_live_run_of_the_model(tmp_path, monkeypatch
     assert prof.gpu_expert_ms == pytest.approx(seen["expert_compute_ms"] * 3 / seen["routed"], rel=1e-3)
     with pytest.raises(SystemExit):
         main(["profile", "--hidden_size", "32", "--intermediate_size", "24", "--calibrate", "3"])
+
+
+def test_an_expert_measured_on_the_model_is_not_timed_again(monkeypatch):
+    """With the model at hand the implementation's figure is the CPU expert; the SwiGLU stand-in is
+    neither built nor timed."""
+    monkeypatch.setattr(P, "_weight_ring", lambda *a: pytest.fail("the SwiGLU ring was built"))
+    prof = P.measure(32, 24, dtype="bfloat16", cpu_expert=(0.5, 1.0, "the model's own call"))
+    assert (prof.cpu_beta_ms, prof.cpu_c_ms) == (0.5, 1.0) and "the model's own call" in prof.source
