@@ -235,7 +235,7 @@ class LayerStep:
             sc = (probs.astype(np.float32) * valid[:, :, None]).sum(1) / np.maximum(valid.sum(1), 1)[:, None]
             cache.observe_scores(lanes, sc)
         n_dev = (hit & (uniq >= 0)).sum(1) + n_load
-        stall = delay if pol.late_prefetch else 0.0
+        stall = delay if pol.late_prefetch else None
         layer_t, link = layer_time(self.cost, n_dev, n_load, delay, t_cpu, n_miss - n_load, stall)
         self._advance(lanes, layer_t, link, next_lanes, has_next, restart)
         self.add("loads", lanes, layer, n_load)
@@ -630,14 +630,14 @@ def layer_time(
     delay: np.ndarray | float,
     t_cpu: np.ndarray | float,
     n_cpu: np.ndarray | int = 0,
-    stall: np.ndarray | float = 0.0,
+    stall: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Step 5's formula: (layer_t, link) per row (an absent link: infinite).
 
     ``n_cpu`` experts make up the CPU set; where the slow tier is a disk they are read over the
     link after the demand loads, and where the CPU is also the fast tier their time adds to the
-    resident experts' (module docstring). ``stall``: a late prefetch lands that long into the
-    layer's expert phase, and its expert computes after it."""
+    resident experts' (module docstring). ``stall`` (late_prefetch only): a late prefetch lands that
+    long into the layer's expert phase, and its expert computes after it."""
     t_io = cost.t_io
     finite = math.isfinite(t_io)
     io = t_io if finite else 0.0
@@ -645,7 +645,8 @@ def layer_time(
     if not finite:
         link = np.where(n_load > 0, math.inf, link)
     dev = np.maximum(n_dev * cost.t_g, link + np.where(n_load > 0, cost.t_g, 0.0))
-    dev = np.maximum(dev, np.where(np.asarray(stall) > 0, stall + cost.t_g, 0.0))
+    if stall is not None:
+        dev = np.maximum(dev, np.where(stall > 0, stall + cost.t_g, 0.0))
     on_cpu = np.asarray(n_cpu) > 0
     cpu_end = t_cpu
     if cost.cpu_reads_link:
