@@ -829,12 +829,8 @@ class LiveRuntime:
         would cost more than the overlap gains)."""
         if not (self._decode and self.reader is not None and not self.stores[pos].cuda):
             return self._device(pos, call, np.concatenate([hit_ids, placed]))
-        parts = [hit_ids] if len(hit_ids) else []
-        parts += list(placed[:, None])
-        if len(parts) <= 1:
-            return self._device(pos, call, parts[0] if parts else placed)
         out = None
-        for experts in parts:
+        for experts in [hit_ids, *placed[:, None]]:
             part = self._device(pos, call, experts)
             out = part if out is None else out + part
         return out
