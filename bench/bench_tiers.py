@@ -10,14 +10,17 @@ are generated once into an offload directory under $MOECAST_HOME/bench_tiers (ru
 format: one aligned block per expert), and every configuration reads them from there; the other
 weights are loaded once (experts never materialised).
 
-Rows, at each capacity (share of each layer's experts resident in RAM), with measured TPOT (mean
-wall time of every decode step; the same teacher-forced tokens everywhere, after a one-token
-prompt), modeled TPOT (runtime.replay of the same routing under the profile measured here at the
-start: CPU expert time, non-expert time per layer, predictor latency, and the disk's direct-read
-bandwidth as the link), calibrated TPOT (the same replay under the rates the row's own run saw:
-the disk's rate while a read was in flight, one expert's compute, the rest of a layer), hit rate, bytes
-read from the disk and peak RSS (a live row also its RSS just before attach, and the peak over the
-budget plus that: :data:`RSS_RULE`):
+Rows, at each capacity (share of each layer's experts resident in RAM), measured side by side
+(:data:`MEASURED_RULE`: request by request, every row on each request in turn, each request from a
+cold start), with measured TPOT (mean wall time of every decode step; the same teacher-forced tokens
+everywhere, after a one-token prompt), modeled TPOT (runtime.replay of the same routing under the
+profile measured here at the start: CPU expert time, non-expert time per layer, predictor latency,
+and the disk's direct-read bandwidth as the link), calibrated TPOT (the same replay under the
+profile calibrated on a live LRU run of other held-out requests at that capacity, run in the same
+rounds), TPOT at run rates (under the rates the row's own runs saw: the disk's rate while a read was
+in flight, one expert's compute, the rest of a layer), hit rate, bytes read from the disk and peak
+RSS (a live row also its RSS just before attach, and the peak over the budget plus that:
+:data:`RSS_RULE`):
 - moecast's disk tier (direct I/O, asynchronous reads): LRU and LFU on demand, static hot table
   (counted on other held-out requests), LLaPor prefetch, prefetch-late and lfu-prefetch
   (``--predictor``, the DeepSeek checkpoint; prefetch-late also starts one prefetch past the window,
@@ -76,7 +79,6 @@ class Tiers:
     traces: Path | None = None
     profile: Any = None
     profile_path: Path | None = None
-    calibrated: Any = None  # the profile calibrated on a live run of other requests
     expert_bytes: int = 0
 
     @property
@@ -233,7 +235,8 @@ def rss_mb() -> float | None:
 
 
 def modeled(t: Tiers, policy: str, capacity: float, predictor: Any = "none", hardware: Any = None) -> Any:
-    """Replay of the bench's requests under ``hardware`` (default: the profile measured at the start)."""
+    """Replay of the bench's requests under ``hardware`` (default: the profile measured at the start),
+    each request's cache starting cold, as each live run's does (one attach per request)."""
     from moecast.runtime.replay import ReplayConfig, replay
 
     if t.traces is None or t.profile is None:
@@ -243,13 +246,16 @@ def modeled(t: Tiers, policy: str, capacity: float, predictor: Any = "none", har
         capacity=capacity,
         hardware=hardware or t.profile,
         predictor=predictor,
+        cold=True,
         requests=[r.request_id for r in t.routing.requests],
         hot_requests=[r.request_id for r in t.hot_routing] or None,
     )
     return replay(str(t.traces), cfg)
 
 
-def _modeled_keys(t: Tiers, policy: str, capacity: float, predictor: Any, st: dict) -> dict:
+def _modeled_keys(
+    t: Tiers, policy: str, capacity: float, predictor: Any, st: dict, calibrated: Any = None
+) -> dict:
     """Replay of the row's requests under the probe's profile (modeled), the profile calibrated on
     other requests (calibrated: a prediction) and the rates the row's own run saw (at_run_rates: the
     model's rules apart from any drift of the disk)."""
@@ -259,8 +265,8 @@ def _modeled_keys(t: Tiers, policy: str, capacity: float, predictor: Any, st: di
     if r is None:
         return {"modeled_tpot_ms": None}
     out = {"modeled_tpot_ms": r.modeled_tpot_ms, "modeled_hit_rate": r.hit_rate, "tpot_basis": r.tpot_basis}
-    if t.calibrated is not None:
-        out["calibrated_tpot_ms"] = modeled(t, policy, capacity, predictor, t.calibrated).modeled_tpot_ms
+    if calibrated is not None:
+        out["calibrated_tpot_ms"] = modeled(t, policy, capacity, predictor, calibrated).modeled_tpot_ms
     if st.get("disk_read_gbps_observed") and t.profile.fast_tier == "cpu":
         own = calibrate(t.profile, st, t.num_layers)
         out["at_run_rates_tpot_ms"] = modeled(t, policy, capacity, predictor, own).modeled_tpot_ms
@@ -272,36 +278,22 @@ def _modeled_keys(t: Tiers, policy: str, capacity: float, predictor: Any, st: di
     return out
 
 
-def calibration_run(t: Tiers, out: Path) -> dict:
-    """LRU at 25 % on the held-out requests static's table is counted on (no row measures them): the
-    profile calibrated on its rates (moecast.runtime.profile.calibrate) models every row."""
+@dataclass
+class Row:
+    """One configuration: how it runs one request (``run(request index)``), and its runs so far."""
+
+    name: str
+    run: Any  # (request index) -> dict of one request's run
+    replay_policy: str | None = None  # None: an external baseline (no replay)
+    replay_pred: Any = "none"
+    runs: list[dict] = field(default_factory=list)
+    error: BaseException | None = None
+
+
+def live_run(t: Tiers, capacity: float, request: Any, tokens: np.ndarray, **kw: Any) -> dict:
+    """One request on a freshly attached runtime (its cache starts cold): its decode steps' ms, the
+    runtime's stats and the process's RSS just before attach."""
     from moecast.runtime.live import attach
-    from moecast.runtime.profile import calibrate
-
-    routing = replace(t.routing, requests=t.hot_routing[:2])
-    rt = attach(
-        t.model,
-        capacity=0.25,
-        offload="disk",
-        offload_dir=str(t.directory),
-        hardware=str(t.profile_path),
-        policy="lru",
-    )
-    try:
-        with ds_model.routed(t.model, routing) as ov:
-            ds_model.decode_all(
-                t.model, [r.tokens for r in routing.requests], t.args.prompt, torch.device("cpu"), routing, ov
-            )
-        st = rt.stats()
-    finally:
-        rt.detach()
-    t.calibrated = calibrate(t.profile, st, t.num_layers)
-    bench_gpu._write(out / "bench-tiers-calibrated.yaml", t.calibrated.to_yaml())
-    return {k: getattr(t.calibrated, k) for k in ("transfer_gbps", "gpu_expert_ms", "attn_ms")}
-
-
-def live_row(t: Tiers, name: str, capacity: float, replay_policy: str, replay_pred: Any, **kw: Any) -> dict:
-    from moecast.runtime.live import BREAKDOWN, attach
 
     release_freed()
     reset_peak_rss()
@@ -313,85 +305,164 @@ def live_row(t: Tiers, name: str, capacity: float, replay_policy: str, replay_pr
         t.model, capacity=capacity, offload="disk", offload_dir=str(t.directory),
         hardware=str(t.profile_path or "prescope-a100-pcie4"), **kw,
     )  # fmt: skip
+    routing = replace(t.routing, requests=[request] if request is not None else [])
     try:
-        with ds_model.routed(t.model, t.routing) as ov:
+        with ds_model.routed(t.model, routing) as ov:
             if isinstance(kw.get("predictor"), NextLayerOracle):
                 kw["predictor"].override = ov
             times, _ = ds_model.decode_all(  # every decode step: the basis of replay's modeled TPOT
-                t.model, t.requests, t.args.prompt, torch.device("cpu"), t.routing, ov, warmup=0
+                t.model, [tokens], t.args.prompt, torch.device("cpu"), routing, ov, warmup=0
             )
         st = rt.stats()
     finally:
         rt.detach()
+    return {"times": times, "stats": st, "rss_base_mb": base}
+
+
+def pooled(stats: list[dict]) -> dict:
+    """Several live runs' stats as one run's: counts and bytes summed, the per-step parts averaged over
+    all decode steps, the disk's rate over all the runs' busy time."""
+    from moecast.runtime.live import BREAKDOWN
+
+    out = {k: sum(s[k] for s in stats) for k in ("decode_steps", "routed", "uses", "hits", "bytes_read")}
+    out["hit_rate"] = out["hits"] / out["uses"] if out["uses"] else float("nan")
+    steps = [s["decode_steps"] for s in stats]
+    for key in ("modeled_tpot_ms", *(f"{part}_ms" for part in BREAKDOWN)):
+        out[key] = float(np.average([s[key] for s in stats], weights=steps))
+    busy = sum(
+        s["bytes_read"] / s["disk_read_gbps_observed"] / 1e9 for s in stats if s["disk_read_gbps_observed"]
+    )
+    out["disk_read_gbps_observed"] = out["bytes_read"] / busy / 1e9 if busy else None
+    return out
+
+
+def live_result(t: Tiers, row: Row, capacity: float, calibrated: Any) -> dict:
+    """A live row's figures over its runs (one per request)."""
+    from moecast.runtime.live import BREAKDOWN
+
+    st = pooled([r["stats"] for r in row.runs])
+    budget = int(capacity * t.cfg.n_routed_experts) * t.num_layers * t.expert_bytes / 2**20
+    # the run whose peak RSS was furthest over its own base + budget speaks for the row
+    worst = max(row.runs, key=lambda r: r["stats"]["peak_rss_mb"] / (budget + r["rss_base_mb"]))
     return {
-        "config": name,
-        "measured_tpot_ms": float(np.mean(times)),
+        "measured_tpot_ms": float(np.mean([ms for r in row.runs for ms in r["times"]])),
         "hit_rate": st["hit_rate"],
-        "bytes_read": st.get("bytes_read"),
-        "peak_rss_mb": st.get("peak_rss_mb"),
-        "rss_base_mb": base,
-        "live_modeled_tpot_ms": st.get("modeled_tpot_ms"),
+        "bytes_read": st["bytes_read"],
+        "peak_rss_mb": worst["stats"]["peak_rss_mb"],
+        "rss_base_mb": worst["rss_base_mb"],
+        "live_modeled_tpot_ms": st["modeled_tpot_ms"],
         # the measured step's split (ms per decode step) and the disk's rate as the run saw it
-        **{f"{part}_ms": st.get(f"{part}_ms") for part in BREAKDOWN},
-        "disk_read_gbps_observed": st.get("disk_read_gbps_observed"),
-        "budget_mb": int(capacity * t.cfg.n_routed_experts) * t.num_layers * t.expert_bytes / 2**20,
+        **{f"{part}_ms": st[f"{part}_ms"] for part in BREAKDOWN},
+        "disk_read_gbps_observed": st["disk_read_gbps_observed"],
+        "budget_mb": budget,
         "dense_mb": (t.directory / "dense.safetensors").stat().st_size / 2**20,
-        **_modeled_keys(t, replay_policy, capacity, replay_pred, st),
+        "requests": len(row.runs),
+        **_modeled_keys(t, row.replay_policy, capacity, row.replay_pred, st, calibrated),
     }
 
 
-def moecast_rows(t: Tiers, report: Any, capacity: float) -> None:
-    g = report.guard
+def live_rows(t: Tiers, report: Any, capacity: float) -> list[Row]:
+    """moecast's rows at ``capacity`` (a missing predictor's rows are reported skipped here)."""
     s = SimpleNamespace(name=f"{int(capacity * 100)} %")
-    g(s, "lru", lambda: live_row(t, "lru", capacity, "lru", "none", policy="lru", prefetch="none"))
-    g(s, "lfu", lambda: live_row(t, "lfu", capacity, "lfu", "none", policy="lfu", prefetch="none"))
+
+    def row(name: str, replay_policy: str, replay_pred: Any, **kw: Any) -> Row:
+        def run(i: int) -> dict:
+            req = t.routing.requests[i] if t.routing.recorded else None
+            return live_run(t, capacity, req, t.requests[i], **kw)
+
+        return Row(name, run, replay_policy, replay_pred)
+
+    rows = [row("lru", "lru", "none", policy="lru", prefetch="none"),
+            row("lfu", "lfu", "none", policy="lfu", prefetch="none")]  # fmt: skip
     if t.hot is not None:
-        g(
-            s,
-            "static hot",
-            lambda: live_row(t, "static hot", capacity, "static", "none", policy="static", predictor=t.hot),
-        )
+        rows.append(row("static hot", "static", "none", policy="static", predictor=t.hot))
     # prefetch in the window (SMoE), and prefetch-late: one more than the window holds, which the
     # next layer waits for (a disk read outlasts a layer's attention, so none may fit the window)
-    variants = (("prefetch", "prefetch"), ("prefetch-late", "prefetch-late"))
-    for label, policy in (*variants, ("lfu-prefetch", "lfu-prefetch")):
+    variants = ("prefetch", "prefetch-late")
+    for policy in (*variants, "lfu-prefetch"):
         if t.predictor is not None:
-            name = f"llapor {label}"
-            g(
-                s,
-                name,
-                lambda n=name, p=policy: live_row(
-                    t, n, capacity, p, t.predictor, policy=p, predictor=t.predictor
-                ),
-            )
+            rows.append(row(f"llapor {policy}", policy, t.predictor, policy=policy, predictor=t.predictor))
         else:
-            report.skip(s, f"llapor {label}", "no DeepSeek checkpoint (--predictor)")
+            report.skip(s, f"llapor {policy}", "no DeepSeek checkpoint (--predictor)")
     if t.routing.recorded:
         cfg = t.cfg
-        for label, policy in variants:
+        for policy in variants:
             oracle = NextLayerOracle(
                 ds_model.RoutingOverride(),
                 cfg.n_routed_experts,
                 cfg.num_hidden_layers,
                 cfg.num_experts_per_tok,
             )
-            name = f"oracle {label} (bound)"
-            g(
-                s,
-                name,
-                lambda n=name, p=policy, o=oracle: live_row(
-                    t, n, capacity, p, "oracle", policy=p, predictor=o
-                ),
-            )
+            rows.append(row(f"oracle {policy} (bound)", policy, "oracle", policy=policy, predictor=oracle))
+    return rows
 
 
-def child_row(t: Tiers, kind: str, capacity: float) -> dict:
-    """A baseline in a process of its own, held to the budget by a memory cgroup."""
+def calibration_row(t: Tiers, capacity: float) -> Row | None:
+    """LRU at ``capacity`` on the held-out requests static's table is counted on (no row measures them):
+    the profile calibrated on its rates (moecast.runtime.profile.calibrate) models every row."""
+    cal = t.hot_routing[:2]
+    if not cal or t.profile is None or t.profile.fast_tier != "cpu":
+        return None
+
+    def run(i: int) -> dict:
+        r = cal[i % len(cal)]
+        return live_run(t, capacity, r, r.tokens, policy="lru", prefetch="none")
+
+    return Row("calibration", run)
+
+
+def measure_rows(t: Tiers, report: Any, capacity: float) -> None:
+    """Every row at ``capacity``, measured side by side: request by request, each round runs the
+    calibration and every row on one request, so a drift of the disk's rate over the minutes the rows
+    take reaches every row alike. Each run attaches afresh, so every request starts cold."""
+    from moecast.runtime.profile import calibrate
+
+    s = SimpleNamespace(name=f"{int(capacity * 100)} %")
+    cal = calibration_row(t, capacity)
+    rows = live_rows(t, report, capacity)
+    kinds = [b.strip() for b in t.args.baselines.split(",") if b.strip()]
+    rows += [Row(kind, lambda i, k=kind: child_run(t, k, capacity, i)) for kind in kinds]
+    for i in range(len(t.requests)):
+        for row in [cal, *rows] if cal else rows:
+            if row.error is not None:
+                continue
+            bench_gpu.log(f"[{s.name}] {row.name}: request {i + 1} of {len(t.requests)}")
+            try:
+                row.runs.append(row.run(i))
+            except Exception as exc:  # recorded, raised again in the row's guard
+                row.error = exc
+    calibrated = None
+    if cal is not None:
+
+        def calibration() -> dict:
+            nonlocal calibrated
+            if cal.error is not None:
+                raise cal.error
+            calibrated = calibrate(t.profile, pooled([r["stats"] for r in cal.runs]), t.num_layers)
+            path = Path(t.args.out) / f"bench-tiers-calibrated-{int(capacity * 100)}.yaml"
+            bench_gpu._write(path, calibrated.to_yaml())
+            return {k: getattr(calibrated, k) for k in ("transfer_gbps", "gpu_expert_ms", "attn_ms")}
+
+        report.guard(s, "calibration", calibration, kind="profile")
+    for row in rows:
+
+        def result(row: Row = row) -> dict:
+            if row.error is not None:
+                raise row.error
+            if row.replay_policy is None:
+                return child_result(row.runs)
+            return {"config": row.name, **live_result(t, row, capacity, calibrated)}
+
+        report.guard(s, row.name, result)
+
+
+def child_run(t: Tiers, kind: str, capacity: float, request: int) -> dict:
+    """A baseline's run of one request in a process of its own, held to the budget by a memory cgroup."""
     why = memlimit.available()
     if why:
         raise RuntimeError(f"cannot hold the process to the budget: {why}")
     argv = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--child-capacity", str(capacity),
-            *t.args.passthrough]  # fmt: skip
+            "--child-request", str(request), *t.args.passthrough]  # fmt: skip
     cg = memlimit.Cgroup("moecast-tiers")
     try:
         p = cg.run(argv, timeout=t.args.child_timeout)
@@ -405,19 +476,36 @@ def child_row(t: Tiers, kind: str, capacity: float) -> dict:
     return json.loads(lines[-1])
 
 
+def child_result(runs: list[dict]) -> dict:
+    """A baseline's figures over its runs (one process per request)."""
+    worst = max(runs, key=lambda r: r["peak_rss_mb"] or 0)
+    return {
+        **{k: worst[k] for k in ("peak_rss_mb", "cgroup_limit_mb", "cgroup_peak_mb", "budget_mb")},
+        "measured_tpot_ms": float(np.mean([ms for r in runs for ms in r["times"]])),
+        "modeled_tpot_ms": None,
+        "hit_rate": None,
+        "bytes_read": sum(r["bytes_read"] for r in runs),
+        "requests": len(runs),
+    }
+
+
 def child_main(args: argparse.Namespace) -> None:
-    """In the limited process: build the baseline, cap the cgroup at usage + budget, decode, print one JSON line."""
+    """In the limited process: build the baseline, cap the cgroup at usage + budget, decode one request
+    from a cold page cache, print one JSON line."""
     from moecast.runtime.offload import peak_rss_mb
 
     overrides = bench_gpu.DS_TEST_SHAPE if args.ds_shape == "test" else {}
     cfg = ds_model.ds_config(args.layers, **overrides)
     d = offload_home(args) / "experts"
     model = ds_model.load_dense(cfg, d)
-    n = args.prompt + args.tokens
+    n, i = args.prompt + args.tokens, args.child_request
     routing = ds_model.load_routing(args.traces, args.requests, n, args.layers, cfg.vocab_size)
-    reqs = [r.tokens[:n] for r in routing.requests] or [
-        np.random.default_rng(0).integers(0, cfg.vocab_size, n) for _ in range(args.requests)
-    ]
+    if routing.recorded:
+        routing.requests = [routing.requests[i]]
+        tokens = routing.requests[0].tokens[:n]
+    else:
+        gen = np.random.default_rng(0)  # the parent's requests (setup)
+        tokens = [gen.integers(0, cfg.vocab_size, n) for _ in range(args.requests)][i]
     budget = int(args.child_capacity * cfg.n_routed_experts) * args.layers * int(_layout(d).expert_bytes)
     # start cold, as the disk tier does: no expert file's pages left in the page cache by earlier rows
     for f in [*d.glob("layer_*.safetensors"), *(offload_home(args) / "accelerate").glob("*.dat")]:
@@ -435,10 +523,11 @@ def child_main(args: argparse.Namespace) -> None:
     read0 = _read_bytes()
     reset_peak_rss()
     with ds_model.routed(model, routing) as ov:
-        times, _ = ds_model.decode_all(model, reqs, args.prompt, torch.device("cpu"), routing, ov, warmup=0)
+        times, _ = ds_model.decode_all(
+            model, [tokens], args.prompt, torch.device("cpu"), routing, ov, warmup=0
+        )
     print(json.dumps({
-        "config": args.child, "measured_tpot_ms": float(np.mean(times)), "modeled_tpot_ms": None, "hit_rate": None,
-        "bytes_read": _read_bytes() - read0, "peak_rss_mb": peak_rss_mb(),
+        "config": args.child, "times": times, "bytes_read": _read_bytes() - read0, "peak_rss_mb": peak_rss_mb(),
         "cgroup_limit_mb": limit / 2**20 if limit else None,
         "cgroup_peak_mb": (memlimit.peak_bytes() or 0) / 2**20, "budget_mb": budget / 2**20,
     }), flush=True)  # fmt: skip
@@ -478,6 +567,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--child-timeout", type=float, default=3600)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-capacity", type=float, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child-request", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     q = args.quick
     for k, v in dict(layers=4 if q else 26, requests=1 if q else 2, prompt=1, tokens=19 if q else 47).items():
@@ -516,13 +606,8 @@ def run(argv: list[str] | None = None) -> list[dict]:
             report.guard(
                 None, "routing for replay", lambda: write_traces(t, Path(tmp) / "traces") or {}, kind="setup"
             )
-            if t.hot_routing and t.profile is not None and t.profile.fast_tier == "cpu":
-                report.guard(None, "calibration", lambda: calibration_run(t, out), kind="profile")
         for cap in [float(c) for c in args.capacities.split(",")]:
-            moecast_rows(t, report, cap)
-            s = SimpleNamespace(name=f"{int(cap * 100)} %")
-            for kind in [b.strip() for b in args.baselines.split(",") if b.strip()]:
-                report.guard(s, kind, lambda k=kind, c=cap: child_row(t, k, c))
+            measure_rows(t, report, cap)
     return _finish(report, args, out, t, t0)
 
 
@@ -570,7 +655,7 @@ def markdown(report: Any, rows: list[dict], args: argparse.Namespace, t: Tiers |
     import datetime as dt
     import shlex
 
-    prof = next((r for r in report.rows if r["kind"] == "profile" and r["status"] == "ok"), None)
+    prof = next((r for r in report.rows if r["config"] == "profile" and r["status"] == "ok"), None)
     lines = [
         "# bench_tiers: experts on disk, measured",
         "",
@@ -579,13 +664,13 @@ def markdown(report: Any, rows: list[dict], args: argparse.Namespace, t: Tiers |
         f"- machine: {bench_gpu.machine_line(torch.device('cpu'))}",
         f"- wall time: {wall:.0f} s; baselines held by a memory cgroup: {memlimit.available() or 'yes'}",
         *(f"- {n}" for n in (t.notes if t else [])),
+        f"- {MEASURED_RULE}",
     ]
     if prof:
         lines.append("- profile: " + ", ".join(f"{k} {bench_gpu._fmt(prof[k], 4)}" for k in
                                                ("disk_read_gbps", "cpu_beta_ms", "cpu_c_ms", "attn_ms", "predictor_ms")))  # fmt: skip
-    cal = next((r for r in report.rows if r.get("config") == "calibration" and r["status"] == "ok"), None)
-    if cal:
-        lines.append("- calibrated on a live LRU run at 25 % of 2 other held-out requests (calibr.): " + ", ".join(
+    for cal in (r for r in report.rows if r.get("config") == "calibration" and r["status"] == "ok"):
+        lines.append(f"- calibrated at {cal['model']} (calibr.; LRU on other held-out requests, one per round): " + ", ".join(
             f"{k} {bench_gpu._fmt(cal[k], 4)}" for k in ("transfer_gbps", "gpu_expert_ms", "attn_ms")))  # fmt: skip
     lines.append("- modeled: replay under the profile; calibr.: under the calibrated profile; run rates: under the "
                  "rates the row's own run saw (disk while busy, one expert call, the rest of a layer)")  # fmt: skip
@@ -602,6 +687,14 @@ def rows(quick: bool, ds_checkpoint: Path | None = None) -> list[dict]:
         argv += ["--predictor", str(ds_checkpoint)]
     return figures(run(argv))
 
+
+#: how the rows are measured, as the markdown states it
+MEASURED_RULE = (
+    "measured side by side: at each capacity, round r runs the calibration and then every row (moecast's "
+    "and the baselines) on request r, so a drift of the disk's rate reaches every row alike; each run is "
+    "a fresh attach (a baseline: a fresh process, its page cache dropped), so every request starts cold, "
+    "as the replay's requests do (cold)"
+)
 
 #: what the peak RSS ratio divides by, as the markdown states it
 RSS_RULE = (

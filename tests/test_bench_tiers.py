@@ -19,7 +19,7 @@ def test_quick_run_at_test_sizes(tmp_path, capsys):
     import memlimit
 
     args = ["--quick", "--ds-shape", "test", "--capacities", "0.25", "--out", str(tmp_path), "--tokens", "6",
-            "--disk-mb", "4", "--json"]  # fmt: skip
+            "--disk-mb", "4", "--json", "--requests", "2"]  # fmt: skip
     rows = bench_tiers.run(args)
     by = {r["config"]: r for r in rows}
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
@@ -29,6 +29,7 @@ def test_quick_run_at_test_sizes(tmp_path, capsys):
         r = by[cfg]
         assert r["status"] == "ok" and r["capacity"] == 0.25
         assert r["measured_tpot_ms"] > 0 and r["bytes_read"] > 0 and 0 <= r["hit_rate"] <= 1
+        assert r["requests"] == 2  # one run per request, each from a cold start
     recorded = by.get("oracle prefetch (bound)") is not None
     if recorded:  # the DeepSeek traces are here: modeled figures from replay, and the oracle bound
         assert by["lru"]["modeled_tpot_ms"] > 0
@@ -39,7 +40,7 @@ def test_quick_run_at_test_sizes(tmp_path, capsys):
         r = by[base]
         if why is None:
             assert r["status"] == "ok" and r["modeled_tpot_ms"] is None and r["hit_rate"] is None
-            assert r["cgroup_limit_mb"] >= r["budget_mb"]
+            assert r["cgroup_limit_mb"] >= r["budget_mb"] and r["requests"] == 2
         else:
             assert r["status"] == "FAILED"
     lru = by["lru"]
@@ -96,3 +97,21 @@ def test_offload_generation_resumes_and_writes_one_layer_at_a_time(tmp_path):
     views = ds_model.expert_views(d)
     assert [tuple(v["gate_up_proj"].shape) for v in views] == [(64, 32, 32)] * 3  # [E, 2 * I, H]
     assert not torch.equal(views[0]["down_proj"], views[1]["down_proj"])  # each layer its own seed
+
+
+def test_pooled_runs_by_hand():
+    """Two runs as one: counts summed, per-step parts weighted by steps, the disk over both busy times."""
+    import bench_tiers
+    from moecast.runtime.live import BREAKDOWN
+
+    def run(steps, uses, hits, mb, gbps, ms):
+        return {"decode_steps": steps, "routed": uses, "uses": uses, "hits": hits, "bytes_read": mb * 10**6,
+                "disk_read_gbps_observed": gbps, "modeled_tpot_ms": ms, **{f"{p}_ms": ms for p in BREAKDOWN}}  # fmt: skip
+
+    # 1000 MB at 1 GB/s (1 s busy) and 3000 MB at 3 GB/s (1 s busy): 4000 MB in 2 s
+    st = bench_tiers.pooled([run(1, 10, 4, 1000, 1.0, 10.0), run(3, 30, 21, 3000, 3.0, 30.0)])
+    assert st["decode_steps"] == 4 and st["uses"] == 40 and st["bytes_read"] == 4000 * 10**6
+    assert st["hit_rate"] == pytest.approx(25 / 40)
+    assert st["disk_read_gbps_observed"] == pytest.approx(2.0)
+    assert st["modeled_tpot_ms"] == pytest.approx((10 + 3 * 30) / 4)
+    assert st["attention_ms"] == pytest.approx(25.0)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -71,6 +73,21 @@ def test_reader_counts_whole_aligned_blocks(tmp_path):
         assert reader.direct  # ext4 and most local file systems take O_DIRECT
     finally:
         reader.close()
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MAP_POPULATE"), reason="MAP_POPULATE is Linux's")
+def test_aligned_bytes_are_faulted_in_when_allocated():
+    """Slots are resident before the first read: no decode step zeroes their pages."""
+
+    def rss_kb() -> int:
+        status = Path("/proc/self/status").read_text().splitlines()
+        return int(next(x for x in status if x.startswith("VmRSS:")).split()[1])
+
+    before = rss_kb()
+    buf = offload.aligned_bytes(64 << 20)
+    grown = rss_kb() - before
+    assert grown >= 60 << 10, f"RSS grew by {grown} kB for a 64 MiB buffer never touched"
+    assert buf.data_ptr() % offload.ALIGN == 0 and int(buf[-1]) == 0
 
 
 def test_disk_tier_logits_and_bytes_read_by_hand(tmp_path):
