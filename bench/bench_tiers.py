@@ -10,17 +10,18 @@ are generated once into an offload directory under $MOECAST_HOME/bench_tiers (ru
 format: one aligned block per expert), and every configuration reads them from there; the other
 weights are loaded once (experts never materialised).
 
-Rows, at each capacity (share of each layer's experts resident in RAM), measured side by side
-(:data:`MEASURED_RULE`: request by request, every row on each request in turn, each request from a
-cold start), with measured TPOT (mean wall time of every decode step; the same teacher-forced tokens
-everywhere, after a one-token prompt), modeled TPOT (runtime.replay of the same routing under the
-profile measured here at the start: CPU expert time, non-expert time per layer, predictor latency,
-and the disk's direct-read bandwidth as the link), calibrated TPOT (the same replay under the
-profile calibrated on a live LRU run of other held-out requests at that capacity, run in the same
-rounds), TPOT at run rates (under the rates the row's own runs saw: the disk's rate while a read was
-in flight, one expert's compute, the rest of a layer), hit rate, bytes read from the disk and peak
-RSS (a live row also its RSS just before attach, and the peak over the budget plus that:
-:data:`RSS_RULE`):
+Rows, at each capacity (share of each layer's experts resident in RAM), run under the profile
+measured here at the start (CPU expert time, non-expert time per layer, predictor latency, the disk's
+direct-read bandwidth as the link) calibrated at that capacity on a live LRU run of two other
+held-out requests (runtime.profile.calibrate, as `moecast profile --calibrate` does before a user's
+run), and measured side by side (:data:`MEASURED_RULE`: request by request, every row on each
+request in turn, each request from a cold start). Each row has measured TPOT (mean wall time of
+every decode step; the same teacher-forced tokens everywhere, after a one-token prompt), modeled TPOT
+(runtime.replay of the same routing under the profile the row ran under), probe TPOT (the replay
+under the uncalibrated probe's profile), TPOT at run rates (under the rates the row's own runs saw:
+the disk's rate while a read was in flight, one expert's compute, the rest of a layer), hit rate,
+bytes read from the disk and peak RSS (a live row also its RSS just before attach, and the peak over
+the budget plus that: :data:`RSS_RULE`):
 - moecast's disk tier (direct I/O, asynchronous reads): LRU and LFU on demand, static hot table
   (counted on other held-out requests), LLaPor prefetch, prefetch-late and lfu-prefetch
   (``--predictor``, the DeepSeek checkpoint; prefetch-late also starts one prefetch past the window,
@@ -234,9 +235,9 @@ def rss_mb() -> float | None:
     return None
 
 
-def modeled(t: Tiers, policy: str, capacity: float, predictor: Any = "none", hardware: Any = None) -> Any:
-    """Replay of the bench's requests under ``hardware`` (default: the profile measured at the start),
-    each request's cache starting cold, as each live run's does (one attach per request)."""
+def modeled(t: Tiers, policy: str, capacity: float, predictor: Any, hardware: Any) -> Any:
+    """Replay of the bench's requests under the profile ``hardware``, each request's cache starting
+    cold, as each live run's does (one attach per request)."""
     from moecast.runtime.replay import ReplayConfig, replay
 
     if t.traces is None or t.profile is None:
@@ -244,7 +245,7 @@ def modeled(t: Tiers, policy: str, capacity: float, predictor: Any = "none", har
     cfg = ReplayConfig(
         policy=policy,
         capacity=capacity,
-        hardware=hardware or t.profile,
+        hardware=hardware,
         predictor=predictor,
         cold=True,
         requests=[r.request_id for r in t.routing.requests],
@@ -253,20 +254,20 @@ def modeled(t: Tiers, policy: str, capacity: float, predictor: Any = "none", har
     return replay(str(t.traces), cfg)
 
 
-def _modeled_keys(
-    t: Tiers, policy: str, capacity: float, predictor: Any, st: dict, calibrated: Any = None
-) -> dict:
-    """Replay of the row's requests under the probe's profile (modeled), the profile calibrated on
-    other requests (calibrated: a prediction) and the rates the row's own run saw (at_run_rates: the
-    model's rules apart from any drift of the disk)."""
+def _modeled_keys(t: Tiers, policy: str, capacity: float, predictor: Any, st: dict, prof: Any) -> dict:
+    """Replay of the row's requests under the profile the row ran under (modeled: the calibrated one
+    where calibration ran), under the probe's profile alone (probe) and under the rates the row's own
+    runs saw (at_run_rates: the model's rules apart from any drift of the disk; its decisions of what
+    lands in a window may differ from those the run took under ``prof``)."""
     from moecast.runtime.profile import calibrate
 
-    r = modeled(t, policy, capacity, predictor)
+    r = modeled(t, policy, capacity, predictor, prof)
     if r is None:
         return {"modeled_tpot_ms": None}
-    out = {"modeled_tpot_ms": r.modeled_tpot_ms, "modeled_hit_rate": r.hit_rate, "tpot_basis": r.tpot_basis}
-    if calibrated is not None:
-        out["calibrated_tpot_ms"] = modeled(t, policy, capacity, predictor, calibrated).modeled_tpot_ms
+    out = {"modeled_tpot_ms": r.modeled_tpot_ms, "modeled_hit_rate": r.hit_rate, "tpot_basis": r.tpot_basis,
+           "profile": prof.name}  # fmt: skip
+    if prof is not t.profile:
+        out["probe_tpot_ms"] = modeled(t, policy, capacity, predictor, t.profile).modeled_tpot_ms
     if st.get("disk_read_gbps_observed") and t.profile.fast_tier == "cpu":
         own = calibrate(t.profile, st, t.num_layers)
         out["at_run_rates_tpot_ms"] = modeled(t, policy, capacity, predictor, own).modeled_tpot_ms
@@ -290,9 +291,9 @@ class Row:
     error: BaseException | None = None
 
 
-def live_run(t: Tiers, capacity: float, request: Any, tokens: np.ndarray, **kw: Any) -> dict:
-    """One request on a freshly attached runtime (its cache starts cold): its decode steps' ms, the
-    runtime's stats and the process's RSS just before attach."""
+def live_run(t: Tiers, capacity: float, request: Any, tokens: np.ndarray, hardware: Any, **kw: Any) -> dict:
+    """One request on a freshly attached runtime under the profile ``hardware`` (its cache starts
+    cold): its decode steps' ms, the runtime's stats and the process's RSS just before attach."""
     from moecast.runtime.live import attach
 
     release_freed()
@@ -303,7 +304,7 @@ def live_run(t: Tiers, capacity: float, request: Any, tokens: np.ndarray, **kw: 
     # are computed by the CPU, read from the disk first; the others load every miss)
     rt = attach(
         t.model, capacity=capacity, offload="disk", offload_dir=str(t.directory),
-        hardware=str(t.profile_path or "prescope-a100-pcie4"), **kw,
+        hardware=hardware or "prescope-a100-pcie4", **kw,
     )  # fmt: skip
     routing = replace(t.routing, requests=[request] if request is not None else [])
     try:
@@ -336,7 +337,7 @@ def pooled(stats: list[dict]) -> dict:
     return out
 
 
-def live_result(t: Tiers, row: Row, capacity: float, calibrated: Any) -> dict:
+def live_result(t: Tiers, row: Row, capacity: float, prof: Any) -> dict:
     """A live row's figures over its runs (one per request)."""
     from moecast.runtime.live import BREAKDOWN
 
@@ -357,18 +358,19 @@ def live_result(t: Tiers, row: Row, capacity: float, calibrated: Any) -> dict:
         "budget_mb": budget,
         "dense_mb": (t.directory / "dense.safetensors").stat().st_size / 2**20,
         "requests": len(row.runs),
-        **_modeled_keys(t, row.replay_policy, capacity, row.replay_pred, st, calibrated),
+        **_modeled_keys(t, row.replay_policy, capacity, row.replay_pred, st, prof),
     }
 
 
-def live_rows(t: Tiers, report: Any, capacity: float) -> list[Row]:
-    """moecast's rows at ``capacity`` (a missing predictor's rows are reported skipped here)."""
+def live_rows(t: Tiers, report: Any, capacity: float, prof: Any) -> list[Row]:
+    """moecast's rows at ``capacity`` under the profile ``prof`` (a missing predictor's rows are
+    reported skipped here)."""
     s = SimpleNamespace(name=f"{int(capacity * 100)} %")
 
     def row(name: str, replay_policy: str, replay_pred: Any, **kw: Any) -> Row:
         def run(i: int) -> dict:
             req = t.routing.requests[i] if t.routing.recorded else None
-            return live_run(t, capacity, req, t.requests[i], **kw)
+            return live_run(t, capacity, req, t.requests[i], prof, **kw)
 
         return Row(name, run, replay_policy, replay_pred)
 
@@ -397,33 +399,41 @@ def live_rows(t: Tiers, report: Any, capacity: float) -> list[Row]:
     return rows
 
 
-def calibration_row(t: Tiers, capacity: float) -> Row | None:
-    """LRU at ``capacity`` on the held-out requests static's table is counted on (no row measures them):
-    the profile calibrated on its rates (moecast.runtime.profile.calibrate) models every row."""
+def calibrate_at(t: Tiers, report: Any, capacity: float) -> Any:
+    """The profile the rows at ``capacity`` run under: the probe's, calibrated
+    (moecast.runtime.profile.calibrate) on a live LRU run at ``capacity`` of the held-out requests
+    static's table is counted on (no row measures them), as `moecast profile --calibrate` does for a
+    user before a run; the probe's where there is nothing to calibrate on."""
+    from moecast.runtime.profile import calibrate
+
     cal = t.hot_routing[:2]
     if not cal or t.profile is None or t.profile.fast_tier != "cpu":
-        return None
+        return t.profile
 
-    def run(i: int) -> dict:
-        r = cal[i % len(cal)]
-        return live_run(t, capacity, r, r.tokens, policy="lru", prefetch="none")
+    def calibration() -> dict:
+        runs = [live_run(t, capacity, r, r.tokens, t.profile, policy="lru", prefetch="none") for r in cal]
+        prof = calibrate(t.profile, pooled([r["stats"] for r in runs]), t.num_layers)
+        prof = replace(prof, name=f"{prof.name}-{int(capacity * 100)}")
+        bench_gpu._write(Path(t.args.out) / f"{prof.name}.yaml", prof.to_yaml())
+        out["prof"] = prof
+        return {k: getattr(prof, k) for k in ("transfer_gbps", "gpu_expert_ms", "attn_ms")}
 
-    return Row("calibration", run)
+    out = {"prof": t.profile}
+    report.guard(SimpleNamespace(name=f"{int(capacity * 100)} %"), "calibration", calibration, kind="profile")
+    return out["prof"]
 
 
 def measure_rows(t: Tiers, report: Any, capacity: float) -> None:
-    """Every row at ``capacity``, measured side by side: request by request, each round runs the
-    calibration and every row on one request, so a drift of the disk's rate over the minutes the rows
-    take reaches every row alike. Each run attaches afresh, so every request starts cold."""
-    from moecast.runtime.profile import calibrate
-
+    """Every row at ``capacity``, under the profile calibrated at it, measured side by side: request
+    by request, each round runs every row on one request, so a drift of the disk's rate over the
+    minutes the rows take reaches every row alike. Each run attaches afresh: every request starts cold."""
     s = SimpleNamespace(name=f"{int(capacity * 100)} %")
-    cal = calibration_row(t, capacity)
-    rows = live_rows(t, report, capacity)
+    prof = calibrate_at(t, report, capacity)
+    rows = live_rows(t, report, capacity, prof)
     kinds = [b.strip() for b in t.args.baselines.split(",") if b.strip()]
     rows += [Row(kind, lambda i, k=kind: child_run(t, k, capacity, i)) for kind in kinds]
     for i in range(len(t.requests)):
-        for row in [cal, *rows] if cal else rows:
+        for row in rows:
             if row.error is not None:
                 continue
             bench_gpu.log(f"[{s.name}] {row.name}: request {i + 1} of {len(t.requests)}")
@@ -431,19 +441,6 @@ def measure_rows(t: Tiers, report: Any, capacity: float) -> None:
                 row.runs.append(row.run(i))
             except Exception as exc:  # recorded, raised again in the row's guard
                 row.error = exc
-    calibrated = None
-    if cal is not None:
-
-        def calibration() -> dict:
-            nonlocal calibrated
-            if cal.error is not None:
-                raise cal.error
-            calibrated = calibrate(t.profile, pooled([r["stats"] for r in cal.runs]), t.num_layers)
-            path = Path(t.args.out) / f"bench-tiers-calibrated-{int(capacity * 100)}.yaml"
-            bench_gpu._write(path, calibrated.to_yaml())
-            return {k: getattr(calibrated, k) for k in ("transfer_gbps", "gpu_expert_ms", "attn_ms")}
-
-        report.guard(s, "calibration", calibration, kind="profile")
     for row in rows:
 
         def result(row: Row = row) -> dict:
@@ -451,7 +448,7 @@ def measure_rows(t: Tiers, report: Any, capacity: float) -> None:
                 raise row.error
             if row.replay_policy is None:
                 return child_result(row.runs)
-            return {"config": row.name, **live_result(t, row, capacity, calibrated)}
+            return {"config": row.name, **live_result(t, row, capacity, prof)}
 
         report.guard(s, row.name, result)
 
@@ -637,7 +634,7 @@ def _finish(report: Any, args: argparse.Namespace, out: Path, t: Tiers | None, t
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'capacity':>8}  {'config':<28} {'status':<8} {'measured':>9} {'modeled':>9} {'calibr.':>9} {'run rates':>9} {'hit':>6} {'read MB':>9} "
+    head = (f"{'capacity':>8}  {'config':<28} {'status':<8} {'measured':>9} {'modeled':>9} {'probe':>9} {'run rates':>9} {'hit':>6} {'read MB':>9} "
             f"{'peak RSS MB':>11} {'budget MB':>9} {'base MB':>8} {'RSS ratio':>9}")  # fmt: skip
     lines = [head, "-" * len(head)]
     f = bench_gpu._fmt
@@ -645,7 +642,7 @@ def table(rows: list[dict]) -> str:
         mb = None if r.get("bytes_read") is None else r["bytes_read"] / 2**20
         lines.append(
             f"{r['capacity']:>8.2f}  {r['config']:<28} {r['status']:<8} {f(r.get('measured_tpot_ms')):>9} "
-            f"{f(r.get('modeled_tpot_ms')):>9} {f(r.get('calibrated_tpot_ms')):>9} {f(r.get('at_run_rates_tpot_ms')):>9} {f(r.get('hit_rate')):>6} {f(mb, 1):>9} {f(r.get('peak_rss_mb'), 0):>11} "
+            f"{f(r.get('modeled_tpot_ms')):>9} {f(r.get('probe_tpot_ms')):>9} {f(r.get('at_run_rates_tpot_ms')):>9} {f(r.get('hit_rate')):>6} {f(mb, 1):>9} {f(r.get('peak_rss_mb'), 0):>11} "
             f"{f(r.get('budget_mb'), 0):>9} {f(r.get('rss_base_mb'), 0):>8} {f(rss_ratio(r), 3):>9}"
         )
     return "\n".join(lines)
@@ -670,10 +667,11 @@ def markdown(report: Any, rows: list[dict], args: argparse.Namespace, t: Tiers |
         lines.append("- profile: " + ", ".join(f"{k} {bench_gpu._fmt(prof[k], 4)}" for k in
                                                ("disk_read_gbps", "cpu_beta_ms", "cpu_c_ms", "attn_ms", "predictor_ms")))  # fmt: skip
     for cal in (r for r in report.rows if r.get("config") == "calibration" and r["status"] == "ok"):
-        lines.append(f"- calibrated at {cal['model']} (calibr.; LRU on other held-out requests, one per round): " + ", ".join(
+        lines.append(f"- calibrated at {cal['model']} (the rows' profile there; LRU on 2 other held-out requests): " + ", ".join(
             f"{k} {bench_gpu._fmt(cal[k], 4)}" for k in ("transfer_gbps", "gpu_expert_ms", "attn_ms")))  # fmt: skip
-    lines.append("- modeled: replay under the profile; calibr.: under the calibrated profile; run rates: under the "
-                 "rates the row's own run saw (disk while busy, one expert call, the rest of a layer)")  # fmt: skip
+    lines.append("- modeled: replay under the profile the rows ran under (calibrated at their capacity where it "
+                 "ran); probe: under the probe's profile; run rates: under the rates the row's own runs saw "
+                 "(disk while busy, one expert call, the rest of a layer)")  # fmt: skip
     lines += [f"- {RSS_RULE}", "", "```", table(rows), "```", ""]
     if report.failures:
         lines += ["## Failures", "", *report.failures]
@@ -690,7 +688,7 @@ def rows(quick: bool, ds_checkpoint: Path | None = None) -> list[dict]:
 
 #: how the rows are measured, as the markdown states it
 MEASURED_RULE = (
-    "measured side by side: at each capacity, round r runs the calibration and then every row (moecast's "
+    "measured side by side: at each capacity, after the calibration, round r runs every row (moecast's "
     "and the baselines) on request r, so a drift of the disk's rate reaches every row alike; each run is "
     "a fresh attach (a baseline: a fresh process, its page cache dropped), so every request starts cold, "
     "as the replay's requests do (cold)"
@@ -739,11 +737,10 @@ def figures(raw: list[dict]) -> list[dict]:
             err = abs(r["modeled_tpot_ms"] / r["measured_tpot_ms"] - 1)
             error = f"{name[:-8]} |modeled / measured - 1|"
             out.append(F.fig("tiers", error, err, "{:.2f}", "<= 0.15", tpot_basis=basis))
-        if r.get("calibrated_tpot_ms"):
-            err = abs(r["calibrated_tpot_ms"] / r["measured_tpot_ms"] - 1)
-            out.append(F.fig("tiers", f"{name[:-8]} |calibrated / measured - 1|", err, "{:.2f}", "<= 0.15",
-                             note="replay under the profile calibrated on other requests' live run",
-                             tpot_basis=basis))  # fmt: skip
+        if r.get("probe_tpot_ms"):
+            err = abs(r["probe_tpot_ms"] / r["measured_tpot_ms"] - 1)
+            out.append(F.fig("tiers", f"{name[:-8]} |probe / measured - 1|", err, "{:.2f}",
+                             note="replay under the probe's profile, before calibration", tpot_basis=basis))  # fmt: skip
         if r.get("at_run_rates_tpot_ms"):
             err = abs(r["at_run_rates_tpot_ms"] / r["measured_tpot_ms"] - 1)
             c = r["run_rates"]

@@ -400,9 +400,12 @@ class ExpertReader:
         self.paths = [self.directory / name for name in meta["files"]]
         self.direct = True
         self._fds: list[int] = []
+        self._retired: list[int] = []  # direct fds replaced by buffered ones (closed in close())
+        self._reopen_lock = threading.Lock()
         for path in self.paths:
             self._fds.append(self._open(path))
-        self.pool = ThreadPoolExecutor(max_workers=max(1, int(threads)), thread_name_prefix="moecast-io")
+        self.threads = max(1, int(threads))
+        self.pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="moecast-io")
         self._lock = threading.Lock()
         # the CPU's experts are read in waves of cpu_wave experts into two buffers (one wave computes
         # while the next is read), so a call holds 2 x cpu_wave experts however many it computes
@@ -441,18 +444,27 @@ class ExpertReader:
 
     def read_into(self, pos: int, expert: int, buf: Any) -> None:
         """Read expert ``expert`` of MoE layer ``pos`` (its whole aligned block) into ``buf``."""
+        view = self._view(pos, buf)
+        self._read_part(pos, expert, view, 0, len(view), 1)
+
+    def _view(self, pos: int, buf: Any) -> memoryview:
         view = memoryview(buf).cast("B")
         stride = self.layouts[pos].stride
         if len(view) != stride:
             raise ValueError(f"read buffer of {len(view)} bytes for an expert block of {stride}")
-        offset = self.starts[pos] + int(expert) * stride
+        return view
+
+    def _read_part(self, pos: int, expert: int, view: memoryview, start: int, end: int, reads: int) -> None:
+        """Bytes [start, end) of the expert's block into the same bytes of ``view`` (``reads``: 1 for
+        the part that counts the expert as read, 0 for the others)."""
+        offset = self.starts[pos] + int(expert) * self.layouts[pos].stride + start
         self._enter()
         try:
-            self._read(pos, expert, view, offset, stride)
+            self._read(pos, expert, view[start:end], offset, end - start)
         except BaseException:
             self._leave(0, 0)
             raise
-        self._leave(stride, 1)
+        self._leave(end - start, reads)
 
     def _enter(self) -> None:
         with self._lock:
@@ -475,14 +487,20 @@ class ExpertReader:
     def _read(self, pos: int, expert: int, view: memoryview, offset: int, stride: int) -> None:
         done = 0
         while done < stride:
+            fd = self._fds[pos]
             try:
-                got = os.preadv(self._fds[pos], [view[done:]], offset + done)
+                got = os.preadv(fd, [view[done:]], offset + done)
             except OSError as exc:
-                if exc.errno != errno.EINVAL or not self.direct:
+                if exc.errno != errno.EINVAL:
                     raise
                 # the open accepted O_DIRECT but the read did not: read this layer's files buffered
-                self._fallback()
-                self._reopen_buffered()
+                # (once, by whichever read failed first; another read in flight then retries)
+                with self._reopen_lock:
+                    if self.direct:
+                        self._fallback()
+                        self._reopen_buffered()
+                if self._fds[pos] == fd:
+                    raise
                 continue
             if got == 0:
                 raise OffloadError(
@@ -496,11 +514,27 @@ class ExpertReader:
     def _reopen_buffered(self) -> None:
         with self._lock:
             for i, path in enumerate(self.paths):
-                old, self._fds[i] = self._fds[i], os.open(path, os.O_RDONLY)
-                os.close(old)
+                # the direct fd stays open until close(): a read in flight may still hold it
+                self._retired.append(self._fds[i])
+                self._fds[i] = os.open(path, os.O_RDONLY)
 
     def submit(self, pos: int, expert: int, buf: Any) -> Future:
-        return self.pool.submit(self.read_into, pos, expert, buf)
+        """Read the expert into ``buf`` on the I/O pool; the future is done once all of it is read.
+
+        The block is split into one part per I/O thread, queued together: the threads read one
+        expert's parts side by side and the experts land in the order submitted, each as soon as
+        the disk can deliver it. Whole experts on parallel threads would share the disk instead,
+        and two submitted together would both land at the end (a layer could compute neither
+        before both were read)."""
+        view = self._view(pos, buf)
+        bounds = _parts(len(view), self.threads)
+        if len(bounds) == 1:
+            return self.pool.submit(self._read_part, pos, expert, view, 0, len(view), 1)
+        parts = [
+            self.pool.submit(self._read_part, pos, expert, view, a, b, int(i == 0))
+            for i, (a, b) in enumerate(bounds)
+        ]
+        return _all_of(parts)
 
     @contextlib.contextmanager
     def cpu_buffers(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -517,10 +551,36 @@ class ExpertReader:
     def close(self) -> None:
         self.pool.shutdown(wait=True)
         self._cpu_raw = None
-        for fd in self._fds:
+        for fd in [*self._fds, *self._retired]:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        self._fds = []
+        self._fds, self._retired = [], []
+
+
+def _parts(nbytes: int, n: int) -> list[tuple[int, int]]:
+    """[start, end) of up to ``n`` parts of ``nbytes``, every boundary on an ALIGN multiple."""
+    step = max(ALIGN, -(-nbytes // max(1, n) // ALIGN) * ALIGN)
+    return [(a, min(a + step, nbytes)) for a in range(0, nbytes, step)]
+
+
+def _all_of(parts: list[Future]) -> Future:
+    """A future done when every one of ``parts`` is: its first exception, else None."""
+    done: Future = Future()
+    lock, left = threading.Lock(), [len(parts)]
+
+    def finished(f: Future) -> None:
+        with lock:
+            left[0] -= 1
+            if done.done():
+                return
+            if f.exception() is not None:
+                done.set_exception(f.exception())
+            elif left[0] == 0:
+                done.set_result(None)
+
+    for f in parts:
+        f.add_done_callback(finished)
+    return done
 
 
 def aligned_bytes(nbytes: int) -> torch.Tensor:

@@ -32,7 +32,10 @@ def test_quick_run_at_test_sizes(tmp_path, capsys):
         assert r["requests"] == 2  # one run per request, each from a cold start
     recorded = by.get("oracle prefetch (bound)") is not None
     if recorded:  # the DeepSeek traces are here: modeled figures from replay, and the oracle bound
-        assert by["lru"]["modeled_tpot_ms"] > 0
+        assert by["lru"]["modeled_tpot_ms"] > 0 and by["lru"]["probe_tpot_ms"] > 0
+        # the rows ran, and are modeled, under the profile calibrated at their capacity
+        assert by["lru"]["profile"] == "bench-tiers-calibrated-25"
+        assert (tmp_path / "bench-tiers-calibrated-25.yaml").is_file()
         assert by["oracle prefetch (bound)"]["hit_rate"] >= by["lru"]["hit_rate"]
     assert by["llapor prefetch"]["status"] == "skipped"  # no --predictor
     why = memlimit.available()

@@ -75,6 +75,63 @@ def test_reader_counts_whole_aligned_blocks(tmp_path):
         reader.close()
 
 
+def test_read_parts_are_aligned_and_cover_the_block():
+    assert offload._parts(10 * ALIGN + 1, 2) == [(0, 6 * ALIGN), (6 * ALIGN, 10 * ALIGN + 1)]
+    assert offload._parts(8 * ALIGN, 2) == [(0, 4 * ALIGN), (4 * ALIGN, 8 * ALIGN)]
+    assert offload._parts(ALIGN, 4) == [(0, ALIGN)]  # never a part under one aligned block
+    assert offload._parts(3 * ALIGN, 1) == [(0, 3 * ALIGN)]
+
+
+def test_submitted_experts_land_in_order_each_read_by_every_thread(tmp_path):
+    """Two experts submitted together: both I/O threads read the first one's parts side by side
+    (a barrier only both can pass), so it lands before the second; whole experts per thread would
+    leave the barrier with one thread and fail."""
+    import threading
+
+    model = make_model("qwen2_moe")
+    meta = _write(model, tmp_path)
+    reader = ExpertReader(tmp_path, meta, threads=2)
+    barrier = threading.Barrier(2, timeout=10)
+    real = reader._read
+
+    def read(pos, expert, view, offset, nbytes):
+        if expert == 3:
+            barrier.wait()
+        real(pos, expert, view, offset, nbytes)
+
+    reader._read = read
+    try:
+        bufs = [offload.aligned_bytes(QWEN_STRIDE) for _ in range(2)]
+        first, second = reader.submit(1, 3, bufs[0].numpy()), reader.submit(1, 5, bufs[1].numpy())
+        first.result(timeout=20)
+        second.result(timeout=20)
+        experts = model.model.layers[1].mlp.experts
+        for buf, e in zip(bufs, (3, 5)):
+            assert torch.equal(reader.layouts[1].views(buf, 1)["down_proj"][0], experts.down_proj[e])
+        assert reader.reads == 2 and reader.bytes_read == 2 * QWEN_STRIDE
+    finally:
+        reader.close()
+
+
+def test_a_failed_part_fails_the_expert(tmp_path):
+    model = make_model("qwen2_moe")
+    meta = _write(model, tmp_path)
+    reader = ExpertReader(tmp_path, meta, threads=2)
+    real = reader._read
+
+    def read(pos, expert, view, offset, nbytes):
+        if offset != reader.starts[pos] + expert * QWEN_STRIDE:  # the second part
+            raise OSError(errno.EIO, "input/output error")
+        real(pos, expert, view, offset, nbytes)
+
+    reader._read = read
+    try:
+        with pytest.raises(OSError, match="input/output"):
+            reader.submit(1, 3, offload.aligned_bytes(QWEN_STRIDE).numpy()).result(timeout=20)
+    finally:
+        reader.close()
+
+
 @pytest.mark.skipif(not hasattr(mmap, "MAP_POPULATE"), reason="MAP_POPULATE is Linux's")
 def test_aligned_bytes_are_faulted_in_when_allocated():
     """Slots are resident before the first read: no decode step zeroes their pages."""
