@@ -12,7 +12,7 @@ weights are loaded once (experts never materialised).
 
 Rows, at each capacity (share of each layer's experts resident in RAM), run under the profile
 measured here at the start (CPU expert time, non-expert time per layer, predictor latency, the disk's
-direct-read bandwidth as the link) calibrated at that capacity on a live LRU run of two other
+direct-read bandwidth as the link) calibrated at that capacity on a live LRU run of the other
 held-out requests (runtime.profile.calibrate, as `moecast profile --calibrate` does before a user's
 run), and measured side by side (:data:`MEASURED_RULE`: request by request, every row on each
 request in turn, each request from a cold start). Each row has measured TPOT (mean wall time of
@@ -287,6 +287,7 @@ class Row:
     run: Any  # (request index) -> dict of one request's run
     replay_policy: str | None = None  # None: an external baseline (no replay)
     replay_pred: Any = "none"
+    profile: Any = None  # the profile a live row runs under
     runs: list[dict] = field(default_factory=list)
     error: BaseException | None = None
 
@@ -372,7 +373,7 @@ def live_rows(t: Tiers, report: Any, capacity: float, prof: Any) -> list[Row]:
             req = t.routing.requests[i] if t.routing.recorded else None
             return live_run(t, capacity, req, t.requests[i], prof, **kw)
 
-        return Row(name, run, replay_policy, replay_pred)
+        return Row(name, run, replay_policy, replay_pred, prof)
 
     rows = [row("lru", "lru", "none", policy="lru", prefetch="none"),
             row("lfu", "lfu", "none", policy="lfu", prefetch="none")]  # fmt: skip
@@ -402,11 +403,11 @@ def live_rows(t: Tiers, report: Any, capacity: float, prof: Any) -> list[Row]:
 def calibrate_at(t: Tiers, report: Any, capacity: float) -> Any:
     """The profile the rows at ``capacity`` run under: the probe's, calibrated
     (moecast.runtime.profile.calibrate) on a live LRU run at ``capacity`` of the held-out requests
-    static's table is counted on (no row measures them), as `moecast profile --calibrate` does for a
+    static's table is counted on (no row measures them; 4 by default), as `moecast profile --calibrate` does for a
     user before a run; the probe's where there is nothing to calibrate on."""
     from moecast.runtime.profile import calibrate
 
-    cal = t.hot_routing[:2]
+    cal = t.hot_routing
     if not cal or t.profile is None or t.profile.fast_tier != "cpu":
         return t.profile
 
@@ -423,15 +424,11 @@ def calibrate_at(t: Tiers, report: Any, capacity: float) -> Any:
     return out["prof"]
 
 
-def measure_rows(t: Tiers, report: Any, capacity: float) -> None:
-    """Every row at ``capacity``, under the profile calibrated at it, measured side by side: request
-    by request, each round runs every row on one request, so a drift of the disk's rate over the
-    minutes the rows take reaches every row alike. Each run attaches afresh: every request starts cold."""
+def measure_rows(t: Tiers, report: Any, capacity: float, rows: list[Row]) -> None:
+    """``rows`` at ``capacity`` measured side by side: request by request, each round runs every row
+    on one request, so a drift of the disk's rate over the minutes the rows take reaches every row
+    alike. Each run attaches afresh (a baseline: a fresh process), so every request starts cold."""
     s = SimpleNamespace(name=f"{int(capacity * 100)} %")
-    prof = calibrate_at(t, report, capacity)
-    rows = live_rows(t, report, capacity, prof)
-    kinds = [b.strip() for b in t.args.baselines.split(",") if b.strip()]
-    rows += [Row(kind, lambda i, k=kind: child_run(t, k, capacity, i)) for kind in kinds]
     for i in range(len(t.requests)):
         for row in rows:
             if row.error is not None:
@@ -448,7 +445,7 @@ def measure_rows(t: Tiers, report: Any, capacity: float) -> None:
                 raise row.error
             if row.replay_policy is None:
                 return child_result(row.runs)
-            return {"config": row.name, **live_result(t, row, capacity, prof)}
+            return {"config": row.name, **live_result(t, row, capacity, row.profile)}
 
         report.guard(s, row.name, result)
 
@@ -603,8 +600,15 @@ def run(argv: list[str] | None = None) -> list[dict]:
             report.guard(
                 None, "routing for replay", lambda: write_traces(t, Path(tmp) / "traces") or {}, kind="setup"
             )
-        for cap in [float(c) for c in args.capacities.split(",")]:
-            measure_rows(t, report, cap)
+        caps = [float(c) for c in args.capacities.split(",")]
+        for cap in caps:
+            measure_rows(t, report, cap, live_rows(t, report, cap, calibrate_at(t, report, cap)))
+        # after every moecast row: the baselines' reads (accelerate's run to 190 GB at 25 %) leave a
+        # cloud disk slower for a while, which would fall on whichever calibration or row came next
+        kinds = [b.strip() for b in args.baselines.split(",") if b.strip()]
+        for cap in caps:
+            rows = [Row(k, lambda i, k=k, c=cap: child_run(t, k, c, i)) for k in kinds]
+            measure_rows(t, report, cap, rows)
     return _finish(report, args, out, t, t0)
 
 
@@ -622,6 +626,7 @@ def _finish(report: Any, args: argparse.Namespace, out: Path, t: Tiers | None, t
         cap = float(r["model"].rstrip(" %")) / 100
         rows.append({**{k: r.get(k) for k in KEYS}, "config": r["config"], "capacity": cap, "status": r["status"],
                      **{k: v for k, v in r.items() if k not in KEYS and k not in ("model", "kind", "capacity")}})  # fmt: skip
+    rows.sort(key=lambda r: r["capacity"])  # the baselines ran after every capacity's moecast rows
     host = os.uname().nodename
     bench_gpu._write(out / f"tiers-{host}.json", json.dumps(rows, indent=1, default=str) + "\n")
     bench_gpu._write(out / f"tiers-{host}.md", markdown(report, rows, args, t, time.perf_counter() - t0))
@@ -667,7 +672,7 @@ def markdown(report: Any, rows: list[dict], args: argparse.Namespace, t: Tiers |
         lines.append("- profile: " + ", ".join(f"{k} {bench_gpu._fmt(prof[k], 4)}" for k in
                                                ("disk_read_gbps", "cpu_beta_ms", "cpu_c_ms", "attn_ms", "predictor_ms")))  # fmt: skip
     for cal in (r for r in report.rows if r.get("config") == "calibration" and r["status"] == "ok"):
-        lines.append(f"- calibrated at {cal['model']} (the rows' profile there; LRU on 2 other held-out requests): " + ", ".join(
+        lines.append(f"- calibrated at {cal['model']} (the rows' profile there; LRU on the other held-out requests): " + ", ".join(
             f"{k} {bench_gpu._fmt(cal[k], 4)}" for k in ("transfer_gbps", "gpu_expert_ms", "attn_ms")))  # fmt: skip
     lines.append("- modeled: replay under the profile the rows ran under (calibrated at their capacity where it "
                  "ran); probe: under the probe's profile; run rates: under the rates the row's own runs saw "
@@ -688,10 +693,11 @@ def rows(quick: bool, ds_checkpoint: Path | None = None) -> list[dict]:
 
 #: how the rows are measured, as the markdown states it
 MEASURED_RULE = (
-    "measured side by side: at each capacity, after the calibration, round r runs every row (moecast's "
-    "and the baselines) on request r, so a drift of the disk's rate reaches every row alike; each run is "
-    "a fresh attach (a baseline: a fresh process, its page cache dropped), so every request starts cold, "
-    "as the replay's requests do (cold)"
+    "measured side by side: at each capacity, after the calibration, round r runs every moecast row on "
+    "request r, so a drift of the disk's rate reaches every row alike; the baselines run after every "
+    "capacity's moecast rows, in rounds of their own (their reads, up to 190 GB, leave the disk slower for "
+    "a while); each run is a fresh attach (a baseline: a fresh process, its page cache dropped), so every "
+    "request starts cold, as the replay's requests do (cold)"
 )
 
 #: what the peak RSS ratio divides by, as the markdown states it
