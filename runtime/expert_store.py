@@ -268,6 +268,11 @@ class LayerStore:
             for ev in self._events.pop(s):
                 compute.wait_event(ev)
 
+    def in_flight(self, slots: np.ndarray) -> np.ndarray:
+        """Those of ``slots`` whose transfer the host would still block on, in the order they were
+        started (none here: a host-memory store copies synchronously, a device's stream waits alone)."""
+        return np.zeros(0, np.int64)
+
     def mark_read(self, slots: np.ndarray | list[int]) -> None:
         """Record that kernels now queued on the compute stream read ``slots``; a copy into one waits for them."""
         if self.ops is None or not len(slots):

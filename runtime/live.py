@@ -823,14 +823,21 @@ class LiveRuntime:
         Reading from a disk without an accelerator (each call runs to its end before the next
         starts), a decode step computes the hits while the loads are read, then each load as it
         lands, so only the last one's compute follows the link (the step's ``max(n_dev * t_g, link +
-        t_g)``). Elsewhere they are one call, whose outputs stay bit-identical to the wrapped
+        t_g)``); a hit whose prefetch is still in flight computes as it lands, before the loads.
+        Elsewhere they are one call, whose outputs stay bit-identical to the wrapped
         implementation's: a device's stream waits for the copies without blocking the host, a
         host-memory store copies synchronously, and a prefill's loads are many (a call per expert
         would cost more than the overlap gains)."""
         if not (self._decode and self.reader is not None and not self.stores[pos].cuda):
             return self._device(pos, call, np.concatenate([hit_ids, placed]))
+        # a hit whose prefetch is still being read computes once it lands, after the hits that
+        # have landed and before the loads (its read went to the disk first)
+        st = self.stores[pos]
+        late = st.expert_in[st.in_flight(st.slot_of[hit_ids])]
+        if len(late):
+            hit_ids = hit_ids[~np.isin(hit_ids, late)]
         out = None
-        for experts in [hit_ids, *placed[:, None]]:
+        for experts in [hit_ids, *late[:, None], *placed[:, None]]:
             part = self._device(pos, call, experts)
             out = part if out is None else out + part
         return out

@@ -695,6 +695,12 @@ class DiskLayerStore(LayerStore):
                 for ev in events:
                     compute.wait_event(ev)
 
+    def in_flight(self, slots: np.ndarray) -> np.ndarray:
+        """Those of ``slots`` still being read, in the order their reads were submitted (the order the
+        I/O pool serves them in)."""
+        asked = {int(x) for x in slots}
+        return np.array([x for x, fut in self._pending.items() if x in asked and not fut.done()], np.int64)
+
     def source(self, expert: int) -> dict[str, torch.Tensor]:
         raise NotImplementedError("a disk store reads experts with read_into; it holds no host copies")
 

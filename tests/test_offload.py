@@ -437,3 +437,55 @@ def test_reader_observed_rate_counts_overlapping_reads_once(monkeypatch, tmp_pat
     r._leave(50, 1)
     assert r.busy_s == 7.5 and (r.bytes_read, r.reads) == (250, 3)
     assert r.observed_gbps() == 250 / 7.5 / 1e9
+
+
+def test_in_flight_names_the_slots_still_read_in_submission_order(tmp_path):
+    import threading
+
+    model = make_model("mixtral")
+    meta = _write(model, tmp_path)
+    reader = ExpertReader(tmp_path, meta, threads=1)
+    gate = threading.Event()
+    real = reader._read
+
+    def read(pos, expert, view, offset, nbytes):
+        if expert != 3:
+            gate.wait(10)
+        real(pos, expert, view, offset, nbytes)
+
+    reader._read = read
+    store = DiskLayerStore(model.model.layers[0].mlp.experts, 4, reader, 0)
+    try:
+        slots = [store.load(e) for e in (3, 6, 1)]  # 3 reads at once; 6 and 1 wait at the gate
+        store.wait([slots[0]])
+        assert list(store.in_flight(np.array(slots[::-1]))) == slots[1:]  # asked in any order
+        assert list(store.in_flight(np.array(slots[:1]))) == []
+        gate.set()
+        store.wait()
+        assert len(store.in_flight(np.array(slots))) == 0
+    finally:
+        gate.set()
+        store.close()
+        reader.close()
+
+
+def test_a_hit_still_in_flight_computes_after_the_landed_hits_before_the_loads():
+    """Disk tier, decode: the landed hits in one call, then each hit whose prefetch is still being
+    read (as it lands), then each demand load; the parts' outputs summed."""
+    from moecast.runtime.live import LiveRuntime
+
+    class Store:
+        cuda = False
+        slot_of = np.array([-1, -1, 4, -1, 0, 3, -1, 1, -1, 2])  # expert -> slot
+        expert_in = np.array([4, 7, 9, 5, 2])  # slot -> expert
+
+        def in_flight(self, slots):
+            return np.array([s for s in (1,) if s in set(slots.tolist())], np.int64)  # expert 7's read
+
+    rt = LiveRuntime.__new__(LiveRuntime)
+    rt._decode, rt.reader, rt.stores = True, object(), [Store()]
+    calls = []
+    rt._device = lambda pos, call, experts: calls.append(list(experts)) or torch.ones(1) * len(calls)
+    out = rt._resident(0, None, np.array([4, 7, 9]), np.array([5, 2]))
+    assert calls == [[4, 9], [7], [5], [2]]
+    assert out.item() == 1 + 2 + 3 + 4
