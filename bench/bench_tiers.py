@@ -79,7 +79,6 @@ class Tiers:
     hot_routing: list[Any] = field(default_factory=list)  # those requests, for replay's static table
     traces: Path | None = None
     profile: Any = None
-    profile_path: Path | None = None
     expert_bytes: int = 0
 
     @property
@@ -157,8 +156,7 @@ def setup(args: argparse.Namespace) -> Tiers:
         t.notes.append(f"BENCHMARK MODE: routing replaced by the {routing.source}")
         t.notes.append(f"static's hot table: counted on {len(hot)} other held-out requests")
     else:
-        gen = np.random.default_rng(0)
-        t.requests = [gen.integers(0, cfg.vocab_size, n) for _ in range(args.requests)]
+        t.requests = random_requests(cfg.vocab_size, n, args.requests)
         t.notes.append(f"{routing.source}: the model's own random router decides; no modeled figures")
     shape = "test sizes" if args.ds_shape == "test" else "DeepSeek-V2-Lite shape"
     t.notes.insert(0, f"random weights, {shape}, {args.layers} MoE layers, bf16, experts in {d}")
@@ -166,6 +164,12 @@ def setup(args: argparse.Namespace) -> Tiers:
 
     t.expert_bytes = int(_layout(d).expert_bytes) if _read_meta(d) else 0
     return t
+
+
+def random_requests(vocab: int, n: int, count: int) -> list[np.ndarray]:
+    """``count`` requests of ``n`` random tokens, the same in the bench and in a baseline's process."""
+    gen = np.random.default_rng(0)
+    return [gen.integers(0, vocab, n) for _ in range(count)]
 
 
 def _layout(d: Path) -> Any:
@@ -182,8 +186,8 @@ def profile(t: Tiers, out: Path) -> dict:
     # the experts' directory holds the offload: profile_model reads it as the runtime does and, with
     # no accelerator, makes the disk the link and the CPU the fast tier (its source says so)
     prof, _how = profile_model(t.model, "bench-tiers", pred, offload_dir=t.directory, disk_mb=t.args.disk_mb)
-    t.profile, t.profile_path = prof, out / "bench-tiers-profile.yaml"
-    bench_gpu._write(t.profile_path, prof.to_yaml())
+    t.profile = prof
+    bench_gpu._write(out / "bench-tiers-profile.yaml", prof.to_yaml())
     return {
         k: getattr(prof, k) for k in ("disk_read_gbps", "cpu_beta_ms", "cpu_c_ms", "attn_ms", "predictor_ms")
     }
@@ -407,21 +411,21 @@ def calibrate_at(t: Tiers, report: Any, capacity: float) -> Any:
     user before a run; the probe's where there is nothing to calibrate on."""
     from moecast.runtime.profile import calibrate
 
-    cal = t.hot_routing
-    if not cal or t.profile is None or t.profile.fast_tier != "cpu":
-        return t.profile
+    cal, prof = t.hot_routing, t.profile
+    if not cal or prof is None or prof.fast_tier != "cpu":
+        return prof
 
     def calibration() -> dict:
+        nonlocal prof
         runs = [live_run(t, capacity, r, r.tokens, t.profile, policy="lru", prefetch="none") for r in cal]
-        prof = calibrate(t.profile, pooled([r["stats"] for r in runs]), t.num_layers)
-        prof = replace(prof, name=f"{prof.name}-{int(capacity * 100)}")
-        bench_gpu._write(Path(t.args.out) / f"{prof.name}.yaml", prof.to_yaml())
-        out["prof"] = prof
+        got = calibrate(t.profile, pooled([r["stats"] for r in runs]), t.num_layers)
+        got = replace(got, name=f"{got.name}-{int(capacity * 100)}")
+        bench_gpu._write(Path(t.args.out) / f"{got.name}.yaml", got.to_yaml())
+        prof = got  # only once it is written: a failed calibration leaves the rows the probe's
         return {k: getattr(prof, k) for k in ("transfer_gbps", "gpu_expert_ms", "attn_ms")}
 
-    out = {"prof": t.profile}
     report.guard(SimpleNamespace(name=f"{int(capacity * 100)} %"), "calibration", calibration, kind="profile")
-    return out["prof"]
+    return prof
 
 
 def measure_rows(t: Tiers, report: Any, capacity: float, rows: list[Row]) -> None:
@@ -498,8 +502,7 @@ def child_main(args: argparse.Namespace) -> None:
         routing.requests = [routing.requests[i]]
         tokens = routing.requests[0].tokens[:n]
     else:
-        gen = np.random.default_rng(0)  # the parent's requests (setup)
-        tokens = [gen.integers(0, cfg.vocab_size, n) for _ in range(args.requests)][i]
+        tokens = random_requests(cfg.vocab_size, n, args.requests)[i]
     budget = int(args.child_capacity * cfg.n_routed_experts) * args.layers * int(_layout(d).expert_bytes)
     # start cold, as the disk tier does: no expert file's pages left in the page cache by earlier rows
     for f in [*d.glob("layer_*.safetensors"), *(offload_home(args) / "accelerate").glob("*.dat")]:
