@@ -307,9 +307,11 @@ def live_run(t: Tiers, capacity: float, request: Any, tokens: np.ndarray, hardwa
     base = rss_mb()
     # each policy's own balancer, as replay's preset of the same name has it (static: its misses
     # are computed by the CPU, read from the disk first; the others load every miss)
+    # warm=False: every layer's slots start empty, as the replay's cold caches and the baselines'
+    # dropped page cache do (a warm attach would read experts 0..c-1 before the clock starts)
     rt = attach(
         t.model, capacity=capacity, offload="disk", offload_dir=str(t.directory),
-        hardware=hardware or "prescope-a100-pcie4", **kw,
+        hardware=hardware or "prescope-a100-pcie4", warm=False, **kw,
     )  # fmt: skip
     routing = replace(t.routing, requests=[request] if request is not None else [])
     try:

@@ -553,8 +553,9 @@ class LiveRuntime:
         ids = kwargs.get("input_ids", args[0] if args else None)
         emb = kwargs.get("inputs_embeds")
         seq = ids.shape[-1] if ids is not None else (emb.shape[1] if emb is not None else 2)
-        # one new token per sequence with a cache = a decode step (SMoE's TPOT is measured on these)
-        self._decode = seq == 1
+        # one new token per sequence with a cache = a decode step (SMoE's TPOT is measured on these);
+        # a one-token prompt is a prefill, as the replay's traces mark it
+        self._decode = seq == 1 and _continues(kwargs)
         # read once per forward: a torch index and int() cost ~20 us, paid at every layer otherwise
         self._cur_token = int(ids.reshape(-1)[-1]) if ids is not None and ids.numel() else 0
         n = ids.numel() if ids is not None else 0
@@ -1020,6 +1021,18 @@ class LiveRuntime:
             peak_rss_mb=peak_rss_mb(),
         )
         return d
+
+
+def _continues(kwargs: dict[str, Any]) -> bool:
+    """Whether a forward continues a sequence: its KV cache already holds tokens (transformers passes
+    an empty cache object to a generation's first forward), or its cache positions start past 0."""
+    for name in ("past_key_values", "cache", "cache_params"):
+        cache = kwargs.get(name)
+        if cache is not None:
+            length = getattr(cache, "get_seq_length", None)
+            return length() > 0 if callable(length) else len(cache) > 0
+    pos = kwargs.get("cache_position")
+    return pos is not None and pos.numel() > 0 and int(pos.reshape(-1)[0]) > 0
 
 
 def live_config(config: LiveConfig | None, settings: dict[str, Any]) -> LiveConfig:

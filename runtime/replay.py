@@ -742,6 +742,9 @@ def _results(run: _Run, out: _Outcome, wall: float) -> list[ReplayResult]:
     basis = (
         "decode steps" if out.any_decode else "every token as a step (prefill-only trace, no decode steps)"
     )
+    # substitution's denominator: the routed uses of the steps it may act on (the live runtime's)
+    d = run.data
+    routed = int((d.topk[d.decode] >= 0).sum() if out.any_decode else (d.topk >= 0).sum())
     results = []
     for c in range(C):
         t = {name: v[c * L : (c + 1) * L] for name, v in out.stats.items()}
@@ -765,7 +768,7 @@ def _results(run: _Run, out: _Outcome, wall: float) -> list[ReplayResult]:
                 (t["loads"].sum() + t["pf_started"].sum() + t["plan_loads"].sum())
                 * run.ts.meta.model.expert_bytes
             ),
-            substitution_rate=float(t["subs"].sum() / max(uses, 1)),
+            substitution_rate=float(t["subs"].sum() / max(routed, 1)),
             modeled_tpot_ms=tpot,
             tpot_basis=basis,
             layer_time_ms_per_layer=(t["time"] / max(out.n_steps, 1)).tolist(),

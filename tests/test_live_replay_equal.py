@@ -3,9 +3,9 @@
 A live run on ``tiny``'s architecture (configs/tiny.yaml, random weights) records the routing each
 layer saw; the replay of that routing as a TraceSet, under the same policy, capacity and hardware
 profile, must give the same hit rate, loads, CPU experts, prefetches, substitution rate and modeled
-TPOT. Every forward feeds one token, so each is a decode step on both sides, and both start from
-empty caches. The profile makes prefetch windows tight (one transfer is 0.3 ms, attention 0.4 ms,
-the predictor 0.1 ms), so some prefetches land and some do not.
+TPOT. Every forward feeds one token: the first is the prompt's prefill on both sides (no cache yet),
+the others decode steps, and both start from empty caches. The profile makes prefetch windows tight
+(one transfer is 0.3 ms, attention 0.4 ms, the predictor 0.2 ms), so some prefetches land and some do not.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def profile(tiny, tmp_path_factory):
         cpu_beta_ms=0.05,
         cpu_c_ms=0.3,
         attn_ms=0.4,
-        predictor_ms=0.1,
+        predictor_ms=0.2,
     )
     path = tmp_path_factory.mktemp("hw") / "tight-window.yaml"
     path.write_text(prof.to_yaml())
@@ -94,7 +94,7 @@ def live_run(model, policy, hw, predictor=None, prefetch="none"):
     rt.step.route = recording
     try:
         with torch.no_grad():
-            out = model(input_ids=torch.tensor([[5]]), use_cache=True)
+            out = model(input_ids=torch.tensor([[1]]), use_cache=True)
             for _ in range(1, STEPS):
                 nxt = out.logits[:, -1].argmax(-1, keepdim=True)
                 out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
@@ -116,7 +116,7 @@ def live_run(model, policy, hw, predictor=None, prefetch="none"):
 def as_traceset(path, info, ids, probs) -> TraceSet:
     fields = {"topk_weights": False, "router_probs": probs is not None, "gate_inputs": False}
     w = TraceWriter(path, TraceMeta(model=info, collection={"source": "live run"}, fields=fields))
-    rec = synthetic_record(0, np.arange(STEPS), ids, np.ones(STEPS, bool), router_probs=probs)
+    rec = synthetic_record(0, np.arange(STEPS), ids, np.arange(STEPS) >= 1, router_probs=probs)
     w.write([rec])
     return TraceSet(path)
 
@@ -155,7 +155,7 @@ def test_live_and_replay_report_equal_values(tiny, profile, tmp_path, case):
             predictor="oracle" if oracle else "none",
         ),
     )
-    assert stats["decode_steps"] == r.steps == STEPS
+    assert (stats["prefill_steps"], stats["decode_steps"]) == (1, STEPS - 1)
     assert stats["hit_rate"] == r.hit_rate
     assert (stats["loads"], stats["cpu_experts"]) == (r.loads, r.cpu_experts)
     assert (stats["prefetches_issued"], stats["prefetches_landed"]) == (
