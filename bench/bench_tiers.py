@@ -148,11 +148,12 @@ def setup(args: argparse.Namespace) -> Tiers:
             for r in routing.requests[: args.requests]
         ]
         t.requests = [r.tokens for r in routing.requests]
+        # the table is counted on the tokens the replay's traces hold of these requests (write_traces)
+        t.hot_routing = [replace(r, tokens=r.tokens[:n], topk_ids=r.topk_ids[:n]) for r in hot]
         table = np.zeros((args.layers, cfg.n_routed_experts))
-        for r in hot:
+        for r in t.hot_routing:
             np.add.at(table, (np.arange(args.layers)[None, :, None], r.topk_ids), 1)
         t.hot = FrequencyTable(table)
-        t.hot_routing = [replace(r, tokens=r.tokens[:n], topk_ids=r.topk_ids[:n]) for r in hot]
         t.notes.append(f"BENCHMARK MODE: routing replaced by the {routing.source}")
         t.notes.append(f"static's hot table: counted on {len(hot)} other held-out requests")
     else:

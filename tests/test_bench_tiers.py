@@ -37,8 +37,9 @@ def test_quick_run_at_test_sizes(tmp_path, capsys):
         assert by["lru"]["profile"] == "bench-tiers-calibrated-25"
         assert (tmp_path / "bench-tiers-calibrated-25.yaml").is_file()
         assert by["oracle prefetch (bound)"]["hit_rate"] >= by["lru"]["hit_rate"]
-        # both start every request with empty slots and see the same routing: LRU decides alike
-        for cfg in ("lru", "lfu"):
+        # both start every request with empty slots (static: its table, counted on the same tokens)
+        # and see the same routing, so they decide alike
+        for cfg in ("lru", "lfu", "static hot"):
             assert by[cfg]["hit_rate"] == pytest.approx(by[cfg]["modeled_hit_rate"])
     assert by["llapor prefetch"]["status"] == "skipped"  # no --predictor
     why = memlimit.available()
