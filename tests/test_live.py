@@ -899,3 +899,24 @@ def test_attach_takes_one_config_or_its_fields_by_name():
     ):
         attach(model, capcity=0.25)
     assert hooks_of(model) == 0
+
+
+def test_a_forward_decodes_only_when_its_cache_holds_tokens():
+    """A one-token forward is a decode step only past the prompt: transformers hands a generation's
+    first forward an empty cache object, and a one-token prompt is that forward."""
+    from moecast.runtime.live import _continues
+
+    class Cache:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def get_seq_length(self) -> int:
+            return self.n
+
+    assert not _continues({})
+    assert not _continues({"past_key_values": Cache(0)})
+    assert _continues({"past_key_values": Cache(3)})
+    assert _continues({"cache": Cache(1)})
+    assert not _continues({"past_key_values": ()}) and _continues({"past_key_values": ((1, 2),)})
+    assert not _continues({"cache_position": torch.tensor([0])})
+    assert _continues({"cache_position": torch.tensor([7])})
