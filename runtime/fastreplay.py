@@ -453,14 +453,27 @@ class Wavefront:
 
     def iteration(self, i: int) -> None:
         """The lanes active at iteration ``i``: prefetch, access, split, insert, time."""
-        L, E = self.L, self.E
         n_act = int(self.n_act_of[i])
-        if i < L - 1:
+        if i < self.L - 1:
             A = np.flatnonzero(self.layer_of[:n_act] <= i)  # warm-up: deeper layers not started yet
-            act = A
         else:
             A = slice(0, n_act)
-            act = self.lane_ix[:n_act]
+        if self.balancer == "presched" and self.prefetching:
+            # PreSched at layer l counts the next layer's predicted experts that are not resident
+            # after that layer ran the previous token, as the live runtime sees them; this iteration
+            # runs that token's next layer too, so the deeper layers go first
+            rows = self.lane_ix[A]
+            lay = self.layer_of[rows]
+            for layer in range(self.L - 1, -1, -1):
+                sub = rows[lay == layer]
+                if len(sub):
+                    self._rows(i, sub, sub)
+            return
+        self._rows(i, A, self.lane_ix[A])
+
+    def _rows(self, i: int, A, act: np.ndarray) -> None:
+        """Iteration ``i`` for the lanes ``act`` (at positions ``A``: a slice or the same indices)."""
+        L, E = self.L, self.E
         if len(act) == 0:
             return
         lay = self.layer_of[A]

@@ -642,9 +642,36 @@ def _iteration(
     step_decode: np.ndarray,
 ) -> None:
     """One wavefront iteration: every active lane's layer through the step."""
+    L = run.shape[0]
+    act, lay, s, g = _active(ln, ch, i, L, run.cfg.shared)
+    if pr.ids is not None and run.policy.balancer == "presched" and not run.cfg.shared:
+        # PreSched at layer l counts the next layer's predicted experts that are not resident
+        # after that layer ran the previous token, as the live runtime sees them; this iteration
+        # runs that token's next layer too, so the deeper layers go first
+        for layer in range(L - 1, -1, -1):
+            m = lay == layer
+            if m.any():
+                _rows(run, pr, ch, ln, act[m], lay[m], s[m], g[m], nu, step_time, step_decode)
+        return
+    _rows(run, pr, ch, ln, act, lay, s, g, nu, step_time, step_decode)
+
+
+def _rows(
+    run: _Run,
+    pr: _Predictions,
+    ch: _Chunk,
+    ln: _Lanes,
+    act: np.ndarray,
+    lay: np.ndarray,
+    s: np.ndarray,
+    g: np.ndarray,
+    nu: np.ndarray | None,
+    step_time: np.ndarray,
+    step_decode: np.ndarray,
+) -> None:
+    """The rows of lanes ``act`` (at layers ``lay``, steps ``s``, streams ``g``) through the step."""
     d, shared = run.data, run.cfg.shared
     L, E, _k, _B = run.shape
-    act, lay, s, g = _active(ln, ch, i, L, shared)
     if len(act) == 0:
         return
     toks = ch.tok[g, s]  # [n, B]

@@ -5,7 +5,7 @@ layer saw; the replay of that routing as a TraceSet, under the same policy, capa
 profile, must give the same hit rate, loads, CPU experts, prefetches, substitution rate and modeled
 TPOT. Every forward feeds one token: the first is the prompt's prefill on both sides (no cache yet),
 the others decode steps, and both start from empty caches. The profile makes prefetch windows tight
-(one transfer is 0.3 ms, attention 0.4 ms, the predictor 0.2 ms), so some prefetches land and some do not.
+(one transfer is 0.3 ms, attention 0.35 ms, the predictor 0.2 ms), so some prefetches land and some do not.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def profile(tiny, tmp_path_factory):
         gpu_expert_ms=0.05,
         cpu_beta_ms=0.05,
         cpu_c_ms=0.3,
-        attn_ms=0.4,
+        attn_ms=0.35,
         predictor_ms=0.2,
     )
     path = tmp_path_factory.mktemp("hw") / "tight-window.yaml"
