@@ -314,7 +314,9 @@ class Wavefront:
     Layers advance as a wavefront (lane of layer l handles step i - l at iteration i) because a
     prefetch for layer l uses the link time layer l-1 of the same step leaves free. Lanes are stored
     in order of the iteration they finish (latest first), so the lanes active at an iteration are a
-    prefix and every per-lane quantity is a slice, not a gather. Each lane keeps one key per expert:
+    prefix and every per-lane quantity is a slice, not a gather. Under PreSched an iteration's rows
+    go one layer at a time, deepest first: layer l's decision reads layer l+1's cache after the
+    previous token, which runs in the same iteration. Each lane keeps one key per expert:
     ``(step of last use + 1) << (sh + 1) | id << 1 | prefetched-unused`` when resident, ``big``
     otherwise, so lookups are gathers and an eviction is a row min (the flag bit never decides:
     the ids of a lane are distinct). ``cand`` [N, L, kp]: each (token, layer)'s predicted candidates

@@ -37,7 +37,10 @@ Two engines, kept equal:
   each): with per-layer caches every (stream, layer) pair is a lane and the layers advance as a
   wavefront (lane of layer l handles step i - l at iteration i), so one call of the step moves all
   layers and all cold streams at once; a shared cache has one lane per stream and walks the layers
-  in order.
+  in order. PreSched is the exception: its decision at layer l reads layer l+1's cache, which must
+  hold the previous token (as it does live), and that token runs at layer l+1 in the same
+  iteration, so its rows go one layer at a time, deepest first (a call per layer: about 13x the
+  time of the one-call wavefront on the DeepSeek traces).
 - the batch-1 engine (:mod:`moecast.runtime.fastreplay`) serves per-layer caches at batch size 1
   without substitution or planner: demand-only ``lru``/``lfu``/``belady``/``static``, and ``lru``
   with prefetch and/or PreSched. Its module docstring says how. tests/test_replay.py checks that it
