@@ -314,9 +314,9 @@ class Wavefront:
     Layers advance as a wavefront (lane of layer l handles step i - l at iteration i) because a
     prefetch for layer l uses the link time layer l-1 of the same step leaves free. Lanes are stored
     in order of the iteration they finish (latest first), so the lanes active at an iteration are a
-    prefix and every per-lane quantity is a slice, not a gather. Under PreSched an iteration's rows
-    go one layer at a time, deepest first: layer l's decision reads layer l+1's cache after the
-    previous token, which runs in the same iteration. Each lane keeps one key per expert:
+    prefix and every per-lane quantity is a slice, not a gather. Under PreSched, layer l's decision
+    reads layer l+1's cache as the previous token left it, so step s of layer l runs at iteration
+    2 s + l (that token's row at layer l+1 ran one iteration before). Each lane keeps one key per expert:
     ``(step of last use + 1) << (sh + 1) | id << 1 | prefetched-unused`` when resident, ``big``
     otherwise, so lookups are gathers and an eviction is a row min (the flag bit never decides:
     the ids of a lane are distinct). ``cand`` [N, L, kp]: each (token, layer)'s predicted candidates
@@ -353,6 +353,9 @@ class Wavefront:
             g_start, g_len = starts, lengths.astype(np.int64)
         else:
             g_start, g_len = np.array([0], dtype=np.int64), np.array([N], dtype=np.int64)
+        # under PreSched layer l reads layer l+1's cache as the previous token left it: step s of
+        # layer l runs at iteration skew * s + l, so that token's row at layer l+1 ran one before
+        self.skew = 2 if (balancer == "presched" and cand is not None) else 1
         self._layout(g_start, g_len)
         S = int(g_len.max())
         self.sh = max(1, int(E - 1).bit_length())
@@ -384,7 +387,7 @@ class Wavefront:
         # predictions without -1 padding (the usual case) skip the masking below
         self.cand_full = bool(self.prefetching and (self.cand2 >= 0).all())
         self.pred_full = bool(self.pred2 is not None and (self.pred2 >= 0).all())
-        self.n_iter = S + L - 1
+        self.n_iter = self.skew * (S - 1) + L
         self.n_act_of = np.searchsorted(-self.end_sorted, -np.arange(self.n_iter), side="left")
         if preload is not None:
             self.preload(preload)
@@ -401,7 +404,7 @@ class Wavefront:
         o_cap = np.repeat(np.arange(C), G * L)
         o_layer = np.tile(np.arange(L), C * G)
         o_stream = np.tile(np.repeat(np.arange(G), L), C)
-        o_end = g_len[o_stream] + o_layer
+        o_end = self.skew * (g_len[o_stream] - 1) + 1 + o_layer
         perm = np.argsort(-o_end, kind="stable")
         pos = np.empty(lanes, dtype=np.int64)
         pos[perm] = np.arange(lanes)
@@ -455,31 +458,22 @@ class Wavefront:
 
     def iteration(self, i: int) -> None:
         """The lanes active at iteration ``i``: prefetch, access, split, insert, time."""
+        L, E = self.L, self.E
         n_act = int(self.n_act_of[i])
-        if i < self.L - 1:
+        if self.skew > 1:
+            off = i - self.layer_of[:n_act]
+            A = np.flatnonzero((off >= 0) & (off % self.skew == 0))  # the lanes with a step now
+            act = A
+        elif i < L - 1:
             A = np.flatnonzero(self.layer_of[:n_act] <= i)  # warm-up: deeper layers not started yet
+            act = A
         else:
             A = slice(0, n_act)
-        if self.balancer == "presched" and self.prefetching:
-            # PreSched at layer l counts the next layer's predicted experts that are not resident
-            # after that layer ran the previous token, as the live runtime sees them; this iteration
-            # runs that token's next layer too, so the deeper layers go first
-            rows = self.lane_ix[A]
-            lay = self.layer_of[rows]
-            for layer in range(self.L - 1, -1, -1):
-                sub = rows[lay == layer]
-                if len(sub):
-                    self._rows(i, sub, sub)
-            return
-        self._rows(i, A, self.lane_ix[A])
-
-    def _rows(self, i: int, A, act: np.ndarray) -> None:
-        """Iteration ``i`` for the lanes ``act`` (at positions ``A``: a slice or the same indices)."""
-        L, E = self.L, self.E
+            act = self.lane_ix[:n_act]
         if len(act) == 0:
             return
         lay = self.layer_of[A]
-        s = i - lay
+        s = (i - lay) // self.skew
         toks = self.tok0[A] + s
         tl = toks * L + lay
         base = act * E

@@ -37,10 +37,8 @@ Two engines, kept equal:
   each): with per-layer caches every (stream, layer) pair is a lane and the layers advance as a
   wavefront (lane of layer l handles step i - l at iteration i), so one call of the step moves all
   layers and all cold streams at once; a shared cache has one lane per stream and walks the layers
-  in order. PreSched is the exception: its decision at layer l reads layer l+1's cache, which must
-  hold the previous token (as it does live), and that token runs at layer l+1 in the same
-  iteration, so its rows go one layer at a time, deepest first (a call per layer: about 13x the
-  time of the one-call wavefront on the DeepSeek traces).
+  in order. Under PreSched the lane of layer l handles step (i - l) / 2 (:func:`_skew`): its
+  decision reads layer l+1's cache, which must hold the previous token, as it does live.
 - the batch-1 engine (:mod:`moecast.runtime.fastreplay`) serves per-layer caches at batch size 1
   without substitution or planner: demand-only ``lru``/``lfu``/``belady``/``static``, and ``lru``
   with prefetch and/or PreSched. Its module docstring says how. tests/test_replay.py checks that it
@@ -581,6 +579,7 @@ class _Lanes:
     n_iter: int
     order: np.ndarray | None = None  # per-layer: lanes by the iteration they end, latest first
     sorted_end: np.ndarray | None = None
+    skew: int = 1  # iterations between a lane's steps (_skew)
 
 
 def _lanes(run: _Run, pr: _Predictions, ch: _Chunk) -> _Lanes:
@@ -614,10 +613,18 @@ def _lanes(run: _Run, pr: _Predictions, ch: _Chunk) -> _Lanes:
         return _Lanes(step, cap_of, np.zeros(lanes, dtype=np.int64), stream_of, int(ch.stream_len.max()) * L)
     layer_of = np.tile(np.arange(L), C * G)
     stream_of = np.tile(np.repeat(np.arange(G), L), C)
-    lane_end = ch.stream_len[stream_of] + layer_of
+    skew = _skew(run, pr)
+    lane_end = skew * (ch.stream_len[stream_of] - 1) + 1 + layer_of
     order = np.argsort(-lane_end, kind="stable")
-    n_iter = int(ch.stream_len.max()) + L - 1
-    return _Lanes(step, cap_of, layer_of, stream_of, n_iter, order, lane_end[order])
+    n_iter = skew * (int(ch.stream_len.max()) - 1) + L
+    return _Lanes(step, cap_of, layer_of, stream_of, n_iter, order, lane_end[order], skew)
+
+
+def _skew(run: _Run, pr: _Predictions) -> int:
+    """Iterations between a lane's steps: 2 under PreSched with predictions, whose decision at layer
+    l reads layer l+1's cache as the previous token left it (step s of layer l runs at iteration
+    skew * s + l, so that token's row at layer l+1 ran one before); 1 otherwise."""
+    return 2 if pr.ids is not None and run.policy.balancer == "presched" else 1
 
 
 def _active(ln: _Lanes, ch: _Chunk, i: int, L: int, shared: bool) -> tuple[np.ndarray, ...]:
@@ -628,10 +635,13 @@ def _active(ln: _Lanes, ch: _Chunk, i: int, L: int, shared: bool) -> tuple[np.nd
         return act, np.full(len(act), l_i), np.full(len(act), s_i), ln.stream_of[act]
     n_act = int(np.searchsorted(-ln.sorted_end, -i, side="left"))  # lanes with end > i
     act = ln.order[:n_act]
-    if i < L - 1:
+    if ln.skew > 1:
+        off = i - ln.layer_of[act]
+        act = act[(off >= 0) & (off % ln.skew == 0)]  # the lanes with a step now
+    elif i < L - 1:
         act = act[ln.layer_of[act] <= i]  # warm-up: deeper layers not started yet
     lay = ln.layer_of[act]
-    return act, lay, i - lay, ln.stream_of[act]
+    return act, lay, (i - lay) // ln.skew, ln.stream_of[act]
 
 
 def _iteration(
@@ -645,36 +655,9 @@ def _iteration(
     step_decode: np.ndarray,
 ) -> None:
     """One wavefront iteration: every active lane's layer through the step."""
-    L = run.shape[0]
-    act, lay, s, g = _active(ln, ch, i, L, run.cfg.shared)
-    if pr.ids is not None and run.policy.balancer == "presched" and not run.cfg.shared:
-        # PreSched at layer l counts the next layer's predicted experts that are not resident
-        # after that layer ran the previous token, as the live runtime sees them; this iteration
-        # runs that token's next layer too, so the deeper layers go first
-        for layer in range(L - 1, -1, -1):
-            m = lay == layer
-            if m.any():
-                _rows(run, pr, ch, ln, act[m], lay[m], s[m], g[m], nu, step_time, step_decode)
-        return
-    _rows(run, pr, ch, ln, act, lay, s, g, nu, step_time, step_decode)
-
-
-def _rows(
-    run: _Run,
-    pr: _Predictions,
-    ch: _Chunk,
-    ln: _Lanes,
-    act: np.ndarray,
-    lay: np.ndarray,
-    s: np.ndarray,
-    g: np.ndarray,
-    nu: np.ndarray | None,
-    step_time: np.ndarray,
-    step_decode: np.ndarray,
-) -> None:
-    """The rows of lanes ``act`` (at layers ``lay``, steps ``s``, streams ``g``) through the step."""
     d, shared = run.data, run.cfg.shared
     L, E, _k, _B = run.shape
+    act, lay, s, g = _active(ln, ch, i, L, shared)
     if len(act) == 0:
         return
     toks = ch.tok[g, s]  # [n, B]
