@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 import torch
 from moecast.predictors.base import LayerAhead
+from moecast.runtime.cache import StaticTable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_gpu  # the guarded rows and the figures' formatting
@@ -148,12 +149,10 @@ def setup(args: argparse.Namespace) -> Tiers:
             for r in routing.requests[: args.requests]
         ]
         t.requests = [r.tokens for r in routing.requests]
-        # the table is counted on the tokens the replay's traces hold of these requests (write_traces)
+        # counted as the replay counts its static table, on the tokens its traces hold (write_traces)
         t.hot_routing = [replace(r, tokens=r.tokens[:n], topk_ids=r.topk_ids[:n]) for r in hot]
-        table = np.zeros((args.layers, cfg.n_routed_experts))
-        for r in t.hot_routing:
-            np.add.at(table, (np.arange(args.layers)[None, :, None], r.topk_ids), 1)
-        t.hot = FrequencyTable(table)
+        routed = np.concatenate([r.topk_ids for r in t.hot_routing])
+        t.hot = FrequencyTable(StaticTable.from_topk(routed, cfg.n_routed_experts).counts.astype(np.float64))
         t.notes.append(f"BENCHMARK MODE: routing replaced by the {routing.source}")
         t.notes.append(f"static's hot table: counted on {len(hot)} other held-out requests")
     else:
