@@ -20,7 +20,8 @@ Per model:
    layer measured on the model, and on CUDA pinned host-to-device bandwidth and kernel time per expert
    (:func:`moecast.runtime.profile.measure`); written as a hardware-profile YAML beside the results;
 2. exactness: logits of the live runtime at alpha 0 (25 % resident, LRU) against the unmodified model's;
-3. TPOT at 25 % resident (teacher-forced decode of the same tokens in every row; the mean wall time of a
+3. TPOT at 25 % resident (teacher-forced decode of the same tokens in every row, after a one-token
+   prompt, every layer's slots empty at the start as the replay's caches are; the mean wall time of a
    decode step, the first two steps excluded as warm-up):
    - full residency (the floor);
    - accelerate offload (CUDA only): ``dispatch_model`` with a device map that keeps the experts modules
@@ -79,6 +80,7 @@ class Setup:
     device: torch.device
     requests: list[np.ndarray]  # token ids of each request: prompt, then the decoded tokens
     prompt: int
+    prefill: int  # the exactness check's prefill: its experts outnumber the slots
     routing: ds_model.Routing
     notes: list[str] = field(default_factory=list)
     predictor: Any = None  # layer-ahead predictor for the live rows
@@ -127,11 +129,23 @@ def tiny_setup(args: argparse.Namespace, device: torch.device) -> Setup:
     if not rows:
         raise RuntimeError(f"no held-out ShareGPT text of {n} tokens; lower --prompt/--tokens")
     s = Setup(
-        "tiny", model, device, [np.array(r) for r in rows], args.prompt, ds_model.Routing(), substitutes=True
+        "tiny",
+        model,
+        device,
+        [np.array(r) for r in rows],
+        args.prompt,
+        _prefill(args),
+        ds_model.Routing(),
+        substitutes=True,
     )
     s.notes.append(f"tiny preset {preset} ({path}), float32, its own routing")
     s.tiny_path = path  # type: ignore[attr-defined]
     return s
+
+
+def _prefill(args: argparse.Namespace) -> int:
+    """The exactness check's prefill length, within the requests (prompt + tokens long)."""
+    return max(1, min(args.prefill, args.prompt + args.tokens - 1))
 
 
 def ds_setup(args: argparse.Namespace, device: torch.device) -> Setup:
@@ -149,7 +163,7 @@ def ds_setup(args: argparse.Namespace, device: torch.device) -> Setup:
         gen = np.random.default_rng(0)
         reqs = [gen.integers(0, cfg.vocab_size, n) for _ in range(args.requests)]
         note = f"{routing.source}: the model's own random router decides (not DeepSeek's routing)"
-    s = Setup("deepseek-shaped", model, device, reqs, args.prompt, routing)
+    s = Setup("deepseek-shaped", model, device, reqs, args.prompt, _prefill(args), routing)
     shape = "test sizes" if args.ds_shape == "test" else "DeepSeek-V2-Lite shape"
     s.notes += [
         f"random weights, {shape}: hidden {cfg.hidden_size}, expert intermediate {cfg.moe_intermediate_size}, "
@@ -338,7 +352,9 @@ def modeled(s: Setup, policy: str, capacity: float | int, predictor: Any = None,
 
 def row_full(s: Setup) -> dict:
     ms, _ = timed(s)
-    return {"measured_tpot_ms": ms, "hit_rate": 1.0, **modeled(s, "lru", _info(s).num_experts, "none")}
+    # static at capacity E: every expert preloaded before the clock starts, as the live row's model
+    # holds them all (LRU would start empty and count each expert's first use as a load)
+    return {"measured_tpot_ms": ms, "hit_rate": 1.0, **modeled(s, "static", _info(s).num_experts, "none")}
 
 
 def _logits(s: Setup, attached: bool) -> list[torch.Tensor]:
@@ -365,7 +381,7 @@ def exactness(s: Setup) -> dict:
     prefill (its experts outnumber the slots and run in waves, whose partial sums may round
     otherwise in bf16; the KV cache then carries that into the decode steps)."""
     out: dict[str, Any] = {}
-    for tag, prompt in (("", 1), ("prefill_", s.prompt)):
+    for tag, prompt in (("", 1), ("prefill_", s.prefill)):
         t = replace(s, prompt=prompt)
         ref, got = _logits(t, False), _logits(t, True)
         out[f"{tag}equal"] = all(torch.equal(a, b) for a, b in zip(ref, got))
@@ -386,7 +402,7 @@ def live_row(
 
     rt = attach(
         s.model, policy=policy, capacity=CAPACITY, alpha=alpha, device=_live_device(s),
-        hardware=str(s.profile_path or "prescope-a100-pcie4"), **kw,
+        hardware=str(s.profile_path or "prescope-a100-pcie4"), warm=False, **kw,
     )  # fmt: skip
     try:
         if s.cuda:
@@ -552,7 +568,7 @@ def markdown(report: Report, args: argparse.Namespace, setups: list[Setup], mach
             lines += [
                 f"Exactness at alpha 0 (live runtime, LRU at 25 %, against the unmodified model): one token per "
                 f"forward, logits equal: **{_fmt(ex['equal'])}** (max |diff| {_fmt(ex['max_abs_diff'])}, "
-                f"{ex['positions']} positions); after a {s.prompt}-token prefill (experts in waves through the "
+                f"{ex['positions']} positions); after a {s.prefill}-token prefill (experts in waves through the "
                 f"slots): equal **{_fmt(ex['prefill_equal'])}** (max |diff| {_fmt(ex['prefill_max_abs_diff'])}); "
                 f"max |logit| {_fmt(ex['max_abs_logit'])}",
                 "",
@@ -622,7 +638,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--layers", type=int, default=None, help="MoE layers of the DeepSeek-shaped model (default 4)"
     )
     ap.add_argument("--requests", type=int, default=None, help="requests per model (default 3)")
-    ap.add_argument("--prompt", type=int, default=None, help="prompt tokens per request (default 32)")
+    # one token of prompt in the timed rows: the replay takes a prompt token by token where the live
+    # runtime prefills it in one forward, so a longer prompt would start the two from different caches
+    ap.add_argument("--prompt", type=int, default=1, help="prompt tokens of each timed request (default 1)")
+    ap.add_argument(
+        "--prefill",
+        type=int,
+        default=None,
+        help="prompt tokens of the exactness check's prefill (default 32)",
+    )
     ap.add_argument("--tokens", type=int, default=None, help="decode steps per request (default 48)")
     ap.add_argument("--predictor", default=None, help="LLaPor checkpoint for tiny (default: train one here)")
     ap.add_argument("--ds-predictor", default=None, help="LLaPor checkpoint of the DeepSeek traces")
@@ -638,7 +662,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--train-epochs", type=int, default=None)
     args = ap.parse_args(argv)
     q = args.quick
-    defaults = dict(layers=2 if q else 4, requests=2 if q else 3, prompt=16 if q else 32, tokens=12 if q else 48,
+    defaults = dict(layers=2 if q else 4, requests=2 if q else 3, prefill=16 if q else 32, tokens=12 if q else 48,
                     train_requests=16 if q else 48, train_epochs=2 if q else 8)  # fmt: skip
     for k, v in defaults.items():
         if getattr(args, k) is None:

@@ -104,7 +104,7 @@ def test_dry_run_runs_every_cpu_row(tmp_path, monkeypatch):
 
     monkeypatch.setattr(sys, "argv", ["bench_gpu.py"])
     args = ["--device", "cpu", "--quick", "--ds-shape", "test", "--tiny-preset", "test", "--out", str(tmp_path),
-            "--requests", "1", "--prompt", "8", "--tokens", "5", "--train-requests", "8", "--train-epochs", "1"]  # fmt: skip
+            "--requests", "1", "--prefill", "8", "--tokens", "7", "--train-requests", "8", "--train-epochs", "1"]  # fmt: skip
     rows = bench_gpu.run(args)
     by = {(r["model"], r["config"]): r for r in rows}
     assert not [r for r in rows if r["status"] == "FAILED"]
@@ -114,7 +114,15 @@ def test_dry_run_runs_every_cpu_row(tmp_path, monkeypatch):
         for cfg in ("full residency", "on-demand LRU", "PreSched + CPU experts"):
             r = by[(model, cfg)]
             assert r["measured_tpot_ms"] > 0 and r["modeled_tpot_ms"] > 0
-        assert by[(model, "full residency")]["hit_rate"] == 1.0
+        assert (
+            by[(model, "full residency")]["hit_rate"]
+            == by[(model, "full residency")]["modeled_hit_rate"]
+            == 1.0
+        )
+        lru = by[(model, "on-demand LRU")]
+        assert lru["hit_rate"] == pytest.approx(
+            lru["modeled_hit_rate"], abs=1e-12
+        )  # the same caches, live and replayed
         assert by[(model, "on-demand LRU")]["cpu_experts"] == 0  # on demand: every miss is loaded
     assert by[("tiny", "LLaPor prefetch")]["prefetches_issued"] > 0
     assert by[("tiny", "SMoE (alpha 0.3)")]["status"] == "ok"
