@@ -355,7 +355,11 @@ class RoutingOverride:
             router = entry.router
             router.forward = self._forward(router, layer)
             self._undo.append(lambda r=router: r.__dict__.pop("forward", None))
-        self._undo.append(model.register_forward_pre_hook(self._advance, with_kwargs=True).remove)
+        # prepended: the request's row is known to every pre-hook of the forward, the runtime's too
+        # (its first layer's prefetch, predicted at the step's start, asks the oracle for it)
+        self._undo.append(
+            model.register_forward_pre_hook(self._advance, with_kwargs=True, prepend=True).remove
+        )
         return self
 
     def remove(self) -> None:

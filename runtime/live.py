@@ -574,6 +574,18 @@ class LiveRuntime:
         self._next = None
         self._acc = dict.fromkeys(("layers", "expert_compute", "transfer_wait", "predictor"), 0.0)
         self._t0 = time.perf_counter()
+        if self._decode and self.prefetch == "predictor":
+            self._first_prefetch()
+
+    def _first_prefetch(self) -> None:
+        """The first layer's prefetch, predicted from what the token's start knows, sent out before the
+        model runs: its reads overlap the first layer's attention, the window the step gives it
+        (``t_attn - t_pred``). Its time counts with the layers' (policy and predictor), not attention."""
+        t0, w0 = time.perf_counter(), self._waited()
+        self._next = self._next_prediction(0, None)[1]
+        self._prefetch()
+        self._acc["layers"] += time.perf_counter() - t0
+        self._acc["transfer_wait"] += self._waited() - w0
 
     def _post_forward(self, module: Any, args: Any, output: Any) -> None:
         wall = (time.perf_counter() - self._t0) * 1e3
@@ -689,10 +701,6 @@ class LiveRuntime:
         decode = _YES if self._decode and not self.full else _NO
         if self._decode:
             s.routed += ids.size
-            # the first layer's prefetch, predicted from what the token's start knows
-            if pos == 0 and self.prefetch == "predictor":
-                self._next = self._next_prediction(0, hidden)[1]
-                self._prefetch()
         ids3 = ids[None]
         routed = self.step.route(lane, lane, ids3, probs, decode)
         if routed is not ids3 and not np.array_equal(routed[0], ids):
@@ -932,7 +940,9 @@ class LiveRuntime:
             st.load(int(e), evict=int(ev.pop()) if st.free_slot() is None and ev else None)
 
     # ------------------------------------------------------------------ prefetch
-    def _next_prediction(self, nxt: int, hidden: torch.Tensor) -> tuple[np.ndarray | None, tuple | None]:
+    def _next_prediction(
+        self, nxt: int, hidden: torch.Tensor | None
+    ) -> tuple[np.ndarray | None, tuple | None]:
         """Layer ``nxt``'s predicted experts: ([1, B * k] each token's top-k, for PreSched's E_next;
         (nxt, [1, M] the prefetch candidates ranked)), or Nones where nothing predicts them."""
         if not self._decode or self.prefetch == "none" or self.full or nxt >= self.num_layers:
@@ -954,7 +964,7 @@ class LiveRuntime:
         ins = self.step.prefetch(lane, lane, ranked, self._t)[0]
         self._move(nxt, before, ins[ins >= 0])
 
-    def _predict(self, nxt: int, hidden: torch.Tensor) -> np.ndarray | None:
+    def _predict(self, nxt: int, hidden: torch.Tensor | None) -> np.ndarray | None:
         """Scores [B, E] of layer ``nxt`` for this step's tokens."""
         if self.prefetch == "online":  # computed on the device and read with the layer's ids
             return self._next_scores

@@ -695,6 +695,43 @@ def test_layer_ahead_predictions_are_the_predictors_on_the_routing_the_run_saw(m
         assert np.allclose(scores, pred.score_at(window, nxt), atol=1e-5), (step, nxt)
 
 
+def test_first_layers_prefetch_goes_out_before_its_attention(model_dir, llapor_for_model):
+    """The step gives the first layer's prefetch the window of that layer's attention (t_attn - t_pred),
+    so the live runtime predicts it and starts its loads when the decode step starts, before the
+    first decoder layer runs (it did so at the layer's experts call, after its attention)."""
+    from moecast.predictors.registry import load
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    rt = attach(model, policy="lru", capacity=2, alpha=0.0, predictor=load(llapor_for_model))
+    started: dict[int, int] = {}  # step -> layer 0's store loads when its decoder layer starts
+    ended: dict[int, int] = {}  # step -> the same at the end of the forward
+    predicted: list[tuple[int, bool]] = []  # (step, layer 0 already started) per prediction of layer 0
+    predict = rt._predict_layer_ahead
+    rt._predict_layer_ahead = lambda nxt: (
+        (predicted.append((rt._step, rt._step in started)) if nxt == 0 else None) or predict(nxt)
+    )
+
+    def at_first_layer(*_) -> None:
+        started.setdefault(rt._step, rt.stores[0].loads)
+
+    def at_end(*_) -> None:
+        ended[rt._step - 1] = rt.stores[0].loads
+
+    h1 = model.model.layers[0].register_forward_pre_hook(at_first_layer)
+    h2 = model.register_forward_hook(at_end)
+    steps = 12
+    try:
+        decode_logits(model, torch.arange(5, 9)[None, :], steps=steps)
+    finally:
+        h1.remove(), h2.remove()
+        rt.detach()
+    assert len(predicted) == steps and not any(seen for _, seen in predicted)
+    early = [s for s in range(1, steps + 1) if started[s] > ended[s - 1]]
+    assert early  # loads of layer 0 already under way when its attention runs
+    assert rt.stats()["prefetches_issued"] > 0
+
+
 # ----------------------------------------------------------------------------- policy / checkpoint fit
 
 
