@@ -12,12 +12,13 @@ weights are loaded once (experts never materialised).
 
 Rows, at each capacity (share of each layer's experts resident in RAM), run under the profile
 measured here at the start (CPU expert time, non-expert time per layer, predictor latency, the disk's
-direct-read bandwidth as the link) calibrated at that capacity on a live LRU run of the other
-held-out requests (runtime.profile.calibrate, as `moecast profile --calibrate` does before a user's
-run), and measured side by side (:data:`MEASURED_RULE`: request by request, every row on each
-request in turn, each request from a cold start). Each row has measured TPOT (mean wall time of
-every decode step; the same teacher-forced tokens everywhere, after a one-token prompt), modeled TPOT
-(runtime.replay of the same routing under the profile the row ran under), probe TPOT (the replay
+direct-read bandwidth as the link) calibrated at that capacity, just before each round of rows, on a
+live LRU run of another held-out request (runtime.profile.calibrate, as `moecast profile --calibrate`
+does before a user's run), and measured side by side (:data:`MEASURED_RULE`: request by request,
+every row on each request in turn, each request from a cold start). Each row has measured TPOT (mean
+wall time of every decode step; the same teacher-forced tokens everywhere, after a one-token
+prompt), modeled TPOT (runtime.replay of the same routing, each request under the profile its run
+ran under), probe TPOT (the replay
 under the uncalibrated probe's profile), TPOT at run rates (under the rates the row's own runs saw:
 the disk's rate while a read was in flight, one expert's compute, the rest of a layer), hit rate,
 bytes read from the disk and peak RSS (a live row also its RSS just before attach, and the peak over
@@ -239,38 +240,55 @@ def rss_mb() -> float | None:
     return None
 
 
-def modeled(t: Tiers, policy: str, capacity: float, predictor: Any, hardware: Any) -> Any:
-    """Replay of the bench's requests under the profile ``hardware``, each request's cache starting
-    cold, as each live run's does (one attach per request)."""
+def modeled(
+    t: Tiers, policy: str, capacity: float, predictor: Any, hardware: Any, requests: list[int] | None = None
+) -> Any:
+    """Replay of the bench's requests (``requests``: their indices; None: all) under the profile
+    ``hardware``, each request's cache starting cold, as each live run's does (one attach per request)."""
     from moecast.runtime.replay import ReplayConfig, replay
 
     if t.traces is None or t.profile is None:
         return None
+    picked = t.routing.requests if requests is None else [t.routing.requests[i] for i in requests]
     cfg = ReplayConfig(
         policy=policy,
         capacity=capacity,
         hardware=hardware,
         predictor=predictor,
         cold=True,
-        requests=[r.request_id for r in t.routing.requests],
+        requests=[r.request_id for r in picked],
         hot_requests=[r.request_id for r in t.hot_routing] or None,
     )
     return replay(str(t.traces), cfg)
 
 
-def _modeled_keys(t: Tiers, policy: str, capacity: float, predictor: Any, st: dict, prof: Any) -> dict:
-    """Replay of the row's requests under the profile the row ran under (modeled: the calibrated one
-    where calibration ran), under the probe's profile alone (probe) and under the rates the row's own
-    runs saw (at_run_rates: the model's rules apart from any drift of the disk; its decisions of what
-    lands in a window may differ from those the run took under ``prof``)."""
+def modeled_by_round(t: Tiers, policy: str, capacity: float, predictor: Any, runs: list[dict]) -> dict:
+    """Each run's request replayed under the profile that run ran under (its round's calibration),
+    pooled as the live runs are: TPOT over every decode step, hit rate over every use."""
+    got = [(modeled(t, policy, capacity, predictor, r["profile"], [r["request"]]), r["stats"]) for r in runs]
+    if any(g is None for g, _ in got):
+        return {"modeled_tpot_ms": None}
+    steps = [st["decode_steps"] for _, st in got]
+    uses = [st["uses"] for _, st in got]
+    return {
+        "modeled_tpot_ms": float(np.average([g.modeled_tpot_ms for g, _ in got], weights=steps)),
+        "modeled_hit_rate": float(np.average([g.hit_rate for g, _ in got], weights=uses)),
+        "tpot_basis": got[0][0].tpot_basis,
+        "profile": ", ".join(dict.fromkeys(r["profile"].name for r in runs)),
+    }
+
+
+def _modeled_keys(t: Tiers, policy: str, capacity: float, predictor: Any, st: dict, runs: list[dict]) -> dict:
+    """Replay of the row's requests, each under the profile its run ran under (modeled: its round's
+    calibration where calibration ran), under the probe's profile alone (probe) and under the rates
+    the row's own runs saw (at_run_rates: the model's rules apart from any drift of the disk; its
+    decisions of what lands in a window may differ from those the runs took)."""
     from moecast.runtime.profile import calibrate
 
-    r = modeled(t, policy, capacity, predictor, prof)
-    if r is None:
-        return {"modeled_tpot_ms": None}
-    out = {"modeled_tpot_ms": r.modeled_tpot_ms, "modeled_hit_rate": r.hit_rate, "tpot_basis": r.tpot_basis,
-           "profile": prof.name}  # fmt: skip
-    if prof is not t.profile:
+    out = modeled_by_round(t, policy, capacity, predictor, runs)
+    if out["modeled_tpot_ms"] is None:
+        return out
+    if any(r["profile"] is not t.profile for r in runs):
         out["probe_tpot_ms"] = modeled(t, policy, capacity, predictor, t.profile).modeled_tpot_ms
     if st.get("disk_read_gbps_observed") and t.profile.fast_tier == "cpu":
         own = calibrate(t.profile, st, t.num_layers)
@@ -288,10 +306,9 @@ class Row:
     """One configuration: how it runs one request (``run(request index)``), and its runs so far."""
 
     name: str
-    run: Any  # (request index) -> dict of one request's run
+    run: Any  # (request index, profile) -> dict of one request's run
     replay_policy: str | None = None  # None: an external baseline (no replay)
     replay_pred: Any = "none"
-    profile: Any = None  # the profile a live row runs under
     runs: list[dict] = field(default_factory=list)
     error: BaseException | None = None
 
@@ -344,7 +361,7 @@ def pooled(stats: list[dict]) -> dict:
     return out
 
 
-def live_result(t: Tiers, row: Row, capacity: float, prof: Any) -> dict:
+def live_result(t: Tiers, row: Row, capacity: float) -> dict:
     """A live row's figures over its runs (one per request)."""
     from moecast.runtime.live import BREAKDOWN
 
@@ -365,21 +382,21 @@ def live_result(t: Tiers, row: Row, capacity: float, prof: Any) -> dict:
         "budget_mb": budget,
         "dense_mb": (t.directory / "dense.safetensors").stat().st_size / 2**20,
         "requests": len(row.runs),
-        **_modeled_keys(t, row.replay_policy, capacity, row.replay_pred, st, prof),
+        **_modeled_keys(t, row.replay_policy, capacity, row.replay_pred, st, row.runs),
     }
 
 
-def live_rows(t: Tiers, report: Any, capacity: float, prof: Any) -> list[Row]:
-    """moecast's rows at ``capacity`` under the profile ``prof`` (a missing predictor's rows are
-    reported skipped here)."""
+def live_rows(t: Tiers, report: Any, capacity: float) -> list[Row]:
+    """moecast's rows at ``capacity``, each run under the profile its round gives it (a missing
+    predictor's rows are reported skipped here)."""
     s = SimpleNamespace(name=f"{int(capacity * 100)} %")
 
     def row(name: str, replay_policy: str, replay_pred: Any, **kw: Any) -> Row:
-        def run(i: int) -> dict:
+        def run(i: int, prof: Any) -> dict:
             req = t.routing.requests[i] if t.routing.recorded else None
-            return live_run(t, capacity, req, t.requests[i], prof, **kw)
+            return {**live_run(t, capacity, req, t.requests[i], prof, **kw), "request": i, "profile": prof}
 
-        return Row(name, run, replay_policy, replay_pred, prof)
+        return Row(name, run, replay_policy, replay_pred)
 
     rows = [row("lru", "lru", "none", policy="lru", prefetch="none"),
             row("lfu", "lfu", "none", policy="lfu", prefetch="none")]  # fmt: skip
@@ -406,44 +423,70 @@ def live_rows(t: Tiers, report: Any, capacity: float, prof: Any) -> list[Row]:
     return rows
 
 
-def calibrate_at(t: Tiers, report: Any, capacity: float) -> Any:
-    """The profile the rows at ``capacity`` run under: the probe's, calibrated
-    (moecast.runtime.profile.calibrate) on a live LRU run at ``capacity`` of the held-out requests
-    static's table is counted on (no row measures them; 4 by default), as `moecast profile --calibrate` does for a
-    user before a run; the probe's where there is nothing to calibrate on."""
+def calibrate_round(t: Tiers, capacity: float, i: int, done: list[dict]) -> Any:
+    """The profile round ``i``'s rows at ``capacity`` run under: the probe's, calibrated
+    (moecast.runtime.profile.calibrate) on a live LRU run at ``capacity`` of one of the held-out
+    requests static's table is counted on (no row measures them), just before the round's rows, as
+    `moecast profile --calibrate` does before a user's run, so the calibration sees the disk the rows
+    see; the probe's where there is nothing to calibrate on, or the calibration failed (kept in
+    ``done``, which collects each round's run)."""
     from moecast.runtime.profile import calibrate
 
     cal, prof = t.hot_routing, t.profile
     if not cal or prof is None or prof.fast_tier != "cpu":
         return prof
+    r = cal[i % len(cal)]
+    bench_gpu.log(f"[{int(capacity * 100)} %] calibration: request {i + 1} of {len(t.requests)}")
+    try:
+        st = live_run(t, capacity, r, r.tokens, prof, policy="lru", prefetch="none")["stats"]
+        got = calibrate(prof, st, t.num_layers)
+    except Exception as exc:  # recorded, raised again in the calibration's guard
+        done.append({"error": exc})
+        return prof
+    got = replace(got, name=f"{got.name}-{int(capacity * 100)}-r{i + 1}")
+    done.append({"stats": st, "profile": got})
+    return got
 
-    def calibration() -> dict:
-        nonlocal prof
-        runs = [live_run(t, capacity, r, r.tokens, t.profile, policy="lru", prefetch="none") for r in cal]
-        got = calibrate(t.profile, pooled([r["stats"] for r in runs]), t.num_layers)
-        got = replace(got, name=f"{got.name}-{int(capacity * 100)}")
-        bench_gpu._write(Path(t.args.out) / f"{got.name}.yaml", got.to_yaml())
-        prof = got  # only once it is written: a failed calibration leaves the rows the probe's
-        return {k: getattr(prof, k) for k in ("transfer_gbps", "gpu_expert_ms", "attn_ms")}
 
-    report.guard(SimpleNamespace(name=f"{int(capacity * 100)} %"), "calibration", calibration, kind="profile")
-    return prof
+def calibration_summary(t: Tiers, capacity: float, done: list[dict]) -> dict:
+    """Each round's calibrated rates, and the profile calibrated on every round's run together,
+    written as ``bench-tiers-calibrated-<capacity>.yaml`` (the profile a user would keep)."""
+    from moecast.runtime.profile import calibrate
+
+    err = next((d["error"] for d in done if "error" in d), None)
+    if err is not None:
+        raise err
+    keys = ("transfer_gbps", "gpu_expert_ms", "attn_ms")
+    if not done:
+        return {k: None for k in keys}
+    pooled_prof = calibrate(t.profile, pooled([d["stats"] for d in done]), t.num_layers)
+    pooled_prof = replace(pooled_prof, name=f"{pooled_prof.name}-{int(capacity * 100)}")
+    bench_gpu._write(Path(t.args.out) / f"{pooled_prof.name}.yaml", pooled_prof.to_yaml())
+    return {
+        **{k: getattr(pooled_prof, k) for k in keys},
+        "rounds": {k: [getattr(d["profile"], k) for d in done] for k in keys},
+    }
 
 
-def measure_rows(t: Tiers, report: Any, capacity: float, rows: list[Row]) -> None:
+def measure_rows(t: Tiers, report: Any, capacity: float, rows: list[Row], calibrate: bool = False) -> None:
     """``rows`` at ``capacity`` measured side by side: request by request, each round runs every row
-    on one request, so a drift of the disk's rate over the minutes the rows take reaches every row
-    alike. Each run attaches afresh (a baseline: a fresh process), so every request starts cold."""
+    on one request (after the round's calibration, with ``calibrate``), so a drift of the disk's rate
+    over the minutes the rows take reaches every row alike. Each run attaches afresh (a baseline: a
+    fresh process), so every request starts cold."""
     s = SimpleNamespace(name=f"{int(capacity * 100)} %")
+    done: list[dict] = []
     for i in range(len(t.requests)):
+        prof = calibrate_round(t, capacity, i, done) if calibrate else t.profile
         for row in rows:
             if row.error is not None:
                 continue
             bench_gpu.log(f"[{s.name}] {row.name}: request {i + 1} of {len(t.requests)}")
             try:
-                row.runs.append(row.run(i))
+                row.runs.append(row.run(i, prof))
             except Exception as exc:  # recorded, raised again in the row's guard
                 row.error = exc
+    if calibrate:
+        report.guard(s, "calibration", lambda: calibration_summary(t, capacity, done), kind="profile")
     for row in rows:
 
         def result(row: Row = row) -> dict:
@@ -451,7 +494,7 @@ def measure_rows(t: Tiers, report: Any, capacity: float, rows: list[Row]) -> Non
                 raise row.error
             if row.replay_policy is None:
                 return child_result(row.runs)
-            return {"config": row.name, **live_result(t, row, capacity, row.profile)}
+            return {"config": row.name, **live_result(t, row, capacity)}
 
         report.guard(s, row.name, result)
 
@@ -607,12 +650,12 @@ def run(argv: list[str] | None = None) -> list[dict]:
             )
         caps = [float(c) for c in args.capacities.split(",")]
         for cap in caps:
-            measure_rows(t, report, cap, live_rows(t, report, cap, calibrate_at(t, report, cap)))
+            measure_rows(t, report, cap, live_rows(t, report, cap), calibrate=True)
         # after every moecast row: the baselines' reads (accelerate's run to 190 GB at 25 %) leave a
         # cloud disk slower for a while, which would fall on whichever calibration or row came next
         kinds = [b.strip() for b in args.baselines.split(",") if b.strip()]
         for cap in caps:
-            rows = [Row(k, lambda i, k=k, c=cap: child_run(t, k, c, i)) for k in kinds]
+            rows = [Row(k, lambda i, _prof, k=k, c=cap: child_run(t, k, c, i)) for k in kinds]
             measure_rows(t, report, cap, rows)
     return _finish(report, args, out, t, t0)
 
@@ -677,11 +720,14 @@ def markdown(report: Any, rows: list[dict], args: argparse.Namespace, t: Tiers |
         lines.append("- profile: " + ", ".join(f"{k} {bench_gpu._fmt(prof[k], 4)}" for k in
                                                ("disk_read_gbps", "cpu_beta_ms", "cpu_c_ms", "attn_ms", "predictor_ms")))  # fmt: skip
     for cal in (r for r in report.rows if r.get("config") == "calibration" and r["status"] == "ok"):
-        lines.append(f"- calibrated at {cal['model']} (the rows' profile there; LRU on the other held-out requests): " + ", ".join(
-            f"{k} {bench_gpu._fmt(cal[k], 4)}" for k in ("transfer_gbps", "gpu_expert_ms", "attn_ms")))  # fmt: skip
-    lines.append("- modeled: replay under the profile the rows ran under (calibrated at their capacity where it "
-                 "ran); probe: under the probe's profile; run rates: under the rates the row's own runs saw "
-                 "(disk while busy, one expert call, the rest of a layer)")  # fmt: skip
+        rounds = cal.get("rounds") or {}
+        lines.append(f"- calibrated at {cal['model']} before each round (LRU on another held-out request; round by round, "
+                     "then all rounds pooled): " + ", ".join(
+            f"{k} {' / '.join(bench_gpu._fmt(v, 4) for v in rounds.get(k, []))} ({bench_gpu._fmt(cal[k], 4)})"
+            for k in ("transfer_gbps", "gpu_expert_ms", "attn_ms")))  # fmt: skip
+    lines.append("- modeled: each request replayed under the profile its run ran under (its round's calibration "
+                 "where it ran); probe: under the probe's profile; run rates: under the rates the row's own runs "
+                 "saw (disk while busy, one expert call, the rest of a layer)")  # fmt: skip
     lines += [f"- {RSS_RULE}", "", "```", table(rows), "```", ""]
     if report.failures:
         lines += ["## Failures", "", *report.failures]
@@ -698,8 +744,9 @@ def rows(quick: bool, ds_checkpoint: Path | None = None) -> list[dict]:
 
 #: how the rows are measured, as the markdown states it
 MEASURED_RULE = (
-    "measured side by side: at each capacity, after the calibration, round r runs every moecast row on "
-    "request r, so a drift of the disk's rate reaches every row alike; the baselines run after every "
+    "measured side by side: at each capacity, round r calibrates on a held-out request no row measures and "
+    "then runs every moecast row on request r under that profile, so a drift of the disk's rate reaches the "
+    "calibration and every row alike; the baselines run after every "
     "capacity's moecast rows, in rounds of their own (their reads, up to 190 GB, leave the disk slower for "
     "a while); each run is a fresh attach (a baseline: a fresh process, its page cache dropped), so every "
     "request starts cold, as the replay's requests do (cold)"

@@ -88,7 +88,8 @@ class ReplayConfig:
     batch_size: int = 1
     score_window: int = 8
     requests: list[str] | None = None
-    # the requests `--planner hot` counts experts on (None: those not replayed, else all of them)
+    # the requests the hot-expert table (static, `--planner hot`, PreSched's start) is counted on
+    # (None: those not replayed, else all of them)
     hot_requests: list[str] | None = None
     progress: bool = False
     chunk_lanes: int = 20000  # cold streams replayed together (bounds the per-lane state in memory)
@@ -269,7 +270,7 @@ def _prepare(ts: TraceSet, cfg: ReplayConfig, capacities: list[float | str]) -> 
     d = _data(ts, rids, need_probs=spec.eviction == "score" or spec.substituting)
     hot, hot_from = None, None
     if spec.eviction == "static" or spec.preload == "hot":
-        hot, hot_from = _hot_table(ts, rids, d, E)
+        hot, hot_from = _hot_table(ts, rids, d, E, cfg.hot_requests)
     cost = CostModel.from_profile(profile, m.expert_bytes)
     return _Run(
         ts, cfg, spec, rids, caps, profile, cost, pred_name, predictor, planner, d, hot, hot_from,
@@ -839,21 +840,24 @@ def _preload_charge(run: _Run, out: _Outcome, c: int, tpot: float | None) -> tup
 _HOT_MEMO: dict[tuple, tuple[StaticTable, str]] = {}
 
 
-def _hot_table(ts: TraceSet, rids: list[str], d: _Data, E: int) -> tuple[StaticTable, str]:
+def _hot_table(
+    ts: TraceSet, rids: list[str], d: _Data, E: int, counted: list[str] | None = None
+) -> tuple[StaticTable, str]:
     """PreScope's hot-expert table (Sec. 4.4) for the static policy and PreSched's start: counted on
-    the TraceSet's other requests when only some are replayed (a profile of past traffic, as a
-    deployment would have), on the replayed ones themselves when all are (in-sample, and said so).
-    Kept for the next call on the same requests, as :func:`_data` is: reading the other requests
-    takes ~1.3 s on the DeepSeek traces, and a bench or `compare` replays them many times."""
-    key = (str(ts.path), ts.num_tokens, hash(tuple(rids)))
+    ``counted`` (``hot_requests``) where given, else on the TraceSet's other requests when only some
+    are replayed (a profile of past traffic, as a deployment would have), on the replayed ones
+    themselves when all are (in-sample, and said so). Kept for the next call on the same requests, as
+    :func:`_data` is: reading the other requests takes ~1.3 s on the DeepSeek traces, and a bench or
+    `compare` replays them many times."""
+    key = (str(ts.path), ts.num_tokens, hash(tuple(rids)), hash(tuple(counted or ())))
     if key not in _HOT_MEMO:
         chosen = set(rids)
-        others = [r for r in ts.request_ids if r not in chosen]
+        others = list(counted) if counted else [r for r in ts.request_ids if r not in chosen]
         _HOT_MEMO.clear()
         _HOT_MEMO[key] = (
             (
                 StaticTable.from_topk(ts.array("topk_ids", others), E),
-                f"the {len(others)} requests not replayed",
+                f"the {len(others)} requests " + ("of hot_requests" if counted else "not replayed"),
             )
             if others
             else (StaticTable.from_topk(d.topk, E), "the replayed requests themselves (in-sample)")

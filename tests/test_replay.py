@@ -704,6 +704,13 @@ def test_static_table_comes_from_the_requests_not_replayed(tmp_path, fast):
     assert res.extra["hot_table_from"] == "the 5 requests not replayed"
     in_sample = replay(ts, ReplayConfig(policy="static", capacity=cap, cold=True, fast=fast))
     assert "in-sample" in in_sample.extra["hot_table_from"]
+    # hot_requests names where it is counted, for the table as for `--planner hot`
+    table = StaticTable.from_topk(ts.array("topk_ids", others[:2]), 16).per_layer(cap)
+    want = np.mean([[e in table[layer] for e in row] for t in ids for layer, row in enumerate(t)])
+    named = ReplayConfig(
+        policy="static", capacity=cap, cold=True, requests=rids, hot_requests=others[:2], fast=fast
+    )
+    assert replay(ts, named).hit_rate == pytest.approx(want)
 
 
 def test_alpha_defaults_to_one_value_for_substituting_policies(tmp_path, capsys):
