@@ -30,7 +30,7 @@ UNGROUPED = RUN_ALL.with_name("ungrouped-split.json")
 RESULTS = (
     ("collect", "tracing overhead on tiny", "tracing overhead while collecting"),
     ("import", "import of", "import of the 1,999 DeepSeek trace files"),
-    ("replay", "full Puffin replay", "replay of every DeepSeek trace, 6 policies x 5 capacities"),
+    ("replay", "full Puffin replay", "replay of every DeepSeek trace{rest}"),
     ("replay", "per-layer decision, lru", "the runtime's decision per MoE layer (batch 1)"),
     ("splits", "LLaPor recall@6, grouped test", "LLaPor recall@6, DeepSeek test split (expert ids only)"),
     (
