@@ -344,10 +344,12 @@ class Wavefront:
         preload: np.ndarray | None = None,
         predictor_ms: float = 0.0,
         decode: np.ndarray | None = None,
+        late: bool = False,
     ) -> None:
         N, L, k = topk.shape
         self.N, self.L, self.k, self.E, self.C = N, L, k, E, len(caps)
         self.caps, self.cost, self.balancer = caps, cost, balancer
+        self.late = late  # the policy's late_prefetch: one more than the window holds lands late
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
         if cold:
             g_start, g_len = starts, lengths.astype(np.int64)
@@ -494,7 +496,10 @@ class Wavefront:
         n_miss = self.k - n_hit
         n_load, t_cpu = self._split(A, lay, toks, n_miss, dec)
         self._insert(act, ids, fid, hit, n_load, n_miss, newkey)
-        layer_t, link = layer_time(self.cost, n_hit + n_load, n_load, self.delay[A], t_cpu, n_miss - n_load)
+        stall = self.delay[A] if self.late else None
+        layer_t, link = layer_time(
+            self.cost, n_hit + n_load, n_load, self.delay[A], t_cpu, n_miss - n_load, stall
+        )
         has_next = lay < L - 1
         self.free[self.nxt_lane[A][has_next]] = window(layer_t, link, self.t_pred)[has_next]
         self.free[act[lay == 0]] = self.first_window
@@ -512,14 +517,14 @@ class Wavefront:
         t_io, big, Kf = self.cost.t_io, self.big, self.Kf
         # the lanes that may issue a prefetch: PreSched asked for some; otherwise (no PreSched, or
         # no PreSched decision: the first layer) one must fit in the free link time (often none
-        # does). The others issue nothing.
+        # does), unless one late is allowed. The others issue nothing.
         pfa = self.pf_n[A]
         free_a = self.free[A]
         capped = (pfa < 0) | (self.balancer != "presched")
         may = pfa != 0
         if dec is not None:
             may &= dec  # prefill prefetches nothing
-        if t_io > 0:
+        if t_io > 0 and not self.late:
             fits = (free_a / t_io + 1e-9 >= 1) if math.isfinite(t_io) else np.zeros(len(act), dtype=bool)
             may &= ~capped | fits
         sel = np.flatnonzero(may)
@@ -533,7 +538,7 @@ class Wavefront:
             cvalid = cd >= 0
             nonres = cvalid & (Kf[base_s[:, None] + np.where(cvalid, cd, 0)] == big)
         want, landed, started, self.delay[a_s] = landing(
-            nonres.sum(1), pfa[sel], free_a[sel], t_io, self.balancer
+            nonres.sum(1), pfa[sel], free_a[sel], t_io, self.balancer, self.late
         )
         pr = np.flatnonzero(landed > 0)
         if len(pr):

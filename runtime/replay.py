@@ -348,7 +348,6 @@ def _fast_wave_serves(run: _Run) -> bool:
         and run.planner is None
         and spec.eviction == "lru"
         and spec.balancer in ("none", "presched")
-        and not spec.late_prefetch
         and fast.valid_for_fast(run.data.topk, E)
     )
 
@@ -375,6 +374,7 @@ def _fast_demand_engine(run: _Run) -> _Outcome | None:
         _fast_wave_serves(run)
         and spec.balancer == "none"
         and spec.preload != "hot"
+        and not spec.late_prefetch  # one late prefetch starts whatever the window
         and (math.isinf(t_io) or (t_io > 0 and (cost.t_attn + k * cost.t_g) * (1 + 1e-12) / t_io + 1e-9 < 1))
     ):
         # A prefetch starts only when it fits in the link time the previous layer leaves free,
@@ -418,7 +418,7 @@ def _fast_demand(run: _Run, eviction: str) -> _Outcome:
 
 
 def _fast_wavefront(run: _Run, pr: _Predictions) -> _Outcome:
-    """LRU with prefetch and/or PreSched at batch 1 (fastreplay.Wavefront)."""
+    """LRU with prefetch (late or not) and/or PreSched at batch 1 (fastreplay.Wavefront)."""
     d, spec = run.data, run.policy
     L, E, _k, _B = run.shape
     cand = None
@@ -440,7 +440,7 @@ def _fast_wavefront(run: _Run, pr: _Predictions) -> _Outcome:
     basis = d.decode if any_decode else np.ones(len(d.topk), dtype=bool)
     st = fast.Wavefront(
         d.topk, d.lengths, run.cfg.cold, run.caps, E, run.cost, spec.balancer, cand, pr.ids, basis, pre,
-        predictor_ms=run.predictor_ms, decode=d.decode if d.has_decode else None,
+        predictor_ms=run.predictor_ms, decode=d.decode if d.has_decode else None, late=spec.late_prefetch,
     ).run()  # fmt: skip
     n_basis = int(basis.sum())
     tpots = [float(v / n_basis) if n_basis else None for v in st.pop("tpot_sum")]

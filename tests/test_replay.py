@@ -381,6 +381,7 @@ POLICY_PREFETCHES = {
     "belady": False,
     "static": False,
     "prefetch": True,
+    "prefetch-late": True,
     "presched": True,
 }
 
@@ -396,7 +397,9 @@ def _same_result(a, b):
 
 
 @pytest.mark.parametrize("cold", [True, False])
-@pytest.mark.parametrize("policy", ["lru", "lfu", "belady", "static", "prefetch", "presched"])
+@pytest.mark.parametrize(
+    "policy", ["lru", "lfu", "belady", "static", "prefetch", "prefetch-late", "presched"]
+)
 def test_fast_paths_equal_general_engine(tmp_path, policy, cold):
     """The fast batch-1 paths (LRU stack distances, lane simulation, contiguous wavefront) reproduce the
     general engine exactly, with prefetches that land (fast link) and that never fit (PCIe)."""
@@ -420,7 +423,7 @@ def test_fast_paths_equal_general_engine_on_real_traces(puffin_small):
     from moecast.runtime.replay import replay_capacities
 
     rids = list(puffin_small.request_ids)[:12]
-    for policy in ("lfu", "belady", "presched"):
+    for policy in ("lfu", "belady", "presched", "prefetch-late"):
         cfg = dict(policy=policy, cold=True, requests=rids)
         fast = replay_capacities(puffin_small, ReplayConfig(**cfg), [6, 16, 32])
         ref = replay_capacities(puffin_small, ReplayConfig(**cfg, fast=False), [6, 16, 32])
