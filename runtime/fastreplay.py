@@ -345,6 +345,7 @@ class Wavefront:
         predictor_ms: float = 0.0,
         decode: np.ndarray | None = None,
         late: bool = False,
+        lfu: bool = False,
     ) -> None:
         N, L, k = topk.shape
         self.N, self.L, self.k, self.E, self.C = N, L, k, E, len(caps)
@@ -361,11 +362,16 @@ class Wavefront:
         self._layout(g_start, g_len)
         S = int(g_len.max())
         self.sh = max(1, int(E - 1).bit_length())
-        self.kdt = np.int32 if (int(S + 1).bit_length() + self.sh + 1) <= 30 else np.int64
+        small = (int(S + 1).bit_length() + self.sh + 1) <= 30
+        self.kdt = np.int32 if small and not lfu else np.int64
         self.big = np.iinfo(self.kdt).max
         self.idmask = self.kdt((1 << self.sh) - 1)
         self.sh1 = self.sh + 1  # key layout: step | id | prefetched flag
         lanes = self.lanes
+        # LFU (the cache's own order: accesses since the start, resident or not, then recency, then
+        # id): each lane's access counts, and above the step in the keys of resident experts
+        self.freq = np.zeros(lanes * E, dtype=np.int64) if lfu else None
+        self.fsh = self.sh1 + int(S + 1).bit_length()
         self.K = np.full((lanes, E), self.big, dtype=self.kdt)
         self.Kf = self.K.reshape(-1)
         self.count = np.zeros(lanes, dtype=np.int64)
@@ -551,6 +557,8 @@ class Wavefront:
             fl = (base_s[pr][:, None] + np.where(take, cp, 0))[take]
             # prefetched and not used yet: the flag bit set
             nk = np.broadcast_to(newkey[sel[pr]], take.shape)[take]
+            if self.freq is not None:
+                nk = nk | (self.freq[fl] << self.fsh)
             Kf[fl] = nk | (cp[take].astype(self.kdt) << 1) | 1
             self.count[apr] += landed[pr]
         self.r_landed[a_s] += landed
@@ -613,6 +621,9 @@ class Wavefront:
             self.count[alr] += n_load[lr]
         # loaded: the first n_load misses in routing order; hits and loaded experts get the new key
         used_key = newkey | (ids.astype(self.kdt) << 1)  # the flag cleared: used
+        if self.freq is not None:  # counted after the evictions, as the cache's touch follows its inserts
+            self.freq[fid] += 1
+            used_key = used_key | (self.freq[fid] << self.fsh)
         if self.balancer != "presched" or (n_load == n_miss).all():
             self.Kf[fid] = used_key
         else:

@@ -346,8 +346,10 @@ def _fast_wave_serves(run: _Run) -> bool:
         and B == 1
         and not spec.substituting
         and run.planner is None
-        and spec.eviction == "lru"
-        and spec.balancer in ("none", "presched")
+        and (
+            (spec.eviction == "lru" and spec.balancer in ("none", "presched"))
+            or (spec.eviction == "lfu" and spec.balancer == "none" and spec.preload != "hot")
+        )
         and fast.valid_for_fast(run.data.topk, E)
     )
 
@@ -380,7 +382,7 @@ def _fast_demand_engine(run: _Run) -> _Outcome | None:
         # A prefetch starts only when it fits in the link time the previous layer leaves free,
         # and at batch 1 that is at most t_attn + k * t_g (the device time of its k experts):
         # below one transfer no prefetch can ever start, so this is demand LRU exactly.
-        return _fast_demand(run, "lru")
+        return _fast_demand(run, spec.eviction)
     return None
 
 
@@ -418,7 +420,8 @@ def _fast_demand(run: _Run, eviction: str) -> _Outcome:
 
 
 def _fast_wavefront(run: _Run, pr: _Predictions) -> _Outcome:
-    """LRU with prefetch (late or not) and/or PreSched at batch 1 (fastreplay.Wavefront)."""
+    """LRU with prefetch (late or not) and/or PreSched, or LFU with prefetch, at batch 1
+    (fastreplay.Wavefront)."""
     d, spec = run.data, run.policy
     L, E, _k, _B = run.shape
     cand = None
@@ -441,6 +444,7 @@ def _fast_wavefront(run: _Run, pr: _Predictions) -> _Outcome:
     st = fast.Wavefront(
         d.topk, d.lengths, run.cfg.cold, run.caps, E, run.cost, spec.balancer, cand, pr.ids, basis, pre,
         predictor_ms=run.predictor_ms, decode=d.decode if d.has_decode else None, late=spec.late_prefetch,
+        lfu=spec.eviction == "lfu",
     ).run()  # fmt: skip
     n_basis = int(basis.sum())
     tpots = [float(v / n_basis) if n_basis else None for v in st.pop("tpot_sum")]

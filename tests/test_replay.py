@@ -382,6 +382,7 @@ POLICY_PREFETCHES = {
     "static": False,
     "prefetch": True,
     "prefetch-late": True,
+    "lfu-prefetch": True,
     "presched": True,
 }
 
@@ -398,7 +399,7 @@ def _same_result(a, b):
 
 @pytest.mark.parametrize("cold", [True, False])
 @pytest.mark.parametrize(
-    "policy", ["lru", "lfu", "belady", "static", "prefetch", "prefetch-late", "presched"]
+    "policy", ["lru", "lfu", "belady", "static", "prefetch", "prefetch-late", "lfu-prefetch", "presched"]
 )
 def test_fast_paths_equal_general_engine(tmp_path, policy, cold):
     """The fast batch-1 paths (LRU stack distances, lane simulation, contiguous wavefront) reproduce the
@@ -423,7 +424,7 @@ def test_fast_paths_equal_general_engine_on_real_traces(puffin_small):
     from moecast.runtime.replay import replay_capacities
 
     rids = list(puffin_small.request_ids)[:12]
-    for policy in ("lfu", "belady", "presched", "prefetch-late"):
+    for policy in ("lfu", "belady", "presched", "prefetch-late", "lfu-prefetch"):
         cfg = dict(policy=policy, cold=True, requests=rids)
         fast = replay_capacities(puffin_small, ReplayConfig(**cfg), [6, 16, 32])
         ref = replay_capacities(puffin_small, ReplayConfig(**cfg, fast=False), [6, 16, 32])
