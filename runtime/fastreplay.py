@@ -4,9 +4,10 @@ Which cases it serves (:mod:`moecast.runtime.replay` picks it; ``ReplayConfig(fa
 
 - demand-only ``lru``, ``lfu``, ``belady`` and ``static`` (no predictor, balancer ``none``, no
   preload): the misses of every (token, layer, capacity), then the modeled layer times from them;
-- ``lru`` with prefetch and/or PreSched, from empty caches or the hot-expert table
-  (:class:`Wavefront`), which also takes ``prefetch`` as demand LRU when no prefetch can ever fit
-  in the link window (``t_attn + k * t_g < t_io``).
+- ``lru`` with prefetch (in the window, or one late: ``prefetch-late``) and/or PreSched, from empty
+  caches or the hot-expert table, and ``lfu`` with prefetch from empty caches (:class:`Wavefront`);
+  a prefetch policy is its demand-only eviction when no prefetch can ever fit in the link window
+  (``t_attn + k * t_g < t_io``) and none may land late.
 
 Everything else (substitution, batches, a shared cache, score eviction, SMoE's balancer, planners,
 ids outside 0..63) goes to the general engine, which runs the per-layer step of
@@ -309,7 +310,7 @@ _WAVE_STATS = (
 
 
 class Wavefront:
-    """LRU per-layer caches at batch 1 with prefetch and/or PreSched, the general engine's semantics.
+    """LRU (or LFU) per-layer caches at batch 1 with prefetch and/or PreSched, the general engine's semantics.
 
     Layers advance as a wavefront (lane of layer l handles step i - l at iteration i) because a
     prefetch for layer l uses the link time layer l-1 of the same step leaves free. Lanes are stored
@@ -319,7 +320,8 @@ class Wavefront:
     2 s + l (that token's row at layer l+1 ran one iteration before). Each lane keeps one key per expert:
     ``(step of last use + 1) << (sh + 1) | id << 1 | prefetched-unused`` when resident, ``big``
     otherwise, so lookups are gathers and an eviction is a row min (the flag bit never decides:
-    the ids of a lane are distinct). ``cand`` [N, L, kp]: each (token, layer)'s predicted candidates
+    the ids of a lane are distinct); under ``lfu`` the expert's access count sits above the step,
+    so the fewest accesses go first, then the oldest. ``late``: the policy's late_prefetch. ``cand`` [N, L, kp]: each (token, layer)'s predicted candidates
     ranked best first (-1 padded); ``pred_ids`` [N, L, kp] the raw predicted ids (PreSched's
     next-layer view); ``preload`` [L, >= max cap] the hot-expert table (PreSched's start);
     ``basis`` [N] bool: the tokens whose steps count for the modeled TPOT; ``predictor_ms`` the

@@ -40,8 +40,8 @@ Two engines, kept equal:
   in order. Under PreSched the lane of layer l handles step (i - l) / 2 (:func:`_skew`): its
   decision reads layer l+1's cache, which must hold the previous token, as it does live.
 - the batch-1 engine (:mod:`moecast.runtime.fastreplay`) serves per-layer caches at batch size 1
-  without substitution or planner: demand-only ``lru``/``lfu``/``belady``/``static``, and ``lru``
-  with prefetch and/or PreSched. Its module docstring says how. tests/test_replay.py checks that it
+  without substitution or planner: demand-only ``lru``/``lfu``/``belady``/``static``, ``lru`` with
+  prefetch (late or not) and/or PreSched, and ``lfu`` with prefetch. Its module docstring says how. tests/test_replay.py checks that it
   gives the general engine's statistics exactly (``ReplayConfig(fast=False)`` forces the general
   one), and tests/test_replay_hand.py pins both to rules computed by hand.
 """
