@@ -457,8 +457,6 @@ def calibration_summary(t: Tiers, capacity: float, done: list[dict]) -> dict:
     if err is not None:
         raise err
     keys = ("transfer_gbps", "gpu_expert_ms", "attn_ms")
-    if not done:
-        return {k: None for k in keys}
     pooled_prof = calibrate(t.profile, pooled([d["stats"] for d in done]), t.num_layers)
     pooled_prof = replace(pooled_prof, name=f"{pooled_prof.name}-{int(capacity * 100)}")
     bench_gpu._write(Path(t.args.out) / f"{pooled_prof.name}.yaml", pooled_prof.to_yaml())
@@ -485,7 +483,7 @@ def measure_rows(t: Tiers, report: Any, capacity: float, rows: list[Row], calibr
                 row.runs.append(row.run(i, prof))
             except Exception as exc:  # recorded, raised again in the row's guard
                 row.error = exc
-    if calibrate:
+    if done:  # nothing to calibrate on (no held-out requests, or a device profile): the probe's
         report.guard(s, "calibration", lambda: calibration_summary(t, capacity, done), kind="profile")
     for row in rows:
 
