@@ -119,10 +119,9 @@ def test_dry_run_runs_every_cpu_row(tmp_path, monkeypatch):
             == by[(model, "full residency")]["modeled_hit_rate"]
             == 1.0
         )
+        # the same caches, live and replayed: empty at the start, one prompt token
         lru = by[(model, "on-demand LRU")]
-        assert lru["hit_rate"] == pytest.approx(
-            lru["modeled_hit_rate"], abs=1e-12
-        )  # the same caches, live and replayed
+        assert lru["hit_rate"] == pytest.approx(lru["modeled_hit_rate"], abs=1e-12)
         assert by[(model, "on-demand LRU")]["cpu_experts"] == 0  # on demand: every miss is loaded
     assert by[("tiny", "LLaPor prefetch")]["prefetches_issued"] > 0
     assert by[("tiny", "SMoE (alpha 0.3)")]["status"] == "ok"
