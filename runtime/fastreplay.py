@@ -310,25 +310,29 @@ _WAVE_STATS = (
 
 
 class Wavefront:
-    """LRU (or LFU) per-layer caches at batch 1 with prefetch and/or PreSched, the general engine's semantics.
+    """LRU (or LFU) per-layer caches at batch 1 with prefetch and/or PreSched, as the general engine.
 
     Layers advance as a wavefront (lane of layer l handles step i - l at iteration i) because a
     prefetch for layer l uses the link time layer l-1 of the same step leaves free. Lanes are stored
     in order of the iteration they finish (latest first), so the lanes active at an iteration are a
     prefix and every per-lane quantity is a slice, not a gather. Under PreSched, layer l's decision
     reads layer l+1's cache as the previous token left it, so step s of layer l runs at iteration
-    2 s + l (that token's row at layer l+1 ran one iteration before). Each lane keeps one key per expert:
-    ``(step of last use + 1) << (sh + 1) | id << 1 | prefetched-unused`` when resident, ``big``
-    otherwise, so lookups are gathers and an eviction is a row min (the flag bit never decides:
-    the ids of a lane are distinct); under ``lfu`` the expert's access count sits above the step,
-    so the fewest accesses go first, then the oldest. ``late``: the policy's late_prefetch. ``cand`` [N, L, kp]: each (token, layer)'s predicted candidates
-    ranked best first (-1 padded); ``pred_ids`` [N, L, kp] the raw predicted ids (PreSched's
-    next-layer view); ``preload`` [L, >= max cap] the hot-expert table (PreSched's start);
-    ``basis`` [N] bool: the tokens whose steps count for the modeled TPOT; ``predictor_ms`` the
-    predictor's latency per layer; ``decode`` [N] bool: the decode tokens (the others are prefill:
-    no prefetch, every miss loaded; None: every token is a decode step). Landing, layer time and window are the step's own rules
-    (:func:`moecast.runtime.step.landing`, ``layer_time``, ``window``).
-    :meth:`run` returns statistics reduced to [C * L] (index c * L + layer), and ``tpot_sum`` [C].
+    2 s + l (that token's row at layer l+1 ran one iteration before).
+
+    Each lane keeps one key per expert: ``(step of last use + 1) << (sh + 1) | id << 1 |
+    prefetched-unused`` when resident, ``big`` otherwise, so lookups are gathers and an eviction is
+    a row min (the flag bit never decides: the ids of a lane are distinct). Under ``lfu`` the
+    expert's access count sits above the step, so the fewest accesses go first, then the oldest.
+
+    ``cand`` [N, L, kp]: each (token, layer)'s predicted candidates ranked best first (-1 padded);
+    ``pred_ids`` [N, L, kp] the raw predicted ids (PreSched's next-layer view); ``preload``
+    [L, >= max cap] the hot-expert table (PreSched's start); ``basis`` [N] bool: the tokens whose
+    steps count for the modeled TPOT; ``predictor_ms`` the predictor's latency per layer;
+    ``decode`` [N] bool: the decode tokens (the others are prefill: no prefetch, every miss loaded;
+    None: every token is a decode step); ``late``: the policy's late_prefetch. Landing, layer time
+    and window are the step's own rules (:func:`moecast.runtime.step.landing`, ``layer_time``,
+    ``window``). :meth:`run` returns statistics reduced to [C * L] (index c * L + layer), and
+    ``tpot_sum`` [C].
     """
 
     def __init__(

@@ -41,9 +41,10 @@ Two engines, kept equal:
   decision reads layer l+1's cache, which must hold the previous token, as it does live.
 - the batch-1 engine (:mod:`moecast.runtime.fastreplay`) serves per-layer caches at batch size 1
   without substitution or planner: demand-only ``lru``/``lfu``/``belady``/``static``, ``lru`` with
-  prefetch (late or not) and/or PreSched, and ``lfu`` with prefetch. Its module docstring says how. tests/test_replay.py checks that it
-  gives the general engine's statistics exactly (``ReplayConfig(fast=False)`` forces the general
-  one), and tests/test_replay_hand.py pins both to rules computed by hand.
+  prefetch (late or not) and/or PreSched, and ``lfu`` with prefetch. Its module docstring says
+  how. tests/test_replay.py checks that it gives the general engine's statistics exactly
+  (``ReplayConfig(fast=False)`` forces the general one), and tests/test_replay_hand.py pins both
+  to rules computed by hand.
 """
 
 from __future__ import annotations
@@ -198,9 +199,16 @@ def _load_planner(cfg: ReplayConfig, ts: TraceSet) -> Any:
     from moecast.predictors.baselines import HotTablePlanner
 
     replayed = list(cfg.requests) if cfg.requests is not None else list(ts.request_ids)
+    return HotTablePlanner.fit(ts, _hot_counted_on(ts, replayed, cfg.hot_requests) or replayed)
+
+
+def _hot_counted_on(ts: TraceSet, replayed: list[str], hot_requests: list[str] | None) -> list[str]:
+    """The requests a hot-expert table is counted on: ``hot_requests`` where given, else those not
+    replayed (empty when every request is)."""
+    if hot_requests:
+        return list(hot_requests)
     chosen = set(replayed)
-    counted = cfg.hot_requests or [r for r in ts.request_ids if r not in chosen] or replayed
-    return HotTablePlanner.fit(ts, counted)
+    return [r for r in ts.request_ids if r not in chosen]
 
 
 @dataclass
@@ -381,7 +389,7 @@ def _fast_demand_engine(run: _Run) -> _Outcome | None:
     ):
         # A prefetch starts only when it fits in the link time the previous layer leaves free,
         # and at batch 1 that is at most t_attn + k * t_g (the device time of its k experts):
-        # below one transfer no prefetch can ever start, so this is demand LRU exactly.
+        # below one transfer no prefetch can ever start, so this is the demand-only eviction exactly.
         return _fast_demand(run, spec.eviction)
     return None
 
@@ -855,8 +863,7 @@ def _hot_table(
     `compare` replays them many times."""
     key = (str(ts.path), ts.num_tokens, hash(tuple(rids)), hash(tuple(counted or ())))
     if key not in _HOT_MEMO:
-        chosen = set(rids)
-        others = list(counted) if counted else [r for r in ts.request_ids if r not in chosen]
+        others = _hot_counted_on(ts, rids, counted)
         _HOT_MEMO.clear()
         _HOT_MEMO[key] = (
             (
