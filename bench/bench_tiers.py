@@ -190,7 +190,8 @@ def profile(t: Tiers, out: Path) -> dict:
     t.profile = prof
     bench_gpu._write(out / "bench-tiers-profile.yaml", prof.to_yaml())
     return {
-        k: getattr(prof, k) for k in ("disk_read_gbps", "cpu_beta_ms", "cpu_c_ms", "attn_ms", "predictor_ms")
+        k: getattr(prof, k)
+        for k in ("disk_read_gbps", "cpu_beta_ms", "cpu_c_ms", "attn_ms", "predictor_ms", "read_cpu_ms")
     }
 
 
@@ -291,7 +292,8 @@ def _modeled_keys(t: Tiers, policy: str, capacity: float, predictor: Any, st: di
     if any(r["profile"] is not t.profile for r in runs):
         out["probe_tpot_ms"] = modeled(t, policy, capacity, predictor, t.profile).modeled_tpot_ms
     if st.get("disk_read_gbps_observed") and t.profile.fast_tier == "cpu":
-        own = calibrate(t.profile, st, t.num_layers)
+        # the row's own rest of a layer already holds its reads' compute time: not charged again
+        own = replace(calibrate(t.profile, st, t.num_layers), read_cpu_ms=0.0)
         out["at_run_rates_tpot_ms"] = modeled(t, policy, capacity, predictor, own).modeled_tpot_ms
         out["run_rates"] = {
             "disk_read_gbps": own.transfer_gbps,
@@ -716,7 +718,8 @@ def markdown(report: Any, rows: list[dict], args: argparse.Namespace, t: Tiers |
     ]
     if prof:
         lines.append("- profile: " + ", ".join(f"{k} {bench_gpu._fmt(prof[k], 4)}" for k in
-                                               ("disk_read_gbps", "cpu_beta_ms", "cpu_c_ms", "attn_ms", "predictor_ms")))  # fmt: skip
+                                               ("disk_read_gbps", "cpu_beta_ms", "cpu_c_ms", "attn_ms", "predictor_ms", "read_cpu_ms")
+                                               if k in prof))  # fmt: skip
     for cal in (r for r in report.rows if r.get("config") == "calibration" and r["status"] == "ok"):
         rounds = cal.get("rounds") or {}
         lines.append(f"- calibrated at {cal['model']} before each round (LRU on another held-out request; round by round, "

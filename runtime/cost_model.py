@@ -9,7 +9,12 @@ Quantities (PreScope's notation):
 - ``t_c(m) = beta * m + C``: CPU time of one expert over ``m`` tokens (PreScope Eq. 3; SMoE Fig. 8);
 - ``t_attn``: per-layer non-expert device time (attention, gate, shared experts);
 - ``predictor_ms``: the prefetch predictor's per-layer latency on the host (optional, default 0):
-  the replay charges it before a prefetch may start (:mod:`moecast.runtime.step`).
+  the replay charges it before a prefetch may start (:mod:`moecast.runtime.step`);
+- ``read_cpu_ms`` (``t_rc``): the compute time one expert read takes from the cores while it runs
+  (optional, default 0). It applies where the CPU both computes and reads (``fast_tier: cpu``,
+  ``slow_tier: disk``): the I/O threads and the kernel's block layer then share the cores with
+  the experts' and the attention's kernels. ``moecast profile`` measures it as the slowdown of
+  expert compute per read that ran beside it.
 
 Where the tiers are (:mod:`moecast.runtime.step`, step 5, reads them):
 
@@ -58,6 +63,8 @@ class HardwareProfile:
     predictor_ms: float = 0.0
     # direct-read bandwidth of the disk that holds offloaded experts (GB/s); 0 = not measured
     disk_read_gbps: float = 0.0
+    # compute time an expert read takes from the cores that compute (ms); cpu fast tier + disk only
+    read_cpu_ms: float = 0.0
     fast_tier: str = "device"  # device | cpu: where resident experts compute (module docstring)
     slow_tier: str = "host"  # host | disk: where the other experts live
 
@@ -69,6 +76,7 @@ class HardwareProfile:
     def __post_init__(self) -> None:
         for f in (
             "transfer_gbps", "gpu_expert_ms", "cpu_beta_ms", "cpu_c_ms", "attn_ms", "predictor_ms", "disk_read_gbps",
+            "read_cpu_ms",
         ):  # fmt: skip
             v = float(getattr(self, f))
             if math.isnan(v) or v < 0:
@@ -122,12 +130,8 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
         raise ProfileError(f"{path}: expected a mapping of profile fields, got {type(data).__name__}")
     known = {f.name for f in fields(HardwareProfile)}
     unknown = sorted(set(data) - known)
-    missing = sorted(
-        f.name
-        for f in fields(HardwareProfile)
-        if f.name not in data
-        and f.name not in ("source", "predictor_ms", "disk_read_gbps", "fast_tier", "slow_tier")
-    )
+    optional = ("source", "predictor_ms", "disk_read_gbps", "read_cpu_ms", "fast_tier", "slow_tier")
+    missing = sorted(f.name for f in fields(HardwareProfile) if f.name not in data and f.name not in optional)
     if unknown or missing:
         raise ProfileError(
             f"{path}: "
@@ -157,6 +161,7 @@ class CostModel:
     profile: str = ""
     shared_compute: bool = False  # fast_tier cpu: resident and CPU experts share the cores (times add)
     cpu_reads_link: bool = False  # slow_tier disk: a CPU-computed expert is read over the link first
+    t_rc: float = 0.0  # compute time a read takes from the cores (cpu fast tier reading a disk)
 
     @classmethod
     def from_profile(cls, profile: HardwareProfile, expert_bytes: int) -> CostModel:
@@ -165,6 +170,7 @@ class CostModel:
             t_io = math.inf
         else:
             t_io = expert_bytes / (profile.transfer_gbps * 1e9) * 1e3
+        cpu_reads = (profile.fast_tier, profile.slow_tier) == ("cpu", "disk")
         return cls(
             t_io=t_io,
             t_g=profile.gpu_expert_ms * scale,
@@ -175,6 +181,8 @@ class CostModel:
             profile=profile.name,
             shared_compute=profile.fast_tier == "cpu",
             cpu_reads_link=profile.slow_tier == "disk",
+            # a device's copies and a host tier's pinned reads leave the cores alone
+            t_rc=profile.read_cpu_ms * scale if cpu_reads else 0.0,
         )
 
     def t_cpu(self, tokens: Any) -> Any:

@@ -387,6 +387,7 @@ class Wavefront:
         self.free = np.full(lanes, self.first_window)
         self.pf_n = np.full(lanes, -1, dtype=np.int64)
         self.delay = np.zeros(lanes)
+        self.rc = np.zeros(lanes)  # the started prefetches' reads' compute time (step 1)
         self.r_used = np.ones(lanes)
         self.r_landed = np.full(lanes, 2.0)
         self.acc = {name: np.zeros(lanes) for name in _WAVE_STATS}
@@ -494,6 +495,7 @@ class Wavefront:
         newkey = ((s + 1).astype(self.kdt) << self.sh1)[:, None]
         ids = self.topk2[tl]  # [n, k]
         self.delay[A] = 0.0
+        self.rc[A] = 0.0
         dec = self.decode[toks] if self.decode is not None else None
         if self.prefetching:
             self._prefetch(A, act, base, tl, newkey, dec)
@@ -512,6 +514,7 @@ class Wavefront:
         layer_t, link = layer_time(
             self.cost, n_hit + n_load, n_load, self.delay[A], t_cpu, n_miss - n_load, stall
         )
+        layer_t = layer_t + self.rc[A]
         has_next = lay < L - 1
         self.free[self.nxt_lane[A][has_next]] = window(layer_t, link, self.t_pred)[has_next]
         self.free[act[lay == 0]] = self.first_window
@@ -568,6 +571,7 @@ class Wavefront:
             Kf[fl] = nk | (cp[take].astype(self.kdt) << 1) | 1
             self.count[apr] += landed[pr]
         self.r_landed[a_s] += landed
+        self.rc[a_s] = started * self.cost.t_rc
         acc = self.acc
         acc["pf_issued"][a_s] += want
         acc["pf_landed"][a_s] += landed

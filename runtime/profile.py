@@ -17,7 +17,8 @@
   ExpertReader's I/O threads; a directory without an offload gets a temporary file, which a VM's
   host may serve from its cache). Without CUDA the CPU is the fast tier: the link is the disk and
   a resident expert costs the CPU expert at one token, and the disk is read while the CPU computes
-  experts (:func:`cpu_busy`), as the runtime reads it.
+  experts (:func:`cpu_busy`), as the runtime reads it; the compute time a read takes from the
+  cores is the experts' slowdown per read beside them (:func:`read_compute_ms`).
 """
 
 from __future__ import annotations
@@ -588,6 +589,129 @@ def cpu_busy(expert_bytes: int, sets: int = 8) -> Iterator[None]:
         th.join()
 
 
+@contextlib.contextmanager
+def _block_reads(directory: Path, block_bytes: int) -> Iterator[tuple[Any, int]]:
+    """(read one block, its bytes): a random whole expert of the offload in ``directory`` read as
+    the runtime reads it, or where it holds none, a block of a temporary file (O_DIRECT where the
+    filesystem takes it), removed afterwards."""
+    from moecast.runtime.offload import ExpertReader, _read_meta, aligned_bytes
+
+    rng = np.random.default_rng()
+    local = threading.local()
+    meta = _read_meta(directory) if directory.is_dir() else None
+    if meta is not None:
+        reader = ExpertReader(directory, meta, 1)
+        stride = max(lay.stride for lay in reader.layouts)
+        experts = int(meta["num_experts"])
+
+        def read() -> None:
+            if not hasattr(local, "buf"):
+                local.buf = aligned_bytes(stride).numpy()
+            pos = int(rng.integers(len(reader.layouts)))
+            reader.read_into(pos, int(rng.integers(experts)), local.buf[: reader.layouts[pos].stride])
+
+        try:
+            yield read, stride
+        finally:
+            reader.close()
+        return
+    block = max(_ALIGN, -(-block_bytes // _ALIGN) * _ALIGN)
+    blocks = 16
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f".moecast-profile-reads-{os.getpid()}.bin"
+    with path.open("wb") as f:
+        f.write(np.random.default_rng(0).integers(0, 256, block * blocks, dtype=np.uint8).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    except OSError:
+        fd = os.open(path, os.O_RDONLY)
+    try:
+
+        def read_file() -> None:
+            if not hasattr(local, "buf"):
+                local.buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT requires
+            try:
+                os.preadv(fd, [local.buf], int(rng.integers(blocks)) * block)
+            except OSError:  # a filesystem that accepts the flag and refuses the read
+                with open(path, "rb", buffering=0) as g:
+                    g.readinto(local.buf)
+
+        yield read_file, block
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+
+
+def read_compute_ms(
+    directory: str | Path, expert_bytes: int, calls: int = 150, rounds: int = 5, threads: int | None = None
+) -> tuple[float, str]:
+    """(ms per expert of ``expert_bytes``, how): the compute time one expert read takes from the
+    cores beside it (the profile's ``read_cpu_ms``).
+
+    Rounds alternate ``calls`` bf16 experts of ``expert_bytes`` at one token computed alone, and the
+    same while ``threads`` threads read whole experts from ``directory``'s disk back to back (as
+    :func:`_block_reads` reads them); the median slowdown over the median count of reads that ran
+    beside it, scaled from the block read to ``expert_bytes``. On a machine whose I/O does not
+    touch the cores it is about 0."""
+    import torch
+    from moecast.runtime.offload import IO_THREADS
+
+    threads = IO_THREADS if threads is None else max(1, int(threads))
+    hidden = 2048
+    ring = _weight_ring(hidden, max(1, expert_bytes // (3 * hidden * 2)), "bfloat16")
+    x = torch.full((1, hidden), 0.01, dtype=torch.bfloat16)
+
+    def compute() -> float:
+        t = time.perf_counter()
+        with torch.inference_mode():
+            for w in itertools.islice(itertools.cycle(ring), calls):
+                _swiglu(x, w)
+        return (time.perf_counter() - t) * 1e3
+
+    alone, beside, reads = [], [], []
+    with _block_reads(Path(directory), expert_bytes) as (read, nbytes):
+        done, stop = [0], threading.Event()
+
+        def loop() -> None:
+            while not stop.is_set():
+                read()
+                done[0] += 1
+
+        compute()  # warm the kernels
+        for _ in range(rounds):
+            alone.append(compute())
+            stop.clear()
+            pool = [threading.Thread(target=loop, daemon=True) for _ in range(threads)]
+            for th in pool:
+                th.start()
+            time.sleep(0.05)  # the reads under way before the clock starts
+            n0 = done[0]
+            beside.append(compute())
+            reads.append(done[0] - n0)
+            stop.set()
+            for th in pool:
+                th.join()
+    per = per_read_ms(alone, beside, reads, nbytes, expert_bytes)
+    how = (
+        f"{calls} bf16 experts at one token: median {np.median(alone):.1f} ms alone, {np.median(beside):.1f} ms "
+        f"beside {np.median(reads):.0f} reads of {nbytes / 2**20:.2f} MiB on {threads} threads "
+        f"({rounds} rounds each); the slowdown per read, scaled to the profile's expert"
+    )
+    return per, how
+
+
+def per_read_ms(
+    alone: list[float], beside: list[float], reads: list[int], read_bytes: int, expert_bytes: int
+) -> float:
+    """The compute time one read of ``expert_bytes`` takes: the median slowdown of the compute
+    (``beside`` against ``alone``, ms) over the median count of ``read_bytes`` reads beside it, scaled
+    by bytes (a read's work is per page); a compute no slower beside reads gives 0."""
+    slow = max(float(np.median(beside) - np.median(alone)), 0.0)
+    return slow / max(float(np.median(reads)), 1.0) * expert_bytes / read_bytes
+
+
 def on_disk(
     prof: HardwareProfile, offload_dir: str | Path, disk_mb: int = 256, attn_measured: bool = False
 ) -> tuple[HardwareProfile, dict[str, str]]:
@@ -611,6 +735,9 @@ def on_disk(
         method += ", while the CPU computes experts (as the runtime's reads run)"
     disk = _sig(gbps)
     how = {"disk_read_gbps": f"{method}, in {offload_dir}"}
+    read_cpu = 0.0
+    if not cuda:  # the cores that compute also serve the reads (a device's copies leave them alone)
+        read_cpu, how["read_cpu_ms"] = read_compute_ms(offload_dir, prof.ref_expert_bytes)
     if cuda:
         how["tiers"] = (
             "device and disk: the link is the slower of the host-to-device copy and the disk's reads"
@@ -626,6 +753,7 @@ def on_disk(
     return replace(
         prof,
         disk_read_gbps=disk,
+        read_cpu_ms=_sig(read_cpu),
         transfer_gbps=disk,
         gpu_expert_ms=_sig(prof.cpu_beta_ms + prof.cpu_c_ms),
         fast_tier="cpu",
@@ -723,6 +851,7 @@ def table(prof: HardwareProfile) -> str:
         ("CPU expert: C (start-up)", f"{prof.cpu_c_ms:g} ms"),
         ("attention / dense per layer", f"{prof.attn_ms:g} ms"),
         ("predictor per layer", f"{prof.predictor_ms:g} ms"),
+        ("compute time one read takes from the cores", f"{prof.read_cpu_ms:g} ms"),
         ("expert bytes", f"{prof.ref_expert_bytes:,}"),
     ]
     w = max(len(r[0]) for r in rows)

@@ -385,6 +385,7 @@ def _fast_demand_engine(run: _Run) -> _Outcome | None:
         and spec.balancer == "none"
         and spec.preload != "hot"
         and not spec.late_prefetch  # one late prefetch starts whatever the window
+        and cost.t_rc <= t_io  # a read's compute time then never outlasts the read (the bound below)
         and (math.isinf(t_io) or (t_io > 0 and (cost.t_attn + k * cost.t_g) * (1 + 1e-12) / t_io + 1e-9 < 1))
     ):
         # A prefetch starts only when it fits in the link time the previous layer leaves free,

@@ -13,6 +13,9 @@ that run a layer now it does, in this order:
    A lane no PreSched decision reached (the first layer) takes as many as fit. Under a policy's
    ``late_prefetch`` one more than fits is started and lands late, resident: it delays the layer's
    demand loads by ``delay`` and its expert computes no sooner than ``delay + t_g`` (``stall``).
+   Where the CPU both computes and reads (``t_rc > 0``: a CPU fast tier over a disk), each started
+   transfer takes ``t_rc`` from the attention it runs beside: the layer's time grows by
+   ``started * t_rc`` (``rc``).
 2. **Substitution** (SMoE Algorithm 1, :func:`moecast.runtime.substitution.substitute`) of the
    routed experts against the resident ones, when the policy substitutes with ``alpha > 0``
    (:meth:`LayerStep.route`).
@@ -38,12 +41,18 @@ that run a layer now it does, in this order:
      ``cpu_end = max(first_read + t_cpu, link + t_cpu / n_cpu)`` (``first_read`` = the loads'
      link + ``t_io``) instead of ``t_cpu``;
    - ``fast_tier: cpu``: the same cores compute both sets, so their times add:
-     ``layer_t = t_attn + max(dev + t_cpu, cpu_end)`` instead of ``t_attn + max(dev, cpu_end)``.
+     ``layer_t = t_attn + max(dev + t_cpu, cpu_end)`` instead of ``t_attn + max(dev, cpu_end)``;
+     with ``t_rc > 0`` the cores also owe each read of the layer its share, so the expert phase
+     lasts at least ``n_dev * t_g + t_cpu + (n_load + n_cpu) * t_rc`` (the reads' CPU time and the
+     experts' together), and the layer adds the prefetches' ``rc`` (step 1).
 6. **Window** for the next layer's prefetch: its prediction is made once this layer has routed and
    takes ``t_pred`` (the predictor's latency); its transfers start when both it and this layer's
    link are done, and must land before the next layer's experts start, after its attention::
 
        free(next) = layer_t - max(link, t_pred)        free(first layer) = t_attn - t_pred
+
+   (``layer_t`` with its prefetches' ``rc``: the attention the next layer's reads run beside is
+   slowed by them as this layer's was by its own.)
 
 Prefill (SMoE Sec. 4.1: prefill loads what it needs): a row that is not a decode step is neither
 substituted nor balanced (every miss is loaded; under static, which never loads, on the CPU), and
@@ -84,10 +93,13 @@ class LinkClock:
     free: np.ndarray  # the prefetch window of the lane's next layer (ms)
     delay: np.ndarray  # link time a started, unfinished prefetch takes from the next layer's demand loads
     pf_n: np.ndarray  # PreSched's prefetch count for the lane's next layer (-1: none decided, as many as fit)
+    rc: np.ndarray  # compute time the started prefetches' reads take from the lane's next layer (ms)
 
     @classmethod
     def start(cls, lanes: int, first_window: float) -> LinkClock:
-        return cls(np.full(lanes, first_window), np.zeros(lanes), np.full(lanes, -1, dtype=np.int64))
+        return cls(
+            np.full(lanes, first_window), np.zeros(lanes), np.full(lanes, -1, dtype=np.int64), np.zeros(lanes)
+        )
 
 
 @dataclass
@@ -175,6 +187,7 @@ class LayerStep:
             self.policy.balancer,
             self.policy.late_prefetch,
         )
+        clock.rc[lanes] = started * self.cost.t_rc
         take = np.arange(cand.shape[1])[None, :] < landed[:, None]
         ins = cache.insert(lanes, np.where(take, cand, -1), shield=ranked, prefetch=True, t=t)
         self.r_landed[lanes] += landed
@@ -216,7 +229,9 @@ class LayerStep:
         pol = self.policy
         n, B, _k = ids.shape
         delay = self.clock.delay[lanes].copy()
+        rc = self.clock.rc[lanes].copy()
         self.clock.delay[lanes] = 0.0
+        self.clock.rc[lanes] = 0.0
         valid = (ids >= 0).any(2)
         if not routed:
             ids = self.route(lanes, layer, ids, probs, decode)
@@ -237,6 +252,7 @@ class LayerStep:
         n_dev = (hit & (uniq >= 0)).sum(1) + n_load
         stall = delay if pol.late_prefetch else None
         layer_t, link = layer_time(self.cost, n_dev, n_load, delay, t_cpu, n_miss - n_load, stall)
+        layer_t = layer_t + rc
         self._advance(lanes, layer_t, link, next_lanes, has_next, restart)
         self.add("loads", lanes, layer, n_load)
         self.add("cpu", lanes, layer, n_miss - n_load)
@@ -430,11 +446,7 @@ class OneLane:
         self.step = step
         cache, cost, pol = step.cache, step.cost, step.policy
         t_pred = step.predictor_ms if step.prefetching else 0.0
-        fcost = (
-            cost.t_io, cost.t_g, cost.t_attn, cost.beta, cost.c, t_pred, step.first_window,
-            float(cost.shared_compute), float(cost.cpu_reads_link), float(pol.late_prefetch),
-        )  # fmt: skip
-        self.fcost = np.array(fcost, np.float64)  # in step_kernels' T_IO .. LATE order
+        self.fcost = sk.fcost_of(cost, t_pred, step.first_window, pol.late_prefetch)
         self.scratch = np.empty(0)  # the kernels' scratch (PreSched's inputs, the CPU times)
         self.info = np.zeros(2, np.int64)
         self.counters = np.zeros(5, np.int64)
@@ -526,13 +538,14 @@ class OneLane:
         p = _NO_PROBS
         if self.score:
             p = probs[0, 0] if probs.dtype == np.float32 else probs[0, 0].astype(np.float32)
-        out, hit, fout = np.empty((6, k), np.int64), np.empty(k, bool), np.empty(4)
+        out, hit, fout = np.empty((6, k), np.int64), np.empty(k, bool), np.empty(5)
         state = (cache._res, cache._last, cache._freq, cache._pf, cache._nu_k, cache._score_k, cache._count)
         state += (self.ring, self.ring_pos, lane, slot, cache._caps[lane], _time(t))
         rs = restart is not None and bool(restart[0])
         n_load = ep[0](
             *state, row, decode is None or bool(decode[0]), step.prefetching, self.bal, cache._code,
-            cache._shift, self.fcost, clock.delay, clock.free, clock.pf_n, step.r_used, step.table, p, nl, hn,
+            cache._shift, self.fcost, clock.delay, clock.rc, clock.free, clock.pf_n, step.r_used, step.table, p,
+            nl, hn,
             rs, pred, out, hit, self.scratch, fout, self.info, self.counters,
         )  # fmt: skip
         if n_load == sk.BAD_IDS:
@@ -582,7 +595,7 @@ class OneLane:
         bad = ep[2](
             cache._res, cache._last, cache._freq, cache._pf, cache._nu_k, cache._score_k, cache._count, lane,
             int(step.stat_base[lane] + layer[0]), cache._caps[lane], _time(t), row, cache._code, cache._shift,
-            self.landing_rule, self.fcost, clock.free, clock.delay, clock.pf_n,
+            self.landing_rule, self.fcost, clock.free, clock.delay, clock.rc, clock.pf_n,
             step.r_landed, step.table, out, self.counters,
         )  # fmt: skip
         if bad:
@@ -636,7 +649,7 @@ def layer_time(
 
     ``n_cpu`` experts make up the CPU set; where the slow tier is a disk they are read over the
     link after the demand loads, and where the CPU is also the fast tier their time adds to the
-    resident experts' (module docstring). ``stall`` (late_prefetch only): a late prefetch lands that
+    resident experts', as the reads' compute time ``t_rc`` does (module docstring). ``stall`` (late_prefetch only): a late prefetch lands that
     long into the layer's expert phase, and its expert computes after it."""
     t_io = cost.t_io
     finite = math.isfinite(t_io)
@@ -661,6 +674,10 @@ def layer_time(
         cpu_end = np.where(on_cpu, np.maximum(first + t_cpu, link + last), t_cpu)
     if cost.shared_compute:
         busy = np.maximum(dev + np.where(on_cpu, t_cpu, 0.0), cpu_end)
+        if cost.t_rc:
+            # the cores compute every expert and serve every read of the layer
+            work = n_dev * cost.t_g + np.where(on_cpu, t_cpu, 0.0) + (n_load + n_cpu) * cost.t_rc
+            busy = np.maximum(busy, work)
     else:
         busy = np.maximum(dev, cpu_end)
     return cost.t_attn + busy, link

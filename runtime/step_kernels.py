@@ -48,18 +48,29 @@ USES, HITS, LOADS, CPU, SUBS, PF_ISSUED, PF_LANDED, PF_STARTED, PF_USED, PF_INSE
 BALANCER_CODE = {"none": 0, "smoe": 1, "presched": 2, "cpu": 3}
 STATIC = kernels.POLICY_CODE["static"]
 SCORE = kernels.POLICY_CODE["score"]
-# fcost: the cost model's constants, in this order (LayerStep.one_costs)
-T_IO, T_G, T_ATTN, BETA, C, T_PRED, FIRST_WINDOW, SHARED, CPU_READS, LATE_PF = range(10)
+# fcost: the cost model's constants, in this order (fcost_of)
+T_IO, T_G, T_ATTN, BETA, C, T_PRED, FIRST_WINDOW, SHARED, CPU_READS, LATE_PF, T_RC = range(11)
 #: the prefetch landing rules (step.landing): in the window only, PreSched's one late and not
 #: resident, late_prefetch's one late and resident
 IN_WINDOW, PRESCHED_ONE, LATE = range(3)
-# fout: one call's times (ms)
-LAYER_T, LINK, T_CPU, DELAY = range(4)
+# fout: one call's times (ms): the last two are what a prefetch left (its delay, its reads' compute)
+LAYER_T, LINK, T_CPU, DELAY, RC = range(5)
 # counters: what the call adds to the cache's CacheStats and its insert clock
 EVICTED, WASTED, USED, INSERTED, NEW = range(5)
 _DMAX = np.finfo(np.float64).max
 #: the most experts per token the kernels take (numpy sums longer rows in another order)
 MAX_K = 128
+
+
+def fcost_of(cost, t_pred: float = 0.0, first_window: float = 0.0, late: bool = False) -> np.ndarray:
+    """The kernels' ``fcost`` array (T_IO .. T_RC) of a :class:`~moecast.runtime.cost_model.CostModel`."""
+    return np.array(
+        [
+            cost.t_io, cost.t_g, cost.t_attn, cost.beta, cost.c, t_pred, first_window,
+            float(cost.shared_compute), float(cost.cpu_reads_link), float(late), cost.t_rc,
+        ],
+        np.float64,
+    )  # fmt: skip
 
 
 @njit(cache=True, nogil=True)
@@ -153,7 +164,7 @@ IN_PLACE, PRESCHED, BAD_IDS = -1, -2, -3
 
 @njit(cache=True, nogil=True)
 def layer_one(
-    res, pf, lane, slot, ids, decode, prefetching, bal, policy, fcost, delay, r_used, stats,
+    res, pf, lane, slot, ids, decode, prefetching, bal, policy, fcost, delay, rc, r_used, stats,
     next_lane, has_next, predicted, out, hit, cur, nxt, fout, info,
 ):  # fmt: skip
     """Steps 3-4 of LayerStep.layer for one token on ``lane``: the access and the balancer's split.
@@ -174,6 +185,8 @@ def layer_one(
     d = delay[lane]
     delay[lane] = 0.0
     fout[DELAY] = d
+    fout[RC] = rc[lane]
+    rc[lane] = 0.0
     uses = 0
     hits = 0
     used = 0
@@ -271,6 +284,7 @@ def finish_one(
         ring_pos[lane] = (pos + 1) % ring.shape[1]
     stall = fout[DELAY] if fcost[LATE_PF] != 0.0 else 0.0
     layer_t, link = layer_time(fcost, n_hit + n_load, n_load, fout[DELAY], t_cpu, n_miss - n_load, stall)
+    layer_t = layer_t + fout[RC]
     fout[LAYER_T] = layer_t
     fout[LINK] = link
     fout[T_CPU] = t_cpu
@@ -289,7 +303,7 @@ def finish_one(
 @njit(cache=True, nogil=True)
 def step_one(
     res, last, freq, pf, nu, score, count, ring, ring_pos, lane, slot, cap, t, ids, decode, prefetching,
-    bal, policy, shift, fcost, delay, free, pf_n, r_used, stats, probs, next_lane, has_next, restart,
+    bal, policy, shift, fcost, delay, rc, free, pf_n, r_used, stats, probs, next_lane, has_next, restart,
     predicted, out, hit, scratch, fout, info, counters,
 ):  # fmt: skip
     """:func:`layer_one` then, unless it returns PRESCHED or BAD_IDS, :func:`finish_one`: the layer
@@ -298,7 +312,7 @@ def step_one(
     k = ids.shape[0]
     P = predicted.shape[0]
     n_load = layer_one(
-        res, pf, lane, slot, ids, decode, prefetching, bal, policy, fcost, delay, r_used, stats, next_lane,
+        res, pf, lane, slot, ids, decode, prefetching, bal, policy, fcost, delay, rc, r_used, stats, next_lane,
         has_next, predicted, out, hit, scratch[:k], scratch[2 * k : 2 * k + P], fout, info,
     )  # fmt: skip
     if n_load <= PRESCHED:  # PRESCHED or BAD_IDS
@@ -333,6 +347,9 @@ def layer_time(fcost, n_dev, n_load, delay, t_cpu, n_cpu, stall):
             cpu_end = _max(first + t_cpu, link + t_cpu / np.float64(n_cpu))
     if fcost[SHARED] != 0.0:
         busy = _max(dev + (t_cpu if n_cpu > 0 else 0.0), cpu_end)
+        if fcost[T_RC] != 0.0:
+            work = np.float64(n_dev) * t_g + (t_cpu if n_cpu > 0 else 0.0)
+            busy = _max(busy, work + np.float64(n_load + n_cpu) * fcost[T_RC])
     else:
         busy = _max(dev, cpu_end)
     return fcost[T_ATTN] + busy, link
@@ -341,7 +358,7 @@ def layer_time(fcost, n_dev, n_load, delay, t_cpu, n_cpu, stall):
 @njit(cache=True, nogil=True)
 def prefetch_one(
     res, last, freq, pf, nu, score, count, lane, slot, cap, t, ranked, policy, shift, rule,
-    fcost, free, delay, pf_n, r_landed, stats, out, counters,
+    fcost, free, delay, rc, pf_n, r_landed, stats, out, counters,
 ):  # fmt: skip
     """LayerStep.prefetch for one lane: ``ranked`` [M] the predicted experts best first (-1
     padded); the inserted ones into ``out`` [M] (-1 elsewhere). Returns -1 for an id out of range
@@ -360,6 +377,7 @@ def prefetch_one(
             n_cand += 1
     want, landed, started, d = landing(n_cand, pf_n[lane], free[lane], fcost[T_IO], rule)
     delay[lane] = d
+    rc[lane] = np.float64(started) * fcost[T_RC]
     row = np.full(M, -1, np.int64)
     row[:landed] = cand[:landed]
     new = np.zeros(M, np.bool_)
@@ -462,10 +480,10 @@ def entry_points() -> tuple:
     ring = (_a(types.float32, 3), _i1)
     return (
         ep(step_one, *_CACHE, *ring, _int, _int, _int, _int, ids_a, _bool, _bool, _int, _int, _int, _f1,
-           _f1, _f1, _i1, _f1, _f2, _f1a, _int, _bool, _bool, ids_a, _i2, _b1, _f1, _f1, _i1, _i1),
+           _f1, _f1, _f1, _i1, _f1, _f2, _f1a, _int, _bool, _bool, ids_a, _i2, _b1, _f1, _f1, _i1, _i1),
         ep(finish_one, *_CACHE, *ring, _int, _int, _int, _int, _int, _f1a, _int, _int, _f1, _f1, _i1, _f2,
            _int, _bool, _bool, _i2, _b1, _f1, _i1, _a(types.float64, 1, "A")),
-        ep(prefetch_one, *_CACHE, _int, _int, _int, _int, ids_a, _int, _int, _int, _f1, _f1, _f1, _i1,
+        ep(prefetch_one, *_CACHE, _int, _int, _int, _int, ids_a, _int, _int, _int, _f1, _f1, _f1, _f1, _i1,
            _f1, _f2, _i1, _i1),
         ep(rank_one, _f1a, _int, _i1, _i1),
     )  # fmt: skip

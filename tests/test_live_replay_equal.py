@@ -19,7 +19,7 @@ from conftest import synthetic_record, tiny_random
 from moecast.collect.models import find_moe_structure, model_info
 from moecast.collect.traceset import TraceMeta, TraceSet, TraceWriter
 from moecast.predictors.base import LayerAhead
-from moecast.runtime.cost_model import HardwareProfile
+from moecast.runtime.cost_model import HardwareProfile, load_profile
 from moecast.runtime.live import attach
 from moecast.runtime.policy import POLICIES
 from moecast.runtime.replay import ReplayConfig, replay
@@ -47,6 +47,18 @@ def profile(tiny, tmp_path_factory):
         predictor_ms=0.2,
     )
     path = tmp_path_factory.mktemp("hw") / "tight-window.yaml"
+    path.write_text(prof.to_yaml())
+    return path
+
+
+@pytest.fixture(scope="module")
+def cpu_disk_profile(profile, tmp_path_factory):
+    """The same window on a machine without an accelerator, its experts on a disk: every read takes
+    0.1 ms from the cores (the prefetches' from the attention, the demand loads' from the experts)."""
+    prof = dataclasses.replace(
+        load_profile(profile), name="cpu-disk", fast_tier="cpu", slow_tier="disk", read_cpu_ms=0.1
+    )
+    path = tmp_path_factory.mktemp("hw") / "cpu-disk.yaml"
     path.write_text(prof.to_yaml())
     return path
 
@@ -136,6 +148,18 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_live_and_replay_report_equal_values(tiny, profile, tmp_path, case):
+    _equal_values(tiny, profile, tmp_path, case)
+
+
+@pytest.mark.parametrize("case", ["lru", "oracle prefetch", "oracle prefetch-late", "smoe"])
+def test_live_and_replay_equal_where_reads_take_compute_time(tiny, cpu_disk_profile, tmp_path, case):
+    r, ts, cfg = _equal_values(tiny, cpu_disk_profile, tmp_path, case)
+    if CASES[case][1]:  # the prefetches' reads were charged: without their compute time it is less
+        free = dataclasses.replace(load_profile(cpu_disk_profile), read_cpu_ms=0.0)
+        assert replay(ts, dataclasses.replace(cfg, hardware=free)).modeled_tpot_ms < r.modeled_tpot_ms
+
+
+def _equal_values(tiny, profile, tmp_path, case):
     policy, oracle = CASES[case]
     predictor = None
     if oracle:  # the routing at alpha 0, from a first run, is what the oracle knows
@@ -145,16 +169,14 @@ def test_live_and_replay_report_equal_values(tiny, profile, tmp_path, case):
     if oracle:
         assert np.array_equal(ids, predictor.ids)
     ts = as_traceset(tmp_path / "ts", info, ids, probs)
-    r = replay(
-        ts,
-        ReplayConfig(
-            policy=policy,
-            capacity=CAPACITY,
-            cold=True,
-            hardware=str(profile),
-            predictor="oracle" if oracle else "none",
-        ),
+    cfg = ReplayConfig(
+        policy=policy,
+        capacity=CAPACITY,
+        cold=True,
+        hardware=str(profile),
+        predictor="oracle" if oracle else "none",
     )
+    r = replay(ts, cfg)
     assert (stats["prefill_steps"], stats["decode_steps"]) == (1, STEPS - 1)
     assert stats["hit_rate"] == r.hit_rate
     assert (stats["loads"], stats["cpu_experts"]) == (r.loads, r.cpu_experts)
@@ -172,3 +194,4 @@ def test_live_and_replay_report_equal_values(tiny, profile, tmp_path, case):
         assert r.cpu_experts > 0 and r.prefetches_landed < r.prefetches_issued  # a late one delays loads
     if case == "smoe":
         assert r.substitution_rate > 0 and r.cpu_experts > 0
+    return r, ts, cfg

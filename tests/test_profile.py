@@ -230,6 +230,40 @@ def test_with_an_offload_and_no_cuda_the_cpu_is_the_fast_tier_and_the_disk_the_l
     assert load_profile("prescope-a100-pcie4").fast_tier == "device"  # without an offload nothing changes
 
 
+def test_a_reads_compute_time_is_the_slowdown_per_read_beside_it():
+    """Medians: 100 ms alone, 125 ms beside 11 reads of 1000 bytes: 25 / 11 ms per read, twice that
+    for an expert of 2000 bytes; a compute no slower beside the reads: 0."""
+    per = P.per_read_ms([100.0, 102.0, 98.0], [130.0, 120.0, 125.0], [10, 12, 11], 1000, 2000)
+    assert per == pytest.approx(2 * 25 / 11)
+    assert P.per_read_ms([100.0], [99.0], [5], 1000, 1000) == 0.0
+
+
+@pytest.mark.filterwarnings("ignore::moecast.runtime.offload.OffloadWarning")
+def test_reads_compute_time_is_measured_on_an_offload_and_on_a_plain_directory(tmp_path, monkeypatch):
+    """The probe reads the offload's experts as the runtime does, or a temporary file it removes; and
+    the CPU-disk profile takes its figure (a device's copies leave the cores alone: 0 there)."""
+    from moecast.runtime.offload import ExpertReader
+
+    d = _offload_dir(tmp_path)
+    reads = []
+    real = ExpertReader.read_into
+    monkeypatch.setattr(
+        ExpertReader, "read_into", lambda self, pos, e, buf: (reads.append((pos, e)), real(self, pos, e, buf))
+    )
+    ms, how = P.read_compute_ms(d, 4096, calls=20, rounds=2)
+    assert ms >= 0 and reads and "reads of" in how and "2 rounds" in how
+    plain = tmp_path / "plain"
+    ms, how = P.read_compute_ms(plain, 8192, calls=20, rounds=1)
+    assert ms >= 0 and "reads of 0.01 MiB" in how and list(plain.iterdir()) == []
+    monkeypatch.setattr(P, "read_compute_ms", lambda directory, nbytes: (0.7, "probed"))
+    monkeypatch.setattr(P, "disk_read_gbps", lambda *a, **k: (1.5, "probed"))
+    base = load_profile("prescope-a100-pcie4")
+    for cuda, want in ((False, 0.7), (True, 0.0)):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        prof, how = P.on_disk(base, d)
+        assert prof.read_cpu_ms == want and ("read_cpu_ms" in how) == (not cuda)
+
+
 def test_cli_profile_with_an_offload_dir_and_no_cuda_is_the_cpu_disk_deployment(
     tmp_path, capsys, monkeypatch
 ):

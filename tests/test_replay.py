@@ -373,6 +373,8 @@ FAST_LINK = HardwareProfile(
     cpu_c_ms=0.25,
     attn_ms=0.08,
 )
+# no accelerator, the experts on a disk, each read taking compute time from the cores
+CPU_DISK = replace(FAST_LINK, name="cpu-disk", fast_tier="cpu", slow_tier="disk", read_cpu_ms=0.02)
 
 
 POLICY_PREFETCHES = {
@@ -412,6 +414,7 @@ def test_fast_paths_equal_general_engine(tmp_path, policy, cold):
         )
     )
     hws = [FAST_LINK, "prescope-a100-pcie4"] if POLICY_PREFETCHES[policy] else ["prescope-a100-pcie4"]
+    hws.append(CPU_DISK)
     for hw in hws:
         cfg = dict(policy=policy, cold=cold, hardware=hw)
         fast = replay_capacities(ts, ReplayConfig(**cfg), [3, 5, 8, 12])

@@ -106,6 +106,29 @@ def test_oracle_prefetch_lands_only_inside_the_window(tmp_path, fast):
 
 
 @pytest.mark.parametrize("fast", [True, False])
+def test_reads_on_the_cores_slow_the_layer_they_run_beside(tmp_path, fast):
+    """test_oracle_prefetch_lands_only_inside_the_window's run with the CPU as the fast tier and the
+    experts on a disk, each read taking t_rc = 0.25 ms from the cores: a started prefetch adds it to
+    the layer whose attention it runs beside (and so to the window that layer leaves); demand loads
+    add it to the experts' work, which the link covers here.
+    t0 L0: window 1.5 -> 0 lands (rc 0.25); hit 0, load 1: 1.5 + max(1.25, 0.5 + 0.25) + 0.25 = 3.0
+       L1: window 3.0 - 1 = 2.0 -> 2 and 3 land (rc 0.5); hits 2: 1.5 + 0.5 + 0.5 = 2.5; step 5.5
+    t1 L0: window 1.5 -> 4 lands (evicts 1); hits 2: 1.5 + 0.5 + 0.25 = 2.25
+       L1: window 2.25 -> 5 lands (evicts 3); hits 2: 2.25; step 4.5
+    t2: 6 and 3 land the same way: 4.5
+    hits 11 / 12, 1 demand load, 7 prefetches, TPOT 14.5 / 3 (4.5 without the reads' time)."""
+    hw = _profile(1.5, fast_tier="cpu", slow_tier="disk")
+    hw.read_cpu_ms = 0.25
+    r = _run(_trace(tmp_path / "a", ROUTES_A), fast, hardware=hw)
+    assert r.hit_rate == pytest.approx(11 / 12)
+    assert r.loads == 1
+    assert (r.prefetches_issued, r.prefetches_landed) == (7, 7)
+    assert r.modeled_tpot_ms == pytest.approx(14.5 / 3)
+    assert r.layer_time_ms_per_layer == pytest.approx([7.5 / 3, 7.0 / 3])
+    assert r.bytes_moved == (1 + 7) * EXPERT_BYTES
+
+
+@pytest.mark.parametrize("fast", [True, False])
 def test_the_window_is_what_the_previous_layer_leaves(tmp_path, fast):
     """Oracle prefetch, trace B, t_attn 0.5 and 4 experts per layer: layer 0's window (0.5) never
     holds a transfer; layer 1's is layer 0's time less its link.
@@ -291,10 +314,29 @@ def test_layer_time_on_each_tier_by_hand(fast_tier, slow_tier, want):
     layer_t, link = layer_time(c, np.array([8]), np.array([0]), 0.0, np.array([0.5]), np.array([1]))
     assert layer_t[0] == pytest.approx(want)
     assert link[0] == pytest.approx(1.0 if slow_tier == "disk" else 0.0)  # the next prefetch waits for it
-    fcost = np.array(
-        [c.t_io, c.t_g, c.t_attn, c.beta, c.c, 0.0, 0.0, c.shared_compute, c.cpu_reads_link, 0.0]
-    )
+    fcost = sk.fcost_of(c)
     assert sk.layer_time(fcost, 8, 0, 0.0, 0.5, 1, 0.0) == (layer_t[0], link[0])
+
+
+def test_reads_take_their_compute_time_from_the_layers_experts():
+    """CPU fast tier over a disk, t_rc = 0.5 ms per read: 6 resident experts (1.5 ms), one demand
+    load and one CPU expert (C 0.5) read behind it (link 2; its expert computes 2..2.5). The cores
+    owe 1.5 + 0.5 and both reads' 1.0: the expert phase is 3.0, not 2.5: layer 1.5 + 3.0."""
+    from moecast.runtime import step_kernels as sk
+    from moecast.runtime.step import layer_time
+
+    hw = _profile(1.5, 0.5, fast_tier="cpu", slow_tier="disk")
+    for read_cpu_ms, want in ((0.0, 4.0), (0.5, 4.5)):
+        hw.read_cpu_ms = read_cpu_ms
+        c = CostModel.from_profile(hw, EXPERT_BYTES)
+        layer_t, link = layer_time(c, np.array([6]), np.array([1]), 0.0, np.array([0.5]), np.array([1]))
+        assert (layer_t[0], link[0]) == pytest.approx((want, 2.0))
+        assert sk.layer_time(sk.fcost_of(c), 6, 1, 0.0, 0.5, 1, 0.0) == (layer_t[0], link[0])
+    # a device's copies and a host tier leave the cores alone
+    for tiers in ({"fast_tier": "device", "slow_tier": "disk"}, {"fast_tier": "cpu", "slow_tier": "host"}):
+        hw = _profile(1.5, 0.5, **tiers)
+        hw.read_cpu_ms = 0.5
+        assert CostModel.from_profile(hw, EXPERT_BYTES).t_rc == 0.0
 
 
 def test_cpu_experts_on_a_disk_compute_as_their_reads_land():
@@ -310,9 +352,7 @@ def test_cpu_experts_on_a_disk_compute_as_their_reads_land():
         args = (np.array([3]), np.array([2]), 0.0, np.array([1.5]), np.array([3]))
         layer_t, link = layer_time(c, *args)
         assert (layer_t[0], link[0]) == pytest.approx((7.0, 5.0))
-        fcost = np.array(
-            [c.t_io, c.t_g, c.t_attn, c.beta, c.c, 0.0, 0.0, c.shared_compute, c.cpu_reads_link, 0.0]
-        )
+        fcost = sk.fcost_of(c)
         assert sk.layer_time(fcost, 3, 2, 0.0, 1.5, 3, 0.0) == (layer_t[0], link[0])
 
 
