@@ -289,10 +289,13 @@ class LayerStore:
                 break
             self.load(int(e))
 
-    def cpu_waves(self, experts: np.ndarray) -> Iterator[tuple[dict[str, torch.Tensor], np.ndarray, int]]:
+    def cpu_waves(
+        self, experts: np.ndarray, wave: int | None = None
+    ) -> Iterator[tuple[dict[str, torch.Tensor], np.ndarray, int]]:
         """Host tensors that hold ``experts`` for computing them on the CPU, in waves (each a subset of
-        ``experts``, together all of them once): (tensors by name, expert id -> row of those tensors with
-        the sentinel elsewhere, the sentinel = the tensors' expert count). The host copies hold every
+        ``experts``, together all of them once; ``wave``: at most that many each, where a store reads
+        them): (tensors by name, expert id -> row of those tensors with the sentinel elsewhere, the
+        sentinel = the tensors' expert count). The host copies hold every
         expert already: one wave."""
         table = np.full(self.num_experts, self.num_experts, np.int64)
         table[experts] = experts

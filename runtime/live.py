@@ -337,10 +337,12 @@ class LiveRuntime:
         self._restart = [np.array([pos == 0]) for pos in range(L)]
         self._t = np.array([0])  # the step as the cache's time, set per forward
         self.stores = self._make_stores(structure, config)
-        # CPU experts run on a worker thread while the device computes the resident ones; with the
-        # experts on a disk also without an accelerator, so that their reads queue behind the demand
-        # loads while the resident experts compute (the step's rule for slow_tier disk)
-        self.overlap_cpu = any(st.cuda for st in self.stores) or self.reader is not None
+        # CPU experts run on a worker thread while the device computes the resident ones. Without an
+        # accelerator the same cores compute both (the step adds their times), so they run on this
+        # thread after the resident ones: a second thread's kernels would only contend for the
+        # cores with the attention that follows. A disk's reads for them start before the resident
+        # experts compute, behind the demand loads (the step's rule for slow_tier disk).
+        self.overlap_cpu = any(st.cuda for st in self.stores)
         self._pool: ThreadPoolExecutor | None = None
         self._next_scores: np.ndarray | None = None
         self.stats_ = LiveStats()
@@ -892,27 +894,30 @@ class LiveRuntime:
             call.w_host = call.host["w"]
             self.stats_.host_syncs += 1
         grad = torch.is_grad_enabled()
+        if not self.overlap_cpu:
+            # one token's experts each compute as its read lands (the step's rule); a prefill's in
+            # waves of the reader's size. The reads go out now; the caller times the join.
+            waves = self.stores[pos].cpu_waves(experts, wave=1 if len(call.ids) == 1 else None)
+            return lambda: self._host(pos, call, experts, waves)
 
         def job() -> torch.Tensor:
             with torch.set_grad_enabled(grad):  # grad mode is per thread
                 return self._host(pos, call, experts)
 
-        if not self.overlap_cpu:
-            out = self._timed("expert_compute", job)
-            return lambda: out
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moecast-cpu-experts")
         return self._pool.submit(job).result
 
-    def _host(self, pos: int, call: _ExpertsCall, experts: np.ndarray) -> torch.Tensor:
+    def _host(self, pos: int, call: _ExpertsCall, experts: np.ndarray, waves: Any = None) -> torch.Tensor:
         """CPU-assisted computation (SMoE §5.4): only the tokens routed to ``experts``, from host memory, on the host.
 
-        The store gives the experts in waves (the disk tier holds a bounded number of them at a time);
-        the waves' parts add up in float32, so one wave's result is exactly its part in the model's dtype.
+        The store gives the experts in waves (the disk tier holds a bounded number of them at a time;
+        ``waves``: the store's already started); the waves' parts add up in float32, so one wave's
+        result is exactly its part in the model's dtype.
         """
         hidden = call.host["hidden"].reshape(-1, call.hidden.shape[-1])
         out = torch.zeros(hidden.shape, dtype=torch.float32)
-        with contextlib.closing(self.stores[pos].cpu_waves(experts)) as waves:
+        with contextlib.closing(waves if waves is not None else self.stores[pos].cpu_waves(experts)) as waves:
             for tensors, table, count in waves:
                 cpu_ids = torch.from_numpy(table[call.ids])
                 rows = (cpu_ids < count).any(1)

@@ -24,8 +24,9 @@ is :class:`moecast.runtime.expert_store.LayerStore` over that reader: on the CPU
 aligned host memory that a read fills in place; with CUDA a read fills a pinned staging buffer whose
 pieces then go to the device slot on the transfer streams. Experts that are not resident are not
 held in memory anywhere: those computed on the CPU are read in waves into two buffers of
-``cpu_wave`` blocks each (one wave computes while the next is read), so the memory beyond the slots
-is bounded however many experts a prefill sends to the CPU.
+``cpu_wave`` blocks each (the first two waves' reads start before the caller computes its resident
+experts; one wave computes while the next is read), so the memory beyond the slots is bounded
+however many experts a prefill sends to the CPU.
 """
 
 from __future__ import annotations
@@ -704,26 +705,41 @@ class DiskLayerStore(LayerStore):
     def source(self, expert: int) -> dict[str, torch.Tensor]:
         raise NotImplementedError("a disk store reads experts with read_into; it holds no host copies")
 
-    def cpu_waves(self, experts: np.ndarray) -> Iterator[tuple[dict[str, torch.Tensor], np.ndarray, int]]:
-        """``experts`` for the CPU, read from disk in waves of at most ``reader.cpu_wave`` experts.
+    def cpu_waves(
+        self, experts: np.ndarray, wave: int | None = None
+    ) -> Iterator[tuple[dict[str, torch.Tensor], np.ndarray, int]]:
+        """``experts`` for the CPU, read from disk in waves of at most ``wave`` experts (default
+        ``reader.cpu_wave``).
 
-        Each wave is yielded as :meth:`LayerStore.cpu_waves` says; the next wave's reads go to the
-        other of the reader's two buffers while the caller computes this one, so however many experts
-        a call computes (a long prefill's dozens), it holds two waves' blocks.
+        Each wave is yielded as :meth:`LayerStore.cpu_waves` says. The first two waves' reads go out
+        now, into the reader's two buffers, so they run while the caller computes something else
+        (the resident experts) before it asks for the first; once the caller is done with a wave,
+        the wave after next is read into its buffer. However many experts a call computes (a long
+        prefill's dozens), it holds two waves' blocks. Close the iterator (``contextlib.closing``)
+        where it may not be run to its end: that waits for the reads and frees the buffers.
         """
         ids = np.asarray(experts, np.int64)
-        w = self.reader.cpu_wave
-        waves = [ids[i : i + w] for i in range(0, len(ids), w)]
+        w = max(1, int(wave or self.reader.cpu_wave))
+        gen = self._waves([ids[i : i + w] for i in range(0, len(ids), w)])
+        next(gen)  # the first reads are submitted, the buffers held
+        return gen
+
+    def _waves(self, waves: list[np.ndarray]) -> Iterator[Any]:
         with self.reader.cpu_buffers() as bufs:
-            pending = self._read_wave(waves[0], bufs[0]) if waves else []
+            pending = [self._read_wave(waves[i], bufs[i]) if i < len(waves) else [] for i in range(2)]
             try:
+                yield None
                 for i, wave in enumerate(waves):
-                    for f in pending:
+                    for f in pending[i % 2]:
                         self._blocked(f)
-                    pending = self._read_wave(waves[i + 1], bufs[(i + 1) % 2]) if i + 1 < len(waves) else []
                     yield self._wave(bufs[i % 2], wave)
+                    # the caller is done with this buffer: the wave after next is read into it
+                    pending[i % 2] = self._read_wave(waves[i + 2], bufs[i % 2]) if i + 2 < len(waves) else []
             finally:
-                for f in pending:  # reads still landing must finish before another caller takes the buffers
+                for f in (
+                    *pending[0],
+                    *pending[1],
+                ):  # reads still landing must finish before another caller takes the buffers
                     with contextlib.suppress(Exception):
                         f.result()
 

@@ -111,3 +111,63 @@ def test_disk_decode_computes_hits_first_then_each_load_as_it_lands(tiny_dir, tm
     assert all(len(c[1]) >= 1 for c in decode)
     # a decode call of several experts is the hits (nothing pending); loads come one per call
     assert not any(c[2] for c in decode if len(c[1]) > 1)
+
+
+def test_without_an_accelerator_cpu_experts_are_read_first_and_computed_after_the_resident_ones(
+    tiny_dir, tmp_path, monkeypatch
+):
+    """A CPU fast tier over a disk (every decode miss to the CPU): the CPU experts' reads go out before
+    the resident experts compute, and the CPU experts compute after them on the calling thread (a
+    second thread would contend for the same cores), one expert per wave at decode, so each computes
+    as its read lands. Logged in order per experts call: reads submitted, resident calls, CPU waves."""
+    import threading
+
+    from moecast.runtime.live import LiveRuntime
+    from moecast.runtime.offload import DiskLayerStore
+
+    lm, _, _ = load_offloaded(str(tiny_dir), tmp_path / "off")
+    rt = attach(
+        lm, policy="lru", balance="cpu", capacity=0.5, offload="disk", offload_dir=str(tmp_path / "off")
+    )
+    calls: list[list[tuple[str, int]]] = []
+    run, device = LiveRuntime._run_experts, LiveRuntime._device
+    read_wave, wave = DiskLayerStore._read_wave, DiskLayerStore._wave
+
+    def logged_run(self, *args):
+        calls.append([("decode", int(self._decode))])
+        return run(self, *args)
+
+    def logged_device(self, pos, call, experts):
+        calls[-1].append(("resident", len(experts)))
+        return device(self, pos, call, experts)
+
+    def logged_read(self, experts, buf):
+        calls[-1].append(("read", len(experts)))
+        return read_wave(self, experts, buf)
+
+    def logged_wave(self, buf, experts):
+        assert threading.current_thread() is threading.main_thread()
+        calls[-1].append(("cpu", len(experts)))
+        return wave(self, buf, experts)
+
+    monkeypatch.setattr(LiveRuntime, "_run_experts", logged_run)
+    monkeypatch.setattr(LiveRuntime, "_device", logged_device)
+    monkeypatch.setattr(DiskLayerStore, "_read_wave", logged_read)
+    monkeypatch.setattr(DiskLayerStore, "_wave", logged_wave)
+    ids = torch.randint(0, 1000, (1, 6), generator=torch.Generator().manual_seed(1))
+    try:
+        with torch.no_grad():
+            cache = lm(ids, use_cache=True).past_key_values
+            for tok in (7, 11, 13, 17):
+                cache = lm(torch.tensor([[tok]]), past_key_values=cache, use_cache=True).past_key_values
+        assert rt.stats()["cpu_experts"] > 0
+    finally:
+        rt.detach()
+    with_cpu = [c[1:] for c in calls if c[0] == ("decode", 1) and any(k == "cpu" for k, _ in c)]
+    assert with_cpu, "the run must have decode steps with CPU experts"
+    for c in with_cpu:
+        kinds = [k for k, _ in c]
+        assert kinds[0] == "read", "the CPU experts' reads go out before the resident experts compute"
+        if "resident" in kinds:
+            assert max(i for i, k in enumerate(kinds) if k == "resident") < kinds.index("cpu")
+        assert all(n == 1 for k, n in c if k in ("cpu", "read"))  # one expert per wave at decode
