@@ -299,6 +299,7 @@ def _modeled_keys(t: Tiers, policy: str, capacity: float, predictor: Any, st: di
             "disk_read_gbps": own.transfer_gbps,
             "expert_ms": own.gpu_expert_ms,
             "layer_other_ms": own.attn_ms,
+            "after_layers_ms": own.step_ms,
         }
     return out
 
@@ -354,7 +355,7 @@ def pooled(stats: list[dict]) -> dict:
     out = {k: sum(s[k] for s in stats) for k in ("decode_steps", "routed", "uses", "hits", "bytes_read")}
     out["hit_rate"] = out["hits"] / out["uses"] if out["uses"] else float("nan")
     steps = [s["decode_steps"] for s in stats]
-    for key in ("modeled_tpot_ms", *(f"{part}_ms" for part in BREAKDOWN)):
+    for key in ("modeled_tpot_ms", "after_layers_ms", *(f"{part}_ms" for part in BREAKDOWN)):
         out[key] = float(np.average([s[key] for s in stats], weights=steps))
     busy = sum(
         s["bytes_read"] / s["disk_read_gbps_observed"] / 1e9 for s in stats if s["disk_read_gbps_observed"]
@@ -458,7 +459,7 @@ def calibration_summary(t: Tiers, capacity: float, done: list[dict]) -> dict:
     err = next((d["error"] for d in done if "error" in d), None)
     if err is not None:
         raise err
-    keys = ("transfer_gbps", "gpu_expert_ms", "attn_ms")
+    keys = ("transfer_gbps", "gpu_expert_ms", "attn_ms", "step_ms")
     pooled_prof = calibrate(t.profile, pooled([d["stats"] for d in done]), t.num_layers)
     pooled_prof = replace(pooled_prof, name=f"{pooled_prof.name}-{int(capacity * 100)}")
     bench_gpu._write(Path(t.args.out) / f"{pooled_prof.name}.yaml", pooled_prof.to_yaml())
@@ -725,10 +726,10 @@ def markdown(report: Any, rows: list[dict], args: argparse.Namespace, t: Tiers |
         lines.append(f"- calibrated at {cal['model']} before each round (LRU on another held-out request; round by round, "
                      "then all rounds pooled): " + ", ".join(
             f"{k} {' / '.join(bench_gpu._fmt(v, 4) for v in rounds.get(k, []))} ({bench_gpu._fmt(cal[k], 4)})"
-            for k in ("transfer_gbps", "gpu_expert_ms", "attn_ms")))  # fmt: skip
+            for k in ("transfer_gbps", "gpu_expert_ms", "attn_ms", "step_ms") if k in cal))  # fmt: skip
     lines.append("- modeled: each request replayed under the profile its run ran under (its round's calibration "
                  "where it ran); probe: under the probe's profile; run rates: under the rates the row's own runs "
-                 "saw (disk while busy, one expert call, the rest of a layer)")  # fmt: skip
+                 "saw (disk while busy, one expert call, the rest of a layer, what follows the last layer)")  # fmt: skip
     lines += [f"- {RSS_RULE}", "", "```", table(rows), "```", ""]
     if report.failures:
         lines += ["## Failures", "", *report.failures]

@@ -14,7 +14,12 @@ Quantities (PreScope's notation):
   (optional, default 0). It applies where the CPU both computes and reads (``fast_tier: cpu``,
   ``slow_tier: disk``): the I/O threads and the kernel's block layer then share the cores with
   the experts' and the attention's kernels. ``moecast profile`` measures it as the slowdown of
-  expert compute per read that ran beside it.
+  expert compute per read that ran beside it;
+- ``step_ms`` (``t_step``): per decode step, the time after the last MoE layer's experts (its
+  shared experts and residual, the final norm, the LM head; optional, default 0). It ends the
+  step, so no prefetch overlaps it: a step costs its layers' times plus ``t_step``. Spread over the
+  layers as attention instead, it would widen every prefetch window by ``t_step / L`` (a quarter
+  of a 21 ms LM head on a 4-layer model).
 
 Where the tiers are (:mod:`moecast.runtime.step`, step 5, reads them):
 
@@ -65,6 +70,8 @@ class HardwareProfile:
     disk_read_gbps: float = 0.0
     # compute time an expert read takes from the cores that compute (ms); cpu fast tier + disk only
     read_cpu_ms: float = 0.0
+    # per decode step, the time after the last MoE layer's experts (final norm, LM head), in no window
+    step_ms: float = 0.0
     fast_tier: str = "device"  # device | cpu: where resident experts compute (module docstring)
     slow_tier: str = "host"  # host | disk: where the other experts live
 
@@ -76,7 +83,7 @@ class HardwareProfile:
     def __post_init__(self) -> None:
         for f in (
             "transfer_gbps", "gpu_expert_ms", "cpu_beta_ms", "cpu_c_ms", "attn_ms", "predictor_ms", "disk_read_gbps",
-            "read_cpu_ms",
+            "read_cpu_ms", "step_ms",
         ):  # fmt: skip
             v = float(getattr(self, f))
             if math.isnan(v) or v < 0:
@@ -130,7 +137,15 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
         raise ProfileError(f"{path}: expected a mapping of profile fields, got {type(data).__name__}")
     known = {f.name for f in fields(HardwareProfile)}
     unknown = sorted(set(data) - known)
-    optional = ("source", "predictor_ms", "disk_read_gbps", "read_cpu_ms", "fast_tier", "slow_tier")
+    optional = (
+        "source",
+        "predictor_ms",
+        "disk_read_gbps",
+        "read_cpu_ms",
+        "step_ms",
+        "fast_tier",
+        "slow_tier",
+    )
     missing = sorted(f.name for f in fields(HardwareProfile) if f.name not in data and f.name not in optional)
     if unknown or missing:
         raise ProfileError(
@@ -162,6 +177,7 @@ class CostModel:
     shared_compute: bool = False  # fast_tier cpu: resident and CPU experts share the cores (times add)
     cpu_reads_link: bool = False  # slow_tier disk: a CPU-computed expert is read over the link first
     t_rc: float = 0.0  # compute time a read takes from the cores (cpu fast tier reading a disk)
+    t_step: float = 0.0  # per decode step, after the last MoE layer (final norm, LM head)
 
     @classmethod
     def from_profile(cls, profile: HardwareProfile, expert_bytes: int) -> CostModel:
@@ -183,6 +199,7 @@ class CostModel:
             cpu_reads_link=profile.slow_tier == "disk",
             # a device's copies and a host tier's pinned reads leave the cores alone
             t_rc=profile.read_cpu_ms * scale if cpu_reads else 0.0,
+            t_step=profile.step_ms,
         )
 
     def t_cpu(self, tokens: Any) -> Any:

@@ -209,6 +209,8 @@ class LiveStats:
     transfer_wait_decode_ms: list[float] = field(default_factory=list)
     predictor_decode_ms: list[float] = field(default_factory=list)
     policy_decode_ms: list[float] = field(default_factory=list)
+    # per decode step (ms): after the last MoE layer's experts (its shared experts, final norm, LM head)
+    after_layers_decode_ms: list[float] = field(default_factory=list)
     modeled_prefill_ms: float = 0.0
 
     def as_dict(self, step: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -236,7 +238,7 @@ class LiveStats:
         d["modeled_tpot_ms"] = (
             float(np.mean(self.modeled_decode_ms)) if self.modeled_decode_ms else float("nan")
         )
-        for part in BREAKDOWN:
+        for part in (*BREAKDOWN, "after_layers"):
             ms = getattr(self, f"{part}_decode_ms")
             d[f"{part}_ms"] = float(np.mean(ms)) if ms else float("nan")
         return d
@@ -354,6 +356,7 @@ class LiveRuntime:
         self._step = 0
         self._t0 = 0.0
         self._clock = 0.0  # modeled time (ms) of the current forward: the sum of its layers' times
+        self._layer_end = 0.0  # when the current forward's latest experts call returned (perf_counter)
         self._cur_ids = np.zeros((0, self.num_layers, self.top_k), np.int64)
         self._cur_w = np.zeros((0, self.num_layers, self.top_k), np.float32)
         self._cur_token = 0
@@ -575,7 +578,7 @@ class LiveRuntime:
         self._t = np.array([self._step])
         self._next = None
         self._acc = dict.fromkeys(("layers", "expert_compute", "transfer_wait", "predictor"), 0.0)
-        self._t0 = time.perf_counter()
+        self._t0 = self._layer_end = time.perf_counter()
         if self._decode and self.prefetch == "predictor":
             self._first_prefetch()
 
@@ -590,13 +593,16 @@ class LiveRuntime:
         self._acc["transfer_wait"] += self._waited() - w0
 
     def _post_forward(self, module: Any, args: Any, output: Any) -> None:
-        wall = (time.perf_counter() - self._t0) * 1e3
+        end = time.perf_counter()
+        wall = (end - self._t0) * 1e3
         s = self.stats_
         if self._decode:
             s.decode_steps += 1
             s.measured_decode_ms.append(wall)
-            s.modeled_decode_ms.append(self._clock)
+            # the step's layers, then what follows the last one (the profile's step_ms)
+            s.modeled_decode_ms.append(self._clock + self.cost.t_step)
             self._record_breakdown(wall)
+            s.after_layers_decode_ms.append((end - max(self._layer_end, self._t0)) * 1e3)
             if self._streaming and self.config.online_update:
                 self._online_update()
         else:
@@ -1228,7 +1234,8 @@ def live_experts_forward(
     try:
         return runtime.forward_layer(pos, module, hidden_states, top_k_index, top_k_weights, **kwargs)
     finally:
-        runtime._acc["layers"] += time.perf_counter() - t0
+        runtime._layer_end = time.perf_counter()
+        runtime._acc["layers"] += runtime._layer_end - t0
         runtime._acc["transfer_wait"] += runtime._waited() - w0
 
 

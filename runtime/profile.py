@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import mmap
 import os
 import threading
@@ -770,7 +771,9 @@ def calibrate(prof: HardwareProfile, stats: dict[str, Any], num_layers: int) -> 
     - one expert: the decode steps' expert compute over the experts they computed (``routed`` uses;
       at one token per step each use is one expert call), the calls' glue included;
     - the rest of a layer (``attn_ms``): the step's time outside the experts' compute, transfer waits
-      and the predictor (attention, dense layers, the runtime's own host work), per MoE layer;
+      and the predictor (attention, dense layers, the runtime's own host work), per MoE layer, less
+      what follows the last layer's experts, which is the step's own (``step_ms``: the final norm
+      and the LM head, in no prefetch window);
     - the predictor's latency per layer as the runtime calls it (features of the live window
       included), where the run predicted (else ``prof``'s).
 
@@ -788,6 +791,9 @@ def calibrate(prof: HardwareProfile, stats: dict[str, Any], num_layers: int) -> 
         )
     expert = stats["expert_compute_ms"] * steps / routed
     gbps = stats.get("disk_read_gbps_observed") or prof.transfer_gbps
+    after = stats.get("after_layers_ms") or 0.0
+    if not math.isfinite(after):
+        after = 0.0
     return replace(
         prof,
         name=prof.name + "-calibrated",
@@ -795,7 +801,8 @@ def calibrate(prof: HardwareProfile, stats: dict[str, Any], num_layers: int) -> 
         disk_read_gbps=_sig(gbps),
         gpu_expert_ms=_sig(expert),
         cpu_c_ms=_sig(max(expert - prof.cpu_beta_ms, 0.0)),
-        attn_ms=_sig((stats["attention_ms"] + stats["policy_ms"]) / num_layers),
+        attn_ms=_sig(max(stats["attention_ms"] + stats["policy_ms"] - after, 0.0) / num_layers),
+        step_ms=_sig(after),
         predictor_ms=_sig(stats["predictor_ms"] / num_layers)
         if stats.get("predictor_ms")
         else prof.predictor_ms,

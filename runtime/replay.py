@@ -15,7 +15,8 @@ Semantics (docs/design.md, "Metrics"):
   CPU set, the layer time and the next layer's prefetch window, with the predictor's latency
   charged before a prefetch may start) is :class:`moecast.runtime.step.LayerStep`, the same step
   the live runtime takes; its docstring states the layer-time formula.
-- Modeled TPOT: mean step time over steps that decode; a prefill-only TraceSet (the imported
+- Modeled TPOT: mean step time over steps that decode, a step being its layers' times plus the
+  profile's ``step_ms`` (what follows the last layer: the final norm, the LM head); a prefill-only TraceSet (the imported
   DeepSeek traces) has no decode steps, so each of its tokens is treated as a step and the result
   says so (``tpot_basis``). A hot-expert table preloaded at each cache start is not in
   ``modeled_tpot_ms``; ``modeled_tpot_ms_with_preload`` charges its transfers, spread over the steps.
@@ -779,6 +780,8 @@ def _results(run: _Run, out: _Outcome, wall: float) -> list[ReplayResult]:
         tpot = out.tpots[c]
         if tpot is not None and not math.isfinite(tpot):
             tpot = None
+        if tpot is not None:  # each step ends after its last layer (final norm, LM head)
+            tpot += run.cost.t_step
         inserted = t["pf_inserted"].sum()
         preload_ms, with_preload = _preload_charge(run, out, c, tpot)
         res = ReplayResult(

@@ -114,7 +114,8 @@ def test_pooled_runs_by_hand():
 
     def run(steps, uses, hits, mb, gbps, ms):
         return {"decode_steps": steps, "routed": uses, "uses": uses, "hits": hits, "bytes_read": mb * 10**6,
-                "disk_read_gbps_observed": gbps, "modeled_tpot_ms": ms, **{f"{p}_ms": ms for p in BREAKDOWN}}  # fmt: skip
+                "disk_read_gbps_observed": gbps, "modeled_tpot_ms": ms, "after_layers_ms": ms / 10,
+                **{f"{p}_ms": ms for p in BREAKDOWN}}  # fmt: skip
 
     # 1000 MB at 1 GB/s (1 s busy) and 3000 MB at 3 GB/s (1 s busy): 4000 MB in 2 s
     st = bench_tiers.pooled([run(1, 10, 4, 1000, 1.0, 10.0), run(3, 30, 21, 3000, 3.0, 30.0)])
@@ -123,3 +124,4 @@ def test_pooled_runs_by_hand():
     assert st["disk_read_gbps_observed"] == pytest.approx(2.0)
     assert st["modeled_tpot_ms"] == pytest.approx((10 + 3 * 30) / 4)
     assert st["attention_ms"] == pytest.approx(25.0)
+    assert st["after_layers_ms"] == pytest.approx(2.5)

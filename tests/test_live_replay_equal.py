@@ -54,9 +54,15 @@ def profile(tiny, tmp_path_factory):
 @pytest.fixture(scope="module")
 def cpu_disk_profile(profile, tmp_path_factory):
     """The same window on a machine without an accelerator, its experts on a disk: every read takes
-    0.1 ms from the cores (the prefetches' from the attention, the demand loads' from the experts)."""
+    0.1 ms from the cores (the prefetches' from the attention, the demand loads' from the experts),
+    and 0.4 ms after the last layer of each step."""
     prof = dataclasses.replace(
-        load_profile(profile), name="cpu-disk", fast_tier="cpu", slow_tier="disk", read_cpu_ms=0.1
+        load_profile(profile),
+        name="cpu-disk",
+        fast_tier="cpu",
+        slow_tier="disk",
+        read_cpu_ms=0.1,
+        step_ms=0.4,
     )
     path = tmp_path_factory.mktemp("hw") / "cpu-disk.yaml"
     path.write_text(prof.to_yaml())

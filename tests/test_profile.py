@@ -313,7 +313,8 @@ def test_the_cpu_expert_is_the_models_implementation_on_a_cold_ring_of_slots(tmp
 
 def test_calibrate_takes_the_rates_a_live_run_measured():
     """10 decode steps of a 4-layer top-6 model: 240 expert calls took 48 ms per step, so 2.0 ms each;
-    attention and the runtime's host work 40 + 8 ms per step, 12 ms per layer; the disk 1.5 GB/s."""
+    attention and the runtime's host work 40 + 8 ms per step, of which 8 ms followed the last layer
+    (step_ms): 10 ms per layer; the disk 1.5 GB/s. Without the split: 12 ms per layer."""
     from dataclasses import replace
 
     from moecast.runtime.cost_model import HardwareProfile
@@ -323,9 +324,14 @@ def test_calibrate_takes_the_rates_a_live_run_measured():
         cpu_c_ms=0.75, attn_ms=10.0, fast_tier="cpu", slow_tier="disk", disk_read_gbps=3.0,
     )  # fmt: skip
     stats = dict(decode_steps=10, routed=240, expert_compute_ms=48.0, attention_ms=40.0, policy_ms=8.0,
-                 disk_read_gbps_observed=1.5, predictor_ms=0.0)  # fmt: skip
+                 disk_read_gbps_observed=1.5, predictor_ms=0.0, after_layers_ms=8.0)  # fmt: skip
     cal = P.calibrate(base, stats, num_layers=4)
-    assert (cal.transfer_gbps, cal.disk_read_gbps, cal.gpu_expert_ms, cal.attn_ms) == (1.5, 1.5, 2.0, 12.0)
+    assert (cal.transfer_gbps, cal.disk_read_gbps, cal.gpu_expert_ms, cal.attn_ms) == (1.5, 1.5, 2.0, 10.0)
+    assert cal.step_ms == 8.0
+    assert (P.calibrate(base, {**stats, "after_layers_ms": float("nan")}, 4).attn_ms, base.step_ms) == (
+        12.0,
+        0.0,
+    )
     assert cal.cpu_beta_ms == 0.25 and cal.cpu_c_ms == 1.75  # beta + C is the measured call
     assert cal.predictor_ms == base.predictor_ms  # the run did not predict
     assert P.calibrate(base, {**stats, "predictor_ms": 2.0}, 4).predictor_ms == 0.5  # 2 ms a step, 4 layers

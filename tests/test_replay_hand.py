@@ -83,6 +83,12 @@ def test_demand_loads_and_layer_times_without_prefetch(tmp_path, fast):
     assert r.modeled_tpot_ms == pytest.approx(18.5 / 3)
     assert r.layer_time_ms_per_layer == pytest.approx([9.25 / 3, 9.25 / 3])
     assert r.bytes_moved == 8 * EXPERT_BYTES
+    # 1 ms after each step's last layer (the LM head): every step 1 ms longer, the layers the same
+    hw = _profile(1.5)
+    hw.step_ms = 1.0
+    r = _run(_trace(tmp_path / "a2", ROUTES_A), fast, "lru", hardware=hw)
+    assert r.modeled_tpot_ms == pytest.approx(18.5 / 3 + 1.0)
+    assert r.layer_time_ms_per_layer == pytest.approx([9.25 / 3, 9.25 / 3])
 
 
 @pytest.mark.parametrize("fast", [True, False])

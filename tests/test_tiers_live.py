@@ -73,6 +73,8 @@ def test_cli_run_offload_disk_writes_once_and_reports_the_tiers(tiny_dir, tmp_pa
     assert disk["hit_rate"] == ram["hit_rate"] and disk["transfers"] == ram["transfers"]
     for key in ("attention_ms", "expert_compute_ms", "transfer_wait_ms", "predictor_ms", "policy_ms"):
         assert disk[key] >= 0
+    # the final norm and the LM head follow the last layer's experts: part of the time outside them
+    assert 0 < disk["after_layers_ms"] < disk["attention_ms"]
     with pytest.raises(SystemExit, match="needs --offload_dir"):
         main([*base, "--offload", "disk"])
 
