@@ -19,7 +19,7 @@ Quantities (PreScope's notation):
   shared experts and residual, the final norm, the LM head; optional, default 0). It ends the
   step, so no prefetch overlaps it: a step costs its layers' times plus ``t_step``. Spread over the
   layers as attention instead, it would widen every prefetch window by ``t_step / L`` (a quarter
-  of a 21 ms LM head on a 4-layer model).
+  of it on a 4-layer model).
 
 Where the tiers are (:mod:`moecast.runtime.step`, step 5, reads them):
 

@@ -736,10 +736,8 @@ class DiskLayerStore(LayerStore):
                     # the caller is done with this buffer: the wave after next is read into it
                     pending[i % 2] = self._read_wave(waves[i + 2], bufs[i % 2]) if i + 2 < len(waves) else []
             finally:
-                for f in (
-                    *pending[0],
-                    *pending[1],
-                ):  # reads still landing must finish before another caller takes the buffers
+                # reads still landing must finish before another caller takes the buffers
+                for f in (*pending[0], *pending[1]):
                     with contextlib.suppress(Exception):
                         f.result()
 

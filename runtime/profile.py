@@ -597,8 +597,13 @@ def _block_reads(directory: Path, block_bytes: int) -> Iterator[tuple[Any, int]]
     filesystem takes it), removed afterwards."""
     from moecast.runtime.offload import ExpertReader, _read_meta, aligned_bytes
 
-    rng = np.random.default_rng()
-    local = threading.local()
+    local = threading.local()  # each reading thread's buffer and generator (a Generator is not thread-safe)
+
+    def rng() -> np.random.Generator:
+        if not hasattr(local, "rng"):
+            local.rng = np.random.default_rng()
+        return local.rng
+
     meta = _read_meta(directory) if directory.is_dir() else None
     if meta is not None:
         reader = ExpertReader(directory, meta, 1)
@@ -608,8 +613,8 @@ def _block_reads(directory: Path, block_bytes: int) -> Iterator[tuple[Any, int]]
         def read() -> None:
             if not hasattr(local, "buf"):
                 local.buf = aligned_bytes(stride).numpy()
-            pos = int(rng.integers(len(reader.layouts)))
-            reader.read_into(pos, int(rng.integers(experts)), local.buf[: reader.layouts[pos].stride])
+            pos = int(rng().integers(len(reader.layouts)))
+            reader.read_into(pos, int(rng().integers(experts)), local.buf[: reader.layouts[pos].stride])
 
         try:
             yield read, stride
@@ -634,7 +639,7 @@ def _block_reads(directory: Path, block_bytes: int) -> Iterator[tuple[Any, int]]
             if not hasattr(local, "buf"):
                 local.buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT requires
             try:
-                os.preadv(fd, [local.buf], int(rng.integers(blocks)) * block)
+                os.preadv(fd, [local.buf], int(rng().integers(blocks)) * block)
             except OSError:  # a filesystem that accepts the flag and refuses the read
                 with open(path, "rb", buffering=0) as g:
                     g.readinto(local.buf)
