@@ -899,12 +899,12 @@ class LiveRuntime:
             call.host["hidden"], call.host["w"] = to_host([call.hidden, call.weights])
             call.w_host = call.host["w"]
             self.stats_.host_syncs += 1
-        grad = torch.is_grad_enabled()
         if not self.overlap_cpu:
             # one token's experts each compute as its read lands (the step's rule); a prefill's in
             # waves of the reader's size. The reads go out now; the caller times the join.
             waves = self.stores[pos].cpu_waves(experts, wave=1 if len(call.ids) == 1 else None)
             return lambda: self._host(pos, call, experts, waves)
+        grad = torch.is_grad_enabled()
 
         def job() -> torch.Tensor:
             with torch.set_grad_enabled(grad):  # grad mode is per thread

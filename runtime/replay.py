@@ -16,9 +16,9 @@ Semantics (docs/design.md, "Metrics"):
   charged before a prefetch may start) is :class:`moecast.runtime.step.LayerStep`, the same step
   the live runtime takes; its docstring states the layer-time formula.
 - Modeled TPOT: mean step time over steps that decode, a step being its layers' times plus the
-  profile's ``step_ms`` (what follows the last layer: the final norm, the LM head); a prefill-only TraceSet (the imported
-  DeepSeek traces) has no decode steps, so each of its tokens is treated as a step and the result
-  says so (``tpot_basis``). A hot-expert table preloaded at each cache start is not in
+  profile's ``step_ms`` (what follows the last layer: the final norm, the LM head); a prefill-only
+  TraceSet (the imported DeepSeek traces) has no decode steps, so each of its tokens is treated as a
+  step and the result says so (``tpot_basis``). A hot-expert table preloaded at each cache start is not in
   ``modeled_tpot_ms``; ``modeled_tpot_ms_with_preload`` charges its transfers, spread over the steps.
 
 A replay (:func:`replay_capacities`) goes through named steps:

@@ -545,8 +545,7 @@ class OneLane:
         n_load = ep[0](
             *state, row, decode is None or bool(decode[0]), step.prefetching, self.bal, cache._code,
             cache._shift, self.fcost, clock.delay, clock.rc, clock.free, clock.pf_n, step.r_used, step.table, p,
-            nl, hn,
-            rs, pred, out, hit, self.scratch, fout, self.info, self.counters,
+            nl, hn, rs, pred, out, hit, self.scratch, fout, self.info, self.counters,
         )  # fmt: skip
         if n_load == sk.BAD_IDS:
             cache._bad_ids(lane, row)

@@ -38,19 +38,9 @@ COSTS = {
         shared_compute=True,
         cpu_reads_link=True,
     ),
-    # the same, each read taking compute time from the cores (prefetches' from the attention)
-    "cpu + disk, reads on the cores": CostModel(
-        t_io=0.3,
-        t_g=0.05,
-        beta=0.05,
-        c=0.3,
-        t_attn=0.4,
-        expert_bytes=1,
-        shared_compute=True,
-        cpu_reads_link=True,
-        t_rc=0.07,
-    ),
 }
+# the same, each read taking compute time from the cores (prefetches' from the attention)
+COSTS["cpu + disk, reads on the cores"] = dataclasses.replace(COSTS["cpu + disk"], t_rc=0.07)
 CASES = {
     "lru": POLICIES["lru"],
     "lfu": POLICIES["lfu"],
