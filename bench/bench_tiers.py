@@ -1,7 +1,7 @@
 """Measured TPOT with the experts on disk: moecast's disk tier against what a CPU user runs today.
 
     python bench/bench_tiers.py [--layers N] [--quick] [--json] [--predictor DS_CKPT]
-                                [--capacities 0.1,0.25,0.5] [--out DIR]
+                                [--capacities 0.1,0.25,0.5] [--noise N] [--out DIR]
 
 The model is bench/ds_model.py's DeepSeek-V2-Lite-shaped one (hidden 2048, expert intermediate 1408,
 64 routed + 2 shared experts, top-6, bf16, random weights; 26 MoE layers, ``--layers`` fewer), its
@@ -35,7 +35,10 @@ the budget plus that: :data:`RSS_RULE`):
 - accelerate disk offload: ``dispatch_model`` with a device map that keeps the first layers'
   experts modules in RAM within the budget and the others in an ``offload_folder`` (accelerate's
   own format, written once), under the same cgroup.
-The external baselines have no modeled TPOT and no hit rate (null).
+The external baselines have no modeled TPOT and no hit rate (null). First, ``--noise N`` identical
+LRU runs of one request, back to back, give the host's own spread (the noise floor row: the median,
+and max / min), against which the rows' modeled / measured reads: no model matches one run closer
+than two runs of one configuration match each other.
 """
 
 from __future__ import annotations
@@ -469,6 +472,29 @@ def calibration_summary(t: Tiers, capacity: float, done: list[dict]) -> dict:
     }
 
 
+def noise_floor(t: Tiers, capacity: float, n: int) -> dict:
+    """The host's own spread: ``n`` identical live LRU runs at ``capacity`` on the first request, back to
+    back (the same routing, each from the same cold start). No model can match one run closer than two
+    runs of one configuration match each other, so the rows' modeled / measured reads against it."""
+    req = t.routing.requests[0] if t.routing.recorded else None
+    runs = [
+        live_run(t, capacity, req, t.requests[0], t.profile, policy="lru", prefetch="none") for _ in range(n)
+    ]
+    tpot = [float(np.mean(r["times"])) for r in runs]
+    first = runs[0]["stats"]
+    return {
+        "measured_tpot_ms": float(np.median(tpot)),
+        "modeled_tpot_ms": None,
+        "hit_rate": first["hit_rate"],
+        "bytes_read": first["bytes_read"],  # one run's: the runs are identical
+        "peak_rss_mb": max(r["stats"]["peak_rss_mb"] for r in runs),
+        "runs_tpot_ms": tpot,
+        "max_over_min": max(tpot) / min(tpot),
+        "disk_read_gbps_runs": [r["stats"]["disk_read_gbps_observed"] for r in runs],
+        "note": f"{n} identical LRU runs of request 1, back to back: the median, the read MB of one",
+    }
+
+
 def measure_rows(t: Tiers, report: Any, capacity: float, rows: list[Row], calibrate: bool = False) -> None:
     """``rows`` at ``capacity`` measured side by side: request by request, each round runs every row
     on one request (after the round's calibration, with ``calibrate``), so a drift of the disk's rate
@@ -606,6 +632,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--ds-shape", default="lite", choices=["lite", "test"], help="test: small sizes (tests)")
     ap.add_argument("--baselines", default="page cache,accelerate", help="external baselines to run")
+    ap.add_argument("--noise", type=int, default=4, help="identical LRU runs back to back (0: none)")
     ap.add_argument("--out", default=str(RESULTS), help="tiers-<host>.md/.json and the profile go here")
     ap.add_argument("--child-timeout", type=float, default=3600)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -650,6 +677,10 @@ def run(argv: list[str] | None = None) -> list[dict]:
                 None, "routing for replay", lambda: write_traces(t, Path(tmp) / "traces") or {}, kind="setup"
             )
         caps = [float(c) for c in args.capacities.split(",")]
+        if args.noise > 0:
+            cap = 0.25 if 0.25 in caps else caps[0]
+            s = SimpleNamespace(name=f"{int(cap * 100)} %")
+            report.guard(s, f"noise floor (lru x{args.noise})", lambda: noise_floor(t, cap, args.noise))
         for cap in caps:
             measure_rows(t, report, cap, live_rows(t, report, cap), calibrate=True)
         # after every moecast row: the baselines' reads (accelerate's run to 190 GB at 25 %) leave a
@@ -730,10 +761,29 @@ def markdown(report: Any, rows: list[dict], args: argparse.Namespace, t: Tiers |
     lines.append("- modeled: each request replayed under the profile its run ran under (its round's calibration "
                  "where it ran); probe: under the probe's profile; run rates: under the rates the row's own runs "
                  "saw (disk while busy, one expert call, the rest of a layer, what follows the last layer)")  # fmt: skip
-    lines += [f"- {RSS_RULE}", "", "```", table(rows), "```", ""]
+    lines += [*accuracy_lines(rows), f"- {RSS_RULE}", "", "```", table(rows), "```", ""]
     if report.failures:
         lines += ["## Failures", "", *report.failures]
     return "\n".join(lines) + "\n"
+
+
+def accuracy_lines(rows: list[dict]) -> list[str]:
+    """How many rows model within 15 % of measured, calibrated and at their own rates, and the host's
+    noise floor beside them (the spread of identical runs)."""
+    f = bench_gpu._fmt
+    out = []
+    for r in (r for r in rows if r.get("runs_tpot_ms")):
+        tp, disk = r["runs_tpot_ms"], [g for g in r["disk_read_gbps_runs"] if g]
+        out.append(f"- noise floor at {r['capacity'] * 100:g} %: {len(tp)} identical LRU runs of one request, back to "
+                   f"back: TPOT {min(tp):.1f}-{max(tp):.1f} ms (max / min {r['max_over_min']:.3f}), the disk while "
+                   f"busy {f(min(disk, default=None))}-{f(max(disk, default=None))} GB/s")  # fmt: skip
+    for key, what in (("modeled_tpot_ms", "modeled"), ("at_run_rates_tpot_ms", "at run rates")):
+        ratios = [r[key] / r["measured_tpot_ms"] for r in rows if r.get(key) and r.get("measured_tpot_ms")]
+        if ratios:
+            within = sum(abs(x - 1) <= 0.15 for x in ratios)
+            out.append(f"- {what} / measured: {min(ratios):.3f}-{max(ratios):.3f}; within 15 % in {within} of "
+                       f"{len(ratios)} rows")  # fmt: skip
+    return out
 
 
 def rows(quick: bool, ds_checkpoint: Path | None = None) -> list[dict]:
@@ -797,6 +847,9 @@ def figures(raw: list[dict]) -> list[dict]:
             err = abs(r["modeled_tpot_ms"] / r["measured_tpot_ms"] - 1)
             error = f"{name[:-8]} |modeled / measured - 1|"
             out.append(F.fig("tiers", error, err, "{:.2f}", "<= 0.15", tpot_basis=basis))
+        if r.get("max_over_min"):
+            out.append(F.fig("tiers", f"{name[:-8]} max / min TPOT", r["max_over_min"], "{:.3f}",
+                             note="identical runs back to back: the host's own spread"))  # fmt: skip
         if r.get("probe_tpot_ms"):
             err = abs(r["probe_tpot_ms"] / r["measured_tpot_ms"] - 1)
             out.append(F.fig("tiers", f"{name[:-8]} |probe / measured - 1|", err, "{:.2f}",

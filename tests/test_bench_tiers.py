@@ -19,7 +19,7 @@ def test_quick_run_at_test_sizes(tmp_path, capsys):
     import memlimit
 
     args = ["--quick", "--ds-shape", "test", "--capacities", "0.25", "--out", str(tmp_path), "--tokens", "6",
-            "--disk-mb", "4", "--json", "--requests", "2"]  # fmt: skip
+            "--disk-mb", "4", "--json", "--requests", "2", "--noise", "2"]  # fmt: skip
     rows = bench_tiers.run(args)
     by = {r["config"]: r for r in rows}
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
@@ -68,7 +68,14 @@ def test_quick_run_at_test_sizes(tmp_path, capsys):
         err = figs["25 %: lru |modeled / measured - 1|"]
         assert err["number"] == pytest.approx(abs(lru["modeled_tpot_ms"] / lru["measured_tpot_ms"] - 1))
         assert err["tpot_basis"] and err["tpot_basis"] == lru["tpot_basis"]  # the replay's, carried
+    noise = by["noise floor (lru x2)"]  # two identical runs: their median is their mean
+    a, b = noise["runs_tpot_ms"]
+    assert noise["measured_tpot_ms"] == pytest.approx((a + b) / 2) and noise["modeled_tpot_ms"] is None
+    assert noise["max_over_min"] == pytest.approx(max(a, b) / min(a, b))
+    assert 0 < noise["bytes_read"] < lru["bytes_read"]  # one run of one request; lru's rows: two requests
+    assert figs["25 %: noise floor (lru x2) max / min TPOT"]["number"] == noise["max_over_min"]
     md = next(tmp_path.glob("tiers-*.md")).read_text()
+    assert "noise floor at 25 %: 2 identical LRU runs" in md
     assert "command:" in md and "machine:" in md and "profile:" in md
     assert bench_tiers.RSS_RULE in md and "base MB" in md
 
@@ -125,3 +132,19 @@ def test_pooled_runs_by_hand():
     assert st["modeled_tpot_ms"] == pytest.approx((10 + 3 * 30) / 4)
     assert st["attention_ms"] == pytest.approx(25.0)
     assert st["after_layers_ms"] == pytest.approx(2.5)
+
+
+def test_accuracy_lines_count_rows_by_hand():
+    """Modeled / measured of 1.10, 0.80 and 1.20: 0.800-1.200, one of three within 15 %."""
+    import bench_tiers
+
+    rows = [
+        {"measured_tpot_ms": 100.0, "modeled_tpot_ms": m, "at_run_rates_tpot_ms": 101.0}
+        for m in (110, 80, 120)
+    ]
+    rows.append({"measured_tpot_ms": 50.0, "modeled_tpot_ms": None})  # a baseline: not counted
+    lines = bench_tiers.accuracy_lines(rows)
+    assert lines == [
+        "- modeled / measured: 0.800-1.200; within 15 % in 1 of 3 rows",
+        "- at run rates / measured: 1.010-1.010; within 15 % in 3 of 3 rows",
+    ]
