@@ -474,8 +474,7 @@ def calibration_summary(t: Tiers, capacity: float, done: list[dict]) -> dict:
 
 def noise_floor(t: Tiers, capacity: float, n: int) -> dict:
     """The host's own spread: ``n`` identical live LRU runs at ``capacity`` on the first request, back to
-    back (the same routing, each from the same cold start). No model can match one run closer than two
-    runs of one configuration match each other, so the rows' modeled / measured reads against it."""
+    back (the same routing, each from the same cold start): the noise floor row (module docstring)."""
     req = t.routing.requests[0] if t.routing.recorded else None
     runs = [
         live_run(t, capacity, req, t.requests[0], t.profile, policy="lru", prefetch="none") for _ in range(n)
