@@ -298,79 +298,13 @@ class ExpertCache:
         if n == 0 or self.policy == "static" or ids.shape[1] == 0:
             return np.zeros(ids.shape, dtype=bool)
         if self._kernel and n == 1:
-            if t is not None and np.ndim(t):
-                t = np.asarray(t).reshape(-1)[0]
-            lane = int(lanes[0])
-            row = _i64(ids[0])
-            new = np.empty(len(row), dtype=bool)
-            ev, wasted, put, n_new = self._kernels()[1](
-                self._res, self._last, self._freq, self._pf, self._nu_k, self._score_k, self._count, lane,
-                self.N, self._caps[lane], row,
-                self._no_shield if shield is None else _i64(np.asarray(shield).reshape(-1)),
-                prefetch, -1 if t is None else int(t), self._code, self._shift, new,
-            )  # fmt: skip
-            if ev < 0:
-                self._bad_ids(lane, row)
-            self._kernel_stats(ev, wasted)
-            if prefetch:
-                self.stats.prefetch_inserted += put
-            self._clock += n_new > 0
-            return new[None, :]
+            return self._insert_one(int(lanes[0]), ids[0], shield, prefetch, t)
         f = self._flat(lanes, ids)
         new = (ids >= 0) & ~self._res_f[f]
         n_new = new.sum(1)
         if not n_new.any():
             return new
-        cap = self.capacity_of[lanes]
-        free = cap - self._count[lanes]
-        need = n_new - free
-        ev_rows = np.flatnonzero(need > 0)
-        if len(ev_rows):
-            el = lanes[ev_rows]
-            ne = len(ev_rows)
-            W = self.W
-            eligible = self._res[el]
-            base = (np.arange(ne) * W)[:, None]
-            el_f = eligible.reshape(-1)
-            el_f[base + (f[ev_rows] - (lanes[ev_rows] * W)[:, None])] = False
-            if shield is not None:
-                el_f[base + np.where(shield[ev_rows] >= 0, shield[ev_rows], self.N)] = False
-            n_elig = eligible.sum(1)
-            n_evict = np.minimum(need[ev_rows], n_elig)
-            m = int(n_evict.max())
-            if m > 0:
-                if self.policy == "score":
-                    key = np.where(eligible, self._key(el), np.inf)
-                    order = np.argsort(key, axis=1, kind="stable")[:, :m]
-                else:
-                    # keys are unique with the id in the low bits: m passes of a column-wise min
-                    # (vectorised across rows) find the m lowest, several times faster than a
-                    # per-row argpartition on short rows
-                    big = np.iinfo(np.int64).max
-                    key_t = np.where(eligible, self._key(el), big).T.copy()
-                    mask = (1 << self._shift) - 1
-                    cols_r = np.arange(ne)
-                    order = np.empty((ne, m), dtype=np.int64)
-                    for j in range(m):
-                        v = np.minimum(key_t.min(0) & mask, self.N)  # rows out of candidates -> spare column
-                        order[:, j] = v
-                        key_t[v, cols_r] = big
-                take = np.arange(m)[None, :] < n_evict[:, None]
-                gone = ((el * W)[:, None] + order)[take]
-                wasted = self._pf_f[gone]
-                if wasted.any():
-                    self.stats.prefetch_wasted += int(wasted.sum())
-                    self._pf_f[gone] = False
-                self._res_f[gone] = False
-                self.stats.evictions += len(gone)
-                self._count[el] -= n_evict
-            # fewer slots than new ids: keep the first ones (callers order by priority)
-            room = free[ev_rows] + n_evict
-            short = n_new[ev_rows] > room
-            if short.any():
-                sr = ev_rows[short]
-                rank = np.cumsum(new[sr], axis=1)
-                new[sr] &= rank <= room[short][:, None]
+        self._make_room(lanes, f, new, n_new, shield)
         fn = f[new]
         self._res_f[fn] = True
         self._count[lanes] += new.sum(1)
@@ -382,6 +316,95 @@ class ExpertCache:
             self.stats.prefetch_inserted += len(fn)
         self._clock += 1
         return new
+
+    def _insert_one(
+        self,
+        lane: int,
+        row: np.ndarray,
+        shield: np.ndarray | None,
+        prefetch: bool,
+        t: int | np.ndarray | None,
+    ) -> np.ndarray:
+        """:meth:`insert` of one lane's ids ``row`` by the compiled kernel ([1, j] bool: inserted now)."""
+        if t is not None and np.ndim(t):
+            t = np.asarray(t).reshape(-1)[0]
+        row = _i64(row)
+        new = np.empty(len(row), dtype=bool)
+        ev, wasted, put, n_new = self._kernels()[1](
+            self._res, self._last, self._freq, self._pf, self._nu_k, self._score_k, self._count, lane,
+            self.N, self._caps[lane], row,
+            self._no_shield if shield is None else _i64(np.asarray(shield).reshape(-1)),
+            prefetch, -1 if t is None else int(t), self._code, self._shift, new,
+        )  # fmt: skip
+        if ev < 0:
+            self._bad_ids(lane, row)
+        self._kernel_stats(ev, wasted)
+        if prefetch:
+            self.stats.prefetch_inserted += put
+        self._clock += n_new > 0
+        return new[None, :]
+
+    def _make_room(
+        self, lanes: np.ndarray, f: np.ndarray, new: np.ndarray, n_new: np.ndarray, shield: np.ndarray | None
+    ) -> None:
+        """Evict, by the policy, for the rows of ``new`` (the ids to insert, at flat indices ``f``) that
+        have fewer free slots than new ids; where even eviction leaves too few, clear the last of a
+        row's ``new`` (in place) so that only the first ones go in."""
+        free = self.capacity_of[lanes] - self._count[lanes]
+        need = n_new - free
+        ev_rows = np.flatnonzero(need > 0)
+        if not len(ev_rows):
+            return
+        el = lanes[ev_rows]
+        eligible = self._res[el]
+        base = (np.arange(len(ev_rows)) * self.W)[:, None]
+        el_f = eligible.reshape(-1)
+        el_f[base + (f[ev_rows] - (el * self.W)[:, None])] = False
+        if shield is not None:
+            el_f[base + np.where(shield[ev_rows] >= 0, shield[ev_rows], self.N)] = False
+        n_evict = np.minimum(need[ev_rows], eligible.sum(1))
+        m = int(n_evict.max())
+        if m > 0:
+            self._evict(el, self._victims(el, eligible, m), n_evict)
+        # fewer slots than new ids: keep the first ones (callers order by priority)
+        room = free[ev_rows] + n_evict
+        short = n_new[ev_rows] > room
+        if short.any():
+            sr = ev_rows[short]
+            rank = np.cumsum(new[sr], axis=1)
+            new[sr] &= rank <= room[short][:, None]
+
+    def _victims(self, el: np.ndarray, eligible: np.ndarray, m: int) -> np.ndarray:
+        """[len(el), m] ids of lanes ``el`` in eviction order among the ``eligible`` (padded with N,
+        the spare column, where a lane has fewer)."""
+        if self.policy == "score":
+            key = np.where(eligible, self._key(el), np.inf)
+            return np.argsort(key, axis=1, kind="stable")[:, :m]
+        # keys are unique with the id in the low bits: m passes of a column-wise min (vectorised
+        # across rows) find the m lowest, several times faster than a per-row argpartition on short rows
+        big = np.iinfo(np.int64).max
+        key_t = np.where(eligible, self._key(el), big).T.copy()
+        mask = (1 << self._shift) - 1
+        cols_r = np.arange(len(el))
+        order = np.empty((len(el), m), dtype=np.int64)
+        for j in range(m):
+            v = np.minimum(key_t.min(0) & mask, self.N)  # rows out of candidates -> spare column
+            order[:, j] = v
+            key_t[v, cols_r] = big
+        return order
+
+    def _evict(self, el: np.ndarray, order: np.ndarray, n_evict: np.ndarray) -> None:
+        """Evict the first ``n_evict`` ids of each row of ``order`` from its lane of ``el``, counting the
+        prefetched ones among them as wasted."""
+        take = np.arange(order.shape[1])[None, :] < n_evict[:, None]
+        gone = ((el * self.W)[:, None] + order)[take]
+        wasted = self._pf_f[gone]
+        if wasted.any():
+            self.stats.prefetch_wasted += int(wasted.sum())
+            self._pf_f[gone] = False
+        self._res_f[gone] = False
+        self.stats.evictions += len(gone)
+        self._count[el] -= n_evict
 
     def access(self, ids: np.ndarray, t: int | None = None, insert: bool = True, lane: int = 0) -> np.ndarray:
         """Online per-layer call: one step's distinct expert ids -> hit mask; misses inserted.

@@ -272,26 +272,7 @@ class LiveRuntime:
         self.hot_table: np.ndarray | None = None
         if rule.eviction == "static" and predictor is not None:
             self.hot_table = hot_table(predictor, self.num_layers, self.num_experts)
-        prefetch = config.prefetch
-        if prefetch == "auto":
-            # a predictor given prefetches (as in the replay); else a policy that prefetches uses the
-            # next layer's gate
-            if self.hot_table is not None:
-                prefetch = "none"
-            elif predictor is not None:
-                prefetch = "predictor"
-            else:
-                prefetch = "online" if rule.prefetches else "none"
-        if prefetch == "predictor" and predictor is None:
-            raise InputError("prefetch='predictor' needs a predictor checkpoint (--predictor CKPT)")
-        if prefetch == "predictor" and self.hot_table is not None:
-            raise InputError(
-                f"under policy static {predictor.name} is the hot-expert table, not a "
-                "prefetcher; use prefetch auto or none"
-            )
-        if prefetch == "predictor" and not isinstance(predictor, StreamingPredictor):
-            raise InputError(_not_a_prefetcher(predictor))
-        self.prefetch = prefetch
+        self.prefetch = choose_prefetch(config.prefetch, rule, predictor, self.hot_table)
         # the layer-ahead predictor's stream (it keeps the window of finished tokens), fed this
         # forward's layers while ``_streaming``; the step's last ``_gate_rows`` gate inputs go with them
         self._stream: LayerStream | None = predictor.stream() if self.prefetch == "predictor" else None
@@ -302,41 +283,13 @@ class LiveRuntime:
                 "online_update needs a layer-ahead predictor with an update step (LLaPor) to prefetch"
             )
         # the policy as it runs here: a prefetch source given explicitly turns its prefetch on or off
-        self.policy = dataclasses.replace(rule, prefetch="none" if prefetch == "none" else "predictor")
+        self.policy = dataclasses.replace(rule, prefetch="none" if self.prefetch == "none" else "predictor")
         hw = config.hardware
         profile = hw if isinstance(hw, HardwareProfile) else load_profile(hw)
         self.cost = CostModel.from_profile(profile, self.info.expert_bytes)
-        self.cache = ExpertCache(
-            self.num_experts,
-            self.capacity,
-            self.policy.eviction,
-            lanes=self.num_layers,
-            score_window=config.score_window,
-        )
-        # the replay's per-layer step, one lane (and one statistics slot) per layer
-        pred_ms = (
-            predictor_latency(config.predictor_ms, predictor, profile) if prefetch != "none" else (0.0, "")
-        )
-        self.step = LayerStep(
-            self.cache,
-            self.policy,
-            self.cost,
-            self.num_experts,
-            self.num_layers,
-            stat_base=np.zeros(self.num_layers, dtype=np.int64),
-            n_stats=self.num_layers,
-            prefetching=prefetch != "none",
-            predictor_ms=pred_ms[0],
-            compiled=True,
-        )
+        self.cache, self.step = self._make_step(profile, predictor)
         self._next: tuple[int, np.ndarray] | None = None  # (layer, its ranked prefetch candidates)
-        # each layer's step arguments, made once: its lane, the next layer's lane, whether there is
-        # one, and whether the layer starts a token (the step only reads them)
-        L = self.num_layers
-        self._lanes = [np.array([pos]) for pos in range(L)]
-        self._next_lanes = [np.array([min(pos + 1, L - 1)]) for pos in range(L)]
-        self._has_next = [np.array([pos + 1 < L]) for pos in range(L)]
-        self._restart = [np.array([pos == 0]) for pos in range(L)]
+        self._step_args()
         self._t = np.array([0])  # the step as the cache's time, set per forward
         self.stores = self._make_stores(structure, config)
         # CPU experts run on a worker thread while the device computes the resident ones. Without an
@@ -345,6 +298,49 @@ class LiveRuntime:
         # cores with the attention that follows. A disk's reads for them start before the resident
         # experts compute, behind the demand loads (the step's rule for slow_tier disk).
         self.overlap_cpu = any(st.cuda for st in self.stores)
+        self._init_state()
+        self._place()
+
+    def _make_step(self, profile: HardwareProfile, predictor: Any) -> tuple[ExpertCache, LayerStep]:
+        """The slots' cache and the replay's per-layer step over it, one lane (and one statistics
+        slot) per layer."""
+        cache = ExpertCache(
+            self.num_experts,
+            self.capacity,
+            self.policy.eviction,
+            lanes=self.num_layers,
+            score_window=self.config.score_window,
+        )
+        pred_ms = (
+            predictor_latency(self.config.predictor_ms, predictor, profile)
+            if self.prefetch != "none"
+            else (0.0, "")
+        )
+        step = LayerStep(
+            cache,
+            self.policy,
+            self.cost,
+            self.num_experts,
+            self.num_layers,
+            stat_base=np.zeros(self.num_layers, dtype=np.int64),
+            n_stats=self.num_layers,
+            prefetching=self.prefetch != "none",
+            predictor_ms=pred_ms[0],
+            compiled=True,
+        )
+        return cache, step
+
+    def _step_args(self) -> None:
+        """Each layer's step arguments, made once: its lane, the next layer's lane, whether there is
+        one, and whether the layer starts a token (the step only reads them)."""
+        L = self.num_layers
+        self._lanes = [np.array([pos]) for pos in range(L)]
+        self._next_lanes = [np.array([min(pos + 1, L - 1)]) for pos in range(L)]
+        self._has_next = [np.array([pos + 1 < L]) for pos in range(L)]
+        self._restart = [np.array([pos == 0]) for pos in range(L)]
+
+    def _init_state(self) -> None:
+        """The statistics and the per-forward state, before the first forward."""
         self._pool: ThreadPoolExecutor | None = None
         self._next_scores: np.ndarray | None = None
         self.stats_ = LiveStats()
@@ -363,7 +359,6 @@ class LiveRuntime:
         self._learn_prompt: str | None = None  # a planned prompt whose prefill routing goes to the planner
         self.planner: Any = None
         self.last_plan_branch: str | None = None
-        self._place()
 
     def _make_stores(self, structure: MoEStructure, config: LiveConfig) -> list[LayerStore]:
         """One store per MoE layer; host copies are pinned only while their total fits the pinning budget.
@@ -696,33 +691,14 @@ class LiveRuntime:
     ) -> torch.Tensor:
         """One MoE layer's experts under the runtime (see the module docstring for the steps)."""
         st = self.stores[pos]
-        s = self.stats_
         n = top_k_index.shape[0]
         lane = self._lanes[pos]
         if self.full and st.cuda is False and self._identity[pos]:
             return self._full_layer(pos, module, hidden, top_k_index, top_k_weights, kwargs)
         host = self._read_layer(pos, hidden, top_k_index, top_k_weights)
-        ids = host["ids"].numpy().astype(np.int64)
-        probs = host["probs"].numpy()[None] if "probs" in host else None
-        w_host = host.get("w")
-        weights = top_k_weights
         decode = _YES if self._decode and not self.full else _NO
-        if self._decode:
-            s.routed += ids.size
-        ids3 = ids[None]
-        routed = self.step.route(lane, lane, ids3, probs, decode)
-        if routed is not ids3 and not np.array_equal(routed[0], ids):
-            routed = routed[0]
-            w_host = _substituted_weights(w_host, ids, routed, probs[0])
-            weights = to_device(w_host, weights.device)
-            top_k_index = to_device(torch.from_numpy(routed).to(top_k_index.dtype), top_k_index.device)
-            ids = routed
-        if len(self._cur_ids) == n:
-            self._cur_ids[:, pos] = ids
-            if self._learn_prompt is not None:  # the planner reads the prefill's weights
-                self._cur_w[:, pos] = w_host.float().numpy()
-        if self._streaming:
-            self._observe(pos, ids, w_host, host.get("hidden"), hidden.shape[-1])
+        ids, probs, w_host, weights, top_k_index = self._route(pos, host, top_k_index, top_k_weights, decode)
+        self._record(pos, n, ids, w_host, host, hidden.shape[-1])
         nxt = pos + 1
         # PreSched sizes this layer's split by the next layer's predicted experts, so it predicts first;
         # the others predict once the layer's demand loads are on the link, as the step's window has it
@@ -755,18 +731,69 @@ class LiveRuntime:
         # static, which never inserts, the step's streamed misses are computed from host memory here
         streamed = loads[~np.isin(loads, placed)] if len(placed) < len(loads) else loads[:0]
         out, to_cpu, cpu_part = self._run_experts(pos, call, uniq[hit], placed, streamed, uniq, cpu_ids)
-        if len(to_cpu):
-            # one token: each expert has one use
-            s.cpu_uses += len(to_cpu) if n == 1 else int(counts[np.isin(uniq, to_cpu)].sum())
-            # the join: the CPU's experts were computed while the device ran its own
-            part = to_device(self._timed("expert_compute", cpu_part), hidden.device)
-            out = part if out is None else out + part
-        if out is None:
-            out = torch.zeros_like(hidden)
+        out = self._join(out, to_cpu, cpu_part, uniq, counts, hidden, n)
         self._clock += float(o.layer_t[0])
         if not early:
             self._prefetch()
         return out
+
+    def _route(
+        self,
+        pos: int,
+        host: dict[str, Any],
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        decode: Any,
+    ) -> tuple[np.ndarray, np.ndarray | None, Any, torch.Tensor, torch.Tensor]:
+        """(ids, probs, host weights, weights, top_k_index) of the layer after the step's
+        substitution (SMoE), which may replace some of the router's ids and renormalise the weights."""
+        ids = host["ids"].numpy().astype(np.int64)
+        probs = host["probs"].numpy()[None] if "probs" in host else None
+        w_host = host.get("w")
+        if self._decode:
+            self.stats_.routed += ids.size
+        lane = self._lanes[pos]
+        ids3 = ids[None]
+        routed = self.step.route(lane, lane, ids3, probs, decode)
+        if routed is ids3 or np.array_equal(routed[0], ids):
+            return ids, probs, w_host, top_k_weights, top_k_index
+        routed = routed[0]
+        w_host = _substituted_weights(w_host, ids, routed, probs[0])
+        weights = to_device(w_host, top_k_weights.device)
+        top_k_index = to_device(torch.from_numpy(routed).to(top_k_index.dtype), top_k_index.device)
+        return routed, probs, w_host, weights, top_k_index
+
+    def _record(
+        self, pos: int, n: int, ids: np.ndarray, w_host: Any, host: dict[str, Any], hidden: int
+    ) -> None:
+        """The layer's ids (and the prefill's weights, for a planner) into the forward's routing, and
+        to the layer-ahead predictor's stream while it observes."""
+        if len(self._cur_ids) == n:
+            self._cur_ids[:, pos] = ids
+            if self._learn_prompt is not None:  # the planner reads the prefill's weights
+                self._cur_w[:, pos] = w_host.float().numpy()
+        if self._streaming:
+            self._observe(pos, ids, w_host, host.get("hidden"), hidden)
+
+    def _join(
+        self,
+        out: torch.Tensor | None,
+        to_cpu: np.ndarray,
+        cpu_part: Any,
+        uniq: np.ndarray,
+        counts: np.ndarray,
+        hidden: torch.Tensor,
+        n: int,
+    ) -> torch.Tensor:
+        """The layer's output over its ``n`` tokens: the device's experts' part plus the CPU's,
+        computed while the device ran its own (``cpu_part`` gives it), or zeros where the call
+        computed no expert."""
+        if len(to_cpu):
+            # one token: each expert has one use
+            self.stats_.cpu_uses += len(to_cpu) if n == 1 else int(counts[np.isin(uniq, to_cpu)].sum())
+            part = to_device(self._timed("expert_compute", cpu_part), hidden.device)
+            out = part if out is None else out + part
+        return torch.zeros_like(hidden) if out is None else out
 
     def _full_layer(
         self,
@@ -1099,6 +1126,31 @@ def hot_table(predictor: Any, num_layers: int, num_experts: int) -> np.ndarray:
     if not np.isfinite(table).all():
         raise InputError(f"{name}'s hot-expert table holds non-finite scores; rebuild the checkpoint")
     return table
+
+
+def choose_prefetch(given: str, rule: Policy, predictor: Any, hot_table: np.ndarray | None) -> str:
+    """The live prefetch source (none, predictor or online) for LiveConfig's ``prefetch`` ``given``.
+
+    ``auto``: a predictor given prefetches, as in the replay; else a policy that prefetches uses the
+    next layer's gate. Under static the predictor is the hot-expert table, never a prefetcher."""
+    prefetch = given
+    if prefetch == "auto":
+        if hot_table is not None:
+            prefetch = "none"
+        elif predictor is not None:
+            prefetch = "predictor"
+        else:
+            prefetch = "online" if rule.prefetches else "none"
+    if prefetch == "predictor" and predictor is None:
+        raise InputError("prefetch='predictor' needs a predictor checkpoint (--predictor CKPT)")
+    if prefetch == "predictor" and hot_table is not None:
+        raise InputError(
+            f"under policy static {predictor.name} is the hot-expert table, not a "
+            "prefetcher; use prefetch auto or none"
+        )
+    if prefetch == "predictor" and not isinstance(predictor, StreamingPredictor):
+        raise InputError(_not_a_prefetcher(predictor))
+    return prefetch
 
 
 def _not_a_prefetcher(predictor: Any) -> str:

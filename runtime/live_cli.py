@@ -150,23 +150,12 @@ def run(
             interrupted write; another model's directory is refused).
         json: Print one JSON object instead of text and a table.
     """
-    from moecast.collect.models import load_model
-
     _threads()
     cap: Any = None if str(capacity).lower() in ("all", "none", "full") else capacity
     if max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     alpha = resolve_alpha(alpha, substitutes(policy))
-    if offload == "disk":
-        from moecast.runtime.offload import load_offloaded
-
-        if not offload_dir:
-            raise InputError("--offload disk needs --offload_dir DIR (where the experts are written once)")
-        lm, tok, name = load_offloaded(model, offload_dir, dtype="float32")
-    elif offload != "ram":
-        raise InputError(f"unknown --offload {offload!r}; choose ram or disk")
-    else:
-        lm, tok, name = load_model(model, dtype="float32")
+    lm, tok, name = _load_for_run(model, offload, offload_dir)
     pred = _load_predictor(predictor, lm, name)
     plan = _load_predictor(planner, lm, name)
     rt = attach(
@@ -189,20 +178,10 @@ def run(
         branch = rt.plan(prompt) if plan is not None else None
         if branch is not None and not json:
             print(f"plan: {branch} answered; {rt.stats_.plan_loads} experts preloaded")
-        enc = tok(prompt, return_tensors="pt")
-        with torch.no_grad():
-            out = lm.generate(
-                input_ids=enc["input_ids"],
-                attention_mask=enc.get("attention_mask"),
-                max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=tok.pad_token_id,
-            )
+        text = _generate(lm, tok, prompt, max_new_tokens)
         stats = rt.stats()
     finally:
         rt.detach()
-    text = tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     result = {"model": name, "prompt": prompt, "output": text, **stats}
     if learn_plans:  # where the planner's buffer stands (a cascade buffers in its EAM)
         eam = getattr(plan, "eam", plan)
@@ -215,6 +194,37 @@ def run(
         print(f"{prompt}\n--> {text}\n")
         _print_stats(result)
     return result
+
+
+def _load_for_run(model: str, offload: str, offload_dir: str | None) -> tuple[Any, Any, str]:
+    """(model, tokenizer, name) for ``moecast run``: whole, or with ``offload`` disk its other weights
+    only where ``offload_dir`` already holds its experts."""
+    from moecast.collect.models import load_model
+
+    if offload == "disk":
+        from moecast.runtime.offload import load_offloaded
+
+        if not offload_dir:
+            raise InputError("--offload disk needs --offload_dir DIR (where the experts are written once)")
+        return load_offloaded(model, offload_dir, dtype="float32")
+    if offload != "ram":
+        raise InputError(f"unknown --offload {offload!r}; choose ram or disk")
+    return load_model(model, dtype="float32")
+
+
+def _generate(lm: Any, tok: Any, prompt: str, max_new_tokens: int) -> str:
+    """Exactly ``max_new_tokens`` greedy tokens after ``prompt``, decoded to text."""
+    enc = tok(prompt, return_tensors="pt")
+    with torch.no_grad():
+        out = lm.generate(
+            input_ids=enc["input_ids"],
+            attention_mask=enc.get("attention_mask"),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+        )
+    return tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
 # ----------------------------------------------------------------------------- accuracy
@@ -371,6 +381,34 @@ def eval_accuracy(
     from moecast.runtime.alpha import choose_alpha
 
     _threads()
+    grid = _alpha_grid(alphas, policy, texts, tokens, tpot_budget, plot)
+    cap: Any = None if str(capacity).lower() in ("all", "none", "full") else capacity
+    lm, tok, name = load_model(model, dtype="float32")
+    rows = heldout_rows(tok, workloads, texts, tokens, data_dir)
+    results = sweep(lm, rows, grid, progress=not json, policy=policy, capacity=cap, hardware=hardware)
+    choice = None
+    if tpot_budget is not None:
+        choice = choose_alpha(
+            [r["alpha"] for r in results], [r["modeled_tpot_ms"] for r in results], tpot_budget
+        )
+    _print_sweep(results, choice, name, workloads, rows, policy, capacity, tpot_budget, json)
+    if plot:
+        _plot(results, Path(plot), f"{name}: accuracy vs alpha ({', '.join(workloads)}, capacity {capacity})")
+        if not json:
+            print(f"  plot: {plot}")
+    if choice is not None:
+        if not choice.met:
+            raise InputError(choice.message())
+        if not json:
+            print("  " + choice.message())
+    return results
+
+
+def _alpha_grid(
+    alphas: Sequence[float], policy: str, texts: int, tokens: int, tpot_budget: float | None, plot: str
+) -> list[float]:
+    """``eval_accuracy``'s alphas, sorted and distinct, once its arguments are checked (before the sweep,
+    so that a bad one fails in seconds rather than after it)."""
     grid = sorted({float(a) for a in alphas})
     bad = [a for a in grid if not 0 <= a < 1]
     if bad or not grid:
@@ -384,19 +422,24 @@ def eval_accuracy(
     if tpot_budget is not None and not (math.isfinite(tpot_budget) and tpot_budget > 0):
         raise InputError(f"--tpot-budget must be a positive number of ms, got {tpot_budget}")
     if plot and (Path(plot).is_dir() or any(p.exists() and not p.is_dir() for p in Path(plot).parents)):
-        # checked before the sweep, not after it
         raise InputError(
             f"--plot {plot}: not a writable file path (a directory, or under a file); choose another"
         )
-    cap: Any = None if str(capacity).lower() in ("all", "none", "full") else capacity
-    lm, tok, name = load_model(model, dtype="float32")
-    rows = heldout_rows(tok, workloads, texts, tokens, data_dir)
-    results = sweep(lm, rows, grid, progress=not json, policy=policy, capacity=cap, hardware=hardware)
-    choice = None
-    if tpot_budget is not None:
-        choice = choose_alpha(
-            [r["alpha"] for r in results], [r["modeled_tpot_ms"] for r in results], tpot_budget
-        )
+    return grid
+
+
+def _print_sweep(
+    results: list[dict[str, Any]],
+    choice: Any,
+    name: str,
+    workloads: Sequence[str],
+    rows: list[list[int]],
+    policy: str,
+    capacity: str,
+    tpot_budget: float | None,
+    json: bool,
+) -> None:
+    """The sweep as one JSON object per alpha (and one for the Eq. 5 choice), or as a table."""
     if json:
         for r in results:
             print(dumps({"model": name, "workloads": list(workloads), **r}))
@@ -425,16 +468,6 @@ def eval_accuracy(
                 f"{100 * r['agreement']:>5.1f}%  {100 * r['substitution_rate']:>5.1f}%  {100 * r['hit_rate']:>5.1f}%  "
                 f"{r['modeled_tpot_ms']:>8.3f}ms  {r['measured_tpot_ms']:>6.2f}ms"
             )
-    if plot:
-        _plot(results, Path(plot), f"{name}: accuracy vs alpha ({', '.join(workloads)}, capacity {capacity})")
-        if not json:
-            print(f"  plot: {plot}")
-    if choice is not None:
-        if not choice.met:
-            raise InputError(choice.message())
-        if not json:
-            print("  " + choice.message())
-    return results
 
 
 # the presets' names and help, from runtime/policy.py (jsonargparse reads this docstring)
