@@ -9,7 +9,9 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+from moecast.runtime.cost_model import HardwareProfile
 from moecast.runtime.policy import POLICIES, with_policies
 from moecast.runtime.replay import DEFAULT_HARDWARE, ReplayConfig, ReplayResult
 
@@ -249,19 +251,7 @@ def compare(
     from moecast.runtime import replay as engine
 
     _need_traces(traces)
-    pols = _words(policies)
-    if not pols:
-        raise InputError(f"--policies is empty; give one or more of {', '.join(POLICIES)}")
-    for p in pols:
-        if p not in POLICIES:
-            raise InputError(f"unknown policy {p!r}; choose from {', '.join(POLICIES)}")
-    preds = _words(predictors) or ["none"]
-    caps = _words(capacities)
-    if not caps:
-        raise InputError("--capacities is empty; give e.g. --capacities 0.1 0.25 0.5")
-    plans = _words(planners) or ["none"]
-    if any(p not in ("none", "hot") for p in plans) and "hot" not in plans:
-        plans.append("hot")
+    pols, preds, caps, plans = _compare_lists(policies, predictors, capacities, planners)
     # every check that needs no replay runs before out/ is created or a replay starts (they take
     # minutes), so a bad argument leaves nothing behind
     cells = _cells(pols, preds, plans)
@@ -275,13 +265,7 @@ def compare(
     caps = _usable_capacities(caps, ts, json)
     checkpoints = [c for c in preds + plans if c not in ("none", "oracle", "hot")]
     requests, hot_from = _held_out(ts, holdout, checkpoints)
-    try:  # before any replay runs (they take minutes)
-        outdir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise InputError(
-            f"--out {out}: {exc.strerror} ({exc.filename}); give a directory for table.md, table.csv and "
-            "plot.png, or a path that can be created"
-        ) from exc
+    _make_out(out)  # before any replay runs (they take minutes)
     rows: list[dict] = []
     from tqdm import tqdm
 
@@ -302,15 +286,53 @@ def compare(
             hot_requests=hot_from,
         )
         for res in engine.replay_capacities(ts, cfg, caps):
-            row = res.to_json()
-            row["predictor"] = Path(pr).stem if pr not in ("none", "oracle") else pr
-            row["planner"] = Path(pl).stem if pl != "none" else "none"
+            row = {
+                **res.to_json(),
+                "predictor": _stem(pr, ("none", "oracle")),
+                "planner": _stem(pl, ("none",)),
+            }
             rows.append(row)
             if json:
                 print(_json_line(res))
             if wandb:
                 _log_wandb(row, ts, outdir)
     _write_compare(rows, outdir, ts.path, cold, hardware, json)
+
+
+def _compare_lists(
+    policies: Sequence[str], predictors: Sequence[str], capacities: Sequence[str], planners: Sequence[str]
+) -> tuple[list[str], list[str], list[str], list[str]]:
+    """compare's policies, predictors, capacities and planners as checked lists (hot joins any
+    checkpoint planner, so each is judged against what costs nothing)."""
+    pols = _words(policies)
+    if not pols:
+        raise InputError(f"--policies is empty; give one or more of {', '.join(POLICIES)}")
+    for p in pols:
+        if p not in POLICIES:
+            raise InputError(f"unknown policy {p!r}; choose from {', '.join(POLICIES)}")
+    caps = _words(capacities)
+    if not caps:
+        raise InputError("--capacities is empty; give e.g. --capacities 0.1 0.25 0.5")
+    plans = _words(planners) or ["none"]
+    if any(p not in ("none", "hot") for p in plans) and "hot" not in plans:
+        plans.append("hot")
+    return pols, _words(predictors) or ["none"], caps, plans
+
+
+def _make_out(out: str) -> None:
+    """Create compare's output directory ``out``, or say in one line why it cannot be."""
+    try:
+        Path(out).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(
+            f"--out {out}: {exc.strerror} ({exc.filename}); give a directory for table.md, table.csv and "
+            "plot.png, or a path that can be created"
+        ) from exc
+
+
+def _stem(name: str, keep: tuple[str, ...]) -> str:
+    """A checkpoint's name as a table shows it (its file's stem), or ``name`` itself where it is a keyword."""
+    return name if name in keep else Path(name).stem
 
 
 def _write_compare(
@@ -496,29 +518,14 @@ def profile(
 
         pred = load(predictor)
     if model:
-        from moecast.collect.models import load_model
-
-        lm, _tok, _name = load_model(model)
-        prof, _how = P.profile_model(lm, name, pred, offload_dir, disk_mb)
-        if calibrate:
-            if not offload_dir:
-                raise InputError("--calibrate measures the disk tier: give --offload_dir DIR")
-            prof = dataclasses.replace(P.calibrate_live(lm, prof, offload_dir, calibrate), name=name)
+        prof = _profile_model(model, name, pred, offload_dir, disk_mb, calibrate)
     else:
         if calibrate:
             raise InputError(
                 "--calibrate runs the live runtime on a model: give --model (tiny or a directory)"
             )
         if traces:
-            from moecast.collect.traceset import TraceSet
-
-            ts = TraceSet(traces)
-            m = ts.meta.model
-            # expert_bytes are in the dtype the traces were collected in (imports: bfloat16)
-            dtype = str(ts.meta.collection.get("dtype", "bfloat16"))
-            width = {"float32": 4, "float64": 8}.get(dtype, 2)
-            hidden_size = m.hidden_size
-            intermediate_size = max(1, m.expert_bytes // (3 * m.hidden_size * width))
+            hidden_size, intermediate_size, dtype = _traces_expert_shape(traces)
         prof = P.measure(hidden_size, intermediate_size, name=name, dtype=dtype)
         if pred is not None:
             prof.predictor_ms = P._sig(P.predictor_latency_ms(pred, hidden_size))
@@ -541,6 +548,35 @@ def profile(
         print(P.table(prof))
         print(f"  source: {prof.source}")
         print(f"wrote {path}")
+
+
+def _profile_model(
+    model: str, name: str, pred: Any, offload_dir: str | None, disk_mb: int, calibrate: int
+) -> HardwareProfile:
+    """`moecast profile --model`'s profile: measured on the model, then calibrated on ``calibrate``
+    tokens of the live runtime reading its experts from ``offload_dir`` (0: not calibrated)."""
+    from moecast.collect.models import load_model
+    from moecast.runtime import profile as P
+
+    lm, _tok, _name = load_model(model)
+    prof, _how = P.profile_model(lm, name, pred, offload_dir, disk_mb)
+    if not calibrate:
+        return prof
+    if not offload_dir:
+        raise InputError("--calibrate measures the disk tier: give --offload_dir DIR")
+    return dataclasses.replace(P.calibrate_live(lm, prof, offload_dir, calibrate), name=name)
+
+
+def _traces_expert_shape(traces: str) -> tuple[int, int, str]:
+    """(hidden size, intermediate size, dtype) of the experts of the model a TraceSet recorded."""
+    from moecast.collect.traceset import TraceSet
+
+    ts = TraceSet(traces)
+    m = ts.meta.model
+    # expert_bytes are in the dtype the traces were collected in (imports: bfloat16)
+    dtype = str(ts.meta.collection.get("dtype", "bfloat16"))
+    width = {"float32": 4, "float64": 8}.get(dtype, 2)
+    return m.hidden_size, max(1, m.expert_bytes // (3 * m.hidden_size * width)), dtype
 
 
 # the presets' names and help, from runtime/policy.py (jsonargparse reads these docstrings)
