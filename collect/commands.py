@@ -100,59 +100,22 @@ def collect(
         json: Print the summary as one JSON object per line.
     """
     import torch
-    from moecast.collect.models import find_moe_structure, load_model, model_info
-    from moecast.collect.recorder import RoutingRecorder
-    from moecast.collect.runner import Collector, GenerationSettings, default_shard, shard_requests
-    from moecast.collect.workloads import load_requests, parse_workloads
+    from moecast.collect.runner import Collector
 
-    if max_requests is not None and max_requests < 1:
-        raise InputError(
-            f"--max-requests must be at least 1 (got {max_requests}); leave it out to use every row"
-        )
-    settings = GenerationSettings(
-        max_new_tokens=max_new_tokens,
-        batch_size=batch_size,
-        max_prompt_tokens=max_prompt_tokens,
-        chunk_size=chunk_size,
-        chat_template=chat_template,
+    settings = _settings(
+        max_requests, max_new_tokens, batch_size, max_prompt_tokens, chunk_size, chat_template
     )
-    env_shards, env_index = default_shard()
-    num_shards = env_shards if num_shards is None else num_shards
-    shard_index = env_index if shard_index is None else shard_index
     # Everything that can fail on bad input is checked before the model loads and anything is written.
-    specs = parse_workloads(workloads)
-    requests = [r for spec in specs for r in load_requests(spec, data_dir, max_requests)]
-    mine = shard_requests(requests, num_shards, shard_index)
+    specs, mine, num_shards, shard_index = _my_requests(
+        workloads, data_dir, max_requests, num_shards, shard_index
+    )
     torch.manual_seed(seed)
-    previous_threads = torch.get_num_threads()
-    if threads is not None:
-        if threads < 1:
-            raise InputError(f"--threads must be >= 1, got {threads}")
-        torch.set_num_threads(threads)
-    lm, tokenizer, name = load_model(
-        model, dtype=dtype, device=_device(device), trust_remote_code=trust_remote_code
+    previous_threads = _set_threads(threads)
+    lm, tokenizer, name, structure, info = _load(
+        model, dtype, device, trust_remote_code, router_pattern, threads
     )
-    structure = find_moe_structure(lm, router_pattern)
-    info = model_info(lm, structure, name)
-    if threads is None and info.hidden_size <= SMALL_HIDDEN and next(lm.parameters()).device.type == "cpu":
-        # Matrices this small finish before a second thread is scheduled; on a loaded machine
-        # intra-op threading made `tiny` 10-40x slower, so small CPU models run single-threaded.
-        torch.set_num_threads(1)
-    want_probs = router_probs and (
-        structure.pattern is not None or all(e.router is not None for e in structure.layers)
-    )
-    recorder = RoutingRecorder(
-        structure,
-        info.top_k,
-        router_probs=want_probs,
-        gate_inputs=gate_inputs,
-        norm_topk_prob=info.norm_topk_prob,
-    )
-    out_path = (
-        Path(out)
-        if out
-        else Path("traces") / f"{Path(name).name.replace(':', '-')}-{'-'.join(s.name for s in specs)}"
-    )
+    recorder, want_probs = _recorder(structure, info, router_probs, gate_inputs)
+    out_path = Path(out) if out else _default_out(name, specs)
     try:
         recorder.attach(lm)
         if structure.pattern is None and not hasattr(lm.config, "norm_topk_prob"):
@@ -172,6 +135,107 @@ def collect(
         torch.set_num_threads(previous_threads)
     _summary(out_path, specs, stats, shard_index, num_shards, json)
     return out_path
+
+
+def _settings(
+    max_requests: int | None,
+    max_new_tokens: int,
+    batch_size: int,
+    max_prompt_tokens: int,
+    chunk_size: int,
+    chat_template: bool,
+) -> GenerationSettings:
+    """The run's checked generation settings (--max-requests is checked here too)."""
+    from moecast.collect.runner import GenerationSettings
+
+    if max_requests is not None and max_requests < 1:
+        raise InputError(
+            f"--max-requests must be at least 1 (got {max_requests}); leave it out to use every row"
+        )
+    return GenerationSettings(
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        max_prompt_tokens=max_prompt_tokens,
+        chunk_size=chunk_size,
+        chat_template=chat_template,
+    )
+
+
+def _my_requests(
+    workloads: Sequence[str],
+    data_dir: str | None,
+    max_requests: int | None,
+    num_shards: int | None,
+    shard_index: int | None,
+) -> tuple[list[Any], list[Any], int, int]:
+    """(workload specs, this shard's requests, num_shards, shard_index), shards defaulting to torchrun's."""
+    from moecast.collect.runner import default_shard, shard_requests
+    from moecast.collect.workloads import load_requests, parse_workloads
+
+    env_shards, env_index = default_shard()
+    num_shards = env_shards if num_shards is None else num_shards
+    shard_index = env_index if shard_index is None else shard_index
+    specs = parse_workloads(workloads)
+    requests = [r for spec in specs for r in load_requests(spec, data_dir, max_requests)]
+    return specs, shard_requests(requests, num_shards, shard_index), num_shards, shard_index
+
+
+def _set_threads(threads: int | None) -> int:
+    """Apply --threads to torch; returns torch's thread count before, to restore after the run."""
+    import torch
+
+    previous_threads = torch.get_num_threads()
+    if threads is not None:
+        if threads < 1:
+            raise InputError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    return previous_threads
+
+
+def _load(
+    model: str,
+    dtype: str,
+    device: str,
+    trust_remote_code: bool,
+    router_pattern: str | None,
+    threads: int | None,
+) -> tuple[Any, Any, str, Any, Any]:
+    """(model, tokenizer, name, MoE structure, model info) of the model to collect from."""
+    import torch
+    from moecast.collect.models import find_moe_structure, load_model, model_info
+
+    lm, tokenizer, name = load_model(
+        model, dtype=dtype, device=_device(device), trust_remote_code=trust_remote_code
+    )
+    structure = find_moe_structure(lm, router_pattern)
+    info = model_info(lm, structure, name)
+    if threads is None and info.hidden_size <= SMALL_HIDDEN and next(lm.parameters()).device.type == "cpu":
+        # Matrices this small finish before a second thread is scheduled; on a loaded machine
+        # intra-op threading made `tiny` 10-40x slower, so small CPU models run single-threaded.
+        torch.set_num_threads(1)
+    return lm, tokenizer, name, structure, info
+
+
+def _recorder(structure: Any, info: Any, router_probs: bool, gate_inputs: bool) -> tuple[Any, bool]:
+    """(routing recorder, whether it records router probabilities) for the model's MoE layers."""
+    from moecast.collect.recorder import RoutingRecorder
+
+    want_probs = router_probs and (
+        structure.pattern is not None or all(e.router is not None for e in structure.layers)
+    )
+    recorder = RoutingRecorder(
+        structure,
+        info.top_k,
+        router_probs=want_probs,
+        gate_inputs=gate_inputs,
+        norm_topk_prob=info.norm_topk_prob,
+    )
+    return recorder, want_probs
+
+
+def _default_out(name: str, specs: list[Any]) -> Path:
+    """traces/<model>-<workloads>: where a run without --out writes."""
+    return Path("traces") / f"{Path(name).name.replace(':', '-')}-{'-'.join(s.name for s in specs)}"
 
 
 def _collection_meta(
