@@ -279,9 +279,27 @@ def import_moe_beyond(
         workload: workload name and request id prefix (<workload>-<N>); default puffin for the
             training CSVs (prompt_<N>_data.csv), moe-beyond-test for the others.
     """
-    from tqdm.auto import tqdm
-
     source, out = Path(source), Path(out)
+    files, workload, predicted = _select_files(source, max_files, workload)
+    _n0, p0 = files[0]
+    layers, _, first = parse_file(p0, DEEPSEEK_V2_LITE["num_experts"])
+    info = ModelInfo(
+        moe_layers=layers, **{**DEEPSEEK_V2_LITE, "name_or_path": model, "top_k": first.shape[2]}
+    )
+    writer = TraceWriter(out, _import_meta(source, info, workload, predicted))
+    todo = [(n, p, info.num_experts) for n, p in files if f"{workload}-{n}" not in writer.done]
+    _write_records(writer, todo, len(files), layers, workload, chunk, workers)
+    ts = TraceSet(out)
+    print(
+        f"imported {ts.num_requests} prompts, {ts.num_tokens} tokens x {ts.num_layers} MoE layers into {out}"
+    )
+    return ts
+
+
+def _select_files(
+    source: Path, max_files: int | None, workload: str | None
+) -> tuple[list[tuple[int, Path]], str, bool]:
+    """(the (prompt number, path) files to import, the workload name, whether they are predictions)."""
     files = list_files(source)
     training_layout = all(p.name == f"prompt_{n}_data.csv" for n, p in files)
     workload = workload or ("puffin" if training_layout else "moe-beyond-test")
@@ -295,12 +313,12 @@ def import_moe_beyond(
         if max_files <= 0:
             raise InputError("--max-files must be positive")
         files = files[:max_files]
-    _n0, p0 = files[0]
-    layers, _, first = parse_file(p0, DEEPSEEK_V2_LITE["num_experts"])
-    info = ModelInfo(
-        moe_layers=layers, **{**DEEPSEEK_V2_LITE, "name_or_path": model, "top_k": first.shape[2]}
-    )
-    meta = TraceMeta(
+    return files, workload, predicted
+
+
+def _import_meta(source: Path, info: ModelInfo, workload: str, predicted: bool) -> TraceMeta:
+    """The imported TraceSet's meta.json: prefill-only top-k ids, no weights, probabilities or gate inputs."""
+    return TraceMeta(
         model=info,
         collection={
             "source": "moe-beyond import",
@@ -319,37 +337,45 @@ def import_moe_beyond(
         },
         fields={"topk_weights": False, "router_probs": False, "gate_inputs": False},
     )
-    writer = TraceWriter(out, meta)
-    todo = [(n, p, info.num_experts) for n, p in files if f"{workload}-{n}" not in writer.done]
+
+
+def _write_records(
+    writer: TraceWriter,
+    todo: list[tuple[int, Path, int]],
+    total: int,
+    layers: list[int],
+    workload: str,
+    chunk: int,
+    workers: int,
+) -> None:
+    """Parse the files still to import and write them, ``chunk`` prompts per part, with a progress bar."""
+    from tqdm.auto import tqdm
+
     batch: list[RequestRecord] = []
-    with tqdm(
-        total=len(files), initial=len(files) - len(todo), desc="import moe-beyond", unit="prompt"
-    ) as bar:
+    with tqdm(total=total, initial=total - len(todo), desc="import moe-beyond", unit="prompt") as bar:
         for n, file_layers, tokens, ids in _records(todo, workers):
             if file_layers != layers:
                 raise TraceSetError(
                     f"prompt {n} has MoE layers {file_layers[:3]}..., expected {layers[:3]}..."
                 )
-            text = detokenize(tokens)
-            batch.append(
-                RequestRecord(
-                    request_id=f"{workload}-{n}",
-                    workload=workload,
-                    category="chat",
-                    prompt=text,
-                    token_ids=np.array([token_hash(t) for t in tokens], dtype=np.int32),
-                    token_texts=tokens,
-                    phases=np.zeros(len(tokens), dtype=bool),
-                    topk_ids=ids,
-                )
-            )
+            batch.append(_request(workload, n, tokens, ids))
             bar.update()
             if len(batch) >= chunk:
                 writer.write(batch)
                 batch = []
         writer.write(batch)
-    ts = TraceSet(out)
-    print(
-        f"imported {ts.num_requests} prompts, {ts.num_tokens} tokens x {ts.num_layers} MoE layers into {out}"
+
+
+def _request(workload: str, n: int, tokens: list[str], ids: np.ndarray) -> RequestRecord:
+    """Prompt ``n``'s RequestRecord: prefill tokens with hashed ids and the rebuilt prompt text."""
+    text = detokenize(tokens)
+    return RequestRecord(
+        request_id=f"{workload}-{n}",
+        workload=workload,
+        category="chat",
+        prompt=text,
+        token_ids=np.array([token_hash(t) for t in tokens], dtype=np.int32),
+        token_texts=tokens,
+        phases=np.zeros(len(tokens), dtype=bool),
+        topk_ids=ids,
     )
-    return ts
