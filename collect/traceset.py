@@ -754,6 +754,23 @@ def merge(sources: Sequence[str | Path], out: str | Path) -> TraceSet:
     if not sources:
         raise TraceSetError("merge needs at least one TraceSet")
     sets = [TraceSet(s) for s in sources]
+    _check_same_model(sets)
+    out = Path(out)
+    existing = TraceSet(out) if (out / "meta.json").exists() else None
+    if existing is not None:  # checked before anything is written: a refused merge leaves it as it was
+        _check_merge_target(out, existing.meta, sets[0].meta)
+    meta = _merged_meta(sets, sources, existing)
+    (out / "requests").mkdir(parents=True, exist_ok=True)
+    (out / "tokens").mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "meta.json", meta.to_json())
+    if existing is None:
+        existing = TraceSet(out)  # the empty set just written; its parts are what the numbering reads
+    _copy_new_parts(sets, out, existing)
+    return TraceSet(out)
+
+
+def _check_same_model(sets: list[TraceSet]) -> None:
+    """Refuse sources of another model (fingerprint) or with other fields than the first."""
     first = sets[0].meta
     for ts in sets[1:]:
         if ts.meta.model.fingerprint != first.model.fingerprint:
@@ -763,20 +780,26 @@ def merge(sources: Sequence[str | Path], out: str | Path) -> TraceSet:
             )
         if ts.meta.fields != first.fields:
             raise TraceSetError(f"cannot merge {ts.path}: fields {ts.meta.fields} differ from {first.fields}")
-    out = Path(out)
-    existing = TraceSet(out) if (out / "meta.json").exists() else None
+
+
+def _check_merge_target(out: Path, held: TraceMeta, first: TraceMeta) -> None:
+    """Refuse an existing ``out`` that holds another model's traces or other fields than the sources."""
+    if held.model.fingerprint != first.model.fingerprint:
+        raise TraceSetError(
+            f"{out} holds traces of model {held.model.name_or_path} (fingerprint "
+            f"{held.model.fingerprint}), not {first.model.name_or_path} "
+            f"(fingerprint {first.model.fingerprint}); choose another --out"
+        )
+    if held.fields != first.fields:
+        raise TraceSetError(
+            f"{out} holds fields {held.fields}, the sources {first.fields}; choose another --out"
+        )
+
+
+def _merged_meta(sets: list[TraceSet], sources: Sequence[str | Path], existing: TraceSet | None) -> TraceMeta:
+    """The merged set's meta.json: the first source's, with every source's workloads and provenance."""
+    first = sets[0].meta
     metas = [ts.meta for ts in sets] + ([existing.meta] if existing is not None else [])
-    if existing is not None:  # checked before anything is written: a refused merge leaves it as it was
-        if existing.meta.model.fingerprint != first.model.fingerprint:
-            raise TraceSetError(
-                f"{out} holds traces of model {existing.meta.model.name_or_path} (fingerprint "
-                f"{existing.meta.model.fingerprint}), not {first.model.name_or_path} "
-                f"(fingerprint {first.model.fingerprint}); choose another --out"
-            )
-        if existing.meta.fields != first.fields:
-            raise TraceSetError(
-                f"{out} holds fields {existing.meta.fields}, the sources {first.fields}; choose another --out"
-            )
     meta = TraceMeta(model=first.model, collection=dict(first.collection), fields=dict(first.fields))
     # every source's workloads stay named (collection settings of the first source otherwise)
     meta.collection["workloads"] = list(
@@ -797,11 +820,11 @@ def merge(sources: Sequence[str | Path], out: str | Path) -> TraceSet:
         | set((existing.meta.collection.get("contains_tracesets") or []) if existing is not None else [])
     )
     meta.collection["merged_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-    (out / "requests").mkdir(parents=True, exist_ok=True)
-    (out / "tokens").mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / "meta.json", meta.to_json())
-    if existing is None:
-        existing = TraceSet(out)  # the empty set just written; its parts are what the numbering reads
+    return meta
+
+
+def _copy_new_parts(sets: list[TraceSet], out: Path, existing: TraceSet) -> None:
+    """Append the sources' requests that ``out`` does not hold yet as new parts (and a vocab.json)."""
     seen: set[str] = set(existing.request_ids)
     # after the highest existing number, not the count: a deleted part leaves a gap in the numbering
     taken = [
@@ -816,21 +839,29 @@ def merge(sources: Sequence[str | Path], out: str | Path) -> TraceSet:
             atomic_write_bytes(out / "vocab.json", (ts.path / "vocab.json").read_bytes())
         for p, _name in enumerate(ts._parts):
             bar.update()
-            req, tok = ts._req_tables[p], ts._tok_tables[p]
-            ids = req.column("request_id").to_pylist()
-            keep = [r not in seen for r in ids]
-            if not any(keep):
+            tables = _unseen_rows(ts, p, seen)
+            if tables is None:
                 continue
-            if not all(keep):
-                keep_ids = pa.array([r for r, k in zip(ids, keep) if k])
-                import pyarrow.compute as pc
-
-                req = req.filter(pc.is_in(req.column("request_id"), keep_ids))
-                tok = tok.filter(pc.is_in(tok.column("request_id"), keep_ids))
+            req, tok = tables
             new = f"part-s000-{seq:05d}.arrow"
             _write_table(out / "tokens" / new, tok)
             _write_table(out / "requests" / new, req)
             seq += 1
             seen.update(req.column("request_id").to_pylist())
     bar.close()
-    return TraceSet(out)
+
+
+def _unseen_rows(ts: TraceSet, p: int, seen: set[str]) -> tuple[pa.Table, pa.Table] | None:
+    """Part ``p``'s (requests, tokens) tables cut to the requests not in ``seen``; None when none is new."""
+    req, tok = ts._req_tables[p], ts._tok_tables[p]
+    ids = req.column("request_id").to_pylist()
+    keep = [r not in seen for r in ids]
+    if not any(keep):
+        return None
+    if not all(keep):
+        keep_ids = pa.array([r for r, k in zip(ids, keep) if k])
+        import pyarrow.compute as pc
+
+        req = req.filter(pc.is_in(req.column("request_id"), keep_ids))
+        tok = tok.filter(pc.is_in(tok.column("request_id"), keep_ids))
+    return req, tok
