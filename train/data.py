@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from moecast.collect.splits import Splits
-from moecast.collect.traceset import TraceSet, open_traces
+from moecast.collect.traceset import ModelInfo, TraceSet, open_traces
 from moecast.predictors.llapor_features import (
     FeatureSpec,
     context_votes,
@@ -130,6 +130,16 @@ def _finite_rows(ts: TraceSet, name: str, requests: list[str]) -> Any:
     if not all(np.isfinite(rows[lo : lo + CHUNK]).all() for lo in range(0, len(rows), CHUNK)):
         raise InputError(f"{ts.path}: {name} contain NaN or inf; re-collect the traces")
     return rows
+
+
+def _inverse_frequencies(topk: np.ndarray, L: int, E: int) -> np.ndarray:
+    """[L, E] float32 inverse expert frequencies (add-one smoothed) of ``topk``'s rows, mean 1 per layer."""
+    counts = np.zeros((L, E))
+    for li in range(L):
+        counts[li] = np.bincount(topk[:, li].ravel().astype(np.int64), minlength=E)
+    freq = (counts + 1) / (counts + 1).sum(1, keepdims=True)
+    inv = 1.0 / freq
+    return (inv / inv.mean(1, keepdims=True)).astype(np.float32)
 
 
 def _identity(batch: Any) -> Any:
@@ -283,17 +293,9 @@ class LLaPorDataModule(TracesDataModule):
         hp = self.hparams
         ts = self._open()
         m = ts.meta.model
-        L, E, k = m.num_layers, m.num_experts, m.top_k
+        L, E = m.num_layers, m.num_experts
         ids_order = self.train_ids + self.val_ids
-        self.topk = np.ascontiguousarray(ts.array("topk_ids", ids_order))
-        if (self.topk < 0).any() or (self.topk >= E).any():
-            raise InputError(f"{ts.path}: topk_ids outside [0, {E}); the TraceSet is corrupt")
-        self.pos = positions_of(ts, ids_order)
-        self.token_ids = ts.column("token_id", ids_order).astype(np.int64)
-        self.prev_same = previous_occurrence(self.token_ids, self.pos) if hp.repeat_token else None
-        n_train = int(ts.request_lengths(self.train_ids).sum())
-        self.train_rows = np.arange(n_train)
-        self.val_rows = np.arange(n_train, len(self.topk))
+        n_train = self._read_routing(ts, ids_order, E)
 
         use_gate = self._want("gate_pca", "gate_inputs", ts)
         use_w = self._want("weights", "topk_weights", ts)
@@ -306,13 +308,47 @@ class LLaPorDataModule(TracesDataModule):
         self._set_groups(sub, gate_sub, L, E)
         print(format_groups(self.groups, m.moe_layers))
 
+        pca_dims = self._pca_dims(L, m.hidden_size, len(sub)) if use_gate else [0] * L
+        self.spec = self._feature_spec(m, n_train, use_gate, use_w, pca_dims)
+        self._set_dense_inputs(ts, ids_order, gate, gate_sub, pca_dims, use_gate, use_w)
+        # the router's probabilities, for the model's distillation loss: read per batch like gate inputs
+        want_probs = self._want("soft_targets", "router_probs", ts)
+        self.probs = _finite_rows(ts, "router_probs", ids_order) if want_probs else None
+        # expert frequencies f_i per layer on the training split, for the balancing loss
+        self.inv_freq = _inverse_frequencies(self.topk[:n_train], L, E)
+        self._built = True
+
+    def _read_routing(self, ts: TraceSet, ids_order: list[str], E: int) -> int:
+        """Reads the requests' expert ids, positions and token ids, and the train / val rows; returns
+        the number of training rows (they come first)."""
+        self.topk = np.ascontiguousarray(ts.array("topk_ids", ids_order))
+        if (self.topk < 0).any() or (self.topk >= E).any():
+            raise InputError(f"{ts.path}: topk_ids outside [0, {E}); the TraceSet is corrupt")
+        self.pos = positions_of(ts, ids_order)
+        self.token_ids = ts.column("token_id", ids_order).astype(np.int64)
+        self.prev_same = previous_occurrence(self.token_ids, self.pos) if self.hparams.repeat_token else None
+        n_train = int(ts.request_lengths(self.train_ids).sum())
+        self.train_rows = np.arange(n_train)
+        self.val_rows = np.arange(n_train, len(self.topk))
+        return n_train
+
+    def _pca_dims(self, L: int, hidden_size: int, n_sub: int) -> list[int]:
+        """Each layer's gate-input PCA width (0: none), by the group of the layer it feeds."""
+        hp = self.hparams
         pca_dims = [0] * L
-        if use_gate:
-            group_of = {li: g for g, ls in self.groups.items() for li in ls}
-            # layer l's PCA feeds layer l+1 (and, with context_gate, layer l itself)
-            for li in range(L if hp.context_gate else L - 1):
-                want = hp.pca_middle if group_of[min(li + 1, L - 1)] == "middle" else hp.pca_io
-                pca_dims[li] = int(min(want, m.hidden_size, len(sub)))
+        group_of = {li: g for g, ls in self.groups.items() for li in ls}
+        # layer l's PCA feeds layer l+1 (and, with context_gate, layer l itself)
+        for li in range(L if hp.context_gate else L - 1):
+            want = hp.pca_middle if group_of[min(li + 1, L - 1)] == "middle" else hp.pca_io
+            pca_dims[li] = int(min(want, hidden_size, n_sub))
+        return pca_dims
+
+    def _feature_spec(
+        self, m: ModelInfo, n_train: int, use_gate: bool, use_w: bool, pca_dims: list[int]
+    ) -> FeatureSpec:
+        """The model's input features from the settings and the fields present; sets ``token_vocab``."""
+        hp = self.hparams
+        L = m.num_layers
         # token_exact: the training split's token ids seen >= token_min_count times get their own
         # embedding row (one more row for every other id); token_buckets then counts those rows
         self.token_vocab = None
@@ -324,10 +360,10 @@ class LLaPorDataModule(TracesDataModule):
             uniq, cnt = np.unique(self.token_ids[:n_train], return_counts=True)
             self.token_vocab = uniq[cnt >= hp.token_min_count]
             buckets = len(self.token_vocab) + 1
-        self.spec = FeatureSpec(
+        return FeatureSpec(
             num_layers=L,
-            num_experts=E,
-            top_k=k,
+            num_experts=m.num_experts,
+            top_k=m.top_k,
             prev_layers=hp.prev_layers,
             deep_history=hp.deep_history,
             history_tokens=history,
@@ -346,6 +382,20 @@ class LLaPorDataModule(TracesDataModule):
             weights=use_w,
             dense_skip=bool(hp.dense_skip and (use_gate or use_w or hp.context_vote)),
         )
+
+    def _set_dense_inputs(
+        self,
+        ts: TraceSet,
+        ids_order: list[str],
+        gate: Any,
+        gate_sub: np.ndarray | None,
+        pca_dims: list[int],
+        use_gate: bool,
+        use_w: bool,
+    ) -> None:
+        """Sets what the dense features are built from: gate inputs and their PCA, router weights, votes."""
+        m = ts.meta.model
+        L = m.num_layers
         self.pca_components = np.zeros((L, self.spec.pca_max, m.hidden_size if use_gate else 0), np.float32)
         self.pca_mean = np.zeros((L, m.hidden_size if use_gate else 0), np.float32)
         # dense features are built batch by batch: the gate inputs stay in the memory-mapped parts
@@ -361,17 +411,6 @@ class LLaPorDataModule(TracesDataModule):
             if self.spec.context_vote:
                 # pools over every earlier token of the request, so it is built once (float16)
                 self.votes = context_votes(self.spec, self.topk, self.pos).astype(np.float16)
-        # the router's probabilities, for the model's distillation loss: read per batch like gate inputs
-        want_probs = self._want("soft_targets", "router_probs", ts)
-        self.probs = _finite_rows(ts, "router_probs", ids_order) if want_probs else None
-        # expert frequencies f_i per layer on the training split, for the balancing loss
-        counts = np.zeros((L, E))
-        for li in range(L):
-            counts[li] = np.bincount(self.topk[:n_train, li].ravel().astype(np.int64), minlength=E)
-        freq = (counts + 1) / (counts + 1).sum(1, keepdims=True)
-        inv = 1.0 / freq
-        self.inv_freq = (inv / inv.mean(1, keepdims=True)).astype(np.float32)
-        self._built = True
 
     def _set_groups(self, sub: np.ndarray, gate_sub: np.ndarray | None, L: int, E: int) -> None:
         """Layer groups (PreScope §3.1): as configured, or detected from the sampled training rows."""
