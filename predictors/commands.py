@@ -149,9 +149,7 @@ def evaluate(
         online_lr: > 0 updates LLaPor online (PreScope §4.2.2) after each request, at this learning
             rate, with its training loss; the checkpoint file is left as it is
     """
-    from moecast.collect.traceset import open_traces
-    from moecast.predictors.provenance import choose, trained_on
-    from moecast.predictors.registry import load
+    from moecast.predictors.provenance import choose
 
     if not isinstance(checkpoint, str):
         if len(checkpoint) != 1:
@@ -161,24 +159,8 @@ def evaluate(
                 for c in checkpoint
             ]
         checkpoint = checkpoint[0]
-    if not traces:
-        raise InputError("moecast predictors eval needs --traces DIR (the TraceSet to evaluate on)")
-    ts = open_traces(traces)
-    if online_lr < 0:
-        raise InputError(f"--online_lr must be >= 0, not {online_lr}")
-    E = ts.meta.model.num_experts
-    if k is not None and not (isinstance(k, int) and 1 <= k <= E):
-        raise InputError(f"--k must be an integer from 1 to the model's {E} experts, not {k!r}")
-    pred = None
-    if Path(checkpoint).is_file():
-        fp = ts.meta.model.fingerprint
-        pred = load(checkpoint, fingerprint=fp, against=f"TraceSet {ts.path} ({ts.meta.model.name_or_path})")
-    record = None if pred is None else trained_on(pred)
-    if (pred is not None and record is None) or checkpoint.startswith("moe-beyond:"):
-        # no training record (or MoE-Beyond's own predictions): scored whole, as on a TraceSet it never saw
-        from moecast.predictors.provenance import TrainedOn
-
-        record = TrainedOn(traceset_id="unrecorded")
+    ts = _eval_traces(traces, online_lr, k)
+    pred, record = _checkpoint(checkpoint, ts)
     chosen = choose(ts, record, split, val_fraction, test_fraction, seed, who=checkpoint)
     requests = chosen.requests[:max_requests] if max_requests else chosen.requests
     if pred is None:
@@ -206,6 +188,39 @@ def evaluate(
     else:
         print(format_table(out, ts.meta.model.moe_layers))
     return out
+
+
+def _eval_traces(traces: str | None, online_lr: float, k: int | None) -> Any:
+    """The TraceSet to evaluate on, once --traces, --online_lr and --k are checked against it."""
+    from moecast.collect.traceset import open_traces
+
+    if not traces:
+        raise InputError("moecast predictors eval needs --traces DIR (the TraceSet to evaluate on)")
+    ts = open_traces(traces)
+    if online_lr < 0:
+        raise InputError(f"--online_lr must be >= 0, not {online_lr}")
+    E = ts.meta.model.num_experts
+    if k is not None and not (isinstance(k, int) and 1 <= k <= E):
+        raise InputError(f"--k must be an integer from 1 to the model's {E} experts, not {k!r}")
+    return ts
+
+
+def _checkpoint(checkpoint: str, ts: Any) -> tuple[Any, Any]:
+    """(the predictor loaded from a checkpoint file, else None for a baseline; what it was trained on)."""
+    from moecast.predictors.provenance import trained_on
+    from moecast.predictors.registry import load
+
+    pred = None
+    if Path(checkpoint).is_file():
+        fp = ts.meta.model.fingerprint
+        pred = load(checkpoint, fingerprint=fp, against=f"TraceSet {ts.path} ({ts.meta.model.name_or_path})")
+    record = None if pred is None else trained_on(pred)
+    if (pred is not None and record is None) or checkpoint.startswith("moe-beyond:"):
+        # no training record (or MoE-Beyond's own predictions): scored whole, as on a TraceSet it never saw
+        from moecast.predictors.provenance import TrainedOn
+
+        record = TrainedOn(traceset_id="unrecorded")
+    return pred, record
 
 
 def remember(
