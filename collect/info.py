@@ -17,6 +17,7 @@ from __future__ import annotations
 import json as _json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from moecast.collect.traceset import TraceSet, open_traces
@@ -71,6 +72,18 @@ def traces_info(path: Path, json: bool = False) -> None:
         json: print one JSON object instead of tables.
     """
     ts = open_traces(path, require_nonempty=False)
+    summary, stats = _summary(path, ts)
+    if json:
+        print(_json.dumps(summary))
+        return
+    _print_overview(path, ts, summary)
+    if not stats:
+        return
+    _print_layers(stats, summary["uniform_entropy"])
+
+
+def _summary(path: Path, ts: TraceSet) -> tuple[dict[str, Any], list[LayerStats]]:
+    """(the JSON summary of ``ts``, its per-layer routing statistics; none when it holds no tokens)."""
     m = ts.meta.model
     decode = int((ts.column("phase") == "decode").sum()) if ts.num_tokens else 0
     workloads: dict[str, int] = {}
@@ -103,9 +116,13 @@ def traces_info(path: Path, json: bool = False) -> None:
         "uniform_entropy": float(np.log(m.num_experts)),
         "layers": [asdict(s) for s in stats],
     }
-    if json:
-        print(_json.dumps(summary))
-        return
+    return summary, stats
+
+
+def _print_overview(path: Path, ts: TraceSet, summary: dict[str, Any]) -> None:
+    """Prints the model, requests, prompts, tokens and fields of the TraceSet as a table."""
+    m = ts.meta.model
+    workloads, decode = summary["workloads"], summary["decode_tokens"]
     print(f"TraceSet {path}  ({summary['source']})")
     print(f"  model      {m.name_or_path}  family={m.family}  fingerprint={m.fingerprint}")
     print(
@@ -126,9 +143,11 @@ def traces_info(path: Path, json: bool = False) -> None:
         f"  fields     {', '.join(summary['fields'])}"
         + (f"  (absent: {', '.join(summary['absent'])})" if summary["absent"] else "")
     )
-    if not stats:
-        return
-    print(f"\n  per-layer routing (uniform entropy ln E = {summary['uniform_entropy']:.3f} nats)")
+
+
+def _print_layers(stats: list[LayerStats], uniform_entropy: float) -> None:
+    """Prints the per-layer routing statistics table."""
+    print(f"\n  per-layer routing (uniform entropy ln E = {uniform_entropy:.3f} nats)")
     print("  layer  freq-entropy  router-entropy  max/mean  top-10% share")
     for s in stats:
         re_ = "-" if s.router_entropy is None else f"{s.router_entropy:.3f}"
