@@ -191,33 +191,9 @@ def checked_fast_encoder(
         return None
     on_cpu = model.device.type == "cpu"
     if engine != "torch" and on_cpu:
-        from moecast.predictors.onnx_encoder import OrtBertEncoder, onnxruntime_available
-
-        if onnxruntime_available():
-            try:
-                ort_enc = OrtBertEncoder(model, int8=int8, threads=threads)
-                got = ort_enc(**args)
-            except Exception as exc:  # exporter or runtime gaps for this model: torch still works
-                warnings.warn(
-                    f"{owner}: ONNX Runtime path unavailable ({exc}); using torch", UserWarning, stacklevel=3
-                )
-            else:
-                cos = float((got * ref).sum(-1).min())
-                err = float((got - ref).abs().max())
-                if (cos >= 0.95) if int8 else (err <= 1e-4):
-                    return ort_enc
-                warnings.warn(
-                    f"{owner}: the ONNX Runtime path is off the reference (max diff {err:.2g}, min cosine "
-                    f"{cos:.4f}); using torch",
-                    UserWarning,
-                    stacklevel=3,
-                )
-        elif engine == "onnx":
-            warnings.warn(
-                f"{owner}: engine 'onnx' needs onnxruntime (`pip install onnxruntime onnx`); using torch",
-                UserWarning,
-                stacklevel=3,
-            )
+        ort_enc = _checked_ort_encoder(model, args, ref, int8, owner, engine, threads)
+        if ort_enc is not None:
+            return ort_enc
     elif engine == "onnx":
         warnings.warn(
             f"{owner}: engine 'onnx' runs on the CPU only; using torch on {model.device}",
@@ -230,6 +206,49 @@ def checked_fast_encoder(
         except (RuntimeError, AttributeError) as exc:  # quantised ops missing from this torch build
             warnings.warn(f"{owner}: int8 unavailable ({exc}); using fp32", UserWarning, stacklevel=3)
     return fast
+
+
+def _checked_ort_encoder(
+    model: Any,
+    args: dict[str, Any],
+    ref: Any,
+    int8: bool,
+    owner: str,
+    engine: str,
+    threads: int | None,
+) -> Any:
+    """The ONNX Runtime encoder when onnxruntime is installed and it matches ``ref`` on the probes,
+    else None after a warning (none when ``engine`` is auto and onnxruntime is absent)."""
+    from moecast.predictors.onnx_encoder import OrtBertEncoder, onnxruntime_available
+
+    # stacklevel 4: the warnings point, as before, at checked_fast_encoder's caller's caller
+    if not onnxruntime_available():
+        if engine == "onnx":
+            warnings.warn(
+                f"{owner}: engine 'onnx' needs onnxruntime (`pip install onnxruntime onnx`); using torch",
+                UserWarning,
+                stacklevel=4,
+            )
+        return None
+    try:
+        ort_enc = OrtBertEncoder(model, int8=int8, threads=threads)
+        got = ort_enc(**args)
+    except Exception as exc:  # exporter or runtime gaps for this model: torch still works
+        warnings.warn(
+            f"{owner}: ONNX Runtime path unavailable ({exc}); using torch", UserWarning, stacklevel=4
+        )
+        return None
+    cos = float((got * ref).sum(-1).min())
+    err = float((got - ref).abs().max())
+    if (cos >= 0.95) if int8 else (err <= 1e-4):
+        return ort_enc
+    warnings.warn(
+        f"{owner}: the ONNX Runtime path is off the reference (max diff {err:.2g}, min cosine "
+        f"{cos:.4f}); using torch",
+        UserWarning,
+        stacklevel=4,
+    )
+    return None
 
 
 ENCODER_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
