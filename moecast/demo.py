@@ -119,6 +119,60 @@ def summarise(table_csv: Path) -> tuple[str, list[dict[str, Any]]]:
     return "\n".join(lines), summary
 
 
+def _fit_llapor(
+    traces: Path, path: Path, recipe_file: Path, epochs: int, split: dict[str, float], resume: str
+) -> None:
+    """Train LLaPor on ``traces`` into ``path`` from the recipe in ``recipe_file``."""
+    from moecast.train.config import config_args
+    from moecast.train.llapor import fit_llapor
+
+    recipe = config_args(fit_llapor, recipe_file)
+    fit_llapor(
+        str(traces),
+        str(path),
+        model=recipe["model"],
+        data=replace(recipe["data"], **split),
+        train=replace(recipe["train"], max_epochs=epochs),
+        resume=resume,
+    )
+
+
+def _fit_eam(
+    traces: Path, path: Path, recipe_file: Path, encoder: str, split: dict[str, float], wandb: bool
+) -> None:
+    """Build the EAM index of ``traces`` into ``path`` from the recipe in ``recipe_file``."""
+    from moecast.train.config import config_args
+    from moecast.train.eam import fit_eam
+
+    recipe = config_args(fit_eam, recipe_file)
+    eam_cfg = replace(recipe["eam"], embedder=encoder)
+    fit_eam(str(traces), str(path), eam=eam_cfg, data=replace(recipe["data"], **split), wandb=wandb)
+
+
+def _fit_eap(
+    traces: Path,
+    path: Path,
+    recipe_file: Path,
+    encoder: str,
+    epochs: int,
+    split: dict[str, float],
+    resume: str,
+) -> None:
+    """Train the EAP heads on ``traces`` into ``path`` from the recipe in ``recipe_file``."""
+    from moecast.train.config import config_args
+    from moecast.train.eap import fit_eap
+
+    recipe = config_args(fit_eap, recipe_file)
+    fit_eap(
+        str(traces),
+        str(path),
+        model=replace(recipe["model"], encoder=encoder),
+        data=replace(recipe["data"], **split),
+        train=replace(recipe["train"], max_epochs=epochs),
+        resume=resume,
+    )
+
+
 def _train_predictors(
     traces: Path,
     ckpt: Path,
@@ -135,10 +189,7 @@ def _train_predictors(
     from moecast import configs_dir
     from moecast.collect.traceset import TraceSet
     from moecast.train.cascade import fit_cascade
-    from moecast.train.config import SplitConfig, config_args
-    from moecast.train.eam import fit_eam
-    from moecast.train.eap import fit_eap
-    from moecast.train.llapor import fit_llapor
+    from moecast.train.config import SplitConfig
 
     cfg = configs_dir()
     llapor = ckpt / "llapor.safetensors"
@@ -155,37 +206,121 @@ def _train_predictors(
     resume = {p: "never" if _done(p) else "auto" for p in (llapor, eap)}
     split = {"val_fraction": HOLDOUT}
     if not _reuse(llapor, settings[llapor]):
-        recipe = config_args(fit_llapor, cfg / "llapor_tiny.yaml")
-        fit_llapor(
-            str(traces),
-            str(llapor),
-            model=recipe["model"],
-            data=replace(recipe["data"], **split),
-            train=replace(recipe["train"], max_epochs=llapor_epochs),
-            resume=resume[llapor],
-        )
+        _fit_llapor(traces, llapor, cfg / "llapor_tiny.yaml", llapor_epochs, split, resume[llapor])
         _stamp(llapor, settings[llapor])
     if not _reuse(eam, settings[eam]):
-        recipe = config_args(fit_eam, cfg / "eam_minilm.yaml")
-        eam_cfg = replace(recipe["eam"], embedder=encoder)
-        fit_eam(str(traces), str(eam), eam=eam_cfg, data=replace(recipe["data"], **split), wandb=wandb)
+        _fit_eam(traces, eam, cfg / "eam_minilm.yaml", encoder, split, wandb)
         _stamp(eam, settings[eam])
     if not _reuse(eap, settings[eap]):
-        recipe = config_args(fit_eap, cfg / "eap_minilm_frozen.yaml")
-        fit_eap(
-            str(traces),
-            str(eap),
-            model=replace(recipe["model"], encoder=encoder),
-            data=replace(recipe["data"], **split),
-            train=replace(recipe["train"], max_epochs=eap_epochs),
-            resume=resume[eap],
-        )
+        _fit_eap(traces, eap, cfg / "eap_minilm_frozen.yaml", encoder, eap_epochs, split, resume[eap])
         _stamp(eap, settings[eap])
     if not _reuse(cascade, settings[cascade]):
         fit_cascade(str(eam), str(eap), str(cascade), epsilon, str(traces), data=SplitConfig(**split))
         _stamp(cascade, settings[cascade])
 
     return llapor, eam, eap, cascade
+
+
+def _collect_traces(
+    root: Path,
+    traces: Path,
+    preset: str,
+    requests: int,
+    fixture_requests: int,
+    max_new_tokens: int,
+    total: int,
+    t0: float,
+) -> None:
+    """Stages 1-3: the tiny model (built once), the fixture datasets, and traces of both into ``traces``."""
+    from moecast.collect.commands import collect
+    from moecast.collect.fixtures import write_fixtures
+    from moecast.collect.tiny import ensure_tiny
+
+    _stage(1, total, f"tiny model (preset {preset}): build once, then reuse", t0)
+    model_path = ensure_tiny(preset)
+    print(f"tiny model at {model_path}")
+    model = "tiny" if preset == "default" else f"tiny:{preset}"
+
+    _stage(2, total, "fixture datasets in the OpenCompass workloads' column formats", t0)
+    data_dir = write_fixtures(root / "data", rows=fixture_requests, seed=0)
+    print(f"wrote {data_dir}")
+
+    _stage(3, total, "collect router traces: ShareGPT + 6 fixture workloads, prefill + greedy decode", t0)
+    common = dict(
+        model=model, out=str(traces), max_new_tokens=max_new_tokens, gate_inputs=True, data_dir=str(data_dir)
+    )
+    collect(workloads=["sharegpt"], max_requests=requests, **common)
+    collect(workloads=FIXTURE_WORKLOADS, max_requests=fixture_requests, **common)
+
+
+def _compare(
+    traces: Path,
+    cmp_dir: Path,
+    llapor: Path,
+    cascade: Path,
+    capacities: tuple[float, ...],
+    cold: bool,
+    wandb: bool,
+) -> None:
+    """Stage 5: ``moecast compare`` of the held-out requests into ``cmp_dir``, its printout silenced."""
+    from moecast.runtime.commands import compare
+
+    quiet = io.StringIO()
+    # compare's wide table is in table.md; the demo prints a compact one
+    with contextlib.redirect_stdout(quiet):
+        compare(
+            traces=str(traces),
+            policies=["lru", "lfu", "score", "smoe", "prefetch", "belady"],
+            predictors=[str(llapor)],
+            planners=["none", str(cascade)],
+            capacities=[f"{c:g}" for c in capacities],
+            holdout="test",
+            out=str(cmp_dir),
+            cold=cold,
+            wandb=wandb,
+            json=True,
+        )
+
+
+def _report(
+    root: Path,
+    traces: Path,
+    checkpoints: tuple[Path, ...],
+    cmp_dir: Path,
+    cold: bool,
+    wandb: bool,
+    as_json: bool,
+    t0: float,
+) -> None:
+    """Print the demo's outcome: one JSON object, or the compact table and where everything lies."""
+    table, summary = summarise(cmp_dir / "table.csv")
+    mode = "cold per request" if cold else "stream (caches persist across requests)"
+    elapsed = time.perf_counter() - t0
+    wandb_dirs = sorted({str(p.parent) for p in root.rglob("offline-run-*")}) if wandb else []
+    result = {
+        "out": str(root),
+        "traces": str(traces),
+        "checkpoints": [str(p) for p in checkpoints],
+        "table": str(cmp_dir / "table.md"),
+        "plot": str(cmp_dir / "plot.png"),
+        "wandb_dirs": wandb_dirs,
+        "mode": mode,
+        "seconds": round(elapsed, 1),
+        "summary": summary,
+    }
+    if as_json:
+        print(jsonlib.dumps(result, default=str))
+        return
+    print(
+        f"\nHeld-out test requests of {traces} (TraceSet.splits(), the checkpoints' split), {mode}; hardware profile "
+        "prescope-a100-pcie4; capacity = share of each layer's experts resident.\n"
+    )
+    print(table)
+    print(f"\nfull table: {cmp_dir / 'table.md'} (CSV beside it)\nplot:       {cmp_dir / 'plot.png'}")
+    if wandb_dirs:
+        print("wandb (offline) runs under: " + ", ".join(wandb_dirs))
+        print("  compare them:   wandb sync --sync-all  (from each folder), then open project 'moecast'")
+    print(f"demo finished in {elapsed:.0f} s; re-running reuses every finished stage")
 
 
 def demo(
@@ -223,16 +358,10 @@ def demo(
             unless configured).
         json: Print the final summary as one JSON object.
     """
-    from moecast.collect.commands import collect
-    from moecast.collect.fixtures import write_fixtures
-    from moecast.collect.tiny import ensure_tiny
-    from moecast.runtime.commands import compare
-
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault(
-        "WANDB_SILENT", "true"
-    )  # dozens of offline runs; their banners would bury the table
+    # dozens of offline runs; their banners would bury the table
+    os.environ.setdefault("WANDB_SILENT", "true")
     if requests < 1 or fixture_requests < 1:
         raise InputError("--requests and --fixture-requests must be at least 1")
     root = Path(out)
@@ -242,22 +371,7 @@ def demo(
     ckpt.mkdir(exist_ok=True)
     t0 = time.perf_counter()
     total = 5
-
-    _stage(1, total, f"tiny model (preset {preset}): build once, then reuse", t0)
-    model_path = ensure_tiny(preset)
-    print(f"tiny model at {model_path}")
-    model = "tiny" if preset == "default" else f"tiny:{preset}"
-
-    _stage(2, total, "fixture datasets in the OpenCompass workloads' column formats", t0)
-    data_dir = write_fixtures(root / "data", rows=fixture_requests, seed=0)
-    print(f"wrote {data_dir}")
-
-    _stage(3, total, "collect router traces: ShareGPT + 6 fixture workloads, prefill + greedy decode", t0)
-    common = dict(
-        model=model, out=str(traces), max_new_tokens=max_new_tokens, gate_inputs=True, data_dir=str(data_dir)
-    )
-    collect(workloads=["sharegpt"], max_requests=requests, **common)
-    collect(workloads=FIXTURE_WORKLOADS, max_requests=fixture_requests, **common)
+    _collect_traces(root, traces, preset, requests, fixture_requests, max_new_tokens, total, t0)
 
     _stage(4, total, "train predictors: LLaPor (PreScope), EAM + EAP + cascade (CasMoE)", t0)
     llapor, eam, eap, cascade = _train_predictors(
@@ -266,48 +380,6 @@ def demo(
 
     _stage(5, total, "replay the held-out requests under each policy (moecast compare)", t0)
     cmp_dir = root / "compare"
-    quiet = io.StringIO()
-    with contextlib.redirect_stdout(
-        quiet
-    ):  # compare's wide table is in table.md; the demo prints a compact one
-        compare(
-            traces=str(traces),
-            policies=["lru", "lfu", "score", "smoe", "prefetch", "belady"],
-            predictors=[str(llapor)],
-            planners=["none", str(cascade)],
-            capacities=[f"{c:g}" for c in capacities],
-            holdout="test",
-            out=str(cmp_dir),
-            cold=cold,
-            wandb=wandb,
-            json=True,
-        )
-    table, summary = summarise(cmp_dir / "table.csv")
-    mode = "cold per request" if cold else "stream (caches persist across requests)"
-    elapsed = time.perf_counter() - t0
-    wandb_dirs = sorted({str(p.parent) for p in root.rglob("offline-run-*")}) if wandb else []
-    result = {
-        "out": str(root),
-        "traces": str(traces),
-        "checkpoints": [str(p) for p in (llapor, eam, eap, cascade)],
-        "table": str(cmp_dir / "table.md"),
-        "plot": str(cmp_dir / "plot.png"),
-        "wandb_dirs": wandb_dirs,
-        "mode": mode,
-        "seconds": round(elapsed, 1),
-        "summary": summary,
-    }
-    if json:
-        print(jsonlib.dumps(result, default=str))
-        return root
-    print(
-        f"\nHeld-out test requests of {traces} (TraceSet.splits(), the checkpoints' split), {mode}; hardware profile "
-        "prescope-a100-pcie4; capacity = share of each layer's experts resident.\n"
-    )
-    print(table)
-    print(f"\nfull table: {cmp_dir / 'table.md'} (CSV beside it)\nplot:       {cmp_dir / 'plot.png'}")
-    if wandb_dirs:
-        print("wandb (offline) runs under: " + ", ".join(wandb_dirs))
-        print("  compare them:   wandb sync --sync-all  (from each folder), then open project 'moecast'")
-    print(f"demo finished in {elapsed:.0f} s; re-running reuses every finished stage")
+    _compare(traces, cmp_dir, llapor, cascade, capacities, cold, wandb)
+    _report(root, traces, (llapor, eam, eap, cascade), cmp_dir, cold, wandb, json, t0)
     return root
