@@ -39,7 +39,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +173,70 @@ def speculative_state(layer: Any, exact: torch.Tensor, cur: torch.Tensor, pe: tu
     return layer.post_attention_layernorm(cur + attn[0, t:])
 
 
+def _hook_layers(layers: Any) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], list[Any]]:
+    """Hooks filling (each layer's gate input [T, H], each layer's expert output, the hook handles)."""
+    gin: dict[int, torch.Tensor] = {}
+    hooks = [
+        layer.mlp.register_forward_pre_hook(
+            lambda m, a, i=i: gin.__setitem__(i, a[0].reshape(-1, a[0].shape[-1]))
+        )
+        for i, layer in enumerate(layers)
+    ]
+    mout: dict[int, torch.Tensor] = {}
+    hooks += [
+        layer.mlp.register_forward_hook(lambda m, a, o, i=i: mout.__setitem__(i, o[0]))
+        for i, layer in enumerate(layers)
+    ]
+    return gin, mout, hooks
+
+
+def _top(layer: Any, x: torch.Tensor, k: int) -> np.ndarray:
+    """[T, k] the experts ``layer``'s router picks for the states ``x``."""
+    return torch.topk(x @ layer.mlp.gate.weight.T, k, dim=-1).indices.numpy()
+
+
+def _recall(a: np.ndarray, b: np.ndarray) -> float:
+    """Share of the experts in ``b`` that ``a`` picks too, token by token."""
+    return float((a[:, :, None] == b[:, None, :]).any(-1).mean())
+
+
+def _add_text_recalls(
+    model: Any,
+    ids: torch.Tensor,
+    gin: dict[int, torch.Tensor],
+    mout: dict[int, torch.Tensor],
+    windows: tuple[int, ...],
+    sums: dict[str, np.ndarray],
+) -> int:
+    """Run one text ``ids`` and add each reference's recall per layer, times its tokens, to ``sums``; its tokens."""
+    layers = model.model.layers
+    k = model.config.num_experts_per_tok
+    hs = model(input_ids=ids, output_hidden_states=True).hidden_states  # hs[l]: layer l's input
+    t = ids.shape[1]
+    pe = model.model.rotary_emb(hs[0], torch.arange(t)[None])
+    q, kk = torch.arange(t)[:, None], torch.arange(t)[None]
+    masks = {
+        w: torch.zeros(t, t).masked_fill(~((kk <= q) & ((q - kk <= w) | (kk == 0))), -torch.inf)
+        for w in windows
+    }
+    for li in range(1, len(layers)):
+        layer = layers[li]
+        truth = _top(layer, gin[li], k)
+        sums["gate_reuse"][li] += _recall(_top(layer, gin[li - 1], k), truth) * t
+        state = layer.post_attention_layernorm(hs[li][0])
+        sums["input_state"][li] += _recall(_top(layer, state, k), truth) * t
+        x = layer.input_layernorm(hs[li])
+        for w, mask in masks.items():
+            attn = layer.self_attn(hidden_states=x, position_embeddings=pe, attention_mask=mask[None, None])[
+                0
+            ]
+            state = layer.post_attention_layernorm(hs[li][0] + attn[0])
+            sums[f"window_{w}"][li] += _recall(_top(layer, state, k), truth) * t
+        state = speculative_state(layer, hs[li][0], hs[li][0] - mout[li - 1], pe)
+        sums["speculative"][li] += _recall(_top(layer, state, k), truth) * t
+    return t
+
+
 def state_reference(
     model_dir: str, texts: int = 60, windows: tuple[int, ...] = (2, 8, 32)
 ) -> dict[str, list[float | None]]:
@@ -202,27 +266,7 @@ def state_reference(
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
     layers = model.model.layers
-    k = model.config.num_experts_per_tok
-    gin: dict[int, torch.Tensor] = {}
-    hooks = [
-        layer.mlp.register_forward_pre_hook(
-            lambda m, a, i=i: gin.__setitem__(i, a[0].reshape(-1, a[0].shape[-1]))
-        )
-        for i, layer in enumerate(layers)
-    ]
-
-    def top(li: int, x: torch.Tensor) -> np.ndarray:
-        return torch.topk(x @ layers[li].mlp.gate.weight.T, k, dim=-1).indices.numpy()
-
-    def recall(a: np.ndarray, b: np.ndarray) -> float:
-        return float((a[:, :, None] == b[:, None, :]).any(-1).mean())
-
-    mout: dict[int, torch.Tensor] = {}
-    hooks += [
-        layer.mlp.register_forward_hook(lambda m, a, o, i=i: mout.__setitem__(i, o[0]))
-        for i, layer in enumerate(layers)
-    ]
-
+    gin, mout, hooks = _hook_layers(layers)
     keys = ["gate_reuse", "input_state", *(f"window_{w}" for w in windows), "speculative"]
     sums = {key: np.zeros(len(layers)) for key in keys}
     n = 0
@@ -232,29 +276,7 @@ def state_reference(
                 sharegpt.training_texts(split="val", max_chars_per_text=2000), texts
             ):
                 ids = tok(text, return_tensors="pt", truncation=True, max_length=256)["input_ids"]
-                hs = model(input_ids=ids, output_hidden_states=True).hidden_states  # hs[l]: layer l's input
-                t = ids.shape[1]
-                pe = model.model.rotary_emb(hs[0], torch.arange(t)[None])
-                q, kk = torch.arange(t)[:, None], torch.arange(t)[None]
-                masks = {
-                    w: torch.zeros(t, t).masked_fill(~((kk <= q) & ((q - kk <= w) | (kk == 0))), -torch.inf)
-                    for w in windows
-                }
-                for li in range(1, len(layers)):
-                    truth = top(li, gin[li])
-                    sums["gate_reuse"][li] += recall(top(li, gin[li - 1]), truth) * t
-                    state = layers[li].post_attention_layernorm(hs[li][0])
-                    sums["input_state"][li] += recall(top(li, state), truth) * t
-                    x = layers[li].input_layernorm(hs[li])
-                    for w, mask in masks.items():
-                        attn = layers[li].self_attn(
-                            hidden_states=x, position_embeddings=pe, attention_mask=mask[None, None]
-                        )[0]
-                        state = layers[li].post_attention_layernorm(hs[li][0] + attn[0])
-                        sums[f"window_{w}"][li] += recall(top(li, state), truth) * t
-                    state = speculative_state(layers[li], hs[li][0], hs[li][0] - mout[li - 1], pe)
-                    sums["speculative"][li] += recall(top(li, state), truth) * t
-                n += t
+                n += _add_text_recalls(model, ids, gin, mout, windows, sums)
     finally:
         for h in hooks:
             h.remove()
@@ -340,6 +362,125 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def _held_out(ts: Any, max_req: int | None) -> tuple[list[str], list[str]]:
+    """(the training request ids, the held-out requests to evaluate: at most ``max_req``)."""
+    sides = ts.splits()  # the default split training uses; test is reported
+    train_ids, test_ids = sides.train, sides.test
+    return train_ids, test_ids[:max_req] if max_req else test_ids
+
+
+def _llapor(
+    checkpoint: str | None, config: str, traces: str, out: Path, overrides: list[str], ts: Any
+) -> tuple[Any, float | None]:
+    """(LLaPor, its training seconds): read from ``checkpoint`` (its recorded time), else trained here."""
+    if checkpoint:
+        pred = _load(checkpoint, ts)
+        return pred, (pred.meta.get("training") or {}).get("train_seconds")
+    path, secs = _train(config, traces, out, overrides)
+    return _load(path, ts), secs
+
+
+def _ds_results(
+    args: argparse.Namespace, max_req: int | None, out_dir: Path
+) -> Generator[tuple[str, dict | None], None, tuple[str, Any, Any]]:
+    """DeepSeek held-out: the count baselines, LLaPor and the sequence checkpoint; returns LLaPor's timing entry."""
+    from moecast.collect.traceset import open_traces
+    from moecast.predictors.commands import build_baseline
+
+    ts = open_traces(args.traces)
+    train_ids, requests = _held_out(ts, max_req)
+    preds = [(b, build_baseline(b, ts, train_ids), None) for b in DS_BASELINES]
+    over = ["--data.max_requests", "300", "--train.max_epochs", "1"] if args.quick else []
+    out = out_dir / "llapor_ds.safetensors"
+    pred, secs = _llapor(args.checkpoint, args.config, args.traces, out, over, ts)
+    preds.append((f"llapor ({Path(args.checkpoint or 'trained').name})", pred, secs))
+    if args.sequence_checkpoint:
+        seq = _load(args.sequence_checkpoint, ts)
+        seq_secs = (seq.meta.get("training") or {}).get("train_seconds")
+        preds.append((f"sequence ({Path(args.sequence_checkpoint).name})", seq, seq_secs))
+    yield from table("deepseek held-out", ts, preds, requests)
+    return ("deepseek", pred, ts.get(requests[0]))
+
+
+def _reference_result(model_dir: str, texts: int, per: list) -> tuple[str, dict]:
+    """How far layer l-1 can see (:func:`state_reference`) beside LLaPor's recall per layer ``per``."""
+    ref = state_reference(model_dir, texts)
+
+    def row(v: list) -> str:
+        return " ".join("   -  " if x is None else f"{x:.3f}" for x in v)
+
+    return (
+        "\n[tiny] how far layer l-1 can see: recall@k per layer of the true router of layer l on\n"
+        f"  layer l-1's gate input (gate reuse)        {row(ref['gate_reuse'])}\n"
+        f"  layer l's input state (all but attention)  {row(ref['input_state'])}\n"
+        + "".join(
+            f"  ... + layer l's attention, last {key[7:]:>2} tokens {row(v)}\n"
+            for key, v in ref.items()
+            if key.startswith("window_")
+        )
+        + f"  layer l's attention early, at l-1's input  {row(ref['speculative'])}\n"
+        + f"  LLaPor (held-out traces)                   {row(per)}",
+        {"bench": "tiny-reference", **ref, "llapor_per_layer": per},
+    )
+
+
+def _tiny_results(
+    args: argparse.Namespace, max_req: int | None, out_dir: Path
+) -> Generator[tuple[str, dict | None], None, tuple[str, Any, Any] | None]:
+    """tiny held-out: the baselines, gate reuse, LLaPor and the reference; returns LLaPor's timing entry."""
+    from moecast.collect.traceset import open_traces
+    from moecast.predictors.commands import build_baseline
+
+    if not Path(args.tiny_traces, "meta.json").is_file():
+        yield (
+            f"\n[tiny] skipped: no TraceSet at {args.tiny_traces} (moecast collect --model tiny --workloads "
+            "sharegpt --max-requests 64 --max-new-tokens 32 --gate-inputs --out PATH)",
+            {"bench": "tiny", "skipped": f"no TraceSet at {args.tiny_traces}"},
+        )
+        return None
+    ts = open_traces(args.tiny_traces)
+    train_ids, requests = _held_out(ts, max_req)
+    preds = [
+        (b, build_baseline(b, ts, train_ids), None) for b in ("frequency", "cooccurrence", "moe-infinity")
+    ]
+    if ts.has("gate_inputs") and Path(args.tiny_model).is_dir():
+        preds.append(("gate-reuse", build_baseline(f"gate-reuse:{args.tiny_model}", ts, train_ids), None))
+    over = ["--train.max_epochs", "5"] if args.quick else []
+    out = out_dir / "llapor_tiny.safetensors"
+    pred, secs = _llapor(args.tiny_checkpoint, args.tiny_config, args.tiny_traces, out, over, ts)
+    label = f"llapor ({Path(args.tiny_checkpoint or 'trained').name})"
+    preds.append((label, pred, secs))
+    evaluated = yield from table("tiny held-out", ts, preds, requests)
+    entry = ("tiny", pred, ts.get(requests[0]))
+    if Path(args.tiny_model).is_dir():
+        per = evaluated[label]["per_layer"]["recall_at_k"]
+        yield _reference_result(args.tiny_model, 20 if args.quick else 60, per)
+    return entry
+
+
+def _latency_results(timing: list[tuple[str, Any, Any]], repeats: int) -> Iterator[tuple[str, dict | None]]:
+    """The latency header, then one line per (name, LLaPor, trace) in ``timing``."""
+    yield (
+        "\n[latency] LLaPor on CPU, batch 1, 1 thread, us/layer (score_at = the runtime's per-layer call: "
+        "features + network)",
+        None,
+    )
+    for name, pred, trace in timing:
+        lat = latency_us(pred, trace, repeats, torch_too=not name.startswith("wide"))
+        torch_part = (
+            f"; torch all-layers {lat['torch_all_layers_us_per_layer']:.1f}"
+            if "torch_all_layers_us_per_layer" in lat
+            else ""
+        )
+        yield (
+            f"{name:<10} score_at {lat['score_at_us_median']:7.1f} median (p90 {lat['score_at_us_p90']:.1f}); "
+            f"unfolded features_at + score_layer {lat['unfolded_us_median']:.1f}; score_layer alone "
+            f"{lat['score_layer_us_median']:.1f} (float32 weights {lat['score_layer_float32_us_median']:.1f}){torch_part}; "
+            f"load average {lat['loadavg_1min']:.2f} on {os.cpu_count()} CPUs",
+            {"bench": "latency", "traces": name, **lat, "cpus": os.cpu_count()},
+        )
+
+
 def results(args: argparse.Namespace) -> Iterator[tuple[str, dict | None]]:
     """Every result as (text line, JSON object or None): main prints one or the other, rows reads the objects."""
     torch.set_num_threads(1)  # batch-1 inference; tiny tensors only pay for thread hand-offs
@@ -347,105 +488,17 @@ def results(args: argparse.Namespace) -> Iterator[tuple[str, dict | None]]:
     repeats = args.repeats or (50 if args.quick else 300)
     out_dir = Path(args.out_dir)
 
-    from moecast.collect.traceset import open_traces
-    from moecast.predictors.commands import build_baseline
-
     timing: list[tuple[str, Any, Any]] = []
     if not args.skip_ds:
-        ts = open_traces(args.traces)
-        sides = ts.splits()  # the default split training uses; test is reported
-        train_ids, test_ids = sides.train, sides.test
-        requests = test_ids[:max_req] if max_req else test_ids
-        preds = [(b, build_baseline(b, ts, train_ids), None) for b in DS_BASELINES]
-        if args.checkpoint:
-            pred = _load(args.checkpoint, ts)
-            secs = (pred.meta.get("training") or {}).get("train_seconds")
-        else:
-            over = ["--data.max_requests", "300", "--train.max_epochs", "1"] if args.quick else []
-            path, secs = _train(args.config, args.traces, out_dir / "llapor_ds.safetensors", over)
-            pred = _load(path, ts)
-        preds.append((f"llapor ({Path(args.checkpoint or 'trained').name})", pred, secs))
-        if args.sequence_checkpoint:
-            seq = _load(args.sequence_checkpoint, ts)
-            seq_secs = (seq.meta.get("training") or {}).get("train_seconds")
-            preds.append((f"sequence ({Path(args.sequence_checkpoint).name})", seq, seq_secs))
-        yield from table("deepseek held-out", ts, preds, requests)
-        timing.append(("deepseek", pred, ts.get(requests[0])))
+        timing.append((yield from _ds_results(args, max_req, out_dir)))
     if not args.skip_tiny:
-        if not Path(args.tiny_traces, "meta.json").is_file():
-            yield (
-                f"\n[tiny] skipped: no TraceSet at {args.tiny_traces} (moecast collect --model tiny --workloads "
-                "sharegpt --max-requests 64 --max-new-tokens 32 --gate-inputs --out PATH)",
-                {"bench": "tiny", "skipped": f"no TraceSet at {args.tiny_traces}"},
-            )
-        else:
-            ts = open_traces(args.tiny_traces)
-            sides = ts.splits()
-            train_ids, test_ids = sides.train, sides.test
-            requests = test_ids[:max_req] if max_req else test_ids
-            preds = [
-                (b, build_baseline(b, ts, train_ids), None)
-                for b in ("frequency", "cooccurrence", "moe-infinity")
-            ]
-            if ts.has("gate_inputs") and Path(args.tiny_model).is_dir():
-                preds.append(
-                    ("gate-reuse", build_baseline(f"gate-reuse:{args.tiny_model}", ts, train_ids), None)
-                )
-            if args.tiny_checkpoint:
-                pred = _load(args.tiny_checkpoint, ts)
-                secs = (pred.meta.get("training") or {}).get("train_seconds")
-            else:
-                over = ["--train.max_epochs", "5"] if args.quick else []
-                path, secs = _train(
-                    args.tiny_config, args.tiny_traces, out_dir / "llapor_tiny.safetensors", over
-                )
-                pred = _load(path, ts)
-            label = f"llapor ({Path(args.tiny_checkpoint or 'trained').name})"
-            preds.append((label, pred, secs))
-            evaluated = yield from table("tiny held-out", ts, preds, requests)
-            timing.append(("tiny", pred, ts.get(requests[0])))
-            if Path(args.tiny_model).is_dir():
-                ref = state_reference(args.tiny_model, 20 if args.quick else 60)
-                per = evaluated[label]["per_layer"]["recall_at_k"]
-
-                def row(v: list) -> str:
-                    return " ".join("   -  " if x is None else f"{x:.3f}" for x in v)
-
-                yield (
-                    "\n[tiny] how far layer l-1 can see: recall@k per layer of the true router of layer l on\n"
-                    f"  layer l-1's gate input (gate reuse)        {row(ref['gate_reuse'])}\n"
-                    f"  layer l's input state (all but attention)  {row(ref['input_state'])}\n"
-                    + "".join(
-                        f"  ... + layer l's attention, last {key[7:]:>2} tokens {row(v)}\n"
-                        for key, v in ref.items()
-                        if key.startswith("window_")
-                    )
-                    + f"  layer l's attention early, at l-1's input  {row(ref['speculative'])}\n"
-                    + f"  LLaPor (held-out traces)                   {row(per)}",
-                    {"bench": "tiny-reference", **ref, "llapor_per_layer": per},
-                )
+        tiny = yield from _tiny_results(args, max_req, out_dir)
+        if tiny is not None:
+            timing.append(tiny)
     if not args.skip_wide:
         timing.append((f"wide-{args.wide_hidden}", *wide_llapor(args.wide_hidden)))
     if timing:
-        yield (
-            "\n[latency] LLaPor on CPU, batch 1, 1 thread, us/layer (score_at = the runtime's per-layer call: "
-            "features + network)",
-            None,
-        )
-        for name, pred, trace in timing:
-            lat = latency_us(pred, trace, repeats, torch_too=not name.startswith("wide"))
-            torch_part = (
-                f"; torch all-layers {lat['torch_all_layers_us_per_layer']:.1f}"
-                if "torch_all_layers_us_per_layer" in lat
-                else ""
-            )
-            yield (
-                f"{name:<10} score_at {lat['score_at_us_median']:7.1f} median (p90 {lat['score_at_us_p90']:.1f}); "
-                f"unfolded features_at + score_layer {lat['unfolded_us_median']:.1f}; score_layer alone "
-                f"{lat['score_layer_us_median']:.1f} (float32 weights {lat['score_layer_float32_us_median']:.1f}){torch_part}; "
-                f"load average {lat['loadavg_1min']:.2f} on {os.cpu_count()} CPUs",
-                {"bench": "latency", "traces": name, **lat, "cpus": os.cpu_count()},
-            )
+        yield from _latency_results(timing, repeats)
 
 
 def tiny_pair(checkpoint: Path | None, traces: Path | None) -> tuple[Path | None, Path | None]:
@@ -465,6 +518,58 @@ def tiny_pair(checkpoint: Path | None, traces: Path | None) -> tuple[Path | None
     return None, None
 
 
+def _ds_args(ds: Path | None, seq_checkpoint: Path | None, quick: bool, train: bool) -> tuple[list[str], str]:
+    """(bench arguments for the DeepSeek checkpoint ``ds``, the note its rows carry)."""
+    from bench.figures import first_file, shown
+
+    if ds is not None:
+        argv = ["--checkpoint", str(ds)]
+        if first_file(seq_checkpoint):
+            argv += ["--sequence-checkpoint", str(seq_checkpoint)]
+        return argv, f"checkpoint {shown(ds)}"
+    if quick:
+        return [], "no checkpoint: quick-trained here (1 epoch, 300 requests), not the goal run"
+    if train:
+        return [], "trained here with configs/llapor_deepseek.yaml"
+    return [], ""
+
+
+def _tiny_args(tiny_traces: Path | None, tiny_ck: Path | None, quick: bool) -> tuple[list[str], str]:
+    """(bench arguments for the tiny traces and checkpoint, the note their rows carry)."""
+    from bench.figures import shown
+
+    if tiny_traces is None:
+        return [], ""
+    argv = ["--tiny-traces", str(tiny_traces)]
+    if tiny_ck is not None:
+        return [*argv, "--tiny-checkpoint", str(tiny_ck)], f"checkpoint {shown(tiny_ck)}"
+    return argv, "no checkpoint: quick-trained here (5 epochs)" if quick else ""
+
+
+def _missing_ds() -> dict:
+    """The row saying the DeepSeek figures were not measured."""
+    from bench.figures import missing
+
+    return missing(
+        "predictors",
+        "no checkpoint (runs/llapor_ds.safetensors; --train)",
+        "LLaPor DeepSeek held-out recall@6",
+        ">= 0.85",
+    )
+
+
+def _missing_tiny() -> dict:
+    """The row saying the tiny figures were not measured."""
+    from bench.figures import missing
+
+    return missing(
+        "predictors",
+        "no tiny traces with gate inputs / checkpoint (see bench_predictors.py)",
+        "tiny LLaPor held-out recall@k",
+        ">= 0.97",
+    )
+
+
 def rows(
     quick: bool,
     work: Path,
@@ -477,30 +582,15 @@ def rows(
 ) -> list[dict]:
     """LLaPor on DeepSeek and tiny against the baselines, and its latency. Without a checkpoint,
     ``quick`` trains a small one and ``train`` the full one; otherwise that trace set is skipped."""
-    from bench.figures import first_file, missing, shown
+    from bench.figures import first_file, missing
 
     ds = first_file(ds_checkpoint)
     tiny_traces, tiny_ck = tiny_pair(tiny_checkpoint, tiny_traces)
-    argv = ["--traces", str(ds_traces), "--out-dir", str(Path(work) / "predictors")]
-    ds_note, tiny_note = "", ""
-    if ds is not None:
-        argv += ["--checkpoint", str(ds)]
-        ds_note = f"checkpoint {shown(ds)}"
-        if first_file(seq_checkpoint):
-            argv += ["--sequence-checkpoint", str(seq_checkpoint)]
-    elif quick:
-        ds_note = "no checkpoint: quick-trained here (1 epoch, 300 requests), not the goal run"
-    elif train:
-        ds_note = "trained here with configs/llapor_deepseek.yaml"
+    ds_argv, ds_note = _ds_args(ds, seq_checkpoint, quick, train)
+    tiny_argv, tiny_note = _tiny_args(tiny_traces, tiny_ck, quick)
     skip_ds = not Path(ds_traces).is_dir() or (ds is None and not quick and not train)
     skip_tiny = tiny_traces is None or (tiny_ck is None and not quick and not train)
-    if tiny_traces is not None:
-        argv += ["--tiny-traces", str(tiny_traces)]
-        if tiny_ck is not None:
-            argv += ["--tiny-checkpoint", str(tiny_ck)]
-            tiny_note = f"checkpoint {shown(tiny_ck)}"
-        elif quick:
-            tiny_note = "no checkpoint: quick-trained here (5 epochs)"
+    argv = ["--traces", str(ds_traces), "--out-dir", str(Path(work) / "predictors"), *ds_argv, *tiny_argv]
     argv += ["--skip-ds"] * skip_ds + ["--skip-tiny"] * skip_tiny + ["--quick"] * quick
     if skip_ds and skip_tiny:
         return [
@@ -513,27 +603,9 @@ def rows(
         ]
     objs = [obj for _text, obj in results(parse(argv)) if obj is not None]
     q = "quick: 60 held-out requests; " if quick else ""
-    out = _ds_rows(objs, q + ds_note, judged=ds is not None or (train and not quick)) if not skip_ds else []
-    if skip_ds:
-        out.append(
-            missing(
-                "predictors",
-                "no checkpoint (runs/llapor_ds.safetensors; --train)",
-                "LLaPor DeepSeek held-out recall@6",
-                ">= 0.85",
-            )
-        )
-    if skip_tiny:
-        out.append(
-            missing(
-                "predictors",
-                "no tiny traces with gate inputs / checkpoint (see bench_predictors.py)",
-                "tiny LLaPor held-out recall@k",
-                ">= 0.97",
-            )
-        )
-    else:
-        out += _tiny_rows(objs, q + tiny_note, judged=tiny_ck is not None)
+    judged = ds is not None or (train and not quick)
+    out = [_missing_ds()] if skip_ds else _ds_rows(objs, q + ds_note, judged=judged)
+    out += [_missing_tiny()] if skip_tiny else _tiny_rows(objs, q + tiny_note, judged=tiny_ck is not None)
     return out + _latency_rows(objs)
 
 
