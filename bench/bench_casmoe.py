@@ -168,7 +168,8 @@ def setting_rows(setting: str, lines: list[dict], quick: bool, repeats: int) -> 
     return out
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
+    """The command line's options."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--traces", default="traces/ds-puffin")
     ap.add_argument("--eam", default="runs/casmoe/eam.safetensors")
@@ -189,13 +190,48 @@ def main() -> None:
     ap.add_argument("--lengths", action="store_true", help="also latency per prompt length")
     ap.add_argument("--repeats", type=int, default=30, help="timed plans per prompt with --lengths")
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def _print_table(args: argparse.Namespace, got: list[dict]) -> None:
+    """The Table-3 rows of ``got`` as a table, the latency targets and the cascade settings that win."""
+    from moecast.train.planner_report import cascade_wins, format_table
+
+    rows_ = [r for r in got if "planner" in r]
+    load0, load1 = rows_[0]["loadavg_1min"]
+    print(
+        f"CasMoE planners on held-out requests of {args.traces} ({rows_[0]['engine']}, {args.threads} thread(s), "
+        f"{'int8' if args.int8 else 'fp32'} encoders, this CPU; load {load0:.2f} -> {load1:.2f})"
+    )
+    print(format_table(rows_))
+    best = {r["planner"]: r for r in rows_}
+    wins = cascade_wins(rows_)
+    print(
+        f"EAM query incl. embedding: {best['EAM']['mean_latency_ms']:.2f} ms/prompt (target <= 5); "
+        f"EAP: {best['EAP']['mean_latency_ms']:.2f} ms/prompt (target <= 10)"
+    )
+    print(
+        "cascade settings with recall >= EAP at lower mean latency (paired, > 2 SE): "
+        + (", ".join(r["planner"] for r in wins) if wins else "none")
+    )
+
+
+def _print_lengths(lengths: list[dict], repeats: int) -> None:
+    """The latency per prompt length rows (``"bench": "casmoe-length"``), one line each."""
+    print(f"\nlatency per prompt length, ms over {repeats} plans of one prompt (min / p50 / mean)")
+    for r in lengths:
+        print(
+            f"  {r['prompt']:<7} {r['tokens']:>4} tokens  {r['timed']:<18} "
+            f"{r['min_ms']:7.2f} {r['p50_ms']:7.2f} {r['mean_ms']:7.2f}   load {r['loadavg_1min']:.2f}"
+        )
+
+
+def main() -> None:
+    args = _parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("WANDB_MODE", "offline")
     if args.build:
         build(args.traces, args.eam, args.eap)
-    from moecast.train.planner_report import cascade_wins, format_table
-
     t0 = time.perf_counter()
     eps = [float(x) for x in args.epsilons.split(",") if x]
     got = measure(
@@ -216,31 +252,10 @@ def main() -> None:
         for r in got:
             print(json.dumps(r))
         return
-    rows_ = [r for r in got if "planner" in r]
+    _print_table(args, got)
     lengths = [r for r in got if r.get("bench") == "casmoe-length"]
-    load0, load1 = rows_[0]["loadavg_1min"]
-    print(
-        f"CasMoE planners on held-out requests of {args.traces} ({rows_[0]['engine']}, {args.threads} thread(s), "
-        f"{'int8' if args.int8 else 'fp32'} encoders, this CPU; load {load0:.2f} -> {load1:.2f})"
-    )
-    print(format_table(rows_))
-    best = {r["planner"]: r for r in rows_}
-    wins = cascade_wins(rows_)
-    print(
-        f"EAM query incl. embedding: {best['EAM']['mean_latency_ms']:.2f} ms/prompt (target <= 5); "
-        f"EAP: {best['EAP']['mean_latency_ms']:.2f} ms/prompt (target <= 10)"
-    )
-    print(
-        "cascade settings with recall >= EAP at lower mean latency (paired, > 2 SE): "
-        + (", ".join(r["planner"] for r in wins) if wins else "none")
-    )
     if lengths:
-        print(f"\nlatency per prompt length, ms over {args.repeats} plans of one prompt (min / p50 / mean)")
-        for r in lengths:
-            print(
-                f"  {r['prompt']:<7} {r['tokens']:>4} tokens  {r['timed']:<18} "
-                f"{r['min_ms']:7.2f} {r['p50_ms']:7.2f} {r['mean_ms']:7.2f}   load {r['loadavg_1min']:.2f}"
-            )
+        _print_lengths(lengths, args.repeats)
     print(f"({time.perf_counter() - t0:.1f} s)")
 
 
