@@ -90,14 +90,43 @@ def layer_states(model: Any, dm: Any, moe_layers: list[int], variant: str) -> tu
     return out, float(np.concatenate(hits).mean())
 
 
-def run(variant: str, args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, Any]:
-    import lightning.pytorch as pl
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_predictors
-    from moecast.collect.models import load_model
-    from moecast.train.data import LLaPorDataModule
-    from moecast.train.llapor import LLaPorModule
+def _pca_states(dm: Any, states: np.ndarray, variant: str) -> np.ndarray:
+    """[N, L, pca_max] the PCA of each layer row of ``states``, fit on the training rows with the
+    data module's dims and seed."""
     from sklearn.decomposition import PCA
+
+    n_train = len(dm.train_rows)
+    fit = np.arange(0, n_train, max(1, n_train // dm.hparams.pca_fit_rows))
+    state = np.zeros((len(states), dm.spec.num_layers, dm.spec.pca_max), np.float32)
+    # layer_output: row l feeds layer l+1 (as the gate input's PCA does); speculative: row l is layer l's
+    dims_by_row = dm.spec.pca_dims[:-1] if variant == "layer_output" else [0, *dm.spec.pca_dims[1:]]
+    for li, dims in enumerate(dims_by_row):
+        if dims:
+            pca = PCA(n_components=dims, random_state=dm.hparams.seed).fit(states[fit, li])
+            state[:, li, :dims] = pca.transform(states[:, li])
+    return state
+
+
+def _variant_state(dm: Any, variant: str, args: argparse.Namespace) -> np.ndarray:
+    """The ``variant``'s states of ``dm``'s tokens, recomputed with ``--model`` (which must reproduce
+    the traces' routing), as their PCA per layer."""
+    from moecast.collect.models import load_model
+
+    if not dm.spec.gate_pca:
+        raise SystemExit(f"{args.traces}: no gate inputs; the ablation compares against them")
+    states, agree = layer_states(load_model(args.model)[0], dm, list(dm.ts.meta.model.moe_layers), variant)
+    if agree < 0.99:
+        raise SystemExit(
+            f"--model {args.model} reproduces only {agree:.1%} of the traces' routing; "
+            "pass the model that collected them"
+        )
+    print(f"  {variant} {states.shape}: recomputed routing matches {agree:.4%} of the trace")
+    return _pca_states(dm, states, variant)
+
+
+def _data_module(variant: str, args: argparse.Namespace) -> type:
+    """LLaPor's data module with the ``variant``'s state in the dense features (``gate_input``: as is)."""
+    from moecast.train.data import LLaPorDataModule
 
     class DataModule(LLaPorDataModule):
         def setup(self, stage: str | None = None) -> None:
@@ -107,28 +136,7 @@ def run(variant: str, args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str
             self.state = None
             if variant == "gate_input":
                 return
-            if not self.spec.gate_pca:
-                raise SystemExit(f"{args.traces}: no gate inputs; the ablation compares against them")
-            states, agree = layer_states(
-                load_model(args.model)[0], self, list(self.ts.meta.model.moe_layers), variant
-            )
-            if agree < 0.99:
-                raise SystemExit(
-                    f"--model {args.model} reproduces only {agree:.1%} of the traces' routing; "
-                    "pass the model that collected them"
-                )
-            print(f"  {variant} {states.shape}: recomputed routing matches {agree:.4%} of the trace")
-            n_train = len(self.train_rows)
-            fit = np.arange(0, n_train, max(1, n_train // self.hparams.pca_fit_rows))
-            self.state = np.zeros((len(states), self.spec.num_layers, self.spec.pca_max), np.float32)
-            # layer_output: row l feeds layer l+1 (as the gate input's PCA does); speculative: row l is layer l's
-            dims_by_row = (
-                self.spec.pca_dims[:-1] if variant == "layer_output" else [0, *self.spec.pca_dims[1:]]
-            )
-            for li, dims in enumerate(dims_by_row):
-                if dims:
-                    pca = PCA(n_components=dims, random_state=self.hparams.seed).fit(states[fit, li])
-                    self.state[:, li, :dims] = pca.transform(states[:, li])
+            self.state = _variant_state(self, variant, args)
 
         def batch(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
             out = super().batch(rows)
@@ -141,6 +149,16 @@ def run(variant: str, args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str
                 out["dense"][:, :, -self.spec.pca_max :] = torch.from_numpy(self.state[rows])
             return out
 
+    return DataModule
+
+
+def run(variant: str, args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, Any]:
+    import lightning.pytorch as pl
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_predictors
+    from moecast.train.llapor import LLaPorModule
+
+    DataModule = _data_module(variant, args)
     if variant not in VARIANTS:
         raise SystemExit(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
     pl.seed_everything(cfg["train"].get("seed", 0))
