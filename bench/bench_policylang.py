@@ -39,6 +39,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -90,17 +91,10 @@ def build_recording(ts, rids: list[str]):
     )
 
 
-def run(traces: str, requests: int, capacities: list[float]) -> dict:
-    from moecast.collect.traceset import TraceSet
-    from moecast.runtime.replay import ReplayConfig, replay_capacities
-
-    ts = TraceSet(traces)
-    rids = list(ts.request_ids)
-    subset = bool(requests) and requests < len(rids)
-    if subset:
-        rids = rids[:requests]
+def _summary(ts: Any, rids: list[str], subset: bool, capacities: list[float]) -> dict:
+    """What is replayed: the TraceSet, its model, the requests and capacities; ``rows`` still empty."""
     m = ts.meta.model
-    out: dict = {
+    return {
         "traces": str(ts.path),
         "model": m.name_or_path,
         "requests": len(rids),
@@ -114,6 +108,14 @@ def run(traces: str, requests: int, capacities: list[float]) -> dict:
         "softmax": "recorded" if ts.has("router_probs") else "synthesised, peaked on the recorded top-k",
         "rows": [],
     }
+
+
+def _replay_ours(
+    ts: Any, rids: list[str], capacities: list[float]
+) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """(our hit rate per policy and capacity, our wall seconds per policy)."""
+    from moecast.runtime.replay import ReplayConfig, replay_capacities
+
     ours: dict[str, list[float]] = {}
     t_ours = {}
     for pol in OURS:
@@ -121,41 +123,75 @@ def run(traces: str, requests: int, capacities: list[float]) -> dict:
         res = replay_capacities(ts, ReplayConfig(policy=pol, cold=True, requests=rids), capacities)
         t_ours[pol] = time.perf_counter() - t0
         ours[pol] = [r.hit_rate for r in res]
+    return ours, t_ours
+
+
+def _replay_theirs(
+    ts: Any, rids: list[str], capacities: list[float], out: dict
+) -> tuple[dict[str, list[float]] | None, dict[str, float]]:
+    """(MoE-PolicyLang's hit rate per our policy and capacity, or None when it is not installed; its
+    wall seconds per policy); notes the error or its recording time and budgets in ``out``."""
     try:
         from moe_policylang.benchmark.replay import replay_policies
     except ImportError as exc:
         out["error"] = f"moe-policylang is not installed ({exc}); pip install 'moecast[bench]'"
-        theirs = None
+        return None, {}
+    t0 = time.perf_counter()
+    if ts.has("router_probs"):
+        rec = build_recording_probs(ts, rids)
     else:
+        rec = build_recording(ts, rids)
+    out["build_recording_s"] = round(time.perf_counter() - t0, 2)
+    theirs = {}
+    t_theirs = {}
+    for pol, their in OURS.items():
         t0 = time.perf_counter()
-        if ts.has("router_probs"):
-            rec = build_recording_probs(ts, rids)
-        else:
-            rec = build_recording(ts, rids)
-        out["build_recording_s"] = round(time.perf_counter() - t0, 2)
-        theirs = {}
-        t_theirs = {}
-        for pol, their in OURS.items():
-            t0 = time.perf_counter()
-            res = replay_policies(rec, m.top_k, policies=(their,), budget_fractions=capacities)
-            t_theirs[pol] = time.perf_counter() - t0
-            theirs[pol] = [r.hit_rate for r in res]
-            out.setdefault("their_budgets", [r.budget for r in res])
-            out.setdefault("their_accesses", res[0].accesses)
-    from moecast.runtime.cache import resolve_capacity
+        res = replay_policies(rec, ts.meta.model.top_k, policies=(their,), budget_fractions=capacities)
+        t_theirs[pol] = time.perf_counter() - t0
+        theirs[pol] = [r.hit_rate for r in res]
+        out.setdefault("their_budgets", [r.budget for r in res])
+        out.setdefault("their_accesses", res[0].accesses)
+    return theirs, t_theirs
 
-    out["our_budgets"] = [resolve_capacity(c, m.num_experts, m.top_k) for c in capacities]
+
+def _table_rows(
+    ours: dict[str, list[float]],
+    theirs: dict[str, list[float]] | None,
+    budgets: list[int],
+    capacities: list[float],
+) -> list[dict]:
+    """One row per (policy, capacity): our hit rate beside theirs (None without MoE-PolicyLang)."""
+    out = []
     for pol, their in OURS.items():
         for i, cap in enumerate(capacities):
             row = {
                 "policy": pol,
                 "their_policy": their,
                 "capacity": cap,
-                "experts": out["our_budgets"][i],
+                "experts": budgets[i],
                 "moecast": round(ours[pol][i], 4),
                 "policylang": round(theirs[pol][i], 4) if theirs else None,
             }
-            out["rows"].append(row)
+            out.append(row)
+    return out
+
+
+def run(traces: str, requests: int, capacities: list[float]) -> dict:
+    from moecast.collect.traceset import TraceSet
+
+    ts = TraceSet(traces)
+    rids = list(ts.request_ids)
+    subset = bool(requests) and requests < len(rids)
+    if subset:
+        rids = rids[:requests]
+    m = ts.meta.model
+    out = _summary(ts, rids, subset, capacities)
+    ours, t_ours = _replay_ours(ts, rids, capacities)
+    theirs, t_theirs = _replay_theirs(ts, rids, capacities, out)
+    from moecast.runtime.cache import resolve_capacity
+
+    out["our_budgets"] = [resolve_capacity(c, m.num_experts, m.top_k) for c in capacities]
+    out["rows"] += _table_rows(ours, theirs, out["our_budgets"], capacities)
     out["seconds"] = {
         "moecast": {p: round(t, 2) for p, t in t_ours.items()},
         "policylang": {p: round(t, 2) for p, t in t_theirs.items()} if theirs else None,
