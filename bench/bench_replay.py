@@ -20,8 +20,10 @@ import argparse
 import math
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -30,6 +32,49 @@ CAPS5 = [0.1, 0.25, 0.5, 0.75, 0.9]
 
 def _no_clock() -> float:
     return 0.0
+
+
+def _routing(E: int, k: int, iters: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(router softmax [iters, E] of random logits, its top-``k`` ids, the next layer's predicted scores)."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(iters, E)) * 2
+    # float32, as the live runtime hands them over (router softmax and predictor scores from torch)
+    probs = (np.exp(logits) / np.exp(logits).sum(1, keepdims=True)).astype(np.float32)
+    topk = np.argsort(-probs, axis=1)[:, :k]
+    nxt = np.roll(probs, 1, axis=0)
+    return probs, topk, nxt
+
+
+def _best_passes(
+    step: Callable[[], Any],
+    layer: Callable[[Any, int, Callable[[], float]], tuple[float, ...]],
+    iters: int,
+    repeats: int,
+) -> dict:
+    """µs per layer, the best of ``repeats`` passes of ``iters`` layers: each part (wall), their total,
+    the whole loop's CPU time, and the last pass's substituted share."""
+    names = ("substitution", "ranking", "layer", "prefetch")
+    best = dict.fromkeys((*names, "total_cpu"), math.inf)
+    layer(step(), 0, _no_clock)  # loads the compiled kernels
+    subs = 0.0
+    for _ in range(repeats):
+        st = step()  # the decisions alone, timed as a whole in CPU time (robust to other processes)
+        c0 = time.process_time()
+        for i in range(iters):
+            layer(st, i, _no_clock)
+        best["total_cpu"] = min(best["total_cpu"], (time.process_time() - c0) / iters * 1e6)
+        st = step()  # the same loop with a clock read around each call
+        parts = np.zeros(len(names))
+        for i in range(iters):
+            parts += layer(st, i, time.perf_counter)
+        for name, v in zip(names, parts):
+            best[name] = min(best[name], v / iters * 1e6)
+        subs = st.stats["subs"].sum() / st.stats["uses"].sum()
+    out = {n: best[n] for n in names}
+    out["total"] = sum(out.values())
+    out["total_cpu"] = best["total_cpu"]
+    out["substituted_share"] = subs
+    return out
 
 
 def decision_cost(
@@ -53,12 +98,7 @@ def decision_cost(
     from moecast.runtime.step import LayerStep, ranked_predictions
 
     L = 26
-    rng = np.random.default_rng(0)
-    logits = rng.normal(size=(iters, E)) * 2
-    # float32, as the live runtime hands them over (router softmax and predictor scores from torch)
-    probs = (np.exp(logits) / np.exp(logits).sum(1, keepdims=True)).astype(np.float32)
-    topk = np.argsort(-probs, axis=1)[:, :k]
-    nxt = np.roll(probs, 1, axis=0)
+    probs, topk, nxt = _routing(E, k, iters)
     pol = dataclasses.replace(POLICIES[policy], substitutes=True, alpha=0.2, prefetch="predictor")
     # one transfer 0.7 ms in a 1.5 ms attention: a prefetch or two lands per layer
     cost = CostModel(t_io=0.7, t_g=0.05, beta=0.01, c=0.1, t_attn=1.5, expert_bytes=1)
@@ -91,28 +131,7 @@ def decision_cost(
         t4 = clock()
         return t1 - t0, t2 - t1, t3 - t2, t4 - t3
 
-    names = ("substitution", "ranking", "layer", "prefetch")
-    best = dict.fromkeys((*names, "total_cpu"), math.inf)
-    layer(step(), 0, _no_clock)  # loads the compiled kernels
-    subs = 0.0
-    for _ in range(repeats):
-        st = step()  # the decisions alone, timed as a whole in CPU time (robust to other processes)
-        c0 = time.process_time()
-        for i in range(iters):
-            layer(st, i, _no_clock)
-        best["total_cpu"] = min(best["total_cpu"], (time.process_time() - c0) / iters * 1e6)
-        st = step()  # the same loop with a clock read around each call
-        parts = np.zeros(len(names))
-        for i in range(iters):
-            parts += layer(st, i, time.perf_counter)
-        for name, v in zip(names, parts):
-            best[name] = min(best[name], v / iters * 1e6)
-        subs = st.stats["subs"].sum() / st.stats["uses"].sum()
-    out = {n: best[n] for n in names}
-    out["total"] = sum(out.values())
-    out["total_cpu"] = best["total_cpu"]
-    out["substituted_share"] = subs
-    return out
+    return _best_passes(step, layer, iters, repeats)
 
 
 def _run(args: tuple) -> tuple:
@@ -287,7 +306,8 @@ def rows(quick: bool, ds_traces: Path) -> list[dict]:
     return out
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
+    """The command line's options."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--traces", default="traces/ds-puffin")
     ap.add_argument("--quick", action="store_true", help="first 200 requests only")
@@ -296,13 +316,11 @@ def main() -> None:
     ap.add_argument("--hardware", default="prescope-a100-pcie4")
     ap.add_argument("--no-stream", action="store_true", help="skip the stream-mode sweep")
     ap.add_argument("--no-decision", action="store_true", help="skip the per-layer decision microbenchmark")
-    args = ap.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    n_req = args.requests or (200 if args.quick else 0)
-    m = measure(args.traces, n_req, args.workers, args.hardware, not args.no_stream, not args.no_decision)
-    print(
-        f"load average (1/5/15 min): {' '.join(f'{x:.2f}' for x in m['load_before'])}; cpus {os.cpu_count()}"
-    )
+    return ap.parse_args()
+
+
+def _print_decisions(m: dict) -> None:
+    """The numpy call floor and each policy's per-layer decision cost, when they were measured."""
     if m["decisions"]:
         call_us = m["floor_us"]
         print(f"numpy call overhead on this machine now: {call_us:.2f} us CPU per tiny call (a.sum() on 64)")
@@ -314,10 +332,14 @@ def main() -> None:
                 + f" = {d['total_cpu'] / call_us:.1f} tiny numpy calls"
                 + f"  (substituted uses {d['substituted_share']:.0%}; goal <= 10 us total)"
             )
+
+
+def _print_sweeps(m: dict, hardware: str, workers: int, n_req: int) -> None:
+    """The TraceSet, then each sweep's time and rows per policy, then the policies skipped and why."""
     ts, sel = m["traces"], m["requests"]
     print(
         f"TraceSet {ts.path}: {len(sel)} requests, {int(ts.request_lengths(sel).sum())} tokens, "
-        f"{ts.num_layers} layers, {ts.num_experts} experts, top-{ts.top_k}; hardware {args.hardware}; "
+        f"{ts.num_layers} layers, {ts.num_experts} experts, top-{ts.top_k}; hardware {hardware}; "
         f"capacities {', '.join(f'{c:.0%}' for c in CAPS5)}"
     )
     for mode, (out, wall) in m["sweeps"].items():
@@ -336,12 +358,15 @@ def main() -> None:
             )
         print(
             f"{mode} replay of {len(sel)} requests, {len(m['runnable'])} policies x 5 capacities: {wall:.1f} s wall "
-            f"({cpu:.1f} s cpu over {args.workers} worker(s))"
+            f"({cpu:.1f} s cpu over {workers} worker(s))"
             + ("  (goal < 60 s)" if mode == "cold" and not n_req else "")
         )
     for p, reason in m["skipped"].items():
         print(f"  {p}: skipped ({reason})")
-    print(f"\nload average now: {' '.join(f'{x:.2f}' for x in m['load_after'])}")
+
+
+def _print_hit_table(m: dict) -> None:
+    """The hit rates at 10/25/50 % per policy and mode, as a markdown table."""
     print(
         "\nhit rate at 10/25/50 % capacity: per-layer caches, batch 1; demand loads + policy; "
         "prefetch and presched with the oracle predictor;\ncold = every request starts empty, "
@@ -353,6 +378,20 @@ def main() -> None:
         print(f"| {p:<9} | {mode:<6} | " + " | ".join(f"{h:6.3f}" for h in hits) + " |")
     for p in m["skipped"]:
         print(f"| {p:<9} | -      |      - |      - |      - |  (needs router_probs)")
+
+
+def main() -> None:
+    args = _parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    n_req = args.requests or (200 if args.quick else 0)
+    m = measure(args.traces, n_req, args.workers, args.hardware, not args.no_stream, not args.no_decision)
+    print(
+        f"load average (1/5/15 min): {' '.join(f'{x:.2f}' for x in m['load_before'])}; cpus {os.cpu_count()}"
+    )
+    _print_decisions(m)
+    _print_sweeps(m, args.hardware, args.workers, n_req)
+    print(f"\nload average now: {' '.join(f'{x:.2f}' for x in m['load_after'])}")
+    _print_hit_table(m)
 
 
 if __name__ == "__main__":
