@@ -240,7 +240,8 @@ def _llapor_rows(ll: dict, note: str, predictor: str) -> list[dict]:
     ]
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
+    """The command line's options."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
@@ -253,41 +254,45 @@ def main() -> None:
         default=DEFAULT_PREDICTOR,
         help="LLaPor checkpoint for tiny (skipped when absent or trained on another model)",
     )
-    args = ap.parse_args()
-    alphas = tuple(float(a) for a in args.alphas.split(","))
-    m = measure(
-        args.tokens, args.repeats, args.texts, args.text_tokens, args.capacity, alphas, args.predictor
-    )
-    print(f"tiny ({m['preset']} preset), {m['parameters']:,} parameters, 1 CPU thread")
+    return ap.parse_args()
+
+
+def _print_overhead(m: dict, tokens: int, repeats: int) -> None:
+    """Plain and attached ms/token at full residency and the overhead between them."""
     p, lv = min(m["plain"]), min(m["live"])
     pm, lm = statistics.median(m["plain"]), statistics.median(m["live"])
-    print(f"\nfull residency, {args.tokens} new tokens, best of {args.repeats} (median in brackets):")
+    print(f"\nfull residency, {tokens} new tokens, best of {repeats} (median in brackets):")
     print(f"  plain generate      {p:7.2f} ms/token  ({pm:.2f})")
     print(f"  attached (alpha 0)  {lv:7.2f} ms/token  ({lm:.2f})   hit rate {m['hit_rate']:.3f}")
     print(
         f"  overhead            {100 * overhead(m):+7.1f} %   (goal <= 15 %; medians {100 * (lm / pm - 1):+.1f} %)"
     )
-    ll = m["llapor"]
+
+
+def _print_llapor(ll: dict, predictor: str, capacity: str, repeats: int) -> None:
+    """LLaPor's ms/token and per-layer prediction call in the decode loop, or why it was skipped."""
     if "skipped" in ll:
         print(f"\nLLaPor in the decode loop: skipped ({ll['skipped']})")
-    else:
-        print(
-            f"\nLLaPor in the decode loop ({Path(args.predictor).name}, capacity {args.capacity}, best of {args.repeats}):"
-        )
-        for name, v in ll["ms_per_token"].items():
-            print(f"  {name:<18} {min(v):7.2f} ms/token  ({statistics.median(v):.2f})")
-        print(
-            f"  per-layer prediction {ll['median_us']:6.1f} us median, p90 {ll['p90_us']:.1f} us "
-            f"({ll['calls']} calls: window, then score_at: that layer's features and network)"
-        )
-        print(
-            f"  the same calls out of the loop {ll['warm_us']:6.1f} us median (warm caches: the rest is the model's "
-            "own work between layers evicting the predictor's data on this CPU)"
-        )
+        return
+    print(f"\nLLaPor in the decode loop ({Path(predictor).name}, capacity {capacity}, best of {repeats}):")
+    for name, v in ll["ms_per_token"].items():
+        print(f"  {name:<18} {min(v):7.2f} ms/token  ({statistics.median(v):.2f})")
+    print(
+        f"  per-layer prediction {ll['median_us']:6.1f} us median, p90 {ll['p90_us']:.1f} us "
+        f"({ll['calls']} calls: window, then score_at: that layer's features and network)"
+    )
+    print(
+        f"  the same calls out of the loop {ll['warm_us']:6.1f} us median (warm caches: the rest is the model's "
+        "own work between layers evicting the predictor's data on this CPU)"
+    )
+
+
+def _print_sweep(m: dict, capacity: str) -> None:
+    """The alpha sweep's table, then the alpha = 0.3 figures against their goals."""
     res = m["sweep"]
     print(
         f"\nalpha sweep: {m['sweep_texts']} held-out ShareGPT texts, {res[0]['tokens']} tokens scored one by one "
-        f"(decode steps), capacity {args.capacity}, {m['sweep_seconds']:.0f} s"
+        f"(decode steps), capacity {capacity}, {m['sweep_seconds']:.0f} s"
     )
     print(
         f"  {'alpha':>5}  {'ppl':>8}  {'d ppl':>7}  {'agree':>6}  {'subst':>6}  {'hit':>6}  {'TPOT model':>10}  {'measured':>8}"
@@ -305,6 +310,18 @@ def main() -> None:
             f"agreement with alpha = 0 {100 * at['agreement']:.1f} % (goal >= 95 %), "
             f"substitution rate {100 * at['substitution_rate']:.1f} %"
         )
+
+
+def main() -> None:
+    args = _parse_args()
+    alphas = tuple(float(a) for a in args.alphas.split(","))
+    m = measure(
+        args.tokens, args.repeats, args.texts, args.text_tokens, args.capacity, alphas, args.predictor
+    )
+    print(f"tiny ({m['preset']} preset), {m['parameters']:,} parameters, 1 CPU thread")
+    _print_overhead(m, args.tokens, args.repeats)
+    _print_llapor(m["llapor"], args.predictor, args.capacity, args.repeats)
+    _print_sweep(m, args.capacity)
 
 
 if __name__ == "__main__":
