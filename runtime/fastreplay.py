@@ -367,13 +367,30 @@ class Wavefront:
         self.skew = 2 if (balancer == "presched" and cand is not None) else 1
         self._layout(g_start, g_len)
         S = int(g_len.max())
+        self._keys(S, lfu)
+        self.prefetching = cand is not None
+        self._lane_clocks(predictor_ms)
+        self._inputs(topk, cand, pred_ids, basis, decode)
+        self.n_iter = self.skew * (S - 1) + L
+        self.n_act_of = np.searchsorted(-self.end_sorted, -np.arange(self.n_iter), side="left")
+        if preload is not None:
+            self.preload(preload)
+
+    def run(self) -> dict[str, np.ndarray]:
+        for i in range(self.n_iter):
+            self.iteration(i)
+        return self.results()
+
+    def _keys(self, S: int, lfu: bool) -> None:
+        """The cache's keys, one per (lane, expert): step | id | prefetched flag (LFU: access count
+        above them), in int32 where they fit."""
+        E, lanes = self.E, self.lanes
         self.sh = max(1, int(E - 1).bit_length())
         small = (int(S + 1).bit_length() + self.sh + 1) <= 30
         self.kdt = np.int32 if small and not lfu else np.int64
         self.big = np.iinfo(self.kdt).max
         self.idmask = self.kdt((1 << self.sh) - 1)
         self.sh1 = self.sh + 1  # key layout: step | id | prefetched flag
-        lanes = self.lanes
         # LFU (the cache's own order: accesses since the start, resident or not, then recency, then
         # id): each lane's access counts, and above the step in the keys of resident experts
         self.freq = np.zeros(lanes * E, dtype=np.int64) if lfu else None
@@ -381,7 +398,10 @@ class Wavefront:
         self.K = np.full((lanes, E), self.big, dtype=self.kdt)
         self.Kf = self.K.reshape(-1)
         self.count = np.zeros(lanes, dtype=np.int64)
-        self.prefetching = cand is not None
+
+    def _lane_clocks(self, predictor_ms: float) -> None:
+        """Each lane's link clock and the rates PreSched reads, before the first step."""
+        lanes, cost = self.lanes, self.cost
         self.t_pred = predictor_ms if self.prefetching else 0.0
         self.first_window = cost.t_attn - self.t_pred
         self.free = np.full(lanes, self.first_window)
@@ -391,6 +411,17 @@ class Wavefront:
         self.r_used = np.ones(lanes)
         self.r_landed = np.full(lanes, 2.0)
         self.acc = {name: np.zeros(lanes) for name in _WAVE_STATS}
+
+    def _inputs(
+        self,
+        topk: np.ndarray,
+        cand: np.ndarray | None,
+        pred_ids: np.ndarray | None,
+        basis: np.ndarray,
+        decode: np.ndarray | None,
+    ) -> None:
+        """The routed and predicted ids as the steps gather them, and which tokens count."""
+        N, L, k = topk.shape
         # ids as int8 (E <= 64): the per-step gathers read a quarter of the bytes
         self.topk2 = topk.reshape(N * L, k).astype(np.int8)
         self.cand2 = cand.reshape(N * L, -1).astype(np.int8) if cand is not None else None
@@ -402,15 +433,6 @@ class Wavefront:
         # predictions without -1 padding (the usual case) skip the masking below
         self.cand_full = bool(self.prefetching and (self.cand2 >= 0).all())
         self.pred_full = bool(self.pred2 is not None and (self.pred2 >= 0).all())
-        self.n_iter = self.skew * (S - 1) + L
-        self.n_act_of = np.searchsorted(-self.end_sorted, -np.arange(self.n_iter), side="left")
-        if preload is not None:
-            self.preload(preload)
-
-    def run(self) -> dict[str, np.ndarray]:
-        for i in range(self.n_iter):
-            self.iteration(i)
-        return self.results()
 
     def _layout(self, g_start: np.ndarray, g_len: np.ndarray) -> None:
         """Natural lane id (c * G + g) * L + l, stored at position pos[id], latest-finishing first."""
