@@ -210,29 +210,7 @@ class TraceWriter:
         (self.path / "tokens").mkdir(parents=True, exist_ok=True)
         meta_path = self.path / "meta.json"
         if meta_path.exists():
-            try:
-                data = json.loads(meta_path.read_text())
-            except json.JSONDecodeError as exc:
-                raise TraceSetError(
-                    f"{meta_path}: unreadable JSON ({exc}); fix or delete it, or collect into another --out"
-                ) from exc
-            existing = TraceMeta.from_json(data, str(meta_path))
-            if existing.model.fingerprint != meta.model.fingerprint:
-                raise TraceSetError(
-                    f"{self.path} holds traces of model {existing.model.name_or_path} "
-                    f"(fingerprint {existing.model.fingerprint}), not {meta.model.name_or_path} "
-                    f"(fingerprint {meta.model.fingerprint}); choose another --out"
-                )
-            if existing.fields != meta.fields:
-                raise TraceSetError(
-                    f"{self.path} was collected with fields {existing.fields}, this run has {meta.fields}; "
-                    "use the same options or another --out"
-                )
-            # the TraceSet keeps its identity as requests are added (checkpoints name it)
-            for key in ("traceset_id", "contains_tracesets"):
-                meta.collection.pop(key, None)
-                if existing.collection.get(key):
-                    meta.collection[key] = existing.collection[key]
+            self._adopt_existing_meta(meta_path)
         else:
             meta.collection.setdefault("traceset_id", uuid.uuid4().hex[:16])
         if overwrite_meta and (shard == 0 or not meta_path.exists()):
@@ -243,15 +221,65 @@ class TraceWriter:
             stale.unlink(missing_ok=True)
         self.done: set[str] = set()
         self._seq = 0
+        self._scan_committed_parts()
+
+    def _adopt_existing_meta(self, meta_path: Path) -> None:
+        """Check the directory's meta.json matches this run and carry its TraceSet identity over."""
+        meta = self.meta
+        try:
+            data = json.loads(meta_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise TraceSetError(
+                f"{meta_path}: unreadable JSON ({exc}); fix or delete it, or collect into another --out"
+            ) from exc
+        existing = TraceMeta.from_json(data, str(meta_path))
+        if existing.model.fingerprint != meta.model.fingerprint:
+            raise TraceSetError(
+                f"{self.path} holds traces of model {existing.model.name_or_path} "
+                f"(fingerprint {existing.model.fingerprint}), not {meta.model.name_or_path} "
+                f"(fingerprint {meta.model.fingerprint}); choose another --out"
+            )
+        if existing.fields != meta.fields:
+            raise TraceSetError(
+                f"{self.path} was collected with fields {existing.fields}, this run has {meta.fields}; "
+                "use the same options or another --out"
+            )
+        # the TraceSet keeps its identity as requests are added (checkpoints name it)
+        for key in ("traceset_id", "contains_tracesets"):
+            meta.collection.pop(key, None)
+            if existing.collection.get(key):
+                meta.collection[key] = existing.collection[key]
+
+    def _scan_committed_parts(self) -> None:
+        """Fill ``done`` from every committed part and move ``_seq`` past this shard's last one."""
         for part in sorted((self.path / "requests").glob("part-*.arrow")):
             ids = _read_table(part).column("request_id").to_pylist()
             self.done.update(ids)
-            if part.stem.startswith(f"part-s{shard:03d}-"):
+            if part.stem.startswith(f"part-s{self.shard:03d}-"):
                 self._seq = max(self._seq, int(part.stem.rsplit("-", 1)[1]) + 1)
 
     def write(self, records: Sequence[RequestRecord]) -> None:
         if not records:
             return
+        tok = self._token_columns(records)
+        req = {
+            "request_id": pa.array([r.request_id for r in records], pa.string()),
+            "workload": pa.array([r.workload for r in records], pa.string()),
+            "category": pa.array([r.category for r in records], pa.string()),
+            "prompt": pa.array([r.prompt for r in records], pa.string()),
+            "num_prompt_tokens": pa.array([r.num_prompt_tokens for r in records], pa.int32()),
+            "num_generated_tokens": pa.array([r.num_generated_tokens for r in records], pa.int32()),
+            "reference": pa.array([r.reference for r in records], pa.string()),
+            "output_text": pa.array([r.output_text for r in records], pa.string()),
+        }
+        name = f"part-s{self.shard:03d}-{self._seq:05d}.arrow"
+        _write_table(self.path / "tokens" / name, pa.table(tok))
+        _write_table(self.path / "requests" / name, pa.table(req))  # commit marker: written last
+        self._seq += 1
+        self.done.update(r.request_id for r in records)
+
+    def _token_columns(self, records: Sequence[RequestRecord]) -> dict[str, pa.Array]:
+        """Check each record's shapes and fields and gather the tokens part's columns."""
         L, k = self.meta.model.num_layers, self.meta.model.top_k
         cols: dict[str, list[Any]] = {
             "request_id": [],
@@ -276,14 +304,7 @@ class TraceWriter:
             cols["token_id"].append(np.asarray(rec.token_ids, dtype=np.int32))
             cols["token_text"].extend(rec.token_texts)
             arrays["topk_ids"].append(rec.topk_ids)
-            for name in OPTIONAL_FIELDS:
-                if name in arrays:
-                    value = getattr(rec, name)
-                    if value is None:
-                        raise TraceSetError(
-                            f"request {rec.request_id}: field {name} declared present but missing"
-                        )
-                    arrays[name].append(value)
+            _gather_optional(rec, arrays)
         tok = {
             "request_id": pa.array(cols["request_id"], pa.string()),
             "position": pa.array(np.concatenate(cols["position"])),
@@ -295,21 +316,17 @@ class TraceWriter:
         for name in OPTIONAL_FIELDS:
             if name in arrays:
                 tok[name] = _fixed_list(np.concatenate(arrays[name]), "float16")
-        req = {
-            "request_id": pa.array([r.request_id for r in records], pa.string()),
-            "workload": pa.array([r.workload for r in records], pa.string()),
-            "category": pa.array([r.category for r in records], pa.string()),
-            "prompt": pa.array([r.prompt for r in records], pa.string()),
-            "num_prompt_tokens": pa.array([r.num_prompt_tokens for r in records], pa.int32()),
-            "num_generated_tokens": pa.array([r.num_generated_tokens for r in records], pa.int32()),
-            "reference": pa.array([r.reference for r in records], pa.string()),
-            "output_text": pa.array([r.output_text for r in records], pa.string()),
-        }
-        name = f"part-s{self.shard:03d}-{self._seq:05d}.arrow"
-        _write_table(self.path / "tokens" / name, pa.table(tok))
-        _write_table(self.path / "requests" / name, pa.table(req))  # commit marker: written last
-        self._seq += 1
-        self.done.update(r.request_id for r in records)
+        return tok
+
+
+def _gather_optional(rec: RequestRecord, arrays: dict[str, list[np.ndarray]]) -> None:
+    """Append ``rec``'s value of each optional field declared present (a key of ``arrays``)."""
+    for name in OPTIONAL_FIELDS:
+        if name in arrays:
+            value = getattr(rec, name)
+            if value is None:
+                raise TraceSetError(f"request {rec.request_id}: field {name} declared present but missing")
+            arrays[name].append(value)
 
 
 # ----------------------------------------------------------------------------- reading
