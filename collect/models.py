@@ -115,28 +115,48 @@ def find_moe_structure(model: Any, router_pattern: str | None = None) -> MoEStru
     """
     named = list(model.named_modules())
     if router_pattern:
-        try:
-            regex = re.compile(router_pattern)
-        except re.error as exc:
-            raise InputError(f"--router-pattern {router_pattern!r} is not a valid regex ({exc})") from exc
-        # experts modules, when the model has them, still describe the experts (sizes, shared expert)
-        experts = {layer_index(n): (n, m) for n, m in named if is_experts_module(m)}
-        layers = []
-        for name, module in named:
-            if name and regex.search(name):
-                idx = layer_index(name)
-                idx = idx if idx is not None else len(layers)
-                exp_name, exp = experts.get(idx, ("", None))
-                layers.append(
-                    MoELayer(layer=idx, experts_name=exp_name, experts=exp, router_name=name, router=module)
-                )
-        if not layers:
-            raise ModelLoadError(
-                f"--router-pattern {router_pattern!r} matches no module of {type(model).__name__}; "
-                "list the module names with `print(model)` and match the router (gate) modules"
-            )
-        return MoEStructure(layers=sorted(layers, key=lambda e: e.layer), pattern=router_pattern)
+        return _pattern_structure(model, named, router_pattern)
 
+    layers = _experts_layers(model, named)
+    index = _attach_routers(model, named, layers)
+    kind = "softmax"
+    # DeepSeek-V3-style routers score experts with a sigmoid plus a selection bias
+    if any(hasattr(e.router, "e_score_correction_bias") for e in layers.values()) or (
+        getattr(model.config, "scoring_func", "") == "sigmoid"
+    ):
+        kind = "sigmoid-normalised"
+    return MoEStructure(
+        layers=[layers[i] for i in sorted(layers)], router_output_index=index, router_probs_kind=kind
+    )
+
+
+def _pattern_structure(model: Any, named: list[tuple[str, Any]], router_pattern: str) -> MoEStructure:
+    """The structure whose routers are the modules named by the ``--router-pattern`` regex."""
+    try:
+        regex = re.compile(router_pattern)
+    except re.error as exc:
+        raise InputError(f"--router-pattern {router_pattern!r} is not a valid regex ({exc})") from exc
+    # experts modules, when the model has them, still describe the experts (sizes, shared expert)
+    experts = {layer_index(n): (n, m) for n, m in named if is_experts_module(m)}
+    layers = []
+    for name, module in named:
+        if name and regex.search(name):
+            idx = layer_index(name)
+            idx = idx if idx is not None else len(layers)
+            exp_name, exp = experts.get(idx, ("", None))
+            layers.append(
+                MoELayer(layer=idx, experts_name=exp_name, experts=exp, router_name=name, router=module)
+            )
+    if not layers:
+        raise ModelLoadError(
+            f"--router-pattern {router_pattern!r} matches no module of {type(model).__name__}; "
+            "list the module names with `print(model)` and match the router (gate) modules"
+        )
+    return MoEStructure(layers=sorted(layers, key=lambda e: e.layer), pattern=router_pattern)
+
+
+def _experts_layers(model: Any, named: list[tuple[str, Any]]) -> dict[int, MoELayer]:
+    """One MoELayer per decoder layer holding an experts module, keyed by layer index (no routers yet)."""
     layers: dict[int, MoELayer] = {}
     for name, module in named:
         if is_experts_module(module):
@@ -157,6 +177,11 @@ def find_moe_structure(model: Any, router_pattern: str | None = None) -> MoEStru
             f"{type(model).__name__} ({getattr(model.config, 'model_type', '?')}) has no MoE experts module that uses "
             "transformers' experts interface: it is not an MoE model, or pass --router-pattern REGEX naming its routers"
         )
+    return layers
+
+
+def _attach_routers(model: Any, named: list[tuple[str, Any]], layers: dict[int, MoELayer]) -> int:
+    """Give each layer its router module; returns the index of the logits in the router's output."""
     router_cls, index = _router_recorder(model)
     if router_cls is not None:
         for name, module in named:
@@ -168,15 +193,7 @@ def find_moe_structure(model: Any, router_pattern: str | None = None) -> MoEStru
         # releases that do not record router_logits for a family (transformers 5.17's DeepSeek-V2/V3)
         _sibling_routers(model, layers)
         index = 0
-    kind = "softmax"
-    # DeepSeek-V3-style routers score experts with a sigmoid plus a selection bias
-    if any(hasattr(e.router, "e_score_correction_bias") for e in layers.values()) or (
-        getattr(model.config, "scoring_func", "") == "sigmoid"
-    ):
-        kind = "sigmoid-normalised"
-    return MoEStructure(
-        layers=[layers[i] for i in sorted(layers)], router_output_index=index, router_probs_kind=kind
-    )
+    return index
 
 
 def _sibling_routers(model: Any, layers: dict[int, MoELayer]) -> None:
