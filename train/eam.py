@@ -90,12 +90,35 @@ def fit_eam(
     train_ids = train_ids[: data.max_requests] if data.max_requests else train_ids
     if not train_ids:
         raise InputError(f"{traces}: no training requests to index")
+    index, moe_layers = _build(ts, traces, train_ids, splits.metadata(), eam, data, batch_size)
+    metrics: dict[str, Any] = {"indexed_requests": len(train_ids)}
+    if val_ids:
+        metrics.update(_evaluate(index, ts, val_ids, data.include_decode, eval_k or ts.top_k))
+    index.extra_meta["metrics"] = metrics
+    path = index.save(out_p)
+    _record_run(out_p, run_dir, metrics, bool(wandb and val_ids), moe_layers)
+    print(
+        f"wrote {path} ({index.size} prompts indexed; index {index_path(path, index.generation).name} beside it)"
+    )
+    return path
+
+
+def _build(
+    ts: Any,
+    traces: str,
+    train_ids: list[str],
+    split_meta: dict[str, Any],
+    eam: EAMConfig,
+    data: PlanData,
+    batch_size: int,
+) -> tuple[EAM, list[int]]:
+    """The EAM over the training requests' prompt keys and EP labels, and the model's MoE layers."""
     ep_train, weighted = ep_labels(ts, train_ids, data.include_decode)
     embedder = SentenceEmbedder(eam.embedder, max_length=eam.max_length, int8=eam.int8, engine=eam.engine)
     keys = _embed(embedder, prompt_texts(ts, train_ids), batch_size)
     cfg = dataclasses.replace(eam, max_length=embedder.max_length, int8=embedder.int8)
     info = data_info(ts, traces, weighted, data.include_decode)
-    info["split"] = splits.metadata()
+    info["split"] = split_meta
     index = EAM(
         embedder,
         ep_train,
@@ -108,21 +131,19 @@ def fit_eam(
             k: info[k] for k in ("trained_on", "ep_weighting", "include_decode", "model_name", "split")
         },
     )
-    metrics: dict[str, Any] = {"indexed_requests": len(train_ids)}
-    if val_ids:
-        metrics.update(_evaluate(index, ts, val_ids, data.include_decode, eval_k or ts.top_k))
-    index.extra_meta["metrics"] = metrics
-    path = index.save(out_p)
+    return index, info["moe_layers"]
+
+
+def _record_run(
+    out_p: Path, run_dir: str | None, metrics: dict[str, Any], log_wandb: bool, moe_layers: list[int]
+) -> None:
+    """Write the build's metrics.json into its run directory and, when asked, its wandb run."""
     rd = run_dir_for(out_p, run_dir)
     rd.mkdir(parents=True, exist_ok=True)
     atomic_write_json(rd / "metrics.json", metrics)
-    if wandb and val_ids:
+    if log_wandb:
         scalars = {k: v for k, v in metrics.items() if not isinstance(v, list)}
-        _log_wandb(rd, out_p.stem, scalars, metrics.get("per_layer_recall"), info["moe_layers"])
-    print(
-        f"wrote {path} ({index.size} prompts indexed; index {index_path(path, index.generation).name} beside it)"
-    )
-    return path
+        _log_wandb(rd, out_p.stem, scalars, metrics.get("per_layer_recall"), moe_layers)
 
 
 def _log_wandb(
