@@ -189,12 +189,27 @@ def build_tokenizer(texts: list[str], vocab_size: int):
     """
     from tokenizers import Tokenizer
     from tokenizers.processors import TemplateProcessing
-    from transformers import PreTrainedTokenizerFast
 
     base = _base_tokenizer()
     base.model_max_length = 1 << 30  # we only count pieces here; silence the 512-token warning
     spec = jsonlib.loads(base.backend_tokenizer.to_str())
-    old_vocab: dict[str, int] = spec["model"]["vocab"]
+    keep = _kept_pieces(base, spec["model"]["vocab"], texts, vocab_size)
+    seen = set(keep)
+    spec["model"]["vocab"] = {t: i for i, t in enumerate(keep)}
+    spec["added_tokens"] = [
+        dict(a, id=keep.index(a["content"])) for a in spec["added_tokens"] if a["content"] in seen
+    ]
+    tk = Tokenizer.from_str(jsonlib.dumps(spec))
+    tk.post_processor = TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, keep.index(BOS))]
+    )
+    tk.no_truncation()
+    tk.no_padding()
+    return _fast_tokenizer(tk)
+
+
+def _kept_pieces(base: Any, old_vocab: dict[str, int], texts: list[str], vocab_size: int) -> list[str]:
+    """The pieces ``build_tokenizer`` keeps, in their new id order (see its docstring)."""
     id_to_tok = {i: t for t, i in old_vocab.items()}
     counts: Counter[int] = Counter()
     for enc in base(texts, add_special_tokens=False)["input_ids"]:
@@ -214,16 +229,13 @@ def build_tokenizer(texts: list[str], vocab_size: int):
             f"tiny: the training text uses {len(keep)} distinct characters, more than vocab_size {vocab_size}; "
             "raise vocab_size in configs/tiny.yaml"
         )
-    spec["model"]["vocab"] = {t: i for i, t in enumerate(keep)}
-    spec["added_tokens"] = [
-        dict(a, id=keep.index(a["content"])) for a in spec["added_tokens"] if a["content"] in seen
-    ]
-    tk = Tokenizer.from_str(jsonlib.dumps(spec))
-    tk.post_processor = TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, keep.index(BOS))]
-    )
-    tk.no_truncation()
-    tk.no_padding()
+    return keep
+
+
+def _fast_tokenizer(tk: Any) -> Any:
+    """The transformers tokenizer around the trimmed ``tokenizers`` one, with tiny's special tokens."""
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast(
         tokenizer_object=tk,
         bos_token=BOS,
@@ -361,21 +373,7 @@ def train(cfg: TinyConfig, model, data: np.ndarray, seed: int, progress: bool = 
     step = 0
     for step in bar:
         idx = order[(np.arange(cfg.batch_size) + step * cfg.batch_size) % len(order)]
-        batch = torch.from_numpy(data[idx])
-        mult = _lr_at(step, cfg)
-        for g in opt.param_groups:
-            g["lr"] = cfg.lr * mult * g["lr_mult"]
-        out = model(input_ids=batch, labels=batch, output_router_logits=True)
-        # out.loss includes transformers' layer-pooled balancing term; swap it for the per-layer one
-        lm_loss = out.loss - model.config.router_aux_loss_coef * out.aux_loss
-        balance = _balance_loss(out.router_logits, cfg.top_k)
-        loss = (
-            lm_loss + cfg.router_aux_loss_coef * balance + cfg.router_z_loss_coef * _z_loss(out.router_logits)
-        )
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
+        lm_loss, balance = _train_step(cfg, model, opt, torch.from_numpy(data[idx]), step)
         losses.append(float(lm_loss.detach()))
         if step % 10 == 0:
             bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}", balance=f"{float(balance.detach()):.3f}")
@@ -383,8 +381,32 @@ def train(cfg: TinyConfig, model, data: np.ndarray, seed: int, progress: bool = 
             stopped_early = step + 1 < cfg.steps
             break
     bar.close()
-    seconds = time.perf_counter() - start
-    steps_done = step + 1
+    return _train_figures(cfg, step + 1, stopped_early, time.perf_counter() - start, losses)
+
+
+def _train_step(cfg: TinyConfig, model: Any, opt: Any, batch: Any, step: int) -> tuple[Any, Any]:
+    """One optimiser step on ``batch`` at ``step``'s learning rate; returns (LM loss, balance loss)."""
+    import torch
+
+    mult = _lr_at(step, cfg)
+    for g in opt.param_groups:
+        g["lr"] = cfg.lr * mult * g["lr_mult"]
+    out = model(input_ids=batch, labels=batch, output_router_logits=True)
+    # out.loss includes transformers' layer-pooled balancing term; swap it for the per-layer one
+    lm_loss = out.loss - model.config.router_aux_loss_coef * out.aux_loss
+    balance = _balance_loss(out.router_logits, cfg.top_k)
+    loss = lm_loss + cfg.router_aux_loss_coef * balance + cfg.router_z_loss_coef * _z_loss(out.router_logits)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    opt.step()
+    return lm_loss, balance
+
+
+def _train_figures(
+    cfg: TinyConfig, steps_done: int, stopped_early: bool, seconds: float, losses: list[float]
+) -> dict[str, Any]:
+    """What ``train`` reports: steps and tokens done, speed and the final training loss."""
     return {
         "steps": steps_done,
         "stopped_early": stopped_early,
@@ -572,29 +594,16 @@ def build_tiny(
 
 
 def _build(cfg: TinyConfig, preset: str, seed: int):
-    import torch
-    import transformers
-    from moecast.collect.sharegpt import count_conversations
-    from transformers import Qwen2MoeForCausalLM
+    # imported before the clock starts, so data_seconds times the data, not these imports
+    import transformers  # noqa: F401
+    from moecast.collect.sharegpt import count_conversations  # noqa: F401
+    from transformers import Qwen2MoeForCausalLM  # noqa: F401
 
     t0 = time.perf_counter()
-    train_texts = _collect_texts(cfg, "train", cfg.train_tokens)
-    val_texts = _collect_texts(cfg, "val", cfg.val_tokens)
-    tokenizer = build_tokenizer(train_texts, cfg.vocab_size)
-    train_rows = _pack(tokenizer, train_texts, cfg.seq_len)
-    val_rows = _pack(tokenizer, val_texts, cfg.seq_len)[: max(2, cfg.val_tokens // cfg.seq_len)]
-    if len(train_rows) < cfg.batch_size:
-        raise InputError(
-            f"tiny: only {len(train_rows)} training rows of {cfg.seq_len} tokens; lower batch_size"
-        )
+    tokenizer, train_rows, val_rows = _build_data(cfg)
     data_seconds = time.perf_counter() - t0
 
-    torch.manual_seed(seed)
-    model = Qwen2MoeForCausalLM(model_config(cfg, tokenizer))
-    if cfg.router_init_std is not None:
-        with torch.no_grad():
-            for layer in model.model.layers:
-                layer.mlp.gate.weight.normal_(0.0, cfg.router_init_std)
+    model = _init_model(cfg, tokenizer, seed)
     # grouped_mm trains ~20% faster on CPU than eager: eager indexes the stacked expert
     # weights once per expert, and each index's backward zero-fills a full-size weight
     # gradient (most of a step went to fill_). The saved model keeps transformers' default.
@@ -604,32 +613,76 @@ def _build(cfg: TinyConfig, preset: str, seed: int):
     model.eval()
     figures = evaluate(model, val_rows)
     model.set_experts_implementation(default_impl)
+    info = _build_info(cfg, preset, seed, model, tokenizer, train_rows, data_seconds, stats, figures)
+    return info, model, tokenizer
+
+
+def _build_data(cfg: TinyConfig) -> tuple[Any, np.ndarray, np.ndarray]:
+    """The tokenizer built on the ShareGPT training text, and the packed training and validation rows."""
+    train_texts = _collect_texts(cfg, "train", cfg.train_tokens)
+    val_texts = _collect_texts(cfg, "val", cfg.val_tokens)
+    tokenizer = build_tokenizer(train_texts, cfg.vocab_size)
+    train_rows = _pack(tokenizer, train_texts, cfg.seq_len)
+    val_rows = _pack(tokenizer, val_texts, cfg.seq_len)[: max(2, cfg.val_tokens // cfg.seq_len)]
+    if len(train_rows) < cfg.batch_size:
+        raise InputError(
+            f"tiny: only {len(train_rows)} training rows of {cfg.seq_len} tokens; lower batch_size"
+        )
+    return tokenizer, train_rows, val_rows
+
+
+def _init_model(cfg: TinyConfig, tokenizer: Any, seed: int) -> Any:
+    """A freshly initialised Qwen2-MoE for ``cfg`` (seeded), routers re-drawn when the preset says so."""
+    import torch
+    from transformers import Qwen2MoeForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen2MoeForCausalLM(model_config(cfg, tokenizer))
+    if cfg.router_init_std is not None:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mlp.gate.weight.normal_(0.0, cfg.router_init_std)
+    return model
+
+
+def _build_info(
+    cfg: TinyConfig,
+    preset: str,
+    seed: int,
+    model: Any,
+    tokenizer: Any,
+    train_rows: np.ndarray,
+    data_seconds: float,
+    stats: dict[str, Any],
+    figures: dict[str, Any],
+) -> dict[str, Any]:
+    """build_info.json: the preset, the model's size, the data, training figures and versions."""
+    import torch
+    import transformers
+    from moecast.collect.sharegpt import count_conversations
+
     total = sum(p.numel() for p in model.parameters())
     expert = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
     active = total - expert + expert * cfg.top_k // cfg.num_experts
-    return (
-        {
-            "preset": preset,
-            "seed": seed,
-            "config": asdict(cfg),
-            "architecture": "Qwen2MoeForCausalLM",
-            "parameters": total,
-            "active_parameters": active,
-            "vocab_size": len(tokenizer),
-            "train_rows_available": len(train_rows),
-            "train_epochs": round(stats["train_tokens"] / train_rows.size, 3),
-            "data_seconds": round(data_seconds, 2),
-            "sharegpt_conversations": count_conversations().records,
-            **stats,
-            **figures,
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "threads": torch.get_num_threads(),
-            "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        },
-        model,
-        tokenizer,
-    )
+    return {
+        "preset": preset,
+        "seed": seed,
+        "config": asdict(cfg),
+        "architecture": "Qwen2MoeForCausalLM",
+        "parameters": total,
+        "active_parameters": active,
+        "vocab_size": len(tokenizer),
+        "train_rows_available": len(train_rows),
+        "train_epochs": round(stats["train_tokens"] / train_rows.size, 3),
+        "data_seconds": round(data_seconds, 2),
+        "sharegpt_conversations": count_conversations().records,
+        **stats,
+        **figures,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
 
 
 def _install(tmp: Path, target: Path, force: bool) -> None:
