@@ -259,35 +259,12 @@ class EAM(Planner):
         import hnswlib
 
         path = Path(path)
-        files = meta.get("files") or {}
-        idx = path.with_name(files.get("index", ""))
-        if not files.get("index") or not idx.is_file():
-            raise CheckpointError(
-                f"{path}: its EAM index file {idx.name or '(unnamed)'} is missing beside it; copy it along "
-                "with the checkpoint or rebuild with `moecast train eam`"
-            )
+        idx = _index_file(path, meta)
         cfg = EAMConfig(**meta.get("config", {}))
-        embedder = shared_embedder(
-            meta.get("embedder", "minilm"), max_length=cfg.max_length, int8=cfg.int8, engine=cfg.engine
-        )
-        if embedder.identity != meta.get("embedder_id"):
-            raise CheckpointError(
-                f"{path}: index built with embedding model {meta.get('embedder_id')}, but {embedder.path} "
-                f"is {embedder.identity}; rebuild the index with `moecast train eam`"
-            )
+        embedder = _checked_embedder(path, meta, cfg)
         values = tensors["values"].float().numpy()
         index = hnswlib.Index(space="cosine", dim=int(meta["embedding_dim"]))
-        try:
-            index.load_index(str(idx), max_elements=len(values))
-        except Exception as exc:  # hnswlib raises RuntimeError for a corrupt or foreign file
-            raise CheckpointError(
-                f"{idx}: not a readable hnswlib index ({exc}); rebuild with `moecast train eam`"
-            ) from exc
-        if index.get_current_count() != len(values) or index.dim != embedder.dim:
-            raise CheckpointError(
-                f"{idx} holds {index.get_current_count()} keys of dim {index.dim}, the checkpoint {len(values)} "
-                f"EP values for dim {embedder.dim}; the files do not belong together, rebuild with `moecast train eam`"
-            )
+        _load_index(index, idx, len(values), embedder.dim)
         extra = build_meta(meta)
         eam = cls(
             embedder,
@@ -306,6 +283,46 @@ class EAM(Planner):
         if len(eam.buffer) >= cfg.buffer_size:
             eam.fold()
         return eam
+
+
+def _index_file(path: Path, meta: dict[str, Any]) -> Path:
+    """The hnswlib index file the checkpoint ``path`` names, which must lie beside it."""
+    files = meta.get("files") or {}
+    idx = path.with_name(files.get("index", ""))
+    if not files.get("index") or not idx.is_file():
+        raise CheckpointError(
+            f"{path}: its EAM index file {idx.name or '(unnamed)'} is missing beside it; copy it along "
+            "with the checkpoint or rebuild with `moecast train eam`"
+        )
+    return idx
+
+
+def _checked_embedder(path: Path, meta: dict[str, Any], cfg: EAMConfig) -> SentenceEmbedder:
+    """The embedder the checkpoint names, refused unless it is the very model the index was built with."""
+    embedder = shared_embedder(
+        meta.get("embedder", "minilm"), max_length=cfg.max_length, int8=cfg.int8, engine=cfg.engine
+    )
+    if embedder.identity != meta.get("embedder_id"):
+        raise CheckpointError(
+            f"{path}: index built with embedding model {meta.get('embedder_id')}, but {embedder.path} "
+            f"is {embedder.identity}; rebuild the index with `moecast train eam`"
+        )
+    return embedder
+
+
+def _load_index(index: Any, idx: Path, count: int, embedder_dim: int) -> None:
+    """Load ``idx`` into the hnswlib ``index``, checked to hold ``count`` keys of the embedder's dimension."""
+    try:
+        index.load_index(str(idx), max_elements=count)
+    except Exception as exc:  # hnswlib raises RuntimeError for a corrupt or foreign file
+        raise CheckpointError(
+            f"{idx}: not a readable hnswlib index ({exc}); rebuild with `moecast train eam`"
+        ) from exc
+    if index.get_current_count() != count or index.dim != embedder_dim:
+        raise CheckpointError(
+            f"{idx} holds {index.get_current_count()} keys of dim {index.dim}, the checkpoint {count} "
+            f"EP values for dim {embedder_dim}; the files do not belong together, rebuild with `moecast train eam`"
+        )
 
 
 def index_path(ckpt: Path, generation: int) -> Path:

@@ -255,23 +255,12 @@ class EAP(Planner):
 
     @classmethod
     def from_checkpoint(cls, tensors: dict[str, Any], meta: dict[str, Any], path: Path) -> EAP:
-        from transformers import AutoConfig, AutoModel, AutoTokenizer
+        from transformers import AutoTokenizer
 
         hp = meta.get("hparams", {})
         src = resolve_encoder_path(meta["encoder"])
         tokenizer = AutoTokenizer.from_pretrained(str(src), local_files_only=True)
-        if meta.get("encoder_frozen"):
-            enc = AutoModel.from_pretrained(str(src), local_files_only=True)
-            ident = f"{src.name}:{encoder_identity(src)}:{meta['max_length']}"
-            if ident != meta.get("encoder_id"):
-                raise CheckpointError(
-                    f"{path}: trained on encoder {meta.get('encoder_id')}, but {src} is {ident}; "
-                    "point the checkpoint at the same encoder or retrain with `moecast train eap`"
-                )
-        else:
-            cfg_dict = dict(meta["encoder_config"])
-            config = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
-            enc = AutoModel.from_config(config)
+        enc = _checkpoint_encoder(meta, src, path)
         net = EAPNet(
             enc,
             int(meta["num_layers"]),
@@ -303,3 +292,21 @@ class EAP(Planner):
             hparams=hp,
             extra_meta=extra,
         )
+
+
+def _checkpoint_encoder(meta: dict[str, Any], src: Path, path: Path) -> nn.Module:
+    """The frozen encoder from ``src`` (checked to be the trained one), else an empty one to load into."""
+    from transformers import AutoConfig, AutoModel
+
+    if meta.get("encoder_frozen"):
+        enc = AutoModel.from_pretrained(str(src), local_files_only=True)
+        ident = f"{src.name}:{encoder_identity(src)}:{meta['max_length']}"
+        if ident != meta.get("encoder_id"):
+            raise CheckpointError(
+                f"{path}: trained on encoder {meta.get('encoder_id')}, but {src} is {ident}; "
+                "point the checkpoint at the same encoder or retrain with `moecast train eap`"
+            )
+        return enc
+    cfg_dict = dict(meta["encoder_config"])
+    config = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
+    return AutoModel.from_config(config)
