@@ -140,7 +140,6 @@ def fit(
     that file trains the same run again.
     """
     import lightning.pytorch as pl
-    import torch
 
     out = Path(out)
     if not out.name.endswith(".safetensors"):
@@ -161,6 +160,21 @@ def fit(
     except Exception:  # an interrupted run keeps its logs
         _discard_failed_run(new_run_dir, rd)
         raise
+    info = _run_info(trainer, module, rd, ckpt_path, started)
+    if not trainer.is_global_zero:
+        return out  # under DDP every rank runs this; rank 0 writes the file
+    path = module.export(out, datamodule, info)
+    if "wandb" in sys.modules:
+        # close this run so a later fit in the same process starts its own
+        sys.modules["wandb"].finish()
+    print(f"wrote {path} (best {MONITOR} = {info['best_score']}); run dir {rd}")
+    return path
+
+
+def _run_info(trainer: Any, module: Any, rd: Path, ckpt_path: str | None, started: float) -> dict[str, Any]:
+    """What the export records of the run, after loading the best epoch's weights into ``module``."""
+    import torch
+
     info = {
         "best_score": None,
         "best_ckpt": _load_best(trainer, module),
@@ -173,11 +187,4 @@ def fit(
     cb = trainer.checkpoint_callback
     if cb is not None and cb.best_model_score is not None:
         info["best_score"] = float(cb.best_model_score)
-    if not trainer.is_global_zero:
-        return out  # under DDP every rank runs this; rank 0 writes the file
-    path = module.export(out, datamodule, info)
-    if "wandb" in sys.modules:
-        # close this run so a later fit in the same process starts its own
-        sys.modules["wandb"].finish()
-    print(f"wrote {path} (best {MONITOR} = {info['best_score']}); run dir {rd}")
-    return path
+    return info
