@@ -185,12 +185,7 @@ class Collector:
         """Prefill + greedy decode one batch; one RequestRecord per request, in order."""
         prompts = self.encode([r.prompt for r in requests])
         B, P = len(prompts), max(len(p) for p in prompts)
-        input_ids = torch.full((B, P), self.pad, dtype=torch.long)
-        mask = torch.zeros((B, P), dtype=torch.long)
-        for b, ids in enumerate(prompts):
-            input_ids[b, P - len(ids) :] = torch.tensor(ids)
-            mask[b, P - len(ids) :] = 1
-        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        input_ids, mask = self._left_padded(prompts, P)
         position = (mask.cumsum(-1) - 1).clamp(min=0)
         pending = [_Pending(token_ids=list(ids), phases=[False] * len(ids)) for ids in prompts]
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position, use_cache=True)
@@ -200,18 +195,7 @@ class Collector:
         last_pos = position[:, -1]
         finished = [False] * B
         for _step in range(self.settings.max_new_tokens):
-            chosen = next_tok.tolist()
-            active = []
-            for b in range(B):
-                if finished[b]:
-                    continue
-                if chosen[b] in self.eos:
-                    finished[b] = True
-                    continue
-                pending[b].generated.append(chosen[b])
-                pending[b].token_ids.append(chosen[b])
-                pending[b].phases.append(True)
-                active.append(b)
+            active = self._accept(next_tok.tolist(), finished, pending)
             if not active:
                 break
             # Finished rows still ride along (rebuilding the KV cache without them costs more than
@@ -230,6 +214,31 @@ class Collector:
             self._keep(pending, [(b, 0) for b in active], 1)
             next_tok = out.logits[:, -1].argmax(-1)
         return [self._record(req, p) for req, p in zip(requests, pending)]
+
+    def _left_padded(self, prompts: list[list[int]], P: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``prompts`` left-padded to ``P`` tokens and their attention mask, on the model's device."""
+        B = len(prompts)
+        input_ids = torch.full((B, P), self.pad, dtype=torch.long)
+        mask = torch.zeros((B, P), dtype=torch.long)
+        for b, ids in enumerate(prompts):
+            input_ids[b, P - len(ids) :] = torch.tensor(ids)
+            mask[b, P - len(ids) :] = 1
+        return input_ids.to(self.device), mask.to(self.device)
+
+    def _accept(self, chosen: list[int], finished: list[bool], pending: list[_Pending]) -> list[int]:
+        """Append each unfinished request's chosen token (EOS finishes it instead); the rows still active."""
+        active = []
+        for b in range(len(chosen)):
+            if finished[b]:
+                continue
+            if chosen[b] in self.eos:
+                finished[b] = True
+                continue
+            pending[b].generated.append(chosen[b])
+            pending[b].token_ids.append(chosen[b])
+            pending[b].phases.append(True)
+            active.append(b)
+        return active
 
     def _record(self, req: WorkloadRequest, p: _Pending) -> RequestRecord:
         texts = self.tokenizer.batch_decode([[t] for t in p.token_ids])
