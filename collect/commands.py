@@ -312,18 +312,7 @@ def _summary(
     out: Path, specs: list[Any], stats: dict[str, float], shard: int, shards: int, as_json: bool
 ) -> None:
     ts = TraceSet(out)
-    by_name = {s.name: s for s in specs}
-    per: dict[str, dict[str, Any]] = {}
-    for rid in ts.request_ids:
-        row = ts.request_info(rid)
-        entry = per.setdefault(row["workload"], {"requests": 0, "tokens": 0, "correct": 0, "scored": 0})
-        entry["requests"] += 1
-        entry["tokens"] += row["num_prompt_tokens"] + row["num_generated_tokens"]
-        spec = by_name.get(row["workload"])
-        verdict = spec.correct(row["output_text"], row["reference"]) if spec else None
-        if verdict is not None:
-            entry["scored"] += 1
-            entry["correct"] += int(verdict)
+    per = _per_workload(ts, specs)
     run = {
         "out": str(out),
         "shard": shard,
@@ -342,6 +331,30 @@ def _summary(
             acc = e["correct"] / e["scored"] if e["scored"] else None
             print(jsonlib.dumps({"workload": name, **e, "accuracy": acc}))
         return
+    _print_summary(out, run, per, shard, shards)
+
+
+def _per_workload(ts: TraceSet, specs: list[Any]) -> dict[str, dict[str, Any]]:
+    """Requests, tokens and (where the workload scores answers) correct answers per workload."""
+    by_name = {s.name: s for s in specs}
+    per: dict[str, dict[str, Any]] = {}
+    for rid in ts.request_ids:
+        row = ts.request_info(rid)
+        entry = per.setdefault(row["workload"], {"requests": 0, "tokens": 0, "correct": 0, "scored": 0})
+        entry["requests"] += 1
+        entry["tokens"] += row["num_prompt_tokens"] + row["num_generated_tokens"]
+        spec = by_name.get(row["workload"])
+        verdict = spec.correct(row["output_text"], row["reference"]) if spec else None
+        if verdict is not None:
+            entry["scored"] += 1
+            entry["correct"] += int(verdict)
+    return per
+
+
+def _print_summary(
+    out: Path, run: dict[str, Any], per: dict[str, dict[str, Any]], shard: int, shards: int
+) -> None:
+    """The collection summary as text: this run, the TraceSet's totals, then a row per workload."""
     print(
         f"collected {run['collected']} requests ({run['skipped_existing']} already stored) -> {out}"
         f"  [shard {shard}/{shards}]"
