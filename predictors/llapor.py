@@ -177,18 +177,13 @@ class LLaPor(LayerAhead):
             spec.context_gate, bags[0, layer], route[0], tokens[0], dense[0, layer],
         )  # fmt: skip
         if not ok:
-            bad_w = spec.weights and layer > 0 and not np.isfinite(wrow).all()
-            field = "topk_weights" if bad_w else "gate_inputs"
-            raise InputError(f"request {trace.request_id}: {field} contain NaN or inf; re-collect it")
+            raise self._bad_row_error(trace, layer, wrow)
         feats: dict[str, np.ndarray] = {"bags": bags}
         if spec.deep_history:
             feats["route"] = route
         if spec.token_buckets:
             if spec.token_exact:  # sorted-vocabulary lookup: rare, so left to numpy
-                window = np.asarray(trace.token_ids[max(0, t - spec.context_tokens) :], i64)[::-1]
-                tok = np.full(1 + spec.context_tokens, spec.token_buckets, i64)
-                tok[: len(window)] = token_buckets_of(spec, window, self.net.tok_vocab.numpy())
-                tokens = tok[None, :]
+                tokens = self._exact_tokens(trace, t)
             feats["tokens"] = tokens if spec.context_tokens else tokens[0]
         if spec.context_vote:
             off = spec.pca_max + (spec.num_experts if spec.weights else 0)
@@ -196,6 +191,20 @@ class LLaPor(LayerAhead):
         if c.dense_dim:
             feats["dense"] = dense
         return feats
+
+    def _bad_row_error(self, trace: RequestTrace, layer: int, wrow: np.ndarray) -> InputError:
+        """Why ``feature_row`` refused the row: the weights it read, else the gate inputs, are not finite."""
+        bad_w = self.spec.weights and layer > 0 and not np.isfinite(wrow).all()
+        field = "topk_weights" if bad_w else "gate_inputs"
+        return InputError(f"request {trace.request_id}: {field} contain NaN or inf; re-collect it")
+
+    def _exact_tokens(self, trace: RequestTrace, t: int) -> np.ndarray:
+        """[1, 1 + context_tokens] vocabulary ids of token ``t`` and its predecessors, newest first."""
+        spec = self.spec
+        window = np.asarray(trace.token_ids[max(0, t - spec.context_tokens) :], np.int64)[::-1]
+        tok = np.full(1 + spec.context_tokens, spec.token_buckets, np.int64)
+        tok[: len(window)] = token_buckets_of(spec, window, self.net.tok_vocab.numpy())
+        return tok[None, :]
 
     def _row_constants(self) -> _RowConstants:
         """What :meth:`features_at` derives from the spec and the PCA, once per spec: the spec's
