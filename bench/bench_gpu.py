@@ -230,7 +230,7 @@ def _info(s: Setup) -> Any:
 def record_traces(s: Setup, out: Path) -> None:
     """The unmodified model's routing of every request, as a TraceSet for replay."""
     from moecast.collect.recorder import RoutingRecorder
-    from moecast.collect.traceset import RequestRecord, TraceMeta, TraceWriter
+    from moecast.collect.traceset import TraceMeta, TraceWriter
 
     st = _structure(s.model)
     info = _info(s)
@@ -246,34 +246,39 @@ def record_traces(s: Setup, out: Path) -> None:
             ds_model.decode(
                 s.model, s.requests[i], s.prompt, s.device, on_forward=lambda _d: steps.append(rec.take())
             )
-            ids = torch.cat([x.topk_ids for x in steps]).cpu().numpy()
-            T = len(ids)
-            opt = {
-                "topk_weights": torch.cat([x.topk_weights for x in steps]).cpu().numpy().astype(np.float16),
-                "router_probs": torch.cat([x.router_probs for x in steps]).cpu().numpy().astype(np.float16),
-            }
-            if gate:
-                opt["gate_inputs"] = (
-                    torch.cat([x.gate_inputs for x in steps]).float().cpu().numpy().astype(np.float16)
-                )
-            phases = np.arange(T) >= s.prompt
-            records.append(
-                RequestRecord(
-                    f"{s.name}-{i}",
-                    "bench",
-                    "",
-                    "",
-                    s.requests[i][:T],
-                    [""] * T,
-                    phases,
-                    ids.astype(np.int16),
-                    **opt,
-                )
-            )
+            records.append(_request_record(s, i, steps, gate))
     fields = {"topk_weights": True, "router_probs": True, "gate_inputs": gate}
     s.traces = out / f"traces-{s.name}"
     TraceWriter(s.traces, TraceMeta(model=info, collection={"source": "bench_gpu"}, fields=fields)).write(
         records
+    )
+
+
+def _request_record(s: Setup, i: int, steps: list[Any], gate: bool) -> Any:
+    """Request ``i``'s recorded forwards (``steps``) as one RequestRecord of the replay TraceSet."""
+    from moecast.collect.traceset import RequestRecord
+
+    ids = torch.cat([x.topk_ids for x in steps]).cpu().numpy()
+    T = len(ids)
+    opt = {
+        "topk_weights": torch.cat([x.topk_weights for x in steps]).cpu().numpy().astype(np.float16),
+        "router_probs": torch.cat([x.router_probs for x in steps]).cpu().numpy().astype(np.float16),
+    }
+    if gate:
+        opt["gate_inputs"] = (
+            torch.cat([x.gate_inputs for x in steps]).float().cpu().numpy().astype(np.float16)
+        )
+    phases = np.arange(T) >= s.prompt
+    return RequestRecord(
+        f"{s.name}-{i}",
+        "bench",
+        "",
+        "",
+        s.requests[i][:T],
+        [""] * T,
+        phases,
+        ids.astype(np.int16),
+        **opt,
     )
 
 
@@ -552,58 +557,79 @@ def markdown(report: Report, args: argparse.Namespace, setups: list[Setup], mach
     ]
     for s in setups:
         lines += [f"## {s.name}", ""] + [f"- {n}" for n in s.notes] + [""]
-        prof = next((r for r in report.rows if r["model"] == s.name and r["kind"] == "profile"), None)
-        if prof and prof["status"] == "ok":
-            lines += [
-                "| profile | value |",
-                "|---|---|",
-                *(f"| {k} | {_fmt(prof[k], 4)} |" for k in ("h2d_gbps", "kernel_ms_per_expert", "cpu_beta_ms",
-                                                          "cpu_c_ms", "dense_ms_per_layer", "predictor_ms_per_layer",
-                                                          "expert_bytes")),
-                f"| source | {prof['source']} |",
-                "",
-            ]  # fmt: skip
-        ex = next((r for r in report.rows if r["model"] == s.name and r["kind"] == "exactness"), None)
-        if ex and ex["status"] == "ok":
-            lines += [
-                f"Exactness at alpha 0 (live runtime, LRU at 25 %, against the unmodified model): one token per "
-                f"forward, logits equal: **{_fmt(ex['equal'])}** (max |diff| {_fmt(ex['max_abs_diff'])}, "
-                f"{ex['positions']} positions); after a {s.prefill}-token prefill (experts in waves through the "
-                f"slots): equal **{_fmt(ex['prefill_equal'])}** (max |diff| {_fmt(ex['prefill_max_abs_diff'])}); "
-                f"max |logit| {_fmt(ex['max_abs_logit'])}",
-                "",
-            ]
-        lines += [
-            "| config | status | measured TPOT ms | modeled TPOT ms | hit rate | modeled hit | loads | CPU experts | peak GPU MB |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
-        for r in report.rows:
-            if r["model"] != s.name or r["kind"] != "tpot":
-                continue
-            cells = [r["config"], r["status"] + (f": {r['note']}" if r.get("note") else "")]
-            cells += [_fmt(r.get(k)) for k in ("measured_tpot_ms", "modeled_tpot_ms", "hit_rate", "modeled_hit_rate",
-                                               "loads", "cpu_experts", "peak_gpu_mb")]  # fmt: skip
-            lines.append("| " + " | ".join(cells) + " |")
-        lines.append("")
-        split = [
-            r for r in report.rows if r["model"] == s.name and r.get("status") == "ok" and "policy_ms" in r
-        ]
-        if split:
-            lines += [
-                "Decode step split by the live runtime (ms per step, host wall clock): "
-                + ", ".join(BREAKDOWN),
-                "",
-                "| config | " + " | ".join(BREAKDOWN) + " |",
-                "|---|" + "---|" * len(BREAKDOWN),
-                *(
-                    "| " + " | ".join([r["config"], *(_fmt(r[f"{p}_ms"]) for p in BREAKDOWN)]) + " |"
-                    for r in split
-                ),
-                "",
-            ]
+        lines += _profile_lines(_model_row(report, s, "profile"))
+        lines += _exactness_lines(_model_row(report, s, "exactness"), s)
+        lines += _tpot_lines(report, s)
+        lines += _split_lines(report, s)
     if report.failures:
         lines += ["## Failures", "", *report.failures]
     return "\n".join(lines) + "\n"
+
+
+def _model_row(report: Report, s: Setup, kind: str) -> dict | None:
+    """The first row of ``kind`` for model ``s``, or None."""
+    return next((r for r in report.rows if r["model"] == s.name and r["kind"] == kind), None)
+
+
+def _profile_lines(prof: dict | None) -> list[str]:
+    """The markdown table of a model's profile row, when it ran."""
+    if not (prof and prof["status"] == "ok"):
+        return []
+    return [
+        "| profile | value |",
+        "|---|---|",
+        *(f"| {k} | {_fmt(prof[k], 4)} |" for k in ("h2d_gbps", "kernel_ms_per_expert", "cpu_beta_ms",
+                                                  "cpu_c_ms", "dense_ms_per_layer", "predictor_ms_per_layer",
+                                                  "expert_bytes")),
+        f"| source | {prof['source']} |",
+        "",
+    ]  # fmt: skip
+
+
+def _exactness_lines(ex: dict | None, s: Setup) -> list[str]:
+    """The markdown paragraph of a model's exactness row, when it ran."""
+    if not (ex and ex["status"] == "ok"):
+        return []
+    return [
+        f"Exactness at alpha 0 (live runtime, LRU at 25 %, against the unmodified model): one token per "
+        f"forward, logits equal: **{_fmt(ex['equal'])}** (max |diff| {_fmt(ex['max_abs_diff'])}, "
+        f"{ex['positions']} positions); after a {s.prefill}-token prefill (experts in waves through the "
+        f"slots): equal **{_fmt(ex['prefill_equal'])}** (max |diff| {_fmt(ex['prefill_max_abs_diff'])}); "
+        f"max |logit| {_fmt(ex['max_abs_logit'])}",
+        "",
+    ]
+
+
+def _tpot_lines(report: Report, s: Setup) -> list[str]:
+    """The markdown table of a model's TPOT rows, measured beside modeled."""
+    lines = [
+        "| config | status | measured TPOT ms | modeled TPOT ms | hit rate | modeled hit | loads | CPU experts | peak GPU MB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report.rows:
+        if r["model"] != s.name or r["kind"] != "tpot":
+            continue
+        cells = [r["config"], r["status"] + (f": {r['note']}" if r.get("note") else "")]
+        cells += [_fmt(r.get(k)) for k in ("measured_tpot_ms", "modeled_tpot_ms", "hit_rate", "modeled_hit_rate",
+                                           "loads", "cpu_experts", "peak_gpu_mb")]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    return lines
+
+
+def _split_lines(report: Report, s: Setup) -> list[str]:
+    """The markdown table of a model's decode step split, for the rows the live runtime timed."""
+    split = [r for r in report.rows if r["model"] == s.name and r.get("status") == "ok" and "policy_ms" in r]
+    if not split:
+        return []
+    return [
+        "Decode step split by the live runtime (ms per step, host wall clock): " + ", ".join(BREAKDOWN),
+        "",
+        "| config | " + " | ".join(BREAKDOWN) + " |",
+        "|---|" + "---|" * len(BREAKDOWN),
+        *("| " + " | ".join([r["config"], *(_fmt(r[f"{p}_ms"]) for p in BREAKDOWN)]) + " |" for r in split),
+        "",
+    ]
 
 
 def machine_line(device: torch.device) -> str:
@@ -749,44 +775,58 @@ def figures(raw: list[dict]) -> list[dict]:
                 )
             )
         ok = {c: r for c, r in by.items() if r.get("status") == "ok" and r.get("kind") == "tpot"}
-        for c, r in ok.items():
-            note = f"modeled {_fmt(r.get('modeled_tpot_ms'))} ms, hit {_fmt(r.get('hit_rate'))}"
-            basis = r.get("tpot_basis", "") if r.get("modeled_tpot_ms") else ""
-            out.append(
-                F.fig(
-                    "gpu",
-                    f"{model}: {c} TPOT ms",
-                    r["measured_tpot_ms"],
-                    "{:.2f}",
-                    note=note,
-                    tpot_basis=basis,
-                )
-            )
-            if r.get("modeled_tpot_ms"):
-                err = abs(r["modeled_tpot_ms"] / r["measured_tpot_ms"] - 1)
-                name = f"{model}: {c} |modeled / measured - 1|"
-                out.append(F.fig("gpu", name, err, "{:.2f}", "<= 0.2", tpot_basis=basis))
-        best = min(
-            (ok[c] for c in MOECAST_ROWS[1:] if c in ok), key=lambda r: r["measured_tpot_ms"], default=None
-        )
-        for base, goal in (("accelerate offload (device_map)", "<= 0.333"), ("on-demand LRU", "<= 0.667")):
-            if best is not None and base in ok:
-                ratio = best["measured_tpot_ms"] / ok[base]["measured_tpot_ms"]
-                out.append(
-                    F.fig(
-                        "gpu",
-                        f"{model}: best moecast TPOT / {base}",
-                        ratio,
-                        "{:.2f}",
-                        goal,
-                        note=best["config"],
-                    )
-                )
+        out += _tpot_figures(F, model, ok)
+        out += _ratio_figures(F, model, ok)
         out += [
             F.failed("gpu", f"{model}: {c} failed (traceback in the results file)")
             for c, r in by.items()
             if r.get("status") == "FAILED"
         ]
+    return out
+
+
+def _tpot_figures(F: Any, model: str, ok: dict[str, dict]) -> list[dict]:
+    """Each TPOT row's measured figure and, where modeled, its |modeled / measured - 1|."""
+    out = []
+    for c, r in ok.items():
+        note = f"modeled {_fmt(r.get('modeled_tpot_ms'))} ms, hit {_fmt(r.get('hit_rate'))}"
+        basis = r.get("tpot_basis", "") if r.get("modeled_tpot_ms") else ""
+        out.append(
+            F.fig(
+                "gpu",
+                f"{model}: {c} TPOT ms",
+                r["measured_tpot_ms"],
+                "{:.2f}",
+                note=note,
+                tpot_basis=basis,
+            )
+        )
+        if r.get("modeled_tpot_ms"):
+            err = abs(r["modeled_tpot_ms"] / r["measured_tpot_ms"] - 1)
+            name = f"{model}: {c} |modeled / measured - 1|"
+            out.append(F.fig("gpu", name, err, "{:.2f}", "<= 0.2", tpot_basis=basis))
+    return out
+
+
+def _ratio_figures(F: Any, model: str, ok: dict[str, dict]) -> list[dict]:
+    """The best moecast row's TPOT over accelerate offload's and over on-demand LRU's, against the goals."""
+    out = []
+    best = min(
+        (ok[c] for c in MOECAST_ROWS[1:] if c in ok), key=lambda r: r["measured_tpot_ms"], default=None
+    )
+    for base, goal in (("accelerate offload (device_map)", "<= 0.333"), ("on-demand LRU", "<= 0.667")):
+        if best is not None and base in ok:
+            ratio = best["measured_tpot_ms"] / ok[base]["measured_tpot_ms"]
+            out.append(
+                F.fig(
+                    "gpu",
+                    f"{model}: best moecast TPOT / {base}",
+                    ratio,
+                    "{:.2f}",
+                    goal,
+                    note=best["config"],
+                )
+            )
     return out
 
 
