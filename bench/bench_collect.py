@@ -15,6 +15,63 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class _Generation:
+    """The model, its recorder, the generation settings and the requests that every pass runs."""
+
+    net: Any
+    tokenizer: Any
+    recorder: Any
+    settings: Any
+    reqs: list
+
+    def timed(self, traced: bool) -> tuple[float, int]:
+        """One untraced or traced generation of every request: (wall seconds, tokens)."""
+        from moecast.collect.runner import Collector
+
+        reqs = self.reqs
+        if traced:
+            self.recorder.attach(self.net)
+        try:
+            col = Collector(self.net, self.tokenizer, self.recorder if traced else None, self.settings)
+            start = time.perf_counter()
+            col.run(reqs, None, progress=False)
+            return time.perf_counter() - start, col.tokens_done
+        finally:
+            if traced:
+                self.recorder.detach()
+
+    def best_of(self, repeats: int) -> tuple[list[float], list[float], int]:
+        """Untraced and traced passes alternated ``repeats`` times: (untraced s, traced s, tokens)."""
+        plain, traced = [], []
+        tokens = 0
+        for _ in range(repeats):
+            t, _n = self.timed(False)
+            plain.append(t)
+            t, tokens = self.timed(True)
+            traced.append(t)
+        return plain, traced, tokens
+
+    def collect(self, info: Any, gate_inputs: bool) -> dict:
+        """A traced collection of every request to TraceWriter parts on disk; its stats."""
+        from moecast.collect.runner import Collector
+        from moecast.collect.traceset import TraceMeta, TraceWriter
+
+        with tempfile.TemporaryDirectory() as tmp:
+            fields = {"topk_weights": True, "router_probs": True, "gate_inputs": gate_inputs}
+            writer = TraceWriter(f"{tmp}/traces", TraceMeta(model=info, collection={}, fields=fields))
+            self.recorder.attach(self.net)
+            try:
+                _, stats = Collector(self.net, self.tokenizer, self.recorder, self.settings).run(
+                    self.reqs, writer, progress=False
+                )
+            finally:
+                self.recorder.detach()
+        return stats
 
 
 def measure(
@@ -31,8 +88,7 @@ def measure(
     import torch
     from moecast.collect.models import find_moe_structure, load_model, model_info
     from moecast.collect.recorder import RoutingRecorder
-    from moecast.collect.runner import Collector, GenerationSettings
-    from moecast.collect.traceset import TraceMeta, TraceWriter
+    from moecast.collect.runner import GenerationSettings
     from moecast.collect.workloads import get_spec, load_requests
 
     torch.set_num_threads(threads)
@@ -44,36 +100,10 @@ def measure(
         max_new_tokens=max_new_tokens, batch_size=batch_size, max_prompt_tokens=max_prompt_tokens
     )
     recorder = RoutingRecorder(structure, info.top_k, router_probs=True, gate_inputs=gate_inputs)
-
-    def timed(traced: bool) -> tuple[float, int]:
-        if traced:
-            recorder.attach(net)
-        try:
-            col = Collector(net, tokenizer, recorder if traced else None, settings)
-            start = time.perf_counter()
-            col.run(reqs, None, progress=False)
-            return time.perf_counter() - start, col.tokens_done
-        finally:
-            if traced:
-                recorder.detach()
-
-    timed(False)  # warm-up: first calls allocate and pick kernels
-    plain, traced = [], []
-    tokens = 0
-    for _ in range(repeats):
-        t, _n = timed(False)
-        plain.append(t)
-        t, tokens = timed(True)
-        traced.append(t)
-
-    with tempfile.TemporaryDirectory() as tmp:
-        fields = {"topk_weights": True, "router_probs": True, "gate_inputs": gate_inputs}
-        writer = TraceWriter(f"{tmp}/traces", TraceMeta(model=info, collection={}, fields=fields))
-        recorder.attach(net)
-        try:
-            _, stats = Collector(net, tokenizer, recorder, settings).run(reqs, writer, progress=False)
-        finally:
-            recorder.detach()
+    gen = _Generation(net, tokenizer, recorder, settings, reqs)
+    gen.timed(False)  # warm-up: first calls allocate and pick kernels
+    plain, traced, tokens = gen.best_of(repeats)
+    stats = gen.collect(info, gate_inputs)
     return {
         "model": name,
         "info": info,
