@@ -234,28 +234,47 @@ def main(argv: list[str] | None = None) -> None:
     info = F.machine()
     load_first, started, entries = F.loadavg(), time.time(), {}
     for name in args.names:
-        before, t0 = F.loadavg(), time.perf_counter()
-        print(f"[{time.strftime('%H:%M:%S')}] {name} (load {before}) ...", flush=True)
-        got = run_bench(name, args.quick, kwargs, logs, args.timeout)
-        if got is None:
-            print(f"    skipped: {BENCHES[name][0]} is not in this checkout", flush=True)
-            continue
-        dt = time.perf_counter() - t0
-        print(
-            f"    {dt:.0f} s: " + "; ".join(f"{f['name']} = {f['value']}" for f in got["rows"][:3]),
-            flush=True,
-        )
-        entries[name] = {
-            "date": time.strftime("%Y-%m-%d"),
-            "command": command,
-            "mode": "quick" if args.quick else "full",
-            "machine": info,
-            "seconds": round(dt, 1),
-            "load_before": before,
-            "load_after": F.loadavg(),
-            "inputs": describe(got["inputs"]),
-            "figures": got["rows"],
-        }
+        entry = _run_entry(name, args, kwargs, logs, command, info)
+        if entry is not None:
+            entries[name] = entry
+    _print_summary(entries, info, load_first, args.quick, logs, started)
+    if entries:
+        results_dir = Path(args.results) if args.results else (out if args.quick else RESULTS)
+        print(f"wrote {store(results_dir, entries)} and run_all.md")
+
+
+def _run_entry(
+    name: str, args: argparse.Namespace, kwargs: dict, logs: Path, command: str, info: dict
+) -> dict | None:
+    """Run bench ``name`` and return its run_all.json entry; None (said) when its module is absent."""
+    before, t0 = F.loadavg(), time.perf_counter()
+    print(f"[{time.strftime('%H:%M:%S')}] {name} (load {before}) ...", flush=True)
+    got = run_bench(name, args.quick, kwargs, logs, args.timeout)
+    if got is None:
+        print(f"    skipped: {BENCHES[name][0]} is not in this checkout", flush=True)
+        return None
+    dt = time.perf_counter() - t0
+    print(
+        f"    {dt:.0f} s: " + "; ".join(f"{f['name']} = {f['value']}" for f in got["rows"][:3]),
+        flush=True,
+    )
+    return {
+        "date": time.strftime("%Y-%m-%d"),
+        "command": command,
+        "mode": "quick" if args.quick else "full",
+        "machine": info,
+        "seconds": round(dt, 1),
+        "load_before": before,
+        "load_after": F.loadavg(),
+        "inputs": describe(got["inputs"]),
+        "figures": got["rows"],
+    }
+
+
+def _print_summary(
+    entries: dict, info: dict, load_first: str, quick: bool, logs: Path, started: float
+) -> None:
+    """Every bench's figures as one table, then the machine, the load and the mode of the run."""
     print("\n" + F.format_table([f for e in entries.values() for f in e["figures"]]))
     print(f"\nmachine: {F.describe_machine(info)}")
     print(
@@ -263,11 +282,8 @@ def main(argv: list[str] | None = None) -> None:
         "timings are wall-clock under that load"
     )
     print(
-        f"mode: {'quick' if args.quick else 'full'}; logs of every bench: {logs}; total {time.time() - started:.0f} s"
+        f"mode: {'quick' if quick else 'full'}; logs of every bench: {logs}; total {time.time() - started:.0f} s"
     )
-    if entries:
-        results_dir = Path(args.results) if args.results else (out if args.quick else RESULTS)
-        print(f"wrote {store(results_dir, entries)} and run_all.md")
 
 
 if __name__ == "__main__":
