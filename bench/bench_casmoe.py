@@ -26,7 +26,9 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def build(traces: str, eam: str, eap: str) -> None:
@@ -73,14 +75,19 @@ def measure(
         engine=engine,
         threads=threads,
     )
+    _annotate(rows, eam_p, load0, threads, int8)
+    if lengths:
+        rows += length_latencies(eam_p, eap_p, traces, val_fraction, repeats)
+    return rows
+
+
+def _annotate(rows: list[dict], eam_p: Any, load0: float, threads: int, int8: bool) -> None:
+    """Stamp each Table-3 row with the load before and after, the threads, int8 and the EAM's engine."""
     engine_name = (
         type(eam_p.embedder.fast).__name__ if eam_p.embedder.fast is not None else "sentence-transformers"
     )
     for r in rows:
         r.update(loadavg_1min=[load0, os.getloadavg()[0]], threads=threads, int8=int8, engine=engine_name)
-    if lengths:
-        rows += length_latencies(eam_p, eap_p, traces, val_fraction, repeats)
-    return rows
 
 
 def rows(quick: bool, ds_traces: Path, eam: Path, eap: Path, train: bool = False) -> list[dict]:
@@ -111,12 +118,18 @@ def rows(quick: bool, ds_traces: Path, eam: Path, eap: Path, train: bool = False
 
 def setting_rows(setting: str, lines: list[dict], quick: bool, repeats: int) -> list[dict]:
     """The table's rows for one setting: EAM and EAP latency, the best cascade against EAP, lengths."""
-    from moecast.train.planner_report import cascade_wins
-
-    from bench.figures import fig, row
-
     by = {r.get("planner"): r for r in lines if "planner" in r}
     note = "quick: 50 held-out requests; " if quick else ""
+    out = _latency_figs(setting, by, note)
+    out += _cascade_rows(setting, by)
+    out += _length_figs(setting, lines, repeats)
+    return out
+
+
+def _latency_figs(setting: str, by: dict, note: str) -> list[dict]:
+    """The EAM's and the EAP's mean latency per prompt against their targets."""
+    from bench.figures import fig
+
     out = []
     for name, goal in (("EAM", "<= 5 ms"), ("EAP", "<= 10 ms")):
         r = by.get(name, {})
@@ -131,28 +144,45 @@ def setting_rows(setting: str, lines: list[dict], quick: bool, repeats: int) -> 
                 f"recall {r.get('recall_at_k', float('nan')):.4f}",
             )
         )
+    return out
+
+
+def _cascade_rows(setting: str, by: dict) -> list[dict]:
+    """The best cascade's recall and latency against the EAP's; none without both."""
+    from moecast.train.planner_report import cascade_wins
+
+    from bench.figures import row
+
     casc = [r for n, r in by.items() if n and n.startswith("cascade")]
     eap = by.get("EAP")
-    if casc and eap:
-        wins = cascade_wins(list(by.values()))
-        best = (
-            min(wins, key=lambda r: r["mean_latency_ms"])
-            if wins
-            else max(casc, key=lambda r: (r["recall_at_k"], -r["mean_latency_ms"]))
+    if not (casc and eap):
+        return []
+    wins = cascade_wins(list(by.values()))
+    best = (
+        min(wins, key=lambda r: r["mean_latency_ms"])
+        if wins
+        else max(casc, key=lambda r: (r["recall_at_k"], -r["mean_latency_ms"]))
+    )
+    d = best["recall_at_k"] - eap["recall_at_k"]
+    return [
+        row(
+            "casmoe",
+            f"cascade recall vs EAP (best cascade), {setting}",
+            f"{best['recall_at_k']:.4f} vs {eap['recall_at_k']:.4f} ({d:+.4f}); "
+            f"{best['latency_vs_eap_ms']:+.2f} +- {best['latency_vs_eap_se_ms']:.2f} ms vs EAP",
+            ">= EAP at lower latency",
+            "ok" if wins else "MISS",
+            f"{best['planner']}, EAM share {best.get('eam_share', float('nan')):.2f}; latency paired per prompt",
+            best["recall_at_k"],
         )
-        d = best["recall_at_k"] - eap["recall_at_k"]
-        out.append(
-            row(
-                "casmoe",
-                f"cascade recall vs EAP (best cascade), {setting}",
-                f"{best['recall_at_k']:.4f} vs {eap['recall_at_k']:.4f} ({d:+.4f}); "
-                f"{best['latency_vs_eap_ms']:+.2f} +- {best['latency_vs_eap_se_ms']:.2f} ms vs EAP",
-                ">= EAP at lower latency",
-                "ok" if wins else "MISS",
-                f"{best['planner']}, EAM share {best.get('eam_share', float('nan')):.2f}; latency paired per prompt",
-                best["recall_at_k"],
-            )
-        )
+    ]
+
+
+def _length_figs(setting: str, lines: list[dict], repeats: int) -> list[dict]:
+    """The EAM's p50 latency on each prompt length against its target."""
+    from bench.figures import fig
+
+    out = []
     for r in lines:
         if r.get("bench") == "casmoe-length" and r.get("timed") == "EAM":
             out.append(
@@ -288,25 +318,35 @@ def length_latencies(eam, eap, traces: str, val_fraction: float, repeats: int) -
     for label, i in picks.items():
         p = prompts[i]
         for name, f in planners.items():
-            f(p)
-            ms = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                f(p)
-                ms.append((time.perf_counter() - t0) * 1e3)
-            out.append(
-                {
-                    "bench": "casmoe-length",
-                    "prompt": label,
-                    "tokens": int(min(n[i], limit)),
-                    "timed": name,  # not "planner": run_all keys the Table-3 rows by that
-                    "min_ms": float(np.min(ms)),
-                    "p50_ms": float(np.median(ms)),
-                    "mean_ms": float(np.mean(ms)),
-                    "loadavg_1min": os.getloadavg()[0],
-                }
-            )
+            out.append(_length_row(label, int(min(n[i], limit)), name, _plan_ms(f, p, repeats)))
     return out
+
+
+def _plan_ms(f: Callable[[str], Any], p: str, repeats: int) -> list[float]:
+    """One untimed plan of ``p`` by ``f``, then the ms of each of ``repeats`` timed ones."""
+    f(p)
+    ms = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(p)
+        ms.append((time.perf_counter() - t0) * 1e3)
+    return ms
+
+
+def _length_row(label: str, tokens: int, name: str, ms: list[float]) -> dict:
+    """One ``"casmoe-length"`` row: min / p50 / mean of a planner's timed plans of one prompt."""
+    import numpy as np
+
+    return {
+        "bench": "casmoe-length",
+        "prompt": label,
+        "tokens": tokens,
+        "timed": name,  # not "planner": run_all keys the Table-3 rows by that
+        "min_ms": float(np.min(ms)),
+        "p50_ms": float(np.median(ms)),
+        "mean_ms": float(np.mean(ms)),
+        "loadavg_1min": os.getloadavg()[0],
+    }
 
 
 if __name__ == "__main__":
