@@ -265,6 +265,14 @@ def main() -> None:
     if args.json:
         print(json.dumps({"bench": "policylang", **res, "semantics": SEMANTICS}))
         return
+    _print_header(res)
+    _print_rows(res)
+    _print_wall(res)
+    print(SEMANTICS)
+
+
+def _print_header(res: dict) -> None:
+    """What was replayed, the router softmax MoE-PolicyLang got, and its error if it could not run."""
     print(
         f"{res['traces']}: {res['model']}, {res['subset']} ({res['tokens']:,} tokens x {res['layers']} layers), "
         f"{res['experts']} experts, top-{res['top_k']}; per-layer caches, cold per request, demand loads"
@@ -272,6 +280,10 @@ def main() -> None:
     print(f"router softmax for MoE-PolicyLang: {res['softmax']}")
     if "error" in res:
         print(f"MoE-PolicyLang: {res['error']}")
+
+
+def _print_rows(res: dict) -> None:
+    """The hit rates per policy and capacity, ours beside MoE-PolicyLang's and their difference."""
     print(
         f"\n{'policy (ours / theirs)':<24}{'capacity':>9}{'experts':>8}{'moecast':>9}{'PolicyLang':>11}{'diff':>8}"
     )
@@ -281,6 +293,10 @@ def main() -> None:
         print(
             f"{r['policy'] + ' / ' + r['their_policy']:<24}{r['capacity']:>9.0%}{r['experts']:>8}{r['moecast']:>9.4f}{t}"
         )
+
+
+def _print_wall(res: dict) -> None:
+    """Each side's wall time per policy (MoE-PolicyLang's with its TraceRecording build)."""
     s = res["seconds"]
     print(
         f"\nwall time: moecast {', '.join(f'{p} {t:.1f} s' for p, t in s['moecast'].items())}"
@@ -291,7 +307,6 @@ def main() -> None:
             else ""
         )
     )
-    print(SEMANTICS)
 
 
 if __name__ == "__main__":
