@@ -262,7 +262,7 @@ def hit_table(m: dict) -> dict[tuple[str, str], list[float]]:
 
 def rows(quick: bool, ds_traces: Path) -> list[dict]:
     """``quick``: the first 300 requests."""
-    from bench.figures import fig, missing, row, shown
+    from bench.figures import fig, missing, shown
 
     if not Path(ds_traces).is_dir():
         return [missing("replay", f"{shown(ds_traces)} absent (moecast import ...)")]
@@ -282,6 +282,14 @@ def rows(quick: bool, ds_traces: Path) -> list[dict]:
             judged=not quick,
         )
     ]
+    return out + _decision_figs(m) + _hit_rows(m, note)
+
+
+def _decision_figs(m: dict) -> list[dict]:
+    """Each policy's per-layer decision cost against its goal, with the numpy call floor beside it."""
+    from bench.figures import fig
+
+    out = []
     for pol, d in m["decisions"].items():
         out.append(
             fig(
@@ -293,6 +301,14 @@ def rows(quick: bool, ds_traces: Path) -> list[dict]:
                 f"CPU time {d['total_cpu']:.2f} us; wall time; numpy call floor {m['floor_us']:.2f} us under this load",
             )
         )
+    return out
+
+
+def _hit_rows(m: dict, note: str) -> list[dict]:
+    """The hit rates at 10/25/50 % per policy and mode, then a row for each policy that was skipped."""
+    from bench.figures import row
+
+    out = []
     for (pol, mode), hits in hit_table(m).items():
         why = note
         if pol in ("prefetch", "presched"):  # these policies' default predictor is the oracle
