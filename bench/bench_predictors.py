@@ -83,12 +83,7 @@ def latency_us(pred: Any, trace: Any, repeats: int, torch_too: bool = True) -> d
         "unfolded": lambda layer: pred.score_layer(layer, pred.features_at(window, layer)),
         "int8": lambda layer: pred.score_layer(layer, rows[layer]),
     }
-    for int8 in (True, False):
-        pred.int8_kernel = int8
-        for layer in range(L):
-            pred.score_layer(layer, rows[layer])  # warm-up (and per-layer weight cache)
-    for layer in range(L):
-        pred.score_at(window, layer)
+    _warm_up(pred, window, rows)
     for _ in range(repeats):  # the variants alternate, so load changes hit all alike
         for name in per:
             pred.int8_kernel = name != "float32"
@@ -98,7 +93,25 @@ def latency_us(pred: Any, trace: Any, repeats: int, torch_too: bool = True) -> d
                 fn(layer)
             per[name].append((time.perf_counter() - t) / L * 1e6)
     pred.int8_kernel = True
-    out = {
+    out = _latency_summary(per)
+    if torch_too:
+        out["torch_all_layers_us_per_layer"] = _torch_us_per_layer(pred, window, row, repeats)
+    return out
+
+
+def _warm_up(pred: Any, window: Any, rows: dict[int, Any]) -> None:
+    """One untimed call of each variant on every layer, int8 and float32 weights."""
+    for int8 in (True, False):
+        pred.int8_kernel = int8
+        for layer in range(pred.num_layers):
+            pred.score_layer(layer, rows[layer])  # warm-up (and per-layer weight cache)
+    for layer in range(pred.num_layers):
+        pred.score_at(window, layer)
+
+
+def _latency_summary(per: dict[str, list[float]]) -> dict[str, float]:
+    """Median (and p90) µs per layer of each variant, with the 1-minute load average now."""
+    return {
         "score_at_us_median": statistics.median(per["at"]),
         "score_at_us_p90": float(np.percentile(per["at"], 90)),
         "unfolded_us_median": statistics.median(per["unfolded"]),
@@ -107,16 +120,19 @@ def latency_us(pred: Any, trace: Any, repeats: int, torch_too: bool = True) -> d
         "score_layer_float32_us_median": statistics.median(per["float32"]),
         "loadavg_1min": os.getloadavg()[0],
     }
-    if torch_too:
-        one = {k: torch.as_tensor(v) for k, v in pred.features(window).items()}
-        one = {k: v[row : row + 1] for k, v in one.items()}
-        with torch.no_grad():
+
+
+def _torch_us_per_layer(pred: Any, window: Any, row: int, repeats: int) -> float:
+    """The batched torch network over all layers on token ``row``, µs per layer."""
+    L = pred.num_layers
+    one = {k: torch.as_tensor(v) for k, v in pred.features(window).items()}
+    one = {k: v[row : row + 1] for k, v in one.items()}
+    with torch.no_grad():
+        pred.net(**one)
+        t = time.perf_counter()
+        for _ in range(repeats):
             pred.net(**one)
-            t = time.perf_counter()
-            for _ in range(repeats):
-                pred.net(**one)
-            out["torch_all_layers_us_per_layer"] = (time.perf_counter() - t) / repeats / L * 1e6
-    return out
+        return (time.perf_counter() - t) / repeats / L * 1e6
 
 
 def wide_llapor(gate_hidden: int = 2048, seed: int = 0) -> tuple[Any, Any]:
@@ -293,26 +309,15 @@ def table(
     train_ids = ts.splits().train
     hint = detected_groups(ts, train_ids)
     results = {}
-    yield (
-        f"\n[{name}] {ts.path}: {ts.meta.model.name_or_path}, {ts.num_layers} MoE layers, {ts.num_experts} "
-        f"experts, top-{k}; held-out {len(requests)} requests",
-        None,
-    )
     w = max([34] + [len(label) + 1 for label, _, _ in preds])  # a long checkpoint name widens the column
-    yield (
-        f"{'predictor':<{w}}{'horizon':<14}{'recall@' + str(k):>10}{'recall@4':>10}{'f1_micro':>10}"
-        f"{'f1_macro':>10}{'train s':>9}   per group recall@{k}",
-        None,
-    )
+    for line in _table_header(name, ts, k, len(requests), w):
+        yield line, None
     for label, pred, secs in preds:
         res = evaluate_predictor(pred, ts, requests, extra_k=(4,), progress=False, groups_hint=hint)
         groups = res.get("per_group") or {}
-        gtxt = "  ".join(f"{g} {r['recall_at_k']:.4f}" for g, r in groups.items())
-        secs_s = f"{secs:>9.1f}" if isinstance(secs, (int, float)) else f"{'-':>9}"
         r4 = res.get("recall_at_4", res["recall_at_k"] if k == 4 else float("nan"))
         yield (
-            f"{label:<{w}}{pred.horizon:<14}{res['recall_at_k']:>10.4f}{r4:>10.4f}"
-            f"{res['f1_micro']:>10.4f}{res['f1_macro']:>10.4f}{secs_s}   {gtxt}",
+            _result_line(label, pred, secs, res, r4, groups, w),
             {
                 "bench": name,
                 "predictor": label,
@@ -330,6 +335,28 @@ def table(
         )
         results[label] = res
     return results
+
+
+def _table_header(name: str, ts: Any, k: int, n_requests: int, w: int) -> list[str]:
+    """The table's title line (the traces and the held-out requests) and its column heads."""
+    return [
+        f"\n[{name}] {ts.path}: {ts.meta.model.name_or_path}, {ts.num_layers} MoE layers, {ts.num_experts} "
+        f"experts, top-{k}; held-out {n_requests} requests",
+        f"{'predictor':<{w}}{'horizon':<14}{'recall@' + str(k):>10}{'recall@4':>10}{'f1_micro':>10}"
+        f"{'f1_macro':>10}{'train s':>9}   per group recall@{k}",
+    ]
+
+
+def _result_line(
+    label: str, pred: Any, secs: float | None, res: dict, r4: float, groups: dict, w: int
+) -> str:
+    """One predictor's row of the table: recalls, F1, training seconds and recall per layer group."""
+    gtxt = "  ".join(f"{g} {r['recall_at_k']:.4f}" for g, r in groups.items())
+    secs_s = f"{secs:>9.1f}" if isinstance(secs, (int, float)) else f"{'-':>9}"
+    return (
+        f"{label:<{w}}{pred.horizon:<14}{res['recall_at_k']:>10.4f}{r4:>10.4f}"
+        f"{res['f1_micro']:>10.4f}{res['f1_macro']:>10.4f}{secs_s}   {gtxt}"
+    )
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
