@@ -537,12 +537,26 @@ def child_run(t: Tiers, kind: str, capacity: float, request: int) -> dict:
         p = cg.run(argv, timeout=t.args.child_timeout)
     finally:
         cg.remove()
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-    if p.returncode != 0 or not lines:
+    lines = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode in (-9, 137):
+        raise RuntimeError(f"{kind} exited {p.returncode}: {killed_why(t, kind, lines[0] if lines else {})}")
+    if p.returncode != 0 or not lines or "times" not in lines[-1]:
         tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
-        killed = " (killed: over the memory limit)" if p.returncode in (-9, 137) else ""
-        raise RuntimeError(f"{kind} exited {p.returncode}{killed}: {' | '.join(tail)}")
-    return json.loads(lines[-1])
+        raise RuntimeError(f"{kind} exited {p.returncode}: {' | '.join(tail)}")
+    return lines[-1]
+
+
+def killed_why(t: Tiers, kind: str, limit: dict) -> str:
+    """Why a baseline was killed, from the limit its process announced (``limit_mb``, ``start_mb``)."""
+    if not limit:
+        return "killed: over the memory limit"
+    room = limit["limit_mb"] - limit["start_mb"]
+    why = f"killed: over the memory limit of {limit['limit_mb']:.0f} MB, {room:.0f} MB above its usage before decoding"
+    module = t.cfg.n_routed_experts * t.expert_bytes / 2**20
+    if kind == "accelerate" and module > room:
+        # accelerate's offload unit is a module: the fused experts of a layer come in whole
+        why += f"; accelerate loads an offloaded layer's whole experts module ({module:.0f} MB) at each use"
+    return why
 
 
 def child_result(runs: list[dict]) -> dict:
@@ -587,7 +601,10 @@ def child_main(args: argparse.Namespace) -> None:
         ds_model.accelerate_disk(model, d, offload_home(args) / "accelerate", args.child_capacity)
     # the experts' budget, and room for the decode's own work (activations, KV cache, allocator):
     # 10 % of what is held, as the target for moecast's peak RSS allows, and 64 MiB
+    start = memlimit.usage_bytes()
     limit = memlimit.limit_self(budget, slack=0.1, floor=64 << 20)
+    if limit and start:  # said before decoding: the parent reads it to explain a kill
+        print(json.dumps({"limit_mb": limit / 2**20, "start_mb": start / 2**20}), flush=True)
     read0 = _read_bytes()
     reset_peak_rss()
     with ds_model.routed(model, routing) as ov:

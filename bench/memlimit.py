@@ -120,12 +120,21 @@ def limit_self(budget_bytes: int, slack: float = 0.0, floor: int = 0) -> int | N
 
 def peak_bytes() -> int | None:
     """In the command: the cgroup's peak usage so far (page cache included)."""
+    return _read_own("peak")
+
+
+def usage_bytes() -> int | None:
+    """In the command: the cgroup's usage now (page cache included)."""
+    return _read_own("usage")
+
+
+def _read_own(key: str) -> int | None:
     spec = os.environ.get(ENV)
     if not spec:
         return None
     d, version = spec.rsplit(":", 1)
     try:
-        text = (Path(d) / _files(int(version))["peak"]).read_text().strip()
+        text = (Path(d) / _files(int(version))[key]).read_text().strip()
     except OSError:
         return None
     return int(text)

@@ -148,3 +148,21 @@ def test_accuracy_lines_count_rows_by_hand():
         "- modeled / measured: 0.800-1.200; within 15 % in 1 of 3 rows",
         "- at run rates / measured: 1.010-1.010; within 15 % in 3 of 3 rows",
     ]
+
+
+def test_a_killed_baseline_says_why():
+    """A kill is explained from the limit the child announced: 2000 - 1500 = 500 MB of room, and an
+    experts module of 64 x 16 MiB = 1024 MB, which accelerate loads whole."""
+    from types import SimpleNamespace
+
+    import bench_tiers
+
+    t = SimpleNamespace(cfg=SimpleNamespace(n_routed_experts=64), expert_bytes=16 << 20)
+    why = bench_tiers.killed_why(t, "accelerate", {"limit_mb": 2000.0, "start_mb": 1500.0})
+    assert "limit of 2000 MB, 500 MB above its usage before decoding" in why
+    assert "whole experts module (1024 MB)" in why
+    # room for a module: nothing to blame on accelerate's unit; the page cache's pages are evictable
+    roomy = {"limit_mb": 3000.0, "start_mb": 1500.0}
+    assert "module" not in bench_tiers.killed_why(t, "accelerate", roomy)
+    assert "module" not in bench_tiers.killed_why(t, "page cache", {"limit_mb": 2000.0, "start_mb": 1500.0})
+    assert bench_tiers.killed_why(t, "accelerate", {}) == "killed: over the memory limit"
