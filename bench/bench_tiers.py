@@ -537,13 +537,23 @@ def child_run(t: Tiers, kind: str, capacity: float, request: int) -> dict:
         p = cg.run(argv, timeout=t.args.child_timeout)
     finally:
         cg.remove()
-    lines = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
+    lines = _json_lines(p.stdout)
     if p.returncode in (-9, 137):
         raise RuntimeError(f"{kind} exited {p.returncode}: {killed_why(t, kind, lines[0] if lines else {})}")
     if p.returncode != 0 or not lines or "times" not in lines[-1]:
         tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
         raise RuntimeError(f"{kind} exited {p.returncode}: {' | '.join(tail)}")
     return lines[-1]
+
+
+def _json_lines(out: str) -> list[dict]:
+    """The JSON objects a child printed, one per line (a line that only looks like one is skipped)."""
+    got = []
+    for line in out.splitlines():
+        if line.startswith("{"):
+            with contextlib.suppress(json.JSONDecodeError):
+                got.append(json.loads(line))
+    return got
 
 
 def killed_why(t: Tiers, kind: str, limit: dict) -> str:

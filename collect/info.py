@@ -72,7 +72,7 @@ def traces_info(path: Path, json: bool = False) -> None:
         json: print one JSON object instead of tables.
     """
     ts = open_traces(path, require_nonempty=False)
-    summary, stats = _summary(path, ts)
+    summary, stats = _traces_summary(path, ts)
     if json:
         print(_json.dumps(summary))
         return
@@ -82,7 +82,7 @@ def traces_info(path: Path, json: bool = False) -> None:
     _print_layers(stats, summary["uniform_entropy"])
 
 
-def _summary(path: Path, ts: TraceSet) -> tuple[dict[str, Any], list[LayerStats]]:
+def _traces_summary(path: Path, ts: TraceSet) -> tuple[dict[str, Any], list[LayerStats]]:
     """(the JSON summary of ``ts``, its per-layer routing statistics; none when it holds no tokens)."""
     m = ts.meta.model
     decode = int((ts.column("phase") == "decode").sum()) if ts.num_tokens else 0

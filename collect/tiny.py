@@ -594,7 +594,8 @@ def build_tiny(
 
 
 def _build(cfg: TinyConfig, preset: str, seed: int):
-    # imported before the clock starts, so data_seconds times the data, not these imports
+    # imported before the clock starts, so data_seconds times the data, not these imports (torch
+    # comes in with transformers' model class)
     import transformers  # noqa: F401
     from moecast.collect.sharegpt import count_conversations  # noqa: F401
     from transformers import Qwen2MoeForCausalLM  # noqa: F401

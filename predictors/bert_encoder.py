@@ -218,7 +218,7 @@ def _checked_ort_encoder(
     threads: int | None,
 ) -> Any:
     """The ONNX Runtime encoder when onnxruntime is installed and it matches ``ref`` on the probes,
-    else None after a warning (none when ``engine`` is auto and onnxruntime is absent)."""
+    else None after a warning (no warning when ``engine`` is auto and onnxruntime is absent)."""
     from moecast.predictors.onnx_encoder import OrtBertEncoder, onnxruntime_available
 
     # stacklevel 4: the warnings point, as before, at checked_fast_encoder's caller's caller

@@ -160,7 +160,7 @@ def evaluate(
             ]
         checkpoint = checkpoint[0]
     ts = _eval_traces(traces, online_lr, k)
-    pred, record = _checkpoint(checkpoint, ts)
+    pred, record = _load_checkpoint(checkpoint, ts)
     chosen = choose(ts, record, split, val_fraction, test_fraction, seed, who=checkpoint)
     requests = chosen.requests[:max_requests] if max_requests else chosen.requests
     if pred is None:
@@ -205,7 +205,7 @@ def _eval_traces(traces: str | None, online_lr: float, k: int | None) -> Any:
     return ts
 
 
-def _checkpoint(checkpoint: str, ts: Any) -> tuple[Any, Any]:
+def _load_checkpoint(checkpoint: str, ts: Any) -> tuple[Any, Any]:
     """(the predictor loaded from a checkpoint file, else None for a baseline; what it was trained on)."""
     from moecast.predictors.provenance import trained_on
     from moecast.predictors.registry import load

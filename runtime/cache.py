@@ -375,8 +375,8 @@ class ExpertCache:
             new[sr] &= rank <= room[short][:, None]
 
     def _victims(self, el: np.ndarray, eligible: np.ndarray, m: int) -> np.ndarray:
-        """[len(el), m] ids of lanes ``el`` in eviction order among the ``eligible`` (padded with N,
-        the spare column, where a lane has fewer)."""
+        """[len(el), m] ids of lanes ``el`` in eviction order, the ``eligible`` first (a lane with fewer
+        than m is padded with ids that :meth:`_evict` does not take)."""
         if self.policy == "score":
             key = np.where(eligible, self._key(el), np.inf)
             return np.argsort(key, axis=1, kind="stable")[:, :m]

@@ -272,7 +272,7 @@ class LiveRuntime:
         self.hot_table: np.ndarray | None = None
         if rule.eviction == "static" and predictor is not None:
             self.hot_table = hot_table(predictor, self.num_layers, self.num_experts)
-        self.prefetch = choose_prefetch(config.prefetch, rule, predictor, self.hot_table)
+        self.prefetch = _choose_prefetch(config.prefetch, rule, predictor, self.hot_table)
         # the layer-ahead predictor's stream (it keeps the window of finished tokens), fed this
         # forward's layers while ``_streaming``; the step's last ``_gate_rows`` gate inputs go with them
         self._stream: LayerStream | None = predictor.stream() if self.prefetch == "predictor" else None
@@ -1128,14 +1128,14 @@ def hot_table(predictor: Any, num_layers: int, num_experts: int) -> np.ndarray:
     return table
 
 
-def choose_prefetch(given: str, rule: Policy, predictor: Any, hot_table: np.ndarray | None) -> str:
+def _choose_prefetch(given: str, rule: Policy, predictor: Any, table: np.ndarray | None) -> str:
     """The live prefetch source (none, predictor or online) for LiveConfig's ``prefetch`` ``given``.
 
     ``auto``: a predictor given prefetches, as in the replay; else a policy that prefetches uses the
     next layer's gate. Under static the predictor is the hot-expert table, never a prefetcher."""
     prefetch = given
     if prefetch == "auto":
-        if hot_table is not None:
+        if table is not None:
             prefetch = "none"
         elif predictor is not None:
             prefetch = "predictor"
@@ -1143,7 +1143,7 @@ def choose_prefetch(given: str, rule: Policy, predictor: Any, hot_table: np.ndar
             prefetch = "online" if rule.prefetches else "none"
     if prefetch == "predictor" and predictor is None:
         raise InputError("prefetch='predictor' needs a predictor checkpoint (--predictor CKPT)")
-    if prefetch == "predictor" and hot_table is not None:
+    if prefetch == "predictor" and table is not None:
         raise InputError(
             f"under policy static {predictor.name} is the hot-expert table, not a "
             "prefetcher; use prefetch auto or none"

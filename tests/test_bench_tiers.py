@@ -166,3 +166,6 @@ def test_a_killed_baseline_says_why():
     assert "module" not in bench_tiers.killed_why(t, "accelerate", roomy)
     assert "module" not in bench_tiers.killed_why(t, "page cache", {"limit_mb": 2000.0, "start_mb": 1500.0})
     assert bench_tiers.killed_why(t, "accelerate", {}) == "killed: over the memory limit"
+    # the child's lines: its limit, a line that only looks like JSON, its result
+    out = '{"limit_mb": 789.0, "start_mb": 321.0}\nwarning\n{not json\n{"times": [1.0]}'
+    assert bench_tiers._json_lines(out) == [{"limit_mb": 789.0, "start_mb": 321.0}, {"times": [1.0]}]
