@@ -82,7 +82,7 @@ BALANCE = ("smoe", "presched", "load", "cpu")
 #: where experts that are not resident live: host RAM, or an offload directory read with direct I/O
 OFFLOAD = ("ram", "disk")
 #: the per-layer breakdown of a decode step's wall time, as LiveStats lists and as_dict means
-BREAKDOWN = ("attention", "expert_compute", "transfer_wait", "predictor", "policy")
+BREAKDOWN = ("attention", "expert_compute", "transfer_wait", "device_sync", "predictor", "policy")
 # a forward's decode flag as the step reads it (never written)
 _YES, _NO = np.array([True]), np.array([False])
 
@@ -203,10 +203,13 @@ class LiveStats:
     modeled_decode_ms: list[float] = field(default_factory=list)
     measured_prefill_ms: float = 0.0
     # per decode step (ms): everything outside the experts calls (attention, dense, router, head), the
-    # experts' arithmetic, host time blocked on transfers, predictor calls, and the rest of the calls
+    # experts' arithmetic, host time blocked on transfers, the routing reads' wait for the device (on
+    # a GPU the device finishing what was queued before them; on a CPU a copy), predictor calls, and
+    # the rest of the calls (the policy's decisions)
     attention_decode_ms: list[float] = field(default_factory=list)
     expert_compute_decode_ms: list[float] = field(default_factory=list)
     transfer_wait_decode_ms: list[float] = field(default_factory=list)
+    device_sync_decode_ms: list[float] = field(default_factory=list)
     predictor_decode_ms: list[float] = field(default_factory=list)
     policy_decode_ms: list[float] = field(default_factory=list)
     # per decode step (ms): after the last MoE layer's experts (its shared experts, final norm, LM head)
@@ -572,7 +575,7 @@ class LiveRuntime:
         self._clock = 0.0
         self._t = np.array([self._step])
         self._next = None
-        self._acc = dict.fromkeys(("layers", "expert_compute", "transfer_wait", "predictor"), 0.0)
+        self._acc = dict.fromkeys(("layers", *BREAKDOWN[1:-1]), 0.0)
         self._t0 = self._layer_end = time.perf_counter()
         if self._decode and self.prefetch == "predictor":
             self._first_prefetch()
@@ -611,10 +614,11 @@ class LiveRuntime:
     def _record_breakdown(self, wall: float) -> None:
         """One decode step's wall time split: outside the experts calls, and inside them by kind (ms)."""
         acc, s = {k: v * 1e3 for k, v in self._acc.items()}, self.stats_
-        inner = acc["expert_compute"] + acc["transfer_wait"] + acc["predictor"]
+        inner = acc["expert_compute"] + acc["transfer_wait"] + acc["device_sync"] + acc["predictor"]
         s.attention_decode_ms.append(max(0.0, wall - acc["layers"]))
         s.expert_compute_decode_ms.append(acc["expert_compute"])
         s.transfer_wait_decode_ms.append(acc["transfer_wait"])
+        s.device_sync_decode_ms.append(acc["device_sync"])
         s.predictor_decode_ms.append(acc["predictor"])
         s.policy_decode_ms.append(max(0.0, acc["layers"] - inner))
 
@@ -668,7 +672,8 @@ class LiveRuntime:
             scores = self._timed("predictor", self._online_scores, nxt, hidden)
             if scores is not None:
                 want["next"] = scores
-        got = dict(zip(want, to_host(list(want.values()))))
+        # the one wait for the device in a layer: on a GPU it holds the queued attention and router
+        got = dict(zip(want, self._timed("device_sync", to_host, list(want.values()))))
         self.stats_.host_syncs += 1
         if "next" in got:
             self._next_scores = got["next"].numpy()

@@ -84,7 +84,7 @@ def _print_stats(stats: dict[str, Any]) -> None:
         io = "direct I/O" if stats["direct_io"] else "buffered reads, pages dropped (no O_DIRECT)"
         rows.append(("disk reads", f"{stats['disk_reads']} ({stats['bytes_read'] / 2**20:.1f} MiB, {io})"))
     rows.append(("peak RSS", f"{stats['peak_rss_mb']:.0f} MiB"))
-    parts = ("attention", "expert_compute", "transfer_wait", "predictor", "policy")
+    parts = ("attention", "expert_compute", "transfer_wait", "device_sync", "predictor", "policy")
     rows.append(
         (
             "decode step split",

@@ -776,7 +776,8 @@ def calibrate(prof: HardwareProfile, stats: dict[str, Any], num_layers: int) -> 
     - one expert: the decode steps' expert compute over the experts they computed (``routed`` uses;
       at one token per step each use is one expert call), the calls' glue included;
     - the rest of a layer (``attn_ms``): the step's time outside the experts' compute, transfer waits
-      and the predictor (attention, dense layers, the runtime's own host work), per MoE layer, less
+      and the predictor (attention, dense layers, the routing reads' wait for the device, the
+      runtime's own host work), per MoE layer, less
       what follows the last layer's experts, which is the step's own (``step_ms``: the final norm
       and the LM head, in no prefetch window);
     - the predictor's latency per layer as the runtime calls it (features of the live window
@@ -806,7 +807,10 @@ def calibrate(prof: HardwareProfile, stats: dict[str, Any], num_layers: int) -> 
         disk_read_gbps=_sig(gbps),
         gpu_expert_ms=_sig(expert),
         cpu_c_ms=_sig(max(expert - prof.cpu_beta_ms, 0.0)),
-        attn_ms=_sig(max(stats["attention_ms"] + stats["policy_ms"] - after, 0.0) / num_layers),
+        attn_ms=_sig(
+            max(stats["attention_ms"] + stats["policy_ms"] + stats.get("device_sync_ms", 0.0) - after, 0.0)
+            / num_layers
+        ),
         step_ms=_sig(after),
         predictor_ms=_sig(stats["predictor_ms"] / num_layers)
         if stats.get("predictor_ms")

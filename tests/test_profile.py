@@ -333,6 +333,8 @@ def test_calibrate_takes_the_rates_a_live_run_measured():
     assert cal.cpu_beta_ms == 0.25 and cal.cpu_c_ms == 1.75  # beta + C is the measured call
     assert cal.predictor_ms == base.predictor_ms  # the run did not predict
     assert P.calibrate(base, {**stats, "predictor_ms": 2.0}, 4).predictor_ms == 0.5  # 2 ms a step, 4 layers
+    # the routing reads' wait for the device is the rest of a layer's: (40 + 8 + 4 - 8) / 4 = 11
+    assert P.calibrate(base, {**stats, "device_sync_ms": 4.0}, 4).attn_ms == 11.0
     with pytest.raises(ValueError, match="applies to a CPU fast tier"):
         P.calibrate(replace(base, fast_tier="device"), stats, 4)
     with pytest.raises(ValueError, match="needs decode steps"):
