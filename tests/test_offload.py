@@ -196,9 +196,9 @@ def test_disk_tier_alpha_zero_logits_equal_the_model(tmp_path, setting):
     assert torch.allclose(got, ref, atol=2e-5, rtol=1e-5)
     assert stats["disk_reads"] >= stats["transfers"] and stats["bytes_read"] > 0
     # the decode step's split adds up to its wall time
-    parts = sum(
-        stats[f"{p}_ms"] for p in ("attention", "expert_compute", "transfer_wait", "predictor", "policy")
-    )
+    from moecast.runtime.live import BREAKDOWN
+
+    parts = sum(stats[f"{p}_ms"] for p in BREAKDOWN)
     assert parts == pytest.approx(stats["measured_tpot_ms"], rel=1e-6)
 
 
