@@ -233,12 +233,7 @@ class TraceWriter:
                 f"{meta_path}: unreadable JSON ({exc}); fix or delete it, or collect into another --out"
             ) from exc
         existing = TraceMeta.from_json(data, str(meta_path))
-        if existing.model.fingerprint != meta.model.fingerprint:
-            raise TraceSetError(
-                f"{self.path} holds traces of model {existing.model.name_or_path} "
-                f"(fingerprint {existing.model.fingerprint}), not {meta.model.name_or_path} "
-                f"(fingerprint {meta.model.fingerprint}); choose another --out"
-            )
+        _refuse_other_model(self.path, existing, meta)
         if existing.fields != meta.fields:
             raise TraceSetError(
                 f"{self.path} was collected with fields {existing.fields}, this run has {meta.fields}; "
@@ -799,14 +794,19 @@ def _check_same_model(sets: list[TraceSet]) -> None:
             raise TraceSetError(f"cannot merge {ts.path}: fields {ts.meta.fields} differ from {first.fields}")
 
 
+def _refuse_other_model(path: Path, held: TraceMeta, want: TraceMeta) -> None:
+    """Refuse a directory ``path`` whose traces (``held``) are of another model than ``want``'s."""
+    if held.model.fingerprint != want.model.fingerprint:
+        raise TraceSetError(
+            f"{path} holds traces of model {held.model.name_or_path} (fingerprint "
+            f"{held.model.fingerprint}), not {want.model.name_or_path} "
+            f"(fingerprint {want.model.fingerprint}); choose another --out"
+        )
+
+
 def _check_merge_target(out: Path, held: TraceMeta, first: TraceMeta) -> None:
     """Refuse an existing ``out`` that holds another model's traces or other fields than the sources."""
-    if held.model.fingerprint != first.model.fingerprint:
-        raise TraceSetError(
-            f"{out} holds traces of model {held.model.name_or_path} (fingerprint "
-            f"{held.model.fingerprint}), not {first.model.name_or_path} "
-            f"(fingerprint {first.model.fingerprint}); choose another --out"
-        )
+    _refuse_other_model(out, held, first)
     if held.fields != first.fields:
         raise TraceSetError(
             f"{out} holds fields {held.fields}, the sources {first.fields}; choose another --out"
