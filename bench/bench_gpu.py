@@ -71,6 +71,16 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
+def exit_status(rows: list[dict], bench: str) -> int:
+    """1 when any row FAILED (each named on stderr, one line a row), else 0: the exit status of a bench
+    run as a user's command, so that a failed row fails the command and not only its results file."""
+    failed = [r for r in rows if r.get("status") == "FAILED"]
+    for r in failed:
+        where = f"{r['model']}: " if r.get("model") not in (None, "-") else ""
+        print(f"{bench}: {where}{r['config']} FAILED (traceback in the results file)", file=sys.stderr)
+    return 1 if failed else 0
+
+
 @dataclass
 class Setup:
     """One model prepared for the rows."""
@@ -517,7 +527,7 @@ class Report:
         except Exception:  # the GPU time is scarce: record it and go on
             tb = traceback.format_exc()
             self.failures.append(f"### {model}: {name}\n\n```\n{tb}```\n")
-            log(tb)
+            print(tb, file=sys.stderr, flush=True)
             row, status = {}, "FAILED"
         row = {"model": model, "config": name, "kind": kind, "status": status, "capacity": CAPACITY, **row}
         row["seconds"] = round(time.perf_counter() - t0, 1)
@@ -850,5 +860,9 @@ def rows(quick: bool, tiny_checkpoint: Path | None = None, ds_checkpoint: Path |
     return figures(run(argv))
 
 
+def main(argv: list[str] | None = None) -> int:
+    return exit_status(run(argv), "bench_gpu")
+
+
 if __name__ == "__main__":
-    run()
+    sys.exit(main())

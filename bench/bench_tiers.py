@@ -678,19 +678,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(argv: list[str] | None = None) -> list[dict]:
     """Every row (dicts with :data:`KEYS` and a status); prints them, writes DIR/tiers-<host>.md/.json."""
+    return _run(argv)[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command: 1 when any row, setup step included, FAILED (each named on stderr)."""
+    report, _ = _run(argv)
+    return bench_gpu.exit_status(report.rows, "bench_tiers")
+
+
+def _run(argv: list[str] | None) -> tuple[Any, list[dict]]:
     args = parse_args(argv)
+    report = bench_gpu.Report("cpu")
     if args.child:
         child_main(args)
-        return []
+        return report, []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    report = bench_gpu.Report("cpu")
     t0 = time.perf_counter()
     holder: dict[str, Tiers] = {}
     report.guard(None, "setup", lambda: holder.setdefault("t", setup(args)) and {}, kind="setup")
     if "t" not in holder:
-        return _finish(report, args, out, None, t0)
+        return report, _finish(report, args, out, None, t0)
     t = holder["t"]
     if args.predictor:
         report.guard(None, "DeepSeek LLaPor", lambda: _load_predictor(t) or {}, kind="setup")
@@ -715,7 +725,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
         for cap in caps:
             rows = [Row(k, lambda i, _prof, k=k, c=cap: child_run(t, k, c, i)) for k in kinds]
             measure_rows(t, report, cap, rows)
-    return _finish(report, args, out, t, t0)
+    return report, _finish(report, args, out, t, t0)
 
 
 def _load_predictor(t: Tiers) -> None:
@@ -920,4 +930,4 @@ def _goal_figures(F: Any, raw: list[dict]) -> list[dict]:
 
 
 if __name__ == "__main__":
-    run()
+    sys.exit(main())

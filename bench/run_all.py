@@ -220,7 +220,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     from moecast import home
 
@@ -241,6 +241,17 @@ def main(argv: list[str] | None = None) -> None:
     if entries:
         results_dir = Path(args.results) if args.results else (out if args.quick else RESULTS)
         print(f"wrote {store(results_dir, entries)} and run_all.md")
+    return failed_status(entries)
+
+
+def failed_status(entries: dict) -> int:
+    """1 when any bench's figure is FAILED (each named on stderr with its reason), else 0."""
+    bad = [(n, f) for n, e in entries.items() for f in e["figures"] if f.get("verdict") == "FAILED"]
+    for name, f in bad:
+        print(
+            f"run_all: {name}: {f['name']} FAILED: {f['value']} {f.get('note', '')}".rstrip(), file=sys.stderr
+        )
+    return 1 if bad else 0
 
 
 def _run_entry(
@@ -287,4 +298,4 @@ def _print_summary(
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -244,3 +244,42 @@ def test_split_rows_name_each_side_and_judge_only_llapor_on_test(tmp_path, monke
     monkeypatch.setattr(provenance, "trained_on_file", lambda p: SimpleNamespace(spec=None))
     got = bench_splits.rows(False, traces, ckpt)
     assert asked == [ckpt, None] and got[-1]["verdict"] == "MISSING" and len(got) == 3
+
+
+def test_a_failed_figure_fails_run_all_and_names_itself_on_stderr(capsys):
+    ok = {"figures": [F.fig("tiny", "build", 1.0)]}
+    assert run_all.failed_status({"tiny": ok}) == 0
+    bad = {"figures": [F.fig("gpu", "x", 2.0), F.failed("tiers", "exit 1: no disk")]}
+    assert run_all.failed_status({"tiny": ok, "tiers": bad}) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["run_all: tiers: (bench) FAILED: exit 1: no disk"]
+
+
+def test_a_failed_row_fails_the_bench_command(capsys):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_gpu
+
+    rows = [
+        {"model": "-", "config": "setup", "status": "FAILED"},
+        {"model": "25 %", "config": "lru", "status": "ok"},
+        {"model": "25 %", "config": "llapor prefetch", "status": "skipped"},
+        {"model": "deepseek", "config": "LLaPor prefetch", "status": "FAILED"},
+    ]
+    assert bench_gpu.exit_status(rows[1:3], "bench_gpu") == 0
+    assert capsys.readouterr().err == ""
+    assert bench_gpu.exit_status(rows, "bench_tiers") == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "bench_tiers: setup FAILED (traceback in the results file)",
+        "bench_tiers: deepseek: LLaPor prefetch FAILED (traceback in the results file)",
+    ]
+
+
+def test_a_guarded_failure_goes_to_stderr_with_its_traceback(capsys):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_gpu
+
+    report = bench_gpu.Report("cpu")
+    assert report.guard(None, "boom", lambda: 1 / 0) is None
+    out, err = capsys.readouterr()
+    assert "ZeroDivisionError" in err and "ZeroDivisionError" not in out
+    assert report.rows[0]["status"] == "FAILED" and "ZeroDivisionError" in report.failures[0]
