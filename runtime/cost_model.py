@@ -180,12 +180,18 @@ class CostModel:
     t_step: float = 0.0  # per decode step, after the last MoE layer (final norm, LM head)
 
     @classmethod
-    def from_profile(cls, profile: HardwareProfile, expert_bytes: int) -> CostModel:
+    def from_profile(
+        cls, profile: HardwareProfile, expert_bytes: int, link_bytes: int | None = None
+    ) -> CostModel:
+        """Times for an expert of ``expert_bytes`` in the model's dtype that the link moves as
+        ``link_bytes`` (default the same; fewer where the slow tier stores a quantized copy): compute
+        scales with the former, a transfer and a read's CPU time with the latter."""
         scale = expert_bytes / profile.ref_expert_bytes
+        link = int(expert_bytes if link_bytes is None else link_bytes)
         if profile.transfer_gbps == 0:
             t_io = math.inf
         else:
-            t_io = expert_bytes / (profile.transfer_gbps * 1e9) * 1e3
+            t_io = link / (profile.transfer_gbps * 1e9) * 1e3
         cpu_reads = (profile.fast_tier, profile.slow_tier) == ("cpu", "disk")
         return cls(
             t_io=t_io,
@@ -193,12 +199,12 @@ class CostModel:
             beta=profile.cpu_beta_ms * scale,
             c=profile.cpu_c_ms * scale,
             t_attn=profile.attn_ms,
-            expert_bytes=int(expert_bytes),
+            expert_bytes=link,
             profile=profile.name,
             shared_compute=profile.fast_tier == "cpu",
             cpu_reads_link=profile.slow_tier == "disk",
             # a device's copies and a host tier's pinned reads leave the cores alone
-            t_rc=profile.read_cpu_ms * scale if cpu_reads else 0.0,
+            t_rc=profile.read_cpu_ms * link / profile.ref_expert_bytes if cpu_reads else 0.0,
             t_step=profile.step_ms,
         )
 

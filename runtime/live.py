@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import time
 import weakref
@@ -69,6 +70,7 @@ from moecast.runtime.cost_model import CostModel, HardwareProfile, load_profile
 from moecast.runtime.expert_store import LayerStore, SlotView, expert_params
 from moecast.runtime.offload import peak_rss_mb
 from moecast.runtime.policy import POLICIES, Policy, get_policy, with_policies
+from moecast.runtime.precision import DTYPES, Precision, expert_nbytes, quantized_experts_forward
 from moecast.runtime.step import LayerStep, layer_time, predictor_latency, ranked_predictions
 
 from moecast.errors import InputError, MoecastError
@@ -131,6 +133,13 @@ class LiveConfig:
             2 x max(2, io_threads) experts however many a long prefill computes.
         predictor_ms: The predictor's latency per layer (ms) charged before a prefetch may start, as in
             the replay; None: the checkpoint's measured figure, else the hardware profile's.
+        expert_dtype: The precision of the experts the slow tier holds and the slots compute
+            (:mod:`moecast.runtime.precision`): ``model`` (the model's dtype, exact), ``int8`` (per
+            output channel) or ``int4`` (group-wise). A quantized precision needs ``offload="disk"``: the
+            offload directory holds its copy beside the model-dtype one, the link moves its bytes, a
+            capacity in bytes counts them, and the experts compute on the packed weights.
+        group_size: int4's group along the input dimension (32, 64, 128 or 256); a matrix whose input
+            dimension it does not divide is quantized per output channel instead.
     """
 
     policy: str | Policy = "smoe"
@@ -150,6 +159,8 @@ class LiveConfig:
     offload_dir: str | None = None
     io_threads: int = 2
     predictor_ms: float | None = None
+    expert_dtype: str = "model"
+    group_size: int = 128
 
     def __post_init__(self) -> None:
         name = self.policy.name if isinstance(self.policy, Policy) else self.policy
@@ -180,6 +191,14 @@ class LiveConfig:
             raise InputError(f"io_threads must be at least 1, got {self.io_threads}")
         if self.pinned_mb is not None and not (math.isfinite(self.pinned_mb) and self.pinned_mb >= 0):
             raise InputError(f"pinned_mb must be a size in MB >= 0, got {self.pinned_mb}")
+        if self.expert_dtype not in DTYPES:
+            raise InputError(f"unknown expert_dtype {self.expert_dtype!r}; choose one of {', '.join(DTYPES)}")
+        self.precision = Precision(self.expert_dtype, int(self.group_size))
+        if self.precision.quantized and self.offload != "disk":
+            raise InputError(
+                f"expert_dtype {self.expert_dtype} needs offload='disk' (the quantized copies live in the offload "
+                "directory); give offload='disk' and an offload_dir"
+            )
 
 
 LiveConfig.__doc__ = with_policies(LiveConfig.__doc__ or "", exclude=("belady",))
@@ -262,10 +281,16 @@ class LiveRuntime:
         self.num_layers = len(structure.layers)
         self.num_experts = self.info.num_experts
         self.top_k = self.info.top_k
+        self.precision = config.precision
+        # what one expert is on the link and in a slot: its bytes at the slow tier's precision
+        first = structure.layers[0].experts
+        self.link_bytes = expert_nbytes(
+            self.precision, expert_params(first), bool(getattr(first, "is_transposed", False))
+        )
         self.capacity = (
             self.num_experts
             if config.capacity is None
-            else resolve_capacity(config.capacity, self.num_experts, self.top_k, self.info.expert_bytes)
+            else resolve_capacity(config.capacity, self.num_experts, self.top_k, self.link_bytes)
         )
         self.full = self.capacity >= self.num_experts
         self.predictor = predictor
@@ -289,7 +314,7 @@ class LiveRuntime:
         self.policy = dataclasses.replace(rule, prefetch="none" if self.prefetch == "none" else "predictor")
         hw = config.hardware
         profile = hw if isinstance(hw, HardwareProfile) else load_profile(hw)
-        self.cost = CostModel.from_profile(profile, self.info.expert_bytes)
+        self.cost = CostModel.from_profile(profile, self.info.expert_bytes, link_bytes=self.link_bytes)
         self.cache, self.step = self._make_step(profile, predictor)
         self._next: tuple[int, np.ndarray] | None = None  # (layer, its ranked prefetch candidates)
         self._step_args()
@@ -385,15 +410,19 @@ class LiveRuntime:
         in_memory = all(
             t.device.type != "meta" for e in structure.layers for t in expert_params(e.experts).values()
         )
-        meta = offload.offload_meta(self.model, structure)
-        if in_memory:
-            offload.write_offload(self.model, structure, config.offload_dir, dense=False)
-        elif offload.missing_layers(config.offload_dir, meta):
+        prec = self.precision
+        meta = offload.with_precision(offload.offload_meta(self.model, structure), structure, prec)
+        if not in_memory and offload.missing_layers(config.offload_dir, meta):
             raise offload.OffloadError(
                 f"{config.offload_dir} does not hold all of this model's experts and the model has none in "
                 "memory; load it whole once (moecast run --offload disk writes them)"
             )
-        reader = offload.ExpertReader(config.offload_dir, meta, threads=config.io_threads)
+        if in_memory or (prec.quantized and offload.missing_layers(config.offload_dir, meta, prec)):
+            # a precision the directory lacks is quantized from its model-dtype files
+            offload.write_offload(self.model, structure, config.offload_dir, dense=False, precision=prec)
+        self._model_meta = offload.tier_meta(meta, offload.MODEL)
+        tm = offload.tier_meta(meta, prec)
+        reader = offload.ExpertReader(config.offload_dir, tm, threads=config.io_threads)
         # slots go where the model computes: its experts' device, else its first real weight's
         real = [p.device for p in self.model.parameters() if p.device.type != "meta"]
         first = expert_params(structure.layers[0].experts)
@@ -494,6 +523,8 @@ class LiveRuntime:
         self._impl = [
             _resolve_impl(name, e.experts) for name, e in zip(self._layer_prev, self.structure.layers)
         ]
+        if self.precision.quantized:  # the slots hold packed weights: the precision's kernels compute them
+            self._impl = [functools.partial(quantized_experts_forward, self.precision)] * self.num_layers
         self._previous = self.model.get_experts_implementation()
         for pos, entry in enumerate(self.structure.layers):
             _ATTACHED[entry.experts] = (self, pos)
@@ -532,9 +563,14 @@ class LiveRuntime:
             st.close()
         if self.reader is not None:
             if self._dropped:  # the model gets back the expert weights attach moved to disk
-                from moecast.runtime.offload import restore_experts
+                from moecast.runtime.offload import ExpertReader, restore_experts
 
-                restore_experts(self.structure, self.reader, self._dropped)
+                # from the model-dtype files, whatever precision the run read
+                exact = ExpertReader(self.reader.directory, self._model_meta, threads=self.reader.threads)
+                try:
+                    restore_experts(self.structure, exact, self._dropped)
+                finally:
+                    exact.close()
                 self._dropped = None
             self.reader.close()
             self.reader = None
@@ -1069,6 +1105,8 @@ class LiveRuntime:
             simulated_device=not self.stores[0].cuda,
             pinned_bytes=sum(st.pinned_bytes for st in self.stores),
             offload=self.config.offload,
+            expert_dtype=self.precision.tag,
+            expert_bytes=self.link_bytes,  # one expert as the link moves it (its precision's bytes)
             bytes_read=self.reader.bytes_read if self.reader is not None else 0,
             disk_reads=self.reader.reads if self.reader is not None else 0,
             # the disk as this run saw it, beside the profile's figure the modeled time used

@@ -83,6 +83,12 @@ def _print_stats(stats: dict[str, Any]) -> None:
     if stats.get("offload") == "disk":
         io = "direct I/O" if stats["direct_io"] else "buffered reads, pages dropped (no O_DIRECT)"
         rows.append(("disk reads", f"{stats['disk_reads']} ({stats['bytes_read'] / 2**20:.1f} MiB, {io})"))
+        rows.append(
+            (
+                "expert precision",
+                f"{stats['expert_dtype']} ({stats['expert_bytes'] / 2**20:.2f} MiB an expert)",
+            )
+        )
     rows.append(("peak RSS", f"{stats['peak_rss_mb']:.0f} MiB"))
     parts = ("attention", "expert_compute", "transfer_wait", "device_sync", "predictor", "policy")
     rows.append(
@@ -117,6 +123,8 @@ def run(
     learn_plans: bool = False,
     offload: str = "ram",
     offload_dir: str | None = None,
+    expert_dtype: str = "model",
+    group_size: int = 128,
     json: bool = False,
 ) -> dict[str, Any]:
     """Generate text with the live runtime attached and report its cache, substitution and TPOT figures.
@@ -148,6 +156,10 @@ def run(
             model; later runs load only its other weights), and only ``capacity`` experts per layer are in memory.
         offload_dir: The offload directory for ``--offload disk`` (created if absent; a re-run resumes an
             interrupted write; another model's directory is refused).
+        expert_dtype: Precision of the offloaded experts (needs ``--offload disk``): model (the model's dtype,
+            exact), int8 (per output channel) or int4 (group-wise, ``--group-size``); the directory keeps
+            each precision beside the model-dtype copy, and the experts compute on the packed weights.
+        group_size: int4's group along each matrix's input dimension: 32, 64, 128 or 256.
         json: Print one JSON object instead of text and a table.
     """
     _threads()
@@ -173,6 +185,8 @@ def run(
         learn_plans=learn_plans,
         offload=offload,
         offload_dir=offload_dir,
+        expert_dtype=expert_dtype,
+        group_size=group_size,
     )
     try:
         branch = rt.plan(prompt) if plan is not None else None

@@ -12,7 +12,13 @@ An offload directory holds:
   spaces so the data starts at a multiple of ``ALIGN`` bytes, with expert ``e``'s tensors
   (``e{e}.{name}``) packed in one block at ``data_start + e * stride`` (``stride`` a multiple of
   ``ALIGN``; ``__pad`` tensors fill the gaps), so one aligned read of ``stride`` bytes loads an expert;
-- ``dense.safetensors``: the model's other weights, so a later load never materialises the experts.
+- ``dense.safetensors``: the model's other weights, so a later load never materialises the experts;
+- for each quantized precision written (:mod:`moecast.runtime.precision`), ``layer_NNN.<tag>.safetensors``
+  (``int8``, ``int4-g128``) laid out the same way, with the stored parts (``gate_up_proj.q``,
+  ``gate_up_proj.sz``...) in each block, and an entry under ``precisions`` in ``meta.json`` (its layout
+  and files; for int4 an id of the int4 kernel's packing, so a torch that packs otherwise is refused).
+  The model-dtype files are always there too: they restore the model at detach, and a precision missing
+  from a directory is written from them when the model's experts are not in memory.
 
 Files are written to a temporary name and renamed when complete, so an interrupted write is resumed
 by writing the missing files again; a directory of another model's experts is refused.
@@ -34,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import gc
+import hashlib
 import json
 import mmap
 import os
@@ -57,6 +64,7 @@ from moecast.runtime.expert_store import (
     expert_params,
     split_pieces,
 )
+from moecast.runtime.precision import Precision, pack_int4, part_shapes, quantize_params, weight_names
 from safetensors.torch import _TYPES as SAFETENSORS_DTYPES
 from torch import nn
 
@@ -215,6 +223,73 @@ def _read_meta(directory: Path) -> dict[str, Any] | None:
     return meta
 
 
+MODEL = Precision()
+
+
+def int4_layout_id() -> str:
+    """A digest of the int4 kernel's packing of a fixed matrix: two torches that pack alike share it."""
+    codes = (torch.arange(16 * 64).reshape(16, 64) * 7 % 16).to(torch.int32)
+    return hashlib.sha256(pack_int4(codes).numpy().tobytes()).hexdigest()[:16]
+
+
+def _stored_layout(experts: nn.Module, prec: Precision) -> ExpertLayout:
+    """One layer's expert block as ``prec`` stores it (shapes only: the module may be on meta)."""
+    params = expert_params(experts)
+    transposed = bool(getattr(experts, "is_transposed", False))
+    mats, fake = set(weight_names(params)), {}
+    for name, t in params.items():
+        if name not in mats:
+            fake[name] = torch.empty((1, *t.shape[1:]), dtype=t.dtype, device="meta")
+            continue
+        for part, (shape, dtype) in part_shapes(prec, name, tuple(t.shape[1:]), t.dtype, transposed).items():
+            fake[part] = torch.empty((1, *shape), dtype=dtype, device="meta")
+    return ExpertLayout.of(fake)
+
+
+def with_precision(meta: dict[str, Any], structure: Any, prec: Precision) -> dict[str, Any]:
+    """``meta`` with ``prec``'s entry under ``precisions`` (unchanged for the model's own dtype)."""
+    if not prec.quantized:
+        return meta
+    entry: dict[str, Any] = {
+        "experts": [_stored_layout(e.experts, prec).as_json() for e in structure.layers],
+        "files": [f"layer_{pos:03d}.{prec.tag}.safetensors" for pos in range(len(structure.layers))],
+    }
+    if prec.dtype == "int4":
+        entry["int4_layout"] = int4_layout_id()
+    return {**meta, "precisions": {**meta.get("precisions", {}), prec.tag: entry}}
+
+
+def tier_meta(meta: dict[str, Any], prec: Precision) -> dict[str, Any]:
+    """What a reader of ``prec``'s files needs: ``meta`` with that precision's layout and files."""
+    if not prec.quantized:
+        return {**meta, "precision": MODEL.tag}
+    entry = meta["precisions"][prec.tag]
+    return {**meta, "experts": entry["experts"], "files": entry["files"], "precision": prec.tag}
+
+
+def _check_same_precision(
+    directory: Path, have: dict[str, Any], want: dict[str, Any], prec: Precision
+) -> bool:
+    """Whether ``directory`` records ``prec``'s files as this run would write them (False: none yet);
+    refuses one recorded otherwise (another layout or int4 packing)."""
+    got = have.get("precisions", {}).get(prec.tag)
+    if got is None:
+        return False
+    need = want["precisions"][prec.tag]
+    if got.get("int4_layout") != need.get("int4_layout"):
+        raise OffloadError(
+            f"{directory} holds {prec.tag} experts packed by another torch's int4 kernel (layout "
+            f"{got.get('int4_layout')}, this torch packs {need.get('int4_layout')}); remove its "
+            f"layer_*.{prec.tag}.safetensors files and their entry in meta.json, or choose another --offload_dir"
+        )
+    if got != need:
+        raise OffloadError(
+            f"{directory} holds {prec.tag} experts in another layout ({got['experts'][0]} vs {need['experts'][0]}); "
+            f"remove its layer_*.{prec.tag}.safetensors files and their entry in meta.json, or choose another --offload_dir"
+        )
+    return True
+
+
 def _check_same_model(directory: Path, have: dict[str, Any], want: dict[str, Any]) -> None:
     if have.get("version") != VERSION:
         raise OffloadError(
@@ -233,15 +308,19 @@ def _check_same_model(directory: Path, have: dict[str, Any], want: dict[str, Any
         )
 
 
-def missing_layers(directory: str | Path, meta: dict[str, Any]) -> list[int]:
-    """MoE layer positions whose expert file is not written yet; refuses another model's or a damaged file."""
+def missing_layers(directory: str | Path, meta: dict[str, Any], prec: Precision = MODEL) -> list[int]:
+    """MoE layer positions whose expert file at ``prec`` (``meta`` carries its entry: :func:`with_precision`)
+    is not written yet; refuses another model's, another layout's or a damaged file."""
     d = Path(directory)
     have = _read_meta(d)
     if have is None:
         return list(range(len(meta["files"])))
     _check_same_model(d, have, meta)
+    if prec.quantized and not _check_same_precision(d, have, meta, prec):
+        return list(range(len(meta["files"])))
+    tm = tier_meta(meta, prec)
     out = []
-    for pos, (name, layout) in enumerate(zip(meta["files"], _layouts(meta))):
+    for pos, (name, layout) in enumerate(zip(tm["files"], _layouts(tm))):
         path = d / name
         if not path.exists():
             out.append(pos)
@@ -333,29 +412,23 @@ def prepare_dir(directory: str | Path) -> Path:
 
 
 def write_offload(
-    model: nn.Module, structure: Any, directory: str | Path, dense: bool = True
+    model: nn.Module, structure: Any, directory: str | Path, dense: bool = True, precision: Precision = MODEL
 ) -> dict[str, Any]:
     """Write the model's experts (and, with ``dense``, its other weights) into ``directory``, resuming.
 
+    The model-dtype files always; with a quantized ``precision`` its files too, quantized from the
+    experts in memory or, when the model has none there, from the model-dtype files already written.
     Complete files are kept; missing ones are written, each atomically. Refuses a directory of
     another model, a damaged file, and a disk without room for what is missing. Returns the meta.
     """
     d = prepare_dir(directory)
-    meta = offload_meta(model, structure)
+    meta = with_precision(offload_meta(model, structure), structure, precision)
     todo = missing_layers(d, meta)
+    qtodo = missing_layers(d, meta, precision) if precision.quantized else []
     dense_todo = dense and not (d / DENSE).is_file()
-    if not todo and not dense_todo:
+    if not todo and not qtodo and not dense_todo:
         return meta
-    layouts = _layouts(meta)
-    need = sum(
-        _header(layouts[p], meta["num_experts"])[1] + meta["num_experts"] * layouts[p].stride for p in todo
-    )
-    free = shutil.disk_usage(d).free
-    if need > free:
-        raise OffloadError(
-            f"the disk of {d} has {free / 2**30:.2f} GiB free and the experts need {need / 2**30:.2f} GiB more; "
-            "free space or choose another --offload_dir"
-        )
+    _check_room(d, meta, [(MODEL, todo), (precision, qtodo)])
     for pos in todo:
         params = expert_params(structure.layers[pos].experts)
         if any(t.device.type == "meta" for t in params.values()):
@@ -363,19 +436,78 @@ def write_offload(
                 f"{d} lacks the experts of MoE layer {meta['moe_layers'][pos]} and this model's experts are not in "
                 "memory; load the model whole once to write them"
             )
+    have = _read_meta(d) or {}
+    # the precisions the directory holds already stay recorded beside this run's
+    meta = {**meta, "precisions": {**have.get("precisions", {}), **meta.get("precisions", {})}}
     _write_atomic(d / "meta.json", lambda f: f.write(json.dumps(meta, indent=1).encode()))
+    layouts = _layouts(meta)
     for pos in todo:
         params = {n: t.to("cpu") for n, t in expert_params(structure.layers[pos].experts).items()}
         _write_atomic(
             d / meta["files"][pos],
             lambda f, p=params, lay=layouts[pos]: _write_layer(f, p, lay, meta["num_experts"]),
         )
+    if qtodo:
+        _write_precision(d, structure, meta, precision, qtodo)
     if dense_todo:
         from safetensors.torch import save
 
         state = {k: v.to("cpu") for k, v in _dense_state(model, _expert_names(model, structure)).items()}
         _write_atomic(d / DENSE, lambda f: f.write(save(state, metadata={"format": "pt", "moecast": FORMAT})))
     return meta
+
+
+def _check_room(d: Path, meta: dict[str, Any], todo: list[tuple[Precision, list[int]]]) -> None:
+    """Refuse a disk without room for the layer files still to write (each precision's positions)."""
+    need = 0
+    for prec, positions in todo:
+        layouts = _layouts(tier_meta(meta, prec)) if positions else []
+        need += sum(
+            _header(layouts[p], meta["num_experts"])[1] + meta["num_experts"] * layouts[p].stride
+            for p in positions
+        )
+    free = shutil.disk_usage(d).free
+    if need > free:
+        raise OffloadError(
+            f"the disk of {d} has {free / 2**30:.2f} GiB free and the experts need {need / 2**30:.2f} GiB more; "
+            "free space or choose another --offload_dir"
+        )
+
+
+def _write_precision(d: Path, structure: Any, meta: dict[str, Any], prec: Precision, todo: list[int]) -> None:
+    """``prec``'s layer files at positions ``todo``, quantized from memory or from the model-dtype files."""
+    from tqdm import tqdm
+
+    tm, reader = tier_meta(meta, prec), None
+    layouts = _layouts(tm)
+    print(f"moecast: writing the {prec.tag} experts to {d} once (quantized from the model's weights)")
+    try:
+        for pos in tqdm(
+            todo, desc=f"moecast: writing {prec.tag} experts", unit="layer", disable=len(todo) < 4
+        ):
+            experts = structure.layers[pos].experts
+            params = expert_params(experts)
+            if any(t.device.type == "meta" for t in params.values()):
+                reader = reader or ExpertReader(d, tier_meta(meta, MODEL))
+                params = _read_layer(reader, pos, int(meta["num_experts"]))
+            params = {n: t.to("cpu") for n, t in params.items()}
+            q = quantize_params(prec, params, bool(getattr(experts, "is_transposed", False)))
+            _write_atomic(
+                d / tm["files"][pos],
+                lambda f, q=q, lay=layouts[pos]: _write_layer(f, q, lay, meta["num_experts"]),
+            )
+    finally:
+        if reader is not None:
+            reader.close()
+
+
+def _read_layer(reader: ExpertReader, pos: int, num_experts: int) -> dict[str, torch.Tensor]:
+    """Every expert of MoE layer ``pos`` from ``reader``'s files, as tensors [E, ...] by name."""
+    layout = reader.layouts[pos]
+    base = aligned_bytes(num_experts * layout.stride)
+    for e in range(num_experts):
+        reader.read_into(pos, e, base[e * layout.stride : (e + 1) * layout.stride].numpy())
+    return layout.views(base, num_experts)
 
 
 # ------------------------------------------------------------------------------------------ reading
@@ -816,12 +948,7 @@ def restore_experts(structure: Any, reader: ExpertReader, devices: list[torch.de
     """Read every expert back from disk into the modules, on their devices (what :func:`drop_experts` replaced)."""
     for pos, entry in enumerate(structure.layers):
         mod = entry.experts
-        layout = reader.layouts[pos]
-        n = int(mod.num_experts)
-        base = aligned_bytes(n * layout.stride)
-        for e in range(n):
-            reader.read_into(pos, e, base[e * layout.stride : (e + 1) * layout.stride].numpy())
-        views = layout.views(base, n)
+        views = _read_layer(reader, pos, int(mod.num_experts))
         for name in expert_params(mod):
             t = views[name].to(devices[pos], copy=True)
             if name in mod._parameters:

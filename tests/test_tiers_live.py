@@ -81,6 +81,31 @@ def test_cli_run_offload_disk_writes_once_and_reports_the_tiers(tiny_dir, tmp_pa
         main([*base, "--offload", "disk"])
 
 
+def test_cli_run_at_a_precision_quantizes_the_directorys_copy_once(tiny_dir, tmp_path, capsys):
+    """--expert-dtype int4 on a directory that holds the model-dtype experts: the int4 copy is written
+    once from those files (the model's experts stay on disk), then read at a quarter of the bytes."""
+    from moecast.cli import main
+
+    off = tmp_path / "off"
+    base = ["run", "--model", str(tiny_dir), "--prompt", "hello there", "--max-new-tokens", "3",
+            "--policy", "lru", "--capacity", "0.25", "--offload", "disk", "--offload-dir", str(off)]  # fmt: skip
+    main([*base, "--json"])
+    exact = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    main([*base, "--expert-dtype", "int4", "--group-size", "32", "--json"])
+    first = capsys.readouterr().out
+    assert "writing the int4-g32 experts" in first and "writing the experts" not in first
+    int4 = json.loads(first.strip().splitlines()[-1])
+    main([*base, "--expert-dtype", "int4", "--group-size", "32"])
+    second = capsys.readouterr().out
+    assert "writing" not in second and "expert precision" in second and "int4-g32" in second
+    assert exact["expert_dtype"] == "model" and int4["expert_dtype"] == "int4-g32"
+    # a quarter of the weight bytes, plus the fp32 scale and zero of every 32 weights
+    assert int4["expert_bytes"] == pytest.approx(exact["expert_bytes"] * (0.5 + 8 / 32) / 4)
+    assert int4["bytes_read"] / int4["disk_reads"] < exact["bytes_read"] / exact["disk_reads"]
+    with pytest.raises(SystemExit, match="expert_dtype int8 needs offload='disk'"):
+        main(["run", "--model", str(tiny_dir), "--max-new-tokens", "1", "--expert-dtype", "int8"])
+
+
 def test_disk_decode_computes_hits_first_then_each_load_as_it_lands(tiny_dir, tmp_path, monkeypatch):
     """Without an accelerator a decode step's resident experts compute while its demand loads are
     read, then each load alone once it lands (the step's max(n_dev * t_g, link + t_g)); a prefill's

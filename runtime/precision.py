@@ -1,0 +1,330 @@
+"""Expert precision: weight-only, round-to-nearest quantization of the experts a slow tier holds.
+
+An expert moved over a link costs its bytes; the link is the floor of an offloaded run (a disk reads
+a DeepSeek-V2-Lite expert of 17.3 MB in bf16 in about 9 ms). A :class:`Precision` names what an
+expert's weights are stored and computed as:
+
+- ``model``: the model's own dtype, exact (the default);
+- ``int8``: per output channel, symmetric: ``s = max|w_row| / 127``, ``q = round(w / s)`` in
+  [-127, 127], ``w' = q s`` (LLM.int8's per-row absmax without its outlier split);
+- ``int4``: group-wise, asymmetric, along the input dimension in groups of ``group_size``:
+  ``s = (max - min) / 15``, ``q = round((w - min) / s)`` in [0, 15], ``w' = q s + min`` (the
+  round-to-nearest baseline of GPTQ and HQQ; HQQ's optimiser refines ``s`` and ``min``).
+
+A weight matrix is quantized as [out, in] (a module whose experts are stored transposed is
+transposed first), so every format reduces along the input dimension, as the kernels do. Biases and
+other per-expert vectors stay in the model's dtype.
+
+Computing on the packed weights, not on full-precision copies: on the CPU, torch's weight-only
+kernels ``_weight_int8pack_mm`` and ``_weight_int4pack_mm_for_cpu`` read the int8 / int4 bytes
+directly (at one token, a DeepSeek expert's gate-up projection took 0.36 and 0.25 ms against 33 and
+110 ms to dequantize it; ``bench/results/experiments.md``). The int4 kernel takes its weights in
+its own packed layout, which :func:`torch._convert_weight_to_int4pack_for_cpu` makes (about 28 ms a
+matrix, so the offload directory stores that layout and a read needs no conversion); it needs a
+group of 32-256, an output dimension divisible by 16 and an even input dimension. Where a kernel
+cannot run (another device, a shape it refuses), the weights are dequantized for the call instead,
+and :func:`kernel_note` says so once.
+
+Each stored part of weight ``name`` is a tensor ``name.<part>``: int8 ``.q`` [out, in] and ``.s``
+[out]; int4 ``.q`` (uint8, the kernel's layout, [out, in / 2]) and ``.sz`` [in / g, out, 2] with
+``(s, min + 8 s)`` per group, the kernel's scales-and-zeros (``w' = (q - 8) s + z``).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from moecast.errors import InputError
+
+DTYPES = ("model", "int8", "int4")
+#: group sizes the CPU int4 kernel takes
+INT4_KERNEL_GROUPS = (32, 64, 128, 256)
+
+
+class PrecisionWarning(UserWarning):
+    """A precision runs, but not as asked (a group size replaced, a kernel replaced by dequantization)."""
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How a slow tier stores its experts: ``dtype`` (``model``, ``int8``, ``int4``) and, for int4, the
+    group size along the input dimension."""
+
+    dtype: str = "model"
+    group_size: int = 128
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise InputError(f"unknown expert dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        if self.dtype == "int4" and self.group_size not in INT4_KERNEL_GROUPS:
+            groups = ", ".join(map(str, INT4_KERNEL_GROUPS))
+            raise InputError(f"int4 group size {self.group_size} is not one of {groups}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype != "model"
+
+    @property
+    def tag(self) -> str:
+        """The name an offload directory and a results row carry: ``model``, ``int8``, ``int4-g128``."""
+        return f"int4-g{self.group_size}" if self.dtype == "int4" else self.dtype
+
+    @classmethod
+    def of_tag(cls, tag: str) -> Precision:
+        if tag.startswith("int4-g"):
+            return cls("int4", int(tag[len("int4-g") :]))
+        return cls(tag)
+
+    def group_for(self, in_features: int) -> int:
+        """int4's group for a matrix of ``in_features`` inputs: ``group_size`` where it divides them,
+        else the whole row (per channel), which the kernel takes when it is one of its groups."""
+        if in_features % self.group_size == 0:
+            return self.group_size
+        return in_features
+
+
+# ---------------------------------------------------------------------------------------- formats
+def weight_names(params: dict[str, torch.Tensor]) -> list[str]:
+    """The per-expert tensors a precision quantizes: the matrices ([E, out, in]); vectors stay."""
+    return [n for n, t in params.items() if t.dim() == 3 and t.is_floating_point()]
+
+
+def part_shapes(
+    prec: Precision, name: str, shape: tuple[int, ...], dtype: torch.dtype, transposed: bool
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The stored parts of one expert's matrix ``name`` of per-expert ``shape``: name -> (shape, dtype)."""
+    out_f, in_f = (shape[1], shape[0]) if transposed else (shape[0], shape[1])
+    if prec.dtype == "int8":
+        return {f"{name}.q": ((out_f, in_f), torch.int8), f"{name}.s": ((out_f,), dtype)}
+    g = prec.group_for(in_f)
+    return {f"{name}.q": ((out_f, in_f // 2), torch.uint8), f"{name}.sz": ((in_f // g, out_f, 2), dtype)}
+
+
+def quantize_int8(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """[out, in] -> ``q`` int8 [out, in] and ``s`` [out] (per output channel, symmetric)."""
+    x = w.float()
+    s = x.abs().amax(dim=1) / 127
+    s = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero row: q = 0 whatever s is
+    q = torch.round(x / s[:, None]).clamp(-127, 127).to(torch.int8)
+    return {"q": q, "s": s.to(w.dtype)}
+
+
+def int4_codes(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[out, in] -> codes int32 [out, in] in [0, 15], scales and minima [out, in / group]."""
+    out_f, in_f = w.shape
+    x = w.float().reshape(out_f, in_f // group, group)
+    lo, hi = x.amin(dim=2), x.amax(dim=2)
+    s = (hi - lo) / 15
+    s = torch.where(s > 0, s, torch.ones_like(s))  # a constant group: q = 0 and w' = min exactly
+    q = torch.round((x - lo[..., None]) / s[..., None]).clamp(0, 15).to(torch.int32)
+    return q.reshape(out_f, in_f), s, lo
+
+
+def quantize_int4(w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
+    """[out, in] -> ``q`` (the CPU kernel's packed layout) and ``sz`` [in / group, out, 2]."""
+    q, s, lo = int4_codes(w, group)
+    sz = torch.stack([s, lo + 8 * s], dim=-1).transpose(0, 1).contiguous().to(w.dtype)
+    return {"q": pack_int4(q), "sz": sz}
+
+
+def quantize_matrix(prec: Precision, w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One [out, in] matrix at ``prec`` (parts by suffix)."""
+    if prec.dtype == "int8":
+        return quantize_int8(w)
+    return quantize_int4(w, prec.group_for(w.shape[1]))
+
+
+def quantize_params(
+    prec: Precision, params: dict[str, torch.Tensor], transposed: bool, experts: range | None = None
+) -> dict[str, torch.Tensor]:
+    """A layer's per-expert tensors ([E, ...]) as ``prec`` stores them ([E', ...] per part; ``experts``:
+    which of the E, default all). Vectors pass through."""
+    ids = range(next(iter(params.values())).shape[0]) if experts is None else experts
+    out: dict[str, torch.Tensor] = {}
+    mats = set(weight_names(params))
+    for name, t in params.items():
+        if name not in mats:
+            out[name] = t[list(ids)]
+            continue
+        parts = [quantize_matrix(prec, t[e].t() if transposed else t[e]) for e in ids]
+        for suffix in parts[0]:
+            out[f"{name}.{suffix}"] = torch.stack([p[suffix] for p in parts])
+    return out
+
+
+def dequantize_matrix(prec: Precision, parts: dict[str, torch.Tensor], in_features: int) -> torch.Tensor:
+    """The [out, in] matrix the parts (by suffix) stand for, in the scales' dtype."""
+    if prec.dtype == "int8":
+        return (parts["q"].float() * parts["s"].float()[:, None]).to(parts["s"].dtype)
+    sz = parts["sz"].float()  # [in / g, out, 2]
+    q = unpack_int4(parts["q"], in_features).float()
+    out_f, groups = q.shape[0], sz.shape[0]
+    s, z = sz[..., 0].t(), sz[..., 1].t()  # [out, in / g]
+    w = (q.reshape(out_f, groups, -1) - 8) * s[..., None] + z[..., None]
+    return w.reshape(out_f, in_features).to(parts["sz"].dtype)
+
+
+def expert_nbytes(prec: Precision, params: dict[str, torch.Tensor], transposed: bool) -> int:
+    """Bytes of one expert's tensors as ``prec`` stores them (parts rounded to nothing: the stored
+    block adds its own alignment)."""
+    if not prec.quantized:
+        return sum(int(t[0].numel()) * t.element_size() for t in params.values())
+    mats, total = set(weight_names(params)), 0
+    for name, t in params.items():
+        if name not in mats:
+            total += int(t[0].numel()) * t.element_size()
+            continue
+        for shape, dtype in part_shapes(prec, name, tuple(t.shape[1:]), t.dtype, transposed).values():
+            total += int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+    return total
+
+
+def fake_quantized(
+    prec: Precision, params: dict[str, torch.Tensor], transposed: bool
+) -> dict[str, torch.Tensor]:
+    """A layer's per-expert tensors with every matrix replaced by its quantized-then-dequantized value
+    (the weights a quantized expert computes with, in the model's dtype and layout)."""
+    if not prec.quantized:
+        return dict(params)
+    out = dict(params)
+    for name in weight_names(params):
+        t = params[name]
+        mats = []
+        for w in t:
+            m = w.t() if transposed else w
+            back = dequantize_matrix(prec, quantize_matrix(prec, m), m.shape[1]).to(t.dtype)
+            mats.append(back.t() if transposed else back)
+        out[name] = torch.stack(mats)
+    return out
+
+
+def relative_error(w: torch.Tensor, prec: Precision) -> float:
+    """||w - w'|| / ||w|| for one [out, in] matrix quantized at ``prec`` and dequantized."""
+    if not prec.quantized:
+        return 0.0
+    back = dequantize_matrix(prec, quantize_matrix(prec, w), w.shape[1]).float()
+    return float((w.float() - back).norm() / w.float().norm().clamp(min=1e-30))
+
+
+# ------------------------------------------------------------------------------------ int4 layout
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """int32 codes [out, in] in [0, 15] -> the CPU int4 kernel's uint8 [out, in / 2]."""
+    return torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+
+
+@functools.lru_cache(maxsize=64)
+def _int4_order(out_f: int, in_f: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each code of an [out, in] matrix lands in the packed layout: (byte index into the flat
+    packed tensor, 0 for the low nibble and 1 for the high), each [out, in].
+
+    Read off the packing itself, not assumed: codes that spell out each position's row and column
+    bits are packed, and every nibble then says where it came from. So the unpacking follows the
+    kernel's layout on any torch that has the kernel."""
+    n = out_f * in_f
+    bits = max(1, int(np.ceil(np.log2(max(n, 2)))))
+    pos = torch.arange(n, dtype=torch.int64).reshape(out_f, in_f)
+    src = torch.zeros(n, dtype=torch.int64)  # packed nibble -> the flat position it holds
+    for k in range(0, bits, 4):
+        packed = pack_int4(((pos >> k) & 15).to(torch.int32)).reshape(-1).to(torch.int64)
+        src |= torch.stack([packed & 15, packed >> 4], dim=1).reshape(-1) << k
+    where = torch.empty(n, dtype=torch.int64)
+    where[src] = torch.arange(n, dtype=torch.int64)
+    return (where // 2).reshape(out_f, in_f), (where % 2).reshape(out_f, in_f)
+
+
+def unpack_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
+    """The CPU kernel's packed uint8 [out, in / 2] -> int32 codes [out, in] (:func:`pack_int4`'s inverse)."""
+    out_f = packed.shape[0]
+    byte, high = _int4_order(out_f, in_features)
+    flat = packed.reshape(-1).to(torch.int32)[byte.reshape(-1)].reshape(out_f, in_features)
+    return torch.where(high.bool(), flat >> 4, flat & 15)
+
+
+# ----------------------------------------------------------------------------------------- compute
+def kernel_ok(prec: Precision, x: torch.Tensor, out_f: int, in_f: int) -> bool:
+    """Whether torch's weight-only CPU kernel computes this matrix directly (else it is dequantized)."""
+    if x.device.type != "cpu":
+        return False
+    if prec.dtype == "int8":
+        return True
+    return prec.group_for(in_f) in INT4_KERNEL_GROUPS and out_f % 16 == 0 and in_f % 2 == 0
+
+
+_NOTED: set[tuple[str, int, int, str]] = set()
+
+
+def kernel_note(prec: Precision, out_f: int, in_f: int, device: str) -> None:
+    """Say once per shape that a matrix is dequantized for each call instead of computed packed."""
+    key = (prec.tag, out_f, in_f, device)
+    if key not in _NOTED:
+        _NOTED.add(key)
+        warnings.warn(
+            f"{prec.tag} experts of shape [{out_f}, {in_f}] on {device}: no weight-only kernel takes them, "
+            "so each call dequantizes the weights first (slower; the bytes moved are still the small ones)",
+            PrecisionWarning,
+            stacklevel=3,
+        )
+
+
+def qlinear(prec: Precision, x: torch.Tensor, parts: dict[str, torch.Tensor], in_f: int) -> torch.Tensor:
+    """``x @ w'.T`` for [tokens, in] ``x`` and one expert's stored parts (by suffix), in x's dtype."""
+    out_f = parts["q"].shape[0]
+    if kernel_ok(prec, x, out_f, in_f):
+        if prec.dtype == "int8":
+            return torch._weight_int8pack_mm(x, parts["q"], parts["s"].to(x.dtype))
+        g = prec.group_for(in_f)
+        return torch._weight_int4pack_mm_for_cpu(x.contiguous(), parts["q"], g, parts["sz"].to(x.dtype))
+    kernel_note(prec, out_f, in_f, x.device.type)
+    return F.linear(x, dequantize_matrix(prec, parts, in_f).to(x.device, x.dtype))
+
+
+def expert_parts(tensors: dict[str, torch.Tensor], name: str, slot: int) -> dict[str, torch.Tensor]:
+    """Expert ``slot``'s stored parts of matrix ``name`` (by suffix) out of the slots' tensors."""
+    head = f"{name}."
+    return {k[len(head) :]: t[slot] for k, t in tensors.items() if k.startswith(head)}
+
+
+def quantized_experts_forward(
+    prec: Precision,
+    module: Any,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    **_: Any,
+) -> torch.Tensor:
+    """transformers' experts call (``experts(hidden, top_k_index, top_k_weights)``) on quantized experts.
+
+    ``module`` is a :class:`~moecast.runtime.expert_store.SlotView` whose tensors are the stored parts;
+    ids ``>= module.num_experts`` are computed elsewhere and skipped. The arithmetic is the experts
+    interface's (its ``batched_mm`` path): gate-up (or up) projection, the module's ``_apply_gate``
+    (or activation), down projection, optional biases and post-expert norm, weighted by the routing
+    weights; the flags come from the module, so every family that uses the interface runs as is.
+    """
+    tensors = object.__getattribute__(module, "_tensors")
+    num, hidden_dim = int(module.num_experts), hidden_states.shape[-1]
+    up_name = "gate_up_proj" if module.has_gate else "up_proj"
+    out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
+    ids = top_k_index.reshape(-1)
+    for slot in torch.unique(ids).tolist():
+        if slot >= num:
+            continue
+        token, k = torch.nonzero(top_k_index == slot, as_tuple=True)
+        x = hidden_states[token]
+        h = qlinear(prec, x, expert_parts(tensors, up_name, slot), hidden_dim)
+        if module.has_bias:
+            h = h + tensors[f"{up_name}_bias"][slot]
+        h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+        y = qlinear(prec, h, expert_parts(tensors, "down_proj", slot), h.shape[-1])
+        if module.has_bias:
+            y = y + tensors["down_proj_bias"][slot]
+        if module.has_post_expert_norm:
+            y = module.post_expert_norm(y)
+        out.index_add_(0, token, y.float() * top_k_weights[token, k, None].float())
+    return out.to(hidden_states.dtype)

@@ -1,0 +1,147 @@
+"""Expert precision: the int8 / int4 formats by hand, the int4 packing read back, the kernels against the
+formats' own arithmetic, and the disk tier computing on quantized experts as a model with those weights."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from moecast.collect.models import find_moe_structure
+from moecast.runtime import offload
+from moecast.runtime import precision as P
+from moecast.runtime.expert_store import expert_params
+from moecast.runtime.live import attach
+from test_live import decode_logits, make_model
+
+from moecast.errors import InputError
+
+torch.set_num_threads(1)
+
+
+def test_int8_is_per_row_absmax_over_127_rounded_to_nearest():
+    w = torch.tensor([[1.0, -2.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0], [0.3, 0.1, -0.1, 0.0]])
+    parts = P.quantize_int8(w)
+    # row 0: s = 2 / 127; w / s = 63.5, -127, 31.75, 0 -> round half to even 64 (63.5 -> 64), -127, 32, 0
+    assert parts["s"][0].item() == pytest.approx(2 / 127)
+    assert parts["q"][0].tolist() == [64, -127, 32, 0]
+    # an all-zero row keeps q = 0 (its scale is a placeholder 1, never a division by 0)
+    assert parts["q"][1].tolist() == [0, 0, 0, 0] and parts["s"][1].item() == 1.0
+    # row 2: s = 0.3 / 127; 0.1 / s = 42.33 -> 42
+    assert parts["q"][2].tolist() == [127, 42, -42, 0]
+    back = P.dequantize_matrix(P.Precision("int8"), parts, 4)
+    assert back[0].tolist() == pytest.approx([64 * 2 / 127, -2.0, 32 * 2 / 127, 0.0])
+
+
+def test_int4_is_groupwise_min_max_over_15():
+    # one row of 64: group 0 holds 0..31 (min 0, max 31), group 1 a constant 5
+    w = torch.cat([torch.arange(32.0), torch.full((32,), 5.0)])[None].repeat(16, 1)
+    q, s, lo = P.int4_codes(w, 32)
+    assert s[0].tolist() == pytest.approx([31 / 15, 1.0]) and lo[0].tolist() == [0.0, 5.0]
+    # 16 / (31 / 15) = 7.74 -> 8; 31 -> 15; a constant group codes 0 and comes back exactly
+    assert q[0, 16].item() == 8 and q[0, 31].item() == 15 and q[0, 0].item() == 0
+    assert (q[0, 32:] == 0).all()
+    prec = P.Precision("int4", 32)
+    back = P.dequantize_matrix(prec, P.quantize_matrix(prec, w), 64)
+    assert back[0, 16].item() == pytest.approx(8 * 31 / 15, rel=1e-6)
+    assert (back[:, 32:] == 5.0).all()
+    # round to nearest: no weight moves by more than half a step
+    assert ((back[:, :32] - w[:, :32]).abs() <= 31 / 15 / 2 + 1e-5).all()
+
+
+@pytest.mark.parametrize("shape", [(16, 32), (32, 64), (48, 256)])
+def test_int4_packing_is_read_back_from_the_kernels_own_layout(shape):
+    codes = torch.randint(0, 16, shape, dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    packed = P.pack_int4(codes)
+    assert packed.dtype == torch.uint8 and packed.shape == (shape[0], shape[1] // 2)
+    assert torch.equal(P.unpack_int4(packed, shape[1]), codes)
+
+
+@pytest.mark.parametrize("prec", [P.Precision("int8"), P.Precision("int4", 32), P.Precision("int4", 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_weight_only_kernels_compute_the_formats_arithmetic(prec, dtype):
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(32, 128, generator=g).to(dtype)
+    x = torch.randn(3, 128, generator=g).to(dtype)
+    parts = P.quantize_matrix(prec, w)
+    assert P.kernel_ok(prec, x, 32, 128)
+    got = P.qlinear(prec, x, parts, 128).float()
+    ref = x.float() @ P.dequantize_matrix(prec, parts, 128).float().t()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert ((got - ref).norm() / ref.norm()).item() < tol
+
+
+def test_a_shape_no_kernel_takes_is_dequantized_and_says_so():
+    prec = P.Precision("int4", 128)
+    w = torch.randn(32, 16)  # 16 inputs: one group of 16, which the int4 kernel refuses
+    parts = P.quantize_matrix(prec, w)
+    assert P.kernel_ok(prec, torch.zeros(1, 16), 32, 16) is False
+    x = torch.randn(2, 16)
+    P._NOTED.clear()
+    with pytest.warns(P.PrecisionWarning, match=r"int4-g128 experts of shape \[32, 16\].*dequantizes"):
+        got = P.qlinear(prec, x, parts, 16)
+    assert torch.allclose(got, x @ P.dequantize_matrix(prec, parts, 16).t(), atol=1e-6)
+
+
+def test_group_size_per_channel_where_it_does_not_divide_and_refused_where_no_kernel_has_it():
+    assert P.Precision("int4", 128).group_for(256) == 128
+    assert P.Precision("int4", 128).group_for(96) == 96  # per output channel
+    with pytest.raises(InputError, match="int4 group size 48 is not one of 32, 64, 128, 256"):
+        P.Precision("int4", 48)
+    with pytest.raises(InputError, match="unknown expert dtype 'int3'"):
+        P.Precision("int3")
+
+
+def test_relative_error_orders_the_precisions():
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(2))
+    e8, e4 = P.relative_error(w, P.Precision("int8")), P.relative_error(w, P.Precision("int4", 32))
+    assert P.relative_error(w, P.Precision()) == 0.0
+    # int8's step is max|w| / 127 per row, int4's (max - min) / 15 per group of 32: about 8x coarser
+    assert 0 < e8 < 0.01 < e4 < 0.1
+
+
+def test_expert_bytes_of_each_precision_by_hand():
+    model = make_model("qwen2_moe")  # gate_up [32, 32] and down [32, 16] per expert, fp32
+    params = expert_params(model.model.layers[0].mlp.experts)
+    assert P.expert_nbytes(P.Precision(), params, False) == (32 * 32 + 32 * 16) * 4
+    # int8: q bytes + an fp32 scale per row
+    assert P.expert_nbytes(P.Precision("int8"), params, False) == 32 * 32 + 32 * 4 + 32 * 16 + 32 * 4
+    # int4 (per channel here): half a byte a weight + (scale, zero) fp32 per row and group
+    assert P.expert_nbytes(P.Precision("int4"), params, False) == 32 * 16 + 32 * 2 * 4 + 32 * 8 + 32 * 2 * 4
+
+
+def _fake_quantize_model(model, prec):
+    for entry in find_moe_structure(model).layers:
+        mod = entry.experts
+        for name, t in P.fake_quantized(prec, expert_params(mod), bool(mod.is_transposed)).items():
+            mod._parameters[name].data = t
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("prec", [P.Precision("int8"), P.Precision("int4", 32)])
+def test_disk_tier_at_a_precision_computes_as_the_model_with_those_weights(tmp_path, family, prec):
+    """The live runtime reading int8 / int4 experts gives the logits of the model whose expert weights
+    are the quantized ones (the kernels compute the formats exactly, up to float rounding)."""
+    model = make_model(family)
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(3))
+    exact = decode_logits(model, ids)
+    ref_model = make_model(family)
+    _fake_quantize_model(ref_model, prec)
+    ref = decode_logits(ref_model, ids)
+    rt = attach(
+        model, policy="lru", capacity=0.25, prefetch="none", alpha=0.0, offload="disk",
+        offload_dir=str(tmp_path), expert_dtype=prec.dtype, group_size=prec.group_size,
+    )  # fmt: skip
+    try:
+        got = decode_logits(model, ids)
+        stats = rt.stats()
+    finally:
+        rt.detach()
+    # the run is the quantized model's, not the exact one's: 20x closer to the former than to the latter
+    to_ref, to_exact = (got - ref).abs().max().item(), (got - exact).abs().max().item()
+    assert to_ref < to_exact / 20, (to_ref, to_exact)
+    assert stats["expert_dtype"] == prec.tag
+    layout = offload._layouts(offload.tier_meta(json.loads((tmp_path / "meta.json").read_text()), prec))[0]
+    assert stats["bytes_read"] == stats["disk_reads"] * layout.stride
+    # detach restores the exact model from its model-dtype copy
+    assert torch.equal(decode_logits(model, ids), exact)
