@@ -40,6 +40,8 @@ def replay(
     predictor_ms: float | None = None,
     batch_size: int = 1,
     holdout: str | None = None,
+    expert_dtype: str = "model",
+    group_size: int = 128,
     json: bool = False,
 ) -> None:
     """Replay a TraceSet through one runtime configuration and print the metrics.
@@ -68,6 +70,9 @@ def replay(
         holdout: replay only held-out requests: test (or val) of the split that --predictor and
             --planner were trained on (``TraceSet.splits``; the default split without a checkpoint);
             a number is the test share, refused where it disagrees with a checkpoint's split.
+        expert_dtype: precision of the slow tier's experts (as ``moecast run --expert-dtype``): model, int8 or
+            int4; the link moves, and a capacity in bytes counts, that precision's bytes.
+        group_size: int4's group along each matrix's input dimension (32, 64, 128 or 256).
         json: print one JSON object instead of a table.
     """
     from moecast.collect.traceset import TraceSet
@@ -90,6 +95,8 @@ def replay(
         requests=requests,
         hot_requests=hot_from,
         progress=not json,
+        expert_dtype=expert_dtype,
+        group_size=group_size,
     )
     res = engine.replay(traces, cfg)
     if json:
@@ -133,6 +140,8 @@ def _print_result(res: ReplayResult, predictor_given: bool = True) -> None:
         "shared",
         "batch_size",
         "hardware",
+        "expert_dtype",
+        "expert_bytes",
         "hit_rate",
         "prefetch_accuracy",
         "substitution_rate",
@@ -187,6 +196,7 @@ COMPARE_COLUMNS = [
     "capacity",
     "capacity_fraction",
     "mode",
+    "expert_dtype",
     "hit_rate",
     "prefetch_accuracy",
     "substitution_rate",
@@ -213,6 +223,8 @@ def compare(
     alpha: float | None = None,
     predictor_ms: float | None = None,
     batch_size: int = 1,
+    expert_dtypes: Sequence[str] = ("model",),
+    group_size: int = 128,
     wandb: bool = True,
     json: bool = False,
 ) -> None:
@@ -244,6 +256,8 @@ def compare(
         predictor_ms: the predictor's latency per layer (ms) before its prefetch may start; default: each
             checkpoint's measured figure, else the hardware profile's.
         batch_size: decode batch size.
+        expert_dtypes: precisions of the slow tier's experts (model, int8, int4): each cell runs at each.
+        group_size: int4's group along each matrix's input dimension (32, 64, 128 or 256).
         wandb: log one offline wandb run per cell.
         json: print one JSON object per cell instead of the table.
     """
@@ -270,7 +284,8 @@ def compare(
     from tqdm import tqdm
 
     # the capacities of one (policy, predictor, planner) cell run as lanes of one vectorised pass
-    for p, pr, pl in tqdm(cells, desc="compare", disable=json):
+    dtypes = _words(expert_dtypes) or ["model"]
+    for (p, pr, pl), dt in tqdm([(c, d) for c in cells for d in dtypes], desc="compare", disable=json):
         cfg = ReplayConfig(
             policy=p,
             cold=cold,
@@ -284,6 +299,8 @@ def compare(
             batch_size=batch_size,
             requests=requests,
             hot_requests=hot_from,
+            expert_dtype=dt,
+            group_size=group_size,
         )
         for res in engine.replay_capacities(ts, cfg, caps):
             row = {
@@ -570,13 +587,9 @@ def _profile_model(
 def _traces_expert_shape(traces: str) -> tuple[int, int, str]:
     """(hidden size, intermediate size, dtype) of the experts of the model a TraceSet recorded."""
     from moecast.collect.traceset import TraceSet
+    from moecast.runtime.replay import expert_shape
 
-    ts = TraceSet(traces)
-    m = ts.meta.model
-    # expert_bytes are in the dtype the traces were collected in (imports: bfloat16)
-    dtype = str(ts.meta.collection.get("dtype", "bfloat16"))
-    width = {"float32": 4, "float64": 8}.get(dtype, 2)
-    return m.hidden_size, max(1, m.expert_bytes // (3 * m.hidden_size * width)), dtype
+    return expert_shape(TraceSet(traces))
 
 
 # the presets' names and help, from runtime/policy.py (jsonargparse reads these docstrings)

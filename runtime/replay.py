@@ -96,6 +96,10 @@ class ReplayConfig:
     progress: bool = False
     chunk_lanes: int = 20000  # cold streams replayed together (bounds the per-lane state in memory)
     fast: bool = True  # use the fast paths where they apply (False: the general engine, for cross-checks)
+    # the slow tier's expert precision (runtime/precision.py): the link moves, and a capacity in bytes
+    # counts, its bytes, as in the live runtime
+    expert_dtype: str = "model"
+    group_size: int = 128
 
 
 @dataclass
@@ -251,6 +255,41 @@ class _Outcome:
     starts: int  # cache starts: one per cold stream, or one for the whole stream
 
 
+def expert_shape(ts: TraceSet) -> tuple[int, int, str]:
+    """(hidden size, intermediate size, dtype) of the experts of the model a TraceSet recorded."""
+    m = ts.meta.model
+    # expert_bytes are in the dtype the traces were collected in (imports: bfloat16)
+    dtype = str(ts.meta.collection.get("dtype", "bfloat16"))
+    width = {"float32": 4, "float64": 8}.get(dtype, 2)
+    return m.hidden_size, max(1, m.expert_bytes // (3 * m.hidden_size * width)), dtype
+
+
+def _precision_tag(dtype: str, group_size: int) -> str:
+    if dtype == "model":  # without importing torch, which a replay never needs otherwise
+        return "model"
+    from moecast.runtime.precision import Precision
+
+    return Precision(dtype, group_size).tag
+
+
+def expert_link_bytes(ts: TraceSet, expert_dtype: str, group_size: int) -> int:
+    """One expert's bytes on the link at a precision: the recorded model's own where it is not
+    quantized, else those of its gated expert (gate-up [2I, H], down [H, I]) as the precision stores it."""
+    if expert_dtype == "model":
+        return int(ts.meta.model.expert_bytes)
+    import torch
+    from moecast.runtime.precision import Precision, expert_nbytes
+
+    prec = Precision(expert_dtype, group_size)
+    hidden, inter, dtype = expert_shape(ts)
+    dt = getattr(torch, dtype)
+    params = {
+        "gate_up_proj": torch.empty((1, 2 * inter, hidden), dtype=dt, device="meta"),
+        "down_proj": torch.empty((1, hidden, inter), dtype=dt, device="meta"),
+    }
+    return expert_nbytes(prec, params, transposed=False)
+
+
 def _prepare(ts: TraceSet, cfg: ReplayConfig, capacities: list[float | str]) -> _Run:
     """Check a configuration against the TraceSet and load what the replay reads."""
     spec = get_policy(cfg.policy, cfg.alpha)
@@ -269,7 +308,8 @@ def _prepare(ts: TraceSet, cfg: ReplayConfig, capacities: list[float | str]) -> 
         raise InputError(
             "score eviction keeps one score window per layer; drop --shared or choose another policy"
         )
-    caps = np.array([resolve_capacity(c, E, k, m.expert_bytes) for c in capacities], dtype=np.int64)
+    link = expert_link_bytes(ts, cfg.expert_dtype, int(cfg.group_size))
+    caps = np.array([resolve_capacity(c, E, k, link) for c in capacities], dtype=np.int64)
     if len(caps) == 0:
         raise InputError("no capacities to replay")
     profile = cfg.hardware if isinstance(cfg.hardware, HardwareProfile) else load_profile(cfg.hardware)
@@ -280,7 +320,7 @@ def _prepare(ts: TraceSet, cfg: ReplayConfig, capacities: list[float | str]) -> 
     hot, hot_from = None, None
     if spec.eviction == "static" or spec.preload == "hot":
         hot, hot_from = _hot_table(ts, rids, d, E, cfg.hot_requests)
-    cost = CostModel.from_profile(profile, m.expert_bytes)
+    cost = CostModel.from_profile(profile, m.expert_bytes, link_bytes=link)
     return _Run(
         ts, cfg, spec, rids, caps, profile, cost, pred_name, predictor, planner, d, hot, hot_from,
         pred_ms, pred_ms_from,
@@ -795,8 +835,7 @@ def _results(run: _Run, out: _Outcome, wall: float) -> list[ReplayResult]:
             cpu_experts=int(t["cpu"].sum()),
             cpu_expert_rate=float(t["cpu"].sum() / max(uses, 1)),
             bytes_moved=int(
-                (t["loads"].sum() + t["pf_started"].sum() + t["plan_loads"].sum())
-                * run.ts.meta.model.expert_bytes
+                (t["loads"].sum() + t["pf_started"].sum() + t["plan_loads"].sum()) * run.cost.expert_bytes
             ),
             substitution_rate=float(t["subs"].sum() / max(routed, 1)),
             modeled_tpot_ms=tpot,
@@ -837,6 +876,8 @@ def _config_row(run: _Run, c: int) -> dict[str, Any]:
         "hardware": run.profile.name,
         "alpha": spec.alpha,
         "predictor_ms_from": run.predictor_ms_from,
+        "expert_dtype": _precision_tag(cfg.expert_dtype, int(cfg.group_size)),
+        "expert_bytes": run.cost.expert_bytes,
     }
 
 

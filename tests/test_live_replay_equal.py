@@ -89,8 +89,9 @@ class RecordedOracle(LayerAhead):
         return out
 
 
-def live_run(model, policy, hw, predictor=None, prefetch="none"):
-    """Run STEPS one-token forwards under the live runtime; -> (stats, routing [T, L, k], probs or None)."""
+def live_run(model, policy, hw, predictor=None, prefetch="none", **tier):
+    """Run STEPS one-token forwards under the live runtime; -> (stats, routing [T, L, k], probs or None).
+    ``tier``: the slow tier's settings (offload, offload_dir, expert_dtype, group_size)."""
     rt = attach(
         model,
         policy=policy,
@@ -99,6 +100,7 @@ def live_run(model, policy, hw, predictor=None, prefetch="none"):
         warm=False,
         predictor=predictor,
         prefetch=prefetch,
+        **tier,
     )
     if predictor is not None:
         predictor.rt = rt
@@ -133,7 +135,9 @@ def live_run(model, policy, hw, predictor=None, prefetch="none"):
 
 def as_traceset(path, info, ids, probs) -> TraceSet:
     fields = {"topk_weights": False, "router_probs": probs is not None, "gate_inputs": False}
-    w = TraceWriter(path, TraceMeta(model=info, collection={"source": "live run"}, fields=fields))
+    # tiny_random is float32: the replay derives the expert's shape from its bytes in that dtype
+    collection = {"source": "live run", "dtype": "float32"}
+    w = TraceWriter(path, TraceMeta(model=info, collection=collection, fields=fields))
     rec = synthetic_record(0, np.arange(STEPS), ids, np.arange(STEPS) >= 1, router_probs=probs)
     w.write([rec])
     return TraceSet(path)
@@ -159,19 +163,36 @@ def test_live_and_replay_report_equal_values(tiny, profile, tmp_path, case):
 
 @pytest.mark.parametrize("case", ["lru", "oracle prefetch", "oracle prefetch-late", "smoe"])
 def test_live_and_replay_equal_where_reads_take_compute_time(tiny, cpu_disk_profile, tmp_path, case):
-    r, ts, cfg = _equal_values(tiny, cpu_disk_profile, tmp_path, case)
+    r, ts, cfg, _ = _equal_values(tiny, cpu_disk_profile, tmp_path, case)
     if CASES[case][1]:  # the prefetches' reads were charged: without their compute time it is less
         free = dataclasses.replace(load_profile(cpu_disk_profile), read_cpu_ms=0.0)
         assert replay(ts, dataclasses.replace(cfg, hardware=free)).modeled_tpot_ms < r.modeled_tpot_ms
 
 
-def _equal_values(tiny, profile, tmp_path, case):
+@pytest.mark.parametrize("case", ["lru", "oracle prefetch"])
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_live_and_replay_equal_at_a_quantized_precision(tiny, profile, tmp_path, case, dtype):
+    """The disk tier at int8 / int4 moves the precision's bytes; the replay at that precision models
+    the same (one expert's bytes, transfers, and so the windows and the TPOT)."""
+    tier = dict(offload="disk", offload_dir=str(tmp_path / "off"), expert_dtype=dtype, group_size=64)
+    r, _, _, stats = _equal_values(tiny, profile, tmp_path, case, tier)
+    assert stats["expert_dtype"] == r.config["expert_dtype"] == {"int8": "int8", "int4": "int4-g64"}[dtype]
+    assert (
+        stats["expert_bytes"]
+        == r.config["expert_bytes"]
+        < model_info(tiny, find_moe_structure(tiny), "t").expert_bytes
+    )
+    assert stats["bytes_read"] == stats["disk_reads"] * (-(-r.config["expert_bytes"] // 4096) * 4096)
+
+
+def _equal_values(tiny, profile, tmp_path, case, tier=None):
+    tier = tier or {}
     policy, oracle = CASES[case]
     predictor = None
-    if oracle:  # the routing at alpha 0, from a first run, is what the oracle knows
-        _, routing, _, info = live_run(tiny, "lru", profile)
+    if oracle:  # the routing at alpha 0, from a first run at the same precision, is what the oracle knows
+        _, routing, _, info = live_run(tiny, "lru", profile, **tier)
         predictor = RecordedOracle(routing, info.num_experts)
-    stats, ids, probs, info = live_run(tiny, policy, profile, predictor, "auto" if oracle else "none")
+    stats, ids, probs, info = live_run(tiny, policy, profile, predictor, "auto" if oracle else "none", **tier)
     if oracle:
         assert np.array_equal(ids, predictor.ids)
     ts = as_traceset(tmp_path / "ts", info, ids, probs)
@@ -181,6 +202,8 @@ def _equal_values(tiny, profile, tmp_path, case):
         cold=True,
         hardware=str(profile),
         predictor="oracle" if oracle else "none",
+        expert_dtype=tier.get("expert_dtype", "model"),
+        group_size=tier.get("group_size", 128),
     )
     r = replay(ts, cfg)
     assert (stats["prefill_steps"], stats["decode_steps"]) == (1, STEPS - 1)
@@ -200,4 +223,4 @@ def _equal_values(tiny, profile, tmp_path, case):
         assert r.cpu_experts > 0 and r.prefetches_landed < r.prefetches_issued  # a late one delays loads
     if case == "smoe":
         assert r.substitution_rate > 0 and r.cpu_experts > 0
-    return r, ts, cfg
+    return r, ts, cfg, stats

@@ -382,3 +382,26 @@ def test_a_late_prefetch_lands_and_the_layer_waits_for_it(tmp_path, fast):
     assert (r.prefetches_issued, r.prefetches_landed) == (6, 6)
     assert r.modeled_tpot_ms == pytest.approx(9.25 / 3)
     assert r.layer_time_ms_per_layer == pytest.approx([4.5 / 3, 4.75 / 3])
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_quantized_tier_moves_its_own_bytes(tmp_path, fast):
+    """LRU on demand, trace A, with the slow tier at int8 and int4 (the synthetic expert: hidden 16,
+    intermediate 32, bf16: gate-up [64, 16] and down [16, 32], 3072 bytes):
+    int8: 1024 + 512 weight bytes + a bf16 scale per output row (64 + 16 rows x 2) = 1696 bytes, so
+    t_io = 1696 / 3072 = 53/96 ms. Layer times: t0 1.5 + 2 x 53/96 + 0.25, t1 and t2 1.5 + 53/96 + 0.25.
+    int4-g32: gate-up's 16 inputs take one group per row (per channel), down's 32 one group of 32:
+    512 + 256 weight bytes + bf16 (scale, zero) per row and group (64 x 4 + 16 x 4) = 1088 bytes,
+    t_io = 17/48 ms. A capacity in bytes counts the precision's: 6KB (6144) holds 2 model-dtype experts,
+    3 int8 (5088) and 5 int4 (5440; 6 would be 6528)."""
+    ts = _trace(tmp_path / "a", ROUTES_A)
+    r = _run(ts, fast, "lru", expert_dtype="int8")
+    assert r.config["expert_dtype"] == "int8" and r.config["expert_bytes"] == 1696
+    assert r.loads == 8 and r.bytes_moved == 8 * 1696
+    assert r.modeled_tpot_ms == pytest.approx((2 * (1.75 + 2 * 53 / 96) + 4 * (1.75 + 53 / 96)) / 3)
+    r = _run(ts, fast, "lru", expert_dtype="int4", group_size=32)
+    assert r.config["expert_dtype"] == "int4-g32" and r.bytes_moved == 8 * 1088
+    assert r.modeled_tpot_ms == pytest.approx((2 * (1.75 + 2 * 17 / 48) + 4 * (1.75 + 17 / 48)) / 3)
+    caps = {dt: _run(ts, fast, "lru", expert_dtype=dt, group_size=32, capacity="6KB").config["capacity"]
+            for dt in ("model", "int8", "int4")}  # fmt: skip
+    assert caps == {"model": 2, "int8": 3, "int4": 5}
