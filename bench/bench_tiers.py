@@ -35,6 +35,13 @@ the budget plus that: :data:`RSS_RULE`):
 - accelerate disk offload: ``dispatch_model`` with a device map that keeps the first layers'
   experts modules in RAM within the budget and the others in an ``offload_folder`` (accelerate's
   own format, written once), under the same cgroup.
+At each quantized precision of ``--precisions`` (runtime/precision.py: ``int8``, ``int4`` with
+``--group-size``), LRU, LLaPor prefetch-late and the oracle prefetch-late bound run again with the
+slow tier's experts at that precision (the offload directory's quantized copy, written once from its
+model-dtype files), each precision under its own calibration; and, where the experts fit in half the
+memory available, an "all in RAM" row per precision holds every expert resident (the compute floor at
+that precision: no disk read in any decode step). Every row shows the bytes it read per decode step,
+its link floor (those bytes at the disk's rate the row saw) and the bytes it prefetched and never used.
 The external baselines have no modeled TPOT and no hit rate (null). First, ``--noise N`` identical
 LRU runs of one request, back to back, give the host's own spread (the noise floor row: the median,
 and max / min), against which the rows' modeled / measured reads: no model matches one run closer
@@ -245,18 +252,29 @@ def rss_mb() -> float | None:
 
 
 def modeled(
-    t: Tiers, policy: str, capacity: float, predictor: Any, hardware: Any, requests: list[int] | None = None
+    t: Tiers,
+    policy: str,
+    capacity: float | None,
+    predictor: Any,
+    hardware: Any,
+    requests: list[int] | None = None,
+    precision: str = "model",
 ) -> Any:
     """Replay of the bench's requests (``requests``: their indices; None: all) under the profile
-    ``hardware``, each request's cache starting cold, as each live run's does (one attach per request)."""
+    ``hardware``, each request's cache starting cold, as each live run's does (one attach per request);
+    ``capacity`` None: every expert resident; ``precision``: the slow tier's (a tag)."""
+    from moecast.runtime.precision import Precision
     from moecast.runtime.replay import ReplayConfig, replay
 
     if t.traces is None or t.profile is None:
         return None
     picked = t.routing.requests if requests is None else [t.routing.requests[i] for i in requests]
+    prec = Precision.of_tag(precision)
     cfg = ReplayConfig(
+        expert_dtype=prec.dtype,
+        group_size=prec.group_size,
         policy=policy,
-        capacity=capacity,
+        capacity=t.cfg.n_routed_experts if capacity is None else capacity,
         hardware=hardware,
         predictor=predictor,
         cold=True,
@@ -266,10 +284,15 @@ def modeled(
     return replay(str(t.traces), cfg)
 
 
-def modeled_by_round(t: Tiers, policy: str, capacity: float, predictor: Any, runs: list[dict]) -> dict:
+def modeled_by_round(
+    t: Tiers, policy: str, capacity: float | None, predictor: Any, runs: list[dict], precision: str = "model"
+) -> dict:
     """Each run's request replayed under the profile that run ran under (its round's calibration),
     pooled as the live runs are: TPOT over every decode step, hit rate over every use."""
-    got = [(modeled(t, policy, capacity, predictor, r["profile"], [r["request"]]), r["stats"]) for r in runs]
+    got = [
+        (modeled(t, policy, capacity, predictor, r["profile"], [r["request"]], precision), r["stats"])
+        for r in runs
+    ]
     if any(g is None for g, _ in got):
         return {"modeled_tpot_ms": None}
     steps = [st["decode_steps"] for _, st in got]
@@ -282,22 +305,28 @@ def modeled_by_round(t: Tiers, policy: str, capacity: float, predictor: Any, run
     }
 
 
-def _modeled_keys(t: Tiers, policy: str, capacity: float, predictor: Any, st: dict, runs: list[dict]) -> dict:
+def _modeled_keys(
+    t: Tiers, policy: str, capacity: float | None, predictor: Any, st: dict, runs: list[dict], precision: str
+) -> dict:
     """Replay of the row's requests, each under the profile its run ran under (modeled: its round's
     calibration where calibration ran), under the probe's profile alone (probe) and under the rates
     the row's own runs saw (at_run_rates: the model's rules apart from any drift of the disk; its
     decisions of what lands in a window may differ from those the runs took)."""
     from moecast.runtime.profile import calibrate
 
-    out = modeled_by_round(t, policy, capacity, predictor, runs)
+    out = modeled_by_round(t, policy, capacity, predictor, runs, precision)
     if out["modeled_tpot_ms"] is None:
         return out
     if any(r["profile"] is not t.profile for r in runs):
-        out["probe_tpot_ms"] = modeled(t, policy, capacity, predictor, t.profile).modeled_tpot_ms
+        out["probe_tpot_ms"] = modeled(
+            t, policy, capacity, predictor, t.profile, None, precision
+        ).modeled_tpot_ms
     if st.get("disk_read_gbps_observed") and t.profile.fast_tier == "cpu":
         # the row's own rest of a layer already holds its reads' compute time: not charged again
         own = replace(calibrate(t.profile, st, t.num_layers), read_cpu_ms=0.0)
-        out["at_run_rates_tpot_ms"] = modeled(t, policy, capacity, predictor, own).modeled_tpot_ms
+        out["at_run_rates_tpot_ms"] = modeled(
+            t, policy, capacity, predictor, own, None, precision
+        ).modeled_tpot_ms
         out["run_rates"] = {
             "disk_read_gbps": own.transfer_gbps,
             "expert_ms": own.gpu_expert_ms,
@@ -317,9 +346,13 @@ class Row:
     replay_pred: Any = "none"
     runs: list[dict] = field(default_factory=list)
     error: BaseException | None = None
+    precision: str = "model"  # the slow tier's (runtime/precision.py tag): its calibration and replay
+    full: bool = False  # every expert resident (the all-in-RAM row)
 
 
-def live_run(t: Tiers, capacity: float, request: Any, tokens: np.ndarray, hardware: Any, **kw: Any) -> dict:
+def live_run(
+    t: Tiers, capacity: float | None, request: Any, tokens: np.ndarray, hardware: Any, **kw: Any
+) -> dict:
     """One request on a freshly attached runtime under the profile ``hardware`` (its cache starts
     cold): its decode steps' ms, the runtime's stats and the process's RSS just before attach."""
     from moecast.runtime.live import attach
@@ -355,7 +388,9 @@ def pooled(stats: list[dict]) -> dict:
     all decode steps, the disk's rate over all the runs' busy time."""
     from moecast.runtime.live import BREAKDOWN
 
-    out = {k: sum(s[k] for s in stats) for k in ("decode_steps", "routed", "uses", "hits", "bytes_read")}
+    keys = ("decode_steps", "routed", "uses", "hits", "bytes_read", "prefetches_issued", "prefetch_used")
+    out = {k: sum(s[k] for s in stats) for k in keys}
+    out["expert_bytes"] = stats[0]["expert_bytes"]
     out["hit_rate"] = out["hits"] / out["uses"] if out["uses"] else float("nan")
     steps = [s["decode_steps"] for s in stats]
     for key in ("modeled_tpot_ms", "after_layers_ms", *(f"{part}_ms" for part in BREAKDOWN)):
@@ -372,7 +407,8 @@ def live_result(t: Tiers, row: Row, capacity: float) -> dict:
     from moecast.runtime.live import BREAKDOWN
 
     st = pooled([r["stats"] for r in row.runs])
-    budget = int(capacity * t.cfg.n_routed_experts) * t.num_layers * t.expert_bytes / 2**20
+    resident = t.cfg.n_routed_experts if row.full else int(capacity * t.cfg.n_routed_experts)
+    budget = resident * t.num_layers * st["expert_bytes"] / 2**20
     # the run whose peak RSS was furthest over its own base + budget speaks for the row
     worst = max(row.runs, key=lambda r: r["stats"]["peak_rss_mb"] / (budget + r["rss_base_mb"]))
     return {
@@ -388,8 +424,102 @@ def live_result(t: Tiers, row: Row, capacity: float) -> dict:
         "budget_mb": budget,
         "dense_mb": (t.directory / "dense.safetensors").stat().st_size / 2**20,
         "requests": len(row.runs),
-        **_modeled_keys(t, row.replay_policy, capacity, row.replay_pred, st, row.runs),
+        "expert_dtype": row.precision,
+        **link_figures(st),
+        **_modeled_keys(
+            t, row.replay_policy, None if row.full else capacity, row.replay_pred, st, row.runs, row.precision
+        ),
     }
+
+
+def link_figures(st: dict) -> dict:
+    """Per decode step: the MB the disk read, its link floor (those bytes at the rate the row's runs
+    saw), and the MB prefetched and never used (issued minus used, at the precision's bytes: a read
+    the predictor was wrong about costs what a miss does)."""
+    steps = max(1, st["decode_steps"])
+    mb = st["bytes_read"] / steps / 2**20
+    gbps = st.get("disk_read_gbps_observed")
+    wasted = max(0, st["prefetches_issued"] - st["prefetch_used"]) * st["expert_bytes"] / steps / 2**20
+    return {
+        "read_mb_per_token": mb,
+        "link_floor_ms": mb * 2**20 / (gbps * 1e9) * 1e3 if gbps else None,
+        "wasted_mb_per_token": wasted,
+    }
+
+
+def _row(
+    t: Tiers, capacity: float, name: str, replay_policy: str, replay_pred: Any, precision: str = "model",
+    full: bool = False, **kw: Any,
+) -> Row:  # fmt: skip
+    """A live row: each run attaches afresh at ``capacity`` (``full``: every expert resident, read
+    before the clock starts) with the slow tier at ``precision`` (a tag)."""
+
+    def run(i: int, prof: Any) -> dict:
+        req = t.routing.requests[i] if t.routing.recorded else None
+        got = live_run(t, None if full else capacity, req, t.requests[i], prof, **_tier(precision), **kw)
+        return {**got, "request": i, "profile": prof}
+
+    return Row(name, run, replay_policy, replay_pred, precision=precision, full=full)
+
+
+def _tier(precision: str) -> dict:
+    """attach()'s settings for the slow tier at ``precision`` (a tag; none for the model's dtype)."""
+    from moecast.runtime.precision import Precision
+
+    prec = Precision.of_tag(precision)
+    return {"expert_dtype": prec.dtype, "group_size": prec.group_size} if prec.quantized else {}
+
+
+def _suffix(precision: str) -> str:
+    return "" if precision == "model" else f"-{precision}"
+
+
+def precision_rows(t: Tiers, capacity: float, precision: str) -> list[Row]:
+    """At a quantized precision: LRU, LLaPor prefetch-late and its oracle bound, named with the tag."""
+    rows = [_row(t, capacity, f"lru {precision}", "lru", "none", precision, policy="lru", prefetch="none")]
+    if t.predictor is not None:
+        rows.append(_row(t, capacity, f"llapor prefetch-late {precision}", "prefetch-late", t.predictor,
+                         precision, policy="prefetch-late", predictor=t.predictor))  # fmt: skip
+    if t.routing.recorded:
+        oracle = NextLayerOracle(ds_model.RoutingOverride(), t.cfg.n_routed_experts, t.num_layers,
+                                 t.cfg.num_experts_per_tok)  # fmt: skip
+        rows.append(_row(t, capacity, f"oracle prefetch-late (bound) {precision}", "prefetch-late", "oracle",
+                         precision, policy="prefetch-late", predictor=oracle))  # fmt: skip
+    return rows
+
+
+def all_in_ram_rows(t: Tiers, report: Any, capacity: float, precisions: list[str]) -> list[Row]:
+    """Every expert resident at each precision (the compute floor: no read in any decode step), where
+    the experts fit in half the memory available now; the others are reported skipped, with why."""
+    from moecast.runtime.offload import available_bytes
+
+    s, rows = SimpleNamespace(name=f"{int(capacity * 100)} %"), []
+    avail = available_bytes() or 0
+    for prec in precisions:
+        need = t.num_layers * t.cfg.n_routed_experts * precision_bytes(t, prec)
+        name = f"all in RAM {prec}"
+        if need > avail / 2:
+            report.skip(
+                s, name, f"the experts need {need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB are available"
+            )
+            continue
+        rows.append(_row(t, capacity, name, "lru", "none", prec, full=True, policy="lru", prefetch="none"))
+    return rows
+
+
+def precision_bytes(t: Tiers, precision: str) -> int:
+    """One expert's stored bytes at ``precision`` (a tag) in the bench's offload directory."""
+    from moecast.runtime.offload import _read_meta, tier_meta
+    from moecast.runtime.precision import Precision
+
+    meta = tier_meta(_read_meta(t.directory), Precision.of_tag(precision))
+    return int(_layouts_of(meta)[0].stride)
+
+
+def _layouts_of(meta: dict) -> list[Any]:
+    from moecast.runtime.offload import _layouts
+
+    return _layouts(meta)
 
 
 def live_rows(t: Tiers, report: Any, capacity: float) -> list[Row]:
@@ -398,11 +528,7 @@ def live_rows(t: Tiers, report: Any, capacity: float) -> list[Row]:
     s = SimpleNamespace(name=f"{int(capacity * 100)} %")
 
     def row(name: str, replay_policy: str, replay_pred: Any, **kw: Any) -> Row:
-        def run(i: int, prof: Any) -> dict:
-            req = t.routing.requests[i] if t.routing.recorded else None
-            return {**live_run(t, capacity, req, t.requests[i], prof, **kw), "request": i, "profile": prof}
-
-        return Row(name, run, replay_policy, replay_pred)
+        return _row(t, capacity, name, replay_policy, replay_pred, **kw)
 
     rows = [row("lru", "lru", "none", policy="lru", prefetch="none"),
             row("lfu", "lfu", "none", policy="lfu", prefetch="none")]  # fmt: skip
@@ -429,7 +555,7 @@ def live_rows(t: Tiers, report: Any, capacity: float) -> list[Row]:
     return rows
 
 
-def calibrate_round(t: Tiers, capacity: float, i: int, done: list[dict]) -> Any:
+def calibrate_round(t: Tiers, capacity: float, i: int, done: list[dict], precision: str = "model") -> Any:
     """The profile round ``i``'s rows at ``capacity`` run under: the probe's, calibrated
     (moecast.runtime.profile.calibrate) on a live LRU run at ``capacity`` of one of the held-out
     requests static's table is counted on (no row measures them), just before the round's rows, as
@@ -442,19 +568,23 @@ def calibrate_round(t: Tiers, capacity: float, i: int, done: list[dict]) -> Any:
     if not cal or prof is None or prof.fast_tier != "cpu":
         return prof
     r = cal[i % len(cal)]
-    bench_gpu.log(f"[{int(capacity * 100)} %] calibration: request {i + 1} of {len(t.requests)}")
+    bench_gpu.log(
+        f"[{int(capacity * 100)} %] calibration{_suffix(precision)}: request {i + 1} of {len(t.requests)}"
+    )
     try:
-        st = live_run(t, capacity, r, r.tokens, prof, policy="lru", prefetch="none")["stats"]
+        st = live_run(t, capacity, r, r.tokens, prof, policy="lru", prefetch="none", **_tier(precision))[
+            "stats"
+        ]
         got = calibrate(prof, st, t.num_layers)
     except Exception as exc:  # recorded, raised again in the calibration's guard
         done.append({"error": exc})
         return prof
-    got = replace(got, name=f"{got.name}-{int(capacity * 100)}-r{i + 1}")
+    got = replace(got, name=f"{got.name}-{int(capacity * 100)}{_suffix(precision)}-r{i + 1}")
     done.append({"stats": st, "profile": got})
     return got
 
 
-def calibration_summary(t: Tiers, capacity: float, done: list[dict]) -> dict:
+def calibration_summary(t: Tiers, capacity: float, done: list[dict], precision: str = "model") -> dict:
     """Each round's calibrated rates, and the profile calibrated on every round's run together,
     written as ``bench-tiers-calibrated-<capacity>.yaml`` (the profile a user would keep)."""
     from moecast.runtime.profile import calibrate
@@ -464,7 +594,7 @@ def calibration_summary(t: Tiers, capacity: float, done: list[dict]) -> dict:
         raise err
     keys = ("transfer_gbps", "gpu_expert_ms", "attn_ms", "step_ms")
     pooled_prof = calibrate(t.profile, pooled([d["stats"] for d in done]), t.num_layers)
-    pooled_prof = replace(pooled_prof, name=f"{pooled_prof.name}-{int(capacity * 100)}")
+    pooled_prof = replace(pooled_prof, name=f"{pooled_prof.name}-{int(capacity * 100)}{_suffix(precision)}")
     bench_gpu._write(Path(t.args.out) / f"{pooled_prof.name}.yaml", pooled_prof.to_yaml())
     return {
         **{k: getattr(pooled_prof, k) for k in keys},
@@ -500,19 +630,25 @@ def measure_rows(t: Tiers, report: Any, capacity: float, rows: list[Row], calibr
     over the minutes the rows take reaches every row alike. Each run attaches afresh (a baseline: a
     fresh process), so every request starts cold."""
     s = SimpleNamespace(name=f"{int(capacity * 100)} %")
-    done: list[dict] = []
+    # each precision calibrates on its own LRU run: its experts compute with other kernels
+    precisions = list(dict.fromkeys(row.precision for row in rows))
+    done: dict[str, list[dict]] = {p: [] for p in precisions}
     for i in range(len(t.requests)):
-        prof = calibrate_round(t, capacity, i, done) if calibrate else t.profile
+        profs = {
+            p: calibrate_round(t, capacity, i, done[p], p) if calibrate else t.profile for p in precisions
+        }
         for row in rows:
             if row.error is not None:
                 continue
             bench_gpu.log(f"[{s.name}] {row.name}: request {i + 1} of {len(t.requests)}")
             try:
-                row.runs.append(row.run(i, prof))
+                row.runs.append(row.run(i, profs[row.precision]))
             except Exception as exc:  # recorded, raised again in the row's guard
                 row.error = exc
-    if done:  # nothing to calibrate on (no held-out requests, or a device profile): the probe's
-        report.guard(s, "calibration", lambda: calibration_summary(t, capacity, done), kind="profile")
+    for p in precisions:  # nothing to calibrate on (no held-out requests, or a device profile): the probe's
+        if done[p]:
+            report.guard(s, f"calibration{_suffix(p)}", lambda p=p: calibration_summary(t, capacity, done[p], p),
+                         kind="profile")  # fmt: skip
     for row in rows:
 
         def result(row: Row = row) -> dict:
@@ -659,6 +795,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ds-shape", default="lite", choices=["lite", "test"], help="test: small sizes (tests)")
     ap.add_argument("--baselines", default="page cache,accelerate", help="external baselines to run")
     ap.add_argument("--noise", type=int, default=4, help="identical LRU runs back to back (0: none)")
+    ap.add_argument("--precisions", default="model,int8,int4",
+                    help="slow-tier precisions (model, int8, int4): the quantized ones add their rows")  # fmt: skip
+    ap.add_argument("--group-size", type=int, default=128, help="int4's group along each matrix's input")
     ap.add_argument("--out", default=str(RESULTS), help="tiers-<host>.md/.json and the profile go here")
     ap.add_argument("--child-timeout", type=float, default=3600)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -717,8 +856,15 @@ def _run(argv: list[str] | None) -> tuple[Any, list[dict]]:
             cap = 0.25 if 0.25 in caps else caps[0]
             s = SimpleNamespace(name=f"{int(cap * 100)} %")
             report.guard(s, f"noise floor (lru x{args.noise})", lambda: noise_floor(t, cap, args.noise))
+        precs = precision_tags(args)
+        for p in precs[1:] if precs[:1] == ["model"] else precs:
+            report.guard(None, f"{p} copy", lambda p=p: ensure_precision(t, p) or {}, kind="setup")
         for cap in caps:
-            measure_rows(t, report, cap, live_rows(t, report, cap), calibrate=True)
+            rows = live_rows(t, report, cap) if "model" in precs else []
+            rows += [r for p in precs if p != "model" for r in precision_rows(t, cap, p)]
+            if cap == caps[0]:  # every expert resident: one capacity's round is enough
+                rows += all_in_ram_rows(t, report, cap, precs)
+            measure_rows(t, report, cap, rows, calibrate=True)
         # after every moecast row: the baselines' reads (accelerate's run to 190 GB at 25 %) leave a
         # cloud disk slower for a while, which would fall on whichever calibration or row came next
         kinds = [b.strip() for b in args.baselines.split(",") if b.strip()]
@@ -726,6 +872,25 @@ def _run(argv: list[str] | None) -> tuple[Any, list[dict]]:
             rows = [Row(k, lambda i, _prof, k=k, c=cap: child_run(t, k, c, i)) for k in kinds]
             measure_rows(t, report, cap, rows)
     return report, _finish(report, args, out, t, t0)
+
+
+def precision_tags(args: argparse.Namespace) -> list[str]:
+    """``--precisions`` as tags (``int4`` with ``--group-size``), the model's dtype first where given."""
+    from moecast.runtime.precision import Precision
+
+    out = [Precision(p.strip(), args.group_size).tag for p in args.precisions.split(",") if p.strip()]
+    return sorted(dict.fromkeys(out), key=lambda p: p != "model")
+
+
+def ensure_precision(t: Tiers, precision: str) -> None:
+    """The offload directory's copy at ``precision``, quantized once from its model-dtype files."""
+    from moecast.collect.models import find_moe_structure
+    from moecast.runtime.offload import write_offload
+    from moecast.runtime.precision import Precision
+
+    write_offload(
+        t.model, find_moe_structure(t.model), t.directory, dense=False, precision=Precision.of_tag(precision)
+    )
 
 
 def _load_predictor(t: Tiers) -> None:
@@ -755,15 +920,16 @@ def _finish(report: Any, args: argparse.Namespace, out: Path, t: Tiers | None, t
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'capacity':>8}  {'config':<28} {'status':<8} {'measured':>9} {'modeled':>9} {'probe':>9} {'run rates':>9} {'hit':>6} {'read MB':>9} "
-            f"{'peak RSS MB':>11} {'budget MB':>9} {'base MB':>8} {'RSS ratio':>9}")  # fmt: skip
+    head = (f"{'capacity':>8}  {'config':<38} {'status':<8} {'measured':>9} {'modeled':>9} {'probe':>9} {'run rates':>9} {'hit':>6} {'read MB':>9} "
+            f"{'MB/token':>8} {'floor ms':>8} {'waste MB':>8} {'peak RSS MB':>11} {'budget MB':>9} {'base MB':>8} {'RSS ratio':>9}")  # fmt: skip
     lines = [head, "-" * len(head)]
     f = bench_gpu._fmt
     for r in rows:
         mb = None if r.get("bytes_read") is None else r["bytes_read"] / 2**20
         lines.append(
-            f"{r['capacity']:>8.2f}  {r['config']:<28} {r['status']:<8} {f(r.get('measured_tpot_ms')):>9} "
-            f"{f(r.get('modeled_tpot_ms')):>9} {f(r.get('probe_tpot_ms')):>9} {f(r.get('at_run_rates_tpot_ms')):>9} {f(r.get('hit_rate')):>6} {f(mb, 1):>9} {f(r.get('peak_rss_mb'), 0):>11} "
+            f"{r['capacity']:>8.2f}  {r['config']:<38} {r['status']:<8} {f(r.get('measured_tpot_ms')):>9} "
+            f"{f(r.get('modeled_tpot_ms')):>9} {f(r.get('probe_tpot_ms')):>9} {f(r.get('at_run_rates_tpot_ms')):>9} {f(r.get('hit_rate')):>6} {f(mb, 1):>9} "
+            f"{f(r.get('read_mb_per_token'), 1):>8} {f(r.get('link_floor_ms'), 1):>8} {f(r.get('wasted_mb_per_token'), 1):>8} {f(r.get('peak_rss_mb'), 0):>11} "
             f"{f(r.get('budget_mb'), 0):>9} {f(r.get('rss_base_mb'), 0):>8} {f(rss_ratio(r), 3):>9}"
         )
     return "\n".join(lines)
@@ -911,8 +1077,9 @@ def _row_figures(F: Any, r: dict, name: str) -> list[dict]:
 
 
 def _goal_figures(F: Any, raw: list[dict]) -> list[dict]:
-    """At 25 %, the best LLaPor row's TPOT over the page cache's and over LRU's, against the goals."""
-    out = []
+    """At 25 %, the best LLaPor row's TPOT over the page cache's and over LRU's, and the precisions'
+    goals (:func:`precision_goals`)."""
+    out = precision_goals(F, raw)
     at = {r["config"]: r for r in raw if r["capacity"] == 0.25 and r["status"] == "ok"}
     best = min((r for c, r in at.items() if "llapor" in c), key=lambda r: r["measured_tpot_ms"], default=None)
     for base, goal in (("page cache", "<= 0.6"), ("lru", "< 1")):
@@ -926,6 +1093,45 @@ def _goal_figures(F: Any, raw: list[dict]) -> list[dict]:
                     goal,
                 )
             )
+    return out
+
+
+def best_at(rows: list[dict], precision: str) -> dict | None:
+    """The fastest row at ``precision`` that a user can run: neither a bound nor every expert in RAM."""
+    ok = [r for r in rows if r.get("expert_dtype") == precision and "bound" not in r["config"]
+          and not r["config"].startswith("all in RAM")]  # fmt: skip
+    return min(ok, key=lambda r: r["measured_tpot_ms"], default=None)
+
+
+def precision_goals(F: Any, raw: list[dict]) -> list[dict]:
+    """At 25 %: the best int4 row <= 0.5 x the best model-dtype row and <= 1.3 x int4 all in RAM, the best
+    int8 row <= 0.7 x the best model-dtype row; and no LLaPor row reads more per token than LRU at its
+    precision unless it is faster."""
+    out = []
+    at = [r for r in raw if r["capacity"] == 0.25 and r["status"] == "ok"]
+    base = best_at(at, "model")
+    for r in at:
+        if r.get("expert_dtype") in (None, "model") or not r["config"].startswith("lru"):
+            continue
+        prec, best = r["expert_dtype"], best_at(at, r["expert_dtype"])
+        goal = "<= 0.5" if prec.startswith("int4") else "<= 0.7"
+        if base:
+            out.append(F.fig("tiers", f"25 %: best {prec} / best model dtype", best["measured_tpot_ms"] / base["measured_tpot_ms"],
+                             "{:.2f}", goal, note=f"{best['config']} / {base['config']}"))  # fmt: skip
+        ram = next((x for x in at if x["config"] == f"all in RAM {prec}"), None)
+        if ram and prec.startswith("int4"):
+            out.append(F.fig("tiers", f"25 %: best {prec} / all in RAM {prec}", best["measured_tpot_ms"] / ram["measured_tpot_ms"],
+                             "{:.2f}", "<= 1.3", note=best["config"]))  # fmt: skip
+    for r in at:
+        if not r["config"].startswith("llapor"):
+            continue
+        prec = r.get("expert_dtype", "model")
+        lru = next((x for x in at if x["config"] == ("lru" if prec == "model" else f"lru {prec}")), None)
+        if lru and r.get("read_mb_per_token") is not None and lru.get("read_mb_per_token"):
+            more = r["read_mb_per_token"] / lru["read_mb_per_token"]
+            ok = more <= 1 or r["measured_tpot_ms"] < lru["measured_tpot_ms"]
+            out.append(F.row("tiers", f"25 %: {r['config']} read per token / LRU's", f"{more:.2f}",
+                             "<= 1, or faster than LRU", "ok" if ok else "MISS"))  # fmt: skip
     return out
 
 
