@@ -16,11 +16,27 @@ link is one serial queue; (5) device time of a loaded expert is masked by transf
   ``prescope-v100-pcie3`` (rows reaching :func:`_prefetch_count` with predicted next-layer experts
   but none queued, during ``moecast replay --policy presched --predictor oracle --capacity 0.1
   --cold true --holdout test --hardware NAME`` on the imported traces).
-- Eq. 5: the current layer loads E_cur[i'..] for the smallest i' with
-  ``T_G = alpha + (n - i') t_io + t_g < T_C = t_c(E_cur[0..i'-1])``, the rest run on the CPU
-  (with no such i' everything runs on the CPU).
+- Eq. 5: the current layer loads E_cur[i'..] and runs E_cur[..i'-1] on the CPU, with
+  ``T_G(i') = alpha + (n - i') t_io + t_g`` and ``T_C(i') = t_c(E_cur[0..i'-1])`` (n counts the
+  missing experts; the paper's ``n - i' + 1`` counts E_cur[0..n], inclusive). :func:`eq5_split`.
+  **Deviation from the paper.** Sec. 4.3.3 (under Eq. 5) and Sec. 4.3.4 take "the smallest index
+  i' satisfying T_G < T_C". Here i' minimises ``max(T_G(i'), T_C(i'))`` over i' = 0..n, the
+  layer's own objective, Eq. 2 (``argmin max(T_C, T_G)``), that the recheck is meant to balance;
+  ties go to the smaller i' (fewer CPU experts: the loaded ones stay resident). T_G falls and T_C
+  grows with i' (non-negative times), so the literal i' is the first one past the balance point:
+  it is the min-max i' only when ``T_G(i' - 1) > T_C(i')``, and it never picks i' = 0
+  (T_C(0) = 0 < T_G), so it runs at least one expert on the CPU however slow the CPU is. With a
+  CPU expert of 1.35 ms against loads of 0.4 ms, three misses of 1, 1 and 2 tokens: the literal
+  rule runs one on the CPU (the layer takes 1.35 ms), the min-max loads all three (1.25 ms).
+  Two smaller departures: every i' is a candidate, not only current-layer experts that Eq. 4 put
+  in the GPU queue, and when no i' passes, the paper's Algorithm 1 keeps its initial ``i = n``
+  (loads E_cur[n]) where the min-max may run everything on the CPU.
 - Eq. 6 (Q2): the CPU leaves a gap ``T_gap = T_C - alpha - (n - i') t_io`` on the link;
-  ``f = (T_gap + t_attn) / t_io`` prefetches fit, rounded to |f|.
+  ``f = (T_gap + t_attn) / t_io`` prefetches fit, rounded to |f|. T_gap is clamped at 0 when any
+  expert loads: the literal i' had ``T_C > T_G`` (so T_gap > t_g), but the min-max i' may be
+  GPU-bound, where the layer waits for its own loads and the link is free at least through the
+  next attention; a negative T_gap would eat into that t_attn. With nothing loaded it is kept: an
+  earlier prefetch (alpha) can hold the link past the CPU's end, into the attention.
 - Eq. 7 (Q3): the critical prefetch is kept when
   ``xi = R_hit (f - |f| + 1) - R_miss (|f| - f) > 0``, else |f| - 1 are issued; R_hit / R_miss are
   the prefetch hit and miss rates measured online.
@@ -84,14 +100,10 @@ def schedule(
         )
     n_cur = np.asarray(n_cur, dtype=np.int64)
     delay = np.asarray(delay, dtype=np.float64)
-    idx = np.arange(M + 1)[None, :]
     valid = np.arange(M)[None, :] < n_cur[:, None]
     tc = _tc_prefix(cur_sizes, valid, cost)
     t_io = cost.t_io if np.isfinite(cost.t_io) else 1e30
-    # Eq. 5: smallest i' with T_G < T_C (loads E_cur[i'..n]); none -> all on the CPU
-    tg = delay[:, None] + (n_cur[:, None] - idx) * t_io + cost.t_g
-    ok = (tg < tc) & (idx <= n_cur[:, None])
-    first = np.where(ok.any(1), ok.argmax(1), n_cur)
+    first, gap = _split_rows(tc, n_cur, delay, t_io, cost.t_g)  # Eq. 5, min-max (module docstring)
     n_load = n_cur - first
     t_cpu = tc[np.arange(rows), first]
     # Eq. 4 / Q4: does the cross-layer GPU queue reach into the next layer at all?
@@ -117,7 +129,7 @@ def schedule(
     tga = delay[:, None] + (n_all[:, None] - ia) * t_io + cost.t_g
     in_queue_from = np.where(((tga < tca) & v_all).any(1), ((tga < tca) & v_all).argmax(1), M + Mn)
     next_in_queue = (is_next & v_all & (ia >= in_queue_from[:, None])).any(1)
-    n_pf = _prefetch_count(t_cpu, delay, n_load, n_next, next_in_queue, r_hit, cost, t_io)
+    n_pf = _prefetch_count(gap, n_next, next_in_queue, r_hit, cost, t_io)
     return PreSchedDecision(n_load, first, t_cpu, n_pf)
 
 
@@ -133,6 +145,41 @@ def _prefix(sizes, valid, beta, c, out):
 
 
 @njit(cache=True, nogil=True)
+def eq5_split(tc, n, delay, t_io, t_g):
+    """Eq. 5 on one row, the one definition of the split: (i', Eq. 6's T_gap).
+
+    ``tc[i]`` is T_C(i) = t_c of the i smallest missing experts (i = 0..n); i' minimises
+    ``max(T_G(i'), T_C(i'))``, the strict ``<`` keeping the smaller i' on a tie (see the module
+    docstring for why not the paper's literal "smallest i' with T_G < T_C").
+    """
+    best, best_span = 0, np.inf
+    for i in range(n + 1):
+        tg = delay + np.float64(n - i) * t_io + t_g
+        span = tg if tg > tc[i] else tc[i]
+        if span < best_span:
+            best, best_span = i, span
+    gap = tc[best] - delay - np.float64(n - best) * t_io
+    if best < n and gap < 0.0:  # GPU-bound: the layer waits for its loads, the link idles after them
+        gap = 0.0
+    return best, gap
+
+
+@njit(cache=True, nogil=True)
+def _split_rows_into(tc, n_cur, delay, t_io, t_g, first, gap):
+    for r in range(tc.shape[0]):
+        first[r], gap[r] = eq5_split(tc[r], n_cur[r], delay[r], t_io, t_g)
+
+
+def _split_rows(
+    tc: np.ndarray, n_cur: np.ndarray, delay: np.ndarray, t_io: float, t_g: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`eq5_split` on each row of ``tc`` [rows, >= n + 1]: (i' [rows], T_gap [rows])."""
+    first, gap = np.empty(len(tc), np.int64), np.empty(len(tc))
+    _split_rows_into(tc, n_cur, delay, float(t_io), float(t_g), first, gap)
+    return first, gap
+
+
+@njit(cache=True, nogil=True)
 def schedule_one(cur, n_cur, nxt, n_next, delay, r_hit, t_io, t_g, t_attn, beta, c, out):
     """:func:`schedule` for one row, with its floating-point operations in its order; ``out`` gets
     (n_load, n_cpu, t_cpu, n_prefetch)."""
@@ -142,11 +189,7 @@ def schedule_one(cur, n_cur, nxt, n_next, delay, r_hit, t_io, t_g, t_attn, beta,
     valid = np.arange(M) < n_cur
     tc = np.empty(M + 1)
     _prefix(cur, valid, beta, c, tc)
-    first = n_cur  # Eq. 5: the smallest i' with T_G < T_C
-    for i in range(M + 1):
-        if i <= n_cur and delay + np.float64(n_cur - i) * t + t_g < tc[i]:
-            first = i
-            break
+    first, gap = eq5_split(tc, n_cur, delay, t, t_g)
     n_load = n_cur - first
     t_cpu = tc[first]
     out[0], out[1], out[2], out[3] = n_load, first, t_cpu, 0
@@ -179,7 +222,6 @@ def schedule_one(cur, n_cur, nxt, n_next, delay, r_hit, t_io, t_g, t_attn, beta,
     elif t <= 0:
         n_pf = np.iinfo(np.int32).max
     else:
-        gap = t_cpu - delay - np.float64(n_load) * t
         f = (gap + t_attn) / t
         fr = np.floor(f + 0.5)
         xi = r_hit * (f - fr + 1) - (1 - r_hit) * (fr - f)
@@ -237,84 +279,60 @@ def schedule_unit(
     Same floating-point operations as :func:`schedule` on rows of ones (``n_cur`` of ``M`` current,
     ``n_next`` of ``Mn`` next), so the decisions are identical: the merged order of E_all is the
     current experts then the next ones, and t_c of the first i experts is the same running sum.
-
-    With a non-negative link time and CPU time per expert both conditions are monotone in the
-    position (T_G falls and T_C grows as i grows, also after rounding), so Eq. 5's i' is
-    ``n + 1 -`` the number of positions that pass, and Eq. 4 reaches the next layer iff it holds at
-    the last queued expert: one [rows, M + 1] comparison and one [rows] comparison.
     """
     n_cur = np.asarray(n_cur, dtype=np.int64)
     delay = np.asarray(delay, dtype=np.float64)
     per = cost.beta * 1.0 + cost.c
     run = np.concatenate([[0.0], np.cumsum(np.full(M + Mn, per))])  # t_c of the first i experts
     t_io = cost.t_io if np.isfinite(cost.t_io) else 1e30
-    if not (t_io >= 0 and per >= 0):
-        return _schedule_unit_rows(n_cur, M, n_next, Mn, delay, r_hit, cost, run, t_io)
-    # T_G - delay - t_g for n pending and position i: (n - i) t_io, and +inf past n (never passes)
-    n_i = np.arange(M + 1)[:, None] - np.arange(M + 1)[None, :]
-    jt = np.where(n_i >= 0, n_i * t_io, np.inf)
-    ok = delay[:, None] + jt[n_cur] + cost.t_g < run[: M + 1][None, :]
-    n_load = np.maximum(ok.sum(1) - 1, 0)
-    first = n_cur - n_load
+    first, gap = _split_rows(np.broadcast_to(run[: M + 1], (len(n_cur), M + 1)), n_cur, delay, t_io, cost.t_g)
+    n_load = n_cur - first
     t_cpu = run[first]
     if Mn == 0:
         return PreSchedDecision(n_load, first, t_cpu, np.zeros(len(n_cur), dtype=np.int64))
     n_next = np.asarray(n_next, dtype=np.int64)
-    # Eq. 4 at the last expert of E_all (position n + n' - 1: T_G = delay + 1 * t_io + t_g)
-    last = np.maximum(n_cur + n_next - 1, 0)
-    next_in_queue = (n_next > 0) & (delay + 1 * t_io + cost.t_g < run[last] + cost.t_attn)
+    next_in_queue = _unit_next_in_queue(n_cur, n_next, M + Mn, delay, run, t_io, per, cost)
     return PreSchedDecision(
-        n_load, first, t_cpu, _prefetch_count(t_cpu, delay, n_load, n_next, next_in_queue, r_hit, cost, t_io)
+        n_load, first, t_cpu, _prefetch_count(gap, n_next, next_in_queue, r_hit, cost, t_io)
     )
 
 
-def _prefetch_count(
-    t_cpu: np.ndarray,
+def _unit_next_in_queue(
+    n_cur: np.ndarray,
+    n_next: np.ndarray,
+    width: int,
     delay: np.ndarray,
-    n_load: np.ndarray,
+    run: np.ndarray,
+    t_io: float,
+    per: float,
+    cost: CostModel,
+) -> np.ndarray:
+    """Eq. 4 / Q4 on one-token rows: does the GPU queue reach a next-layer expert (the last ones of E_all)?
+
+    With a non-negative link time and CPU time per expert the condition is monotone in the position
+    (T_G falls and T_C grows, also after rounding), so it reaches the next layer iff it holds at the
+    last expert of E_all (position n + n' - 1: T_G = delay + 1 * t_io + t_g); otherwise any position.
+    """
+    if t_io >= 0 and per >= 0:
+        last = np.maximum(n_cur + n_next - 1, 0)
+        return (n_next > 0) & (delay + 1 * t_io + cost.t_g < run[last] + cost.t_attn)
+    n_all = n_cur + n_next
+    ia = np.arange(width)[None, :]
+    tga = delay[:, None] + (n_all[:, None] - ia) * t_io + cost.t_g
+    cond = (tga < run[:width][None, :] + cost.t_attn) & (ia < n_all[:, None])
+    return cond.any(1) & (n_next > 0)
+
+
+def _prefetch_count(
+    gap: np.ndarray,
     n_next: np.ndarray,
     next_in_queue: np.ndarray,
     r_hit: np.ndarray,
     cost: CostModel,
     t_io: float,
 ) -> np.ndarray:
-    """Eqs. 6-7 on the gap the CPU leaves on the link, at most the predicted experts, none if not queued."""
-    gap = t_cpu - delay - n_load * t_io if t_io > 0 else np.zeros(np.shape(n_next))
+    """Eqs. 6-7 on Eq. 5's gap on the link, at most the predicted experts, none if not queued."""
     r_hit = np.asarray(r_hit, dtype=np.float64)
     n_pf = np.minimum(gap_prefetch_count(gap, cost.t_attn, t_io, r_hit), n_next).astype(np.int64)
     n_pf[~next_in_queue] = 0
     return n_pf
-
-
-def _schedule_unit_rows(
-    n_cur: np.ndarray,
-    M: int,
-    n_next: np.ndarray,
-    Mn: int,
-    delay: np.ndarray,
-    r_hit: np.ndarray,
-    cost: CostModel,
-    run: np.ndarray,
-    t_io: float,
-) -> PreSchedDecision:
-    """:func:`schedule_unit` position by position (any sign of the times)."""
-    rows = len(n_cur)
-    idx = np.arange(M + 1)[None, :]
-    tc = np.where(idx <= n_cur[:, None], run[: M + 1][None, :], run[n_cur][:, None])
-    tg = delay[:, None] + (n_cur[:, None] - idx) * t_io + cost.t_g
-    ok = (tg < tc) & (idx <= n_cur[:, None])
-    first = np.where(ok.any(1), ok.argmax(1), n_cur)
-    n_load = n_cur - first
-    t_cpu = tc[np.arange(rows), first]
-    if Mn == 0:
-        return PreSchedDecision(n_load, first, t_cpu, np.zeros(rows, dtype=np.int64))
-    n_next = np.asarray(n_next, dtype=np.int64)
-    n_all = n_cur + n_next
-    ia = np.arange(M + Mn)[None, :]
-    tca = run[: M + Mn][None, :] + cost.t_attn
-    tga = delay[:, None] + (n_all[:, None] - ia) * t_io + cost.t_g
-    cond = (tga < tca) & (ia < n_all[:, None])
-    next_in_queue = cond.any(1) & (n_next > 0)
-    return PreSchedDecision(
-        n_load, first, t_cpu, _prefetch_count(t_cpu, delay, n_load, n_next, next_in_queue, r_hit, cost, t_io)
-    )

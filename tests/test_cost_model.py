@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -76,24 +77,34 @@ def test_bad_profiles_one_clear_line(tmp_path):
 
 def test_presched_eq5_split_and_gap():
     cost = CostModel(t_io=1.0, t_g=0.1, beta=0.5, c=0.2, t_attn=0.3, expert_bytes=1)
-    # missing experts with 1, 1, 4, 8 pending tokens (ascending); Eq. 5 scans i' upward
+    # missing experts with 1, 1, 4, 8 pending tokens (ascending); Eq. 5 takes the i' of least
+    # max(T_G, T_C): spans 4.1, 3.1, 2.1, 3.6, 7.8 -> i' = 2 (the paper's literal rule took 3)
     sizes = np.array([[1.0, 1.0, 4.0, 8.0]])
     d = schedule(
         sizes, np.array([4]), np.array([[1.0, 2.0]]), np.array([2]), np.array([0.0]), np.array([0.9]), cost
     )
     tc = np.concatenate([[0], np.cumsum(0.5 * sizes[0] + 0.2)])
-    first = next(i for i in range(5) if 0 + (4 - i) * 1.0 + 0.1 < tc[i])
-    assert d.n_cpu[0] == first and d.n_load[0] == 4 - first
+    first = int(np.argmin([max(0 + (4 - i) * 1.0 + 0.1, tc[i]) for i in range(5)]))
+    assert first == 2 and d.n_cpu[0] == first and d.n_load[0] == 4 - first
     assert d.t_cpu[0] == pytest.approx(tc[first])
     # Eq. 4 / Q4: the cross-layer GPU queue holds only current-layer experts here (light next layer),
     # so nothing is worth prefetching
     assert d.n_prefetch[0] == 0
-    # a heavy predicted next layer (6 and 9 pending tokens) enters the queue: prefetch sized by Eqs. 6-7
+    # a heavy predicted next layer (6 and 9 pending tokens) enters the queue: prefetch sized by Eqs. 6-7.
+    # The split is GPU-bound (T_C 1.4 < T_G 2.1), so Eq. 6's gap is clamped at 0 and only the
+    # attention is left for prefetches: a longer one (1.3 ms) so that one fits
+    long_attn = dataclasses.replace(cost, t_attn=1.3)
     d2 = schedule(
-        sizes, np.array([4]), np.array([[6.0, 9.0]]), np.array([2]), np.array([0.0]), np.array([0.9]), cost
+        sizes,
+        np.array([4]),
+        np.array([[6.0, 9.0]]),
+        np.array([2]),
+        np.array([0.0]),
+        np.array([0.9]),
+        long_attn,
     )
-    gap = tc[first] - (4 - first) * 1.0
-    f = (gap + 0.3) / 1.0
+    gap = max(tc[first] - (4 - first) * 1.0, 0.0)
+    f = (gap + 1.3) / 1.0
     fr = int(np.floor(f + 0.5))
     keep = 0.9 * (f - fr + 1) - 0.1 * (fr - f) > 0
     assert d2.n_prefetch[0] == max(0, min(2, fr if keep else fr - 1)) and d2.n_prefetch[0] > 0

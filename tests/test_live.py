@@ -179,16 +179,14 @@ def test_cpu_balance_computes_misses_on_host_exactly():
 
 
 def _eq5_loads(sizes: np.ndarray, delay: float, cost) -> int:
-    """PreScope Eq. 5 written out: misses ascending by tokens; the largest n - i' are loaded for the
-    smallest i' with delay + (n - i') t_io + t_g < t_c(first i'), none such: all on the CPU."""
+    """PreScope Eq. 5 as runtime/presched.py takes it: misses ascending by tokens; the largest n - i'
+    are loaded for the i' of least max(delay + (n - i') t_io + t_g, t_c(first i')), ties to the
+    smaller i' (not the paper's literal "smallest i' with T_G < T_C": see runtime/presched.py)."""
     sizes = np.sort(sizes)
-    n, tc = len(sizes), 0.0
-    for i in range(n + 1):
-        if delay + (n - i) * cost.t_io + cost.t_g < tc:
-            return n - i
-        if i < n:
-            tc += cost.beta * sizes[i] + cost.c
-    return 0
+    n = len(sizes)
+    tc = np.concatenate([[0.0], np.cumsum(cost.beta * sizes + cost.c)])
+    span = [max(delay + (n - i) * cost.t_io + cost.t_g, tc[i]) for i in range(n + 1)]
+    return n - int(np.argmin(span))
 
 
 @pytest.mark.parametrize("hardware", ["prescope-a100-pcie4", "gh200-nvlink-c2c"])

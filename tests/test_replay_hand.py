@@ -196,25 +196,33 @@ PRESCHED = Policy("presched-empty", "lru", balancer="presched", prefetch="predic
 
 @pytest.mark.parametrize("fast", [True, False])
 def test_presched_late_prefetch_and_no_prefetch_at_layer_0(tmp_path, fast):
-    """PreSched (no hot table), one token [[0, 1], [2, 3]], t_attn 0.5, one CPU expert 2.25 ms:
+    """PreSched (no hot table), one token [[0, 1], [2, 3]], t_attn 0.5, one CPU expert 2.125 ms:
     L0: no PreSched decision reaches a first layer, so only what fits in its window may start:
-        0.5 // 1 = none. Eq. 5 on 2 misses: i'=0: 0 + 2 + 0.25 < 0 no; i'=1: 1.25 < 2.25 yes ->
-        load 0, CPU 1 (t_cpu 2.25). Eq. 6: gap 2.25 - 0 - 1 = 1.25, f = (1.25 + 0.5) / 1 = 1.75,
-        |f| = 2, xi = 0.5 * 0.75 - 0.5 * 0.25 > 0 -> 2 prefetches for L1 (both of its experts).
-        Time 0.5 + max(0.25, 1.25, 2.25) = 2.75; L1's window 2.75 - 1 = 1.75.
-    L1: 2 asked, 1 fits: 2 lands, 3 is started and lands 2 - 1.75 = 0.25 ms after L1's experts
-        start (not resident). Eq. 5 on one miss with delay 0.25: i'=0: 0.25 + 1 + 0.25 < 0 no; i'=1:
-        0.5 < 2.25 yes -> 3 on the CPU. Time 0.5 + max(0.25, 0.25, 2.25) = 2.75.
-    hits 1 / 4, demand loads 1, CPU experts 2, prefetches asked 2, landed 1, bytes moved 1 + 2
-    transfers, TPOT 5.5."""
+        0.5 // 1 = none. Eq. 5 on 2 misses, the i' of least max(T_G, T_C): i'=0: max(0 + 2 + 0.25,
+        0) = 2.25; i'=1: max(1.25, 2.125) = 2.125; i'=2: 4.25 -> load 0, CPU 1 (t_cpu 2.125).
+        Eq. 6: gap 2.125 - 0 - 1 = 1.125, f = (1.125 + 0.5) / 1 = 1.625, |f| = 2,
+        xi = 0.5 * 0.625 - 0.5 * 0.375 > 0 -> 2 prefetches for L1 (both of its experts).
+        Time 0.5 + max(0.25, 1.25, 2.125) = 2.625; L1's window 2.625 - 1 = 1.625.
+    L1: 2 asked, 1 fits: 2 lands, 3 is started and lands 2 - 1.625 = 0.375 ms after L1's experts
+        start (not resident). Eq. 5 on one miss with delay 0.375: i'=0: max(0.375 + 1 + 0.25, 0) =
+        1.625; i'=1: max(0.625, 2.125) = 2.125 -> 3 loads behind the late prefetch (the paper's
+        literal "smallest i' with T_G < T_C" ran it on the CPU). Time 0.5 + max(0.25, 1.625) = 2.125.
+    hits 1 / 4, demand loads 2, CPU experts 1, prefetches asked 2, landed 1, bytes moved 2 + 2
+    transfers, TPOT 4.75.
+    With a 2.25 ms CPU expert L0's i' = 0 and 1 tie at 2.25: the smaller i' loads both, Eq. 6's gap
+    max(0 - 2, 0) = 0, f = 0.5, |f| = 1, xi = 0.5 * 0.5 - 0.5 * 0.5 = 0 -> no prefetch; L1 the same:
+    4 loads, no CPU expert, 2.75 ms per layer."""
     ts = _trace(tmp_path / "c", [[[0, 1], [2, 3]]])
-    r = _run(ts, fast, PRESCHED, hardware=_profile(0.5, cpu_c_ms=2.25))
+    r = _run(ts, fast, PRESCHED, hardware=_profile(0.5, cpu_c_ms=2.125))
     assert r.hit_rate_per_layer == pytest.approx([0.0, 0.5])
-    assert (r.loads, r.cpu_experts) == (1, 2)
+    assert (r.loads, r.cpu_experts) == (2, 1)
     assert (r.prefetches_issued, r.prefetches_landed) == (2, 1)
-    assert r.bytes_moved == 3 * EXPERT_BYTES
-    assert r.layer_time_ms_per_layer == pytest.approx([2.75, 2.75])
-    assert r.modeled_tpot_ms == pytest.approx(5.5)
+    assert r.bytes_moved == 4 * EXPERT_BYTES
+    assert r.layer_time_ms_per_layer == pytest.approx([2.625, 2.125])
+    assert r.modeled_tpot_ms == pytest.approx(4.75)
+    tie = _run(ts, fast, PRESCHED, hardware=_profile(0.5, cpu_c_ms=2.25))
+    assert (tie.loads, tie.cpu_experts, tie.prefetches_issued) == (4, 0, 0)
+    assert tie.layer_time_ms_per_layer == pytest.approx([2.75, 2.75])
 
 
 def test_cold_presched_reports_its_preload(tmp_path):

@@ -133,7 +133,9 @@ def test_compiled_one_lane_step_equals_the_vectorised_step(case, cost, k):
     # each case exercises what it is about
     st = {name: v.sum() for name, v in zip(STATS, np.array(want[-1][5]))}
     assert st["uses"] > st["hits"] > 0
-    assert (st["cpu"] > 0) == (case in ("static", "lru + cpu", "presched", "smoe"))
+    # over the fast link PreSched's split loads every miss (Eq. 5's min-max, module presched)
+    on_cpu = case in ("static", "lru + cpu", "smoe") or (case == "presched" and cost != "fast")
+    assert (st["cpu"] > 0) == on_cpu
     assert (st["subs"] > 0) == (case == "smoe")
     assert (st["pf_landed"] > 0) == (policy.prefetches and cost != "no link")
     if case == "presched" and cost == "tight":
