@@ -331,7 +331,12 @@ def missing_layers(directory: str | Path, meta: dict[str, Any], prec: Precision 
         with open(path, "rb") as f:
             head = f.read(len(header))
         if size != want or head != header:
-            what = f"truncated ({size} of {want} bytes)" if size < want else "damaged (its header differs)"
+            if size < want:
+                what = f"truncated ({size} of {want} bytes)"
+            elif size > want:
+                what = f"longer than its layout ({size} of {want} bytes)"
+            else:
+                what = "damaged (its header differs)"
             raise OffloadError(f"expert file {path} is {what}; delete it and run again to rewrite it")
     return out
 

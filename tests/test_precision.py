@@ -145,3 +145,71 @@ def test_disk_tier_at_a_precision_computes_as_the_model_with_those_weights(tmp_p
     assert stats["bytes_read"] == stats["disk_reads"] * layout.stride
     # detach restores the exact model from its model-dtype copy
     assert torch.equal(decode_logits(model, ids), exact)
+
+
+def _offload_int4(tmp_path, group=32):
+    model = make_model("qwen2_moe")
+    st = find_moe_structure(model)
+    meta = offload.write_offload(model, st, tmp_path, precision=P.Precision("int4", group))
+    return model, st, meta
+
+
+def test_the_directory_keeps_each_precision_beside_the_model_dtype_copy(tmp_path):
+    model, st, meta = _offload_int4(tmp_path)
+    names = sorted(p.name for p in tmp_path.glob("layer_*"))
+    assert names == ["layer_000.int4-g32.safetensors", "layer_000.safetensors",
+                     "layer_001.int4-g32.safetensors", "layer_001.safetensors"]  # fmt: skip
+    # int8 added later: the int4 entry stays recorded and its files are not rewritten
+    before = (tmp_path / "layer_000.int4-g32.safetensors").stat().st_mtime_ns
+    offload.write_offload(model, st, tmp_path, precision=P.Precision("int8"))
+    on_disk = json.loads((tmp_path / "meta.json").read_text())
+    assert sorted(on_disk["precisions"]) == ["int4-g32", "int8"]
+    assert (tmp_path / "layer_000.int4-g32.safetensors").stat().st_mtime_ns == before
+    assert offload.missing_layers(tmp_path, meta, P.Precision("int4", 32)) == []
+    # the stored int4 parts read back as the experts' quantized weights
+    reader = offload.ExpertReader(tmp_path, offload.tier_meta(meta, P.Precision("int4", 32)))
+    try:
+        got = offload._read_layer(reader, 0, 8)
+    finally:
+        reader.close()
+    w = expert_params(model.model.layers[0].mlp.experts)["gate_up_proj"][3]
+    parts = {"q": got["gate_up_proj.q"][3], "sz": got["gate_up_proj.sz"][3]}
+    want = P.quantize_matrix(P.Precision("int4", 32), w)
+    assert torch.equal(parts["q"], want["q"]) and torch.equal(parts["sz"], want["sz"])
+
+
+def test_a_precision_recorded_in_another_layout_or_int4_packing_is_refused(tmp_path):
+    _, _, meta = _offload_int4(tmp_path)
+    prec = P.Precision("int4", 32)
+    on_disk = json.loads((tmp_path / "meta.json").read_text())
+    other = json.loads(json.dumps(on_disk))
+    other["precisions"]["int4-g32"]["int4_layout"] = "0000000000000000"
+    (tmp_path / "meta.json").write_text(json.dumps(other))
+    with pytest.raises(offload.OffloadError, match="packed by another torch's int4 kernel") as exc:
+        offload.missing_layers(tmp_path, meta, prec)
+    assert "\n" not in str(exc.value)
+    # scales missing from the recorded layout (a directory written otherwise): refused, not misread
+    other = json.loads(json.dumps(on_disk))
+    other["precisions"]["int4-g32"]["experts"][0] = [
+        t for t in other["precisions"]["int4-g32"]["experts"][0] if not t["name"].endswith(".sz")
+    ]
+    (tmp_path / "meta.json").write_text(json.dumps(other))
+    with pytest.raises(offload.OffloadError, match="holds int4-g32 experts in another layout"):
+        offload.missing_layers(tmp_path, meta, prec)
+    # the model-dtype copy is still fine, and a new precision is simply written
+    assert offload.missing_layers(tmp_path, meta) == []
+
+
+def test_a_damaged_quantized_file_is_refused_in_one_line(tmp_path):
+    _, _, meta = _offload_int4(tmp_path)
+    path = tmp_path / "layer_001.int4-g32.safetensors"
+    data = bytearray(path.read_bytes())
+    data[20] ^= 1  # inside the header's JSON
+    path.write_bytes(bytes(data))
+    with pytest.raises(
+        offload.OffloadError, match=r"layer_001.int4-g32.safetensors is damaged \(its header differs\)"
+    ):
+        offload.missing_layers(tmp_path, meta, P.Precision("int4", 32))
+    path.write_bytes(bytes(data) + b"\0" * 10)
+    with pytest.raises(offload.OffloadError, match="is longer than its layout"):
+        offload.missing_layers(tmp_path, meta, P.Precision("int4", 32))
