@@ -8,7 +8,9 @@ and modeled on the hardware profile, separately).
 perplexity of held-out text and the greedy next-token agreement with alpha = 0, both
 computed token by token through the KV cache so that every token is a decode step (the
 phase where SMoE substitutes), plus the substitution rate and modeled TPOT. With
-``--tpot-budget`` it picks alpha by SMoE Eq. 5 (:mod:`moecast.runtime.alpha`).
+``--precisions`` it repeats the sweep with the experts at int8 / int4
+(:mod:`moecast.runtime.precision`), every row measured against the model-precision experts at
+alpha 0. With ``--tpot-budget`` it picks alpha by SMoE Eq. 5 (:mod:`moecast.runtime.alpha`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 import torch
 from moecast.runtime.live import attach
 from moecast.runtime.policy import resolve_alpha, substitutes, with_policies
+from moecast.runtime.precision import Precision, experts_at
 
 from moecast.errors import InputError
 from moecast.jsonout import dumps
@@ -290,42 +293,89 @@ def teacher_forced(model: Any, rows: list[list[int]]) -> tuple[np.ndarray, np.nd
     return np.array(nll), np.array(greedy)
 
 
+#: what every row's perplexity change and agreement are measured against
+REFERENCE = {"expert_dtype": "model", "alpha": 0.0}
+
+
 def sweep(
-    model: Any, rows: list[list[int]], alphas: list[float], progress: bool = True, **attach_kwargs: Any
+    model: Any,
+    rows: list[list[int]],
+    alphas: list[float],
+    progress: bool = True,
+    precisions: Sequence[Precision] = (Precision(),),
+    **attach_kwargs: Any,
 ) -> list[dict[str, Any]]:
-    """One result per alpha: perplexity, agreement with alpha = 0, substitution rate, hit rate, TPOTs."""
+    """One result per (precision, alpha): perplexity, its change and the greedy agreement against the
+    model-precision experts at alpha = 0 (:data:`REFERENCE`, measured first: alpha 0 and the model
+    precision are always added), substitution rate, hit rate, TPOTs.
+
+    Each precision's alphas run inside :func:`~moecast.runtime.precision.experts_at`, so the runtime
+    attached for them holds that precision's weights and the model is restored after them."""
     from tqdm import tqdm
 
-    if 0.0 not in alphas:
-        alphas = [0.0, *alphas]
-    base = None
-    results = []
-    for a in tqdm(sorted(alphas), desc="alphas", disable=not progress):
-        rt = attach(model, alpha=a, **attach_kwargs)
-        try:
-            nll, greedy = teacher_forced(model, rows)
-            stats = rt.stats()
-        finally:
-            rt.detach()
-        if base is None:
-            base = (nll, greedy)
-        ppl = float(math.exp(nll.mean()))
-        results.append(
-            {
-                "alpha": a,
-                "perplexity": ppl,
-                "perplexity_change": ppl / math.exp(base[0].mean()) - 1,
-                "agreement": float((greedy == base[1]).mean()),
-                "substitution_rate": stats["substitution_rate"],
-                "hit_rate": stats["hit_rate"],
-                "transfers_per_token": stats["transfers"] / max(1, stats["decode_steps"]),
-                "cpu_experts_per_token": stats["cpu_experts"] / max(1, stats["decode_steps"]),
-                "modeled_tpot_ms": stats["modeled_tpot_ms"],
-                "measured_tpot_ms": stats["measured_tpot_ms"],
-                "tokens": len(nll),
-            }
-        )
+    grid = sorted({0.0, *(float(a) for a in alphas)})
+    precs = with_reference(precisions)
+    bar = tqdm(total=len(precs) * len(grid), desc="alphas", disable=not progress)
+    reference, results = None, []
+    for prec in precs:
+        with experts_at(model, prec):
+            for a in grid:
+                bar.set_postfix_str(prec.tag)
+                nll, greedy, stats = _measure(model, rows, a, attach_kwargs)
+                if reference is None:  # the first run: model precision, alpha 0
+                    reference = (nll, greedy)
+                results.append({"expert_dtype": prec.tag, **_result(a, nll, greedy, stats, reference)})
+                bar.update()
+    bar.close()
     return results
+
+
+def with_reference(precisions: Sequence[Precision]) -> list[Precision]:
+    """The precisions to sweep, the model's first (the reference), each tag once."""
+    out: dict[str, Precision] = {"model": Precision()}
+    for p in precisions:
+        out.setdefault(p.tag, p)
+    return list(out.values())
+
+
+def _measure(
+    model: Any, rows: list[list[int]], alpha: float, attach_kwargs: dict[str, Any]
+) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    """(NLL of each next token, greedy argmax, runtime stats) of the rows with the runtime at ``alpha``."""
+    rt = attach(model, alpha=alpha, **attach_kwargs)
+    try:
+        nll, greedy = teacher_forced(model, rows)
+        stats = rt.stats()
+    finally:
+        rt.detach()
+    return nll, greedy, stats
+
+
+def _result(
+    alpha: float,
+    nll: np.ndarray,
+    greedy: np.ndarray,
+    stats: dict[str, Any],
+    reference: tuple[np.ndarray, np.ndarray],
+) -> dict[str, Any]:
+    """One sweep row; perplexity change and agreement are against ``reference`` (its NLL and greedy)."""
+    ppl = float(math.exp(nll.mean()))
+    change = ppl / math.exp(reference[0].mean()) - 1
+    return {
+        "alpha": alpha,
+        "perplexity": ppl,
+        "perplexity_change": change,
+        "ppl_change_pct": 100 * change,
+        "agreement": float((greedy == reference[1]).mean()),
+        "reference": dict(REFERENCE),
+        "substitution_rate": stats["substitution_rate"],
+        "hit_rate": stats["hit_rate"],
+        "transfers_per_token": stats["transfers"] / max(1, stats["decode_steps"]),
+        "cpu_experts_per_token": stats["cpu_experts"] / max(1, stats["decode_steps"]),
+        "modeled_tpot_ms": stats["modeled_tpot_ms"],
+        "measured_tpot_ms": stats["measured_tpot_ms"],
+        "tokens": len(nll),
+    }
 
 
 def _plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -334,15 +384,17 @@ def _plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    a = [r["alpha"] for r in results]
     fig, ax = plt.subplots(1, 3, figsize=(12, 3.4))
-    ax[0].plot(a, [r["perplexity"] for r in results], "o-")
+    for (tag, rs), color in zip(by_precision(results).items(), ("C0", "C1", "C2", "C3")):
+        a = [r["alpha"] for r in rs]
+        ax[0].plot(a, [r["perplexity"] for r in rs], "o-", color=color, label=tag)
+        ax[1].plot(a, [100 * r["agreement"] for r in rs], "o-", color=color, label=f"agreement, {tag}")
+        ax[1].plot(a, [100 * r["substitution_rate"] for r in rs], "s--", color=color, label=f"subst., {tag}")
+        ax[2].plot(a, [r["modeled_tpot_ms"] for r in rs], "o-", color=color, label=tag)
     ax[0].set_ylabel("perplexity")
-    ax[1].plot(a, [100 * r["agreement"] for r in results], "o-", label="agreement with alpha=0")
-    ax[1].plot(a, [100 * r["substitution_rate"] for r in results], "s--", label="substitution rate")
+    ax[0].legend(fontsize=8, title="experts", title_fontsize=8)
     ax[1].set_ylabel("%")
-    ax[1].legend(fontsize=8)
-    ax[2].plot(a, [r["modeled_tpot_ms"] for r in results], "o-")
+    ax[1].legend(fontsize=7, title="agreement with model, alpha=0", title_fontsize=7)
     ax[2].set_ylabel("modeled TPOT (ms)")
     for x in ax:
         x.set_xlabel("alpha")
@@ -360,6 +412,14 @@ def _plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
             os.unlink(tmp)
 
 
+def by_precision(results: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The sweep's rows by their ``expert_dtype``, in the sweep's order."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        groups.setdefault(r.get("expert_dtype", "model"), []).append(r)
+    return groups
+
+
 def eval_accuracy(
     model: str = "tiny",
     workloads: Sequence[str] = ("sharegpt",),
@@ -372,9 +432,16 @@ def eval_accuracy(
     tpot_budget: float | None = None,
     plot: str = "eval-accuracy.png",
     data_dir: str | None = None,
+    precisions: Sequence[str] = ("model",),
+    group_size: int = 128,
     json: bool = False,
 ) -> list[dict[str, Any]]:
-    """SMoE Table IV-style accuracy sweep over alpha: perplexity, agreement with alpha = 0, substitution rate, TPOT.
+    """SMoE Table IV-style accuracy sweep over alpha and expert precision: perplexity, agreement with the exact model at alpha = 0, substitution rate, TPOT.
+
+    Every row's perplexity change and greedy next-token agreement are against the model-precision
+    experts at alpha = 0. A quantized precision's rows run the model with its experts' weights
+    quantized and dequantized in memory (the arithmetic of ``moecast run --offload disk --expert-dtype``);
+    their TPOT is the in-memory runtime's, which moves model-dtype experts.
 
     Args:
         model: ``tiny``, ``tiny:PRESET`` or a local Hugging Face model directory.
@@ -385,26 +452,29 @@ def eval_accuracy(
         hardware: Hardware profile for the modeled TPOT.
         texts: Held-out texts per workload.
         tokens: Tokens per text (scored token by token, every one a decode step).
-        tpot_budget: TPOT budget R in ms: choose alpha by SMoE Eq. 5 (fitted T(alpha), smallest alpha meeting R).
-        plot: PNG path for the figure ('' for none).
+        tpot_budget: TPOT budget R in ms: choose alpha by SMoE Eq. 5 (fitted T(alpha), smallest alpha meeting R),
+            on the model-precision rows.
+        plot: PNG path for the figure ('' for none); one line per precision.
         data_dir: Folder with local datasets for named workloads: <name>/, <name>.jsonl, .json or .parquet
             (as ``moecast collect --data-dir``; no hub download is attempted).
-        json: One JSON object per alpha (and one for the Eq. 5 choice) instead of a table.
+        precisions: Expert precisions to sweep alpha at: model (the model's dtype, exact), int8 (per output
+            channel, symmetric) and/or int4 (group-wise, asymmetric, ``--group-size``); model is always
+            added (the reference).
+        group_size: int4's group along each matrix's input dimension: 32, 64, 128 or 256.
+        json: One JSON object per (precision, alpha) (and one for the Eq. 5 choice) instead of a table.
     """
     from moecast.collect.models import load_model
-    from moecast.runtime.alpha import choose_alpha
 
     _threads()
     grid = _alpha_grid(alphas, policy, texts, tokens, tpot_budget, plot)
+    precs = _precision_axis(precisions, group_size)
     cap: Any = None if str(capacity).lower() in ("all", "none", "full") else capacity
     lm, tok, name = load_model(model, dtype="float32")
     rows = heldout_rows(tok, workloads, texts, tokens, data_dir)
-    results = sweep(lm, rows, grid, progress=not json, policy=policy, capacity=cap, hardware=hardware)
-    choice = None
-    if tpot_budget is not None:
-        choice = choose_alpha(
-            [r["alpha"] for r in results], [r["modeled_tpot_ms"] for r in results], tpot_budget
-        )
+    results = sweep(
+        lm, rows, grid, progress=not json, precisions=precs, policy=policy, capacity=cap, hardware=hardware
+    )
+    choice = _choose(results, tpot_budget)
     _print_sweep(results, choice, name, workloads, rows, policy, capacity, tpot_budget, json)
     if plot:
         _plot(results, Path(plot), f"{name}: accuracy vs alpha ({', '.join(workloads)}, capacity {capacity})")
@@ -414,8 +484,28 @@ def eval_accuracy(
         if not choice.met:
             raise InputError(choice.message())
         if not json:
-            print("  " + choice.message())
+            print("  model precision: " + choice.message())
     return results
+
+
+def _precision_axis(precisions: Sequence[str], group_size: int) -> list[Precision]:
+    """``--precisions`` as :class:`Precision` values, the model's first, checked before the model loads."""
+    names = [precisions] if isinstance(precisions, str) else list(precisions)  # one name, not its letters
+    try:
+        return with_reference([Precision(n.strip(), group_size) for n in names if n.strip()])
+    except InputError as exc:
+        raise InputError(f"--precisions {' '.join(names)} --group-size {group_size}: {exc}") from exc
+
+
+def _choose(results: list[dict[str, Any]], tpot_budget: float | None) -> Any:
+    """SMoE Eq. 5's alpha for ``tpot_budget`` on the model-precision rows (None without a budget): the
+    quantized rows run the same in-memory runtime, so their TPOT says nothing more about alpha."""
+    if tpot_budget is None:
+        return None
+    from moecast.runtime.alpha import choose_alpha
+
+    rs = by_precision(results)["model"]
+    return choose_alpha([r["alpha"] for r in rs], [r["modeled_tpot_ms"] for r in rs], tpot_budget)
 
 
 def _alpha_grid(
@@ -453,7 +543,7 @@ def _print_sweep(
     tpot_budget: float | None,
     json: bool,
 ) -> None:
-    """The sweep as one JSON object per alpha (and one for the Eq. 5 choice), or as a table."""
+    """The sweep as one JSON object per (precision, alpha) (and one for the Eq. 5 choice), or as a table."""
     if json:
         for r in results:
             print(dumps({"model": name, "workloads": list(workloads), **r}))
@@ -462,6 +552,7 @@ def _print_sweep(
                 dumps(
                     {
                         "tpot_budget_ms": tpot_budget,
+                        "expert_dtype": "model",  # Eq. 5 is fitted on the model-precision rows only
                         "chosen_alpha": choice.alpha,
                         "met": choice.met,
                         "predicted_tpot_ms": choice.predicted_tpot_ms,
@@ -469,19 +560,25 @@ def _print_sweep(
                     }
                 )
             )
-    else:
+        return
+    print(
+        f"{name} on {', '.join(workloads)}: {sum(len(r) - 1 for r in rows)} held-out tokens, policy {policy}, capacity {capacity}"
+    )
+    print("  d ppl and agree (greedy next token) are against the model-precision experts at alpha 0")
+    print(
+        f"  {'experts':>9}  {'alpha':>5}  {'ppl':>8}  {'d ppl':>7}  {'agree':>6}  {'subst':>6}  {'hit':>6}  {'TPOT model':>10}  {'measured':>8}"
+    )
+    for r in results:
         print(
-            f"{name} on {', '.join(workloads)}: {sum(len(r) - 1 for r in rows)} held-out tokens, policy {policy}, capacity {capacity}"
+            f"  {r['expert_dtype']:>9}  {r['alpha']:>5.2f}  {r['perplexity']:>8.3f}  {r['ppl_change_pct']:>+6.2f}%  "
+            f"{100 * r['agreement']:>5.1f}%  {100 * r['substitution_rate']:>5.1f}%  {100 * r['hit_rate']:>5.1f}%  "
+            f"{r['modeled_tpot_ms']:>8.3f}ms  {r['measured_tpot_ms']:>6.2f}ms"
         )
+    if len(by_precision(results)) > 1:
         print(
-            f"  {'alpha':>5}  {'ppl':>8}  {'d ppl':>7}  {'agree':>6}  {'subst':>6}  {'hit':>6}  {'TPOT model':>10}  {'measured':>8}"
+            "  TPOT of the quantized rows: the in-memory runtime's, moving model-dtype experts "
+            "(a quantized disk tier's: moecast run --offload disk --expert-dtype)"
         )
-        for r in results:
-            print(
-                f"  {r['alpha']:>5.2f}  {r['perplexity']:>8.3f}  {100 * r['perplexity_change']:>+6.2f}%  "
-                f"{100 * r['agreement']:>5.1f}%  {100 * r['substitution_rate']:>5.1f}%  {100 * r['hit_rate']:>5.1f}%  "
-                f"{r['modeled_tpot_ms']:>8.3f}ms  {r['measured_tpot_ms']:>6.2f}ms"
-            )
 
 
 # the presets' names and help, from runtime/policy.py (jsonargparse reads this docstring)

@@ -34,12 +34,15 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from moecast.runtime.expert_store import expert_params
 
 from moecast.errors import InputError
 
@@ -211,6 +214,104 @@ def relative_error(w: torch.Tensor, prec: Precision) -> float:
         return 0.0
     back = dequantize_matrix(prec, quantize_matrix(prec, w), w.shape[1]).float()
     return float((w.float() - back).norm() / w.float().norm().clamp(min=1e-30))
+
+
+def expert_output_error(
+    params: dict[str, torch.Tensor],
+    prec: Precision,
+    tokens: int = 64,
+    transposed: bool = False,
+    seed: int = 0,
+) -> torch.Tensor:
+    """Per expert of a layer ([E]), ``||y - y'|| / ||y||``: its output on ``tokens`` N(0, 1) inputs with
+    the model's weights (y) and with ``prec``'s (y', :func:`fake_quantized`).
+
+    A matrix's :func:`relative_error` says how far its weights move; this says how far the expert's
+    output does, through the gate's nonlinearity and the down projection. ``params`` are a gated layer's
+    per-expert tensors (``gate_up_proj`` and ``down_proj``, as DeepSeek, Qwen and Mixtral store them in
+    transformers' experts interface); both outputs are computed in float32, so only the weights differ.
+    """
+    if "gate_up_proj" not in params or "down_proj" not in params:
+        raise InputError(f"expert_output_error needs gate_up_proj and down_proj, got {', '.join(params)}")
+    gate_up = params["gate_up_proj"]
+    hidden = gate_up.shape[1] if transposed else gate_up.shape[2]
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed))
+    y = gated_expert_outputs(params, x, transposed)
+    y_q = gated_expert_outputs(fake_quantized(prec, params, transposed), x, transposed)
+    return (y - y_q).norm(dim=(1, 2)) / y.norm(dim=(1, 2)).clamp(min=1e-30)
+
+
+def gated_expert_outputs(params: dict[str, torch.Tensor], x: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """Every expert's output [E, tokens, hidden] on ``x`` [tokens, hidden], in float32, by the experts
+    interface's arithmetic: ``h = x W_gu^T (+ b)``, ``gate, up = h.chunk(2)``, ``(silu(gate) * up) W_d^T (+ b)``
+    (SwiGLU, the interface's default gate)."""
+    gate_up, down = params["gate_up_proj"].float(), params["down_proj"].float()
+    if not transposed:  # stored [E, out, in]; the product wants [E, in, out]
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    h = torch.matmul(x.float(), gate_up)
+    if "gate_up_proj_bias" in params:
+        h = h + params["gate_up_proj_bias"].float()[:, None]
+    gate, up = h.chunk(2, dim=-1)
+    y = torch.matmul(F.silu(gate) * up, down)
+    if "down_proj_bias" in params:
+        y = y + params["down_proj_bias"].float()[:, None]
+    return y
+
+
+# --------------------------------------------------------------------------------- model weights
+@contextmanager
+def experts_at(model: Any, prec: Precision) -> Iterator[Any]:
+    """Within the block, every experts module of ``model`` computes with ``prec``'s weights: each
+    matrix is replaced by its :func:`fake_quantized` value, and the original tensors are put back on
+    exit (whatever happens inside), so the model is bit-for-bit as before.
+
+    This is the disk tier's arithmetic at ``prec``, without an offload directory and on any device: its
+    weight-only kernels compute ``x @ w'^T`` with ``w'`` the dequantized weights
+    (``test_the_weight_only_kernels_compute_the_formats_arithmetic`` in tests/test_precision.py), and
+    the live runtime reading int8 / int4 experts from disk gives the logits of the model whose expert
+    weights are these (``test_disk_tier_at_a_precision_computes_as_the_model_with_those_weights``);
+    the two differ only in float rounding. Enter it before attaching a runtime, which then holds these
+    weights as the model's own. Yields ``model``.
+    """
+    from moecast.collect.models import find_moe_structure
+
+    saved: list[tuple[Any, dict[str, torch.Tensor]]] = []
+    try:
+        if prec.quantized:
+            for entry in find_moe_structure(model).layers:
+                mod = entry.experts
+                saved.append((mod, _swap_tensors(mod, _fake_quantized_matrices(prec, mod))))
+        yield model
+    finally:
+        for mod, originals in reversed(saved):
+            _swap_tensors(mod, originals)
+
+
+def _fake_quantized_matrices(prec: Precision, experts: Any) -> dict[str, torch.Tensor]:
+    """The experts module's matrices at ``prec``, on their device (quantized on the CPU, where the int4
+    packing runs)."""
+    params = expert_params(experts)
+    names = weight_names(params)
+    if any(params[n].device.type == "meta" for n in names):
+        raise InputError("experts_at needs the expert weights in memory; these are offloaded (meta tensors)")
+    host = {n: params[n].detach().cpu() for n in names}
+    fake = fake_quantized(prec, host, bool(getattr(experts, "is_transposed", False)))
+    return {n: fake[n].to(params[n].device) for n in names}
+
+
+def _swap_tensors(module: Any, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Put ``tensors`` into ``module`` by name (a parameter's data, or a buffer) and return the ones
+    they replaced, which a second call puts back."""
+    old: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name in module._parameters:
+            # .data keeps the Parameter object (optimisers, hooks and the runtime hold it)
+            old[name] = module._parameters[name].data
+            module._parameters[name].data = t
+        else:
+            old[name] = module._buffers[name]
+            module._buffers[name] = t
+    return old
 
 
 # ------------------------------------------------------------------------------------ int4 layout
