@@ -500,6 +500,8 @@ def profile(
     dtype: str = "bfloat16",
     name: str = "local",
     calibrate: int = 0,
+    expert_dtype: str = "model",
+    group_size: int = 128,
     json: bool = False,
 ) -> None:
     """Measure this machine into a hardware profile YAML (CPU expert time; dense and predictor time per layer; disk and CUDA bandwidth).
@@ -525,6 +527,10 @@ def profile(
             with the live runtime (LRU, 25 % of experts resident, experts read from the directory) and
             take the rates it measured: the disk while busy, one expert call, the rest of a layer
             (attention and the runtime's host work), which the probes above do not see; 0: none.
+        expert_dtype: with --model, time the experts at this precision (model, int8, int4) on the kernels
+            the live runtime computes a quantized tier with, and calibrate at it: the profile to model a
+            ``--expert-dtype`` run with (name it apart, e.g. --name local-int4).
+        group_size: int4's group along each matrix's input dimension (32, 64, 128 or 256).
         json: print the profile as JSON.
     """
     from moecast.runtime import profile as P
@@ -534,9 +540,16 @@ def profile(
         from moecast.predictors.registry import load
 
         pred = load(predictor)
+    from moecast.runtime.precision import Precision
+
+    prec = Precision(expert_dtype, group_size)
     if model:
-        prof = _profile_model(model, name, pred, offload_dir, disk_mb, calibrate)
+        prof = _profile_model(model, name, pred, offload_dir, disk_mb, calibrate, prec)
     else:
+        if prec.quantized:
+            raise InputError(
+                "--expert-dtype times the model's own experts call: give --model (tiny or a directory)"
+            )
         if calibrate:
             raise InputError(
                 "--calibrate runs the live runtime on a model: give --model (tiny or a directory)"
@@ -568,20 +581,21 @@ def profile(
 
 
 def _profile_model(
-    model: str, name: str, pred: Any, offload_dir: str | None, disk_mb: int, calibrate: int
+    model: str, name: str, pred: Any, offload_dir: str | None, disk_mb: int, calibrate: int, prec: Any
 ) -> HardwareProfile:
-    """`moecast profile --model`'s profile: measured on the model, then calibrated on ``calibrate``
-    tokens of the live runtime reading its experts from ``offload_dir`` (0: not calibrated)."""
+    """`moecast profile --model`'s profile: measured on the model (its experts at ``prec``), then
+    calibrated on ``calibrate`` tokens of the live runtime reading its experts from ``offload_dir``
+    at ``prec`` (0: not calibrated)."""
     from moecast.collect.models import load_model
     from moecast.runtime import profile as P
 
     lm, _tok, _name = load_model(model)
-    prof, _how = P.profile_model(lm, name, pred, offload_dir, disk_mb)
+    prof, _how = P.profile_model(lm, name, pred, offload_dir, disk_mb, precision=prec)
     if not calibrate:
         return prof
     if not offload_dir:
         raise InputError("--calibrate measures the disk tier: give --offload_dir DIR")
-    return dataclasses.replace(P.calibrate_live(lm, prof, offload_dir, calibrate), name=name)
+    return dataclasses.replace(P.calibrate_live(lm, prof, offload_dir, calibrate, precision=prec), name=name)
 
 
 def _traces_expert_shape(traces: str) -> tuple[int, int, str]:

@@ -479,8 +479,12 @@ def profile_model(
     predictor: Any = None,
     offload_dir: str | Path | None = None,
     disk_mb: int = 256,
+    precision: Any = None,
 ) -> tuple[HardwareProfile, dict[str, str]]:
-    """The hardware profile for ``model`` on this machine, and how each figure was obtained."""
+    """The hardware profile for ``model`` on this machine, and how each figure was obtained;
+    ``precision`` (runtime/precision.py; default the model's dtype): the experts' compute is timed
+    on that precision's kernels, as the live runtime computes a quantized tier's experts (the
+    expert's bytes stay the model dtype's, which the cost model scales compute from)."""
     from moecast.collect.models import find_moe_structure, model_info
 
     if predictor is not None and not isinstance(predictor, LayerAhead):
@@ -495,9 +499,10 @@ def profile_model(
     inter = max(1, info.expert_bytes // (3 * hidden * p.element_size()))
     dtype = str(p.dtype).replace("torch.", "")
     # what the runtime pays per expert: its calls of the family's implementation, glue included
-    fit = implementation_expert_ms(st.layers[0].experts)
+    fit = implementation_expert_ms(st.layers[0].experts, precision=precision)
     if fit is not None:
-        fit = (fit[0], fit[1], f"{dtype} expert {hidden}x{inter}: {fit[2]}")
+        at = f" at {precision.tag}" if precision is not None and precision.quantized else ""
+        fit = (fit[0], fit[1], f"{dtype} expert {hidden}x{inter}{at}: {fit[2]}")
     prof = measure(hidden, inter, name=name, dtype=dtype, cpu_expert=fit)
     how = {"expert": f"{dtype} {hidden}x{inter}", "cpu": prof.source}
     # times are for the model's own expert (its dtype), which replay scales from
@@ -517,28 +522,38 @@ def profile_model(
 
 
 def implementation_expert_ms(
-    experts: Any, token_counts=(1, 2, 4, 8, 16), repeat: int = 7
+    experts: Any, token_counts=(1, 2, 4, 8, 16), repeat: int = 7, precision: Any = None
 ) -> tuple[float, float, str] | None:
     """(beta, C, how) of one expert as the live runtime computes it on the CPU: a call of the model's
     experts implementation on a :class:`~moecast.runtime.expert_store.SlotView` over a cold ring of
     slots (more bytes than twice the last-level cache), one expert's tokens and the others' pairs
     marked with the sentinel. The call's own work (routing bookkeeping, the implementation's glue)
-    is part of the figure, as it is of the runtime's. None for experts without per-expert weights."""
+    is part of the figure, as it is of the runtime's. None for experts without per-expert weights.
+    ``precision`` (quantized): the slots hold the precision's stored parts and the call is the
+    runtime's quantized experts call on them."""
+    import functools
+
     import torch
     from moecast.runtime.expert_store import SlotView
     from moecast.runtime.live import _resolve_impl
+    from moecast.runtime.precision import quantize_params, quantized_experts_forward
 
     params = {n: p for n, p in experts.named_parameters(recurse=False) if p.dim() >= 2}
     if not params:
         return None
     num = next(iter(params.values())).shape[0]
-    set_bytes = sum(p[0].numel() * p.element_size() for p in params.values())
-    n = ring_size(set_bytes)
-    slots = {k: torch.full((n, *p.shape[1:]), 0.01, dtype=p.dtype) for k, p in params.items()}
     dtype = next(iter(params.values())).dtype
+    one = {k: torch.full((1, *p.shape[1:]), 0.01, dtype=p.dtype) for k, p in params.items()}
+    if precision is not None and precision.quantized:
+        one = quantize_params(precision, one, bool(getattr(experts, "is_transposed", False)))
+        impl = functools.partial(quantized_experts_forward, precision)
+    else:
+        impl = _resolve_impl(experts.config._experts_implementation, experts)
+    set_bytes = sum(t[0].numel() * t.element_size() for t in one.values())
+    n = ring_size(set_bytes)
+    slots = {k: t.expand(n, *t.shape[1:]).contiguous() for k, t in one.items()}
     hidden = int(experts.config.hidden_size)
     k = int(getattr(experts.config, "num_experts_per_tok", 2) or 2)
-    impl = _resolve_impl(experts.config._experts_implementation, experts)
     view = SlotView(experts, slots, n, True)
     turn = itertools.count()
     ms = []
@@ -554,9 +569,14 @@ def implementation_expert_ms(
 
             ms.append(_time(call, repeat))
     beta, c = np.polyfit(np.asarray(token_counts, dtype=float), np.asarray(ms), 1)
+    what = (
+        f"the {precision.tag} experts call"
+        if precision is not None and precision.quantized
+        else f"the model's {experts.config._experts_implementation or 'eager'} experts implementation"
+    )
     how = (
-        f"the model's {experts.config._experts_implementation or 'eager'} experts implementation on a slot "
-        f"view, one expert per call, over a ring of {n} slots ({n * set_bytes / 2**20:.0f} MiB; {num} experts)"
+        f"{what} on a slot view, one expert per call, over a ring of {n} slots ({n * set_bytes / 2**20:.0f} "
+        f"MiB; {num} experts)"
     )
     return max(float(beta), 1e-6), max(float(c), 0.0), how
 
@@ -827,6 +847,7 @@ def calibrate_live(
     tokens: int,
     capacity: float = 0.25,
     prompt: int = 8,
+    precision: Any = None,
 ) -> HardwareProfile:
     """``prof`` calibrated (:func:`calibrate`) on a live run of ``model`` with its experts in
     ``offload_dir``: LRU at ``capacity``, a prefill of ``prompt`` tokens, then ``tokens`` greedy decode
@@ -839,8 +860,17 @@ def calibrate_live(
         raise InputError(f"calibration decodes at least one token, got {tokens}")
     vocab = int(model.config.vocab_size)
     ids = (torch.arange(prompt)[None] * 7919 + 13) % vocab  # a fixed prompt: the rates, not the text, matter
+    tier = (
+        {"expert_dtype": precision.dtype, "group_size": precision.group_size} if precision is not None else {}
+    )
     rt = attach(
-        model, capacity=capacity, offload="disk", offload_dir=str(offload_dir), hardware=prof, policy="lru"
+        model,
+        capacity=capacity,
+        offload="disk",
+        offload_dir=str(offload_dir),
+        hardware=prof,
+        policy="lru",
+        **tier,
     )
     try:
         with torch.inference_mode():

@@ -311,6 +311,30 @@ def test_the_cpu_expert_is_the_models_implementation_on_a_cold_ring_of_slots(tmp
     assert all(other_is_sentinel for _, other_is_sentinel in seen)
 
 
+def test_implementation_expert_ms_at_a_precision_times_the_quantized_call(tmp_path, monkeypatch):
+    """int8: the ring holds the stored parts (int8 weights and their scales: fewer bytes, so more
+    slots for the same cache), and each call is the runtime's quantized experts call on them."""
+    from moecast.runtime import precision as Q
+    from moecast.runtime.expert_store import expert_params
+
+    monkeypatch.setattr(P, "CACHE_DIR", _fake_cache(tmp_path, [(3, "20K")]))
+    experts = _model().model.layers[0].mlp.experts
+    prec = Q.Precision("int8")
+    real, seen = Q.quantized_experts_forward, []
+
+    def spy(p, view, x, ids, w, **kw):
+        seen.append((p, sorted(object.__getattribute__(view, "_tensors"))))
+        return real(p, view, x, ids, w, **kw)
+
+    monkeypatch.setattr(Q, "quantized_experts_forward", spy)
+    beta, c, how = P.implementation_expert_ms(experts, token_counts=(1, 2), repeat=2, precision=prec)
+    stored = Q.expert_nbytes(prec, expert_params(experts), False)
+    n = P.ring_size(stored)
+    assert beta > 0 and c >= 0 and f"ring of {n} slots" in how and "the int8 experts call" in how
+    assert n > P.ring_size(sum(p[0].numel() * p.element_size() for p in experts.parameters() if p.dim() >= 2))
+    assert seen and seen[0] == (prec, ["down_proj.q", "down_proj.s", "gate_up_proj.q", "gate_up_proj.s"])
+
+
 def test_calibrate_takes_the_rates_a_live_run_measured():
     """10 decode steps of a 4-layer top-6 model: 240 expert calls took 48 ms per step, so 2.0 ms each;
     attention and the runtime's host work 40 + 8 ms per step, of which 8 ms followed the last layer
