@@ -92,6 +92,11 @@ class Tiers:
     traces: Path | None = None
     profile: Any = None
     expert_bytes: int = 0
+    # each quantized precision's probe: the profile with its experts timed on the precision's kernels
+    probes: dict[str, Any] = field(default_factory=dict)
+
+    def probe(self, precision: str) -> Any:
+        return self.probes.get(precision, self.profile)
 
     @property
     def num_layers(self) -> int:
@@ -199,10 +204,27 @@ def profile(t: Tiers, out: Path) -> dict:
     prof, _how = profile_model(t.model, "bench-tiers", pred, offload_dir=t.directory, disk_mb=t.args.disk_mb)
     t.profile = prof
     bench_gpu._write(out / "bench-tiers-profile.yaml", prof.to_yaml())
+    for p in (p for p in precision_tags(t.args) if p != "model"):
+        t.probes[p] = precision_probe(t, p)
+        bench_gpu._write(out / f"bench-tiers-profile-{p}.yaml", t.probes[p].to_yaml())
     return {
         k: getattr(prof, k)
         for k in ("disk_read_gbps", "cpu_beta_ms", "cpu_c_ms", "attn_ms", "predictor_ms", "read_cpu_ms")
     }
+
+
+def precision_probe(t: Tiers, precision: str) -> Any:
+    """The probe's profile with the experts timed at ``precision`` (a tag) as the live runtime computes
+    a quantized tier's: the CPU expert's beta and C, and so a resident expert's time on a CPU."""
+    from moecast.collect.models import find_moe_structure
+    from moecast.runtime.precision import Precision
+    from moecast.runtime.profile import _sig, implementation_expert_ms
+
+    experts = find_moe_structure(t.model).layers[0].experts
+    beta, c, how = implementation_expert_ms(experts, precision=Precision.of_tag(precision))
+    one = t.profile.gpu_expert_ms if t.profile.fast_tier != "cpu" else _sig(beta + c)
+    return replace(t.profile, name=f"{t.profile.name}-{precision}", cpu_beta_ms=_sig(beta), cpu_c_ms=_sig(c),
+                   gpu_expert_ms=one, source=f"{t.profile.source}; {precision} experts: {how}")  # fmt: skip
 
 
 def write_traces(t: Tiers, path: Path) -> None:
@@ -317,13 +339,12 @@ def _modeled_keys(
     out = modeled_by_round(t, policy, capacity, predictor, runs, precision)
     if out["modeled_tpot_ms"] is None:
         return out
-    if any(r["profile"] is not t.profile for r in runs):
-        out["probe_tpot_ms"] = modeled(
-            t, policy, capacity, predictor, t.profile, None, precision
-        ).modeled_tpot_ms
+    probe = t.probe(precision)
+    if any(r["profile"] is not probe for r in runs):
+        out["probe_tpot_ms"] = modeled(t, policy, capacity, predictor, probe, None, precision).modeled_tpot_ms
     if st.get("disk_read_gbps_observed") and t.profile.fast_tier == "cpu":
         # the row's own rest of a layer already holds its reads' compute time: not charged again
-        own = replace(calibrate(t.profile, st, t.num_layers), read_cpu_ms=0.0)
+        own = replace(calibrate(probe, st, t.num_layers), read_cpu_ms=0.0)
         out["at_run_rates_tpot_ms"] = modeled(
             t, policy, capacity, predictor, own, None, precision
         ).modeled_tpot_ms
@@ -564,7 +585,7 @@ def calibrate_round(t: Tiers, capacity: float, i: int, done: list[dict], precisi
     ``done``, which collects each round's run)."""
     from moecast.runtime.profile import calibrate
 
-    cal, prof = t.hot_routing, t.profile
+    cal, prof = t.hot_routing, t.probe(precision)
     if not cal or prof is None or prof.fast_tier != "cpu":
         return prof
     r = cal[i % len(cal)]
@@ -593,7 +614,7 @@ def calibration_summary(t: Tiers, capacity: float, done: list[dict], precision: 
     if err is not None:
         raise err
     keys = ("transfer_gbps", "gpu_expert_ms", "attn_ms", "step_ms")
-    pooled_prof = calibrate(t.profile, pooled([d["stats"] for d in done]), t.num_layers)
+    pooled_prof = calibrate(t.probe(precision), pooled([d["stats"] for d in done]), t.num_layers)
     pooled_prof = replace(pooled_prof, name=f"{pooled_prof.name}-{int(capacity * 100)}{_suffix(precision)}")
     bench_gpu._write(Path(t.args.out) / f"{pooled_prof.name}.yaml", pooled_prof.to_yaml())
     return {
@@ -635,7 +656,7 @@ def measure_rows(t: Tiers, report: Any, capacity: float, rows: list[Row], calibr
     done: dict[str, list[dict]] = {p: [] for p in precisions}
     for i in range(len(t.requests)):
         profs = {
-            p: calibrate_round(t, capacity, i, done[p], p) if calibrate else t.profile for p in precisions
+            p: calibrate_round(t, capacity, i, done[p], p) if calibrate else t.probe(p) for p in precisions
         }
         for row in rows:
             if row.error is not None:

@@ -12,6 +12,7 @@ import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(BENCH.parent))
 
 
 def test_quick_run_at_test_sizes(tmp_path, capsys):
@@ -122,6 +123,7 @@ def test_pooled_runs_by_hand():
     def run(steps, uses, hits, mb, gbps, ms):
         return {"decode_steps": steps, "routed": uses, "uses": uses, "hits": hits, "bytes_read": mb * 10**6,
                 "disk_read_gbps_observed": gbps, "modeled_tpot_ms": ms, "after_layers_ms": ms / 10,
+                "prefetches_issued": steps * 3, "prefetch_used": steps, "expert_bytes": 2**20,
                 **{f"{p}_ms": ms for p in BREAKDOWN}}  # fmt: skip
 
     # 1000 MB at 1 GB/s (1 s busy) and 3000 MB at 3 GB/s (1 s busy): 4000 MB in 2 s
@@ -132,6 +134,44 @@ def test_pooled_runs_by_hand():
     assert st["modeled_tpot_ms"] == pytest.approx((10 + 3 * 30) / 4)
     assert st["attention_ms"] == pytest.approx(25.0)
     assert st["after_layers_ms"] == pytest.approx(2.5)
+    assert (st["prefetches_issued"], st["prefetch_used"]) == (12, 4)
+    # per decode step: 4000 MB / 4 steps = 1e9 bytes (953.7 MiB), 0.5 s at 2 GB/s; 8 prefetches of
+    # 1 MiB never used over 4 steps: 2 MiB a step
+    link = bench_tiers.link_figures(st)
+    assert link["read_mb_per_token"] == pytest.approx(1e9 / 2**20)
+    assert link["link_floor_ms"] == pytest.approx(500.0)
+    assert link["wasted_mb_per_token"] == pytest.approx(2.0)
+
+
+def test_precision_goals_by_hand():
+    """At 25 %: the best int4 row a user can run (LLaPor, 300) over the best model-dtype one (LRU 800,
+    LLaPor 700): 300 / 700 = 0.43 <= 0.5; over int4 all in RAM (250): 1.2 <= 1.3; the oracle bound (200)
+    and all in RAM (100 at model dtype) never count as best. LLaPor int4 reads 1.5x LRU int4's bytes
+    but is faster (ok); LLaPor at model dtype reads 1.2x LRU's and is faster too."""
+    import bench_tiers
+
+    from bench import figures as F
+
+    def r(config, ms, prec, mb=None):
+        return {"config": config, "capacity": 0.25, "status": "ok", "measured_tpot_ms": ms, "expert_dtype": prec,
+                "read_mb_per_token": mb}  # fmt: skip
+
+    raw = [r("lru", 800, "model", 100), r("llapor prefetch-late", 700, "model", 120),
+           r("all in RAM model", 100, "model"), r("lru int4-g128", 350, "int4-g128", 40),
+           r("llapor prefetch-late int4-g128", 300, "int4-g128", 60),
+           r("oracle prefetch-late (bound) int4-g128", 200, "int4-g128", 30),
+           r("all in RAM int4-g128", 250, "int4-g128")]  # fmt: skip
+    got = {f["name"]: (f["value"], f["verdict"]) for f in bench_tiers.precision_goals(F, raw)}
+    assert got == {
+        "25 %: best int4-g128 / best model dtype": ("0.43", "ok"),
+        "25 %: best int4-g128 / all in RAM int4-g128": ("1.20", "ok"),
+        "25 %: llapor prefetch-late read per token / LRU's": ("1.20", "ok"),
+        "25 %: llapor prefetch-late int4-g128 read per token / LRU's": ("1.50", "ok"),
+    }
+    raw[4]["measured_tpot_ms"] = 360  # slower than LRU int4 while reading more: a miss
+    got = {f["name"]: f["verdict"] for f in bench_tiers.precision_goals(F, raw)}
+    assert got["25 %: llapor prefetch-late int4-g128 read per token / LRU's"] == "MISS"
+    assert got["25 %: best int4-g128 / best model dtype"] == "ok"  # LRU int4 350 / 700 = 0.5
 
 
 def test_accuracy_lines_count_rows_by_hand():
