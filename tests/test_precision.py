@@ -213,3 +213,42 @@ def test_a_damaged_quantized_file_is_refused_in_one_line(tmp_path):
     path.write_bytes(bytes(data) + b"\0" * 10)
     with pytest.raises(offload.OffloadError, match="is longer than its layout"):
         offload.missing_layers(tmp_path, meta, P.Precision("int4", 32))
+
+
+def test_the_device_path_moves_the_stored_parts_whole_through_staging(tmp_path):
+    """The CUDA path of the disk store (a fake stream log) at int4: a read lands in a staging buffer
+    and each stored part (weights and scales of both matrices) is one copy into the slot, after the
+    slot's last reader; the slot then holds exactly the quantized expert the directory stores."""
+    from moecast.runtime.offload import DiskLayerStore, ExpertReader
+    from test_datapath import FakeOps
+
+    model = make_model("mixtral")
+    prec = P.Precision("int4", 32)
+    meta = offload.write_offload(model, find_moe_structure(model), tmp_path, precision=prec)
+    reader = ExpertReader(tmp_path, offload.tier_meta(meta, prec))
+    experts = model.model.layers[0].mlp.experts
+    ops = FakeOps()
+    store = DiskLayerStore(experts, 2, reader, 0, ops=ops)
+    try:
+        assert [p.param for p in store.pieces] == [
+            "gate_up_proj.q",
+            "gate_up_proj.sz",
+            "down_proj.q",
+            "down_proj.sz",
+        ]
+        store.fill([4, 6])
+        store.wait([0, 1])
+        store.mark_read([0])
+        read_ev = ops.log[-1][2]
+        ops.log.clear()
+        store.load(1, evict=4)
+        store.wait()
+        waits = [e for e in ops.log if e[0] == "wait" and e[1] != "compute"]
+        assert len(waits) == 4 and all(w[2] is read_ev for w in waits)
+        want = P.quantize_matrix(prec, experts.gate_up_proj[1])
+        assert torch.equal(store.slots["gate_up_proj.q"][0], want["q"])
+        assert torch.equal(store.slots["gate_up_proj.sz"][0], want["sz"])
+        assert reader.bytes_read == 3 * reader.layouts[0].stride < 3 * offload._layouts(meta)[0].stride
+    finally:
+        store.close()
+        reader.close()
