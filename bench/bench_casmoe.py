@@ -297,7 +297,8 @@ def length_latencies(eam, eap, traces: str, val_fraction: float, repeats: int) -
     from moecast.predictors.casmoe import prompt_texts
 
     ts = open_traces(traces)
-    prompts = prompt_texts(ts, ts.split(val_fraction, 0)[1])
+    # the val side of the grouped split, as compare_planners scores (train/planner_report.py)
+    prompts = prompt_texts(ts, ts.splits(val_fraction).val)
     tok = eam.embedder.tokenizer
     n = np.array([len(tok(p, truncation=False)["input_ids"]) for p in prompts])
     limit = eam.embedder.max_length

@@ -1,13 +1,13 @@
-"""The README's generated tables: the commands (from moecast/cli.py) and the results (from bench/results).
+"""The README's generated tables: the commands (from moecast/cli.py) and the headline results (from bench/results).
 
     python bench/readme_table.py          # rewrite both tables between their markers in README.md
     python bench/readme_table.py --check  # exit 1 when README.md differs from what they would be
 
-The results table picks the headline rows of bench/results/run_all.json (:data:`RESULTS`), beside
-them the same figures as measured on the ungrouped split of earlier versions
-(bench/results/ungrouped-split.json, :data:`BEFORE`), and under it one line per GPU run of
-bench/bench_gpu.py (bench/results/gpu-*.json), so every figure in the README comes from a file under
-bench/results; ``bench/run_all.py`` refreshes run_all.json, and this script the README.
+The results table is a few headline figures, each row naming the results file it reads: the disk
+tier's TPOT (one run of bench/bench_tiers.py, :data:`TIERS`), the GPU's (one run of
+bench/bench_gpu.py, :data:`GPU`) and rows of bench/results/run_all.json (:data:`RUN_ALL_ROWS`).
+Every other figure is in bench/results/run_all.md, which the README links; ``bench/run_all.py``
+refreshes run_all.json, and this script the README.
 """
 
 from __future__ import annotations
@@ -20,161 +20,145 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-RUN_ALL = ROOT / "bench" / "results" / "run_all.json"
-UNGROUPED = RUN_ALL.with_name("ungrouped-split.json")
+RESULTS = ROOT / "bench" / "results"
+RUN_ALL = RESULTS / "run_all.json"
 
-# (bench, the start of the figure's name in run_all.json, how the README names it; {rest} in the
-# label stands for the rest of the figure's name, such as the policy a "best" row picked). At 10 %
-# DeepSeek keeps exactly its top-k experts per layer, where LRU, LFU and Belady coincide: 25 % is
-# where the policies part, so the headline shows both.
-RESULTS = (
-    ("collect", "tracing overhead on tiny", "tracing overhead while collecting"),
-    ("import", "import of", "import of the 1,999 DeepSeek trace files"),
-    ("replay", "full Puffin replay", "replay of every DeepSeek trace{rest}"),
-    ("replay", "per-layer decision, lru", "the runtime's decision per MoE layer (batch 1)"),
-    ("splits", "LLaPor recall@6, grouped test", "LLaPor recall@6, DeepSeek test split (expert ids only)"),
+# The disk tier's row: (the bench_tiers run, the capacity, the start of the configurations whose
+# best is shown, the configurations shown beside it).
+TIERS = ("tiers-vm-26layers", 0.25, "llapor", ("lru", "page cache"))
+# The GPU's row: the bench_gpu run whose DeepSeek-shaped TPOT rows are shown.
+GPU = "gpu-NVIDIA-H200"
+
+# (how the README names the row, the (bench, start of the figure's name in run_all.json) it shows);
+# {0}, {1}... in the label stand for the rest of each figure's name, such as the policy a "best"
+# figure picked. At 10 % DeepSeek keeps exactly its top-k experts per layer.
+RUN_ALL_ROWS = (
     (
-        "splits",
-        "baseline cooccurrence recall@6, grouped test",
-        "best baseline recall@6, DeepSeek test split (co-occurrence)",
+        "hit rate, modeled TPOT, 10 % of experts resident, GH200 profile (replay of the DeepSeek test split): "
+        "LLaPor + PreSched; best non-learned policy{1}",
+        (
+            ("prefetch", "10 %, gh200-nvlink-c2c: hit rate, modeled TPOT, LLaPor + PreSched"),
+            ("prefetch", "10 %, gh200-nvlink-c2c: hit rate, modeled TPOT, best non-learned"),
+        ),
     ),
-    ("predictors", "tiny LLaPor held-out recall@k", "LLaPor recall@4, tiny (with gate inputs)"),
-    ("predictors", "LLaPor inference ms/layer (deepseek", "LLaPor's per-layer call, DeepSeek"),
-    *(
-        ("prefetch", f"{cap} %, gh200-nvlink-c2c: hit rate, modeled TPOT, {config}", label)
-        for cap, first in (
-            (10, "hit rate, modeled TPOT, 10 % of experts resident (GH200, test split)"),
-            (25, "... at 25 %"),
-        )
-        for config, label in (
-            ("best non-learned", f"{first}: best non-learned policy{{rest}}"),
-            ("LLaPor prefetch", "... LLaPor prefetch"),
-            ("LLaPor + PreSched", "... LLaPor + PreSched"),
-        )
+    (
+        "LLaPor recall@6, DeepSeek test split (expert ids only); best baseline (co-occurrence)",
+        (
+            ("splits", "LLaPor recall@6, grouped test"),
+            ("splits", "baseline cooccurrence recall@6, grouped test"),
+        ),
     ),
-    ("casmoe", "EAM latency per prompt, int8 2 threads", "CasMoE EAM plan per prompt (CPU, int8, 2 threads)"),
-    ("live", "live runtime overhead at full residency", "live runtime overhead, all experts resident"),
-    ("live", "alpha=0.3 perplexity change", "SMoE substitution at alpha 0.3: perplexity change"),
-    ("live", "alpha=0.3 greedy agreement", "SMoE substitution at alpha 0.3: greedy agreement"),
+    (
+        "LLaPor recall@4, tiny's held-out requests (with gate inputs)",
+        (("predictors", "tiny LLaPor held-out recall@k"),),
+    ),
+    (
+        "LLaPor's per-layer call, DeepSeek (batch 1, one thread)",
+        (("predictors", "LLaPor inference ms/layer (deepseek"),),
+    ),
+    (
+        "the runtime's decision per MoE layer (batch 1: LRU, substitution, prefetch)",
+        (("replay", "per-layer decision, lru"),),
+    ),
+    (
+        "SMoE substitution at alpha 0.3 on tiny: perplexity change; greedy agreement",
+        (("live", "alpha=0.3 perplexity change"), ("live", "alpha=0.3 greedy agreement")),
+    ),
 )
 
 
-# (bench, start) of a row of RESULTS -> (bench, start) of the same figure in UNGROUPED: what it read
-# on the ungrouped held-out split, where 19 of 200 prompts were copies of training prompts.
-BEFORE = {
-    ("splits", "LLaPor recall@6, grouped test"): ("predictors", "LLaPor DeepSeek held-out recall@6"),
-    ("splits", "baseline cooccurrence recall@6, grouped test"): (
-        "predictors",
-        "baseline cooccurrence recall@6",
-    ),
-    **{
-        ("prefetch", f"10 %, gh200-nvlink-c2c: hit rate, modeled TPOT, {config}"): (
-            "prefetch",
-            f"10 % hit, {config}",
-            "gh200-nvlink-c2c",  # the A100 rows share the start
-        )
-        for config in ("best non-learned", "LLaPor prefetch", "LLaPor + PreSched")
-    },
-}
+def _link(path: Path) -> str:
+    return f"[{path.name}](bench/results/{path.name})"
 
 
-def _figure(benches: dict, bench: str, start: str, path: Path, contains: str = "") -> dict:
+def _figure(benches: dict, bench: str, start: str, path: Path) -> dict:
     figures = benches.get(bench, {}).get("figures", [])
-    f = next((f for f in figures if f["name"].startswith(start) and contains in f["name"]), None)
+    f = next((f for f in figures if f["name"].startswith(start)), None)
     if f is None:
-        raise SystemExit(f"readme_table: no {bench} figure starting {start!r} in {path}; update RESULTS")
+        raise SystemExit(f"readme_table: no {bench} figure starting {start!r} in {path}; update RUN_ALL_ROWS")
     return f
 
 
-def results_table(run_all: Path = RUN_ALL, ungrouped: Path = UNGROUPED) -> str:
-    """The README's results table and the lines that say where each figure comes from."""
+def run_all_rows(run_all: Path = RUN_ALL) -> tuple[list[str], list[str]]:
+    """The table's rows from run_all.json, and the note on when and where they were measured."""
     from bench.figures import describe_machine
 
     benches = json.loads(run_all.read_text())["benches"]
-    before = json.loads(ungrouped.read_text())["benches"] if ungrouped.is_file() else {}
-    old_dates = sorted({b["date"] for b in before.values()})
-    lines = [
-        f"| measured | value | before: ungrouped split ({', '.join(old_dates)}) | goal | bench |",
-        "|---|---|---|---|---|",
-    ]
-    used: dict[str, dict] = {}
-    bases: dict[str, list[str]] = {}
-    for bench, start, label in RESULTS:
-        f = _figure(benches, bench, start, run_all)
-        old = BEFORE.get((bench, start))
-        was = _figure(before, old[0], old[1], ungrouped, *old[2:])["value"] if old and before else ""
-        goal = f"{f['goal']} ({f['verdict']})" if f["goal"] and f["verdict"] else f["goal"]
-        lines.append(
-            f"| {label.format(rest=f['name'][len(start) :])} | {f['value']} | {was} | {goal} | {bench} |"
-        )
-        used[bench] = benches[bench]
-        if f.get("tpot_basis") and bench not in bases.setdefault(f["tpot_basis"], []):
-            bases[f["tpot_basis"]].append(bench)
+    rows, used, bases = [], {}, {}
+    for label, figures in RUN_ALL_ROWS:
+        got = [_figure(benches, bench, start, run_all) for bench, start in figures]
+        rests = [f["name"][len(start) :] for f, (_, start) in zip(got, figures)]
+        value = "; ".join(f["value"] for f in got)
+        rows.append(f"| {label.format(*rests)} | {value} | {_link(run_all.with_suffix('.md'))} |")
+        for f, (bench, _) in zip(got, figures):
+            used[bench] = benches[bench]
+            if f.get("tpot_basis"):
+                bases[f["tpot_basis"]] = True
     dates = sorted({b["date"] for b in used.values()})
     machines = sorted({describe_machine(b["machine"]) for b in used.values()})
     span = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
-    notes = [
-        f"Measured {span} on {' and '.join(machines)} "
-        "(`bench/results/run_all.md` gives each row's command and inputs).",
-        *(
-            f"Modeled TPOT of the {', '.join(names)} rows: the mean over {basis}."
-            for basis, names in bases.items()
-        ),
+    notes = [f"The {run_all.with_suffix('.md').name} rows: measured {span} on {' and '.join(machines)}."]
+    notes += [f"Modeled TPOT there: the mean over {basis}." for basis in bases]
+    return rows, notes
+
+
+def tiers_row(results: Path = RESULTS, spec: tuple = TIERS) -> str:
+    """The disk tier's row: measured TPOT of the best ``spec`` configuration and the ones beside it,
+    at its capacity, the experts on disk; the layer count from the run's .md."""
+    name, capacity, best_of, beside = spec
+    path = results / f"{name}.json"
+    rows = [r for r in json.loads(path.read_text()) if r.get("capacity") == capacity]
+    # the noise floor repeats LRU: the host's spread, not a configuration
+    ok = {r["config"]: r["measured_tpot_ms"] for r in rows
+          if r.get("status", "").startswith("ok") and r.get("measured_tpot_ms") and not r.get("runs_tpot_ms")}  # fmt: skip
+    candidates = [c for c in ok if c.startswith(best_of)]
+    missing = [c for c in beside if c not in ok]
+    if not candidates or missing:
+        raise SystemExit(f"readme_table: {path} lacks {missing or best_of + '*'} at {capacity}; update TIERS")
+    best = min(candidates, key=ok.get)
+    md = path.with_suffix(".md")
+    found = re.search(r"(\d+) MoE layers", md.read_text()) if md.is_file() else None
+    shape = f", {found.group(1)} MoE layers" if found else ""
+    times = "; ".join(f"{c} {ok[c]:.0f} ms" for c in (best, *beside))
+    return (
+        f"| TPOT with the experts on disk, CPU only, {capacity * 100:g} % of them resident in RAM "
+        f"(DeepSeek-V2-Lite shape{shape}): the best LLaPor policy, {', '.join(beside)} | {times} | {_link(md)} |"
+    )
+
+
+def gpu_row(results: Path = RESULTS, name: str = GPU) -> str:
+    """The GPU's row: one run of bench/bench_gpu.py (``name``.json), the DeepSeek-shaped model's
+    measured TPOT per configuration."""
+    path = results / f"{name}.json"
+    rows = [r for r in json.loads(path.read_text()) if r.get("model") == "deepseek-shaped"]
+    tpot = [r for r in rows if r.get("kind") == "tpot" and r.get("status", "").startswith("ok")]
+    if not tpot:
+        raise SystemExit(f"readme_table: {path} has no measured DeepSeek-shaped TPOT; update GPU")
+    # the layer count is in accelerate's row ("6 of 26" layers resident)
+    layers = next((r["resident_layers"].split(" of ")[-1] for r in rows if r.get("resident_layers")), None)
+    shape = f", {layers} MoE layers" if layers else ""
+    times = "; ".join(f"{r['config']} {r['measured_tpot_ms']:.1f} ms" for r in tpot)
+    return (
+        f"| TPOT on an {name[4:].replace('-', ' ')}, {tpot[0]['capacity'] * 100:g} % of experts resident "
+        f"(DeepSeek-V2-Lite shape{shape}) | {times} | {_link(path.with_suffix('.md'))} |"
+    )
+
+
+def results_table(results: Path = RESULTS) -> str:
+    """The README's headline results table and the notes under it."""
+    rows, notes = run_all_rows(results / RUN_ALL.name)
+    lines = [
+        "| measured | value | results file |",
+        "|---|---|---|",
+        tiers_row(results),
+        gpu_row(results),
+        *rows,
     ]
-    if before:
-        notes.append(
-            "The before column: the same figures on the ungrouped held-out split of earlier versions, "
-            "whose held-out prompts included copies of training prompts "
-            f"(`bench/results/{ungrouped.name}`, which says what else has changed since)."
-        )
-    # each note its own paragraph
-    extra = [*gpu_lines(run_all.parent), *tiers_lines(run_all.parent)]
-    return "\n".join(lines) + "\n\n" + "\n\n".join([*notes, *extra])
-
-
-def gpu_lines(results: Path) -> list[str]:
-    """One line per GPU run of bench/bench_gpu.py (RESULTS/gpu-DEVICE.json): the DeepSeek-shaped
-    model's measured TPOT per configuration."""
-    out = []
-    for path in sorted(results.glob("gpu-*.json")):
-        rows = [r for r in json.loads(path.read_text()) if r.get("model") == "deepseek-shaped"]
-        tpot = [r for r in rows if r.get("kind") == "tpot" and r.get("status", "").startswith("ok")]
-        if not tpot:
-            continue
-        # the layer count is in accelerate's row ("6 of 26" layers resident)
-        layers = next(
-            (r["resident_layers"].split(" of ")[-1] for r in rows if r.get("resident_layers")), None
-        )
-        shape = f"{layers} MoE layers" if layers else "its MoE layers"
-        times = ", ".join(f"{r['config']} {r['measured_tpot_ms']:.1f}" for r in tpot)
-        out.append(
-            f"On a GPU ({path.stem[4:].replace('-', ' ')}, `bench/results/{path.with_suffix('.md').name}`): the "
-            f"DeepSeek-V2-Lite-shaped model, {shape}, {tpot[0]['capacity'] * 100:g} % of experts resident, "
-            f"measured TPOT in ms: {times}."
-        )
-    return out
-
-
-def tiers_lines(results: Path, capacity: float = 0.25) -> list[str]:
-    """One line per run of bench/bench_tiers.py (RESULTS/tiers-HOST.json): measured TPOT per
-    configuration at ``capacity``, the experts on disk; the layer count from the run's .md."""
-    out = []
-    for path in sorted(results.glob("tiers-*.json")):
-        rows = [r for r in json.loads(path.read_text()) if r.get("capacity") == capacity]
-        # the noise floor repeats LRU: the host's spread, not a configuration
-        ok = [r for r in rows if r.get("status", "").startswith("ok") and r.get("measured_tpot_ms")
-              and not r.get("runs_tpot_ms")]  # fmt: skip
-        if not ok:
-            continue
-        md = path.with_suffix(".md")
-        found = re.search(r"(\d+) MoE layers", md.read_text()) if md.is_file() else None
-        shape = f"{found.group(1)} MoE layers" if found else "its MoE layers"
-        times = ", ".join(f"{r['config']} {r['measured_tpot_ms']:.0f}" for r in ok)
-        out.append(
-            f"Experts on disk, CPU only (`bench/results/{md.name}`): the DeepSeek-V2-Lite-shaped model, {shape}, "
-            f"{capacity * 100:g} % of experts resident in RAM, measured TPOT in ms: {times}."
-        )
-    return out
+    notes.append(
+        "Each results file gives its command, machine and date; every figure measured, with its command: "
+        "[bench/results/run_all.md](bench/results/run_all.md)."
+    )
+    return "\n".join(lines) + "\n\n" + " ".join(notes)
 
 
 def commands_table() -> str:

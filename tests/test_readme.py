@@ -38,40 +38,40 @@ def _run_all(path: Path, figures: dict[str, list[dict]], date: str = "2026-01-02
 
 
 def test_results_rows_come_from_run_all(tmp_path, monkeypatch):
-    figure = {"bench": "live", "name": "live runtime overhead at full residency", "value": "+3.6 %",
-              "goal": "<= 15 %", "verdict": "ok", "number": 3.6, "note": ""}  # fmt: skip
-    path = _run_all(tmp_path / "run_all.json", {"live": [figure]})
-    none = tmp_path / "absent.json"
-    monkeypatch.setattr(readme_table, "RESULTS", (("live", "live runtime overhead", "overhead"),))
-    table = readme_table.results_table(path, none)
-    assert "| overhead | +3.6 % |  | <= 15 % (ok) | live |" in table
-    assert "Measured 2026-01-02 on X, 2 cores, no GPU; torch 2, python 3" in table
+    figure = {"bench": "live", "name": "alpha=0.3 perplexity change", "value": "+0.01 %", "goal": "<= 2 %",
+              "verdict": "ok", "number": 0.01, "note": ""}  # fmt: skip
+    agree = {**figure, "name": "alpha=0.3 greedy agreement", "value": "99.5 %"}
+    path = _run_all(tmp_path / "run_all.json", {"live": [figure, agree]})
+    rows = (("alpha", (("live", "alpha=0.3 perplexity"), ("live", "alpha=0.3 greedy"))),)
+    monkeypatch.setattr(readme_table, "RUN_ALL_ROWS", rows)
+    lines, notes = readme_table.run_all_rows(path)
+    # no goal, no verdict: the value and the file it comes from
+    assert lines == ["| alpha | +0.01 %; 99.5 % | [run_all.md](bench/results/run_all.md) |"]
+    assert notes == ["The run_all.md rows: measured 2026-01-02 on X, 2 cores, no GPU; torch 2, python 3."]
     basis = "every token as a step (prefill-only trace, no decode steps)"
     best = {**figure, "bench": "prefetch", "name": "10 %: best (lfu)", "value": "0.5", "tpot_basis": basis}
     _run_all(path, {"prefetch": [best]}, "2026-01-03")
-    monkeypatch.setattr(readme_table, "RESULTS", (("prefetch", "10 %: best", "best{rest}"),))
-    table = readme_table.results_table(path, none)
-    assert "| best (lfu) | 0.5 |  | <= 15 % (ok) | prefetch |" in table
-    assert f"Modeled TPOT of the prefetch rows: the mean over {basis}." in table
-    monkeypatch.setattr(readme_table, "RESULTS", (("live", "alpha=0.3", "agreement"),))
+    monkeypatch.setattr(readme_table, "RUN_ALL_ROWS", (("best{0}", (("prefetch", "10 %: best"),)),))
+    lines, notes = readme_table.run_all_rows(path)
+    assert lines == ["| best (lfu) | 0.5 | [run_all.md](bench/results/run_all.md) |"]
+    assert f"Modeled TPOT there: the mean over {basis}." in notes
+    monkeypatch.setattr(readme_table, "RUN_ALL_ROWS", (("agreement", (("live", "alpha=0.3"),)),))
     with pytest.raises(SystemExit, match=re.escape("no live figure starting 'alpha=0.3'")):
-        readme_table.results_table(path, none)
+        readme_table.run_all_rows(path)
 
 
-def test_the_before_column_reads_the_ungrouped_split_file(tmp_path, monkeypatch):
-    new = {"bench": "splits", "name": "LLaPor recall@6, grouped test", "value": "0.6947", "goal": "",
-           "verdict": "", "number": 0.6947, "note": ""}  # fmt: skip
-    old = {**new, "bench": "predictors", "name": "LLaPor DeepSeek held-out recall@6", "value": "0.7732"}
-    path = _run_all(tmp_path / "run_all.json", {"splits": [new]}, "2026-01-03")
-    before = _run_all(tmp_path / "ungrouped-split.json", {"predictors": [old]})
-    monkeypatch.setattr(readme_table, "RESULTS", (("splits", "LLaPor recall@6, grouped test", "recall"),))
-    table = readme_table.results_table(path, before).splitlines()
-    assert table[0] == "| measured | value | before: ungrouped split (2026-01-02) | goal | bench |"
-    assert table[2] == "| recall | 0.6947 | 0.7732 |  | splits |"
-    assert any("`bench/results/ungrouped-split.json`" in line for line in table)
+def test_every_headline_row_names_its_results_file():
+    table = readme_table.results_table().split("\n\n")[0].splitlines()
+    assert table[:2] == ["| measured | value | results file |", "|---|---|---|"]
+    assert 3 <= len(table) - 2 <= 8  # headline figures, not a dashboard
+    for row in table[2:]:
+        link = re.fullmatch(r"\| .+ \| .+ \| \[([^]]+)\]\(bench/results/([^)]+)\) \|", row)
+        assert link and link.group(1) == link.group(2), row
+        assert (readme_table.RESULTS / link.group(2)).is_file(), row
+        assert "MISS" not in row
 
 
-def test_gpu_line_from_the_gpu_runs_json(tmp_path):
+def test_gpu_row_from_the_gpu_runs_json(tmp_path):
     rows = [
         {"model": "deepseek-shaped", "config": "profile", "kind": "profile", "status": "ok"},
         {"model": "deepseek-shaped", "config": "full residency", "kind": "tpot", "status": "ok",
@@ -83,11 +83,34 @@ def test_gpu_line_from_the_gpu_runs_json(tmp_path):
          "measured_tpot_ms": 3.9},
     ]  # fmt: skip
     (tmp_path / "gpu-NVIDIA-H100-80GB-HBM3.json").write_text(json.dumps(rows))
-    assert readme_table.gpu_lines(tmp_path) == [
-        "On a GPU (NVIDIA H100 80GB HBM3, `bench/results/gpu-NVIDIA-H100-80GB-HBM3.md`): the "
-        "DeepSeek-V2-Lite-shaped model, 26 MoE layers, 25 % of experts resident, measured TPOT in ms: "
-        "full residency 47.5, accelerate offload (device_map) 499.2."
-    ]
+    assert readme_table.gpu_row(tmp_path, "gpu-NVIDIA-H100-80GB-HBM3") == (
+        "| TPOT on an NVIDIA H100 80GB HBM3, 25 % of experts resident (DeepSeek-V2-Lite shape, 26 MoE layers) "
+        "| full residency 47.5 ms; accelerate offload (device_map) 499.2 ms "
+        "| [gpu-NVIDIA-H100-80GB-HBM3.md](bench/results/gpu-NVIDIA-H100-80GB-HBM3.md) |"
+    )
+
+
+def test_tiers_row_picks_the_best_llapor_policy(tmp_path):
+    rows = [
+        {"config": "noise floor (lru x4)", "capacity": 0.25, "status": "ok", "measured_tpot_ms": 250.0,
+         "runs_tpot_ms": [240.0, 260.0]},
+        {"config": "lru", "capacity": 0.25, "status": "ok", "measured_tpot_ms": 280.9},
+        {"config": "llapor prefetch", "capacity": 0.25, "status": "ok", "measured_tpot_ms": 214.6},
+        {"config": "llapor prefetch-late", "capacity": 0.25, "status": "ok", "measured_tpot_ms": 220.1},
+        {"config": "page cache", "capacity": 0.25, "status": "ok", "measured_tpot_ms": 449.4},
+        {"config": "accelerate", "capacity": 0.25, "status": "FAILED"},
+        {"config": "llapor prefetch", "capacity": 0.5, "status": "ok", "measured_tpot_ms": 100.0},
+    ]  # fmt: skip
+    (tmp_path / "tiers-box.json").write_text(json.dumps(rows))
+    (tmp_path / "tiers-box.md").write_text("- random weights, DeepSeek-V2-Lite shape, 4 MoE layers, bf16\n")
+    spec = ("tiers-box", 0.25, "llapor", ("lru", "page cache"))
+    assert readme_table.tiers_row(tmp_path, spec) == (
+        "| TPOT with the experts on disk, CPU only, 25 % of them resident in RAM (DeepSeek-V2-Lite shape, "
+        "4 MoE layers): the best LLaPor policy, lru, page cache "
+        "| llapor prefetch 215 ms; lru 281 ms; page cache 449 ms | [tiers-box.md](bench/results/tiers-box.md) |"
+    )
+    with pytest.raises(SystemExit, match="lacks"):
+        readme_table.tiers_row(tmp_path, ("tiers-box", 0.25, "llapor", ("lfu",)))
 
 
 def test_readme_test_command_is_the_one_ci_runs():
@@ -102,26 +125,6 @@ def test_readme_test_command_is_the_one_ci_runs():
     )
 
 
-def test_the_before_column_takes_the_same_hardware_profile():
-    # the ungrouped file holds each prefetch figure once per profile, the A100 ones first; the README's
-    # GH200 rows must read the GH200 ones (LLaPor prefetch 0.432, not the A100's 0.260)
-    before = json.loads(readme_table.UNGROUPED.read_text())["benches"]
-    gh200 = {f["name"]: f["value"] for f in before["prefetch"]["figures"] if "gh200-nvlink-c2c" in f["name"]}
-    table = readme_table.results_table(readme_table.RUN_ALL, readme_table.UNGROUPED)
-    row = next(line for line in table.splitlines() if line.startswith("| ... LLaPor prefetch |"))
-    assert row.split(" | ")[2] == gh200["10 % hit, LLaPor prefetch, gh200-nvlink-c2c"]
-
-
-def test_tiers_line_from_the_tiers_runs_json(tmp_path):
-    rows = [
-        {"config": "lru", "capacity": 0.25, "status": "ok", "measured_tpot_ms": 280.9},
-        {"config": "llapor prefetch", "capacity": 0.25, "status": "ok", "measured_tpot_ms": 214.6},
-        {"config": "accelerate", "capacity": 0.25, "status": "FAILED"},
-        {"config": "lru", "capacity": 0.5, "status": "ok", "measured_tpot_ms": 140.4},
-    ]
-    (tmp_path / "tiers-box.json").write_text(json.dumps(rows))
-    (tmp_path / "tiers-box.md").write_text("- random weights, DeepSeek-V2-Lite shape, 4 MoE layers, bf16\n")
-    assert readme_table.tiers_lines(tmp_path) == [
-        "Experts on disk, CPU only (`bench/results/tiers-box.md`): the DeepSeek-V2-Lite-shaped model, "
-        "4 MoE layers, 25 % of experts resident in RAM, measured TPOT in ms: lru 281, llapor prefetch 215."
-    ]
+def test_user_docs_name_no_development_paths():
+    for path in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))):
+        assert "../shared" not in path.read_text(), f"{path.name} names a development path"
