@@ -12,12 +12,15 @@ import dataclasses
 
 import numpy as np
 import pytest
+from moecast.runtime import eviction
 from moecast.runtime.cache import ExpertCache
 from moecast.runtime.cost_model import CostModel
-from moecast.runtime.policy import POLICIES
+from moecast.runtime.policy import POLICIES, Policy
 from moecast.runtime.prefetch import top_predictions
 from moecast.runtime.presched import schedule
 from moecast.runtime.step import STATS, LayerStep, rank_candidates, ranked_predictions
+
+from moecast.errors import InputError
 
 E, L = 24, 3
 COSTS = {
@@ -150,6 +153,20 @@ def test_compiled_step_refuses_out_of_range_ids():
     with pytest.raises(IndexError, match="out of range"):
         step.prefetch(lane, lane, np.array([[E, 1]]), np.array([0]))
     assert step.table.sum() == 0 and not step.cache.resident.any()
+
+
+def test_compiled_step_refuses_an_eviction_policy_without_a_kernel(monkeypatch):
+    """A policy of the eviction table without a kernel code runs on the numpy paths; the compiled
+    step refuses it in one line rather than pass the kernels a code that means another policy."""
+    monkeypatch.setitem(eviction.TABLE, "fifo", eviction.Eviction(eviction.TABLE["lru"].key, None, False))
+    policy = Policy("fifo", "fifo")
+    step = _step(policy, COSTS["tight"], 2, compiled=False)
+    lane = np.array([0])
+    for t in range(6):
+        step.layer(lane, lane, np.array([[[t, t + 1]]]), np.array([t]), routed=True)
+    assert step.cache.count[0] == 5 and step.cache.stats.evictions == 2
+    with pytest.raises(InputError, match=r"^eviction policy 'fifo' has no compiled kernel[^\n]*$"):
+        _step(policy, COSTS["tight"], 2, compiled=True)
 
 
 @pytest.mark.parametrize("quantum", [0.0, 0.25, 0.5])
