@@ -5,7 +5,7 @@ routed to them) in descending order; a left pointer hands the largest to the tra
 t_load each), a right pointer hands the smallest to the CPU (cost B_i * t_cpu each); whichever
 cumulative cost is lower takes the next expert (ties go to loading).
 
-:func:`two_pointer` is the literal algorithm for one layer (the online API); :func:`two_pointer_split`
+:func:`two_pointer` is the literal algorithm for one layer; :func:`two_pointer_split`
 is the same decision vectorised over many layers at once: since both cost sequences are
 non-decreasing, the pointers meet where the merged order of "cost before taking" puts ``n`` items,
 so the number loaded is found without a loop.
@@ -63,15 +63,3 @@ def two_pointer_split(sorted_sizes: np.ndarray, n: np.ndarray, t_load: float, t_
     below = (cpu_before[:, None, :] < np.broadcast_to(load_before, (rows, M))[:, :, None]) & valid[:, None, :]
     take = (idx + below.sum(2) < n[:, None]) & valid
     return take.sum(1)
-
-
-class Balancer:
-    """Online per-layer SMoE Algorithm 2 with a cost model's t_io and beta."""
-
-    def __init__(self, t_load: float, t_cpu_per_token: float) -> None:
-        self.t_load = float(t_load)
-        self.t_cpu = float(t_cpu_per_token)
-
-    def decide(self, batch_sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """batch_sizes [n] tokens per missing expert -> (indices to load, indices for the CPU)."""
-        return two_pointer(batch_sizes, self.t_load, self.t_cpu)

@@ -14,6 +14,7 @@ Eviction policies (docs/design.md, "Runtime"):
   needs the future accesses (the caller sets :attr:`ExpertCache.next_use`).
 
 Ties are broken deterministically: stable sorts on the policy key keep ascending expert id order.
+Each policy's key, name and kernel code are a row of :data:`moecast.runtime.eviction.TABLE`.
 
 One object holds many independent caches ("lanes") so a replay can advance every layer (and every
 cold request) with one vectorised call; the online runtime uses one lane per layer, or
@@ -33,13 +34,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from moecast.runtime import kernels
+from moecast.runtime import eviction, kernels
 
 from moecast.errors import InputError
 
-POLICIES = ("lru", "lfu", "score", "static", "belady")
+POLICIES = eviction.NAMES
 _NEVER = np.iinfo(np.int64).max // 4
-_NU_CAP = np.int64(1) << 36  # next-use times beyond this count as never
 
 
 _I64 = np.dtype(np.int64)
@@ -114,8 +114,7 @@ class ExpertCache:
         score_window: int = 8,
         scalar_path: bool = True,
     ) -> None:
-        if policy not in POLICIES:
-            raise InputError(f"unknown eviction policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        self._rule = eviction.get(policy)
         self.N = int(num_items)
         caps = np.minimum(np.broadcast_to(np.asarray(capacity, dtype=np.int64), (lanes,)), num_items)
         if (caps <= 0).any():
@@ -152,9 +151,10 @@ class ExpertCache:
         self.stats = CacheStats()
         self._clock = 0
         self._ids = np.arange(W)
-        # single-lane calls of these policies run as compiled kernels (see the module docstring)
-        self._kernel = bool(scalar_path) and policy in kernels.POLICY_CODE
-        self._code = kernels.POLICY_CODE.get(policy, -1)
+        self._keys = eviction.KeyArrays(self._last, self._freq, self._nu, getattr(self, "_score", None))
+        # single-lane calls of a policy with a kernel run compiled (see the module docstring)
+        self._kernel = bool(scalar_path) and self._rule.code is not None
+        self._code = self._rule.code if self._kernel else -1
         self._nu_k = self._nu if self._nu is not None else np.zeros((1, 1), dtype=np.int64)
         self._score_k = self._score if policy == "score" else np.zeros((1, 1))
         self._kc: tuple | None = None  # (access, insert, touch) entry points, loaded on first use
@@ -264,17 +264,8 @@ class ExpertCache:
     def _key(self, lanes: np.ndarray) -> np.ndarray:
         """Eviction key, lowest evicted first; unique per item (the id is in the low bits), so ties
         resolve to the lowest id without a stable sort. Score keys are floats (stable sort)."""
-        ids = self._ids[None, :]
-        sh = self._shift
-        if self.policy == "lru":
-            return ((self._last[lanes] + 1) << sh) | ids
-        if self.policy == "lfu":
-            return (self._freq[lanes] << (sh + 24)) | ((self._last[lanes] + 1) << sh) | ids
-        if self.policy == "belady":
-            return ((_NU_CAP - np.minimum(self._nu[lanes], _NU_CAP)) << sh) | ids
-        if self.policy == "score":
-            return self._score[lanes]
-        raise AssertionError(self.policy)
+        key = self._rule.key(self._keys, lanes, self._shift)
+        return key | self._ids[None, :] if self._rule.int_key else key
 
     def insert(
         self,
@@ -295,7 +286,7 @@ class ExpertCache:
         lanes = np.asarray(lanes)
         ids = np.asarray(ids)
         n = len(lanes)
-        if n == 0 or self.policy == "static" or ids.shape[1] == 0:
+        if n == 0 or self._rule.key is None or ids.shape[1] == 0:
             return np.zeros(ids.shape, dtype=bool)
         if self._kernel and n == 1:
             return self._insert_one(int(lanes[0]), ids[0], shield, prefetch, t)
@@ -377,7 +368,7 @@ class ExpertCache:
     def _victims(self, el: np.ndarray, eligible: np.ndarray, m: int) -> np.ndarray:
         """[len(el), m] ids of lanes ``el`` in eviction order, the ``eligible`` first (a lane with fewer
         than m is padded with ids that :meth:`_evict` does not take)."""
-        if self.policy == "score":
+        if not self._rule.int_key:
             key = np.where(eligible, self._key(el), np.inf)
             return np.argsort(key, axis=1, kind="stable")[:, :m]
         # keys are unique with the id in the low bits: m passes of a column-wise min (vectorised
@@ -430,7 +421,7 @@ class ExpertCache:
             return hits
         res = self._res[lane]
         hits = res[ids]
-        if insert and self.policy != "static" and not hits.all():
+        if insert and self._rule.key is not None and not hits.all():
             miss = ids[~hits]
             cap = int(self.capacity_of[lane])
             cnt = int(self._count[lane])
@@ -454,20 +445,14 @@ class ExpertCache:
     def _evict_one_lane(self, lane: int, shield: np.ndarray, need: int) -> int:
         """Evict up to ``need`` of one lane's resident items outside ``shield``, lowest key first."""
         res = self._res[lane]
-        if self.policy == "score":
-            key = np.where(res, self._score[lane], np.inf)
+        if not self._rule.int_key:
+            key = np.where(res, self._rule.key(self._keys, lane, self._shift), np.inf)
             key[shield] = np.inf
             n_ev = min(need, int(np.isfinite(key).sum()))
             victims = np.argsort(key, kind="stable")[:n_ev]
         else:
             big = np.iinfo(np.int64).max
-            if self.policy == "lru":
-                key = (self._last[lane] + 1) << self._shift
-            elif self.policy == "lfu":
-                key = (self._freq[lane] << (self._shift + 24)) | ((self._last[lane] + 1) << self._shift)
-            else:
-                key = (_NU_CAP - np.minimum(self._nu[lane], _NU_CAP)) << self._shift
-            key |= self._ids
+            key = self._rule.key(self._keys, lane, self._shift) | self._ids
             key[~res] = big
             key[shield] = big
             if need == 1:

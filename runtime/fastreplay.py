@@ -2,8 +2,8 @@
 
 Which cases it serves (:mod:`moecast.runtime.replay` picks it; ``ReplayConfig(fast=False)`` never does):
 
-- demand-only ``lru``, ``lfu``, ``belady`` and ``static`` (no predictor, balancer ``none``, no
-  preload): the misses of every (token, layer, capacity), then the modeled layer times from them;
+- demand-only ``lru``, ``lfu``, ``belady`` and ``static`` (``fast_replay`` in
+  :data:`moecast.runtime.eviction.TABLE`; no predictor, balancer ``none``, no preload): the misses of every (token, layer, capacity), then the modeled layer times from them;
 - ``lru`` with prefetch (in the window, or one late: ``prefetch-late``) and/or PreSched, from empty
   caches or the hot-expert table, and ``lfu`` with prefetch from empty caches (:class:`Wavefront`);
   a prefetch policy is its demand-only eviction when no prefetch can ever fit in the link window

@@ -1,12 +1,12 @@
 """Compiled one-token kernels of the runtime's per-layer decision (numba).
 
 At decode batch 1 a layer's decision (SMoE Algorithm 1 substitution, the expert cache's access and
-eviction, the prefetch choice) works on one token's 64-odd scores; a numpy call costs 1-3 us there,
-so even a handful of them per part would miss the runtime's microsecond budget. These kernels
-do each part as one compiled loop over the lane's arrays. They are the single-lane paths of
-:class:`~moecast.runtime.cache.ExpertCache`, :func:`~moecast.runtime.substitution.substitute_one`
-and :meth:`~moecast.runtime.prefetch.Prefetcher.choose`; the vectorised numpy paths (many tokens,
-many lanes) are their reference, and the tests compare the two step by step.
+eviction) works on one token's 64-odd scores; a numpy call costs 1-3 us there, so even a handful of
+them per part would miss the runtime's microsecond budget. These kernels do each part as one
+compiled loop over the lane's arrays. They are the single-lane paths of
+:class:`~moecast.runtime.cache.ExpertCache` and :func:`~moecast.runtime.substitution.substitute_one`;
+the vectorised numpy paths (many tokens, many lanes) are their reference, and the tests compare the
+two step by step.
 
 Compiled on first use and cached on disk (numba ``cache=True``), so only the first process pays
 the compilation (about a second per kernel). The wrappers call the compiled entry points of
@@ -19,12 +19,15 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+from moecast.runtime import eviction
+from moecast.runtime.eviction import NU_CAP as _NU_CAP
 from numba import njit, types
 
-# eviction policy codes of the kernels (ExpertCache.policy -> code)
-POLICY_CODE = {"lru": 0, "lfu": 1, "belady": 2, "static": 3, "score": 4}
+# the eviction policies' codes (runtime/eviction.py), compile-time constants of the kernels
+LRU, LFU, BELADY, STATIC, SCORE = (
+    eviction.TABLE[n].code for n in ("lru", "lfu", "belady", "static", "score")
+)
 _BIG = np.iinfo(np.int64).max
-_NU_CAP = np.int64(1) << 36  # next-use times beyond this count as never (as in cache.py)
 
 
 @njit(cache=True, nogil=True)
@@ -47,12 +50,13 @@ def _score_first(a, b):
 def _victim(res, last, freq, nu, score, lane, n, policy, shift, shield_a, shield_b):
     """The resident item of ``lane`` outside both shields with the lowest eviction key (-1: none).
 
-    Integer keys as ExpertCache._key: unique per item (the id in the low bits), so a strict minimum
-    finds the vectorised argmin / argpartition's victim. Score keys (SMoE Eq. 3's window sums) are
-    floats: the first in a stable ascending sort, i.e. ties to the lower id.
+    Integer keys as runtime/eviction.py's: unique per item (the id in the low bits), so a strict
+    minimum finds the vectorised argmin / argpartition's victim. Score keys (SMoE Eq. 3's window
+    sums) are floats: the first in a stable ascending sort, i.e. ties to the lower id. A code
+    without a key here evicts nothing (the callers refuse such a policy: eviction.kernel_code).
     """
     bi = -1
-    if policy == 4:
+    if policy == SCORE:
         best_s = 0.0
         for e in range(n):
             if not res[lane, e] or _shielded(e, shield_a, shield_b):
@@ -66,12 +70,14 @@ def _victim(res, last, freq, nu, score, lane, n, policy, shift, shield_a, shield
     for e in range(n):
         if not res[lane, e] or _shielded(e, shield_a, shield_b):
             continue
-        if policy == 0:
+        if policy == LRU:
             key = ((last[lane, e] + 1) << shift) | e
-        elif policy == 1:
+        elif policy == LFU:
             key = (freq[lane, e] << (shift + 24)) | ((last[lane, e] + 1) << shift) | e
-        else:
+        elif policy == BELADY:
             key = ((_NU_CAP - min(nu[lane, e], _NU_CAP)) << shift) | e
+        else:
+            continue
         if key < best:
             best = key
             bi = e
@@ -113,7 +119,7 @@ def access(res, last, freq, pf, nu, score, count, lane, n, cap, ids, t, insert, 
             nmiss += 1
     n_ev = 0
     wasted = 0
-    if insert and policy != 3 and nmiss > 0:
+    if insert and policy != STATIC and nmiss > 0:
         cnt = count[lane]
         room = nmiss
         need = cnt + nmiss - cap
@@ -301,50 +307,6 @@ def substitute(P, T, resident, hi_f, lo_f, out):
     return use
 
 
-@njit(cache=True, nogil=True)
-def gap_count(t_gap, t_attn, t_io, used, issued, num_experts):
-    """PreScope Eqs. 6-7 for one link gap: prefetches that fit, with R_hit = used / issued."""
-    if not np.isfinite(t_io):
-        return 0
-    if t_io <= 0:
-        return num_experts
-    f = (t_gap + t_attn) / t_io
-    fr = np.floor(f + 0.5)
-    r_hit = used / issued
-    xi = r_hit * (f - fr + 1) - (1 - r_hit) * (fr - f)
-    n = int(fr) if xi > 0 else int(fr) - 1
-    return max(n, 0)
-
-
-@njit(cache=True, nogil=True)
-def choose(s, resident, k, t_gap, t_attn, t_io, used, issued, out):
-    """Prefetcher's one-token choice: the ``k`` best scores (ties: lower id), walked from the top,
-    keeping the non-resident ones with a positive score, up to n (Eqs. 6-7 for ``t_gap``; k when
-    ``t_gap`` is NaN). Returns the count, or -1 when a score is NaN (the caller sorts then)."""
-    n = k if t_gap != t_gap else gap_count(t_gap, t_attn, t_io, used, issued, s.shape[0])
-    if n <= 0:
-        return 0
-    top_v = np.empty(k, np.float64)
-    top_e = np.empty(k, np.int64)
-    nt = 0
-    for e in range(s.shape[0]):
-        v = np.float64(s[e])
-        if v != v:
-            return -1
-        nt = _push(top_v, top_e, nt, k, v, e)
-    got = 0
-    for i in range(nt):
-        if not top_v[i] > 0:
-            break  # scores <= 0 are never candidates
-        e = top_e[i]
-        if not resident[e]:
-            out[got] = e
-            got += 1
-            if got == n:
-                break
-    return got
-
-
 def entry_point(kernel, *argtypes):
     """The compiled function of ``kernel`` for exactly ``argtypes``, called without the dispatcher's
     per-call type resolution. The caller must pass arguments of these types (dtype, dimensions;
@@ -384,7 +346,7 @@ def cache_kernels():
 
 
 def score_kernels(kernel, ndim: int, extra: tuple) -> dict:
-    """Entry points of ``kernel`` (substitute or choose) for float32 and float64 scores of ``ndim``
+    """Entry points of ``kernel`` (substitute) for float32 and float64 scores of ``ndim``
     dimensions; ``extra`` the types of the remaining arguments."""
     return {
         np.dtype(dt): entry_point(kernel, _arr(nt, ndim), *extra)
@@ -397,10 +359,3 @@ def substitute_kernels() -> dict:
     """substitute's entry points by score dtype: (P [1, E], T int64 [1, k], resident bool [E], hi,
     lo, out int64 [k])."""
     return score_kernels(substitute, 2, (_arr(types.int64, 2), _b1, _flt, _flt, _i1))
-
-
-@functools.cache
-def choose_kernels() -> dict:
-    """choose's entry points by score dtype: (s, resident, k, t_gap, t_attn, t_io, used, issued,
-    out int64 [k])."""
-    return score_kernels(choose, 1, (_b1, _int, _flt, _flt, _flt, _int, _int, _i1))

@@ -30,6 +30,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from moecast.runtime import eviction
+
 from moecast.errors import InputError
 
 #: alpha for a policy that substitutes (smoe) when none is given, in ``moecast run``, ``replay`` and
@@ -37,7 +39,7 @@ from moecast.errors import InputError
 #: 0.3 is the middle of its Table IV range and kept tiny's perplexity within 0.01 % (bench ``live``).
 DEFAULT_ALPHA = 0.3
 
-EVICTIONS = ("lru", "lfu", "score", "static", "belady")
+EVICTIONS = eviction.NAMES
 BALANCERS = ("none", "smoe", "presched", "cpu")
 PREFETCH = ("none", "predictor")
 PRELOAD = ("none", "hot")
@@ -66,7 +68,7 @@ class Policy:
 
     def __post_init__(self) -> None:
         for what, value, allowed in (
-            ("eviction", self.eviction, EVICTIONS),
+            ("eviction", self.eviction, tuple(eviction.TABLE)),
             ("balancer", self.balancer, BALANCERS),
             ("prefetch", self.prefetch, PREFETCH),
             ("preload", self.preload, PRELOAD),

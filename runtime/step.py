@@ -72,7 +72,7 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-from moecast.runtime import kernels
+from moecast.runtime import eviction, kernels
 from moecast.runtime import step_kernels as sk
 from moecast.runtime.balancer import two_pointer, two_pointer_split
 from moecast.runtime.cache import ExpertCache
@@ -445,6 +445,7 @@ class OneLane:
     def __init__(self, step: LayerStep) -> None:
         self.step = step
         cache, cost, pol = step.cache, step.cost, step.policy
+        self.code = eviction.kernel_code(cache.policy)  # a policy without a kernel never runs here
         t_pred = step.predictor_ms if step.prefetching else 0.0
         self.fcost = sk.fcost_of(cost, t_pred, step.first_window, pol.late_prefetch)
         self.scratch = np.empty(0)  # the kernels' scratch (PreSched's inputs, the CPU times)
@@ -543,7 +544,7 @@ class OneLane:
         state += (self.ring, self.ring_pos, lane, slot, cache._caps[lane], _time(t))
         rs = restart is not None and bool(restart[0])
         n_load = ep[0](
-            *state, row, decode is None or bool(decode[0]), step.prefetching, self.bal, cache._code,
+            *state, row, decode is None or bool(decode[0]), step.prefetching, self.bal, self.code,
             cache._shift, self.fcost, clock.delay, clock.rc, clock.free, clock.pf_n, step.r_used, step.table, p,
             nl, hn, rs, pred, out, hit, self.scratch, fout, self.info, self.counters,
         )  # fmt: skip
@@ -553,7 +554,7 @@ class OneLane:
             cur, nxt = self.scratch[:k], self.scratch[2 * k : 2 * k + P]
             n_load = self._presched(lanes, next_lanes, has_next, decode, cur, nxt, fout)
             ep[1](
-                *state, n_load, p, cache._code, cache._shift, self.fcost, clock.free, clock.pf_n, step.table,
+                *state, n_load, p, self.code, cache._shift, self.fcost, clock.free, clock.pf_n, step.table,
                 nl, hn, rs, out, hit, fout, self.counters, self.scratch[k : 2 * k],
             )  # fmt: skip
         self._fold()
@@ -593,7 +594,7 @@ class OneLane:
         out = np.empty(len(row), np.int64)
         bad = ep[2](
             cache._res, cache._last, cache._freq, cache._pf, cache._nu_k, cache._score_k, cache._count, lane,
-            int(step.stat_base[lane] + layer[0]), cache._caps[lane], _time(t), row, cache._code, cache._shift,
+            int(step.stat_base[lane] + layer[0]), cache._caps[lane], _time(t), row, self.code, cache._shift,
             self.landing_rule, self.fcost, clock.free, clock.delay, clock.rc, clock.pf_n,
             step.r_landed, step.table, out, self.counters,
         )  # fmt: skip

@@ -46,8 +46,7 @@ STATS = (
 USES, HITS, LOADS, CPU, SUBS, PF_ISSUED, PF_LANDED, PF_STARTED, PF_USED, PF_INSERTED, _, TIME = range(12)
 #: balancer codes of the kernels (Policy.balancer -> code)
 BALANCER_CODE = {"none": 0, "smoe": 1, "presched": 2, "cpu": 3}
-STATIC = kernels.POLICY_CODE["static"]
-SCORE = kernels.POLICY_CODE["score"]
+STATIC, SCORE = kernels.STATIC, kernels.SCORE
 # fcost: the cost model's constants, in this order (fcost_of)
 T_IO, T_G, T_ATTN, BETA, C, T_PRED, FIRST_WINDOW, SHARED, CPU_READS, LATE_PF, T_RC = range(11)
 #: the prefetch landing rules (step.landing): in the window only, PreSched's one late and not

@@ -21,10 +21,6 @@ from __future__ import annotations
 import numpy as np
 from moecast.runtime import kernels
 
-from moecast.errors import InputError
-
-_BOOL_DT, _I64_DT = np.dtype(bool), np.dtype(np.int64)
-
 
 def substitute(
     scores: np.ndarray,
@@ -113,69 +109,6 @@ def _rank_desc(values: np.ndarray) -> np.ndarray:
     rank = np.empty_like(order)
     np.put_along_axis(rank, order, np.arange(values.shape[1])[None, :], axis=1)
     return rank
-
-
-class SubstitutingRouter:
-    """Online per-layer SMoE Algorithm 1: router probabilities of a batch + resident set -> experts."""
-
-    def __init__(self, top_k: int, alpha: float) -> None:
-        if alpha < 0 or not np.isfinite(alpha):
-            raise InputError(f"alpha must be >= 0 (SMoE's substitution threshold), got {alpha}")
-        self.top_k = int(top_k)
-        self.alpha = float(alpha)
-        # the band edges as float32 factors, exactly as substitute() multiplies them (NumPy casts the
-        # Python float to the array's float32 before the product)
-        self._hi = float(np.float32(1 + self.alpha))
-        self._lo = float(np.float32(1 - self.alpha))
-        self._kern = None  # score dtype -> compiled entry point, loaded on first use
-        self._buf: np.ndarray | None = None  # the kernel's output row (copied out when it changed)
-
-    def _load(self):
-        self._kern = kernels.substitute_kernels().get
-        return self._kern
-
-    def route(self, probs: np.ndarray, resident: np.ndarray, topk: np.ndarray | None = None) -> np.ndarray:
-        """probs [B, E], resident [E] bool (this layer's cache), optional router top-k [B, k] -> ids [B, k].
-
-        One token takes the compiled :func:`substitute_one` kernel (same ids as the vectorised path).
-        """
-        if not isinstance(probs, np.ndarray) or probs.ndim != 2:
-            probs = np.atleast_2d(probs)
-        if topk is None:
-            topk = np.argpartition(-probs, self.top_k - 1, axis=1)[:, : self.top_k]
-        elif not isinstance(topk, np.ndarray) or topk.ndim != 2:
-            topk = np.atleast_2d(topk)
-        if self.alpha == 0:
-            return topk
-        if len(probs) == 1 and topk.shape[1]:
-            kern = (self._kern or self._load())(probs.dtype)
-            if kern is None:
-                probs = probs.astype(np.float64)
-                kern = self._kern(probs.dtype)
-            row = topk if topk.dtype is _I64_DT else topk.astype(np.int64)
-            if resident.__class__ is not np.ndarray or resident.dtype is not _BOOL_DT or resident.ndim != 1:
-                resident = np.asarray(resident, dtype=bool).reshape(-1)
-            if resident.shape[0] != probs.shape[1]:
-                raise ValueError(
-                    f"resident has {resident.shape[0]} experts, the router scores {probs.shape[1]}"
-                )
-            buf = self._buf
-            if buf is None or buf.shape[0] != topk.shape[1]:
-                buf = self._buf = np.empty(topk.shape[1], dtype=np.int64)
-            use = kern(probs, row, resident, self._hi, self._lo, buf)
-            if use == 0:
-                return topk
-            if use > 0:
-                return buf.astype(topk.dtype)[None]
-        res = np.broadcast_to(np.asarray(resident, dtype=bool), probs.shape)
-        ids, _ = substitute(
-            probs,
-            topk,
-            res,
-            self.alpha,
-            group=None if len(probs) == 1 else np.zeros(len(probs), dtype=np.int64),
-        )
-        return ids
 
 
 def substitute_one(

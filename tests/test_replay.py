@@ -399,6 +399,19 @@ def _same_result(a, b):
     assert a.layer_time_ms_per_layer == pytest.approx(b.layer_time_ms_per_layer, rel=1e-9)
 
 
+def test_fast_demand_engine_serves_the_eviction_tables_fast_policies(tmp_path):
+    """runtime/eviction.py's fast_replay flags are what the replay does: a demand-only run of each
+    eviction policy goes to the batch-1 engine exactly where its row says so."""
+    from moecast.runtime import eviction
+    from moecast.runtime.policy import Policy
+    from moecast.runtime.replay import _fast_demand_engine, _prepare
+
+    ts = TraceSet(make_synthetic_traceset(tmp_path / "s", num_requests=2, num_experts=8, top_k=2, tokens=5))
+    for name, rule in eviction.TABLE.items():
+        run = _prepare(ts, ReplayConfig(policy=Policy(name, name)), [4])
+        assert (_fast_demand_engine(run) is not None) == rule.fast_replay, name
+
+
 @pytest.mark.parametrize("cold", [True, False])
 @pytest.mark.parametrize(
     "policy", ["lru", "lfu", "belady", "static", "prefetch", "prefetch-late", "lfu-prefetch", "presched"]

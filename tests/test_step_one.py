@@ -12,12 +12,18 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from moecast.runtime import eviction
+from moecast.runtime import step_kernels as sk
 from moecast.runtime.cache import ExpertCache
 from moecast.runtime.cost_model import CostModel
-from moecast.runtime.policy import POLICIES
+from moecast.runtime.policy import POLICIES, Policy
 from moecast.runtime.prefetch import top_predictions
 from moecast.runtime.presched import schedule
-from moecast.runtime.step import STATS, LayerStep, rank_candidates, ranked_predictions
+from moecast.runtime.step import STATS, LayerStep, layer_time, rank_candidates, ranked_predictions
+
+from moecast.errors import InputError
 
 E, L = 24, 3
 COSTS = {
@@ -152,6 +158,20 @@ def test_compiled_step_refuses_out_of_range_ids():
     assert step.table.sum() == 0 and not step.cache.resident.any()
 
 
+def test_compiled_step_refuses_an_eviction_policy_without_a_kernel(monkeypatch):
+    """A policy of the eviction table without a kernel code runs on the numpy paths; the compiled
+    step refuses it in one line rather than pass the kernels a code that means another policy."""
+    monkeypatch.setitem(eviction.TABLE, "fifo", eviction.Eviction(eviction.TABLE["lru"].key, None, False))
+    policy = Policy("fifo", "fifo")
+    step = _step(policy, COSTS["tight"], 2, compiled=False)
+    lane = np.array([0])
+    for t in range(6):
+        step.layer(lane, lane, np.array([[[t, t + 1]]]), np.array([t]), routed=True)
+    assert step.cache.count[0] == 5 and step.cache.stats.evictions == 2
+    with pytest.raises(InputError, match=r"^eviction policy 'fifo' has no compiled kernel[^\n]*$"):
+        _step(policy, COSTS["tight"], 2, compiled=True)
+
+
 @pytest.mark.parametrize("quantum", [0.0, 0.25, 0.5])
 def test_compiled_ranking_equals_numpy(quantum):
     """ranked_predictions of one token (compiled) against the vectorised ranking; scores rounded to
@@ -191,3 +211,31 @@ def test_compiled_presched_row_equals_the_vectorised_rows(cost):
             assert g.dtype == w.dtype and g.tolist() == w.tolist(), name
         prefetched += int(got.n_prefetch[0] > 0)
     assert prefetched > 0 or cost == "no link"
+
+
+_MS = st.floats(0.0, 50.0)
+_ROWS = st.tuples(st.integers(0, 64), st.integers(0, 64), _MS, st.floats(0.0, 500.0), st.integers(0, 64))
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.one_of(_MS, st.just(np.inf)),
+    _MS,
+    _MS,
+    st.one_of(st.just(0.0), _MS),
+    st.booleans(),
+    st.booleans(),
+    st.booleans(),
+    st.lists(_ROWS, min_size=1, max_size=4),
+)
+def test_layer_time_compiled_equals_numpy(t_io, t_g, t_attn, t_rc, shared, reads, late, rows):
+    """step.layer_time (vectorised over rows) and its compiled copy step_kernels.layer_time (one row)
+    give the same (layer_t, link) bit for bit, for any cost model, counts and delays: the formula is
+    written twice, so this pins the copies together."""
+    cost = CostModel(t_io, t_g, 0.0, 0.0, t_attn, 1, shared_compute=shared, cpu_reads_link=reads, t_rc=t_rc)
+    n_dev, n_load, delay, t_cpu, n_cpu = (np.array(c) for c in zip(*rows))
+    want_t, want_link = layer_time(cost, n_dev, n_load, delay, t_cpu, n_cpu, delay if late else None)
+    fcost = sk.fcost_of(cost, late=late)
+    for i, (d, nl, dl, tc, nc) in enumerate(rows):
+        got = sk.layer_time(fcost, d, nl, dl, tc, nc, dl if late else 0.0)
+        assert np.array_equal(got, (want_t[i], want_link[i]), equal_nan=True), (i, got)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from moecast.runtime.balancer import two_pointer, two_pointer_split
-from moecast.runtime.substitution import SubstitutingRouter, _substitute_rows, substitute
+from moecast.runtime.substitution import _substitute_rows, substitute
 
 E, K = 12, 3
 
@@ -62,10 +62,10 @@ def test_substitution_prefers_resident_alternative():
     p = np.array([[0.40, 0.175, 0.105, 0.10, 0.02, 0.20]], dtype=np.float32)
     # top-3 = {0, 5, 1}; beta = 0.105 (expert 2). alpha 0.7: T = 0.1785, so 0 and 5 are top-score and
     # expert 1 (0.175) is low-score and not resident; expert 2 (resident, 0.105 > 0.3 * beta) replaces it.
-    r = SubstitutingRouter(3, 0.7)
-    ids = r.route(p, np.array([True, False, True, False, False, False]))
-    assert set(ids[0].tolist()) == {0, 2, 5}
-    assert set(SubstitutingRouter(3, 0.0).route(p, np.zeros(6, bool))[0].tolist()) == {0, 1, 5}
+    topk = np.array([[0, 5, 1]])
+    ids, nsub = substitute(p, topk, np.array([[True, False, True, False, False, False]]), 0.7)
+    assert set(ids[0].tolist()) == {0, 2, 5} and nsub.tolist() == [1]
+    assert set(substitute(p, topk, np.zeros((1, 6), bool), 0.0)[0][0].tolist()) == {0, 1, 5}
 
 
 @settings(max_examples=150, deadline=None)
@@ -91,7 +91,7 @@ def test_vectorised_two_pointer_matches_algorithm_2(sizes, t_load, t_cpu):
     st.sampled_from(["f32", "f64", "ties"]),
 )
 def test_single_token_route_equals_algorithm_1(case, k, which, dtype):
-    """The one-token path (SubstitutingRouter.route and substitute() with one row) gives exactly the
+    """The one-token path (substitute() with one row) gives exactly the
     vectorised Algorithm 1's ids (order included) and counts: float32 or float64 scores, exact ties,
     the router's top-k in any order or any k experts."""
     probs, resident, alpha = case
@@ -106,19 +106,14 @@ def test_single_token_route_equals_algorithm_1(case, k, which, dtype):
     elif which == "any":
         topk = np.random.default_rng(int(p.sum() * 1e6)).permutation(E)[None, :k]
     ref, ref_n = _substitute_rows(p, topk, resident[:1], alpha)
-    got = SubstitutingRouter(k, alpha).route(p, resident[0], topk)
     one, one_n = substitute(p, topk, resident[:1], alpha)
-    assert np.array_equal(got, ref) and np.array_equal(one, ref) and np.array_equal(one_n, ref_n)
-    assert got.dtype == ref.dtype == one.dtype
+    assert np.array_equal(one, ref) and np.array_equal(one_n, ref_n)
+    assert ref.dtype == one.dtype
 
 
-def test_one_token_paths_refuse_a_resident_mask_of_another_size():
-    """The compiled one-token kernels index the resident mask by expert id: a mask of the wrong
+def test_one_token_path_refuses_a_resident_mask_of_another_size():
+    """The compiled one-token kernel indexes the resident mask by expert id: a mask of the wrong
     length is a clear error, never a read past its end."""
-    from moecast.runtime.prefetch import Prefetcher
-
     p = np.full((1, 8), 0.125, dtype=np.float32)
     with pytest.raises(ValueError, match="resident has 4 experts"):
-        SubstitutingRouter(2, 0.2).route(p, np.zeros(4, bool), np.array([[0, 1]]))
-    with pytest.raises(ValueError, match="resident has 4 experts"):
-        Prefetcher(8, 2, t_io=0.1, t_attn=0.1).choose(p[0], np.zeros(4, bool))
+        substitute(p, np.array([[0, 1]]), np.zeros((1, 4), bool), 0.2)
