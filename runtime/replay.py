@@ -58,6 +58,7 @@ from typing import Any
 import numpy as np
 from moecast.collect.traceset import TraceSet, TraceSetError
 from moecast.predictors.base import PromptPlanner
+from moecast.runtime import eviction
 from moecast.runtime import fastreplay as fast
 from moecast.runtime.cache import ExpertCache, StaticTable, resolve_capacity
 from moecast.runtime.cost_model import CostModel, HardwareProfile, load_profile
@@ -416,7 +417,7 @@ def _fast_demand_engine(run: _Run) -> _Outcome | None:
         and run.planner is None
         and (spec.balancer == "none" or (spec.eviction, spec.balancer) == ("static", "cpu"))
         and spec.preload != "hot"
-        and spec.eviction in ("lru", "lfu", "belady", "static")
+        and spec.eviction in eviction.FAST_REPLAY
         and fast.valid_for_fast(run.data.topk, E)
     ):
         return _fast_demand(run, spec.eviction)
