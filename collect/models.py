@@ -135,7 +135,7 @@ def _pattern_structure(model: Any, named: list[tuple[str, Any]], router_pattern:
     try:
         regex = re.compile(router_pattern)
     except re.error as exc:
-        raise InputError(f"--router-pattern {router_pattern!r} is not a valid regex ({exc})") from exc
+        raise InputError(f"router_pattern={router_pattern!r} is not a valid regex ({exc})") from exc
     # experts modules, when the model has them, still describe the experts (sizes, shared expert)
     experts = {layer_index(n): (n, m) for n, m in named if is_experts_module(m)}
     layers = []
@@ -149,7 +149,7 @@ def _pattern_structure(model: Any, named: list[tuple[str, Any]], router_pattern:
             )
     if not layers:
         raise ModelLoadError(
-            f"--router-pattern {router_pattern!r} matches no module of {type(model).__name__}; "
+            f"router_pattern={router_pattern!r} matches no module of {type(model).__name__}; "
             "list the module names with `print(model)` and match the router (gate) modules"
         )
     return MoEStructure(layers=sorted(layers, key=lambda e: e.layer), pattern=router_pattern)
@@ -164,18 +164,18 @@ def _experts_layers(model: Any, named: list[tuple[str, Any]]) -> dict[int, MoELa
             if idx is None:
                 raise ModelLoadError(
                     f"experts module {name} of {type(model).__name__} is not inside a numbered decoder layer; "
-                    "pass --router-pattern to name its routers"
+                    "pass router_pattern=REGEX to name its routers"
                 )
             if idx in layers:
                 raise ModelLoadError(
                     f"{type(model).__name__} has two experts modules in layer {idx} ({layers[idx].experts_name}, {name}); "
-                    "pass --router-pattern to choose the routers to trace"
+                    "pass router_pattern=REGEX to choose the routers"
                 )
             layers[idx] = MoELayer(layer=idx, experts_name=name, experts=module)
     if not layers:
         raise ModelLoadError(
             f"{type(model).__name__} ({getattr(model.config, 'model_type', '?')}) has no MoE experts module that uses "
-            "transformers' experts interface: it is not an MoE model, or pass --router-pattern REGEX naming its routers"
+            "transformers' experts interface: it is not an MoE model, or pass router_pattern=REGEX naming its routers"
         )
     return layers
 

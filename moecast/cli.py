@@ -198,15 +198,23 @@ def run(argv: list[str]) -> Any:
     class Formatter(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter):
         """jsonargparse's, with the description's paragraphs and lists kept as written."""
 
-    return auto_cli(
-        func,
-        args=rest,
-        as_positional=name not in NAMED_ONLY,
-        parser_class=_parser_class(),
-        prog=prog,
-        description=_description(func),
-        formatter_class=Formatter,
-    )
+    from moecast.errors import MoecastError, as_flags
+
+    try:
+        return auto_cli(
+            func,
+            args=rest,
+            as_positional=name not in NAMED_ONLY,
+            parser_class=_parser_class(),
+            prog=prog,
+            description=_description(func),
+            formatter_class=Formatter,
+        )
+    except MoecastError as exc:  # the library names keywords; the command's user types flags
+        import inspect
+
+        exc.args = (as_flags(str(exc), inspect.signature(func).parameters), *exc.args[1:])
+        raise
 
 
 if __name__ == "__main__":

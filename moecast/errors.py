@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 
@@ -36,6 +37,21 @@ _OS_HINTS: dict[int, str] = {
     errno.ENAMETOOLONG: "choose a shorter path",
     errno.ENOTEMPTY: "the directory is not empty; empty it or choose another path",
 }
+
+
+def as_flags(message: str, names: Iterable[str]) -> str:
+    """A library message as the command line says it: each setting it names as a Python keyword
+    (``offload_dir=DIR``, ``policy='static'``) becomes the flag (``--offload-dir DIR``,
+    ``--policy static``). Errors raised through the Python API name keywords, so a caller of
+    ``attach()`` reads the name it passes; the command's user reads the flag it types."""
+    known = "|".join(sorted((re.escape(n) for n in names), key=len, reverse=True))
+    if not known:
+        return message
+
+    def flag(m: re.Match) -> str:
+        return f"--{m.group(1).replace('_', '-')} {m.group(3)}"
+
+    return re.sub(rf"(?<![\w-])({known})=(['\"]?)([^\s'\",;)]*)\2", flag, message)
 
 
 def user_errors() -> tuple[type[BaseException], ...]:

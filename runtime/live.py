@@ -186,18 +186,20 @@ class LiveConfig:
         if self.offload not in OFFLOAD:
             raise InputError(f"unknown offload {self.offload!r}; choose one of {', '.join(OFFLOAD)}")
         if self.offload == "disk" and not self.offload_dir:
-            raise InputError("offload disk needs an offload directory (--offload_dir DIR)")
+            raise InputError(
+                "offload='disk' needs offload_dir=DIR (the directory the experts are written to and read from)"
+            )
         if int(self.io_threads) < 1:
             raise InputError(f"io_threads must be at least 1, got {self.io_threads}")
         if self.pinned_mb is not None and not (math.isfinite(self.pinned_mb) and self.pinned_mb >= 0):
             raise InputError(f"pinned_mb must be a size in MB >= 0, got {self.pinned_mb}")
         if self.expert_dtype not in DTYPES:
-            raise InputError(f"unknown expert_dtype {self.expert_dtype!r}; choose one of {', '.join(DTYPES)}")
+            raise InputError(f"unknown expert_dtype={self.expert_dtype}; choose one of {', '.join(DTYPES)}")
         self.precision = Precision(self.expert_dtype, int(self.group_size))
         if self.precision.quantized and self.offload != "disk":
             raise InputError(
-                f"expert_dtype {self.expert_dtype} needs offload='disk' (the quantized copies live in the offload "
-                "directory); give offload='disk' and an offload_dir"
+                f"expert_dtype={self.expert_dtype} needs offload='disk' and offload_dir=DIR (the quantized copies "
+                "live in the offload directory)"
             )
 
 
@@ -1188,7 +1190,7 @@ def _choose_prefetch(given: str, rule: Policy, predictor: Any, table: np.ndarray
         else:
             prefetch = "online" if rule.prefetches else "none"
     if prefetch == "predictor" and predictor is None:
-        raise InputError("prefetch='predictor' needs a predictor checkpoint (--predictor CKPT)")
+        raise InputError("prefetch='predictor' needs a predictor checkpoint (predictor=CKPT)")
     if prefetch == "predictor" and table is not None:
         raise InputError(
             f"under policy static {predictor.name} is the hot-expert table, not a "
@@ -1206,11 +1208,11 @@ def _not_a_prefetcher(predictor: Any) -> str:
     if horizon == "layer-ahead":
         return f"the live prefetcher drives a layer-ahead predictor through its stream(); {name} has none"
     if horizon == "prompt-ahead" and isinstance(predictor, PromptPlanner):
-        return f"{head}: pass it as the planner (--planner CKPT), which preloads its plan before decoding"
+        return f"{head}: pass it as the planner (planner=CKPT), which preloads its plan before decoding"
     if horizon == "prompt-ahead":
         return f"{head}: {_MATCHES_ROUTING}"
     if horizon == "statistical":
-        return f"{head}: under policy static (--policy static) its table is the hot-expert table"
+        return f"{head}: under policy=static its table is the hot-expert table"
     return head
 
 
@@ -1228,7 +1230,7 @@ def _not_a_planner(planner: Any) -> str:
     name, horizon = getattr(planner, "name", "?"), getattr(planner, "horizon", "?")
     if horizon == "prompt-ahead":
         return f"planner {name} has no plan(prompt): {_MATCHES_ROUTING}"
-    tail = "; pass it as the predictor (--predictor CKPT) to prefetch" if horizon == "layer-ahead" else ""
+    tail = "; pass it as the predictor (predictor=CKPT) to prefetch" if horizon == "layer-ahead" else ""
     return (
         f"planner {name} is {horizon}; a planner must be a prompt-ahead EAM, EAP or cascade checkpoint{tail}"
     )
@@ -1343,6 +1345,7 @@ def attach(
     *,
     predictor: Any = None,
     planner: Any = None,
+    router_pattern: str | None = None,
     **settings: Any,
 ) -> LiveRuntime:
     """Attach the live runtime to a transformers MoE model in one call; ``rt.detach()`` undoes it.
@@ -1357,6 +1360,9 @@ def attach(
             under ``static``, a predictor with an [L, E] score ``table`` (frequency): each layer pins its
             top-capacity experts, as the replay's static table does.
         planner: A prompt-ahead predictor (EAM, EAP, cascade); ``rt.plan(prompt)`` then preloads its plan.
+        router_pattern: A regex over module names naming the routers, where a model's routers are not
+            found by transformers' ``_can_record_outputs`` (its experts modules must still use the
+            experts interface: the runtime computes through them).
         settings: :class:`LiveConfig` fields by name.
     Errors (nothing is changed on the model): unsupported family, capacity below top-k, alpha outside [0, 1)
     or given to a policy that does not substitute, a predictor for another model or of the wrong kind.
@@ -1368,7 +1374,13 @@ def attach(
     if learn_plans and not isinstance(planner, LearningPlanner):
         given = "none was given" if planner is None else f"{getattr(planner, 'name', '?')} has no buffer"
         raise InputError(f"learn_plans needs a planner with a buffer (an EAM or cascade checkpoint); {given}")
-    structure = find_moe_structure(model)
+    structure = find_moe_structure(model, router_pattern)
+    without = [e.router_name for e in structure.layers if e.experts is None]
+    if without:
+        raise InputError(
+            f"router_pattern={router_pattern!r} names routers with no experts module of transformers' experts "
+            f"interface in their layer ({without[0]}); the live runtime computes through that module"
+        )
     if predictor is not None:
         fp = model_info(model, structure, "").fingerprint
         if predictor.fingerprint and predictor.fingerprint != fp:

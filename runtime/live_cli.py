@@ -128,6 +128,7 @@ def run(
     offload_dir: str | None = None,
     expert_dtype: str = "model",
     group_size: int = 128,
+    router_pattern: str | None = None,
     json: bool = False,
 ) -> dict[str, Any]:
     """Generate text with the live runtime attached and report its cache, substitution and TPOT figures.
@@ -163,6 +164,8 @@ def run(
             exact), int8 (per output channel) or int4 (group-wise, ``--group-size``); the directory keeps
             each precision beside the model-dtype copy, and the experts compute on the packed weights.
         group_size: int4's group along each matrix's input dimension: 32, 64, 128 or 256.
+        router_pattern: Regex over module names naming the routers, for a model whose routers transformers'
+            ``_can_record_outputs`` does not name (its experts must still use the experts interface).
         json: Print one JSON object instead of text and a table.
     """
     _threads()
@@ -190,6 +193,7 @@ def run(
         offload_dir=offload_dir,
         expert_dtype=expert_dtype,
         group_size=group_size,
+        router_pattern=router_pattern,
     )
     try:
         branch = rt.plan(prompt) if plan is not None else None
@@ -222,7 +226,7 @@ def _load_for_run(model: str, offload: str, offload_dir: str | None) -> tuple[An
         from moecast.runtime.offload import load_offloaded
 
         if not offload_dir:
-            raise InputError("--offload disk needs --offload_dir DIR (where the experts are written once)")
+            raise InputError("--offload disk needs --offload-dir DIR (where the experts are written once)")
         return load_offloaded(model, offload_dir, dtype="float32")
     if offload != "ram":
         raise InputError(f"unknown --offload {offload!r}; choose ram or disk")

@@ -218,7 +218,7 @@ def _read_meta(directory: Path) -> dict[str, Any] | None:
         ) from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise OffloadError(
-            f"{directory} is not a moecast offload directory; choose an empty or new --offload_dir"
+            f"{directory} is not a moecast offload directory; choose an empty or new offload_dir=DIR"
         )
     return meta
 
@@ -280,12 +280,12 @@ def _check_same_precision(
         raise OffloadError(
             f"{directory} holds {prec.tag} experts packed by another torch's int4 kernel (layout "
             f"{got.get('int4_layout')}, this torch packs {need.get('int4_layout')}); remove its "
-            f"layer_*.{prec.tag}.safetensors files and their entry in meta.json, or choose another --offload_dir"
+            f"layer_*.{prec.tag}.safetensors files and their entry in meta.json, or choose another offload_dir=DIR"
         )
     if got != need:
         raise OffloadError(
             f"{directory} holds {prec.tag} experts in another layout ({got['experts'][0]} vs {need['experts'][0]}); "
-            f"remove its layer_*.{prec.tag}.safetensors files and their entry in meta.json, or choose another --offload_dir"
+            f"remove its layer_*.{prec.tag}.safetensors files and their entry in meta.json, or choose another offload_dir=DIR"
         )
     return True
 
@@ -294,17 +294,17 @@ def _check_same_model(directory: Path, have: dict[str, Any], want: dict[str, Any
     if have.get("version") != VERSION:
         raise OffloadError(
             f"{directory} was written by offload format {have.get('version')}, this moecast reads {VERSION}; "
-            "remove it or choose another --offload_dir"
+            "remove it or choose another offload_dir=DIR"
         )
     if have.get("fingerprint") != want["fingerprint"] or have.get("config_hash") != want["config_hash"]:
         raise OffloadError(
             f"{directory} holds the experts of another model (fingerprint {have.get('fingerprint')}, this model is "
-            f"{want['fingerprint']}); choose another --offload_dir or remove it"
+            f"{want['fingerprint']}); choose another offload_dir=DIR or remove it"
         )
     if have.get("experts") != want["experts"]:
         raise OffloadError(
             f"{directory} holds this model's experts in another shape or dtype ({have['experts'][0]} vs "
-            f"{want['experts'][0]}); load the model in the dtype it was written in, or choose another --offload_dir"
+            f"{want['experts'][0]}); load the model in the dtype it was written in, or choose another offload_dir=DIR"
         )
 
 
@@ -357,10 +357,10 @@ def _write_atomic(path: Path, write: Any) -> None:
         if exc.errno == errno.ENOSPC:
             raise OffloadError(
                 f"no space left on the disk of {path.parent} while writing {path.name}; free space or choose "
-                "another --offload_dir (the files written so far are kept, and a re-run resumes)"
+                "another offload_dir=DIR (the files written so far are kept, and a re-run resumes)"
             ) from None
         raise OffloadError(
-            f"cannot write {path} ({exc.strerror or exc}); choose a writable --offload_dir"
+            f"cannot write {path} ({exc.strerror or exc}); choose a writable offload_dir=DIR"
         ) from None
 
 
@@ -408,10 +408,10 @@ def prepare_dir(directory: str | Path) -> Path:
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             raise OffloadError(
-                f"the disk of offload directory {d} is full; free space or choose another --offload_dir"
+                f"the disk of offload directory {d} is full; free space or choose another offload_dir=DIR"
             ) from None
         raise OffloadError(
-            f"cannot write to offload directory {d} ({exc.strerror or exc}); choose a writable --offload_dir"
+            f"cannot write to offload directory {d} ({exc.strerror or exc}); choose a writable offload_dir=DIR"
         ) from None
     return d
 
@@ -475,7 +475,7 @@ def _check_room(d: Path, meta: dict[str, Any], todo: list[tuple[Precision, list[
     if need > free:
         raise OffloadError(
             f"the disk of {d} has {free / 2**30:.2f} GiB free and the experts need {need / 2**30:.2f} GiB more; "
-            "free space or choose another --offload_dir"
+            "free space or choose another offload_dir=DIR"
         )
 
 
@@ -928,7 +928,7 @@ def check_fits(capacity: int, layouts: list[ExpertLayout], capacity_arg: Any) ->
         per = max(1, int(avail // max(1, sum(lay.stride for lay in layouts))) - STAGING_BUFFERS)
         raise OffloadError(
             f"capacity {capacity_arg} ({capacity} experts per layer) needs {need / 2**20:.0f} MiB for the resident "
-            f"experts and {avail / 2**20:.0f} MiB are available; lower --capacity (at most {per} experts per layer fit)"
+            f"experts and {avail / 2**20:.0f} MiB are available; lower capacity=N (at most {per} experts per layer fit)"
         )
 
 

@@ -87,3 +87,82 @@ def test_the_command_line_reports_a_checked_input_in_one_line(tmp_path, capsys):
         main(["predictors", "eval", str(not_a_ckpt), "--traces", str(tmp_path / "none")])
     msg = str(exc.value.code)
     assert msg.startswith("moecast: error: ") and "\n" not in msg
+
+
+def test_as_flags_turns_the_settings_a_command_takes_into_its_flags():
+    from moecast.errors import as_flags
+
+    msg = "offload='disk' needs offload_dir=DIR (x); lower capacity=N, not alpha=0.3; keep io_threads"
+    names = ["offload", "offload_dir", "capacity"]
+    assert (
+        as_flags(msg, names)
+        == "--offload disk needs --offload-dir DIR (x); lower --capacity N, not alpha=0.3; keep io_threads"
+    )
+    assert as_flags(msg, []) == msg  # a name the command does not take stays the keyword
+
+
+def test_attach_names_the_keyword_and_the_command_the_flag(tmp_path, capsys):
+    """The same check, raised through attach(), reads as the Python call is written; through
+    `moecast run` as the command line is typed."""
+    from moecast.collect.tiny import build_tiny
+    from moecast.runtime.live import attach
+    from test_live import make_model
+
+    from moecast.cli import main
+
+    with pytest.raises(InputError) as exc:
+        attach(make_model("qwen2_moe"), offload="disk")
+    assert "offload='disk' needs offload_dir=DIR" in str(exc.value) and "--" not in str(exc.value)
+    with pytest.raises(
+        InputError, match=r"prefetch='predictor' needs a predictor checkpoint \(predictor=CKPT\)"
+    ):
+        attach(make_model("qwen2_moe"), prefetch="predictor", policy="lru", capacity=0.5)
+    tiny = build_tiny(out=str(tmp_path / "tiny"), preset="test", seed=0)
+    with pytest.raises(
+        SystemExit, match=r"--prefetch predictor needs a predictor checkpoint \(--predictor CKPT\)"
+    ):
+        main(
+            [
+                "run",
+                "--model",
+                str(tiny),
+                "--max-new-tokens",
+                "1",
+                "--policy",
+                "lru",
+                "--prefetch",
+                "predictor",
+            ]
+        )
+
+
+def test_attach_takes_the_router_pattern(tmp_path):
+    """Routers named by a regex, the experts still the interface's: the same logits and counters as
+    the routers found by the model's records; a pattern that names nothing is refused in one line,
+    as a keyword through attach() and as the flag through `moecast run`."""
+    import torch
+    from moecast.collect.tiny import build_tiny
+    from moecast.runtime.live import attach
+    from test_live import decode_logits, make_model
+
+    from moecast.cli import main
+
+    model = make_model("qwen2_moe")
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(4))
+    got = {}
+    for pattern in (None, r"mlp\.gate$"):
+        rt = attach(model, policy="lru", capacity=0.25, alpha=0.0, router_pattern=pattern)
+        try:
+            got[pattern] = (
+                decode_logits(model, ids),
+                rt.stats()["hits"],
+                [e.router_name for e in rt.structure.layers],
+            )
+        finally:
+            rt.detach()
+    assert torch.equal(got[None][0], got[r"mlp\.gate$"][0]) and got[None][1:] == got[r"mlp\.gate$"][1:]
+    with pytest.raises(ModelLoadError, match="router_pattern='no_such' matches no module"):
+        attach(model, router_pattern="no_such")
+    tiny = build_tiny(out=str(tmp_path / "tiny"), preset="test", seed=0)
+    with pytest.raises(SystemExit, match="--router-pattern no_such matches no module"):
+        main(["run", "--model", str(tiny), "--max-new-tokens", "1", "--router-pattern", "no_such"])

@@ -805,7 +805,7 @@ def test_static_pins_each_layers_top_experts_of_a_frequency_table(model_dir, fre
     with pytest.raises(ValueError, match="is the hot-expert table, not a prefetcher"):
         attach(model, policy="static", capacity=2, predictor=pred, prefetch="predictor")
     # a statistical predictor is still no prefetcher under the other policies
-    with pytest.raises(ValueError, match=r"frequency is statistical: under policy static"):
+    with pytest.raises(ValueError, match=r"frequency is statistical: under policy=static"):
         attach(model, policy="lru", capacity=2, predictor=pred)
     assert hooks_of(model) == 0
 
@@ -887,7 +887,7 @@ def test_prompt_ahead_checkpoints_get_a_true_refusal(model_dir, model_traces, tm
         assert "matching the request's own routing so far" in msg and "moecast predictors eval" in msg, msg
         assert "moecast replay --predictor" in msg and "a planner must be prompt-ahead" not in msg, msg
     model = make_model("qwen2_moe")
-    with pytest.raises(ValueError, match=r"eam is prompt-ahead: pass it as the planner \(--planner CKPT\)"):
+    with pytest.raises(ValueError, match=r"eam is prompt-ahead: pass it as the planner \(planner=CKPT\)"):
         attach(model, capacity=2, predictor=_eam_stub())
     with pytest.raises(ValueError, match=r"planner llapor is layer-ahead; .*pass it as the predictor"):
         attach(model, planner=_stub("llapor", "layer-ahead"))

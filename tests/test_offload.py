@@ -272,7 +272,7 @@ def test_an_unwritable_directory_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(offload.Path, "write_bytes", denied)
     with pytest.raises(OffloadError) as exc:
         _write(make_model("qwen2_moe"), tmp_path / "ro")
-    assert "Permission denied" in _one_line(exc) and "writable --offload_dir" in str(exc.value)
+    assert "Permission denied" in _one_line(exc) and "writable offload_dir=DIR" in str(exc.value)
 
 
 def test_a_full_disk_is_refused_before_and_during_the_write(tmp_path, monkeypatch):
@@ -333,7 +333,7 @@ def test_a_capacity_larger_than_the_memory_available_is_refused(tmp_path, monkey
         attach(model, policy="lru", capacity=6, offload="disk", offload_dir=str(tmp_path))
     msg = _one_line(exc)
     # 2 layers x (6 slots + 4 staging buffers) x 8192 bytes needed; 10 blocks fit: 5 - 4 = 1 expert per layer
-    assert "lower --capacity" in msg and "at most 1 experts per layer" in msg
+    assert "lower capacity=N" in msg and "at most 1 experts per layer" in msg
     assert all(t.device.type == "cpu" for t in model.parameters())  # the weights were not dropped
 
 

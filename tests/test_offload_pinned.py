@@ -141,7 +141,7 @@ def test_a_directory_differing_in_fingerprint_or_config_hash_alone_is_refused(
         offload.missing_layers(d, meta)
     msg = _one_line(exc)
     assert f"{d} holds the experts of another model" in msg
-    assert "choose another --offload_dir or remove it" in msg
+    assert "choose another offload_dir=DIR or remove it" in msg
 
 
 # -------------------------------------------------------------------------- 3. fsync, then rename
