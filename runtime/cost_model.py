@@ -109,6 +109,25 @@ def _profile_dirs() -> list[Path]:
     return [configs_dir() / "hardware", home() / "hardware"]
 
 
+#: the profile a run models time on when it names none and ``moecast profile`` has measured no
+#: ``local`` profile here: PreScope's A100 on PCIe 4, a common host-to-GPU link, with each value
+#: cited in its file. The replay and the live runtime share it, so one configuration means one
+#: machine in both.
+DEFAULT_HARDWARE = "prescope-a100-pcie4"
+#: the name ``moecast profile`` gives this machine's profile by default
+LOCAL_PROFILE = "local"
+
+
+def default_hardware() -> tuple[str, str]:
+    """(profile, why) for a run that names none: this machine's measured profile where ``moecast
+    profile`` wrote one (``$MOECAST_HOME/hardware/local.yaml``), else :data:`DEFAULT_HARDWARE`."""
+    from moecast import home
+
+    if (home() / "hardware" / f"{LOCAL_PROFILE}.yaml").is_file():
+        return LOCAL_PROFILE, "this machine's profile (moecast profile)"
+    return DEFAULT_HARDWARE, "the default; measure this machine with moecast profile"
+
+
 def available_profiles() -> list[str]:
     return sorted({p.stem for d in _profile_dirs() if d.is_dir() for p in d.glob("*.yaml")})
 

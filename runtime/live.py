@@ -66,7 +66,7 @@ from moecast.predictors.base import (
     StreamingPredictor,
 )
 from moecast.runtime.cache import ExpertCache, StaticTable, resolve_capacity
-from moecast.runtime.cost_model import CostModel, HardwareProfile, load_profile
+from moecast.runtime.cost_model import CostModel, HardwareProfile, default_hardware, load_profile
 from moecast.runtime.expert_store import LayerStore, SlotView, expert_params
 from moecast.runtime.offload import peak_rss_mb
 from moecast.runtime.policy import POLICIES, Policy, get_policy, with_policies
@@ -106,7 +106,9 @@ class LiveConfig:
         alpha: SMoE substitution threshold in [0, 1); 0 leaves the routing untouched; None: the policy's
             default (0.3 under smoe). Only ``smoe`` substitutes (the replay's rule), so alpha > 0 with
             another policy is refused.
-        hardware: Hardware profile name (configs/hardware), YAML path or HardwareProfile for the modeled times.
+        hardware: Hardware profile name (configs/hardware), YAML path or HardwareProfile for the modeled times;
+            None: this machine's profile where ``moecast profile`` wrote one (``local``), else the replay's
+            default, prescope-a100-pcie4 (``stats()["hardware"]`` and ``hardware_from`` say which).
         prefetch: Where prefetch candidates come from: auto (if the policy prefetches: the predictor if
             given, else online), none, online (next gate on this gate input), predictor.
         balance: Overrides the policy's balancer for decode misses: smoe (SMoE Algorithm 2), presched
@@ -147,7 +149,7 @@ class LiveConfig:
     alpha: float | None = None
     prefetch: str = "auto"
     balance: str | None = None
-    hardware: str | HardwareProfile = "smoe-s3-a6000"
+    hardware: str | HardwareProfile | None = None
     warm: bool = True
     score_window: int = 8
     device: str | None = None
@@ -314,7 +316,9 @@ class LiveRuntime:
             )
         # the policy as it runs here: a prefetch source given explicitly turns its prefetch on or off
         self.policy = dataclasses.replace(rule, prefetch="none" if self.prefetch == "none" else "predictor")
-        hw = config.hardware
+        hw, self.hardware_from = (
+            (config.hardware, "given") if config.hardware is not None else default_hardware()
+        )
         profile = hw if isinstance(hw, HardwareProfile) else load_profile(hw)
         self.cost = CostModel.from_profile(profile, self.info.expert_bytes, link_bytes=self.link_bytes)
         self.cache, self.step = self._make_step(profile, predictor)
@@ -1103,6 +1107,7 @@ class LiveRuntime:
             modeled_predictor_ms=self.step.predictor_ms,  # charged per layer before a prefetch (replay: predictor_ms)
             prefetch=self.prefetch,
             hardware=self.cost.profile,
+            hardware_from=self.hardware_from,  # given, or the default chosen (this machine's where measured)
             device=str(self.stores[0].device),
             simulated_device=not self.stores[0].cuda,
             pinned_bytes=sum(st.pinned_bytes for st in self.stores),

@@ -70,7 +70,10 @@ def _print_stats(stats: dict[str, Any]) -> None:
         ),
         ("CPU-computed experts", f"{stats['cpu_experts']}  ({stats['cpu_uses']} token uses)"),
         ("TPOT measured", f"{stats['measured_tpot_ms']:.2f} ms  (this machine, {stats['device']})"),
-        ("TPOT modeled", f"{stats['modeled_tpot_ms']:.3f} ms  (hardware profile {stats['hardware']})"),
+        (
+            "TPOT modeled",
+            f"{stats['modeled_tpot_ms']:.3f} ms  (hardware profile {stats['hardware']}: {stats['hardware_from']})",
+        ),
     ]
     if stats.get("plan_loads"):
         rows.insert(5, ("plan preload", f"{stats['plan_loads']} experts loaded before decoding"))
@@ -119,7 +122,7 @@ def run(
     capacity: str = "0.25",
     prefetch: str = "auto",
     balance: str | None = None,
-    hardware: str = "smoe-s3-a6000",
+    hardware: str | None = None,
     predictor_ms: float | None = None,
     max_new_tokens: int = 32,
     online_update: bool = False,
@@ -148,7 +151,8 @@ def run(
         balance: overrides the policy's balancer for decode misses: smoe (SMoE Algorithm 2), presched
             (PreScope's PreSched: load/CPU split with the predicted next layer's experts in the link queue,
             and the prefetch count), load (always load) or cpu (always compute on the CPU).
-        hardware: Hardware profile (configs/hardware name or YAML path) for modeled times.
+        hardware: Hardware profile (configs/hardware name or YAML path) for modeled times; default: this
+            machine's (``moecast profile`` writes ``local``), else prescope-a100-pcie4, as ``moecast replay``.
         predictor_ms: the predictor's latency per layer (ms) charged before a prefetch may start (default:
             the checkpoint's measured figure, else the hardware profile's), as in ``moecast replay``.
         max_new_tokens: Tokens to generate (greedy).
@@ -430,7 +434,7 @@ def eval_accuracy(
     alphas: Sequence[float] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6),
     policy: str = "smoe",
     capacity: str = "0.25",
-    hardware: str = "smoe-s3-a6000",
+    hardware: str | None = None,
     texts: int = 8,
     tokens: int = 96,
     tpot_budget: float | None = None,
@@ -453,7 +457,8 @@ def eval_accuracy(
         alphas: Alphas in [0, 1); 0 is always added (the reference).
         policy: Cache policy (smoe, lru, lfu, score, static).
         capacity: Experts per layer on the device (fraction, count, bytes or ``all``).
-        hardware: Hardware profile for the modeled TPOT.
+        hardware: Hardware profile for the modeled TPOT; default: this machine's (``moecast profile``), else
+            prescope-a100-pcie4.
         texts: Held-out texts per workload.
         tokens: Tokens per text (scored token by token, every one a decode step).
         tpot_budget: TPOT budget R in ms: choose alpha by SMoE Eq. 5 (fitted T(alpha), smallest alpha meeting R),

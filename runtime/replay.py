@@ -61,6 +61,7 @@ from moecast.predictors.base import PromptPlanner
 from moecast.runtime import eviction
 from moecast.runtime import fastreplay as fast
 from moecast.runtime.cache import ExpertCache, StaticTable, resolve_capacity
+from moecast.runtime.cost_model import DEFAULT_HARDWARE as DEFAULT_HARDWARE
 from moecast.runtime.cost_model import CostModel, HardwareProfile, load_profile
 from moecast.runtime.policy import POLICIES as POLICIES  # the presets, where bench looks them up
 from moecast.runtime.policy import Policy, get_policy
@@ -68,8 +69,6 @@ from moecast.runtime.prefetch import OraclePredictor, plan_prior, top_prediction
 from moecast.runtime.step import STATS, LayerStep, predictor_latency, rank_candidates
 
 from moecast.errors import InputError
-
-DEFAULT_HARDWARE = "prescope-a100-pcie4"
 
 
 @dataclass

@@ -185,3 +185,36 @@ def test_profile_reads_the_expert_shape_in_the_traces_dtype(tmp_path, monkeypatc
         commands.profile(traces=str(path), out=str(tmp_path / f"{dtype}.yaml"))
         assert seen["shape"] == (16, max(1, m.expert_bytes // (3 * 16 * width)))
         assert seen["dtype"] == dtype  # the CPU expert is timed in the traces' dtype
+
+
+def test_live_models_time_on_this_machines_profile_where_one_was_measured(tmp_path, monkeypatch):
+    """No hardware given: the replay's default until `moecast profile` writes this machine's
+    ``local`` profile, then that one; the stats say which and why."""
+    import dataclasses
+
+    from moecast.runtime.cost_model import DEFAULT_HARDWARE, default_hardware
+    from moecast.runtime.live import attach
+    from test_live import make_model
+
+    monkeypatch.setenv("MOECAST_HOME", str(tmp_path))
+    assert default_hardware()[0] == DEFAULT_HARDWARE == "prescope-a100-pcie4"
+    rt = attach(make_model("qwen2_moe"), policy="lru", capacity=0.5)
+    try:
+        st = rt.stats()
+    finally:
+        rt.detach()
+    assert st["hardware"] == "prescope-a100-pcie4" and "moecast profile" in st["hardware_from"]
+    local = dataclasses.replace(load_profile("smoe-s2-4060ti"), name="local")
+    (tmp_path / "hardware").mkdir()
+    (tmp_path / "hardware" / "local.yaml").write_text(local.to_yaml())
+    rt = attach(make_model("qwen2_moe"), policy="lru", capacity=0.5)
+    try:
+        st = rt.stats()
+    finally:
+        rt.detach()
+    assert st["hardware"] == "local" and st["hardware_from"] == "this machine's profile (moecast profile)"
+    rt = attach(make_model("qwen2_moe"), policy="lru", capacity=0.5, hardware="gh200-nvlink-c2c")
+    try:
+        assert rt.stats()["hardware_from"] == "given"
+    finally:
+        rt.detach()
