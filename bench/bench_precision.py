@@ -7,7 +7,9 @@ scaled as the bench's model's: std 0.02), at every precision of runtime/precisio
 - bytes: what the slow tier stores and the link moves for it;
 - compute at one token, two ways, interleaved rep by rep and reported as medians: on the packed
   weights with torch's weight-only kernel (what the runtime does), and dequantized to bf16 first
-  and then multiplied (what a runtime without the kernel does: its cost falls on every load);
+  and then multiplied (what a runtime without the kernel does: its cost falls on every load); each
+  call on the next of a ring of distinct copies larger than twice the last-level cache, as the
+  runtime's experts come cold from memory (runtime/profile.py's ring);
 - error: the weights' relative error and the expert's output's on random inputs.
 Writes DIR/precision-<host>.md (date, command, machine, the table) and prints the table; exits 1
 when a row failed, its error on stderr.
@@ -47,20 +49,33 @@ def forward(x: torch.Tensor, linear: Any) -> torch.Tensor:
     return linear(F.silu(gate) * up, "down_proj")
 
 
-def row(prec: Any, w: dict[str, torch.Tensor], reps: int) -> dict:
-    """One precision's figures (the module docstring's)."""
+def row(prec: Any, w: dict[str, torch.Tensor], reps: int, ring: int = 1) -> dict:
+    """One precision's figures (the module docstring's); ``ring``: distinct copies cycled through."""
+    import itertools
+
     from moecast.runtime import precision as P
 
-    if not prec.quantized:
-        parts = None
-        packed = lambda x, n: F.linear(x, w[n])  # noqa: E731
+    parts = None if not prec.quantized else {n: P.quantize_matrix(prec, t) for n, t in w.items()}
+    stored = w if parts is None else {f"{n}.{k}": t for n, p in parts.items() for k, t in p.items()}
+    nbytes = sum(t.numel() * t.element_size() for t in stored.values())
+    copies = [{k: t.clone() for k, t in stored.items()} for _ in range(max(1, ring))]
+    turn = itertools.cycle(range(len(copies)))
+    cur: dict[str, dict[str, torch.Tensor]] = {}
+
+    def take(x: torch.Tensor, n: str) -> torch.Tensor:
+        if n == "gate_up_proj":  # the next copy for each expert call
+            cur["c"] = copies[next(turn)]
+        return x
+
+    def mine(n: str) -> dict[str, torch.Tensor]:
+        return {k.split(".", 1)[1]: t for k, t in cur["c"].items() if k.startswith(f"{n}.")}
+
+    if parts is None:
+        packed = lambda x, n: F.linear(take(x, n), cur["c"][n])  # noqa: E731
         dequant = packed
-        nbytes = sum(t.numel() * t.element_size() for t in w.values())
     else:
-        parts = {n: P.quantize_matrix(prec, t) for n, t in w.items()}
-        packed = lambda x, n: P.qlinear(prec, x, parts[n], w[n].shape[1])  # noqa: E731
-        dequant = lambda x, n: F.linear(x, P.dequantize_matrix(prec, parts[n], w[n].shape[1]))  # noqa: E731
-        nbytes = sum(t.numel() * t.element_size() for p in parts.values() for t in p.values())
+        packed = lambda x, n: P.qlinear(prec, take(x, n), mine(n), w[n].shape[1])  # noqa: E731
+        dequant = lambda x, n: F.linear(take(x, n), P.dequantize_matrix(prec, mine(n), w[n].shape[1]))  # noqa: E731
     x = torch.randn(1, w["gate_up_proj"].shape[1], generator=torch.Generator().manual_seed(1)).bfloat16()
     times: dict[str, list[float]] = {"packed": [], "dequant": []}
     for fn in (packed, dequant):  # warm-up
@@ -113,11 +128,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
+    from moecast.runtime.profile import ring_size
+
     w = expert(args.hidden, args.intermediate)
     rows, failed = [], 0
     for prec in (Precision(), Precision("int8"), Precision("int4", args.group_size)):
         try:
-            rows.append(row(prec, w, args.reps))
+            # a ring as large for every precision: the model dtype's, so none of them fits the cache
+            ring = ring_size(sum(t.numel() * t.element_size() for t in w.values()))
+            rows.append(row(prec, w, args.reps, ring))
         except Exception:
             failed += 1
             print(f"bench_precision: {prec.tag} FAILED\n{traceback.format_exc()}", file=sys.stderr)
@@ -135,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         f"- command: `python bench/bench_precision.py {' '.join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))}`".rstrip(),
         f"- machine: {figures.describe_machine(figures.machine())}; torch threads {torch.get_num_threads()}",
         f"- expert: hidden {args.hidden}, intermediate {args.intermediate}, bf16, random normal weights (std 0.02); "
-        f"one token; medians of {args.reps} interleaved reps",
+        f"one token; medians of {args.reps} interleaved reps, each call on the next of a ring of distinct copies",
         "- packed: the weight-only kernel on the stored bytes (the runtime's path); dequant: the weights made bf16 "
         "first, then multiplied; errors: relative Frobenius, weights (the worse matrix) and output (64 random tokens)",
         "",
