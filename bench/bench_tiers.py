@@ -292,6 +292,10 @@ def modeled(
         return None
     picked = t.routing.requests if requests is None else [t.routing.requests[i] for i in requests]
     prec = Precision.of_tag(precision)
+    if capacity is None:  # every expert resident from the start, as the live fill before the clock
+        from moecast.runtime.policy import get_policy
+
+        policy = replace(get_policy(policy), preload="hot")
     cfg = ReplayConfig(
         expert_dtype=prec.dtype,
         group_size=prec.group_size,
@@ -391,6 +395,10 @@ def live_run(
         hardware=hardware or "prescope-a100-pcie4", warm=False, **kw,
     )  # fmt: skip
     routing = replace(t.routing, requests=[request] if request is not None else [])
+    # a full cache's fill reads every expert at attach, before the clock: not a decode step's bytes
+    for store in rt.stores:
+        store.wait()
+    filled = (rt.reader.bytes_read, rt.reader.reads)
     try:
         with ds_model.routed(t.model, routing) as ov:
             if isinstance(kw.get("predictor"), NextLayerOracle):
@@ -401,6 +409,7 @@ def live_run(
         st = rt.stats()
     finally:
         rt.detach()
+    st = {**st, "bytes_read": st["bytes_read"] - filled[0], "disk_reads": st["disk_reads"] - filled[1]}
     return {"times": times, "stats": st, "rss_base_mb": base}
 
 

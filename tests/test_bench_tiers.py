@@ -41,8 +41,19 @@ def test_quick_run_at_test_sizes(tmp_path, capsys):
         # both start every request with empty slots (static: its table, counted on the same tokens)
         # and see the same routing, so they decide alike
         # (the oracle's first layer is predicted at the step's start: it reads the token being run)
-        for cfg in ("lru", "lfu", "static hot", "oracle prefetch (bound)"):
+        for cfg in (
+            "lru",
+            "lfu",
+            "static hot",
+            "oracle prefetch (bound)",
+            "all in RAM model",
+            "lru int4-g128",
+        ):
             assert by[cfg]["hit_rate"] == pytest.approx(by[cfg]["modeled_hit_rate"]), cfg
+        # every expert resident: filled before the clock, so no decode step reads, nor does its replay
+        assert by["all in RAM int4-g128"]["hit_rate"] == 1.0 and by["all in RAM int4-g128"]["bytes_read"] == 0
+        # a quantized tier reads its own, smaller, blocks
+        assert by["lru int4-g128"]["read_mb_per_token"] < by["lru"]["read_mb_per_token"] / 2
     assert by["llapor prefetch"]["status"] == "skipped"  # no --predictor
     why = memlimit.available()
     for base in ("page cache", "accelerate"):
