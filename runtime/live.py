@@ -288,8 +288,10 @@ class LiveRuntime:
         self.precision = config.precision
         # what one expert is on the link and in a slot: its bytes at the slow tier's precision
         first = structure.layers[0].experts
-        self.link_bytes = expert_nbytes(
-            self.precision, expert_params(first), bool(getattr(first, "is_transposed", False))
+        self.link_bytes = (
+            expert_nbytes(self.precision, expert_params(first), bool(getattr(first, "is_transposed", False)))
+            if self.precision.quantized
+            else int(self.info.expert_bytes)  # the replay's figure for the same TraceSet
         )
         self.capacity = (
             self.num_experts

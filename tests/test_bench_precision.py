@@ -47,3 +47,34 @@ def test_the_command_prints_the_table_and_writes_its_file(tmp_path, capsys):
     assert printed == ["model", "int8", "int4-g32"]
     text = next(tmp_path.glob("precision-*.md")).read_text()
     assert "- command: `python bench/bench_precision.py --hidden 64" in text and "- machine:" in text
+
+
+def test_the_frontier_takes_each_precisions_fastest_runnable_row_and_its_accuracy(tmp_path, capsys):
+    """int4: LLaPor 300 beats LRU 350; the oracle bound (200) and all in RAM (100) are not rows a user
+    runs, another capacity's row (90) is not this one, and a failed row is skipped."""
+    import json
+
+    import precision_frontier
+
+    def r(config, ms, prec, cap=0.25, status="ok"):
+        return {"config": config, "measured_tpot_ms": ms, "expert_dtype": prec, "capacity": cap,
+                "status": status, "read_mb_per_token": ms / 10}  # fmt: skip
+
+    tiers = tmp_path / "tiers.json"
+    tiers.write_text(json.dumps([
+        r("lru", 800, "model"), r("llapor prefetch-late", 700, "model"), r("lru int4-g128", 350, "int4-g128"),
+        r("llapor prefetch-late int4-g128", 300, "int4-g128"), r("oracle (bound) int4-g128", 200, "int4-g128"),
+        r("all in RAM int4-g128", 100, "int4-g128"), r("lru int4-g128", 90, "int4-g128", cap=0.5),
+        r("lru int4-g128", 50, "int4-g128", status="FAILED"), r("page cache", 900, None),
+    ]))  # fmt: skip
+    acc = tmp_path / "acc.md"
+    acc.write_text("    experts  alpha  ppl  d ppl  agree\n      model   0.00   277.3   +0.00%  100.0%  0.0%\n"
+                   "      model   0.10   277.3   +0.01%   99.9%  1.7%\n  int4-g128   0.00   277.4   +0.06%   99.1%  0.0%\n")  # fmt: skip
+    assert precision_frontier.main(["--tiers", str(tiers), "--accuracy", str(acc)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2] == "| model | 700 (llapor prefetch-late) | 70 | +0.00 % | 100.0 % |"
+    assert lines[3] == "| int4-g128 | 300 (llapor prefetch-late int4-g128) | 30 | +0.06 % | 99.1 % |"
+    assert (tmp_path / "precision-frontier.png").stat().st_size > 0
+    acc.write_text(acc.read_text().replace("int4-g128", "int8"))  # int8 without TPOT, int4 without accuracy
+    assert precision_frontier.main(["--tiers", str(tiers), "--accuracy", str(acc)]) == 1
+    assert "int8 is in only one of" in capsys.readouterr().err
