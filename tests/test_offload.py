@@ -344,6 +344,19 @@ def test_offload_disk_needs_a_directory():
         attach(make_model("qwen2_moe"), offload="tape")
 
 
+def reload_after_a_read(store: DiskLayerStore, ops: FakeOps) -> tuple[object, list]:
+    """Fill slots 0, 1 with experts 4, 6, mark slot 0 read by a kernel, then load expert 1 over expert
+    4: (that kernel's event, the transfer streams' waits the load queued)."""
+    store.fill([4, 6])
+    store.wait([0, 1])
+    store.mark_read([0])
+    read_ev = ops.log[-1][2]
+    ops.log.clear()
+    store.load(1, evict=4)
+    store.wait()
+    return read_ev, [e for e in ops.log if e[0] == "wait" and e[1] != "compute"]
+
+
 def test_cuda_style_disk_store_reads_into_staging_then_copies_after_the_slots_last_reader(tmp_path):
     """The CUDA path of the disk store with a fake stream log: read on the I/O pool into a staging
     buffer, then the pieces' copies wait for the slot's last read event."""
@@ -354,14 +367,7 @@ def test_cuda_style_disk_store_reads_into_staging_then_copies_after_the_slots_la
     ops = FakeOps()
     store = DiskLayerStore(experts, 2, reader, 0, ops=ops)
     try:
-        store.fill([4, 6])
-        store.wait([0, 1])
-        store.mark_read([0])
-        read_ev = ops.log[-1][2]
-        ops.log.clear()
-        store.load(1, evict=4)
-        store.wait()
-        waits = [e for e in ops.log if e[0] == "wait" and e[1] != "compute"]
+        read_ev, waits = reload_after_a_read(store, ops)
         assert len(waits) == len(store.pieces) and all(w[2] is read_ev for w in waits)
         assert torch.equal(store.slots["gate_up_proj"][0], experts.gate_up_proj[1])
         assert torch.equal(store.slots["down_proj"][1], experts.down_proj[6])

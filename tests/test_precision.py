@@ -221,6 +221,7 @@ def test_the_device_path_moves_the_stored_parts_whole_through_staging(tmp_path):
     slot's last reader; the slot then holds exactly the quantized expert the directory stores."""
     from moecast.runtime.offload import DiskLayerStore, ExpertReader
     from test_datapath import FakeOps
+    from test_offload import reload_after_a_read
 
     model = make_model("mixtral")
     prec = P.Precision("int4", 32)
@@ -236,14 +237,7 @@ def test_the_device_path_moves_the_stored_parts_whole_through_staging(tmp_path):
             "down_proj.q",
             "down_proj.sz",
         ]
-        store.fill([4, 6])
-        store.wait([0, 1])
-        store.mark_read([0])
-        read_ev = ops.log[-1][2]
-        ops.log.clear()
-        store.load(1, evict=4)
-        store.wait()
-        waits = [e for e in ops.log if e[0] == "wait" and e[1] != "compute"]
+        read_ev, waits = reload_after_a_read(store, ops)
         assert len(waits) == 4 and all(w[2] is read_ev for w in waits)
         want = P.quantize_matrix(prec, experts.gate_up_proj[1])
         assert torch.equal(store.slots["gate_up_proj.q"][0], want["q"])
