@@ -454,6 +454,8 @@ def live_result(t: Tiers, row: Row, capacity: float) -> dict:
         "budget_mb": budget,
         "dense_mb": (t.directory / "dense.safetensors").stat().st_size / 2**20,
         "requests": len(row.runs),
+        # each request's own TPOT, in request order: the pairs a comparison with another row reads
+        "request_tpot_ms": [float(np.mean(r["times"])) for r in sorted(row.runs, key=lambda r: r["request"])],
         "expert_dtype": row.precision,
         **link_figures(st),
         **_modeled_keys(
@@ -938,6 +940,7 @@ def _finish(report: Any, args: argparse.Namespace, out: Path, t: Tiers | None, t
         rows.append({**{k: r.get(k) for k in KEYS}, "config": r["config"], "capacity": cap, "status": r["status"],
                      **{k: v for k, v in r.items() if k not in KEYS and k not in ("model", "kind", "capacity")}})  # fmt: skip
     rows.sort(key=lambda r: r["capacity"])  # the baselines ran after every capacity's moecast rows
+    mark_against_lru(rows)
     host = os.uname().nodename
     bench_gpu._write(out / f"tiers-{host}.json", json.dumps(rows, indent=1, default=str) + "\n")
     bench_gpu._write(out / f"tiers-{host}.md", markdown(report, rows, args, t, time.perf_counter() - t0))
@@ -949,15 +952,44 @@ def _finish(report: Any, args: argparse.Namespace, out: Path, t: Tiers | None, t
     return rows
 
 
+def against(row: dict, base: dict, noise: float) -> str | None:
+    """``faster``, ``slower`` or ``tie``: ``row`` against ``base`` request by request (the same requests,
+    run in the same rounds). Faster (slower) only when every request's TPOT ratio is below 1 / noise
+    (above noise), where noise is the host's own max / min of identical runs; a ratio inside that
+    spread, or ratios on both sides of 1, make a tie. None without paired requests."""
+    a, b = row.get("request_tpot_ms") or [], base.get("request_tpot_ms") or []
+    if not a or len(a) != len(b):
+        return None
+    ratios = [x / y for x, y in zip(a, b)]
+    if max(ratios) < 1 / noise:
+        return "faster"
+    if min(ratios) > noise:
+        return "slower"
+    return "tie"
+
+
+def mark_against_lru(rows: list[dict]) -> None:
+    """Each live row's ``vs_lru``: :func:`against` LRU at its capacity and precision, with the noise
+    floor's max / min as the host's spread (1 without a noise floor: then only ratios on both sides of
+    1 tie)."""
+    noise = max((r["max_over_min"] for r in rows if r.get("max_over_min")), default=1.0)
+    for r in rows:
+        prec = r.get("expert_dtype")
+        name = "lru" if prec == "model" else f"lru {prec}"
+        base = next((x for x in rows if x["config"] == name and x["capacity"] == r["capacity"]), None)
+        if base is not None and base is not r and r["status"] == "ok":
+            r["vs_lru"] = against(r, base, noise)
+
+
 def table(rows: list[dict]) -> str:
-    head = (f"{'capacity':>8}  {'config':<38} {'status':<8} {'measured':>9} {'modeled':>9} {'probe':>9} {'run rates':>9} {'hit':>6} {'read MB':>9} "
+    head = (f"{'capacity':>8}  {'config':<38} {'status':<8} {'measured':>9} {'vs LRU':>7} {'modeled':>9} {'probe':>9} {'run rates':>9} {'hit':>6} {'read MB':>9} "
             f"{'MB/token':>8} {'floor ms':>8} {'waste MB':>8} {'peak RSS MB':>11} {'budget MB':>9} {'base MB':>8} {'RSS ratio':>9}")  # fmt: skip
     lines = [head, "-" * len(head)]
     f = bench_gpu._fmt
     for r in rows:
         mb = None if r.get("bytes_read") is None else r["bytes_read"] / 2**20
         lines.append(
-            f"{r['capacity']:>8.2f}  {r['config']:<38} {r['status']:<8} {f(r.get('measured_tpot_ms')):>9} "
+            f"{r['capacity']:>8.2f}  {r['config']:<38} {r['status']:<8} {f(r.get('measured_tpot_ms')):>9} {r.get('vs_lru') or '-':>7} "
             f"{f(r.get('modeled_tpot_ms')):>9} {f(r.get('probe_tpot_ms')):>9} {f(r.get('at_run_rates_tpot_ms')):>9} {f(r.get('hit_rate')):>6} {f(mb, 1):>9} "
             f"{f(r.get('read_mb_per_token'), 1):>8} {f(r.get('link_floor_ms'), 1):>8} {f(r.get('wasted_mb_per_token'), 1):>8} {f(r.get('peak_rss_mb'), 0):>11} "
             f"{f(r.get('budget_mb'), 0):>9} {f(r.get('rss_base_mb'), 0):>8} {f(rss_ratio(r), 3):>9}"
@@ -979,6 +1011,9 @@ def markdown(report: Any, rows: list[dict], args: argparse.Namespace, t: Tiers |
         f"- wall time: {wall:.0f} s; baselines held by a memory cgroup: {memlimit.available() or 'yes'}",
         *(f"- {n}" for n in (t.notes if t else [])),
         f"- {MEASURED_RULE}",
+        "- vs LRU: each live row against LRU at its capacity and precision, request by request: faster or slower "
+        "only when every request's TPOT ratio lies beyond the noise floor's max / min; otherwise a tie (the "
+        "difference is inside what identical runs differ by)",
     ]
     if prof:
         lines.append("- profile: " + ", ".join(f"{k} {bench_gpu._fmt(prof[k], 4)}" for k in

@@ -220,3 +220,34 @@ def test_a_killed_baseline_says_why():
     # the child's lines: its limit, a line that only looks like JSON, its result
     out = '{"limit_mb": 789.0, "start_mb": 321.0}\nwarning\n{not json\n{"times": [1.0]}'
     assert bench_tiers._json_lines(out) == [{"limit_mb": 789.0, "start_mb": 321.0}, {"times": [1.0]}]
+
+
+def test_a_difference_inside_the_hosts_spread_is_a_tie():
+    """Noise floor max / min 1.05: ratios 0.90 and 0.93 to LRU (both below 1 / 1.05 = 0.952) are
+    faster; 0.97 and 0.99 lie inside the spread; 0.90 and 1.02 straddle 1; 1.10 and 1.20 are slower."""
+    import bench_tiers
+
+    lru = {"request_tpot_ms": [100.0, 200.0]}
+
+    def row(a, b):
+        return {"request_tpot_ms": [100.0 * a, 200.0 * b]}
+
+    assert bench_tiers.against(row(0.90, 0.93), lru, 1.05) == "faster"
+    assert bench_tiers.against(row(0.97, 0.99), lru, 1.05) == "tie"
+    assert bench_tiers.against(row(0.90, 1.02), lru, 1.05) == "tie"
+    assert bench_tiers.against(row(1.10, 1.20), lru, 1.05) == "slower"
+    assert bench_tiers.against(row(0.97, 0.99), lru, 1.0) == "faster"  # no noise floor: only a straddle ties
+    assert bench_tiers.against({"request_tpot_ms": [90.0]}, lru, 1.05) is None  # not the same requests
+
+    def live(config, prec, a, b, cap=0.25):
+        return {"config": config, "capacity": cap, "status": "ok", "expert_dtype": prec, **row(a, b)}
+
+    rows = [{"config": "noise floor (lru x2)", "capacity": 0.25, "status": "ok", "max_over_min": 1.05},
+            live("lru", "model", 1, 1), live("llapor prefetch-late", "model", 0.9, 0.93),
+            live("lru int4-g128", "int4-g128", 0.5, 0.5), live("llapor prefetch-late int4-g128", "int4-g128", 0.49, 0.5),
+            {"config": "page cache", "capacity": 0.25, "status": "ok"}]  # fmt: skip
+    bench_tiers.mark_against_lru(rows)
+    got = {r["config"]: r.get("vs_lru") for r in rows}
+    # int4's LLaPor is compared with int4's LRU (0.98 and 1.0 of it: a tie), not with the bf16 LRU
+    assert got == {"noise floor (lru x2)": None, "lru": None, "llapor prefetch-late": "faster",
+                   "lru int4-g128": None, "llapor prefetch-late int4-g128": "tie", "page cache": None}  # fmt: skip
