@@ -59,10 +59,8 @@ import numpy as np
 import torch
 from moecast.runtime.expert_store import (
     STAGING_BUFFERS,
-    TRANSFER_STREAMS,
     LayerStore,
     expert_params,
-    split_pieces,
 )
 from moecast.runtime.precision import Precision, pack_int4, part_shapes, quantize_params, weight_names
 from safetensors.torch import _TYPES as SAFETENSORS_DTYPES
@@ -750,8 +748,10 @@ class DiskLayerStore(LayerStore):
 
     On the CPU a load reads the expert straight into its slot (aligned host memory) on the I/O
     pool, and :meth:`wait` blocks on the slots' reads; with ``ops`` (CUDA) a read fills a pinned
-    staging buffer and the same I/O thread then queues the pieces' copies to the device slot after
-    the last kernel that read it. The module's own expert tensors are never read.
+    staging buffer and the same I/O thread then queues one copy of the whole block (every tensor
+    of the expert, packed as on disk) to the device slot, after the last kernel that read it, with
+    one event: the device's slots are one packed buffer too. The module's own expert tensors are
+    never read.
     """
 
     def __init__(
@@ -768,27 +768,25 @@ class DiskLayerStore(LayerStore):
         self.layout = layout = reader.layouts[pos]
         self.expert_bytes = layout.expert_bytes
         self.host = {}
-        self._staging: list[dict[str, torch.Tensor]] = []
         self._staging_raw: list[torch.Tensor] = []
         self._streams = []
         if self.ops is None:
             self._slot_raw = aligned_bytes(self.num_slots * layout.stride)
-            self.slots = layout.views(self._slot_raw, self.num_slots)
         else:
-            self.slots = {
-                n: torch.empty((self.num_slots, *s), dtype=SAFETENSORS_DTYPES[d], device=self.device)
-                for n, s, d in zip(layout.names, layout.shapes, layout.dtypes)
-            }
-            self._streams = [self.ops.stream() for _ in range(TRANSFER_STREAMS)]
+            # one stream: copies into one slot stay in order, and each is one whole block
+            self._slot_raw = torch.empty(
+                self.num_slots * layout.stride, dtype=torch.uint8, device=self.device
+            )
+            self._streams = [self.ops.stream()]
             pin = self.cuda and torch.cuda.is_available()
             for _ in range(STAGING_BUFFERS):
-                raw = pinned_aligned(layout.stride) if pin else aligned_bytes(layout.stride)
-                self._staging_raw.append(raw)
-                self._staging.append({n: v[0] for n, v in layout.views(raw, 1).items()})
-        self.pinned_bytes = layout.stride * len(self._staging) if self.cuda else 0
-        self.pieces = split_pieces(experts, self.slots)
-        self._pending: dict[int, Future] = {}  # slot -> its read (and, with ops, the copies it queued)
-        self._staging_busy: list[Future | None] = [None] * len(self._staging)
+                self._staging_raw.append(
+                    pinned_aligned(layout.stride) if pin else aligned_bytes(layout.stride)
+                )
+        self.slots = layout.views(self._slot_raw, self.num_slots)
+        self.pinned_bytes = layout.stride * len(self._staging_raw) if self.cuda else 0
+        self._pending: dict[int, Future] = {}  # slot -> its read (and, with ops, the copy it queued)
+        self._staging_busy: list[Future | None] = [None] * len(self._staging_raw)
         self._next_staging = 0
 
     def _blocked(self, fut: Future | None) -> Any:
@@ -811,17 +809,25 @@ class DiskLayerStore(LayerStore):
             self._pending[slot] = self.reader.submit(self.pos, expert, buf)
             return
         b = self._next_staging
-        self._next_staging = (b + 1) % len(self._staging)
-        for ev in self._blocked(self._staging_busy[b]) or []:  # its previous copies must have read it
+        self._next_staging = (b + 1) % len(self._staging_raw)
+        for ev in self._blocked(self._staging_busy[b]) or []:  # its previous copy must have read it
             ev.synchronize()
         read = self._read_events.pop(slot, None)
         fut = self.reader.pool.submit(self._read_and_copy, expert, slot, b, read)
         self._pending[slot] = self._staging_busy[b] = fut
 
     def _read_and_copy(self, expert: int, slot: int, b: int, read: Any) -> list[Any]:
-        """On an I/O thread: the expert into staging buffer ``b``, then its pieces to the slot's device memory."""
+        """On an I/O thread: the expert into staging buffer ``b``, then the block to the slot's device
+        bytes in one copy, after ``read`` (the last kernel that read the slot); one event marks it landed."""
         self.reader.read_into(self.pos, expert, self._staging_raw[b].numpy())
-        return self._copy_pieces(self._staging[b], slot, read)
+        stream, start = self._streams[0], slot * self.layout.stride
+        if read is not None:
+            stream.wait_event(read)
+        with self.ops.on(stream):
+            self._slot_raw[start : start + self.layout.stride].copy_(self._staging_raw[b], non_blocking=True)
+            ev = self.ops.event()
+            ev.record(stream)
+        return [ev]
 
     def wait(self, slots: np.ndarray | list[int] | None = None) -> None:
         """Block until the given slots' reads (all, if None) are done; with ops, the compute stream waits for their copies."""

@@ -346,7 +346,7 @@ def test_offload_disk_needs_a_directory():
 
 def reload_after_a_read(store: DiskLayerStore, ops: FakeOps) -> tuple[object, list]:
     """Fill slots 0, 1 with experts 4, 6, mark slot 0 read by a kernel, then load expert 1 over expert
-    4: (that kernel's event, the transfer streams' waits the load queued)."""
+    4: (that kernel's event, the transfer streams' waits and event records the load queued)."""
     store.fill([4, 6])
     store.wait([0, 1])
     store.mark_read([0])
@@ -354,12 +354,13 @@ def reload_after_a_read(store: DiskLayerStore, ops: FakeOps) -> tuple[object, li
     ops.log.clear()
     store.load(1, evict=4)
     store.wait()
-    return read_ev, [e for e in ops.log if e[0] == "wait" and e[1] != "compute"]
+    return read_ev, [e for e in ops.log if e[0] in ("wait", "record") and e[1] != "compute"]
 
 
 def test_cuda_style_disk_store_reads_into_staging_then_copies_after_the_slots_last_reader(tmp_path):
     """The CUDA path of the disk store with a fake stream log: read on the I/O pool into a staging
-    buffer, then the pieces' copies wait for the slot's last read event."""
+    buffer, then one copy of the whole block (one event) after the slot's last read event; the device
+    slots are one packed buffer whose views are the expert's tensors."""
     model = make_model("mixtral")
     meta = _write(model, tmp_path)
     reader = ExpertReader(tmp_path, meta)
@@ -367,8 +368,11 @@ def test_cuda_style_disk_store_reads_into_staging_then_copies_after_the_slots_la
     ops = FakeOps()
     store = DiskLayerStore(experts, 2, reader, 0, ops=ops)
     try:
-        read_ev, waits = reload_after_a_read(store, ops)
-        assert len(waits) == len(store.pieces) and all(w[2] is read_ev for w in waits)
+        read_ev, queued = reload_after_a_read(store, ops)
+        # one stream: it waits for the slot's reader, then records the one copy's landing
+        assert [(e[0], e[1]) for e in queued] == [("wait", "copy0"), ("record", "copy0")]
+        assert queued[0][2] is read_ev
+        assert store._slot_raw.numel() == 2 * reader.layouts[0].stride
         assert torch.equal(store.slots["gate_up_proj"][0], experts.gate_up_proj[1])
         assert torch.equal(store.slots["down_proj"][1], experts.down_proj[6])
         assert reader.reads == 3 and reader.bytes_read == 3 * reader.layouts[0].stride

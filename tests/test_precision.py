@@ -215,9 +215,9 @@ def test_a_damaged_quantized_file_is_refused_in_one_line(tmp_path):
         offload.missing_layers(tmp_path, meta, P.Precision("int4", 32))
 
 
-def test_the_device_path_moves_the_stored_parts_whole_through_staging(tmp_path):
+def test_the_device_path_moves_the_stored_parts_as_one_block_through_staging(tmp_path):
     """The CUDA path of the disk store (a fake stream log) at int4: a read lands in a staging buffer
-    and each stored part (weights and scales of both matrices) is one copy into the slot, after the
+    and the stored parts (weights and scales of both matrices) go to the slot as one copy, after the
     slot's last reader; the slot then holds exactly the quantized expert the directory stores."""
     from moecast.runtime.offload import DiskLayerStore, ExpertReader
     from test_datapath import FakeOps
@@ -231,14 +231,10 @@ def test_the_device_path_moves_the_stored_parts_whole_through_staging(tmp_path):
     ops = FakeOps()
     store = DiskLayerStore(experts, 2, reader, 0, ops=ops)
     try:
-        assert [p.param for p in store.pieces] == [
-            "gate_up_proj.q",
-            "gate_up_proj.sz",
-            "down_proj.q",
-            "down_proj.sz",
-        ]
-        read_ev, waits = reload_after_a_read(store, ops)
-        assert len(waits) == 4 and all(w[2] is read_ev for w in waits)
+        read_ev, queued = reload_after_a_read(store, ops)
+        # the packed int4 parts and their scales move as one block: one wait, one copy, one event
+        assert [(e[0], e[1]) for e in queued] == [("wait", "copy0"), ("record", "copy0")]
+        assert queued[0][2] is read_ev
         want = P.quantize_matrix(prec, experts.gate_up_proj[1])
         assert torch.equal(store.slots["gate_up_proj.q"][0], want["q"])
         assert torch.equal(store.slots["gate_up_proj.sz"][0], want["sz"])
