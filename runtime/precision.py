@@ -343,7 +343,7 @@ def _int4_order(out_f: int, in_f: int) -> tuple[torch.Tensor, torch.Tensor]:
 def unpack_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
     """The CPU kernel's packed uint8 [out, in / 2] -> int32 codes [out, in] (:func:`pack_int4`'s inverse)."""
     out_f = packed.shape[0]
-    byte, high = _int4_order(out_f, in_features)
+    byte, high = (t.to(packed.device) for t in _int4_order(out_f, in_features))
     flat = packed.reshape(-1).to(torch.int32)[byte.reshape(-1)].reshape(out_f, in_features)
     return torch.where(high.bool(), flat >> 4, flat & 15)
 
