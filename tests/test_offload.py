@@ -344,9 +344,9 @@ def test_offload_disk_needs_a_directory():
         attach(make_model("qwen2_moe"), offload="tape")
 
 
-def reload_after_a_read(store: DiskLayerStore, ops: FakeOps) -> tuple[object, list]:
+def reload_after_a_read(store: DiskLayerStore, ops: FakeOps) -> None:
     """Fill slots 0, 1 with experts 4, 6, mark slot 0 read by a kernel, then load expert 1 over expert
-    4: (that kernel's event, the transfer streams' waits and event records the load queued)."""
+    4; the load queues, on one stream, a wait for that kernel's event and the one copy's event."""
     store.fill([4, 6])
     store.wait([0, 1])
     store.mark_read([0])
@@ -354,7 +354,9 @@ def reload_after_a_read(store: DiskLayerStore, ops: FakeOps) -> tuple[object, li
     ops.log.clear()
     store.load(1, evict=4)
     store.wait()
-    return read_ev, [e for e in ops.log if e[0] in ("wait", "record") and e[1] != "compute"]
+    queued = [e for e in ops.log if e[0] in ("wait", "record") and e[1] != "compute"]
+    assert [(e[0], e[1]) for e in queued] == [("wait", "copy0"), ("record", "copy0")]
+    assert queued[0][2] is read_ev
 
 
 def test_cuda_style_disk_store_reads_into_staging_then_copies_after_the_slots_last_reader(tmp_path):
@@ -368,10 +370,7 @@ def test_cuda_style_disk_store_reads_into_staging_then_copies_after_the_slots_la
     ops = FakeOps()
     store = DiskLayerStore(experts, 2, reader, 0, ops=ops)
     try:
-        read_ev, queued = reload_after_a_read(store, ops)
-        # one stream: it waits for the slot's reader, then records the one copy's landing
-        assert [(e[0], e[1]) for e in queued] == [("wait", "copy0"), ("record", "copy0")]
-        assert queued[0][2] is read_ev
+        reload_after_a_read(store, ops)
         assert store._slot_raw.numel() == 2 * reader.layouts[0].stride
         assert torch.equal(store.slots["gate_up_proj"][0], experts.gate_up_proj[1])
         assert torch.equal(store.slots["down_proj"][1], experts.down_proj[6])
