@@ -154,6 +154,9 @@ class LayerStore:
                     for _ in range(STAGING_BUFFERS)
                 ]
                 self._staging_events = [[] for _ in self._staging]
+        # the host copies did not fit the pinning budget: every transfer goes through the staging ring,
+        # a host copy then a device copy, which a run reports (stats' staged_copies)
+        self.staged = bool(self._staging)
         self.pinned_bytes = self.expert_bytes * (self.num_experts if pin else 0)
         if can_pin:
             self.pinned_bytes += self.expert_bytes * len(self._staging)

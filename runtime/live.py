@@ -1113,6 +1113,9 @@ class LiveRuntime:
             device=str(self.stores[0].device),
             simulated_device=not self.stores[0].cuda,
             pinned_bytes=sum(st.pinned_bytes for st in self.stores),
+            # layers whose host copies stayed pageable (over the pinning budget): each of their
+            # transfers is a host copy into a pinned staging buffer, then the device copy
+            staged_copies=sum(st.staged for st in self.stores),
             offload=self.config.offload,
             expert_dtype=self.precision.tag,
             expert_bytes=self.link_bytes,  # one expert as the link moves it (its precision's bytes)

@@ -95,6 +95,13 @@ def _print_stats(stats: dict[str, Any]) -> None:
                 f"{stats['expert_dtype']} ({stats['expert_bytes'] / 2**20:.2f} MiB an expert)",
             )
         )
+    if stats.get("staged_copies"):
+        rows.append(
+            (
+                "staged copies",
+                f"{stats['staged_copies']} layers' host copies stayed pageable (over the pinning budget, half the memory available): each transfer is staged",
+            )
+        )
     rows.append(("peak RSS", f"{stats['peak_rss_mb']:.0f} MiB"))
     parts = ("attention", "expert_compute", "transfer_wait", "device_sync", "predictor", "policy")
     rows.append(

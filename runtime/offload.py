@@ -785,6 +785,7 @@ class DiskLayerStore(LayerStore):
                 )
         self.slots = layout.views(self._slot_raw, self.num_slots)
         self.pinned_bytes = layout.stride * len(self._staging_raw) if self.cuda else 0
+        self.staged = False  # reads land in pinned staging by design: no pageable fallback
         self._pending: dict[int, Future] = {}  # slot -> its read (and, with ops, the copy it queued)
         self._staging_busy: list[Future | None] = [None] * len(self._staging_raw)
         self._next_staging = 0

@@ -108,7 +108,8 @@ def test_a_copy_waits_for_the_last_kernel_that_read_its_slot_only():
 
 def test_pageable_host_copies_go_through_a_bounded_staging_ring():
     store, ops, experts = _store(pin=False, slots=3)
-    assert len(store._staging) == STAGING_BUFFERS
+    assert len(store._staging) == STAGING_BUFFERS and store.staged  # said in the run's stats
+    assert not LayerStore(experts, num_slots=2).staged  # copies within host memory need no staging
     assert store.pinned_bytes == 0  # no CUDA here: the staging buffers are not pinned either
     for k, e in enumerate(range(STAGING_BUFFERS + 2)):
         store.load(e, evict=None if store.free_slot() is not None else int(store.expert_in[k % 3]))
@@ -128,6 +129,7 @@ def test_pinned_budget_is_the_given_size_or_half_the_available_memory():
     rt = attach(model, policy="lru", capacity=2)
     try:
         assert rt.stats()["pinned_bytes"] == 0  # nothing is pinned without CUDA
+        assert rt.stats()["staged_copies"] == 0
     finally:
         rt.detach()
     with pytest.raises(ValueError, match="pinned_mb"):

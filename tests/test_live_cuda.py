@@ -72,10 +72,12 @@ def test_alpha_zero_logits_equal_the_wrapped_implementation_on_cuda(cuda_model, 
     assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4), (name, setting, (got - ref).abs().max())
     assert stats["host_syncs"] == len(rt.stores) * (1 + 4)  # one per layer and step
     if setting.get("pinned_mb") == 0:
-        # pageable host copies: only the staging buffers are pinned
+        # pageable host copies: only the staging buffers are pinned, and the run says it staged
         assert 0 < stats["pinned_bytes"] <= sum(4 * st.expert_bytes for st in rt.stores)
+        assert stats["staged_copies"] == len(rt.stores)
     else:
         assert stats["pinned_bytes"] == sum(st.num_experts * st.expert_bytes for st in rt.stores)
+        assert stats["staged_copies"] == 0
     assert torch.equal(decode(model, ids), ref)  # detached: the wrapped implementation again
 
 
