@@ -10,7 +10,8 @@ scaled as the bench's model's: std 0.02), at every precision of runtime/precisio
   and then multiplied (what a runtime without the kernel does: its cost falls on every load); each
   call on the next of a ring of distinct copies larger than twice the last-level cache, as the
   runtime's experts come cold from memory (runtime/profile.py's ring);
-- error: the weights' relative error and the expert's output's on random inputs.
+- error: the weights' relative error and the expert's output's on 64 random tokens
+  (runtime/precision.py's ``relative_error`` and ``expert_output_error``).
 Writes DIR/precision-<host>.md (date, command, machine, the table) and prints the table; exits 1
 when a row failed, its error on stderr.
 """
@@ -85,25 +86,14 @@ def row(prec: Any, w: dict[str, torch.Tensor], reps: int, ring: int = 1) -> dict
             t0 = time.perf_counter()
             forward(x, fn)
             times[key].append((time.perf_counter() - t0) * 1e3)
-    xs = torch.randn(64, w["gate_up_proj"].shape[1], generator=torch.Generator().manual_seed(2)).bfloat16()
-    ref = forward(xs.float(), lambda v, n: F.linear(v, w[n].float()))
-    out = forward(xs.float(), lambda v, n: F.linear(v, _weights(prec, parts, w, n)))
     return {
         "precision": prec.tag,
         "bytes": nbytes,
         "packed_ms": statistics.median(times["packed"]),
         "dequant_ms": statistics.median(times["dequant"]),
         "weight_error": max(P.relative_error(t.float(), prec) for t in w.values()),
-        "output_error": float((out - ref).norm() / ref.norm()),
+        "output_error": float(P.expert_output_error({n: t[None] for n, t in w.items()}, prec, tokens=64)[0]),
     }
-
-
-def _weights(prec: Any, parts: dict | None, w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    from moecast.runtime import precision as P
-
-    if parts is None:
-        return w[name].float()
-    return P.dequantize_matrix(prec, parts[name], w[name].shape[1]).float()
 
 
 def table(rows: list[dict]) -> str:

@@ -498,8 +498,7 @@ def _tier(precision: str) -> dict:
     """attach()'s settings for the slow tier at ``precision`` (a tag; none for the model's dtype)."""
     from moecast.runtime.precision import Precision
 
-    prec = Precision.of_tag(precision)
-    return {"expert_dtype": prec.dtype, "group_size": prec.group_size} if prec.quantized else {}
+    return Precision.of_tag(precision).settings()
 
 
 def _suffix(precision: str) -> str:
@@ -541,17 +540,10 @@ def all_in_ram_rows(t: Tiers, report: Any, capacity: float, precisions: list[str
 
 def precision_bytes(t: Tiers, precision: str) -> int:
     """One expert's stored bytes at ``precision`` (a tag) in the bench's offload directory."""
-    from moecast.runtime.offload import _read_meta, tier_meta
+    from moecast.runtime.offload import _layouts, _read_meta, tier_meta
     from moecast.runtime.precision import Precision
 
-    meta = tier_meta(_read_meta(t.directory), Precision.of_tag(precision))
-    return int(_layouts_of(meta)[0].stride)
-
-
-def _layouts_of(meta: dict) -> list[Any]:
-    from moecast.runtime.offload import _layouts
-
-    return _layouts(meta)
+    return int(_layouts(tier_meta(_read_meta(t.directory), Precision.of_tag(precision)))[0].stride)
 
 
 def live_rows(t: Tiers, report: Any, capacity: float) -> list[Row]:

@@ -31,16 +31,13 @@ def accuracy(path: Path) -> dict[str, tuple[float, float]]:
 
 
 def fastest(path: Path, capacity: float = 0.25) -> dict[str, dict]:
-    """precision tag -> its fastest runnable row at ``capacity``."""
-    best: dict[str, dict] = {}
-    for r in json.loads(path.read_text()):
-        prec = r.get("expert_dtype")
-        if (r["status"] != "ok" or prec is None or r["capacity"] != capacity or "bound" in r["config"]
-                or r["config"].startswith("all in RAM")):  # fmt: skip
-            continue
-        if prec not in best or r["measured_tpot_ms"] < best[prec]["measured_tpot_ms"]:
-            best[prec] = r
-    return best
+    """precision tag -> its fastest runnable row at ``capacity`` (bench_tiers' :func:`best_at`)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_tiers import best_at
+
+    rows = [r for r in json.loads(path.read_text()) if r["status"] == "ok" and r["capacity"] == capacity]
+    precs = dict.fromkeys(r["expert_dtype"] for r in rows if r.get("expert_dtype"))
+    return {p: best_at(rows, p) for p in precs if best_at(rows, p) is not None}
 
 
 def table(rows: list[tuple[str, dict, tuple[float, float]]]) -> str:

@@ -70,7 +70,7 @@ from moecast.runtime.cost_model import CostModel, HardwareProfile, default_hardw
 from moecast.runtime.expert_store import LayerStore, SlotView, expert_params
 from moecast.runtime.offload import peak_rss_mb
 from moecast.runtime.policy import POLICIES, Policy, get_policy, with_policies
-from moecast.runtime.precision import DTYPES, Precision, expert_nbytes, quantized_experts_forward
+from moecast.runtime.precision import Precision, expert_nbytes, quantized_experts_forward
 from moecast.runtime.step import LayerStep, layer_time, predictor_latency, ranked_predictions
 
 from moecast.errors import InputError, MoecastError
@@ -195,8 +195,6 @@ class LiveConfig:
             raise InputError(f"io_threads must be at least 1, got {self.io_threads}")
         if self.pinned_mb is not None and not (math.isfinite(self.pinned_mb) and self.pinned_mb >= 0):
             raise InputError(f"pinned_mb must be a size in MB >= 0, got {self.pinned_mb}")
-        if self.expert_dtype not in DTYPES:
-            raise InputError(f"unknown expert_dtype={self.expert_dtype}; choose one of {', '.join(DTYPES)}")
         self.precision = Precision(self.expert_dtype, int(self.group_size))
         if self.precision.quantized and self.offload != "disk":
             raise InputError(

@@ -85,6 +85,10 @@ class Precision:
             return cls("int4", int(tag[len("int4-g") :]))
         return cls(tag)
 
+    def settings(self) -> dict[str, Any]:
+        """attach()'s keywords for this precision (none for the model's dtype)."""
+        return {"expert_dtype": self.dtype, "group_size": self.group_size} if self.quantized else {}
+
     def group_for(self, in_features: int) -> int:
         """int4's group for a matrix of ``in_features`` inputs: ``group_size`` where it divides them,
         else the whole row (per channel), which the kernel takes when it is one of its groups."""
@@ -145,18 +149,17 @@ def quantize_matrix(prec: Precision, w: torch.Tensor) -> dict[str, torch.Tensor]
 
 
 def quantize_params(
-    prec: Precision, params: dict[str, torch.Tensor], transposed: bool, experts: range | None = None
+    prec: Precision, params: dict[str, torch.Tensor], transposed: bool
 ) -> dict[str, torch.Tensor]:
-    """A layer's per-expert tensors ([E, ...]) as ``prec`` stores them ([E', ...] per part; ``experts``:
-    which of the E, default all). Vectors pass through."""
-    ids = range(next(iter(params.values())).shape[0]) if experts is None else experts
+    """A layer's per-expert tensors ([E, ...]) as ``prec`` stores them ([E, ...] per part). Vectors pass
+    through."""
     out: dict[str, torch.Tensor] = {}
     mats = set(weight_names(params))
     for name, t in params.items():
         if name not in mats:
-            out[name] = t[list(ids)]
+            out[name] = t
             continue
-        parts = [quantize_matrix(prec, t[e].t() if transposed else t[e]) for e in ids]
+        parts = [quantize_matrix(prec, w.t() if transposed else w) for w in t]
         for suffix in parts[0]:
             out[f"{name}.{suffix}"] = torch.stack([p[suffix] for p in parts])
     return out
@@ -201,8 +204,7 @@ def fake_quantized(
         t = params[name]
         mats = []
         for w in t:
-            m = w.t() if transposed else w
-            back = dequantize_matrix(prec, quantize_matrix(prec, m), m.shape[1]).to(t.dtype)
+            back = round_trip(prec, w.t() if transposed else w).to(t.dtype)
             mats.append(back.t() if transposed else back)
         out[name] = torch.stack(mats)
     return out
@@ -212,8 +214,13 @@ def relative_error(w: torch.Tensor, prec: Precision) -> float:
     """||w - w'|| / ||w|| for one [out, in] matrix quantized at ``prec`` and dequantized."""
     if not prec.quantized:
         return 0.0
-    back = dequantize_matrix(prec, quantize_matrix(prec, w), w.shape[1]).float()
+    back = round_trip(prec, w).float()
     return float((w.float() - back).norm() / w.float().norm().clamp(min=1e-30))
+
+
+def round_trip(prec: Precision, w: torch.Tensor) -> torch.Tensor:
+    """One [out, in] matrix quantized at ``prec`` and dequantized: the weights its expert computes with."""
+    return dequantize_matrix(prec, quantize_matrix(prec, w), w.shape[1])
 
 
 def expert_output_error(

@@ -860,9 +860,6 @@ def calibrate_live(
         raise InputError(f"calibration decodes at least one token, got {tokens}")
     vocab = int(model.config.vocab_size)
     ids = (torch.arange(prompt)[None] * 7919 + 13) % vocab  # a fixed prompt: the rates, not the text, matter
-    tier = (
-        {"expert_dtype": precision.dtype, "group_size": precision.group_size} if precision is not None else {}
-    )
     rt = attach(
         model,
         capacity=capacity,
@@ -870,7 +867,7 @@ def calibrate_live(
         offload_dir=str(offload_dir),
         hardware=prof,
         policy="lru",
-        **tier,
+        **(precision.settings() if precision is not None else {}),
     )
     try:
         with torch.inference_mode():

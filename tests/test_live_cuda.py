@@ -129,21 +129,13 @@ def test_a_quantized_disk_tier_on_the_device_computes_as_the_quantized_model(tmp
     """int8 / int4 experts read through pinned staging into device slots (one block a copy) and
     dequantized per call on the device: the logits of the model whose expert weights are the
     quantized ones, on the GPU."""
-    from moecast.collect.models import find_moe_structure
     from moecast.runtime import precision as P
-    from moecast.runtime.expert_store import expert_params
 
     model = mixtral_random().cuda()
-    ref_model = mixtral_random().cuda()
     prec = P.Precision(dtype, 32)
-    for entry in find_moe_structure(ref_model).layers:
-        mod = entry.experts
-        for name, t in P.fake_quantized(
-            prec, {n: p.cpu() for n, p in expert_params(mod).items()}, False
-        ).items():
-            mod._parameters[name].data = t.cuda()
     ids = torch.randint(0, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(4)).cuda()
-    ref = decode(ref_model, ids)
+    with P.experts_at(mixtral_random().cuda(), prec) as ref_model:  # the quantized weights, on the GPU
+        ref = decode(ref_model, ids)
     rt = attach(model, alpha=0.0, policy="lru", capacity=0.25, offload="disk", offload_dir=str(tmp_path),
                 expert_dtype=dtype, group_size=32)  # fmt: skip
     try:

@@ -110,13 +110,6 @@ def test_expert_bytes_of_each_precision_by_hand():
     assert P.expert_nbytes(P.Precision("int4"), params, False) == 32 * 16 + 32 * 2 * 4 + 32 * 8 + 32 * 2 * 4
 
 
-def _fake_quantize_model(model, prec):
-    for entry in find_moe_structure(model).layers:
-        mod = entry.experts
-        for name, t in P.fake_quantized(prec, expert_params(mod), bool(mod.is_transposed)).items():
-            mod._parameters[name].data = t
-
-
 @pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
 @pytest.mark.parametrize("prec", [P.Precision("int8"), P.Precision("int4", 32)])
 def test_disk_tier_at_a_precision_computes_as_the_model_with_those_weights(tmp_path, family, prec):
@@ -125,9 +118,8 @@ def test_disk_tier_at_a_precision_computes_as_the_model_with_those_weights(tmp_p
     model = make_model(family)
     ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(3))
     exact = decode_logits(model, ids)
-    ref_model = make_model(family)
-    _fake_quantize_model(ref_model, prec)
-    ref = decode_logits(ref_model, ids)
+    with P.experts_at(make_model(family), prec) as ref_model:
+        ref = decode_logits(ref_model, ids)
     rt = attach(
         model, policy="lru", capacity=0.25, prefetch="none", alpha=0.0, offload="disk",
         offload_dir=str(tmp_path), expert_dtype=prec.dtype, group_size=prec.group_size,
