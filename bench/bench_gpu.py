@@ -18,7 +18,7 @@ Two models:
 Per model:
 1. profile: CPU time of one expert of the model's shape and dtype (beta, C), non-expert time per
    layer measured on the model, and on CUDA pinned host-to-device bandwidth and kernel time per expert
-   (:func:`moecast.runtime.profile.measure`); written as a hardware-profile YAML beside the results;
+   (:func:`moecast.runtime.profile.measure.measure`); written as a hardware-profile YAML beside the results;
 2. exactness: logits of the live runtime at alpha 0 (25 % resident, LRU) against the unmodified model's;
 3. TPOT at 25 % resident (teacher-forced decode of the same tokens in every row, after a one-token
    prompt, every layer's slots empty at the start as the replay's caches are; the mean wall time of a
@@ -59,8 +59,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ds_model  # the bench folder is not a package
-from moecast.runtime.live import BREAKDOWN
-from moecast.runtime.policy import DEFAULT_ALPHA
+from moecast.runtime.core.policy import DEFAULT_ALPHA
+from moecast.runtime.live.runtime import BREAKDOWN
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CAPACITY = 0.25
@@ -125,7 +125,7 @@ def timed(s: Setup) -> tuple[float, list[float]]:
 
 def tiny_setup(args: argparse.Namespace, device: torch.device) -> Setup:
     from moecast.collect.tiny import _default_out, _is_built, ensure_tiny
-    from moecast.runtime.live_cli import heldout_rows
+    from moecast.runtime.live.commands import heldout_rows
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     preset = args.tiny_preset
@@ -209,7 +209,7 @@ def _structure(model: Any) -> Any:
 def profile_model(s: Setup, out: Path, device_tag: str) -> dict:
     """``moecast profile`` of this model (its expert shape and dtype, its dense time per layer, its
     predictor's latency), written beside the results; the rows' modeled times come from it."""
-    from moecast.runtime.profile import profile_model as measure_model
+    from moecast.runtime.profile.measure import profile_model as measure_model
 
     # the DeepSeek adapter's checkpoint is timed as trained (all its layers), as the runtime calls it
     pred = getattr(s.predictor, "inner", s.predictor)
@@ -354,7 +354,7 @@ def _experts_to(s: Setup, device: str | torch.device) -> None:
 
 
 def modeled(s: Setup, policy: str, capacity: float | int, predictor: Any = None, alpha: float = 0.0) -> dict:
-    from moecast.runtime.replay import ReplayConfig, replay
+    from moecast.runtime.replay.engine import ReplayConfig, replay
 
     if s.traces is None or s.profile is None:
         return {"modeled_tpot_ms": None, "note": "no replay (profile or routing record failed)"}
@@ -373,7 +373,7 @@ def row_full(s: Setup) -> dict:
 
 
 def _logits(s: Setup, attached: bool) -> list[torch.Tensor]:
-    from moecast.runtime.live import attach
+    from moecast.runtime.live.runtime import attach
 
     rt = None
     if attached:
@@ -413,7 +413,7 @@ def _live_device(s: Setup) -> str | None:
 def live_row(
     s: Setup, policy: str, replay_policy: str, replay_pred: Any, alpha: float = 0.0, **kw: Any
 ) -> dict:
-    from moecast.runtime.live import attach
+    from moecast.runtime.live.runtime import attach
 
     rt = attach(
         s.model, policy=policy, capacity=CAPACITY, alpha=alpha, device=_live_device(s),
@@ -491,7 +491,7 @@ def run_rows(s: Setup, report: Report) -> None:
         lambda: live_row(s, "lru", "presched", s.replay_predictor or "none", balance="presched", **pre_kw),
     )
     if s.substitutes:
-        from moecast.runtime.policy import DEFAULT_ALPHA
+        from moecast.runtime.core.policy import DEFAULT_ALPHA
 
         # modeled without prefetch: replay has no gate-reuse predictor (the live row's online prefetch)
         g(

@@ -5,7 +5,7 @@
 
 For each model and configuration at 25 % of the experts resident, decodes teacher-forced requests
 under the live runtime and reads its own split of each decode step (``*_decode_ms`` of
-:class:`moecast.runtime.live.LiveStats`), divided by the MoE layers: the median over decode steps
+:class:`moecast.runtime.live.runtime.LiveStats`), divided by the MoE layers: the median over decode steps
 of the µs per layer of
 
 - ``policy``: the experts calls' host work outside expert compute, transfer waits and predictor
@@ -13,7 +13,7 @@ of the µs per layer of
   tables, the CPU split);
 - ``predictor``: the layer-ahead predictor's calls (LLaPor's window and ``score_at``), and the
   online prefetcher's next-gate scores under smoe and presched;
-- ``decision``: of ``policy``, the per-layer step's calls (:class:`moecast.runtime.step.LayerStep`'s
+- ``decision``: of ``policy``, the per-layer step's calls (:class:`moecast.runtime.core.step.LayerStep`'s
   route, layer and prefetch, and the ranking of the predicted experts), timed around each call.
 
 Models: ``tiny`` (a built preset, default ``test``, float32, its own routing) and the DeepSeek-shaped
@@ -103,7 +103,8 @@ def _time_decisions(acc: list[float]) -> None:
     """Add the wall time of every per-layer step call to ``acc[0]`` (LayerStep and the ranking)."""
     import time
 
-    from moecast.runtime import live, step
+    from moecast.runtime.core import step
+    from moecast.runtime.live import runtime as live
 
     def timed(fn):
         def call(*a, **kw):
@@ -127,8 +128,8 @@ def measure_tree(args: argparse.Namespace) -> dict:
 
     sys.path.insert(0, str(ROOT / "bench"))
     import ds_model
-    from moecast.runtime import live
-    from moecast.runtime.live import attach
+    from moecast.runtime.live import runtime as live
+    from moecast.runtime.live.runtime import attach
 
     print(f"measuring the tree of {Path(live.__file__).parents[1]}", flush=True)
     torch.set_num_threads(1)

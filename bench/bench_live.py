@@ -59,7 +59,7 @@ def _predictor_timing(model, ids, predictor: str, capacity: float, tokens: int, 
     and the per-layer prediction call inside the decode loop (µs), or ``{"skipped": why}``."""
     import numpy as np
     from moecast.predictors.registry import load
-    from moecast.runtime.live import attach
+    from moecast.runtime.live.runtime import attach
 
     try:
         pred = load(predictor)
@@ -104,7 +104,7 @@ def _warm_prediction_us(model, ids, pred, capacity: float) -> float:
     import copy
 
     import numpy as np
-    from moecast.runtime.live import attach
+    from moecast.runtime.live.runtime import attach
 
     snaps: list[tuple[object, int]] = []
     rt = attach(model, policy="lru", capacity=capacity, predictor=pred)
@@ -140,8 +140,8 @@ def measure(
     predictor: str = DEFAULT_PREDICTOR,
 ) -> dict:
     """Full-residency overhead (best of ``repeats``), the LLaPor timing, and the alpha sweep."""
-    from moecast.runtime.live import attach
-    from moecast.runtime.live_cli import heldout_rows, sweep
+    from moecast.runtime.live.commands import heldout_rows, sweep
+    from moecast.runtime.live.runtime import attach
 
     torch.set_num_threads(1)
     model, tok, preset = _model()

@@ -9,7 +9,7 @@ request; ours runs with ``cold=True``, batch 1), at the same capacities (a fract
 experts per layer, rounded: 10/25/50 % of 64 = 6/16/32 experts), and both count every routed
 (token, layer, expert) use, the first ones included, in the hit-rate denominator.
 
-Ours: ``moecast.runtime.replay.replay_capacities`` (what ``moecast replay`` runs), policies
+Ours: ``moecast.runtime.replay.engine.replay_capacities`` (what ``moecast replay`` runs), policies
 ``lru`` and ``belady``, demand loads only. Theirs: ``moe_policylang.benchmark.replay.replay_policies``
 with ``topk_lru`` and ``belady`` on a ``TraceRecording`` built from the TraceSet (one entry per
 (token, layer), ``prompt_id`` = request index, ``token_idx`` = position).
@@ -114,7 +114,7 @@ def _replay_ours(
     ts: Any, rids: list[str], capacities: list[float]
 ) -> tuple[dict[str, list[float]], dict[str, float]]:
     """(our hit rate per policy and capacity, our wall seconds per policy)."""
-    from moecast.runtime.replay import ReplayConfig, replay_capacities
+    from moecast.runtime.replay.engine import ReplayConfig, replay_capacities
 
     ours: dict[str, list[float]] = {}
     t_ours = {}
@@ -188,7 +188,7 @@ def run(traces: str, requests: int, capacities: list[float]) -> dict:
     out = _summary(ts, rids, subset, capacities)
     ours, t_ours = _replay_ours(ts, rids, capacities)
     theirs, t_theirs = _replay_theirs(ts, rids, capacities, out)
-    from moecast.runtime.cache import resolve_capacity
+    from moecast.runtime.core.cache import resolve_capacity
 
     out["our_budgets"] = [resolve_capacity(c, m.num_experts, m.top_k) for c in capacities]
     out["rows"] += _table_rows(ours, theirs, out["our_budgets"], capacities)

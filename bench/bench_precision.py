@@ -3,15 +3,15 @@
     python bench/bench_precision.py [--hidden 2048] [--intermediate 1408] [--reps 30] [--out DIR]
 
 One expert of the DeepSeek-V2-Lite shape (gate-up [2I, H], down [H, I], bf16, random normal weights
-scaled as the bench's model's: std 0.02), at every precision of runtime/precision.py, and for each:
+scaled as the bench's model's: std 0.02), at every precision of runtime/tiers/precision.py, and for each:
 - bytes: what the slow tier stores and the link moves for it;
 - compute at one token, two ways, interleaved rep by rep and reported as medians: on the packed
   weights with torch's weight-only kernel (what the runtime does), and dequantized to bf16 first
   and then multiplied (what a runtime without the kernel does: its cost falls on every load); each
   call on the next of a ring of distinct copies larger than twice the last-level cache, as the
-  runtime's experts come cold from memory (runtime/profile.py's ring);
+  runtime's experts come cold from memory (runtime/profile/measure.py's ring);
 - error: the weights' relative error and the expert's output's on 64 random tokens
-  (runtime/precision.py's ``relative_error`` and ``expert_output_error``).
+  (runtime/tiers/precision.py's ``relative_error`` and ``expert_output_error``).
 Writes DIR/precision-<host>.md (date, command, machine, the table) and prints the table; exits 1
 when a row failed, its error on stderr.
 """
@@ -54,7 +54,7 @@ def row(prec: Any, w: dict[str, torch.Tensor], reps: int, ring: int = 1) -> dict
     """One precision's figures (the module docstring's); ``ring``: distinct copies cycled through."""
     import itertools
 
-    from moecast.runtime import precision as P
+    from moecast.runtime.tiers import precision as P
 
     parts = None if not prec.quantized else {n: P.quantize_matrix(prec, t) for n, t in w.items()}
     stored = w if parts is None else {f"{n}.{k}": t for n, p in parts.items() for k, t in p.items()}
@@ -109,7 +109,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moecast.runtime.precision import Precision
+    from moecast.runtime.tiers.precision import Precision
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=2048)
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
-    from moecast.runtime.profile import ring_size
+    from moecast.runtime.profile.measure import ring_size
 
     w = expert(args.hidden, args.intermediate)
     rows, failed = [], 0

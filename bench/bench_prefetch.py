@@ -43,7 +43,7 @@ def measure(traces: Path, checkpoint: Path, hardware: str) -> dict[str, list]:
     """Row name -> one ReplayResult per capacity of :data:`CAPACITIES` on ``hardware``."""
     from moecast.collect.traceset import TraceSet
     from moecast.predictors.provenance import holdout
-    from moecast.runtime.replay import ReplayConfig, replay_capacities
+    from moecast.runtime.replay.engine import ReplayConfig, replay_capacities
 
     ts = TraceSet(traces)
     held_out = holdout(ts, HOLDOUT, [str(checkpoint)])[0]

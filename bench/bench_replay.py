@@ -81,7 +81,7 @@ def decision_cost(
     E: int = 64, k: int = 6, cap: int = 16, iters: int = 20000, policy: str = "lru", repeats: int = 3
 ) -> dict:
     """µs of one layer's online decision as the live runtime makes it: the compiled one-lane calls of
-    :class:`moecast.runtime.step.LayerStep` (``compiled=True``), one token, 26 layers in turn.
+    :class:`moecast.runtime.core.step.LayerStep` (``compiled=True``), one token, 26 layers in turn.
 
     Per layer: substitution (SMoE Algorithm 1 at alpha 0.2 on the policy's eviction), the ranking
     of the next layer's predicted experts, the layer (access, the balancer's split, inserts,
@@ -92,10 +92,10 @@ def decision_cost(
     """
     import dataclasses
 
-    from moecast.runtime.cache import ExpertCache
-    from moecast.runtime.cost_model import CostModel
-    from moecast.runtime.policy import POLICIES
-    from moecast.runtime.step import LayerStep, ranked_predictions
+    from moecast.runtime.core.cache import ExpertCache
+    from moecast.runtime.core.cost_model import CostModel
+    from moecast.runtime.core.policy import POLICIES
+    from moecast.runtime.core.step import LayerStep, ranked_predictions
 
     L = 26
     probs, topk, nxt = _routing(E, k, iters)
@@ -138,7 +138,7 @@ def _run(args: tuple) -> tuple:
     """One policy at some of the capacities (a worker process)."""
     traces, policy, cold, rids, hardware, caps = args
     from moecast.collect.traceset import TraceSet
-    from moecast.runtime.replay import ReplayConfig, replay_capacities
+    from moecast.runtime.replay.engine import ReplayConfig, replay_capacities
 
     ts = TraceSet(traces)
     t0, c0 = time.perf_counter(), time.process_time()
@@ -167,7 +167,7 @@ def _sweep(traces, policies, cold, rids, hardware, workers) -> tuple[dict, float
         import multiprocessing as mp
 
         from moecast.collect.traceset import TraceSet
-        from moecast.runtime.replay import _data
+        from moecast.runtime.replay.engine import _data
 
         # read the trace arrays once here: the forked workers inherit them (the replay keeps them)
         ts = TraceSet(traces)
@@ -201,7 +201,7 @@ def call_floor_us() -> float:
 
 
 def _skip_reason(ts, policy: str, rid: str) -> str:
-    from moecast.runtime.replay import ReplayConfig, replay
+    from moecast.runtime.replay.engine import ReplayConfig, replay
 
     try:
         replay(ts, ReplayConfig(policy=policy, capacity=0.25, requests=[rid]))
@@ -220,7 +220,7 @@ def measure(
 ) -> dict:
     """The decision microbenchmark (lru, lfu), then every policy's sweep over CAPS5, cold and stream."""
     from moecast.collect.traceset import TraceSet
-    from moecast.runtime.replay import POLICIES
+    from moecast.runtime.replay.engine import POLICIES
 
     out: dict = {"load_before": os.getloadavg(), "decisions": {}, "sweeps": {}}
     if decision:

@@ -6,7 +6,7 @@
 The model is bench/ds_model.py's DeepSeek-V2-Lite-shaped one (hidden 2048, expert intermediate 1408,
 64 routed + 2 shared experts, top-6, bf16, random weights; 26 MoE layers, ``--layers`` fewer), its
 routing replaced by the recorded ids of held-out DeepSeek requests (a benchmark mode). Its experts
-are generated once into an offload directory under $MOECAST_HOME/bench_tiers (runtime/offload.py's
+are generated once into an offload directory under $MOECAST_HOME/bench_tiers (runtime/tiers/offload.py's
 format: one aligned block per expert), and every configuration reads them from there; the other
 weights are loaded once (experts never materialised).
 
@@ -35,7 +35,7 @@ the budget plus that: :data:`RSS_RULE`):
 - accelerate disk offload: ``dispatch_model`` with a device map that keeps the first layers'
   experts modules in RAM within the budget and the others in an ``offload_folder`` (accelerate's
   own format, written once), under the same cgroup.
-At each quantized precision of ``--precisions`` (runtime/precision.py: ``int8``, ``int4`` with
+At each quantized precision of ``--precisions`` (runtime/tiers/precision.py: ``int8``, ``int4`` with
 ``--group-size``), LRU, LLaPor prefetch-late and the oracle prefetch-late bound run again with the
 slow tier's experts at that precision (the offload directory's quantized copy, written once from its
 model-dtype files), each precision under its own calibration; and, where the experts fit in half the
@@ -64,7 +64,7 @@ from typing import Any
 import numpy as np
 import torch
 from moecast.predictors.base import LayerAhead
-from moecast.runtime.cache import StaticTable
+from moecast.runtime.core.cache import StaticTable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_gpu  # the guarded rows and the figures' formatting
@@ -176,7 +176,7 @@ def setup(args: argparse.Namespace) -> Tiers:
         t.notes.append(f"{routing.source}: the model's own random router decides; no modeled figures")
     shape = "test sizes" if args.ds_shape == "test" else "DeepSeek-V2-Lite shape"
     t.notes.insert(0, f"random weights, {shape}, {args.layers} MoE layers, bf16, experts in {d}")
-    from moecast.runtime.offload import _read_meta
+    from moecast.runtime.tiers.offload import _read_meta
 
     t.expert_bytes = int(_layout(d).expert_bytes) if _read_meta(d) else 0
     return t
@@ -189,14 +189,14 @@ def random_requests(vocab: int, n: int, count: int) -> list[np.ndarray]:
 
 
 def _layout(d: Path) -> Any:
-    from moecast.runtime.offload import _layouts, _read_meta
+    from moecast.runtime.tiers.offload import _layouts, _read_meta
 
     return _layouts(_read_meta(d))[0]
 
 
 def profile(t: Tiers, out: Path) -> dict:
     """This machine for this model, with the disk as the link and the CPU as the fast tier's compute."""
-    from moecast.runtime.profile import profile_model
+    from moecast.runtime.profile.measure import profile_model
 
     pred = getattr(t.predictor, "inner", t.predictor)
     # the experts' directory holds the offload: profile_model reads it as the runtime does and, with
@@ -217,8 +217,8 @@ def precision_probe(t: Tiers, precision: str) -> Any:
     """The probe's profile with the experts timed at ``precision`` (a tag) as the live runtime computes
     a quantized tier's: the CPU expert's beta and C, and so a resident expert's time on a CPU."""
     from moecast.collect.models import find_moe_structure
-    from moecast.runtime.precision import Precision
-    from moecast.runtime.profile import _sig, implementation_expert_ms
+    from moecast.runtime.profile.measure import _sig, implementation_expert_ms
+    from moecast.runtime.tiers.precision import Precision
 
     experts = find_moe_structure(t.model).layers[0].experts
     beta, c, how = implementation_expert_ms(experts, precision=Precision.of_tag(precision))
@@ -285,15 +285,15 @@ def modeled(
     """Replay of the bench's requests (``requests``: their indices; None: all) under the profile
     ``hardware``, each request's cache starting cold, as each live run's does (one attach per request);
     ``capacity`` None: every expert resident; ``precision``: the slow tier's (a tag)."""
-    from moecast.runtime.precision import Precision
-    from moecast.runtime.replay import ReplayConfig, replay
+    from moecast.runtime.replay.engine import ReplayConfig, replay
+    from moecast.runtime.tiers.precision import Precision
 
     if t.traces is None or t.profile is None:
         return None
     picked = t.routing.requests if requests is None else [t.routing.requests[i] for i in requests]
     prec = Precision.of_tag(precision)
     if capacity is None:  # every expert resident from the start, as the live fill before the clock
-        from moecast.runtime.policy import get_policy
+        from moecast.runtime.core.policy import get_policy
 
         policy = replace(get_policy(policy), preload="hot")
     cfg = ReplayConfig(
@@ -338,7 +338,7 @@ def _modeled_keys(
     calibration where calibration ran), under the probe's profile alone (probe) and under the rates
     the row's own runs saw (at_run_rates: the model's rules apart from any drift of the disk; its
     decisions of what lands in a window may differ from those the runs took)."""
-    from moecast.runtime.profile import calibrate
+    from moecast.runtime.profile.measure import calibrate
 
     out = modeled_by_round(t, policy, capacity, predictor, runs, precision)
     if out["modeled_tpot_ms"] is None:
@@ -371,7 +371,7 @@ class Row:
     replay_pred: Any = "none"
     runs: list[dict] = field(default_factory=list)
     error: BaseException | None = None
-    precision: str = "model"  # the slow tier's (runtime/precision.py tag): its calibration and replay
+    precision: str = "model"  # the slow tier's (runtime/tiers/precision.py tag): its calibration and replay
     full: bool = False  # every expert resident (the all-in-RAM row)
 
 
@@ -380,7 +380,7 @@ def live_run(
 ) -> dict:
     """One request on a freshly attached runtime under the profile ``hardware`` (its cache starts
     cold): its decode steps' ms, the runtime's stats and the process's RSS just before attach."""
-    from moecast.runtime.live import attach
+    from moecast.runtime.live.runtime import attach
 
     release_freed()
     reset_peak_rss()
@@ -416,7 +416,7 @@ def live_run(
 def pooled(stats: list[dict]) -> dict:
     """Several live runs' stats as one run's: counts and bytes summed, the per-step parts averaged over
     all decode steps, the disk's rate over all the runs' busy time."""
-    from moecast.runtime.live import BREAKDOWN
+    from moecast.runtime.live.runtime import BREAKDOWN
 
     keys = ("decode_steps", "routed", "uses", "hits", "bytes_read", "prefetches_issued", "prefetch_used")
     out = {k: sum(s[k] for s in stats) for k in keys}
@@ -434,7 +434,7 @@ def pooled(stats: list[dict]) -> dict:
 
 def live_result(t: Tiers, row: Row, capacity: float) -> dict:
     """A live row's figures over its runs (one per request)."""
-    from moecast.runtime.live import BREAKDOWN
+    from moecast.runtime.live.runtime import BREAKDOWN
 
     st = pooled([r["stats"] for r in row.runs])
     resident = t.cfg.n_routed_experts if row.full else int(capacity * t.cfg.n_routed_experts)
@@ -496,7 +496,7 @@ def _row(
 
 def _tier(precision: str) -> dict:
     """attach()'s settings for the slow tier at ``precision`` (a tag; none for the model's dtype)."""
-    from moecast.runtime.precision import Precision
+    from moecast.runtime.tiers.precision import Precision
 
     return Precision.of_tag(precision).settings()
 
@@ -522,7 +522,7 @@ def precision_rows(t: Tiers, capacity: float, precision: str) -> list[Row]:
 def all_in_ram_rows(t: Tiers, report: Any, capacity: float, precisions: list[str]) -> list[Row]:
     """Every expert resident at each precision (the compute floor: no read in any decode step), where
     the experts fit in half the memory available now; the others are reported skipped, with why."""
-    from moecast.runtime.offload import available_bytes
+    from moecast.runtime.tiers.offload import available_bytes
 
     s, rows = SimpleNamespace(name=f"{int(capacity * 100)} %"), []
     avail = available_bytes() or 0
@@ -540,8 +540,8 @@ def all_in_ram_rows(t: Tiers, report: Any, capacity: float, precisions: list[str
 
 def precision_bytes(t: Tiers, precision: str) -> int:
     """One expert's stored bytes at ``precision`` (a tag) in the bench's offload directory."""
-    from moecast.runtime.offload import _layouts, _read_meta, tier_meta
-    from moecast.runtime.precision import Precision
+    from moecast.runtime.tiers.offload import _layouts, _read_meta, tier_meta
+    from moecast.runtime.tiers.precision import Precision
 
     return int(_layouts(tier_meta(_read_meta(t.directory), Precision.of_tag(precision)))[0].stride)
 
@@ -581,12 +581,12 @@ def live_rows(t: Tiers, report: Any, capacity: float) -> list[Row]:
 
 def calibrate_round(t: Tiers, capacity: float, i: int, done: list[dict], precision: str = "model") -> Any:
     """The profile round ``i``'s rows at ``capacity`` run under: the probe's, calibrated
-    (moecast.runtime.profile.calibrate) on a live LRU run at ``capacity`` of one of the held-out
+    (moecast.runtime.profile.measure.calibrate) on a live LRU run at ``capacity`` of one of the held-out
     requests static's table is counted on (no row measures them), just before the round's rows, as
     `moecast profile --calibrate` does before a user's run, so the calibration sees the disk the rows
     see; the probe's where there is nothing to calibrate on, or the calibration failed (kept in
     ``done``, which collects each round's run)."""
-    from moecast.runtime.profile import calibrate
+    from moecast.runtime.profile.measure import calibrate
 
     cal, prof = t.hot_routing, t.probe(precision)
     if not cal or prof is None or prof.fast_tier != "cpu":
@@ -611,7 +611,7 @@ def calibrate_round(t: Tiers, capacity: float, i: int, done: list[dict], precisi
 def calibration_summary(t: Tiers, capacity: float, done: list[dict], precision: str = "model") -> dict:
     """Each round's calibrated rates, and the profile calibrated on every round's run together,
     written as ``bench-tiers-calibrated-<capacity>.yaml`` (the profile a user would keep)."""
-    from moecast.runtime.profile import calibrate
+    from moecast.runtime.profile.measure import calibrate
 
     err = next((d["error"] for d in done if "error" in d), None)
     if err is not None:
@@ -745,7 +745,7 @@ def child_result(runs: list[dict]) -> dict:
 def child_main(args: argparse.Namespace) -> None:
     """In the limited process: build the baseline, cap the cgroup at usage + budget, decode one request
     from a cold page cache, print one JSON line."""
-    from moecast.runtime.offload import peak_rss_mb
+    from moecast.runtime.tiers.offload import peak_rss_mb
 
     overrides = bench_gpu.DS_TEST_SHAPE if args.ds_shape == "test" else {}
     cfg = ds_model.ds_config(args.layers, **overrides)
@@ -900,7 +900,7 @@ def _run(argv: list[str] | None) -> tuple[Any, list[dict]]:
 
 def precision_tags(args: argparse.Namespace) -> list[str]:
     """``--precisions`` as tags (``int4`` with ``--group-size``), the model's dtype first where given."""
-    from moecast.runtime.precision import Precision
+    from moecast.runtime.tiers.precision import Precision
 
     out = [Precision(p.strip(), args.group_size).tag for p in args.precisions.split(",") if p.strip()]
     return sorted(dict.fromkeys(out), key=lambda p: p != "model")
@@ -909,8 +909,8 @@ def precision_tags(args: argparse.Namespace) -> list[str]:
 def ensure_precision(t: Tiers, precision: str) -> None:
     """The offload directory's copy at ``precision``, quantized once from its model-dtype files."""
     from moecast.collect.models import find_moe_structure
-    from moecast.runtime.offload import write_offload
-    from moecast.runtime.precision import Precision
+    from moecast.runtime.tiers.offload import write_offload
+    from moecast.runtime.tiers.precision import Precision
 
     write_offload(
         t.model, find_moe_structure(t.model), t.directory, dense=False, precision=Precision.of_tag(precision)

@@ -109,11 +109,11 @@ def _dense_init(model: Any, expert_names: set[str], seed: int) -> None:
 
 
 def ensure_offload(cfg: Any, directory: str | Path, seed: int = 0) -> Path:
-    """The model's experts in an offload directory (runtime/offload.py's format), generated once: one
+    """The model's experts in an offload directory (runtime/tiers/offload.py's format), generated once: one
     MoE layer at a time (random, seeded per layer), so no more than one layer's experts is ever in
     memory; the non-expert weights go to its dense file. A re-run keeps the complete files."""
     from moecast.collect.models import find_moe_structure
-    from moecast.runtime import offload as O
+    from moecast.runtime.tiers import offload as O
     from safetensors.torch import save
 
     d = O.prepare_dir(directory)
@@ -145,7 +145,7 @@ def ensure_offload(cfg: Any, directory: str | Path, seed: int = 0) -> Path:
 
 
 def _meta_model(cfg: Any) -> Any:
-    from moecast.runtime.offload import _params_on_meta
+    from moecast.runtime.tiers.offload import _params_on_meta
     from transformers import AutoModelForCausalLM
 
     with _params_on_meta():
@@ -155,7 +155,7 @@ def _meta_model(cfg: Any) -> Any:
 def load_dense(cfg: Any, directory: str | Path) -> Any:
     """The model with its non-expert weights from the offload directory and its experts on the meta
     device (the live runtime's disk tier reads them; they are never materialised)."""
-    from moecast.runtime.offload import DENSE
+    from moecast.runtime.tiers.offload import DENSE
     from safetensors.torch import load_file
 
     model = _meta_model(cfg)
@@ -178,7 +178,7 @@ def _fault_in(model: Any) -> None:
 def expert_views(directory: str | Path) -> list[dict[str, torch.Tensor]]:
     """Per MoE layer, its experts' stacked tensors as views of the memory-mapped layer files (no read
     happens until a page is touched: llama.cpp's way of holding weights)."""
-    from moecast.runtime.offload import _header, _layouts, _read_meta
+    from moecast.runtime.tiers.offload import _header, _layouts, _read_meta
 
     d = Path(directory)
     meta = _read_meta(d)

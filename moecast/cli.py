@@ -35,11 +35,11 @@ COMMANDS: dict[str, str | dict[str, str]] = {
         "eval": "moecast.predictors.commands:evaluate",
         "remember": "moecast.predictors.commands:remember",
     },
-    "profile": "moecast.runtime.commands:profile",
-    "replay": "moecast.runtime.commands:replay",
-    "compare": "moecast.runtime.commands:compare",
-    "run": "moecast.runtime.live_cli:run",
-    "eval-accuracy": "moecast.runtime.live_cli:eval_accuracy",
+    "profile": "moecast.runtime.profile.commands:profile",
+    "replay": "moecast.runtime.replay.commands:replay",
+    "compare": "moecast.runtime.replay.commands:compare",
+    "run": "moecast.runtime.live.commands:run",
+    "eval-accuracy": "moecast.runtime.live.commands:eval_accuracy",
     "demo": "moecast.demo:demo",
 }
 # Groups whose required arguments are options too (`moecast train llapor --traces T --out C`)

@@ -263,7 +263,7 @@ def _compare(
     wandb: bool,
 ) -> None:
     """Stage 5: ``moecast compare`` of the held-out requests into ``cmp_dir``, its printout silenced."""
-    from moecast.runtime.commands import compare
+    from moecast.runtime.replay.commands import compare
 
     quiet = io.StringIO()
     # compare's wide table is in table.md; the demo prints a compact one

@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 from moecast.collect.models import find_moe_structure
-from moecast.runtime import precision as P
-from moecast.runtime.expert_store import expert_params
-from moecast.runtime.live import attach
-from moecast.runtime.live_cli import eval_accuracy, sweep, teacher_forced
+from moecast.runtime.live.commands import eval_accuracy, sweep, teacher_forced
+from moecast.runtime.live.runtime import attach
+from moecast.runtime.tiers import precision as P
+from moecast.runtime.tiers.expert_store import expert_params
 from test_live import make_model, model_dir  # noqa: F401  (model_dir: the CLI's model directory fixture)
 
 from moecast.errors import InputError

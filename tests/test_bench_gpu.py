@@ -188,7 +188,7 @@ def test_runner_entry_without_cuda_is_one_skipped_row(monkeypatch):
 
 def test_ds_predictor_adapter_pads_the_layers_and_maps_the_tokens_back():
     from moecast.collect.traceset import RequestTrace
-    from moecast.runtime.profile import llapor_standin
+    from moecast.runtime.profile.measure import llapor_standin
 
     inner = llapor_standin(num_layers=6, num_experts=64, top_k=6)  # the "26-layer" checkpoint
     ad = ds_model.LayerSubsetPredictor(inner, {5: 12345, 7: 999}, layers=3)

@@ -112,7 +112,7 @@ def test_accelerate_disk_baseline_keeps_the_logits(tmp_path):
 
 def test_offload_generation_resumes_and_writes_one_layer_at_a_time(tmp_path):
     import ds_model
-    from moecast.runtime.offload import DENSE
+    from moecast.runtime.tiers.offload import DENSE
     from test_bench_gpu import SMALL
 
     cfg = ds_model.ds_config(3, **SMALL)
@@ -129,7 +129,7 @@ def test_offload_generation_resumes_and_writes_one_layer_at_a_time(tmp_path):
 def test_pooled_runs_by_hand():
     """Two runs as one: counts summed, per-step parts weighted by steps, the disk over both busy times."""
     import bench_tiers
-    from moecast.runtime.live import BREAKDOWN
+    from moecast.runtime.live.runtime import BREAKDOWN
 
     def run(steps, uses, hits, mb, gbps, ms):
         return {"decode_steps": steps, "routed": uses, "uses": uses, "hits": hits, "bytes_read": mb * 10**6,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from moecast.runtime.cache import ExpertCache, StaticTable, resolve_capacity
+from moecast.runtime.core.cache import ExpertCache, StaticTable, resolve_capacity
 
 
 def test_capacity_forms_and_below_topk_error():

@@ -35,7 +35,7 @@ def test_command_help_shows_the_whole_description(capsys):
     assert exc.value.code == 0
     out = capsys.readouterr().out
     # the paragraph after the first line (every preset with its help, from POLICIES), before the options
-    from moecast.runtime.policy import POLICIES
+    from moecast.runtime.core.policy import POLICIES
 
     assert all(f"{n} ({p.help})" in " ".join(out.split()) for n, p in POLICIES.items())
     assert out.index("Policies:") < out.index("options:") and "<POLICY" not in out
@@ -43,7 +43,7 @@ def test_command_help_shows_the_whole_description(capsys):
 
 def test_eval_accuracy_reads_workloads_from_a_data_dir_and_checks_the_plot_path_first(tmp_path):
     from moecast.collect.fixtures import write_fixtures
-    from moecast.runtime.live_cli import eval_accuracy, heldout_rows
+    from moecast.runtime.live.commands import eval_accuracy, heldout_rows
 
     data = write_fixtures(tmp_path / "data", rows=4, names=["gsm8k"])
     chars = lambda text: {"input_ids": [ord(c) for c in text]}  # noqa: E731

@@ -8,9 +8,9 @@ import math
 import numpy as np
 import pytest
 import yaml
-from moecast.runtime.cost_model import CostModel, ProfileError, available_profiles, load_profile
-from moecast.runtime.prefetch import gap_prefetch_count
-from moecast.runtime.presched import PreSched, schedule
+from moecast.runtime.core.cost_model import CostModel, ProfileError, available_profiles, load_profile
+from moecast.runtime.core.prefetch import gap_prefetch_count
+from moecast.runtime.core.presched import PreSched, schedule
 
 PAPER_PROFILES = {
     "smoe-s1-3080ti",
@@ -123,7 +123,7 @@ def test_gap_formula_eq6_eq7():
 
 
 def test_profile_command_measures_cpu_and_writes_yaml(tmp_path, capsys):
-    from moecast.runtime.commands import profile
+    from moecast.runtime.profile.commands import profile
 
     out = tmp_path / "hw" / "local.yaml"
     profile(out=str(out), hidden_size=64, intermediate_size=32, name="test-local")
@@ -137,7 +137,7 @@ def test_profile_command_measures_cpu_and_writes_yaml(tmp_path, capsys):
 
 def test_schedule_unit_equals_schedule_for_one_token_sizes():
     """PreSched at decode batch 1 (every pending expert has one token) without sorts: same decisions."""
-    from moecast.runtime.presched import schedule_unit
+    from moecast.runtime.core.presched import schedule_unit
 
     rng = np.random.default_rng(0)
     for name in ("prescope-a100-pcie4", "prescope-v100-pcie3", "smoe-s1-3080ti", "gh200-nvlink-c2c"):
@@ -166,8 +166,8 @@ def test_profile_reads_the_expert_shape_in_the_traces_dtype(tmp_path, monkeypatc
 
     from conftest import make_synthetic_traceset
     from moecast.collect.traceset import TraceSet
-    from moecast.runtime import commands
-    from moecast.runtime import profile as prof
+    from moecast.runtime.profile import commands
+    from moecast.runtime.profile import measure as prof
 
     path = make_synthetic_traceset(tmp_path / "t", hidden=16)
     m = TraceSet(path).meta.model
@@ -192,8 +192,8 @@ def test_live_models_time_on_this_machines_profile_where_one_was_measured(tmp_pa
     ``local`` profile, then that one; the stats say which and why."""
     import dataclasses
 
-    from moecast.runtime.cost_model import DEFAULT_HARDWARE, default_hardware
-    from moecast.runtime.live import attach
+    from moecast.runtime.core.cost_model import DEFAULT_HARDWARE, default_hardware
+    from moecast.runtime.live.runtime import attach
     from test_live import make_model
 
     monkeypatch.setenv("MOECAST_HOME", str(tmp_path))

@@ -8,9 +8,9 @@ from typing import ClassVar
 import numpy as np
 import pytest
 import torch
-from moecast.runtime import live
-from moecast.runtime.expert_store import STAGING_BUFFERS, TRANSFER_STREAMS, LayerStore
-from moecast.runtime.live import attach, pinned_budget
+from moecast.runtime.live import runtime as live
+from moecast.runtime.live.runtime import attach, pinned_budget
+from moecast.runtime.tiers.expert_store import STAGING_BUFFERS, TRANSFER_STREAMS, LayerStore
 from test_live import decode_logits, make_model
 
 torch.set_num_threads(1)

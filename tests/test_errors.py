@@ -9,7 +9,7 @@ from moecast.collect.models import ModelLoadError
 from moecast.collect.traceset import MissingFieldError, TraceSetError
 from moecast.collect.workloads import WorkloadError
 from moecast.predictors.checkpoint import CheckpointError
-from moecast.runtime.cost_model import ProfileError
+from moecast.runtime.core.cost_model import ProfileError
 
 from moecast.errors import InputError, MoecastError, run_command, user_errors
 
@@ -105,7 +105,7 @@ def test_attach_names_the_keyword_and_the_command_the_flag(tmp_path, capsys):
     """The same check, raised through attach(), reads as the Python call is written; through
     `moecast run` as the command line is typed."""
     from moecast.collect.tiny import build_tiny
-    from moecast.runtime.live import attach
+    from moecast.runtime.live.runtime import attach
     from test_live import make_model
 
     from moecast.cli import main
@@ -142,7 +142,7 @@ def test_attach_takes_the_router_pattern(tmp_path):
     as a keyword through attach() and as the flag through `moecast run`."""
     import torch
     from moecast.collect.tiny import build_tiny
-    from moecast.runtime.live import attach
+    from moecast.runtime.live.runtime import attach
     from test_live import decode_logits, make_model
 
     from moecast.cli import main

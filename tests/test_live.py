@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 from moecast.collect.models import ModelLoadError
-from moecast.runtime.alpha import choose_alpha, fit_tpot
-from moecast.runtime.expert_store import LayerStore
-from moecast.runtime.live import LiveConfig, attach
+from moecast.runtime.core.alpha import choose_alpha, fit_tpot
+from moecast.runtime.live.runtime import LiveConfig, attach
+from moecast.runtime.tiers.expert_store import LayerStore
 
 torch.set_num_threads(1)
 
@@ -179,9 +179,9 @@ def test_cpu_balance_computes_misses_on_host_exactly():
 
 
 def _eq5_loads(sizes: np.ndarray, delay: float, cost) -> int:
-    """PreScope Eq. 5 as runtime/presched.py takes it: misses ascending by tokens; the largest n - i'
+    """PreScope Eq. 5 as runtime/core/presched.py takes it: misses ascending by tokens; the largest n - i'
     are loaded for the i' of least max(delay + (n - i') t_io + t_g, t_c(first i')), ties to the
-    smaller i' (not the paper's literal "smallest i' with T_G < T_C": see runtime/presched.py)."""
+    smaller i' (not the paper's literal "smallest i' with T_G < T_C": see runtime/core/presched.py)."""
     sizes = np.sort(sizes)
     n = len(sizes)
     tc = np.concatenate([[0.0], np.cumsum(cost.beta * sizes + cost.c)])
@@ -194,7 +194,7 @@ def test_presched_balance_follows_algorithm_1_and_sizes_the_prefetch(hardware, m
     """balance="presched": each decode layer loads the misses Eq. 5 picks, computes the others on
     the CPU (exactly: logits unchanged at alpha 0) and prefetches at most PreSched's count. On the
     PCIe profile every miss of one token goes to the CPU; over NVLink-C2C some are loaded."""
-    from moecast.runtime import step as step_mod
+    from moecast.runtime.core import step as step_mod
 
     model = make_model("qwen2_moe")
     ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(6))
@@ -396,14 +396,14 @@ def test_cli_run_prints_stats(model_dir, capsys):
     # the figures replay also reports go by replay's names, so the two outputs line up
     from dataclasses import fields
 
-    from moecast.runtime.replay import ReplayResult
+    from moecast.runtime.replay.engine import ReplayResult
 
     shared = {"hit_rate", "substitution_rate", "loads", "prefetches_issued", "cpu_experts", "modeled_tpot_ms"}
     assert shared <= {f.name for f in fields(ReplayResult)} and shared <= set(out)
 
 
 def test_cli_eval_accuracy_sweep_and_budget(model_dir, tmp_path, capsys):
-    from moecast.runtime.live_cli import eval_accuracy
+    from moecast.runtime.live.commands import eval_accuracy
 
     png = tmp_path / "acc.png"
     res = eval_accuracy(
@@ -755,7 +755,7 @@ def test_static_pins_each_layers_top_experts_of_a_frequency_table(model_dir, fre
     by table score (the replay's StaticTable choice), never change, and the CLI reaches it without
     --prefetch none; a static policy refuses a predictor without an [L, E] table in one line."""
     from moecast.predictors.registry import load
-    from moecast.runtime.cache import StaticTable
+    from moecast.runtime.core.cache import StaticTable
     from transformers import AutoModelForCausalLM
 
     from moecast.cli import main
@@ -813,8 +813,8 @@ def test_static_pins_each_layers_top_experts_of_a_frequency_table(model_dir, fre
 def test_alpha_only_for_substituting_policies_like_replay(model_dir, capsys):
     """Replay refuses --alpha for policies that do not substitute and defaults it to 0; live does the
     same: `run` substitutes by default (alpha 0.3) only under smoe, and alpha > 0 elsewhere is an error."""
-    from moecast.runtime.live_cli import eval_accuracy
-    from moecast.runtime.policy import POLICIES as REPLAY_POLICIES
+    from moecast.runtime.core.policy import POLICIES as REPLAY_POLICIES
+    from moecast.runtime.live.commands import eval_accuracy
 
     from moecast.cli import main
 
@@ -939,7 +939,7 @@ def test_attach_takes_one_config_or_its_fields_by_name():
 def test_a_forward_decodes_only_when_its_cache_holds_tokens():
     """A one-token forward is a decode step only past the prompt: transformers hands a generation's
     first forward an empty cache object, and a one-token prompt is that forward."""
-    from moecast.runtime.live import _continues
+    from moecast.runtime.live.runtime import _continues
 
     class Cache:
         def __init__(self, n: int) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_random
-from moecast.runtime.live import attach
+from moecast.runtime.live.runtime import attach
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -129,7 +129,7 @@ def test_a_quantized_disk_tier_on_the_device_computes_as_the_quantized_model(tmp
     """int8 / int4 experts read through pinned staging into device slots (one block a copy) and
     dequantized per call on the device: the logits of the model whose expert weights are the
     quantized ones, on the GPU."""
-    from moecast.runtime import precision as P
+    from moecast.runtime.tiers import precision as P
 
     model = mixtral_random().cuda()
     prec = P.Precision(dtype, 32)

@@ -19,10 +19,10 @@ from conftest import synthetic_record, tiny_random
 from moecast.collect.models import find_moe_structure, model_info
 from moecast.collect.traceset import TraceMeta, TraceSet, TraceWriter
 from moecast.predictors.base import LayerAhead
-from moecast.runtime.cost_model import HardwareProfile, load_profile
-from moecast.runtime.live import attach
-from moecast.runtime.policy import POLICIES
-from moecast.runtime.replay import ReplayConfig, replay
+from moecast.runtime.core.cost_model import HardwareProfile, load_profile
+from moecast.runtime.core.policy import POLICIES
+from moecast.runtime.live.runtime import attach
+from moecast.runtime.replay.engine import ReplayConfig, replay
 
 STEPS = 12
 CAPACITY = 8  # of tiny's 32 experts per layer

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 from moecast.collect.models import find_moe_structure
-from moecast.runtime import offload
-from moecast.runtime.expert_store import expert_params
-from moecast.runtime.live import attach
-from moecast.runtime.offload import ALIGN, DiskLayerStore, ExpertReader, OffloadError, OffloadWarning
+from moecast.runtime.live.runtime import attach
+from moecast.runtime.tiers import offload
+from moecast.runtime.tiers.expert_store import expert_params
+from moecast.runtime.tiers.offload import ALIGN, DiskLayerStore, ExpertReader, OffloadError, OffloadWarning
 from safetensors import safe_open
 from test_datapath import FakeOps
 from test_live import decode_logits, make_model
@@ -196,7 +196,7 @@ def test_disk_tier_alpha_zero_logits_equal_the_model(tmp_path, setting):
     assert torch.allclose(got, ref, atol=2e-5, rtol=1e-5)
     assert stats["disk_reads"] >= stats["transfers"] and stats["bytes_read"] > 0
     # the decode step's split adds up to its wall time
-    from moecast.runtime.live import BREAKDOWN
+    from moecast.runtime.live.runtime import BREAKDOWN
 
     parts = sum(stats[f"{p}_ms"] for p in BREAKDOWN)
     assert parts == pytest.approx(stats["measured_tpot_ms"], rel=1e-6)
@@ -427,7 +427,7 @@ def test_cpu_experts_are_read_in_two_bounded_wave_buffers(tmp_path, monkeypatch)
 def test_reader_observed_rate_counts_overlapping_reads_once(monkeypatch, tmp_path):
     """bytes_read / busy_s, busy_s the union of the reads' intervals: two reads that overlap in time
     count their span once, a gap between reads not at all (clock values given by hand)."""
-    from moecast.runtime import offload
+    from moecast.runtime.tiers import offload
 
     r = offload.ExpertReader.__new__(offload.ExpertReader)
     r._lock = __import__("threading").Lock()
@@ -481,7 +481,7 @@ def test_in_flight_names_the_slots_still_read_in_submission_order(tmp_path):
 def test_a_hit_still_in_flight_computes_after_the_landed_hits_before_the_loads():
     """Disk tier, decode: the landed hits in one call, then each hit whose prefetch is still being
     read (as it lands), then each demand load; the parts' outputs summed."""
-    from moecast.runtime.live import LiveRuntime
+    from moecast.runtime.live.runtime import LiveRuntime
 
     class Store:
         cuda = False

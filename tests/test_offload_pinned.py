@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 from moecast.collect.models import find_moe_structure
-from moecast.runtime import offload
-from moecast.runtime.offload import ALIGN, ExpertLayout, ExpertReader, OffloadError, OffloadWarning
+from moecast.runtime.tiers import offload
+from moecast.runtime.tiers.offload import ALIGN, ExpertLayout, ExpertReader, OffloadError, OffloadWarning
 from safetensors import safe_open
 from test_live import make_model
 

@@ -5,8 +5,15 @@ from __future__ import annotations
 import pytest
 from conftest import make_synthetic_traceset
 from moecast.collect.traceset import TraceSet
-from moecast.runtime.policy import DEFAULT_ALPHA, POLICIES, Policy, get_policy, resolve_alpha, substitutes
-from moecast.runtime.replay import ReplayConfig, replay
+from moecast.runtime.core.policy import (
+    DEFAULT_ALPHA,
+    POLICIES,
+    Policy,
+    get_policy,
+    resolve_alpha,
+    substitutes,
+)
+from moecast.runtime.replay.engine import ReplayConfig, replay
 
 
 def test_presets_name_the_papers_choices():
@@ -28,7 +35,7 @@ def test_presets_name_the_papers_choices():
 
 
 def test_late_prefetch_needs_a_prefetch_of_its_own():
-    from moecast.runtime.policy import Policy
+    from moecast.runtime.core.policy import Policy
 
     for kw in (dict(), dict(prefetch="predictor", balancer="presched")):
         with pytest.raises(ValueError, match="late_prefetch needs prefetch predictor"):

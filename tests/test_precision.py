@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 from moecast.collect.models import find_moe_structure
-from moecast.runtime import offload
-from moecast.runtime import precision as P
-from moecast.runtime.expert_store import expert_params
-from moecast.runtime.live import attach
+from moecast.runtime.live.runtime import attach
+from moecast.runtime.tiers import offload
+from moecast.runtime.tiers import precision as P
+from moecast.runtime.tiers.expert_store import expert_params
 from test_live import decode_logits, make_model
 
 from moecast.errors import InputError
@@ -211,7 +211,7 @@ def test_the_device_path_moves_the_stored_parts_as_one_block_through_staging(tmp
     """The CUDA path of the disk store (a fake stream log) at int4: a read lands in a staging buffer
     and the stored parts (weights and scales of both matrices) go to the slot as one copy, after the
     slot's last reader; the slot then holds exactly the quantized expert the directory stores."""
-    from moecast.runtime.offload import DiskLayerStore, ExpertReader
+    from moecast.runtime.tiers.offload import DiskLayerStore, ExpertReader
     from test_datapath import FakeOps
     from test_offload import reload_after_a_read
 

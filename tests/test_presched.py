@@ -1,7 +1,7 @@
 """PreSched's Eq. 5 load/CPU split (PreScope Sec. 4.3.3) and Eq. 6's gap, worked by hand.
 
 The split takes the i' minimising max(T_G(i'), T_C(i')), ties to the smaller i', not the paper's
-literal "smallest i' with T_G < T_C" (one past the balance point; see runtime/presched.py). Each
+literal "smallest i' with T_G < T_C" (one past the balance point; see runtime/core/presched.py). Each
 case below says what the literal rule gave, so a regression to it fails here.
 """
 
@@ -11,8 +11,8 @@ import math
 
 import numpy as np
 import pytest
-from moecast.runtime.cost_model import CostModel
-from moecast.runtime.presched import PreSched, PreSchedDecision, schedule, schedule_unit
+from moecast.runtime.core.cost_model import CostModel
+from moecast.runtime.core.presched import PreSched, PreSchedDecision, schedule, schedule_unit
 
 SIZES = [1.0, 1.0, 2.0]  # pending tokens of the 3 missing experts, ascending
 

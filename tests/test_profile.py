@@ -10,8 +10,8 @@ import os
 
 import pytest
 import torch
-from moecast.runtime import profile as P
-from moecast.runtime.cost_model import load_profile
+from moecast.runtime.core.cost_model import load_profile
+from moecast.runtime.profile import measure as P
 
 
 def _model():
@@ -163,7 +163,7 @@ def test_the_cpu_expert_is_timed_over_a_ring_of_distinct_weights_past_twice_the_
 
 
 def test_the_ring_takes_at_most_a_quarter_of_available_memory_and_at_least_two_sets(monkeypatch):
-    from moecast.runtime import offload
+    from moecast.runtime.tiers import offload
 
     monkeypatch.setattr(P, "llc_bytes", lambda root=None: 1 << 30)
     monkeypatch.setattr(offload, "available_bytes", lambda: 4 * 5 * EXPERT_BF16)
@@ -178,7 +178,7 @@ def test_the_ring_takes_at_most_a_quarter_of_available_memory_and_at_least_two_s
 
 def _offload_dir(tmp_path, model=None):
     from moecast.collect.models import find_moe_structure
-    from moecast.runtime.offload import write_offload
+    from moecast.runtime.tiers.offload import write_offload
 
     model = model or _model()
     d = tmp_path / "experts"
@@ -186,9 +186,9 @@ def _offload_dir(tmp_path, model=None):
     return d
 
 
-@pytest.mark.filterwarnings("ignore::moecast.runtime.offload.OffloadWarning")  # tmpfs: no O_DIRECT
+@pytest.mark.filterwarnings("ignore::moecast.runtime.tiers.offload.OffloadWarning")  # tmpfs: no O_DIRECT
 def test_an_offload_directory_is_read_as_the_runtime_reads_it(tmp_path, monkeypatch):
-    from moecast.runtime.offload import ExpertReader
+    from moecast.runtime.tiers.offload import ExpertReader
 
     d = _offload_dir(tmp_path)
     reads = []
@@ -213,7 +213,7 @@ def test_an_offload_directory_is_read_as_the_runtime_reads_it(tmp_path, monkeypa
     assert len(reads) == -(-(1 << 20) // 12288)
 
 
-@pytest.mark.filterwarnings("ignore::moecast.runtime.offload.OffloadWarning")
+@pytest.mark.filterwarnings("ignore::moecast.runtime.tiers.offload.OffloadWarning")
 def test_with_an_offload_and_no_cuda_the_cpu_is_the_fast_tier_and_the_disk_the_link(tmp_path, monkeypatch):
     model = _model()
     d = _offload_dir(tmp_path, model)
@@ -238,11 +238,11 @@ def test_a_reads_compute_time_is_the_slowdown_per_read_beside_it():
     assert P.per_read_ms([100.0], [99.0], [5], 1000, 1000) == 0.0
 
 
-@pytest.mark.filterwarnings("ignore::moecast.runtime.offload.OffloadWarning")
+@pytest.mark.filterwarnings("ignore::moecast.runtime.tiers.offload.OffloadWarning")
 def test_reads_compute_time_is_measured_on_an_offload_and_on_a_plain_directory(tmp_path, monkeypatch):
     """The probe reads the offload's experts as the runtime does, or a temporary file it removes; and
     the CPU-disk profile takes its figure (a device's copies leave the cores alone: 0 there)."""
-    from moecast.runtime.offload import ExpertReader
+    from moecast.runtime.tiers.offload import ExpertReader
 
     d = _offload_dir(tmp_path)
     reads = []
@@ -292,7 +292,7 @@ def test_the_cpu_expert_is_the_models_implementation_on_a_cold_ring_of_slots(tmp
     """The runtime's call (the family's experts implementation on a slot view, the other pairs carrying
     the sentinel) is what is timed: each call computes one slot of the ring, the next one, and marks
     every other pair with the sentinel."""
-    from moecast.runtime.live import _resolve_impl
+    from moecast.runtime.live.runtime import _resolve_impl
 
     monkeypatch.setattr(P, "CACHE_DIR", _fake_cache(tmp_path, [(3, "20K")]))
     experts = _model().model.layers[0].mlp.experts
@@ -303,7 +303,7 @@ def test_the_cpu_expert_is_the_models_implementation_on_a_cold_ring_of_slots(tmp
         seen.append((int(ids[0, 0]), bool((ids[:, 1:] == view.num_experts).all())))
         return impl(view, x, ids, w)
 
-    monkeypatch.setattr("moecast.runtime.live._resolve_impl", lambda name, module: spy)
+    monkeypatch.setattr("moecast.runtime.live.runtime._resolve_impl", lambda name, module: spy)
     beta, c, how = P.implementation_expert_ms(experts, token_counts=(1, 2), repeat=2)
     n = P.ring_size(sum(p[0].numel() * p.element_size() for p in experts.parameters() if p.dim() >= 2))
     assert beta > 0 and c >= 0 and f"ring of {n} slots" in how
@@ -314,8 +314,8 @@ def test_the_cpu_expert_is_the_models_implementation_on_a_cold_ring_of_slots(tmp
 def test_implementation_expert_ms_at_a_precision_times_the_quantized_call(tmp_path, monkeypatch):
     """int8: the ring holds the stored parts (int8 weights and their scales: fewer bytes, so more
     slots for the same cache), and each call is the runtime's quantized experts call on them."""
-    from moecast.runtime import precision as Q
-    from moecast.runtime.expert_store import expert_params
+    from moecast.runtime.tiers import precision as Q
+    from moecast.runtime.tiers.expert_store import expert_params
 
     monkeypatch.setattr(P, "CACHE_DIR", _fake_cache(tmp_path, [(3, "20K")]))
     experts = _model().model.layers[0].mlp.experts
@@ -341,7 +341,7 @@ def test_calibrate_takes_the_rates_a_live_run_measured():
     (step_ms): 10 ms per layer; the disk 1.5 GB/s. Without the split: 12 ms per layer."""
     from dataclasses import replace
 
-    from moecast.runtime.cost_model import HardwareProfile
+    from moecast.runtime.core.cost_model import HardwareProfile
 
     base = HardwareProfile(
         name="cpu-disk", transfer_gbps=3.0, ref_expert_bytes=1000, gpu_expert_ms=1.0, cpu_beta_ms=0.25,

@@ -303,7 +303,7 @@ def _yaml(path: Path) -> dict:
 @FAST
 @given(text=_documents(_yaml(configs_dir() / "hardware" / "prescope-a100-pcie4.yaml")))
 def test_fuzzed_hardware_profile(tmp_path, text):
-    from moecast.runtime.cost_model import load_profile
+    from moecast.runtime.core.cost_model import load_profile
 
     _loads_or_one_line(load_profile, tmp_path / "hw.yaml", text)
 
@@ -561,7 +561,7 @@ def test_os_error_without_errno_keeps_its_own_message(monkeypatch):
 
 
 def test_compare_out_is_checked_before_any_replay(tmp_path, capsys, monkeypatch):
-    from moecast.runtime import replay as engine
+    from moecast.runtime.replay import engine
 
     from moecast.cli import main
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from conftest import make_synthetic_traceset
 from moecast.collect.traceset import TraceSet
-from moecast.runtime.cost_model import HardwareProfile
-from moecast.runtime.replay import ReplayConfig, replay
+from moecast.runtime.core.cost_model import HardwareProfile
+from moecast.runtime.replay.engine import ReplayConfig, replay
 
 FREE_LINK = HardwareProfile(
     name="free-link",
@@ -233,7 +233,7 @@ def test_cli_compare_writes_tables_plot_and_wandb(tmp_path, capsys):
 
 
 def test_capacities_in_one_pass_equal_separate_runs(tmp_path):
-    from moecast.runtime.replay import replay_capacities
+    from moecast.runtime.replay.engine import replay_capacities
 
     ts = TraceSet(
         make_synthetic_traceset(
@@ -318,7 +318,7 @@ def test_planner_checkpoint_preloads_and_prefetches(tmp_path):
     assert planned.prefetch_accuracy is not None and 0 < planned.prefetch_accuracy <= 1
     # under static the request's plan is pinned in the hot table's place (as the live runtime does):
     # this perfect plan then holds each layer's most used experts of the request itself
-    from moecast.runtime.cache import StaticTable
+    from moecast.runtime.core.cache import StaticTable
 
     static = replay(ts, ReplayConfig(policy="static", capacity=6, cold=True))
     pinned = replay(ts, ReplayConfig(policy="static", capacity=6, cold=True, planner=str(ck)))
@@ -331,7 +331,7 @@ def test_planner_checkpoint_preloads_and_prefetches(tmp_path):
     assert pinned.hit_rate == pytest.approx(hits / uses) and pinned.hit_rate > static.hit_rate
     assert pinned.prefetches_landed == 0 and pinned.bytes_moved > 0  # plans are loaded, not prefetched
     # compare pairs the planner with lru and static, not belady
-    from moecast.runtime.commands import compare
+    from moecast.runtime.replay.commands import compare
 
     out = tmp_path / "cmp"
     compare(str(ts.path), policies=["lru", "static", "belady"], predictors=["none"], capacities=["6"], planners=["none", str(ck)],
@@ -400,11 +400,11 @@ def _same_result(a, b):
 
 
 def test_fast_demand_engine_serves_the_eviction_tables_fast_policies(tmp_path):
-    """runtime/eviction.py's fast_replay flags are what the replay does: a demand-only run of each
+    """runtime/core/eviction.py's fast_replay flags are what the replay does: a demand-only run of each
     eviction policy goes to the batch-1 engine exactly where its row says so."""
-    from moecast.runtime import eviction
-    from moecast.runtime.policy import Policy
-    from moecast.runtime.replay import _fast_demand_engine, _prepare
+    from moecast.runtime.core import eviction
+    from moecast.runtime.core.policy import Policy
+    from moecast.runtime.replay.engine import _fast_demand_engine, _prepare
 
     ts = TraceSet(make_synthetic_traceset(tmp_path / "s", num_requests=2, num_experts=8, top_k=2, tokens=5))
     for name, rule in eviction.TABLE.items():
@@ -419,7 +419,7 @@ def test_fast_demand_engine_serves_the_eviction_tables_fast_policies(tmp_path):
 def test_fast_paths_equal_general_engine(tmp_path, policy, cold):
     """The fast batch-1 paths (LRU stack distances, lane simulation, contiguous wavefront) reproduce the
     general engine exactly, with prefetches that land (fast link) and that never fit (PCIe)."""
-    from moecast.runtime.replay import replay_capacities
+    from moecast.runtime.replay.engine import replay_capacities
 
     ts = TraceSet(
         make_synthetic_traceset(
@@ -437,7 +437,7 @@ def test_fast_paths_equal_general_engine(tmp_path, policy, cold):
 
 
 def test_fast_paths_equal_general_engine_on_real_traces(puffin_small):
-    from moecast.runtime.replay import replay_capacities
+    from moecast.runtime.replay.engine import replay_capacities
 
     rids = list(puffin_small.request_ids)[:12]
     for policy in ("lfu", "belady", "presched", "prefetch-late", "lfu-prefetch"):
@@ -450,7 +450,7 @@ def test_fast_paths_equal_general_engine_on_real_traces(puffin_small):
 
 def test_lru_stack_distances_match_simple_cache(puffin_small):
     """Every capacity from one set of distances, stream mode included (cross-request persistence)."""
-    from moecast.runtime.fastreplay import lru_distances
+    from moecast.runtime.replay.fastreplay import lru_distances
 
     rids = list(puffin_small.request_ids)[:6]
     topk = puffin_small.array("topk_ids", rids).astype(np.int64)
@@ -524,7 +524,7 @@ def test_predictor_checkpoint_scored_once_per_request(tmp_path, monkeypatch):
             "top_k": m.top_k,
         },
     )
-    from moecast.runtime.replay import replay_capacities
+    from moecast.runtime.replay.engine import replay_capacities
 
     res = replay_capacities(
         ts, ReplayConfig(policy="prefetch", predictor=str(ck), hardware=FAST_LINK), [4, 8]
@@ -534,7 +534,7 @@ def test_predictor_checkpoint_scored_once_per_request(tmp_path, monkeypatch):
 
 
 def test_plan_prior_only_reorders_close_scores():
-    from moecast.runtime.prefetch import plan_prior
+    from moecast.runtime.core.prefetch import plan_prior
 
     scores = np.array([[[0.99, 0.97, 0.20, 0.01]]], dtype=np.float32)  # [T=1, L=1, E=4]
     plan = np.array([[0.05, 0.60, 0.30, 0.05]], dtype=np.float32)
@@ -659,7 +659,7 @@ def _squash(text: str) -> str:
 
 
 def test_predictor_help_states_the_policy_default(capsys):
-    from moecast.runtime.policy import POLICIES
+    from moecast.runtime.core.policy import POLICIES
 
     oracle = [p for p, s in POLICIES.items() if s.prefetches]
     others = [p for p, s in POLICIES.items() if not s.prefetches]
@@ -708,7 +708,7 @@ def test_static_table_comes_from_the_requests_not_replayed(tmp_path, fast):
     """Replaying held-out requests, the hot-expert table is a profile of the other requests (what a
     deployment would have), not of the replayed ones; replaying all of them, it is in-sample and
     the result says so."""
-    from moecast.runtime.cache import StaticTable
+    from moecast.runtime.core.cache import StaticTable
 
     ts = TraceSet(
         make_synthetic_traceset(tmp_path / "s", num_requests=8, num_layers=3, num_experts=16, top_k=2)
@@ -736,7 +736,7 @@ def test_static_table_comes_from_the_requests_not_replayed(tmp_path, fast):
 def test_alpha_defaults_to_one_value_for_substituting_policies(tmp_path, capsys):
     """--alpha left out: smoe substitutes with DEFAULT_ALPHA in replay and compare alike (as
     `moecast run` does), policies that do not substitute get 0; given, it is used as is."""
-    from moecast.runtime.policy import DEFAULT_ALPHA
+    from moecast.runtime.core.policy import DEFAULT_ALPHA
 
     path = make_synthetic_traceset(tmp_path / "s", num_experts=8, top_k=2)
 

@@ -1,7 +1,7 @@
 """Replay timing rules pinned by hand: when each prefetch lands, which loads are demand loads, the
 per-layer time and the modeled TPOT, on traces small enough to follow on paper.
 
-Every figure below is worked out in the comments from the rules of runtime/step.py's docstring,
+Every figure below is worked out in the comments from the rules of runtime/core/step.py's docstring,
 not from either engine, and both engines (the general one and the batch-1 one) must reproduce it.
 The cost model makes the arithmetic exact: one transfer t_io = 1 ms, one device expert t_g = 0.25 ms,
 attention t_attn = 1.5 ms (0.5 ms in the second trace), top-2 of 8 experts, 2 layers, 2 experts per
@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 from conftest import synthetic_record, synthetic_writer
 from moecast.collect.traceset import TraceSet
-from moecast.runtime.cost_model import CostModel, HardwareProfile
-from moecast.runtime.policy import Policy
-from moecast.runtime.replay import ReplayConfig, replay
+from moecast.runtime.core.cost_model import CostModel, HardwareProfile
+from moecast.runtime.core.policy import Policy
+from moecast.runtime.replay.engine import ReplayConfig, replay
 
 EXPERT_BYTES = 3 * 16 * 32 * 2  # the synthetic model's expert size (conftest.synthetic_writer)
 
@@ -239,7 +239,7 @@ def test_predictor_latency_from_the_cli_and_the_profile(tmp_path, capsys):
     a negative one is refused in one line."""
     import json
 
-    from moecast.runtime.cost_model import load_profile
+    from moecast.runtime.core.cost_model import load_profile
 
     from moecast.cli import main
 
@@ -321,8 +321,8 @@ def test_cpu_set_on_the_profile_tiers(tmp_path, fast, tiers):
 )
 def test_layer_time_on_each_tier_by_hand(fast_tier, slow_tier, want):
     """step.layer_time and its compiled twin on one row: link 1 ms per read, t_g 0.25, C 0.5."""
-    from moecast.runtime import step_kernels as sk
-    from moecast.runtime.step import layer_time
+    from moecast.runtime.core import step_kernels as sk
+    from moecast.runtime.core.step import layer_time
 
     c = CostModel.from_profile(_profile(1.5, 0.5, fast_tier=fast_tier, slow_tier=slow_tier), EXPERT_BYTES)
     layer_t, link = layer_time(c, np.array([8]), np.array([0]), 0.0, np.array([0.5]), np.array([1]))
@@ -336,8 +336,8 @@ def test_reads_take_their_compute_time_from_the_layers_experts():
     """CPU fast tier over a disk, t_rc = 0.5 ms per read: 6 resident experts (1.5 ms), one demand
     load and one CPU expert (C 0.5) read behind it (link 2; its expert computes 2..2.5). The cores
     owe 1.5 + 0.5 and both reads' 1.0: the expert phase is 3.0, not 2.5: layer 1.5 + 3.0."""
-    from moecast.runtime import step_kernels as sk
-    from moecast.runtime.step import layer_time
+    from moecast.runtime.core import step_kernels as sk
+    from moecast.runtime.core.step import layer_time
 
     hw = _profile(1.5, 0.5, fast_tier="cpu", slow_tier="disk")
     for read_cpu_ms, want in ((0.0, 4.0), (0.5, 4.5)):
@@ -358,8 +358,8 @@ def test_cpu_experts_on_a_disk_compute_as_their_reads_land():
     resident expert: the loads land at 2 (their last computes 2..2.25); the CPU reads land at 3, 4, 5
     and each computes once read, the last 5..5.5: device/disk layer 1.5 + 5.5. With the CPU as the
     fast tier the resident experts' 0.75 ms and the CPU's 1.5 ms add, which the reads still cover."""
-    from moecast.runtime import step_kernels as sk
-    from moecast.runtime.step import layer_time
+    from moecast.runtime.core import step_kernels as sk
+    from moecast.runtime.core.step import layer_time
 
     for fast_tier in ("device", "cpu"):
         c = CostModel.from_profile(_profile(1.5, 0.5, fast_tier=fast_tier, slow_tier="disk"), EXPERT_BYTES)

@@ -1,4 +1,4 @@
-"""The compiled one-lane, one-token step (runtime/step_kernels.py) decides as the vectorised step.
+"""The compiled one-lane, one-token step (runtime/core/step_kernels.py) decides as the vectorised step.
 
 Two :class:`LayerStep` run the same calls in the live runtime's order (the first layer's prefetch,
 substitution, the layer with the next layer's predicted experts, the next layer's prefetch), one
@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from moecast.runtime import eviction
-from moecast.runtime import step_kernels as sk
-from moecast.runtime.cache import ExpertCache
-from moecast.runtime.cost_model import CostModel
-from moecast.runtime.policy import POLICIES, Policy
-from moecast.runtime.prefetch import top_predictions
-from moecast.runtime.presched import schedule
-from moecast.runtime.step import STATS, LayerStep, layer_time, rank_candidates, ranked_predictions
+from moecast.runtime.core import eviction
+from moecast.runtime.core import step_kernels as sk
+from moecast.runtime.core.cache import ExpertCache
+from moecast.runtime.core.cost_model import CostModel
+from moecast.runtime.core.policy import POLICIES, Policy
+from moecast.runtime.core.prefetch import top_predictions
+from moecast.runtime.core.presched import schedule
+from moecast.runtime.core.step import STATS, LayerStep, layer_time, rank_candidates, ranked_predictions
 
 from moecast.errors import InputError
 

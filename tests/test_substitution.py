@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from moecast.runtime.balancer import two_pointer, two_pointer_split
-from moecast.runtime.substitution import _substitute_rows, substitute
+from moecast.runtime.core.balancer import two_pointer, two_pointer_split
+from moecast.runtime.core.substitution import _substitute_rows, substitute
 
 E, K = 12, 3
 

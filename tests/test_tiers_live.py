@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 from moecast.collect.tiny import build_tiny
-from moecast.runtime.live import attach
-from moecast.runtime.offload import DENSE, load_offloaded, peak_rss_mb
+from moecast.runtime.live.runtime import attach
+from moecast.runtime.tiers.offload import DENSE, load_offloaded, peak_rss_mb
 
 torch.set_num_threads(1)
 
@@ -110,7 +110,7 @@ def test_disk_decode_computes_hits_first_then_each_load_as_it_lands(tiny_dir, tm
     """Without an accelerator a decode step's resident experts compute while its demand loads are
     read, then each load alone once it lands (the step's max(n_dev * t_g, link + t_g)); a prefill's
     loads stay one call. Logged: the experts of each call and whether its slots were still pending."""
-    from moecast.runtime.live import LiveRuntime
+    from moecast.runtime.live.runtime import LiveRuntime
 
     lm, _, _ = load_offloaded(str(tiny_dir), tmp_path / "off")
     rt = attach(lm, policy="lru", capacity=0.5, alpha=0.0, offload="disk", offload_dir=str(tmp_path / "off"))
@@ -151,8 +151,8 @@ def test_without_an_accelerator_cpu_experts_are_read_first_and_computed_after_th
     as its read lands. Logged in order per experts call: reads submitted, resident calls, CPU waves."""
     import threading
 
-    from moecast.runtime.live import LiveRuntime
-    from moecast.runtime.offload import DiskLayerStore
+    from moecast.runtime.live.runtime import LiveRuntime
+    from moecast.runtime.tiers.offload import DiskLayerStore
 
     lm, _, _ = load_offloaded(str(tiny_dir), tmp_path / "off")
     rt = attach(

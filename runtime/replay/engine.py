@@ -13,7 +13,7 @@ Semantics (docs/design.md, "Metrics"):
   experts each) or shared (``capacity * L`` experts for all layers).
 - What happens at one layer (prefetch landing in the link window, substitution, demand loads, the
   CPU set, the layer time and the next layer's prefetch window, with the predictor's latency
-  charged before a prefetch may start) is :class:`moecast.runtime.step.LayerStep`, the same step
+  charged before a prefetch may start) is :class:`moecast.runtime.core.step.LayerStep`, the same step
   the live runtime takes; its docstring states the layer-time formula.
 - Modeled TPOT: mean step time over steps that decode, a step being its layers' times plus the
   profile's ``step_ms`` (what follows the last layer: the final norm, the LM head); a prefill-only
@@ -40,7 +40,7 @@ Two engines, kept equal:
   layers and all cold streams at once; a shared cache has one lane per stream and walks the layers
   in order. Under PreSched the lane of layer l handles step (i - l) / 2 (:func:`_skew`): its
   decision reads layer l+1's cache, which must hold the previous token, as it does live.
-- the batch-1 engine (:mod:`moecast.runtime.fastreplay`) serves per-layer caches at batch size 1
+- the batch-1 engine (:mod:`moecast.runtime.replay.fastreplay`) serves per-layer caches at batch size 1
   without substitution or planner: demand-only ``lru``/``lfu``/``belady``/``static``, ``lru`` with
   prefetch (late or not) and/or PreSched, and ``lfu`` with prefetch. Its module docstring says
   how. tests/test_replay.py checks that it gives the general engine's statistics exactly
@@ -58,22 +58,22 @@ from typing import Any
 import numpy as np
 from moecast.collect.traceset import TraceSet, TraceSetError
 from moecast.predictors.base import PromptPlanner
-from moecast.runtime import eviction
-from moecast.runtime import fastreplay as fast
-from moecast.runtime.cache import ExpertCache, StaticTable, resolve_capacity
-from moecast.runtime.cost_model import DEFAULT_HARDWARE as DEFAULT_HARDWARE
-from moecast.runtime.cost_model import CostModel, HardwareProfile, load_profile
-from moecast.runtime.policy import POLICIES as POLICIES  # the presets, where bench looks them up
-from moecast.runtime.policy import Policy, get_policy
-from moecast.runtime.prefetch import OraclePredictor, plan_prior, top_predictions
-from moecast.runtime.step import STATS, LayerStep, predictor_latency, rank_candidates
+from moecast.runtime.core import eviction
+from moecast.runtime.core.cache import ExpertCache, StaticTable, resolve_capacity
+from moecast.runtime.core.cost_model import DEFAULT_HARDWARE as DEFAULT_HARDWARE
+from moecast.runtime.core.cost_model import CostModel, HardwareProfile, load_profile
+from moecast.runtime.core.policy import POLICIES as POLICIES  # the presets, where bench looks them up
+from moecast.runtime.core.policy import Policy, get_policy
+from moecast.runtime.core.prefetch import OraclePredictor, plan_prior, top_predictions
+from moecast.runtime.core.step import STATS, LayerStep, predictor_latency, rank_candidates
+from moecast.runtime.replay import fastreplay as fast
 
 from moecast.errors import InputError
 
 
 @dataclass
 class ReplayConfig:
-    policy: str | Policy = "lru"  # a preset name (runtime/policy.py POLICIES) or a Policy
+    policy: str | Policy = "lru"  # a preset name (runtime/core/policy.py POLICIES) or a Policy
     capacity: float | str = 0.25
     cold: bool = False
     shared: bool = False
@@ -96,7 +96,7 @@ class ReplayConfig:
     progress: bool = False
     chunk_lanes: int = 20000  # cold streams replayed together (bounds the per-lane state in memory)
     fast: bool = True  # use the fast paths where they apply (False: the general engine, for cross-checks)
-    # the slow tier's expert precision (runtime/precision.py): the link moves, and a capacity in bytes
+    # the slow tier's expert precision (runtime/tiers/precision.py): the link moves, and a capacity in bytes
     # counts, its bytes, as in the live runtime
     expert_dtype: str = "model"
     group_size: int = 128
@@ -267,7 +267,7 @@ def expert_shape(ts: TraceSet) -> tuple[int, int, str]:
 def _precision_tag(dtype: str, group_size: int) -> str:
     if dtype == "model":  # without importing torch, which a replay never needs otherwise
         return "model"
-    from moecast.runtime.precision import Precision
+    from moecast.runtime.tiers.precision import Precision
 
     return Precision(dtype, group_size).tag
 
@@ -278,7 +278,7 @@ def expert_link_bytes(ts: TraceSet, expert_dtype: str, group_size: int) -> int:
     if expert_dtype == "model":
         return int(ts.meta.model.expert_bytes)
     import torch
-    from moecast.runtime.precision import Precision, expert_nbytes
+    from moecast.runtime.tiers.precision import Precision, expert_nbytes
 
     prec = Precision(expert_dtype, group_size)
     hidden, inter, dtype = expert_shape(ts)
@@ -437,7 +437,7 @@ def _fast_demand_engine(run: _Run) -> _Outcome | None:
 
 
 def _fast_demand(run: _Run, eviction: str) -> _Outcome:
-    """Demand-only per-layer replay at batch 1 (see :mod:`moecast.runtime.fastreplay`): statistics
+    """Demand-only per-layer replay at batch 1 (see :mod:`moecast.runtime.replay.fastreplay`): statistics
     in the layout of the general engine, from the misses of every (token, layer, capacity)."""
     d, caps, cold = run.data, run.caps, run.cfg.cold
     L, E, k, _B = run.shape

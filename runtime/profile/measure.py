@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 from moecast.predictors.base import LayerAhead
-from moecast.runtime.cost_model import HardwareProfile, load_profile
+from moecast.runtime.core.cost_model import HardwareProfile, load_profile
 
 from moecast.errors import InputError
 
@@ -100,7 +100,7 @@ def ring_size(expert_bytes: int) -> int:
     """How many distinct experts a cold timing cycles through: more bytes than twice the last-level
     cache, so each call reads its weights from DRAM as the runtime's slots do; at most a quarter of
     the available memory (and RING_MAX sets), at least 2."""
-    from moecast.runtime.offload import available_bytes
+    from moecast.runtime.tiers.offload import available_bytes
 
     n = 2 * llc_bytes() // expert_bytes + 1
     avail = available_bytes()
@@ -312,7 +312,7 @@ def disk_read_gbps(
     temporary file, written with fsync, read once on one thread in ``block_bytes`` reads (an
     expert's block, where known; else ``chunk_mb`` MB) and removed: O_DIRECT, or buffered reads
     after dropping the file's cached pages where the filesystem refuses O_DIRECT; ``how`` says which."""
-    from moecast.runtime.offload import _read_meta
+    from moecast.runtime.tiers.offload import _read_meta
 
     d = Path(directory)
     meta = _read_meta(d) if d.is_dir() else None
@@ -369,10 +369,10 @@ def offload_read_gbps(
     directory: str | Path, meta: dict[str, Any], threads: int | None = None
 ) -> tuple[float, str]:
     """(GB/s, how) of the runtime's own reads: whole experts at random (layer, expert) from the
-    offload directory's layer files with :class:`~moecast.runtime.offload.ExpertReader` (O_DIRECT on
+    offload directory's layer files with :class:`~moecast.runtime.tiers.offload.ExpertReader` (O_DIRECT on
     its I/O pool of ``threads``, the runtime's IO_THREADS by default), two reads per thread queued,
     until MIN_READ_S and MIN_READS have passed or READ_BUDGET_MB are read; bytes over wall time."""
-    from moecast.runtime.offload import IO_THREADS, ExpertReader
+    from moecast.runtime.tiers.offload import IO_THREADS, ExpertReader
 
     threads = IO_THREADS if threads is None else max(1, int(threads))
     reader = ExpertReader(directory, meta, threads)
@@ -391,7 +391,7 @@ def offload_read_gbps(
 
 def _random_reads(reader: Any, depth: int) -> tuple[int, list[float], float]:
     """(bytes, ms of each read, wall s) of random expert reads kept ``depth`` deep on the reader's pool."""
-    from moecast.runtime.offload import aligned_bytes
+    from moecast.runtime.tiers.offload import aligned_bytes
 
     rng = np.random.default_rng()  # not seeded: a probe run again must not re-read blocks a host just cached
     strides = [lay.stride for lay in reader.layouts]
@@ -482,7 +482,7 @@ def profile_model(
     precision: Any = None,
 ) -> tuple[HardwareProfile, dict[str, str]]:
     """The hardware profile for ``model`` on this machine, and how each figure was obtained;
-    ``precision`` (runtime/precision.py; default the model's dtype): the experts' compute is timed
+    ``precision`` (runtime/tiers/precision.py; default the model's dtype): the experts' compute is timed
     on that precision's kernels, as the live runtime computes a quantized tier's experts (the
     expert's bytes stay the model dtype's, which the cost model scales compute from)."""
     from moecast.collect.models import find_moe_structure, model_info
@@ -525,7 +525,7 @@ def implementation_expert_ms(
     experts: Any, token_counts=(1, 2, 4, 8, 16), repeat: int = 7, precision: Any = None
 ) -> tuple[float, float, str] | None:
     """(beta, C, how) of one expert as the live runtime computes it on the CPU: a call of the model's
-    experts implementation on a :class:`~moecast.runtime.expert_store.SlotView` over a cold ring of
+    experts implementation on a :class:`~moecast.runtime.tiers.expert_store.SlotView` over a cold ring of
     slots (more bytes than twice the last-level cache), one expert's tokens and the others' pairs
     marked with the sentinel. The call's own work (routing bookkeeping, the implementation's glue)
     is part of the figure, as it is of the runtime's. None for experts without per-expert weights.
@@ -534,9 +534,9 @@ def implementation_expert_ms(
     import functools
 
     import torch
-    from moecast.runtime.expert_store import SlotView
-    from moecast.runtime.live import _resolve_impl
-    from moecast.runtime.precision import quantize_params, quantized_experts_forward
+    from moecast.runtime.live.runtime import _resolve_impl
+    from moecast.runtime.tiers.expert_store import SlotView
+    from moecast.runtime.tiers.precision import quantize_params, quantized_experts_forward
 
     params = {n: p for n, p in experts.named_parameters(recurse=False) if p.dim() >= 2}
     if not params:
@@ -615,7 +615,7 @@ def _block_reads(directory: Path, block_bytes: int) -> Iterator[tuple[Any, int]]
     """(read one block, its bytes): a random whole expert of the offload in ``directory`` read as
     the runtime reads it, or where it holds none, a block of a temporary file (O_DIRECT where the
     filesystem takes it), removed afterwards."""
-    from moecast.runtime.offload import ExpertReader, _read_meta, aligned_bytes
+    from moecast.runtime.tiers.offload import ExpertReader, _read_meta, aligned_bytes
 
     local = threading.local()  # each reading thread's buffer and generator (a Generator is not thread-safe)
 
@@ -682,7 +682,7 @@ def read_compute_ms(
     beside it, scaled from the block read to ``expert_bytes``. On a machine whose I/O does not
     touch the cores it is about 0."""
     import torch
-    from moecast.runtime.offload import IO_THREADS
+    from moecast.runtime.tiers.offload import IO_THREADS
 
     threads = IO_THREADS if threads is None else max(1, int(threads))
     hidden = 2048
@@ -836,7 +836,7 @@ def calibrate(prof: HardwareProfile, stats: dict[str, Any], num_layers: int) -> 
         if stats.get("predictor_ms")
         else prof.predictor_ms,
         source=prof.source
-        + f"; calibrated on a live run of {steps} decode steps (moecast.runtime.profile.calibrate)",
+        + f"; calibrated on a live run of {steps} decode steps (moecast.runtime.profile.measure.calibrate)",
     )
 
 
@@ -854,7 +854,7 @@ def calibrate_live(
     steps. The experts are written into the directory first where it holds none."""
     import torch
     from moecast.collect.models import find_moe_structure
-    from moecast.runtime.live import attach
+    from moecast.runtime.live.runtime import attach
 
     if tokens < 1:
         raise InputError(f"calibration decodes at least one token, got {tokens}")

@@ -13,7 +13,7 @@ An offload directory holds:
   (``e{e}.{name}``) packed in one block at ``data_start + e * stride`` (``stride`` a multiple of
   ``ALIGN``; ``__pad`` tensors fill the gaps), so one aligned read of ``stride`` bytes loads an expert;
 - ``dense.safetensors``: the model's other weights, so a later load never materialises the experts;
-- for each quantized precision written (:mod:`moecast.runtime.precision`), ``layer_NNN.<tag>.safetensors``
+- for each quantized precision written (:mod:`moecast.runtime.tiers.precision`), ``layer_NNN.<tag>.safetensors``
   (``int8``, ``int4-g128``) laid out the same way, with the stored parts (``gate_up_proj.q``,
   ``gate_up_proj.sz``...) in each block, and an entry under ``precisions`` in ``meta.json`` (its layout
   and files; for int4 an id of the int4 kernel's packing, so a torch that packs otherwise is refused).
@@ -26,7 +26,7 @@ by writing the missing files again; a directory of another model's experts is re
 :class:`ExpertReader` reads experts on a small I/O thread pool (``os.preadv`` releases the GIL) with
 ``O_DIRECT`` into page-aligned memory; where the file system refuses ``O_DIRECT`` it falls back to
 buffered reads followed by ``posix_fadvise(DONTNEED)`` and says so once. :class:`DiskLayerStore`
-is :class:`moecast.runtime.expert_store.LayerStore` over that reader: on the CPU the slots are
+is :class:`moecast.runtime.tiers.expert_store.LayerStore` over that reader: on the CPU the slots are
 aligned host memory that a read fills in place; with CUDA a read fills a pinned staging buffer whose
 pieces then go to the device slot on the transfer streams. Experts that are not resident are not
 held in memory anywhere: those computed on the CPU are read in waves into two buffers of
@@ -57,12 +57,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from moecast.runtime.expert_store import (
+from moecast.runtime.tiers.expert_store import (
     STAGING_BUFFERS,
     LayerStore,
     expert_params,
 )
-from moecast.runtime.precision import Precision, pack_int4, part_shapes, quantize_params, weight_names
+from moecast.runtime.tiers.precision import Precision, pack_int4, part_shapes, quantize_params, weight_names
 from safetensors.torch import _TYPES as SAFETENSORS_DTYPES
 from torch import nn
 

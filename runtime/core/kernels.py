@@ -4,7 +4,7 @@ At decode batch 1 a layer's decision (SMoE Algorithm 1 substitution, the expert 
 eviction) works on one token's 64-odd scores; a numpy call costs 1-3 us there, so even a handful of
 them per part would miss the runtime's microsecond budget. These kernels do each part as one
 compiled loop over the lane's arrays. They are the single-lane paths of
-:class:`~moecast.runtime.cache.ExpertCache` and :func:`~moecast.runtime.substitution.substitute_one`;
+:class:`~moecast.runtime.core.cache.ExpertCache` and :func:`~moecast.runtime.core.substitution.substitute_one`;
 the vectorised numpy paths (many tokens, many lanes) are their reference, and the tests compare the
 two step by step.
 
@@ -19,11 +19,11 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from moecast.runtime import eviction
-from moecast.runtime.eviction import NU_CAP as _NU_CAP
+from moecast.runtime.core import eviction
+from moecast.runtime.core.eviction import NU_CAP as _NU_CAP
 from numba import njit, types
 
-# the eviction policies' codes (runtime/eviction.py), compile-time constants of the kernels
+# the eviction policies' codes (runtime/core/eviction.py), compile-time constants of the kernels
 LRU, LFU, BELADY, STATIC, SCORE = (
     eviction.TABLE[n].code for n in ("lru", "lfu", "belady", "static", "score")
 )
@@ -50,7 +50,7 @@ def _score_first(a, b):
 def _victim(res, last, freq, nu, score, lane, n, policy, shift, shield_a, shield_b):
     """The resident item of ``lane`` outside both shields with the lowest eviction key (-1: none).
 
-    Integer keys as runtime/eviction.py's: unique per item (the id in the low bits), so a strict
+    Integer keys as runtime/core/eviction.py's: unique per item (the id in the low bits), so a strict
     minimum finds the vectorised argmin / argpartition's victim. Score keys (SMoE Eq. 3's window
     sums) are floats: the first in a stable ascending sort, i.e. ties to the lower id. A code
     without a key here evicts nothing (the callers refuse such a policy: eviction.kernel_code).

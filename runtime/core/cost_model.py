@@ -9,7 +9,7 @@ Quantities (PreScope's notation):
 - ``t_c(m) = beta * m + C``: CPU time of one expert over ``m`` tokens (PreScope Eq. 3; SMoE Fig. 8);
 - ``t_attn``: per-layer non-expert device time (attention, gate, shared experts);
 - ``predictor_ms``: the prefetch predictor's per-layer latency on the host (optional, default 0):
-  the replay charges it before a prefetch may start (:mod:`moecast.runtime.step`);
+  the replay charges it before a prefetch may start (:mod:`moecast.runtime.core.step`);
 - ``read_cpu_ms`` (``t_rc``): the compute time one expert read takes from the cores while it runs
   (optional, default 0). It applies where the CPU both computes and reads (``fast_tier: cpu``,
   ``slow_tier: disk``): the I/O threads and the kernel's block layer then share the cores with
@@ -21,7 +21,7 @@ Quantities (PreScope's notation):
   layers as attention instead, it would widen every prefetch window by ``t_step / L`` (a quarter
   of it on a 4-layer model).
 
-Where the tiers are (:mod:`moecast.runtime.step`, step 5, reads them):
+Where the tiers are (:mod:`moecast.runtime.core.step`, step 5, reads them):
 
 - ``fast_tier``: ``device`` (an accelerator computes the resident experts while the CPU computes
   its own set: the two overlap) or ``cpu`` (no accelerator: resident experts are computed by the

@@ -8,14 +8,14 @@ experts call (docs/design.md, "Where moecast attaches": every transformers-5 MoE
 1. router probabilities come from a forward hook on the model's router class
    (``_can_record_outputs["router_logits"]``), softmaxed (sigmoid-normalised for
    DeepSeek-V3-style routers);
-2-4. the decisions are the replay's per-layer step (:class:`moecast.runtime.step.LayerStep`,
-   one lane per layer, under a :class:`moecast.runtime.policy.Policy`): in decode steps the
+2-4. the decisions are the replay's per-layer step (:class:`moecast.runtime.core.step.LayerStep`,
+   one lane per layer, under a :class:`moecast.runtime.core.policy.Policy`): in decode steps the
    expert-cache router (SMoE Algorithm 1) substitutes low-score experts that are not resident,
-   the cache (:class:`moecast.runtime.cache.ExpertCache`) says what is resident, the balancer
+   the cache (:class:`moecast.runtime.core.cache.ExpertCache`) says what is resident, the balancer
    splits the misses into loads and a CPU set (SMoE Algorithm 2, PreScope's PreSched, or every
    miss loaded; prefill loads every miss, SMoE §4.1), and the layer's modeled time comes from the
    step's formula on its link clock. The runtime then moves real weights: loads into the slots
-   the cache freed (:mod:`moecast.runtime.expert_store`), resident experts computed from their
+   the cache freed (:mod:`moecast.runtime.tiers.expert_store`), resident experts computed from their
    slots, the CPU set from host memory;
 5. prefetch for the next layer: the next layer's gate applied to this layer's gate input
    (SMoE §IV-C online prediction, without the next layer's attention: the gate-reuse
@@ -29,7 +29,7 @@ logits equal the unmodified model's; ``rt.detach()`` restores the previous
 implementation and removes every hook, leaving the model bit-identical.
 
 Time is reported two ways: measured wall time of each forward on this machine (the
-arithmetic is real), and modeled time from :class:`moecast.runtime.cost_model.CostModel`
+arithmetic is real), and modeled time from :class:`moecast.runtime.core.cost_model.CostModel`
 on a virtual clock (attention, device experts, serial transfers, CPU experts overlapped
 with the device), which is what an accelerator with that profile would take. The measured
 decode step is split into attention / dense (outside the experts calls), expert compute,
@@ -37,10 +37,10 @@ host time blocked on transfers, predictor and policy (``*_ms`` in :meth:`LiveRun
 
 Data path: each layer reads the device once (:meth:`LiveRuntime._read_layer`: the routing
 ids with everything the host decisions need), copies into a slot wait only for the last
-kernel that read it (:mod:`moecast.runtime.expert_store`), and CPU-computed experts run on a
+kernel that read it (:mod:`moecast.runtime.tiers.expert_store`), and CPU-computed experts run on a
 worker thread while the device computes the resident ones. The slow tier is host RAM
 (pinned within a budget) or, with ``offload="disk"``, an offload directory read with direct
-I/O (:mod:`moecast.runtime.offload`).
+I/O (:mod:`moecast.runtime.tiers.offload`).
 """
 
 from __future__ import annotations
@@ -65,18 +65,18 @@ from moecast.predictors.base import (
     PromptPlanner,
     StreamingPredictor,
 )
-from moecast.runtime.cache import ExpertCache, StaticTable, resolve_capacity
-from moecast.runtime.cost_model import CostModel, HardwareProfile, default_hardware, load_profile
-from moecast.runtime.expert_store import LayerStore, SlotView, expert_params
-from moecast.runtime.offload import peak_rss_mb
-from moecast.runtime.policy import POLICIES, Policy, get_policy, with_policies
-from moecast.runtime.precision import Precision, expert_nbytes, quantized_experts_forward
-from moecast.runtime.step import LayerStep, layer_time, predictor_latency, ranked_predictions
+from moecast.runtime.core.cache import ExpertCache, StaticTable, resolve_capacity
+from moecast.runtime.core.cost_model import CostModel, HardwareProfile, default_hardware, load_profile
+from moecast.runtime.core.policy import POLICIES, Policy, get_policy, with_policies
+from moecast.runtime.core.step import LayerStep, layer_time, predictor_latency, ranked_predictions
+from moecast.runtime.tiers.expert_store import LayerStore, SlotView, expert_params
+from moecast.runtime.tiers.offload import peak_rss_mb
+from moecast.runtime.tiers.precision import Precision, expert_nbytes, quantized_experts_forward
 
 from moecast.errors import InputError, MoecastError
 
 LIVE_IMPL = "moecast_live"
-#: ``policy`` names: the presets of runtime/policy.py but belady (it needs the future: replay only)
+#: ``policy`` names: the presets of runtime/core/policy.py but belady (it needs the future: replay only)
 LIVE_POLICIES = tuple(p for p in POLICIES if p != "belady")
 PREFETCH = ("auto", "none", "online", "predictor")
 #: balance overrides the policy's balancer; ``load`` loads every miss (the policy vocabulary's ``none``)
@@ -97,8 +97,8 @@ class LiveConfig:
     """What the runtime does (:func:`attach` takes it whole or field by field).
 
     Attributes:
-        policy: A preset of runtime/policy.py (the replay's, but belady): <POLICY_HELP>; or a
-            :class:`~moecast.runtime.policy.Policy`. Here presched starts from the initial placement (the
+        policy: A preset of runtime/core/policy.py (the replay's, but belady): <POLICY_HELP>; or a
+            :class:`~moecast.runtime.core.policy.Policy`. Here presched starts from the initial placement (the
             runtime has no hot-expert table of its own) and static's fixed slots hold a predictor's
             hot-expert table, else experts 0..c-1.
         capacity: Experts per layer on the device: a fraction of E (0.25), a count (6), bytes ("512MB");
@@ -126,7 +126,7 @@ class LiveConfig:
         pinned_mb: Host memory (MB) the expert copies may pin on CUDA (default: half the available
             memory); above it they stay pageable and transfers go through a few pinned staging buffers.
         offload: Where the experts that are not resident live: ``ram`` (host memory) or ``disk``
-            (``offload_dir``, read with direct I/O; :mod:`moecast.runtime.offload`). Under ``disk`` a
+            (``offload_dir``, read with direct I/O; :mod:`moecast.runtime.tiers.offload`). Under ``disk`` a
             model whose experts are in memory has them written to ``offload_dir`` once (resumable) and
             dropped from memory until ``detach``, which reads them back.
         offload_dir: The offload directory for ``offload="disk"``.
@@ -136,7 +136,7 @@ class LiveConfig:
         predictor_ms: The predictor's latency per layer (ms) charged before a prefetch may start, as in
             the replay; None: the checkpoint's measured figure, else the hardware profile's.
         expert_dtype: The precision of the experts the slow tier holds and the slots compute
-            (:mod:`moecast.runtime.precision`): ``model`` (the model's dtype, exact), ``int8`` (per
+            (:mod:`moecast.runtime.tiers.precision`): ``model`` (the model's dtype, exact), ``int8`` (per
             output channel) or ``int4`` (group-wise). A quantized precision needs ``offload="disk"``: the
             offload directory holds its copy beside the model-dtype one, the link moves its bytes, a
             capacity in bytes counts them, and the experts compute on the packed weights.
@@ -411,7 +411,7 @@ class LiveRuntime:
         return [LayerStore(e, self.capacity, config.device, pin=pin) for e in experts]
 
     def _disk_stores(self, structure: MoEStructure, config: LiveConfig) -> list[LayerStore]:
-        from moecast.runtime import offload
+        from moecast.runtime.tiers import offload
 
         in_memory = all(
             t.device.type != "meta" for e in structure.layers for t in expert_params(e.experts).values()
@@ -569,7 +569,7 @@ class LiveRuntime:
             st.close()
         if self.reader is not None:
             if self._dropped:  # the model gets back the expert weights attach moved to disk
-                from moecast.runtime.offload import ExpertReader, restore_experts
+                from moecast.runtime.tiers.offload import ExpertReader, restore_experts
 
                 # from the model-dtype files, whatever precision the run read
                 exact = ExpertReader(self.reader.directory, self._model_meta, threads=self.reader.threads)

@@ -1,7 +1,7 @@
 """Compiled one-token path of the per-layer step (numba): one lane, one token, one call.
 
-:class:`moecast.runtime.step.LayerStep` applies its rules (the docstring of
-:mod:`moecast.runtime.step`) vectorised over lanes. The live runtime calls it with one lane and one
+:class:`moecast.runtime.core.step.LayerStep` applies its rules (the docstring of
+:mod:`moecast.runtime.core.step`) vectorised over lanes. The live runtime calls it with one lane and one
 token per layer, where each of its few dozen numpy calls costs 1-3 us on six-odd experts: the
 decision cost hundreds of microseconds per layer. These kernels take that case whole:
 
@@ -9,15 +9,15 @@ decision cost hundreds of microseconds per layer. These kernels take that case w
   :func:`finish_one`: the inserts and recency, SMoE Eq. 3's score window, the layer time and the
   next layer's window, the statistics). Under PreSched it stops after the access with PreSched's
   inputs (the layer's misses and the next layer's pending predicted experts): the caller runs
-  :func:`moecast.runtime.presched.schedule` on them and :func:`finish_one` the rest;
+  :func:`moecast.runtime.core.presched.schedule` on them and :func:`finish_one` the rest;
 - :func:`prefetch_one`: step 1 (the landing rule and the prefetch inserts);
 - :func:`rank_one`: the replay's ranking of a predictor's scores for one token
-  (:func:`moecast.runtime.step.ranked_predictions`).
+  (:func:`moecast.runtime.core.step.ranked_predictions`).
 
 The vectorised path is their reference and the tests compare the two step by step: the
 floating-point operations are the same (numpy's pairwise summation and NaN-propagating maximum
 included), so are the decisions and times. The cache's inserts and recency are the compiled kernels
-of :mod:`moecast.runtime.kernels`.
+of :mod:`moecast.runtime.core.kernels`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from moecast.runtime import kernels
+from moecast.runtime.core import kernels
 from numba import njit, types
 
 #: the step's statistics, one row each of LayerStep's [len(STATS), slots] array
@@ -62,7 +62,7 @@ MAX_K = 128
 
 
 def fcost_of(cost, t_pred: float = 0.0, first_window: float = 0.0, late: bool = False) -> np.ndarray:
-    """The kernels' ``fcost`` array (T_IO .. T_RC) of a :class:`~moecast.runtime.cost_model.CostModel`."""
+    """The kernels' ``fcost`` array (T_IO .. T_RC) of a :class:`~moecast.runtime.core.cost_model.CostModel`."""
     return np.array(
         [
             cost.t_io, cost.t_g, cost.t_attn, cost.beta, cost.c, t_pred, first_window,
@@ -173,7 +173,7 @@ def layer_one(
     token counts), ``hit`` [k] which were resident, ``info`` (misses, PreSched's pending next-layer
     experts), ``fout[DELAY]`` the link delay a late prefetch left (the lane's is reset). Returns the
     number of misses to load, IN_PLACE when every miss is loaded (the load row is written), PRESCHED
-    when :func:`moecast.runtime.presched.schedule` decides (``cur`` then holds the misses' token
+    when :func:`moecast.runtime.core.presched.schedule` decides (``cur`` then holds the misses' token
     counts ascending, ``nxt`` the pending ones'), BAD_IDS for an id >= E (nothing changed).
     """
     k = ids.shape[0]

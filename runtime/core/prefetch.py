@@ -6,7 +6,7 @@
 - Sizing (PreScope Sec. 4.3.3, Eqs. 6-7): how many transfers fit in the link gap left before the
   next layer, ``f = (T_gap + t_attn) / t_io``, with the critical one kept only when its expected gain
   ``R_hit (f - |f| + 1) - R_miss (|f| - f)`` is positive; R_hit is the prefetch hit rate measured
-  online (PreSched's, :class:`moecast.runtime.step.LayerStep` keeps it).
+  online (PreSched's, :class:`moecast.runtime.core.step.LayerStep` keeps it).
 
 Built-in predictors for bounds: ``none`` (no prefetch) and ``oracle`` (the next layer's true
 experts). Any moecast checkpoint loads with :func:`moecast.predictors.load`; a prompt-ahead

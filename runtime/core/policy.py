@@ -2,9 +2,9 @@
 
 A :class:`Policy` names five choices (docs/design.md, "Runtime"):
 
-- ``eviction``: the cache's eviction rule (:mod:`moecast.runtime.cache`: lru, lfu, score, static,
+- ``eviction``: the cache's eviction rule (:mod:`moecast.runtime.core.cache`: lru, lfu, score, static,
   belady);
-- ``alpha``: SMoE's substitution threshold (Algorithm 1, :mod:`moecast.runtime.substitution`); only a
+- ``alpha``: SMoE's substitution threshold (Algorithm 1, :mod:`moecast.runtime.core.substitution`); only a
   policy that ``substitutes`` takes one, and ``alpha = 0`` leaves the routing unchanged;
 - ``balancer``: what happens to a layer's misses: ``none`` loads every one, ``smoe`` splits them by
   SMoE Algorithm 2, ``presched`` by PreScope's PreSched (Algorithm 1, which also sizes the next
@@ -30,7 +30,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from moecast.runtime import eviction
+from moecast.runtime.core import eviction
 
 from moecast.errors import InputError
 

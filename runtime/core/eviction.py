@@ -2,13 +2,13 @@
 
 :data:`TABLE` is the one place a policy is defined; the rest read it:
 
-- :class:`~moecast.runtime.cache.ExpertCache` (its vectorised and single-lane numpy paths) ranks
+- :class:`~moecast.runtime.core.cache.ExpertCache` (its vectorised and single-lane numpy paths) ranks
   the resident experts by the policy's ``key`` (lowest evicted first) and takes the names from here
   (``cache.POLICIES``, ``policy.EVICTIONS``);
-- the compiled kernels (:mod:`moecast.runtime.kernels`, :mod:`moecast.runtime.step_kernels`) take
+- the compiled kernels (:mod:`moecast.runtime.core.kernels`, :mod:`moecast.runtime.core.step_kernels`) take
   the policy as an integer, ``code``; their constants (``kernels.LRU`` ...) are read from here at
   import. A policy without a code has no kernel: the compiled paths refuse it (:func:`kernel_code`);
-- ``fast_replay``: the batch-1 demand-only engine of :mod:`moecast.runtime.fastreplay` simulates it.
+- ``fast_replay``: the batch-1 demand-only engine of :mod:`moecast.runtime.replay.fastreplay` simulates it.
 
 Adding a policy: a row here with its key; a ``code`` only once ``kernels._victim`` computes the same
 key for it (tests/test_cache.py compares the two paths decision by decision).

@@ -9,8 +9,8 @@ perplexity of held-out text and the greedy next-token agreement with alpha = 0, 
 computed token by token through the KV cache so that every token is a decode step (the
 phase where SMoE substitutes), plus the substitution rate and modeled TPOT. With
 ``--precisions`` it repeats the sweep with the experts at int8 / int4
-(:mod:`moecast.runtime.precision`), every row measured against the model-precision experts at
-alpha 0. With ``--tpot-budget`` it picks alpha by SMoE Eq. 5 (:mod:`moecast.runtime.alpha`).
+(:mod:`moecast.runtime.tiers.precision`), every row measured against the model-precision experts at
+alpha 0. With ``--tpot-budget`` it picks alpha by SMoE Eq. 5 (:mod:`moecast.runtime.core.alpha`).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from moecast.runtime.live import attach
-from moecast.runtime.policy import resolve_alpha, substitutes, with_policies
-from moecast.runtime.precision import Precision, experts_at
+from moecast.runtime.core.policy import resolve_alpha, substitutes, with_policies
+from moecast.runtime.live.runtime import attach
+from moecast.runtime.tiers.precision import Precision, experts_at
 
 from moecast.errors import InputError
 from moecast.jsonout import dumps
@@ -234,7 +234,7 @@ def _load_for_run(model: str, offload: str, offload_dir: str | None) -> tuple[An
     from moecast.collect.models import load_model
 
     if offload == "disk":
-        from moecast.runtime.offload import load_offloaded
+        from moecast.runtime.tiers.offload import load_offloaded
 
         if not offload_dir:
             raise InputError("--offload disk needs --offload-dir DIR (where the experts are written once)")
@@ -324,7 +324,7 @@ def sweep(
     model-precision experts at alpha = 0 (:data:`REFERENCE`, measured first: alpha 0 and the model
     precision are always added), substitution rate, hit rate, TPOTs.
 
-    Each precision's alphas run inside :func:`~moecast.runtime.precision.experts_at`, so the runtime
+    Each precision's alphas run inside :func:`~moecast.runtime.tiers.precision.experts_at`, so the runtime
     attached for them holds that precision's weights and the model is restored after them."""
     from tqdm import tqdm
 
@@ -518,7 +518,7 @@ def _choose(results: list[dict[str, Any]], tpot_budget: float | None) -> Any:
     quantized rows run the same in-memory runtime, so their TPOT says nothing more about alpha."""
     if tpot_budget is None:
         return None
-    from moecast.runtime.alpha import choose_alpha
+    from moecast.runtime.core.alpha import choose_alpha
 
     rs = by_precision(results)["model"]
     return choose_alpha([r["alpha"] for r in rs], [r["modeled_tpot_ms"] for r in rs], tpot_budget)
@@ -597,5 +597,5 @@ def _print_sweep(
         )
 
 
-# the presets' names and help, from runtime/policy.py (jsonargparse reads this docstring)
+# the presets' names and help, from runtime/core/policy.py (jsonargparse reads this docstring)
 run.__doc__ = with_policies(run.__doc__ or "", exclude=("belady",))

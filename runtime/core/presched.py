@@ -51,9 +51,9 @@ import functools
 from dataclasses import dataclass
 
 import numpy as np
-from moecast.runtime import kernels
-from moecast.runtime.cost_model import CostModel
-from moecast.runtime.prefetch import gap_prefetch_count
+from moecast.runtime.core import kernels
+from moecast.runtime.core.cost_model import CostModel
+from moecast.runtime.core.prefetch import gap_prefetch_count
 from numba import njit, types
 
 

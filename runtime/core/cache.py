@@ -14,7 +14,7 @@ Eviction policies (docs/design.md, "Runtime"):
   needs the future accesses (the caller sets :attr:`ExpertCache.next_use`).
 
 Ties are broken deterministically: stable sorts on the policy key keep ascending expert id order.
-Each policy's key, name and kernel code are a row of :data:`moecast.runtime.eviction.TABLE`.
+Each policy's key, name and kernel code are a row of :data:`moecast.runtime.core.eviction.TABLE`.
 
 One object holds many independent caches ("lanes") so a replay can advance every layer (and every
 cold request) with one vectorised call; the online runtime uses one lane per layer, or
@@ -23,7 +23,7 @@ layers uses ``layer * E + expert``.
 
 Single-lane calls (:meth:`ExpertCache.access`, and :meth:`~ExpertCache.insert` /
 :meth:`~ExpertCache.touch` with one row) run as compiled kernels on the same arrays
-(:mod:`moecast.runtime.kernels`), since at batch 1 a dozen numpy calls on 64-element arrays cost
+(:mod:`moecast.runtime.core.kernels`), since at batch 1 a dozen numpy calls on 64-element arrays cost
 more than the decision itself. The decisions are the
 same as the vectorised path's (tests compare them step by step). Treat the public arrays as
 read-only.
@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from moecast.runtime import eviction, kernels
+from moecast.runtime.core import eviction, kernels
 
 from moecast.errors import InputError
 

@@ -16,7 +16,7 @@ that run a layer now it does, in this order:
    Where the CPU both computes and reads (``t_rc > 0``: a CPU fast tier over a disk), each started
    transfer takes ``t_rc`` from the attention it runs beside: the layer's time grows by
    ``started * t_rc`` (``rc``).
-2. **Substitution** (SMoE Algorithm 1, :func:`moecast.runtime.substitution.substitute`) of the
+2. **Substitution** (SMoE Algorithm 1, :func:`moecast.runtime.core.substitution.substitute`) of the
    routed experts against the resident ones, when the policy substitutes with ``alpha > 0``
    (:meth:`LayerStep.route`).
 3. **Access**: the union of the lane's routed experts (one access: docs/design.md, replay semantics);
@@ -33,7 +33,7 @@ that run a layer now it does, in this order:
 
    Attention first; then the device, the serial link and the CPU run in parallel. The last demand
    load's expert computes once it lands (``+ t_g``); the others overlap with the link. Where the
-   profile's tiers say otherwise (:class:`moecast.runtime.cost_model.HardwareProfile`), with a CPU
+   profile's tiers say otherwise (:class:`moecast.runtime.core.cost_model.HardwareProfile`), with a CPU
    set (``n_cpu > 0``):
 
    - ``slow_tier: disk``: the CPU set's weights are read over the link behind the demand loads
@@ -59,7 +59,7 @@ substituted nor balanced (every miss is loaded; under static, which never loads,
 its caller asks no prefetch for it.
 
 7. **Statistics** per lane group (the replay: capacity x layer; live: layer), under the names of
-   :class:`moecast.runtime.replay.ReplayResult`.
+   :class:`moecast.runtime.replay.engine.ReplayResult`.
 
 Everything is vectorised over the lanes that run now (``n`` rows, ``B`` token slots each, ``-1``
 for an idle slot), so one call moves every layer and every cold stream of a replay wavefront, and the
@@ -72,16 +72,16 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-from moecast.runtime import eviction, kernels
-from moecast.runtime import step_kernels as sk
-from moecast.runtime.balancer import two_pointer, two_pointer_split
-from moecast.runtime.cache import ExpertCache
-from moecast.runtime.cost_model import CostModel, HardwareProfile
-from moecast.runtime.policy import Policy
-from moecast.runtime.prefetch import top_predictions
-from moecast.runtime.presched import schedule
-from moecast.runtime.step_kernels import STATS
-from moecast.runtime.substitution import substitute
+from moecast.runtime.core import eviction, kernels
+from moecast.runtime.core import step_kernels as sk
+from moecast.runtime.core.balancer import two_pointer, two_pointer_split
+from moecast.runtime.core.cache import ExpertCache
+from moecast.runtime.core.cost_model import CostModel, HardwareProfile
+from moecast.runtime.core.policy import Policy
+from moecast.runtime.core.prefetch import top_predictions
+from moecast.runtime.core.presched import schedule
+from moecast.runtime.core.step_kernels import STATS
+from moecast.runtime.core.substitution import substitute
 
 from moecast.errors import InputError
 
@@ -123,7 +123,7 @@ class LayerStep:
     ``stat_base`` [lanes]: each lane's first statistics slot (its slot for a row is ``stat_base +
     layer``; ``n_stats`` slots in all). ``prefetching``: a predictor (or a plan) may insert experts,
     so prefetch use is recorded. ``compiled``: calls with one lane and one token (the live runtime's
-    decode steps) run as the compiled kernels of :mod:`moecast.runtime.step_kernels` (the same
+    decode steps) run as the compiled kernels of :mod:`moecast.runtime.core.step_kernels` (the same
     decisions, statistics and times); the cost model and the predictor latency are then fixed.
     """
 
@@ -435,11 +435,11 @@ def _time(t: int | np.ndarray) -> int:
 
 class OneLane:
     """A compiled :class:`LayerStep`'s calls with one lane and one token, as the kernels of
-    :mod:`moecast.runtime.step_kernels`: the constants and buffers they take, made once.
+    :mod:`moecast.runtime.core.step_kernels`: the constants and buffers they take, made once.
 
-    PreSched's split stays :func:`moecast.runtime.presched.schedule` (called between the two layer
+    PreSched's split stays :func:`moecast.runtime.core.presched.schedule` (called between the two layer
     kernels), and the cache's counters (evictions, prefetches wasted / used / inserted) are added to
-    its :class:`~moecast.runtime.cache.CacheStats` after each call.
+    its :class:`~moecast.runtime.core.cache.CacheStats` after each call.
     """
 
     def __init__(self, step: LayerStep) -> None:

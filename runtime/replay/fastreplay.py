@@ -1,9 +1,9 @@
 """The batch-1 replay engine: per-layer caches, batch size 1, no substitution, no planner.
 
-Which cases it serves (:mod:`moecast.runtime.replay` picks it; ``ReplayConfig(fast=False)`` never does):
+Which cases it serves (:mod:`moecast.runtime.replay.engine` picks it; ``ReplayConfig(fast=False)`` never does):
 
 - demand-only ``lru``, ``lfu``, ``belady`` and ``static`` (``fast_replay`` in
-  :data:`moecast.runtime.eviction.TABLE`; no predictor, balancer ``none``, no preload): the misses of every (token, layer, capacity), then the modeled layer times from them;
+  :data:`moecast.runtime.core.eviction.TABLE`; no predictor, balancer ``none``, no preload): the misses of every (token, layer, capacity), then the modeled layer times from them;
 - ``lru`` with prefetch (in the window, or one late: ``prefetch-late``) and/or PreSched, from empty
   caches or the hot-expert table, and ``lfu`` with prefetch from empty caches (:class:`Wavefront`);
   a prefetch policy is its demand-only eviction when no prefetch can ever fit in the link window
@@ -11,7 +11,7 @@ Which cases it serves (:mod:`moecast.runtime.replay` picks it; ``ReplayConfig(fa
 
 Everything else (substitution, batches, a shared cache, score eviction, SMoE's balancer, planners,
 ids outside 0..63) goes to the general engine, which runs the per-layer step of
-:mod:`moecast.runtime.step`. How they are kept equal: this engine follows the same rules (docs/design.md,
+:mod:`moecast.runtime.core.step`. How they are kept equal: this engine follows the same rules (docs/design.md,
 replay: a token's top-k at a layer is one access, its own experts are never evicted, ties by lowest
 id; the step's prefetch window, landing and layer time), and tests/test_replay.py compares every
 statistic of both engines (hit rates per layer, loads, CPU experts, prefetches issued and landed,
@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from moecast.runtime.step import landing, layer_time, window
+from moecast.runtime.core.step import landing, layer_time, window
 
 _BIG = np.iinfo(np.int64).max
 _CHUNK = 16384  # rows per eviction pass: [rows, E] temporaries stay a few MB
@@ -330,7 +330,7 @@ class Wavefront:
     steps count for the modeled TPOT; ``predictor_ms`` the predictor's latency per layer;
     ``decode`` [N] bool: the decode tokens (the others are prefill: no prefetch, every miss loaded;
     None: every token is a decode step); ``late``: the policy's late_prefetch. Landing, layer time
-    and window are the step's own rules (:func:`moecast.runtime.step.landing`, ``layer_time``,
+    and window are the step's own rules (:func:`moecast.runtime.core.step.landing`, ``layer_time``,
     ``window``). :meth:`run` returns statistics reduced to [C * L] (index c * L + layer), and
     ``tpot_sum`` [C].
     """
@@ -550,7 +550,7 @@ class Wavefront:
     def _prefetch(
         self, A, act: np.ndarray, base: np.ndarray, tl: np.ndarray, newkey: np.ndarray, dec: np.ndarray | None
     ) -> None:
-        """Land the active lanes' prefetches (:func:`moecast.runtime.step.landing`)."""
+        """Land the active lanes' prefetches (:func:`moecast.runtime.core.step.landing`)."""
         t_io, big, Kf = self.cost.t_io, self.big, self.Kf
         # the lanes that may issue a prefetch: PreSched asked for some; otherwise (no PreSched, or
         # no PreSched decision: the first layer) one must fit in the free link time (often none
@@ -607,7 +607,7 @@ class Wavefront:
         count (decode rows; prefill loads every miss)."""
         if self.balancer != "presched":
             return n_miss, 0.0
-        from moecast.runtime.presched import schedule_unit
+        from moecast.runtime.core.presched import schedule_unit
 
         L, E = self.L, self.E
         has_next = lay < L - 1

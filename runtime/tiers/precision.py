@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from moecast.runtime.expert_store import expert_params
+from moecast.runtime.tiers.expert_store import expert_params
 
 from moecast.errors import InputError
 
@@ -409,7 +409,7 @@ def quantized_experts_forward(
 ) -> torch.Tensor:
     """transformers' experts call (``experts(hidden, top_k_index, top_k_weights)``) on quantized experts.
 
-    ``module`` is a :class:`~moecast.runtime.expert_store.SlotView` whose tensors are the stored parts;
+    ``module`` is a :class:`~moecast.runtime.tiers.expert_store.SlotView` whose tensors are the stored parts;
     ids ``>= module.num_experts`` are computed elsewhere and skipped. The arithmetic is the experts
     interface's (its ``batched_mm`` path): gate-up (or up) projection, the module's ``_apply_gate``
     (or activation), down projection, optional biases and post-expert norm, weighted by the routing

@@ -19,7 +19,7 @@ rows (tokens); ``group`` says which rows share a batch (and so the set C).
 from __future__ import annotations
 
 import numpy as np
-from moecast.runtime import kernels
+from moecast.runtime.core import kernels
 
 
 def substitute(

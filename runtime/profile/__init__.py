@@ -1,0 +1,1 @@
+"""moecast.runtime.profile: measuring this machine into a hardware profile, and the profile command."""
