@@ -26,12 +26,14 @@ def test_presets_name_the_papers_choices():
         "prefetch": ("lru", "none", "predictor", "none"),
         "lfu-prefetch": ("lfu", "none", "predictor", "none"),
         "prefetch-late": ("lru", "none", "predictor", "none"),
+        "prefetch-gated": ("lru", "none", "predictor", "none"),
         "presched": ("lru", "presched", "predictor", "hot"),
         "smoe": ("score", "smoe", "predictor", "none"),
     }
     assert [n for n in POLICIES if substitutes(n)] == ["smoe"]
     assert not substitutes("no-such-policy")
-    assert [n for n, p in POLICIES.items() if p.late_prefetch] == ["prefetch-late"]
+    assert [n for n, p in POLICIES.items() if p.late_prefetch] == ["prefetch-late", "prefetch-gated"]
+    assert [n for n, p in POLICIES.items() if p.gate != "none"] == ["prefetch-gated"]
 
 
 def test_late_prefetch_needs_a_prefetch_of_its_own():
@@ -40,6 +42,15 @@ def test_late_prefetch_needs_a_prefetch_of_its_own():
     for kw in (dict(), dict(prefetch="predictor", balancer="presched")):
         with pytest.raises(ValueError, match="late_prefetch needs prefetch predictor"):
             Policy("x", "lru", late_prefetch=True, **kw)
+
+
+def test_the_gate_needs_a_prefetch_and_a_known_rule():
+    from moecast.runtime.core.policy import Policy
+
+    with pytest.raises(ValueError, match="gate calibrated gates prefetches; it needs prefetch predictor"):
+        Policy("x", "lru", gate="calibrated")
+    with pytest.raises(ValueError, match="unknown gate 'always'"):
+        Policy("x", "lru", prefetch="predictor", gate="always")
 
 
 def test_alpha_defaults_only_where_the_policy_substitutes():

@@ -19,6 +19,12 @@ A :class:`Policy` names five choices (docs/design.md, "Runtime"):
 it lands late but is resident, and the next layer waits for it (where a transfer takes longer than a
 layer's attention, as from a disk, no prefetch fits the window otherwise).
 
+``gate`` (with ``prefetch: predictor``): ``none`` starts every prefetch the policy asks for;
+``calibrated`` starts one that would make the link late (late_prefetch's, PreSched's extra one) only
+when the predictor's probability of use, calibrated on val, times the demand read it spares exceeds
+the link time it takes from the demand loads, and under two expert copies at the copy that pays
+most (:mod:`moecast.runtime.core.gate`, :mod:`moecast.runtime.core.mixed`).
+
 :data:`POLICIES` holds the named presets that ``--policy`` selects in ``moecast replay``,
 ``compare`` and ``run``. Whether a policy substitutes, and the alpha it takes when none is given
 (:func:`resolve_alpha`), is decided here and nowhere else.
@@ -43,6 +49,7 @@ EVICTIONS = eviction.NAMES
 BALANCERS = ("none", "smoe", "presched", "cpu")
 PREFETCH = ("none", "predictor")
 PRELOAD = ("none", "hot")
+GATES = ("none", "calibrated")
 
 
 def resolve_alpha(alpha: float | None, substitutes: bool) -> float:
@@ -64,6 +71,7 @@ class Policy:
     prefetch: str = "none"
     preload: str = "none"
     late_prefetch: bool = False
+    gate: str = "none"
     help: str = ""
 
     def __post_init__(self) -> None:
@@ -72,6 +80,7 @@ class Policy:
             ("balancer", self.balancer, BALANCERS),
             ("prefetch", self.prefetch, PREFETCH),
             ("preload", self.preload, PRELOAD),
+            ("gate", self.gate, GATES),
         ):
             if value not in allowed:
                 raise InputError(f"unknown {what} {value!r}; choose one of {', '.join(allowed)}")
@@ -79,6 +88,10 @@ class Policy:
             raise InputError(
                 f"policy {self.name!r}: late_prefetch needs prefetch predictor and a balancer other than "
                 "presched (PreSched sizes its own prefetch)"
+            )
+        if self.gate != "none" and self.prefetch == "none":
+            raise InputError(
+                f"policy {self.name!r}: gate {self.gate} gates prefetches; it needs prefetch predictor"
             )
         a = self.alpha
         if not (isinstance(a, (int, float)) and math.isfinite(a) and a >= 0):
@@ -133,6 +146,15 @@ POLICIES: dict[str, Policy] = {
             prefetch="predictor",
             late_prefetch=True,
             help="prefetch, and one more than the window holds, which the next layer waits for (a slow link: disk)",
+        ),
+        Policy(
+            "prefetch-gated",
+            "lru",
+            prefetch="predictor",
+            late_prefetch=True,
+            gate="calibrated",
+            help="prefetch-late whose late prefetch starts only when its calibrated probability of use "
+            "(fitted on val) times the demand read it spares exceeds the link time it costs",
         ),
         Policy(
             "presched",

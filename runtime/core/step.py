@@ -77,6 +77,7 @@ from moecast.runtime.core import step_kernels as sk
 from moecast.runtime.core.balancer import two_pointer, two_pointer_split
 from moecast.runtime.core.cache import ExpertCache
 from moecast.runtime.core.cost_model import CostModel, HardwareProfile
+from moecast.runtime.core.mixed import LOW, Copies, plan_prefetch, upgrade_count
 from moecast.runtime.core.policy import Policy
 from moecast.runtime.core.prefetch import top_predictions
 from moecast.runtime.core.presched import schedule
@@ -125,6 +126,9 @@ class LayerStep:
     so prefetch use is recorded. ``compiled``: calls with one lane and one token (the live runtime's
     decode steps) run as the compiled kernels of :mod:`moecast.runtime.core.step_kernels` (the same
     decisions, statistics and times); the cost model and the predictor latency are then fixed.
+    ``copies``: the slow tier holds two copies of each expert (:mod:`moecast.runtime.core.mixed`):
+    ``cost`` is then the high copy's (prefetches, upgrades) and ``copies.low`` a demand read's. A
+    mixed step, or one under the prefetch gate (``policy.gate``), runs this numpy path only.
     """
 
     cache: ExpertCache
@@ -138,6 +142,7 @@ class LayerStep:
     prefetching: bool = False
     predictor_ms: float = 0.0
     compiled: bool = False
+    copies: Copies | None = None
     clock: LinkClock = field(init=False)
     stats: dict[str, np.ndarray] = field(init=False)
 
@@ -149,6 +154,18 @@ class LayerStep:
         # PreSched's R_hit per lane: prefetched experts used / landed, from a prior of 1 / 2
         self.r_used = np.ones(lanes)
         self.r_landed = np.full(lanes, 2.0)
+        # a demand read's cost: the low copy's under mixed precision (mixed.py, rule 1)
+        self.demand = self.copies.low if self.copies is not None else self.cost
+        if self.copies is not None:
+            if self.policy.balancer == "presched":
+                raise InputError(
+                    f"policy {self.policy.name!r}: PreSched sizes its prefetches with one transfer time, so it "
+                    "takes one expert precision; with two copies use prefetch, prefetch-late or prefetch-gated"
+                )
+            # each lane's resident experts at the low copy (read only while resident: every insert writes it)
+            self.low = np.zeros((lanes, self.cache.N + 1), dtype=bool)
+            self.upgrading = self.demand.expert_bytes < self.cost.expert_bytes
+            self._windowed = np.zeros(lanes, dtype=bool)  # a prefetch used the lane's window this step
         if self.compiled:
             self._one = OneLane(self)
 
@@ -168,12 +185,22 @@ class LayerStep:
         )
 
     # ------------------------------------------------------------------ 1. prefetch
-    def prefetch(self, lanes: np.ndarray, layer: np.ndarray, ranked: np.ndarray, t: np.ndarray) -> np.ndarray:
+    def prefetch(
+        self,
+        lanes: np.ndarray,
+        layer: np.ndarray,
+        ranked: np.ndarray,
+        t: np.ndarray,
+        prob: np.ndarray | None = None,
+    ) -> np.ndarray:
         """Land the lanes' prefetches for the layer they run next; -> [n, M] the experts inserted.
 
         ``ranked`` [n, M]: the predicted experts, best first, distinct (-1 padded; a shared cache's
         items). The predicted ones are shielded: a prefetch never evicts another predicted expert.
+        ``prob`` [n, M]: their calibrated probability of use (the prefetch gate's, needed under it).
         """
+        if self.copies is not None or self.policy.gate != "none":
+            return self._prefetch_copies(lanes, layer, ranked, t, prob)
         if self.compiled and len(lanes) == 1 and not self.shared:
             return self._one.prefetch(lanes, layer, ranked, t)
         cache, clock = self.cache, self.clock
@@ -196,6 +223,91 @@ class LayerStep:
         self.add("pf_landed", lanes, layer, landed)
         self.add("pf_started", lanes, layer, started)
         return np.where(ins, cand, -1)
+
+    def _prefetch_copies(
+        self, lanes: np.ndarray, layer: np.ndarray, ranked: np.ndarray, t: np.ndarray, prob: np.ndarray | None
+    ) -> np.ndarray:
+        """:meth:`prefetch` over two copies and / or under the gate (:func:`mixed.plan_prefetch`),
+        then the upgrades in the window's idle link time."""
+        gate = self.policy.gate != "none"
+        if gate and prob is None:
+            raise InputError(
+                f"policy {self.policy.name!r} gates its prefetches on calibrated probabilities, which this "
+                "caller did not give (the replay calibrates them on val); use prefetch-late"
+            )
+        cache, clock = self.cache, self.clock
+        nonres = (ranked >= 0) & ~cache.lookup(lanes, ranked)
+        order = np.argsort(~nonres, axis=1, kind="stable")
+        cand = np.take_along_axis(np.where(nonres, ranked, -1), order, 1)
+        p = np.take_along_axis(np.where(nonres, prob, 0.0), order, 1) if prob is not None else None
+        pl = plan_prefetch(
+            (cand >= 0).sum(1), clock.pf_n[lanes], clock.free[lanes], self.cost.t_io, self.demand.t_io,
+            self.policy.balancer, self.policy.late_prefetch, gate, p,
+        )  # fmt: skip
+        landed, started = pl.landed, pl.started
+        clock.delay[lanes] = pl.delay
+        n_lo = pl.n_low + (pl.late == LOW)
+        clock.rc[lanes] = (started - n_lo) * self.cost.t_rc + n_lo * self.demand.t_rc
+        col = np.arange(cand.shape[1])[None, :]
+        take = col < landed[:, None]
+        ins = cache.insert(lanes, np.where(take, cand, -1), shield=ranked, prefetch=True, t=t)
+        if self.copies is not None:
+            hi_end = pl.n_high[:, None]
+            low_col = (col >= hi_end) & ((col < (pl.n_high + pl.n_low)[:, None]) | (pl.late == LOW)[:, None])
+            self._mark(lanes, cand, ins, low_col)
+            self._upgrade(lanes, layer, pl.idle, ranked)
+            self._windowed[lanes] = True
+        self.r_landed[lanes] += landed
+        self.add("pf_inserted", lanes, layer, ins.sum(1))
+        self.add("pf_issued", lanes, layer, pl.issued)
+        self.add("pf_landed", lanes, layer, landed)
+        self.add("pf_started", lanes, layer, started)
+        self.add("pf_low", lanes, layer, n_lo)
+        self.add("pf_refused", lanes, layer, pl.refused)
+        return np.where(ins, cand, -1)
+
+    def _mark(self, lanes: np.ndarray, ids: np.ndarray, inserted: np.ndarray, low: np.ndarray | bool) -> None:
+        """Record the copy of the experts just read into the lanes' slots (``inserted`` of ``ids``)."""
+        if self.copies is None:
+            return
+        rows = np.broadcast_to(lanes[:, None], ids.shape)[inserted]
+        self.low[rows, ids[inserted]] = np.broadcast_to(low, ids.shape)[inserted]
+
+    def set_copy(self, lanes: np.ndarray, ids: np.ndarray, inserted: np.ndarray) -> None:
+        """Experts a caller inserted itself (a plan's preload) were read at the high copy."""
+        self._mark(lanes, ids, inserted, False)
+
+    def _upgrade(
+        self, lanes: np.ndarray, layer: np.ndarray, idle: np.ndarray, ranked: np.ndarray | None
+    ) -> None:
+        """Rule 4 of :mod:`moecast.runtime.core.mixed`: read high copies over resident low ones in
+        ``idle`` ms of link time, the predicted (``ranked``, best first) first, then the most
+        recently used, never a prefetched expert not used yet."""
+        if not self.upgrading:
+            return
+        cache, N = self.cache, self.cache.N
+        low = self.low[lanes, :N] & cache.resident[lanes] & ~cache.prefetched[lanes]
+        n_up = upgrade_count(idle, self.cost.t_io, low.sum(1))
+        if not n_up.any():
+            return
+        rows = np.flatnonzero(n_up > 0)
+        ln, low = lanes[rows], low[rows]
+        key = cache.last[ln].astype(np.float64)
+        if ranked is not None:
+            r = ranked[rows]
+            M = r.shape[1]
+            first = np.full(key.shape, -np.inf)
+            rr = np.broadcast_to(np.arange(len(rows))[:, None], r.shape)
+            ok = r >= 0
+            # predicted experts rank above any recency, in their order
+            first[rr[ok], r[ok]] = 2.0**62 + (M - np.broadcast_to(np.arange(M), r.shape)[ok])
+            key = np.maximum(key, first)
+        order = np.argsort(-np.where(low, key, -np.inf), axis=1, kind="stable")
+        k = int(n_up[rows].max())
+        sel = order[:, :k]
+        pick = np.arange(k)[None, :] < n_up[rows][:, None]
+        self.low[np.broadcast_to(ln[:, None], sel.shape)[pick], sel[pick]] = False
+        self.add("upgrades", ln, layer[rows], n_up[rows])
 
     # ------------------------------------------------------------------ 2-7. the layer
     def layer(
@@ -235,6 +347,12 @@ class LayerStep:
         valid = (ids >= 0).any(2)
         if not routed:
             ids = self.route(lanes, layer, ids, probs, decode)
+        if self.copies is not None:
+            # a lane no prefetch reached upgrades in its whole window (mixed.py, rule 4)
+            quiet = ~self._windowed[lanes]
+            if quiet.any():
+                self._upgrade(lanes[quiet], layer[quiet], self.clock.free[lanes[quiet]], None)
+            self._windowed[lanes] = False
         uniq, counts, hit = self._access(lanes, layer, ids)
         miss = (uniq >= 0) & ~hit
         n_miss = miss.sum(1)
@@ -242,7 +360,8 @@ class LayerStep:
             lanes, uniq, counts, miss, delay, B == 1, decode, next_lanes, has_next, next_predicted
         )
         cache = self.cache
-        cache.insert(lanes, load_ids, shield=uniq, t=None)
+        loaded = cache.insert(lanes, load_ids, shield=uniq, t=None)
+        self._mark(lanes, load_ids, loaded, True)  # a demand miss reads the low copy
         cache.touch(lanes, uniq, t)
         if next_use is not None:
             cache.set_next_use(lanes, self._items(layer, ids).reshape(n, -1), next_use)
@@ -251,7 +370,7 @@ class LayerStep:
             cache.observe_scores(lanes, sc)
         n_dev = (hit & (uniq >= 0)).sum(1) + n_load
         stall = delay if pol.late_prefetch else None
-        layer_t, link = layer_time(self.cost, n_dev, n_load, delay, t_cpu, n_miss - n_load, stall)
+        layer_t, link = layer_time(self.demand, n_dev, n_load, delay, t_cpu, n_miss - n_load, stall)
         layer_t = layer_t + rc
         self._advance(lanes, layer_t, link, next_lanes, has_next, restart)
         self.add("loads", lanes, layer, n_load)
@@ -316,13 +435,25 @@ class LayerStep:
         else:
             uniq, counts = flat, (flat >= 0).astype(np.int64)
         hit = self.cache.lookup(lanes, uniq)
+        low = self._low_of(lanes, uniq) & hit if self.copies is not None else None
         if self.prefetching:
-            used = (hit & self.cache.was_prefetched(lanes, uniq)).sum(1)
+            pf = hit & self.cache.was_prefetched(lanes, uniq)
+            used = pf.sum(1)
             self.r_used[lanes] += used
             self.add("pf_used", lanes, layer, used)
+            if low is not None:
+                self.add("pf_used_low", lanes, layer, (pf & low).sum(1))
+        if low is not None:
+            # a miss computes from the low copy too, loaded or on the CPU (mixed.py, rule 1)
+            self.add("low_uses", lanes, layer, (counts * ((uniq >= 0) & (low | ~hit))).sum(1))
         self.add("uses", lanes, layer, counts.sum(1))
         self.add("hits", lanes, layer, (counts * hit).sum(1))
         return uniq, counts, hit
+
+    def _low_of(self, lanes: np.ndarray, items: np.ndarray) -> np.ndarray:
+        """[n, M] whether each item's slot holds its low copy (meaningful where resident)."""
+        W = self.cache.N + 1
+        return self.low.reshape(-1)[lanes[:, None] * W + np.where(items >= 0, items, W - 1)]
 
     def _split(
         self,
@@ -339,7 +470,7 @@ class LayerStep:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The balancer: (n_load, load ids, CPU ids, CPU time) from the misses, largest first; a
         prefill row loads every miss."""
-        bal, cost = self.policy.balancer, self.cost
+        bal, cost = self.policy.balancer, self.demand
         n = len(lanes)
         n_miss = miss.sum(1)
         if decode is not None and not decode.any() and self.policy.eviction != "static":
@@ -461,15 +592,19 @@ class OneLane:
         # SMoE Algorithm 1's band edges as substitute() multiplies them (float32 factors)
         self.hi, self.lo = float(np.float32(1 + pol.alpha)), float(np.float32(1 - pol.alpha))
         self.ep: tuple | None = None
+        # the kernels know one copy and no gate: a mixed or gated step keeps to the numpy path
+        self.serves = step.copies is None and pol.gate == "none"
 
     def _load(self) -> tuple:
         self.ep = (*sk.entry_points(), kernels.substitute_kernels())
         return self.ep
 
     def takes(self, lanes: np.ndarray, ids: np.ndarray, probs: np.ndarray | None, next_use: object) -> bool:
-        """Whether a call is this path's: one lane, one token, no next-use times, a cache per layer."""
+        """Whether a call is this path's: one lane, one token, no next-use times, a cache per layer,
+        one expert precision and no prefetch gate."""
         return (
-            len(lanes) == 1
+            self.serves
+            and len(lanes) == 1
             and ids.shape[1] == 1
             and ids.shape[2] <= sk.MAX_K
             and next_use is None

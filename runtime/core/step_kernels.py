@@ -42,6 +42,12 @@ STATS = (
     "pf_inserted",  # experts a prefetch (or a plan preload) put in the cache
     "plan_loads",  # experts a plan preload moved before its request (CasMoE)
     "time",  # modeled layer time (ms)
+    # two expert copies and the prefetch gate (runtime/core/mixed.py, gate.py; the numpy path only)
+    "pf_low",  # prefetches started at the low copy
+    "pf_used_low",  # of the prefetched experts used, those at the low copy
+    "pf_refused",  # late prefetches the gate did not start
+    "upgrades",  # high copies read over resident low ones in idle link time
+    "low_uses",  # routed uses computed at the low copy
 )
 USES, HITS, LOADS, CPU, SUBS, PF_ISSUED, PF_LANDED, PF_STARTED, PF_USED, PF_INSERTED, _, TIME = range(12)
 #: balancer codes of the kernels (Policy.balancer -> code)

@@ -68,7 +68,10 @@ def replay(
             --planner were trained on (``TraceSet.splits``; the default split without a checkpoint);
             a number is the test share, refused where it disagrees with a checkpoint's split.
         expert_dtype: precision of the slow tier's experts (as ``moecast run --expert-dtype``): model, int8 or
-            int4; the link moves, and a capacity in bytes counts, that precision's bytes.
+            int4; the link moves, and a capacity in bytes counts, that precision's bytes. Two copies:
+            mixed (model+int4), or HIGH+LOW such as int8+int4 or model+int4-g64: a demand miss reads the
+            low copy, a prefetch in the window the high one, and idle link time upgrades resident low
+            copies (replay only for now; a capacity in bytes counts the high copy).
         group_size: int4's group along each matrix's input dimension (32, 64, 128 or 256).
         json: print one JSON object instead of a table.
     """
@@ -145,6 +148,11 @@ def _print_result(res: ReplayResult, predictor_given: bool = True) -> None:
         "cpu_experts",
         "loads",
         "bytes_moved",
+        "mb_per_token",
+        "wasted_mb_per_token",
+        "low_share",
+        "upgrades",
+        "gate_refused",
         "modeled_tpot_ms",
         "modeled_tpot_ms_with_preload",
         "tpot_basis",
@@ -166,6 +174,12 @@ def _print_result(res: ReplayResult, predictor_given: bool = True) -> None:
         )
     if d["predictor"] not in (None, "none"):
         print(f"predictor latency {d['predictor_ms']:.4f} ms per layer, from {d['predictor_ms_from']}")
+    if d["mb_per_token_by_copy"]:
+        print(
+            "MB per token by copy: " + ", ".join(f"{k} {v:.2f}" for k, v in d["mb_per_token_by_copy"].items())
+        )
+    if d.get("gate_calibrated_on"):
+        print(f"prefetch gate calibrated on {d['gate_calibrated_on']}")
     if d["predictor"] not in (None, "none") and not d["prefetches_landed"]:
         print(
             f"note: no prefetch landed, so the predictor changed nothing here. A prefetch may not delay a "
@@ -199,6 +213,9 @@ COMPARE_COLUMNS = [
     "substitution_rate",
     "cpu_experts",
     "bytes_moved",
+    "mb_per_token",
+    "wasted_mb_per_token",
+    "low_share",
     "modeled_tpot_ms",
     "modeled_tpot_ms_with_preload",
     "tpot_basis",
@@ -253,7 +270,8 @@ def compare(
         predictor_ms: the predictor's latency per layer (ms) before its prefetch may start; default: each
             checkpoint's measured figure, else the hardware profile's.
         batch_size: decode batch size.
-        expert_dtypes: precisions of the slow tier's experts (model, int8, int4): each cell runs at each.
+        expert_dtypes: precisions of the slow tier's experts (model, int8, int4, or two copies: mixed,
+            int8+int4, ...; see `moecast replay --help`): each cell runs at each.
         group_size: int4's group along each matrix's input dimension (32, 64, 128 or 256).
         wandb: log one offline wandb run per cell.
         json: print one JSON object per cell instead of the table.

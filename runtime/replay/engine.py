@@ -62,6 +62,8 @@ from moecast.runtime.core import eviction
 from moecast.runtime.core.cache import ExpertCache, StaticTable, resolve_capacity
 from moecast.runtime.core.cost_model import DEFAULT_HARDWARE as DEFAULT_HARDWARE
 from moecast.runtime.core.cost_model import CostModel, HardwareProfile, load_profile
+from moecast.runtime.core.gate import Calibration, candidate_probability, used_labels
+from moecast.runtime.core.mixed import Copies, parse_copies, tag_of
 from moecast.runtime.core.policy import POLICIES as POLICIES  # the presets, where bench looks them up
 from moecast.runtime.core.policy import Policy, get_policy
 from moecast.runtime.core.prefetch import OraclePredictor, plan_prior, top_predictions
@@ -100,6 +102,9 @@ class ReplayConfig:
     # counts, its bytes, as in the live runtime
     expert_dtype: str = "model"
     group_size: int = 128
+    # the requests the prefetch gate calibrates on (runtime/core/gate.py); None: the val side of the
+    # predictor's split
+    calibrate_on: list[str] | None = None
 
 
 @dataclass
@@ -127,6 +132,16 @@ class ReplayResult:
     modeled_tpot_ms_with_preload: float | None = None
     preload_ms: float = 0.0  # the preload's transfer time at one cache start
     predictor_ms: float = 0.0  # predictor latency charged per layer before a prefetch
+    # per token (MB = 2**20 bytes): read over the link, and prefetched but never used (bytes_moved's
+    # prefetches and plan preloads less those used, each at its copy's bytes)
+    mb_per_token: float = 0.0
+    wasted_mb_per_token: float = 0.0
+    # two expert copies (runtime/core/mixed.py): MB per token read at each copy, the share of routed
+    # uses computed at the low copy (None: one precision), high copies read over low ones
+    mb_per_token_by_copy: dict[str, float] = field(default_factory=dict)
+    low_share: float | None = None
+    upgrades: int = 0
+    gate_refused: int = 0  # late prefetches the prefetch gate did not start
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -235,6 +250,7 @@ class _Run:
     hot_from: str | None
     predictor_ms: float
     predictor_ms_from: str
+    copies: Copies | None = None  # two expert copies (expert_dtype mixed / A+B), set by replay_capacities
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -265,6 +281,9 @@ def expert_shape(ts: TraceSet) -> tuple[int, int, str]:
 
 
 def _precision_tag(dtype: str, group_size: int) -> str:
+    pair = parse_copies(dtype, group_size)
+    if pair is not None:
+        return "+".join(_precision_tag(d, g) for d, g in pair)
     if dtype == "model":  # without importing torch, which a replay never needs otherwise
         return "model"
     from moecast.runtime.tiers.precision import Precision
@@ -274,7 +293,11 @@ def _precision_tag(dtype: str, group_size: int) -> str:
 
 def expert_link_bytes(ts: TraceSet, expert_dtype: str, group_size: int) -> int:
     """One expert's bytes on the link at a precision: the recorded model's own where it is not
-    quantized, else those of its gated expert (gate-up [2I, H], down [H, I]) as the precision stores it."""
+    quantized, else those of its gated expert (gate-up [2I, H], down [H, I]) as the precision stores it.
+    Two copies (``mixed``, ``A+B``): the high copy's, which a slot must hold."""
+    pair = parse_copies(expert_dtype, group_size)
+    if pair is not None:
+        return expert_link_bytes(ts, *pair[0])
     if expert_dtype == "model":
         return int(ts.meta.model.expert_bytes)
     import torch
@@ -282,12 +305,29 @@ def expert_link_bytes(ts: TraceSet, expert_dtype: str, group_size: int) -> int:
 
     prec = Precision(expert_dtype, group_size)
     hidden, inter, dtype = expert_shape(ts)
-    dt = getattr(torch, dtype)
+    # an import records how its source stored the weights (e.g. bitsandbytes int8); its expert_bytes
+    # are the model's bfloat16 ones (expert_shape), so those are the weights a precision quantizes
+    dt = getattr(torch, dtype, None)
+    if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+        dt = torch.bfloat16
     params = {
         "gate_up_proj": torch.empty((1, 2 * inter, hidden), dtype=dt, device="meta"),
         "down_proj": torch.empty((1, hidden, inter), dtype=dt, device="meta"),
     }
     return expert_nbytes(prec, params, transposed=False)
+
+
+def _copies(run: _Run) -> Copies | None:
+    """The low copy's cost of a run with two expert copies (``run.cost`` is the high one's); None
+    for one precision."""
+    pair = parse_copies(run.cfg.expert_dtype, int(run.cfg.group_size))
+    if pair is None:
+        return None
+    (hd, hg), (ld, lg) = pair
+    low = CostModel.from_profile(
+        run.profile, run.ts.meta.model.expert_bytes, link_bytes=expert_link_bytes(run.ts, ld, lg)
+    )
+    return Copies(tag_of(hd, hg), tag_of(ld, lg), low)
 
 
 def _prepare(ts: TraceSet, cfg: ReplayConfig, capacities: list[float | str]) -> _Run:
@@ -375,14 +415,25 @@ def replay_capacities(
     if not isinstance(ts, TraceSet):
         ts = TraceSet(ts)
     run = _prepare(ts, cfg, capacities)
-    out = _fast_demand_engine(run)
+    run.copies = _copies(run)
+    out, note = _fast_demand_engine(run), ""
     if out is None:
         pr = _predictions(run)
+        pr.prob = _gate_probabilities(run, pr)
+        note = pr.calibrated_on
         out = _fast_wavefront(run, pr) if _fast_wave_serves(run) else _general(run, pr)
-    return _results(run, out, time.perf_counter() - t0)
+    results = _results(run, out, time.perf_counter() - t0)
+    for res in results if note else ():
+        res.extra["gate_calibrated_on"] = note
+    return results
 
 
 # ----------------------------------------------------------------------------- 2. fast engines
+
+
+def _one_copy(run: _Run) -> bool:
+    """The fast engines know one expert precision and no prefetch gate (runtime/core/mixed.py, gate.py)."""
+    return run.copies is None and run.policy.gate == "none"
 
 
 def _fast_wave_serves(run: _Run) -> bool:
@@ -391,6 +442,7 @@ def _fast_wave_serves(run: _Run) -> bool:
     spec = run.policy
     return (
         run.cfg.fast
+        and _one_copy(run)
         and not run.cfg.shared
         and B == 1
         and not spec.substituting
@@ -409,6 +461,7 @@ def _fast_demand_engine(run: _Run) -> _Outcome | None:
     spec, cfg, cost = run.policy, run.cfg, run.cost
     if (
         cfg.fast
+        and _one_copy(run)
         and not cfg.shared
         and B == 1
         and not spec.substituting
@@ -509,6 +562,8 @@ class _Predictions:
     ids: np.ndarray | None  # [tokens, L, kp] predicted ids, best first (-1: none)
     scores: np.ndarray | None  # [tokens, L, kp] their scores
     plan_top: np.ndarray | None  # [requests, L, capacity] each request's planned experts, best first
+    prob: np.ndarray | None = None  # [tokens, L, kp] calibrated P(used) of each prediction (the gate's)
+    calibrated_on: str = ""
 
 
 def _predictions(run: _Run) -> _Predictions:
@@ -531,25 +586,79 @@ def _predictions(run: _Run) -> _Predictions:
     with _scoring_mode(predictor, planner):
         for r, rid in it:
             s0, n = d.starts[r], d.lengths[r]
-            trace = run.ts.get(rid)
-            sc = raw_sc = None
-            if predictor is not None and not oracle:
-                raw_sc = np.asarray(predictor.score_request(trace), dtype=np.float32)
-                sc = raw_sc / np.maximum(np.abs(raw_sc).max(-1, keepdims=True), 1e-12)
-            if planner is not None:
-                plan = np.asarray(planner.score_request(trace), dtype=np.float32)[0]  # [L, E]
+            sc, plan = _request_scores(run, run.ts.get(rid), oracle)
+            if plan is not None:
                 plan_top[r] = np.argsort(-plan, axis=1, kind="stable")[:, :cap]
-                # Alone, a plan only preloads (CasMoE plans before decoding); as a constant per-token
-                # prefetch it would evict the experts the previous token just used, which at small
-                # capacities are the likeliest next ones.
-                if sc is not None:
-                    # the plan as a prior on the token-level scores; a light weight, since a
-                    # request-wide plan knows less about the next token than the predictor does
-                    sc = plan_prior(raw_sc, plan, run.cfg.plan_weight)
             if sc is not None:
                 ids, scs = top_predictions(sc, k)
                 pred_ids[s0 : s0 + n], pred_sc[s0 : s0 + n] = ids, scs
     return _Predictions(pred_ids, pred_sc, plan_top)
+
+
+def _request_scores(run: _Run, trace: Any, oracle: bool) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """A request's token-level scores [T, L, E] (None: none to score) and its plan [L, E] (None: no
+    planner)."""
+    predictor, planner = run.predictor, run.planner
+    sc = raw_sc = plan = None
+    if predictor is not None and not oracle:
+        raw_sc = np.asarray(predictor.score_request(trace), dtype=np.float32)
+        sc = raw_sc / np.maximum(np.abs(raw_sc).max(-1, keepdims=True), 1e-12)
+    if planner is not None:
+        plan = np.asarray(planner.score_request(trace), dtype=np.float32)[0]  # [L, E]
+        # Alone, a plan only preloads (CasMoE plans before decoding); as a constant per-token
+        # prefetch it would evict the experts the previous token just used, which at small
+        # capacities are the likeliest next ones.
+        if sc is not None:
+            # the plan as a prior on the token-level scores; a light weight, since a
+            # request-wide plan knows less about the next token than the predictor does
+            sc = plan_prior(raw_sc, plan, run.cfg.plan_weight)
+    return sc, plan
+
+
+def _gate_probabilities(run: _Run, pr: _Predictions) -> np.ndarray | None:
+    """Under the prefetch gate: each prediction's P(used), from a :class:`Calibration` fitted on the
+    val side of the predictor's split, or on ``calibrate_on`` (runtime/core/gate.py); None otherwise."""
+    if run.policy.gate == "none" or pr.ids is None:
+        return None
+    rids, side = _calibration_requests(run)
+    oracle = isinstance(run.predictor, OraclePredictor)
+    k = run.shape[2]
+    scores, used, valid = [], [], []
+    with _scoring_mode(run.predictor, run.planner):
+        for rid in _progress(rids, run.cfg.progress and not oracle, f"calibrating the gate on {side}"):
+            trace = run.ts.get(rid)
+            topk = np.asarray(trace.topk_ids, dtype=np.int64)
+            sc, _plan = _request_scores(run, trace, oracle)
+            if sc is None:  # the oracle: its predictions are the routing
+                ids, scs = topk, np.ones(topk.shape, np.float32)
+            else:
+                ids, scs = top_predictions(sc, k)
+            scores.append(scs)
+            used.append(used_labels(ids, topk))
+            valid.append(ids >= 0)
+    if not scores:
+        raise InputError(
+            f"the prefetch gate calibrates on the {side} side of the predictor's split, which holds no request "
+            f"of {run.ts.path}; give calibrate_on requests or use a policy without the gate"
+        )
+    cal = Calibration.fit(np.concatenate(scores), np.concatenate(used), np.concatenate(valid))
+    overlap = len(set(rids) & set(run.rids))
+    pr.calibrated_on = f"the {len(rids)} {side} requests" + (
+        f" ({overlap} of them replayed too: in-sample)" if overlap else ""
+    )
+    return np.where(pr.ids >= 0, cal.probability(pr.scores), 0.0)
+
+
+def _calibration_requests(run: _Run) -> tuple[list[str], str]:
+    """(the requests the gate calibrates on, which side they are): ``calibrate_on``, else the val
+    side of the split the predictor was trained on (the default split for the oracle)."""
+    if run.cfg.calibrate_on is not None:
+        return list(run.cfg.calibrate_on), "calibrate_on"
+    from moecast.predictors.provenance import choose, trained_on
+
+    pred = run.predictor
+    record = trained_on(pred) if pred is not None and not isinstance(pred, OraclePredictor) else None
+    return choose(run.ts, record, "val").requests, "val"
 
 
 # ----------------------------------------------------------------------------- 4. the general engine
@@ -661,7 +770,7 @@ def _lanes(run: _Run, pr: _Predictions, ch: _Chunk) -> _Lanes:
             cache.preload(np.arange(lanes), np.tile(per, (C * G, 1)))
     step = LayerStep(
         cache, run.policy, run.cost, E, L, stat_base=cap_of * L, n_stats=C * L, shared=cfg.shared,
-        prefetching=pr.ids is not None, predictor_ms=run.predictor_ms,
+        prefetching=pr.ids is not None, predictor_ms=run.predictor_ms, copies=run.copies,
     )  # fmt: skip
     if cfg.shared:
         stream_of = np.tile(np.arange(G), C)
@@ -730,7 +839,8 @@ def _iteration(
         ranked = _ranked(run, pr, tsafe, tvalid, lay)
         if decode is not None:
             ranked[~decode] = -1  # prefill prefetches nothing
-        ln.step.prefetch(act, lay, ranked, lt)
+        prob = _ranked_prob(run, pr, tsafe, tvalid, lay, ranked) if pr.prob is not None else None
+        ln.step.prefetch(act, lay, ranked, lt, prob)
     has_next = lay < L - 1
     next_lanes = act if shared else np.where(has_next, act + 1, act)
     restart = ~has_next if shared else lay == 0
@@ -762,6 +872,18 @@ def _ranked(
     if run.cfg.shared:
         ranked = np.where(ranked >= 0, ranked + (lay * run.shape[1])[:, None], -1)
     return ranked
+
+
+def _ranked_prob(
+    run: _Run, pr: _Predictions, tsafe: np.ndarray, tvalid: np.ndarray, lay: np.ndarray, ranked: np.ndarray
+) -> np.ndarray:
+    """[n, M] the calibrated P(used) of each ranked candidate (gate.candidate_probability)."""
+    n = len(lay)
+    pid = pr.ids[tsafe, lay[:, None]]
+    pid = np.where(tvalid[:, :, None] & (pid >= 0), pid, -1).reshape(n, -1)
+    if run.cfg.shared:
+        pid = np.where(pid >= 0, pid + (lay * run.shape[1])[:, None], -1)
+    return candidate_probability(ranked, pid, pr.prob[tsafe, lay[:, None]].reshape(n, -1))
 
 
 def _plan_preload(
@@ -796,6 +918,7 @@ def _plan_preload(
         ins = new
     else:
         ins = cache.insert(lanes, plan_ids, prefetch=True, t=None)
+        ln.step.set_copy(lanes, plan_ids, ins)
     ln.step.add("pf_inserted", lanes, layer, ins.sum(1))
     ln.step.add("plan_loads", lanes, layer, ins.sum(1))
 
@@ -816,6 +939,8 @@ def _results(run: _Run, out: _Outcome, wall: float) -> list[ReplayResult]:
     results = []
     for c in range(C):
         t = {name: v[c * L : (c + 1) * L] for name, v in out.stats.items()}
+        for name in STATS:  # the fast engines leave out what they never count
+            t.setdefault(name, np.zeros(L))
         uses = t["uses"].sum()
         tpot = out.tpots[c]
         if tpot is not None and not math.isfinite(tpot):
@@ -824,6 +949,7 @@ def _results(run: _Run, out: _Outcome, wall: float) -> list[ReplayResult]:
             tpot += run.cost.t_step
         inserted = t["pf_inserted"].sum()
         preload_ms, with_preload = _preload_charge(run, out, c, tpot)
+        moved = _bytes_by_copy(run, t)
         res = ReplayResult(
             config=_config_row(run, c),
             hit_rate=float(t["hits"].sum() / max(uses, 1)),
@@ -834,9 +960,7 @@ def _results(run: _Run, out: _Outcome, wall: float) -> list[ReplayResult]:
             loads=int(t["loads"].sum()),
             cpu_experts=int(t["cpu"].sum()),
             cpu_expert_rate=float(t["cpu"].sum() / max(uses, 1)),
-            bytes_moved=int(
-                (t["loads"].sum() + t["pf_started"].sum() + t["plan_loads"].sum()) * run.cost.expert_bytes
-            ),
+            bytes_moved=int(moved["high"] + moved["low"]),
             substitution_rate=float(t["subs"].sum() / max(routed, 1)),
             modeled_tpot_ms=tpot,
             tpot_basis=basis,
@@ -850,11 +974,45 @@ def _results(run: _Run, out: _Outcome, wall: float) -> list[ReplayResult]:
             preload_ms=preload_ms,
             predictor_ms=run.predictor_ms,
             extra={"capacities_in_pass": C},
+            **_byte_figures(run, t, moved),
         )
         if run.hot_from:
             res.extra["hot_table_from"] = run.hot_from
         results.append(res)
     return results
+
+
+def _bytes_by_copy(run: _Run, t: dict[str, np.ndarray]) -> dict[str, float]:
+    """Bytes read at each copy, and those prefetched (or plan-preloaded) and never used, from one
+    capacity's statistics. One precision: every read is the "high" copy's."""
+    hi = run.cost.expert_bytes
+    lo = run.copies.low.expert_bytes if run.copies is not None else hi
+    pf_lo, used_lo = t["pf_low"].sum(), t["pf_used_low"].sum()
+    pf_hi = t["pf_started"].sum() - pf_lo + t["plan_loads"].sum()
+    wasted = (pf_hi - (t["pf_used"].sum() - used_lo)) * hi + (pf_lo - used_lo) * lo
+    n_lo = t["loads"].sum() + pf_lo
+    if run.copies is None:
+        n_lo, pf_hi = 0.0, pf_hi + n_lo  # one copy: demand loads are its reads too
+    return {"high": (pf_hi + t["upgrades"].sum()) * hi, "low": n_lo * lo, "wasted": wasted}
+
+
+def _byte_figures(run: _Run, t: dict[str, np.ndarray], moved: dict[str, float]) -> dict[str, Any]:
+    """ReplayResult's per-token byte figures, low_share, upgrades and gate refusals."""
+    per = max(int(run.data.lengths.sum()), 1) * float(1 << 20)
+    by_copy = (
+        {run.copies.high_tag: moved["high"] / per, run.copies.low_tag: moved["low"] / per}
+        if run.copies
+        else {}
+    )
+    uses = t["uses"].sum()
+    return {
+        "mb_per_token": (moved["high"] + moved["low"]) / per,
+        "wasted_mb_per_token": max(moved["wasted"], 0.0) / per,
+        "mb_per_token_by_copy": by_copy,
+        "low_share": float(t["low_uses"].sum() / max(uses, 1)) if run.copies is not None else None,
+        "upgrades": int(t["upgrades"].sum()),
+        "gate_refused": int(t["pf_refused"].sum()),
+    }
 
 
 def _config_row(run: _Run, c: int) -> dict[str, Any]:

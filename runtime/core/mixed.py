@@ -1,0 +1,224 @@
+"""Mixed expert precision: the slow tier holds two copies of each expert, and the predictor
+chooses which one moves (issue 45, item 4).
+
+A setting names a **high** copy (the model's dtype, or int8) and a **low** one (int4 at the run's
+group size, or int8): ``mixed`` is ``model+int4``; ``model+int4``, ``int8+int4``, ``model+int8``,
+``int8+int4-g64`` name the copies themselves, high first (:func:`parse_copies`, pure: no torch).
+Both copies live in the offload directory; a fast-tier slot holds either, so a capacity in bytes
+counts the high copy's bytes (a slot must fit it). Each resident expert has a precision: the copy
+that was read into its slot.
+
+The rules (applied by :class:`moecast.runtime.core.step.LayerStep`, in its step order):
+
+1. **Demand misses read the low copy.** A demand load takes ``t_lo = low bytes / bandwidth`` on the
+   link, and so does a CPU-set expert's read over a disk link; the step's layer-time formula is
+   unchanged with ``t_io = t_lo`` (and the read's compute share ``t_rc`` at the low bytes). The
+   expert is resident at low precision. Its compute time stays ``t_g``: a hardware profile gives
+   one compute time per expert, measured at its own precision (``moecast profile`` at int4 gives a
+   smaller one; a profile with both is future work), so the low copy is charged the high copy's.
+2. **Prefetches inside the window read the high copy, best first**: of the predicted experts not
+   resident, the first ``n_high = min(asked, floor(free / t_hi))`` land at high precision.
+3. **Past the window**: the policy's late transfer (late_prefetch's one, which lands late and
+   resident; PreSched's one, which does not land) reads the high copy. Under the prefetch gate
+   (:mod:`moecast.runtime.core.gate`) the window's leftover, ``free - n_high t_hi``, first takes
+   low copies of the next candidates, best first while their calibrated probability is above zero
+   (each lands inside the window, so it is free and pays whenever ``p > 0``), and the late one is
+   started only where ``p S > d_x``, at the copy ``x`` (high or low) that maximises ``p S - d_x``,
+   ``S = t_lo`` (a used prefetch spares a low read), ``d_x = n_high t_hi + n_low t_lo + t_x - free``.
+   Since ``d_lo < d_hi`` and both spare the same ``S``, the gate moves a late expert's low copy.
+4. **Upgrades in idle link time.** What the window leaves idle after the prefetches, ``idle = free
+   - n_high t_hi - n_low t_lo`` (zero when a late transfer was started: it holds the link past the
+   window), reads ``u = floor(idle / t_hi)`` high copies over resident low ones: the predicted
+   experts first (in rank order), then the most recently used; never a prefetched expert not yet
+   used (its bytes are still to pay off as they are). The window is link time no demand load
+   waits for, so an upgrade costs no time; it makes the next uses of that expert high precision.
+   A lane no prefetch reached (no predictor) upgrades in its whole window the same way. With equal
+   copies there is nothing to upgrade.
+
+Derivation of the time rules: the window ``free`` of the step (module docstring of
+:mod:`moecast.runtime.core.step`, step 6) is the link time between the previous layer's last
+transfer and this layer's expert phase; transfers are serial (PreScope Premise 4), so ``k`` reads
+of ``t`` each fit when ``k t <= free``, and what they leave is idle unless something is read. A
+demand miss is on the critical path (``link = delay + n_load t_io``, ``dev >= link + t_g``), so
+reading its low copy shortens the layer by ``t_hi - t_lo`` per load; a prefetch or an upgrade in
+the window is off it, so reading the high copy there costs nothing and buys precision. With both
+copies equal in bytes every rule reduces to the single-precision step (tests pin it).
+
+Statistics (:data:`moecast.runtime.core.step_kernels.STATS`): ``pf_low`` prefetches started at the
+low copy, ``pf_used_low`` of the prefetched experts used, the low ones, ``upgrades``, ``low_uses``
+the routed uses computed at low precision (a hit on a low copy, a demand load, a CPU-set expert).
+The replay reports from them the bytes per token at each copy, ``low_share`` and the bytes
+prefetched and never used (``wasted_mb_per_token``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from moecast.runtime.core.cost_model import CostModel
+from moecast.runtime.core.gate import pays
+
+from moecast.errors import InputError
+
+#: precisions by bytes, ascending (a high copy must not be smaller than the low one)
+_ORDER = ("int4", "int8", "model")
+#: the ``mixed`` setting's copies
+MIXED = "mixed"
+DEFAULT_HIGH, DEFAULT_LOW = "model", "int4"
+
+NONE, HIGH, LOW = 0, 1, 2  # PrefetchPlan.late
+
+
+def parse_copies(expert_dtype: str, group_size: int = 128) -> tuple[tuple[str, int], tuple[str, int]] | None:
+    """``(high, low)`` as ``(dtype, group size)`` of a mixed setting (``mixed``, ``A+B``); None for
+    one precision (``model``, ``int8``, ``int4``)."""
+    text = str(expert_dtype).strip()
+    if text == MIXED:
+        return (DEFAULT_HIGH, int(group_size)), (DEFAULT_LOW, int(group_size))
+    if "+" not in text:
+        return None
+    parts = text.split("+")
+    if len(parts) != 2:
+        raise InputError(f"expert dtype {text!r}: name two copies, high first, e.g. model+int4 or int8+int4")
+    high, low = (_one(p.strip(), int(group_size), text) for p in parts)
+    if _ORDER.index(high[0]) < _ORDER.index(low[0]):
+        raise InputError(
+            f"expert dtype {text!r}: the high copy comes first and is not smaller than the low one "
+            "(e.g. model+int4, int8+int4)"
+        )
+    return high, low
+
+
+def _one(tag: str, group_size: int, given: str) -> tuple[str, int]:
+    if tag.startswith("int4-g"):
+        try:
+            return "int4", int(tag[len("int4-g") :])
+        except ValueError:
+            pass
+    elif tag in _ORDER:
+        return tag, group_size
+    raise InputError(
+        f"expert dtype {given!r}: unknown copy {tag!r}; each copy is model, int8, int4 or int4-gN (N: group size)"
+    )
+
+
+def tag_of(dtype: str, group_size: int) -> str:
+    """A copy's tag as a results row names it (``model``, ``int8``, ``int4-g128``)."""
+    return f"int4-g{group_size}" if dtype == "int4" else dtype
+
+
+@dataclass(frozen=True)
+class Copies:
+    """The two copies of a mixed run: ``low`` is the cost model of a demand read (the step's own
+    ``cost`` is the high copy's: a prefetch's, an upgrade's and a slot's)."""
+
+    high_tag: str
+    low_tag: str
+    low: CostModel
+
+    @property
+    def tag(self) -> str:
+        return f"{self.high_tag}+{self.low_tag}"
+
+
+@dataclass
+class PrefetchPlan:
+    """Per row, which of the ranked candidates move and at which copy (rules 2-4, module docstring)."""
+
+    issued: np.ndarray  # what the policy asked for (as step.landing's ``want``)
+    n_high: np.ndarray  # the first candidates, landing in the window at the high copy
+    n_low: np.ndarray  # the next ones, landing in the window at the low copy (the gate under mixed)
+    late: np.ndarray  # the next one, started past the window: NONE, HIGH or LOW
+    late_lands: np.ndarray  # it lands, resident (late_prefetch), or not (PreSched's one)
+    refused: np.ndarray  # a late one the gate did not start
+    delay: np.ndarray  # link time the late one takes from the layer's demand loads
+    idle: np.ndarray  # link time of the window left idle (upgrades)
+
+    @property
+    def started(self) -> np.ndarray:
+        return self.n_high + self.n_low + (self.late != NONE)
+
+    @property
+    def landed(self) -> np.ndarray:
+        return self.n_high + self.n_low + ((self.late != NONE) & self.late_lands)
+
+
+def _fit(free: np.ndarray, t: float, ask: np.ndarray) -> np.ndarray:
+    """Transfers of ``t`` each that finish within ``free`` (as step.landing counts them)."""
+    if math.isinf(t):
+        return np.zeros(len(free), dtype=np.int64)
+    if t <= 0:
+        return np.asarray(ask, dtype=np.int64)
+    return np.maximum(np.floor(free / t + 1e-9), 0).astype(np.int64)
+
+
+def plan_prefetch(
+    n_cand: np.ndarray,
+    pf_n: np.ndarray,
+    free: np.ndarray,
+    t_hi: float,
+    t_lo: float,
+    balancer: str,
+    late_policy: bool,
+    gate: bool,
+    prob: np.ndarray | None,
+) -> PrefetchPlan:
+    """The landing rule of step 1 over two copies and the gate (module docstring, rules 2-4).
+
+    ``n_cand`` [n] non-resident candidates, ranked; ``prob`` [n, M] their calibrated P(used) (the
+    gate's); ``t_hi`` / ``t_lo`` the copies' link times (equal: one precision). With ``gate`` off
+    and equal copies this is :func:`moecast.runtime.core.step.landing` exactly.
+    """
+    n = len(n_cand)
+    ask = np.where(pf_n >= 0, np.minimum(pf_n, n_cand), n_cand)
+    finite = math.isfinite(t_hi)
+    n_high = np.minimum(ask, _fit(free, t_hi, ask))
+    n_low = np.zeros(n, dtype=np.int64)
+    mixed = t_lo != t_hi
+    if gate and mixed and finite and prob is not None:
+        left = free - n_high * t_hi
+        col = np.arange(prob.shape[1])[None, :]
+        ok = np.where(col < n_high[:, None], True, prob > 0)
+        lead = np.cumprod(ok, axis=1).sum(1) - n_high  # candidates after the highs with p > 0, in a run
+        n_low = np.minimum(np.minimum(ask - n_high, _fit(left, t_lo, ask - n_high)), lead)
+    in_window = n_high + n_low
+    late_ok = late_policy and finite and t_hi > 0
+    presched_one = (pf_n >= 0) & (balancer == "presched")
+    if late_ok:
+        issued = np.minimum(ask, in_window + 1)
+    else:
+        issued = np.where(presched_one, ask, in_window)
+    has_late = (ask > in_window) & finite & (t_hi > 0) & (late_ok | presched_one)
+    lands = np.full(n, late_ok)
+    late = np.where(has_late, HIGH, NONE)
+    zero = np.zeros(n)
+    lo_part = n_low * t_lo if mixed else zero
+    with np.errstate(invalid="ignore"):
+        d_hi = np.maximum((n_high + 1) * t_hi + lo_part - free, 0.0)
+        d_lo = np.maximum(n_high * t_hi + (n_low + 1) * t_lo - free, 0.0) if mixed else d_hi
+    refused = np.zeros(n, dtype=bool)
+    if gate and has_late.any():
+        j = np.minimum(in_window, prob.shape[1] - 1) if prob is not None and prob.shape[1] else None
+        p = prob[np.arange(n), j] if j is not None else zero
+        save = np.where(lands, t_lo, 0.0)
+        g_hi, g_lo = p * save - d_hi, p * save - d_lo
+        best_low = mixed & (g_lo > g_hi)
+        take = has_late & np.where(best_low, pays(p, save, d_lo), pays(p, save, d_hi))
+        refused = has_late & ~take
+        late = np.where(take, np.where(best_low, LOW, HIGH), NONE)
+    delay = np.where(late == HIGH, d_hi, np.where(late == LOW, d_lo, 0.0))
+    with np.errstate(invalid="ignore"):
+        used = n_high * t_hi + lo_part if finite else zero
+        idle = np.where(late != NONE, 0.0, np.maximum(free - used, 0.0)) if finite else zero
+    return PrefetchPlan(issued, n_high, n_low, late, lands, refused, delay, idle)
+
+
+def upgrade_count(idle: np.ndarray, t_hi: float, n_low: np.ndarray) -> np.ndarray:
+    """High copies read over ``n_low`` resident low ones in ``idle`` ms of link time (rule 4)."""
+    if math.isinf(t_hi):
+        return np.zeros(len(idle), dtype=np.int64)
+    if t_hi <= 0:
+        return np.asarray(n_low, dtype=np.int64)
+    return np.minimum(np.maximum(np.floor(idle / t_hi + 1e-9), 0).astype(np.int64), n_low)
