@@ -127,6 +127,17 @@ def test_upgrades_only_in_idle_link_time_most_recent_first():
     assert out.layer_t[0] == pytest.approx(1.5 + 2 * 0.25)
 
 
+def test_an_upgrade_takes_its_read_s_share_of_the_cores():
+    """As test_upgrades_only_in_idle_link_time_most_recent_first, with the CPU computing and reading
+    (t_rc = 0.1 ms per high read): t2's two upgrades add 0.2 to the layer they run beside."""
+    step = _step()
+    step.cost = dataclasses.replace(HIGH_COST, t_rc=0.1)
+    _layer(step, [0, 1], 0, free=0.0)
+    _layer(step, [1, 2], 1, free=0.9)
+    out = _layer(step, [0, 1], 2, free=2.5)
+    assert _stat(step, "upgrades") == 2 and out.layer_t[0] == pytest.approx(1.5 + 2 * 0.25 + 2 * 0.1)
+
+
 def test_upgrades_after_the_prefetches_the_predicted_first():
     """Policy prefetch, capacity 4. t0: {0, 1} load low (free 0). t1: {2, 3} load low (free 0).
     t2: prediction [4, 0] with free 2.5: 4 is not resident and lands at the high copy (1 ms); the

@@ -31,9 +31,11 @@ The rules (applied by :class:`moecast.runtime.core.step.LayerStep`, in its step 
    window), reads ``u = floor(idle / t_hi)`` high copies over resident low ones: the predicted
    experts first (in rank order), then the most recently used; never a prefetched expert not yet
    used (its bytes are still to pay off as they are). The window is link time no demand load
-   waits for, so an upgrade costs no time; it makes the next uses of that expert high precision.
-   A lane no prefetch reached (no predictor) upgrades in its whole window the same way. With equal
-   copies there is nothing to upgrade.
+   waits for, so an upgrade costs no link time; it makes the next uses of that expert high
+   precision. Where the cores serve the reads (``t_rc > 0``: a CPU fast tier over a disk) each
+   upgrade, like each prefetch, adds the high copy's ``t_rc`` to the layer it runs beside. A lane no
+   prefetch reached (no predictor) upgrades in its whole window the same way. With equal copies
+   there is nothing to upgrade.
 
 Derivation of the time rules: the window ``free`` of the step (module docstring of
 :mod:`moecast.runtime.core.step`, step 6) is the link time between the previous layer's last

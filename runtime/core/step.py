@@ -282,7 +282,8 @@ class LayerStep:
     ) -> None:
         """Rule 4 of :mod:`moecast.runtime.core.mixed`: read high copies over resident low ones in
         ``idle`` ms of link time, the predicted (``ranked``, best first) first, then the most
-        recently used, never a prefetched expert not used yet."""
+        recently used, never a prefetched expert not used yet. Each read's compute share ``t_rc``
+        joins the lane's next layer, as a prefetch's does."""
         if not self.upgrading:
             return
         cache, N = self.cache, self.cache.N
@@ -307,6 +308,8 @@ class LayerStep:
         sel = order[:, :k]
         pick = np.arange(k)[None, :] < n_up[rows][:, None]
         self.low[np.broadcast_to(ln[:, None], sel.shape)[pick], sel[pick]] = False
+        # a read's share of the cores (t_rc: a CPU fast tier reading a disk), as a prefetch's
+        self.clock.rc[ln] += n_up[rows] * self.cost.t_rc
         self.add("upgrades", ln, layer[rows], n_up[rows])
 
     # ------------------------------------------------------------------ 2-7. the layer
@@ -340,6 +343,12 @@ class LayerStep:
             )
         pol = self.policy
         n, B, _k = ids.shape
+        if self.copies is not None:
+            # a lane no prefetch reached upgrades in its whole window (mixed.py, rule 4)
+            quiet = ~self._windowed[lanes]
+            if quiet.any():
+                self._upgrade(lanes[quiet], layer[quiet], self.clock.free[lanes[quiet]], None)
+            self._windowed[lanes] = False
         delay = self.clock.delay[lanes].copy()
         rc = self.clock.rc[lanes].copy()
         self.clock.delay[lanes] = 0.0
@@ -347,12 +356,6 @@ class LayerStep:
         valid = (ids >= 0).any(2)
         if not routed:
             ids = self.route(lanes, layer, ids, probs, decode)
-        if self.copies is not None:
-            # a lane no prefetch reached upgrades in its whole window (mixed.py, rule 4)
-            quiet = ~self._windowed[lanes]
-            if quiet.any():
-                self._upgrade(lanes[quiet], layer[quiet], self.clock.free[lanes[quiet]], None)
-            self._windowed[lanes] = False
         uniq, counts, hit = self._access(lanes, layer, ids)
         miss = (uniq >= 0) & ~hit
         n_miss = miss.sum(1)
