@@ -431,3 +431,17 @@ def test_cli_replays_mixed_and_gated(tmp_path, capsys):
           "--capacities", "4", "--expert-dtypes", "int4", "mixed", "--out", str(tmp_path / "c"), "--wandb", "false"])  # fmt: skip
     table = (tmp_path / "c" / "table.md").read_text()
     assert "low_share" in table and "wasted_mb_per_token" in table and "model+int4-g128" in table
+
+
+def test_remembered_predictions_carry_no_gate_into_the_next_run(tmp_path):
+    """compare keeps a checkpoint's predictions (and the gate's calibration) between cells: a gated
+    cell must leave the next ungated one as it would be alone."""
+    path = make_synthetic_traceset(tmp_path / "s", num_experts=8, top_k=2)
+    hw = str(Path(__file__).parents[1] / "bench" / "results" / "bench-tiers-26layers-calibrated-25.yaml")
+    base = dict(capacity=4, hardware=hw, expert_dtype="mixed", predictor="oracle")
+    engine._PRED_MEMO.clear()
+    alone = replay(path, ReplayConfig(policy="prefetch-late", **base))
+    gated = replay(path, ReplayConfig(policy="prefetch-gated", **base))
+    again = replay(path, ReplayConfig(policy="prefetch-late", **base))
+    _same(alone, again)
+    assert "gate_calibrated_on" in gated.extra and "gate_calibrated_on" not in again.extra

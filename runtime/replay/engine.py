@@ -50,6 +50,7 @@ Two engines, kept equal:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -418,9 +419,10 @@ def replay_capacities(
     run.copies = _copies(run)
     out, note = _fast_demand_engine(run), ""
     if out is None:
-        pr = _predictions(run)
-        pr.prob = _gate_probabilities(run, pr)
-        note = pr.calibrated_on
+        pr = _remembered(run, "predictions", lambda: _predictions(run))
+        if run.policy.gate != "none":
+            prob, note = _remembered(run, "gate", lambda: _gate_probabilities(run, pr))
+            pr = dataclasses.replace(pr, prob=prob)
         out = _fast_wavefront(run, pr) if _fast_wave_serves(run) else _general(run, pr)
     results = _results(run, out, time.perf_counter() - t0)
     for res in results if note else ():
@@ -563,7 +565,6 @@ class _Predictions:
     scores: np.ndarray | None  # [tokens, L, kp] their scores
     plan_top: np.ndarray | None  # [requests, L, capacity] each request's planned experts, best first
     prob: np.ndarray | None = None  # [tokens, L, kp] calibrated P(used) of each prediction (the gate's)
-    calibrated_on: str = ""
 
 
 def _predictions(run: _Run) -> _Predictions:
@@ -615,11 +616,35 @@ def _request_scores(run: _Run, trace: Any, oracle: bool) -> tuple[np.ndarray | N
     return sc, plan
 
 
-def _gate_probabilities(run: _Run, pr: _Predictions) -> np.ndarray | None:
+_PRED_MEMO: dict[tuple, Any] = {}
+
+
+def _remembered(run: _Run, what: str, make: Any) -> Any:
+    """``make()``, kept for the next run of the same requests with the same checkpoints (a `compare`
+    replays each predictor under several policies and precisions; scoring a TraceSet with a
+    checkpoint dominates its replay). Kept only where the checkpoints are named by path."""
+    cfg = run.cfg
+    named = isinstance(cfg.predictor, (str, type(None))) and isinstance(cfg.planner, (str, type(None)))
+    if not named:
+        return make()
+    key = (
+        what, str(run.ts.path), run.ts.num_tokens, hash(tuple(run.rids)), cfg.predictor, run.pred_name,
+        cfg.planner, cfg.plan_weight, int(run.caps.max()),
+        None if cfg.calibrate_on is None else tuple(cfg.calibrate_on),
+    )  # fmt: skip
+    if key not in _PRED_MEMO:
+        for old in [k for k in _PRED_MEMO if k[0] == what]:
+            del _PRED_MEMO[old]
+        _PRED_MEMO[key] = make()
+    return _PRED_MEMO[key]
+
+
+def _gate_probabilities(run: _Run, pr: _Predictions) -> tuple[np.ndarray | None, str]:
     """Under the prefetch gate: each prediction's P(used), from a :class:`Calibration` fitted on the
-    val side of the predictor's split, or on ``calibrate_on`` (runtime/core/gate.py); None otherwise."""
-    if run.policy.gate == "none" or pr.ids is None:
-        return None
+    val side of the predictor's split, or on ``calibrate_on`` (runtime/core/gate.py), and which
+    requests it was fitted on; (None, "") without a prediction."""
+    if pr.ids is None:
+        return None, ""
     rids, side = _calibration_requests(run)
     oracle = isinstance(run.predictor, OraclePredictor)
     k = run.shape[2]
@@ -643,10 +668,10 @@ def _gate_probabilities(run: _Run, pr: _Predictions) -> np.ndarray | None:
         )
     cal = Calibration.fit(np.concatenate(scores), np.concatenate(used), np.concatenate(valid))
     overlap = len(set(rids) & set(run.rids))
-    pr.calibrated_on = f"the {len(rids)} {side} requests" + (
+    note = f"the {len(rids)} {side} requests" + (
         f" ({overlap} of them replayed too: in-sample)" if overlap else ""
     )
-    return np.where(pr.ids >= 0, cal.probability(pr.scores), 0.0)
+    return np.where(pr.ids >= 0, cal.probability(pr.scores), 0.0), note
 
 
 def _calibration_requests(run: _Run) -> tuple[list[str], str]:
