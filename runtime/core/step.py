@@ -54,6 +54,13 @@ that run a layer now it does, in this order:
    (``layer_t`` with its prefetches' ``rc``: the attention the next layer's reads run beside is
    slowed by them as this layer's was by its own.)
 
+Two expert copies (``copies``, :mod:`moecast.runtime.core.mixed`): demand loads and the CPU set's
+reads take the low copy's ``t_io`` in step 5, prefetches in the window the high copy's in step 1,
+and link time the window leaves idle reads high copies over resident low ones (upgrades). Under
+the prefetch gate (``policy.gate``, :mod:`moecast.runtime.core.gate`) step 1's late transfer is
+started only where its calibrated probability of use pays for the time it is late. Both run on
+this module's numpy path only; the compiled kernels decline them (:meth:`OneLane.takes`).
+
 Prefill (SMoE Sec. 4.1: prefill loads what it needs): a row that is not a decode step is neither
 substituted nor balanced (every miss is loaded; under static, which never loads, on the CPU), and
 its caller asks no prefetch for it.

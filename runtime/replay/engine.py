@@ -32,6 +32,12 @@ A replay (:func:`replay_capacities`) goes through named steps:
    (:func:`_iteration`: demand access, prefetch window and landing, CPU split, all in the step);
 5. :func:`_results`: the metrics of docs/design.md per capacity.
 
+Two expert copies (``expert_dtype`` ``mixed`` or ``HIGH+LOW``, :mod:`moecast.runtime.core.mixed`)
+and the prefetch gate (a policy's ``gate``, :mod:`moecast.runtime.core.gate`, calibrated on the val
+side of the predictor's split, or on ``calibrate_on``) run on the general engine only. Every row
+reports the MB per token read (by copy, under two copies), the MB per token prefetched and never
+used (``wasted_mb_per_token``), and under two copies the share of uses computed at the low one.
+
 Two engines, kept equal:
 
 - the general engine (this module) serves every case. It is vectorised over "lanes" (one cache
@@ -41,7 +47,7 @@ Two engines, kept equal:
   in order. Under PreSched the lane of layer l handles step (i - l) / 2 (:func:`_skew`): its
   decision reads layer l+1's cache, which must hold the previous token, as it does live.
 - the batch-1 engine (:mod:`moecast.runtime.replay.fastreplay`) serves per-layer caches at batch size 1
-  without substitution or planner: demand-only ``lru``/``lfu``/``belady``/``static``, ``lru`` with
+  at one expert precision, without substitution, planner or prefetch gate: demand-only ``lru``/``lfu``/``belady``/``static``, ``lru`` with
   prefetch (late or not) and/or PreSched, and ``lfu`` with prefetch. Its module docstring says
   how. tests/test_replay.py checks that it gives the general engine's statistics exactly
   (``ReplayConfig(fast=False)`` forces the general one), and tests/test_replay_hand.py pins both
