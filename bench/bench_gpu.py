@@ -1,6 +1,7 @@
 """The CUDA path measured in one command: profile, exactness and TPOT at 25 % of experts resident.
 
     python bench/bench_gpu.py [--out DIR] [--device cuda|cpu] [--quick] [--layers N] [--repeats 3]
+                              [--precisions model,int8,int4] [--group-size 128]
                               [--predictor TINY_CKPT] [--ds-predictor DS_CKPT] [--traces PATH]
 
 Writes DIR/gpu-<device>.md (date, command, machine, tables, and the traceback of any row that
@@ -38,6 +39,10 @@ Per model:
    ``--repeats`` times (default 3): the median, and the spread as the row's noise floor. The live
    runtime's split of a decode step covers the same steps as the TPOT (the warm-up left out of
    both). The recorded routing goes to the device once per request, so no layer waits on a copy.
+
+4. the disk tier at each of ``--precisions`` (the experts written once to an offload directory in the
+   run's temporary folder, each quantized copy made from it): on-demand LRU, LLaPor prefetch-late, and
+   every expert resident at that precision (its compute floor), each beside its replay at that precision.
 
 On a machine without CUDA (``--device cpu``) every row except the CUDA ones runs: a dry run.
 """
@@ -106,6 +111,8 @@ class Setup:
     traces: Path | None = None  # TraceSet of the unmodified model's routing, for replay
     substitutes: bool = False  # SMoE row (needs the model's own router probabilities)
     repeats: int = 3  # runs of each timed row (median and spread)
+    offload_dir: Path | None = None  # the disk tier's directory for the precision rows
+    precisions: tuple[str, ...] = ()  # the disk tier's expert precisions (tags) with rows of their own
 
     @property
     def cuda(self) -> bool:
@@ -381,15 +388,24 @@ def _experts_to(s: Setup, device: str | torch.device) -> None:
         e.experts.to(device)
 
 
-def modeled(s: Setup, policy: str, capacity: float | int, predictor: Any = None, alpha: float = 0.0) -> dict:
+def modeled(
+    s: Setup,
+    policy: str,
+    capacity: float | int,
+    predictor: Any = None,
+    alpha: float = 0.0,
+    precision: str = "model",
+) -> dict:
+    """The row replayed on the recorded routing under the measured profile, the slow tier at ``precision``."""
     from moecast.runtime.replay.engine import ReplayConfig, replay
+    from moecast.runtime.tiers.precision import Precision
 
     if s.traces is None or s.profile is None:
         return {"modeled_tpot_ms": None, "note": "no replay (profile or routing record failed)"}
-    r = replay(
-        str(s.traces),
-        ReplayConfig(policy=policy, capacity=capacity, hardware=s.profile, predictor=predictor, alpha=alpha),
-    )
+    prec = Precision.of_tag(precision)
+    cfg = ReplayConfig(policy=policy, capacity=capacity, hardware=s.profile, predictor=predictor, alpha=alpha,
+                       expert_dtype=prec.dtype, group_size=prec.group_size)  # fmt: skip
+    r = replay(str(s.traces), cfg)
     return {"modeled_tpot_ms": r.modeled_tpot_ms, "modeled_hit_rate": r.hit_rate, "tpot_basis": r.tpot_basis}
 
 
@@ -445,9 +461,8 @@ def live_row(
     empty), beside its replay under the measured profile."""
     row = repeated(s, lambda: live_once(s, policy, alpha, **kw))
     capacity = kw.get("capacity", CAPACITY)
-    row.update(
-        modeled(s, replay_policy, _info(s).num_experts if capacity is None else capacity, replay_pred, alpha)
-    )
+    capacity = _info(s).num_experts if capacity is None else capacity
+    row.update(modeled(s, replay_policy, capacity, replay_pred, alpha, kw.get("precision_tag", "model")))
     return row
 
 
@@ -457,6 +472,7 @@ def live_once(s: Setup, policy: str, alpha: float, **kw: Any) -> dict:
     from moecast.runtime.live.runtime import attach
 
     kw.setdefault("capacity", CAPACITY)
+    kw.pop("precision_tag", None)
     rt = attach(
         s.model, policy=policy, alpha=alpha, device=_live_device(s),
         hardware=str(s.profile_path or "prescope-a100-pcie4"), warm=False, **kw,
@@ -493,6 +509,37 @@ def live_once(s: Setup, policy: str, alpha: float, **kw: Any) -> dict:
     if s.cuda:
         row["peak_gpu_mb"] = torch.cuda.max_memory_allocated(s.device) / 2**20
     return row
+
+
+def disk_rows(s: Setup, report: Report, tag: str) -> None:
+    """The experts in a disk tier at precision ``tag`` (written once into ``s.offload_dir``, the quantized
+    copy made from it): on-demand LRU, LLaPor prefetch-late (one prefetch more than the window holds,
+    as a read outlasts a layer), and every expert resident at that precision (its compute floor)."""
+    from moecast.runtime.tiers.precision import Precision
+
+    kw = {"offload": "disk", "offload_dir": str(s.offload_dir), "precision_tag": tag,
+          **Precision.of_tag(tag).settings()}  # fmt: skip
+    g = report.guard
+    g(
+        s,
+        f"disk LRU ({tag})",
+        lambda: live_row(s, "lru", "lru", "none", prefetch="none", balance="load", **kw),
+    )
+    if s.predictor is not None:
+        g(s, f"disk LLaPor prefetch-late ({tag})",
+          lambda: live_row(s, "prefetch-late", "prefetch-late", s.replay_predictor, predictor=s.predictor, **kw))  # fmt: skip
+    else:
+        report.skip(s, f"disk LLaPor prefetch-late ({tag})", "no predictor for this model (see notes)")
+    g(s, f"all resident ({tag})",
+      lambda: live_row(s, "lru", "static", "none", capacity=None, prefetch="none", **kw))  # fmt: skip
+
+
+def precision_tags(args: argparse.Namespace) -> tuple[str, ...]:
+    """``--precisions`` as tags (int4 with ``--group-size``); empty: no disk rows."""
+    from moecast.runtime.tiers.precision import Precision
+
+    names = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    return tuple(Precision(n, args.group_size).tag for n in names)
 
 
 def row_accelerate(s: Setup) -> dict:
@@ -558,6 +605,8 @@ def run_rows(s: Setup, report: Report) -> None:
         )
     else:
         report.skip(s, "SMoE", "tiny only: the recorded DeepSeek routing has no router probabilities")
+    for tag in s.precisions:
+        disk_rows(s, report, tag)
     if s.cuda:
         g(s, "accelerate offload (device_map)", lambda: row_accelerate(s))
     else:
@@ -765,6 +814,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--models", default="tiny,deepseek", help="which models to run")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each timed row: median and spread")
+    ap.add_argument(
+        "--precisions",
+        default="model,int8,int4",
+        help="the disk tier's expert precisions, each with its rows (comma-separated; empty: none)",
+    )
+    ap.add_argument("--group-size", type=int, default=128, help="int4's group size")
     ap.add_argument("--train-requests", type=int, default=None)
     ap.add_argument("--train-epochs", type=int, default=None)
     args = ap.parse_args(argv)
@@ -807,6 +862,7 @@ def _run(args: argparse.Namespace, device: torch.device, out: Path, tag: str, wo
             continue
         s = holder["s"]
         s.repeats = max(1, args.repeats)
+        s.offload_dir, s.precisions = work / f"offload-{name}", precision_tags(args)
         setups.append(s)
         if name == "tiny":
             report.guard(s, "LLaPor for tiny", lambda s=s: tiny_predictor(s, args, work) or {}, kind="setup")

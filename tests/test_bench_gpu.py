@@ -136,7 +136,7 @@ def test_dry_run_runs_every_cpu_row(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["bench_gpu.py"])
     args = ["--device", "cpu", "--quick", "--ds-shape", "test", "--tiny-preset", "test", "--out", str(tmp_path),
             "--requests", "1", "--prefill", "8", "--tokens", "7", "--train-requests", "8", "--train-epochs", "1",
-            "--repeats", "2"]  # fmt: skip
+            "--repeats", "2", "--precisions", "model,int4", "--group-size", "32"]  # fmt: skip
     rows = bench_gpu.run(args)
     by = {(r["model"], r["config"]): r for r in rows}
     assert not [r for r in rows if r["status"] == "FAILED"]
@@ -165,6 +165,18 @@ def test_dry_run_runs_every_cpu_row(tmp_path, monkeypatch):
             assert r["spread"] == pytest.approx(
                 (max(r["measured_runs_ms"]) - min(r["measured_runs_ms"])) / r["measured_tpot_ms"]
             )
+        # the disk tier at each precision: the same caches as the host tier's LRU, its own replay
+        for tag in ("model", "int4-g32"):
+            disk = by[(model, f"disk LRU ({tag})")]
+            assert disk["status"] == "ok" and disk["loads"] == lru["loads"] > 0
+            assert disk["hit_rate"] == pytest.approx(disk["modeled_hit_rate"], abs=1e-12) == lru["hit_rate"]
+            floor = by[(model, f"all resident ({tag})")]
+            assert floor["loads"] == 0 and floor["hit_rate"] == 1.0
+        # int4 moves fewer bytes per load: its replay charges less link time than the model dtype's
+        assert (
+            by[(model, "disk LRU (int4-g32)")]["modeled_tpot_ms"]
+            < by[(model, "disk LRU (model)")]["modeled_tpot_ms"]
+        )
         # the split covers the TPOT's steps: its parts add up to the runtime's clock of them
         assert lru["split_sum_ms"] >= lru["runtime_tpot_ms"] - 1e-9
     assert by[("tiny", "LLaPor prefetch")]["prefetches_issued"] > 0
