@@ -235,6 +235,45 @@ DS_TEST_SHAPE = dict(
 )
 
 
+def calibrate_profile(s: Setup, out: Path) -> dict:
+    """The profile calibrated (runtime/profile/measure.py ``calibrate_device``) on the first request run
+    with the runtime attached and every expert resident, over the steps a TPOT covers: what a layer
+    costs beyond its experts' kernels (the runtime's host work included). The rows after it model
+    their time on it; the other requests are not seen by it."""
+    from moecast.runtime.live.runtime import attach
+    from moecast.runtime.profile.measure import calibrate
+
+    if s.profile is None:
+        raise RuntimeError("no profile to calibrate (the profile step failed)")
+    rt = attach(
+        s.model, policy="lru", capacity=None, prefetch="none", device=_live_device(s), hardware=s.profile
+    )
+    first: dict = {}
+    seen = [0]
+
+    def after(is_decode: bool) -> None:
+        seen[0] += is_decode
+        if is_decode and seen[0] == WARMUP:
+            first.update(rt.stats())
+
+    try:
+        timed(replace(s, requests=s.requests[:1]), after)
+        last = rt.stats()
+    finally:
+        rt.detach()
+    steady = {
+        **last,
+        **{k: window(first, last, k) for k in ("measured_tpot_ms", "after_layers_ms", "predictor_ms")},
+    }
+    if first:  # the counters of the steps after the warm-up
+        steady.update({k: last[k] - first[k] for k in ("decode_steps", "routed")})
+    before, s.profile = s.profile, calibrate(s.profile, steady, len(_structure(s.model).layers))
+    s.profile_path = out / f"{s.profile.name}.yaml"
+    _write(s.profile_path, s.profile.to_yaml())
+    return {"attn_ms_probe": before.attn_ms, "attn_ms": s.profile.attn_ms, "step_ms": s.profile.step_ms,
+            "calibrated_on_steps": steady["decode_steps"], "profile": str(s.profile_path)}  # fmt: skip
+
+
 def _structure(model: Any) -> Any:
     from moecast.collect.models import find_moe_structure
 
@@ -674,6 +713,11 @@ def markdown(report: Report, args: argparse.Namespace, setups: list[Setup], mach
     for s in setups:
         lines += [f"## {s.name}", ""] + [f"- {n}" for n in s.notes] + [""]
         lines += _profile_lines(_model_row(report, s, "profile"))
+        cal = _model_row(report, s, "calibration")
+        if cal is not None and cal.get("status") == "ok":
+            lines += [f"Calibrated on an all-resident run of {cal['calibrated_on_steps']} decode steps: the rest of a "
+                      f"layer {_fmt(cal['attn_ms_probe'])} ms probed, {_fmt(cal['attn_ms'])} ms with the runtime's "
+                      f"host work; step_ms {_fmt(cal['step_ms'])}. The rows below are modeled on it.", ""]  # fmt: skip
         lines += _exactness_lines(_model_row(report, s, "exactness"), s)
         lines += _tpot_lines(report, s)
         lines += _split_lines(report, s)
@@ -872,6 +916,7 @@ def _run(args: argparse.Namespace, device: torch.device, out: Path, tag: str, wo
         # recorded routing they have no replay figure: both are said in the rows, the rest still runs
         report.guard(s, "profile", lambda s=s: profile_model(s, out, tag), kind="profile")
         report.guard(s, "record routing for replay", lambda s=s: record_traces(s, work) or {}, kind="setup")
+        report.guard(s, "calibrate (all resident)", lambda s=s: calibrate_profile(s, out), kind="calibration")
         run_rows(s, report)
         del s.model
         if device.type == "cuda":

@@ -140,6 +140,9 @@ def test_dry_run_runs_every_cpu_row(tmp_path, monkeypatch):
     rows = bench_gpu.run(args)
     by = {(r["model"], r["config"]): r for r in rows}
     assert not [r for r in rows if r["status"] == "FAILED"]
+    for model in ("tiny", "deepseek-shaped"):  # the rows are modeled on the profile calibrated all-resident
+        cal = by[(model, "calibrate (all resident)")]
+        assert cal["calibrated_on_steps"] > 0 and Path(cal["profile"]).is_file()
     for model in ("tiny", "deepseek-shaped"):
         assert by[(model, "exactness (alpha 0)")]["equal"] is True  # one token per forward: bit-identical
         assert by[(model, "accelerate offload (device_map)")]["status"] == "skipped"
