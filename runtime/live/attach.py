@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from moecast.collect.models import find_moe_structure, model_info
-from moecast.predictors.base import LearningPlanner, PromptPlanner, StreamingPredictor
+from moecast.predictors.base import BatchScorer, LearningPlanner, PromptPlanner, StreamingPredictor
 from moecast.runtime.live.config import LiveConfig, live_config
 from moecast.runtime.live.prefetch import not_a_planner
 from moecast.runtime.tiers.precision import quantized_experts_forward
@@ -155,8 +155,8 @@ def attach(
     model: Any,
     config: LiveConfig | None = None,
     *,
-    predictor: Any = None,
-    planner: Any = None,
+    predictor: BatchScorer | None = None,
+    planner: BatchScorer | None = None,
     router_pattern: str | None = None,
     **settings: Any,
 ) -> LiveRuntime:
@@ -184,7 +184,7 @@ def attach(
     if online_update and not (isinstance(predictor, StreamingPredictor) and predictor.learns_online):
         raise InputError("online_update needs a layer-ahead predictor with an update step (LLaPor)")
     if learn_plans and not isinstance(planner, LearningPlanner):
-        given = "none was given" if planner is None else f"{getattr(planner, 'name', '?')} has no buffer"
+        given = "none was given" if planner is None else f"{planner.name} has no buffer"
         raise InputError(f"learn_plans needs a planner with a buffer (an EAM or cascade checkpoint); {given}")
     structure = find_moe_structure(model, router_pattern)
     without = [e.router_name for e in structure.layers if e.experts is None]

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from moecast.predictors.base import LayerStream, PromptPlanner, StreamingPredictor
+from moecast.predictors.base import BatchScorer, HotTable, LayerStream, PromptPlanner, StreamingPredictor
 from moecast.runtime.core.policy import Policy
 from moecast.runtime.core.step import ranked_predictions
 from moecast.runtime.live.stats import ForwardTimes
@@ -32,7 +32,7 @@ class Prefetcher:
     def __init__(
         self,
         mode: str,
-        predictor: StreamingPredictor | None,
+        predictor: BatchScorer | None,
         structure: Any,
         num_experts: int,
         top_k: int,
@@ -40,7 +40,9 @@ class Prefetcher:
     ) -> None:
         self.mode, self.structure, self.full = mode, structure, full
         self.num_layers, self.num_experts, self.top_k = len(structure.layers), num_experts, top_k
-        self.stream: LayerStream | None = predictor.stream() if mode == "predictor" and predictor else None
+        self.stream: LayerStream | None = (
+            predictor.stream() if mode == "predictor" and isinstance(predictor, StreamingPredictor) else None
+        )
         # the step's last gate_rows gate inputs go to the stream with each layer's routing
         self.gate_rows = self.stream.gate_rows if self.stream is not None else 0
         self.streaming = False
@@ -112,11 +114,10 @@ class Prefetcher:
         return float(self.stream.learn(lr))
 
 
-def hot_table(predictor: Any, num_layers: int, num_experts: int) -> np.ndarray:
+def hot_table(predictor: BatchScorer, num_layers: int, num_experts: int) -> np.ndarray:
     """The [L, E] expert scores a static policy pins from (a frequency checkpoint's ``table``)."""
     name = predictor.name
-    # the table is a frequency checkpoint's own field: no protocol declares it
-    table = getattr(predictor, "table", None)
+    table = predictor.table if isinstance(predictor, HotTable) else None
     shape = np.shape(table) if table is not None else None
     if shape != (num_layers, num_experts):
         has = "no table" if shape is None else f"a table of shape {shape}"
@@ -130,7 +131,7 @@ def hot_table(predictor: Any, num_layers: int, num_experts: int) -> np.ndarray:
     return table
 
 
-def choose_prefetch(given: str, rule: Policy, predictor: Any, table: np.ndarray | None) -> str:
+def choose_prefetch(given: str, rule: Policy, predictor: BatchScorer | None, table: np.ndarray | None) -> str:
     """The live prefetch source (none, predictor or online) for LiveConfig's ``prefetch`` ``given``.
 
     ``auto``: a predictor given prefetches, as in the replay; else a policy that prefetches uses the
@@ -155,9 +156,9 @@ def choose_prefetch(given: str, rule: Policy, predictor: Any, table: np.ndarray 
     return prefetch
 
 
-def not_a_prefetcher(predictor: Any) -> str:
+def not_a_prefetcher(predictor: BatchScorer) -> str:
     """Why ``predictor`` cannot prefetch in the live runtime, and what to do with it instead."""
-    name, horizon = getattr(predictor, "name", "?"), getattr(predictor, "horizon", "?")
+    name, horizon = predictor.name, predictor.horizon
     head = f"the live prefetcher needs a layer-ahead predictor (e.g. LLaPor); {name} is {horizon}"
     if horizon == "layer-ahead":
         return f"the live prefetcher drives a layer-ahead predictor through its stream(); {name} has none"
@@ -179,9 +180,9 @@ _MATCHES_ROUTING = (
 )
 
 
-def not_a_planner(planner: Any) -> str:
+def not_a_planner(planner: BatchScorer) -> str:
     """Why ``planner`` cannot plan in the live runtime, and what to do with it instead."""
-    name, horizon = getattr(planner, "name", "?"), getattr(planner, "horizon", "?")
+    name, horizon = planner.name, planner.horizon
     if horizon == "prompt-ahead":
         return f"planner {name} has no plan(prompt): {_MATCHES_ROUTING}"
     tail = "; pass it as the predictor (predictor=CKPT) to prefetch" if horizon == "layer-ahead" else ""

@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 import torch
 from moecast.collect.models import MoEStructure, model_info
-from moecast.predictors.base import OnlineStream, PromptPlanner, StreamingPredictor
+from moecast.predictors.base import BatchScorer, LearningPlanner, OnlineStream, PromptPlanner
 from moecast.runtime.core.cache import ExpertCache, StaticTable, resolve_capacity
 from moecast.runtime.core.cost_model import CostModel, HardwareProfile, default_hardware, load_profile
 from moecast.runtime.core.policy import Policy
@@ -143,11 +143,13 @@ class LiveRuntime:
         model: Any,
         structure: MoEStructure,
         config: LiveConfig,
-        predictor: StreamingPredictor | Any = None,
+        predictor: BatchScorer | None = None,
         planner: PromptPlanner | None = None,
         device: Device | None = None,
     ) -> None:
         self.model, self.structure, self.config, self.planner = model, structure, config, planner
+        # CasMoE's buffer takes the planned prompts' prefill routing (attach refuses learn_plans without one)
+        self.learner = planner if config.learn_plans and isinstance(planner, LearningPlanner) else None
         self.info = model_info(
             model, structure, getattr(model.config, "_name_or_path", "") or type(model).__name__
         )
@@ -244,7 +246,7 @@ class LiveRuntime:
             self.stats_.plan_loads += self.executor.preload(pos, want[pos])
         self.executor.placed()
         self.last_plan_branch = branch
-        if self.config.learn_plans:
+        if self.learner is not None:
             self._learn_prompt = prompt
         return branch
 
@@ -309,7 +311,7 @@ class LiveRuntime:
 
         prompt, self._learn_prompt = self._learn_prompt, None
         ep = ep_matrix(self.fwd.ids, self.fwd.w, self.num_experts)
-        folded = self.planner.observe(prompt, ep)
+        folded = self.learner.observe(prompt, ep)
         self.stats_.plans_learned += 1
         self.stats_.plans_folded += int(bool(folded))
 
