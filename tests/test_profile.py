@@ -292,7 +292,7 @@ def test_the_cpu_expert_is_the_models_implementation_on_a_cold_ring_of_slots(tmp
     """The runtime's call (the family's experts implementation on a slot view, the other pairs carrying
     the sentinel) is what is timed: each call computes one slot of the ring, the next one, and marks
     every other pair with the sentinel."""
-    from moecast.runtime.live.runtime import _resolve_impl
+    from moecast.runtime.live.attach import _resolve_impl
 
     monkeypatch.setattr(P, "CACHE_DIR", _fake_cache(tmp_path, [(3, "20K")]))
     experts = _model().model.layers[0].mlp.experts
@@ -303,7 +303,7 @@ def test_the_cpu_expert_is_the_models_implementation_on_a_cold_ring_of_slots(tmp
         seen.append((int(ids[0, 0]), bool((ids[:, 1:] == view.num_experts).all())))
         return impl(view, x, ids, w)
 
-    monkeypatch.setattr("moecast.runtime.live.runtime._resolve_impl", lambda name, module: spy)
+    monkeypatch.setattr("moecast.runtime.live.attach._resolve_impl", lambda name, module: spy)
     beta, c, how = P.implementation_expert_ms(experts, token_counts=(1, 2), repeat=2)
     n = P.ring_size(sum(p[0].numel() * p.element_size() for p in experts.parameters() if p.dim() >= 2))
     assert beta > 0 and c >= 0 and f"ring of {n} slots" in how

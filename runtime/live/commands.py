@@ -27,6 +27,7 @@ import torch
 from moecast.runtime.core.policy import resolve_alpha, substitutes, with_policies
 from moecast.runtime.live.runtime import attach
 from moecast.runtime.tiers.precision import Precision, experts_at
+from moecast.runtime.tiers.registry import TIERS
 
 from moecast.errors import InputError
 from moecast.jsonout import dumps
@@ -239,8 +240,8 @@ def _load_for_run(model: str, offload: str, offload_dir: str | None) -> tuple[An
         if not offload_dir:
             raise InputError("--offload disk needs --offload-dir DIR (where the experts are written once)")
         return load_offloaded(model, offload_dir, dtype="float32")
-    if offload != "ram":
-        raise InputError(f"unknown --offload {offload!r}; choose ram or disk")
+    if offload not in TIERS:
+        raise InputError(f"unknown --offload {offload!r}; choose one of {', '.join(TIERS)}")
     return load_model(model, dtype="float32")
 
 

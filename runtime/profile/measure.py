@@ -534,7 +534,7 @@ def implementation_expert_ms(
     import functools
 
     import torch
-    from moecast.runtime.live.runtime import _resolve_impl
+    from moecast.runtime.live.attach import _resolve_impl
     from moecast.runtime.tiers.expert_store import SlotView
     from moecast.runtime.tiers.precision import quantize_params, quantized_experts_forward
 
