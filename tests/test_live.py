@@ -448,6 +448,9 @@ class _FixedPlanner:
     def plan(self, prompt: str) -> tuple[np.ndarray, str]:
         return self._plan, "eam"
 
+    def metadata(self) -> dict:
+        return {"kind": self.name, "horizon": self.horizon, "fingerprint": self.fingerprint}
+
     def score_request(self, trace) -> np.ndarray:
         return np.repeat(self._plan[None], len(trace), 0)
 

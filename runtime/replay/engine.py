@@ -50,6 +50,7 @@ Two engines, kept equal:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -57,38 +58,35 @@ from typing import Any
 
 import numpy as np
 from moecast.collect.traceset import TraceSet, TraceSetError
-from moecast.predictors.base import PromptPlanner
+from moecast.predictors.base import BatchScorer, PromptPlanner
 from moecast.runtime.core import eviction
-from moecast.runtime.core.cache import ExpertCache, StaticTable, resolve_capacity
-from moecast.runtime.core.cost_model import DEFAULT_HARDWARE as DEFAULT_HARDWARE
-from moecast.runtime.core.cost_model import CostModel, HardwareProfile, load_profile
+from moecast.runtime.core import spec as core_spec
+from moecast.runtime.core.cache import StaticTable, resolve_capacity
+from moecast.runtime.core.cost_model import CostModel, HardwareProfile
 from moecast.runtime.core.policy import POLICIES as POLICIES  # the presets, where bench looks them up
-from moecast.runtime.core.policy import Policy, get_policy
+from moecast.runtime.core.policy import Policy
 from moecast.runtime.core.prefetch import OraclePredictor, plan_prior, top_predictions
-from moecast.runtime.core.step import STATS, LayerStep, predictor_latency, rank_candidates
+from moecast.runtime.core.spec import RuntimeSpec
+from moecast.runtime.core.step import STATS, LayerStep, rank_candidates
 from moecast.runtime.replay import fastreplay as fast
 
 from moecast.errors import InputError
 
 
 @dataclass
-class ReplayConfig:
-    policy: str | Policy = "lru"  # a preset name (runtime/core/policy.py POLICIES) or a Policy
-    capacity: float | str = 0.25
+class ReplayConfig(RuntimeSpec):
+    """A replay's settings: the runtime's (:class:`~moecast.runtime.core.spec.RuntimeSpec`: policy,
+    capacity, hardware, alpha, score window, predictor latency, precision, with their defaults) and
+    the replay's own below."""
+
     cold: bool = False
     shared: bool = False
     # none | oracle | checkpoint path | a loaded predictor object; None = the policy's default
-    predictor: Any = None
+    predictor: str | BatchScorer | None = None
     planner: str | None = None
     # weight of the plan as a log-linear prior on the token-level scores (prefetch.plan_prior)
     plan_weight: float = 0.1
-    hardware: str | HardwareProfile = DEFAULT_HARDWARE
-    alpha: float | None = None  # None: the policy's default (policy.resolve_alpha)
-    # the predictor's latency per layer (ms) before its prefetch may start; None: the checkpoint's
-    # measured figure, else the hardware profile's
-    predictor_ms: float | None = None
     batch_size: int = 1
-    score_window: int = 8
     requests: list[str] | None = None
     # the requests the hot-expert table (static, `--planner hot`, PreSched's start) is counted on
     # (None: those not replayed, else all of them)
@@ -96,10 +94,6 @@ class ReplayConfig:
     progress: bool = False
     chunk_lanes: int = 20000  # cold streams replayed together (bounds the per-lane state in memory)
     fast: bool = True  # use the fast paths where they apply (False: the general engine, for cross-checks)
-    # the slow tier's expert precision (runtime/tiers/precision.py): the link moves, and a capacity in bytes
-    # counts, its bytes, as in the live runtime
-    expert_dtype: str = "model"
-    group_size: int = 128
 
 
 @dataclass
@@ -186,7 +180,7 @@ def _next_use(topk: np.ndarray, tok: np.ndarray, L: int, E: int, shared: bool) -
     return out
 
 
-def _load_predictor(name: str | None, ts: TraceSet) -> Any:
+def _load_predictor(name: str | BatchScorer | None, ts: TraceSet) -> BatchScorer | None:
     if name in (None, "none"):
         return None
     if not isinstance(name, str):  # already loaded (a bench adapting a checkpoint to its model)
@@ -198,7 +192,7 @@ def _load_predictor(name: str | None, ts: TraceSet) -> Any:
     return registry.load(name, fingerprint=ts.meta.model.fingerprint, against=f"TraceSet {ts.path}")
 
 
-def _load_planner(cfg: ReplayConfig, ts: TraceSet) -> Any:
+def _load_planner(cfg: ReplayConfig, ts: TraceSet) -> BatchScorer | None:
     if cfg.planner != "hot":
         return _load_predictor(cfg.planner, ts)
     from moecast.predictors.baselines import HotTablePlanner
@@ -225,16 +219,29 @@ class _Run:
     policy: Policy
     rids: list[str]
     caps: np.ndarray  # experts per layer, per capacity replayed
-    profile: HardwareProfile
-    cost: CostModel
+    core: core_spec.Core  # the cost model, predictor latency and policy; builds the step
     pred_name: str
-    predictor: Any
-    planner: Any
+    predictor: BatchScorer | None
+    planner: PromptPlanner | None
     data: _Data
     hot: StaticTable | None
     hot_from: str | None
-    predictor_ms: float
-    predictor_ms_from: str
+
+    @property
+    def profile(self) -> HardwareProfile:
+        return self.core.profile
+
+    @property
+    def cost(self) -> CostModel:
+        return self.core.cost
+
+    @property
+    def predictor_ms(self) -> float:
+        return self.core.predictor_ms
+
+    @property
+    def predictor_ms_from(self) -> str:
+        return self.core.predictor_ms_from
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -292,7 +299,7 @@ def expert_link_bytes(ts: TraceSet, expert_dtype: str, group_size: int) -> int:
 
 def _prepare(ts: TraceSet, cfg: ReplayConfig, capacities: list[float | str]) -> _Run:
     """Check a configuration against the TraceSet and load what the replay reads."""
-    spec = get_policy(cfg.policy, cfg.alpha)
+    spec = cfg.rule()
     m = ts.meta.model
     E, k = m.num_experts, m.top_k
     rids = list(cfg.requests) if cfg.requests is not None else list(ts.request_ids)
@@ -312,22 +319,24 @@ def _prepare(ts: TraceSet, cfg: ReplayConfig, capacities: list[float | str]) -> 
     caps = np.array([resolve_capacity(c, E, k, link) for c in capacities], dtype=np.int64)
     if len(caps) == 0:
         raise InputError("no capacities to replay")
-    profile = cfg.hardware if isinstance(cfg.hardware, HardwareProfile) else load_profile(cfg.hardware)
     pred_name = ("oracle" if spec.prefetches else "none") if cfg.predictor is None else cfg.predictor
     predictor, planner = _predictors(ts, cfg, spec, pred_name)
-    pred_ms, pred_ms_from = predictor_latency(cfg.predictor_ms, predictor, profile)
+    if predictor is not None and not isinstance(pred_name, str):
+        pred_name = predictor.name
+    core = core_spec.build_core(
+        cfg, num_experts=E, num_layers=m.num_layers, expert_bytes=m.expert_bytes, link_bytes=link,
+        predictor=predictor, prefetching=predictor is not None or planner is not None, policy=spec,
+    )  # fmt: skip
     d = _data(ts, rids, need_probs=spec.eviction == "score" or spec.substituting)
     hot, hot_from = None, None
     if spec.eviction == "static" or spec.preload == "hot":
         hot, hot_from = _hot_table(ts, rids, d, E, cfg.hot_requests)
-    cost = CostModel.from_profile(profile, m.expert_bytes, link_bytes=link)
-    return _Run(
-        ts, cfg, spec, rids, caps, profile, cost, pred_name, predictor, planner, d, hot, hot_from,
-        pred_ms, pred_ms_from,
-    )  # fmt: skip
+    return _Run(ts, cfg, spec, rids, caps, core, pred_name, predictor, planner, d, hot, hot_from)
 
 
-def _predictors(ts: TraceSet, cfg: ReplayConfig, spec: Policy, pred_name: str) -> tuple[Any, Any]:
+def _predictors(
+    ts: TraceSet, cfg: ReplayConfig, spec: Policy, pred_name: str | BatchScorer
+) -> tuple[BatchScorer | None, PromptPlanner | None]:
     """The prefetch predictor and the planner, refused where they could change nothing."""
     if spec.eviction == "belady" and (pred_name not in (None, "none") or cfg.planner):
         raise InputError(
@@ -340,8 +349,6 @@ def _predictors(ts: TraceSet, cfg: ReplayConfig, spec: Policy, pred_name: str) -
             "static pins its experts and never inserts, so nothing can prefetch into it; use --predictor none"
         )
     predictor = _load_predictor(pred_name, ts)
-    if predictor is not None and not isinstance(pred_name, str):
-        pred_name = predictor.name
     if not (math.isfinite(cfg.plan_weight) and cfg.plan_weight >= 0):
         raise InputError(f"--plan-weight must be a finite number >= 0, got {cfg.plan_weight}")
     planner = _load_planner(cfg, ts) if cfg.planner else None
@@ -640,18 +647,13 @@ class _Lanes:
 def _lanes(run: _Run, pr: _Predictions, ch: _Chunk) -> _Lanes:
     """One cache per (capacity, stream[, layer]), preloaded with the hot-expert table when there is one."""
     cfg, caps = run.cfg, run.caps
-    L, E, _k, _B = run.shape
+    L, _E, _k, _B = run.shape
     C, G = len(caps), len(ch.gmap)
     lanes = C * G if cfg.shared else C * G * L
     cap_of = np.repeat(np.arange(C), lanes // C)
     per_cap = caps * L if cfg.shared else caps
-    cache = ExpertCache(
-        L * E if cfg.shared else E,
-        per_cap[cap_of],
-        run.policy.eviction,
-        lanes=lanes,
-        score_window=cfg.score_window,
-    )
+    step = run.core.step(per_cap[cap_of], stat_base=cap_of * L, n_stats=C * L, shared=cfg.shared)
+    cache = step.cache
     cap = int(caps.max())
     if run.hot is not None:
         if cfg.shared:
@@ -659,10 +661,6 @@ def _lanes(run: _Run, pr: _Predictions, ch: _Chunk) -> _Lanes:
         else:
             per = run.hot.per_layer(cap)  # [L, cap]; each lane keeps the first capacity_of[lane]
             cache.preload(np.arange(lanes), np.tile(per, (C * G, 1)))
-    step = LayerStep(
-        cache, run.policy, run.cost, E, L, stat_base=cap_of * L, n_stats=C * L, shared=cfg.shared,
-        prefetching=pr.ids is not None, predictor_ms=run.predictor_ms,
-    )  # fmt: skip
     if cfg.shared:
         stream_of = np.tile(np.arange(G), C)
         return _Lanes(step, cap_of, np.zeros(lanes, dtype=np.int64), stream_of, int(ch.stream_len.max()) * L)
@@ -921,10 +919,8 @@ def _hot_table(
     return _HOT_MEMO[key]
 
 
-def _scoring_mode(*preds: Any) -> Any:
+def _scoring_mode(*preds: BatchScorer | None) -> contextlib.AbstractContextManager:
     """No autograd while checkpoints score a TraceSet (one batched call per request)."""
-    import contextlib
-
     if all(p is None or isinstance(p, OraclePredictor) for p in preds):
         return contextlib.nullcontext()
     try:
