@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
+import numpy as np
 import pytest
 from conftest import make_synthetic_traceset
 from moecast.collect.traceset import TraceSet
@@ -15,7 +16,7 @@ from moecast.runtime.core import spec as core_spec
 from moecast.runtime.core.cost_model import DEFAULT_HARDWARE, load_profile
 from moecast.runtime.core.spec import DEFAULT, RuntimeSpec
 from moecast.runtime.replay import commands
-from moecast.runtime.replay.engine import ReplayConfig, replay
+from moecast.runtime.replay.engine import ReplayConfig, replay, replay_capacities
 
 SPEC_FIELDS = [f.name for f in dataclasses.fields(RuntimeSpec)]
 
@@ -97,3 +98,65 @@ def test_the_replay_builds_its_core_with_build_core(ts, monkeypatch, fast):
     assert calls == [cfg]
     assert bool(steps) == (not fast)  # the fast engine reads the core's cost, builds no step
     assert got.modeled_tpot_ms == pytest.approx(base + ts.num_layers * 1.0)
+
+
+@pytest.mark.parametrize("name", eviction.FAST_REPLAY)
+def test_the_fast_engine_equals_the_general_one_for_every_fast_replay_eviction(ts, name):
+    cfg = ReplayConfig(policy=name, cold=True)
+    fast = replay_capacities(ts, cfg, [2, 3, 5])
+    ref = replay_capacities(ts, dataclasses.replace(cfg, fast=False), [2, 3, 5])
+    for a, b in zip(fast, ref, strict=True):
+        assert a.hit_rate_per_layer == pytest.approx(b.hit_rate_per_layer)
+        assert (a.loads, a.cpu_experts) == (b.loads, b.cpu_experts)
+        assert a.modeled_tpot_ms == pytest.approx(b.modeled_tpot_ms)
+
+
+def _planted(monkeypatch, name: str, like: str) -> None:
+    """Plant policy ``like``'s key (and the state it reads) in the table's row ``name``."""
+    rule = dataclasses.replace(
+        eviction.TABLE[name], key=eviction.TABLE[like].key, reads=eviction.TABLE[like].reads
+    )
+    monkeypatch.setitem(eviction.TABLE, name, rule)
+
+
+@pytest.mark.parametrize(
+    ("name", "like", "predictor"),
+    [("lfu", "lru", None), ("belady", "lru", None), ("lfu-prefetch", "lru", "oracle")],
+)
+def test_the_fast_engines_keys_are_the_tables(ts, monkeypatch, name, like, predictor):
+    """With LRU's key planted in the lfu (or belady) row, the batch-1 engine (the demand-only
+    simulation; the wavefront with prefetch) replays LRU: its keys are the table's, not its own."""
+    hw = "gh200-nvlink-c2c"  # a link fast enough that prefetches land
+    cfg = ReplayConfig(policy=name, predictor=predictor, hardware=hw)
+    lru_cfg = dataclasses.replace(cfg, policy="prefetch" if predictor else "lru")
+    caps = [3, 4, 5]
+
+    def figures(c):
+        return [(r.hit_rate_per_layer, r.loads, r.prefetches_landed) for r in replay_capacities(ts, c, caps)]
+
+    own, lru = figures(cfg), figures(lru_cfg)
+    assert own != lru  # the trace tells the two policies apart
+    assert not predictor or all(f[2] > 0 for f in own)
+    _planted(monkeypatch, name.removesuffix("-prefetch"), like)
+    assert figures(cfg) == lru
+    assert figures(dataclasses.replace(cfg, fast=False)) == lru
+
+
+def test_the_wavefront_refuses_an_eviction_it_cannot_key():
+    from moecast.runtime.replay.fastreplay import Wavefront
+
+    topk = np.zeros((2, 1, 1), dtype=np.int64)
+    with pytest.raises(ValueError, match="lru or lfu"):
+        Wavefront(
+            topk,
+            np.array([2]),
+            False,
+            np.array([1]),
+            4,
+            None,
+            "none",
+            None,
+            None,
+            np.ones(2, bool),
+            policy="belady",
+        )

@@ -501,7 +501,7 @@ def _fast_wavefront(run: _Run, pr: _Predictions) -> _Outcome:
     st = fast.Wavefront(
         d.topk, d.lengths, run.cfg.cold, run.caps, E, run.cost, spec.balancer, cand, pr.ids, basis, pre,
         predictor_ms=run.predictor_ms, decode=d.decode if d.has_decode else None, late=spec.late_prefetch,
-        lfu=spec.eviction == "lfu",
+        policy=spec.eviction,
     ).run()  # fmt: skip
     n_basis = int(basis.sum())
     tpots = [float(v / n_basis) if n_basis else None for v in st.pop("tpot_sum")]
@@ -570,7 +570,8 @@ def _general(run: _Run, pr: _Predictions) -> _Outcome:
     tok, start = _grid(d.lengths, d.starts, B, cfg.cold)
     G, S, _ = tok.shape
     stream_len = (tok >= 0).any(2).sum(1)  # steps per stream (slots finish at different times)
-    nu = _next_use(d.topk, tok, L, E, cfg.shared) if run.policy.eviction == "belady" else None
+    reads = eviction.get(run.policy.eviction).reads
+    nu = _next_use(d.topk, tok, L, E, cfg.shared) if "nu" in reads else None
     stats = {name: np.zeros(C * L) for name in STATS}
     step_time = np.zeros((C, G, S))
     step_decode = np.zeros((G, S), dtype=bool)
