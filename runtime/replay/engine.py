@@ -62,7 +62,6 @@ from moecast.predictors.base import BatchScorer, PromptPlanner
 from moecast.runtime.core import eviction
 from moecast.runtime.core import spec as core_spec
 from moecast.runtime.core.cache import StaticTable, resolve_capacity
-from moecast.runtime.core.cost_model import CostModel, HardwareProfile
 from moecast.runtime.core.policy import POLICIES as POLICIES  # the presets, where bench looks them up
 from moecast.runtime.core.policy import Policy
 from moecast.runtime.core.prefetch import OraclePredictor, plan_prior, top_predictions
@@ -226,22 +225,6 @@ class _Run:
     data: _Data
     hot: StaticTable | None
     hot_from: str | None
-
-    @property
-    def profile(self) -> HardwareProfile:
-        return self.core.profile
-
-    @property
-    def cost(self) -> CostModel:
-        return self.core.cost
-
-    @property
-    def predictor_ms(self) -> float:
-        return self.core.predictor_ms
-
-    @property
-    def predictor_ms_from(self) -> str:
-        return self.core.predictor_ms_from
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -413,7 +396,7 @@ def _fast_wave_serves(run: _Run) -> bool:
 def _fast_demand_engine(run: _Run) -> _Outcome | None:
     """The demand-only batch-1 paths, where they serve the run; None otherwise."""
     _L, E, k, B = run.shape
-    spec, cfg, cost = run.policy, run.cfg, run.cost
+    spec, cfg, cost = run.policy, run.cfg, run.core.cost
     if (
         cfg.fast
         and not cfg.shared
@@ -461,7 +444,7 @@ def _fast_demand(run: _Run, eviction: str) -> _Outcome:
     else:
         misses = fast.simulate_demand(d.topk, d.lengths, cold, caps, eviction, E)
     on_cpu = run.policy.balancer == "cpu"  # static: every miss on the CPU (it never loads)
-    lt = fast.layer_time_table(k, run.cost, on_cpu)
+    lt = fast.layer_time_table(k, run.core.cost, on_cpu)
     per = lt[misses]  # [N, L, C] layer times
     miss_lc = misses.sum(0).T.reshape(-1)  # [C * L], index c * L + layer
     st = {name: np.zeros(C * L) for name in STATS}
@@ -499,8 +482,8 @@ def _fast_wavefront(run: _Run, pr: _Predictions) -> _Outcome:
     any_decode = bool(d.decode.any())
     basis = d.decode if any_decode else np.ones(len(d.topk), dtype=bool)
     st = fast.Wavefront(
-        d.topk, d.lengths, run.cfg.cold, run.caps, E, run.cost, spec.balancer, cand, pr.ids, basis, pre,
-        predictor_ms=run.predictor_ms, decode=d.decode if d.has_decode else None, late=spec.late_prefetch,
+        d.topk, d.lengths, run.cfg.cold, run.caps, E, run.core.cost, spec.balancer, cand, pr.ids, basis, pre,
+        predictor_ms=run.core.predictor_ms, decode=d.decode if d.has_decode else None, late=spec.late_prefetch,
         policy=spec.eviction,
     ).run()  # fmt: skip
     n_basis = int(basis.sum())
@@ -820,7 +803,7 @@ def _results(run: _Run, out: _Outcome, wall: float) -> list[ReplayResult]:
         if tpot is not None and not math.isfinite(tpot):
             tpot = None
         if tpot is not None:  # each step ends after its last layer (final norm, LM head)
-            tpot += run.cost.t_step
+            tpot += run.core.cost.t_step
         inserted = t["pf_inserted"].sum()
         preload_ms, with_preload = _preload_charge(run, out, c, tpot)
         res = ReplayResult(
@@ -834,7 +817,8 @@ def _results(run: _Run, out: _Outcome, wall: float) -> list[ReplayResult]:
             cpu_experts=int(t["cpu"].sum()),
             cpu_expert_rate=float(t["cpu"].sum() / max(uses, 1)),
             bytes_moved=int(
-                (t["loads"].sum() + t["pf_started"].sum() + t["plan_loads"].sum()) * run.cost.expert_bytes
+                (t["loads"].sum() + t["pf_started"].sum() + t["plan_loads"].sum())
+                * run.core.cost.expert_bytes
             ),
             substitution_rate=float(t["subs"].sum() / max(routed, 1)),
             modeled_tpot_ms=tpot,
@@ -847,7 +831,7 @@ def _results(run: _Run, out: _Outcome, wall: float) -> list[ReplayResult]:
             wall_s=wall / C,
             modeled_tpot_ms_with_preload=with_preload,
             preload_ms=preload_ms,
-            predictor_ms=run.predictor_ms,
+            predictor_ms=run.core.predictor_ms,
             extra={"capacities_in_pass": C},
         )
         if run.hot_from:
@@ -872,11 +856,11 @@ def _config_row(run: _Run, c: int) -> dict[str, Any]:
         "shared": cfg.shared,
         "mode": "cold" if cfg.cold else "stream",
         "batch_size": run.shape[3],
-        "hardware": run.profile.name,
+        "hardware": run.core.profile.name,
         "alpha": spec.alpha,
-        "predictor_ms_from": run.predictor_ms_from,
+        "predictor_ms_from": run.core.predictor_ms_from,
         "expert_dtype": _precision_tag(cfg.expert_dtype, int(cfg.group_size)),
-        "expert_bytes": run.cost.expert_bytes,
+        "expert_bytes": run.core.cost.expert_bytes,
     }
 
 
@@ -886,7 +870,7 @@ def _preload_charge(run: _Run, out: _Outcome, c: int, tpot: float | None) -> tup
         return 0.0, None
     L, E, _k, _B = run.shape
     n = min(int(run.caps[c]) * L, L * E) if run.cfg.shared else L * min(int(run.caps[c]), E)
-    t_io = run.cost.t_io
+    t_io = run.core.cost.t_io
     ms = n * t_io if n else 0.0
     if tpot is None or not out.n_basis or not math.isfinite(ms):
         return ms, None
