@@ -90,6 +90,11 @@ class BatchScorer(Protocol):
         """[T, L, E] float32 scores, row (t, l) causal for the predictor's horizon."""
         ...
 
+    def metadata(self) -> dict[str, Any]:
+        """What its checkpoint says of it: ``kind``, ``horizon``, ``fingerprint``, and where measured,
+        ``predictor_ms`` (its latency per layer, which the runtime charges before a prefetch)."""
+        ...
+
 
 @runtime_checkable
 class LayerStream(Protocol):

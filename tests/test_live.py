@@ -372,6 +372,8 @@ def test_cli_run_prints_stats(model_dir, capsys):
             str(model_dir),
             "--prompt",
             "hello world",
+            "--policy",
+            "smoe",
             "--alpha",
             "0.3",
             "--capacity",
@@ -447,6 +449,9 @@ class _FixedPlanner:
 
     def plan(self, prompt: str) -> tuple[np.ndarray, str]:
         return self._plan, "eam"
+
+    def metadata(self) -> dict:
+        return {"kind": self.name, "horizon": self.horizon, "fingerprint": self.fingerprint}
 
     def score_request(self, trace) -> np.ndarray:
         return np.repeat(self._plan[None], len(trace), 0)
@@ -812,7 +817,7 @@ def test_static_pins_each_layers_top_experts_of_a_frequency_table(model_dir, fre
 
 def test_alpha_only_for_substituting_policies_like_replay(model_dir, capsys):
     """Replay refuses --alpha for policies that do not substitute and defaults it to 0; live does the
-    same: `run` substitutes by default (alpha 0.3) only under smoe, and alpha > 0 elsewhere is an error."""
+    same: `run` substitutes (alpha 0.3 when none is given) only under smoe, and alpha > 0 elsewhere is an error."""
     from moecast.runtime.core.policy import POLICIES as REPLAY_POLICIES
     from moecast.runtime.live.commands import eval_accuracy
 
@@ -840,7 +845,7 @@ def test_alpha_only_for_substituting_policies_like_replay(model_dir, capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["policy"] == "lru" and out["alpha"] == 0.0
     assert out["substituted"] == 0 and out["substitution_rate"] == 0.0
-    main([*base, "--json"])
+    main([*base, "--policy", "smoe", "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["policy"] == "smoe" and out["alpha"] == 0.3  # SMoE's default where it substitutes
     with pytest.raises(SystemExit, match="alpha applies to substitution, which policy 'lru' does not use"):
