@@ -160,3 +160,38 @@ def test_the_wavefront_refuses_an_eviction_it_cannot_key():
             np.ones(2, bool),
             policy="belady",
         )
+
+
+def test_the_live_runtime_takes_the_specs_defaults():
+    """LiveConfig extends RuntimeSpec (capacity aside: attach keeps every expert resident unless
+    told), and `moecast run` takes the commands' defaults from the spec."""
+    from moecast.runtime.live.commands import run
+    from moecast.runtime.live.runtime import LiveConfig
+
+    assert issubclass(LiveConfig, RuntimeSpec)
+    live = {f.name: f.default for f in dataclasses.fields(LiveConfig)}  # as declared, before __post_init__
+    assert {n: live[n] for n in SPEC_FIELDS if n != "capacity"} == {
+        n: v for n, v in dataclasses.asdict(RuntimeSpec()).items() if n != "capacity"
+    }
+    got = _defaults(run)
+    assert got["policy"] == DEFAULT.policy and float(got["capacity"]) == DEFAULT.capacity
+    for name in ("hardware", "alpha", "predictor_ms", "expert_dtype", "group_size"):
+        assert got[name] == getattr(DEFAULT, name), f"run --{name}"
+
+
+def test_live_builds_its_core_with_build_core(monkeypatch):
+    from moecast.runtime.live.runtime import attach
+    from test_live import make_model
+
+    real, calls = core_spec.build_core, []
+
+    def spy(spec, **kw):
+        calls.append(spec)
+        return real(spec, **kw)
+
+    monkeypatch.setattr(core_spec, "build_core", spy)
+    rt = attach(make_model("qwen2_moe"), capacity=2)
+    try:
+        assert calls == [rt.config] and rt.step.policy.name == DEFAULT.policy
+    finally:
+        rt.detach()

@@ -7,8 +7,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from moecast.runtime.core.cost_model import HardwareProfile
-from moecast.runtime.core.policy import POLICIES, Policy, get_policy, with_policies
+from moecast.runtime.core.policy import POLICIES, Policy, with_policies
+from moecast.runtime.core.spec import RuntimeSpec
 from moecast.runtime.tiers.base import ExpertTier
 from moecast.runtime.tiers.precision import Precision
 from moecast.runtime.tiers.registry import TIERS
@@ -17,7 +17,7 @@ from moecast.errors import InputError
 
 #: ``policy`` names: the presets of runtime/core/policy.py but belady (it needs the future: replay only)
 LIVE_POLICIES = tuple(p for p in POLICIES if p != "belady")
-PREFETCH = ("auto", "none", "online", "predictor")
+PREFETCH_SOURCES = ("auto", "none", "online", "predictor")
 #: balance overrides the policy's balancer; ``load`` loads every miss (the policy vocabulary's ``none``)
 BALANCE = ("smoe", "presched", "load", "cpu")
 #: where experts that are not resident live: the tiers of runtime/tiers/registry.py (host RAM, an offload
@@ -26,7 +26,7 @@ OFFLOAD = tuple(TIERS)
 
 
 @dataclass
-class LiveConfig:
+class LiveConfig(RuntimeSpec):
     """What the runtime does (:func:`attach` takes it whole or field by field).
 
     Attributes:
@@ -77,14 +77,10 @@ class LiveConfig:
             dimension it does not divide is quantized per output channel instead.
     """
 
-    policy: str | Policy = "smoe"
     capacity: float | int | str | None = None
-    alpha: float | None = None
     prefetch: str = "auto"
     balance: str | None = None
-    hardware: str | HardwareProfile | None = None
     warm: bool = True
-    score_window: int = 8
     device: str | None = None
     online_update: bool = False
     online_lr: float = 1e-4
@@ -93,9 +89,6 @@ class LiveConfig:
     offload: str = "ram"
     offload_dir: str | None = None
     io_threads: int = 2
-    predictor_ms: float | None = None
-    expert_dtype: str = "model"
-    group_size: int = 128
 
     def __post_init__(self) -> None:
         name = self.policy.name if isinstance(self.policy, Policy) else self.policy
@@ -109,15 +102,13 @@ class LiveConfig:
             raise InputError(f"alpha must be in [0, 1) (SMoE's substitution threshold), got {self.alpha}")
         # replay's rule, so that one policy name means the same in both runtimes: only policies that
         # substitute (smoe) take an alpha, 0.3 when none is given
-        self.rule = get_policy(self.policy, self.alpha)
-        self.alpha = self.rule.alpha
-        if self.prefetch not in PREFETCH:
-            raise InputError(f"unknown prefetch {self.prefetch!r}; choose one of {', '.join(PREFETCH)}")
+        self.alpha = super().rule().alpha
+        if self.prefetch not in PREFETCH_SOURCES:
+            raise InputError(
+                f"unknown prefetch {self.prefetch!r}; choose one of {', '.join(PREFETCH_SOURCES)}"
+            )
         if self.balance is not None and self.balance not in BALANCE:
             raise InputError(f"unknown balance {self.balance!r}; choose one of {', '.join(BALANCE)}")
-        if self.balance is not None:
-            bal = "none" if self.balance == "load" else self.balance
-            self.rule = dataclasses.replace(self.rule, balancer=bal)
         if self.offload not in TIERS:
             raise InputError(f"unknown offload {self.offload!r}; choose one of {', '.join(TIERS)}")
         if int(self.io_threads) < 1:
@@ -127,6 +118,13 @@ class LiveConfig:
         self.precision = Precision(self.expert_dtype, int(self.group_size))
         # each tier refuses what it cannot hold (the disk tier needs its directory; only it holds a quantized copy)
         self.tier.check(self)
+
+    def rule(self) -> Policy:
+        """The spec's policy with ``balance`` overriding its balancer (``load``: the vocabulary's ``none``)."""
+        rule = super().rule()
+        if self.balance is None:
+            return rule
+        return dataclasses.replace(rule, balancer="none" if self.balance == "load" else self.balance)
 
     @property
     def tier(self) -> type[ExpertTier]:

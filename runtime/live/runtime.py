@@ -59,13 +59,20 @@ import numpy as np
 import torch
 from moecast.collect.models import MoEStructure, model_info
 from moecast.predictors.base import BatchScorer, LearningPlanner, OnlineStream, PromptPlanner
-from moecast.runtime.core.cache import ExpertCache, StaticTable, resolve_capacity
-from moecast.runtime.core.cost_model import CostModel, HardwareProfile, default_hardware, load_profile
+from moecast.runtime.core import spec as core_spec
+from moecast.runtime.core.cache import StaticTable, resolve_capacity
 from moecast.runtime.core.policy import Policy
-from moecast.runtime.core.step import LayerStep, layer_time, predictor_latency
+from moecast.runtime.core.step import layer_time
 from moecast.runtime.live import transfer
 from moecast.runtime.live.attach import Attachment, attach, live_experts_forward
-from moecast.runtime.live.config import BALANCE, LIVE_POLICIES, OFFLOAD, PREFETCH, LiveConfig, live_config
+from moecast.runtime.live.config import (
+    BALANCE,
+    LIVE_POLICIES,
+    OFFLOAD,
+    PREFETCH_SOURCES,
+    LiveConfig,
+    live_config,
+)
 from moecast.runtime.live.executor import Executor, ExpertsCall
 from moecast.runtime.live.prefetch import Prefetcher, choose_prefetch, hot_table
 from moecast.runtime.live.stats import BREAKDOWN, ForwardTimes, LiveStats, runtime_stats
@@ -81,7 +88,7 @@ __all__ = [
     "BREAKDOWN",
     "LIVE_POLICIES",
     "OFFLOAD",
-    "PREFETCH",
+    "PREFETCH_SOURCES",
     "LiveConfig",
     "LiveRuntime",
     "LiveStats",
@@ -172,7 +179,7 @@ class LiveRuntime:
             else resolve_capacity(config.capacity, E, self.top_k, self.link_bytes)
         )
         self.full = self.capacity >= E
-        rule = config.rule
+        rule = config.rule()
         # static never inserts, so a predictor cannot prefetch under it: its predictor is the
         # hot-expert table that fills the slots once (docs/design.md: eviction static = hot-expert table)
         table = (
@@ -188,20 +195,14 @@ class LiveRuntime:
             )
         # the policy as it runs here: a prefetch source given explicitly turns its prefetch on or off
         self.policy: Policy = dataclasses.replace(rule, prefetch="none" if mode == "none" else "predictor")
-        hw, self.hardware_from = (
-            (config.hardware, "given") if config.hardware is not None else default_hardware()
-        )
-        profile = hw if isinstance(hw, HardwareProfile) else load_profile(hw)
-        self.cost = CostModel.from_profile(profile, self.info.expert_bytes, link_bytes=self.link_bytes)
-        self.cache = ExpertCache(
-            E, self.capacity, self.policy.eviction, lanes=self.num_layers, score_window=config.score_window
-        )
-        pred_ms = predictor_latency(config.predictor_ms, predictor, profile) if mode != "none" else (0.0, "")
-        self.step = LayerStep(
-            self.cache, self.policy, self.cost, E, self.num_layers,
-            stat_base=np.zeros(self.num_layers, dtype=np.int64), n_stats=self.num_layers,
-            prefetching=mode != "none", predictor_ms=pred_ms[0], compiled=True,
+        core = core_spec.build_core(
+            config, num_experts=E, num_layers=self.num_layers, expert_bytes=self.info.expert_bytes,
+            link_bytes=self.link_bytes, predictor=predictor, prefetching=mode != "none", policy=self.policy,
         )  # fmt: skip
+        self.cost, self.hardware_from = core.cost, core.hardware_from
+        L = self.num_layers
+        self.step = core.step(self.capacity, stat_base=np.zeros(L, dtype=np.int64), n_stats=L, compiled=True)
+        self.cache = self.step.cache
         self.lanes = Lanes.of(self.num_layers)
         self.device = device or Device.at(slot_device(model, structure, config.device))
         spec = TierSpec(
