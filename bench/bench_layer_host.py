@@ -104,7 +104,7 @@ def _time_decisions(acc: list[float]) -> None:
     import time
 
     from moecast.runtime.core import step
-    from moecast.runtime.live import runtime as live
+    from moecast.runtime.live import prefetch
 
     def timed(fn):
         def call(*a, **kw):
@@ -118,7 +118,7 @@ def _time_decisions(acc: list[float]) -> None:
 
     for name in ("route", "layer", "prefetch"):
         setattr(step.LayerStep, name, timed(getattr(step.LayerStep, name)))
-    live.ranked_predictions = timed(live.ranked_predictions)
+    prefetch.ranked_predictions = timed(prefetch.ranked_predictions)
 
 
 def measure_tree(args: argparse.Namespace) -> dict:

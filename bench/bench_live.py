@@ -72,7 +72,7 @@ def _predictor_timing(model, ids, predictor: str, capacity: float, tokens: int, 
         for name in ms:
             rt = attach(model, policy="lru", capacity=capacity, predictor=pred if "LLaPor" in name else None)
             if "LLaPor" in name:
-                inner = rt._predict_layer_ahead
+                inner = rt.prefetcher.predict_layer_ahead
 
                 def timed(nxt: int, inner=inner):
                     t0 = time.perf_counter()
@@ -80,7 +80,7 @@ def _predictor_timing(model, ids, predictor: str, capacity: float, tokens: int, 
                     calls.append(time.perf_counter() - t0)
                     return out
 
-                rt._predict_layer_ahead = timed
+                rt.prefetcher.predict_layer_ahead = timed
             try:
                 mark = len(calls)
                 _generate_ms(model, ids, 4)  # warm-up (kernels, packed weights): not counted
@@ -108,13 +108,13 @@ def _warm_prediction_us(model, ids, pred, capacity: float) -> float:
 
     snaps: list[tuple[object, int]] = []
     rt = attach(model, policy="lru", capacity=capacity, predictor=pred)
-    inner = rt._predict_layer_ahead
+    inner = rt.prefetcher.predict_layer_ahead
 
     def grab(nxt: int):
-        snaps.append((copy.deepcopy(rt._stream.trace), nxt))  # the window score_at reads
+        snaps.append((copy.deepcopy(rt.prefetcher.stream.trace), nxt))  # the window score_at reads
         return inner(nxt)
 
-    rt._predict_layer_ahead = grab
+    rt.prefetcher.predict_layer_ahead = grab
     try:
         _generate_ms(model, ids, 4)
     finally:

@@ -398,7 +398,7 @@ def live_run(
     # a full cache's fill reads every expert at attach, before the clock: not a decode step's bytes
     for store in rt.stores:
         store.wait()
-    filled = (rt.reader.bytes_read, rt.reader.reads)
+    filled = (rt.tier.reader.bytes_read, rt.tier.reader.reads)
     try:
         with ds_model.routed(t.model, routing) as ov:
             if isinstance(kw.get("predictor"), NextLayerOracle):

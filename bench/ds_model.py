@@ -346,8 +346,10 @@ class RoutingOverride:
         self.rows = slice(0, 0)
         self._undo: list[Any] = []
 
-    def start(self, request: RoutedRequest) -> None:
-        self.ids = torch.from_numpy(request.topk_ids)
+    def start(self, request: RoutedRequest, device: torch.device | str = "cpu") -> None:
+        """Walk ``request`` from its first token; its ids go to ``device`` here, once, so that no layer's
+        router makes a blocking host-to-device copy (a stream sync in every layer of every row)."""
+        self.ids = torch.from_numpy(request.topk_ids).to(device)
         self.pos = 0
 
     def install(self, model: Any, structure: Any) -> RoutingOverride:
@@ -380,7 +382,7 @@ class RoutingOverride:
             logits, _w, _i = original(hidden_states)
             if self.ids is None:
                 raise RuntimeError("RoutingOverride.start(request) was not called before the forward")
-            ids = self.ids[self.rows, layer].to(logits.device)
+            ids = self.ids[self.rows, layer]
             # lift the recorded experts above every other logit: the softmax's top-k is then the recording
             lifted = logits.scatter(1, ids, logits.max(1, keepdim=True).values + 4.0 + logits.gather(1, ids))
             weights = lifted.softmax(-1).gather(1, ids) * router.routed_scaling_factor
@@ -462,7 +464,7 @@ def decode_all(
     times, logits = [], []
     for i, tokens in enumerate(requests):
         if override is not None:
-            override.start(routing.requests[i])
+            override.start(routing.requests[i], device)
         t, lg = decode(model, tokens, prompt, device, keep_logits, on_forward)
         times += t
         logits.append(lg)

@@ -24,6 +24,7 @@ What a caller may ask of a predictor is said by protocols, not found by probing 
   token); with ``learns_online`` it also takes PreScope's online step (:class:`OnlineStream`).
 - :class:`PromptPlanner`: a prompt-ahead planner; ``plan(prompt)`` before decoding, and
   :class:`LearningPlanner` when served prompts can be folded in (CasMoE's buffer).
+- :class:`HotTable`: a predictor with an expert score ``table`` (frequency), policy static's hot-expert table.
 """
 
 from __future__ import annotations
@@ -87,6 +88,11 @@ class BatchScorer(Protocol):
 
     def score_request(self, trace: RequestTrace) -> np.ndarray:
         """[T, L, E] float32 scores, row (t, l) causal for the predictor's horizon."""
+        ...
+
+    def metadata(self) -> dict[str, Any]:
+        """What its checkpoint says of it: ``kind``, ``horizon``, ``fingerprint``, and where measured,
+        ``predictor_ms`` (its latency per layer, which the runtime charges before a prefetch)."""
         ...
 
 
@@ -163,6 +169,15 @@ class LearningPlanner(PromptPlanner, Protocol):
     def observe(self, prompt: str, ep: np.ndarray) -> bool:
         """Keep (prompt, EP [L, E]); True when this folded the buffer into the planner."""
         ...
+
+
+@runtime_checkable
+class HotTable(Protocol):
+    """A predictor carrying an expert score ``table`` (a frequency checkpoint's [L, E]): under policy
+    static the live runtime pins each layer's top experts by it."""
+
+    name: str
+    table: np.ndarray
 
 
 class LayerAhead(Predictor):

@@ -63,6 +63,37 @@ def test_routing_override_makes_the_model_use_the_recorded_ids():
     assert "forward" not in st.layers[0].router.__dict__  # removed on exit
 
 
+def test_recorded_ids_reach_the_device_once_per_request(monkeypatch):
+    """decode_all hands each request's ids to the override with the run's device, and the router's
+    forward slices them there: no host-to-device copy (a stream sync) inside any layer."""
+    model = ds_model.build_ds_model(ds_model.ds_config(2, **SMALL), torch.float32)
+    reqs = [_request(4, 2, seed) for seed in (0, 1)]
+    routing = ds_model.Routing(reqs, "test")
+    starts = []
+    real_start = ds_model.RoutingOverride.start
+
+    def start(self, request, device="cpu"):
+        starts.append((request.request_id, torch.device(device)))
+        real_start(self, request, device)
+
+    monkeypatch.setattr(ds_model.RoutingOverride, "start", start)
+    moved = []
+    real_to = torch.Tensor.to
+
+    def to(self, *a, **kw):
+        if self.dtype == torch.int64 and self.dim() == 2 and self.shape[-1] == 6:  # a layer's [rows, k] ids
+            moved.append(self.shape)
+        return real_to(self, *a, **kw)
+
+    with ds_model.routed(model, routing) as ov:
+        monkeypatch.setattr(torch.Tensor, "to", to)
+        ds_model.decode_all(model, [r.tokens for r in reqs], 1, torch.device("cpu"), routing, ov)
+        monkeypatch.setattr(torch.Tensor, "to", real_to)
+        assert ov.ids.device == torch.device("cpu")
+    assert starts == [("r", torch.device("cpu"))] * 2
+    assert moved == []  # a per-layer `.to(logits.device)` of the ids would show here
+
+
 def test_held_out_requests_no_checkpoint_trained_on(puffin_dir, tmp_path):
     from moecast.collect.moe_beyond import import_moe_beyond
     from moecast.collect.traceset import split_request_ids
@@ -104,10 +135,14 @@ def test_dry_run_runs_every_cpu_row(tmp_path, monkeypatch):
 
     monkeypatch.setattr(sys, "argv", ["bench_gpu.py"])
     args = ["--device", "cpu", "--quick", "--ds-shape", "test", "--tiny-preset", "test", "--out", str(tmp_path),
-            "--requests", "1", "--prefill", "8", "--tokens", "7", "--train-requests", "8", "--train-epochs", "1"]  # fmt: skip
+            "--requests", "1", "--prefill", "8", "--tokens", "7", "--train-requests", "8", "--train-epochs", "1",
+            "--repeats", "2", "--precisions", "model,int4", "--group-size", "32"]  # fmt: skip
     rows = bench_gpu.run(args)
     by = {(r["model"], r["config"]): r for r in rows}
     assert not [r for r in rows if r["status"] == "FAILED"]
+    for model in ("tiny", "deepseek-shaped"):  # the rows are modeled on the profile calibrated all-resident
+        cal = by[(model, "calibrate (all resident)")]
+        assert cal["calibrated_on_steps"] > 0 and Path(cal["profile"]).is_file()
     for model in ("tiny", "deepseek-shaped"):
         assert by[(model, "exactness (alpha 0)")]["equal"] is True  # one token per forward: bit-identical
         assert by[(model, "accelerate offload (device_map)")]["status"] == "skipped"
@@ -123,6 +158,30 @@ def test_dry_run_runs_every_cpu_row(tmp_path, monkeypatch):
         lru = by[(model, "on-demand LRU")]
         assert lru["hit_rate"] == pytest.approx(lru["modeled_hit_rate"], abs=1e-12)
         assert by[(model, "on-demand LRU")]["cpu_experts"] == 0  # on demand: every miss is loaded
+        resident = by[(model, "runtime, all resident")]
+        assert resident["hit_rate"] == resident["modeled_hit_rate"] == 1.0 and resident["loads"] == 0
+        for cfg in ("full residency", "runtime, all resident", "on-demand LRU"):
+            r = by[(model, cfg)]
+            assert len(r["measured_runs_ms"]) == 2 and r["measured_tpot_ms"] == pytest.approx(
+                np.median(r["measured_runs_ms"])
+            )
+            assert r["spread"] == pytest.approx(
+                (max(r["measured_runs_ms"]) - min(r["measured_runs_ms"])) / r["measured_tpot_ms"]
+            )
+        # the disk tier at each precision: the same caches as the host tier's LRU, its own replay
+        for tag in ("model", "int4-g32"):
+            disk = by[(model, f"disk LRU ({tag})")]
+            assert disk["status"] == "ok" and disk["loads"] == lru["loads"] > 0
+            assert disk["hit_rate"] == pytest.approx(disk["modeled_hit_rate"], abs=1e-12) == lru["hit_rate"]
+            floor = by[(model, f"all resident ({tag})")]
+            assert floor["loads"] == 0 and floor["hit_rate"] == 1.0
+        # int4 moves fewer bytes per load: its replay charges less link time than the model dtype's
+        assert (
+            by[(model, "disk LRU (int4-g32)")]["modeled_tpot_ms"]
+            < by[(model, "disk LRU (model)")]["modeled_tpot_ms"]
+        )
+        # the split covers the TPOT's steps: its parts add up to the runtime's clock of them
+        assert lru["split_sum_ms"] >= lru["runtime_tpot_ms"] - 1e-9
     assert by[("tiny", "LLaPor prefetch")]["prefetches_issued"] > 0
     assert by[("tiny", "SMoE (alpha 0.3)")]["status"] == "ok"
     assert by[("deepseek-shaped", "LLaPor prefetch")]["status"] == "skipped"  # no DeepSeek checkpoint given
@@ -233,3 +292,28 @@ def test_ds_predictor_adapter_pads_the_layers_and_maps_the_tokens_back():
     running = RequestTrace("r", "w", "", "", np.array([12345, 999, 12345, 999, 12345]), [""] * 5,
                            np.ones(5, bool), ids5, w5, None, None)  # fmt: skip
     assert np.array_equal(stream.predict_next(2), inner.score_at(running, 2))
+
+
+def test_window_takes_the_steps_after_the_warm_up():
+    import bench_gpu
+
+    # 2 warm-up steps of 10 and 6 ms (mean 8), then 3 steps of 4, 5 and 6 ms: mean over all 5 is 6.2
+    first, last = {"decode_steps": 2, "x_ms": 8.0}, {"decode_steps": 5, "x_ms": 6.2}
+    assert bench_gpu.window(first, last, "x_ms") == pytest.approx(5.0)
+    assert bench_gpu.window({}, last, "x_ms") == 6.2  # fewer steps than the warm-up: the whole run
+
+
+def test_repeated_reports_the_median_run_and_the_spread():
+    import bench_gpu
+
+    runs = iter(
+        [
+            {"measured_tpot_ms": 12.0, "k": "a"},
+            {"measured_tpot_ms": 10.0, "k": "b"},
+            {"measured_tpot_ms": 11.0, "k": "c"},
+        ]
+    )
+    s = bench_gpu.Setup("m", None, torch.device("cpu"), [], 1, 1, ds_model.Routing(), repeats=3)
+    row = bench_gpu.repeated(s, lambda: next(runs))
+    assert row["measured_tpot_ms"] == 11.0 and row["k"] == "c"  # the median run's other figures
+    assert row["measured_runs_ms"] == [10.0, 11.0, 12.0] and row["spread"] == pytest.approx(2 / 11)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from moecast.runtime.live import runtime as live
+from moecast.runtime.live import transfer
 from moecast.runtime.live.runtime import attach, pinned_budget
 from moecast.runtime.tiers.expert_store import STAGING_BUFFERS, TRANSFER_STREAMS, LayerStore
 from test_live import decode_logits, make_model
@@ -165,20 +166,20 @@ def test_each_decode_layer_reads_the_device_once(monkeypatch, setting):
     model = make_model("qwen2_moe")
     ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(3))
     rt = attach(model, **setting)
-    rt.overlap_cpu = True
+    rt.executor.overlap_cpu = True
     calls = []
 
     def fake_to_host(tensors):  # the one synchronisation: device tensors become host tensors
         calls.append(len(tensors))
         return [t.detach().as_subclass(torch.Tensor).clone() for t in tensors]
 
-    monkeypatch.setattr(live, "to_host", fake_to_host)
+    monkeypatch.setattr(transfer, "to_host", fake_to_host)
     real = rt.forward_layer
     per_layer: list[int] = []
 
     def forward_layer(pos, module, hidden, index, weights, **kw):
         before = len(calls)
-        rt._logits[pos] = rt._logits[pos].as_subclass(OnDevice)
+        rt.router_logits[pos] = rt.router_logits[pos].as_subclass(OnDevice)
         dev = [t.as_subclass(OnDevice) for t in (hidden, index, weights)]
         out = real(pos, module, *dev, **kw).as_subclass(torch.Tensor)
         per_layer.append(len(calls) - before)
@@ -203,20 +204,20 @@ def test_cpu_experts_run_on_a_worker_beside_the_device_and_join_exactly():
     ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(5))
     ref = decode_logits(model, ids, steps=4)
     rt = attach(model, policy="lru", capacity=2, balance="cpu", prefetch="none")
-    rt.overlap_cpu = True
+    rt.executor.overlap_cpu = True
     threads: list[str] = []
-    real_host = rt._host
+    real_host = rt.executor._host
 
     def host(pos, call, experts):
         threads.append(threading.current_thread().name)
         return real_host(pos, call, experts)
 
-    rt._host = host
+    rt.executor._host = host
     order: list[str] = []
-    real_device = rt._device
-    rt._device = lambda *a: (order.append("device"), real_device(*a))[1]
-    real_start = rt._start_cpu
-    rt._start_cpu = lambda *a: (order.append("cpu"), real_start(*a))[1]
+    real_device = rt.executor._device
+    rt.executor._device = lambda *a: (order.append("device"), real_device(*a))[1]
+    real_start = rt.executor._start_cpu
+    rt.executor._start_cpu = lambda *a: (order.append("cpu"), real_start(*a))[1]
     try:
         got = decode_logits(model, ids, steps=4)
         stats = rt.stats()
@@ -228,7 +229,7 @@ def test_cpu_experts_run_on_a_worker_beside_the_device_and_join_exactly():
     assert all(t.startswith("moecast-cpu-experts") for t in threads)
     # each layer with CPU experts starts them before its device call, so they overlap
     assert all(order[i + 1] == "device" for i, o in enumerate(order) if o == "cpu")
-    assert rt._pool is None  # detach joined and closed the worker
+    assert rt.executor._pool is None  # detach joined and closed the worker
 
 
 def test_substituted_weights_stay_on_the_host_in_the_routers_dtype():

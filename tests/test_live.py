@@ -372,6 +372,8 @@ def test_cli_run_prints_stats(model_dir, capsys):
             str(model_dir),
             "--prompt",
             "hello world",
+            "--policy",
+            "smoe",
             "--alpha",
             "0.3",
             "--capacity",
@@ -447,6 +449,9 @@ class _FixedPlanner:
 
     def plan(self, prompt: str) -> tuple[np.ndarray, str]:
         return self._plan, "eam"
+
+    def metadata(self) -> dict:
+        return {"kind": self.name, "horizon": self.horizon, "fingerprint": self.fingerprint}
 
     def score_request(self, trace) -> np.ndarray:
         return np.repeat(self._plan[None], len(trace), 0)
@@ -628,8 +633,8 @@ def test_llapor_prefetch_and_online_update_keep_logits(model_dir, llapor_for_mod
         got = decode_logits(model, ids, steps=4)
         stats = rt.stats()
         # the finished token's gate inputs reach the next token's features (context_gate)
-        rt._stream.end_token(0)
-        trace = rt._stream.trace
+        rt.prefetcher.stream.end_token(0)
+        trace = rt.prefetcher.stream.trace
         want = torch.stack([seen[i] for i in range(len(blocks))]).numpy()
         assert np.allclose(trace.gate_inputs[-2].astype(np.float32), want, atol=2e-2, rtol=1e-2)
     finally:
@@ -658,12 +663,12 @@ def test_layer_ahead_predictions_are_the_predictors_on_the_routing_the_run_saw(m
     rt = attach(model, policy="lru", capacity=2, alpha=0.0, predictor=pred)
     seen: dict[tuple[int, int], tuple] = {}  # (step, layer) -> ids, weights, gate inputs
     got: list[tuple[int, int, np.ndarray]] = []
-    observe, predict = rt._stream.observe, rt._predict_layer_ahead
-    rt._stream.observe = lambda layer, ids, w, g: (
+    observe, predict = rt.prefetcher.stream.observe, rt.prefetcher.predict_layer_ahead
+    rt.prefetcher.stream.observe = lambda layer, ids, w, g: (
         seen.__setitem__((rt._step, layer), (ids.copy(), w.copy(), g.copy())),
         observe(layer, ids, w, g),
     )
-    rt._predict_layer_ahead = lambda nxt: got.append((rt._step, nxt, predict(nxt))) or got[-1][2]
+    rt.prefetcher.predict_layer_ahead = lambda nxt: got.append((rt._step, nxt, predict(nxt))) or got[-1][2]
     prompt, steps = torch.arange(5, 9)[None, :], 24
     try:
         decode_logits(model, prompt, steps=steps)
@@ -705,8 +710,8 @@ def test_first_layers_prefetch_goes_out_before_its_attention(model_dir, llapor_f
     started: dict[int, int] = {}  # step -> layer 0's store loads when its decoder layer starts
     ended: dict[int, int] = {}  # step -> the same at the end of the forward
     predicted: list[tuple[int, bool]] = []  # (step, layer 0 already started) per prediction of layer 0
-    predict = rt._predict_layer_ahead
-    rt._predict_layer_ahead = lambda nxt: (
+    predict = rt.prefetcher.predict_layer_ahead
+    rt.prefetcher.predict_layer_ahead = lambda nxt: (
         (predicted.append((rt._step, rt._step in started)) if nxt == 0 else None) or predict(nxt)
     )
 
@@ -812,7 +817,7 @@ def test_static_pins_each_layers_top_experts_of_a_frequency_table(model_dir, fre
 
 def test_alpha_only_for_substituting_policies_like_replay(model_dir, capsys):
     """Replay refuses --alpha for policies that do not substitute and defaults it to 0; live does the
-    same: `run` substitutes by default (alpha 0.3) only under smoe, and alpha > 0 elsewhere is an error."""
+    same: `run` substitutes (alpha 0.3 when none is given) only under smoe, and alpha > 0 elsewhere is an error."""
     from moecast.runtime.core.policy import POLICIES as REPLAY_POLICIES
     from moecast.runtime.live.commands import eval_accuracy
 
@@ -840,7 +845,7 @@ def test_alpha_only_for_substituting_policies_like_replay(model_dir, capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["policy"] == "lru" and out["alpha"] == 0.0
     assert out["substituted"] == 0 and out["substitution_rate"] == 0.0
-    main([*base, "--json"])
+    main([*base, "--policy", "smoe", "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["policy"] == "smoe" and out["alpha"] == 0.3  # SMoE's default where it substitutes
     with pytest.raises(SystemExit, match="alpha applies to substitution, which policy 'lru' does not use"):
@@ -939,7 +944,7 @@ def test_attach_takes_one_config_or_its_fields_by_name():
 def test_a_forward_decodes_only_when_its_cache_holds_tokens():
     """A one-token forward is a decode step only past the prompt: transformers hands a generation's
     first forward an empty cache object, and a one-token prompt is that forward."""
-    from moecast.runtime.live.runtime import _continues
+    from moecast.runtime.live.attach import _continues
 
     class Cache:
         def __init__(self, n: int) -> None:

@@ -481,20 +481,26 @@ def test_in_flight_names_the_slots_still_read_in_submission_order(tmp_path):
 def test_a_hit_still_in_flight_computes_after_the_landed_hits_before_the_loads():
     """Disk tier, decode: the landed hits in one call, then each hit whose prefetch is still being
     read (as it lands), then each demand load; the parts' outputs summed."""
-    from moecast.runtime.live.runtime import LiveRuntime
+    from types import SimpleNamespace
+
+    from moecast.runtime.live.executor import Executor
+    from moecast.runtime.tiers.base import Device
 
     class Store:
-        cuda = False
         slot_of = np.array([-1, -1, 4, -1, 0, 3, -1, 1, -1, 2])  # expert -> slot
         expert_in = np.array([4, 7, 9, 5, 2])  # slot -> expert
 
         def in_flight(self, slots):
             return np.array([s for s in (1,) if s in set(slots.tolist())], np.int64)  # expert 7's read
 
-    rt = LiveRuntime.__new__(LiveRuntime)
-    rt._decode, rt.reader, rt.stores = True, object(), [Store()]
+    ex = Executor.__new__(Executor)  # a tier reading in the background, the CPU as the device
+    ex.tier, ex.device, ex.stores = (
+        SimpleNamespace(background_reads=True),
+        Device(torch.device("cpu")),
+        [Store()],
+    )
     calls = []
-    rt._device = lambda pos, call, experts: calls.append(list(experts)) or torch.ones(1) * len(calls)
-    out = rt._resident(0, None, np.array([4, 7, 9]), np.array([5, 2]))
+    ex._device = lambda pos, call, experts: calls.append(list(experts)) or torch.ones(1) * len(calls)
+    out = ex._resident(0, SimpleNamespace(decode=True), np.array([4, 7, 9]), np.array([5, 2]))
     assert calls == [[4, 9], [7], [5], [2]]
     assert out.item() == 1 + 2 + 3 + 4

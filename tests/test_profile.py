@@ -292,7 +292,7 @@ def test_the_cpu_expert_is_the_models_implementation_on_a_cold_ring_of_slots(tmp
     """The runtime's call (the family's experts implementation on a slot view, the other pairs carrying
     the sentinel) is what is timed: each call computes one slot of the ring, the next one, and marks
     every other pair with the sentinel."""
-    from moecast.runtime.live.runtime import _resolve_impl
+    from moecast.runtime.live.attach import _resolve_impl
 
     monkeypatch.setattr(P, "CACHE_DIR", _fake_cache(tmp_path, [(3, "20K")]))
     experts = _model().model.layers[0].mlp.experts
@@ -303,7 +303,7 @@ def test_the_cpu_expert_is_the_models_implementation_on_a_cold_ring_of_slots(tmp
         seen.append((int(ids[0, 0]), bool((ids[:, 1:] == view.num_experts).all())))
         return impl(view, x, ids, w)
 
-    monkeypatch.setattr("moecast.runtime.live.runtime._resolve_impl", lambda name, module: spy)
+    monkeypatch.setattr("moecast.runtime.live.attach._resolve_impl", lambda name, module: spy)
     beta, c, how = P.implementation_expert_ms(experts, token_counts=(1, 2), repeat=2)
     n = P.ring_size(sum(p[0].numel() * p.element_size() for p in experts.parameters() if p.dim() >= 2))
     assert beta > 0 and c >= 0 and f"ring of {n} slots" in how
@@ -359,10 +359,38 @@ def test_calibrate_takes_the_rates_a_live_run_measured():
     assert P.calibrate(base, {**stats, "predictor_ms": 2.0}, 4).predictor_ms == 0.5  # 2 ms a step, 4 layers
     # the routing reads' wait for the device is the rest of a layer's: (40 + 8 + 4 - 8) / 4 = 11
     assert P.calibrate(base, {**stats, "device_sync_ms": 4.0}, 4).attn_ms == 11.0
-    with pytest.raises(ValueError, match="applies to a CPU fast tier"):
-        P.calibrate(replace(base, fast_tier="device"), stats, 4)
+    with pytest.raises(ValueError, match="every expert resident"):
+        P.calibrate(replace(base, fast_tier="device"), {**stats, "loads": 3}, 4)
     with pytest.raises(ValueError, match="needs decode steps"):
         P.calibrate(base, {**stats, "decode_steps": 0}, 4)
+
+
+def test_calibrate_a_device_profile_on_an_all_resident_run():
+    """A 4-layer top-6 model, every expert resident, 10 decode steps of 30 ms by the runtime's clock,
+    2 ms of them after the last layer: (30 - 2) / 4 = 7 ms a layer, of which 6 experts x 0.5 ms are
+    kernels (the profile's 0.25 ms at 1000 bytes, for experts of 2000): attention and host work 4 ms."""
+    from dataclasses import replace
+
+    import numpy as np
+    from moecast.runtime.core.cost_model import CostModel, HardwareProfile
+    from moecast.runtime.core.step import layer_time
+
+    gpu = HardwareProfile(name="h200", transfer_gbps=50.0, ref_expert_bytes=1000, gpu_expert_ms=0.25,
+                          cpu_beta_ms=0.1, cpu_c_ms=1.0, attn_ms=0.3)  # fmt: skip
+    stats = dict(decode_steps=10, routed=240, measured_tpot_ms=30.0, after_layers_ms=2.0, loads=0,
+                 cpu_experts=0, expert_bytes=2000, expert_dtype="model", predictor_ms=0.0)  # fmt: skip
+    cal = P.calibrate(gpu, stats, num_layers=4)
+    assert (cal.attn_ms, cal.step_ms, cal.transfer_gbps, cal.gpu_expert_ms) == (4.0, 2.0, 50.0, 0.25)
+    assert cal.name == "h200-calibrated" and "all-resident" in cal.source
+    # the step the replay then models for that run is the measured one
+    cost = CostModel.from_profile(cal, 2000)
+    one, _link = layer_time(cost, np.array([6]), np.array([0]), np.zeros(1), np.zeros(1))
+    assert 4 * float(one[0]) + cost.t_step == pytest.approx(30.0)
+    with pytest.raises(ValueError, match="every expert resident"):
+        P.calibrate(gpu, {**stats, "expert_dtype": "int4-g128"}, 4)
+    with pytest.raises(ValueError, match="every expert resident"):
+        P.calibrate(gpu, {**stats, "cpu_experts": 2}, 4)
+    assert P.calibrate(replace(gpu, predictor_ms=0.1), {**stats, "predictor_ms": 0.8}, 4).predictor_ms == 0.2
 
 
 def test_cli_profile_calibrates_on_a_live_run_of_the_model(tmp_path, monkeypatch):

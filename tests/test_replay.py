@@ -282,6 +282,9 @@ class PlanPredictor:
     def plan(self, prompt):  # what makes it a planner; replay reads score_request's rows
         raise NotImplementedError("a replay-only test planner")
 
+    def metadata(self):
+        return {"kind": self.name, "horizon": self.horizon, "fingerprint": self.fingerprint}
+
     def score_request(self, trace):
         T, L, _k = trace.topk_ids.shape
         plan = np.zeros((L, self.E), dtype=np.float32)

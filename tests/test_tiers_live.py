@@ -110,20 +110,20 @@ def test_disk_decode_computes_hits_first_then_each_load_as_it_lands(tiny_dir, tm
     """Without an accelerator a decode step's resident experts compute while its demand loads are
     read, then each load alone once it lands (the step's max(n_dev * t_g, link + t_g)); a prefill's
     loads stay one call. Logged: the experts of each call and whether its slots were still pending."""
-    from moecast.runtime.live.runtime import LiveRuntime
+    from moecast.runtime.live.executor import Executor
 
     lm, _, _ = load_offloaded(str(tiny_dir), tmp_path / "off")
     rt = attach(lm, policy="lru", capacity=0.5, alpha=0.0, offload="disk", offload_dir=str(tmp_path / "off"))
     calls: list[tuple[bool, list[int], bool]] = []
-    device = LiveRuntime._device
+    device = Executor._device
 
     def logged(self, pos, call, experts):
         st = self.stores[pos]
         pending = any(int(s) in st._pending for s in st.slot_of[experts])
-        calls.append((self._decode, sorted(int(e) for e in experts), pending))
+        calls.append((call.decode, sorted(int(e) for e in experts), pending))
         return device(self, pos, call, experts)
 
-    monkeypatch.setattr(LiveRuntime, "_device", logged)
+    monkeypatch.setattr(Executor, "_device", logged)
     ids = torch.randint(0, 1000, (1, 6), generator=torch.Generator().manual_seed(1))
     try:
         with torch.no_grad():
@@ -151,7 +151,7 @@ def test_without_an_accelerator_cpu_experts_are_read_first_and_computed_after_th
     as its read lands. Logged in order per experts call: reads submitted, resident calls, CPU waves."""
     import threading
 
-    from moecast.runtime.live.runtime import LiveRuntime
+    from moecast.runtime.live.executor import Executor
     from moecast.runtime.tiers.offload import DiskLayerStore
 
     lm, _, _ = load_offloaded(str(tiny_dir), tmp_path / "off")
@@ -159,12 +159,12 @@ def test_without_an_accelerator_cpu_experts_are_read_first_and_computed_after_th
         lm, policy="lru", balance="cpu", capacity=0.5, offload="disk", offload_dir=str(tmp_path / "off")
     )
     calls: list[list[tuple[str, int]]] = []
-    run, device = LiveRuntime._run_experts, LiveRuntime._device
+    run, device = Executor.run, Executor._device
     read_wave, wave = DiskLayerStore._read_wave, DiskLayerStore._wave
 
-    def logged_run(self, *args):
-        calls.append([("decode", int(self._decode))])
-        return run(self, *args)
+    def logged_run(self, pos, call, *args):
+        calls.append([("decode", int(call.decode))])
+        return run(self, pos, call, *args)
 
     def logged_device(self, pos, call, experts):
         calls[-1].append(("resident", len(experts)))
@@ -179,8 +179,8 @@ def test_without_an_accelerator_cpu_experts_are_read_first_and_computed_after_th
         calls[-1].append(("cpu", len(experts)))
         return wave(self, buf, experts)
 
-    monkeypatch.setattr(LiveRuntime, "_run_experts", logged_run)
-    monkeypatch.setattr(LiveRuntime, "_device", logged_device)
+    monkeypatch.setattr(Executor, "run", logged_run)
+    monkeypatch.setattr(Executor, "_device", logged_device)
     monkeypatch.setattr(DiskLayerStore, "_read_wave", logged_read)
     monkeypatch.setattr(DiskLayerStore, "_wave", logged_wave)
     ids = torch.randint(0, 1000, (1, 6), generator=torch.Generator().manual_seed(1))

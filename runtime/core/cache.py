@@ -38,7 +38,6 @@ from moecast.runtime.core import eviction, kernels
 
 from moecast.errors import InputError
 
-POLICIES = eviction.NAMES
 _NEVER = np.iinfo(np.int64).max // 4
 
 
@@ -131,7 +130,7 @@ class ExpertCache:
         self._last = np.full((lanes, W), -1, dtype=np.int64)
         self._freq = np.zeros((lanes, W), dtype=np.int64)
         self._pf = np.zeros((lanes, W), dtype=bool)  # inserted by prefetch, not used yet
-        self._nu = np.full((lanes, W), _NEVER, dtype=np.int64) if policy == "belady" else None
+        self._nu = np.full((lanes, W), _NEVER, dtype=np.int64) if "nu" in self._rule.reads else None
         self.resident = self._res[:, :num_items]
         self._last_v = self._last[:, :num_items]
         self._freq_v = self._freq[:, :num_items]
@@ -143,7 +142,7 @@ class ExpertCache:
         self._nu_f = self._nu.reshape(-1) if self._nu is not None else None
         self._count = np.zeros(lanes, dtype=np.int64)
         self.window = int(score_window)
-        if policy == "score":
+        if "score" in self._rule.reads:
             self._ring = np.zeros((lanes, self.window, num_items), dtype=np.float32)
             self._ring_pos = np.zeros(lanes, dtype=np.int64)
             self._score = np.zeros((lanes, W), dtype=np.float64)
@@ -156,7 +155,7 @@ class ExpertCache:
         self._kernel = bool(scalar_path) and self._rule.code is not None
         self._code = self._rule.code if self._kernel else -1
         self._nu_k = self._nu if self._nu is not None else np.zeros((1, 1), dtype=np.int64)
-        self._score_k = self._score if policy == "score" else np.zeros((1, 1))
+        self._score_k = self._score if "score" in self._rule.reads else np.zeros((1, 1))
         self._kc: tuple | None = None  # (access, insert, touch) entry points, loaded on first use
         self._no_shield = np.empty(0, dtype=np.int64)
         self._caps = self.capacity_of.tolist()
@@ -253,7 +252,7 @@ class ExpertCache:
 
     def observe_scores(self, lanes: np.ndarray, scores: np.ndarray) -> None:
         """SMoE Eq. 3 window: push one step of router scores [n, N] (all experts, active or not)."""
-        if self.policy != "score":
+        if "score" not in self._rule.reads:
             return
         pos = self._ring_pos[lanes]
         old = self._ring[lanes, pos]

@@ -3,12 +3,13 @@
 :data:`TABLE` is the one place a policy is defined; the rest read it:
 
 - :class:`~moecast.runtime.core.cache.ExpertCache` (its vectorised and single-lane numpy paths) ranks
-  the resident experts by the policy's ``key`` (lowest evicted first) and takes the names from here
-  (``cache.POLICIES``, ``policy.EVICTIONS``);
+  the resident experts by the policy's ``key`` (lowest evicted first), keeps the state it ``reads``,
+  and takes the names from here (``policy.EVICTIONS``);
 - the compiled kernels (:mod:`moecast.runtime.core.kernels`, :mod:`moecast.runtime.core.step_kernels`) take
   the policy as an integer, ``code``; their constants (``kernels.LRU`` ...) are read from here at
   import. A policy without a code has no kernel: the compiled paths refuse it (:func:`kernel_code`);
-- ``fast_replay``: the batch-1 demand-only engine of :mod:`moecast.runtime.replay.fastreplay` simulates it.
+- ``fast_replay``: the batch-1 demand-only engine of :mod:`moecast.runtime.replay.fastreplay` simulates it,
+  with this ``key`` (its LRU stack distances aside, which follow from LRU's key without computing it).
 
 Adding a policy: a row here with its key; a ``code`` only once ``kernels._victim`` computes the same
 key for it (tests/test_cache.py compares the two paths decision by decision).
@@ -36,7 +37,8 @@ class KeyArrays:
     score: np.ndarray | None  # score: SMoE Eq. 3's window sums
 
 
-#: key(arrays, rows, shift) -> the rows' eviction keys, lowest evicted first
+#: key(arrays, rows, shift) -> the rows' eviction keys, lowest evicted first; an integer key leaves the
+#: low ``shift`` bits free for the expert id
 Key = Callable[[KeyArrays, object, int], np.ndarray]
 
 
@@ -63,6 +65,7 @@ class Eviction:
     key: Key | None  # None: never evicts (nothing is inserted)
     code: int | None  # the compiled kernels' code; None: no kernel
     fast_replay: bool
+    reads: tuple[str, ...] = ()  # the KeyArrays fields the key reads (a cache keeps nu / score for them)
     # integer keys hold the expert id in the low bits (unique: a strict minimum finds the victim);
     # float keys (score) tie to the lower id by a stable sort
     int_key: bool = True
@@ -71,11 +74,11 @@ class Eviction:
 # The codes are compiled into the disk-cached kernels, whose cache follows only their own files:
 # give a new policy a new code, never renumber one.
 TABLE: dict[str, Eviction] = {
-    "lru": Eviction(_lru, 0, fast_replay=True),
-    "lfu": Eviction(_lfu, 1, fast_replay=True),
-    "score": Eviction(_score, 4, fast_replay=False, int_key=False),
+    "lru": Eviction(_lru, 0, fast_replay=True, reads=("last",)),
+    "lfu": Eviction(_lfu, 1, fast_replay=True, reads=("last", "freq")),
+    "score": Eviction(_score, 4, fast_replay=False, reads=("score",), int_key=False),
     "static": Eviction(None, 3, fast_replay=True),
-    "belady": Eviction(_belady, 2, fast_replay=True),
+    "belady": Eviction(_belady, 2, fast_replay=True, reads=("nu",)),
 }
 
 NAMES = tuple(TABLE)

@@ -45,9 +45,10 @@ from moecast.errors import InputError
 #: 0.3 is the middle of its Table IV range and kept tiny's perplexity within 0.01 % (bench ``live``).
 DEFAULT_ALPHA = 0.3
 
+# the values of each Policy field: POLICIES (below) is the presets, these the choices they combine
 EVICTIONS = eviction.NAMES
 BALANCERS = ("none", "smoe", "presched", "cpu")
-PREFETCH = ("none", "predictor")
+PREFETCH = ("none", "predictor")  # Policy.prefetch (where candidates come from is a runtime's own choice)
 PRELOAD = ("none", "hot")
 GATES = ("none", "calibrated")
 

@@ -79,6 +79,7 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+from moecast.predictors.base import BatchScorer
 from moecast.runtime.core import eviction, kernels
 from moecast.runtime.core import step_kernels as sk
 from moecast.runtime.core.balancer import two_pointer, two_pointer_split
@@ -921,7 +922,9 @@ def ranked_predictions(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarr
     return flat, rank_candidates(flat, sc.reshape(1, -1), s.shape[1])
 
 
-def predictor_latency(given: float | None, predictor: object, profile: HardwareProfile) -> tuple[float, str]:
+def predictor_latency(
+    given: float | None, predictor: BatchScorer | None, profile: HardwareProfile
+) -> tuple[float, str]:
     """(ms per layer, where it comes from) charged before a prefetch may start (step 6): ``given``
     (--predictor_ms), else the predictor checkpoint's measured figure, else the hardware profile's.
     No predictor, no charge (a plan is made before decoding)."""
@@ -932,8 +935,7 @@ def predictor_latency(given: float | None, predictor: object, profile: HardwareP
         if not (math.isfinite(v) and v >= 0):
             raise InputError(f"--predictor_ms must be a finite number of ms >= 0, got {given}")
         return v, "--predictor_ms"
-    meta = getattr(predictor, "metadata", None)
-    measured = meta().get("predictor_ms") if callable(meta) else None
+    measured = predictor.metadata().get("predictor_ms")
     if measured is not None:
         return float(measured), "the checkpoint's measured figure"
     return profile.predictor_ms, f"hardware profile {profile.name}"

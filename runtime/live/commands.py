@@ -25,8 +25,10 @@ from typing import Any
 import numpy as np
 import torch
 from moecast.runtime.core.policy import resolve_alpha, substitutes, with_policies
+from moecast.runtime.core.spec import DEFAULT
 from moecast.runtime.live.runtime import attach
 from moecast.runtime.tiers.precision import Precision, experts_at
+from moecast.runtime.tiers.registry import TIERS
 
 from moecast.errors import InputError
 from moecast.jsonout import dumps
@@ -124,20 +126,20 @@ def run(
     prompt: str = "Explain how a mixture-of-experts language model works.",
     predictor: str | None = None,
     planner: str | None = None,
-    policy: str = "smoe",
-    alpha: float | None = None,
-    capacity: str = "0.25",
+    policy: str = DEFAULT.policy,
+    alpha: float | None = DEFAULT.alpha,
+    capacity: str = str(DEFAULT.capacity),
     prefetch: str = "auto",
     balance: str | None = None,
-    hardware: str | None = None,
-    predictor_ms: float | None = None,
+    hardware: str | None = DEFAULT.hardware,
+    predictor_ms: float | None = DEFAULT.predictor_ms,
     max_new_tokens: int = 32,
     online_update: bool = False,
     learn_plans: bool = False,
     offload: str = "ram",
     offload_dir: str | None = None,
-    expert_dtype: str = "model",
-    group_size: int = 128,
+    expert_dtype: str = DEFAULT.expert_dtype,
+    group_size: int = DEFAULT.group_size,
     router_pattern: str | None = None,
     json: bool = False,
 ) -> dict[str, Any]:
@@ -239,8 +241,8 @@ def _load_for_run(model: str, offload: str, offload_dir: str | None) -> tuple[An
         if not offload_dir:
             raise InputError("--offload disk needs --offload-dir DIR (where the experts are written once)")
         return load_offloaded(model, offload_dir, dtype="float32")
-    if offload != "ram":
-        raise InputError(f"unknown --offload {offload!r}; choose ram or disk")
+    if offload not in TIERS:
+        raise InputError(f"unknown --offload {offload!r}; choose one of {', '.join(TIERS)}")
     return load_model(model, dtype="float32")
 
 

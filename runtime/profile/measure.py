@@ -534,7 +534,7 @@ def implementation_expert_ms(
     import functools
 
     import torch
-    from moecast.runtime.live.runtime import _resolve_impl
+    from moecast.runtime.live.attach import _resolve_impl
     from moecast.runtime.tiers.expert_store import SlotView
     from moecast.runtime.tiers.precision import quantize_params, quantized_experts_forward
 
@@ -806,10 +806,7 @@ def calibrate(prof: HardwareProfile, stats: dict[str, Any], num_layers: int) -> 
     The replay under it models other requests on this machine as the live runtime runs them
     (bench/bench_tiers.py calibrates on requests it does not measure)."""
     if prof.fast_tier != "cpu":
-        raise InputError(
-            f"profile {prof.name!r} computes resident experts on a device: calibration from the live run's "
-            "host timers applies to a CPU fast tier (moecast profile --offload_dir without CUDA)"
-        )
+        return calibrate_device(prof, stats, num_layers)
     steps, routed = stats.get("decode_steps") or 0, stats.get("routed") or 0
     if not steps or not routed:
         raise InputError(
@@ -837,6 +834,43 @@ def calibrate(prof: HardwareProfile, stats: dict[str, Any], num_layers: int) -> 
         else prof.predictor_ms,
         source=prof.source
         + f"; calibrated on a live run of {steps} decode steps (moecast.runtime.profile.measure.calibrate)",
+    )
+
+
+def calibrate_device(prof: HardwareProfile, stats: dict[str, Any], num_layers: int) -> HardwareProfile:
+    """``prof`` (resident experts computed on a device) calibrated on a live run with every expert
+    resident (no transfer, no miss): what a layer costs beyond its experts' kernels.
+
+    On a device the host timers cannot split a step (its kernels run asynchronously), but an
+    all-resident step is modeled as ``L * (attn + n * t_g) + step_ms`` (runtime/core/step.py with no
+    load), ``n`` the experts a layer computes: so ``attn_ms = (tpot - step_ms) / L - n * t_g``, with
+    ``t_g`` the profile's kernel time (CUDA events) at the run's expert size. It takes the runtime's
+    host work and the routing reads' waits with it, which no probe sees. The link keeps the profile's
+    CUDA-event copy bandwidth; the predictor's latency is the run's, where it predicted."""
+    steps, routed = stats.get("decode_steps") or 0, stats.get("routed") or 0
+    if not steps or not routed:
+        raise InputError(
+            "calibration needs decode steps measured by the live runtime; decode a few tokens first"
+        )
+    if stats.get("loads") or stats.get("cpu_experts") or stats.get("expert_dtype", "model") != "model":
+        raise InputError(
+            f"profile {prof.name!r} computes resident experts on a device: calibrate it on a run with every "
+            "expert resident at the model's dtype (capacity=None), where no transfer or CPU expert hides in the step"
+        )
+    after = stats.get("after_layers_ms") or 0.0
+    after = after if math.isfinite(after) else 0.0
+    t_g = prof.gpu_expert_ms * stats.get("expert_bytes", prof.ref_expert_bytes) / prof.ref_expert_bytes
+    per_layer = (stats["measured_tpot_ms"] - after) / num_layers - routed / (steps * num_layers) * t_g
+    return replace(
+        prof,
+        name=prof.name + "-calibrated",
+        attn_ms=_sig(max(per_layer, 0.0)),
+        step_ms=_sig(after),
+        predictor_ms=_sig(stats["predictor_ms"] / num_layers)
+        if stats.get("predictor_ms")
+        else prof.predictor_ms,
+        source=prof.source + f"; calibrated on an all-resident live run of {steps} decode steps "
+        "(moecast.runtime.profile.measure.calibrate_device)",
     )
 
 

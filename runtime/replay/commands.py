@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from moecast.runtime.core.policy import POLICIES, with_policies
-from moecast.runtime.replay.engine import DEFAULT_HARDWARE, ReplayConfig, ReplayResult
+from moecast.runtime.core.spec import DEFAULT
+from moecast.runtime.replay.engine import ReplayConfig, ReplayResult
 
 from moecast.errors import InputError
 
@@ -25,20 +26,20 @@ def _fmt(v: object) -> str:
 
 def replay(
     traces: str = "",
-    policy: str = "lru",
-    capacity: str = "0.25",
-    cold: bool = False,
-    shared: bool = False,
+    policy: str = DEFAULT.policy,
+    capacity: str = str(DEFAULT.capacity),
+    cold: bool = ReplayConfig.cold,
+    shared: bool = ReplayConfig.shared,
     predictor: str | None = None,
     planner: str | None = None,
-    plan_weight: float = 0.1,
-    hardware: str = DEFAULT_HARDWARE,
-    alpha: float | None = None,
-    predictor_ms: float | None = None,
-    batch_size: int = 1,
+    plan_weight: float = ReplayConfig.plan_weight,
+    hardware: str | None = DEFAULT.hardware,
+    alpha: float | None = DEFAULT.alpha,
+    predictor_ms: float | None = DEFAULT.predictor_ms,
+    batch_size: int = ReplayConfig.batch_size,
     holdout: str | None = None,
-    expert_dtype: str = "model",
-    group_size: int = 128,
+    expert_dtype: str = DEFAULT.expert_dtype,
+    group_size: int = DEFAULT.group_size,
     json: bool = False,
 ) -> None:
     """Replay a TraceSet through one runtime configuration and print the metrics.
@@ -58,7 +59,8 @@ def replay(
             hot-expert table as the plan, the baseline a planner must beat): preloads each request's
             planned experts and is a prefetch prior.
         plan_weight: weight of the plan as a log-linear prior on --predictor's scores (0: preload only).
-        hardware: hardware profile name (configs/hardware) or YAML path.
+        hardware: hardware profile name (configs/hardware) or YAML path; default: this machine's
+            (``moecast profile`` writes ``local``), else prescope-a100-pcie4, as ``moecast run``.
         alpha: SMoE substitution threshold (policy smoe; default 0.3, as in ``moecast run``); 0 leaves
             routing unchanged. Policies that do not substitute take none.
         predictor_ms: the predictor's latency per layer (ms), charged before its prefetch may start;
@@ -228,17 +230,17 @@ def compare(
     predictors: Sequence[str] = ("none",),
     capacities: Sequence[str] = ("0.1", "0.25", "0.5"),
     planners: Sequence[str] = ("none",),
-    plan_weight: float = 0.1,
+    plan_weight: float = ReplayConfig.plan_weight,
     holdout: str | None = None,
     out: str = "compare",
-    cold: bool = False,
-    shared: bool = False,
-    hardware: str = DEFAULT_HARDWARE,
-    alpha: float | None = None,
-    predictor_ms: float | None = None,
-    batch_size: int = 1,
-    expert_dtypes: Sequence[str] = ("model",),
-    group_size: int = 128,
+    cold: bool = ReplayConfig.cold,
+    shared: bool = ReplayConfig.shared,
+    hardware: str | None = DEFAULT.hardware,
+    alpha: float | None = DEFAULT.alpha,
+    predictor_ms: float | None = DEFAULT.predictor_ms,
+    batch_size: int = ReplayConfig.batch_size,
+    expert_dtypes: Sequence[str] = (DEFAULT.expert_dtype,),
+    group_size: int = DEFAULT.group_size,
     wandb: bool = True,
     json: bool = False,
 ) -> None:
@@ -265,7 +267,8 @@ def compare(
         out: output directory (created; must not be a file).
         cold: caches start empty per request; default stream.
         shared: one cache for all layers.
-        hardware: hardware profile name or YAML path.
+        hardware: hardware profile name or YAML path; default: this machine's (``moecast profile``), else
+            prescope-a100-pcie4.
         alpha: substitution threshold for policy smoe (default 0.3, as in ``moecast replay`` and ``run``).
         predictor_ms: the predictor's latency per layer (ms) before its prefetch may start; default: each
             checkpoint's measured figure, else the hardware profile's.
@@ -299,7 +302,7 @@ def compare(
     from tqdm import tqdm
 
     # the capacities of one (policy, predictor, planner) cell run as lanes of one vectorised pass
-    dtypes = _words(expert_dtypes) or ["model"]
+    dtypes = _words(expert_dtypes) or [DEFAULT.expert_dtype]
     for (p, pr, pl), dt in tqdm([(c, d) for c in cells for d in dtypes], desc="compare", disable=json):
         cfg = ReplayConfig(
             policy=p,
@@ -328,7 +331,7 @@ def compare(
                 print(_json_line(res))
             if wandb:
                 _log_wandb(row, ts, outdir)
-    _write_compare(rows, outdir, ts.path, cold, hardware, json)
+    _write_compare(rows, outdir, ts.path, cold, json)
 
 
 def _compare_lists(
@@ -367,9 +370,7 @@ def _stem(name: str, keep: tuple[str, ...]) -> str:
     return name if name in keep else Path(name).stem
 
 
-def _write_compare(
-    rows: list[dict], outdir: Path, traces: Path, cold: bool, hardware: str, json: bool
-) -> None:
+def _write_compare(rows: list[dict], outdir: Path, traces: Path, cold: bool, json: bool) -> None:
     """table.csv, table.md and plot.png of a compare (atomically), and the table on stdout unless --json."""
     from moecast.collect.traceset import atomic_write_bytes
 
@@ -380,7 +381,7 @@ def _write_compare(
     atomic_write_bytes(outdir / "table.csv", buf.getvalue().encode())
     md = ["| " + " | ".join(COMPARE_COLUMNS) + " |", "|" + "---|" * len(COMPARE_COLUMNS)]
     md += ["| " + " | ".join(_fmt(r[c]) for c in COMPARE_COLUMNS) + " |" for r in rows]
-    note = f"\nTraces: {traces}; mode: {'cold per request' if cold else 'stream'}; hardware: {hardware}; TPOT basis: {rows[0]['tpot_basis']}; modeled_tpot_ms leaves out a hot-expert table's preload, modeled_tpot_ms_with_preload charges its transfers at every cache start\n"
+    note = f"\nTraces: {traces}; mode: {'cold per request' if cold else 'stream'}; hardware: {rows[0]['hardware']}; TPOT basis: {rows[0]['tpot_basis']}; modeled_tpot_ms leaves out a hot-expert table's preload, modeled_tpot_ms_with_preload charges its transfers at every cache start\n"
     atomic_write_bytes(outdir / "table.md", ("\n".join(md) + "\n" + note).encode())
     _plot(rows, outdir / "plot.png")
     if not json:

@@ -56,6 +56,7 @@ Two engines, kept equal:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -64,40 +65,36 @@ from typing import Any
 
 import numpy as np
 from moecast.collect.traceset import TraceSet, TraceSetError
-from moecast.predictors.base import PromptPlanner
+from moecast.predictors.base import BatchScorer, PromptPlanner
 from moecast.runtime.core import eviction
-from moecast.runtime.core.cache import ExpertCache, StaticTable, resolve_capacity
-from moecast.runtime.core.cost_model import DEFAULT_HARDWARE as DEFAULT_HARDWARE
-from moecast.runtime.core.cost_model import CostModel, HardwareProfile, load_profile
+from moecast.runtime.core import spec as core_spec
+from moecast.runtime.core.cache import StaticTable, resolve_capacity
 from moecast.runtime.core.gate import Calibration, candidate_probability, used_labels
-from moecast.runtime.core.mixed import Copies, parse_copies, tag_of
+from moecast.runtime.core.mixed import Copies, parse_copies
 from moecast.runtime.core.policy import POLICIES as POLICIES  # the presets, where bench looks them up
-from moecast.runtime.core.policy import Policy, get_policy
+from moecast.runtime.core.policy import Policy
 from moecast.runtime.core.prefetch import OraclePredictor, plan_prior, top_predictions
-from moecast.runtime.core.step import STATS, LayerStep, predictor_latency, rank_candidates
+from moecast.runtime.core.spec import RuntimeSpec
+from moecast.runtime.core.step import STATS, LayerStep, rank_candidates
 from moecast.runtime.replay import fastreplay as fast
 
 from moecast.errors import InputError
 
 
 @dataclass
-class ReplayConfig:
-    policy: str | Policy = "lru"  # a preset name (runtime/core/policy.py POLICIES) or a Policy
-    capacity: float | str = 0.25
+class ReplayConfig(RuntimeSpec):
+    """A replay's settings: the runtime's (:class:`~moecast.runtime.core.spec.RuntimeSpec`: policy,
+    capacity, hardware, alpha, score window, predictor latency, precision, with their defaults) and
+    the replay's own below."""
+
     cold: bool = False
     shared: bool = False
     # none | oracle | checkpoint path | a loaded predictor object; None = the policy's default
-    predictor: Any = None
+    predictor: str | BatchScorer | None = None
     planner: str | None = None
     # weight of the plan as a log-linear prior on the token-level scores (prefetch.plan_prior)
     plan_weight: float = 0.1
-    hardware: str | HardwareProfile = DEFAULT_HARDWARE
-    alpha: float | None = None  # None: the policy's default (policy.resolve_alpha)
-    # the predictor's latency per layer (ms) before its prefetch may start; None: the checkpoint's
-    # measured figure, else the hardware profile's
-    predictor_ms: float | None = None
     batch_size: int = 1
-    score_window: int = 8
     requests: list[str] | None = None
     # the requests the hot-expert table (static, `--planner hot`, PreSched's start) is counted on
     # (None: those not replayed, else all of them)
@@ -105,10 +102,6 @@ class ReplayConfig:
     progress: bool = False
     chunk_lanes: int = 20000  # cold streams replayed together (bounds the per-lane state in memory)
     fast: bool = True  # use the fast paths where they apply (False: the general engine, for cross-checks)
-    # the slow tier's expert precision (runtime/tiers/precision.py): the link moves, and a capacity in bytes
-    # counts, its bytes, as in the live runtime
-    expert_dtype: str = "model"
-    group_size: int = 128
     # the requests the prefetch gate calibrates on (runtime/core/gate.py); None: the val side of the
     # predictor's split
     calibrate_on: list[str] | None = None
@@ -208,7 +201,7 @@ def _next_use(topk: np.ndarray, tok: np.ndarray, L: int, E: int, shared: bool) -
     return out
 
 
-def _load_predictor(name: str | None, ts: TraceSet) -> Any:
+def _load_predictor(name: str | BatchScorer | None, ts: TraceSet) -> BatchScorer | None:
     if name in (None, "none"):
         return None
     if not isinstance(name, str):  # already loaded (a bench adapting a checkpoint to its model)
@@ -220,7 +213,7 @@ def _load_predictor(name: str | None, ts: TraceSet) -> Any:
     return registry.load(name, fingerprint=ts.meta.model.fingerprint, against=f"TraceSet {ts.path}")
 
 
-def _load_planner(cfg: ReplayConfig, ts: TraceSet) -> Any:
+def _load_planner(cfg: ReplayConfig, ts: TraceSet) -> BatchScorer | None:
     if cfg.planner != "hot":
         return _load_predictor(cfg.planner, ts)
     from moecast.predictors.baselines import HotTablePlanner
@@ -247,17 +240,18 @@ class _Run:
     policy: Policy
     rids: list[str]
     caps: np.ndarray  # experts per layer, per capacity replayed
-    profile: HardwareProfile
-    cost: CostModel
+    core: core_spec.Core  # the cost model, predictor latency and policy; builds the step
     pred_name: str
-    predictor: Any
-    planner: Any
+    predictor: BatchScorer | None
+    planner: PromptPlanner | None
     data: _Data
     hot: StaticTable | None
     hot_from: str | None
-    predictor_ms: float
-    predictor_ms_from: str
-    copies: Copies | None = None  # two expert copies (expert_dtype mixed / A+B), set by replay_capacities
+
+    @property
+    def copies(self) -> Copies | None:
+        """Two expert copies (expert_dtype mixed / HIGH+LOW): the low one's cost; None for one precision."""
+        return self.core.copies
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -324,22 +318,15 @@ def expert_link_bytes(ts: TraceSet, expert_dtype: str, group_size: int) -> int:
     return expert_nbytes(prec, params, transposed=False)
 
 
-def _copies(run: _Run) -> Copies | None:
-    """The low copy's cost of a run with two expert copies (``run.cost`` is the high one's); None
-    for one precision."""
-    pair = parse_copies(run.cfg.expert_dtype, int(run.cfg.group_size))
-    if pair is None:
-        return None
-    (hd, hg), (ld, lg) = pair
-    low = CostModel.from_profile(
-        run.profile, run.ts.meta.model.expert_bytes, link_bytes=expert_link_bytes(run.ts, ld, lg)
-    )
-    return Copies(tag_of(hd, hg), tag_of(ld, lg), low)
+def _low_link_bytes(ts: TraceSet, cfg: ReplayConfig) -> int | None:
+    """The low copy's bytes where ``expert_dtype`` names two copies (runtime/core/mixed.py); else None."""
+    pair = parse_copies(cfg.expert_dtype, int(cfg.group_size))
+    return None if pair is None else expert_link_bytes(ts, *pair[1])
 
 
 def _prepare(ts: TraceSet, cfg: ReplayConfig, capacities: list[float | str]) -> _Run:
     """Check a configuration against the TraceSet and load what the replay reads."""
-    spec = get_policy(cfg.policy, cfg.alpha)
+    spec = cfg.rule()
     m = ts.meta.model
     E, k = m.num_experts, m.top_k
     rids = list(cfg.requests) if cfg.requests is not None else list(ts.request_ids)
@@ -359,22 +346,24 @@ def _prepare(ts: TraceSet, cfg: ReplayConfig, capacities: list[float | str]) -> 
     caps = np.array([resolve_capacity(c, E, k, link) for c in capacities], dtype=np.int64)
     if len(caps) == 0:
         raise InputError("no capacities to replay")
-    profile = cfg.hardware if isinstance(cfg.hardware, HardwareProfile) else load_profile(cfg.hardware)
     pred_name = ("oracle" if spec.prefetches else "none") if cfg.predictor is None else cfg.predictor
     predictor, planner = _predictors(ts, cfg, spec, pred_name)
-    pred_ms, pred_ms_from = predictor_latency(cfg.predictor_ms, predictor, profile)
+    if predictor is not None and not isinstance(pred_name, str):
+        pred_name = predictor.name
+    core = core_spec.build_core(
+        cfg, num_experts=E, num_layers=m.num_layers, expert_bytes=m.expert_bytes, link_bytes=link,
+        low_link_bytes=_low_link_bytes(ts, cfg), predictor=predictor, prefetching=predictor is not None or planner is not None, policy=spec,
+    )  # fmt: skip
     d = _data(ts, rids, need_probs=spec.eviction == "score" or spec.substituting)
     hot, hot_from = None, None
     if spec.eviction == "static" or spec.preload == "hot":
         hot, hot_from = _hot_table(ts, rids, d, E, cfg.hot_requests)
-    cost = CostModel.from_profile(profile, m.expert_bytes, link_bytes=link)
-    return _Run(
-        ts, cfg, spec, rids, caps, profile, cost, pred_name, predictor, planner, d, hot, hot_from,
-        pred_ms, pred_ms_from,
-    )  # fmt: skip
+    return _Run(ts, cfg, spec, rids, caps, core, pred_name, predictor, planner, d, hot, hot_from)
 
 
-def _predictors(ts: TraceSet, cfg: ReplayConfig, spec: Policy, pred_name: str) -> tuple[Any, Any]:
+def _predictors(
+    ts: TraceSet, cfg: ReplayConfig, spec: Policy, pred_name: str | BatchScorer
+) -> tuple[BatchScorer | None, PromptPlanner | None]:
     """The prefetch predictor and the planner, refused where they could change nothing."""
     if spec.eviction == "belady" and (pred_name not in (None, "none") or cfg.planner):
         raise InputError(
@@ -387,8 +376,6 @@ def _predictors(ts: TraceSet, cfg: ReplayConfig, spec: Policy, pred_name: str) -
             "static pins its experts and never inserts, so nothing can prefetch into it; use --predictor none"
         )
     predictor = _load_predictor(pred_name, ts)
-    if predictor is not None and not isinstance(pred_name, str):
-        pred_name = predictor.name
     if not (math.isfinite(cfg.plan_weight) and cfg.plan_weight >= 0):
         raise InputError(f"--plan-weight must be a finite number >= 0, got {cfg.plan_weight}")
     planner = _load_planner(cfg, ts) if cfg.planner else None
@@ -422,7 +409,6 @@ def replay_capacities(
     if not isinstance(ts, TraceSet):
         ts = TraceSet(ts)
     run = _prepare(ts, cfg, capacities)
-    run.copies = _copies(run)
     out, note = _fast_demand_engine(run), ""
     if out is None:
         pr = _remembered(run, "predictions", lambda: _predictions(run))
@@ -466,7 +452,7 @@ def _fast_wave_serves(run: _Run) -> bool:
 def _fast_demand_engine(run: _Run) -> _Outcome | None:
     """The demand-only batch-1 paths, where they serve the run; None otherwise."""
     _L, E, k, B = run.shape
-    spec, cfg, cost = run.policy, run.cfg, run.cost
+    spec, cfg, cost = run.policy, run.cfg, run.core.cost
     if (
         cfg.fast
         and _one_copy(run)
@@ -515,7 +501,7 @@ def _fast_demand(run: _Run, eviction: str) -> _Outcome:
     else:
         misses = fast.simulate_demand(d.topk, d.lengths, cold, caps, eviction, E)
     on_cpu = run.policy.balancer == "cpu"  # static: every miss on the CPU (it never loads)
-    lt = fast.layer_time_table(k, run.cost, on_cpu)
+    lt = fast.layer_time_table(k, run.core.cost, on_cpu)
     per = lt[misses]  # [N, L, C] layer times
     miss_lc = misses.sum(0).T.reshape(-1)  # [C * L], index c * L + layer
     st = {name: np.zeros(C * L) for name in STATS}
@@ -553,9 +539,9 @@ def _fast_wavefront(run: _Run, pr: _Predictions) -> _Outcome:
     any_decode = bool(d.decode.any())
     basis = d.decode if any_decode else np.ones(len(d.topk), dtype=bool)
     st = fast.Wavefront(
-        d.topk, d.lengths, run.cfg.cold, run.caps, E, run.cost, spec.balancer, cand, pr.ids, basis, pre,
-        predictor_ms=run.predictor_ms, decode=d.decode if d.has_decode else None, late=spec.late_prefetch,
-        lfu=spec.eviction == "lfu",
+        d.topk, d.lengths, run.cfg.cold, run.caps, E, run.core.cost, spec.balancer, cand, pr.ids, basis, pre,
+        predictor_ms=run.core.predictor_ms, decode=d.decode if d.has_decode else None, late=spec.late_prefetch,
+        policy=spec.eviction,
     ).run()  # fmt: skip
     n_basis = int(basis.sum())
     tpots = [float(v / n_basis) if n_basis else None for v in st.pop("tpot_sum")]
@@ -703,7 +689,8 @@ def _general(run: _Run, pr: _Predictions) -> _Outcome:
     tok, start = _grid(d.lengths, d.starts, B, cfg.cold)
     G, S, _ = tok.shape
     stream_len = (tok >= 0).any(2).sum(1)  # steps per stream (slots finish at different times)
-    nu = _next_use(d.topk, tok, L, E, cfg.shared) if run.policy.eviction == "belady" else None
+    reads = eviction.get(run.policy.eviction).reads
+    nu = _next_use(d.topk, tok, L, E, cfg.shared) if "nu" in reads else None
     stats = {name: np.zeros(C * L) for name in STATS}
     step_time = np.zeros((C, G, S))
     step_decode = np.zeros((G, S), dtype=bool)
@@ -780,18 +767,13 @@ class _Lanes:
 def _lanes(run: _Run, pr: _Predictions, ch: _Chunk) -> _Lanes:
     """One cache per (capacity, stream[, layer]), preloaded with the hot-expert table when there is one."""
     cfg, caps = run.cfg, run.caps
-    L, E, _k, _B = run.shape
+    L, _E, _k, _B = run.shape
     C, G = len(caps), len(ch.gmap)
     lanes = C * G if cfg.shared else C * G * L
     cap_of = np.repeat(np.arange(C), lanes // C)
     per_cap = caps * L if cfg.shared else caps
-    cache = ExpertCache(
-        L * E if cfg.shared else E,
-        per_cap[cap_of],
-        run.policy.eviction,
-        lanes=lanes,
-        score_window=cfg.score_window,
-    )
+    step = run.core.step(per_cap[cap_of], stat_base=cap_of * L, n_stats=C * L, shared=cfg.shared)
+    cache = step.cache
     cap = int(caps.max())
     if run.hot is not None:
         if cfg.shared:
@@ -799,10 +781,6 @@ def _lanes(run: _Run, pr: _Predictions, ch: _Chunk) -> _Lanes:
         else:
             per = run.hot.per_layer(cap)  # [L, cap]; each lane keeps the first capacity_of[lane]
             cache.preload(np.arange(lanes), np.tile(per, (C * G, 1)))
-    step = LayerStep(
-        cache, run.policy, run.cost, E, L, stat_base=cap_of * L, n_stats=C * L, shared=cfg.shared,
-        prefetching=pr.ids is not None, predictor_ms=run.predictor_ms, copies=run.copies,
-    )  # fmt: skip
     if cfg.shared:
         stream_of = np.tile(np.arange(G), C)
         return _Lanes(step, cap_of, np.zeros(lanes, dtype=np.int64), stream_of, int(ch.stream_len.max()) * L)
@@ -977,7 +955,7 @@ def _results(run: _Run, out: _Outcome, wall: float) -> list[ReplayResult]:
         if tpot is not None and not math.isfinite(tpot):
             tpot = None
         if tpot is not None:  # each step ends after its last layer (final norm, LM head)
-            tpot += run.cost.t_step
+            tpot += run.core.cost.t_step
         inserted = t["pf_inserted"].sum()
         preload_ms, with_preload = _preload_charge(run, out, c, tpot)
         moved = _bytes_by_copy(run, t)
@@ -1003,7 +981,7 @@ def _results(run: _Run, out: _Outcome, wall: float) -> list[ReplayResult]:
             wall_s=wall / C,
             modeled_tpot_ms_with_preload=with_preload,
             preload_ms=preload_ms,
-            predictor_ms=run.predictor_ms,
+            predictor_ms=run.core.predictor_ms,
             extra={"capacities_in_pass": C},
             **_byte_figures(run, t, moved),
         )
@@ -1016,7 +994,7 @@ def _results(run: _Run, out: _Outcome, wall: float) -> list[ReplayResult]:
 def _bytes_by_copy(run: _Run, t: dict[str, np.ndarray]) -> dict[str, float]:
     """Bytes read at each copy, and those prefetched (or plan-preloaded) and never used, from one
     capacity's statistics. One precision: every read is the "high" copy's."""
-    hi = run.cost.expert_bytes
+    hi = run.core.cost.expert_bytes
     lo = run.copies.low.expert_bytes if run.copies is not None else hi
     pf_lo, used_lo = t["pf_low"].sum(), t["pf_used_low"].sum()
     pf_hi = t["pf_started"].sum() - pf_lo + t["plan_loads"].sum()
@@ -1062,11 +1040,11 @@ def _config_row(run: _Run, c: int) -> dict[str, Any]:
         "shared": cfg.shared,
         "mode": "cold" if cfg.cold else "stream",
         "batch_size": run.shape[3],
-        "hardware": run.profile.name,
+        "hardware": run.core.profile.name,
         "alpha": spec.alpha,
-        "predictor_ms_from": run.predictor_ms_from,
+        "predictor_ms_from": run.core.predictor_ms_from,
         "expert_dtype": _precision_tag(cfg.expert_dtype, int(cfg.group_size)),
-        "expert_bytes": run.cost.expert_bytes,
+        "expert_bytes": run.core.cost.expert_bytes,
     }
 
 
@@ -1076,7 +1054,7 @@ def _preload_charge(run: _Run, out: _Outcome, c: int, tpot: float | None) -> tup
         return 0.0, None
     L, E, _k, _B = run.shape
     n = min(int(run.caps[c]) * L, L * E) if run.cfg.shared else L * min(int(run.caps[c]), E)
-    t_io = run.cost.t_io
+    t_io = run.core.cost.t_io
     ms = n * t_io if n else 0.0
     if tpot is None or not out.n_basis or not math.isfinite(ms):
         return ms, None
@@ -1110,10 +1088,8 @@ def _hot_table(
     return _HOT_MEMO[key]
 
 
-def _scoring_mode(*preds: Any) -> Any:
+def _scoring_mode(*preds: BatchScorer | None) -> contextlib.AbstractContextManager:
     """No autograd while checkpoints score a TraceSet (one batched call per request)."""
-    import contextlib
-
     if all(p is None or isinstance(p, OraclePredictor) for p in preds):
         return contextlib.nullcontext()
     try:

@@ -30,8 +30,9 @@ timelines computed by hand. Only the algorithms differ:
 - ``lfu`` and ``belady`` (demand only): a step-synchronous simulation of every (request, layer,
   capacity) cache at once. Requests are sorted by length so the caches active at step ``s`` are a
   prefix of the lanes (no gathers of state); each lane keeps one int64 eviction key per expert
-  (policy key with the id in the low bits, ``_BIG`` when not resident), so an eviction is a
-  column-wise min. At capacity = top-k the resident set after a token is exactly its experts, for
+  (the policy's ``key`` in :data:`moecast.runtime.core.eviction.TABLE`, computed from the state it
+  reads when the expert is used, with the id in the low bits; ``_BIG`` when not resident), so an
+  eviction is a row min. At capacity = top-k the resident set after a token is exactly its experts, for
   every policy, and those lanes come from the LRU distances.
 - prefetch / PreSched: :class:`Wavefront` (its docstring).
 
@@ -45,11 +46,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from moecast.runtime.core import eviction
 from moecast.runtime.core.step import landing, layer_time, window
 
 _BIG = np.iinfo(np.int64).max
 _CHUNK = 16384  # rows per eviction pass: [rows, E] temporaries stay a few MB
-_NU_CAP = np.int64(1) << 36
 
 
 _POW2 = np.left_shift(np.uint64(1), np.arange(64, dtype=np.uint64))
@@ -189,7 +190,9 @@ def simulate_demand(
     policy: str,
     E: int,
 ) -> np.ndarray:
-    """[N, L, C] misses of demand-only lfu / belady per-layer caches (see the module docstring)."""
+    """[N, L, C] misses of demand-only per-layer caches under ``policy`` (lfu, belady: see the module
+    docstring), whose keys are its ``key`` in :data:`moecast.runtime.core.eviction.TABLE`."""
+    rule = eviction.get(policy)
     N, L, k = topk.shape
     C = len(caps)
     misses = np.zeros((N, L, C), dtype=np.int8)
@@ -211,37 +214,29 @@ def simulate_demand(
     else:
         g_start, g_len = np.array([0]), np.array([N])
     S = int(g_len.max())
-    s_bits = int(S + 1).bit_length()
-    nu = None
-    if policy == "belady":
-        # key: (S - next use) above the id, so the farthest next use (or none: S) is the lowest key
-        nu = np.empty((N, L, k), dtype=np.int64)
-        for layer in range(L):
-            _, nxt = _prev_next(topk[:, layer, :].astype(np.int64), seg)
-            # steps from the segment start; lane time is monotone in the step
-            nu[:, layer, :] = np.where(nxt >= 0, nxt - seg_start(seg, starts, cold)[:, None], S)
-        key_bits = s_bits + sh
-    else:
-        key_bits = 2 * s_bits + sh  # frequency, then last step, then id
-    kdt = np.int32 if key_bits <= 30 else np.int64
-    big = np.iinfo(kdt).max
-    idmask = kdt((1 << sh) - 1)
+    nu = _next_use_steps(topk, seg, starts, cold) if "nu" in rule.reads else None
+    big = _BIG
+    idmask = np.int64((1 << sh) - 1)
     order = np.argsort(-g_len, kind="stable")
     g_start, g_len = g_start[order], g_len[order]
     G = len(g_len)
     lanes = G * L * Cs
     per_g = L * Cs
-    K = np.full((lanes, E), big, dtype=kdt)
-    F = np.zeros((lanes, E), dtype=kdt) if policy == "lfu" else None
+    K = np.full((lanes, E), big, dtype=np.int64)
+    Kf = K.reshape(-1)
+    # the state the policy's key reads, one entry per (lane, expert), as the cache keeps it
+    state = eviction.KeyArrays(
+        np.full(lanes * E, -1, dtype=np.int64) if "last" in rule.reads else None,
+        np.zeros(lanes * E, dtype=np.int64) if "freq" in rule.reads else None,
+        np.full(lanes * E, eviction.NU_CAP, dtype=np.int64) if nu is not None else None,
+        None,
+    )
     count = np.zeros(lanes, dtype=np.int64)
     capv = np.tile(sim_caps, G * L)
     lane_base = np.arange(lanes, dtype=np.int64) * E
-    Kf = K.reshape(-1)
-    Ff = F.reshape(-1) if F is not None else None
-    ids_all = topk.astype(kdt)
+    ids_all = topk.astype(np.int64)
     # active streams at step s: those longer than s (a prefix, lengths descending)
     n_act = np.searchsorted(-g_len, -np.arange(S), side="left")
-    fshift = kdt(sh + s_bits)
     lay_ix = np.arange(L)[None, :, None]
     sim_ix = np.array(sim)[None, None, :]
     for s in range(S):
@@ -271,14 +266,27 @@ def simulate_demand(
                     take = np.arange(m)[None, :] < nc[:, None]
                     Kf[(lane_base[rc][:, None] + (low & idmask))[take]] = big
         cnt += nm - np.maximum(need, 0)
-        if policy == "lfu":
-            fv = Ff[flat] + 1
-            Ff[flat] = fv
-            Kf[flat] = (fv << fshift) | (kdt(s) << sh) | ids_l
-        else:
-            nxt = np.broadcast_to(nu[toks][:, :, None, :], (n, L, Cs, k)).reshape(nl, k).astype(kdt)
-            Kf[flat] = ((kdt(S) - nxt) << sh) | ids_l
+        # the access, as the cache's touch records it (step s of the segment is its time)
+        if state.last is not None:
+            state.last[flat] = s
+        if state.freq is not None:
+            state.freq[flat] += 1  # ids distinct per row
+        if state.nu is not None:
+            state.nu[flat] = np.broadcast_to(nu[toks][:, :, None, :], (n, L, Cs, k)).reshape(nl, k)
+        Kf[flat] = rule.key(state, flat, sh) | ids_l
     return misses
+
+
+def _next_use_steps(topk: np.ndarray, seg: np.ndarray, starts: np.ndarray, cold: bool) -> np.ndarray:
+    """[N, L, k] belady's future: the step (from the segment's start) of each use's next use, or
+    NU_CAP (never: ranked first for eviction)."""
+    N, L, k = topk.shape
+    nu = np.empty((N, L, k), dtype=np.int64)
+    first = seg_start(seg, starts, cold)[:, None]
+    for layer in range(L):
+        _, nxt = _prev_next(topk[:, layer, :].astype(np.int64), seg)
+        nu[:, layer, :] = np.where(nxt >= 0, nxt - first, eviction.NU_CAP)
+    return nu
 
 
 def seg_start(seg: np.ndarray, starts: np.ndarray, cold: bool) -> np.ndarray:
@@ -319,10 +327,10 @@ class Wavefront:
     reads layer l+1's cache as the previous token left it, so step s of layer l runs at iteration
     2 s + l (that token's row at layer l+1 ran one iteration before).
 
-    Each lane keeps one key per expert: ``(step of last use + 1) << (sh + 1) | id << 1 |
-    prefetched-unused`` when resident, ``big`` otherwise, so lookups are gathers and an eviction is
-    a row min (the flag bit never decides: the ids of a lane are distinct). Under ``lfu`` the
-    expert's access count sits above the step, so the fewest accesses go first, then the oldest.
+    Each lane keeps one key per expert: ``(key | id) << 1 | prefetched-unused`` when resident, ``big``
+    otherwise, where ``key`` is the ``policy``'s (lru or lfu) in :data:`moecast.runtime.core.eviction.TABLE`
+    from the expert's last use (the step) and, for lfu, its access count; so lookups are gathers and
+    an eviction is a row min (the flag bit never decides: the ids of a lane are distinct).
 
     ``cand`` [N, L, kp]: each (token, layer)'s predicted candidates ranked best first (-1 padded);
     ``pred_ids`` [N, L, kp] the raw predicted ids (PreSched's next-layer view); ``preload``
@@ -351,9 +359,12 @@ class Wavefront:
         predictor_ms: float = 0.0,
         decode: np.ndarray | None = None,
         late: bool = False,
-        lfu: bool = False,
+        policy: str = "lru",
     ) -> None:
         N, L, k = topk.shape
+        self.rule = eviction.get(policy)
+        if not set(self.rule.reads) <= {"last", "freq"} or self.rule.key is None or not self.rule.int_key:
+            raise ValueError(f"the wavefront replays lru or lfu, not {policy!r}")
         self.N, self.L, self.k, self.E, self.C = N, L, k, E, len(caps)
         self.caps, self.cost, self.balancer = caps, cost, balancer
         self.late = late  # the policy's late_prefetch: one more than the window holds lands late
@@ -367,7 +378,7 @@ class Wavefront:
         self.skew = 2 if (balancer == "presched" and cand is not None) else 1
         self._layout(g_start, g_len)
         S = int(g_len.max())
-        self._keys(S, lfu)
+        self._keys(S)
         self.prefetching = cand is not None
         self._lane_clocks(predictor_ms)
         self._inputs(topk, cand, pred_ids, basis, decode)
@@ -381,20 +392,25 @@ class Wavefront:
             self.iteration(i)
         return self.results()
 
-    def _keys(self, S: int, lfu: bool) -> None:
-        """The cache's keys, one per (lane, expert): step | id | prefetched flag (LFU: access count
-        above them), in int32 where they fit."""
+    def _key(self, last: np.ndarray, ids: np.ndarray, fid: np.ndarray) -> np.ndarray:
+        """The keys of experts ``ids`` (at flat ``fid``) last used at step ``last`` (broadcast to
+        ``ids``): the policy's key from the eviction table with the id, above a clear prefetched flag."""
+        state = eviction.KeyArrays(last, self.freq[fid] if self.freq is not None else None, None, None)
+        return ((self.rule.key(state, ..., self.sh) | ids) << 1).astype(self.kdt)
+
+    def _keys(self, S: int) -> None:
+        """The cache's keys, one per (lane, expert): the policy's key | id | prefetched flag, in int32
+        where they fit (lru's: step | id | flag)."""
         E, lanes = self.E, self.lanes
         self.sh = max(1, int(E - 1).bit_length())
+        lfu = "freq" in self.rule.reads
         small = (int(S + 1).bit_length() + self.sh + 1) <= 30
         self.kdt = np.int32 if small and not lfu else np.int64
         self.big = np.iinfo(self.kdt).max
         self.idmask = self.kdt((1 << self.sh) - 1)
-        self.sh1 = self.sh + 1  # key layout: step | id | prefetched flag
         # LFU (the cache's own order: accesses since the start, resident or not, then recency, then
-        # id): each lane's access counts, and above the step in the keys of resident experts
+        # id): each lane's access counts
         self.freq = np.zeros(lanes * E, dtype=np.int64) if lfu else None
-        self.fsh = self.sh1 + int(S + 1).bit_length()
         self.K = np.full((lanes, E), self.big, dtype=self.kdt)
         self.Kf = self.K.reshape(-1)
         self.count = np.zeros(lanes, dtype=np.int64)
@@ -461,7 +477,8 @@ class Wavefront:
             n_pre = min(int(self.caps[c]), self.E)
             rows = np.flatnonzero(self.cap_of == c)
             items = table[self.layer_of[rows], :n_pre].astype(np.int64)  # [rows, n_pre]
-            self.K[rows[:, None], items] = items.astype(self.kdt) << 1  # last = -1: key (0 << sh1) | id << 1
+            never = np.full((len(rows), 1), -1, dtype=np.int64)  # preloaded, not used yet
+            self.K[rows[:, None], items] = self._key(never, items, rows[:, None] * self.E + items)
             self.count[rows] = n_pre
 
     def make_room(self, rows: np.ndarray, n_new: np.ndarray, shield: np.ndarray, shield_full: bool) -> None:
@@ -514,13 +531,13 @@ class Wavefront:
         toks = self.tok0[A] + s
         tl = toks * L + lay
         base = act * E
-        newkey = ((s + 1).astype(self.kdt) << self.sh1)[:, None]
+        now = s.astype(np.int64)[:, None]  # the step: the last use of what the layer uses or lands
         ids = self.topk2[tl]  # [n, k]
         self.delay[A] = 0.0
         self.rc[A] = 0.0
         dec = self.decode[toks] if self.decode is not None else None
         if self.prefetching:
-            self._prefetch(A, act, base, tl, newkey, dec)
+            self._prefetch(A, act, base, tl, now, dec)
         fid = base[:, None] + ids
         kv = self.Kf[fid]
         hit = kv != self.big
@@ -531,7 +548,7 @@ class Wavefront:
         n_hit = hit.sum(1)
         n_miss = self.k - n_hit
         n_load, t_cpu = self._split(A, lay, toks, n_miss, dec)
-        self._insert(act, ids, fid, hit, n_load, n_miss, newkey)
+        self._insert(act, ids, fid, hit, n_load, n_miss, now)
         stall = self.delay[A] if self.late else None
         layer_t, link = layer_time(
             self.cost, n_hit + n_load, n_load, self.delay[A], t_cpu, n_miss - n_load, stall
@@ -548,7 +565,7 @@ class Wavefront:
         acc["tpot"][A] += layer_t if self.all_basis else np.where(self.basis[toks], layer_t, 0.0)
 
     def _prefetch(
-        self, A, act: np.ndarray, base: np.ndarray, tl: np.ndarray, newkey: np.ndarray, dec: np.ndarray | None
+        self, A, act: np.ndarray, base: np.ndarray, tl: np.ndarray, now: np.ndarray, dec: np.ndarray | None
     ) -> None:
         """Land the active lanes' prefetches (:func:`moecast.runtime.core.step.landing`)."""
         t_io, big, Kf = self.cost.t_io, self.big, self.Kf
@@ -587,10 +604,7 @@ class Wavefront:
             cp = cd[pr]
             fl = (base_s[pr][:, None] + np.where(take, cp, 0))[take]
             # prefetched and not used yet: the flag bit set
-            nk = np.broadcast_to(newkey[sel[pr]], take.shape)[take]
-            if self.freq is not None:
-                nk = nk | (self.freq[fl] << self.fsh)
-            Kf[fl] = nk | (cp[take].astype(self.kdt) << 1) | 1
+            Kf[fl] = self._key(np.broadcast_to(now[sel[pr]], take.shape)[take], cp[take], fl) | 1
             self.count[apr] += landed[pr]
         self.r_landed[a_s] += landed
         self.rc[a_s] = started * self.cost.t_rc
@@ -643,7 +657,7 @@ class Wavefront:
         hit: np.ndarray,
         n_load: np.ndarray,
         n_miss: np.ndarray,
-        newkey: np.ndarray,
+        now: np.ndarray,
     ) -> None:
         """Demand loads in (evicting the lowest keys, the token's own experts shielded); keys of use."""
         lr = np.flatnonzero(n_load > 0)
@@ -652,10 +666,9 @@ class Wavefront:
             self.make_room(alr, n_load[lr], ids[lr], True)
             self.count[alr] += n_load[lr]
         # loaded: the first n_load misses in routing order; hits and loaded experts get the new key
-        used_key = newkey | (ids.astype(self.kdt) << 1)  # the flag cleared: used
         if self.freq is not None:  # counted after the evictions, as the cache's touch follows its inserts
             self.freq[fid] += 1
-            used_key = used_key | (self.freq[fid] << self.fsh)
+        used_key = self._key(now, ids, fid)  # the flag cleared: used
         if self.balancer != "presched" or (n_load == n_miss).all():
             self.Kf[fid] = used_key
         else:

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from moecast.runtime.tiers.base import CudaOps, Wave
 from torch import nn
 
 from moecast.errors import InputError
@@ -90,27 +91,9 @@ def _piece(t: torch.Tensor, piece: Piece) -> torch.Tensor:
     return t.narrow(piece.dim, piece.start, piece.stop - piece.start)
 
 
-class CudaOps:
-    """The stream and event calls a :class:`LayerStore` makes; a test passes an object with the same methods."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def stream(self) -> Any:
-        return torch.cuda.Stream(device=self.device)
-
-    def current(self) -> Any:
-        return torch.cuda.current_stream(self.device)
-
-    def event(self) -> Any:
-        return torch.cuda.Event()
-
-    def on(self, stream: Any) -> Any:
-        return torch.cuda.stream(stream)
-
-
 class LayerStore:
-    """Host copies of one layer's experts and ``num_slots`` pre-allocated device slots.
+    """Host copies of one layer's experts and ``num_slots`` pre-allocated device slots (a
+    :class:`moecast.runtime.tiers.base.LayerTier`; :class:`moecast.runtime.tiers.host.HostTier` holds one per layer).
 
     ``device`` is where slots live: a CUDA device for the real path, the CPU for the
     simulated one. ``ops`` issues the asynchronous copies (default: :class:`CudaOps` on a
@@ -292,9 +275,7 @@ class LayerStore:
                 break
             self.load(int(e))
 
-    def cpu_waves(
-        self, experts: np.ndarray, wave: int | None = None
-    ) -> Iterator[tuple[dict[str, torch.Tensor], np.ndarray, int]]:
+    def cpu_waves(self, experts: np.ndarray, wave: int | None = None) -> Iterator[Wave]:
         """Host tensors that hold ``experts`` for computing them on the CPU, in waves (each a subset of
         ``experts``, together all of them once; ``wave``: at most that many each, where a store reads
         them): (tensors by name, expert id -> row of those tensors with the sentinel elsewhere, the

@@ -1,0 +1,280 @@
+"""Running one MoE layer's experts on the tiers: resident experts from their slots, the rest on the CPU.
+
+The resident experts (the step's hits and the loads it placed) run from their slots with the wrapped
+experts implementation, seen through a :class:`moecast.runtime.tiers.expert_store.SlotView`; the step's
+CPU set runs from host memory (SMoE §5.4, CPU-assisted computation): on a worker thread while an
+accelerator computes the resident ones, else after them on this thread (a second thread would only
+contend for the same cores), its reads started first where the tier reads in the background. Loads the
+cache did not keep (a long prefill's) stream through the slots in waves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from moecast.runtime.core.cache import ExpertCache
+from moecast.runtime.live import transfer
+from moecast.runtime.live.stats import ForwardTimes, LiveStats
+from moecast.runtime.tiers.base import Device, ExpertTier
+from moecast.runtime.tiers.expert_store import SlotView
+
+
+@dataclass
+class ExpertsCall:
+    """One experts call's inputs: device tensors, and the host copies the layer's one read brought."""
+
+    module: Any
+    hidden: torch.Tensor
+    index: torch.Tensor
+    weights: torch.Tensor
+    ids: np.ndarray
+    kwargs: dict[str, Any]
+    host: dict[str, torch.Tensor]
+    w_host: torch.Tensor | None
+    distinct: int  # distinct expert ids in ``ids``
+    decode: bool = False  # the call is a decode step's
+    step: int = 0  # the step, as the cache's time
+
+
+class Executor:
+    """Computes a layer's experts where the step put them, and copies what the cache takes into the slots.
+
+    ``impls``: each layer's experts implementation (set when the runtime attaches). ``overlap_cpu``: the
+    CPU experts run on a worker thread beside the device (an accelerator); without one the same cores
+    compute both, so they run after the resident ones.
+    """
+
+    def __init__(
+        self, tier: ExpertTier, device: Device, cache: ExpertCache, times: ForwardTimes, stats: LiveStats
+    ) -> None:
+        self.tier, self.stores, self.cache = tier, tier.layers, cache
+        self.device, self.times, self.stats = device, times, stats
+        self.impls: list[Callable[..., torch.Tensor]] = []
+        self.overlap_cpu = device.accelerated
+        self.identity = [False] * len(self.stores)  # layers whose slot i holds expert i
+        self._pool: ThreadPoolExecutor | None = None
+
+    # ------------------------------------------------------------------ placement
+    def place(self, initial: np.ndarray) -> None:
+        """Fill each layer's slots with ``initial`` ([c] for every layer, or [L, c]) and tell the cache."""
+        for pos, store in enumerate(self.stores):
+            store.fill(initial[pos] if initial.ndim == 2 else initial)
+        self.placed()
+
+    def preload(self, pos: int, want: np.ndarray) -> int:
+        """Make layer ``pos``'s slots hold ``want``, evicting only residents it does not want, only as
+        many as it needs; returns the loads."""
+        store = self.stores[pos]
+        keep = set(want.tolist())
+        out = [int(e) for e in store.expert_in if e >= 0 and int(e) not in keep]
+        before = store.loads
+        for e in want:
+            if store.slot_of[int(e)] >= 0:
+                continue
+            store.load(int(e), evict=None if store.free_slot() is not None else out.pop(0))
+        return store.loads - before
+
+    def placed(self) -> None:
+        """The slots were filled outside the step: the cache takes them as resident."""
+        lanes = np.arange(len(self.stores))
+        self.cache.preload(lanes, np.stack([s.expert_in for s in self.stores]))
+        self.identity = [bool((s.expert_in == np.arange(s.num_slots)).all()) for s in self.stores]
+
+    def load(self, pos: int, experts: np.ndarray, shield: np.ndarray, t: int) -> np.ndarray:
+        """Insert ``experts`` into layer ``pos``'s cache and copy them into the slots the cache frees."""
+        before = self.cache.resident[pos].copy()
+        inserted = self.cache.insert(np.array([pos]), experts[None, :], shield=shield[None, :], t=t)[0]
+        self.move(pos, before, experts[inserted])
+        return experts[inserted]
+
+    def move(self, pos: int, before: np.ndarray, placed: np.ndarray) -> None:
+        """Copy the experts the cache just took (``placed``) into the slots of those it evicted since ``before``."""
+        if not len(placed):
+            return
+        st = self.stores[pos]
+        ev = list(np.flatnonzero(before & ~self.cache.resident[pos]))
+        for e in placed:
+            st.load(int(e), evict=int(ev.pop()) if st.free_slot() is None and ev else None)
+
+    # ------------------------------------------------------------------ compute
+    def full(
+        self,
+        pos: int,
+        module: Any,
+        hidden: torch.Tensor,
+        index: torch.Tensor,
+        weights: torch.Tensor,
+        kwargs: dict[str, Any],
+    ) -> torch.Tensor:
+        """Full residency, slot i holding expert i: the wrapped implementation runs on the slots as is."""
+        st = self.stores[pos]
+        st.wait()  # a disk store's slots may still be landing
+        view = SlotView(module, st.slots, st.num_slots, False)
+        return self.times.timed("expert_compute", self.impls[pos], view, hidden, index, weights, **kwargs)
+
+    def run(
+        self,
+        pos: int,
+        call: ExpertsCall,
+        hit_ids: np.ndarray,
+        placed: np.ndarray,
+        streamed: np.ndarray,
+        uniq: np.ndarray,
+        cpu_ids: np.ndarray,
+    ) -> tuple[torch.Tensor | None, np.ndarray, Any]:
+        """Run the resident experts (hits and the loads just placed) on the device, start the rest on the CPU.
+
+        Returns the device's output (None if it ran nothing), the experts left to the CPU and a
+        callable that joins their output (host memory); the CPU's experts are computed meanwhile.
+        ``streamed``: loads the cache did not keep (more misses than slots, a long prefill): they go
+        through the slots in waves of ``capacity`` experts after the resident ones. ``cpu_ids``: the
+        step's CPU set (-1 padded), which is the rest of ``uniq`` when nothing streams.
+        """
+        on_device = np.concatenate([hit_ids, placed])
+        if not len(streamed):
+            to_cpu = np.sort(cpu_ids[cpu_ids >= 0])
+            # started before the device call, which may block the host (a wrapped implementation may sync)
+            cpu_part = self._start_cpu(pos, call, to_cpu) if len(to_cpu) else None
+            return self._resident(pos, call, hit_ids, placed), to_cpu, cpu_part
+        out = self._device(pos, call, on_device)
+        done = [on_device]
+        capacity = self.stores[pos].num_slots
+        for wave in (streamed[i : i + capacity] for i in range(0, len(streamed), capacity)):
+            loaded = self.load(pos, wave, shield=wave, t=call.step)
+            part = self._device(pos, call, loaded)
+            out = part if out is None else (out if part is None else out + part)
+            done.append(loaded)
+        to_cpu = np.setdiff1d(uniq, np.concatenate(done))
+        return out, to_cpu, self._start_cpu(pos, call, to_cpu) if len(to_cpu) else None
+
+    def join(
+        self,
+        out: torch.Tensor | None,
+        to_cpu: np.ndarray,
+        cpu_part: Any,
+        uniq: np.ndarray,
+        counts: np.ndarray,
+        hidden: torch.Tensor,
+        n: int,
+    ) -> torch.Tensor:
+        """The layer's output over its ``n`` tokens: the device's experts' part plus the CPU's,
+        computed while the device ran its own (``cpu_part`` gives it), or zeros where the call
+        computed no expert."""
+        if len(to_cpu):
+            # one token: each expert has one use
+            self.stats.cpu_uses += len(to_cpu) if n == 1 else int(counts[np.isin(uniq, to_cpu)].sum())
+            part = transfer.to_device(self.times.timed("expert_compute", cpu_part), hidden.device)
+            out = part if out is None else out + part
+        return torch.zeros_like(hidden) if out is None else out
+
+    def _resident(
+        self, pos: int, call: ExpertsCall, hit_ids: np.ndarray, placed: np.ndarray
+    ) -> torch.Tensor | None:
+        """The resident experts of a call: the hits and the demand loads just placed.
+
+        Reading in the background without an accelerator (each call runs to its end before the next
+        starts), a decode step computes the hits while the loads are read, then each load as it
+        lands, so only the last one's compute follows the link (the step's ``max(n_dev * t_g, link +
+        t_g)``); a hit whose prefetch is still in flight computes as it lands, before the loads.
+        Elsewhere they are one call, whose outputs stay bit-identical to the wrapped
+        implementation's: a device's stream waits for the copies without blocking the host, a
+        host-memory store copies synchronously, and a prefill's loads are many (a call per expert
+        would cost more than the overlap gains)."""
+        if not (call.decode and self.tier.background_reads and not self.device.accelerated):
+            return self._device(pos, call, np.concatenate([hit_ids, placed]))
+        # a hit whose prefetch is still being read computes once it lands, after the hits that
+        # have landed and before the loads (its read went to the disk first)
+        st = self.stores[pos]
+        late = st.expert_in[st.in_flight(st.slot_of[hit_ids])]
+        if len(late):
+            hit_ids = hit_ids[~np.isin(hit_ids, late)]
+        out = None
+        for experts in [hit_ids, *late[:, None], *placed[:, None]]:
+            part = self._device(pos, call, experts)
+            out = part if out is None else out + part
+        return out
+
+    def _device(self, pos: int, call: ExpertsCall, experts: np.ndarray) -> torch.Tensor | None:
+        """The (token, expert) pairs of ``experts`` (resident) from their device slots, with the wrapped implementation.
+
+        Pairs of other experts carry the sentinel id ``num_slots``, which every experts implementation
+        skips (its expert-parallel path), so the call computes exactly the pairs that run on the device.
+        The slot ids are mapped on the host (the ids are there already) and sent without a sync; the
+        compute stream waits only for these slots' transfers, and an event after the call marks them read.
+        """
+        if not len(experts):
+            return None
+        st = self.stores[pos]
+        slot_of = st.slot_of
+        if len(experts) == call.distinct:
+            table = slot_of
+            partial = False
+        else:
+            table = np.full(st.num_experts, st.num_slots, np.int64)
+            table[experts] = slot_of[experts]
+            partial = True
+        slot_ids = transfer.to_device(torch.from_numpy(table[call.ids]), call.index.device)
+        slots = slot_of[experts]
+        st.wait(slots)
+        out = self.times.timed(
+            "expert_compute",
+            self.impls[pos],
+            SlotView(call.module, st.slots, st.num_slots, partial),
+            call.hidden,
+            slot_ids,
+            call.weights,
+            **call.kwargs,
+        )
+        st.mark_read(slots)
+        return out
+
+    def _start_cpu(self, pos: int, call: ExpertsCall, experts: np.ndarray) -> Any:
+        """Start the CPU's experts (on the worker thread when overlapping); returns the join."""
+        if "hidden" not in call.host:  # not foreseen by the layer's read: read the rows now
+            call.host["hidden"], call.host["w"] = transfer.to_host([call.hidden, call.weights])
+            call.w_host = call.host["w"]
+            self.stats.host_syncs += 1
+        if not self.overlap_cpu:
+            # one token's experts each compute as its read lands (the step's rule); a prefill's in
+            # waves of the reader's size. The reads go out now; the caller times the join.
+            waves = self.stores[pos].cpu_waves(experts, wave=1 if len(call.ids) == 1 else None)
+            return lambda: self._host(pos, call, experts, waves)
+        grad = torch.is_grad_enabled()
+
+        def job() -> torch.Tensor:
+            with torch.set_grad_enabled(grad):  # grad mode is per thread
+                return self._host(pos, call, experts)
+
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moecast-cpu-experts")
+        return self._pool.submit(job).result
+
+    def _host(self, pos: int, call: ExpertsCall, experts: np.ndarray, waves: Any = None) -> torch.Tensor:
+        """CPU-assisted computation (SMoE §5.4): only the tokens routed to ``experts``, from host memory, on the host.
+
+        The store gives the experts in waves (the disk tier holds a bounded number of them at a time;
+        ``waves``: the store's already started); the waves' parts add up in float32, so one wave's
+        result is exactly its part in the model's dtype.
+        """
+        hidden = call.host["hidden"].reshape(-1, call.hidden.shape[-1])
+        out = torch.zeros(hidden.shape, dtype=torch.float32)
+        with contextlib.closing(waves if waves is not None else self.stores[pos].cpu_waves(experts)) as waves:
+            for tensors, table, count in waves:
+                cpu_ids = torch.from_numpy(table[call.ids])
+                rows = (cpu_ids < count).any(1)
+                view = SlotView(call.module, tensors, count, True)
+                part = self.impls[pos](view, hidden[rows], cpu_ids[rows], call.w_host[rows], **call.kwargs)
+                out[rows] += part.float()
+        return out.to(call.hidden.dtype)
+
+    def close(self) -> None:
+        """Join and close the CPU worker."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

@@ -1,0 +1,191 @@
+"""Where the live runtime's prefetch candidates come from, and which predictors it takes for what.
+
+SMoE §IV-C predicts layer l+1's experts online (the next layer's gate on this layer's gate input, the
+gate-reuse form of docs/design.md); a layer-ahead predictor (LLaPor) does it from its stream of the
+request's routing, and may learn online from each decoded token (PreScope §4.2.2). Under policy static
+a frequency predictor is the hot-expert table instead; a prompt-ahead planner (CasMoE) preloads a plan.
+:class:`Prefetcher` is the per-runtime source; the functions refuse a predictor given for the wrong job
+with one line saying what to do with it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from moecast.predictors.base import BatchScorer, HotTable, LayerStream, PromptPlanner, StreamingPredictor
+from moecast.runtime.core.policy import Policy
+from moecast.runtime.core.step import ranked_predictions
+from moecast.runtime.live.stats import ForwardTimes
+
+from moecast.errors import InputError
+
+
+class Prefetcher:
+    """Layer ``nxt``'s prefetch candidates for the forward in progress (``mode``: none, online, predictor).
+
+    A layer-ahead predictor's stream keeps the window of finished tokens; it is fed this forward's layers
+    while ``streaming`` (a prefill resets it to the prompt, a one-token decode step ends the token before).
+    """
+
+    def __init__(
+        self,
+        mode: str,
+        predictor: BatchScorer | None,
+        structure: Any,
+        num_experts: int,
+        top_k: int,
+        full: bool,
+    ) -> None:
+        self.mode, self.structure, self.full = mode, structure, full
+        self.num_layers, self.num_experts, self.top_k = len(structure.layers), num_experts, top_k
+        self.stream: LayerStream | None = (
+            predictor.stream() if mode == "predictor" and isinstance(predictor, StreamingPredictor) else None
+        )
+        # the step's last gate_rows gate inputs go to the stream with each layer's routing
+        self.gate_rows = self.stream.gate_rows if self.stream is not None else 0
+        self.streaming = False
+
+    def begin(self, decode: bool, ids: torch.Tensor | None) -> bool:
+        """A forward starts; returns whether the stream observes it."""
+        n = ids.numel() if ids is not None else 0
+        # a prefill starts the stream's request; a one-token decode step closes the step before it
+        # (forwards of several decoded tokens are not predicted, and leave the window as it is)
+        self.streaming = self.stream is not None and (not decode or n == 1)
+        if self.streaming:
+            if decode:
+                self.stream.end_token(int(ids.reshape(-1)[-1]))
+            else:
+                self.stream.reset(ids.detach().reshape(-1).cpu().numpy() if ids is not None else ())
+        return self.streaming
+
+    def predicts(self, decode: bool, nxt: int) -> bool:
+        """Whether layer ``nxt`` gets a prediction in this forward."""
+        return decode and self.mode != "none" and not self.full and nxt < self.num_layers
+
+    def online_scores(self, nxt: int, hidden: torch.Tensor) -> torch.Tensor | None:
+        """SMoE §IV-C online prediction on the device: layer ``nxt``'s gate applied to this layer's gate input."""
+        router = self.structure.layers[nxt].router
+        w = getattr(router, "weight", None)
+        if w is None or tuple(w.shape) != (self.num_experts, hidden.shape[-1]):
+            return None
+        with torch.no_grad():
+            logits = torch.nn.functional.linear(hidden.to(w.dtype), w).float()
+        return torch.softmax(logits, -1)
+
+    def observe(
+        self, pos: int, ids: np.ndarray, w_host: torch.Tensor, hidden: torch.Tensor | None, width: int
+    ) -> None:
+        """Layer ``pos``'s routing (after substitution) and gate inputs to the predictor's stream."""
+        gate = None
+        if self.gate_rows and hidden is not None:
+            gate = hidden.reshape(-1, width)[-self.gate_rows :].float().numpy()
+        self.stream.observe(pos, ids, w_host.float().numpy(), gate)
+
+    def predict_layer_ahead(self, nxt: int) -> np.ndarray:
+        """Layer-ahead predictor on the current token: what is known when layer nxt-1 finished."""
+        return self.stream.predict_next(nxt)
+
+    def scores(self, nxt: int, online: np.ndarray | None) -> np.ndarray | None:
+        """Scores [B, E] of layer ``nxt`` for this forward's tokens (``online``: the next gate's, read
+        with this layer's ids)."""
+        if self.mode == "online":
+            return online
+        if self.streaming:
+            return self.predict_layer_ahead(nxt)[None, :]
+        return None
+
+    def next(
+        self, nxt: int, decode: bool, online: np.ndarray | None, times: ForwardTimes
+    ) -> tuple[np.ndarray | None, tuple | None]:
+        """Layer ``nxt``'s predicted experts: ([1, B * k] each token's top-k, for PreSched's E_next;
+        (nxt, [1, M] the prefetch candidates ranked)), or Nones where nothing predicts them."""
+        if not self.predicts(decode, nxt):
+            return None, None
+        scores = times.timed("predictor", self.scores, nxt, online)
+        if scores is None:
+            return None, None
+        ids, ranked = ranked_predictions(scores, self.top_k)
+        return ids, (nxt, ranked)
+
+    def learn(self, lr: float) -> float:
+        """PreScope §4.2.2: one small step on the token just decoded, whose routing is now known; its loss."""
+        return float(self.stream.learn(lr))
+
+
+def hot_table(predictor: BatchScorer, num_layers: int, num_experts: int) -> np.ndarray:
+    """The [L, E] expert scores a static policy pins from (a frequency checkpoint's ``table``)."""
+    name = predictor.name
+    table = predictor.table if isinstance(predictor, HotTable) else None
+    shape = np.shape(table) if table is not None else None
+    if shape != (num_layers, num_experts):
+        has = "no table" if shape is None else f"a table of shape {shape}"
+        raise InputError(
+            f"policy static pins a hot-expert table of [{num_layers}, {num_experts}] expert scores; {name} "
+            f"has {has}: pass a frequency checkpoint (moecast predictors eval frequency --save CKPT) or no predictor"
+        )
+    table = np.asarray(table, np.float64)
+    if not np.isfinite(table).all():
+        raise InputError(f"{name}'s hot-expert table holds non-finite scores; rebuild the checkpoint")
+    return table
+
+
+def choose_prefetch(given: str, rule: Policy, predictor: BatchScorer | None, table: np.ndarray | None) -> str:
+    """The live prefetch source (none, predictor or online) for LiveConfig's ``prefetch`` ``given``.
+
+    ``auto``: a predictor given prefetches, as in the replay; else a policy that prefetches uses the
+    next layer's gate. Under static the predictor is the hot-expert table, never a prefetcher."""
+    prefetch = given
+    if prefetch == "auto":
+        if table is not None:
+            prefetch = "none"
+        elif predictor is not None:
+            prefetch = "predictor"
+        else:
+            prefetch = "online" if rule.prefetches else "none"
+    if prefetch == "predictor" and predictor is None:
+        raise InputError("prefetch='predictor' needs a predictor checkpoint (predictor=CKPT)")
+    if prefetch == "predictor" and table is not None:
+        raise InputError(
+            f"under policy static {predictor.name} is the hot-expert table, not a "
+            "prefetcher; use prefetch auto or none"
+        )
+    if prefetch == "predictor" and not isinstance(predictor, StreamingPredictor):
+        raise InputError(not_a_prefetcher(predictor))
+    return prefetch
+
+
+def not_a_prefetcher(predictor: BatchScorer) -> str:
+    """Why ``predictor`` cannot prefetch in the live runtime, and what to do with it instead."""
+    name, horizon = predictor.name, predictor.horizon
+    head = f"the live prefetcher needs a layer-ahead predictor (e.g. LLaPor); {name} is {horizon}"
+    if horizon == "layer-ahead":
+        return f"the live prefetcher drives a layer-ahead predictor through its stream(); {name} has none"
+    if horizon == "prompt-ahead" and isinstance(predictor, PromptPlanner):
+        return f"{head}: pass it as the planner (planner=CKPT), which preloads its plan before decoding"
+    if horizon == "prompt-ahead":
+        return f"{head}: {_MATCHES_ROUTING}"
+    if horizon == "statistical":
+        return f"{head}: under policy=static its table is the hot-expert table"
+    return head
+
+
+# ActivationMatrixPredictor (MoE-Infinity) is prompt-ahead by what it may know, but it matches the
+# request's own routing so far rather than the prompt text, so it has nothing to preload live
+_MATCHES_ROUTING = (
+    "it scores a request by matching the request's own routing so far, not the prompt text, so it has "
+    "no plan to preload; evaluate it with `moecast predictors eval` or `moecast replay --predictor CKPT` "
+    "(live planners are EAM, EAP or cascade checkpoints)"
+)
+
+
+def not_a_planner(planner: BatchScorer) -> str:
+    """Why ``planner`` cannot plan in the live runtime, and what to do with it instead."""
+    name, horizon = planner.name, planner.horizon
+    if horizon == "prompt-ahead":
+        return f"planner {name} has no plan(prompt): {_MATCHES_ROUTING}"
+    tail = "; pass it as the predictor (predictor=CKPT) to prefetch" if horizon == "layer-ahead" else ""
+    return (
+        f"planner {name} is {horizon}; a planner must be a prompt-ahead EAM, EAP or cascade checkpoint{tail}"
+    )

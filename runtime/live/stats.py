@@ -1,0 +1,162 @@
+"""What a live run counts and how long its parts take: :class:`LiveStats`, :class:`ForwardTimes` and
+:func:`runtime_stats` (``LiveRuntime.stats()``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from moecast.runtime.tiers.offload import peak_rss_mb
+
+if TYPE_CHECKING:
+    from moecast.runtime.live.runtime import LiveRuntime
+
+#: the per-layer breakdown of a decode step's wall time, as LiveStats lists and as_dict means
+BREAKDOWN = ("attention", "expert_compute", "transfer_wait", "device_sync", "predictor", "policy")
+
+
+class ForwardTimes:
+    """One forward's wall time by part (seconds): the experts calls (``layers``) and, inside them, expert
+    compute, transfer waits, the device sync and predictor calls; the rest of a call is the policy's.
+
+    ``waited`` reads the tier's host time blocked on transfers: a part's time excludes the waits inside
+    it, which count as ``transfer_wait``.
+    """
+
+    def __init__(self, waited: Callable[[], float]) -> None:
+        self.waited = waited
+        self.begin()
+
+    def begin(self) -> None:
+        """A forward starts now."""
+        self.acc = dict.fromkeys(("layers", *BREAKDOWN[1:-1]), 0.0)
+        self.t0 = self.layer_end = time.perf_counter()
+
+    def timed(self, part: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args)``, its wall time added to ``part`` less the transfer waits inside it (counted apart)."""
+        t0, w0 = time.perf_counter(), self.waited()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.acc[part] += time.perf_counter() - t0 - (self.waited() - w0)
+
+    @contextmanager
+    def layer(self) -> Iterator[None]:
+        """An experts call (or work counted with them): its wall time, and the transfer waits in it."""
+        t0, w0 = time.perf_counter(), self.waited()
+        try:
+            yield
+        finally:
+            self.layer_end = time.perf_counter()
+            self.acc["layers"] += self.layer_end - t0
+            self.acc["transfer_wait"] += self.waited() - w0
+
+
+@dataclass
+class LiveStats:
+    """Counters since attach (or :meth:`LiveRuntime.reset_stats`); rates are derived in :meth:`as_dict`."""
+
+    decode_steps: int = 0
+    prefill_steps: int = 0
+    routed: int = 0  # (token, layer, expert) uses the router chose in decode steps
+    cpu_uses: int = 0  # token uses of the experts computed on the CPU
+    plan_loads: int = 0  # experts a prompt plan (CasMoE) loaded before decoding
+    plans_learned: int = 0  # planned prompts whose prefill EP went to the planner's buffer (CasMoE)
+    plans_folded: int = 0  # of those, the ones that filled the buffer and were folded into the index
+    online_updates: int = 0  # PreScope §4.2.2 continual-learning steps taken on decoded tokens
+    online_loss: float = float("nan")  # the predictor's loss on the latest decoded token, before its update
+    host_syncs: int = 0  # device-to-host reads the experts calls waited for (one per layer and step)
+    measured_decode_ms: list[float] = field(default_factory=list)
+    modeled_decode_ms: list[float] = field(default_factory=list)
+    measured_prefill_ms: float = 0.0
+    # per decode step (ms): everything outside the experts calls (attention, dense, router, head), the
+    # experts' arithmetic, host time blocked on transfers, the routing reads' wait for the device (on
+    # a GPU the device finishing what was queued before them; on a CPU a copy), predictor calls, and
+    # the rest of the calls (the policy's decisions)
+    attention_decode_ms: list[float] = field(default_factory=list)
+    expert_compute_decode_ms: list[float] = field(default_factory=list)
+    transfer_wait_decode_ms: list[float] = field(default_factory=list)
+    device_sync_decode_ms: list[float] = field(default_factory=list)
+    predictor_decode_ms: list[float] = field(default_factory=list)
+    policy_decode_ms: list[float] = field(default_factory=list)
+    # per decode step (ms): after the last MoE layer's experts (its shared experts, final norm, LM head)
+    after_layers_decode_ms: list[float] = field(default_factory=list)
+    modeled_prefill_ms: float = 0.0
+
+    def clear(self) -> None:
+        """Back to zero, in place (the executor holds this object)."""
+        self.__dict__.update(vars(LiveStats()))
+
+    def add_breakdown(self, wall: float, times: ForwardTimes) -> None:
+        """One decode step's wall time (ms) split: outside the experts calls, and inside them by kind."""
+        acc = {k: v * 1e3 for k, v in times.acc.items()}
+        inner = acc["expert_compute"] + acc["transfer_wait"] + acc["device_sync"] + acc["predictor"]
+        self.attention_decode_ms.append(max(0.0, wall - acc["layers"]))
+        self.expert_compute_decode_ms.append(acc["expert_compute"])
+        self.transfer_wait_decode_ms.append(acc["transfer_wait"])
+        self.device_sync_decode_ms.append(acc["device_sync"])
+        self.predictor_decode_ms.append(acc["predictor"])
+        self.policy_decode_ms.append(max(0.0, acc["layers"] - inner))
+
+    def as_dict(self, step: dict[str, np.ndarray]) -> dict[str, Any]:
+        """The counters, the per-layer step's (``step``: LayerStep.stats) under replay's names, and rates."""
+        d = {k: v for k, v in asdict(self).items() if not isinstance(v, list)}
+        t = {name: int(v.sum()) for name, v in step.items() if name != "time"}
+        d.update(
+            uses=t["uses"],
+            hits=t["hits"],
+            substituted=t["subs"],
+            loads=t["loads"],  # on-demand loads
+            cpu_experts=t["cpu"],  # (step, layer, expert) groups computed on the CPU
+            prefetches_issued=t["pf_issued"],
+            prefetches_landed=t["pf_landed"],
+            prefetch_used=t["pf_used"],
+            # experts moved over the link: demand loads, prefetches that landed, plan preloads
+            transfers=t["loads"] + t["pf_landed"] + self.plan_loads,
+        )
+        d["hit_rate"] = t["hits"] / t["uses"] if t["uses"] else float("nan")
+        d["substitution_rate"] = t["subs"] / self.routed if self.routed else 0.0
+        d["prefetch_accuracy"] = t["pf_used"] / t["pf_landed"] if t["pf_landed"] else float("nan")
+        d["measured_tpot_ms"] = (
+            float(np.mean(self.measured_decode_ms)) if self.measured_decode_ms else float("nan")
+        )
+        d["modeled_tpot_ms"] = (
+            float(np.mean(self.modeled_decode_ms)) if self.modeled_decode_ms else float("nan")
+        )
+        for part in (*BREAKDOWN, "after_layers"):
+            ms = getattr(self, f"{part}_decode_ms")
+            d[f"{part}_ms"] = float(np.mean(ms)) if ms else float("nan")
+        return d
+
+
+def runtime_stats(rt: LiveRuntime) -> dict[str, Any]:
+    """Counters and rates since attach, with the settings that produced them and the tier's figures."""
+    d = rt.stats_.as_dict(rt.step.stats)
+    tier = (
+        rt.tier.stats()
+    )  # pinned_bytes, staged_copies, bytes_read, disk_reads, disk_read_gbps_observed, direct_io
+    d.update(
+        policy=rt.policy.name,
+        alpha=rt.policy.alpha,
+        balancer=rt.policy.balancer,
+        capacity=rt.capacity,
+        num_experts=rt.num_experts,
+        modeled_predictor_ms=rt.step.predictor_ms,  # charged per layer before a prefetch (replay: predictor_ms)
+        prefetch=rt.prefetcher.mode,
+        hardware=rt.cost.profile,
+        hardware_from=rt.hardware_from,  # given, or the default chosen (this machine's where measured)
+        device=str(rt.device.where),
+        simulated_device=not rt.device.accelerated,
+        pinned_bytes=tier.pop("pinned_bytes"),
+        staged_copies=tier.pop("staged_copies"),
+        offload=rt.config.offload,
+        expert_dtype=rt.config.precision.tag,
+        expert_bytes=rt.link_bytes,  # one expert as the link moves it (its precision's bytes)
+        **tier,
+        peak_rss_mb=peak_rss_mb(),
+    )
+    return d

@@ -1,0 +1,193 @@
+"""The slow tier's protocol: what the live runtime asks of wherever its non-resident experts live.
+
+A tier is one class behind :class:`ExpertTier` (host RAM: :mod:`moecast.runtime.tiers.host`; an offload
+directory: :mod:`moecast.runtime.tiers.disk`), named in :data:`moecast.runtime.tiers.registry.TIERS`, from
+which ``LiveConfig.offload`` takes its names. Opened for a model, it gives one :class:`LayerTier` per MoE
+layer: that layer's pre-allocated slots on the device and the transfers into them (PreScope §4.4,
+AsyncIO). The device is a :class:`Device` handed to the tier: CUDA streams and events, or the CPU standing
+in for an accelerator (copies synchronous, their time modeled); the runtime asks it and the tier, never a
+device type or a tier name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:  # precision imports expert_store, which imports this module
+    from moecast.runtime.tiers.precision import Precision
+
+#: what :meth:`LayerTier.cpu_waves` yields: (tensors by name, expert id -> row of those tensors with the
+#: sentinel elsewhere, the sentinel = the tensors' expert count)
+Wave = tuple[dict[str, torch.Tensor], np.ndarray, int]
+
+
+class CopyOps(Protocol):
+    """The stream and event calls an asynchronous copy makes (CUDA's; a test logs them instead)."""
+
+    def stream(self) -> Any: ...
+
+    def current(self) -> Any: ...
+
+    def event(self) -> Any: ...
+
+    def on(self, stream: Any) -> AbstractContextManager[Any]: ...
+
+
+class CudaOps:
+    """:class:`CopyOps` on a CUDA device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def stream(self) -> Any:
+        return torch.cuda.Stream(device=self.device)
+
+    def current(self) -> Any:
+        return torch.cuda.current_stream(self.device)
+
+    def event(self) -> Any:
+        return torch.cuda.Event()
+
+    def on(self, stream: Any) -> Any:
+        return torch.cuda.stream(stream)
+
+
+@dataclass(frozen=True)
+class Device:
+    """Where the slots live and how copies reach them.
+
+    ``ops`` issues asynchronous copies (an accelerator beside the host: its streams compute while the
+    host decides, copies wait on events); None: the simulated device, the CPU itself, where copies are
+    synchronous and the same cores compute the resident and the CPU experts.
+    """
+
+    where: torch.device
+    ops: CopyOps | None = None
+
+    @property
+    def accelerated(self) -> bool:
+        return self.ops is not None
+
+    @classmethod
+    def at(cls, where: torch.device | str) -> Device:
+        where = torch.device(where)
+        return cls(where, CudaOps(where) if where.type == "cuda" else None)
+
+
+def slot_device(model: Any, structure: Any, given: str | None) -> torch.device:
+    """Where a model's slots go: ``given``, else where its experts are, else its first real weight's
+    device (a model whose experts are on disk has them on the meta device)."""
+    if given:
+        return torch.device(given)
+    first = structure.layers[0].experts
+    for t in [*first.parameters(recurse=False), *first.buffers(recurse=False)]:
+        if t.device.type != "meta":
+            return t.device
+    real = [p.device for p in model.parameters() if p.device.type != "meta"]
+    return real[0] if real else torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """What the runtime opens a tier with: the slots, the device and the settings a tier may read."""
+
+    capacity: int  # slots per MoE layer
+    device: Device
+    precision: Precision
+    pinned_budget: int  # bytes of host memory the tier may pin
+    capacity_arg: Any = None  # the capacity as given, for messages
+    directory: str | None = None  # offload_dir
+    io_threads: int = 2
+
+
+class TierSettings(Protocol):
+    """The settings :meth:`ExpertTier.check` reads (``LiveConfig`` has them)."""
+
+    offload_dir: str | None
+    expert_dtype: str
+    precision: Precision
+
+
+@runtime_checkable
+class LayerTier(Protocol):
+    """One MoE layer's experts: ``num_slots`` device slots over the slow tier.
+
+    ``slot_of`` maps expert -> slot (-1: not resident), ``expert_in`` slot -> expert (-1: empty);
+    ``slots`` are the slot buffers by parameter name, as the experts implementation reads them.
+    """
+
+    num_experts: int
+    num_slots: int
+    slot_of: np.ndarray
+    expert_in: np.ndarray
+    slots: dict[str, torch.Tensor]
+    loads: int
+
+    def free_slot(self) -> int | None: ...
+
+    def load(self, expert: int, evict: int | None = None) -> int:
+        """Start copying ``expert`` into a free slot, or into ``evict``'s; returns the slot."""
+        ...
+
+    def fill(self, experts: np.ndarray | list[int]) -> None:
+        """Load ``experts`` into the free slots, as many as fit (initial placement)."""
+        ...
+
+    def wait(self, slots: np.ndarray | list[int] | None = None) -> None:
+        """Before the compute reads ``slots`` (all if None): their copies have landed, or the device waits for them."""
+        ...
+
+    def in_flight(self, slots: np.ndarray) -> np.ndarray:
+        """Those of ``slots`` whose copy the host would still block on, in the order they were started."""
+        ...
+
+    def mark_read(self, slots: np.ndarray | list[int]) -> None:
+        """Kernels queued now read ``slots``: a later copy into one waits for them."""
+        ...
+
+    def cpu_waves(self, experts: np.ndarray, wave: int | None = None) -> Iterator[Wave]:
+        """``experts`` in host memory for computing them on the CPU, in waves of at most ``wave``."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class ExpertTier(Protocol):
+    """The slow tier of a model's routed experts, one :class:`LayerTier` per MoE layer.
+
+    ``background_reads``: a load's bytes arrive on the host later (an I/O thread reads them), so
+    without an accelerator the host may compute other experts while they land.
+    """
+
+    name: ClassVar[str]
+    layers: list[LayerTier]
+    background_reads: bool
+
+    @classmethod
+    def check(cls, settings: TierSettings) -> None:
+        """Refuse settings this tier cannot run with (one ``InputError`` line), before anything is built."""
+        ...
+
+    @classmethod
+    def open(cls, model: Any, structure: Any, spec: TierSpec) -> ExpertTier:
+        """The tier for ``model``'s experts (``structure``: its MoE layers), slots placed empty."""
+        ...
+
+    def waited(self) -> float:
+        """Host seconds blocked on transfers so far."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """What the tier moved and holds, under the names ``LiveRuntime.stats`` reports."""
+        ...
+
+    def close(self) -> None:
+        """Wait for copies in flight, give the model back any expert weights the tier took, release its I/O."""
+        ...
