@@ -960,3 +960,13 @@ def test_a_forward_decodes_only_when_its_cache_holds_tokens():
     assert not _continues({"past_key_values": ()}) and _continues({"past_key_values": ((1, 2),)})
     assert not _continues({"cache_position": torch.tensor([0])})
     assert _continues({"cache_position": torch.tensor([7])})
+
+
+def test_live_refuses_the_gated_preset_in_one_line():
+    """The calibrated gate is modeled in replay only: live says so instead of failing at the first prefetch."""
+    from moecast.runtime.live.config import LiveConfig
+
+    from moecast.errors import InputError
+
+    with pytest.raises(InputError, match="moecast replay --policy prefetch-gated"):
+        LiveConfig(policy="prefetch-gated")
