@@ -59,8 +59,11 @@ def test_demo_compares_every_policy_and_writes_table_plot_and_wandb(demo_run):
     caps = sorted(float(c) for c in rows["Belady (offline bound)"]["hit_rate"])
     assert caps == [0.125, 0.25, 0.5]
     for r in rows.values():
-        for h in r["hit_rate"].values():
+        for h in (*r["hit_rate"].values(), *r["decode_hit_rate"].values()):
             assert 0.0 <= h <= 1.0
+    # the table's hit columns are the decode steps' (the TPOT's), the JSON keeps every token's beside
+    table = (out / "compare" / "table.csv").read_text()
+    assert "decode_hit_rate" in table
     # demand-only policies are bounded by Belady at every capacity (same accesses, no substitution)
     for name in ("LRU, on demand", "LFU, on demand", "SMoE score eviction (Eq. 3)"):
         for c, h in rows[name]["hit_rate"].items():

@@ -78,7 +78,10 @@ def test_demand_loads_and_layer_times_without_prefetch(tmp_path, fast):
     t2: L0 {0,4} -> {4,6}: hit 4, load 6; L1 {2,5} -> {3,5}: hit 5, load 3; step 5.5
     hits 4 / 12, demand loads 8, TPOT (7.5 + 5.5 + 5.5) / 3, per layer (3.75 + 2.75 + 2.75) / 3."""
     r = _run(_trace(tmp_path / "a", ROUTES_A), fast, "lru")
-    assert r.hit_rate == pytest.approx(4 / 12)
+    assert r.hit_rate == pytest.approx(4 / 12) == r.decode_hit_rate
+    # token 0 a prefill token: loaded on demand all the same; its 4 misses leave the decode hit rate
+    dec = _run(_trace(tmp_path / "ad", ROUTES_A, decode=[False, True, True]), fast, "lru")
+    assert (dec.hit_rate, dec.decode_hit_rate) == pytest.approx((4 / 12, 4 / 8))
     assert r.loads == 8 and r.prefetches_landed == 0 and r.cpu_experts == 0
     assert r.modeled_tpot_ms == pytest.approx(18.5 / 3)
     assert r.layer_time_ms_per_layer == pytest.approx([9.25 / 3, 9.25 / 3])
@@ -186,7 +189,9 @@ def test_tpot_counts_decode_steps_only(tmp_path, fast):
     assert r.tpot_basis == "decode steps"
     assert r.layer_time_ms_per_layer == pytest.approx([7.75 / 3, 7.75 / 3])
     assert r.hit_rate == pytest.approx(8 / 12) and r.loads == 4
+    assert r.decode_hit_rate == pytest.approx(8 / 8)  # the prefill token's 4 misses are not the TPOT's
     prefill = _run(_trace(tmp_path / "p", ROUTES_A, decode=[False] * 3), fast)
+    assert prefill.decode_hit_rate == pytest.approx(prefill.hit_rate)  # every token is a step
     assert prefill.modeled_tpot_ms == pytest.approx(4.5)
     assert prefill.tpot_basis.startswith("every token as a step")
 
@@ -273,6 +278,7 @@ def test_prefill_loads_what_it_needs(tmp_path, fast):
     ts = _trace(tmp_path / "a", ROUTES_A, decode=[False, True, True])
     r = replay(ts, ReplayConfig(policy=cpu, capacity=2, cold=True, fast=fast, hardware=_profile(1.5, 0.5)))
     assert r.hit_rate == pytest.approx(3 / 12)
+    assert r.decode_hit_rate == pytest.approx(3 / 8)  # t1's hits 0 and 2, t2's 3, of the decode steps' 8 uses
     assert (r.loads, r.cpu_experts) == (4, 5)
     assert r.modeled_tpot_ms == pytest.approx(4.25)
     assert r.layer_time_ms_per_layer == pytest.approx([8.25 / 3, 7.75 / 3])

@@ -365,6 +365,9 @@ class LayerStep:
         if not routed:
             ids = self.route(lanes, layer, ids, probs, decode)
         uniq, counts, hit = self._access(lanes, layer, ids)
+        dec_uses = counts.sum(1) if decode is None else np.where(decode, counts.sum(1), 0)
+        self.add("dec_uses", lanes, layer, dec_uses)
+        self.add("dec_hits", lanes, layer, np.where(dec_uses > 0, (counts * hit).sum(1), 0))
         miss = (uniq >= 0) & ~hit
         n_miss = miss.sum(1)
         n_load, load_ids, cpu_ids, t_cpu = self._split(

@@ -48,8 +48,12 @@ STATS = (
     "pf_refused",  # late prefetches the gate did not start
     "upgrades",  # high copies read over resident low ones in idle link time
     "low_uses",  # routed uses computed at the low copy
+    # over the steps a TPOT covers (decode steps; every row where none is marked prefill)
+    "dec_uses",  # uses in decode steps
+    "dec_hits",  # of those, hits
 )
 USES, HITS, LOADS, CPU, SUBS, PF_ISSUED, PF_LANDED, PF_STARTED, PF_USED, PF_INSERTED, _, TIME = range(12)
+DEC_USES, DEC_HITS = STATS.index("dec_uses"), STATS.index("dec_hits")
 #: balancer codes of the kernels (Policy.balancer -> code)
 BALANCER_CODE = {"none": 0, "smoe": 1, "presched": 2, "cpu": 3}
 STATIC, SCORE = kernels.STATIC, kernels.SCORE
@@ -221,6 +225,9 @@ def layer_one(
         stats[PF_USED, slot] += used
     stats[USES, slot] += uses
     stats[HITS, slot] += hits
+    if decode:
+        stats[DEC_USES, slot] += uses
+        stats[DEC_HITS, slot] += hits
     if not decode and policy != STATIC:
         bal = 0  # prefill loads what it needs (static keeps its slots: its misses stay on the CPU)
     if bal == 0:  # every miss loaded, in place (the vectorised path's one-token shortcut)

@@ -128,6 +128,9 @@ class ReplayResult:
     steps: int
     accesses: int
     wall_s: float
+    # hits over the uses of the steps the TPOT covers (decode steps: a prompt is prefilled, loaded on
+    # demand and never prefetched, so hit_rate mixes in what no prefetch can change)
+    decode_hit_rate: float | None = None
     # modeled TPOT with the hot-expert table's transfers at every cache start (None: no preload)
     modeled_tpot_ms_with_preload: float | None = None
     preload_ms: float = 0.0  # the preload's transfer time at one cache start
@@ -507,6 +510,9 @@ def _fast_demand(run: _Run, eviction: str) -> _Outcome:
     st = {name: np.zeros(C * L) for name in STATS}
     st["uses"] = np.full(C * L, float(N * k))
     st["hits"] = N * k - miss_lc.astype(np.float64)
+    dec = d.decode if d.decode.any() else np.ones(N, dtype=bool)  # the TPOT's steps
+    st["dec_uses"] = np.full(C * L, float(dec.sum() * k))
+    st["dec_hits"] = st["dec_uses"] - misses[dec].sum(0).T.reshape(-1).astype(np.float64)
     st["cpu" if on_cpu else "loads"] = miss_lc.astype(np.float64)
     st["time"] = per.sum(0).T.reshape(-1)
     any_decode = bool(d.decode.any())
@@ -962,6 +968,7 @@ def _results(run: _Run, out: _Outcome, wall: float) -> list[ReplayResult]:
         res = ReplayResult(
             config=_config_row(run, c),
             hit_rate=float(t["hits"].sum() / max(uses, 1)),
+            decode_hit_rate=float(t["dec_hits"].sum() / t["dec_uses"].sum()) if t["dec_uses"].sum() else None,
             hit_rate_per_layer=(t["hits"] / np.maximum(t["uses"], 1)).tolist(),
             prefetch_accuracy=float(t["pf_used"].sum() / inserted) if inserted else None,
             prefetches_issued=int(t["pf_issued"].sum()),

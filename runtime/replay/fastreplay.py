@@ -305,6 +305,7 @@ def layer_time_table(k: int, cost, on_cpu: bool = False) -> np.ndarray:
 
 _WAVE_STATS = (
     "hits",
+    "dec_hits",
     "loads",
     "cpu",
     "time",
@@ -559,6 +560,7 @@ class Wavefront:
         self.free[act[lay == 0]] = self.first_window
         acc = self.acc
         acc["hits"][A] += n_hit
+        acc["dec_hits"][A] += n_hit if self.all_basis else np.where(self.basis[toks], n_hit, 0)
         acc["loads"][A] += n_load
         acc["cpu"][A] += n_miss - n_load
         acc["time"][A] += layer_t
@@ -682,6 +684,7 @@ class Wavefront:
         cl = self.cap_of * L + self.layer_of
         out = {name: np.bincount(cl, weights=v, minlength=C * L) for name, v in self.acc.items()}
         out["uses"] = np.full(C * L, float(self.N * self.k))
+        out["dec_uses"] = np.full(C * L, float(self.basis.sum() * self.k))
         out["subs"] = np.zeros(C * L)
         out["plan_loads"] = np.zeros(C * L)
         out["tpot_sum"] = out.pop("tpot").reshape(C, L).sum(1)
