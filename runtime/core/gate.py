@@ -1,4 +1,4 @@
-"""The prefetch gate: a prefetch that makes the link late pays for its bytes (issue 45, item 5).
+"""The prefetch gate: a prefetch that makes the link late pays for its bytes.
 
 **Calibration.** A predictor's scores rank experts; the gate needs the probability that a predicted
 expert is used. :class:`Calibration` maps them by histogram binning (Zadrozny & Elkan, "Obtaining

@@ -1,5 +1,5 @@
 """Mixed expert precision: the slow tier holds two copies of each expert, and the predictor
-chooses which one moves (issue 45, item 4).
+chooses which one moves.
 
 A setting names a **high** copy (the model's dtype, or int8) and a **low** one (int4 at the run's
 group size, or int8): ``mixed`` is ``model+int4``; ``model+int4``, ``int8+int4``, ``model+int8``,

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from moecast.predictors.base import BatchScorer
+from moecast.runtime.core import eviction
 from moecast.runtime.core.cache import ExpertCache
 from moecast.runtime.core.cost_model import CostModel, HardwareProfile, default_hardware, load_profile
 from moecast.runtime.core.mixed import Copies, parse_copies, tag_of
@@ -103,6 +104,8 @@ class Core:
         """The step over ``len(stat_base)`` fresh caches of ``capacity`` experts each (one cache for
         all layers, ``L * E`` items, where ``shared``); see :class:`LayerStep` for the arguments."""
         E, L = self.num_experts, self.num_layers
+        # a policy with only a numpy key (no kernel code yet) runs everywhere, uncompiled
+        compiled = compiled and eviction.get(self.policy.eviction).code is not None
         cache = ExpertCache(
             L * E if shared else E,
             capacity,
