@@ -96,6 +96,12 @@ class CacheStats:
     prefetch_used: int = 0
     prefetch_wasted: int = 0
 
+    def add(self, evicted: int, wasted: int, used: int = 0) -> None:
+        """Count what a compiled kernel call did."""
+        self.evictions += evicted
+        self.prefetch_wasted += wasted
+        self.prefetch_used += used
+
 
 class ExpertCache:
     """``lanes`` independent caches of ``capacity`` items out of ``num_items`` each.
@@ -141,6 +147,9 @@ class ExpertCache:
         )
         self._nu_f = self._nu.reshape(-1) if self._nu is not None else None
         self._count = np.zeros(lanes, dtype=np.int64)
+        # read-only views for callers: each item's last access step (-1: never) and access count
+        # [lanes, N], resident items per lane [lanes]
+        self.last, self.freq, self.count = self._last_v, self._freq_v, self._count
         self.window = int(score_window)
         if "score" in self._rule.reads:
             self._ring = np.zeros((lanes, self.window, num_items), dtype=np.float32)
@@ -161,21 +170,6 @@ class ExpertCache:
         self._caps = self.capacity_of.tolist()
 
     # ------------------------------------------------------------------ single-lane kernels
-    @property
-    def last(self) -> np.ndarray:
-        """[lanes, N] step of each item's last access (-1: never)."""
-        return self._last_v
-
-    @property
-    def freq(self) -> np.ndarray:
-        """[lanes, N] accesses of each item since the cache started."""
-        return self._freq_v
-
-    @property
-    def count(self) -> np.ndarray:
-        """[lanes] resident items per lane."""
-        return self._count
-
     def _kernels(self) -> tuple:
         if self._kc is None:
             self._kc = kernels.cache_kernels()
@@ -187,12 +181,6 @@ class ExpertCache:
         raise IndexError(
             f"expert ids {ids.tolist()} out of range: items are 0..{self.N - 1} (-1 pads insert/touch rows)"
         )
-
-    def _kernel_stats(self, evicted: int, wasted: int, used: int = 0) -> None:
-        st = self.stats
-        st.evictions += evicted
-        st.prefetch_wasted += wasted
-        st.prefetch_used += used
 
     def _flat(self, lanes: np.ndarray, ids: np.ndarray) -> np.ndarray:
         return lanes[:, None] * self.W + np.where(ids >= 0, ids, self.N)
@@ -328,7 +316,7 @@ class ExpertCache:
         )  # fmt: skip
         if ev < 0:
             self._bad_ids(lane, row)
-        self._kernel_stats(ev, wasted)
+        self.stats.add(ev, wasted)
         if prefetch:
             self.stats.prefetch_inserted += put
         self._clock += n_new > 0
@@ -416,7 +404,7 @@ class ExpertCache:
             if ev or wasted or used:
                 if ev < 0:
                     self._bad_ids(lane, ids)
-                self._kernel_stats(ev, wasted, used)
+                self.stats.add(ev, wasted, used)
             return hits
         res = self._res[lane]
         hits = res[ids]
