@@ -13,8 +13,8 @@ Quantities (PreScope's notation):
 - ``read_cpu_ms`` (``t_rc``): the compute time one expert read takes from the cores while it runs
   (optional, default 0). It applies where the CPU both computes and reads (``fast_tier: cpu``,
   ``slow_tier: disk``): the I/O threads and the kernel's block layer then share the cores with
-  the experts' and the attention's kernels. ``moecast profile`` measures it as the slowdown of
-  expert compute per read that ran beside it;
+  the experts' and the attention's kernels. ``moecast profile`` measures it as the CPU time a read
+  takes on its reading thread, plus the machine's interrupt time per read, while experts compute;
 - ``step_ms`` (``t_step``): per decode step, the time after the last MoE layer's experts (its
   shared experts and residual, the final norm, the LM head; optional, default 0). It ends the
   step, so no prefetch overlaps it: a step costs its layers' times plus ``t_step``. Spread over the
