@@ -86,7 +86,9 @@ class Attachment:
                 "needs router probabilities (the class in _can_record_outputs['router_logits'])"
             )
         impls = [_resolve_impl(e.experts.config._experts_implementation, e.experts) for e in layers]
-        if (
+        if rt.copies is not None:  # two copies: each slot computes at the copy it holds
+            impls = rt.copies.impls(impls)
+        elif (
             rt.config.precision.quantized
         ):  # the slots hold packed weights: the precision's kernels compute them
             impls = [functools.partial(quantized_experts_forward, rt.config.precision)] * len(layers)
