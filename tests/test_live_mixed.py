@@ -148,6 +148,40 @@ def test_a_demand_read_takes_the_low_copy_and_an_upgrade_rereads_the_high_one_in
     assert torch.equal(expert_params(experts)["gate_up_proj"], params["gate_up_proj"])  # restored exactly
 
 
+def test_the_device_path_stages_each_copy_s_block(tmp_path):
+    """The CUDA path (a fake stream log): a low read stages the 4096-byte int4 block and copies it to the
+    slot's first bytes; the upgrade stages the 8192-byte model-dtype block into the same slot."""
+    from test_datapath import FakeOps
+
+    model = make_model("qwen2_moe")
+    structure = find_moe_structure(model)
+    params = {n: t.detach().clone() for n, t in expert_params(structure.layers[0].experts).items()}
+    dev = Device(torch.device("cpu"), FakeOps())
+    tier = DiskTier.open(
+        model, structure, TierSpec(2, dev, P.expert_setting("mixed", 32), 0, directory=str(tmp_path))
+    )
+    try:
+        st = tier.layers[0]
+        want = np.zeros(8, bool)
+        want[3] = True
+        st.follow(want)
+        st.load(3)
+        st.load(5)
+        st.wait()
+        q = P.quantize_params(INT4, {n: t[[3]] for n, t in params.items()}, False)
+        slot = st.slot_of[3]
+        assert all(torch.equal(st.low_slots[k][slot], q[k][0]) for k in q)
+        assert torch.equal(st.slots["gate_up_proj"][st.slot_of[5]], params["gate_up_proj"][5])
+        want[3] = False
+        assert st.sync() == 1
+        st.wait()
+        assert torch.equal(st.slots["down_proj"][slot], params["down_proj"][3])
+        s = tier.stats()
+        assert (s["bytes_read"], s["low_bytes_read"]) == (2 * HIGH_BLOCK + LOW_BLOCK, LOW_BLOCK)
+    finally:
+        tier.close()
+
+
 # ------------------------------------------------------------------------------------ outputs
 def _slow_link(tmp_path) -> str:
     """A link on which one model-dtype expert takes 100 ms: no window (attention 0.35 ms, a few 0.05 ms
