@@ -246,8 +246,10 @@ class LiveRuntime:
         plan = np.asarray(plan, dtype=np.float32).reshape(self.num_layers, self.num_experts)
         want = np.argsort(-plan, axis=1, kind="stable")[:, : self.capacity]
         for pos in range(self.num_layers):
-            if self.copies is not None:  # a plan's preload reads the high copy (the replay's set_copy)
-                self.copies.mark(pos, want[pos], False)
+            if (
+                self.copies is not None
+            ):  # what a plan's preload reads is the high copy (the replay's set_copy)
+                self.copies.mark(pos, want[pos][~self.cache.resident[pos, want[pos]]], False)
             self.stats_.plan_loads += self.executor.preload(pos, want[pos])
         self.executor.placed()
         self.last_plan_branch = branch
