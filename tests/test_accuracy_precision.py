@@ -159,3 +159,36 @@ def test_expert_output_error_reads_transposed_experts():
     assert torch.allclose(P.expert_output_error(flipped, INT4, transposed=True), want, rtol=1e-5)
     with pytest.raises(InputError, match="needs gate_up_proj and down_proj"):
         P.expert_output_error({"up_proj": params["down_proj"]}, INT8)
+
+
+# ------------------------------------------------------------------------------------ two copies
+def test_sweep_runs_two_copies_through_the_disk_tier():
+    """mixed (model + int4-g32) runs the live runtime on a temporary disk tier: its rows carry the share
+    of uses at the low copy, sit apart from the model's and the int4 rows', and leave the model exact."""
+    model, rows = make_model("qwen2_moe"), _rows()
+    today = _todays_perplexities(model, rows, [0.0])
+    mixed = P.expert_setting("mixed", 32)
+    res = sweep(model, rows, [0.3], progress=False, precisions=[INT4, mixed], **SETTING)
+    assert [(r["expert_dtype"], r["alpha"]) for r in res] == [
+        ("model", 0.0), ("model", 0.3), ("int4-g32", 0.0), ("int4-g32", 0.3),
+        ("model+int4-g32", 0.0), ("model+int4-g32", 0.3),
+    ]  # fmt: skip
+    at = {(r["expert_dtype"], r["alpha"]): r for r in res}
+    m0 = at["model+int4-g32", 0.0]
+    assert 0 < m0["low_share"] < 1 and m0["upgrades"] >= 0
+    assert m0["perplexity"] not in (at["model", 0.0]["perplexity"], at["int4-g32", 0.0]["perplexity"])
+    assert "low_share" not in at["int4-g32", 0.0]
+    assert _todays_perplexities(model, rows, [0.0]) == today
+
+
+def test_cli_sweeps_mixed(model_dir, capsys):  # noqa: F811
+    from moecast.cli import main
+
+    args = ["eval-accuracy", "--model", str(model_dir), "--alphas", "0", "--texts", "1", "--tokens", "10"]
+    main([*args, "--plot", "", "--precisions", "mixed", "--group-size", "32", "--json"])
+    rows = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert [r["expert_dtype"] for r in rows] == ["model", "model+int4-g32"]
+    assert 0 <= rows[1]["low_share"] <= 1 and "low_share" not in rows[0]
+    main([*args, "--plot", "", "--precisions", "mixed", "--group-size", "32"])
+    out = capsys.readouterr().out
+    assert "model+int4-g32: " in out and "% of the uses at the low copy" in out

@@ -224,3 +224,18 @@ def upgrade_count(idle: np.ndarray, t_hi: float, n_low: np.ndarray) -> np.ndarra
     if t_hi <= 0:
         return np.asarray(n_low, dtype=np.int64)
     return np.minimum(np.maximum(np.floor(idle / t_hi + 1e-9), 0).astype(np.int64), n_low)
+
+
+def bytes_by_copy(t: dict[str, np.ndarray], hi: int, lo: int | None) -> dict[str, float]:
+    """Bytes read at each copy, and those prefetched (or plan-preloaded) and never used, from a
+    step's statistics ``t`` (:data:`moecast.runtime.core.step_kernels.STATS`, summed or per slot):
+    demand loads and low prefetches read ``lo`` bytes each, high prefetches, plan preloads and
+    upgrades ``hi``. One precision (``lo`` None): every read is the "high" copy's."""
+    lo_b = hi if lo is None else lo
+    pf_lo, used_lo = float(np.sum(t["pf_low"])), float(np.sum(t["pf_used_low"]))
+    pf_hi = float(np.sum(t["pf_started"])) - pf_lo + float(np.sum(t["plan_loads"]))
+    wasted = (pf_hi - (float(np.sum(t["pf_used"])) - used_lo)) * hi + (pf_lo - used_lo) * lo_b
+    n_lo = float(np.sum(t["loads"])) + pf_lo
+    if lo is None:
+        n_lo, pf_hi = 0.0, pf_hi + n_lo  # one copy: demand loads are its reads too
+    return {"high": (pf_hi + float(np.sum(t["upgrades"]))) * hi, "low": n_lo * lo_b, "wasted": wasted}

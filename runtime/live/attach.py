@@ -86,9 +86,11 @@ class Attachment:
                 "needs router probabilities (the class in _can_record_outputs['router_logits'])"
             )
         impls = [_resolve_impl(e.experts.config._experts_implementation, e.experts) for e in layers]
-        if (
-            rt.config.precision.quantized
-        ):  # the slots hold packed weights: the precision's kernels compute them
+        # two copies: each slot computes at the copy it holds; one quantized precision: the slots hold
+        # packed weights, which the precision's kernels compute
+        if rt.copies is not None:
+            impls = rt.copies.impls(impls)
+        elif rt.config.precision.quantized:
             impls = [functools.partial(quantized_experts_forward, rt.config.precision)] * len(layers)
         rt.executor.impls = impls
         self.previous = self.model.get_experts_implementation()

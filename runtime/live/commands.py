@@ -9,16 +9,19 @@ perplexity of held-out text and the greedy next-token agreement with alpha = 0, 
 computed token by token through the KV cache so that every token is a decode step (the
 phase where SMoE substitutes), plus the substitution rate and modeled TPOT. With
 ``--precisions`` it repeats the sweep with the experts at int8 / int4
-(:mod:`moecast.runtime.tiers.precision`), every row measured against the model-precision experts at
+(:mod:`moecast.runtime.tiers.precision`), and with two copies (``mixed``: the model-dtype and the int4
+copy, :mod:`moecast.runtime.core.mixed`), every row measured against the model-precision experts at
 alpha 0. With ``--tpot-budget`` it picks alpha by SMoE Eq. 5 (:mod:`moecast.runtime.core.alpha`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +30,7 @@ import torch
 from moecast.runtime.core.policy import resolve_alpha, substitutes, with_policies
 from moecast.runtime.core.spec import DEFAULT
 from moecast.runtime.live.runtime import attach
-from moecast.runtime.tiers.precision import Precision, experts_at
+from moecast.runtime.tiers.precision import Precision, TwoCopies, expert_setting, experts_at
 from moecast.runtime.tiers.registry import TIERS
 
 from moecast.errors import InputError
@@ -327,7 +330,10 @@ def sweep(
     precision are always added), substitution rate, hit rate, TPOTs.
 
     Each precision's alphas run inside :func:`~moecast.runtime.tiers.precision.experts_at`, so the runtime
-    attached for them holds that precision's weights and the model is restored after them."""
+    attached for them holds that precision's weights and the model is restored after them. Two copies
+    (:class:`~moecast.runtime.tiers.precision.TwoCopies`) run through the disk tier on a temporary offload
+    directory, written once: which copy computes a use depends on the cache, so only the live runtime
+    holding both copies gives their figures."""
     from tqdm import tqdm
 
     grid = sorted({0.0, *(float(a) for a in alphas)})
@@ -335,23 +341,37 @@ def sweep(
     bar = tqdm(total=len(precs) * len(grid), desc="alphas", disable=not progress)
     reference, results = None, []
     for prec in precs:
-        with experts_at(model, prec):
+        with _holding(model, prec) as tier:
             for a in grid:
-                bar.set_postfix_str(prec.tag)
-                nll, greedy, stats = _measure(model, rows, a, attach_kwargs)
+                bar.set_postfix_str(prec.label)
+                nll, greedy, stats = _measure(model, rows, a, {**attach_kwargs, **tier})
                 if reference is None:  # the first run: model precision, alpha 0
                     reference = (nll, greedy)
-                results.append({"expert_dtype": prec.tag, **_result(a, nll, greedy, stats, reference)})
+                results.append({"expert_dtype": prec.label, **_result(a, nll, greedy, stats, reference)})
                 bar.update()
     bar.close()
     return results
+
+
+@contextlib.contextmanager
+def _holding(model: Any, prec: Precision) -> Iterator[dict[str, Any]]:
+    """The attach settings that run ``prec``'s experts: one precision's weights swapped in memory
+    (:func:`experts_at`, no settings), or two copies on the disk tier in a temporary offload directory
+    (removed after)."""
+    if not isinstance(prec, TwoCopies):
+        with experts_at(model, prec):
+            yield {}
+        return
+    # the tier's note that it writes the directory goes to stderr: stdout holds the sweep's rows (--json)
+    with tempfile.TemporaryDirectory(prefix="moecast-copies-") as d, contextlib.redirect_stdout(sys.stderr):
+        yield {"offload": "disk", "offload_dir": d, **prec.settings()}
 
 
 def with_reference(precisions: Sequence[Precision]) -> list[Precision]:
     """The precisions to sweep, the model's first (the reference), each tag once."""
     out: dict[str, Precision] = {"model": Precision()}
     for p in precisions:
-        out.setdefault(p.tag, p)
+        out.setdefault(p.label, p)
     return list(out.values())
 
 
@@ -392,6 +412,8 @@ def _result(
         "modeled_tpot_ms": stats["modeled_tpot_ms"],
         "measured_tpot_ms": stats["measured_tpot_ms"],
         "tokens": len(nll),
+        # two copies: the share of routed uses computed at the low copy, and the high copies reread
+        **{k: stats[k] for k in ("low_share", "upgrades") if k in stats},
     }
 
 
@@ -402,7 +424,7 @@ def _plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(1, 3, figsize=(12, 3.4))
-    for (tag, rs), color in zip(by_precision(results).items(), ("C0", "C1", "C2", "C3")):
+    for (tag, rs), color in zip(by_precision(results).items(), ("C0", "C1", "C2", "C3", "C4", "C5")):
         a = [r["alpha"] for r in rs]
         ax[0].plot(a, [r["perplexity"] for r in rs], "o-", color=color, label=tag)
         ax[1].plot(a, [100 * r["agreement"] for r in rs], "o-", color=color, label=f"agreement, {tag}")
@@ -451,6 +473,7 @@ def eval_accuracy(
     data_dir: str | None = None,
     precisions: Sequence[str] = ("model",),
     group_size: int = 128,
+    predictor: str | None = None,
     json: bool = False,
 ) -> list[dict[str, Any]]:
     """SMoE Table IV-style accuracy sweep over alpha and expert precision: perplexity, agreement with the exact model at alpha = 0, substitution rate, TPOT.
@@ -458,7 +481,9 @@ def eval_accuracy(
     Every row's perplexity change and greedy next-token agreement are against the model-precision
     experts at alpha = 0. A quantized precision's rows run the model with its experts' weights
     quantized and dequantized in memory (the arithmetic of ``moecast run --offload disk --expert-dtype``);
-    their TPOT is the in-memory runtime's, which moves model-dtype experts.
+    their TPOT is the in-memory runtime's, which moves model-dtype experts. Two copies (``mixed``) run the
+    live runtime on the disk tier (a temporary offload directory): demand misses compute at the int4 copy,
+    prefetched and upgraded experts at the model's; their TPOT is that tier's.
 
     Args:
         model: ``tiny``, ``tiny:PRESET`` or a local Hugging Face model directory.
@@ -476,9 +501,12 @@ def eval_accuracy(
         data_dir: Folder with local datasets for named workloads: <name>/, <name>.jsonl, .json or .parquet
             (as ``moecast collect --data-dir``; no hub download is attempted).
         precisions: Expert precisions to sweep alpha at: model (the model's dtype, exact), int8 (per output
-            channel, symmetric) and/or int4 (group-wise, asymmetric, ``--group-size``); model is always
-            added (the reference).
+            channel, symmetric), int4 (group-wise, asymmetric, ``--group-size``) and/or two copies: mixed
+            (model + int4), int8+int4, model+int8 (high first; the cache decides which computes each use);
+            model is always added (the reference).
         group_size: int4's group along each matrix's input dimension: 32, 64, 128 or 256.
+        predictor: Layer-ahead predictor checkpoint (LLaPor) the runtime prefetches from under a prefetching
+            policy (smoe); default: the online prefetcher (the next layer's gate).
         json: One JSON object per (precision, alpha) (and one for the Eq. 5 choice) instead of a table.
     """
     from moecast.collect.models import load_model
@@ -488,10 +516,12 @@ def eval_accuracy(
     precs = _precision_axis(precisions, group_size)
     cap: Any = None if str(capacity).lower() in ("all", "none", "full") else capacity
     lm, tok, name = load_model(model, dtype="float32")
+    pred = _load_predictor(predictor, lm, name)
     rows = heldout_rows(tok, workloads, texts, tokens, data_dir)
     results = sweep(
-        lm, rows, grid, progress=not json, precisions=precs, policy=policy, capacity=cap, hardware=hardware
-    )
+        lm, rows, grid, progress=not json, precisions=precs, policy=policy, capacity=cap, hardware=hardware,
+        predictor=pred,
+    )  # fmt: skip
     choice = _choose(results, tpot_budget)
     _print_sweep(results, choice, name, workloads, rows, policy, capacity, tpot_budget, json)
     if plot:
@@ -510,7 +540,7 @@ def _precision_axis(precisions: Sequence[str], group_size: int) -> list[Precisio
     """``--precisions`` as :class:`Precision` values, the model's first, checked before the model loads."""
     names = [precisions] if isinstance(precisions, str) else list(precisions)  # one name, not its letters
     try:
-        return with_reference([Precision(n.strip(), group_size) for n in names if n.strip()])
+        return with_reference([expert_setting(n.strip(), group_size) for n in names if n.strip()])
     except InputError as exc:
         raise InputError(f"--precisions {' '.join(names)} --group-size {group_size}: {exc}") from exc
 
@@ -595,8 +625,13 @@ def _print_sweep(
     if len(by_precision(results)) > 1:
         print(
             "  TPOT of the quantized rows: the in-memory runtime's, moving model-dtype experts "
-            "(a quantized disk tier's: moecast run --offload disk --expert-dtype)"
+            "(a quantized disk tier's: moecast run --offload disk --expert-dtype); of two copies (A+B): the disk tier's"
         )
+    for r in results:
+        if r.get("low_share") is not None and r["alpha"] == 0.0:
+            print(
+                f"  {r['expert_dtype']}: {100 * r['low_share']:.1f}% of the uses at the low copy, {r['upgrades']} upgrades"
+            )
 
 
 # the presets' names and help, from runtime/core/policy.py (jsonargparse reads this docstring)

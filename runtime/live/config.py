@@ -10,7 +10,7 @@ from typing import Any
 from moecast.runtime.core.policy import POLICIES, Policy, with_policies
 from moecast.runtime.core.spec import RuntimeSpec
 from moecast.runtime.tiers.base import ExpertTier
-from moecast.runtime.tiers.precision import Precision
+from moecast.runtime.tiers.precision import TwoCopies, expert_setting
 from moecast.runtime.tiers.registry import TIERS
 
 from moecast.errors import InputError
@@ -72,7 +72,12 @@ class LiveConfig(RuntimeSpec):
             (:mod:`moecast.runtime.tiers.precision`): ``model`` (the model's dtype, exact), ``int8`` (per
             output channel) or ``int4`` (group-wise). A quantized precision needs ``offload="disk"``: the
             offload directory holds its copy beside the model-dtype one, the link moves its bytes, a
-            capacity in bytes counts them, and the experts compute on the packed weights.
+            capacity in bytes counts them, and the experts compute on the packed weights. Two copies
+            (:mod:`moecast.runtime.core.mixed`): ``mixed`` (``model+int4``), ``int8+int4``,
+            ``model+int8``, ``int8+int4-g64``, high first: both live in the offload directory (needs
+            ``offload="disk"``), a slot holds either and is sized for the high one; demand misses and
+            the CPU set read the low copy, prefetches the high one, and idle link time rereads the
+            high copy over resident low ones (upgrades), as the replay models it.
         group_size: int4's group along the input dimension (32, 64, 128 or 256); a matrix whose input
             dimension it does not divide is quantized per output channel instead.
     """
@@ -121,7 +126,12 @@ class LiveConfig(RuntimeSpec):
             raise InputError(f"io_threads must be at least 1, got {self.io_threads}")
         if self.pinned_mb is not None and not (math.isfinite(self.pinned_mb) and self.pinned_mb >= 0):
             raise InputError(f"pinned_mb must be a size in MB >= 0, got {self.pinned_mb}")
-        self.precision = Precision(self.expert_dtype, int(self.group_size))
+        self.precision = expert_setting(self.expert_dtype, int(self.group_size))
+        if isinstance(self.precision, TwoCopies) and not getattr(self.tier, "holds_copies", False):
+            raise InputError(
+                f"expert_dtype={self.expert_dtype} keeps two copies of each expert, which only an offload "
+                "directory holds: use offload='disk' and offload_dir=DIR"
+            )
         # each tier refuses what it cannot hold (the disk tier needs its directory; only it holds a quantized copy)
         self.tier.check(self)
 

@@ -73,13 +73,14 @@ from moecast.runtime.live.config import (
     LiveConfig,
     live_config,
 )
+from moecast.runtime.live.copies import SlotCopies
 from moecast.runtime.live.executor import Executor, ExpertsCall
 from moecast.runtime.live.prefetch import Prefetcher, choose_prefetch, hot_table
 from moecast.runtime.live.stats import BREAKDOWN, ForwardTimes, LiveStats, runtime_stats
 from moecast.runtime.live.transfer import pinned_budget, to_device, to_host
 from moecast.runtime.tiers.base import Device, TierSpec, slot_device
 from moecast.runtime.tiers.expert_store import expert_params
-from moecast.runtime.tiers.precision import expert_nbytes
+from moecast.runtime.tiers.precision import Precision, TwoCopies, expert_nbytes
 
 from moecast.errors import InputError, MoecastError
 
@@ -165,13 +166,11 @@ class LiveRuntime:
             self.info.num_experts,
             self.info.top_k,
         )
-        # what one expert is on the link and in a slot: its bytes at the slow tier's precision
-        prec, first = config.precision, structure.layers[0].experts
-        self.link_bytes = (
-            expert_nbytes(prec, expert_params(first), bool(getattr(first, "is_transposed", False)))
-            if prec.quantized
-            else int(self.info.expert_bytes)  # the replay's figure for the same TraceSet
-        )
+        # what one expert is on the link and in a slot: its bytes at the slow tier's precision (two
+        # copies: a slot holds the high one; a demand read moves the low one's)
+        prec = config.precision
+        two = isinstance(prec, TwoCopies)
+        self.link_bytes = link_bytes(prec, structure, self.info.expert_bytes)
         E = self.num_experts
         self.capacity = (
             E
@@ -198,6 +197,7 @@ class LiveRuntime:
         core = core_spec.build_core(
             config, num_experts=E, num_layers=self.num_layers, expert_bytes=self.info.expert_bytes,
             link_bytes=self.link_bytes, predictor=predictor, prefetching=mode != "none", policy=self.policy,
+            low_link_bytes=link_bytes(prec.low, structure, self.info.expert_bytes) if two else None,
         )  # fmt: skip
         self.cost, self.hardware_from = core.cost, core.hardware_from
         L = self.num_layers
@@ -211,6 +211,8 @@ class LiveRuntime:
         )  # fmt: skip
         self.tier = config.tier.open(model, structure, spec)
         self.stores = self.tier.layers
+        # two copies: the slots follow the step's copy of each expert (runtime/live/copies.py)
+        self.copies = SlotCopies(self.step, self.stores, prec) if two else None
         self.stats_ = LiveStats()
         self.times = ForwardTimes(self.tier.waited)
         self.executor = Executor(self.tier, self.device, self.cache, self.times, self.stats_)
@@ -244,6 +246,10 @@ class LiveRuntime:
         plan = np.asarray(plan, dtype=np.float32).reshape(self.num_layers, self.num_experts)
         want = np.argsort(-plan, axis=1, kind="stable")[:, : self.capacity]
         for pos in range(self.num_layers):
+            if (
+                self.copies is not None
+            ):  # what a plan's preload reads is the high copy (the replay's set_copy)
+                self.copies.mark(pos, want[pos][~self.cache.resident[pos, want[pos]]], False)
             self.stats_.plan_loads += self.executor.preload(pos, want[pos])
         self.executor.placed()
         self.last_plan_branch = branch
@@ -361,6 +367,8 @@ class LiveRuntime:
         loads = o.load_ids[0][o.load_ids[0] >= 0]
         placed = loads[self.cache.resident[pos, loads]]  # loads the cache took, into the slots it freed
         self.executor.move(pos, before, placed)
+        if self.copies is not None:  # what the step upgraded before this layer's experts: the high copy
+            self.copies.sync(pos)
         if not presched:
             f.pending = self.prefetcher.next(nxt, f.decode, f.next_scores, self.times)[1]
         cpu_ids = o.cpu_ids[0]
@@ -378,6 +386,8 @@ class LiveRuntime:
         # loads it did not take stream through the slots (more misses than slots: a long prefill); under
         # static, which never inserts, the step's streamed misses are computed from host memory here
         streamed = loads[~np.isin(loads, placed)] if len(placed) < len(loads) else loads[:0]
+        if self.copies is not None and len(streamed):  # demand loads too: the low copy
+            self.copies.mark(pos, streamed, True)
         out, to_cpu, cpu_part = self.executor.run(pos, call, uniq[hit], placed, streamed, uniq, cpu_ids)
         out = self.executor.join(out, to_cpu, cpu_part, uniq, counts, hidden, n)
         f.clock += float(o.layer_t[0])
@@ -484,6 +494,8 @@ class LiveRuntime:
         before = self.cache.resident[nxt].copy()
         ins = self.step.prefetch(lane, lane, ranked, self.fwd.t)[0]
         self.executor.move(nxt, before, ins[ins >= 0])
+        if self.copies is not None:  # the upgrades in the window the prefetches left idle
+            self.copies.sync(nxt)
 
     # ------------------------------------------------------------------ results
     def reset_stats(self) -> None:
@@ -494,6 +506,15 @@ class LiveRuntime:
     def stats(self) -> dict[str, Any]:
         """Counters and rates since attach: hit rate, substitution rate, transfers, CPU experts, TPOT (measured, modeled)."""
         return runtime_stats(self)
+
+
+def link_bytes(prec: Precision, structure: MoEStructure, model_bytes: int) -> int:
+    """One expert's bytes on the link at ``prec``: the precision's stored parts where it is quantized,
+    else the model's (``model_bytes``, the replay's figure for the same TraceSet)."""
+    if not prec.quantized:
+        return int(model_bytes)
+    first = structure.layers[0].experts
+    return expert_nbytes(prec, expert_params(first), bool(getattr(first, "is_transposed", False)))
 
 
 def router_probs(logits: torch.Tensor | None, structure: MoEStructure, pos: int, n: int) -> torch.Tensor:

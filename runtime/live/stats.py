@@ -154,9 +154,11 @@ def runtime_stats(rt: LiveRuntime) -> dict[str, Any]:
         pinned_bytes=tier.pop("pinned_bytes"),
         staged_copies=tier.pop("staged_copies"),
         offload=rt.config.offload,
-        expert_dtype=rt.config.precision.tag,
-        expert_bytes=rt.link_bytes,  # one expert as the link moves it (its precision's bytes)
+        expert_dtype=rt.config.precision.label,
+        expert_bytes=rt.link_bytes,  # one expert as the link moves it (its precision's bytes; two copies: the high one's)
         **tier,
         peak_rss_mb=peak_rss_mb(),
     )
+    if rt.copies is not None:  # two copies: low_share, upgrades and the bytes by copy, as the replay's
+        d.update(rt.copies.figures())
     return d

@@ -70,7 +70,7 @@ from moecast.runtime.core import eviction
 from moecast.runtime.core import spec as core_spec
 from moecast.runtime.core.cache import StaticTable, resolve_capacity
 from moecast.runtime.core.gate import Calibration, candidate_probability, used_labels
-from moecast.runtime.core.mixed import Copies, parse_copies
+from moecast.runtime.core.mixed import Copies, bytes_by_copy, parse_copies
 from moecast.runtime.core.policy import POLICIES as POLICIES  # the presets, where bench looks them up
 from moecast.runtime.core.policy import Policy
 from moecast.runtime.core.prefetch import OraclePredictor, plan_prior, top_predictions
@@ -1000,16 +1000,9 @@ def _results(run: _Run, out: _Outcome, wall: float) -> list[ReplayResult]:
 
 def _bytes_by_copy(run: _Run, t: dict[str, np.ndarray]) -> dict[str, float]:
     """Bytes read at each copy, and those prefetched (or plan-preloaded) and never used, from one
-    capacity's statistics. One precision: every read is the "high" copy's."""
-    hi = run.core.cost.expert_bytes
-    lo = run.copies.low.expert_bytes if run.copies is not None else hi
-    pf_lo, used_lo = t["pf_low"].sum(), t["pf_used_low"].sum()
-    pf_hi = t["pf_started"].sum() - pf_lo + t["plan_loads"].sum()
-    wasted = (pf_hi - (t["pf_used"].sum() - used_lo)) * hi + (pf_lo - used_lo) * lo
-    n_lo = t["loads"].sum() + pf_lo
-    if run.copies is None:
-        n_lo, pf_hi = 0.0, pf_hi + n_lo  # one copy: demand loads are its reads too
-    return {"high": (pf_hi + t["upgrades"].sum()) * hi, "low": n_lo * lo, "wasted": wasted}
+    capacity's statistics (:func:`moecast.runtime.core.mixed.bytes_by_copy`)."""
+    lo = run.copies.low.expert_bytes if run.copies is not None else None
+    return bytes_by_copy(t, run.core.cost.expert_bytes, lo)
 
 
 def _byte_figures(run: _Run, t: dict[str, np.ndarray], moved: dict[str, float]) -> dict[str, Any]:

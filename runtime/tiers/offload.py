@@ -526,9 +526,18 @@ _WARNED: set[str] = set()
 
 
 class ExpertReader:
-    """Aligned reads of whole experts from an offload directory, on a small I/O thread pool."""
+    """Aligned reads of whole experts from an offload directory, on a small I/O thread pool.
 
-    def __init__(self, directory: str | Path, meta: dict[str, Any], threads: int = IO_THREADS) -> None:
+    ``pool``: another reader's pool to read on (a second copy's files share the disk and its threads:
+    reads of both copies are served in the order submitted); closing it is that reader's."""
+
+    def __init__(
+        self,
+        directory: str | Path,
+        meta: dict[str, Any],
+        threads: int = IO_THREADS,
+        pool: ThreadPoolExecutor | None = None,
+    ) -> None:
         self.directory = Path(directory)
         self.meta = meta
         self.layouts = _layouts(meta)
@@ -541,7 +550,8 @@ class ExpertReader:
         for path in self.paths:
             self._fds.append(self._open(path))
         self.threads = max(1, int(threads))
-        self.pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="moecast-io")
+        self._own_pool = pool is None
+        self.pool = pool or ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="moecast-io")
         self._lock = threading.Lock()
         # the CPU's experts are read in waves of cpu_wave experts into two buffers (one wave computes
         # while the next is read), so a call holds 2 x cpu_wave experts however many it computes
@@ -685,7 +695,8 @@ class ExpertReader:
             yield self._cpu_raw[:half], self._cpu_raw[half:]
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
+        if self._own_pool:
+            self.pool.shutdown(wait=True)
         self._cpu_raw = None
         for fd in [*self._fds, *self._retired]:
             with contextlib.suppress(OSError):
@@ -752,6 +763,13 @@ class DiskLayerStore(LayerStore):
     of the expert, packed as on disk) to the device slot, after the last kernel that read it, with
     one event: the device's slots are one packed buffer too. The module's own expert tensors are
     never read.
+
+    Two copies (``low_reader``: the low copy's files, :mod:`moecast.runtime.core.mixed`): a slot is sized
+    for the high copy (``reader``'s) and holds either; ``slots`` are its tensors read as the high
+    copy, ``low_slots`` the same bytes read as the low one, and ``slot_low`` says which each slot
+    holds. A load reads the copy ``want_low`` names for the expert (:meth:`follow`: the per-layer
+    step's flags), and :meth:`sync` rereads a slot whose flag changed while it was resident (an
+    upgrade: the high copy into the same slot). The CPU set reads the low copy.
     """
 
     def __init__(
@@ -762,11 +780,22 @@ class DiskLayerStore(LayerStore):
         pos: int,
         device: torch.device | str | None = None,
         ops: Any = None,
+        low_reader: ExpertReader | None = None,
     ) -> None:
         self._setup(experts, num_slots, device if device is not None else "cpu", ops)
         self.reader, self.pos = reader, pos
         self.layout = layout = reader.layouts[pos]
         self.expert_bytes = layout.expert_bytes
+        self.low_reader = low_reader
+        self.low_layout = low_reader.layouts[pos] if low_reader is not None else layout
+        if self.low_layout.stride > layout.stride:
+            raise OffloadError(
+                f"the low copy of MoE layer {pos} ({self.low_layout.stride} bytes a block) is larger than the "
+                f"high one ({layout.stride}); name the larger copy first (e.g. model+int4)"
+            )
+        self.want_low = np.zeros(self.num_experts, bool)  # the copy each expert's next read takes
+        self.slot_low = np.zeros(self.num_slots, bool)  # the copy each slot holds
+        self.upgrades = 0  # slots reread at the high copy (sync)
         self.host = {}
         self._staging_raw: list[torch.Tensor] = []
         self._streams = []
@@ -784,6 +813,9 @@ class DiskLayerStore(LayerStore):
                     pinned_aligned(layout.stride) if pin else aligned_bytes(layout.stride)
                 )
         self.slots = layout.views(self._slot_raw, self.num_slots)
+        self.low_slots = self.low_layout.views(self._slot_raw, self.num_slots, stride=layout.stride)
+        # the CPU set computes from the low copy (mixed.py, rule 1), read into the low reader's buffers
+        self._cpu = (low_reader, self.low_layout) if low_reader is not None else (reader, layout)
         self.pinned_bytes = layout.stride * len(self._staging_raw) if self.cuda else 0
         self.staged = False  # reads land in pinned staging by design: no pageable fallback
         self._pending: dict[int, Future] = {}  # slot -> its read (and, with ops, the copy it queued)
@@ -801,31 +833,57 @@ class DiskLayerStore(LayerStore):
         finally:
             self.wait_s += time.perf_counter() - t0
 
+    def follow(self, want_low: np.ndarray) -> None:
+        """Read each expert at the copy ``want_low[expert]`` names from now on (a live view of the
+        step's per-expert flags: low for a demand load, high for a prefetch)."""
+        self.want_low = want_low
+
+    def sync(self) -> int:
+        """Reread every slot whose copy is not the one its expert's flag names (an upgrade: the high
+        copy over the low one, into the same slot; the compute waits for it as for any read); returns
+        how many were reread."""
+        held = self.expert_in >= 0
+        want = self.want_low[np.where(held, self.expert_in, 0)] & held
+        stale = np.flatnonzero(held & (self.slot_low != want))
+        for slot in stale:
+            self.upgrades += int(self.slot_low[slot])
+            self._copy(int(self.expert_in[slot]), int(slot))
+        return len(stale)
+
     def _copy(self, expert: int, slot: int) -> None:
+        low = self.low_reader is not None and bool(self.want_low[expert])
+        reader, nbytes = (
+            (self.low_reader, self.low_layout.stride) if low else (self.reader, self.layout.stride)
+        )
         # a read still landing in this slot must finish before another overwrites it
         self._blocked(self._pending.pop(slot, None))
+        self.slot_low[slot] = low
         if self.ops is None:
             start = slot * self.layout.stride
-            buf = self._slot_raw[start : start + self.layout.stride].numpy()
-            self._pending[slot] = self.reader.submit(self.pos, expert, buf)
+            buf = self._slot_raw[start : start + nbytes].numpy()
+            self._pending[slot] = reader.submit(self.pos, expert, buf)
             return
         b = self._next_staging
         self._next_staging = (b + 1) % len(self._staging_raw)
         for ev in self._blocked(self._staging_busy[b]) or []:  # its previous copy must have read it
             ev.synchronize()
         read = self._read_events.pop(slot, None)
-        fut = self.reader.pool.submit(self._read_and_copy, expert, slot, b, read)
+        fut = self.reader.pool.submit(self._read_and_copy, expert, slot, b, read, reader, nbytes)
         self._pending[slot] = self._staging_busy[b] = fut
 
-    def _read_and_copy(self, expert: int, slot: int, b: int, read: Any) -> list[Any]:
-        """On an I/O thread: the expert into staging buffer ``b``, then the block to the slot's device
-        bytes in one copy, after ``read`` (the last kernel that read the slot); one event marks it landed."""
-        self.reader.read_into(self.pos, expert, self._staging_raw[b].numpy())
+    def _read_and_copy(
+        self, expert: int, slot: int, b: int, read: Any, reader: ExpertReader, nbytes: int
+    ) -> list[Any]:
+        """On an I/O thread: the expert's block (``nbytes``, from ``reader``'s copy) into staging buffer
+        ``b``, then to the slot's device bytes in one copy, after ``read`` (the last kernel that read the
+        slot); one event marks it landed."""
+        staged = self._staging_raw[b][:nbytes]
+        reader.read_into(self.pos, expert, staged.numpy())
         stream, start = self._streams[0], slot * self.layout.stride
         if read is not None:
             stream.wait_event(read)
         with self.ops.on(stream):
-            self._slot_raw[start : start + self.layout.stride].copy_(self._staging_raw[b], non_blocking=True)
+            self._slot_raw[start : start + nbytes].copy_(staged, non_blocking=True)
             ev = self.ops.event()
             ev.record(stream)
         return [ev]
@@ -863,13 +921,13 @@ class DiskLayerStore(LayerStore):
         where it may not be run to its end: that waits for the reads and frees the buffers.
         """
         ids = np.asarray(experts, np.int64)
-        w = max(1, int(wave or self.reader.cpu_wave))
+        w = max(1, int(wave or self._cpu[0].cpu_wave))
         gen = self._waves([ids[i : i + w] for i in range(0, len(ids), w)])
         next(gen)  # the first reads are submitted, the buffers held
         return gen
 
     def _waves(self, waves: list[np.ndarray]) -> Iterator[Any]:
-        with self.reader.cpu_buffers() as bufs:
+        with self._cpu[0].cpu_buffers() as bufs:
             pending = [self._read_wave(waves[i], bufs[i]) if i < len(waves) else [] for i in range(2)]
             try:
                 yield None
@@ -886,9 +944,10 @@ class DiskLayerStore(LayerStore):
                         f.result()
 
     def _read_wave(self, wave: np.ndarray, buf: torch.Tensor) -> list[Future]:
-        stride = self.layout.stride
+        reader, layout = self._cpu
+        stride = layout.stride
         return [
-            self.reader.submit(self.pos, int(e), buf[i * stride : (i + 1) * stride].numpy())
+            reader.submit(self.pos, int(e), buf[i * stride : (i + 1) * stride].numpy())
             for i, e in enumerate(wave)
         ]
 
@@ -896,7 +955,7 @@ class DiskLayerStore(LayerStore):
         m = len(wave)
         table = np.full(self.num_experts, m, np.int64)
         table[wave] = np.arange(m)
-        return self.layout.views(buf, m), table, m
+        return self._cpu[1].views(buf, m), table, m
 
     def close(self) -> None:
         for fut in self._pending.values():

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from moecast.runtime.core.mixed import parse_copies
 from moecast.runtime.tiers.expert_store import expert_params
 
 from moecast.errors import InputError
@@ -79,6 +80,11 @@ class Precision:
         """The name an offload directory and a results row carry: ``model``, ``int8``, ``int4-g128``."""
         return f"int4-g{self.group_size}" if self.dtype == "int4" else self.dtype
 
+    @property
+    def label(self) -> str:
+        """The setting as a results row names it: the tag (two copies: both tags, high first)."""
+        return self.tag
+
     @classmethod
     def of_tag(cls, tag: str) -> Precision:
         if tag.startswith("int4-g"):
@@ -95,6 +101,37 @@ class Precision:
         if in_features % self.group_size == 0:
             return self.group_size
         return in_features
+
+
+@dataclass(frozen=True)
+class TwoCopies(Precision):
+    """Two copies of each expert in the slow tier (:mod:`moecast.runtime.core.mixed`): as a
+    :class:`Precision` this is the **high** copy, the one a slot is sized for and a prefetch or an
+    upgrade reads (its files, its bytes on the link); ``low`` is the copy a demand miss and the CPU set read."""
+
+    low: Precision = Precision("int4")
+
+    @property
+    def high(self) -> Precision:
+        return Precision(self.dtype, self.group_size)
+
+    @property
+    def label(self) -> str:
+        return f"{self.tag}+{self.low.tag}"
+
+    def settings(self) -> dict[str, Any]:
+        return {"expert_dtype": self.label, "group_size": self.group_size}
+
+
+def expert_setting(expert_dtype: str, group_size: int = 128) -> Precision:
+    """``expert_dtype`` (``model``, ``int8``, ``int4``; two copies: ``mixed``, ``int8+int4``,
+    ``model+int4-g64``: :func:`moecast.runtime.core.mixed.parse_copies`) as a :class:`Precision`, a
+    :class:`TwoCopies` for two."""
+    pair = parse_copies(expert_dtype, int(group_size))
+    if pair is None:
+        return Precision(str(expert_dtype).strip(), int(group_size))
+    (hd, hg), (ld, lg) = pair
+    return TwoCopies(hd, hg, low=Precision(ld, lg))
 
 
 # ---------------------------------------------------------------------------------------- formats
