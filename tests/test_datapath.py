@@ -11,80 +11,73 @@ import torch
 from moecast.runtime.live import runtime as live
 from moecast.runtime.live import transfer
 from moecast.runtime.live.runtime import attach, pinned_budget
-from moecast.runtime.tiers.expert_store import STAGING_BUFFERS, TRANSFER_STREAMS, LayerStore
+from moecast.runtime.live.stats import BREAKDOWN, ForwardTimes, LiveStats, StreamWaits
+from moecast.runtime.tiers.expert_store import STAGING_BUFFERS, LayerStore, expert_params, link_stats
+from moecast.runtime.tiers.simulated import SimulatedOps
 from test_live import decode_logits, make_model
 
 torch.set_num_threads(1)
 
 
-class FakeEvent:
-    def __init__(self, log: list) -> None:
-        self.log = log
-        self.stream = None
-        self.synced = 0
+class FakeOps(SimulatedOps):
+    """The simulated device on a frozen host clock (every copy issued at t = 0), at 1 GB/s: a purely
+    logical timeline whose figures a test works out by hand."""
 
-    def record(self, stream: FakeStream) -> None:
-        self.stream = stream
-        self.log.append(("record", stream.name, self))
-
-    def synchronize(self) -> None:
-        self.synced += 1
+    def __init__(self, clock=None) -> None:
+        super().__init__(link_gbps=LINK_GBPS, clock=clock or (lambda: 0.0))
 
 
-class FakeStream:
-    def __init__(self, name: str, log: list) -> None:
-        self.name = name
-        self.log = log
-
-    def wait_event(self, ev: FakeEvent) -> None:
-        self.log.append(("wait", self.name, ev))
-
-    def wait_stream(self, other: FakeStream) -> None:  # the old whole-stream wait: must not be used
-        self.log.append(("wait_stream", self.name, other.name))
+LINK_GBPS = 1.0
 
 
-class FakeOps:
-    """CUDA's stream and event calls as a log: copies run synchronously on the CPU."""
-
-    def __init__(self) -> None:
-        self.log: list = []
-        self.compute = FakeStream("compute", self.log)
-        self.made = 0
-
-    def stream(self) -> FakeStream:
-        self.made += 1
-        return FakeStream(f"copy{self.made - 1}", self.log)
-
-    def current(self) -> FakeStream:
-        return self.compute
-
-    def event(self) -> FakeEvent:
-        return FakeEvent(self.log)
-
-    def on(self, stream: FakeStream):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-
-def _store(pin: bool | None = None, slots: int = 2) -> tuple[LayerStore, FakeOps, torch.nn.Module]:
+def _store(pin: bool | None = None, slots: int = 2, ops=None) -> tuple[LayerStore, FakeOps, torch.nn.Module]:
     experts = make_model("mixtral").model.layers[0].mlp.experts
-    ops = FakeOps()
+    ops = ops or FakeOps()
     return LayerStore(experts, num_slots=slots, ops=ops, pin=pin), ops, experts
+
+
+def _ms(nbytes: int) -> float:
+    return nbytes / (LINK_GBPS * 1e9) * 1e3
+
+
+def test_an_expert_is_one_copy_and_one_event_from_a_packed_pinned_block():
+    """Catches per-tensor copies (three copies and events an expert), a host copy held twice (the
+    module keeping its own tensors beside the packed block) and slots that are not one buffer."""
+    experts = make_model("mixtral").model.layers[0].mlp.experts
+    want = {n: t.detach().clone() for n, t in expert_params(experts).items()}
+    ops = FakeOps()
+    store = LayerStore(experts, num_slots=3, ops=ops)
+    lay = store.layout
+    assert ops.made == 1 and store.pinned_bytes == store.num_experts * lay.stride and not store.staged
+    # the module's tensors are now views of the packed host block, with their values
+    lo, hi = store._host_raw.data_ptr(), store._host_raw.data_ptr() + store._host_raw.numel()
+    for n, t in expert_params(experts).items():
+        assert lo <= t.data_ptr() < hi and torch.equal(t, want[n])
+    store.fill([4, 1, 6])  # one batch: a start mark, then per expert one copy and its landing event
+    seq = [(e[0], e[1]) for e in ops.sequence()]
+    assert seq == [("record", "copy0")] + [("copy", "copy0"), ("record", "copy0")] * 3
+    assert [e[2] for e in ops.sequence("copy")] == [lay.stride] * 3  # the expert's whole block
+    assert all(len(store._events[s]) == 1 for s in range(3))
+    for slot, e in enumerate([4, 1, 6]):
+        for n in want:
+            assert torch.equal(store.slots[n][slot], want[n][e])
+    # each slot's tensors are views of its block of the one slot buffer
+    base = store._slot_raw.data_ptr()
+    assert (
+        store.slots["down_proj"][2].data_ptr()
+        == base + 2 * lay.stride + lay.offsets[lay.names.index("down_proj")]
+    )
 
 
 def test_a_copy_waits_for_the_last_kernel_that_read_its_slot_only():
     store, ops, experts = _store()
-    assert ops.made == TRANSFER_STREAMS
     store.fill([0, 1])
     # a fresh slot was never read: its copy waits for nothing, and never for the whole compute stream
-    assert not [e for e in ops.log if e[0] in ("wait", "wait_stream")]
-    assert set(store._events) == {0, 1} and len(store._events[0]) == len(store.pieces)
+    assert not ops.sequence("wait")
     slot0 = list(store._events[0])
     store.wait([0])  # the compute stream waits for slot 0's transfer only
-    waits = [e for e in ops.log if e[0] == "wait"]
-    assert [w[1] for w in waits] == ["compute"] * len(store.pieces)
-    assert [w[2] for w in waits] == slot0
+    waits = ops.sequence("wait")
+    assert [(w[1], w[2]) for w in waits] == [("compute", slot0[0])]
     assert set(store._events) == {1}
     ops.log.clear()
     store.mark_read([0])  # a kernel read slot 0; slot 1 was not read since its load
@@ -92,17 +85,19 @@ def test_a_copy_waits_for_the_last_kernel_that_read_its_slot_only():
     assert rec[:2] == ("record", "compute")
     read_ev = rec[2]
     ops.log.clear()
-    slot = store.load(5, evict=0)
-    assert slot == 0
-    # each piece's copy stream waits for exactly that read event, then records its own event
-    waits = [e for e in ops.log if e[0] == "wait"]
-    assert len(waits) == len(store.pieces) and all(w[2] is read_ev for w in waits)
-    assert {w[1] for w in waits} <= {f"copy{i}" for i in range(TRANSFER_STREAMS)}
-    assert not [e for e in ops.log if e[0] == "wait_stream"]
+    assert store.load(5, evict=0) == 0
+    # the copy stream waits for exactly that read event, marks the copy's start, copies, records its landing
+    assert [(e[0], e[1]) for e in ops.log] == [
+        ("wait", "copy0"),
+        ("record", "copy0"),
+        ("copy", "copy0"),
+        ("record", "copy0"),
+    ]
+    assert ops.log[0][2] is read_ev
     assert 0 not in store._read_events  # the next copy into slot 0 is ordered behind this one
     ops.log.clear()
     store.load(6, evict=1)  # slot 1 was never read: no wait at all
-    assert not [e for e in ops.log if e[0] == "wait"]
+    assert not ops.sequence("wait")
     assert torch.equal(store.slots["gate_up_proj"][0], experts.gate_up_proj[5])
     assert torch.equal(store.slots["down_proj"][1], experts.down_proj[6])
 
@@ -110,15 +105,59 @@ def test_a_copy_waits_for_the_last_kernel_that_read_its_slot_only():
 def test_pageable_host_copies_go_through_a_bounded_staging_ring():
     store, ops, experts = _store(pin=False, slots=3)
     assert len(store._staging) == STAGING_BUFFERS and store.staged  # said in the run's stats
+    assert store.pinned_bytes == STAGING_BUFFERS * store.layout.stride  # the ring alone
+    assert experts.gate_up_proj.data_ptr() == store.host["gate_up_proj"].data_ptr()  # left where it was
     assert not LayerStore(experts, num_slots=2).staged  # copies within host memory need no staging
-    assert store.pinned_bytes == 0  # no CUDA here: the staging buffers are not pinned either
     for k, e in enumerate(range(STAGING_BUFFERS + 2)):
         store.load(e, evict=None if store.free_slot() is not None else int(store.expert_in[k % 3]))
-    # the ring wrapped twice: the reused buffers' previous transfer events were waited for on the host
-    first = [ev for ev in ops.log if ev[0] == "record" and ev[1] != "compute"][: len(store.pieces)]
-    assert all(ev[2].synced == 1 for ev in first)
+    assert len(ops.sequence("copy")) == STAGING_BUFFERS + 2  # one copy an expert, staged or not
+    # the ring wrapped twice: the reused blocks' previous transfer events were waited for on the host
+    landings = [ev[2] for ev in ops.sequence("record")][1::2]
+    assert [ev.synced for ev in landings[:2]] == [1, 1] and landings[2].synced == 0
     for slot, e in enumerate(store.expert_in):
         assert torch.equal(store.slots["gate_up_proj"][slot], experts.gate_up_proj[e])
+
+
+def test_the_stream_wait_and_the_link_rate_on_the_simulated_timeline():
+    """By hand, at 1 GB/s: a batch of two experts issued at t = 0 lands at 2d (d = one block's time);
+    the kernels that wait for both at host time d/2 stand 2d - d/2; the link moved 2 blocks in 2d.
+    Catches a stream wait that ignores the host's clock, a batch whose copies overlap on the link,
+    and a link rate that counts the padding or the idle time."""
+    now = [0.0]
+    store, ops, _ = _store(slots=3, ops=FakeOps(clock=lambda: now[0]))
+    d = _ms(store.layout.stride)
+    store.load_many([3, 5], [])
+    waits = StreamWaits(ops)
+    now[0] = d / 2
+    waits.around(store.wait, [0, 1], decode=True)
+    assert waits.settle() == pytest.approx(2 * d - d / 2)
+    now[0] = 10 * d  # the link idles, then one more copy: its time is its own, not the gap before it
+    store.load(7)
+    now[0] = 12 * d
+    waits.around(store.wait, None, decode=True)  # it landed at 11d, before the host asks: no wait
+    assert waits.settle() == 0.0
+    stats = link_stats([store])
+    assert stats["link_bytes"] == 3 * store.layout.stride
+    assert stats["link_ms"] == pytest.approx(3 * d)
+    assert stats["link_gbps_observed"] == pytest.approx(LINK_GBPS)
+
+
+def test_the_split_moves_the_devices_copy_wait_out_of_the_sync():
+    """The device's wait for copies shows on the host where it next reads the device: that much of
+    device_sync is transfer_wait (no more than the sync), and the parts still add up to the wall."""
+    st = LiveStats()
+    times = ForwardTimes(lambda: 0.0, FakeOps())
+    times.begin(decode=True)
+    times.acc.update(layers=0.010, expert_compute=0.002, transfer_wait=0.001, device_sync=0.004)
+    ev = [FakeOps().event(timing=True) for _ in range(2)]
+    ev[0].time, ev[1].time = 1.0, 4.0  # the compute stream stood 3 ms
+    times.streams.pending.append((ev[0], ev[1], True))
+    st.add_breakdown(12.0, times)
+    assert st.transfer_wait_decode_ms == [pytest.approx(1.0 + 3.0)]
+    assert st.device_sync_decode_ms == [pytest.approx(4.0 - 3.0)]
+    assert st.stream_wait_decode_ms == [3.0]
+    parts = [getattr(st, f"{p}_decode_ms")[0] for p in BREAKDOWN]
+    assert sum(parts) == pytest.approx(12.0)
 
 
 def test_pinned_budget_is_the_given_size_or_half_the_available_memory():

@@ -203,7 +203,9 @@ class LiveRuntime:
             prefetching=mode != "none", predictor_ms=pred_ms[0], compiled=True,
         )  # fmt: skip
         self.lanes = Lanes.of(self.num_layers)
-        self.device = device or Device.at(slot_device(model, structure, config.device))
+        self.device = device or Device.at(
+            slot_device(model, structure, config.device), config.device_ops, link_gbps=profile.transfer_gbps
+        )
         spec = TierSpec(
             self.capacity, self.device, prec, pinned_budget(config.pinned_mb),
             capacity_arg=config.capacity, directory=config.offload_dir, io_threads=int(config.io_threads),
@@ -211,7 +213,7 @@ class LiveRuntime:
         self.tier = config.tier.open(model, structure, spec)
         self.stores = self.tier.layers
         self.stats_ = LiveStats()
-        self.times = ForwardTimes(self.tier.waited)
+        self.times = ForwardTimes(self.tier.waited, self.device.ops)
         self.executor = Executor(self.tier, self.device, self.cache, self.times, self.stats_)
         self.fwd = Forward()
         self.router_logits: list[torch.Tensor | None] = [None] * self.num_layers  # kept by the router hooks
@@ -273,7 +275,7 @@ class LiveRuntime:
         f.ids = np.zeros((n, self.num_layers, self.top_k), np.int64)
         f.w = np.zeros((n, self.num_layers, self.top_k), np.float32)
         f.clock, f.t, f.pending = 0.0, np.array([self._step]), None
-        self.times.begin()
+        self.times.begin(decode)
         if decode and self.prefetcher.mode == "predictor":
             # the first layer's prefetch, predicted from what the token's start knows, sent out before the
             # model runs: its reads overlap the first layer's attention, the window the step gives it
