@@ -53,9 +53,9 @@ def test_an_expert_is_one_copy_and_one_event_from_a_packed_pinned_block():
     lo, hi = store._host_raw.data_ptr(), store._host_raw.data_ptr() + store._host_raw.numel()
     for n, t in expert_params(experts).items():
         assert lo <= t.data_ptr() < hi and torch.equal(t, want[n])
-    store.fill([4, 1, 6])  # one batch: a start mark, then per expert one copy and its landing event
+    store.fill([4, 1, 6])  # one batch: per expert a timing mark, one copy and its landing event
     seq = [(e[0], e[1]) for e in ops.sequence()]
-    assert seq == [("record", "copy0")] + [("copy", "copy0"), ("record", "copy0")] * 3
+    assert seq == [("record", "copy0"), ("copy", "copy0"), ("record", "copy0")] * 3
     assert [e[2] for e in ops.sequence("copy")] == [lay.stride] * 3  # the expert's whole block
     assert all(len(store._events[s]) == 1 for s in range(3))
     for slot, e in enumerate([4, 1, 6]):
@@ -279,3 +279,108 @@ def test_substituted_weights_stay_on_the_host_in_the_routers_dtype():
     # expert 0 keeps its weight; expert 2 gets p2 * sum(w) / (p0 + p1)
     want = torch.tensor([[0.75, 0.2 * 1.0 / 0.8]]).to(torch.bfloat16)
     assert torch.equal(out, want)
+
+
+SIM_SETTING = dict(policy="lru", capacity=2, prefetch="online", alpha=0.0, warm=False)
+
+
+def _sim_run(model, ids, steps=3, **kw):
+    """Decode under the runtime on the simulated device; (logits, stats, runtime)."""
+    rt = attach(model, device_ops="simulated", **{**SIM_SETTING, **kw})
+    try:
+        got = decode_logits(model, ids, steps=steps)
+        return got, rt.stats(), rt
+    finally:
+        rt.detach()
+
+
+def test_the_simulated_device_walks_the_cuda_path_with_the_cpus_results():
+    """device_ops='simulated': the packed pinned layout, one link stream, events and stream waits, with
+    the logits and every cache figure of the synchronous CPU path. Catches a simulated path that moves
+    other weights than the CPU path (logits), decides otherwise (counters), reports itself as real or
+    staged, or times no copy (transfer wait and link rate where loads happened)."""
+    model = make_model("qwen2_moe")
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(7))
+    ref = decode_logits(model, ids)
+    rt = attach(model, **SIM_SETTING)
+    try:
+        cpu_logits, cpu = decode_logits(model, ids), rt.stats()
+    finally:
+        rt.detach()
+    got, sim, rt = _sim_run(model, ids)
+    assert torch.equal(got, ref) and torch.equal(cpu_logits, ref)
+    for key in ("hits", "loads", "transfers", "prefetches_issued", "prefetches_landed", "cpu_experts"):
+        assert sim[key] == cpu[key], key
+    assert sim["loads"] > 0 and sim["simulated_device"] and sim["device_ops"] == "simulated"
+    assert sim["pinned_bytes"] == sum(st.num_experts * st.layout.stride for st in rt.stores)
+    assert sim["staged_copies"] == 0 and cpu["pinned_bytes"] == 0
+    ops = rt.device.ops
+    assert isinstance(ops, SimulatedOps) and ops.made == 1  # the tier's one link
+    copies = ops.sequence("copy")
+    assert len(copies) == sim["transfers"] and {c[1] for c in copies} == {"copy0"}
+    assert sim["link_bytes"] == len(copies) * rt.stores[0].layout.stride
+    # the simulated link's rate, less the host's gaps between a copy's mark and its issue (the frozen
+    # clock of test_the_stream_wait_and_the_link_rate_on_the_simulated_timeline pins it exactly)
+    assert 0 < sim["link_gbps_observed"] <= ops.link_gbps * (1 + 1e-9)
+    assert sim["transfer_wait_ms"] > 0 and cpu["transfer_wait_ms"] > 0  # loads happened: the host copied
+    assert sim["stream_wait_ms"] >= 0 and cpu["stream_wait_ms"] == 0
+
+
+def test_a_layers_demand_copies_go_out_as_one_batch_before_the_next_layers_prefetch():
+    """On the simulated device's record: within each decode step's experts call, the layer's demand
+    copies are issued back to back (no wait of the compute stream between them), and every prefetch copy into the next
+    layer's slots comes after them on the same stream, so it lands after them. Catches a prefetch
+    queued ahead of the demand loads, a stream per layer (copies of two layers racing on the link) and
+    demand copies interleaved with the waits."""
+    model = make_model("qwen2_moe")
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(7))
+    rt = attach(model, device_ops="simulated", **SIM_SETTING)
+    ops = rt.device.ops
+    real_layer, real_prefetch = rt.forward_layer, rt._prefetch
+
+    def forward_layer(pos, *a, **kw):
+        ops.log.append(("layer", pos, rt.fwd.decode))
+        return real_layer(pos, *a, **kw)
+
+    def prefetch():
+        ops.log.append(("prefetch",))
+        real_prefetch()
+        ops.log.append(("prefetched",))
+
+    rt.forward_layer, rt._prefetch = forward_layer, prefetch
+    try:
+        decode_logits(model, ids, steps=6)
+        bases = [(st._slot_raw.data_ptr(), st._slot_raw.numel()) for st in rt.stores]
+    finally:
+        rt.detach()
+
+    def layer_of(dst):
+        return next(i for i, (b, n) in enumerate(bases) if b <= dst.data_ptr() < b + n)
+
+    calls, both = [], 0
+    for entry in ops.log:
+        if entry[0] == "layer":
+            calls.append(dict(pos=entry[1], decode=entry[2], seq=[], prefetching=False))
+        elif calls and entry[0] in ("prefetch", "prefetched"):
+            calls[-1]["prefetching"] = entry[0] == "prefetch"
+        elif calls and entry[0] == "copy":
+            kind = "prefetch" if calls[-1]["prefetching"] else "demand"
+            calls[-1]["seq"].append((kind, layer_of(entry[3]), entry[1]))
+        elif calls and entry[0] == "wait" and entry[1] == "compute":
+            calls[-1]["seq"].append(("compute-wait", None, "compute"))
+    for call in calls:
+        seq = [k for k, _, _ in call["seq"]]
+        demand = [i for i, k in enumerate(seq) if k == "demand"]
+        prefetch = [i for i, k in enumerate(seq) if k == "prefetch"]
+        assert all(layer == call["pos"] for k, layer, _ in call["seq"] if k == "demand")
+        assert all(layer == call["pos"] + 1 for k, layer, _ in call["seq"] if k == "prefetch")
+        # a decode step's misses fit the slots: back to back, before any wait of the compute stream (a
+        # prefill's outnumber them and stream through the slots in waves, each after the last computed)
+        if demand and call["decode"]:
+            assert seq[demand[0] : demand[-1] + 1] == ["demand"] * len(demand)
+            assert "compute-wait" not in seq[: demand[0]]
+        if demand and prefetch:
+            assert max(demand) < min(prefetch)
+            both += 1
+        assert {s for k, _, s in call["seq"] if k != "compute-wait"} <= {"copy0"}
+    assert both > 0  # the run had layers with both, so the order was tested

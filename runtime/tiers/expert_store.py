@@ -25,8 +25,8 @@ copies are packed and pinned only when they fit the pinning budget; otherwise th
 are (pageable) and each transfer goes through a small ring of pinned staging blocks
 (``STAGING_BUFFERS`` experts), which ``staged`` reports; ``pinned_bytes`` says how much is pinned.
 
-Each copy is timed on the device (an event where the link may have been idle before it, then its own
-landing event), so ``link_seconds`` and ``link_bytes`` give the link's observed rate.
+Each copy is timed on the device (a timing mark before it, then its landing event), so
+``link_seconds`` and ``link_bytes`` give the link's observed rate.
 
 On a CPU-only machine without ops the "device" is the CPU: slots are still pre-allocated and loads
 really copy weights into them (so what runs is what was loaded), synchronously, each copy's wall
@@ -165,9 +165,7 @@ class LayerStore:
         self.link_seconds = 0.0  # the copies' time on the link (device events; the wall clock without ops)
         self.link_bytes = 0  # the bytes those copies moved
         self._timed: list[tuple[Any, Any, int]] = []  # (start, landing, bytes) of copies not yet read
-        self._batch_start = True  # the next copy may follow an idle link: it records where it starts
         self._lock = threading.Lock()
-        self._landed: Any = None  # the last copy's landing event: the start of the next one in its batch
         self._streams: list[Any] = []
         self._events: dict[int, list[Any]] = {}  # slot -> its transfer's events, until waited for
         self._read_events: dict[int, Any] = {}  # slot -> event after the last kernel that read it
@@ -213,15 +211,8 @@ class LayerStore:
         (taken in order); returns their slots. With ``ops`` they are one batch on the transfer stream:
         the link runs them one after another before anything issued later."""
         evict, out = list(evict), []
-        self._batch_start = True
-        try:
-            for e in experts:
-                out.append(
-                    self.load(int(e), evict=evict.pop(0) if self.free_slot() is None and evict else None)
-                )
-                self._batch_start = False
-        finally:
-            self._batch_start = True
+        for e in experts:
+            out.append(self.load(int(e), evict=evict.pop(0) if self.free_slot() is None and evict else None))
         return out
 
     def source(self, expert: int) -> dict[str, torch.Tensor]:
@@ -240,35 +231,33 @@ class LayerStore:
                 self.link_bytes += self.expert_bytes
                 return
             src, buffer = self._staged(expert)
-            events = self._copy_block(src, slot, self._read_events.pop(slot, None), self._batch_start)
+            events = self._copy_block(src, slot, self._read_events.pop(slot, None))
             self._events[slot] = events
             if buffer is not None:
                 self._staging_events[buffer] = events
         finally:
             self.wait_s += time.perf_counter() - t0
 
-    def _copy_block(self, src: torch.Tensor, slot: int, read: Any, mark: bool) -> list[Any]:
+    def _copy_block(self, src: torch.Tensor, slot: int, read: Any) -> list[Any]:
         """``src`` (one expert's block, bytes) into ``slot``'s block on the transfer stream in one copy;
-        its one event marks the landing.
+        its one event marks the landing (what the compute stream waits for).
 
         ``read`` is the event after the last kernel that read the slot: the copy waits for it alone, not
-        for everything queued on the compute stream. ``mark``: the link may have been idle before this
-        copy (the first of a batch, or after a wait), so a timing event records where it starts; within
-        a batch the previous copy's landing is this one's start.
+        for everything queued on the compute stream. A timing mark before the copy records where it
+        starts: the link may have idled since the copy before it (the host issued it later than that
+        one landed), so the previous landing would count the idle time as the copy's.
         """
         with self._lock:  # the disk tier copies from its I/O threads
-            return self._queue_copy(src, slot, read, mark)
+            return self._queue_copy(src, slot, read)
 
-    def _queue_copy(self, src: torch.Tensor, slot: int, read: Any, mark: bool) -> list[Any]:
+    def _queue_copy(self, src: torch.Tensor, slot: int, read: Any) -> list[Any]:
         stream = self._streams[0]
         if read is not None:
             stream.wait_event(read)
-        start = None if mark or read is not None else self._landed
-        if start is None:
-            start = self.ops.event(timing=True)
-            start.record(stream)
+        start = self.ops.event(timing=True)
+        start.record(stream)
         self.ops.copy(self.layout.block(self._slot_raw, slot), src, stream)
-        ev = self._landed = self.ops.event(timing=True)
+        ev = self.ops.event(timing=True)
         ev.record(stream)
         self._timed.append((start, ev, int(src.numel())))
         self._settle(False)

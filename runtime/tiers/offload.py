@@ -765,8 +765,7 @@ class DiskLayerStore(LayerStore):
         """On an I/O thread: the expert into staging buffer ``b``, then the block to the slot's device
         bytes in one copy, after ``read`` (the last kernel that read the slot); one event marks it landed."""
         self.reader.read_into(self.pos, expert, self._staging_raw[b].numpy())
-        # a read lands whenever it does: the link may have been idle before its copy (marked)
-        return self._copy_block(self._staging_raw[b], slot, read, True)
+        return self._copy_block(self._staging_raw[b], slot, read)
 
     def wait(self, slots: np.ndarray | list[int] | None = None) -> None:
         """Block until the given slots' reads (all, if None) are done; with ops, the compute stream waits for their copies."""

@@ -109,11 +109,11 @@ class SimulatedOps:
         return SimEvent(self, timing)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: SimStream) -> None:
-        dst.copy_(src)
         nbytes = src.numel() * src.element_size()
-        with self.lock:
+        with self.lock:  # queued when issued; the CPU's own copy below is the host's time, not the link's
             stream.t = stream.reach() + nbytes / (self.link_gbps * 1e9) * 1e3
             self.log.append(("copy", stream.name, nbytes, dst))
+        dst.copy_(src)
 
     # ------------------------------------------------------------------ reading the record
     def sequence(self, *kinds: str) -> list[tuple]:
