@@ -113,7 +113,10 @@ def _print_stats(stats: dict[str, Any]) -> None:
     )
     if stats.get("link_gbps_observed"):
         # the copies into the slots as the device's events timed them, and its kernels' wait for them
-        where = "simulated link" if stats.get("simulated_device") else "link"
+        if stats.get("device_ops") == "simulated":
+            where = "simulated link"
+        else:  # without an accelerator the copies are the host's, within its memory
+            where = "host memory copies" if stats.get("simulated_device") else "link"
         rows.append(
             (
                 "transfers",

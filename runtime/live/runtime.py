@@ -346,6 +346,7 @@ class LiveRuntime:
         nxt = pos + 1
         # PreSched sizes this layer's split by the next layer's predicted experts, so it predicts first;
         # the others predict once the layer's demand loads are on the link, as the step's window has it
+        # (and on an accelerator once its experts are launched too)
         presched = self.policy.balancer == "presched"
         if presched:
             next_ids, f.pending = self.prefetcher.next(nxt, f.decode, f.next_scores, self.times)
@@ -362,15 +363,20 @@ class LiveRuntime:
         loads = o.load_ids[0][o.load_ids[0] >= 0]
         placed = loads[self.cache.resident[pos, loads]]  # loads the cache took, into the slots it freed
         self.executor.move(pos, before, placed)
-        if not presched:
-            f.pending = self.prefetcher.next(nxt, f.decode, f.next_scores, self.times)[1]
         cpu_ids = o.cpu_ids[0]
         early = not (cpu_ids >= 0).any()
-        if early:
-            # the next layer's prefetch is queued now, behind this layer's demand loads, so its
-            # transfers run while this layer computes (the step's window opens when the link is free,
-            # not after the experts' compute); a CPU set's reads come first, so it waits for them
-            self._prefetch()
+        # the next layer's prediction: on an accelerator after this layer's experts are launched, so it
+        # runs on the host while their kernels run (the prefetch could not start before it anyway); on
+        # the CPU, which computes them synchronously, before them, so that a prefetch's reads overlap them
+        after_launch = self.device.accelerated
+        if not after_launch:
+            if not presched:
+                f.pending = self.prefetcher.next(nxt, f.decode, f.next_scores, self.times)[1]
+            if early:
+                # the next layer's prefetch is queued now, behind this layer's demand loads, so its
+                # transfers run while this layer computes (the step's window opens when the link is free,
+                # not after the experts' compute); a CPU set's reads come first, so it waits for them
+                self._prefetch()
         # experts of the call, as np.unique(ids) counts them (the router gives no padding ids)
         distinct = len(uniq) if ids.min() >= 0 else len(np.unique(ids))
         call = ExpertsCall(
@@ -380,6 +386,11 @@ class LiveRuntime:
         # static, which never inserts, the step's streamed misses are computed from host memory here
         streamed = loads[~np.isin(loads, placed)] if len(placed) < len(loads) else loads[:0]
         out, to_cpu, cpu_part = self.executor.run(pos, call, uniq[hit], placed, streamed, uniq, cpu_ids)
+        if after_launch:
+            if not presched:
+                f.pending = self.prefetcher.next(nxt, f.decode, f.next_scores, self.times)[1]
+            if early:  # still behind this layer's demand copies on the link, which went out in move
+                self._prefetch()
         out = self.executor.join(out, to_cpu, cpu_part, uniq, counts, hidden, n)
         f.clock += float(o.layer_t[0])
         if not early:
