@@ -8,6 +8,7 @@ from typing import ClassVar
 import numpy as np
 import pytest
 import torch
+from moecast.runtime.core.cost_model import load_profile
 from moecast.runtime.live import runtime as live
 from moecast.runtime.live import transfer
 from moecast.runtime.live.runtime import attach, pinned_budget
@@ -281,7 +282,9 @@ def test_substituted_weights_stay_on_the_host_in_the_routers_dtype():
     assert torch.equal(out, want)
 
 
-SIM_SETTING = dict(policy="lru", capacity=2, prefetch="online", alpha=0.0, warm=False)
+SIM_SETTING = dict(
+    policy="lru", capacity=2, prefetch="online", alpha=0.0, warm=False, hardware="prescope-a100-pcie4"
+)
 
 
 def _sim_run(model, ids, steps=3, **kw):
@@ -316,6 +319,7 @@ def test_the_simulated_device_walks_the_cuda_path_with_the_cpus_results():
     assert sim["staged_copies"] == 0 and cpu["pinned_bytes"] == 0
     ops = rt.device.ops
     assert isinstance(ops, SimulatedOps) and ops.made == 1  # the tier's one link
+    assert ops.link_gbps == pytest.approx(load_profile("prescope-a100-pcie4").transfer_gbps)  # the profile's
     copies = ops.sequence("copy")
     assert len(copies) == sim["transfers"] and {c[1] for c in copies} == {"copy0"}
     assert sim["link_bytes"] == len(copies) * rt.stores[0].layout.stride

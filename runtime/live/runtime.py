@@ -203,9 +203,8 @@ class LiveRuntime:
             prefetching=mode != "none", predictor_ms=pred_ms[0], compiled=True,
         )  # fmt: skip
         self.lanes = Lanes.of(self.num_layers)
-        self.device = device or Device.at(
-            slot_device(model, structure, config.device), config.device_ops, link_gbps=profile.transfer_gbps
-        )
+        where = slot_device(model, structure, config.device)
+        self.device = device or Device.at(where, config.device_ops, link_gbps=_link_gbps(self.cost))
         spec = TierSpec(
             self.capacity, self.device, prec, pinned_budget(config.pinned_mb),
             capacity_arg=config.capacity, directory=config.offload_dir, io_threads=int(config.io_threads),
@@ -506,6 +505,14 @@ class LiveRuntime:
     def stats(self) -> dict[str, Any]:
         """Counters and rates since attach: hit rate, substitution rate, transfers, CPU experts, TPOT (measured, modeled)."""
         return runtime_stats(self)
+
+
+def _link_gbps(cost: CostModel) -> float | None:
+    """The link's rate (GB/s) the cost model moves an expert at, for a simulated device's link
+    (None where the profile has no link or a free one)."""
+    if not 0 < cost.t_io < float("inf"):
+        return None
+    return cost.expert_bytes / (cost.t_io * 1e-3) / 1e9
 
 
 def router_probs(logits: torch.Tensor | None, structure: MoEStructure, pos: int, n: int) -> torch.Tensor:
