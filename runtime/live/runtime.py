@@ -507,8 +507,8 @@ class LiveRuntime:
         return runtime_stats(self)
 
 
-def _link_gbps(cost: CostModel) -> float | None:
-    """The link's rate (GB/s) the cost model moves an expert at, for a simulated device's link
+def _link_gbps(cost: Any) -> float | None:
+    """The link's rate (GB/s) a CostModel moves an expert at, for a simulated device's link
     (None where the profile has no link or a free one)."""
     if not 0 < cost.t_io < float("inf"):
         return None
