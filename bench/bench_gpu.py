@@ -44,7 +44,10 @@ Per model:
    run's temporary folder, each quantized copy made from it): on-demand LRU, LLaPor prefetch-late, and
    every expert resident at that precision (its compute floor), each beside its replay at that precision.
 
-On a machine without CUDA (``--device cpu``) every row except the CUDA ones runs: a dry run.
+On a machine without CUDA (``--device cpu``) every row except the CUDA ones runs: a dry run, whose live
+rows attach with ``device_ops="simulated"`` (:mod:`moecast.runtime.tiers.simulated`), so they walk the
+CUDA path's data path (packed pinned-layout slots, copies queued on one transfer stream with one event
+each, the compute stream's waits, CPU experts on a worker thread) with CPU tensors.
 """
 
 from __future__ import annotations
@@ -245,9 +248,7 @@ def calibrate_profile(s: Setup, out: Path) -> dict:
 
     if s.profile is None:
         raise RuntimeError("no profile to calibrate (the profile step failed)")
-    rt = attach(
-        s.model, policy="lru", capacity=None, prefetch="none", device=_live_device(s), hardware=s.profile
-    )
+    rt = attach(s.model, policy="lru", capacity=None, prefetch="none", **_live_device(s), hardware=s.profile)
     first: dict = {}
     seen = [0]
 
@@ -461,7 +462,7 @@ def _logits(s: Setup, attached: bool) -> list[torch.Tensor]:
     rt = None
     if attached:
         rt = attach(
-            s.model, policy="lru", capacity=CAPACITY, device=_live_device(s), prefetch="none", balance="load"
+            s.model, policy="lru", capacity=CAPACITY, **_live_device(s), prefetch="none", balance="load"
         )
     try:
         with ds_model.routed(s.model, s.routing) as ov:
@@ -489,8 +490,10 @@ def exactness(s: Setup) -> dict:
     return out
 
 
-def _live_device(s: Setup) -> str | None:
-    return str(s.device) if s.cuda else None
+def _live_device(s: Setup) -> dict[str, str]:
+    """Where the live rows' slots go: the CUDA device, or on the CPU the simulated device, whose streams
+    and events walk the CUDA path's order (copies on the link stream, one event each, the waits)."""
+    return {"device": str(s.device)} if s.cuda else {"device_ops": "simulated"}
 
 
 def live_row(
@@ -513,7 +516,7 @@ def live_once(s: Setup, policy: str, alpha: float, **kw: Any) -> dict:
     kw.setdefault("capacity", CAPACITY)
     kw.pop("precision_tag", None)
     rt = attach(
-        s.model, policy=policy, alpha=alpha, device=_live_device(s),
+        s.model, policy=policy, alpha=alpha, **_live_device(s),
         hardware=str(s.profile_path or "prescope-a100-pcie4"), warm=False, **kw,
     )  # fmt: skip
     first: dict = {}
@@ -545,6 +548,11 @@ def live_once(s: Setup, policy: str, alpha: float, **kw: Any) -> dict:
         **{f"{part}_ms": window(first, st, f"{part}_ms") for part in BREAKDOWN},
     }
     row["split_sum_ms"] = sum(row[f"{part}_ms"] for part in BREAKDOWN)
+    # the device's own figures: its kernels' wait for their copies (CUDA events; on the CPU the simulated
+    # link's), and the link's rate as the copies' events timed it
+    row["stream_wait_ms"] = window(first, st, "stream_wait_ms")
+    row["link_gbps_observed"] = st["link_gbps_observed"]
+    row["device_ops"] = st["device_ops"]
     if s.cuda:
         row["peak_gpu_mb"] = torch.cuda.max_memory_allocated(s.device) / 2**20
     return row

@@ -8,83 +8,77 @@ from typing import ClassVar
 import numpy as np
 import pytest
 import torch
+from moecast.runtime.core.cost_model import load_profile
 from moecast.runtime.live import runtime as live
 from moecast.runtime.live import transfer
 from moecast.runtime.live.runtime import attach, pinned_budget
-from moecast.runtime.tiers.expert_store import STAGING_BUFFERS, TRANSFER_STREAMS, LayerStore
+from moecast.runtime.live.stats import BREAKDOWN, ForwardTimes, LiveStats, StreamWaits
+from moecast.runtime.tiers.expert_store import STAGING_BUFFERS, LayerStore, expert_params, link_stats
+from moecast.runtime.tiers.simulated import SimulatedOps
 from test_live import decode_logits, make_model
 
 torch.set_num_threads(1)
 
 
-class FakeEvent:
-    def __init__(self, log: list) -> None:
-        self.log = log
-        self.stream = None
-        self.synced = 0
+class FakeOps(SimulatedOps):
+    """The simulated device on a frozen host clock (every copy issued at t = 0), at 1 GB/s: a purely
+    logical timeline whose figures a test works out by hand."""
 
-    def record(self, stream: FakeStream) -> None:
-        self.stream = stream
-        self.log.append(("record", stream.name, self))
-
-    def synchronize(self) -> None:
-        self.synced += 1
+    def __init__(self, clock=None) -> None:
+        super().__init__(link_gbps=LINK_GBPS, clock=clock or (lambda: 0.0))
 
 
-class FakeStream:
-    def __init__(self, name: str, log: list) -> None:
-        self.name = name
-        self.log = log
-
-    def wait_event(self, ev: FakeEvent) -> None:
-        self.log.append(("wait", self.name, ev))
-
-    def wait_stream(self, other: FakeStream) -> None:  # the old whole-stream wait: must not be used
-        self.log.append(("wait_stream", self.name, other.name))
+LINK_GBPS = 1.0
 
 
-class FakeOps:
-    """CUDA's stream and event calls as a log: copies run synchronously on the CPU."""
-
-    def __init__(self) -> None:
-        self.log: list = []
-        self.compute = FakeStream("compute", self.log)
-        self.made = 0
-
-    def stream(self) -> FakeStream:
-        self.made += 1
-        return FakeStream(f"copy{self.made - 1}", self.log)
-
-    def current(self) -> FakeStream:
-        return self.compute
-
-    def event(self) -> FakeEvent:
-        return FakeEvent(self.log)
-
-    def on(self, stream: FakeStream):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-
-def _store(pin: bool | None = None, slots: int = 2) -> tuple[LayerStore, FakeOps, torch.nn.Module]:
+def _store(pin: bool | None = None, slots: int = 2, ops=None) -> tuple[LayerStore, FakeOps, torch.nn.Module]:
     experts = make_model("mixtral").model.layers[0].mlp.experts
-    ops = FakeOps()
+    ops = ops or FakeOps()
     return LayerStore(experts, num_slots=slots, ops=ops, pin=pin), ops, experts
+
+
+def _ms(nbytes: int) -> float:
+    return nbytes / (LINK_GBPS * 1e9) * 1e3
+
+
+def test_an_expert_is_one_copy_and_one_event_from_a_packed_pinned_block():
+    """Catches per-tensor copies (three copies and events an expert), a host copy held twice (the
+    module keeping its own tensors beside the packed block) and slots that are not one buffer."""
+    experts = make_model("mixtral").model.layers[0].mlp.experts
+    want = {n: t.detach().clone() for n, t in expert_params(experts).items()}
+    ops = FakeOps()
+    store = LayerStore(experts, num_slots=3, ops=ops)
+    lay = store.layout
+    assert ops.made == 1 and store.pinned_bytes == store.num_experts * lay.stride and not store.staged
+    # the module's tensors are now views of the packed host block, with their values
+    lo, hi = store._host_raw.data_ptr(), store._host_raw.data_ptr() + store._host_raw.numel()
+    for n, t in expert_params(experts).items():
+        assert lo <= t.data_ptr() < hi and torch.equal(t, want[n])
+    store.fill([4, 1, 6])  # one batch: per expert a timing mark, one copy and its landing event
+    seq = [(e[0], e[1]) for e in ops.sequence()]
+    assert seq == [("record", "copy0"), ("copy", "copy0"), ("record", "copy0")] * 3
+    assert [e[2] for e in ops.sequence("copy")] == [lay.stride] * 3  # the expert's whole block
+    assert all(len(store._events[s]) == 1 for s in range(3))
+    for slot, e in enumerate([4, 1, 6]):
+        for n in want:
+            assert torch.equal(store.slots[n][slot], want[n][e])
+    # each slot's tensors are views of its block of the one slot buffer
+    base = store._slot_raw.data_ptr()
+    assert (
+        store.slots["down_proj"][2].data_ptr()
+        == base + 2 * lay.stride + lay.offsets[lay.names.index("down_proj")]
+    )
 
 
 def test_a_copy_waits_for_the_last_kernel_that_read_its_slot_only():
     store, ops, experts = _store()
-    assert ops.made == TRANSFER_STREAMS
     store.fill([0, 1])
     # a fresh slot was never read: its copy waits for nothing, and never for the whole compute stream
-    assert not [e for e in ops.log if e[0] in ("wait", "wait_stream")]
-    assert set(store._events) == {0, 1} and len(store._events[0]) == len(store.pieces)
+    assert not ops.sequence("wait")
     slot0 = list(store._events[0])
     store.wait([0])  # the compute stream waits for slot 0's transfer only
-    waits = [e for e in ops.log if e[0] == "wait"]
-    assert [w[1] for w in waits] == ["compute"] * len(store.pieces)
-    assert [w[2] for w in waits] == slot0
+    waits = ops.sequence("wait")
+    assert [(w[1], w[2]) for w in waits] == [("compute", slot0[0])]
     assert set(store._events) == {1}
     ops.log.clear()
     store.mark_read([0])  # a kernel read slot 0; slot 1 was not read since its load
@@ -92,17 +86,19 @@ def test_a_copy_waits_for_the_last_kernel_that_read_its_slot_only():
     assert rec[:2] == ("record", "compute")
     read_ev = rec[2]
     ops.log.clear()
-    slot = store.load(5, evict=0)
-    assert slot == 0
-    # each piece's copy stream waits for exactly that read event, then records its own event
-    waits = [e for e in ops.log if e[0] == "wait"]
-    assert len(waits) == len(store.pieces) and all(w[2] is read_ev for w in waits)
-    assert {w[1] for w in waits} <= {f"copy{i}" for i in range(TRANSFER_STREAMS)}
-    assert not [e for e in ops.log if e[0] == "wait_stream"]
+    assert store.load(5, evict=0) == 0
+    # the copy stream waits for exactly that read event, marks the copy's start, copies, records its landing
+    assert [(e[0], e[1]) for e in ops.log] == [
+        ("wait", "copy0"),
+        ("record", "copy0"),
+        ("copy", "copy0"),
+        ("record", "copy0"),
+    ]
+    assert ops.log[0][2] is read_ev
     assert 0 not in store._read_events  # the next copy into slot 0 is ordered behind this one
     ops.log.clear()
     store.load(6, evict=1)  # slot 1 was never read: no wait at all
-    assert not [e for e in ops.log if e[0] == "wait"]
+    assert not ops.sequence("wait")
     assert torch.equal(store.slots["gate_up_proj"][0], experts.gate_up_proj[5])
     assert torch.equal(store.slots["down_proj"][1], experts.down_proj[6])
 
@@ -110,15 +106,59 @@ def test_a_copy_waits_for_the_last_kernel_that_read_its_slot_only():
 def test_pageable_host_copies_go_through_a_bounded_staging_ring():
     store, ops, experts = _store(pin=False, slots=3)
     assert len(store._staging) == STAGING_BUFFERS and store.staged  # said in the run's stats
+    assert store.pinned_bytes == STAGING_BUFFERS * store.layout.stride  # the ring alone
+    assert experts.gate_up_proj.data_ptr() == store.host["gate_up_proj"].data_ptr()  # left where it was
     assert not LayerStore(experts, num_slots=2).staged  # copies within host memory need no staging
-    assert store.pinned_bytes == 0  # no CUDA here: the staging buffers are not pinned either
     for k, e in enumerate(range(STAGING_BUFFERS + 2)):
         store.load(e, evict=None if store.free_slot() is not None else int(store.expert_in[k % 3]))
-    # the ring wrapped twice: the reused buffers' previous transfer events were waited for on the host
-    first = [ev for ev in ops.log if ev[0] == "record" and ev[1] != "compute"][: len(store.pieces)]
-    assert all(ev[2].synced == 1 for ev in first)
+    assert len(ops.sequence("copy")) == STAGING_BUFFERS + 2  # one copy an expert, staged or not
+    # the ring wrapped twice: the reused blocks' previous transfer events were waited for on the host
+    landings = [ev[2] for ev in ops.sequence("record")][1::2]
+    assert [ev.synced for ev in landings[:2]] == [1, 1] and landings[2].synced == 0
     for slot, e in enumerate(store.expert_in):
         assert torch.equal(store.slots["gate_up_proj"][slot], experts.gate_up_proj[e])
+
+
+def test_the_stream_wait_and_the_link_rate_on_the_simulated_timeline():
+    """By hand, at 1 GB/s: a batch of two experts issued at t = 0 lands at 2d (d = one block's time);
+    the kernels that wait for both at host time d/2 stand 2d - d/2; the link moved 2 blocks in 2d.
+    Catches a stream wait that ignores the host's clock, a batch whose copies overlap on the link,
+    and a link rate that counts the padding or the idle time."""
+    now = [0.0]
+    store, ops, _ = _store(slots=3, ops=FakeOps(clock=lambda: now[0]))
+    d = _ms(store.layout.stride)
+    store.load_many([3, 5], [])
+    waits = StreamWaits(ops)
+    now[0] = d / 2
+    waits.around(store.wait, [0, 1], decode=True)
+    assert waits.settle() == pytest.approx(2 * d - d / 2)
+    now[0] = 10 * d  # the link idles, then one more copy: its time is its own, not the gap before it
+    store.load(7)
+    now[0] = 12 * d
+    waits.around(store.wait, None, decode=True)  # it landed at 11d, before the host asks: no wait
+    assert waits.settle() == 0.0
+    stats = link_stats([store])
+    assert stats["link_bytes"] == 3 * store.layout.stride
+    assert stats["link_ms"] == pytest.approx(3 * d)
+    assert stats["link_gbps_observed"] == pytest.approx(LINK_GBPS)
+
+
+def test_the_split_moves_the_devices_copy_wait_out_of_the_sync():
+    """The device's wait for copies shows on the host where it next reads the device: that much of
+    device_sync is transfer_wait (no more than the sync), and the parts still add up to the wall."""
+    st = LiveStats()
+    times = ForwardTimes(lambda: 0.0, FakeOps())
+    times.begin(decode=True)
+    times.acc.update(layers=0.010, expert_compute=0.002, transfer_wait=0.001, device_sync=0.004)
+    ev = [FakeOps().event(timing=True) for _ in range(2)]
+    ev[0].time, ev[1].time = 1.0, 4.0  # the compute stream stood 3 ms
+    times.streams.pending.append((ev[0], ev[1], True))
+    st.add_breakdown(12.0, times)
+    assert st.transfer_wait_decode_ms == [pytest.approx(1.0 + 3.0)]
+    assert st.device_sync_decode_ms == [pytest.approx(4.0 - 3.0)]
+    assert st.stream_wait_decode_ms == [3.0]
+    parts = [getattr(st, f"{p}_decode_ms")[0] for p in BREAKDOWN]
+    assert sum(parts) == pytest.approx(12.0)
 
 
 def test_pinned_budget_is_the_given_size_or_half_the_available_memory():
@@ -240,3 +280,142 @@ def test_substituted_weights_stay_on_the_host_in_the_routers_dtype():
     # expert 0 keeps its weight; expert 2 gets p2 * sum(w) / (p0 + p1)
     want = torch.tensor([[0.75, 0.2 * 1.0 / 0.8]]).to(torch.bfloat16)
     assert torch.equal(out, want)
+
+
+SIM_SETTING = dict(
+    policy="lru", capacity=2, prefetch="online", alpha=0.0, warm=False, hardware="prescope-a100-pcie4"
+)
+
+
+def _sim_run(model, ids, steps=3, **kw):
+    """Decode under the runtime on the simulated device; (logits, stats, runtime)."""
+    rt = attach(model, device_ops="simulated", **{**SIM_SETTING, **kw})
+    try:
+        got = decode_logits(model, ids, steps=steps)
+        return got, rt.stats(), rt
+    finally:
+        rt.detach()
+
+
+def test_the_simulated_device_walks_the_cuda_path_with_the_cpus_results():
+    """device_ops='simulated': the packed pinned layout, one link stream, events and stream waits, with
+    the logits and every cache figure of the synchronous CPU path. Catches a simulated path that moves
+    other weights than the CPU path (logits), decides otherwise (counters), reports itself as real or
+    staged, or times no copy (transfer wait and link rate where loads happened)."""
+    model = make_model("qwen2_moe")
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(7))
+    ref = decode_logits(model, ids)
+    rt = attach(model, **SIM_SETTING)
+    try:
+        cpu_logits, cpu = decode_logits(model, ids), rt.stats()
+    finally:
+        rt.detach()
+    got, sim, rt = _sim_run(model, ids)
+    assert torch.equal(got, ref) and torch.equal(cpu_logits, ref)
+    for key in ("hits", "loads", "transfers", "prefetches_issued", "prefetches_landed", "cpu_experts"):
+        assert sim[key] == cpu[key], key
+    assert sim["loads"] > 0 and sim["simulated_device"] and sim["device_ops"] == "simulated"
+    assert sim["pinned_bytes"] == sum(st.num_experts * st.layout.stride for st in rt.stores)
+    assert sim["staged_copies"] == 0 and cpu["pinned_bytes"] == 0
+    ops = rt.device.ops
+    assert isinstance(ops, SimulatedOps) and ops.made == 1  # the tier's one link
+    assert ops.link_gbps == pytest.approx(load_profile("prescope-a100-pcie4").transfer_gbps)  # the profile's
+    copies = ops.sequence("copy")
+    assert len(copies) == sim["transfers"] and {c[1] for c in copies} == {"copy0"}
+    assert sim["link_bytes"] == len(copies) * rt.stores[0].layout.stride
+    # the simulated link's rate, less the host's gaps between a copy's mark and its issue (the frozen
+    # clock of test_the_stream_wait_and_the_link_rate_on_the_simulated_timeline pins it exactly)
+    assert 0 < sim["link_gbps_observed"] <= ops.link_gbps * (1 + 1e-9)
+    assert sim["transfer_wait_ms"] > 0 and cpu["transfer_wait_ms"] > 0  # loads happened: the host copied
+    assert sim["stream_wait_ms"] >= 0 and cpu["stream_wait_ms"] == 0
+
+
+def test_a_layers_demand_copies_go_out_as_one_batch_before_the_next_layers_prefetch():
+    """On the simulated device's record: within each decode step's experts call, the layer's demand
+    copies are issued back to back (no wait of the compute stream between them), and every prefetch copy into the next
+    layer's slots comes after them on the same stream, so it lands after them. Catches a prefetch
+    queued ahead of the demand loads, a stream per layer (copies of two layers racing on the link) and
+    demand copies interleaved with the waits."""
+    model = make_model("qwen2_moe")
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(7))
+    rt = attach(model, device_ops="simulated", **SIM_SETTING)
+    ops = rt.device.ops
+    real_layer, real_prefetch = rt.forward_layer, rt._prefetch
+
+    def forward_layer(pos, *a, **kw):
+        ops.log.append(("layer", pos, rt.fwd.decode))
+        return real_layer(pos, *a, **kw)
+
+    def prefetch():
+        ops.log.append(("prefetch",))
+        real_prefetch()
+        ops.log.append(("prefetched",))
+
+    rt.forward_layer, rt._prefetch = forward_layer, prefetch
+    try:
+        decode_logits(model, ids, steps=6)
+        bases = [(st._slot_raw.data_ptr(), st._slot_raw.numel()) for st in rt.stores]
+    finally:
+        rt.detach()
+
+    def layer_of(dst):
+        return next(i for i, (b, n) in enumerate(bases) if b <= dst.data_ptr() < b + n)
+
+    calls, both = [], 0
+    for entry in ops.log:
+        if entry[0] == "layer":
+            calls.append(dict(pos=entry[1], decode=entry[2], seq=[], prefetching=False))
+        elif calls and entry[0] in ("prefetch", "prefetched"):
+            calls[-1]["prefetching"] = entry[0] == "prefetch"
+        elif calls and entry[0] == "copy":
+            kind = "prefetch" if calls[-1]["prefetching"] else "demand"
+            calls[-1]["seq"].append((kind, layer_of(entry[3]), entry[1]))
+        elif calls and entry[0] == "wait" and entry[1] == "compute":
+            calls[-1]["seq"].append(("compute-wait", None, "compute"))
+    for call in calls:
+        seq = [k for k, _, _ in call["seq"]]
+        demand = [i for i, k in enumerate(seq) if k == "demand"]
+        prefetch = [i for i, k in enumerate(seq) if k == "prefetch"]
+        assert all(layer == call["pos"] for k, layer, _ in call["seq"] if k == "demand")
+        assert all(layer == call["pos"] + 1 for k, layer, _ in call["seq"] if k == "prefetch")
+        # a decode step's misses fit the slots: back to back, before any wait of the compute stream (a
+        # prefill's outnumber them and stream through the slots in waves, each after the last computed)
+        if demand and call["decode"]:
+            assert seq[demand[0] : demand[-1] + 1] == ["demand"] * len(demand)
+            assert "compute-wait" not in seq[: demand[0]]
+        if demand and prefetch:
+            assert max(demand) < min(prefetch)
+            both += 1
+        assert {s for k, _, s in call["seq"] if k != "compute-wait"} <= {"copy0"}
+    assert both > 0  # the run had layers with both, so the order was tested
+
+
+@pytest.mark.parametrize("device_ops", ["auto", "simulated"])
+def test_the_next_layers_prediction_follows_the_launch_of_this_layers_experts_on_an_accelerator(device_ops):
+    """On an accelerator (here the simulated one) the experts' kernels run asynchronously: layer l+1's
+    prediction is made after layer l's experts are launched, before the host waits for anything of
+    theirs, so it overlaps them; on the CPU, which computes them synchronously, it comes first (its
+    prefetch's reads then overlap the compute). Catches the prediction left on the accelerator's
+    critical path, or moved behind the CPU's compute."""
+    model = make_model("qwen2_moe")
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(7))
+    rt = attach(model, device_ops=device_ops, **SIM_SETTING)
+    order: list[tuple[str, int]] = []
+    real_next, real_device, real_join = rt.prefetcher.next, rt.executor._device, rt.executor.join
+    rt.prefetcher.next = lambda nxt, *a: (order.append(("predict", nxt)), real_next(nxt, *a))[1]
+    rt.executor._device = lambda pos, *a: (order.append(("launch", pos)), real_device(pos, *a))[1]
+    rt.executor.join = lambda *a: (order.append(("join", -1)), real_join(*a))[1]
+    try:
+        decode_logits(model, ids, steps=3)
+    finally:
+        rt.detach()
+    predicted = [i for i, (k, nxt) in enumerate(order) if k == "predict" and nxt > 0]
+    assert predicted
+    for i in predicted:
+        before = [k for k, _ in order[:i]]
+        last = len(before) - 1 - before[::-1].index("join") if "join" in before else -1
+        layer = [k for k, pos in order[last + 1 : i] if k == "launch"]
+        if device_ops == "simulated":
+            assert layer and order[i + 1][0] == "join"  # launched, then predicted, then joined
+        else:
+            assert not layer  # predicted before the layer's experts compute

@@ -264,8 +264,8 @@ def test_expert_store_slots_are_preallocated_and_hold_the_loaded_expert():
     assert {n: t.data_ptr() for n, t in store.slots.items()} == ptrs
     assert torch.equal(store.slots["gate_up_proj"][slot], experts.gate_up_proj[5])
     assert torch.equal(store.slots["down_proj"][slot], experts.down_proj[5])
-    # gate / up / down are separate pieces (PreScope §4.4)
-    assert len(store.pieces) == 3
+    # one expert is one block of the layout: every tensor of the expert, packed
+    assert store.layout.names == tuple(store.slots) and store.expert_bytes == store.layout.expert_bytes
     assert store.loads == 4 and store.bytes_moved == 4 * store.expert_bytes
     with pytest.raises(ValueError, match="full"):
         store.load(6)

@@ -196,6 +196,15 @@ def test_live_and_replay_equal_at_a_quantized_precision(tiny, profile, tmp_path,
     assert stats["bytes_read"] == stats["disk_reads"] * (-(-r.config["expert_bytes"] // 4096) * 4096)
 
 
+@pytest.mark.parametrize("case", ["oracle prefetch", "presched", "smoe"])
+def test_live_and_replay_equal_on_the_simulated_device(tiny, profile, cheap_cpu_profile, tmp_path, case):
+    """device_ops='simulated' walks the accelerator's path (packed slots, one link stream, events, the
+    CPU experts on a worker thread): the same decisions, so the same figures as the replay."""
+    hw = cheap_cpu_profile if case == "presched" else profile
+    _, _, _, stats = _equal_values(tiny, hw, tmp_path, case, dict(device_ops="simulated"))
+    assert stats["simulated_device"] and stats["device_ops"] == "simulated" and stats["link_bytes"] > 0
+
+
 def _equal_values(tiny, profile, tmp_path, case, tier=None):
     tier = tier or {}
     policy, oracle = CASES[case]

@@ -346,7 +346,8 @@ def test_offload_disk_needs_a_directory():
 
 def reload_after_a_read(store: DiskLayerStore, ops: FakeOps) -> None:
     """Fill slots 0, 1 with experts 4, 6, mark slot 0 read by a kernel, then load expert 1 over expert
-    4; the load queues, on one stream, a wait for that kernel's event and the one copy's event."""
+    4; the load queues, on one stream, a wait for that kernel's event, a mark of the copy's start (the
+    read may have left the link idle), the one copy of the whole block and its one landing event."""
     store.fill([4, 6])
     store.wait([0, 1])
     store.mark_read([0])
@@ -354,9 +355,14 @@ def reload_after_a_read(store: DiskLayerStore, ops: FakeOps) -> None:
     ops.log.clear()
     store.load(1, evict=4)
     store.wait()
-    queued = [e for e in ops.log if e[0] in ("wait", "record") and e[1] != "compute"]
-    assert [(e[0], e[1]) for e in queued] == [("wait", "copy0"), ("record", "copy0")]
-    assert queued[0][2] is read_ev
+    queued = [e for e in ops.log if e[1] != "compute"]
+    assert [(e[0], e[1]) for e in queued] == [
+        ("wait", "copy0"),
+        ("record", "copy0"),
+        ("copy", "copy0"),
+        ("record", "copy0"),
+    ]
+    assert queued[0][2] is read_ev and queued[2][2] == store.layout.stride
 
 
 def test_cuda_style_disk_store_reads_into_staging_then_copies_after_the_slots_last_reader(tmp_path):

@@ -58,6 +58,9 @@ def test_cli_run_offload_disk_writes_once_and_reports_the_tiers(tiny_dir, tmp_pa
     base += ["--policy", "lru", "--capacity", "0.25"]
     main([*base, "--json"])
     ram = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    main([*base, "--device-ops", "simulated"])  # the GPU path's streams and events, simulated on the CPU
+    sim = capsys.readouterr().out
+    assert "simulated link" in sim and ram["output"] in sim
     off = tmp_path / "off"
     main([*base, "--offload", "disk", "--offload_dir", str(off), "--json"])
     first = capsys.readouterr().out

@@ -115,6 +115,19 @@ def _print_stats(stats: dict[str, Any]) -> None:
             ", ".join(f"{p.replace('_', ' ')} {stats[p + '_ms']:.2f}" for p in parts) + " ms",
         )
     )
+    if stats.get("link_gbps_observed"):
+        # the copies into the slots as the device's events timed them, and its kernels' wait for them
+        if stats.get("device_ops") == "simulated":
+            where = "simulated link"
+        else:  # without an accelerator the copies are the host's, within its memory
+            where = "host memory copies" if stats.get("simulated_device") else "link"
+        rows.append(
+            (
+                "transfers",
+                f"{stats['link_bytes'] / 2**20:.1f} MiB in {stats['link_ms']:.2f} ms ({where} "
+                f"{stats['link_gbps_observed']:.1f} GB/s); device wait {stats['stream_wait_ms']:.3f} ms a step",
+            )
+        )
     if stats.get("online_updates"):
         rows.append(
             ("online learning", f"{stats['online_updates']} steps, last loss {stats['online_loss']:.4f}")
@@ -144,6 +157,7 @@ def run(
     expert_dtype: str = DEFAULT.expert_dtype,
     group_size: int = DEFAULT.group_size,
     router_pattern: str | None = None,
+    device_ops: str = "auto",
     json: bool = False,
 ) -> dict[str, Any]:
     """Generate text with the live runtime attached and report its cache, substitution and TPOT figures.
@@ -182,6 +196,9 @@ def run(
         group_size: int4's group along each matrix's input dimension: 32, 64, 128 or 256.
         router_pattern: Regex over module names naming the routers, for a model whose routers transformers'
             ``_can_record_outputs`` does not name (its experts must still use the experts interface).
+        device_ops: How copies reach the slots: auto (CUDA's streams on a GPU, else synchronous copies) or
+            simulated (on the CPU, the GPU path's streams and events simulated: the same copies and waits,
+            in the same order, timed on a link at the hardware profile's rate).
         json: Print one JSON object instead of text and a table.
     """
     _threads()
@@ -210,6 +227,7 @@ def run(
         expert_dtype=expert_dtype,
         group_size=group_size,
         router_pattern=router_pattern,
+        device_ops=device_ops,
     )
     try:
         branch = rt.plan(prompt) if plan is not None else None

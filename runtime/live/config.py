@@ -9,7 +9,7 @@ from typing import Any
 
 from moecast.runtime.core.policy import POLICIES, Policy, with_policies
 from moecast.runtime.core.spec import RuntimeSpec
-from moecast.runtime.tiers.base import ExpertTier
+from moecast.runtime.tiers.base import DEVICE_OPS, ExpertTier
 from moecast.runtime.tiers.precision import TwoCopies, expert_setting
 from moecast.runtime.tiers.registry import TIERS
 
@@ -50,6 +50,10 @@ class LiveConfig(RuntimeSpec):
         warm: Fill the slots at attach (SMoE §4.1); False starts every layer empty.
         score_window: SMoE Eq. 3's n (steps averaged by the score policy).
         device: Where slots live (default: where the experts are; a CUDA device for the real path).
+        device_ops: How copies reach the slots: ``auto`` (CUDA's streams and events where the slots are on
+            a CUDA device, else synchronous copies on the CPU) or ``simulated`` (the CPU walks the CUDA
+            path: copies queued on a simulated transfer stream with one event each, the compute stream
+            waiting for them, a link at the hardware profile's rate; :mod:`moecast.runtime.tiers.simulated`).
         online_update: After each decoded token, one continual-learning step of the layer-ahead predictor
             on its now-known routing (PreScope §4.2.2); off by default.
         online_lr: Learning rate of those steps.
@@ -87,6 +91,7 @@ class LiveConfig(RuntimeSpec):
     balance: str | None = None
     warm: bool = True
     device: str | None = None
+    device_ops: str = "auto"
     online_update: bool = False
     online_lr: float = 1e-4
     learn_plans: bool = False
@@ -122,6 +127,8 @@ class LiveConfig(RuntimeSpec):
             raise InputError(f"unknown balance {self.balance!r}; choose one of {', '.join(BALANCE)}")
         if self.offload not in TIERS:
             raise InputError(f"unknown offload {self.offload!r}; choose one of {', '.join(TIERS)}")
+        if self.device_ops not in DEVICE_OPS:
+            raise InputError(f"unknown device_ops {self.device_ops!r}; choose one of {', '.join(DEVICE_OPS)}")
         if int(self.io_threads) < 1:
             raise InputError(f"io_threads must be at least 1, got {self.io_threads}")
         if self.pinned_mb is not None and not (math.isfinite(self.pinned_mb) and self.pinned_mb >= 0):

@@ -74,10 +74,7 @@ class Executor:
         keep = set(want.tolist())
         out = [int(e) for e in store.expert_in if e >= 0 and int(e) not in keep]
         before = store.loads
-        for e in want:
-            if store.slot_of[int(e)] >= 0:
-                continue
-            store.load(int(e), evict=None if store.free_slot() is not None else out.pop(0))
+        store.load_many([int(e) for e in want if store.slot_of[int(e)] < 0], out)
         return store.loads - before
 
     def placed(self) -> None:
@@ -94,13 +91,12 @@ class Executor:
         return experts[inserted]
 
     def move(self, pos: int, before: np.ndarray, placed: np.ndarray) -> None:
-        """Copy the experts the cache just took (``placed``) into the slots of those it evicted since ``before``."""
+        """Copy the experts the cache just took (``placed``) into the slots of those it evicted since ``before``:
+        one batch, issued back to back on the link before anything the caller issues next."""
         if not len(placed):
             return
-        st = self.stores[pos]
-        ev = list(np.flatnonzero(before & ~self.cache.resident[pos]))
-        for e in placed:
-            st.load(int(e), evict=int(ev.pop()) if st.free_slot() is None and ev else None)
+        evicted = np.flatnonzero(before & ~self.cache.resident[pos])[::-1]  # the latest evicted first
+        self.stores[pos].load_many(placed, [int(e) for e in evicted])
 
     # ------------------------------------------------------------------ compute
     def full(
@@ -114,7 +110,7 @@ class Executor:
     ) -> torch.Tensor:
         """Full residency, slot i holding expert i: the wrapped implementation runs on the slots as is."""
         st = self.stores[pos]
-        st.wait()  # a disk store's slots may still be landing
+        self.times.stream_wait(st.wait, None)  # a disk store's slots may still be landing
         view = SlotView(module, st.slots, st.num_slots, False)
         return self.times.timed("expert_compute", self.impls[pos], view, hidden, index, weights, **kwargs)
 
@@ -221,7 +217,7 @@ class Executor:
             partial = True
         slot_ids = transfer.to_device(torch.from_numpy(table[call.ids]), call.index.device)
         slots = slot_of[experts]
-        st.wait(slots)
+        self.times.stream_wait(st.wait, slots)
         out = self.times.timed(
             "expert_compute",
             self.impls[pos],

@@ -204,7 +204,8 @@ class LiveRuntime:
         self.step = core.step(self.capacity, stat_base=np.zeros(L, dtype=np.int64), n_stats=L, compiled=True)
         self.cache = self.step.cache
         self.lanes = Lanes.of(self.num_layers)
-        self.device = device or Device.at(slot_device(model, structure, config.device))
+        where = slot_device(model, structure, config.device)
+        self.device = device or Device.at(where, config.device_ops, link_gbps=_link_gbps(self.cost))
         spec = TierSpec(
             self.capacity, self.device, prec, pinned_budget(config.pinned_mb),
             capacity_arg=config.capacity, directory=config.offload_dir, io_threads=int(config.io_threads),
@@ -214,7 +215,7 @@ class LiveRuntime:
         # two copies: the slots follow the step's copy of each expert (runtime/live/copies.py)
         self.copies = SlotCopies(self.step, self.stores, prec) if two else None
         self.stats_ = LiveStats()
-        self.times = ForwardTimes(self.tier.waited)
+        self.times = ForwardTimes(self.tier.waited, self.device.ops)
         self.executor = Executor(self.tier, self.device, self.cache, self.times, self.stats_)
         self.fwd = Forward()
         self.router_logits: list[torch.Tensor | None] = [None] * self.num_layers  # kept by the router hooks
@@ -280,7 +281,7 @@ class LiveRuntime:
         f.ids = np.zeros((n, self.num_layers, self.top_k), np.int64)
         f.w = np.zeros((n, self.num_layers, self.top_k), np.float32)
         f.clock, f.t, f.pending = 0.0, np.array([self._step]), None
-        self.times.begin()
+        self.times.begin(decode)
         if decode and self.prefetcher.mode == "predictor":
             # the first layer's prefetch, predicted from what the token's start knows, sent out before the
             # model runs: its reads overlap the first layer's attention, the window the step gives it
@@ -351,6 +352,7 @@ class LiveRuntime:
         nxt = pos + 1
         # PreSched sizes this layer's split by the next layer's predicted experts, so it predicts first;
         # the others predict once the layer's demand loads are on the link, as the step's window has it
+        # (and on an accelerator once its experts are launched too)
         presched = self.policy.balancer == "presched"
         if presched:
             next_ids, f.pending = self.prefetcher.next(nxt, f.decode, f.next_scores, self.times)
@@ -369,15 +371,20 @@ class LiveRuntime:
         self.executor.move(pos, before, placed)
         if self.copies is not None:  # what the step upgraded before this layer's experts: the high copy
             self.copies.sync(pos)
-        if not presched:
-            f.pending = self.prefetcher.next(nxt, f.decode, f.next_scores, self.times)[1]
         cpu_ids = o.cpu_ids[0]
         early = not (cpu_ids >= 0).any()
-        if early:
-            # the next layer's prefetch is queued now, behind this layer's demand loads, so its
-            # transfers run while this layer computes (the step's window opens when the link is free,
-            # not after the experts' compute); a CPU set's reads come first, so it waits for them
-            self._prefetch()
+        # the next layer's prediction: on an accelerator after this layer's experts are launched, so it
+        # runs on the host while their kernels run (the prefetch could not start before it anyway); on
+        # the CPU, which computes them synchronously, before them, so that a prefetch's reads overlap them
+        after_launch = self.device.accelerated
+        if not after_launch:
+            if not presched:
+                f.pending = self.prefetcher.next(nxt, f.decode, f.next_scores, self.times)[1]
+            if early:
+                # the next layer's prefetch is queued now, behind this layer's demand loads, so its
+                # transfers run while this layer computes (the step's window opens when the link is free,
+                # not after the experts' compute); a CPU set's reads come first, so it waits for them
+                self._prefetch()
         # experts of the call, as np.unique(ids) counts them (the router gives no padding ids)
         distinct = len(uniq) if ids.min() >= 0 else len(np.unique(ids))
         call = ExpertsCall(
@@ -389,6 +396,11 @@ class LiveRuntime:
         if self.copies is not None and len(streamed):  # demand loads too: the low copy
             self.copies.mark(pos, streamed, True)
         out, to_cpu, cpu_part = self.executor.run(pos, call, uniq[hit], placed, streamed, uniq, cpu_ids)
+        if after_launch:
+            if not presched:
+                f.pending = self.prefetcher.next(nxt, f.decode, f.next_scores, self.times)[1]
+            if early:  # still behind this layer's demand copies on the link, which went out in move
+                self._prefetch()
         out = self.executor.join(out, to_cpu, cpu_part, uniq, counts, hidden, n)
         f.clock += float(o.layer_t[0])
         if not early:
@@ -515,6 +527,14 @@ def link_bytes(prec: Precision, structure: MoEStructure, model_bytes: int) -> in
         return int(model_bytes)
     first = structure.layers[0].experts
     return expert_nbytes(prec, expert_params(first), bool(getattr(first, "is_transposed", False)))
+
+
+def _link_gbps(cost: Any) -> float | None:
+    """The link's rate (GB/s) a CostModel moves an expert at, for a simulated device's link
+    (None where the profile has no link or a free one)."""
+    if not 0 < cost.t_io < float("inf"):
+        return None
+    return cost.expert_bytes / (cost.t_io * 1e-3) / 1e9
 
 
 def router_probs(logits: torch.Tensor | None, structure: MoEStructure, pos: int, n: int) -> torch.Tensor:

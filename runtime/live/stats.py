@@ -19,22 +19,69 @@ if TYPE_CHECKING:
 BREAKDOWN = ("attention", "expert_compute", "transfer_wait", "device_sync", "predictor", "policy")
 
 
+class StreamWaits:
+    """Device time the compute stream waits for expert copies: the stream wait of each call's kernels.
+
+    Around each wait for slots' copies a timing event goes on the compute stream before and after it;
+    the time between them is how long the device's kernels stood waiting for the copies (CUDA's
+    ``elapsed_time``; the simulated device's timeline). The pairs are read once both events completed,
+    never blocking the host inside a forward (a pair read at a later step's end counts there).
+    ``ops`` None: copies are synchronous, the host's wall time counts them instead (``ForwardTimes.waited``).
+    """
+
+    def __init__(self, ops: Any) -> None:
+        self.ops = ops
+        self.pending: list[tuple[Any, Any, bool]] = []  # (before, after, in a decode step)
+
+    def around(self, wait: Callable[[Any], None], slots: Any, decode: bool) -> None:
+        """``wait(slots)`` (it queues the compute stream's waits), timed on the compute stream."""
+        if self.ops is None:
+            wait(slots)
+            return
+        compute = self.ops.current()
+        before, after = self.ops.event(timing=True), self.ops.event(timing=True)
+        before.record(compute)
+        wait(slots)
+        after.record(compute)
+        self.pending.append((before, after, decode))
+
+    def settle(self, block: bool = False) -> float:
+        """Milliseconds of decode-step waits read now, of the pairs whose events completed (``block``: all)."""
+        ms, left = 0.0, []
+        for before, after, decode in self.pending:
+            if block:
+                after.synchronize()
+            if not after.query():
+                left.append((before, after, decode))
+            elif decode:
+                ms += before.elapsed_time(after)
+        self.pending = left
+        return ms
+
+
 class ForwardTimes:
     """One forward's wall time by part (seconds): the experts calls (``layers``) and, inside them, expert
     compute, transfer waits, the device sync and predictor calls; the rest of a call is the policy's.
 
-    ``waited`` reads the tier's host time blocked on transfers: a part's time excludes the waits inside
-    it, which count as ``transfer_wait``.
+    ``waited`` reads the tier's host time spent on transfers: a part's time excludes the waits inside
+    it, which count as ``transfer_wait``. ``streams`` times the device's own waits for copies (``ops``:
+    the device's stream calls, None without an accelerator).
     """
 
-    def __init__(self, waited: Callable[[], float]) -> None:
+    def __init__(self, waited: Callable[[], float], ops: Any = None) -> None:
         self.waited = waited
+        self.streams = StreamWaits(ops)
         self.begin()
 
-    def begin(self) -> None:
-        """A forward starts now."""
+    def begin(self, decode: bool = False) -> None:
+        """A forward starts now (``decode``: a decode step)."""
         self.acc = dict.fromkeys(("layers", *BREAKDOWN[1:-1]), 0.0)
         self.t0 = self.layer_end = time.perf_counter()
+        self.decode = decode
+
+    def stream_wait(self, wait: Callable[[Any], None], slots: Any) -> None:
+        """``wait(slots)``: the compute stream waits for the slots' copies, its device time measured."""
+        self.streams.around(wait, slots, self.decode)
 
     def timed(self, part: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args)``, its wall time added to ``part`` less the transfer waits inside it (counted apart)."""
@@ -85,6 +132,9 @@ class LiveStats:
     policy_decode_ms: list[float] = field(default_factory=list)
     # per decode step (ms): after the last MoE layer's experts (its shared experts, final norm, LM head)
     after_layers_decode_ms: list[float] = field(default_factory=list)
+    # per decode step (ms): the device's kernels waiting for their experts' copies (events on the compute
+    # stream; 0 without an accelerator, whose copies the host makes: transfer_wait counts them)
+    stream_wait_decode_ms: list[float] = field(default_factory=list)
     modeled_prefill_ms: float = 0.0
 
     def clear(self) -> None:
@@ -95,10 +145,15 @@ class LiveStats:
         """One decode step's wall time (ms) split: outside the experts calls, and inside them by kind."""
         acc = {k: v * 1e3 for k, v in times.acc.items()}
         inner = acc["expert_compute"] + acc["transfer_wait"] + acc["device_sync"] + acc["predictor"]
+        # the device's wait for copies delays what follows it on the compute stream, which the host sees
+        # where it next reads the device (device_sync): that much of the sync was the transfers'
+        stream = times.streams.settle()
+        moved = min(stream, acc["device_sync"])
         self.attention_decode_ms.append(max(0.0, wall - acc["layers"]))
         self.expert_compute_decode_ms.append(acc["expert_compute"])
-        self.transfer_wait_decode_ms.append(acc["transfer_wait"])
-        self.device_sync_decode_ms.append(acc["device_sync"])
+        self.transfer_wait_decode_ms.append(acc["transfer_wait"] + moved)
+        self.device_sync_decode_ms.append(acc["device_sync"] - moved)
+        self.stream_wait_decode_ms.append(stream)
         self.predictor_decode_ms.append(acc["predictor"])
         self.policy_decode_ms.append(max(0.0, acc["layers"] - inner))
 
@@ -127,7 +182,7 @@ class LiveStats:
         d["modeled_tpot_ms"] = (
             float(np.mean(self.modeled_decode_ms)) if self.modeled_decode_ms else float("nan")
         )
-        for part in (*BREAKDOWN, "after_layers"):
+        for part in (*BREAKDOWN, "after_layers", "stream_wait"):
             ms = getattr(self, f"{part}_decode_ms")
             d[f"{part}_ms"] = float(np.mean(ms)) if ms else float("nan")
         return d
@@ -150,7 +205,8 @@ def runtime_stats(rt: LiveRuntime) -> dict[str, Any]:
         hardware=rt.cost.profile,
         hardware_from=rt.hardware_from,  # given, or the default chosen (this machine's where measured)
         device=str(rt.device.where),
-        simulated_device=not rt.device.accelerated,
+        simulated_device=rt.device.simulated,
+        device_ops=rt.config.device_ops,
         pinned_bytes=tier.pop("pinned_bytes"),
         staged_copies=tier.pop("staged_copies"),
         offload=rt.config.offload,

@@ -12,12 +12,13 @@ device type or a tier name.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 import torch
+
+from moecast.errors import InputError
 
 if TYPE_CHECKING:  # precision imports expert_store, which imports this module
     from moecast.runtime.tiers.precision import Precision
@@ -28,15 +29,26 @@ Wave = tuple[dict[str, torch.Tensor], np.ndarray, int]
 
 
 class CopyOps(Protocol):
-    """The stream and event calls an asynchronous copy makes (CUDA's; a test logs them instead)."""
+    """The stream and event calls of an asynchronous device (CUDA's: :class:`CudaOps`; the simulated
+    device's, which runs them on the CPU and records their order: :class:`moecast.runtime.tiers.simulated.SimulatedOps`).
+
+    A stream has ``wait_event(event)``; an event has ``record(stream)``, ``synchronize()`` (the host
+    waits for it), ``query()`` (done yet, without waiting) and ``elapsed_time(end)`` (ms from it to
+    ``end``, both made with ``timing``).
+    """
+
+    #: host memory can be page-locked for the copy engine (the simulated device allocates it plainly)
+    pins: bool
 
     def stream(self) -> Any: ...
 
     def current(self) -> Any: ...
 
-    def event(self) -> Any: ...
+    def event(self, timing: bool = False) -> Any: ...
 
-    def on(self, stream: Any) -> AbstractContextManager[Any]: ...
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        """Queue ``dst.copy_(src)`` on ``stream`` (asynchronous where the device is)."""
+        ...
 
 
 class CudaOps:
@@ -44,6 +56,7 @@ class CudaOps:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.pins = torch.cuda.is_available()
 
     def stream(self) -> Any:
         return torch.cuda.Stream(device=self.device)
@@ -51,11 +64,16 @@ class CudaOps:
     def current(self) -> Any:
         return torch.cuda.current_stream(self.device)
 
-    def event(self) -> Any:
-        return torch.cuda.Event()
+    def event(self, timing: bool = False) -> Any:
+        return torch.cuda.Event(enable_timing=timing)
 
-    def on(self, stream: Any) -> Any:
-        return torch.cuda.stream(stream)
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+
+#: ``LiveConfig.device_ops`` names: how copies reach the slots
+DEVICE_OPS = ("auto", "simulated")
 
 
 @dataclass(frozen=True)
@@ -63,8 +81,9 @@ class Device:
     """Where the slots live and how copies reach them.
 
     ``ops`` issues asynchronous copies (an accelerator beside the host: its streams compute while the
-    host decides, copies wait on events); None: the simulated device, the CPU itself, where copies are
-    synchronous and the same cores compute the resident and the CPU experts.
+    host decides, copies wait on events), or simulates them on the CPU in the same order
+    (:mod:`moecast.runtime.tiers.simulated`); None: the CPU standing in for an accelerator, where copies
+    are synchronous and the same cores compute the resident and the CPU experts.
     """
 
     where: torch.device
@@ -72,11 +91,30 @@ class Device:
 
     @property
     def accelerated(self) -> bool:
+        """Copies go through streams and events (CUDA's, or the simulated device's)."""
         return self.ops is not None
 
+    @property
+    def simulated(self) -> bool:
+        """No accelerator computes here: the CPU does (synchronously, or walking the simulated streams)."""
+        return self.ops is None or not isinstance(self.ops, CudaOps)
+
     @classmethod
-    def at(cls, where: torch.device | str) -> Device:
+    def at(cls, where: torch.device | str, ops: str = "auto", link_gbps: float | None = None) -> Device:
+        """The device at ``where``: ``ops`` auto (CUDA's streams on a CUDA device, else synchronous
+        copies) or simulated (streams and events simulated on the CPU, the link at ``link_gbps``)."""
         where = torch.device(where)
+        if ops not in DEVICE_OPS:
+            raise InputError(f"unknown device_ops {ops!r}; choose one of {', '.join(DEVICE_OPS)}")
+        if ops == "simulated":
+            if where.type != "cpu":
+                raise InputError(
+                    f"device_ops='simulated' simulates an accelerator on the CPU; the slots are on {where}: "
+                    "drop device=... or use device_ops='auto'"
+                )
+            from moecast.runtime.tiers.simulated import SimulatedOps
+
+            return cls(where, SimulatedOps(link_gbps=link_gbps))
         return cls(where, CudaOps(where) if where.type == "cuda" else None)
 
 

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 from moecast.runtime.tiers import offload
 from moecast.runtime.tiers.base import TierSettings, TierSpec
-from moecast.runtime.tiers.expert_store import expert_params
+from moecast.runtime.tiers.expert_store import expert_params, link_stats
 from moecast.runtime.tiers.precision import TwoCopies
 
 from moecast.errors import InputError
@@ -82,9 +82,10 @@ class DiskTier:
                 )
             if dev.where.type == "cpu":
                 offload.check_fits(spec.capacity, reader.layouts, spec.capacity_arg)
+            link = dev.ops.stream() if dev.ops is not None else None  # one transfer stream, the link
             layers = [
                 offload.DiskLayerStore(
-                    e.experts, spec.capacity, reader, pos, dev.where, ops=dev.ops, low_reader=low
+                    e.experts, spec.capacity, reader, pos, dev.where, ops=dev.ops, low_reader=low, stream=link
                 )
                 for pos, e in enumerate(structure.layers)
             ]
@@ -114,6 +115,7 @@ class DiskTier:
             # the disk as this run saw it, beside the profile's figure the modeled time used
             disk_read_gbps_observed=_observed_gbps(r, lo) if r is not None else None,
             direct_io=bool(r.direct) if r is not None else None,
+            **link_stats(self.layers),
         )
 
     def close(self) -> None:

@@ -3,57 +3,55 @@
 SMoE §IV (Fig. 7, "parameter initialisation") keeps every non-shared expert in CPU
 memory and a subset resident on the GPU; PreScope §4.4 (AsyncIO) pre-registers the
 device buffers once, so a transfer only overwrites a fixed slot (no allocation per
-transfer), splits each expert into its gate / up / down matrices and moves the pieces
-on separate CUDA streams from pinned host memory with asynchronous copies.
+transfer), and moves experts from pinned host memory with asynchronous copies.
 
 :class:`LayerStore` is that for one MoE layer of a Hugging Face model (one experts
-module of transformers' experts interface): ``host`` holds the weights of every expert
-(pinned when CUDA is present), ``slots`` the device buffers, ``slot_of`` which expert
-each slot holds. :class:`SlotView` presents the slots to the experts implementation the
-model already uses, as if they were the module's own weights, so resident experts run
-with exactly the model's arithmetic.
+module of transformers' experts interface): ``host`` holds the weights of every expert,
+``slots`` the device buffers, ``slot_of`` which expert each slot holds. :class:`SlotView`
+presents the slots to the experts implementation the model already uses, as if they were
+the module's own weights, so resident experts run with exactly the model's arithmetic.
 
-On CUDA a copy into a slot waits only for the last kernel that read that slot (one event
-recorded on the compute stream after each call that reads slots), not for everything
-queued on the compute stream, so a prefetch into layer l+1's slots starts while layer l
-computes. Pinned host memory is bounded: the host copies are pinned only when they fit
-the pinning budget; otherwise they stay pageable and each transfer goes through a small
-ring of pinned staging buffers (``STAGING_BUFFERS`` experts), and ``pinned_bytes`` says
-how much is pinned.
+With an accelerator (a :class:`moecast.runtime.tiers.base.Device`'s ``ops``: CUDA's streams, or the
+simulated device's) an expert is one packed block (:mod:`moecast.runtime.tiers.layout`): the host
+copies of a layer's experts are one pinned buffer, each expert's tensors contiguous in its block, and
+each device slot is one buffer whose views are the tensors, so a transfer is one copy and one event
+per expert (PreScope splits an expert into gate / up / down pieces on three streams; one block a copy
+costs one launch and one event instead of three, and keeps the link's queue in issue order). Copies go
+on the tier's one transfer stream, so a layer's demand loads, issued back to back as one batch, reach
+the link before the next layer's prefetch, issued after them. A copy into a slot waits only for the
+last kernel that read that slot (one event recorded on the compute stream after each call that reads
+slots), not for everything queued on the compute stream. Pinned host memory is bounded: the host
+copies are packed and pinned only when they fit the pinning budget; otherwise they stay where they
+are (pageable) and each transfer goes through a small ring of pinned staging blocks
+(``STAGING_BUFFERS`` experts), which ``staged`` reports; ``pinned_bytes`` says how much is pinned.
 
-On a CPU-only machine the "device" is the CPU: slots are still pre-allocated and loads
-really copy weights into them (so what runs is what was loaded), but their duration
-comes from the cost model on the live runtime's virtual clock, not from a wall clock.
+Each copy is timed on the device (a timing mark before it, then its landing event), so
+``link_seconds`` and ``link_bytes`` give the link's observed rate.
+
+On a CPU-only machine without ops the "device" is the CPU: slots are still pre-allocated and loads
+really copy weights into them (so what runs is what was loaded), synchronously, each copy's wall
+time counted as the host's wait for a transfer; the modeled duration comes from the cost model on
+the live runtime's virtual clock.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from moecast.runtime.tiers.base import CudaOps, Wave
+from moecast.runtime.tiers.layout import MEMORY_ALIGN, ExpertLayout
 from torch import nn
 
 from moecast.errors import InputError
 
-#: PreScope §4.4 uses one CUDA stream per piece (gate, up, down)
-TRANSFER_STREAMS = 3
-#: pinned buffers a transfer from pageable host memory goes through; a buffer is reused once its
+#: pinned blocks a transfer from pageable host memory goes through; a block is reused once its
 #: previous copy has landed, so this bounds the pinned memory of the staging path
 STAGING_BUFFERS = 4
-
-
-@dataclass
-class Piece:
-    """One contiguous part of one expert parameter that is copied as a unit (AsyncIO's sub-transfer)."""
-
-    param: str
-    dim: int  # dimension of the per-expert tensor (after the expert index) that is sliced
-    start: int
-    stop: int
 
 
 def expert_params(experts: nn.Module) -> dict[str, torch.Tensor]:
@@ -70,25 +68,23 @@ def expert_params(experts: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def split_pieces(experts: nn.Module, params: dict[str, torch.Tensor]) -> list[Piece]:
-    """Gate / up / down pieces (PreScope §4.4): a fused gate_up projection is copied as its two halves."""
-    pieces = []
-    for name, t in params.items():
-        if name == "gate_up_proj" and getattr(experts, "has_gate", False):
-            # [E, 2I, H] (or [E, H, 2I] when transposed): the two halves are gate and up
-            dim = 1 if not getattr(experts, "is_transposed", False) else 2
-            half = t.shape[dim] // 2
-            pieces += [Piece(name, dim - 1, 0, half), Piece(name, dim - 1, half, t.shape[dim])]
-        else:
-            pieces.append(Piece(name, 0, 0, t.shape[1]) if t.dim() > 1 else Piece(name, -1, 0, 0))
-    return pieces
+def packed_bytes(experts: nn.Module) -> int:
+    """Bytes of the packed host copy of one layer's experts (what :class:`LayerStore` pins)."""
+    layout = ExpertLayout.of(expert_params(experts), MEMORY_ALIGN)
+    return int(experts.num_experts) * layout.stride
 
 
-def _piece(t: torch.Tensor, piece: Piece) -> torch.Tensor:
-    """The slice of one expert's tensor ``t`` (expert index already applied) that ``piece`` names."""
-    if piece.dim < 0:
-        return t
-    return t.narrow(piece.dim, piece.start, piece.stop - piece.start)
+def link_stats(layers: list[LayerStore]) -> dict[str, Any]:
+    """The transfers into the slots as the device timed them (every copy landed first): their bytes, their
+    time on the link (ms) and the link's observed rate (GB/s, 1e9 bytes; None before a copy)."""
+    for st in layers:
+        st.settle(block=True)
+    nbytes, seconds = sum(st.link_bytes for st in layers), sum(st.link_seconds for st in layers)
+    return dict(
+        link_bytes=int(nbytes),
+        link_ms=seconds * 1e3,
+        link_gbps_observed=nbytes / seconds / 1e9 if seconds > 0 else None,
+    )
 
 
 class LayerStore:
@@ -97,11 +93,12 @@ class LayerStore:
 
     ``device`` is where slots live: a CUDA device for the real path, the CPU for the
     simulated one. ``ops`` issues the asynchronous copies (default: :class:`CudaOps` on a
-    CUDA device, none on the CPU, where copies are synchronous). Host tensors are the
-    module's own tensors when they are in host memory; pinning replaces the module's
-    tensors by pinned ones of equal value, so nothing is held twice. ``pin`` (default:
-    on CUDA) pins the host copies; with ``pin=False`` transfers are staged through
-    ``STAGING_BUFFERS`` pinned buffers instead.
+    CUDA device, none on the CPU, where copies are synchronous); ``stream`` is the transfer
+    stream (the tier's one link; default: a stream of the store's own). With ``ops`` the host
+    copies are packed in one block per expert (``layout``), pinned where ``ops`` pins; the
+    module's host tensors are replaced by views of equal value into it, so nothing is held
+    twice. ``pin=False`` leaves them where they are, and transfers are staged through
+    ``STAGING_BUFFERS`` pinned blocks instead.
     """
 
     def __init__(
@@ -111,38 +108,44 @@ class LayerStore:
         device: torch.device | str | None = None,
         ops: Any = None,
         pin: bool | None = None,
+        stream: Any = None,
     ) -> None:
         params = expert_params(experts)
         first = next(iter(params.values()))
         self._setup(experts, num_slots, device if device is not None else first.device, ops)
-        can_pin = self.cuda and torch.cuda.is_available()
-        pin = can_pin if pin is None else bool(pin) and can_pin
-        self.host = {name: _host_copy(experts, name, t, pin) for name, t in params.items()}
-        # AsyncIO's pre-registered buffers: allocated once, only ever overwritten
-        self.slots = {
-            name: torch.empty((self.num_slots, *t.shape[1:]), dtype=t.dtype, device=self.device)
-            for name, t in self.host.items()
-        }
-        self.pieces = split_pieces(experts, self.host)
-        self.expert_bytes = sum(t[0].numel() * t.element_size() for t in self.host.values())
-        self._streams: list[Any] = []
-        self._staging: list[dict[str, torch.Tensor]] = []
+        self.layout = layout = ExpertLayout.of(params, MEMORY_ALIGN)
+        self.expert_bytes = layout.expert_bytes
+        self.pinned_bytes = 0
+        self._staging: list[torch.Tensor] = []
         self._staging_events: list[list[Any]] = []
         self._next_staging = 0
-        if self.ops is not None:
-            self._streams = [self.ops.stream() for _ in range(TRANSFER_STREAMS)]
-            if not pin:
-                self._staging = [
-                    {n: _empty_like_row(t, can_pin) for n, t in self.host.items()}
-                    for _ in range(STAGING_BUFFERS)
-                ]
-                self._staging_events = [[] for _ in self._staging]
-        # the host copies did not fit the pinning budget: every transfer goes through the staging ring,
-        # a host copy then a device copy, which a run reports (stats' staged_copies)
+        if self.ops is None:  # synchronous copies within memory: the module's tensors, slots per tensor
+            self.host = {name: _host_tensor(t) for name, t in params.items()}
+            self.slots = {
+                name: torch.empty((self.num_slots, *t.shape[1:]), dtype=t.dtype, device=self.device)
+                for name, t in self.host.items()
+            }
+            self.staged = False
+            return
+        self._streams = [stream if stream is not None else self.ops.stream()]
+        pins = bool(self.ops.pins)
+        if pin is None or pin:
+            self._host_raw = _empty_bytes(self.num_experts * layout.stride, pins)
+            self.host = layout.views(self._host_raw, self.num_experts)
+            for name, t in params.items():
+                _adopt(experts, name, t, self.host[name])
+            self.pinned_bytes = self._host_raw.numel()
+        else:
+            # the host copies did not fit the pinning budget: every transfer goes through the staging ring,
+            # a host copy then a device copy, which a run reports (stats' staged_copies)
+            self.host = {name: _host_tensor(t) for name, t in params.items()}
+            self._staging = [_empty_bytes(layout.stride, pins) for _ in range(STAGING_BUFFERS)]
+            self._staging_events = [[] for _ in self._staging]
+            self.pinned_bytes = layout.stride * len(self._staging)
         self.staged = bool(self._staging)
-        self.pinned_bytes = self.expert_bytes * (self.num_experts if pin else 0)
-        if can_pin:
-            self.pinned_bytes += self.expert_bytes * len(self._staging)
+        # AsyncIO's pre-registered buffers: allocated once, only ever overwritten; one block a slot
+        self._slot_raw = torch.empty(self.num_slots * layout.stride, dtype=torch.uint8, device=self.device)
+        self.slots = layout.views(self._slot_raw, self.num_slots)
 
     def _setup(self, experts: nn.Module, num_slots: int, device: torch.device | str, ops: Any) -> None:
         """The slot bookkeeping every store shares (``device`` and ``ops`` as in the class docstring)."""
@@ -158,7 +161,12 @@ class LayerStore:
         self.expert_in = np.full(self.num_slots, -1, np.int64)  # slot -> expert (-1: empty)
         self.loads = 0
         self.bytes_moved = 0
-        self.wait_s = 0.0  # host time blocked on transfers (disk reads, staging reuse)
+        self.wait_s = 0.0  # host time spent on transfers: synchronous copies, staging, disk reads
+        self.link_seconds = 0.0  # the copies' time on the link (device events; the wall clock without ops)
+        self.link_bytes = 0  # the bytes those copies moved
+        self._timed: list[tuple[Any, Any, int]] = []  # (start, landing, bytes) of copies not yet read
+        self._lock = threading.Lock()
+        self._streams: list[Any] = []
         self._events: dict[int, list[Any]] = {}  # slot -> its transfer's events, until waited for
         self._read_events: dict[int, Any] = {}  # slot -> event after the last kernel that read it
 
@@ -174,9 +182,9 @@ class LayerStore:
     def load(self, expert: int, evict: int | None = None) -> int:
         """Copy ``expert`` into a free slot, or into ``evict``'s slot; returns the slot.
 
-        With ``ops`` the pieces go out on the transfer streams, each after the last kernel
-        that read the slot, and the slot records one event per piece; :meth:`wait` makes the
-        compute stream wait for them. Without, the copy is synchronous.
+        With ``ops`` the expert's block goes out on the transfer stream in one copy, after the last
+        kernel that read the slot, and the slot records its one event; :meth:`wait` makes the compute
+        stream wait for it. Without, the copy is synchronous.
         """
         expert = int(expert)
         if self.slot_of[expert] >= 0:
@@ -198,51 +206,94 @@ class LayerStore:
         self.bytes_moved += self.expert_bytes
         return slot
 
+    def load_many(self, experts: np.ndarray | list[int], evict: list[int]) -> list[int]:
+        """Copy ``experts`` back to back, each into a free slot or else the slot of the next of ``evict``
+        (taken in order); returns their slots. With ``ops`` they are one batch on the transfer stream:
+        the link runs them one after another before anything issued later."""
+        evict, out = list(evict), []
+        for e in experts:
+            out.append(self.load(int(e), evict=evict.pop(0) if self.free_slot() is None and evict else None))
+        return out
+
     def source(self, expert: int) -> dict[str, torch.Tensor]:
         """One expert's host tensors, by parameter name (a subclass may read them from elsewhere)."""
         return {name: t[expert] for name, t in self.host.items()}
 
     def _copy(self, expert: int, slot: int) -> None:
-        if self.ops is None:  # a synchronous copy: whole rows (the pieces matter for the streams)
-            for name, row in self.source(expert).items():
-                self.slots[name][slot].copy_(row)
-            return
-        src, buffer = self._staged(expert)
-        events = self._copy_pieces(src, slot, self._read_events.pop(slot, None))
-        self._events[slot] = events
-        if buffer is not None:
-            self._staging_events[buffer] = events
+        """The host's part of a transfer, its wall time counted as the host's wait for transfers: the
+        whole copy where it is synchronous, else filling a staging block and queueing the copy."""
+        t0 = time.perf_counter()
+        try:
+            if self.ops is None:
+                for name, row in self.source(expert).items():
+                    self.slots[name][slot].copy_(row)
+                self.link_seconds += time.perf_counter() - t0  # the copy is the host's: its wall time
+                self.link_bytes += self.expert_bytes
+                return
+            src, buffer = self._staged(expert)
+            events = self._copy_block(src, slot, self._read_events.pop(slot, None))
+            self._events[slot] = events
+            if buffer is not None:
+                self._staging_events[buffer] = events
+        finally:
+            self.wait_s += time.perf_counter() - t0
 
-    def _copy_pieces(self, src: dict[str, torch.Tensor], slot: int, read: Any) -> list[Any]:
-        """``src``'s pieces into ``slot`` on the transfer streams; one event per piece marks its landing.
+    def _copy_block(self, src: torch.Tensor, slot: int, read: Any) -> list[Any]:
+        """``src`` (one expert's block, bytes) into ``slot``'s block on the transfer stream in one copy;
+        its one event marks the landing (what the compute stream waits for).
 
-        ``read`` is the event after the last kernel that read the slot: the copies wait for it alone,
-        not for everything queued on the compute stream.
+        ``read`` is the event after the last kernel that read the slot: the copy waits for it alone, not
+        for everything queued on the compute stream. A timing mark before the copy records where it
+        starts: the link may have idled since the copy before it (the host issued it later than that
+        one landed), so the previous landing would count the idle time as the copy's.
         """
-        events = []
-        for i, p in enumerate(self.pieces):
-            # a piece always takes the same stream, so copies into one slot stay in order
-            stream = self._streams[i % len(self._streams)]
-            if read is not None:
-                stream.wait_event(read)
-            with self.ops.on(stream):
-                _piece(self.slots[p.param][slot], p).copy_(_piece(src[p.param], p), non_blocking=True)
-                ev = self.ops.event()
-                ev.record(stream)
-                events.append(ev)
-        return events
+        with self._lock:  # the disk tier copies from its I/O threads
+            return self._queue_copy(src, slot, read)
 
-    def _staged(self, expert: int) -> tuple[dict[str, torch.Tensor], int | None]:
-        """The tensors a transfer reads: pinned host rows, or a staging buffer filled from pageable memory."""
+    def _queue_copy(self, src: torch.Tensor, slot: int, read: Any) -> list[Any]:
+        stream = self._streams[0]
+        if read is not None:
+            stream.wait_event(read)
+        start = self.ops.event(timing=True)
+        start.record(stream)
+        # a block may be shorter than the slot's (a two-copy tier's low copy): its bytes, from the start
+        self.ops.copy(self.layout.block(self._slot_raw, slot)[: src.numel()], src, stream)
+        ev = self.ops.event(timing=True)
+        ev.record(stream)
+        self._timed.append((start, ev, int(src.numel())))
+        self._settle(False)
+        return [ev]
+
+    def _staged(self, expert: int) -> tuple[torch.Tensor, int | None]:
+        """The block a transfer reads: the expert's pinned block, or a staging block filled from pageable memory."""
         if not self._staging:
-            return self.source(expert), None
+            return self.layout.block(self._host_raw, expert), None
         b = self._next_staging
         self._next_staging = (b + 1) % len(self._staging)
-        for ev in self._staging_events[b]:  # the buffer's previous transfer must have read it
+        for ev in self._staging_events[b]:  # the block's previous transfer must have read it
             ev.synchronize()
+        views = self.layout.views(self._staging[b], 1)
         for name, row in self.source(expert).items():
-            self._staging[b][name].copy_(row)
+            views[name][0].copy_(row)
         return self._staging[b], b
+
+    def settle(self, block: bool = False) -> None:
+        """Add the copies that have landed to ``link_seconds`` and ``link_bytes`` (``block``: wait for
+        all of them first), reading their events without waiting on the device otherwise."""
+        with self._lock:
+            self._settle(block)
+
+    def _settle(self, block: bool) -> None:
+        done = 0
+        for start, end, nbytes in self._timed:  # one stream: they land in issue order
+            if block:
+                end.synchronize()
+            elif not end.query():
+                break
+            self.link_seconds += start.elapsed_time(end) / 1e3
+            self.link_bytes += nbytes
+            done += 1
+        del self._timed[:done]
 
     def wait(self, slots: np.ndarray | list[int] | None = None) -> None:
         """Make the compute stream wait until the given slots' transfers (all, if None) have landed."""
@@ -270,10 +321,8 @@ class LayerStore:
 
     def fill(self, experts: np.ndarray | list[int]) -> None:
         """Load ``experts`` into free slots (initial placement), as many as fit."""
-        for e in experts:
-            if self.free_slot() is None:
-                break
-            self.load(int(e))
+        room = int((self.expert_in < 0).sum())
+        self.load_many([int(e) for e in experts if self.slot_of[int(e)] < 0][:room], [])
 
     def cpu_waves(self, experts: np.ndarray, wave: int | None = None) -> Iterator[Wave]:
         """Host tensors that hold ``experts`` for computing them on the CPU, in waves (each a subset of
@@ -289,26 +338,27 @@ class LayerStore:
         """Release what the store holds beyond its tensors (nothing for host memory)."""
 
 
-def _host_copy(experts: nn.Module, name: str, t: torch.Tensor, pin: bool) -> torch.Tensor:
-    """``t`` in host memory, pinned when asked; a host tensor of the module is replaced by its pinned copy."""
+def _host_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in host memory (the module's own tensor where it is there)."""
     t = t.detach()
-    if t.device.type == "cpu" and not pin:
-        return t
-    # pinned memory lets the copy engine read host memory directly (asynchronous DMA)
-    host = t.to("cpu").contiguous()
-    host = host.pin_memory() if pin else host
-    if t.device.type == "cpu":
-        # equal values in pinned memory: the module keeps working and the weights are held once
-        target = experts._parameters if name in experts._parameters else experts._buffers
-        if name in experts._parameters:
-            target[name].data = host
-        else:
-            target[name] = host
-    return host
+    return t if t.device.type == "cpu" else t.to("cpu")
 
 
-def _empty_like_row(t: torch.Tensor, pin: bool) -> torch.Tensor:
-    return torch.empty(t.shape[1:], dtype=t.dtype, pin_memory=pin)
+def _empty_bytes(nbytes: int, pin: bool) -> torch.Tensor:
+    """``nbytes`` of host memory, page-locked when ``pin`` (the copy engine then reads it directly: DMA)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+
+def _adopt(experts: nn.Module, name: str, t: torch.Tensor, packed: torch.Tensor) -> None:
+    """``packed`` takes ``t``'s values; a host tensor of the module is replaced by it (equal values, held once)."""
+    with torch.no_grad():
+        packed.copy_(t.detach())
+    if t.device.type != "cpu":
+        return
+    if name in experts._parameters:
+        experts._parameters[name].data = packed
+    else:
+        experts._buffers[name] = packed
 
 
 class SlotView:

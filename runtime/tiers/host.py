@@ -2,8 +2,9 @@
 
 SMoE §IV (Fig. 7) keeps every non-shared expert in CPU memory and a subset resident on the GPU; each
 layer is a :class:`moecast.runtime.tiers.expert_store.LayerStore`. The host copies are pinned only while
-their total fits the pinning budget; above it they stay pageable and every transfer is staged through a
-few pinned buffers (``staged_copies`` in the stats).
+their total fits the pinning budget, packed one block an expert so that a transfer is one copy; above it
+they stay pageable and every transfer is staged through a few pinned blocks (``staged_copies`` in the
+stats). The layers share one transfer stream, the link, which takes copies in the order they are issued.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from moecast.runtime.tiers.base import TierSettings, TierSpec
-from moecast.runtime.tiers.expert_store import LayerStore, expert_params
+from moecast.runtime.tiers.expert_store import LayerStore, link_stats, packed_bytes
 
 from moecast.errors import InputError
 
@@ -36,13 +37,17 @@ class HostTier:
     @classmethod
     def open(cls, model: Any, structure: Any, spec: TierSpec) -> HostTier:
         experts = [e.experts for e in structure.layers]
-        total = sum(t.numel() * t.element_size() for e in experts for t in expert_params(e).values())
-        pin = None if total <= spec.pinned_budget else False
+        # every layer's experts packed (one block an expert) and pinned, or none: pageable beyond the budget
+        pin = None if sum(packed_bytes(e) for e in experts) <= spec.pinned_budget else False
         dev = spec.device
-        return cls([LayerStore(e, spec.capacity, dev.where, ops=dev.ops, pin=pin) for e in experts])
+        # one transfer stream, the link: copies reach it in the order they are issued, whichever layer's
+        link = dev.ops.stream() if dev.ops is not None else None
+        return cls(
+            [LayerStore(e, spec.capacity, dev.where, ops=dev.ops, pin=pin, stream=link) for e in experts]
+        )
 
     def waited(self) -> float:
-        return 0.0  # the host never blocks on a copy here but to reuse a staging buffer (counted as a copy)
+        return sum(st.wait_s for st in self.layers)
 
     def stats(self) -> dict[str, Any]:
         return dict(
@@ -54,6 +59,7 @@ class HostTier:
             disk_reads=0,
             disk_read_gbps_observed=None,
             direct_io=None,
+            **link_stats(self.layers),
         )
 
     def close(self) -> None:

@@ -51,7 +51,6 @@ import time
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,20 +61,17 @@ from moecast.runtime.tiers.expert_store import (
     LayerStore,
     expert_params,
 )
+from moecast.runtime.tiers.layout import ALIGN, ExpertLayout, align_up
 from moecast.runtime.tiers.precision import Precision, pack_int4, part_shapes, quantize_params, weight_names
 from safetensors.torch import _TYPES as SAFETENSORS_DTYPES
 from torch import nn
 
 from moecast.errors import MoecastError
 
-#: O_DIRECT needs offsets, lengths and buffer addresses aligned to the device's logical block
-#: size; 4096 covers every common one
-ALIGN = 4096
 FORMAT = "moecast-offload"
 VERSION = 1
 IO_THREADS = 2
 DENSE = "dense.safetensors"
-_DTYPE_NAME = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
 class OffloadError(MoecastError):
@@ -87,60 +83,7 @@ class OffloadWarning(UserWarning):
 
 
 def _align(n: int) -> int:
-    return -(-int(n) // ALIGN) * ALIGN
-
-
-@dataclass(frozen=True)
-class ExpertLayout:
-    """Where one expert's tensors sit in its block, and the block's aligned size."""
-
-    names: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    dtypes: tuple[str, ...]  # safetensors dtype names
-    offsets: tuple[int, ...]  # byte offset of each tensor in the expert's block
-    expert_bytes: int  # bytes of one expert's tensors
-    stride: int  # the block: expert_bytes rounded up to ALIGN
-
-    @classmethod
-    def of(cls, params: dict[str, torch.Tensor]) -> ExpertLayout:
-        names, shapes, dtypes, offsets, off = [], [], [], [], 0
-        for name, t in params.items():
-            if t.dtype not in _DTYPE_NAME:
-                raise OffloadError(
-                    f"expert tensor {name} has dtype {t.dtype}, which safetensors cannot store"
-                )
-            size = t.element_size()
-            off = -(-off // size) * size  # each tensor starts at a multiple of its element size
-            names.append(name)
-            shapes.append(tuple(int(x) for x in t.shape[1:]))
-            dtypes.append(_DTYPE_NAME[t.dtype])
-            offsets.append(off)
-            off += int(np.prod(t.shape[1:], dtype=np.int64)) * size
-        return cls(tuple(names), tuple(shapes), tuple(dtypes), tuple(offsets), off, _align(off))
-
-    def as_json(self) -> list[dict[str, Any]]:
-        return [
-            {"name": n, "shape": list(s), "dtype": d} for n, s, d in zip(self.names, self.shapes, self.dtypes)
-        ]
-
-    def nbytes(self, i: int) -> int:
-        return int(np.prod(self.shapes[i], dtype=np.int64)) * SAFETENSORS_DTYPES[self.dtypes[i]].itemsize
-
-    def views(self, base: torch.Tensor, count: int, stride: int | None = None) -> dict[str, torch.Tensor]:
-        """Tensors [count, *shape] by name over ``base`` (uint8), expert ``i``'s block at ``i * stride``."""
-        stride = self.stride if stride is None else stride
-        out = {}
-        for i, name in enumerate(self.names):
-            dtype = SAFETENSORS_DTYPES[self.dtypes[i]]
-            size = dtype.itemsize
-            typed = base[: len(base) // size * size].view(dtype)
-            shape = self.shapes[i]
-            inner = [int(np.prod(shape[j + 1 :], dtype=np.int64)) for j in range(len(shape))]
-            start = (
-                typed.storage_offset() + self.offsets[i] // size
-            )  # as_strided counts from the storage's start
-            out[name] = typed.as_strided((count, *shape), (stride // size, *inner), start)
-        return out
+    return align_up(n, ALIGN)
 
 
 def _header(layout: ExpertLayout, num_experts: int) -> tuple[bytes, int]:
@@ -781,6 +724,7 @@ class DiskLayerStore(LayerStore):
         device: torch.device | str | None = None,
         ops: Any = None,
         low_reader: ExpertReader | None = None,
+        stream: Any = None,
     ) -> None:
         self._setup(experts, num_slots, device if device is not None else "cpu", ops)
         self.reader, self.pos = reader, pos
@@ -806,8 +750,8 @@ class DiskLayerStore(LayerStore):
             self._slot_raw = torch.empty(
                 self.num_slots * layout.stride, dtype=torch.uint8, device=self.device
             )
-            self._streams = [self.ops.stream()]
-            pin = self.cuda and torch.cuda.is_available()
+            self._streams = [stream if stream is not None else self.ops.stream()]
+            pin = bool(self.ops.pins)
             for _ in range(STAGING_BUFFERS):
                 self._staging_raw.append(
                     pinned_aligned(layout.stride) if pin else aligned_bytes(layout.stride)
@@ -816,7 +760,7 @@ class DiskLayerStore(LayerStore):
         self.low_slots = self.low_layout.views(self._slot_raw, self.num_slots, stride=layout.stride)
         # the CPU set computes from the low copy (mixed.py, rule 1), read into the low reader's buffers
         self._cpu = (low_reader, self.low_layout) if low_reader is not None else (reader, layout)
-        self.pinned_bytes = layout.stride * len(self._staging_raw) if self.cuda else 0
+        self.pinned_bytes = layout.stride * len(self._staging_raw)
         self.staged = False  # reads land in pinned staging by design: no pageable fallback
         self._pending: dict[int, Future] = {}  # slot -> its read (and, with ops, the copy it queued)
         self._staging_busy: list[Future | None] = [None] * len(self._staging_raw)
@@ -879,14 +823,7 @@ class DiskLayerStore(LayerStore):
         slot); one event marks it landed."""
         staged = self._staging_raw[b][:nbytes]
         reader.read_into(self.pos, expert, staged.numpy())
-        stream, start = self._streams[0], slot * self.layout.stride
-        if read is not None:
-            stream.wait_event(read)
-        with self.ops.on(stream):
-            self._slot_raw[start : start + nbytes].copy_(staged, non_blocking=True)
-            ev = self.ops.event()
-            ev.record(stream)
-        return [ev]
+        return self._copy_block(staged, slot, read)
 
     def wait(self, slots: np.ndarray | list[int] | None = None) -> None:
         """Block until the given slots' reads (all, if None) are done; with ops, the compute stream waits for their copies."""

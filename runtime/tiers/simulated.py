@@ -1,0 +1,121 @@
+"""The simulated device: CUDA's streams and events on the CPU, in the order the CUDA path issues them.
+
+:class:`SimulatedOps` is a :class:`moecast.runtime.tiers.base.CopyOps` whose copies run at once on the
+CPU (the slots are host memory) while its streams and events keep a device timeline, so that the CPU
+walks the accelerator's data path (copies queued on a transfer stream, one event each, the compute
+stream waiting for them) and a test or a dry run reads what it did:
+
+- ``log``: every call in issue order, ``("copy", stream, nbytes, dst)``, ``("record", stream, event)``,
+  ``("wait", stream, event)``;
+- time (ms): a copy stream runs its copies one after another, each ``nbytes / link_gbps``, starting no
+  earlier than the host's clock when issued (a stream idle since then starts now); the compute stream
+  is the host (the CPU computes synchronously), so it stands at the host's clock, or later where it
+  waited for an event. An event recorded on a stream carries the time the stream reaches it, and
+  ``elapsed_time`` subtracts, as CUDA's timing events do.
+
+``clock`` (ms) is the host's clock: ``time.perf_counter`` by default (a dry run: how long a device with
+this link would stall at the pace the host issued its work), a constant in a test (a purely logical
+timeline whose figures are worked out by hand). Select it with ``attach(..., device_ops="simulated")``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+#: the link a simulated copy takes when none is given: PCIe 4 x16's effective host-to-device rate
+DEFAULT_LINK_GBPS = 24.0
+
+
+def _wall_ms() -> float:
+    return time.perf_counter() * 1e3
+
+
+class SimEvent:
+    """An event on the simulated timeline: ``time`` (ms) is when its stream reached it."""
+
+    def __init__(self, ops: SimulatedOps, timing: bool) -> None:
+        self.ops, self.timing = ops, timing
+        self.stream: SimStream | None = None
+        self.time: float | None = None
+        self.synced = 0  # host waits on it
+
+    def record(self, stream: SimStream) -> None:
+        with self.ops.lock:
+            self.stream, self.time = stream, stream.reach()
+            self.ops.log.append(("record", stream.name, self))
+
+    def synchronize(self) -> None:
+        self.synced += 1
+
+    def query(self) -> bool:
+        return self.time is not None
+
+    def elapsed_time(self, end: SimEvent) -> float:
+        if not (self.timing and end.timing):
+            raise RuntimeError("elapsed_time needs two events made with timing=True")
+        if self.time is None or end.time is None:
+            raise RuntimeError("elapsed_time of an event that was never recorded")
+        return end.time - self.time
+
+
+class SimStream:
+    """A simulated stream: ``t`` (ms) is when the work queued on it so far ends."""
+
+    def __init__(self, ops: SimulatedOps, name: str) -> None:
+        self.ops, self.name = ops, name
+        self.t = float("-inf")
+
+    def reach(self) -> float:
+        """When work queued now would start: after the queued work, and not before the host issues it."""
+        self.t = max(self.t, self.ops.clock())
+        return self.t
+
+    def wait_event(self, ev: SimEvent) -> None:
+        with self.ops.lock:
+            self.ops.log.append(("wait", self.name, ev))
+            if ev.time is not None:
+                self.t = max(self.reach(), ev.time)
+
+
+class SimulatedOps:
+    """:class:`moecast.runtime.tiers.base.CopyOps` simulated on the CPU (see the module docstring).
+
+    ``link_gbps``: the simulated link's rate (GB/s, 1e9 bytes); ``clock``: the host's clock in ms.
+    """
+
+    pins = False  # host memory is plain: nothing to page-lock
+
+    def __init__(self, link_gbps: float | None = None, clock: Callable[[], float] | None = None) -> None:
+        self.link_gbps = float(link_gbps) if link_gbps else DEFAULT_LINK_GBPS
+        self.clock = clock or _wall_ms
+        self.log: list[tuple] = []
+        self.lock = threading.RLock()  # the disk tier queues copies from its I/O threads
+        self.compute = SimStream(self, "compute")
+        self.made = 0  # copy streams made
+
+    def stream(self) -> SimStream:
+        with self.lock:
+            self.made += 1
+            return SimStream(self, f"copy{self.made - 1}")
+
+    def current(self) -> SimStream:
+        return self.compute
+
+    def event(self, timing: bool = False) -> SimEvent:
+        return SimEvent(self, timing)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: SimStream) -> None:
+        nbytes = src.numel() * src.element_size()
+        with self.lock:  # queued when issued; the CPU's own copy below is the host's time, not the link's
+            stream.t = stream.reach() + nbytes / (self.link_gbps * 1e9) * 1e3
+            self.log.append(("copy", stream.name, nbytes, dst))
+        dst.copy_(src)
+
+    # ------------------------------------------------------------------ reading the record
+    def sequence(self, *kinds: str) -> list[tuple]:
+        """The log's entries of ``kinds`` (all, if none), in issue order."""
+        return [e for e in self.log if not kinds or e[0] in kinds]
