@@ -945,7 +945,7 @@ MOECAST_ROWS = ("on-demand LRU", "LLaPor prefetch", "PreSched + CPU experts", f"
 
 
 def figures(raw: list[dict]) -> list[dict]:
-    """The rows as bench/figures.py figures, with issue 31's goals: at 25 % the best moecast row
+    """The rows as bench/figures.py figures, with the GPU bench's goals: at 25 % the best moecast row
     <= 1/3 of accelerate offload's TPOT and <= 2/3 of on-demand LRU's, modeled within 20 % of measured."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from bench import figures as F

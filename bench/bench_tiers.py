@@ -1080,7 +1080,7 @@ def rss_ratio(row: dict) -> float | None:
 
 
 def figures(raw: list[dict]) -> list[dict]:
-    """The rows as bench/figures.py figures, with issue 30's goals: at 25 % the best LLaPor row <= 0.6 of
+    """The rows as bench/figures.py figures, with the tiers bench's goals: at 25 % the best LLaPor row <= 0.6 of
     the page cache's TPOT and below LRU's; modeled within 15 %; peak RSS within budget + non-expert + 10 %."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from bench import figures as F
