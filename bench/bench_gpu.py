@@ -148,6 +148,20 @@ def repeated(s: Setup, once: Callable[[], dict]) -> dict:
             "spread": (ms[-1] - ms[0]) / med if med > 0 else 0.0}  # fmt: skip
 
 
+def warm_snapshot(rt: Any) -> tuple[dict, Callable[[bool], None]]:
+    """(a dict, an ``on_forward`` callback that fills it with ``rt``'s stats as the WARMUP-th decode
+    step ends): the snapshot :func:`window` starts the TPOT's steps from."""
+    first: dict = {}
+    seen = [0]
+
+    def after(is_decode: bool) -> None:
+        seen[0] += is_decode
+        if is_decode and seen[0] == WARMUP:
+            first.update(rt.stats())
+
+    return first, after
+
+
 def window(first: dict, last: dict, key: str) -> float:
     """``key``, a mean per decode step in the runtime's stats, over the steps between two snapshots
     (``first`` after the warm-up steps, ``last`` at the end): the steps the TPOT covers. Without a
@@ -249,13 +263,7 @@ def calibrate_profile(s: Setup, out: Path) -> dict:
     if s.profile is None:
         raise RuntimeError("no profile to calibrate (the profile step failed)")
     rt = attach(s.model, policy="lru", capacity=None, prefetch="none", **_live_device(s), hardware=s.profile)
-    first: dict = {}
-    seen = [0]
-
-    def after(is_decode: bool) -> None:
-        seen[0] += is_decode
-        if is_decode and seen[0] == WARMUP:
-            first.update(rt.stats())
+    first, after = warm_snapshot(rt)
 
     try:
         timed(replace(s, requests=s.requests[:1]), after)
@@ -519,13 +527,7 @@ def live_once(s: Setup, policy: str, alpha: float, **kw: Any) -> dict:
         s.model, policy=policy, alpha=alpha, **_live_device(s),
         hardware=str(s.profile_path or "prescope-a100-pcie4"), warm=False, **kw,
     )  # fmt: skip
-    first: dict = {}
-    seen = [0]
-
-    def after(is_decode: bool) -> None:  # the stats as the warm-up ends: the split starts there
-        seen[0] += is_decode
-        if is_decode and seen[0] == WARMUP:
-            first.update(rt.stats())
+    first, after = warm_snapshot(rt)
 
     try:
         if s.cuda:

@@ -364,10 +364,7 @@ class LayerStep:
         valid = (ids >= 0).any(2)
         if not routed:
             ids = self.route(lanes, layer, ids, probs, decode)
-        uniq, counts, hit = self._access(lanes, layer, ids)
-        dec_uses = counts.sum(1) if decode is None else np.where(decode, counts.sum(1), 0)
-        self.add("dec_uses", lanes, layer, dec_uses)
-        self.add("dec_hits", lanes, layer, np.where(dec_uses > 0, (counts * hit).sum(1), 0))
+        uniq, counts, hit = self._access(lanes, layer, ids, decode)
         miss = (uniq >= 0) & ~hit
         n_miss = miss.sum(1)
         n_load, load_ids, cpu_ids, t_cpu = self._split(
@@ -439,9 +436,10 @@ class LayerStep:
         return np.where(valid[:, :, None], new_ids.reshape(n, B, k), -1)
 
     def _access(
-        self, lanes: np.ndarray, layer: np.ndarray, ids: np.ndarray
+        self, lanes: np.ndarray, layer: np.ndarray, ids: np.ndarray, decode: np.ndarray | None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The union of the rows' experts with token counts, and which are resident."""
+        """The union of the rows' experts with token counts, and which are resident (``decode``: the
+        rows whose uses and hits also count as the TPOT's; None: all)."""
         n, B, k = ids.shape
         flat = self._items(layer, ids).reshape(n, B * k)
         if B > 1:
@@ -460,8 +458,13 @@ class LayerStep:
         if low is not None:
             # a miss computes from the low copy too, loaded or on the CPU (mixed.py, rule 1)
             self.add("low_uses", lanes, layer, (counts * ((uniq >= 0) & (low | ~hit))).sum(1))
-        self.add("uses", lanes, layer, counts.sum(1))
-        self.add("hits", lanes, layer, (counts * hit).sum(1))
+        uses, hits = counts.sum(1), (counts * hit).sum(1)
+        self.add("uses", lanes, layer, uses)
+        self.add("hits", lanes, layer, hits)
+        if decode is not None:
+            uses, hits = np.where(decode, uses, 0), np.where(decode, hits, 0)
+        self.add("dec_uses", lanes, layer, uses)
+        self.add("dec_hits", lanes, layer, hits)
         return uniq, counts, hit
 
     def _low_of(self, lanes: np.ndarray, items: np.ndarray) -> np.ndarray:

@@ -373,11 +373,11 @@ class LiveRuntime:
             self.copies.sync(pos)
         cpu_ids = o.cpu_ids[0]
         early = not (cpu_ids >= 0).any()
+
         # the next layer's prediction: on an accelerator after this layer's experts are launched, so it
         # runs on the host while their kernels run (the prefetch could not start before it anyway); on
         # the CPU, which computes them synchronously, before them, so that a prefetch's reads overlap them
-        after_launch = self.device.accelerated
-        if not after_launch:
+        def ahead() -> None:
             if not presched:
                 f.pending = self.prefetcher.next(nxt, f.decode, f.next_scores, self.times)[1]
             if early:
@@ -385,6 +385,10 @@ class LiveRuntime:
                 # transfers run while this layer computes (the step's window opens when the link is free,
                 # not after the experts' compute); a CPU set's reads come first, so it waits for them
                 self._prefetch()
+
+        after_launch = self.device.accelerated
+        if not after_launch:
+            ahead()
         # experts of the call, as np.unique(ids) counts them (the router gives no padding ids)
         distinct = len(uniq) if ids.min() >= 0 else len(np.unique(ids))
         call = ExpertsCall(
@@ -396,11 +400,8 @@ class LiveRuntime:
         if self.copies is not None and len(streamed):  # demand loads too: the low copy
             self.copies.mark(pos, streamed, True)
         out, to_cpu, cpu_part = self.executor.run(pos, call, uniq[hit], placed, streamed, uniq, cpu_ids)
-        if after_launch:
-            if not presched:
-                f.pending = self.prefetcher.next(nxt, f.decode, f.next_scores, self.times)[1]
-            if early:  # still behind this layer's demand copies on the link, which went out in move
-                self._prefetch()
+        if after_launch:  # the prefetch still queues behind the demand copies, which went out in move
+            ahead()
         out = self.executor.join(out, to_cpu, cpu_part, uniq, counts, hidden, n)
         f.clock += float(o.layer_t[0])
         if not early:
