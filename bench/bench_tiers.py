@@ -38,7 +38,10 @@ the budget plus that: :data:`RSS_RULE`):
 At each quantized precision of ``--precisions`` (runtime/tiers/precision.py: ``int8``, ``int4`` with
 ``--group-size``), LRU, LLaPor prefetch-late and the oracle prefetch-late bound run again with the
 slow tier's experts at that precision (the offload directory's quantized copy, written once from its
-model-dtype files), each precision under its own calibration; and, where the experts fit in half the
+model-dtype files), each precision under its own calibration. Two copies (``mixed``, ``int8+int4``:
+runtime/core/mixed.py; a demand miss reads the low copy, a prefetch or an idle-link upgrade the high
+one) run the same rows under a profile that times a resident expert at each copy's precision (each
+copy's own calibration of the round). And, where the experts fit in half the
 memory available, an "all in RAM" row per precision holds every expert resident (the compute floor at
 that precision: no disk read in any decode step). Every row shows the bytes it read per decode step,
 its link floor (those bytes at the disk's rate the row saw) and the bytes it prefetched and never used.
@@ -204,9 +207,11 @@ def profile(t: Tiers, out: Path) -> dict:
     prof, _how = profile_model(t.model, "bench-tiers", pred, offload_dir=t.directory, disk_mb=t.args.disk_mb)
     t.profile = prof
     bench_gpu._write(out / "bench-tiers-profile.yaml", prof.to_yaml())
-    for p in (p for p in precision_tags(t.args) if p != "model"):
-        t.probes[p] = precision_probe(t, p)
-        bench_gpu._write(out / f"bench-tiers-profile-{p}.yaml", t.probes[p].to_yaml())
+    tags = precision_tags(t.args)
+    # each copy of a two-copy setting is probed first: its profile is theirs together
+    for q in dict.fromkeys(c for tag in tags for c in (*copy_tags(tag), tag) if c != "model"):
+        t.probes[q] = precision_probe(t, q)
+        bench_gpu._write(out / f"bench-tiers-profile-{q}.yaml", t.probes[q].to_yaml())
     return {
         k: getattr(prof, k)
         for k in ("disk_read_gbps", "cpu_beta_ms", "cpu_c_ms", "attn_ms", "predictor_ms", "read_cpu_ms")
@@ -214,17 +219,25 @@ def profile(t: Tiers, out: Path) -> dict:
 
 
 def precision_probe(t: Tiers, precision: str) -> Any:
-    """The probe's profile with the experts timed at ``precision`` (a tag) as the live runtime computes
-    a quantized tier's: the CPU expert's beta and C, and so a resident expert's time on a CPU."""
+    """The probe's profile with a resident expert timed at ``precision`` (a tag) as the live runtime
+    computes a quantized tier's, into ``expert_ms`` (runtime/core/cost_model.py); two copies: the
+    probes of both copies' precisions together."""
     from moecast.collect.models import find_moe_structure
-    from moecast.runtime.profile.measure import _sig, implementation_expert_ms
+    from moecast.runtime.profile.measure import precision_times
     from moecast.runtime.tiers.precision import Precision
 
+    if "+" in precision:
+        times = {k: v for q in copy_tags(precision) for k, v in t.probe(q).expert_ms.items()}
+        return replace(t.profile, name=f"{t.profile.name}-{precision}", expert_ms=times)
     experts = find_moe_structure(t.model).layers[0].experts
-    beta, c, how = implementation_expert_ms(experts, precision=Precision.of_tag(precision))
-    one = t.profile.gpu_expert_ms if t.profile.fast_tier != "cpu" else _sig(beta + c)
-    return replace(t.profile, name=f"{t.profile.name}-{precision}", cpu_beta_ms=_sig(beta), cpu_c_ms=_sig(c),
-                   gpu_expert_ms=one, source=f"{t.profile.source}; {precision} experts: {how}")  # fmt: skip
+    prof, how = precision_times(t.profile, experts, [Precision.of_tag(precision)])
+    said = "; ".join(f"{k}: {v}" for k, v in how.items())
+    return replace(prof, name=f"{t.profile.name}-{precision}", source=f"{t.profile.source}; {said}")
+
+
+def copy_tags(precision: str) -> list[str]:
+    """The precisions a setting computes at: its own, or both copies' (``model+int4-g128``)."""
+    return precision.split("+")
 
 
 def write_traces(t: Tiers, path: Path) -> None:
@@ -291,13 +304,13 @@ def modeled(
     if t.traces is None or t.profile is None:
         return None
     picked = t.routing.requests if requests is None else [t.routing.requests[i] for i in requests]
-    prec = Precision.of_tag(precision)
+    prec = Precision.of_tag(copy_tags(precision)[-1])  # two copies: the low one's group size
     if capacity is None:  # every expert resident from the start, as the live fill before the clock
         from moecast.runtime.core.policy import get_policy
 
         policy = replace(get_policy(policy), preload="hot")
     cfg = ReplayConfig(
-        expert_dtype=prec.dtype,
+        expert_dtype=precision if "+" in precision else prec.dtype,
         group_size=prec.group_size,
         policy=policy,
         capacity=t.cfg.n_routed_experts if capacity is None else capacity,
@@ -348,7 +361,9 @@ def _modeled_keys(
         out["probe_tpot_ms"] = modeled(t, policy, capacity, predictor, probe, None, precision).modeled_tpot_ms
     if st.get("disk_read_gbps_observed") and t.profile.fast_tier == "cpu":
         # the row's own rest of a layer already holds its reads' compute time: not charged again
-        own = replace(calibrate(probe, st, t.num_layers), read_cpu_ms=0.0)
+        own = replace(calibrate(probe, _one_precision(st, probe), t.num_layers), read_cpu_ms=0.0)
+        if "+" in precision:  # a run of two copies times neither copy's expert: the probe's times
+            own = replace(own, gpu_expert_ms=probe.gpu_expert_ms, cpu_c_ms=probe.cpu_c_ms)
         out["at_run_rates_tpot_ms"] = modeled(
             t, policy, capacity, predictor, own, None, precision
         ).modeled_tpot_ms
@@ -359,6 +374,12 @@ def _modeled_keys(
             "after_layers_ms": own.step_ms,
         }
     return out
+
+
+def _one_precision(st: dict, probe: Any) -> dict:
+    """A run's stats as calibrate takes them: a run of two copies' link and layer rates, as if at the
+    model's dtype (its expert time is then the probe's: see _modeled_keys)."""
+    return {**st, "expert_dtype": "model"} if "+" in st.get("expert_dtype", "model") else st
 
 
 @dataclass
@@ -495,9 +516,12 @@ def _row(
 
 
 def _tier(precision: str) -> dict:
-    """attach()'s settings for the slow tier at ``precision`` (a tag; none for the model's dtype)."""
-    from moecast.runtime.tiers.precision import Precision
+    """attach()'s settings for the slow tier at ``precision`` (a tag, two copies' ``high+low``; none for
+    the model's dtype)."""
+    from moecast.runtime.tiers.precision import Precision, expert_setting
 
+    if "+" in precision:
+        return expert_setting(precision, Precision.of_tag(copy_tags(precision)[1]).group_size).settings()
     return Precision.of_tag(precision).settings()
 
 
@@ -526,7 +550,7 @@ def all_in_ram_rows(t: Tiers, report: Any, capacity: float, precisions: list[str
 
     s, rows = SimpleNamespace(name=f"{int(capacity * 100)} %"), []
     avail = available_bytes() or 0
-    for prec in precisions:
+    for prec in (p for p in precisions if "+" not in p):  # two copies: the high one's row is the floor
         need = t.num_layers * t.cfg.n_routed_experts * precision_bytes(t, prec)
         name = f"all in RAM {prec}"
         if need > avail / 2:
@@ -608,6 +632,15 @@ def calibrate_round(t: Tiers, capacity: float, i: int, done: list[dict], precisi
     return got
 
 
+def two_copies_profile(profs: dict[str, Any], precision: str) -> Any:
+    """The profile a run of two copies (``high+low``) runs under: the high copy's round profile, with
+    the resident expert's time at each copy's precision from that copy's own."""
+    high, low = copy_tags(precision)
+    base = profs[high]
+    times = {**base.expert_ms, **profs[low].expert_ms}
+    return replace(base, name=f"{base.name}+{low}", expert_ms=times)
+
+
 def calibration_summary(t: Tiers, capacity: float, done: list[dict], precision: str = "model") -> dict:
     """Each round's calibrated rates, and the profile calibrated on every round's run together,
     written as ``bench-tiers-calibrated-<capacity>.yaml`` (the profile a user would keep)."""
@@ -656,11 +689,13 @@ def measure_rows(t: Tiers, report: Any, capacity: float, rows: list[Row], calibr
     s = SimpleNamespace(name=f"{int(capacity * 100)} %")
     # each precision calibrates on its own LRU run: its experts compute with other kernels
     precisions = list(dict.fromkeys(row.precision for row in rows))
-    done: dict[str, list[dict]] = {p: [] for p in precisions}
+    # two copies compute at both precisions: each copy calibrates on a run of its own
+    singles = list(dict.fromkeys(q for p in precisions for q in copy_tags(p)))
+    done: dict[str, list[dict]] = {p: [] for p in singles}
     for i in range(len(t.requests)):
-        profs = {
-            p: calibrate_round(t, capacity, i, done[p], p) if calibrate else t.probe(p) for p in precisions
-        }
+        profs = {p: calibrate_round(t, capacity, i, done[p], p) if calibrate else t.probe(p) for p in singles}
+        for p in (p for p in precisions if "+" in p):
+            profs[p] = two_copies_profile(profs, p)
         for row in rows:
             if row.error is not None:
                 continue
@@ -669,7 +704,7 @@ def measure_rows(t: Tiers, report: Any, capacity: float, rows: list[Row], calibr
                 row.runs.append(row.run(i, profs[row.precision]))
             except Exception as exc:  # recorded, raised again in the row's guard
                 row.error = exc
-    for p in precisions:  # nothing to calibrate on (no held-out requests, or a device profile): the probe's
+    for p in singles:  # nothing to calibrate on (no held-out requests, or a device profile): the probe's
         if done[p]:
             report.guard(s, f"calibration{_suffix(p)}", lambda p=p: calibration_summary(t, capacity, done[p], p),
                          kind="profile")  # fmt: skip
@@ -819,8 +854,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ds-shape", default="lite", choices=["lite", "test"], help="test: small sizes (tests)")
     ap.add_argument("--baselines", default="page cache,accelerate", help="external baselines to run")
     ap.add_argument("--noise", type=int, default=4, help="identical LRU runs back to back (0: none)")
-    ap.add_argument("--precisions", default="model,int8,int4",
-                    help="slow-tier precisions (model, int8, int4): the quantized ones add their rows")  # fmt: skip
+    ap.add_argument("--precisions", default="model,int8,int4,mixed",
+                    help="slow-tier precisions (model, int8, int4; mixed or A+B: two copies, the predictor "
+                         "choosing): each but the model's dtype adds its rows")  # fmt: skip
     ap.add_argument("--group-size", type=int, default=128, help="int4's group along each matrix's input")
     ap.add_argument("--out", default=str(RESULTS), help="tiers-<host>.md/.json and the profile go here")
     ap.add_argument("--child-timeout", type=float, default=3600)
@@ -899,19 +935,31 @@ def _run(argv: list[str] | None) -> tuple[Any, list[dict]]:
 
 
 def precision_tags(args: argparse.Namespace) -> list[str]:
-    """``--precisions`` as tags (``int4`` with ``--group-size``), the model's dtype first where given."""
+    """``--precisions`` as tags (``int4`` with ``--group-size``; ``mixed`` and ``A+B``: two copies'
+    ``high+low``), the model's dtype first where given, two copies last."""
+    from moecast.runtime.core.mixed import parse_copies, tag_of
     from moecast.runtime.tiers.precision import Precision
 
-    out = [Precision(p.strip(), args.group_size).tag for p in args.precisions.split(",") if p.strip()]
-    return sorted(dict.fromkeys(out), key=lambda p: p != "model")
+    out = []
+    for p in (p.strip() for p in args.precisions.split(",") if p.strip()):
+        pair = parse_copies(p, args.group_size)
+        out.append("+".join(tag_of(*c) for c in pair) if pair else Precision(p, args.group_size).tag)
+    return sorted(dict.fromkeys(out), key=lambda p: (p != "model", "+" in p))
 
 
 def ensure_precision(t: Tiers, precision: str) -> None:
-    """The offload directory's copy at ``precision``, quantized once from its model-dtype files."""
+    """The offload directory's copy at ``precision`` (two copies: each), quantized once from its
+    model-dtype files."""
     from moecast.collect.models import find_moe_structure
     from moecast.runtime.tiers.offload import write_offload
     from moecast.runtime.tiers.precision import Precision
 
+    if "+" in precision:
+        for q in copy_tags(precision):
+            ensure_precision(t, q)
+        return
+    if precision == "model":
+        return
     write_offload(
         t.model, find_moe_structure(t.model), t.directory, dense=False, precision=Precision.of_tag(precision)
     )
@@ -1170,7 +1218,11 @@ def precision_goals(F: Any, raw: list[dict]) -> list[dict]:
     at = [r for r in raw if r["capacity"] == 0.25 and r["status"] == "ok"]
     base = best_at(at, "model")
     for r in at:
-        if r.get("expert_dtype") in (None, "model") or not r["config"].startswith("lru"):
+        if (
+            r.get("expert_dtype") in (None, "model")
+            or "+" in r["expert_dtype"]
+            or not r["config"].startswith("lru")
+        ):
             continue
         prec, best = r["expert_dtype"], best_at(at, r["expert_dtype"])
         goal = "<= 0.5" if prec.startswith("int4") else "<= 0.7"

@@ -3,6 +3,7 @@ baselines run under a memory cgroup where one can be made (root), else say why n
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -15,12 +16,18 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent))
 
 
+@dataclasses.dataclass
+class FakeProf:
+    expert_ms: dict
+    name: str = "p"
+
+
 def test_quick_run_at_test_sizes(tmp_path, capsys):
     import bench_tiers
     import memlimit
 
     args = ["--quick", "--ds-shape", "test", "--capacities", "0.25", "--out", str(tmp_path), "--tokens", "6",
-            "--disk-mb", "4", "--json", "--requests", "2", "--noise", "2"]  # fmt: skip
+            "--disk-mb", "4", "--json", "--requests", "2", "--noise", "2", "--precisions", "model,int4,mixed"]  # fmt: skip
     rows = bench_tiers.run(args)
     by = {r["config"]: r for r in rows}
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
@@ -54,6 +61,16 @@ def test_quick_run_at_test_sizes(tmp_path, capsys):
         assert by["all in RAM int4-g128"]["hit_rate"] == 1.0 and by["all in RAM int4-g128"]["bytes_read"] == 0
         # a quantized tier reads its own, smaller, blocks
         assert by["lru int4-g128"]["read_mb_per_token"] < by["lru"]["read_mb_per_token"] / 2
+        # two copies: LRU's misses read the int4 copy, the idle link upgrades with bf16 ones (more
+        # bytes than int4 alone); the hits are LRU's, as modeled; its profile names both copies' times
+        mixed = by["lru model+int4-g128"]
+        assert mixed["status"] == "ok" and mixed["hit_rate"] == pytest.approx(mixed["modeled_hit_rate"])
+        assert by["lru int4-g128"]["read_mb_per_token"] <= mixed["read_mb_per_token"]
+        assert mixed["profile"].endswith("+int4-g128") and "all in RAM model+int4-g128" not in by
+        prof = bench_tiers.two_copies_profile(
+            {"model": FakeProf({"int8": 1.0}), "int4-g128": FakeProf({"int4-g128": 2.0})}, "model+int4-g128"
+        )
+        assert prof.expert_ms == {"int8": 1.0, "int4-g128": 2.0}
     assert by["llapor prefetch"]["status"] == "skipped"  # no --predictor
     why = memlimit.available()
     for base in ("page cache", "accelerate"):

@@ -445,3 +445,37 @@ def test_remembered_predictions_carry_no_gate_into_the_next_run(tmp_path):
     again = replay(path, ReplayConfig(policy="prefetch-late", **base))
     _same(alone, again)
     assert "gate_calibrated_on" in gated.extra and "gate_calibrated_on" not in again.extra
+
+
+def test_each_copy_computes_at_its_own_precision_by_hand(tmp_path):
+    """test_mixed_replay_bytes_by_hand's trace under a profile that times the model's expert at 0.6 ms
+    and the int4 one at 0.1: a hit on a high copy computes in 0.6, a low hit or a demand load in 0.1.
+    t0: two low loads per layer: 1.5 + 2 t_lo + 0.1 (the last load's tail at the low copy's time).
+    t1, t2: per layer one hit on a high copy (the upgrade) and one low load: the device's work is
+    0.6 + 0.1 = 0.7, past the load's end t_lo + 0.1 (t_lo = 1088 / 3072 ms = 0.354). The windows
+    still hold one upgrade each (1.5, and 1.5 + 0.7 - 0.354 >= t_hi = 1), so the same loads and
+    upgrades happen."""
+    ts = _trace(tmp_path / "a", [[[0, 1], [2, 3]], [[0, 4], [2, 5]], [[4, 6], [3, 5]]])
+    hw = dataclasses.replace(_profile(), gpu_expert_ms=0.6, expert_ms={"int4-g128": 0.1})
+    r = replay(ts, ReplayConfig(policy="lru", capacity=2, cold=True, hardware=hw, expert_dtype="mixed"))
+    t_lo = INT4_BYTES / EXPERT_BYTES
+    assert r.loads == 8 and r.upgrades == 4
+    step0 = 2 * (1.5 + 2 * t_lo + 0.1)
+    later = 2 * (1.5 + max(0.6 + 0.1, t_lo + 0.1))
+    assert r.modeled_tpot_ms == pytest.approx((step0 + 2 * later) / 3)
+    # the int4 time only where the slot holds int4: one precision at int4 is charged 0.1 throughout
+    one = replay(ts, ReplayConfig(policy="lru", capacity=2, cold=True, hardware=hw, expert_dtype="int4"))
+    assert one.modeled_tpot_ms == pytest.approx((2 * (1.5 + 2 * t_lo + 0.1) + 4 * (1.5 + t_lo + 0.1)) / 3)
+
+
+def test_a_high_hit_outlasting_the_link_is_charged_the_high_time():
+    """layer_time's ``high``: 3 device experts, 2 of them high copies (0.25 each) and 1 low load (0.1),
+    the link 0.2 long: the device's work 2 * 0.25 + 0.1 = 0.6 outlasts the load's end 0.2 + 0.1."""
+    from moecast.runtime.core.cost_model import CostModel
+    from moecast.runtime.core.step import layer_time
+
+    low = CostModel(t_io=0.2, t_g=0.1, beta=0.0, c=1.0, t_attn=1.0, expert_bytes=1)
+    t, link = layer_time(low, np.array([3]), np.array([1]), 0.0, 0.0, high=(np.array([2]), 0.25))
+    assert link[0] == pytest.approx(0.2) and t[0] == pytest.approx(1.0 + 0.6)
+    t, _ = layer_time(low, np.array([3]), np.array([1]), 0.0, 0.0)
+    assert t[0] == pytest.approx(1.0 + 0.3)  # all at the low copy's time

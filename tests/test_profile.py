@@ -473,22 +473,26 @@ def test_cli_profile_calibrates_on_a_live_run_of_the_model(tmp_path, monkeypatch
     monkeypatch.setattr(P, "measure", _quick_measure(P.measure))
     monkeypatch.setattr(P, "MIN_READ_S", 0.0)
     _quick_read_probe(monkeypatch)
-    seen = {}
+    runs = []
     real = P.calibrate
 
     def spy(prof, stats, num_layers):
-        seen.update(stats, layers=num_layers)
+        runs.append(dict(stats, layers=num_layers))
         return real(prof, stats, num_layers)
 
     monkeypatch.setattr(P, "calibrate", spy)
     out = tmp_path / "hw.yaml"
     main(["profile", "--model", str(tiny), "--offload_dir", str(tmp_path / "off"), "--calibrate", "3",
-          "--name", "here", "--out", str(out)])  # fmt: skip
+          "--name", "here", "--out", str(out), "--expert-dtype", "model,int4", "--group_size", "32"])  # fmt: skip
     prof = load_profile(out)
-    assert seen["decode_steps"] == 3 and seen["bytes_read"] > 0
+    seen, at4 = runs  # one run at the model's dtype (every rate), one at int4 (its expert time)
+    assert seen["decode_steps"] == 3 and seen["bytes_read"] > 0 and seen["expert_dtype"] == "model"
     assert prof.name == "here" and "calibrated on a live run of 3 decode steps" in prof.source
     assert prof.transfer_gbps == pytest.approx(seen["disk_read_gbps_observed"], rel=1e-3)
     assert prof.gpu_expert_ms == pytest.approx(seen["expert_compute_ms"] * 3 / seen["routed"], rel=1e-3)
+    assert at4["expert_dtype"] == "int4-g32" and at4["bytes_read"] < seen["bytes_read"]
+    assert set(prof.expert_ms) == {"int4-g32"}
+    assert prof.expert_ms["int4-g32"] == pytest.approx(at4["expert_compute_ms"] * 3 / at4["routed"], rel=1e-3)
     with pytest.raises(SystemExit):
         main(["profile", "--hidden_size", "32", "--intermediate_size", "24", "--calibrate", "3"])
 
@@ -499,3 +503,47 @@ def test_an_expert_measured_on_the_model_is_not_timed_again(monkeypatch):
     monkeypatch.setattr(P, "_weight_ring", lambda *a: pytest.fail("the SwiGLU ring was built"))
     prof = P.measure(32, 24, dtype="bfloat16", cpu_expert=(0.5, 1.0, "the model's own call"))
     assert (prof.cpu_beta_ms, prof.cpu_c_ms) == (0.5, 1.0) and "the model's own call" in prof.source
+
+
+def test_a_profile_times_each_precision_and_charges_it():
+    """``expert_ms`` names a resident expert's time at each precision: the cost model charges a run at
+    int8 the int8 entry, one at int4 (no entry) the model dtype's; on a CPU fast tier the resident
+    expert is the CPU expert at one token, so C at int8 is 0.5 - beta."""
+    from dataclasses import replace
+
+    from moecast.runtime.core.cost_model import CostModel, HardwareProfile
+
+    base = HardwareProfile(name="cpu-disk", transfer_gbps=3.0, ref_expert_bytes=1000, gpu_expert_ms=1.0,
+                           cpu_beta_ms=0.25, cpu_c_ms=0.75, attn_ms=10.0, fast_tier="cpu", slow_tier="disk",
+                           expert_ms={"int8": 0.5})  # fmt: skip
+    at8 = CostModel.from_profile(base, 2000, link_bytes=1000, precision="int8")
+    assert (at8.t_g, at8.beta, at8.c) == (1.0, 0.5, 0.5)  # expert twice the reference: times doubled
+    at4 = CostModel.from_profile(base, 2000, link_bytes=500, precision="int4-g128")
+    assert (at4.t_g, at4.c) == (2.0, 1.5)
+    dev = CostModel.from_profile(replace(base, fast_tier="device"), 1000, precision="int8")
+    assert (dev.t_g, dev.c) == (0.5, 0.75)  # a device's CPU expert is another machine part
+    for bad in ({"int5": 1.0}, {"int8": -1.0}, ["int8"]):
+        with pytest.raises(ValueError, match="expert_ms"):
+            replace(base, expert_ms=bad)
+
+
+def test_expert_ms_survives_the_yaml_and_calibrates_per_precision(tmp_path):
+    """A profile's YAML keeps ``expert_ms``; a live run at int4 calibrates the int4 entry only (the
+    model dtype's time stays), and a run at two copies calibrates neither, refused in one line."""
+    from moecast.runtime.core.cost_model import HardwareProfile
+
+    base = HardwareProfile(name="cpu-disk", transfer_gbps=3.0, ref_expert_bytes=1000, gpu_expert_ms=1.0,
+                           cpu_beta_ms=0.25, cpu_c_ms=0.75, attn_ms=10.0, fast_tier="cpu", slow_tier="disk",
+                           expert_ms={"int8": 0.5})  # fmt: skip
+    path = tmp_path / "p.yaml"
+    path.write_text(base.to_yaml())
+    assert load_profile(path).expert_ms == {"int8": 0.5}
+    stats = dict(decode_steps=10, routed=240, expert_compute_ms=12.0, attention_ms=40.0, policy_ms=8.0,
+                 disk_read_gbps_observed=1.5, predictor_ms=0.0, after_layers_ms=8.0)  # fmt: skip
+    cal = P.calibrate(base, {**stats, "expert_dtype": "int4-g128"}, 4)
+    assert cal.expert_ms == {"int8": 0.5, "int4-g128": 0.5} and (cal.gpu_expert_ms, cal.cpu_c_ms) == (
+        1.0,
+        0.75,
+    )
+    with pytest.raises(ValueError, match="two expert copies"):
+        P.calibrate(base, {**stats, "expert_dtype": "model+int4-g128"}, 4)

@@ -5,7 +5,12 @@ Quantities (PreScope's notation):
 - ``t_io``: time to move one expert host -> device over the link (Premise 4: transfers are serial,
   bandwidth saturated), ``expert_bytes / transfer bandwidth``;
 - ``t_g``: device time of one resident expert, flat in the token count at decode batch sizes
-  (PreScope Fig. 13, Premise 5);
+  (PreScope Fig. 13, Premise 5). It depends on the precision the expert computes at: a profile's
+  ``gpu_expert_ms`` is the model's dtype's, and ``expert_ms`` holds the time at each other
+  precision it measured (``int8``, ``int4-g128``; :meth:`HardwareProfile.expert_time`). Where the
+  CPU is the fast tier the resident expert is the CPU expert at one token, so a precision's
+  ``t_c = beta * m + (expert_ms[precision] - beta)``; a precision the profile does not name is
+  charged the model dtype's time;
 - ``t_c(m) = beta * m + C``: CPU time of one expert over ``m`` tokens (PreScope Eq. 3; SMoE Fig. 8);
 - ``t_attn``: per-layer non-expert device time (attention, gate, shared experts);
 - ``predictor_ms``: the prefetch predictor's per-layer latency on the host (optional, default 0):
@@ -38,7 +43,8 @@ bytes; :class:`CostModel` scales compute and transfer times linearly to the mode
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+import re
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -46,6 +52,9 @@ import yaml
 
 from moecast import configs_dir
 from moecast.errors import InputError
+
+#: a precision's tag as profiles name it (runtime/tiers/precision.py, Precision.tag)
+_PRECISION_TAG = re.compile(r"int8|int4-g\d+")
 
 
 class ProfileError(InputError):
@@ -74,6 +83,9 @@ class HardwareProfile:
     step_ms: float = 0.0
     fast_tier: str = "device"  # device | cpu: where resident experts compute (module docstring)
     slow_tier: str = "host"  # host | disk: where the other experts live
+    # a resident expert's time at each precision other than the model's dtype (tag -> ms per
+    # expert of ref_expert_bytes), measured on the kernels the runtime computes that precision with
+    expert_ms: dict[str, float] = field(default_factory=dict)
 
     TIERS: ClassVar[dict[str, tuple[str, ...]]] = {
         "fast_tier": ("device", "cpu"),
@@ -97,6 +109,36 @@ class HardwareProfile:
         if int(self.ref_expert_bytes) <= 0:
             raise ProfileError(f"hardware profile {self.name!r}: ref_expert_bytes must be > 0")
         self.ref_expert_bytes = int(self.ref_expert_bytes)
+        self.expert_ms = self._precision_times(self.expert_ms)
+
+    def _precision_times(self, given: Any) -> dict[str, float]:
+        if not isinstance(given, dict):
+            raise ProfileError(
+                f"hardware profile {self.name!r}: expert_ms = {given!r}, expected a mapping of precision to ms"
+            )
+        out = {}
+        for tag, ms in given.items():
+            v = float(ms)
+            if not _PRECISION_TAG.fullmatch(str(tag)) or math.isnan(v) or v < 0:
+                raise ProfileError(
+                    f"hardware profile {self.name!r}: expert_ms[{tag!r}] = {ms!r}, expected a precision "
+                    "(int8, int4-gN) and a number >= 0"
+                )
+            out[str(tag)] = v
+        return out
+
+    def expert_time(self, precision: str = "model") -> float:
+        """A resident expert's time (ms, per expert of ``ref_expert_bytes``) computed at ``precision``
+        (a tag: ``model``, ``int8``, ``int4-g128``): the profile's own where it measured one, else the
+        model dtype's ``gpu_expert_ms``."""
+        return self.expert_ms.get(precision, self.gpu_expert_ms)
+
+    def cpu_c_at(self, precision: str = "model") -> float:
+        """The CPU expert's start-up ``C`` at ``precision``: where the CPU is the fast tier and the
+        profile timed that precision, its one-token time less beta (module docstring)."""
+        if self.fast_tier == "cpu" and precision in self.expert_ms:
+            return max(self.expert_ms[precision] - self.cpu_beta_ms, 0.0)
+        return self.cpu_c_ms
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(asdict(self), sort_keys=False)
@@ -164,6 +206,7 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
         "step_ms",
         "fast_tier",
         "slow_tier",
+        "expert_ms",
     )
     missing = sorted(f.name for f in fields(HardwareProfile) if f.name not in data and f.name not in optional)
     if unknown or missing:
@@ -200,11 +243,16 @@ class CostModel:
 
     @classmethod
     def from_profile(
-        cls, profile: HardwareProfile, expert_bytes: int, link_bytes: int | None = None
+        cls,
+        profile: HardwareProfile,
+        expert_bytes: int,
+        link_bytes: int | None = None,
+        precision: str = "model",
     ) -> CostModel:
         """Times for an expert of ``expert_bytes`` in the model's dtype that the link moves as
-        ``link_bytes`` (default the same; fewer where the slow tier stores a quantized copy): compute
-        scales with the former, a transfer and a read's CPU time with the latter."""
+        ``link_bytes`` (default the same; fewer where the slow tier stores a quantized copy) and that
+        computes at ``precision`` (a tag; :meth:`HardwareProfile.expert_time`): compute scales with
+        the former, a transfer and a read's CPU time with the latter."""
         scale = expert_bytes / profile.ref_expert_bytes
         link = int(expert_bytes if link_bytes is None else link_bytes)
         if profile.transfer_gbps == 0:
@@ -214,9 +262,9 @@ class CostModel:
         cpu_reads = (profile.fast_tier, profile.slow_tier) == ("cpu", "disk")
         return cls(
             t_io=t_io,
-            t_g=profile.gpu_expert_ms * scale,
+            t_g=profile.expert_time(precision) * scale,
             beta=profile.cpu_beta_ms * scale,
-            c=profile.cpu_c_ms * scale,
+            c=profile.cpu_c_at(precision) * scale,
             t_attn=profile.attn_ms,
             expert_bytes=link,
             profile=profile.name,

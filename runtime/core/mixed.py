@@ -13,9 +13,10 @@ The rules (applied by :class:`moecast.runtime.core.step.LayerStep`, in its step 
 1. **Demand misses read the low copy.** A demand load takes ``t_lo = low bytes / bandwidth`` on the
    link, and so does a CPU-set expert's read over a disk link; the step's layer-time formula is
    unchanged with ``t_io = t_lo`` (and the read's compute share ``t_rc`` at the low bytes). The
-   expert is resident at low precision. Its compute time stays ``t_g``: a hardware profile gives
-   one compute time per expert, measured at its own precision (``moecast profile`` at int4 gives a
-   smaller one; a profile with both is future work), so the low copy is charged the high copy's.
+   expert is resident at low precision and computes at the low copy's time: the hardware profile's
+   time at that precision (:meth:`~moecast.runtime.core.cost_model.HardwareProfile.expert_time`;
+   ``moecast profile --expert-dtype model,int4`` measures both), as the CPU set's ``t_c`` does.
+   A resident high copy computes at the high copy's time.
 2. **Prefetches inside the window read the high copy, best first**: of the predicted experts not
    resident, the first ``n_high = min(asked, floor(free / t_hi))`` land at high precision.
 3. **Past the window**: the policy's late transfer (late_prefetch's one, which lands late and

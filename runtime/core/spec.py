@@ -151,9 +151,13 @@ def build_core(
                 f"expert_dtype={spec.expert_dtype!r} names two copies: build_core needs the low copy's bytes "
                 "(low_link_bytes=)"
             )
-        low = CostModel.from_profile(profile, expert_bytes, link_bytes=low_link_bytes)
+        low = CostModel.from_profile(
+            profile, expert_bytes, link_bytes=low_link_bytes, precision=tag_of(*pair[1])
+        )
         copies = Copies(tag_of(*pair[0]), tag_of(*pair[1]), low)
+    # each copy computes at its own precision's time (cost_model: HardwareProfile.expert_time)
+    tag = tag_of(*pair[0]) if pair is not None else tag_of(spec.expert_dtype, int(spec.group_size))
     return Core(
-        rule, profile, why, CostModel.from_profile(profile, expert_bytes, link_bytes=link_bytes),
+        rule, profile, why, CostModel.from_profile(profile, expert_bytes, link_bytes=link_bytes, precision=tag),
         int(num_experts), int(num_layers), int(spec.score_window), bool(prefetching), ms, ms_from, copies,
     )  # fmt: skip

@@ -55,7 +55,9 @@ that run a layer now it does, in this order:
    slowed by them as this layer's was by its own.)
 
 Two expert copies (``copies``, :mod:`moecast.runtime.core.mixed`): demand loads and the CPU set's
-reads take the low copy's ``t_io`` in step 5, prefetches in the window the high copy's in step 1,
+reads take the low copy's ``t_io`` in step 5, and each device expert computes at the copy in its
+slot (``n_dev * t_g`` is ``n_high * t_g(high) + (n_dev - n_high) * t_g(low)``, a demand load's at
+the low copy's), prefetches in the window take the high copy's ``t_io`` in step 1,
 and link time the window leaves idle reads high copies over resident low ones (upgrades). Under
 the prefetch gate (``policy.gate``, :mod:`moecast.runtime.core.gate`) step 1's late transfer is
 started only where its calibrated probability of use pays for the time it is late. Both run on
@@ -365,6 +367,7 @@ class LayerStep:
         if not routed:
             ids = self.route(lanes, layer, ids, probs, decode)
         uniq, counts, hit = self._access(lanes, layer, ids, decode)
+        low = self._low_of(lanes, uniq) if self.copies is not None else None
         miss = (uniq >= 0) & ~hit
         n_miss = miss.sum(1)
         n_load, load_ids, cpu_ids, t_cpu = self._split(
@@ -381,7 +384,11 @@ class LayerStep:
             cache.observe_scores(lanes, sc)
         n_dev = (hit & (uniq >= 0)).sum(1) + n_load
         stall = delay if pol.late_prefetch else None
-        layer_t, link = layer_time(self.demand, n_dev, n_load, delay, t_cpu, n_miss - n_load, stall)
+        high = None
+        if self.copies is not None:
+            # hits on a high copy compute at its time; the rest (low hits, demand loads) at the low's
+            high = ((hit & (uniq >= 0) & ~low).sum(1), self.cost.t_g)
+        layer_t, link = layer_time(self.demand, n_dev, n_load, delay, t_cpu, n_miss - n_load, stall, high)
         layer_t = layer_t + rc
         self._advance(lanes, layer_t, link, next_lanes, has_next, restart)
         self.add("loads", lanes, layer, n_load)
@@ -796,8 +803,12 @@ def layer_time(
     t_cpu: np.ndarray | float,
     n_cpu: np.ndarray | int = 0,
     stall: np.ndarray | None = None,
+    high: tuple[np.ndarray, float] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Step 5's formula: (layer_t, link) per row (an absent link: infinite).
+
+    ``high`` (two copies): ``(n_high, t_g_high)``, how many of the ``n_dev`` experts compute at the
+    high copy and its time; the others, and the last load's tail, at ``cost.t_g`` (the low copy's).
 
     ``n_cpu`` experts make up the CPU set; where the slow tier is a disk they are read over the
     link after the demand loads, and where the CPU is also the fast tier their time adds to the
@@ -809,9 +820,14 @@ def layer_time(
     link = delay + n_load * io
     if not finite:
         link = np.where(n_load > 0, math.inf, link)
-    dev = np.maximum(n_dev * cost.t_g, link + np.where(n_load > 0, cost.t_g, 0.0))
+    compute = n_dev * cost.t_g
+    if high is not None:
+        compute = compute + high[0] * (high[1] - cost.t_g)
+    dev = np.maximum(compute, link + np.where(n_load > 0, cost.t_g, 0.0))
     if stall is not None:
-        dev = np.maximum(dev, np.where(stall > 0, stall + cost.t_g, 0.0))
+        # a late prefetch moves the high copy (mixed.py, rule 3)
+        late_g = cost.t_g if high is None else high[1]
+        dev = np.maximum(dev, np.where(stall > 0, stall + late_g, 0.0))
     on_cpu = np.asarray(n_cpu) > 0
     cpu_end = t_cpu
     if cost.cpu_reads_link:
@@ -828,7 +844,7 @@ def layer_time(
         busy = np.maximum(dev + np.where(on_cpu, t_cpu, 0.0), cpu_end)
         if cost.t_rc:
             # the cores compute every expert and serve every read of the layer
-            work = n_dev * cost.t_g + np.where(on_cpu, t_cpu, 0.0) + (n_load + n_cpu) * cost.t_rc
+            work = compute + np.where(on_cpu, t_cpu, 0.0) + (n_load + n_cpu) * cost.t_rc
             busy = np.maximum(busy, work)
     else:
         busy = np.maximum(dev, cpu_end)

@@ -50,9 +50,11 @@ def profile(
             with the live runtime (LRU, 25 % of experts resident, experts read from the directory) and
             take the rates it measured: the disk while busy, one expert call, the rest of a layer
             (attention and the runtime's host work), which the probes above do not see; 0: none.
-        expert_dtype: with --model, time the experts at this precision (model, int8, int4) on the kernels
-            the live runtime computes a quantized tier with, and calibrate at it: the profile to model a
-            ``--expert-dtype`` run with (name it apart, e.g. --name local-int4).
+        expert_dtype: with --model, the precisions to time a resident expert at, comma-separated
+            (model, int8, int4; e.g. model,int8,int4): each quantized one on the kernels the live
+            runtime computes it with, into the profile's expert_ms, so one profile models a run at
+            any of them, two copies (mixed) included; with --calibrate, each is calibrated on a
+            live run of its own at it (the first run, at the model's dtype, gives the other rates).
         group_size: int4's group along each matrix's input dimension (32, 64, 128 or 256).
         json: print the profile as JSON.
     """
@@ -65,11 +67,12 @@ def profile(
         pred = load(predictor)
     from moecast.runtime.tiers.precision import Precision
 
-    prec = Precision(expert_dtype, group_size)
+    precs = [Precision(d.strip(), group_size) for d in str(expert_dtype).split(",") if d.strip()]
+    nbytes = None
     if model:
-        prof = _profile_model(model, name, pred, offload_dir, disk_mb, calibrate, prec)
+        prof, nbytes = _profile_model(model, name, pred, offload_dir, disk_mb, calibrate, precs)
     else:
-        if prec.quantized:
+        if any(q.quantized for q in precs):
             raise InputError(
                 "--expert-dtype times the model's own experts call: give --model (tiny or a directory)"
             )
@@ -98,27 +101,44 @@ def profile(
 
         print(__import__("json").dumps(asdict(prof)))
     else:
-        print(P.table(prof))
+        print(P.table(prof, nbytes))
         print(f"  source: {prof.source}")
         print(f"wrote {path}")
 
 
 def _profile_model(
-    model: str, name: str, pred: Any, offload_dir: str | None, disk_mb: int, calibrate: int, prec: Any
-) -> HardwareProfile:
-    """`moecast profile --model`'s profile: measured on the model (its experts at ``prec``), then
-    calibrated on ``calibrate`` tokens of the live runtime reading its experts from ``offload_dir``
-    at ``prec`` (0: not calibrated)."""
+    model: str, name: str, pred: Any, offload_dir: str | None, disk_mb: int, calibrate: int, precs: list[Any]
+) -> tuple[HardwareProfile, dict[str, int]]:
+    """`moecast profile --model`'s profile (and an expert's bytes at each quantized precision): measured on the model (its experts at the model's dtype and
+    at each of ``precs``), then calibrated on ``calibrate`` tokens of the live runtime reading its
+    experts from ``offload_dir``: at the model's dtype for every rate, then at each quantized
+    precision for its expert time (0: not calibrated)."""
     from moecast.collect.models import load_model
     from moecast.runtime.profile import measure as P
 
     lm, _tok, _name = load_model(model)
-    prof, _how = P.profile_model(lm, name, pred, offload_dir, disk_mb, precision=prec)
+    prof, _how = P.profile_model(lm, name, pred, offload_dir, disk_mb, precisions=precs)
+    nbytes = _expert_bytes(lm, precs)
     if not calibrate:
-        return prof
+        return prof, nbytes
     if not offload_dir:
         raise InputError("--calibrate measures the disk tier: give --offload_dir DIR")
-    return dataclasses.replace(P.calibrate_live(lm, prof, offload_dir, calibrate, precision=prec), name=name)
+    out = P.calibrate_live(lm, prof, offload_dir, calibrate)
+    for q in (q for q in precs if q.quantized):
+        at = P.calibrate_live(lm, prof, offload_dir, calibrate, precision=q)
+        out = dataclasses.replace(out, expert_ms={**out.expert_ms, q.tag: at.expert_ms[q.tag]})
+    return dataclasses.replace(out, name=name), nbytes
+
+
+def _expert_bytes(lm: Any, precs: list[Any]) -> dict[str, int]:
+    """One expert's stored bytes at each quantized precision of ``precs`` (the link moves these)."""
+    from moecast.collect.models import find_moe_structure
+    from moecast.runtime.tiers.precision import expert_nbytes
+
+    experts = find_moe_structure(lm).layers[0].experts
+    params = {n: p for n, p in experts.named_parameters(recurse=False) if p.dim() >= 2}
+    transposed = bool(getattr(experts, "is_transposed", False))
+    return {q.tag: expert_nbytes(q, params, transposed) for q in precs if q.quantized}
 
 
 def _traces_expert_shape(traces: str) -> tuple[int, int, str]:

@@ -32,7 +32,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -481,12 +481,12 @@ def profile_model(
     predictor: Any = None,
     offload_dir: str | Path | None = None,
     disk_mb: int = 256,
-    precision: Any = None,
+    precisions: Sequence[Any] = (),
 ) -> tuple[HardwareProfile, dict[str, str]]:
-    """The hardware profile for ``model`` on this machine, and how each figure was obtained;
-    ``precision`` (runtime/tiers/precision.py; default the model's dtype): the experts' compute is timed
-    on that precision's kernels, as the live runtime computes a quantized tier's experts (the
-    expert's bytes stay the model dtype's, which the cost model scales compute from)."""
+    """The hardware profile for ``model`` on this machine, and how each figure was obtained.
+    ``precisions`` (runtime/tiers/precision.py, quantized ones): each one's expert is also timed on the
+    kernels the live runtime computes that precision with, into ``expert_ms`` where the CPU is the fast
+    tier (the expert's bytes stay the model dtype's, which the cost model scales compute from)."""
     from moecast.collect.models import find_moe_structure, model_info
 
     if predictor is not None and not isinstance(predictor, LayerAhead):
@@ -501,10 +501,9 @@ def profile_model(
     inter = max(1, info.expert_bytes // (3 * hidden * p.element_size()))
     dtype = str(p.dtype).replace("torch.", "")
     # what the runtime pays per expert: its calls of the family's implementation, glue included
-    fit = implementation_expert_ms(st.layers[0].experts, precision=precision)
+    fit = implementation_expert_ms(st.layers[0].experts)
     if fit is not None:
-        at = f" at {precision.tag}" if precision is not None and precision.quantized else ""
-        fit = (fit[0], fit[1], f"{dtype} expert {hidden}x{inter}{at}: {fit[2]}")
+        fit = (fit[0], fit[1], f"{dtype} expert {hidden}x{inter}: {fit[2]}")
     prof = measure(hidden, inter, name=name, dtype=dtype, cpu_expert=fit)
     how = {"expert": f"{dtype} {hidden}x{inter}", "cpu": prof.source}
     # times are for the model's own expert (its dtype), which replay scales from
@@ -519,8 +518,35 @@ def profile_model(
     if offload_dir is not None:
         prof, disk_how = on_disk(prof, offload_dir, disk_mb, attn_measured=True)
         how.update(disk_how)
+    prof, prec_how = precision_times(prof, st.layers[0].experts, precisions)
+    how.update(prec_how)
     prof.source += "; " + "; ".join(f"{k}: {v}" for k, v in how.items() if k not in ("cpu", "expert"))
     return prof, how
+
+
+def precision_times(
+    prof: HardwareProfile, experts: Any, precisions: Sequence[Any]
+) -> tuple[HardwareProfile, dict[str, str]]:
+    """``prof`` with a resident expert's time at each quantized precision of ``precisions``
+    (``expert_ms``): on a CPU fast tier the resident expert is the CPU expert at one token, timed on
+    the precision's kernels (:func:`implementation_expert_ms`). A device computes its experts with
+    kernels this probe does not time, so there the precisions are left out, and said so."""
+    quantized = [q for q in precisions if q.quantized]
+    if not quantized:
+        return prof, {}
+    if prof.fast_tier != "cpu":
+        tags = ", ".join(q.tag for q in quantized)
+        return prof, {
+            "expert_ms": f"{tags} not timed: the probe times CPU kernels, and a device computes the experts"
+        }
+    times, how = dict(prof.expert_ms), {}
+    for q in quantized:
+        fit = implementation_expert_ms(experts, precision=q)
+        if fit is None:
+            continue
+        times[q.tag] = _sig(fit[0] + fit[1])
+        how[f"{q.tag} experts"] = fit[2]
+    return replace(prof, expert_ms=times), how
 
 
 def implementation_expert_ms(
@@ -915,8 +941,7 @@ def calibrate(prof: HardwareProfile, stats: dict[str, Any], num_layers: int) -> 
         name=prof.name + "-calibrated",
         transfer_gbps=_sig(gbps),
         disk_read_gbps=_sig(gbps),
-        gpu_expert_ms=_sig(expert),
-        cpu_c_ms=_sig(max(expert - prof.cpu_beta_ms, 0.0)),
+        **_expert_rates(prof, stats.get("expert_dtype", "model"), expert),
         attn_ms=_sig(
             max(stats["attention_ms"] + stats["policy_ms"] + stats.get("device_sync_ms", 0.0) - after, 0.0)
             / num_layers
@@ -928,6 +953,20 @@ def calibrate(prof: HardwareProfile, stats: dict[str, Any], num_layers: int) -> 
         source=prof.source
         + f"; calibrated on a live run of {steps} decode steps (moecast.runtime.profile.measure.calibrate)",
     )
+
+
+def _expert_rates(prof: HardwareProfile, tag: str, expert: float) -> dict[str, Any]:
+    """The profile fields one expert call of ``expert`` ms at precision ``tag`` sets on a CPU fast tier:
+    the model dtype's ``gpu_expert_ms`` and ``cpu_c_ms``, or the precision's ``expert_ms`` entry. Two
+    copies compute at both, so a run of them calibrates neither."""
+    if "+" in tag:
+        raise InputError(
+            f"a run at two expert copies ({tag}) computes at both precisions: calibrate on a run at each "
+            "copy's precision (expert_dtype=model, then expert_dtype=int4)"
+        )
+    if tag == "model":
+        return {"gpu_expert_ms": _sig(expert), "cpu_c_ms": _sig(max(expert - prof.cpu_beta_ms, 0.0))}
+    return {"expert_ms": {**prof.expert_ms, tag: _sig(expert)}}
 
 
 def calibrate_device(prof: HardwareProfile, stats: dict[str, Any], num_layers: int) -> HardwareProfile:
@@ -1008,8 +1047,9 @@ def calibrate_live(
     return calibrate(prof, stats, len(find_moe_structure(model).layers))
 
 
-def table(prof: HardwareProfile) -> str:
-    """The profile as a printed table (ms unless said otherwise)."""
+def table(prof: HardwareProfile, nbytes: dict[str, int] | None = None) -> str:
+    """The profile as a printed table (ms unless said otherwise; ``nbytes``: an expert's bytes at each
+    precision of ``expert_ms``, where known)."""
     rows = [
         ("host-to-device bandwidth", f"{prof.transfer_gbps:g} GB/s"),
         (
@@ -1024,5 +1064,8 @@ def table(prof: HardwareProfile) -> str:
         ("compute time one read takes from the cores", f"{prof.read_cpu_ms:g} ms"),
         ("expert bytes", f"{prof.ref_expert_bytes:,}"),
     ]
+    for tag, ms in prof.expert_ms.items():
+        size = f", {nbytes[tag]:,} bytes" if nbytes and tag in nbytes else ""
+        rows.append((f"resident expert at {tag}", f"{ms:g} ms{size}"))
     w = max(len(r[0]) for r in rows)
     return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
