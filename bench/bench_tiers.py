@@ -394,6 +394,7 @@ class Row:
     error: BaseException | None = None
     precision: str = "model"  # the slow tier's (runtime/tiers/precision.py tag): its calibration and replay
     full: bool = False  # every expert resident (the all-in-RAM row)
+    at: str | None = None  # a capacity in bytes, in place of the round's share of experts (SAME_RAM)
 
 
 def live_run(
@@ -458,7 +459,7 @@ def live_result(t: Tiers, row: Row, capacity: float) -> dict:
     from moecast.runtime.live.runtime import BREAKDOWN
 
     st = pooled([r["stats"] for r in row.runs])
-    resident = t.cfg.n_routed_experts if row.full else int(capacity * t.cfg.n_routed_experts)
+    resident = t.cfg.n_routed_experts if row.full else int(row.runs[0]["stats"]["capacity"])
     budget = resident * t.num_layers * st["expert_bytes"] / 2**20
     # the run whose peak RSS was furthest over its own base + budget speaks for the row
     worst = max(row.runs, key=lambda r: r["stats"]["peak_rss_mb"] / (budget + r["rss_base_mb"]))
@@ -480,7 +481,13 @@ def live_result(t: Tiers, row: Row, capacity: float) -> dict:
         "expert_dtype": row.precision,
         **link_figures(st),
         **_modeled_keys(
-            t, row.replay_policy, None if row.full else capacity, row.replay_pred, st, row.runs, row.precision
+            t,
+            row.replay_policy,
+            None if row.full else (row.at or capacity),
+            row.replay_pred,
+            st,
+            row.runs,
+            row.precision,
         ),
     }
 
@@ -502,17 +509,19 @@ def link_figures(st: dict) -> dict:
 
 def _row(
     t: Tiers, capacity: float, name: str, replay_policy: str, replay_pred: Any, precision: str = "model",
-    full: bool = False, **kw: Any,
+    full: bool = False, at: str | None = None, **kw: Any,
 ) -> Row:  # fmt: skip
-    """A live row: each run attaches afresh at ``capacity`` (``full``: every expert resident, read
-    before the clock starts) with the slow tier at ``precision`` (a tag)."""
+    """A live row: each run attaches afresh at ``capacity`` (``at``: at this capacity in bytes instead;
+    ``full``: every expert resident, read before the clock starts) with the slow tier at
+    ``precision`` (a tag)."""
+    cap = None if full else (at or capacity)
 
     def run(i: int, prof: Any) -> dict:
         req = t.routing.requests[i] if t.routing.recorded else None
-        got = live_run(t, None if full else capacity, req, t.requests[i], prof, **_tier(precision), **kw)
+        got = live_run(t, cap, req, t.requests[i], prof, **_tier(precision), **kw)
         return {**got, "request": i, "profile": prof}
 
-    return Row(name, run, replay_policy, replay_pred, precision=precision, full=full)
+    return Row(name, run, replay_policy, replay_pred, precision=precision, full=full, at=at)
 
 
 def _tier(precision: str) -> dict:
@@ -529,12 +538,32 @@ def _suffix(precision: str) -> str:
     return "" if precision == "model" else f"-{precision}"
 
 
+#: the suffix of a row held to the RAM the model-dtype experts take at the round's capacity
+SAME_RAM = " (model's RAM)"
+
+
+def same_ram(t: Tiers, capacity: float) -> str:
+    """The round's capacity as bytes per layer: its share of the experts at the model's dtype, which
+    a quantized tier's smaller experts fill with more of them (a capacity in bytes counts its bytes)."""
+    slots = round(capacity * t.cfg.n_routed_experts)
+    return f"{slots * precision_bytes(t, 'model') / 2**20:.3f}MB"
+
+
 def precision_rows(t: Tiers, capacity: float, precision: str) -> list[Row]:
-    """At a quantized precision: LRU, LLaPor prefetch-late and its oracle bound, named with the tag."""
+    """At a quantized precision: LRU, LLaPor prefetch-late and its oracle bound, named with the tag; at
+    one precision, LRU and LLaPor prefetch-late again in the RAM the model-dtype experts take
+    (:data:`SAME_RAM`)."""
     rows = [_row(t, capacity, f"lru {precision}", "lru", "none", precision, policy="lru", prefetch="none")]
     if t.predictor is not None:
         rows.append(_row(t, capacity, f"llapor prefetch-late {precision}", "prefetch-late", t.predictor,
                          precision, policy="prefetch-late", predictor=t.predictor))  # fmt: skip
+    if "+" not in precision:
+        ram = same_ram(t, capacity)
+        rows.append(_row(t, capacity, f"lru {precision}{SAME_RAM}", "lru", "none", precision, at=ram,
+                         policy="lru", prefetch="none"))  # fmt: skip
+        if t.predictor is not None:
+            rows.append(_row(t, capacity, f"llapor prefetch-late {precision}{SAME_RAM}", "prefetch-late",
+                             t.predictor, precision, at=ram, policy="prefetch-late", predictor=t.predictor))  # fmt: skip
     if t.routing.recorded:
         oracle = NextLayerOracle(ds_model.RoutingOverride(), t.cfg.n_routed_experts, t.num_layers,
                                  t.cfg.num_experts_per_tok)  # fmt: skip
@@ -1203,10 +1232,11 @@ def _goal_figures(F: Any, raw: list[dict]) -> list[dict]:
     return out
 
 
-def best_at(rows: list[dict], precision: str) -> dict | None:
-    """The fastest row at ``precision`` that a user can run: neither a bound nor every expert in RAM."""
+def best_at(rows: list[dict], precision: str, ram: bool = False) -> dict | None:
+    """The fastest row at ``precision`` that a user can run: neither a bound nor every expert in RAM;
+    at the round's share of experts, or (``ram``) in the model dtype's RAM (:data:`SAME_RAM`)."""
     ok = [r for r in rows if r.get("expert_dtype") == precision and "bound" not in r["config"]
-          and not r["config"].startswith("all in RAM")]  # fmt: skip
+          and not r["config"].startswith("all in RAM") and r["config"].endswith(SAME_RAM) == ram]  # fmt: skip
     return min(ok, key=lambda r: r["measured_tpot_ms"], default=None)
 
 
@@ -1233,11 +1263,20 @@ def precision_goals(F: Any, raw: list[dict]) -> list[dict]:
         if ram and prec.startswith("int4"):
             out.append(F.fig("tiers", f"25 %: best {prec} / all in RAM {prec}", best["measured_tpot_ms"] / ram["measured_tpot_ms"],
                              "{:.2f}", "<= 1.3", note=best["config"]))  # fmt: skip
+            same = best_at(at, prec, ram=True)
+            if same:
+                out.append(F.fig("tiers", f"25 %: best {prec}{SAME_RAM} / all in RAM {prec}",
+                                 same["measured_tpot_ms"] / ram["measured_tpot_ms"], "{:.2f}", "<= 1.3",
+                                 note=same["config"]))  # fmt: skip
     for r in at:
         if not r["config"].startswith("llapor"):
             continue
         prec = r.get("expert_dtype", "model")
-        lru = next((x for x in at if x["config"] == ("lru" if prec == "model" else f"lru {prec}")), None)
+        # against LRU at its precision and its RAM
+        name = ("lru" if prec == "model" else f"lru {prec}") + (
+            SAME_RAM if r["config"].endswith(SAME_RAM) else ""
+        )
+        lru = next((x for x in at if x["config"] == name), None)
         if lru and r.get("read_mb_per_token") is not None and lru.get("read_mb_per_token"):
             more = r["read_mb_per_token"] / lru["read_mb_per_token"]
             ok = more <= 1 or r["measured_tpot_ms"] < lru["measured_tpot_ms"]

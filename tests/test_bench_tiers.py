@@ -67,6 +67,11 @@ def test_quick_run_at_test_sizes(tmp_path, capsys):
         assert mixed["status"] == "ok" and mixed["hit_rate"] == pytest.approx(mixed["modeled_hit_rate"])
         assert by["lru int4-g128"]["read_mb_per_token"] <= mixed["read_mb_per_token"]
         assert mixed["profile"].endswith("+int4-g128") and "all in RAM model+int4-g128" not in by
+        # in the RAM the bf16 experts take, int4's smaller experts fill more slots: more hits, as modeled
+        same = by["lru int4-g128 (model's RAM)"]
+        assert same["hit_rate"] > by["lru int4-g128"]["hit_rate"]
+        assert same["hit_rate"] == pytest.approx(same["modeled_hit_rate"])
+        assert by["lru"]["budget_mb"] * 0.9 < same["budget_mb"] <= by["lru"]["budget_mb"]
         prof = bench_tiers.two_copies_profile(
             {"model": FakeProf({"int8": 1.0}), "int4-g128": FakeProf({"int4-g128": 2.0})}, "model+int4-g128"
         )
@@ -188,13 +193,19 @@ def test_precision_goals_by_hand():
            r("all in RAM model", 100, "model"), r("lru int4-g128", 350, "int4-g128", 40),
            r("llapor prefetch-late int4-g128", 300, "int4-g128", 60),
            r("oracle prefetch-late (bound) int4-g128", 200, "int4-g128", 30),
-           r("all in RAM int4-g128", 250, "int4-g128")]  # fmt: skip
+           r("all in RAM int4-g128", 250, "int4-g128"),
+           r("lru int4-g128 (model's RAM)", 270, "int4-g128", 10),
+           r("llapor prefetch-late int4-g128 (model's RAM)", 260, "int4-g128", 13)]  # fmt: skip
     got = {f["name"]: (f["value"], f["verdict"]) for f in bench_tiers.precision_goals(F, raw)}
+    # the rows in the model dtype's RAM hold more experts: apart from the share-of-experts goals, with
+    # their own (260 / 250), and LLaPor's bytes there against LRU's there (13 / 10)
     assert got == {
         "25 %: best int4-g128 / best model dtype": ("0.43", "ok"),
         "25 %: best int4-g128 / all in RAM int4-g128": ("1.20", "ok"),
+        "25 %: best int4-g128 (model's RAM) / all in RAM int4-g128": ("1.04", "ok"),
         "25 %: llapor prefetch-late read per token / LRU's": ("1.20", "ok"),
         "25 %: llapor prefetch-late int4-g128 read per token / LRU's": ("1.50", "ok"),
+        "25 %: llapor prefetch-late int4-g128 (model's RAM) read per token / LRU's": ("1.30", "ok"),
     }
     raw[4]["measured_tpot_ms"] = 360  # slower than LRU int4 while reading more: a miss
     got = {f["name"]: f["verdict"] for f in bench_tiers.precision_goals(F, raw)}
