@@ -21,7 +21,9 @@ experts call (docs/design.md, "Where moecast attaches": every transformers-5 MoE
    (SMoE §IV-C online prediction, without the next layer's attention: the gate-reuse
    form of docs/design.md) or a layer-ahead predictor checkpoint (LLaPor) ranks the
    candidates; the step lands those that fit in the link window the layer leaves (after the
-   predictor's latency), and only those are copied into slots: a late prefetch is no hit.
+   predictor's latency), and only those are copied into slots: a late prefetch is no hit. Under
+   the prefetch gate each candidate carries its probability of use, from the predictor
+   checkpoint's calibration (:mod:`moecast.runtime.core.gate`), as in the replay.
 
 With ``alpha = 0`` the routing is untouched and every expert is computed exactly as the
 wrapped implementation computes it (the same function runs on the slot buffers), so the

@@ -33,8 +33,9 @@ A replay (:func:`replay_capacities`) goes through named steps:
 5. :func:`_results`: the metrics of docs/design.md per capacity.
 
 Two expert copies (``expert_dtype`` ``mixed`` or ``HIGH+LOW``, :mod:`moecast.runtime.core.mixed`)
-and the prefetch gate (a policy's ``gate``, :mod:`moecast.runtime.core.gate`, calibrated on the val
-side of the predictor's split, or on ``calibrate_on``) run on the general engine only. Every row
+and the prefetch gate (a policy's ``gate``, :mod:`moecast.runtime.core.gate`: the calibration the
+predictor's checkpoint carries, else one fitted on the val side of the predictor's split, or on
+``calibrate_on``) run on the general engine only. Every row
 reports the MB per token read (by copy, under two copies), the MB per token prefetched and never
 used (``wasted_mb_per_token``), and under two copies the share of uses computed at the low one.
 
@@ -643,9 +644,10 @@ def _remembered(run: _Run, what: str, make: Any) -> Any:
 
 
 def _gate_probabilities(run: _Run, pr: _Predictions) -> tuple[np.ndarray | None, str]:
-    """Under the prefetch gate: each prediction's P(used), from a :class:`Calibration` fitted on the
-    val side of the predictor's split, or on ``calibrate_on`` (runtime/core/gate.py), and which
-    requests it was fitted on; (None, "") without a prediction."""
+    """Under the prefetch gate: each prediction's P(used), from the checkpoint's :class:`Calibration`
+    (``moecast predictors calibrate``), else one fitted here on the val side of the predictor's split,
+    or on ``calibrate_on`` (runtime/core/gate.py), and what it was fitted on; (None, "") without a
+    prediction."""
     if pr.ids is None:
         return None, ""
     saved = _checkpoint_calibration(run)
