@@ -34,6 +34,7 @@ COMMANDS: dict[str, str | dict[str, str]] = {
     "predictors": {
         "eval": "moecast.predictors.commands:evaluate",
         "remember": "moecast.predictors.commands:remember",
+        "calibrate": "moecast.predictors.commands:calibrate",
     },
     "profile": "moecast.runtime.profile.commands:profile",
     "replay": "moecast.runtime.replay.commands:replay",

@@ -37,6 +37,7 @@ import numpy as np
 from moecast.collect.traceset import RequestTrace
 
 if TYPE_CHECKING:
+    from moecast.predictors.calibration import Calibration
     from moecast.predictors.layer_stream import TraceWindow
 
 HORIZONS = ("layer-ahead", "token-ahead", "prompt-ahead", "statistical")
@@ -54,6 +55,8 @@ class Predictor(ABC):
     num_experts: int
     top_k: int
     fingerprint: str | None = None
+    #: the prefetch gate's calibration its checkpoint carries (moecast.predictors.calibration), if any
+    calibration: Calibration | None = None
 
     @abstractmethod
     def score_request(self, trace: RequestTrace) -> np.ndarray:
@@ -72,6 +75,22 @@ def topk_from_scores(scores: np.ndarray, k: int) -> np.ndarray:
     """Indices of the k largest scores along the last axis (unordered), vectorised."""
     k = min(k, scores.shape[-1])
     return np.argpartition(-scores, k - 1, axis=-1)[..., :k]
+
+
+def top_predictions(scores: np.ndarray, kp: int) -> tuple[np.ndarray, np.ndarray]:
+    """[T, L, E] scores -> (ids [T, L, kp] best first, their scores) for compact storage."""
+    kp = min(kp, scores.shape[-1])
+    part = np.argpartition(-scores, kp - 1, axis=-1)[..., :kp]
+    sc = np.take_along_axis(scores, part, -1)
+    order = np.argsort(-sc, axis=-1, kind="stable")
+    return np.take_along_axis(part, order, -1), np.take_along_axis(sc, order, -1)
+
+
+def normalised(scores: np.ndarray) -> np.ndarray:
+    """Scores as the runtimes rank and calibrate them: float32, each row divided by its largest
+    magnitude (scores are comparable within a row only)."""
+    s = np.asarray(scores, dtype=np.float32)
+    return s / np.maximum(np.abs(s).max(-1, keepdims=True), 1e-12)
 
 
 @runtime_checkable

@@ -41,8 +41,12 @@ def save(path: str | Path, tensors: dict[str, Any], metadata: dict[str, Any]) ->
         flat[name] = t.detach().cpu().contiguous()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file(flat, str(tmp), metadata={"moecast": json.dumps(meta)})
-    os.replace(tmp, path)
+    try:
+        save_file(flat, str(tmp), metadata={"moecast": json.dumps(meta)})
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # the checkpoint at ``path`` is left as it was
+        raise
     return path
 
 

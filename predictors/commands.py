@@ -282,6 +282,45 @@ def remember(
     return res
 
 
+def calibrate(checkpoint: str, traces: str | None = None) -> dict[str, Any]:
+    """Fit the prefetch gate's calibration on a TraceSet and write it into the predictor's checkpoint.
+
+    Under ``--policy prefetch-gated`` a late prefetch starts only where the predictor's probability of
+    use pays for its bytes (moecast.runtime.core.gate). That probability comes from the predictor's
+    scores by histogram binning (moecast.predictors.calibration), fitted here on the val side of the
+    checkpoint's split of the TraceSet (tune on val, report test), which the replay would fit
+    itself. ``moecast run`` reads it from the checkpoint; `moecast replay` uses it too. The checkpoint
+    is rewritten atomically with its predictor unchanged; running this again replaces the calibration.
+
+    Args:
+        checkpoint: predictor .safetensors (rewritten in place)
+        traces: TraceSet of the same model; its val side of the checkpoint's split is fitted on
+    """
+    from moecast.collect.traceset import open_traces
+    from moecast.predictors.calibration import fit, write
+    from moecast.predictors.provenance import choose, trained_on
+    from moecast.predictors.registry import load
+
+    if not traces:
+        raise InputError("moecast predictors calibrate needs --traces DIR (its val side is fitted on)")
+    if not Path(checkpoint).is_file():
+        raise InputError(f"{checkpoint}: no such checkpoint; the gate calibrates a predictor checkpoint file")
+    ts = open_traces(traces)
+    pred = load(checkpoint, fingerprint=ts.meta.model.fingerprint, against=f"TraceSet {ts.path}")
+    chosen = choose(ts, trained_on(pred), "val", who=checkpoint)
+    if not chosen.requests:
+        raise InputError(
+            f"{ts.path} holds no val request of {checkpoint}'s split; calibrate on a TraceSet whose split has a "
+            "val side (the gate is tuned on val, never on test)"
+        )
+    cal = fit(pred, ts, chosen.requests)
+    about = {"traces": str(ts.path), "traceset_id": ts.traceset_id, "side": "val"}
+    write(checkpoint, cal, {**about, "requests": len(chosen.requests), "split": chosen.spec})
+    res = {"checkpoint": str(checkpoint), **about, "requests": len(chosen.requests), "samples": cal.samples}
+    print(dumps(res))
+    return res
+
+
 def format_table(res: dict[str, Any], moe_layers: list[int]) -> str:
     lines = [
         f"{res['predictor']} ({res['horizon']}) on {res['traces']} [{res['split']}: {res['requests']} requests, {res['tokens']} tokens]"

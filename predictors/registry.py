@@ -6,6 +6,7 @@ import importlib
 from pathlib import Path
 
 from moecast.predictors.base import Predictor
+from moecast.predictors.calibration import Calibration
 from moecast.predictors.checkpoint import CheckpointError, check_fingerprint, load_raw
 
 # checkpoint kind -> "module:Class"; each class has ``from_checkpoint(tensors, meta, path)``.
@@ -38,7 +39,12 @@ def load(path: str | Path, fingerprint: str | None = None, against: str = "this 
     if fingerprint is not None:
         check_fingerprint(meta, fingerprint, against, path)
     module, cls = KINDS[kind].split(":")
+    header = dict(meta)
+    # the prefetch gate's calibration (moecast.predictors.calibration) is the checkpoint's, not the
+    # predictor's: its loader sees its own tensors only
+    calibration = Calibration.take(tensors, meta)
     pred = getattr(importlib.import_module(module), cls).from_checkpoint(tensors, meta, Path(path))
     # the header as written: where and on which split it was trained (moecast.predictors.provenance)
-    pred.checkpoint_meta = meta
+    pred.checkpoint_meta = header
+    pred.calibration = calibration
     return pred

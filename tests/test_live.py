@@ -962,11 +962,26 @@ def test_a_forward_decodes_only_when_its_cache_holds_tokens():
     assert _continues({"cache_position": torch.tensor([7])})
 
 
-def test_live_refuses_the_gated_preset_in_one_line():
-    """The calibrated gate is modeled in replay only: live says so instead of failing at the first prefetch."""
-    from moecast.runtime.live.config import LiveConfig
+def test_cli_run_prefetch_gated_reads_the_checkpoint_s_calibration(
+    model_dir, model_traces, llapor_for_model, tmp_path, capsys
+):
+    """`moecast run --policy prefetch-gated`: refused in one line naming `moecast predictors calibrate`
+    while the checkpoint has no calibration (the flag, not attach()'s keyword); once calibrated on the
+    traces' val side, the run prices its late prefetches with it and reports how many it refused."""
+    import shutil
 
-    from moecast.errors import InputError
+    from moecast.cli import main
 
-    with pytest.raises(InputError, match="moecast replay --policy prefetch-gated"):
-        LiveConfig(policy="prefetch-gated")
+    ckpt = tmp_path / "llapor.safetensors"
+    shutil.copy(llapor_for_model, ckpt)
+    base = ["run", "--model", str(model_dir), "--prompt", "hello there", "--capacity", "2",
+            "--max-new-tokens", "3", "--policy", "prefetch-gated", "--predictor", str(ckpt), "--json"]  # fmt: skip
+    with pytest.raises(SystemExit, match=r"run `moecast predictors calibrate CKPT --traces DIR` on the checkpoint"
+                       r" and pass --predictor CKPT"):  # fmt: skip
+        main(base)
+    main(["predictors", "calibrate", str(ckpt), "--traces", str(model_traces)])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["side"] == "val"
+    main(base)
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["policy"] == "prefetch-gated" and out["prefetch"] == "predictor" and out["decode_steps"] == 2
+    assert out["gate_refused"] >= 0 and out["prefetches_issued"] > 0

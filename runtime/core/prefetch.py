@@ -20,6 +20,7 @@ import math
 import numpy as np
 from moecast.collect.traceset import RequestTrace
 from moecast.predictors.base import Predictor
+from moecast.predictors.base import top_predictions as top_predictions  # the runtimes' ranking
 
 BUILTIN = ("none", "oracle")
 
@@ -43,15 +44,6 @@ class OraclePredictor(Predictor):
         )
         np.put_along_axis(out, trace.topk_ids.astype(np.int64), w + 1.0, axis=2)
         return out
-
-
-def top_predictions(scores: np.ndarray, kp: int) -> tuple[np.ndarray, np.ndarray]:
-    """[T, L, E] scores -> (ids [T, L, kp] best first, their scores) for compact storage."""
-    kp = min(kp, scores.shape[-1])
-    part = np.argpartition(-scores, kp - 1, axis=-1)[..., :kp]
-    sc = np.take_along_axis(scores, part, -1)
-    order = np.argsort(-sc, axis=-1, kind="stable")
-    return np.take_along_axis(part, order, -1), np.take_along_axis(sc, order, -1)
 
 
 def plan_prior(scores: np.ndarray, plan: np.ndarray, weight: float) -> np.ndarray:

@@ -172,7 +172,8 @@ def attach(
         config: What the runtime does (:class:`LiveConfig`); None: its defaults and ``settings``.
         predictor: A layer-ahead predictor (``moecast.predictors.registry.load(ckpt, fingerprint)``) for prefetch;
             under ``static``, a predictor with an [L, E] score ``table`` (frequency): each layer pins its
-            top-capacity experts, as the replay's static table does.
+            top-capacity experts, as the replay's static table does; under a gated policy (prefetch-gated), one whose
+            checkpoint carries the gate's calibration (``moecast predictors calibrate``).
         planner: A prompt-ahead predictor (EAM, EAP, cascade); ``rt.plan(prompt)`` then preloads its plan.
         router_pattern: A regex over module names naming the routers, where a model's routers are not
             found by transformers' ``_can_record_outputs`` (its experts modules must still use the

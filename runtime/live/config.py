@@ -106,12 +106,6 @@ class LiveConfig(RuntimeSpec):
             raise InputError(
                 "belady needs the future accesses: it is a replay bound (moecast replay --policy belady)"
             )
-        preset = self.policy if isinstance(self.policy, Policy) else POLICIES.get(self.policy)
-        if preset is not None and preset.gate != "none":
-            raise InputError(
-                f"policy {name!r} gates prefetches on calibrated probabilities, which the live runtime does not "
-                "compute yet: model it with moecast replay --policy prefetch-gated, or run prefetch-late"
-            )
         if not isinstance(self.policy, Policy) and self.policy not in LIVE_POLICIES:
             raise InputError(f"unknown policy {self.policy!r}; choose one of {', '.join(LIVE_POLICIES)}")
         if self.alpha is not None and not (math.isfinite(float(self.alpha)) and 0 <= float(self.alpha) < 1):

@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 from moecast.predictors.base import BatchScorer, HotTable, LayerStream, PromptPlanner, StreamingPredictor
+from moecast.predictors.calibration import Calibration, calibration_of
+from moecast.runtime.core.gate import layer_probability
 from moecast.runtime.core.policy import Policy
 from moecast.runtime.core.step import ranked_predictions
 from moecast.runtime.live.stats import ForwardTimes
@@ -37,8 +39,11 @@ class Prefetcher:
         num_experts: int,
         top_k: int,
         full: bool,
+        calibration: Calibration | None = None,
     ) -> None:
         self.mode, self.structure, self.full = mode, structure, full
+        # under the prefetch gate: the checkpoint's calibration, which prices each candidate (gate_calibration)
+        self.calibration = calibration
         self.num_layers, self.num_experts, self.top_k = len(structure.layers), num_experts, top_k
         self.stream: LayerStream | None = (
             predictor.stream() if mode == "predictor" and isinstance(predictor, StreamingPredictor) else None
@@ -100,14 +105,17 @@ class Prefetcher:
         self, nxt: int, decode: bool, online: np.ndarray | None, times: ForwardTimes
     ) -> tuple[np.ndarray | None, tuple | None]:
         """Layer ``nxt``'s predicted experts: ([1, B * k] each token's top-k, for PreSched's E_next;
-        (nxt, [1, M] the prefetch candidates ranked)), or Nones where nothing predicts them."""
+        (nxt, [1, M] the prefetch candidates ranked, [1, M] their P(used) under the gate, else None)),
+        or Nones where nothing predicts them."""
         if not self.predicts(decode, nxt):
             return None, None
         scores = times.timed("predictor", self.scores, nxt, online)
         if scores is None:
             return None, None
         ids, ranked = ranked_predictions(scores, self.top_k)
-        return ids, (nxt, ranked)
+        cal = self.calibration
+        prob = None if cal is None else layer_probability(cal, nxt, scores, ids, ranked)
+        return ids, (nxt, ranked, prob)
 
     def learn(self, lr: float) -> float:
         """PreScope §4.2.2: one small step on the token just decoded, whose routing is now known; its loss."""
@@ -154,6 +162,31 @@ def choose_prefetch(given: str, rule: Policy, predictor: BatchScorer | None, tab
     if prefetch == "predictor" and not isinstance(predictor, StreamingPredictor):
         raise InputError(not_a_prefetcher(predictor))
     return prefetch
+
+
+def gate_calibration(rule: Policy, mode: str, predictor: BatchScorer | None) -> Calibration | None:
+    """The calibration a gated policy prices its prefetches with: the predictor checkpoint's
+    (``moecast predictors calibrate``); None without the gate or without prefetches."""
+    if rule.gate == "none" or mode == "none":
+        return None
+    cal = calibration_of(predictor) if mode == "predictor" else None
+    if cal is None:
+        whose = (
+            "the online prefetcher has none"
+            if predictor is None
+            else f"{predictor.name}'s checkpoint has none"
+        )
+        raise InputError(
+            f"policy {rule.name!r} prices each late prefetch with the predictor's calibrated probability of use, "
+            f"and {whose}: run `moecast predictors calibrate CKPT --traces DIR` on the checkpoint and pass "
+            "predictor=CKPT"
+        )
+    if cal.prob.shape[0] != predictor.num_layers:
+        raise InputError(
+            f"{predictor.name}'s gate calibration covers {cal.prob.shape[0]} layers, the predictor "
+            f"{predictor.num_layers}; rerun `moecast predictors calibrate` on the checkpoint"
+        )
+    return cal
 
 
 def not_a_prefetcher(predictor: BatchScorer) -> str:

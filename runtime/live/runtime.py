@@ -21,7 +21,9 @@ experts call (docs/design.md, "Where moecast attaches": every transformers-5 MoE
    (SMoE §IV-C online prediction, without the next layer's attention: the gate-reuse
    form of docs/design.md) or a layer-ahead predictor checkpoint (LLaPor) ranks the
    candidates; the step lands those that fit in the link window the layer leaves (after the
-   predictor's latency), and only those are copied into slots: a late prefetch is no hit.
+   predictor's latency), and only those are copied into slots: a late prefetch is no hit. Under
+   the prefetch gate each candidate carries its probability of use, from the predictor
+   checkpoint's calibration (:mod:`moecast.runtime.core.gate`), as in the replay.
 
 With ``alpha = 0`` the routing is untouched and every expert is computed exactly as the
 wrapped implementation computes it (the same function runs on the slot buffers), so the
@@ -75,7 +77,7 @@ from moecast.runtime.live.config import (
 )
 from moecast.runtime.live.copies import SlotCopies
 from moecast.runtime.live.executor import Executor, ExpertsCall
-from moecast.runtime.live.prefetch import Prefetcher, choose_prefetch, hot_table
+from moecast.runtime.live.prefetch import Prefetcher, choose_prefetch, gate_calibration, hot_table
 from moecast.runtime.live.stats import BREAKDOWN, ForwardTimes, LiveStats, runtime_stats
 from moecast.runtime.live.transfer import pinned_budget, to_device, to_host
 from moecast.runtime.tiers.base import Device, TierSpec, slot_device
@@ -115,7 +117,8 @@ class Forward:
     w: np.ndarray = field(default_factory=lambda: np.zeros((0, 0, 0), np.float32))  # [n, L, k] its weights
     t: np.ndarray = field(default_factory=lambda: np.array([0]))  # the step as the cache's time
     clock: float = 0.0  # modeled time (ms): the sum of its layers' times
-    pending: tuple | None = None  # (layer, its ranked prefetch candidates), landed by _prefetch
+    # (layer, its ranked prefetch candidates, their P(used) under the gate), landed by _prefetch
+    pending: tuple | None = None
     next_scores: np.ndarray | None = None  # the online prefetcher's next-layer scores, read with the ids
 
 
@@ -187,7 +190,8 @@ class LiveRuntime:
             else None
         )
         mode = choose_prefetch(config.prefetch, rule, predictor, table)
-        self.prefetcher = Prefetcher(mode, predictor, structure, E, self.top_k, self.full)
+        cal = gate_calibration(rule, mode, predictor)
+        self.prefetcher = Prefetcher(mode, predictor, structure, E, self.top_k, self.full, cal)
         if config.online_update and not isinstance(self.prefetcher.stream, OnlineStream):
             raise InputError(
                 "online_update needs a layer-ahead predictor with an update step (LLaPor) to prefetch"
@@ -502,10 +506,10 @@ class LiveRuntime:
         and copy into slots only what lands inside the link window."""
         if self.fwd.pending is None:
             return
-        (nxt, ranked), self.fwd.pending = self.fwd.pending, None
+        (nxt, ranked, prob), self.fwd.pending = self.fwd.pending, None
         lane = self.lanes.lane[nxt]
         before = self.cache.resident[nxt].copy()
-        ins = self.step.prefetch(lane, lane, ranked, self.fwd.t)[0]
+        ins = self.step.prefetch(lane, lane, ranked, self.fwd.t, prob)[0]
         self.executor.move(nxt, before, ins[ins >= 0])
         if self.copies is not None:  # the upgrades in the window the prefetches left idle
             self.copies.sync(nxt)

@@ -170,6 +170,7 @@ class LiveStats:
             prefetches_issued=t["pf_issued"],
             prefetches_landed=t["pf_landed"],
             prefetch_used=t["pf_used"],
+            gate_refused=t["pf_refused"],  # late prefetches the prefetch gate did not start
             # experts moved over the link: demand loads, prefetches that landed, plan preloads
             transfers=t["loads"] + t["pf_landed"] + self.plan_loads,
         )

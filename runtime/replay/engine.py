@@ -33,8 +33,9 @@ A replay (:func:`replay_capacities`) goes through named steps:
 5. :func:`_results`: the metrics of docs/design.md per capacity.
 
 Two expert copies (``expert_dtype`` ``mixed`` or ``HIGH+LOW``, :mod:`moecast.runtime.core.mixed`)
-and the prefetch gate (a policy's ``gate``, :mod:`moecast.runtime.core.gate`, calibrated on the val
-side of the predictor's split, or on ``calibrate_on``) run on the general engine only. Every row
+and the prefetch gate (a policy's ``gate``, :mod:`moecast.runtime.core.gate`: the calibration the
+predictor's checkpoint carries, else one fitted on the val side of the predictor's split, or on
+``calibrate_on``) run on the general engine only. Every row
 reports the MB per token read (by copy, under two copies), the MB per token prefetched and never
 used (``wasted_mb_per_token``), and under two copies the share of uses computed at the low one.
 
@@ -65,7 +66,8 @@ from typing import Any
 
 import numpy as np
 from moecast.collect.traceset import TraceSet, TraceSetError
-from moecast.predictors.base import BatchScorer, PromptPlanner
+from moecast.predictors.base import BatchScorer, PromptPlanner, normalised
+from moecast.predictors.calibration import calibration_of
 from moecast.runtime.core import eviction
 from moecast.runtime.core import spec as core_spec
 from moecast.runtime.core.cache import StaticTable, resolve_capacity
@@ -416,7 +418,11 @@ def replay_capacities(
     if out is None:
         pr = _remembered(run, "predictions", lambda: _predictions(run))
         if run.policy.gate != "none":
-            prob, note = _remembered(run, "gate", lambda: _gate_probabilities(run, pr))
+            # a checkpoint's calibration is read as it is now (`predictors calibrate` rewrites it)
+            if _checkpoint_calibration(run) is not None:
+                prob, note = _gate_probabilities(run, pr)
+            else:
+                prob, note = _remembered(run, "gate", lambda: _gate_probabilities(run, pr))
             pr = dataclasses.replace(pr, prob=prob)
         out = _fast_wavefront(run, pr) if _fast_wave_serves(run) else _general(run, pr)
     results = _results(run, out, time.perf_counter() - t0)
@@ -601,7 +607,7 @@ def _request_scores(run: _Run, trace: Any, oracle: bool) -> tuple[np.ndarray | N
     sc = raw_sc = plan = None
     if predictor is not None and not oracle:
         raw_sc = np.asarray(predictor.score_request(trace), dtype=np.float32)
-        sc = raw_sc / np.maximum(np.abs(raw_sc).max(-1, keepdims=True), 1e-12)
+        sc = normalised(raw_sc)
     if planner is not None:
         plan = np.asarray(planner.score_request(trace), dtype=np.float32)[0]  # [L, E]
         # Alone, a plan only preloads (CasMoE plans before decoding); as a constant per-token
@@ -638,11 +644,15 @@ def _remembered(run: _Run, what: str, make: Any) -> Any:
 
 
 def _gate_probabilities(run: _Run, pr: _Predictions) -> tuple[np.ndarray | None, str]:
-    """Under the prefetch gate: each prediction's P(used), from a :class:`Calibration` fitted on the
-    val side of the predictor's split, or on ``calibrate_on`` (runtime/core/gate.py), and which
-    requests it was fitted on; (None, "") without a prediction."""
+    """Under the prefetch gate: each prediction's P(used), from the checkpoint's :class:`Calibration`
+    (``moecast predictors calibrate``), else one fitted here on the val side of the predictor's split,
+    or on ``calibrate_on`` (runtime/core/gate.py), and what it was fitted on; (None, "") without a
+    prediction."""
     if pr.ids is None:
         return None, ""
+    saved = _checkpoint_calibration(run)
+    if saved is not None:
+        return np.where(pr.ids >= 0, saved[0].probability(pr.scores), 0.0), saved[1]
     rids, side = _calibration_requests(run)
     oracle = isinstance(run.predictor, OraclePredictor)
     k = run.shape[2]
@@ -670,6 +680,18 @@ def _gate_probabilities(run: _Run, pr: _Predictions) -> tuple[np.ndarray | None,
         f" ({overlap} of them replayed too: in-sample)" if overlap else ""
     )
     return np.where(pr.ids >= 0, cal.probability(pr.scores), 0.0), note
+
+
+def _checkpoint_calibration(run: _Run) -> tuple[Calibration, str] | None:
+    """The calibration the predictor's checkpoint carries (``moecast predictors calibrate``) and what
+    it was fitted on; None where it has none, where ``calibrate_on`` asks for another, or under a
+    planner, whose prior moves the scores it was fitted on."""
+    cal = calibration_of(run.predictor)
+    if cal is None or run.cfg.calibrate_on is not None or run.planner is not None:
+        return None
+    about = (getattr(run.predictor, "checkpoint_meta", None) or {}).get("gate_calibration") or {}
+    on = f": {about['requests']} {about['side']} requests of {about['traces']}" if about else ""
+    return cal, f"the checkpoint's calibration ({cal.samples} predictions{on})"
 
 
 def _calibration_requests(run: _Run) -> tuple[list[str], str]:
