@@ -90,13 +90,15 @@ class Executor:
         self.move(pos, before, experts[inserted])
         return experts[inserted]
 
-    def move(self, pos: int, before: np.ndarray, placed: np.ndarray) -> None:
+    def move(self, pos: int, before: np.ndarray, placed: np.ndarray, prefetch: bool = False) -> None:
         """Copy the experts the cache just took (``placed``) into the slots of those it evicted since ``before``:
-        one batch, issued back to back on the link before anything the caller issues next."""
+        one batch, issued back to back on the link before anything the caller issues next. ``prefetch``:
+        the batch is a prefetch, which goes on the link after the demand copies issued before it is
+        ready to go (issue 43: a prefetch never delays a copy the compute waits for)."""
         if not len(placed):
             return
         evicted = np.flatnonzero(before & ~self.cache.resident[pos])[::-1]  # the latest evicted first
-        self.stores[pos].load_many(placed, [int(e) for e in evicted])
+        self.stores[pos].load_many(placed, [int(e) for e in evicted], prefetch=prefetch)
 
     # ------------------------------------------------------------------ compute
     def full(
