@@ -902,8 +902,8 @@ class DiskLayerStore(LayerStore):
         ``b``, then to the slot's device bytes in one copy, after ``read`` (the last kernel that read the
         slot) and, for a ``prefetch``, after the demand copies still being read (:class:`LinkOrder`);
         ``landed`` takes its one event, which marks it landed."""
-        staged = self._staging_raw[b][:nbytes]
-        try:
+        try:  # whatever happens, the copy is handed to the order: a demand counted there is uncounted
+            staged = self._staging_raw[b][:nbytes]
             reader.read_into(self.pos, expert, staged.numpy())
             copy = functools.partial(self._copy_block, staged, slot, read)
         except BaseException as exc:
