@@ -93,8 +93,9 @@ class Executor:
     def move(self, pos: int, before: np.ndarray, placed: np.ndarray, prefetch: bool = False) -> None:
         """Copy the experts the cache just took (``placed``) into the slots of those it evicted since ``before``:
         one batch, issued back to back on the link before anything the caller issues next. ``prefetch``:
-        the batch is a prefetch, which goes on the link after the demand copies issued before it is
-        ready to go (issue 43: a prefetch never delays a copy the compute waits for)."""
+        no compute waits for the batch yet, so a tier that queues a copy when its read lands queues it
+        behind the demand copies still being read then (issue 43: a prefetch never goes on the link
+        ahead of a copy the compute waits for)."""
         if not len(placed):
             return
         evicted = np.flatnonzero(before & ~self.cache.resident[pos])[::-1]  # the latest evicted first

@@ -19,9 +19,9 @@ per expert (PreScope splits an expert into gate / up / down pieces on three stre
 costs one launch and one event instead of three, and keeps the link's queue in issue order). Copies go
 on the tier's one transfer stream, so a layer's demand loads, issued back to back as one batch, reach
 the link before the next layer's prefetch, issued after them (the disk tier, whose reads land out of
-order on its I/O threads, keeps the same order with :class:`moecast.runtime.tiers.offload.LinkOrder`:
-a prefetch copy whose read lands while a demand copy is still being read goes after it). A copy into a slot waits only for the
-last kernel that read that slot (one event recorded on the compute stream after each call that reads
+order on its I/O threads, keeps that order with :class:`moecast.runtime.tiers.offload.LinkOrder`: a
+prefetch copy whose read lands while a demand copy is still being read goes behind it). A copy into a
+slot waits only for the last kernel that read that slot (one event recorded on the compute stream after each call that reads
 slots), not for everything queued on the compute stream. Pinned host memory is bounded: the host
 copies are packed and pinned only when they fit the pinning budget; otherwise they stay where they
 are (pageable) and each transfer goes through a small ring of pinned staging blocks
