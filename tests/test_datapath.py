@@ -161,6 +161,72 @@ def test_the_split_moves_the_devices_copy_wait_out_of_the_sync():
     assert sum(parts) == pytest.approx(12.0)
 
 
+def test_each_decode_steps_stream_waits_count_in_that_step(monkeypatch):
+    """On the simulated device at a logical clock (each forward starts 1000 ms after the one before, and
+    the clock stands still inside it), the last layer's kernels of decode steps 1 and 3 wait for a copy
+    landing 7 and 5 ms later (the prefill's, 3 ms later). By hand: stream_wait = [0, 7, 0, 5] (the last step's too), and in those
+    steps the wait moves the whole of the routing reads' device_sync (a few microseconds on the CPU,
+    less than the wait) to transfer_wait; in the others nothing moves. Each step's parts add up to its
+    wall time, so over the measured steps they add up to the TPOT's. Catches waits read only once the
+    host clock passed them (each counted one step late, the last one lost) and a prefill's waits
+    counted in a decode step."""
+    from moecast.runtime.tiers import simulated
+
+    now = [0.0]
+    monkeypatch.setattr(simulated, "_wall_ms", lambda: now[0])
+    model = make_model("qwen2_moe")
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(7))
+    # every expert resident: no copy in a decode step, so the planted waits are the only ones
+    rt = attach(model, policy="lru", capacity=None, prefetch="none", alpha=0.0, device_ops="simulated")
+    ops, last = rt.device.ops, rt.num_layers - 1
+    planted = {-1: 3.0, 1: 7.0, 3: 5.0}  # decode step (-1: the prefill) -> ms the last layer's kernels wait
+    forwards, layer = [], [0]
+    real_begin, real_layer, real_wait = rt.begin_forward, rt.forward_layer, rt.times.stream_wait
+
+    def begin_forward(ids, decode):
+        now[0] = 1e6 + 1000.0 * len(forwards)  # long after the initial placement's copies landed
+        forwards.append(decode)
+        real_begin(ids, decode)
+
+    def forward_layer(pos, *a, **kw):
+        layer[0] = pos
+        return real_layer(pos, *a, **kw)
+
+    def stream_wait(wait, slots):
+        step = len(forwards) - 2  # decode steps follow the prefill
+        w = planted.get(step, 0.0) if layer[0] == last else 0.0
+
+        def waits(s):
+            wait(s)
+            if w:  # a copy that lands w ms from now, and the kernels wait for it
+                side = ops.stream()
+                side.t = now[0] + w
+                ev = ops.event()
+                ev.record(side)
+                ops.compute.wait_event(ev)
+
+        real_wait(waits, slots)
+
+    rt.begin_forward, rt.forward_layer, rt.times.stream_wait = begin_forward, forward_layer, stream_wait
+    try:
+        decode_logits(model, ids, steps=4)
+        st = rt.stats_
+    finally:
+        rt.detach()
+    assert forwards == [False, True, True, True, True]
+    assert st.stream_wait_decode_ms == [pytest.approx(planted.get(t, 0.0)) for t in range(4)]
+    for t in range(4):
+        sync = st.transfer_wait_decode_ms[t] + st.device_sync_decode_ms[t]  # the routing reads' wait
+        assert sync > 0
+        moved = min(planted.get(t, 0.0), sync)
+        assert st.transfer_wait_decode_ms[t] == pytest.approx(moved, abs=1e-9)  # no host transfer wait
+        assert st.device_sync_decode_ms[t] == pytest.approx(sync - moved, abs=1e-9)
+        parts = sum(getattr(st, f"{p}_decode_ms")[t] for p in BREAKDOWN)
+        assert parts == pytest.approx(st.measured_decode_ms[t])
+    total = sum(sum(getattr(st, f"{p}_decode_ms")) for p in BREAKDOWN)
+    assert total == pytest.approx(sum(st.measured_decode_ms))
+
+
 def test_pinned_budget_is_the_given_size_or_half_the_available_memory():
     assert pinned_budget(0) == 0 and pinned_budget(1.5) == 3 * 2**19
     with open("/proc/meminfo") as f:

@@ -387,6 +387,105 @@ def test_cuda_style_disk_store_reads_into_staging_then_copies_after_the_slots_la
     assert np.array_equal(store.expert_in, [1, 6])
 
 
+def test_a_prefetch_read_that_lands_early_goes_on_the_link_after_the_demand_copies(tmp_path, monkeypatch):
+    """Issue 43 on the disk tier (one transfer stream, simulated): layer 0's demand load of expert 1, then
+    layer 1's prefetch of expert 5, then layer 1's demand loads of 2 and 3. The prefetch's read is held
+    until the demand loads are issued, then lands before their reads run (one I/O thread: reads in
+    issue order). On the link: layer 0's copy, layer 1's two demand copies, then the prefetch's; every
+    slot holds its expert and the compute stream waits for each copy. Catches a prefetch copy queued
+    as soon as its read lands (1, 5, 2, 3), a prefetch held behind the demand copies issued before its
+    own read instead of those still being read (the same), and a held copy never queued (a hang)."""
+    import threading
+
+    model = make_model("mixtral")
+    meta = _write(model, tmp_path)
+    reader = ExpertReader(tmp_path, meta, threads=1)
+    ops = FakeOps()
+    link, order = ops.stream(), offload.LinkOrder()
+    stores = [
+        DiskLayerStore(model.model.layers[p].mlp.experts, 3, reader, p, ops=ops, stream=link, order=order)
+        for p in (0, 1)
+    ]
+    issued = threading.Event()
+    real_read = reader.read_into
+
+    def read_into(pos, expert, buf):
+        if (pos, expert) == (1, 5):  # the prefetch's read lands once the demand loads are issued
+            assert issued.wait(timeout=60)
+        real_read(pos, expert, buf)
+
+    monkeypatch.setattr(reader, "read_into", read_into)
+    try:
+        stores[0].load_many([1], [])  # layer 0's demand batch
+        stores[1].load(5, prefetch=True)  # the next layer's prefetch, issued after it
+        stores[1].load_many([2, 3], [])  # layer 1's demand batch
+        issued.set()
+        for st in stores:
+            st.wait()
+        stride = reader.layouts[0].stride
+
+        def copied(dst):
+            pos = next(
+                p
+                for p, st in enumerate(stores)
+                if st._slot_raw.data_ptr() <= dst.data_ptr() < st._slot_raw.data_ptr() + st._slot_raw.numel()
+            )
+            return pos, int(
+                stores[pos].expert_in[(dst.data_ptr() - stores[pos]._slot_raw.data_ptr()) // stride]
+            )
+
+        assert [copied(c[3]) for c in ops.sequence("copy")] == [(0, 1), (1, 2), (1, 3), (1, 5)]
+        assert {c[1] for c in ops.sequence("copy")} == {"copy0"}
+        landings = [e[2] for e in ops.sequence("record")][1::2]  # each copy's start mark, then its landing
+        assert {w[2] for w in ops.sequence("wait") if w[1] == "compute"} == set(landings)
+        experts = model.model.layers[1].mlp.experts
+        for e in (5, 2, 3):
+            assert torch.equal(stores[1].slots["down_proj"][stores[1].slot_of[e]], experts.down_proj[e])
+    finally:
+        for st in stores:
+            st.close()
+        reader.close()
+
+
+def test_the_runtime_sends_its_prefetches_to_the_disk_tier_as_prefetches(tmp_path):
+    """On the simulated device's disk tier the runtime tells the stores which copies are prefetches
+    (those issued while it lands the next layer's prefetch) and which are demand loads (every other),
+    so the tier can order them (the test above); the logits stay the model's. Catches a runtime or an
+    executor that drops the flag (every copy a demand: the order is left to the reads' landing) or
+    sets it on demand loads (they would wait behind each other's reads)."""
+    model = make_model("qwen2_moe")
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(7))
+    ref = decode_logits(model, ids, steps=6)
+    rt = attach(
+        model, policy="lru", capacity=2, prefetch="online", alpha=0.0, warm=False, device_ops="simulated",
+        hardware="prescope-a100-pcie4", offload="disk", offload_dir=str(tmp_path),
+    )  # fmt: skip
+    seen, inside = [], [False]
+    for st in rt.stores:
+        real_copy = st._copy
+        st._copy = lambda e, s, prefetch=False, real=real_copy: (
+            seen.append((inside[0], prefetch)),
+            real(e, s, prefetch),
+        )[1]
+    real_prefetch = rt._prefetch
+
+    def prefetch():
+        inside[0] = True
+        try:
+            real_prefetch()
+        finally:
+            inside[0] = False
+
+    rt._prefetch = prefetch
+    try:
+        got = decode_logits(model, ids, steps=6)
+    finally:
+        rt.detach()
+    assert torch.equal(got, ref)
+    assert seen and all(flag == was for was, flag in seen)
+    assert any(was for was, _ in seen) and not all(was for was, _ in seen)  # both kinds were issued
+
+
 def test_cpu_experts_are_read_in_two_bounded_wave_buffers(tmp_path, monkeypatch):
     """However many experts one CPU call computes, the disk store holds two waves of ``cpu_wave``
     blocks (allocated once, then reused), reads wave i+1 only once wave i is handed out, and gives

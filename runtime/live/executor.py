@@ -90,13 +90,16 @@ class Executor:
         self.move(pos, before, experts[inserted])
         return experts[inserted]
 
-    def move(self, pos: int, before: np.ndarray, placed: np.ndarray) -> None:
+    def move(self, pos: int, before: np.ndarray, placed: np.ndarray, prefetch: bool = False) -> None:
         """Copy the experts the cache just took (``placed``) into the slots of those it evicted since ``before``:
-        one batch, issued back to back on the link before anything the caller issues next."""
+        one batch, issued back to back on the link before anything the caller issues next. ``prefetch``:
+        no compute waits for the batch yet, so a tier that queues a copy when its read lands queues it
+        behind the demand copies still being read then (issue 43: a prefetch never goes on the link
+        ahead of a copy the compute waits for)."""
         if not len(placed):
             return
         evicted = np.flatnonzero(before & ~self.cache.resident[pos])[::-1]  # the latest evicted first
-        self.stores[pos].load_many(placed, [int(e) for e in evicted])
+        self.stores[pos].load_many(placed, [int(e) for e in evicted], prefetch=prefetch)
 
     # ------------------------------------------------------------------ compute
     def full(

@@ -510,7 +510,7 @@ class LiveRuntime:
         lane = self.lanes.lane[nxt]
         before = self.cache.resident[nxt].copy()
         ins = self.step.prefetch(lane, lane, ranked, self.fwd.t, prob)[0]
-        self.executor.move(nxt, before, ins[ins >= 0])
+        self.executor.move(nxt, before, ins[ins >= 0], prefetch=True)
         if self.copies is not None:  # the upgrades in the window the prefetches left idle
             self.copies.sync(nxt)
 

@@ -24,8 +24,9 @@ class StreamWaits:
 
     Around each wait for slots' copies a timing event goes on the compute stream before and after it;
     the time between them is how long the device's kernels stood waiting for the copies (CUDA's
-    ``elapsed_time``; the simulated device's timeline). The pairs are read once both events completed,
-    never blocking the host inside a forward (a pair read at a later step's end counts there).
+    ``elapsed_time``; the simulated device's timeline). Nothing is read inside a forward (the host
+    never waits for the device there); :meth:`settle` reads the forward's pairs at its end, so a
+    step's waits count in that step, the one its wall time (the TPOT) covers, the last step's too.
     ``ops`` None: copies are synchronous, the host's wall time counts them instead (``ForwardTimes.waited``).
     """
 
@@ -45,18 +46,28 @@ class StreamWaits:
         after.record(compute)
         self.pending.append((before, after, decode))
 
-    def settle(self, block: bool = False) -> float:
-        """Milliseconds of decode-step waits read now, of the pairs whose events completed (``block``: all)."""
-        ms, left = 0.0, []
+    def settle(self) -> float:
+        """Milliseconds the decode-step pairs recorded so far waited, every pair read now.
+
+        The host waits once, for the last pair's end: the pairs are on the compute stream, which
+        passes them in order, so the others are done then. At a step's end this wait ends before the
+        step's token can be read (the LM head follows it on the compute stream), which the caller
+        waits for next anyway: it adds no synchronisation a decode step does not already make."""
+        if not self.pending:
+            return 0.0
+        self.pending[-1][1].synchronize()
+        ms = 0.0
         for before, after, decode in self.pending:
-            if block:
+            if not after.query():  # another stream's (none today): wait for it too
                 after.synchronize()
-            if not after.query():
-                left.append((before, after, decode))
-            elif decode:
+            if decode:
                 ms += before.elapsed_time(after)
-        self.pending = left
+        self.pending = []
         return ms
+
+    def drop(self) -> None:
+        """Forget the pairs recorded so far unread (a prefill's: no step's split counts them)."""
+        self.pending = []
 
 
 class ForwardTimes:
@@ -74,7 +85,9 @@ class ForwardTimes:
         self.begin()
 
     def begin(self, decode: bool = False) -> None:
-        """A forward starts now (``decode``: a decode step)."""
+        """A forward starts now (``decode``: a decode step); the stream waits of the one before it that
+        no split read (a prefill's) are dropped, so none is counted in another forward."""
+        self.streams.drop()
         self.acc = dict.fromkeys(("layers", *BREAKDOWN[1:-1]), 0.0)
         self.t0 = self.layer_end = time.perf_counter()
         self.decode = decode
@@ -142,7 +155,10 @@ class LiveStats:
         self.__dict__.update(vars(LiveStats()))
 
     def add_breakdown(self, wall: float, times: ForwardTimes) -> None:
-        """One decode step's wall time (ms) split: outside the experts calls, and inside them by kind."""
+        """One decode step's wall time (ms) split: outside the experts calls, and inside them by kind.
+
+        Called at the step's end, after its wall time was taken: the step's stream waits are read
+        here, all of them (:meth:`StreamWaits.settle`), so each step's parts cover its own work."""
         acc = {k: v * 1e3 for k, v in times.acc.items()}
         inner = acc["expert_compute"] + acc["transfer_wait"] + acc["device_sync"] + acc["predictor"]
         # the device's wait for copies delays what follows it on the compute stream, which the host sees

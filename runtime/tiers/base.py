@@ -169,8 +169,9 @@ class LayerTier(Protocol):
 
     def free_slot(self) -> int | None: ...
 
-    def load(self, expert: int, evict: int | None = None) -> int:
-        """Start copying ``expert`` into a free slot, or into ``evict``'s; returns the slot."""
+    def load(self, expert: int, evict: int | None = None, prefetch: bool = False) -> int:
+        """Start copying ``expert`` into a free slot, or into ``evict``'s; returns the slot (``prefetch``:
+        no compute waits for it yet, so it never goes on the link ahead of a demand copy in flight)."""
         ...
 
     def fill(self, experts: np.ndarray | list[int]) -> None:

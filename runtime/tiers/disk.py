@@ -83,10 +83,10 @@ class DiskTier:
             if dev.where.type == "cpu":
                 offload.check_fits(spec.capacity, reader.layouts, spec.capacity_arg)
             link = dev.ops.stream() if dev.ops is not None else None  # one transfer stream, the link
+            order = offload.LinkOrder()  # and the order copies take on it: demand before prefetch
+            kw = dict(ops=dev.ops, low_reader=low, stream=link, order=order)
             layers = [
-                offload.DiskLayerStore(
-                    e.experts, spec.capacity, reader, pos, dev.where, ops=dev.ops, low_reader=low, stream=link
-                )
+                offload.DiskLayerStore(e.experts, spec.capacity, reader, pos, dev.where, **kw)
                 for pos, e in enumerate(structure.layers)
             ]
         except BaseException:

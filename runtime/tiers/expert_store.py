@@ -18,8 +18,10 @@ each device slot is one buffer whose views are the tensors, so a transfer is one
 per expert (PreScope splits an expert into gate / up / down pieces on three streams; one block a copy
 costs one launch and one event instead of three, and keeps the link's queue in issue order). Copies go
 on the tier's one transfer stream, so a layer's demand loads, issued back to back as one batch, reach
-the link before the next layer's prefetch, issued after them. A copy into a slot waits only for the
-last kernel that read that slot (one event recorded on the compute stream after each call that reads
+the link before the next layer's prefetch, issued after them (the disk tier, whose reads land out of
+order on its I/O threads, keeps that order with :class:`moecast.runtime.tiers.offload.LinkOrder`: a
+prefetch copy whose read lands while a demand copy is still being read goes behind it). A copy into a
+slot waits only for the last kernel that read that slot (one event recorded on the compute stream after each call that reads
 slots), not for everything queued on the compute stream. Pinned host memory is bounded: the host
 copies are packed and pinned only when they fit the pinning budget; otherwise they stay where they
 are (pageable) and each transfer goes through a small ring of pinned staging blocks
@@ -179,12 +181,14 @@ class LayerStore:
         empty = np.flatnonzero(self.expert_in < 0)
         return int(empty[0]) if len(empty) else None
 
-    def load(self, expert: int, evict: int | None = None) -> int:
+    def load(self, expert: int, evict: int | None = None, prefetch: bool = False) -> int:
         """Copy ``expert`` into a free slot, or into ``evict``'s slot; returns the slot.
 
         With ``ops`` the expert's block goes out on the transfer stream in one copy, after the last
         kernel that read the slot, and the slot records its one event; :meth:`wait` makes the compute
-        stream wait for it. Without, the copy is synchronous.
+        stream wait for it. Without, the copy is synchronous. ``prefetch``: no compute waits for it yet
+        (a prefetch), so a store whose copies are queued later than issued (the disk tier's) queues it
+        after the demand copies issued meanwhile; here copies are queued as issued.
         """
         expert = int(expert)
         if self.slot_of[expert] >= 0:
@@ -199,29 +203,33 @@ class LayerStore:
             if free is None:
                 raise ValueError(f"all {self.num_slots} slots are full; name an expert to evict")
             slot = free
-        self._copy(expert, slot)
+        self._copy(expert, slot, prefetch)
         self.slot_of[expert] = slot
         self.expert_in[slot] = expert
         self.loads += 1
         self.bytes_moved += self.expert_bytes
         return slot
 
-    def load_many(self, experts: np.ndarray | list[int], evict: list[int]) -> list[int]:
+    def load_many(
+        self, experts: np.ndarray | list[int], evict: list[int], prefetch: bool = False
+    ) -> list[int]:
         """Copy ``experts`` back to back, each into a free slot or else the slot of the next of ``evict``
         (taken in order); returns their slots. With ``ops`` they are one batch on the transfer stream:
-        the link runs them one after another before anything issued later."""
+        the link runs them one after another before anything issued later (``prefetch``: :meth:`load`)."""
         evict, out = list(evict), []
         for e in experts:
-            out.append(self.load(int(e), evict=evict.pop(0) if self.free_slot() is None and evict else None))
+            free = self.free_slot() is None and evict
+            out.append(self.load(int(e), evict=evict.pop(0) if free else None, prefetch=prefetch))
         return out
 
     def source(self, expert: int) -> dict[str, torch.Tensor]:
         """One expert's host tensors, by parameter name (a subclass may read them from elsewhere)."""
         return {name: t[expert] for name, t in self.host.items()}
 
-    def _copy(self, expert: int, slot: int) -> None:
+    def _copy(self, expert: int, slot: int, prefetch: bool = False) -> None:
         """The host's part of a transfer, its wall time counted as the host's wait for transfers: the
-        whole copy where it is synchronous, else filling a staging block and queueing the copy."""
+        whole copy where it is synchronous, else filling a staging block and queueing the copy (in issue
+        order, ``prefetch`` or not)."""
         t0 = time.perf_counter()
         try:
             if self.ops is None:

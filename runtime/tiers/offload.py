@@ -28,7 +28,8 @@ by writing the missing files again; a directory of another model's experts is re
 buffered reads followed by ``posix_fadvise(DONTNEED)`` and says so once. :class:`DiskLayerStore`
 is :class:`moecast.runtime.tiers.expert_store.LayerStore` over that reader: on the CPU the slots are
 aligned host memory that a read fills in place; with CUDA a read fills a pinned staging buffer whose
-pieces then go to the device slot on the transfer streams. Experts that are not resident are not
+block then goes to the device slot on the tier's one transfer stream, a prefetch's behind the demand
+copies still being read when it lands (:class:`LinkOrder`). Experts that are not resident are not
 held in memory anywhere: those computed on the CPU are read in waves into two buffers of
 ``cpu_wave`` blocks each (the first two waves' reads start before the caller computes its resident
 experts; one wave computes while the next is read), so the memory beyond the slots is bounded
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import gc
 import hashlib
 import json
@@ -697,6 +699,68 @@ def _wait(fut: Future | None) -> Any:
 
 
 # ------------------------------------------------------------------------------------- the store
+class LinkOrder:
+    """The order the disk tier's copies take on its one transfer stream (issue 43: prefetch copies are
+    ordered after the layer's demand copies).
+
+    The host tier queues a copy when the host issues it, so a layer's demand batch is on the link
+    before anything issued after it. The disk tier queues one when its read lands, on an I/O thread,
+    and reads land out of order: a prefetch read for layer l+1 that lands while layer l+1's demand
+    reads are still running would put its copy on the link ahead of copies the compute stream waits
+    for. Here a demand copy is counted when the host issues it and uncounted once it is queued; a
+    prefetch copy whose read lands while any is counted is held, and the I/O thread that queues the
+    last of them queues the held ones behind it, in the order their reads landed. A prefetch that
+    lands with none counted goes at once, as on the host tier.
+
+    Holding costs the host's thread one lock per demand copy and nothing else: no I/O thread ever
+    blocks on another (a thread that waited would hold a pool worker that a demand read queued behind
+    it may need), and the stream is not made to wait on an event: on one stream the order of the
+    copies is the order they are queued, which only the host side decides.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._demand = 0  # demand copies issued and not yet queued
+        self._held: list[tuple[Any, Future]] = []  # prefetch copies waiting for them
+
+    def demand(self) -> None:
+        """The host issued a demand copy (before its read is submitted)."""
+        with self._lock:
+            self._demand += 1
+
+    def queue(self, copy: Any, landed: Future, prefetch: bool) -> None:
+        """On an I/O thread whose read landed: ``copy()`` queues the copy and gives its events, which
+        ``landed`` takes (a prefetch's later, behind the demand copies issued before its read landed)."""
+        if prefetch:
+            with self._lock:
+                if self._demand:
+                    self._held.append((copy, landed))
+                    return
+            _resolve(copy, landed)
+            return
+        try:
+            _resolve(copy, landed)
+        finally:
+            with self._lock:
+                self._demand -= 1
+                flush = self._held if self._demand == 0 else []
+                if flush:
+                    self._held = []
+            for held, fut in flush:
+                _resolve(held, fut)
+
+
+def _resolve(copy: Any, landed: Future) -> None:
+    try:
+        landed.set_result(copy())
+    except BaseException as exc:
+        landed.set_exception(exc)
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc
+
+
 class DiskLayerStore(LayerStore):
     """A :class:`LayerStore` whose slow tier is MoE layer ``pos`` of an offload directory.
 
@@ -704,7 +768,9 @@ class DiskLayerStore(LayerStore):
     pool, and :meth:`wait` blocks on the slots' reads; with ``ops`` (CUDA) a read fills a pinned
     staging buffer and the same I/O thread then queues one copy of the whole block (every tensor
     of the expert, packed as on disk) to the device slot, after the last kernel that read it, with
-    one event: the device's slots are one packed buffer too. The module's own expert tensors are
+    one event: the device's slots are one packed buffer too. A prefetch's copy (and an upgrade's)
+    goes behind the demand copies still being read when its read lands (``order``, the tier's
+    :class:`LinkOrder`, shared by the stores on one ``stream``). The module's own expert tensors are
     never read.
 
     Two copies (``low_reader``: the low copy's files, :mod:`moecast.runtime.core.mixed`): a slot is sized
@@ -725,9 +791,11 @@ class DiskLayerStore(LayerStore):
         ops: Any = None,
         low_reader: ExpertReader | None = None,
         stream: Any = None,
+        order: LinkOrder | None = None,
     ) -> None:
         self._setup(experts, num_slots, device if device is not None else "cpu", ops)
         self.reader, self.pos = reader, pos
+        self.order = order if order is not None else LinkOrder()  # the link's: shared with ``stream``
         self.layout = layout = reader.layouts[pos]
         self.expert_bytes = layout.expert_bytes
         self.low_reader = low_reader
@@ -791,10 +859,11 @@ class DiskLayerStore(LayerStore):
         stale = np.flatnonzero(held & (self.slot_low != want))
         for slot in stale:
             self.upgrades += int(self.slot_low[slot])
-            self._copy(int(self.expert_in[slot]), int(slot))
+            # idle-window work, as a prefetch: behind the demand copies on the link
+            self._copy(int(self.expert_in[slot]), int(slot), prefetch=True)
         return len(stale)
 
-    def _copy(self, expert: int, slot: int) -> None:
+    def _copy(self, expert: int, slot: int, prefetch: bool = False) -> None:
         low = self.low_reader is not None and bool(self.want_low[expert])
         reader, nbytes = (
             (self.low_reader, self.low_layout.stride) if low else (self.reader, self.layout.stride)
@@ -812,18 +881,34 @@ class DiskLayerStore(LayerStore):
         for ev in self._blocked(self._staging_busy[b]) or []:  # its previous copy must have read it
             ev.synchronize()
         read = self._read_events.pop(slot, None)
-        fut = self.reader.pool.submit(self._read_and_copy, expert, slot, b, read, reader, nbytes)
-        self._pending[slot] = self._staging_busy[b] = fut
+        landed: Future = Future()  # done once the copy is queued: its events
+        if not prefetch:  # counted after the staging wait: a held prefetch never waits for an unsent read
+            self.order.demand()
+        self.reader.pool.submit(self._read_and_copy, expert, slot, b, read, reader, nbytes, prefetch, landed)
+        self._pending[slot] = self._staging_busy[b] = landed
 
     def _read_and_copy(
-        self, expert: int, slot: int, b: int, read: Any, reader: ExpertReader, nbytes: int
-    ) -> list[Any]:
+        self,
+        expert: int,
+        slot: int,
+        b: int,
+        read: Any,
+        reader: ExpertReader,
+        nbytes: int,
+        prefetch: bool,
+        landed: Future,
+    ) -> None:
         """On an I/O thread: the expert's block (``nbytes``, from ``reader``'s copy) into staging buffer
         ``b``, then to the slot's device bytes in one copy, after ``read`` (the last kernel that read the
-        slot); one event marks it landed."""
-        staged = self._staging_raw[b][:nbytes]
-        reader.read_into(self.pos, expert, staged.numpy())
-        return self._copy_block(staged, slot, read)
+        slot) and, for a ``prefetch``, after the demand copies still being read (:class:`LinkOrder`);
+        ``landed`` takes its one event, which marks it landed."""
+        try:  # whatever happens, the copy is handed to the order: a demand counted there is uncounted
+            staged = self._staging_raw[b][:nbytes]
+            reader.read_into(self.pos, expert, staged.numpy())
+            copy = functools.partial(self._copy_block, staged, slot, read)
+        except BaseException as exc:
+            copy = functools.partial(_raise, exc)
+        self.order.queue(copy, landed, prefetch)
 
     def wait(self, slots: np.ndarray | list[int] | None = None) -> None:
         """Block until the given slots' reads (all, if None) are done; with ops, the compute stream waits for their copies."""

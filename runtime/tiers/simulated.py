@@ -11,7 +11,10 @@ stream waiting for them) and a test or a dry run reads what it did:
   earlier than the host's clock when issued (a stream idle since then starts now); the compute stream
   is the host (the CPU computes synchronously), so it stands at the host's clock, or later where it
   waited for an event. An event recorded on a stream carries the time the stream reaches it, and
-  ``elapsed_time`` subtracts, as CUDA's timing events do.
+  ``elapsed_time`` subtracts, as CUDA's timing events do;
+- completion: an event is done (``query``) once the host's clock has reached its time, or once the
+  host waited for it or for a later one (``synchronize``: the device has passed that time), so a
+  reader that does not wait sees only what a device at this link would have finished by now.
 
 ``clock`` (ms) is the host's clock: ``time.perf_counter`` by default (a dry run: how long a device with
 this link would stall at the pace the host issued its work), a constant in a test (a purely logical
@@ -50,9 +53,12 @@ class SimEvent:
 
     def synchronize(self) -> None:
         self.synced += 1
+        if self.time is not None:  # the host waited until the device passed this event's time
+            with self.ops.lock:
+                self.ops.reached = max(self.ops.reached, self.time)
 
     def query(self) -> bool:
-        return self.time is not None
+        return self.time is not None and self.time <= max(self.ops.clock(), self.ops.reached)
 
     def elapsed_time(self, end: SimEvent) -> float:
         if not (self.timing and end.timing):
@@ -96,6 +102,7 @@ class SimulatedOps:
         self.lock = threading.RLock()  # the disk tier queues copies from its I/O threads
         self.compute = SimStream(self, "compute")
         self.made = 0  # copy streams made
+        self.reached = float("-inf")  # the latest device time the host waited for (ms)
 
     def stream(self) -> SimStream:
         with self.lock:
