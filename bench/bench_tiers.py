@@ -26,8 +26,10 @@ the budget plus that: :data:`RSS_RULE`):
 - moecast's disk tier (direct I/O, asynchronous reads): LRU and LFU on demand, static hot table
   (counted on other held-out requests), LLaPor prefetch, prefetch-late and lfu-prefetch
   (``--predictor``, the DeepSeek checkpoint; prefetch-late also starts one prefetch past the window,
-  which the next layer waits for; lfu-prefetch evicts by LFU), and the first two with an oracle (a
-  bound: the next layer's true experts);
+  which the next layer waits for; lfu-prefetch evicts by LFU), LLaPor prefetch-gated where the
+  checkpoint carries its gate calibration (``moecast predictors calibrate``: a late prefetch starts
+  only where its calibrated probability of use pays for its bytes, runtime/core/gate.py), and the
+  first two with an oracle (a bound: the next layer's true experts);
 - page cache: the experts mmap'd from the same safetensors files (llama.cpp's approach, the
   family's eager experts so only routed experts are touched), the process held by a memory cgroup
   to its non-expert usage plus the experts' budget (bench/memlimit.py; needs root: the row says
@@ -546,7 +548,13 @@ def same_ram(t: Tiers, capacity: float) -> str:
     """The round's capacity as bytes per layer: its share of the experts at the model's dtype, which
     a quantized tier's smaller experts fill with more of them (a capacity in bytes counts its bytes)."""
     slots = round(capacity * t.cfg.n_routed_experts)
-    return f"{slots * precision_bytes(t, 'model') / 2**20:.3f}MB"
+    # the bytes a budget counts (the expert's own, as attach's capacity in bytes divides by)
+    return f"{slots * t.expert_bytes / 2**20:.6f}MB"
+
+
+def gated(t: Tiers) -> bool:
+    """The prefetch gate's rows run: the predictor's checkpoint carries its calibration."""
+    return getattr(t.predictor, "calibration", None) is not None
 
 
 def precision_rows(t: Tiers, capacity: float, precision: str) -> list[Row]:
@@ -557,6 +565,9 @@ def precision_rows(t: Tiers, capacity: float, precision: str) -> list[Row]:
     if t.predictor is not None:
         rows.append(_row(t, capacity, f"llapor prefetch-late {precision}", "prefetch-late", t.predictor,
                          precision, policy="prefetch-late", predictor=t.predictor))  # fmt: skip
+    if gated(t):
+        rows.append(_row(t, capacity, f"llapor prefetch-gated {precision}", "prefetch-gated", t.predictor,
+                         precision, policy="prefetch-gated", predictor=t.predictor))  # fmt: skip
     if "+" not in precision:
         ram = same_ram(t, capacity)
         rows.append(_row(t, capacity, f"lru {precision}{SAME_RAM}", "lru", "none", precision, at=ram,
@@ -619,6 +630,15 @@ def live_rows(t: Tiers, report: Any, capacity: float) -> list[Row]:
             rows.append(row(f"llapor {policy}", policy, t.predictor, policy=policy, predictor=t.predictor))
         else:
             report.skip(s, f"llapor {policy}", "no DeepSeek checkpoint (--predictor)")
+    if gated(t):
+        rows.append(row("llapor prefetch-gated", "prefetch-gated", t.predictor, policy="prefetch-gated",
+                        predictor=t.predictor))  # fmt: skip
+    elif t.predictor is not None:
+        report.skip(
+            s,
+            "llapor prefetch-gated",
+            "the checkpoint has no gate calibration (moecast predictors calibrate)",
+        )
     if t.routing.recorded:
         cfg = t.cfg
         for policy in variants:

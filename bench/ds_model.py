@@ -29,7 +29,7 @@ import json
 import mmap
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -529,6 +529,12 @@ class LayerSubsetPredictor(LayerAhead):
         self.layers = layers
         self.full = len(inner.moe_layers) if hasattr(inner, "moe_layers") else DS_MOE_LAYERS
         self._window: Any = None  # score_at's padded window, reused while its shape holds
+        # the checkpoint's gate calibration (moecast predictors calibrate), on the layers the bench runs
+        cal = getattr(inner, "calibration", None)
+        self.calibration = (
+            None if cal is None else replace(cal, edges=cal.edges[:layers], prob=cal.prob[:layers])
+        )
+        self.checkpoint_meta = getattr(inner, "checkpoint_meta", None)
 
     def _full(self, trace: Any, reuse: bool = False) -> Any:
         """``trace`` padded to the checkpoint's layers, with the traces' token ids. ``reuse``: into

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -321,3 +322,21 @@ def test_repeated_reports_the_median_run_and_the_spread():
     row = bench_gpu.repeated(s, lambda: next(runs))
     assert row["measured_tpot_ms"] == 11.0 and row["k"] == "c"  # the median run's other figures
     assert row["measured_runs_ms"] == [10.0, 11.0, 12.0] and row["spread"] == pytest.approx(2 / 11)
+
+
+def test_ds_predictor_adapter_carries_the_gate_calibration_of_its_layers():
+    """The checkpoint's gate calibration, cut to the bench model's first layers: bench_tiers runs its
+    prefetch-gated rows only where there is one."""
+    import bench_tiers
+    from moecast.predictors.calibration import Calibration
+    from moecast.runtime.profile.measure import llapor_standin
+
+    inner = llapor_standin(num_layers=6, num_experts=64, top_k=6)
+    assert ds_model.LayerSubsetPredictor(inner, {}, layers=3).calibration is None
+    edges = np.arange(6 * 2, dtype=float).reshape(6, 2)
+    inner.calibration = Calibration(edges, np.linspace(0, 1, 18).reshape(6, 3), samples=7)
+    ad = ds_model.LayerSubsetPredictor(inner, {}, layers=3)
+    assert np.array_equal(ad.calibration.edges, edges[:3]) and ad.calibration.prob.shape == (3, 3)
+    assert ad.calibration.samples == 7
+    assert bench_tiers.gated(SimpleNamespace(predictor=ad))
+    assert not bench_tiers.gated(SimpleNamespace(predictor=None))
