@@ -1271,7 +1271,7 @@ def precision_goals(F: Any, raw: list[dict]) -> list[dict]:
         if (
             r.get("expert_dtype") in (None, "model")
             or "+" in r["expert_dtype"]
-            or not r["config"].startswith("lru")
+            or r["config"] != f"lru {r['expert_dtype']}"  # once per precision: its LRU at the share
         ):
             continue
         prec, best = r["expert_dtype"], best_at(at, r["expert_dtype"])

@@ -196,7 +196,9 @@ def test_precision_goals_by_hand():
            r("all in RAM int4-g128", 250, "int4-g128"),
            r("lru int4-g128 (model's RAM)", 270, "int4-g128", 10),
            r("llapor prefetch-late int4-g128 (model's RAM)", 260, "int4-g128", 13)]  # fmt: skip
-    got = {f["name"]: (f["value"], f["verdict"]) for f in bench_tiers.precision_goals(F, raw)}
+    figs = bench_tiers.precision_goals(F, raw)
+    got = {f["name"]: (f["value"], f["verdict"]) for f in figs}
+    assert len(figs) == len(got)  # each goal once, though int4 has two LRU rows
     # the rows in the model dtype's RAM hold more experts: apart from the share-of-experts goals, with
     # their own (260 / 250), and LLaPor's bytes there against LRU's there (13 / 10)
     assert got == {
