@@ -280,6 +280,8 @@ def test_live_and_replay_equal_with_two_copies(tiny, profile, tmp_path, case):  
     assert stats["bytes_by_copy"] == pytest.approx({k: v * tokens for k, v in r.mb_per_token_by_copy.items()})
     assert sum(stats["bytes_by_copy"].values()) == r.bytes_moved
     assert stats["low_disk_reads"] == stats["loads"] and stats["upgrade_reads"] == stats["upgrades"]
+    # the stores count each copy at its own bytes, upgrades included
+    assert sum(stats["store_bytes_moved"]) == r.bytes_moved
 
 
 def test_presched_is_refused_with_two_copies(tmp_path):

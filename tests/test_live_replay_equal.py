@@ -130,6 +130,7 @@ def live_run(model, policy, hw, predictor=None, prefetch="none", **tier):
                 nxt = out.logits[:, -1].argmax(-1, keepdim=True)
                 out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
         stats = rt.stats()
+        stats["store_bytes_moved"] = [s.bytes_moved for s in rt.stores]  # each store's own count
         info = rt.info
     finally:
         rt.detach()

@@ -207,8 +207,12 @@ class LayerStore:
         self.slot_of[expert] = slot
         self.expert_in[slot] = expert
         self.loads += 1
-        self.bytes_moved += self.expert_bytes
+        self.bytes_moved += self.moved_bytes(slot)
         return slot
+
+    def moved_bytes(self, slot: int) -> int:
+        """The bytes the last copy into ``slot`` moved: one expert's (a tier of two copies: the copy's)."""
+        return self.expert_bytes
 
     def load_many(
         self, experts: np.ndarray | list[int], evict: list[int], prefetch: bool = False

@@ -861,7 +861,12 @@ class DiskLayerStore(LayerStore):
             self.upgrades += int(self.slot_low[slot])
             # idle-window work, as a prefetch: behind the demand copies on the link
             self._copy(int(self.expert_in[slot]), int(slot), prefetch=True)
+            self.bytes_moved += self.moved_bytes(int(slot))
         return len(stale)
+
+    def moved_bytes(self, slot: int) -> int:
+        """The bytes of the copy ``slot`` holds: the low copy's or the high one's."""
+        return self.low_layout.expert_bytes if self.slot_low[slot] else self.expert_bytes
 
     def _copy(self, expert: int, slot: int, prefetch: bool = False) -> None:
         low = self.low_reader is not None and bool(self.want_low[expert])
