@@ -445,6 +445,8 @@ def pooled(stats: list[dict]) -> dict:
     keys = ("decode_steps", "routed", "uses", "hits", "bytes_read", "prefetches_issued", "prefetch_used")
     out = {k: sum(s[k] for s in stats) for k in keys}
     out["expert_bytes"] = stats[0]["expert_bytes"]
+    # the precision the runs computed at: calibrate sets that precision's expert time from them
+    out["expert_dtype"] = stats[0].get("expert_dtype", "model")
     out["hit_rate"] = out["hits"] / out["uses"] if out["uses"] else float("nan")
     steps = [s["decode_steps"] for s in stats]
     for key in ("modeled_tpot_ms", "after_layers_ms", *(f"{part}_ms" for part in BREAKDOWN)):

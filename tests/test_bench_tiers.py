@@ -157,7 +157,7 @@ def test_pooled_runs_by_hand():
         return {"decode_steps": steps, "routed": uses, "uses": uses, "hits": hits, "bytes_read": mb * 10**6,
                 "disk_read_gbps_observed": gbps, "modeled_tpot_ms": ms, "after_layers_ms": ms / 10,
                 "prefetches_issued": steps * 3, "prefetch_used": steps, "expert_bytes": 2**20,
-                **{f"{p}_ms": ms for p in BREAKDOWN}}  # fmt: skip
+                "expert_dtype": "int4-g128", **{f"{p}_ms": ms for p in BREAKDOWN}}  # fmt: skip
 
     # 1000 MB at 1 GB/s (1 s busy) and 3000 MB at 3 GB/s (1 s busy): 4000 MB in 2 s
     st = bench_tiers.pooled([run(1, 10, 4, 1000, 1.0, 10.0), run(3, 30, 21, 3000, 3.0, 30.0)])
@@ -168,6 +168,16 @@ def test_pooled_runs_by_hand():
     assert st["attention_ms"] == pytest.approx(25.0)
     assert st["after_layers_ms"] == pytest.approx(2.5)
     assert (st["prefetches_issued"], st["prefetch_used"]) == (12, 4)
+    # the pooled runs calibrate the precision they ran at, not the model dtype's time
+    from moecast.runtime.core.cost_model import HardwareProfile
+    from moecast.runtime.profile.measure import calibrate
+
+    probe = HardwareProfile(name="p", transfer_gbps=1.0, ref_expert_bytes=2**20, gpu_expert_ms=2.0, cpu_beta_ms=0.1,
+                            cpu_c_ms=1.9, attn_ms=5.0, fast_tier="cpu", slow_tier="disk")  # fmt: skip
+    cal = calibrate(probe, st, 2)
+    assert cal.gpu_expert_ms == 2.0 and cal.expert_ms == {
+        "int4-g128": pytest.approx(st["expert_compute_ms"] * 4 / 40)
+    }
     # per decode step: 4000 MB / 4 steps = 1e9 bytes (953.7 MiB), 0.5 s at 2 GB/s; 8 prefetches of
     # 1 MiB never used over 4 steps: 2 MiB a step
     link = bench_tiers.link_figures(st)
