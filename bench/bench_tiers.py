@@ -229,8 +229,8 @@ def precision_probe(t: Tiers, precision: str) -> Any:
     from moecast.runtime.tiers.precision import Precision
 
     if "+" in precision:
-        times = {k: v for q in copy_tags(precision) for k, v in t.probe(q).expert_ms.items()}
-        return replace(t.profile, name=f"{t.profile.name}-{precision}", expert_ms=times)
+        both = two_copies_profile({q: t.probe(q) for q in copy_tags(precision)}, precision)
+        return replace(both, name=f"{t.profile.name}-{precision}")
     experts = find_moe_structure(t.model).layers[0].experts
     prof, how = precision_times(t.profile, experts, [Precision.of_tag(precision)])
     said = "; ".join(f"{k}: {v}" for k, v in how.items())

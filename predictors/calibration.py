@@ -26,7 +26,7 @@ memory) scores differently and is written without it.
 
 from __future__ import annotations
 
-import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,27 +125,36 @@ def request_predictions(predictor: Any, trace: Any, k: int) -> tuple[np.ndarray,
 
 def fit(predictor: Any, ts: Any, requests: list[str], bins: int = BINS) -> Calibration:
     """The calibration of ``predictor`` on ``requests`` of TraceSet ``ts``."""
+    import torch
+
     k = ts.meta.model.top_k
-    scores, used, valid = [], [], []
-    with scoring():
+
+    def labelled() -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         for rid in requests:
             trace = ts.get(rid)
-            ids, sc = request_predictions(predictor, trace, k)
-            scores.append(sc)
-            used.append(used_labels(ids, np.asarray(trace.topk_ids, dtype=np.int64)))
-            valid.append(ids >= 0)
-    if not scores:
+            yield (*request_predictions(predictor, trace, k), np.asarray(trace.topk_ids, dtype=np.int64))
+
+    with torch.inference_mode():
+        cal = fit_on(labelled(), bins)
+    if cal is None:
         raise InputError(f"{ts.path}: no requests to calibrate the prefetch gate on")
+    return cal
+
+
+def fit_on(
+    predictions: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray]], bins: int = BINS
+) -> Calibration | None:
+    """The calibration of requests' predictions, each ``(ids, scores, routed)``: [T, L, kp] predicted
+    ids and their scores as the runtimes see them, and the [T, L, k] experts the router chose; None
+    without a request."""
+    scores, used, valid = [], [], []
+    for ids, sc, routed in predictions:
+        scores.append(sc)
+        used.append(used_labels(ids, routed))
+        valid.append(ids >= 0)
+    if not scores:
+        return None
     return Calibration.fit(np.concatenate(scores), np.concatenate(used), np.concatenate(valid), bins)
-
-
-def scoring() -> contextlib.AbstractContextManager:
-    """No autograd while a checkpoint scores requests."""
-    try:
-        import torch
-    except ImportError:
-        return contextlib.nullcontext()
-    return torch.inference_mode()
 
 
 def calibration_of(predictor: Any) -> Calibration | None:

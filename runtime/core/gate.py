@@ -42,7 +42,6 @@ from __future__ import annotations
 import numpy as np
 from moecast.predictors.base import normalised
 from moecast.predictors.calibration import Calibration as Calibration  # the runtimes' import of it
-from moecast.predictors.calibration import used_labels as used_labels
 
 
 def candidate_probability(ranked: np.ndarray, ids: np.ndarray, prob: np.ndarray) -> np.ndarray:

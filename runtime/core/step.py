@@ -366,8 +366,7 @@ class LayerStep:
         valid = (ids >= 0).any(2)
         if not routed:
             ids = self.route(lanes, layer, ids, probs, decode)
-        uniq, counts, hit = self._access(lanes, layer, ids, decode)
-        low = self._low_of(lanes, uniq) if self.copies is not None else None
+        uniq, counts, hit, low = self._access(lanes, layer, ids, decode)
         miss = (uniq >= 0) & ~hit
         n_miss = miss.sum(1)
         n_load, load_ids, cpu_ids, t_cpu = self._split(
@@ -387,7 +386,7 @@ class LayerStep:
         high = None
         if self.copies is not None:
             # hits on a high copy compute at its time; the rest (low hits, demand loads) at the low's
-            high = ((hit & (uniq >= 0) & ~low).sum(1), self.cost.t_g)
+            high = ((hit & (uniq >= 0) & ~low).sum(1), self.cost.t_g)  # low: False where not hit
         layer_t, link = layer_time(self.demand, n_dev, n_load, delay, t_cpu, n_miss - n_load, stall, high)
         layer_t = layer_t + rc
         self._advance(lanes, layer_t, link, next_lanes, has_next, restart)
@@ -444,9 +443,10 @@ class LayerStep:
 
     def _access(
         self, lanes: np.ndarray, layer: np.ndarray, ids: np.ndarray, decode: np.ndarray | None
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The union of the rows' experts with token counts, and which are resident (``decode``: the
-        rows whose uses and hits also count as the TPOT's; None: all)."""
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+        """The union of the rows' experts with token counts, which are resident, and (two copies)
+        which hits are on a low copy (``decode``: the rows whose uses and hits also count as the
+        TPOT's; None: all)."""
         n, B, k = ids.shape
         flat = self._items(layer, ids).reshape(n, B * k)
         if B > 1:
@@ -472,7 +472,7 @@ class LayerStep:
             uses, hits = np.where(decode, uses, 0), np.where(decode, hits, 0)
         self.add("dec_uses", lanes, layer, uses)
         self.add("dec_hits", lanes, layer, hits)
-        return uniq, counts, hit
+        return uniq, counts, hit, low
 
     def _low_of(self, lanes: np.ndarray, items: np.ndarray) -> np.ndarray:
         """[n, M] whether each item's slot holds its low copy (meaningful where resident)."""

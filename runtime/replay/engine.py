@@ -61,17 +61,18 @@ import contextlib
 import dataclasses
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 from moecast.collect.traceset import TraceSet, TraceSetError
 from moecast.predictors.base import BatchScorer, PromptPlanner, normalised
-from moecast.predictors.calibration import calibration_of
+from moecast.predictors.calibration import calibration_of, fit_on
 from moecast.runtime.core import eviction
 from moecast.runtime.core import spec as core_spec
 from moecast.runtime.core.cache import StaticTable, resolve_capacity
-from moecast.runtime.core.gate import Calibration, candidate_probability, used_labels
+from moecast.runtime.core.gate import Calibration, candidate_probability
 from moecast.runtime.core.mixed import Copies, bytes_by_copy, parse_copies
 from moecast.runtime.core.policy import POLICIES as POLICIES  # the presets, where bench looks them up
 from moecast.runtime.core.policy import Policy
@@ -656,25 +657,24 @@ def _gate_probabilities(run: _Run, pr: _Predictions) -> tuple[np.ndarray | None,
     rids, side = _calibration_requests(run)
     oracle = isinstance(run.predictor, OraclePredictor)
     k = run.shape[2]
-    scores, used, valid = [], [], []
-    with _scoring_mode(run.predictor, run.planner):
+
+    def labelled() -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         for rid in _progress(rids, run.cfg.progress and not oracle, f"calibrating the gate on {side}"):
             trace = run.ts.get(rid)
             topk = np.asarray(trace.topk_ids, dtype=np.int64)
             sc, _plan = _request_scores(run, trace, oracle)
             if sc is None:  # the oracle: its predictions are the routing
-                ids, scs = topk, np.ones(topk.shape, np.float32)
+                yield topk, np.ones(topk.shape, np.float32), topk
             else:
-                ids, scs = top_predictions(sc, k)
-            scores.append(scs)
-            used.append(used_labels(ids, topk))
-            valid.append(ids >= 0)
-    if not scores:
+                yield (*top_predictions(sc, k), topk)
+
+    with _scoring_mode(run.predictor, run.planner):
+        cal = fit_on(labelled())
+    if cal is None:
         raise InputError(
             f"the prefetch gate calibrates on the {side} side of the predictor's split, which holds no request "
             f"of {run.ts.path}; give calibrate_on requests or use a policy without the gate"
         )
-    cal = Calibration.fit(np.concatenate(scores), np.concatenate(used), np.concatenate(valid))
     overlap = len(set(rids) & set(run.rids))
     note = f"the {len(rids)} {side} requests" + (
         f" ({overlap} of them replayed too: in-sample)" if overlap else ""
