@@ -156,14 +156,17 @@ def test_upgrades_after_the_prefetches_the_predicted_first():
     assert _stat(step, "upgrades") == 1
 
 
-def test_without_the_gate_every_prefetch_reads_the_high_copy():
-    """prefetch-late at mixed precision, free 2.5, candidates [5, 6, 7]: 5 and 6 land high in the
-    window (2 ms); 7 is started past it, high too, ending 3.0: delay 0.5, no idle time."""
+@pytest.mark.parametrize("free, delay", [(2.5, 0.0), (2.1, 0.15)])
+def test_without_the_gate_the_window_reads_high_and_the_late_one_low(free, delay):
+    """prefetch-late at mixed precision (t_hi 1, t_lo 0.25), candidates [5, 6, 7]: 5 and 6 land high in
+    the window (2 ms); 7 is started past it at the low copy, ending at 2.25: inside a window of 2.5
+    (no delay), 0.15 past one of 2.1 (its high copy would end at 3.0: 0.9). No idle time is left for
+    an upgrade (0.25 < t_hi)."""
     step = _step("prefetch-late", capacity=4)
-    _prefetch(step, [5, 6, 7], 0, free=2.5)
-    assert (_stat(step, "pf_started"), _stat(step, "pf_landed"), _stat(step, "pf_low")) == (3, 3, 0)
-    assert step.clock.delay[0] == pytest.approx(0.5)
-    assert not step.low[0, [5, 6, 7]].any() and _stat(step, "upgrades") == 0
+    _prefetch(step, [5, 6, 7], 0, free=free)
+    assert (_stat(step, "pf_started"), _stat(step, "pf_landed"), _stat(step, "pf_low")) == (3, 3, 1)
+    assert step.clock.delay[0] == pytest.approx(delay)
+    assert step.low[0, [5, 6, 7]].tolist() == [False, False, True] and _stat(step, "upgrades") == 0
 
 
 # ------------------------------------------------------------------------------------ the gate

@@ -19,14 +19,16 @@ The rules (applied by :class:`moecast.runtime.core.step.LayerStep`, in its step 
    A resident high copy computes at the high copy's time.
 2. **Prefetches inside the window read the high copy, best first**: of the predicted experts not
    resident, the first ``n_high = min(asked, floor(free / t_hi))`` land at high precision.
-3. **Past the window**: the policy's late transfer (late_prefetch's one, which lands late and
-   resident; PreSched's one, which does not land) reads the high copy. Under the prefetch gate
+3. **Past the window, the low copy**: the policy's late transfer (late_prefetch's one, which lands
+   late and resident; PreSched's one, which does not land) holds the link past the window, so every
+   ms of it delays the layer's demand loads: it reads the low copy, ``d = n_high t_hi + t_lo -
+   free`` rather than ``n_high t_hi + t_hi - free``. Under the prefetch gate
    (:mod:`moecast.runtime.core.gate`) the window's leftover, ``free - n_high t_hi``, first takes
    low copies of the next candidates, best first while their calibrated probability is above zero
    (each lands inside the window, so it is free and pays whenever ``p > 0``), and the late one is
    started only where ``p S > d_x``, at the copy ``x`` (high or low) that maximises ``p S - d_x``,
    ``S = t_lo`` (a used prefetch spares a low read), ``d_x = n_high t_hi + n_low t_lo + t_x - free``.
-   Since ``d_lo < d_hi`` and both spare the same ``S``, the gate moves a late expert's low copy.
+   Since ``d_lo < d_hi`` and both spare the same ``S``, the gate too moves a late expert's low copy.
 4. **Upgrades in idle link time.** What the window leaves idle after the prefetches, ``idle = free
    - n_high t_hi - n_low t_lo`` (zero when a late transfer was started: it holds the link past the
    window), reads ``u = floor(idle / t_hi)`` high copies over resident low ones: the predicted
@@ -195,7 +197,8 @@ def plan_prefetch(
         issued = np.where(presched_one, ask, in_window)
     has_late = (ask > in_window) & finite & (t_hi > 0) & (late_ok | presched_one)
     lands = np.full(n, late_ok)
-    late = np.where(has_late, HIGH, NONE)
+    # past the window a read delays the demand loads: over two copies it moves the low one (rule 3)
+    late = np.where(has_late, LOW if mixed else HIGH, NONE)
     zero = np.zeros(n)
     lo_part = n_low * t_lo if mixed else zero
     with np.errstate(invalid="ignore"):

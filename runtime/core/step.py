@@ -825,9 +825,8 @@ def layer_time(
         compute = compute + high[0] * (high[1] - cost.t_g)
     dev = np.maximum(compute, link + np.where(n_load > 0, cost.t_g, 0.0))
     if stall is not None:
-        # a late prefetch moves the high copy (mixed.py, rule 3)
-        late_g = cost.t_g if high is None else high[1]
-        dev = np.maximum(dev, np.where(stall > 0, stall + late_g, 0.0))
+        # a late prefetch that stalls moves the low copy (mixed.py, rule 3): it computes at cost.t_g
+        dev = np.maximum(dev, np.where(stall > 0, stall + cost.t_g, 0.0))
     on_cpu = np.asarray(n_cpu) > 0
     cpu_end = t_cpu
     if cost.cpu_reads_link:
