@@ -147,6 +147,43 @@ def test_aligned_bytes_are_faulted_in_when_allocated():
     assert buf.data_ptr() % offload.ALIGN == 0 and int(buf[-1]) == 0
 
 
+def _thp_mode() -> str | None:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    return text.split("[")[1].split("]")[0]
+
+
+def _anon_huge_kb(ptr: int) -> int:
+    """AnonHugePages of the mapping of this process that holds address ``ptr`` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= ptr < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return 0
+
+
+def test_aligned_bytes_start_on_a_huge_page_and_ask_for_huge_pages(monkeypatch):
+    """A buffer of a huge page or more starts on a 2 MB boundary and is madvised MADV_HUGEPAGE over
+    its whole length (an O_DIRECT read then pins a few huge pages, not thousands of small ones); a
+    smaller one is left as it was. Where the kernel grants THP on request, the pages are huge."""
+    asked = []
+    real = offload._huge_pages
+    monkeypatch.setattr(offload, "_huge_pages", lambda mm, a, n: asked.append(n) or real(mm, a, n))
+    small = offload.aligned_bytes(64 << 10)
+    buf = offload.aligned_bytes(5 << 20)
+    assert asked == [6 << 20]  # the small one asked for nothing; 5 MB rounds up to three huge pages
+    assert buf.data_ptr() % offload.HUGE_PAGE == 0 and len(buf) == 5 << 20 and len(small) == 64 << 10
+    assert int(buf.sum()) == 0
+    if _thp_mode() in ("madvise", "always"):
+        assert _anon_huge_kb(buf.data_ptr()) >= 2 << 10
+
+
 def test_disk_tier_logits_and_bytes_read_by_hand(tmp_path):
     """static never loads after the fill: 2 experts x 2 layers read once, then one read per CPU expert."""
     model = make_model("qwen2_moe")
