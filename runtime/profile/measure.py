@@ -685,7 +685,7 @@ def _block_reads(directory: Path, block_bytes: int) -> Iterator[tuple[Any, int]]
 
         def read_file() -> None:
             if not hasattr(local, "buf"):
-                local.buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT requires
+                local.buf = aligned_bytes(block).numpy()  # the runtime's buffers (aligned, huge pages)
             try:
                 os.preadv(fd, [local.buf], int(rng().integers(blocks)) * block)
             except OSError:  # a filesystem that accepts the flag and refuses the read
