@@ -700,9 +700,9 @@ def aligned_bytes(nbytes: int) -> torch.Tensor:
 def _huge_pages(mm: mmap.mmap, start: int, length: int) -> None:
     """Back ``length`` bytes of ``mm`` from ``start`` with transparent huge pages (MADV_HUGEPAGE), which
     Linux grants where THP is ``madvise`` or ``always``. An O_DIRECT read pins its buffer's pages: a 2 MB
-    page is one pin where small pages are 512, and on this project's 2-core VM that cut a 4.6 MB
-    read's CPU about 4x and kept the disk's rate under a concurrent compute (experiments.md). A
-    kernel that refuses (no THP) leaves small pages: nothing else changes."""
+    page is one pin where small pages are 512, which cut a 4.6 MB read's CPU about 4x on a 2-core VM
+    (``bench/bench_read_pages.py``). A kernel that refuses (no THP) leaves small pages: nothing else
+    changes."""
     with contextlib.suppress(OSError):
         mm.madvise(mmap.MADV_HUGEPAGE, start, length)
 
