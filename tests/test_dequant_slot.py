@@ -250,10 +250,11 @@ def test_dequant_ms_survives_the_yaml_and_bad_values_are_refused(tmp_path):
             dataclasses.replace(prof, dequant_ms=bad)
 
 
-def test_the_profile_times_the_dequantize_of_each_precision():
+def test_the_profile_times_the_dequantize_of_each_precision(monkeypatch):
     """moecast profile's dequant_times: one expert's block into a slot, timed per quantized precision
-    on the device profiled (the CPU here, and the note says so); the model's dtype gets none."""
-    from moecast.runtime.profile.measure import dequant_times
+    on the device given (the CPU here, and the note says so); the model's dtype gets none. Without CUDA
+    the profile's device fields are borrowed, so profile_model leaves dequant_ms unmeasured."""
+    from moecast.runtime.profile.measure import dequant_times, device_dequant_times
 
     base = HardwareProfile(name="h", transfer_gbps=1.0, ref_expert_bytes=1000, gpu_expert_ms=0.2, cpu_beta_ms=0.1,
                            cpu_c_ms=1.0, attn_ms=0.5)  # fmt: skip
@@ -263,6 +264,9 @@ def test_the_profile_times_the_dequantize_of_each_precision():
     )
     assert set(prof.dequant_ms) == {"int8", "int4-g32"} and min(prof.dequant_ms.values()) > 0
     assert "on cpu" in how["dequant_ms"] and dequant_times(base, experts, [P.Precision()]) == (base, {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    prof, how = device_dequant_times(base, experts, [P.Precision("int8")])
+    assert prof.dequant_ms == {} and "not timed" in how["dequant_ms"]
 
 
 def test_the_cpu_device_refuses_the_host_tier_and_keeps_packed_slots_on_the_disk_tier(tmp_path):

@@ -520,7 +520,7 @@ def profile_model(
         how.update(disk_how)
     prof, prec_how = precision_times(prof, st.layers[0].experts, precisions)
     how.update(prec_how)
-    prof, dq_how = dequant_times(prof, st.layers[0].experts, precisions)
+    prof, dq_how = device_dequant_times(prof, st.layers[0].experts, precisions)
     how.update(dq_how)
     prof.source += "; " + "; ".join(f"{k}: {v}" for k, v in how.items() if k not in ("cpu", "expert"))
     return prof, how
@@ -549,6 +549,21 @@ def precision_times(
         times[q.tag] = _sig(fit[0] + fit[1])
         how[f"{q.tag} experts"] = fit[2]
     return replace(prof, expert_ms=times), how
+
+
+def device_dequant_times(
+    prof: HardwareProfile, experts: Any, precisions: Sequence[Any]
+) -> tuple[HardwareProfile, dict[str, str]]:
+    """:func:`dequant_times` on CUDA where the profile's device was measured here; without CUDA the
+    device fields are another profile's, so a CPU's dequantize (tens of ms an expert) is not written
+    over them: ``dequant_ms`` stays unmeasured (0), and the note says so."""
+    import torch
+
+    if not any(q.quantized for q in precisions) or torch.cuda.is_available():
+        return dequant_times(prof, experts, precisions)
+    return prof, {
+        "dequant_ms": "not timed: no CUDA here, and the CPU's time would stand in for another device's"
+    }
 
 
 def dequant_times(

@@ -27,8 +27,16 @@ copies are packed and pinned only when they fit the pinning budget; otherwise th
 are (pageable) and each transfer goes through a small ring of pinned staging blocks
 (``STAGING_BUFFERS`` experts), which ``staged`` reports; ``pinned_bytes`` says how much is pinned.
 
-Each copy is timed on the device (a timing mark before it, then its landing event), so
-``link_seconds`` and ``link_bytes`` give the link's observed rate.
+Each copy is timed on the device (a timing mark before it and one after it), so ``link_seconds``
+and ``link_bytes`` give the link's observed rate.
+
+At a quantized precision on an accelerator (``dequant``: a
+:class:`moecast.runtime.tiers.precision.SlotDequantizer`; issue 45) the host copy is the packed
+quantized block (``layout``) and a slot holds the model's tensors (``slot_layout``): the block is
+copied in one copy into a device landing block, the dequantize kernels follow it on the transfer
+stream (``ops.launch``) and write the slot, and the slot's one event is recorded after them. The link
+moves (and ``link_bytes``, ``bytes_moved`` count) the quantized bytes; the module keeps its own
+weights.
 
 On a CPU-only machine without ops the "device" is the CPU: slots are still pre-allocated and loads
 really copy weights into them (so what runs is what was loaded), synchronously, each copy's wall

@@ -22,8 +22,11 @@ directly (at one token, a DeepSeek expert's gate-up projection took 0.36 and 0.2
 its own packed layout, which :func:`torch._convert_weight_to_int4pack_for_cpu` makes (about 28 ms a
 matrix, so the offload directory stores that layout and a read needs no conversion); it needs a
 group of 32-256, an output dimension divisible by 16 and an even input dimension. Where a kernel
-cannot run (another device, a shape it refuses), the weights are dequantized for the call instead,
-and :func:`kernel_note` says so once.
+cannot run (a shape it refuses), the weights are dequantized for the call instead, and
+:func:`kernel_note` says so once. On an accelerator the slots hold no packed weights: a load copies
+the packed block and :class:`SlotDequantizer` dequantizes it into the model-dtype slot on the device
+(:func:`dequantize_matrix`'s arithmetic), so the resident experts compute as the model's
+(:class:`DequantizedSlots`); only the CPU set computes on the packed host copies.
 
 Each stored part of weight ``name`` is a tensor ``name.<part>``: int8 ``.q`` [out, in] and ``.s``
 [out]; int4 ``.q`` (uint8, the kernel's layout, [out, in / 2]) and ``.sz`` [in / g, out, 2] with
