@@ -164,21 +164,8 @@ class LayerStore:
             self.pinned_bytes = layout.stride * len(self._staging)
         self.staged = bool(self._staging)
         # AsyncIO's pre-registered buffers: allocated once, only ever overwritten; one block a slot
-        self._slots_at(dequant)
-
-    def _slots_at(self, dequant: Any) -> None:
-        """The slots (one ``slot_layout`` block each, on the device), and with ``dequant`` the device
-        block a packed copy lands in before it is dequantized into its slot: one, as the copies and
-        dequantizations into it queue on the one transfer stream (each waits for the one before)."""
         self.dequant = dequant
-        self._slot_raw = torch.empty(
-            self.num_slots * self.slot_layout.stride, dtype=torch.uint8, device=self.device
-        )
-        self.slots = self.slot_layout.views(self._slot_raw, self.num_slots)
-        self._landing = None
-        if dequant is not None:
-            self._landing = torch.empty(self.layout.stride, dtype=torch.uint8, device=self.device)
-            dequant.prepare(self.device)
+        self._slot_raw, self.slots, self._landing = device_slots(self, dequant)
 
     def _setup(self, experts: nn.Module, num_slots: int, device: torch.device | str, ops: Any) -> None:
         """The slot bookkeeping every store shares (``device`` and ``ops`` as in the class docstring)."""
@@ -390,6 +377,21 @@ class LayerStore:
 
     def close(self) -> None:
         """Release what the store holds beyond its tensors (nothing for host memory)."""
+
+
+def device_slots(
+    store: LayerStore, dequant: Any
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
+    """A store's slots on its device: their bytes (one ``slot_layout`` block a slot), the tensors over
+    them, and with ``dequant`` the device block a packed copy lands in before it is dequantized into its
+    slot (one: the copies and dequantizations into it queue on the one transfer stream, each behind the
+    one before)."""
+    raw = torch.empty(store.num_slots * store.slot_layout.stride, dtype=torch.uint8, device=store.device)
+    landing = None
+    if dequant is not None:
+        landing = torch.empty(store.layout.stride, dtype=torch.uint8, device=store.device)
+        dequant.prepare(store.device)
+    return raw, store.slot_layout.views(raw, store.num_slots), landing
 
 
 def _host_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -61,6 +61,7 @@ import torch
 from moecast.runtime.tiers.expert_store import (
     STAGING_BUFFERS,
     LayerStore,
+    device_slots,
     expert_params,
 )
 from moecast.runtime.tiers.layout import ALIGN, MEMORY_ALIGN, ExpertLayout, align_up
@@ -819,7 +820,8 @@ class DiskLayerStore(LayerStore):
         else:
             # one stream: copies into one slot stay in order, and each is one whole block (a quantized
             # one lands in a device block and is dequantized into the slot: LayerStore._queue_copy)
-            self._slots_at(dequant)
+            self.dequant = dequant
+            self._slot_raw, self.slots, self._landing = device_slots(self, dequant)
             self._streams = [stream if stream is not None else self.ops.stream()]
             pin = bool(self.ops.pins)
             for _ in range(STAGING_BUFFERS):
