@@ -40,7 +40,11 @@ Per model:
    runtime's split of a decode step covers the same steps as the TPOT (the warm-up left out of
    both). The recorded routing goes to the device once per request, so no layer waits on a copy.
 
-4. the disk tier at each of ``--precisions`` (the experts written once to an offload directory in the
+4. the host tier at each quantized precision of ``--precisions`` (default ``model,int8,int4``): on-demand
+   LRU and LLaPor prefetch as above, the experts quantized once at attach into packed host blocks, each
+   load one copy of the packed block that the device dequantizes into its slot (the slots compute at
+   the model's dtype), beside its replay at that precision (the profile's ``dequant_ms`` charged);
+5. the disk tier at each of ``--precisions`` (the experts written once to an offload directory in the
    run's temporary folder, each quantized copy made from it): on-demand LRU, LLaPor prefetch-late, and
    every expert resident at that precision (its compute floor), each beside its replay at that precision.
 
@@ -293,10 +297,13 @@ def profile_model(s: Setup, out: Path, device_tag: str) -> dict:
     """``moecast profile`` of this model (its expert shape and dtype, its dense time per layer, its
     predictor's latency), written beside the results; the rows' modeled times come from it."""
     from moecast.runtime.profile.measure import profile_model as measure_model
+    from moecast.runtime.tiers.precision import Precision
 
     # the DeepSeek adapter's checkpoint is timed as trained (all its layers), as the runtime calls it
     pred = getattr(s.predictor, "inner", s.predictor)
-    prof, _how = measure_model(s.model, f"bench-{device_tag}-{s.name}", pred)
+    # each quantized precision's dequantize into a slot (dequant_ms), which its rows' replays charge
+    precs = [Precision.of_tag(t) for t in s.precisions]
+    prof, _how = measure_model(s.model, f"bench-{device_tag}-{s.name}", pred, precisions=precs)
     if not s.cuda and torch.cuda.is_available():
         prof.source += "; device rows of this bench ran on the CPU"
     s.profile = prof
@@ -310,6 +317,7 @@ def profile_model(s: Setup, out: Path, device_tag: str) -> dict:
         "dense_ms_per_layer": prof.attn_ms,
         "predictor_ms_per_layer": prof.predictor_ms,
         "expert_bytes": prof.ref_expert_bytes,
+        "dequant_ms_per_expert": dict(prof.dequant_ms),
         "source": prof.source,
     }
 
@@ -560,6 +568,27 @@ def live_once(s: Setup, policy: str, alpha: float, **kw: Any) -> dict:
     return row
 
 
+def host_rows(s: Setup, report: Report, tag: str) -> None:
+    """The host tier at quantized precision ``tag``, rows like the model dtype's: on-demand LRU and LLaPor
+    prefetch. The experts are quantized once at attach into packed host blocks; a load copies the packed
+    block and the device dequantizes it into the slot (runtime/tiers/precision.py, SlotDequantizer), so
+    the link moves the quantized bytes and the slots compute at the model's dtype."""
+    from moecast.runtime.tiers.precision import Precision
+
+    kw = {"precision_tag": tag, **Precision.of_tag(tag).settings()}
+    g = report.guard
+    g(
+        s,
+        f"on-demand LRU ({tag})",
+        lambda: live_row(s, "lru", "lru", "none", prefetch="none", balance="load", **kw),
+    )
+    if s.predictor is not None:
+        g(s, f"LLaPor prefetch ({tag})",
+          lambda: live_row(s, "lru", "prefetch", s.replay_predictor, predictor=s.predictor, balance="load", **kw))  # fmt: skip
+    else:
+        report.skip(s, f"LLaPor prefetch ({tag})", "no predictor for this model (see notes)")
+
+
 def disk_rows(s: Setup, report: Report, tag: str) -> None:
     """The experts in a disk tier at precision ``tag`` (written once into ``s.offload_dir``, the quantized
     copy made from it): on-demand LRU, LLaPor prefetch-late (one prefetch more than the window holds,
@@ -654,6 +683,9 @@ def run_rows(s: Setup, report: Report) -> None:
         )
     else:
         report.skip(s, "SMoE", "tiny only: the recorded DeepSeek routing has no router probabilities")
+    for tag in s.precisions:
+        if tag != "model":
+            host_rows(s, report, tag)
     for tag in s.precisions:
         disk_rows(s, report, tag)
     if s.cuda:
@@ -871,7 +903,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--precisions",
         default="model,int8,int4",
-        help="the disk tier's expert precisions, each with its rows (comma-separated; empty: none)",
+        help="expert precisions, each with its rows: the disk tier's at each, the host tier's at each quantized "
+        "one (on-demand LRU, LLaPor prefetch; comma-separated; empty: none)",
     )
     ap.add_argument("--group-size", type=int, default=128, help="int4's group size")
     ap.add_argument("--train-requests", type=int, default=None)

@@ -176,6 +176,11 @@ def test_dry_run_runs_every_cpu_row(tmp_path, monkeypatch):
             assert disk["hit_rate"] == pytest.approx(disk["modeled_hit_rate"], abs=1e-12) == lru["hit_rate"]
             floor = by[(model, f"all resident ({tag})")]
             assert floor["loads"] == 0 and floor["hit_rate"] == 1.0
+        # the host tier at int4 (dequantized into the slots on the simulated device): the LRU row's
+        # caches, its own replay at int4
+        host4 = by[(model, "on-demand LRU (int4-g32)")]
+        assert host4["status"] == "ok" and host4["loads"] == lru["loads"] > 0
+        assert host4["hit_rate"] == pytest.approx(host4["modeled_hit_rate"], abs=1e-12) == lru["hit_rate"]
         # int4 moves fewer bytes per load: its replay charges less link time than the model dtype's
         assert (
             by[(model, "disk LRU (int4-g32)")]["modeled_tpot_ms"]
@@ -188,6 +193,8 @@ def test_dry_run_runs_every_cpu_row(tmp_path, monkeypatch):
         assert lru["device_ops"] == "simulated" and lru["link_gbps_observed"] > 0
         assert lru["transfer_wait_ms"] > 0 and lru["stream_wait_ms"] >= 0
     assert by[("tiny", "LLaPor prefetch")]["prefetches_issued"] > 0
+    assert by[("tiny", "LLaPor prefetch (int4-g32)")]["prefetches_issued"] > 0
+    assert by[("deepseek-shaped", "LLaPor prefetch (int4-g32)")]["status"] == "skipped"
     assert by[("tiny", "SMoE (alpha 0.3)")]["status"] == "ok"
     assert by[("deepseek-shaped", "LLaPor prefetch")]["status"] == "skipped"  # no DeepSeek checkpoint given
     md = (tmp_path / "gpu-cpu.md").read_text()

@@ -132,8 +132,8 @@ def test_disk_tier_reads_through_pinned_staging_into_device_slots(tmp_path, sett
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
 def test_a_quantized_disk_tier_on_the_device_computes_as_the_quantized_model(tmp_path, dtype):
     """int8 / int4 experts read through pinned staging into device slots (one block a copy) and
-    dequantized per call on the device: the logits of the model whose expert weights are the
-    quantized ones, on the GPU."""
+    dequantized into them on the transfer stream: the logits of the model whose expert weights are
+    the quantized ones, on the GPU."""
     from moecast.runtime.tiers import precision as P
 
     model = mixtral_random().cuda()
@@ -145,6 +145,7 @@ def test_a_quantized_disk_tier_on_the_device_computes_as_the_quantized_model(tmp
                 expert_dtype=dtype, group_size=32)  # fmt: skip
     try:
         assert rt.stores[0].cuda and rt.stats()["expert_dtype"] == prec.tag
+        assert rt.stores[0].dequant is not None and "gate_up_proj" in rt.stores[0].slots
         got = decode(model, ids)
     finally:
         rt.detach()

@@ -459,7 +459,8 @@ def test_each_copy_computes_at_its_own_precision_by_hand(tmp_path):
     still hold one upgrade each (1.5, and 1.5 + 0.7 - 0.354 >= t_hi = 1), so the same loads and
     upgrades happen."""
     ts = _trace(tmp_path / "a", [[[0, 1], [2, 3]], [[0, 4], [2, 5]], [[4, 6], [3, 5]]])
-    hw = dataclasses.replace(_profile(), gpu_expert_ms=0.6, expert_ms={"int4-g128": 0.1})
+    # a CPU fast tier: its kernels compute the packed copy (an accelerator's slots hold dequantized weights)
+    hw = dataclasses.replace(_profile(), gpu_expert_ms=0.6, expert_ms={"int4-g128": 0.1}, fast_tier="cpu")
     r = replay(ts, ReplayConfig(policy="lru", capacity=2, cold=True, hardware=hw, expert_dtype="mixed"))
     t_lo = INT4_BYTES / EXPERT_BYTES
     assert r.loads == 8 and r.upgrades == 4

@@ -521,7 +521,8 @@ def test_a_profile_times_each_precision_and_charges_it():
     at4 = CostModel.from_profile(base, 2000, link_bytes=500, precision="int4-g128")
     assert (at4.t_g, at4.c) == (2.0, 1.5)
     dev = CostModel.from_profile(replace(base, fast_tier="device"), 1000, precision="int8")
-    assert (dev.t_g, dev.c) == (0.5, 0.75)  # a device's CPU expert is another machine part
+    # a device computes its slots dequantized, at the model dtype's time; its CPU expert is another machine part
+    assert (dev.t_g, dev.c) == (1.0, 0.75)
     for bad in ({"int5": 1.0}, {"int8": -1.0}, ["int8"]):
         with pytest.raises(ValueError, match="expert_ms"):
             replace(base, expert_ms=bad)

@@ -3,14 +3,20 @@
 Quantities (PreScope's notation):
 
 - ``t_io``: time to move one expert host -> device over the link (Premise 4: transfers are serial,
-  bandwidth saturated), ``expert_bytes / transfer bandwidth``;
+  bandwidth saturated), ``expert_bytes / transfer bandwidth``. On an accelerator (``fast_tier:
+  device``) a quantized expert is copied packed and dequantized into its slot on the transfer stream
+  (:class:`moecast.runtime.tiers.precision.SlotDequantizer`), so a load holds that stream for its
+  quantized bytes over the link plus ``t_dq``, the profile's ``dequant_ms[precision]`` (per expert of
+  ``ref_expert_bytes``; 0 where it is not measured): ``t_io = link_bytes / bandwidth + t_dq``. A CPU
+  set's read on a disk tier (``slow_tier: disk``) is charged ``t_io`` too, its dequantize included
+  (an overestimate by ``t_dq`` per such read: the CPU computes those on the packed weights);
 - ``t_g``: device time of one resident expert, flat in the token count at decode batch sizes
-  (PreScope Fig. 13, Premise 5). It depends on the precision the expert computes at: a profile's
-  ``gpu_expert_ms`` is the model's dtype's, and ``expert_ms`` holds the time at each other
-  precision it measured (``int8``, ``int4-g128``; :meth:`HardwareProfile.expert_time`). Where the
-  CPU is the fast tier the resident expert is the CPU expert at one token, so a precision's
-  ``t_c = beta * m + (expert_ms[precision] - beta)``; a precision the profile does not name is
-  charged the model dtype's time;
+  (PreScope Fig. 13, Premise 5). On an accelerator it is ``gpu_expert_ms`` at every precision: the
+  slots hold the dequantized weights, which compute as the model's. Where the CPU is the fast tier
+  the resident expert is the CPU expert at one token, computed on the packed weights by the weight-
+  only kernels, whose time ``expert_ms`` holds per precision (``int8``, ``int4-g128``;
+  :meth:`HardwareProfile.expert_time`), so a precision's ``t_c = beta * m + (expert_ms[precision] -
+  beta)``; a precision the profile does not name is charged the model dtype's time;
 - ``t_c(m) = beta * m + C``: CPU time of one expert over ``m`` tokens (PreScope Eq. 3; SMoE Fig. 8);
 - ``t_attn``: per-layer non-expert device time (attention, gate, shared experts);
 - ``predictor_ms``: the prefetch predictor's per-layer latency on the host (optional, default 0):
@@ -84,8 +90,11 @@ class HardwareProfile:
     fast_tier: str = "device"  # device | cpu: where resident experts compute (module docstring)
     slow_tier: str = "host"  # host | disk: where the other experts live
     # a resident expert's time at each precision other than the model's dtype (tag -> ms per
-    # expert of ref_expert_bytes), measured on the kernels the runtime computes that precision with
+    # expert of ref_expert_bytes), measured on the CPU's weight-only kernels (a cpu fast tier's)
     expert_ms: dict[str, float] = field(default_factory=dict)
+    # the device's time to dequantize one loaded expert into its slot at each quantized precision (tag
+    # -> ms per expert of ref_expert_bytes; a device fast tier's loads); a tag absent: 0, unmeasured
+    dequant_ms: dict[str, float] = field(default_factory=dict)
 
     TIERS: ClassVar[dict[str, tuple[str, ...]]] = {
         "fast_tier": ("device", "cpu"),
@@ -110,18 +119,19 @@ class HardwareProfile:
             raise ProfileError(f"hardware profile {self.name!r}: ref_expert_bytes must be > 0")
         self.ref_expert_bytes = int(self.ref_expert_bytes)
         self.expert_ms = self._precision_times(self.expert_ms)
+        self.dequant_ms = self._precision_times(self.dequant_ms, "dequant_ms")
 
-    def _precision_times(self, given: Any) -> dict[str, float]:
+    def _precision_times(self, given: Any, what: str = "expert_ms") -> dict[str, float]:
         if not isinstance(given, dict):
             raise ProfileError(
-                f"hardware profile {self.name!r}: expert_ms = {given!r}, expected a mapping of precision to ms"
+                f"hardware profile {self.name!r}: {what} = {given!r}, expected a mapping of precision to ms"
             )
         out = {}
         for tag, ms in given.items():
             v = float(ms)
             if not _PRECISION_TAG.fullmatch(str(tag)) or math.isnan(v) or v < 0:
                 raise ProfileError(
-                    f"hardware profile {self.name!r}: expert_ms[{tag!r}] = {ms!r}, expected a precision "
+                    f"hardware profile {self.name!r}: {what}[{tag!r}] = {ms!r}, expected a precision "
                     "(int8, int4-gN) and a number >= 0"
                 )
             out[str(tag)] = v
@@ -129,9 +139,18 @@ class HardwareProfile:
 
     def expert_time(self, precision: str = "model") -> float:
         """A resident expert's time (ms, per expert of ``ref_expert_bytes``) computed at ``precision``
-        (a tag: ``model``, ``int8``, ``int4-g128``): the profile's own where it measured one, else the
-        model dtype's ``gpu_expert_ms``."""
+        (a tag: ``model``, ``int8``, ``int4-g128``): on an accelerator the model dtype's
+        ``gpu_expert_ms`` (its slots hold dequantized weights); on a CPU fast tier the profile's own
+        where it measured one, else ``gpu_expert_ms``."""
+        if self.fast_tier == "device":
+            return self.gpu_expert_ms
         return self.expert_ms.get(precision, self.gpu_expert_ms)
+
+    def dequant_time(self, precision: str = "model") -> float:
+        """The device's time (ms, per expert of ``ref_expert_bytes``) to dequantize a loaded expert into
+        its slot at ``precision``: ``dequant_ms``'s entry on an accelerator, else 0 (the CPU computes on
+        the packed slots; the model's dtype and an unmeasured precision need none)."""
+        return self.dequant_ms.get(precision, 0.0) if self.fast_tier == "device" else 0.0
 
     def cpu_c_at(self, precision: str = "model") -> float:
         """The CPU expert's start-up ``C`` at ``precision``: where the CPU is the fast tier and the
@@ -207,6 +226,7 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
         "fast_tier",
         "slow_tier",
         "expert_ms",
+        "dequant_ms",
     )
     missing = sorted(f.name for f in fields(HardwareProfile) if f.name not in data and f.name not in optional)
     if unknown or missing:
@@ -240,6 +260,7 @@ class CostModel:
     cpu_reads_link: bool = False  # slow_tier disk: a CPU-computed expert is read over the link first
     t_rc: float = 0.0  # compute time a read takes from the cores (cpu fast tier reading a disk)
     t_step: float = 0.0  # per decode step, after the last MoE layer (final norm, LM head)
+    t_dq: float = 0.0  # of t_io: the device's dequantize of a quantized load into its slot
 
     @classmethod
     def from_profile(
@@ -252,13 +273,16 @@ class CostModel:
         """Times for an expert of ``expert_bytes`` in the model's dtype that the link moves as
         ``link_bytes`` (default the same; fewer where the slow tier stores a quantized copy) and that
         computes at ``precision`` (a tag; :meth:`HardwareProfile.expert_time`): compute scales with
-        the former, a transfer and a read's CPU time with the latter."""
+        the former, a transfer and a read's CPU time with the latter. A load on an accelerator also
+        holds the transfer stream for its dequantize (:meth:`HardwareProfile.dequant_time`, scaled with
+        the former)."""
         scale = expert_bytes / profile.ref_expert_bytes
         link = int(expert_bytes if link_bytes is None else link_bytes)
+        t_dq = profile.dequant_time(precision) * scale
         if profile.transfer_gbps == 0:
             t_io = math.inf
         else:
-            t_io = link / (profile.transfer_gbps * 1e9) * 1e3
+            t_io = link / (profile.transfer_gbps * 1e9) * 1e3 + t_dq
         cpu_reads = (profile.fast_tier, profile.slow_tier) == ("cpu", "disk")
         return cls(
             t_io=t_io,
@@ -273,6 +297,7 @@ class CostModel:
             # a device's copies and a host tier's pinned reads leave the cores alone
             t_rc=profile.read_cpu_ms * link / profile.ref_expert_bytes if cpu_reads else 0.0,
             t_step=profile.step_ms,
+            t_dq=t_dq,
         )
 
     def t_cpu(self, tokens: Any) -> Any:

@@ -9,7 +9,6 @@ keeps its logits, and hooks around the model's forward start and end each step.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +17,7 @@ from moecast.collect.models import find_moe_structure, model_info
 from moecast.predictors.base import BatchScorer, LearningPlanner, PromptPlanner, StreamingPredictor
 from moecast.runtime.live.config import LiveConfig, live_config
 from moecast.runtime.live.prefetch import not_a_planner
-from moecast.runtime.tiers.precision import quantized_experts_forward
+from moecast.runtime.tiers.precision import experts_call
 
 from moecast.errors import InputError, MoecastError
 
@@ -87,11 +86,11 @@ class Attachment:
             )
         impls = [_resolve_impl(e.experts.config._experts_implementation, e.experts) for e in layers]
         # two copies: each slot computes at the copy it holds; one quantized precision: the slots hold
-        # packed weights, which the precision's kernels compute
+        # packed weights, which the precision's kernels compute, or (an accelerator) dequantized ones
         if rt.copies is not None:
             impls = rt.copies.impls(impls)
         elif rt.config.precision.quantized:
-            impls = [functools.partial(quantized_experts_forward, rt.config.precision)] * len(layers)
+            impls = [experts_call(rt.config.precision, st, impl) for st, impl in zip(rt.stores, impls)]
         rt.executor.impls = impls
         self.previous = self.model.get_experts_implementation()
         for pos, entry in enumerate(layers):

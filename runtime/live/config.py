@@ -74,9 +74,12 @@ class LiveConfig(RuntimeSpec):
             the replay; None: the checkpoint's measured figure, else the hardware profile's.
         expert_dtype: The precision of the experts the slow tier holds and the slots compute
             (:mod:`moecast.runtime.tiers.precision`): ``model`` (the model's dtype, exact), ``int8`` (per
-            output channel) or ``int4`` (group-wise). A quantized precision needs ``offload="disk"``: the
-            offload directory holds its copy beside the model-dtype one, the link moves its bytes, a
-            capacity in bytes counts them, and the experts compute on the packed weights. Two copies
+            output channel) or ``int4`` (group-wise). The link moves its bytes and a capacity in bytes counts
+            them. On the CPU it needs ``offload="disk"`` (the offload directory holds its copy beside the
+            model-dtype one) and the slots compute on the packed weights; on an accelerator (CUDA, or
+            ``device_ops="simulated"``) either tier holds it (``ram``: quantized once at attach) and a
+            load's packed block is dequantized into its slot on the device, which computes at the
+            model's dtype. Two copies
             (:mod:`moecast.runtime.core.mixed`): ``mixed`` (``model+int4``), ``int8+int4``,
             ``model+int8``, ``int8+int4-g64``, high first: both live in the offload directory (needs
             ``offload="disk"``), a slot holds either and is sized for the high one; demand misses and

@@ -520,6 +520,8 @@ def profile_model(
         how.update(disk_how)
     prof, prec_how = precision_times(prof, st.layers[0].experts, precisions)
     how.update(prec_how)
+    prof, dq_how = device_dequant_times(prof, st.layers[0].experts, precisions)
+    how.update(dq_how)
     prof.source += "; " + "; ".join(f"{k}: {v}" for k, v in how.items() if k not in ("cpu", "expert"))
     return prof, how
 
@@ -547,6 +549,59 @@ def precision_times(
         times[q.tag] = _sig(fit[0] + fit[1])
         how[f"{q.tag} experts"] = fit[2]
     return replace(prof, expert_ms=times), how
+
+
+def device_dequant_times(
+    prof: HardwareProfile, experts: Any, precisions: Sequence[Any]
+) -> tuple[HardwareProfile, dict[str, str]]:
+    """:func:`dequant_times` on CUDA where the profile's device was measured here; without CUDA the
+    device fields are another profile's, so a CPU's dequantize (tens of ms an expert) is not written
+    over them: ``dequant_ms`` stays unmeasured (0), and the note says so."""
+    import torch
+
+    if not any(q.quantized for q in precisions) or torch.cuda.is_available():
+        return dequant_times(prof, experts, precisions)
+    return prof, {
+        "dequant_ms": "not timed: no CUDA here, and the CPU's time would stand in for another device's"
+    }
+
+
+def dequant_times(
+    prof: HardwareProfile, experts: Any, precisions: Sequence[Any], device: Any = None, repeat: int = 5
+) -> tuple[HardwareProfile, dict[str, str]]:
+    """``prof`` with ``dequant_ms``: per quantized precision of ``precisions``, the time to dequantize
+    one of ``experts``' experts from its stored block into a model-dtype slot, as a load on an
+    accelerator does (:class:`~moecast.runtime.tiers.precision.SlotDequantizer`), on ``device`` (default
+    CUDA where present, else the CPU, which the note then names: its time stands in for a device's)."""
+    import torch
+    from moecast.runtime.tiers.expert_store import expert_params
+    from moecast.runtime.tiers.precision import SlotDequantizer
+
+    quantized = [q for q in precisions if q.quantized]
+    if not quantized:
+        return prof, {}
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    params = {n: t[:1] for n, t in expert_params(experts).items()}
+    times = dict(prof.dequant_ms)
+    for q in quantized:
+        dq = SlotDequantizer(q, experts)
+        block = torch.zeros(dq.stored.stride, dtype=torch.uint8)
+        for name, t in dq.quantize(params).items():
+            dq.stored.views(block, 1)[name].copy_(t)
+        block = block.to(dev)
+        slot = {n: torch.empty(t.shape[1:], dtype=t.dtype, device=dev) for n, t in params.items()}
+        dq.prepare(dev)
+
+        def once(dq=dq, block=block, slot=slot) -> None:
+            dq(block, slot)
+            _sync(dev)
+
+        with torch.inference_mode():
+            times[q.tag] = _sig(_time(once, repeat))
+    tags = ", ".join(q.tag for q in quantized)
+    return replace(prof, dequant_ms=times), {
+        "dequant_ms": f"{tags}: one expert's block into a slot on {dev.type}"
+    }
 
 
 def implementation_expert_ms(

@@ -11,7 +11,7 @@ device type or a tier name.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
@@ -50,6 +50,10 @@ class CopyOps(Protocol):
         """Queue ``dst.copy_(src)`` on ``stream`` (asynchronous where the device is)."""
         ...
 
+    def launch(self, kernels: Callable[[], None], stream: Any) -> None:
+        """Queue the device kernels ``kernels()`` issues on ``stream``, behind what is queued there."""
+        ...
+
 
 class CudaOps:
     """:class:`CopyOps` on a CUDA device."""
@@ -70,6 +74,10 @@ class CudaOps:
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
+
+    def launch(self, kernels: Callable[[], None], stream: Any) -> None:
+        with torch.cuda.stream(stream):
+            kernels()
 
 
 #: ``LiveConfig.device_ops`` names: how copies reach the slots
@@ -150,6 +158,8 @@ class TierSettings(Protocol):
     offload_dir: str | None
     expert_dtype: str
     precision: Precision
+    device: str | None  # where the slots go (None: where the experts are, known at open)
+    device_ops: str  # DEVICE_OPS: ``simulated`` is an accelerator whatever ``device`` is
 
 
 @runtime_checkable

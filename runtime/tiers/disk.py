@@ -85,10 +85,15 @@ class DiskTier:
             link = dev.ops.stream() if dev.ops is not None else None  # one transfer stream, the link
             order = offload.LinkOrder()  # and the order copies take on it: demand before prefetch
             kw = dict(ops=dev.ops, low_reader=low, stream=link, order=order)
-            layers = [
-                offload.DiskLayerStore(e.experts, spec.capacity, reader, pos, dev.where, **kw)
-                for pos, e in enumerate(structure.layers)
-            ]
+            # one quantized copy on an accelerator: the packed block is copied, then dequantized into
+            # the slot on the device (the CPU computes on the packed slots with its weight-only kernels)
+            dequant = dev.accelerated and prec.quantized and low is None
+            layers = []
+            for pos, e in enumerate(structure.layers):
+                dq = offload.SlotDequantizer(prec, e.experts, reader.layouts[pos]) if dequant else None
+                layers.append(
+                    offload.DiskLayerStore(e.experts, spec.capacity, reader, pos, dev.where, **kw, dequant=dq)
+                )
         except BaseException:
             if low is not None:
                 low.close()

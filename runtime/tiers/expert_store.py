@@ -27,8 +27,16 @@ copies are packed and pinned only when they fit the pinning budget; otherwise th
 are (pageable) and each transfer goes through a small ring of pinned staging blocks
 (``STAGING_BUFFERS`` experts), which ``staged`` reports; ``pinned_bytes`` says how much is pinned.
 
-Each copy is timed on the device (a timing mark before it, then its landing event), so
-``link_seconds`` and ``link_bytes`` give the link's observed rate.
+Each copy is timed on the device (a timing mark before it and one after it), so ``link_seconds``
+and ``link_bytes`` give the link's observed rate.
+
+At a quantized precision on an accelerator (``dequant``: a
+:class:`moecast.runtime.tiers.precision.SlotDequantizer`; issue 45) the host copy is the packed
+quantized block (``layout``) and a slot holds the model's tensors (``slot_layout``): the block is
+copied in one copy into a device landing block, the dequantize kernels follow it on the transfer
+stream (``ops.launch``) and write the slot, and the slot's one event is recorded after them. The link
+moves (and ``link_bytes``, ``bytes_moved`` count) the quantized bytes; the module keeps its own
+weights.
 
 On a CPU-only machine without ops the "device" is the CPU: slots are still pre-allocated and loads
 really copy weights into them (so what runs is what was loaded), synchronously, each copy's wall
@@ -38,6 +46,7 @@ the live runtime's virtual clock.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Iterator
@@ -111,11 +120,17 @@ class LayerStore:
         ops: Any = None,
         pin: bool | None = None,
         stream: Any = None,
+        dequant: Any = None,
     ) -> None:
         params = expert_params(experts)
         first = next(iter(params.values()))
         self._setup(experts, num_slots, device if device is not None else first.device, ops)
-        self.layout = layout = ExpertLayout.of(params, MEMORY_ALIGN)
+        self.slot_layout = ExpertLayout.of(params, MEMORY_ALIGN)
+        if dequant is not None:  # the host holds the packed copy; the slots the model's dtype
+            if self.ops is None:
+                raise ValueError("dequantizing into the slots needs a device with ops (an accelerator)")
+            params = dequant.quantize(params)
+        self.layout = layout = dequant.stored if dequant is not None else self.slot_layout
         self.expert_bytes = layout.expert_bytes
         self.pinned_bytes = 0
         self._staging: list[torch.Tensor] = []
@@ -135,7 +150,10 @@ class LayerStore:
             self._host_raw = _empty_bytes(self.num_experts * layout.stride, pins)
             self.host = layout.views(self._host_raw, self.num_experts)
             for name, t in params.items():
-                _adopt(experts, name, t, self.host[name])
+                if dequant is None:
+                    _adopt(experts, name, t, self.host[name])
+                else:  # the module keeps its own weights: detach gives the model back exactly
+                    self.host[name].copy_(t)
             self.pinned_bytes = self._host_raw.numel()
         else:
             # the host copies did not fit the pinning budget: every transfer goes through the staging ring,
@@ -146,8 +164,8 @@ class LayerStore:
             self.pinned_bytes = layout.stride * len(self._staging)
         self.staged = bool(self._staging)
         # AsyncIO's pre-registered buffers: allocated once, only ever overwritten; one block a slot
-        self._slot_raw = torch.empty(self.num_slots * layout.stride, dtype=torch.uint8, device=self.device)
-        self.slots = layout.views(self._slot_raw, self.num_slots)
+        self.dequant = dequant
+        self._slot_raw, self.slots, self._landing = device_slots(self, dequant)
 
     def _setup(self, experts: nn.Module, num_slots: int, device: torch.device | str, ops: Any) -> None:
         """The slot bookkeeping every store shares (``device`` and ``ops`` as in the class docstring)."""
@@ -171,6 +189,8 @@ class LayerStore:
         self._streams: list[Any] = []
         self._events: dict[int, list[Any]] = {}  # slot -> its transfer's events, until waited for
         self._read_events: dict[int, Any] = {}  # slot -> event after the last kernel that read it
+        self.dequant: Any = None  # a SlotDequantizer: the slots hold its dequantized weights
+        self._landing: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ residency
     def resident(self) -> np.ndarray:
@@ -268,11 +288,20 @@ class LayerStore:
             stream.wait_event(read)
         start = self.ops.event(timing=True)
         start.record(stream)
-        # a block may be shorter than the slot's (a two-copy tier's low copy): its bytes, from the start
-        self.ops.copy(self.layout.block(self._slot_raw, slot)[: src.numel()], src, stream)
-        ev = self.ops.event(timing=True)
-        ev.record(stream)
-        self._timed.append((start, ev, int(src.numel())))
+        # a block may be shorter than the slot's (a two-copy tier's low copy): its bytes, from the start;
+        # a packed copy to dequantize lands in the landing block
+        dst = self.slot_layout.block(self._slot_raw, slot) if self.dequant is None else self._landing
+        self.ops.copy(dst[: src.numel()], src, stream)
+        copied = self.ops.event(timing=True)
+        copied.record(stream)
+        self._timed.append((start, copied, int(src.numel())))  # the link's time: the copy alone
+        ev = copied
+        if self.dequant is not None:
+            # on the transfer stream, behind its copy: the slot's one event marks the weights written
+            one = {name: t[slot] for name, t in self.slots.items()}
+            self.ops.launch(functools.partial(self.dequant, self._landing, one), stream)
+            ev = self.ops.event()
+            ev.record(stream)
         self._settle(False)
         return [ev]
 
@@ -348,6 +377,21 @@ class LayerStore:
 
     def close(self) -> None:
         """Release what the store holds beyond its tensors (nothing for host memory)."""
+
+
+def device_slots(
+    store: LayerStore, dequant: Any
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
+    """A store's slots on its device: their bytes (one ``slot_layout`` block a slot), the tensors over
+    them, and with ``dequant`` the device block a packed copy lands in before it is dequantized into its
+    slot (one: the copies and dequantizations into it queue on the one transfer stream, each behind the
+    one before)."""
+    raw = torch.empty(store.num_slots * store.slot_layout.stride, dtype=torch.uint8, device=store.device)
+    landing = None
+    if dequant is not None:
+        landing = torch.empty(store.layout.stride, dtype=torch.uint8, device=store.device)
+        dequant.prepare(store.device)
+    return raw, store.slot_layout.views(raw, store.num_slots), landing
 
 
 def _host_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -61,10 +61,17 @@ import torch
 from moecast.runtime.tiers.expert_store import (
     STAGING_BUFFERS,
     LayerStore,
+    device_slots,
     expert_params,
 )
-from moecast.runtime.tiers.layout import ALIGN, ExpertLayout, align_up
-from moecast.runtime.tiers.precision import Precision, pack_int4, part_shapes, quantize_params, weight_names
+from moecast.runtime.tiers.layout import ALIGN, MEMORY_ALIGN, ExpertLayout, align_up
+from moecast.runtime.tiers.precision import (
+    Precision,
+    SlotDequantizer,
+    pack_int4,
+    quantize_params,
+    stored_layout,
+)
 from safetensors.torch import _TYPES as SAFETENSORS_DTYPES
 from torch import nn
 
@@ -179,16 +186,7 @@ def int4_layout_id() -> str:
 
 def _stored_layout(experts: nn.Module, prec: Precision) -> ExpertLayout:
     """One layer's expert block as ``prec`` stores it (shapes only: the module may be on meta)."""
-    params = expert_params(experts)
-    transposed = bool(getattr(experts, "is_transposed", False))
-    mats, fake = set(weight_names(params)), {}
-    for name, t in params.items():
-        if name not in mats:
-            fake[name] = torch.empty((1, *t.shape[1:]), dtype=t.dtype, device="meta")
-            continue
-        for part, (shape, dtype) in part_shapes(prec, name, tuple(t.shape[1:]), t.dtype, transposed).items():
-            fake[part] = torch.empty((1, *shape), dtype=dtype, device="meta")
-    return ExpertLayout.of(fake)
+    return stored_layout(prec, expert_params(experts), bool(getattr(experts, "is_transposed", False)), ALIGN)
 
 
 def with_precision(meta: dict[str, Any], structure: Any, prec: Precision) -> dict[str, Any]:
@@ -818,11 +816,16 @@ class DiskLayerStore(LayerStore):
         low_reader: ExpertReader | None = None,
         stream: Any = None,
         order: LinkOrder | None = None,
+        dequant: SlotDequantizer | None = None,
     ) -> None:
         self._setup(experts, num_slots, device if device is not None else "cpu", ops)
         self.reader, self.pos = reader, pos
         self.order = order if order is not None else LinkOrder()  # the link's: shared with ``stream``
         self.layout = layout = reader.layouts[pos]
+        if dequant is not None and (self.ops is None or low_reader is not None):
+            raise ValueError("dequantizing into the slots needs a device with ops and one copy")
+        # what a slot holds: the block as read, or the model's tensors a dequantized block becomes
+        self.slot_layout = ExpertLayout.of(expert_params(experts), MEMORY_ALIGN) if dequant else layout
         self.expert_bytes = layout.expert_bytes
         self.low_reader = low_reader
         self.low_layout = low_reader.layouts[pos] if low_reader is not None else layout
@@ -839,19 +842,23 @@ class DiskLayerStore(LayerStore):
         self._streams = []
         if self.ops is None:
             self._slot_raw = aligned_bytes(self.num_slots * layout.stride)
+            self.slots = layout.views(self._slot_raw, self.num_slots)
         else:
-            # one stream: copies into one slot stay in order, and each is one whole block
-            self._slot_raw = torch.empty(
-                self.num_slots * layout.stride, dtype=torch.uint8, device=self.device
-            )
+            # one stream: copies into one slot stay in order, and each is one whole block (a quantized
+            # one lands in a device block and is dequantized into the slot: LayerStore._queue_copy)
+            self.dequant = dequant
+            self._slot_raw, self.slots, self._landing = device_slots(self, dequant)
             self._streams = [stream if stream is not None else self.ops.stream()]
             pin = bool(self.ops.pins)
             for _ in range(STAGING_BUFFERS):
                 self._staging_raw.append(
                     pinned_aligned(layout.stride) if pin else aligned_bytes(layout.stride)
                 )
-        self.slots = layout.views(self._slot_raw, self.num_slots)
-        self.low_slots = self.low_layout.views(self._slot_raw, self.num_slots, stride=layout.stride)
+        self.low_slots = (
+            self.low_layout.views(self._slot_raw, self.num_slots, stride=layout.stride)
+            if low_reader is not None
+            else self.slots
+        )
         # the CPU set computes from the low copy (mixed.py, rule 1), read into the low reader's buffers
         self._cpu = (low_reader, self.low_layout) if low_reader is not None else (reader, layout)
         self.pinned_bytes = layout.stride * len(self._staging_raw)

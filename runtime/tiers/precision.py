@@ -22,8 +22,11 @@ directly (at one token, a DeepSeek expert's gate-up projection took 0.36 and 0.2
 its own packed layout, which :func:`torch._convert_weight_to_int4pack_for_cpu` makes (about 28 ms a
 matrix, so the offload directory stores that layout and a read needs no conversion); it needs a
 group of 32-256, an output dimension divisible by 16 and an even input dimension. Where a kernel
-cannot run (another device, a shape it refuses), the weights are dequantized for the call instead,
-and :func:`kernel_note` says so once.
+cannot run (a shape it refuses), the weights are dequantized for the call instead, and
+:func:`kernel_note` says so once. On an accelerator the slots hold no packed weights: a load copies
+the packed block and :class:`SlotDequantizer` dequantizes it into the model-dtype slot on the device
+(:func:`dequantize_matrix`'s arithmetic), so the resident experts compute as the model's
+(:class:`DequantizedSlots`); only the CPU set computes on the packed host copies.
 
 Each stored part of weight ``name`` is a tensor ``name.<part>``: int8 ``.q`` [out, in] and ``.s``
 [out]; int4 ``.q`` (uint8, the kernel's layout, [out, in / 2]) and ``.sz`` [in / g, out, 2] with
@@ -44,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from moecast.runtime.core.mixed import parse_copies
 from moecast.runtime.tiers.expert_store import expert_params
+from moecast.runtime.tiers.layout import MEMORY_ALIGN, ExpertLayout
 
 from moecast.errors import InputError
 
@@ -214,6 +218,21 @@ def dequantize_matrix(prec: Precision, parts: dict[str, torch.Tensor], in_featur
     return w.reshape(out_f, in_features).to(parts["sz"].dtype)
 
 
+def stored_layout(
+    prec: Precision, params: dict[str, torch.Tensor], transposed: bool, align: int = MEMORY_ALIGN
+) -> ExpertLayout:
+    """One expert's block as ``prec`` stores a layer's per-expert ``params`` (shapes only: they may be
+    on meta), blocks rounded up to ``align``: each matrix's parts in its place, vectors as they are."""
+    mats, fake = set(weight_names(params)), {}
+    for name, t in params.items():
+        if name not in mats:
+            fake[name] = torch.empty((1, *t.shape[1:]), dtype=t.dtype, device="meta")
+            continue
+        for part, (shape, dtype) in part_shapes(prec, name, tuple(t.shape[1:]), t.dtype, transposed).items():
+            fake[part] = torch.empty((1, *shape), dtype=dtype, device="meta")
+    return ExpertLayout.of(fake, align)
+
+
 def expert_nbytes(prec: Precision, params: dict[str, torch.Tensor], transposed: bool) -> int:
     """Bytes of one expert's tensors as ``prec`` stores them (parts rounded to nothing: the stored
     block adds its own alignment)."""
@@ -302,6 +321,88 @@ def gated_expert_outputs(params: dict[str, torch.Tensor], x: torch.Tensor, trans
     return y
 
 
+# ------------------------------------------------------------------------ dequantizing into a slot
+class SlotDequantizer:
+    """An accelerator's half of a quantized load (issue 45: copy the packed bytes, dequantize into the
+    slot): one expert's stored block, landed in a device staging block, becomes the model-dtype
+    tensors of its slot, on whatever device the block is on.
+
+    The arithmetic is :func:`dequantize_matrix`'s, called as is, so a slot holds exactly the weights
+    :func:`fake_quantized` gives (int4 unpacked from the CPU kernel's layout by a gather whose index
+    lives on the device: :func:`unpack_int4`); a module whose experts are stored transposed gets each
+    matrix transposed back into its slot, and vectors (biases) are copied. A resident expert then
+    computes with the model's own experts implementation, as at the model's dtype: no dequantization
+    per call. ``stored`` is the block's layout (default: :func:`stored_layout` at the memory
+    alignment; the disk tier passes its files' layout, whose offsets are the same).
+    """
+
+    def __init__(self, prec: Precision, experts: Any, stored: ExpertLayout | None = None) -> None:
+        if not prec.quantized:
+            raise ValueError("a SlotDequantizer needs a quantized precision")
+        params = expert_params(experts)
+        self.prec = prec
+        self.transposed = bool(getattr(experts, "is_transposed", False))
+        self.stored = stored if stored is not None else stored_layout(prec, params, self.transposed)
+        mats = weight_names(params)
+        # a matrix is quantized as [out, in]: its input dimension is the last one unless transposed
+        self.in_features = {n: int(params[n].shape[1 if self.transposed else 2]) for n in mats}
+        self.vectors = [n for n in params if n not in self.in_features]
+
+    def quantize(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A layer's per-expert tensors ([E, ...], any device) as the stored parts, in host memory."""
+        host = {n: t.detach().cpu() for n, t in params.items()}
+        return quantize_params(self.prec, host, self.transposed)
+
+    def prepare(self, device: torch.device) -> None:
+        """Put int4's unpacking index on ``device`` now (at attach, on the host's stream), not in the
+        first load's copy."""
+        if self.prec.dtype != "int4":
+            return
+        for name, in_f in self.in_features.items():
+            out_f = self.stored.shapes[self.stored.names.index(f"{name}.q")][0]
+            _int4_order_at(out_f, in_f, str(device))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def __call__(self, block: torch.Tensor, slot: dict[str, torch.Tensor]) -> None:
+        """Write the expert whose stored block is ``block`` (uint8, from its start) into ``slot`` (its
+        model-dtype tensors by name), with kernels on the current stream."""
+        parts = {k: v[0] for k, v in self.stored.views(block, 1).items()}
+        for name in self.vectors:
+            slot[name].copy_(parts[name])
+        for name, in_f in self.in_features.items():
+            head = f"{name}."
+            w = dequantize_matrix(
+                self.prec, {k[len(head) :]: t for k, t in parts.items() if k.startswith(head)}, in_f
+            )
+            slot[name].copy_(w.t() if self.transposed else w)
+
+
+class DequantizedSlots:
+    """One layer's experts call where the slots hold dequantized weights (:class:`SlotDequantizer`) and
+    the host the packed ones: the model's own implementation on the slots, the precision's weight-only
+    CPU kernels (:func:`quantized_experts_forward`) on anything else (the CPU set's host copies)."""
+
+    def __init__(self, prec: Precision, store: Any, model_impl: Any) -> None:
+        self.prec, self.store, self.model_impl = prec, store, model_impl
+
+    def __call__(
+        self, view: Any, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, **kw: Any
+    ):
+        if object.__getattribute__(view, "_tensors") is self.store.slots:
+            return self.model_impl(view, hidden, index, weights, **kw)
+        return quantized_experts_forward(self.prec, view, hidden, index, weights, **kw)
+
+
+def experts_call(prec: Precision, store: Any, model_impl: Any) -> Any:
+    """The experts call of a layer whose slow tier holds ``prec``: :class:`DequantizedSlots` where its
+    store dequantizes into the slots (an accelerator), else the precision's call on the packed slots
+    (the CPU, whose weight-only kernels read them directly)."""
+    if getattr(store, "dequant", None) is not None:
+        return DequantizedSlots(prec, store, model_impl)
+    return functools.partial(quantized_experts_forward, prec)
+
+
 # --------------------------------------------------------------------------------- model weights
 @contextmanager
 def experts_at(model: Any, prec: Precision) -> Iterator[Any]:
@@ -384,12 +485,21 @@ def _int4_order(out_f: int, in_f: int) -> tuple[torch.Tensor, torch.Tensor]:
     return (where // 2).reshape(out_f, in_f), (where % 2).reshape(out_f, in_f)
 
 
+@functools.lru_cache(maxsize=64)
+def _int4_order_at(out_f: int, in_f: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_int4_order` flat and on ``device`` (byte index int32, high nibble bool), made once per
+    shape and device: an unpacking on an accelerator never copies its index from the host."""
+    byte, high = _int4_order(out_f, in_f)
+    return byte.reshape(-1).to(torch.int32).to(device), high.reshape(-1).bool().to(device)
+
+
 def unpack_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
-    """The CPU kernel's packed uint8 [out, in / 2] -> int32 codes [out, in] (:func:`pack_int4`'s inverse)."""
+    """The CPU kernel's packed uint8 [out, in / 2] -> int32 codes [out, in] (:func:`pack_int4`'s inverse),
+    on the device ``packed`` is on (a gather and two integer ops)."""
     out_f = packed.shape[0]
-    byte, high = (t.to(packed.device) for t in _int4_order(out_f, in_features))
-    flat = packed.reshape(-1).to(torch.int32)[byte.reshape(-1)].reshape(out_f, in_features)
-    return torch.where(high.bool(), flat >> 4, flat & 15)
+    byte, high = _int4_order_at(out_f, in_features, str(packed.device))
+    flat = packed.reshape(-1).to(torch.int32)[byte]
+    return torch.where(high, flat >> 4, flat & 15).reshape(out_f, in_features)
 
 
 # ----------------------------------------------------------------------------------------- compute

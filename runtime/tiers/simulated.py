@@ -6,7 +6,8 @@ walks the accelerator's data path (copies queued on a transfer stream, one event
 stream waiting for them) and a test or a dry run reads what it did:
 
 - ``log``: every call in issue order, ``("copy", stream, nbytes, dst)``, ``("record", stream, event)``,
-  ``("wait", stream, event)``;
+  ``("wait", stream, event)``, ``("kernel", stream, kernels)`` (device work queued on a stream: a
+  quantized load's dequantization);
 - time (ms): a copy stream runs its copies one after another, each ``nbytes / link_gbps``, starting no
   earlier than the host's clock when issued (a stream idle since then starts now); the compute stream
   is the host (the CPU computes synchronously), so it stands at the host's clock, or later where it
@@ -121,6 +122,15 @@ class SimulatedOps:
             stream.t = stream.reach() + nbytes / (self.link_gbps * 1e9) * 1e3
             self.log.append(("copy", stream.name, nbytes, dst))
         dst.copy_(src)
+
+    def launch(self, kernels: Callable[[], None], stream: SimStream) -> None:
+        """Run ``kernels()`` now on the CPU, logged ``("kernel", stream, kernels)`` in its place on
+        ``stream``; it takes no time on the stream (a profile's dequantize time is in the link rate the
+        runtime gives this device: the cost model's ``t_io``)."""
+        with self.lock:
+            stream.reach()
+            self.log.append(("kernel", stream.name, kernels))
+        kernels()
 
     # ------------------------------------------------------------------ reading the record
     def sequence(self, *kinds: str) -> list[tuple]:
