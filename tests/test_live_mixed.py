@@ -265,12 +265,13 @@ def test_a_mixed_run_keeps_each_slot_at_the_step_s_copy(tmp_path):
 
 
 # ------------------------------------------------------------------------------------ live == replay
-@pytest.mark.parametrize("case", ["lru", "oracle prefetch-late"])
+@pytest.mark.parametrize("case", ["lru", "oracle prefetch-late", "smoe"])
 def test_live_and_replay_equal_with_two_copies(tiny, profile, tmp_path, case):  # noqa: F811
     """tiny at mixed (model + int4-g64): the live step's decisions are the replay's, so hit rate, loads,
     prefetches and TPOT (test_live_replay_equal) and the two-copy counters agree: the share of uses at
-    the low copy, the upgrades, and the bytes each copy moved; the disk read every demand load at the
-    low copy and reread every upgrade at the high one."""
+    the low copy, the upgrades, and the bytes each copy moved; the disk read every demand load (and
+    smoe's CPU set) at the low copy and reread every upgrade at the high one; each copy's decode
+    compute was timed on the uses the step computed at it."""
     tier = dict(offload="disk", offload_dir=str(tmp_path / "off"), expert_dtype="mixed", group_size=64)
     r, _, _, stats = _equal_values(tiny, profile, tmp_path, case, tier)
     assert stats["expert_dtype"] == r.config["expert_dtype"] == "model+int4-g64"
@@ -279,11 +280,22 @@ def test_live_and_replay_equal_with_two_copies(tiny, profile, tmp_path, case):  
     tokens = r.tokens * 2**20
     assert stats["bytes_by_copy"] == pytest.approx({k: v * tokens for k, v in r.mb_per_token_by_copy.items()})
     assert sum(stats["bytes_by_copy"].values()) == r.bytes_moved
-    # every demand load and every prefetch started past the window read the low copy (rule 3)
-    assert stats["low_disk_reads"] == stats["loads"] + stats["prefetches_low"]
-    assert (stats["prefetches_low"] > 0) == (case != "lru") and stats["upgrade_reads"] == stats["upgrades"]
+    # every demand load, every prefetch started past the window (rule 3) and smoe's CPU set read
+    # the low copy
+    assert stats["low_disk_reads"] == stats["loads"] + stats["prefetches_low"] + stats["cpu_experts"]
+    assert (stats["prefetches_low"] > 0) == (case == "oracle prefetch-late")
+    assert stats["upgrade_reads"] == stats["upgrades"]
     # the stores count each copy at its own bytes, upgrades included
     assert sum(stats["store_bytes_moved"]) == r.bytes_moved
+    # each copy's decode compute is timed on its own uses: those at the low copy are the replay's
+    # low uses less the one-token prompt's (cold: every one a demand read of the low copy)
+    by = stats["expert_compute_by_copy"]
+    high, low = by["model"], by["int4-g64"]
+    prompt = stats["uses"] - stats["routed"]
+    assert low["uses"] == round(r.low_share * stats["uses"]) - prompt and prompt > 0
+    assert high["uses"] + low["uses"] == stats["routed"] and high["uses"] > 0 and low["uses"] > 0
+    assert high["s"] > 0 and low["s"] > 0
+    assert high["s"] + low["s"] == pytest.approx(stats["expert_compute_ms"] * stats["decode_steps"] / 1e3)
 
 
 def test_presched_is_refused_with_two_copies(tmp_path):

@@ -530,7 +530,8 @@ def test_a_profile_times_each_precision_and_charges_it():
 
 def test_expert_ms_survives_the_yaml_and_calibrates_per_precision(tmp_path):
     """A profile's YAML keeps ``expert_ms``; a live run at int4 calibrates the int4 entry only (the
-    model dtype's time stays), and a run at two copies calibrates neither, refused in one line."""
+    model dtype's time stays), and a run at two copies that did not time each copy is refused in one
+    line."""
     from moecast.runtime.core.cost_model import HardwareProfile
 
     base = HardwareProfile(name="cpu-disk", transfer_gbps=3.0, ref_expert_bytes=1000, gpu_expert_ms=1.0,
@@ -546,5 +547,34 @@ def test_expert_ms_survives_the_yaml_and_calibrates_per_precision(tmp_path):
         1.0,
         0.75,
     )
-    with pytest.raises(ValueError, match="two expert copies"):
+    with pytest.raises(ValueError, match=r"two expert copies .* did not time each copy"):
         P.calibrate(base, {**stats, "expert_dtype": "model+int4-g128"}, 4)
+
+
+def test_calibrate_a_run_of_two_copies_times_each_copy_on_its_own_uses():
+    """10 decode steps of a 4-layer top-6 model at model+int4-g128: 240 routed uses, 90 computed at
+    the model-dtype copy in 0.27 s (3.0 ms each: gpu_expert_ms, and cpu_c_ms = 3.0 - beta 0.25 =
+    2.75), 150 at int4-g128 in 0.18 s (1.2 ms each: its expert_ms entry; int8's stays). The link and
+    the rest of a layer as a one-precision run: 1.5 GB/s, (40 + 8 - 8) / 4 = 10 ms, step 8 ms. At
+    int8+int4-g128 with no use at int8, int8 keeps the profile's 0.5 ms and the model dtype's stays."""
+    from moecast.runtime.core.cost_model import HardwareProfile
+
+    base = HardwareProfile(name="cpu-disk", transfer_gbps=3.0, ref_expert_bytes=1000, gpu_expert_ms=1.0,
+                           cpu_beta_ms=0.25, cpu_c_ms=0.75, attn_ms=10.0, fast_tier="cpu", slow_tier="disk",
+                           expert_ms={"int8": 0.5, "int4-g128": 0.4})  # fmt: skip
+    by_copy = {"model": {"s": 0.27, "uses": 90}, "int4-g128": {"s": 0.18, "uses": 150}}
+    stats = dict(decode_steps=10, routed=240, expert_compute_ms=45.0, attention_ms=40.0, policy_ms=8.0,
+                 disk_read_gbps_observed=1.5, predictor_ms=0.0, after_layers_ms=8.0,
+                 expert_dtype="model+int4-g128", expert_compute_by_copy=by_copy)  # fmt: skip
+    cal = P.calibrate(base, stats, 4)
+    assert (cal.gpu_expert_ms, cal.cpu_c_ms, cal.cpu_beta_ms) == (3.0, 2.75, 0.25)
+    assert cal.expert_ms == {"int8": 0.5, "int4-g128": 1.2}
+    assert (cal.transfer_gbps, cal.disk_read_gbps, cal.attn_ms, cal.step_ms) == (1.5, 1.5, 10.0, 8.0)
+    none_high = {"int8": {"s": 0.0, "uses": 0}, "int4-g128": {"s": 0.18, "uses": 150}}
+    cal = P.calibrate(
+        base, {**stats, "expert_dtype": "int8+int4-g128", "expert_compute_by_copy": none_high}, 4
+    )
+    assert cal.expert_ms == {"int8": 0.5, "int4-g128": 1.2} and (cal.gpu_expert_ms, cal.cpu_c_ms) == (
+        1.0,
+        0.75,
+    )

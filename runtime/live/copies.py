@@ -113,6 +113,7 @@ class SlotCopies:
         uses = float(t["uses"].sum())
         return {
             "low_share": float(t["low_uses"].sum() / uses) if uses else float("nan"),
+            "low_uses": int(t["low_uses"].sum()),
             "upgrades": int(t["upgrades"].sum()),
             "prefetches_low": int(t["pf_low"].sum()),
             "bytes_by_copy": {self.setting.tag: moved["high"], self.setting.low.tag: moved["low"]},

@@ -6,6 +6,12 @@ CPU set runs from host memory (SMoE §5.4, CPU-assisted computation): on a worke
 accelerator computes the resident ones, else after them on this thread (a second thread would only
 contend for the same cores), its reads started first where the tier reads in the background. Loads the
 cache did not keep (a long prefill's) stream through the slots in waves.
+
+Two expert copies (:mod:`moecast.runtime.core.mixed`): in a decode step each call on the slots is
+split by the copy its slots hold, each copy's experts in a call of their own, timed apart (the sum,
+high part first, is the one :class:`moecast.runtime.live.copies.MixedExperts` makes of a mixed
+call), and the CPU set computes at the low copy; so the stats hold each copy's compute time and
+uses (``expert_compute_by_copy``), which calibrate turns into each copy's expert time.
 """
 
 from __future__ import annotations
@@ -58,6 +64,8 @@ class Executor:
         self.impls: list[Callable[..., torch.Tensor]] = []
         self.overlap_cpu = device.accelerated
         self.identity = [False] * len(self.stores)  # layers whose slot i holds expert i
+        # two copies: the (high, low) copies' tags, under which a decode step's compute is timed
+        self.copy_tags: tuple[str, str] | None = None
         self._pool: ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------------ placement
@@ -115,6 +123,10 @@ class Executor:
         st = self.stores[pos]
         self.times.stream_wait(st.wait, None)  # a disk store's slots may still be landing
         view = SlotView(module, st.slots, st.num_slots, False)
+        if self.copy_tags is not None:  # full residency holds the high copy in every slot
+            return self.times.timed_copy(
+                self.copy_tags[0], index.numel(), self.impls[pos], view, hidden, index, weights, **kwargs
+            )
         return self.times.timed("expert_compute", self.impls[pos], view, hidden, index, weights, **kwargs)
 
     def run(
@@ -167,8 +179,13 @@ class Executor:
         computed no expert."""
         if len(to_cpu):
             # one token: each expert has one use
-            self.stats.cpu_uses += len(to_cpu) if n == 1 else int(counts[np.isin(uniq, to_cpu)].sum())
-            part = transfer.to_device(self.times.timed("expert_compute", cpu_part), hidden.device)
+            uses = len(to_cpu) if n == 1 else int(counts[np.isin(uniq, to_cpu)].sum())
+            self.stats.cpu_uses += uses
+            if self.copy_tags is not None:  # the CPU set reads the low copy
+                got = self.times.timed_copy(self.copy_tags[1], uses, cpu_part)
+            else:
+                got = self.times.timed("expert_compute", cpu_part)
+            part = transfer.to_device(got, hidden.device)
             out = part if out is None else out + part
         return torch.zeros_like(hidden) if out is None else out
 
@@ -200,7 +217,25 @@ class Executor:
         return out
 
     def _device(self, pos: int, call: ExpertsCall, experts: np.ndarray) -> torch.Tensor | None:
-        """The (token, expert) pairs of ``experts`` (resident) from their device slots, with the wrapped implementation.
+        """The (token, expert) pairs of ``experts`` (resident) from their device slots (:meth:`_slots`);
+        with two copies, in a decode step, each copy's experts in a call of their own, timed at that
+        copy: the high part first, then the low one added, as MixedExperts adds a mixed call's parts,
+        so the output is the same."""
+        if self.copy_tags is None or not call.decode or not len(experts):
+            return self._slots(pos, call, experts, None)
+        st = self.stores[pos]
+        low = st.slot_low[st.slot_of[experts]]
+        out = None
+        for tag, part in zip(self.copy_tags, (experts[~low], experts[low])):
+            got = self._slots(pos, call, part, tag)
+            out = got if out is None else (out if got is None else out + got)
+        return out
+
+    def _slots(
+        self, pos: int, call: ExpertsCall, experts: np.ndarray, tag: str | None
+    ) -> torch.Tensor | None:
+        """The (token, expert) pairs of ``experts`` (resident) from their device slots, with the wrapped
+        implementation (``tag``: all at that copy, the call's time and uses counted at it).
 
         Pairs of other experts carry the sentinel id ``num_slots``, which every experts implementation
         skips (its expert-parallel path), so the call computes exactly the pairs that run on the device.
@@ -221,15 +256,13 @@ class Executor:
         slot_ids = transfer.to_device(torch.from_numpy(table[call.ids]), call.index.device)
         slots = slot_of[experts]
         self.times.stream_wait(st.wait, slots)
-        out = self.times.timed(
-            "expert_compute",
-            self.impls[pos],
-            SlotView(call.module, st.slots, st.num_slots, partial),
-            call.hidden,
-            slot_ids,
-            call.weights,
-            **call.kwargs,
-        )
+        args = (self.impls[pos], SlotView(call.module, st.slots, st.num_slots, partial), call.hidden, slot_ids,
+                call.weights)  # fmt: skip
+        if tag is None:
+            out = self.times.timed("expert_compute", *args, **call.kwargs)
+        else:
+            uses = int(np.isin(call.ids, experts).sum())  # the (token, expert) pairs it computes
+            out = self.times.timed_copy(tag, uses, *args, **call.kwargs)
         st.mark_read(slots)
         return out
 

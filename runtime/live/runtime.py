@@ -221,6 +221,8 @@ class LiveRuntime:
         self.stats_ = LiveStats()
         self.times = ForwardTimes(self.tier.waited, self.device.ops)
         self.executor = Executor(self.tier, self.device, self.cache, self.times, self.stats_)
+        if two:  # each copy's decode compute timed apart (stats: expert_compute_by_copy)
+            self.executor.copy_tags = (prec.high.tag, prec.low.tag)
         self.fwd = Forward()
         self.router_logits: list[torch.Tensor | None] = [None] * self.num_layers  # kept by the router hooks
         self.attachment: Attachment | None = None  # attach() makes it

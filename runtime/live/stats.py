@@ -89,6 +89,7 @@ class ForwardTimes:
         no split read (a prefill's) are dropped, so none is counted in another forward."""
         self.streams.drop()
         self.acc = dict.fromkeys(("layers", *BREAKDOWN[1:-1]), 0.0)
+        self.by_copy: dict[str, list[float]] = {}  # two copies: tag -> [expert compute s, uses]
         self.t0 = self.layer_end = time.perf_counter()
         self.decode = decode
 
@@ -103,6 +104,17 @@ class ForwardTimes:
             return fn(*args, **kwargs)
         finally:
             self.acc[part] += time.perf_counter() - t0 - (self.waited() - w0)
+
+    def timed_copy(self, tag: str, uses: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """:meth:`timed` as ``expert_compute``, its time and the ``uses`` it computes also counted at
+        copy ``tag`` (two copies: every use of the call is at that copy)."""
+        before = self.acc["expert_compute"]
+        try:
+            return self.timed("expert_compute", fn, *args, **kwargs)
+        finally:
+            got = self.by_copy.setdefault(tag, [0.0, 0])
+            got[0] += self.acc["expert_compute"] - before
+            got[1] += uses
 
     @contextmanager
     def layer(self) -> Iterator[None]:
@@ -149,6 +161,9 @@ class LiveStats:
     # stream; 0 without an accelerator, whose copies the host makes: transfer_wait counts them)
     stream_wait_decode_ms: list[float] = field(default_factory=list)
     modeled_prefill_ms: float = 0.0
+    # two copies, over decode steps: each copy's (tag's) expert compute seconds and the routed uses
+    # computed at it (hits on its slots; the low copy's also the demand loads and the CPU set)
+    expert_compute_by_copy: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def clear(self) -> None:
         """Back to zero, in place (the executor holds this object)."""
@@ -172,6 +187,10 @@ class LiveStats:
         self.stream_wait_decode_ms.append(stream)
         self.predictor_decode_ms.append(acc["predictor"])
         self.policy_decode_ms.append(max(0.0, acc["layers"] - inner))
+        for tag, (sec, uses) in times.by_copy.items():
+            got = self.expert_compute_by_copy.setdefault(tag, {"s": 0.0, "uses": 0})
+            got["s"] += sec
+            got["uses"] += int(uses)
 
     def as_dict(self, step: dict[str, np.ndarray]) -> dict[str, Any]:
         """The counters, the per-layer step's (``step``: LayerStep.stats) under replay's names, and rates."""
@@ -234,4 +253,8 @@ def runtime_stats(rt: LiveRuntime) -> dict[str, Any]:
     )
     if rt.copies is not None:  # two copies: low_share, upgrades and the bytes by copy, as the replay's
         d.update(rt.copies.figures())
+        by = d["expert_compute_by_copy"]  # both copies named, a copy nothing computed at with zeros
+        d["expert_compute_by_copy"] = {
+            tag: by.get(tag, {"s": 0.0, "uses": 0}) for tag in rt.executor.copy_tags or ()
+        }
     return d

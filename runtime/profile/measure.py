@@ -968,7 +968,10 @@ def calibrate(prof: HardwareProfile, stats: dict[str, Any], num_layers: int) -> 
 
     - the link: the disk's read rate while a read was in flight (``disk_read_gbps_observed``);
     - one expert: the decode steps' expert compute over the experts they computed (``routed`` uses;
-      at one token per step each use is one expert call), the calls' glue included;
+      at one token per step each use is one expert call), the calls' glue included; a run of two
+      copies (``expert_dtype`` ``high+low``, runtime/core/mixed.py) times each copy's calls apart
+      (``expert_compute_by_copy``: seconds and uses per copy tag), so each copy's time is its own
+      seconds over its own uses, and a copy no use computed at keeps ``prof``'s;
     - the rest of a layer (``attn_ms``): the step's time outside the experts' compute, transfer waits
       and the predictor (attention, dense layers, the routing reads' wait for the device, the
       runtime's own host work), per MoE layer, less
@@ -986,7 +989,11 @@ def calibrate(prof: HardwareProfile, stats: dict[str, Any], num_layers: int) -> 
         raise InputError(
             "calibration needs decode steps measured by the live runtime; decode a few tokens first"
         )
-    expert = stats["expert_compute_ms"] * steps / routed
+    tag = stats.get("expert_dtype", "model")
+    if "+" in tag:
+        rates = _copy_rates(prof, tag, stats.get("expert_compute_by_copy"))
+    else:
+        rates = _expert_rates(prof, tag, stats["expert_compute_ms"] * steps / routed)
     gbps = stats.get("disk_read_gbps_observed") or prof.transfer_gbps
     after = stats.get("after_layers_ms") or 0.0
     if not math.isfinite(after):
@@ -996,7 +1003,7 @@ def calibrate(prof: HardwareProfile, stats: dict[str, Any], num_layers: int) -> 
         name=prof.name + "-calibrated",
         transfer_gbps=_sig(gbps),
         disk_read_gbps=_sig(gbps),
-        **_expert_rates(prof, stats.get("expert_dtype", "model"), expert),
+        **rates,
         attn_ms=_sig(
             max(stats["attention_ms"] + stats["policy_ms"] + stats.get("device_sync_ms", 0.0) - after, 0.0)
             / num_layers
@@ -1010,15 +1017,30 @@ def calibrate(prof: HardwareProfile, stats: dict[str, Any], num_layers: int) -> 
     )
 
 
+def _copy_rates(
+    prof: HardwareProfile, tag: str, by_copy: dict[str, dict[str, float]] | None
+) -> dict[str, Any]:
+    """The profile fields a run of two copies (``tag``: ``high+low``) sets: each copy's expert time
+    from its own decode compute seconds over its own uses (``by_copy``: the live stats'
+    ``expert_compute_by_copy``); a copy with no use keeps ``prof``'s."""
+    if by_copy is None:
+        raise InputError(
+            f"the run at two expert copies ({tag}) did not time each copy's expert compute "
+            "(stats without expert_compute_by_copy): rerun it with this version's live runtime"
+        )
+    out: dict[str, Any] = {"expert_ms": dict(prof.expert_ms)}
+    for copy in tag.split("+"):
+        got = by_copy.get(copy) or {}
+        if got.get("uses"):
+            rates = _expert_rates(prof, copy, got["s"] * 1e3 / got["uses"])
+            out["expert_ms"].update(rates.pop("expert_ms", {}))
+            out.update(rates)
+    return out
+
+
 def _expert_rates(prof: HardwareProfile, tag: str, expert: float) -> dict[str, Any]:
     """The profile fields one expert call of ``expert`` ms at precision ``tag`` sets on a CPU fast tier:
-    the model dtype's ``gpu_expert_ms`` and ``cpu_c_ms``, or the precision's ``expert_ms`` entry. Two
-    copies compute at both, so a run of them calibrates neither."""
-    if "+" in tag:
-        raise InputError(
-            f"a run at two expert copies ({tag}) computes at both precisions: calibrate on a run at each "
-            "copy's precision (expert_dtype=model, then expert_dtype=int4)"
-        )
+    the model dtype's ``gpu_expert_ms`` and ``cpu_c_ms``, or the precision's ``expert_ms`` entry."""
     if tag == "model":
         return {"gpu_expert_ms": _sig(expert), "cpu_c_ms": _sig(max(expert - prof.cpu_beta_ms, 0.0))}
     return {"expert_ms": {**prof.expert_ms, tag: _sig(expert)}}
