@@ -257,11 +257,51 @@ def test_a_mixed_run_keeps_each_slot_at_the_step_s_copy(tmp_path):
         rt.detach()
     assert checked == 4 * len(rt.stores)
     assert s["upgrades"] > 0 and 0 < s["low_share"] < 1 and s["prefetches_landed"] > 0
-    assert s["low_disk_reads"] == s["loads"] and s["upgrade_reads"] <= s["upgrades"]
+    # every upgrade the step counts is read, in the window before its layer (none evicted unread)
+    assert s["low_disk_reads"] == s["loads"] and s["upgrade_reads"] == s["upgrades"]
     high_reads = s["disk_reads"] - s["low_disk_reads"]
     assert high_reads == s["prefetches_landed"] + s["upgrade_reads"]
     assert s["bytes_read"] == high_reads * HIGH_BLOCK + s["loads"] * LOW_BLOCK
     assert not torch.equal(got, exact)
+
+
+def test_lru_reads_its_upgrades_as_the_window_opens_not_behind_the_layer_s_loads(tmp_path):
+    """LRU over two copies (no prefetch): the step upgrades a layer's resident low copies in the
+    window before its experts (mixed.py, rule 4: link time no demand load waits for). The runtime
+    reads them then, after the layer before (the token's start for the first layer), so every
+    reread of a slot at the high copy is issued before the step of its layer, ahead of that layer's
+    demand loads, and no upgraded expert is evicted by them unread: the disk reread as many as the
+    step counted."""
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(3))
+    model = make_model("qwen2_moe")
+    rt = attach(model, policy="lru", capacity=3, warm=False, prefetch="none", offload="disk",
+                offload_dir=str(tmp_path), **MIXED)  # fmt: skip
+    ran, late, reread = set(), [], [0]
+    layer = rt.step.layer
+
+    def stepping(lanes, *a, **kw):
+        ran.add((rt._step, int(lanes[0])))
+        return layer(lanes, *a, **kw)
+
+    def syncing(pos, sync):
+        def run() -> int:
+            n = sync()
+            reread[0] += n
+            if n and (rt._step, pos) in ran:
+                late.append((rt._step, pos, n))
+            return n
+
+        return run
+
+    rt.step.layer = stepping
+    for pos, st in enumerate(rt.stores):
+        st.sync = syncing(pos, st.sync)
+    try:
+        decode_logits(model, ids, steps=6)
+        s = rt.stats()
+    finally:
+        rt.detach()
+    assert s["upgrades"] > 0 and late == [] and reread[0] == s["upgrade_reads"] == s["upgrades"]
 
 
 # ------------------------------------------------------------------------------------ live == replay

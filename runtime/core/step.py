@@ -322,6 +322,15 @@ class LayerStep:
         self.clock.rc[ln] += n_up[rows] * self.cost.t_rc
         self.add("upgrades", ln, layer[rows], n_up[rows])
 
+    def upgrade_quiet(self, lanes: np.ndarray, layer: np.ndarray) -> None:
+        """A lane no prefetch reached upgrades in its whole window (mixed.py, rule 4): :meth:`layer`
+        does it first, or a caller that reads the upgrades when the window opens (the live runtime,
+        after the layer before) does it then, and the layer does not again."""
+        quiet = ~self._windowed[lanes]
+        if quiet.any():
+            self._upgrade(lanes[quiet], layer[quiet], self.clock.free[lanes[quiet]], None)
+            self._windowed[lanes[quiet]] = True
+
     # ------------------------------------------------------------------ 2-7. the layer
     def layer(
         self,
@@ -354,10 +363,7 @@ class LayerStep:
         pol = self.policy
         n, B, _k = ids.shape
         if self.copies is not None:
-            # a lane no prefetch reached upgrades in its whole window (mixed.py, rule 4)
-            quiet = ~self._windowed[lanes]
-            if quiet.any():
-                self._upgrade(lanes[quiet], layer[quiet], self.clock.free[lanes[quiet]], None)
+            self.upgrade_quiet(lanes, layer)
             self._windowed[lanes] = False
         delay = self.clock.delay[lanes].copy()
         rc = self.clock.rc[lanes].copy()

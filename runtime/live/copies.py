@@ -8,8 +8,9 @@ take the low one), one started past the window, a demand load and the CPU set th
 low one (an upgrade: the flag turns False while the expert stays resident). The disk tier's stores
 read each expert at the copy its flag names when they load it (:meth:`DiskLayerStore.follow
 <moecast.runtime.tiers.offload.DiskLayerStore.follow>`: the store holds a view of the step's row),
-and :meth:`SlotCopies.sync` rereads, after a layer's step and after its prefetch, each slot whose
-flag turned (into the same slot; until the read lands the compute waits for it, as for any read).
+and :meth:`SlotCopies.sync` rereads, after a layer's step and after its prefetch (or, where no
+prefetch reaches a layer, as its window opens: the upgrades rule 4 reads there), each slot whose flag
+turned (into the same slot; until the read lands the compute waits for it, as for any read).
 So which copy computes a use is the step's decision, never the wall clock's: decisions and counters
 equal the replay's, only the time a read takes is this machine's.
 
