@@ -43,7 +43,10 @@ slow tier's experts at that precision (the offload directory's quantized copy, w
 model-dtype files), each precision under its own calibration. Two copies (``mixed``, ``int8+int4``:
 runtime/core/mixed.py; a demand miss reads the low copy, a prefetch or an idle-link upgrade the high
 one) run the same rows under a profile that times a resident expert at each copy's precision (each
-copy's own calibration of the round). And, where the experts fit in half the
+copy's own calibration of the round); at run rates each copy computes at the time the row's own runs
+computed it (the live runtime times each copy's experts apart), and each two-copy row reports its
+share of uses at the low copy, its upgrades and the MB read at each copy per token, live beside the
+replays' (the markdown's two-copy table). And, where the experts fit in half the
 memory available, an "all in RAM" row per precision holds every expert resident (the compute floor at
 that precision: no disk read in any decode step). Every row shows the bytes it read per decode step,
 its link floor (those bytes at the disk's rate the row saw) and the bytes it prefetched and never used.
@@ -338,12 +341,15 @@ def modeled_by_round(
         return {"modeled_tpot_ms": None}
     steps = [st["decode_steps"] for _, st in got]
     uses = [st["uses"] for _, st in got]
-    return {
+    out = {
         "modeled_tpot_ms": float(np.average([g.modeled_tpot_ms for g, _ in got], weights=steps)),
         "modeled_hit_rate": float(np.average([g.hit_rate for g, _ in got], weights=uses)),
         "tpot_basis": got[0][0].tpot_basis,
         "profile": ", ".join(dict.fromkeys(r["profile"].name for r in runs)),
     }
+    if "+" in precision:
+        out["copies"] = {"modeled": replay_copies([g for g, _ in got])}
+    return out
 
 
 def _modeled_keys(
@@ -362,26 +368,57 @@ def _modeled_keys(
     if any(r["profile"] is not probe for r in runs):
         out["probe_tpot_ms"] = modeled(t, policy, capacity, predictor, probe, None, precision).modeled_tpot_ms
     if st.get("disk_read_gbps_observed") and t.profile.fast_tier == "cpu":
-        # the row's own rest of a layer already holds its reads' compute time: not charged again
-        own = replace(calibrate(probe, _one_precision(st, probe), t.num_layers), read_cpu_ms=0.0)
-        if "+" in precision:  # a run of two copies times neither copy's expert: the probe's times
-            own = replace(own, gpu_expert_ms=probe.gpu_expert_ms, cpu_c_ms=probe.cpu_c_ms)
-        out["at_run_rates_tpot_ms"] = modeled(
-            t, policy, capacity, predictor, own, None, precision
-        ).modeled_tpot_ms
+        # the row's own rest of a layer already holds its reads' compute time: not charged again; a
+        # run of two copies timed each copy's experts apart, so each copy's time is its own
+        own = replace(calibrate(probe, st, t.num_layers), read_cpu_ms=0.0)
+        got = modeled(t, policy, capacity, predictor, own, None, precision)
+        out["at_run_rates_tpot_ms"] = got.modeled_tpot_ms
+        tags = copy_tags(precision)
         out["run_rates"] = {
             "disk_read_gbps": own.transfer_gbps,
-            "expert_ms": own.gpu_expert_ms,
+            "expert_ms": own.expert_time(tags[0]),  # the row's precision's (two copies: the high one's)
             "layer_other_ms": own.attn_ms,
             "after_layers_ms": own.step_ms,
         }
+        if "+" in precision:
+            out["run_rates"]["expert_ms_by_copy"] = {tag: own.expert_time(tag) for tag in tags}
+            out["copies"]["at_run_rates"] = replay_copies([got])
     return out
 
 
-def _one_precision(st: dict, probe: Any) -> dict:
-    """A run's stats as calibrate takes them: a run of two copies' link and layer rates, as if at the
-    model's dtype (its expert time is then the probe's: see _modeled_keys)."""
-    return {**st, "expert_dtype": "model"} if "+" in st.get("expert_dtype", "model") else st
+def replay_copies(results: list[Any]) -> dict:
+    """Two copies' figures of replays (one per request, or one over every request): the share of
+    routed uses computed at the low copy, the upgrades and the MB read at each copy per token (over
+    every token, the prompt's included, as the replay counts them; the uses weighted by tokens: one
+    token routes as many uses as another)."""
+    tokens = [r.tokens for r in results]
+    total = max(sum(tokens), 1)
+    tags = list(results[0].mb_per_token_by_copy)
+    return {
+        "low_share": float(np.average([r.low_share for r in results], weights=tokens)),
+        "upgrades_per_token": sum(r.upgrades for r in results) / total,
+        "mb_per_token": {
+            tag: sum(r.mb_per_token_by_copy[tag] * r.tokens for r in results) / total for tag in tags
+        },
+    }
+
+
+def live_copies(st: dict, precision: str, prompt: int) -> dict:
+    """A two-copy row's figures as its live runs had them (``st``: pooled), on the replay's basis
+    (:func:`replay_copies`): the runs' own share of uses at the low copy (the live step's counters),
+    the high copies the disk reread over low ones, each copy's bytes as the disk read them, and
+    each copy's expert time (its decode compute over its uses)."""
+    tokens = max(st["decode_steps"] + st["prefill_steps"] * prompt, 1)
+    high, low = copy_tags(precision)
+    low_b = st["low_bytes_read"]
+    by = st["expert_compute_by_copy"]
+    return {
+        "low_share": st["low_uses"] / st["uses"] if st["uses"] else None,
+        "upgrades_per_token": st["upgrade_reads"] / tokens,
+        "mb_per_token": {high: (st["bytes_read"] - low_b) / tokens / 2**20, low: low_b / tokens / 2**20},
+        "expert_ms": {tag: by[tag]["s"] * 1e3 / by[tag]["uses"] if by[tag]["uses"] else None for tag in by},
+        "uses": {tag: by[tag]["uses"] for tag in by},
+    }
 
 
 @dataclass
@@ -455,6 +492,13 @@ def pooled(stats: list[dict]) -> dict:
         s["bytes_read"] / s["disk_read_gbps_observed"] / 1e9 for s in stats if s["disk_read_gbps_observed"]
     )
     out["disk_read_gbps_observed"] = out["bytes_read"] / busy / 1e9 if busy else None
+    if stats[0].get("expert_compute_by_copy"):  # two copies: each copy's compute and counts, summed
+        out["expert_compute_by_copy"] = {
+            tag: {k: sum(s["expert_compute_by_copy"][tag][k] for s in stats) for k in ("s", "uses")}
+            for tag in stats[0]["expert_compute_by_copy"]
+        }
+        for k in ("prefill_steps", "low_uses", "low_bytes_read", "upgrade_reads", "upgrades"):
+            out[k] = sum(s[k] for s in stats)
     return out
 
 
@@ -467,7 +511,7 @@ def live_result(t: Tiers, row: Row, capacity: float) -> dict:
     budget = resident * t.num_layers * st["expert_bytes"] / 2**20
     # the run whose peak RSS was furthest over its own base + budget speaks for the row
     worst = max(row.runs, key=lambda r: r["stats"]["peak_rss_mb"] / (budget + r["rss_base_mb"]))
-    return {
+    got = {
         "measured_tpot_ms": float(np.mean([ms for r in row.runs for ms in r["times"]])),
         "hit_rate": st["hit_rate"],
         "bytes_read": st["bytes_read"],
@@ -494,6 +538,9 @@ def live_result(t: Tiers, row: Row, capacity: float) -> dict:
             row.precision,
         ),
     }
+    if "+" in row.precision:  # two copies: the live runs' figures beside the replays'
+        got["copies"] = {"live": live_copies(st, row.precision, t.args.prompt), **got.get("copies", {})}
+    return got
 
 
 def link_figures(st: dict) -> dict:
@@ -1118,11 +1165,53 @@ def markdown(report: Any, rows: list[dict], args: argparse.Namespace, t: Tiers |
             for k in ("transfer_gbps", "gpu_expert_ms", "attn_ms", "step_ms") if k in cal))  # fmt: skip
     lines.append("- modeled: each request replayed under the profile its run ran under (its round's calibration "
                  "where it ran); probe: under the probe's profile; run rates: under the rates the row's own runs "
-                 "saw (disk while busy, one expert call, the rest of a layer, what follows the last layer)")  # fmt: skip
+                 "saw (disk while busy, one expert call (two copies: each copy's), the rest of a layer, what follows "
+                 "the last layer)")  # fmt: skip
     lines += [*accuracy_lines(rows), f"- {RSS_RULE}", "", "```", table(rows), "```", ""]
+    copies = copies_table(rows)
+    if copies:
+        lines += [f"Two copies ({COPIES_RULE}):", "", "```", copies, "```", ""]
     if report.failures:
         lines += ["## Failures", "", *report.failures]
     return "\n".join(lines) + "\n"
+
+
+#: what the two-copy table's columns are, as the markdown states it
+COPIES_RULE = (
+    "live / modeled / at run rates: the live runs' own counts (the step's share of uses at the low copy, "
+    "the high copies the disk reread over low ones, the bytes the disk read at each copy), the replay "
+    "under the round's profile, the replay under the row's own rates; per token over every token, the "
+    "prompt's included, as the replay counts (the disk reads whole 4 KiB blocks, the replay counts an "
+    "expert's bytes); expert ms: each copy's decode compute over its uses, live"
+)
+
+
+def copies_table(rows: list[dict]) -> str:
+    """The two-copy rows' figures, live beside the replays' (:data:`COPIES_RULE`); empty without one."""
+    got = [r for r in rows if r.get("copies") and r["status"] == "ok"]
+    if not got:
+        return ""
+    f = bench_gpu._fmt
+
+    def three(r: dict, key: str, tag: str | None = None, nd: int = 3) -> str:
+        c = r["copies"]
+        vals = [c.get(k, {}).get(key) for k in ("live", "modeled", "at_run_rates")]
+        if tag is not None:
+            vals = [None if v is None else v.get(tag) for v in vals]
+        return " / ".join(f(v, nd) for v in vals)
+
+    head = (f"{'config':<46} {'low share':>21} {'upgrades/token':>21} {'high MB/token':>23} {'low MB/token':>23} "
+            f"{'expert ms high / low':>21}")  # fmt: skip
+    lines = [head, "-" * len(head)]
+    for r in got:
+        high, low = r["expert_dtype"].split("+")
+        ms = r["copies"]["live"]["expert_ms"]
+        lines.append(
+            f"{r['config']:<46} {three(r, 'low_share'):>21} {three(r, 'upgrades_per_token', nd=2):>21} "
+            f"{three(r, 'mb_per_token', high, 2):>23} {three(r, 'mb_per_token', low, 2):>23} "
+            f"{f(ms.get(high), 3) + ' / ' + f(ms.get(low), 3):>21}"
+        )
+    return "\n".join(lines)
 
 
 def accuracy_lines(rows: list[dict]) -> list[str]:

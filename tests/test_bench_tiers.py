@@ -67,6 +67,23 @@ def test_quick_run_at_test_sizes(tmp_path, capsys):
         assert mixed["status"] == "ok" and mixed["hit_rate"] == pytest.approx(mixed["modeled_hit_rate"])
         assert by["lru int4-g128"]["read_mb_per_token"] <= mixed["read_mb_per_token"]
         assert mixed["profile"].endswith("+int4-g128") and "all in RAM model+int4-g128" not in by
+        # every two-copy row: its live share of uses at the low copy, upgrades and bytes per token at
+        # each copy beside the replays'; the live step decides as the replay under the same profile
+        for r in (r for r in rows if "+" in (r.get("expert_dtype") or "") and r["status"] == "ok"):
+            c = r["copies"]
+            for side in ("live", "modeled", "at_run_rates"):
+                assert set(c[side]) >= {"low_share", "upgrades_per_token", "mb_per_token"}, side
+                assert set(c[side]["mb_per_token"]) == {"model", "int4-g128"}, side
+            assert c["live"]["low_share"] == pytest.approx(c["modeled"]["low_share"])
+            # at run rates: each copy at the time the row's own runs computed it (no probe's time),
+            # where they computed at it (LRU's misses read the low copy on demand; an oracle's
+            # prefetches may leave a decode step none)
+            assert sum(c["live"]["uses"].values()) > 0
+            assert c["live"]["uses"]["int4-g128"] > 0 or not r["config"].startswith("lru")
+            for tag, ms in c["live"]["expert_ms"].items():
+                if c["live"]["uses"][tag]:
+                    assert r["run_rates"]["expert_ms_by_copy"][tag] == pytest.approx(ms, rel=1e-3), tag
+        assert "Two copies (live / modeled / at run rates" in next(tmp_path.glob("tiers-*.md")).read_text()
         # in the RAM the bf16 experts take, int4's smaller experts fill more slots: more hits, as modeled
         same = by["lru int4-g128 (model's RAM)"]
         assert same["hit_rate"] > by["lru int4-g128"]["hit_rate"]
@@ -168,6 +185,35 @@ def test_pooled_runs_by_hand():
     assert st["attention_ms"] == pytest.approx(25.0)
     assert st["after_layers_ms"] == pytest.approx(2.5)
     assert (st["prefetches_issued"], st["prefetch_used"]) == (12, 4)
+    # two copies: each copy's compute seconds and uses, and the copies' counters, summed
+    two = [{**run(1, 10, 4, 1000, 1.0, 10.0), "prefill_steps": 1, "low_uses": 7, "low_bytes_read": 200,
+            "upgrade_reads": 2, "upgrades": 3,
+            "expert_compute_by_copy": {"model": {"s": 0.1, "uses": 4}, "int4-g128": {"s": 0.2, "uses": 6}}},
+           {**run(3, 30, 21, 3000, 3.0, 30.0), "prefill_steps": 1, "low_uses": 11, "low_bytes_read": 500,
+            "upgrade_reads": 5, "upgrades": 5,
+            "expert_compute_by_copy": {"model": {"s": 0.3, "uses": 20}, "int4-g128": {"s": 0.4, "uses": 10}}}]  # fmt: skip
+    p2 = bench_tiers.pooled(two)
+    assert p2["expert_compute_by_copy"] == {
+        "model": {"s": pytest.approx(0.4), "uses": 24},
+        "int4-g128": {"s": pytest.approx(0.6), "uses": 16},
+    }
+    assert (p2["low_uses"], p2["low_bytes_read"], p2["upgrade_reads"], p2["prefill_steps"]) == (18, 700, 7, 2)
+    # on the replay's basis: 4 decode steps + 2 one-token prompts = 6 tokens; 18 of 40 uses low
+    live = bench_tiers.live_copies(p2, "model+int4-g128", 1)
+    assert live["low_share"] == pytest.approx(18 / 40) and live["upgrades_per_token"] == pytest.approx(7 / 6)
+    assert live["mb_per_token"] == pytest.approx(
+        {"model": (4000e6 - 700) / 6 / 2**20, "int4-g128": 700 / 6 / 2**20}
+    )
+    assert live["expert_ms"] == pytest.approx({"model": 400 / 24, "int4-g128": 600 / 16})
+    # two requests' replays as one: 2 and 6 tokens; low shares 0.5 and 0.25 weighted by tokens,
+    # 3 + 5 upgrades over 8 tokens, the high copy's 1 and 3 MB a token over 8 tokens
+    from types import SimpleNamespace as NS
+
+    res = [NS(tokens=2, low_share=0.5, upgrades=3, mb_per_token_by_copy={"model": 1.0, "int4-g128": 0.5}),
+           NS(tokens=6, low_share=0.25, upgrades=5, mb_per_token_by_copy={"model": 3.0, "int4-g128": 0.1})]  # fmt: skip
+    rep = bench_tiers.replay_copies(res)
+    assert rep["low_share"] == pytest.approx(2.5 / 8) and rep["upgrades_per_token"] == 1.0
+    assert rep["mb_per_token"] == pytest.approx({"model": 20 / 8, "int4-g128": 1.6 / 8})
     # the pooled runs calibrate the precision they ran at, not the model dtype's time
     from moecast.runtime.core.cost_model import HardwareProfile
     from moecast.runtime.profile.measure import calibrate
