@@ -105,6 +105,15 @@ class SlotCopies:
         """Reread layer ``pos``'s slots whose expert's flag turned while it was resident (upgrades)."""
         self.stores[pos].sync()
 
+    def upgrade_ahead(self, pos: int) -> None:
+        """No prefetch reaches layer ``pos`` (a layer past the last: none): the upgrades its window
+        holds are decided and read now, as the window opens (mixed.py, rule 4), not at its step,
+        behind its own demand loads (a prefetch's upgrades go with it, after the step's prefetch)."""
+        if pos < len(self.stores):
+            lane = np.array([pos])
+            self.step.upgrade_quiet(lane, lane)
+            self.sync(pos)
+
     def figures(self) -> dict[str, Any]:
         """The step's two-copy counters as the replay reports them: the share of routed uses computed at
         the low copy, the upgrades, and the bytes each copy moved (modeled, from the step's counts)."""

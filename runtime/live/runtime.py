@@ -294,11 +294,10 @@ class LiveRuntime:
             # (``t_attn - t_pred``); its time counts with the layers' (policy and predictor), not attention
             with self.times.layer():
                 f.pending = self.prefetcher.next(0, True, None, self.times)[1]
-                self._upgrade_ahead(0)
                 self._prefetch()
         elif self.copies is not None:  # no prefetch: the first layer's upgrades, read in its window
             with self.times.layer():
-                self._upgrade_ahead(0)
+                self.copies.upgrade_ahead(0)
 
     def end_forward(self) -> None:
         """The forward ended: its wall and modeled time, the online update, the planner's lesson."""
@@ -394,7 +393,8 @@ class LiveRuntime:
                 # the next layer's prefetch is queued now, behind this layer's demand loads, so its
                 # transfers run while this layer computes (the step's window opens when the link is free,
                 # not after the experts' compute); a CPU set's reads come first, so it waits for them
-                self._upgrade_ahead(nxt)
+                if self.copies is not None and f.pending is None:  # no prefetch: its upgrades
+                    self.copies.upgrade_ahead(nxt)
                 self._prefetch()
 
         after_launch = self.device.accelerated
@@ -416,7 +416,8 @@ class LiveRuntime:
         out = self.executor.join(out, to_cpu, cpu_part, uniq, counts, hidden, n)
         f.clock += float(o.layer_t[0])
         if not early:
-            self._upgrade_ahead(nxt)
+            if self.copies is not None and f.pending is None:  # no prefetch: its upgrades
+                self.copies.upgrade_ahead(nxt)
             self._prefetch()
         return out
 
@@ -508,16 +509,6 @@ class LiveRuntime:
         f.clock += float(layer_t[0])
         self.step.add("time", lane, lane, layer_t)
         return self.executor.full(pos, module, hidden, top_k_index, top_k_weights, kwargs)
-
-    def _upgrade_ahead(self, nxt: int) -> None:
-        """Two copies, no prefetch pending for layer ``nxt``: the upgrades its window holds are read
-        now, as the window opens (mixed.py, rule 4), not at its step, behind its own demand loads
-        (a prefetch reads them with its own, :meth:`_prefetch`)."""
-        if self.copies is None or self.fwd.pending is not None or nxt >= self.num_layers:
-            return
-        lane = self.lanes.lane[nxt]
-        self.step.upgrade_quiet(lane, lane)
-        self.copies.sync(nxt)
 
     def _prefetch(self) -> None:
         """Land the pending prefetch (SMoE §IV-C, PreScope Eqs. 6-7 under PreSched) through the step,
