@@ -608,8 +608,8 @@ def gated(t: Tiers) -> bool:
 
 def precision_rows(t: Tiers, capacity: float, precision: str) -> list[Row]:
     """At a quantized precision: LRU, LLaPor prefetch-late and its oracle bound, named with the tag; at
-    one precision, LRU and LLaPor prefetch-late again in the RAM the model-dtype experts take
-    (:data:`SAME_RAM`)."""
+    one precision, LRU, LLaPor prefetch-late and the bound again in the RAM the model-dtype experts
+    take (:data:`SAME_RAM`)."""
     rows = [_row(t, capacity, f"lru {precision}", "lru", "none", precision, policy="lru", prefetch="none")]
     if t.predictor is not None:
         rows.append(_row(t, capacity, f"llapor prefetch-late {precision}", "prefetch-late", t.predictor,
@@ -629,6 +629,11 @@ def precision_rows(t: Tiers, capacity: float, precision: str) -> list[Row]:
                                  t.cfg.num_experts_per_tok)  # fmt: skip
         rows.append(_row(t, capacity, f"oracle prefetch-late (bound) {precision}", "prefetch-late", "oracle",
                          precision, policy="prefetch-late", predictor=oracle))  # fmt: skip
+        # the bound in the model dtype's RAM too: what any predictor could reach there
+        if "+" not in precision:
+            rows.append(_row(t, capacity, f"oracle prefetch-late (bound) {precision}{SAME_RAM}", "prefetch-late",
+                             "oracle", precision, at=same_ram(t, capacity), policy="prefetch-late",
+                             predictor=oracle))  # fmt: skip
     return rows
 
 

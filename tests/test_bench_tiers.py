@@ -87,6 +87,9 @@ def test_quick_run_at_test_sizes(tmp_path, capsys):
         # in the RAM the bf16 experts take, int4's smaller experts fill more slots: more hits, as modeled
         same = by["lru int4-g128 (model's RAM)"]
         assert same["hit_rate"] > by["lru int4-g128"]["hit_rate"]
+        # the oracle's bound in that RAM too, which no 'best' row counts
+        bound = by["oracle prefetch-late (bound) int4-g128 (model's RAM)"]
+        assert bound["status"] == "ok" and bound["budget_mb"] == same["budget_mb"]
         assert same["hit_rate"] == pytest.approx(same["modeled_hit_rate"])
         assert by["lru"]["budget_mb"] * 0.9 < same["budget_mb"] <= by["lru"]["budget_mb"]
         prof = bench_tiers.two_copies_profile(
