@@ -709,9 +709,9 @@ def live_rows(t: Tiers, report: Any, capacity: float) -> list[Row]:
 def calibrate_round(t: Tiers, capacity: float, i: int, done: list[dict], precision: str = "model") -> Any:
     """The profile round ``i``'s rows at ``capacity`` run under: the probe's, calibrated
     (moecast.runtime.profile.measure.calibrate) on a live LRU run at ``capacity`` of one of the held-out
-    requests static's table is counted on (no row measures them), just before the round's rows, as
-    `moecast profile --calibrate` does before a user's run, so the calibration sees the disk the rows
-    see; the probe's where there is nothing to calibrate on, or the calibration failed (kept in
+    requests static's table is counted on (no row measures them), just before the round's first row at
+    ``precision``, as `moecast profile --calibrate` does before a user's run, so the calibration sees
+    the disk the rows see; the probe's where there is nothing to calibrate on, or the calibration failed (kept in
     ``done``, which collects each round's run)."""
     from moecast.runtime.profile.measure import calibrate
 
@@ -786,7 +786,7 @@ def noise_floor(t: Tiers, capacity: float, n: int) -> dict:
 
 def measure_rows(t: Tiers, report: Any, capacity: float, rows: list[Row], calibrate: bool = False) -> None:
     """``rows`` at ``capacity`` measured side by side: request by request, each round runs every row
-    on one request (after the round's calibration, with ``calibrate``), so a drift of the disk's rate
+    on one request (each precision's after its calibration, with ``calibrate``), so a drift of the disk's rate
     over the minutes the rows take reaches every row alike. Each run attaches afresh (a baseline: a
     fresh process), so every request starts cold."""
     s = SimpleNamespace(name=f"{int(capacity * 100)} %")
@@ -796,15 +796,24 @@ def measure_rows(t: Tiers, report: Any, capacity: float, rows: list[Row], calibr
     singles = list(dict.fromkeys(q for p in precisions for q in copy_tags(p)))
     done: dict[str, list[dict]] = {p: [] for p in singles}
     for i in range(len(t.requests)):
-        profs = {p: calibrate_round(t, capacity, i, done[p], p) if calibrate else t.probe(p) for p in singles}
-        for p in (p for p in precisions if "+" in p):
-            profs[p] = two_copies_profile(profs, p)
+        profs: dict[str, Any] = {}
+
+        def profile_of(p: str, i: int = i, profs: dict[str, Any] = profs) -> Any:
+            # each precision calibrates just before its first row of the round, so that it sees the
+            # disk as its rows do (a read-heavy row before it leaves the disk slower for a while)
+            for q in (q for q in copy_tags(p) if q not in profs):
+                profs[q] = calibrate_round(t, capacity, i, done[q], q) if calibrate else t.probe(q)
+            if p not in profs:
+                profs[p] = two_copies_profile(profs, p)
+            return profs[p]
+
         for row in rows:
             if row.error is not None:
                 continue
+            prof = profile_of(row.precision)
             bench_gpu.log(f"[{s.name}] {row.name}: request {i + 1} of {len(t.requests)}")
             try:
-                row.runs.append(row.run(i, profs[row.precision]))
+                row.runs.append(row.run(i, prof))
             except Exception as exc:  # recorded, raised again in the row's guard
                 row.error = exc
     for p in singles:  # nothing to calibrate on (no held-out requests, or a device profile): the probe's
@@ -1248,9 +1257,9 @@ def rows(quick: bool, ds_checkpoint: Path | None = None) -> list[dict]:
 
 #: how the rows are measured, as the markdown states it
 MEASURED_RULE = (
-    "measured side by side: at each capacity, round r calibrates on a held-out request no row measures and "
-    "then runs every moecast row on request r under that profile, so a drift of the disk's rate reaches the "
-    "calibration and every row alike; the baselines run after every "
+    "measured side by side: at each capacity, round r runs every moecast row on request r, each precision's "
+    "rows under a profile calibrated on a held-out request no row measures just before that precision's first "
+    "row, so a drift of the disk's rate reaches the calibration and its rows alike; the baselines run after every "
     "capacity's moecast rows, in rounds of their own (their reads, up to 190 GB, leave the disk slower for "
     "a while); each run is a fresh attach (a baseline: a fresh process, its page cache dropped), so every "
     "request starts cold, as the replay's requests do (cold)"

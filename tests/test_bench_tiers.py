@@ -340,3 +340,32 @@ def test_a_difference_inside_the_hosts_spread_is_a_tie():
     # int4's LLaPor is compared with int4's LRU (0.98 and 1.0 of it: a tie), not with the bf16 LRU
     assert got == {"noise floor (lru x2)": None, "lru": None, "llapor prefetch-late": "faster",
                    "lru int4-g128": None, "llapor prefetch-late int4-g128": "tie", "page cache": None}  # fmt: skip
+
+
+def test_each_precision_calibrates_just_before_its_first_row_of_the_round(monkeypatch):
+    """Rows model, model, int8, two copies: round by round the model dtype calibrates before its rows,
+    int8 after them and just before its own row, and the two copies reuse the model's calibration and
+    calibrate the low copy only, before their row; each row runs under its precision's profile."""
+    import bench_gpu
+    import bench_tiers
+
+    events = []
+    monkeypatch.setattr(
+        bench_tiers, "calibrate_round", lambda t, c, i, done, p: events.append(f"cal {p} r{i}") or f"P{p}"
+    )
+    monkeypatch.setattr(
+        bench_tiers, "two_copies_profile", lambda profs, p: "+".join(profs[q] for q in p.split("+"))
+    )
+    monkeypatch.setattr(bench_gpu, "log", lambda *a, **k: None)
+
+    def row(name, prec):
+        return bench_tiers.Row(
+            name, lambda i, prof: events.append(f"{name} r{i} {prof}") or {}, "lru", precision=prec
+        )
+
+    rows = [row("a", "model"), row("b", "model"), row("c", "int8"), row("d", "model+int4-g128")]
+    t = type("T", (), {"requests": [0, 1]})()
+    bench_tiers.measure_rows(t, bench_gpu.Report("cpu"), 0.25, rows, calibrate=True)
+    one = ["cal model r{i}", "a r{i} Pmodel", "b r{i} Pmodel", "cal int8 r{i}", "c r{i} Pint8",
+           "cal int4-g128 r{i}", "d r{i} Pmodel+Pint4-g128"]  # fmt: skip
+    assert events == [e.format(i=i) for i in (0, 1) for e in one]
