@@ -191,9 +191,11 @@ def run(
             model; later runs load only its other weights), and only ``capacity`` experts per layer are in memory.
         offload_dir: The offload directory for ``--offload disk`` (created if absent; a re-run resumes an
             interrupted write; another model's directory is refused).
-        expert_dtype: Precision of the offloaded experts (needs ``--offload disk``): model (the model's dtype,
-            exact), int8 (per output channel) or int4 (group-wise, ``--group-size``); the directory keeps
-            each precision beside the model-dtype copy, and the experts compute on the packed weights.
+        expert_dtype: Precision of the offloaded experts: model (the model's dtype, exact), int8 (per output
+            channel) or int4 (group-wise, ``--group-size``), or mixed (model and int4 copies; ``--offload
+            disk``). On the disk the directory keeps each precision beside the model-dtype copy; on the CPU
+            the experts compute on the packed weights, on a GPU (``--offload ram`` too) the packed bytes
+            cross the link and are dequantized into the slot.
         group_size: int4's group along each matrix's input dimension: 32, 64, 128 or 256.
         router_pattern: Regex over module names naming the routers, for a model whose routers transformers'
             ``_can_record_outputs`` does not name (its experts must still use the experts interface).
