@@ -1182,12 +1182,27 @@ def markdown(report: Any, rows: list[dict], args: argparse.Namespace, t: Tiers |
                  "saw (disk while busy, one expert call (two copies: each copy's), the rest of a layer, what follows "
                  "the last layer)")  # fmt: skip
     lines += [*accuracy_lines(rows), f"- {RSS_RULE}", "", "```", table(rows), "```", ""]
+    goals = goal_lines(rows)
+    if goals:
+        lines += ["Goals (at 25 %, the rows judged as `figures` judges them):", "", *goals, ""]
     copies = copies_table(rows)
     if copies:
         lines += [f"Two copies ({COPIES_RULE}):", "", "```", copies, "```", ""]
     if report.failures:
         lines += ["## Failures", "", *report.failures]
     return "\n".join(lines) + "\n"
+
+
+def goal_lines(rows: list[dict]) -> list[str]:
+    """The goals of :func:`_goal_figures`, one markdown line each: figure, value, goal, verdict, note."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench import figures as F
+
+    return [
+        f"- {g['name']}: {g['value']} (goal {g['goal']}): {g['verdict'] or '-'}"
+        + (f"; {g['note']}" if g["note"] else "")
+        for g in _goal_figures(F, rows)
+    ]
 
 
 #: what the two-copy table's columns are, as the markdown states it

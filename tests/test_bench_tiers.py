@@ -83,7 +83,10 @@ def test_quick_run_at_test_sizes(tmp_path, capsys):
             for tag, ms in c["live"]["expert_ms"].items():
                 if c["live"]["uses"][tag]:
                     assert r["run_rates"]["expert_ms_by_copy"][tag] == pytest.approx(ms, rel=1e-3), tag
-        assert "Two copies (live / modeled / at run rates" in next(tmp_path.glob("tiers-*.md")).read_text()
+        md = next(tmp_path.glob("tiers-*.md")).read_text()
+        assert "Two copies (live / modeled / at run rates" in md
+        # the goals, judged, in the file a user reads
+        assert "- 25 %: best int4-g128 / best model dtype: " in md and "(goal <= 0.5): " in md
         # in the RAM the bf16 experts take, int4's smaller experts fill more slots: more hits, as modeled
         same = by["lru int4-g128 (model's RAM)"]
         assert same["hit_rate"] > by["lru int4-g128"]["hit_rate"]
