@@ -310,3 +310,24 @@ def test_the_cpu_device_refuses_the_host_tier_and_keeps_packed_slots_on_the_disk
                 assert torch.equal(st.slots[name][slot], want[name][e])
     finally:
         rt.detach()
+
+
+def test_a_capacity_in_bytes_counts_the_dequantized_slots_not_the_packed_copies(tmp_path):
+    """On an accelerator a slot holds the model's dtype whatever the link moves: 3 model-dtype experts'
+    bytes make 3 slots at int4 (not the 3x more the packed bytes would fit); on the CPU, whose slots
+    hold the packed copies, the same bytes hold more of them."""
+    model = _model()
+    info = model_info(model, find_moe_structure(model), "m")
+    budget = f"{3 * info.expert_bytes / 2**10}KB"
+    kw = dict(policy="lru", capacity=budget, prefetch="none", expert_dtype="int4", group_size=32)
+    rt = attach(model, device_ops="simulated", **kw)
+    try:
+        assert rt.capacity == 3
+        assert rt.stores[0].slot_layout.expert_bytes == info.expert_bytes  # what each slot holds
+    finally:
+        rt.detach()
+    rt = attach(model, offload="disk", offload_dir=str(tmp_path), **kw)
+    try:
+        assert rt.capacity > 3
+    finally:
+        rt.detach()

@@ -174,11 +174,20 @@ class LiveRuntime:
         prec = config.precision
         two = isinstance(prec, TwoCopies)
         self.link_bytes = link_bytes(prec, structure, self.info.expert_bytes)
+        where = slot_device(model, structure, config.device)
+        # an accelerator dequantizes one quantized copy into slots of the model's dtype (SlotDequantizer):
+        # a capacity in bytes counts what a slot holds
+        accelerated = (
+            device.accelerated if device is not None else Device.accelerates(where, config.device_ops)
+        )
+        dequantized = prec.quantized and not two and accelerated
         E = self.num_experts
         self.capacity = (
             E
             if config.capacity is None
-            else resolve_capacity(config.capacity, E, self.top_k, self.link_bytes)
+            else resolve_capacity(
+                config.capacity, E, self.top_k, self.info.expert_bytes if dequantized else self.link_bytes
+            )
         )
         self.full = self.capacity >= E
         rule = config.rule()
@@ -208,7 +217,6 @@ class LiveRuntime:
         self.step = core.step(self.capacity, stat_base=np.zeros(L, dtype=np.int64), n_stats=L, compiled=True)
         self.cache = self.step.cache
         self.lanes = Lanes.of(self.num_layers)
-        where = slot_device(model, structure, config.device)
         self.device = device or Device.at(where, config.device_ops, link_gbps=_link_gbps(self.cost))
         spec = TierSpec(
             self.capacity, self.device, prec, pinned_budget(config.pinned_mb),
@@ -386,6 +394,12 @@ class LiveRuntime:
         # the next layer's prediction: on an accelerator after this layer's experts are launched, so it
         # runs on the host while their kernels run (the prefetch could not start before it anyway); on
         # the CPU, which computes them synchronously, before them, so that a prefetch's reads overlap them
+        def window() -> None:
+            # the next layer's window opens: its prefetch, or with none (two copies) its upgrades
+            if self.copies is not None and f.pending is None:
+                self.copies.upgrade_ahead(nxt)
+            self._prefetch()
+
         def ahead() -> None:
             if not presched:
                 f.pending = self.prefetcher.next(nxt, f.decode, f.next_scores, self.times)[1]
@@ -393,9 +407,7 @@ class LiveRuntime:
                 # the next layer's prefetch is queued now, behind this layer's demand loads, so its
                 # transfers run while this layer computes (the step's window opens when the link is free,
                 # not after the experts' compute); a CPU set's reads come first, so it waits for them
-                if self.copies is not None and f.pending is None:  # no prefetch: its upgrades
-                    self.copies.upgrade_ahead(nxt)
-                self._prefetch()
+                window()
 
         after_launch = self.device.accelerated
         if not after_launch:
@@ -416,9 +428,7 @@ class LiveRuntime:
         out = self.executor.join(out, to_cpu, cpu_part, uniq, counts, hidden, n)
         f.clock += float(o.layer_t[0])
         if not early:
-            if self.copies is not None and f.pending is None:  # no prefetch: its upgrades
-                self.copies.upgrade_ahead(nxt)
-            self._prefetch()
+            window()
         return out
 
     def _read_layer(

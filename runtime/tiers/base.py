@@ -107,6 +107,11 @@ class Device:
         """No accelerator computes here: the CPU does (synchronously, or walking the simulated streams)."""
         return self.ops is None or not isinstance(self.ops, CudaOps)
 
+    @staticmethod
+    def accelerates(where: torch.device | str, ops: str = "auto") -> bool:
+        """Whether :meth:`at` makes an accelerated device of ``where`` and ``ops`` (CUDA, or simulated)."""
+        return ops == "simulated" or torch.device(where).type == "cuda"
+
     @classmethod
     def at(cls, where: torch.device | str, ops: str = "auto", link_gbps: float | None = None) -> Device:
         """The device at ``where``: ``ops`` auto (CUDA's streams on a CUDA device, else synchronous
