@@ -231,3 +231,42 @@ def test_the_device_path_moves_the_stored_parts_as_one_block_through_staging(tmp
     finally:
         store.close()
         reader.close()
+
+
+def test_one_token_experts_call_is_the_batched_calls_row_bit_for_bit():
+    """A decode step's call (one token: no per-expert search) gives, bit for bit, that token's row of the
+    same call over several tokens (one per-expert search): each expert weighted by its own routing weight,
+    in the same order, and the sentinel id (computed elsewhere) skipped."""
+    torch.manual_seed(0)
+    prec = P.Precision("int4", 32)
+    experts, hidden, inter = 4, 32, 16
+    parts = [
+        (
+            P.quantize_matrix(prec, torch.randn(2 * inter, hidden)),
+            P.quantize_matrix(prec, torch.randn(hidden, inter)),
+        )
+        for _ in range(experts)
+    ]
+    tensors = {f"gate_up_proj.{k}": torch.stack([gu[k] for gu, _ in parts]) for k in parts[0][0]}
+    tensors |= {f"down_proj.{k}": torch.stack([d[k] for _, d in parts]) for k in parts[0][1]}
+
+    class Experts:
+        has_gate, has_bias, has_post_expert_norm = True, False, False
+
+        def _apply_gate(self, h):
+            g, u = h.chunk(2, dim=-1)
+            return torch.nn.functional.silu(g) * u
+
+    from moecast.runtime.tiers.expert_store import SlotView
+
+    view = SlotView(Experts(), tensors, experts, True)
+    x = torch.randn(3, hidden, dtype=torch.bfloat16)
+    ids = torch.tensor([[2, 0, experts], [1, 3, 0], [3, 2, 1]])  # the first row's third pair: the sentinel
+    w = torch.rand(3, 3)
+    batched = P.quantized_experts_forward(prec, view, x, ids, w)
+    for t in range(3):
+        one = P.quantized_experts_forward(prec, view, x[t : t + 1], ids[t : t + 1], w[t : t + 1])
+        assert torch.equal(one[0], batched[t]), t
+    # the weights follow their experts: swapping two of a row's weights changes its output
+    swapped = P.quantized_experts_forward(prec, view, x[:1], ids[:1], w[:1, [1, 0, 2]])
+    assert not torch.equal(swapped[0], batched[0])

@@ -406,8 +406,9 @@ def test_a_quantized_tier_moves_its_own_bytes(tmp_path, fast):
     t_io = 1696 / 3072 = 53/96 ms. Layer times: t0 1.5 + 2 x 53/96 + 0.25, t1 and t2 1.5 + 53/96 + 0.25.
     int4-g32: gate-up's 16 inputs take one group per row (per channel), down's 32 one group of 32:
     512 + 256 weight bytes + bf16 (scale, zero) per row and group (64 x 4 + 16 x 4) = 1088 bytes,
-    t_io = 17/48 ms. A capacity in bytes counts the precision's: 6KB (6144) holds 2 model-dtype experts,
-    3 int8 (5088) and 5 int4 (5440; 6 would be 6528)."""
+    t_io = 17/48 ms. A capacity in bytes counts what a slot holds. Where experts compute on the CPU,
+    the stored copy: 6KB (6144) holds 2 model-dtype experts, 3 int8 (5088) and 5 int4 (5440; 6 would be
+    6528). On a device, a quantized copy is dequantized into a model-dtype slot: 2 at every precision."""
     ts = _trace(tmp_path / "a", ROUTES_A)
     r = _run(ts, fast, "lru", expert_dtype="int8")
     assert r.config["expert_dtype"] == "int8" and r.config["expert_bytes"] == 1696
@@ -416,6 +417,12 @@ def test_a_quantized_tier_moves_its_own_bytes(tmp_path, fast):
     r = _run(ts, fast, "lru", expert_dtype="int4", group_size=32)
     assert r.config["expert_dtype"] == "int4-g32" and r.bytes_moved == 8 * 1088
     assert r.modeled_tpot_ms == pytest.approx((2 * (1.75 + 2 * 17 / 48) + 4 * (1.75 + 17 / 48)) / 3)
-    caps = {dt: _run(ts, fast, "lru", expert_dtype=dt, group_size=32, capacity="6KB").config["capacity"]
-            for dt in ("model", "int8", "int4")}  # fmt: skip
-    assert caps == {"model": 2, "int8": 3, "int4": 5}
+    for fast_tier, want in (("cpu", (2, 3, 5)), ("device", (2, 2, 2))):
+        hw = _profile(1.5, fast_tier=fast_tier)
+        caps = tuple(
+            _run(ts, fast, "lru", expert_dtype=dt, group_size=32, capacity="6KB", hardware=hw).config[
+                "capacity"
+            ]
+            for dt in ("model", "int8", "int4")
+        )
+        assert caps == want, fast_tier

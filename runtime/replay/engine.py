@@ -72,6 +72,7 @@ from moecast.predictors.calibration import calibration_of, fit_on
 from moecast.runtime.core import eviction
 from moecast.runtime.core import spec as core_spec
 from moecast.runtime.core.cache import StaticTable, resolve_capacity
+from moecast.runtime.core.cost_model import HardwareProfile
 from moecast.runtime.core.gate import Calibration, candidate_probability
 from moecast.runtime.core.mixed import Copies, bytes_by_copy, parse_copies
 from moecast.runtime.core.policy import POLICIES as POLICIES  # the presets, where bench looks them up
@@ -324,6 +325,16 @@ def expert_link_bytes(ts: TraceSet, expert_dtype: str, group_size: int) -> int:
     return expert_nbytes(prec, params, transposed=False)
 
 
+def slot_bytes(ts: TraceSet, cfg: ReplayConfig, profile: HardwareProfile, link: int) -> int:
+    """One slot's bytes, which a capacity in bytes divides by: a device fast tier dequantizes one
+    quantized copy into a slot of the model's dtype (as the live runtime's SlotDequantizer does), the
+    CPU keeps the copy the link moved (``link``; two copies: the high one's)."""
+    one_quantized = (
+        cfg.expert_dtype != "model" and parse_copies(cfg.expert_dtype, int(cfg.group_size)) is None
+    )
+    return int(ts.meta.model.expert_bytes) if one_quantized and profile.fast_tier == "device" else link
+
+
 def _low_link_bytes(ts: TraceSet, cfg: ReplayConfig) -> int | None:
     """The low copy's bytes where ``expert_dtype`` names two copies (runtime/core/mixed.py); else None."""
     pair = parse_copies(cfg.expert_dtype, int(cfg.group_size))
@@ -349,7 +360,8 @@ def _prepare(ts: TraceSet, cfg: ReplayConfig, capacities: list[float | str]) -> 
             "score eviction keeps one score window per layer; drop --shared or choose another policy"
         )
     link = expert_link_bytes(ts, cfg.expert_dtype, int(cfg.group_size))
-    caps = np.array([resolve_capacity(c, E, k, link) for c in capacities], dtype=np.int64)
+    slot = slot_bytes(ts, cfg, cfg.profile()[0], link)
+    caps = np.array([resolve_capacity(c, E, k, slot) for c in capacities], dtype=np.int64)
     if len(caps) == 0:
         raise InputError("no capacities to replay")
     pred_name = ("oracle" if spec.prefetches else "none") if cfg.predictor is None else cfg.predictor

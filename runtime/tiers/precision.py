@@ -563,25 +563,36 @@ def quantized_experts_forward(
     weights; the flags come from the module, so every family that uses the interface runs as is.
     """
     tensors = object.__getattribute__(module, "_tensors")
-    num, hidden_dim = int(module.num_experts), hidden_states.shape[-1]
-    up_name = "gate_up_proj" if module.has_gate else "up_proj"
+    num = int(module.num_experts)
     out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
-    ids = top_k_index.reshape(-1)
-    for slot in torch.unique(ids).tolist():
+    if len(hidden_states) == 1:  # a decode step: no per-expert search for its tokens
+        # the loop below's arithmetic in its order (by slot), each part added in place
+        weights = top_k_weights[0].float()
+        for slot, k in sorted(zip(top_k_index[0].tolist(), range(top_k_index.shape[1]))):
+            if slot < num:
+                out.add_(_expert(prec, module, tensors, hidden_states, slot).float() * weights[k])
+        return out.to(hidden_states.dtype)
+    for slot in torch.unique(top_k_index).tolist():
         if slot >= num:
             continue
         token, k = torch.nonzero(top_k_index == slot, as_tuple=True)
-        x = hidden_states[token]
-        h = qlinear(prec, x, expert_parts(tensors, up_name, slot), hidden_dim)
-        if module.has_bias:
-            h = h + tensors[f"{up_name}_bias"][slot]
-        h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
-        y = qlinear(prec, h, expert_parts(tensors, "down_proj", slot), h.shape[-1])
-        if module.has_bias:
-            y = y + tensors["down_proj_bias"][slot]
-        if module.has_post_expert_norm:
-            y = module.post_expert_norm(y)
-        part = y.float() * top_k_weights[token, k, None].float()
-        # one token (a decode step): the same sum, without index_add_'s dispatch (tens of µs a call)
-        out.add_(part) if len(out) == 1 else out.index_add_(0, token, part)
+        part = _expert(prec, module, tensors, hidden_states[token], slot).float()
+        out.index_add_(0, token, part * top_k_weights[token, k, None].float())
     return out.to(hidden_states.dtype)
+
+
+def _expert(
+    prec: Precision, module: Any, tensors: dict[str, torch.Tensor], x: torch.Tensor, slot: int
+) -> torch.Tensor:
+    """Expert ``slot``'s output for the rows ``x`` (before the routing weight), from its stored parts."""
+    up_name = "gate_up_proj" if module.has_gate else "up_proj"
+    h = qlinear(prec, x, expert_parts(tensors, up_name, slot), x.shape[-1])
+    if module.has_bias:
+        h = h + tensors[f"{up_name}_bias"][slot]
+    h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+    y = qlinear(prec, h, expert_parts(tensors, "down_proj", slot), h.shape[-1])
+    if module.has_bias:
+        y = y + tensors["down_proj_bias"][slot]
+    if module.has_post_expert_norm:
+        y = module.post_expert_norm(y)
+    return y
