@@ -5,7 +5,7 @@
 An O_DIRECT read pins the pages of the buffer it reads into; the disk tier's buffers
 (:func:`moecast.runtime.tiers.offload.aligned_bytes`) ask for 2 MB pages (``MADV_HUGEPAGE``). Each
 round measures, in turn, the profile's read-CPU probe
-(:func:`moecast.runtime.profile.measure.read_compute_ms`: CPU time per read of an expert of
+(:func:`moecast.runtime.profile.measure.read_cpu_probe`: CPU time per read of an expert of
 ``--expert-mb`` while the cores compute experts) with the buffers on small pages (the madvise
 skipped) and as the runtime allocates them, and how many reads each finished in its budget. ``--dir``
 is an offload directory (its experts are read) or any folder on the disk to test (a temporary file
@@ -19,7 +19,6 @@ import argparse
 import json
 import platform
 import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -30,7 +29,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def measure(directory: str, expert_bytes: int, rounds: int, budget: float) -> dict[str, list[dict]]:
     """Per page kind, each round's read CPU (ms) and reads per second."""
-    from moecast.runtime.profile.measure import read_compute_ms
+    from moecast.runtime.profile.measure import read_cpu_probe
     from moecast.runtime.tiers import offload
 
     real = offload._huge_pages
@@ -39,14 +38,14 @@ def measure(directory: str, expert_bytes: int, rounds: int, budget: float) -> di
         for r in range(rounds):
             for kind in out:
                 offload._huge_pages = real if kind == "huge pages" else (lambda mm, start, length: None)
-                t0 = time.perf_counter()
-                ms, how = read_compute_ms(directory, expert_bytes, budget_s=budget)
-                reads = int(how.split("CPU time of ")[1].split(" reads")[0])
-                out[kind].append(
-                    {"read_cpu_ms": ms, "reads_per_s": reads / (time.perf_counter() - t0), "how": how}
+                probe = read_cpu_probe(directory, expert_bytes, budget_s=budget)
+                # the reads' rate over the time they were timed (not the probe's set-up)
+                rate = probe.reads / probe.wall_s
+                out[kind].append({"read_cpu_ms": probe.ms, "reads_per_s": rate, "how": probe.how})
+                print(
+                    f"round {r + 1} {kind:<11}: {probe.ms:.3f} ms of CPU per read, {rate:.1f} reads/s",
+                    flush=True,
                 )
-                print(f"round {r + 1} {kind:<11}: {ms:.3f} ms of CPU per read, {out[kind][-1]['reads_per_s']:.1f} reads/s",
-                      flush=True)  # fmt: skip
     finally:
         offload._huge_pages = real
     return out

@@ -858,7 +858,26 @@ def _reading(read: Any, threads: int) -> Iterator[None]:
 def read_compute_ms(
     directory: str | Path, expert_bytes: int, threads: int | None = None, budget_s: float | None = None
 ) -> tuple[float, str]:
-    """(ms per expert of ``expert_bytes``, how): the compute time one expert read takes from the
+    """(ms per expert of ``expert_bytes``, how): :func:`read_cpu_probe`'s estimate and how it was made."""
+    probe = read_cpu_probe(directory, expert_bytes, threads, budget_s)
+    return probe.ms, probe.how
+
+
+@dataclass(frozen=True)
+class ReadProbe:
+    """What :func:`read_cpu_probe` measured: ms of CPU per expert read, the reads timed, the wall time
+    they took (s) and how the estimate was made."""
+
+    ms: float
+    reads: int
+    wall_s: float
+    how: str
+
+
+def read_cpu_probe(
+    directory: str | Path, expert_bytes: int, threads: int | None = None, budget_s: float | None = None
+) -> ReadProbe:
+    """The compute time one expert read of ``expert_bytes`` takes from the
     cores (the profile's ``read_cpu_ms``), measured as CPU time, which other work on the machine
     does not inflate (a wall-clock slowdown of compute beside the reads varied 20-fold between runs
     on a shared 2-core machine).
@@ -894,7 +913,7 @@ def read_compute_ms(
         f"{cost.high * scale:.3g}) plus the machine's interrupts {cost.irq_ms * scale:.3g} ms per read, "
         f"{'settled' if settled else f'the {budget:g} s budget spent'} in {wall:.1f} s; scaled to the profile's expert"
     )
-    return cost.ms * scale, how
+    return ReadProbe(cost.ms * scale, cost.reads, wall, how)
 
 
 def _until_settled(
