@@ -135,6 +135,7 @@ def test_detach_restores_bit_identical_and_no_hooks(family_model):
     rt = attach(model, policy="smoe", capacity=0.25, alpha=0.5)
     assert model.get_experts_implementation() != impl
     assert hooks_of(model) > n_hooks
+    assert rt.step._one.ep is not None  # the step's kernels load at attach, before the first decode step
     decode_logits(model, ids[:1])
     rt.detach()
     assert model.get_experts_implementation() == impl

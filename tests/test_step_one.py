@@ -239,3 +239,21 @@ def test_layer_time_compiled_equals_numpy(t_io, t_g, t_attn, t_rc, shared, reads
     for i, (d, nl, dl, tc, nc) in enumerate(rows):
         got = sk.layer_time(fcost, d, nl, dl, tc, nc, dl if late else 0.0)
         assert np.array_equal(got, (want_t[i], want_link[i]), equal_nan=True), (i, got)
+
+
+def test_warm_loads_the_kernels_of_the_path_a_step_takes(monkeypatch):
+    """The live runtime warms its step at attach: the compiled path's entry points, or the cache's kernels
+    where the step keeps to numpy (a gated prefetch), are loaded then, not in the first decode steps."""
+    from moecast.runtime.core import kernels
+
+    loaded, real_step, real_cache = [], sk.entry_points, kernels.cache_kernels
+    monkeypatch.setattr(sk, "entry_points", lambda: loaded.append("step") or real_step())
+    monkeypatch.setattr(kernels, "cache_kernels", lambda: loaded.append("cache") or real_cache())
+    step = _step(POLICIES["lru"], COSTS["tight"], 2, compiled=True)
+    assert step._one.ep is None
+    step.warm()
+    assert loaded == ["step"] and step._one.ep is not None
+    step = _step(POLICIES["prefetch-gated"], COSTS["tight"], 2, compiled=True)  # its gate keeps it to numpy
+    loaded.clear()
+    step.warm()
+    assert loaded == ["cache"] and step.cache._kc is not None

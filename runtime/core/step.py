@@ -179,6 +179,14 @@ class LayerStep:
         if self.compiled:
             self._one = OneLane(self)
 
+    def warm(self) -> None:
+        """Load the compiled kernels this step's decode path calls: numba compiles them (or reads its
+        cache) at their first call, which would otherwise land in the first decode steps' time."""
+        if self.compiled and self._one.serves:
+            self._one.ep or self._one._load()
+        else:
+            self.cache._kernels()
+
     @property
     def first_window(self) -> float:
         """The prefetch window of a token's first layer: its attention, less the prediction."""

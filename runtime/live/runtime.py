@@ -215,6 +215,7 @@ class LiveRuntime:
         self.cost, self.hardware_from = core.cost, core.hardware_from
         L = self.num_layers
         self.step = core.step(self.capacity, stat_base=np.zeros(L, dtype=np.int64), n_stats=L, compiled=True)
+        self.step.warm()  # at attach, not in the first decode steps
         self.cache = self.step.cache
         self.lanes = Lanes.of(self.num_layers)
         self.device = device or Device.at(where, config.device_ops, link_gbps=_link_gbps(self.cost))
