@@ -58,6 +58,8 @@ CASES = {
     "lfu-prefetch": POLICIES["lfu-prefetch"],
     "presched": dataclasses.replace(POLICIES["presched"], preload="none"),
     "smoe": POLICIES["smoe"].with_alpha(0.5),
+    # the gate's prefetches on the numpy path, the layers compiled, on the same cache and clock
+    "prefetch-gated": POLICIES["prefetch-gated"],
 }
 
 
@@ -84,6 +86,11 @@ def _outcome(o) -> list:
     return [a.tolist() for a in (o.ids, o.uniq, o.counts, o.hit, o.load_ids, o.cpu_ids, o.layer_t, o.link)]
 
 
+def _prob(rng: np.random.Generator, pending: tuple) -> np.ndarray:
+    """The ranked candidates' calibrated probabilities of use (the prefetch gate's)."""
+    return rng.random(pending[1].shape)
+
+
 def _run(policy, cost, k: int, compiled: bool, seed: int) -> list:
     """The live runtime's calls on random routing; every outcome and the state after each call."""
     rng = np.random.default_rng(seed)
@@ -101,7 +108,9 @@ def _run(policy, cost, k: int, compiled: bool, seed: int) -> list:
             if pos == 0 and policy.prefetches and decode[0]:
                 pending = ranked_predictions(rng.random(E).astype(np.float32), k)
             if pending is not None:
-                seen.append(step.prefetch(lane, lane, pending[1], np.array([t])).tolist())
+                seen.append(
+                    step.prefetch(lane, lane, pending[1], np.array([t]), _prob(rng, pending)).tolist()
+                )
                 pending = None
             routed = step.route(lane, lane, ids, probs, decode)
             seen.append(routed.tolist())
@@ -118,7 +127,9 @@ def _run(policy, cost, k: int, compiled: bool, seed: int) -> list:
             seen += [_outcome(o), _state(step)]
             if pending is not None:
                 seen.append(
-                    step.prefetch(np.array([nxt]), np.array([nxt]), pending[1], np.array([t])).tolist()
+                    step.prefetch(
+                        np.array([nxt]), np.array([nxt]), pending[1], np.array([t]), _prob(rng, pending)
+                    ).tolist()
                 )
                 pending = None
             seen.append(_state(step))
@@ -253,7 +264,7 @@ def test_warm_loads_the_kernels_of_the_path_a_step_takes(monkeypatch):
     assert step._one.ep is None
     step.warm()
     assert loaded == ["step"] and step._one.ep is not None
-    step = _step(POLICIES["prefetch-gated"], COSTS["tight"], 2, compiled=True)  # its gate keeps it to numpy
+    step = _step(POLICIES["prefetch-gated"], COSTS["tight"], 2, compiled=True)  # its prefetches: numpy
     loaded.clear()
     step.warm()
-    assert loaded == ["cache"] and step.cache._kc is not None
+    assert loaded == ["step", "cache"] and step.cache._kc is not None

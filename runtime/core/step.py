@@ -60,8 +60,9 @@ slot (``n_dev * t_g`` is ``n_high * t_g(high) + (n_dev - n_high) * t_g(low)``, a
 the low copy's), prefetches in the window take the high copy's ``t_io`` in step 1,
 and link time the window leaves idle reads high copies over resident low ones (upgrades). Under
 the prefetch gate (``policy.gate``, :mod:`moecast.runtime.core.gate`) step 1's late transfer is
-started only where its calibrated probability of use pays for the time it is late. Both run on
-this module's numpy path only; the compiled kernels decline them (:meth:`OneLane.takes`).
+started only where its calibrated probability of use pays for the time it is late. Two copies run
+on this module's numpy path only; under the gate the prefetches do, and the compiled kernels take
+the rest of the step (:meth:`OneLane.takes`).
 
 Prefill (SMoE Sec. 4.1: prefill loads what it needs): a row that is not a decode step is neither
 substituted nor balanced (every miss is loaded; under static, which never loads, on the CPU), and
@@ -138,7 +139,7 @@ class LayerStep:
     decisions, statistics and times); the cost model and the predictor latency are then fixed.
     ``copies``: the slow tier holds two copies of each expert (:mod:`moecast.runtime.core.mixed`):
     ``cost`` is then the high copy's (prefetches, upgrades) and ``copies.low`` a demand read's. A
-    mixed step, or one under the prefetch gate (``policy.gate``), runs this numpy path only.
+    mixed step runs this numpy path only; under the prefetch gate (``policy.gate``) its prefetches do.
     """
 
     cache: ExpertCache
@@ -184,8 +185,8 @@ class LayerStep:
         cache) at their first call, which would otherwise land in the first decode steps' time."""
         if self.compiled and self._one.serves:
             self._one.ep or self._one._load()
-        else:
-            self.cache._kernels()
+        if not (self.compiled and self._one.serves) or self.policy.gate != "none":
+            self.cache._kernels()  # the numpy path's (a gated step's prefetches)
 
     @property
     def first_window(self) -> float:
@@ -630,16 +631,17 @@ class OneLane:
         # SMoE Algorithm 1's band edges as substitute() multiplies them (float32 factors)
         self.hi, self.lo = float(np.float32(1 + pol.alpha)), float(np.float32(1 - pol.alpha))
         self.ep: tuple | None = None
-        # the kernels know one copy and no gate: a mixed or gated step keeps to the numpy path
-        self.serves = step.copies is None and pol.gate == "none"
+        # the kernels know one copy: a mixed step keeps to the numpy path (a gated one its prefetches,
+        # LayerStep.prefetch; its layers and routing run here on the same cache and clock arrays)
+        self.serves = step.copies is None
 
     def _load(self) -> tuple:
         self.ep = (*sk.entry_points(), kernels.substitute_kernels())
         return self.ep
 
     def takes(self, lanes: np.ndarray, ids: np.ndarray, probs: np.ndarray | None, next_use: object) -> bool:
-        """Whether a call is this path's: one lane, one token, no next-use times, a cache per layer,
-        one expert precision and no prefetch gate."""
+        """Whether a call is this path's: one lane, one token, no next-use times, a cache per layer
+        and one expert precision."""
         return (
             self.serves
             and len(lanes) == 1
