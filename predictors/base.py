@@ -225,6 +225,10 @@ class LayerAhead(Predictor):
         """[E] scores of ``layer`` for the last token of ``trace``."""
         return self.score_request(trace)[-1, layer]
 
+    def warm(self) -> None:
+        """Load what the first :meth:`score_at` calls would (compiled kernels); the live runtime calls it
+        at attach, so the first decode steps do not pay for it. Leaves the predictor as it was."""
+
     def learn_last(self, trace: RequestTrace, lr: float) -> float:
         """One online step on the last token of ``trace`` (its routing complete); predictors with
         ``learns_online`` implement it."""

@@ -307,6 +307,21 @@ class LLaPor(LayerAhead):
         ok = llapor_kernel.forward(bags, route, tokens, dense, *packed, raw, present, out)
         return out, ok
 
+    def warm(self) -> None:
+        """A two-token prefill and a decode step through a throwaway stream, each scoring layer 1 from
+        the live runtime's dtypes: :meth:`score_at`'s compiled kernels load now (the stream's arrays
+        keep their types past its window: a test runs one there)."""
+        if self.num_layers < 2:
+            return
+        stream, k = self.stream(), self.top_k
+        stream.reset([0, 0])
+        for n in (2, 1):  # the prefill's rows, then one decode step's
+            rows = min(n, stream.gate_rows)
+            gate = np.zeros((rows, self.gate_width), np.float32) if rows else None
+            stream.observe(0, np.zeros((n, k), np.int64), np.full((n, k), 1.0 / k, np.float32), gate)
+            stream.predict_next(1)
+            stream.end_token(0)
+
     def score_at(self, trace: RequestTrace, layer: int) -> np.ndarray:
         """[E] scores of layer ``layer`` for the last token of ``trace``: the runtime's per-layer
         call, ``score_layer(layer, features_at(trace, layer))[0]`` with the gate inputs' PCA

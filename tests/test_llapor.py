@@ -812,3 +812,39 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_no_run_behind(tmp_p
     with pytest.raises(Exception, match="gate_inputs"):
         train([*args, "--data.gate_pca", "true", "--resume", "never", "--train.progress_bar", "false"])
     assert (kept / "last.ckpt").is_file()
+
+
+def test_warm_compiles_what_the_live_stream_calls_and_changes_nothing(tmp_path):
+    """LLaPor.warm (the live runtime calls it at attach) loads the kernels score_at calls: a stream
+    then run as the live runtime feeds it, past its window, compiles no new specialization, and the
+    predictor's scores are those of a predictor never warmed."""
+    from moecast.predictors import llapor_kernel
+
+    path = make_synthetic_traceset(tmp_path / "w", num_requests=8, num_layers=3, num_experts=8, hidden=16)
+    module, dm = _fit(path, epochs=1, context_gate=2, pca_io=6, pca_middle=6)
+    ckpt = module.export(tmp_path / "w.safetensors", dm, {})
+    cold, pred = load(ckpt), load(ckpt)
+    pred.warm()
+    kernels = [f for f in vars(llapor_kernel).values() if hasattr(f, "signatures")]
+    after_warm = {f: set(f.signatures) for f in kernels}
+    assert any(after_warm.values())
+    trace = TraceSet(path).get(dm.val_ids[0])
+    streams = [p.stream() for p in (cold, pred)]
+    rng = np.random.default_rng(0)
+    for s in streams:
+        s.reset(trace.token_ids[:3])
+    for step in range(pred.window + 4):
+        n = 3 if step == 0 else 1
+        ids = rng.integers(0, 8, (n, pred.top_k))
+        w = rng.random((n, pred.top_k)).astype(np.float32)
+        gate = rng.standard_normal((min(n, streams[0].gate_rows), 16)).astype(np.float32)
+        for layer in range(3):
+            got = []
+            for s in streams:
+                s.observe(layer, ids, w, gate)
+                if layer < 2:
+                    got.append(s.predict_next(layer + 1))
+            assert not got or np.array_equal(got[0], got[1])
+        for s in streams:
+            s.end_token(int(step))
+    assert {f: set(f.signatures) for f in kernels} == after_warm

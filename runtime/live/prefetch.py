@@ -14,7 +14,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from moecast.predictors.base import BatchScorer, HotTable, LayerStream, PromptPlanner, StreamingPredictor
+from moecast.predictors.base import (
+    BatchScorer,
+    HotTable,
+    LayerAhead,
+    LayerStream,
+    PromptPlanner,
+    StreamingPredictor,
+)
 from moecast.predictors.calibration import Calibration, calibration_of
 from moecast.runtime.core.gate import layer_probability
 from moecast.runtime.core.policy import Policy
@@ -45,12 +52,18 @@ class Prefetcher:
         # under the prefetch gate: the checkpoint's calibration, which prices each candidate (gate_calibration)
         self.calibration = calibration
         self.num_layers, self.num_experts, self.top_k = len(structure.layers), num_experts, top_k
-        self.stream: LayerStream | None = (
-            predictor.stream() if mode == "predictor" and isinstance(predictor, StreamingPredictor) else None
-        )
+        streams = mode == "predictor" and isinstance(predictor, StreamingPredictor)
+        self._predictor = predictor if streams else None
+        self.stream: LayerStream | None = predictor.stream() if streams else None
         # the step's last gate_rows gate inputs go to the stream with each layer's routing
         self.gate_rows = self.stream.gate_rows if self.stream is not None else 0
         self.streaming = False
+
+    def warm(self) -> None:
+        """The layer-ahead predictor's :meth:`~moecast.predictors.base.LayerAhead.warm` (its compiled
+        kernels loaded now, at attach, not in the first decode steps)."""
+        if isinstance(self._predictor, LayerAhead):
+            self._predictor.warm()
 
     def begin(self, decode: bool, ids: torch.Tensor | None) -> bool:
         """A forward starts; returns whether the stream observes it."""

@@ -201,6 +201,7 @@ class LiveRuntime:
         mode = choose_prefetch(config.prefetch, rule, predictor, table)
         cal = gate_calibration(rule, mode, predictor)
         self.prefetcher = Prefetcher(mode, predictor, structure, E, self.top_k, self.full, cal)
+        self.prefetcher.warm()
         if config.online_update and not isinstance(self.prefetcher.stream, OnlineStream):
             raise InputError(
                 "online_update needs a layer-ahead predictor with an update step (LLaPor) to prefetch"
