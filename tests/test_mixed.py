@@ -303,9 +303,9 @@ def test_equal_copies_reproduce_one_precision(tmp_path, policy, kw):
 
 
 def test_mixed_and_gated_runs_refuse_the_fast_and_compiled_paths(tmp_path, monkeypatch):
-    """The batch-1 engines know one copy and no gate, the compiled one-lane kernels one copy and no
-    gated prefetch: a mixed or gated run must not reach them where they would drop the copies or the
-    gate silently (a gated step's layers run compiled, its prefetches on the numpy path)."""
+    """The batch-1 engines know one copy and no gate, the compiled one-lane kernels one copy: a mixed
+    or gated run must not reach what would drop the copies or the gate silently (the kernels take a
+    gated step of one copy, with the numpy path's figures)."""
     path = make_synthetic_traceset(tmp_path / "s", num_experts=8, top_k=2)
 
     def boom(*a, **k):
@@ -317,12 +317,13 @@ def test_mixed_and_gated_runs_refuse_the_fast_and_compiled_paths(tmp_path, monke
         for policy, dtype in (("lru", "mixed"), ("prefetch", "mixed"), ("prefetch-late", "int8+int4"),
                               ("prefetch-gated", "model"), ("prefetch-gated", "mixed")):  # fmt: skip
             replay(path, ReplayConfig(policy=policy, capacity=4, expert_dtype=dtype))
-    # the compiled step: its kernels decline two copies, never prefetch under the gate, and the step
-    # gives the numpy path's figures
+    # the compiled step: its kernels decline two copies, take the gate with one, and the step gives the
+    # numpy path's figures
     for pol, copies in (("prefetch-late", COPIES), ("prefetch-gated", None)):
         steps = [_step(pol, compiled=c, copies=copies) for c in (True, False)]
         assert steps[0]._one.takes(ONE, np.zeros((1, 1, 2), np.int64), None, None) == (copies is None)
-        monkeypatch.setattr(steps[0]._one, "prefetch", boom)
+        if copies is not None:
+            monkeypatch.setattr(steps[0]._one, "prefetch", boom)
         for s in steps:
             for t, (ids, pred) in enumerate(([[0, 1], [2, 3]], [[2, 4], [4, 5]], [[4, 5], [6, 0]])):
                 _prefetch(s, pred, t, free=1.6, prob=[0.9, 0.7])

@@ -157,6 +157,8 @@ def test_compiled_one_lane_step_equals_the_vectorised_step(case, cost, k):
     assert (st["pf_landed"] > 0) == (policy.prefetches and cost != "no link")
     if case == "presched" and cost == "tight":
         assert st["pf_started"] > st["pf_landed"]  # a late one delays the next layer's loads
+    if case == "prefetch-gated" and cost == "tight":  # the gate refuses late ones and starts others
+        assert st["pf_refused"] > 0 and st["pf_started"] > st["pf_refused"]
 
 
 def test_compiled_step_refuses_out_of_range_ids():

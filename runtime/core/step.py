@@ -61,8 +61,8 @@ the low copy's), prefetches in the window take the high copy's ``t_io`` in step 
 and link time the window leaves idle reads high copies over resident low ones (upgrades). Under
 the prefetch gate (``policy.gate``, :mod:`moecast.runtime.core.gate`) step 1's late transfer is
 started only where its calibrated probability of use pays for the time it is late. Two copies run
-on this module's numpy path only; under the gate the prefetches do, and the compiled kernels take
-the rest of the step (:meth:`OneLane.takes`).
+on this module's numpy path only; the compiled kernels decline them (:meth:`OneLane.takes`) and take
+the gate with one copy.
 
 Prefill (SMoE Sec. 4.1: prefill loads what it needs): a row that is not a decode step is neither
 substituted nor balanced (every miss is loaded; under static, which never loads, on the CPU), and
@@ -139,7 +139,7 @@ class LayerStep:
     decisions, statistics and times); the cost model and the predictor latency are then fixed.
     ``copies``: the slow tier holds two copies of each expert (:mod:`moecast.runtime.core.mixed`):
     ``cost`` is then the high copy's (prefetches, upgrades) and ``copies.low`` a demand read's. A
-    mixed step runs this numpy path only; under the prefetch gate (``policy.gate``) its prefetches do.
+    mixed step runs this numpy path only (the prefetch gate, ``policy.gate``, with one copy: both).
     """
 
     cache: ExpertCache
@@ -218,10 +218,16 @@ class LayerStep:
         items). The predicted ones are shielded: a prefetch never evicts another predicted expert.
         ``prob`` [n, M]: their calibrated probability of use (the prefetch gate's, needed under it).
         """
-        if self.copies is not None or self.policy.gate != "none":
+        gate = self.policy.gate != "none"
+        if gate and prob is None:
+            raise InputError(
+                f"policy {self.policy.name!r} gates its prefetches on calibrated probabilities, which this "
+                "caller did not give (the replay calibrates them on val); use prefetch-late"
+            )
+        if self.copies is None and self.compiled and len(lanes) == 1 and not self.shared:
+            return self._one.prefetch(lanes, layer, ranked, t, prob)
+        if self.copies is not None or gate:
             return self._prefetch_copies(lanes, layer, ranked, t, prob)
-        if self.compiled and len(lanes) == 1 and not self.shared:
-            return self._one.prefetch(lanes, layer, ranked, t)
         cache, clock = self.cache, self.clock
         nonres = (ranked >= 0) & ~cache.lookup(lanes, ranked)
         cand = _compact(np.where(nonres, ranked, -1))
@@ -249,11 +255,6 @@ class LayerStep:
         """:meth:`prefetch` over two copies and / or under the gate (:func:`mixed.plan_prefetch`),
         then the upgrades in the window's idle link time."""
         gate = self.policy.gate != "none"
-        if gate and prob is None:
-            raise InputError(
-                f"policy {self.policy.name!r} gates its prefetches on calibrated probabilities, which this "
-                "caller did not give (the replay calibrates them on val); use prefetch-late"
-            )
         cache, clock = self.cache, self.clock
         nonres = (ranked >= 0) & ~cache.lookup(lanes, ranked)
         order = np.argsort(~nonres, axis=1, kind="stable")
@@ -592,6 +593,7 @@ class LayerStep:
 
 
 _NO_IDS = np.zeros(0, np.int64)
+_NO_PROB = np.zeros(0, np.float64)
 _NO_PROBS = np.zeros(1, np.float32)
 
 
@@ -631,9 +633,9 @@ class OneLane:
         # SMoE Algorithm 1's band edges as substitute() multiplies them (float32 factors)
         self.hi, self.lo = float(np.float32(1 + pol.alpha)), float(np.float32(1 - pol.alpha))
         self.ep: tuple | None = None
-        # the kernels know one copy: a mixed step keeps to the numpy path (a gated one its prefetches,
-        # LayerStep.prefetch; its layers and routing run here on the same cache and clock arrays)
+        # the kernels know one copy: a mixed step keeps to the numpy path
         self.serves = step.copies is None
+        self.gated = pol.gate != "none"  # its prefetches' late one starts only where it pays
 
     def _load(self) -> tuple:
         self.ep = (*sk.entry_points(), kernels.substitute_kernels())
@@ -758,9 +760,14 @@ class OneLane:
         return int(dec.n_load[0])
 
     def prefetch(
-        self, lanes: np.ndarray, layer: np.ndarray, ranked: np.ndarray, t: int | np.ndarray
+        self,
+        lanes: np.ndarray,
+        layer: np.ndarray,
+        ranked: np.ndarray,
+        t: int | np.ndarray,
+        prob: np.ndarray | None = None,
     ) -> np.ndarray:
-        """LayerStep.prefetch for one lane."""
+        """LayerStep.prefetch for one lane (``prob``: the candidates' P(used), under the gate)."""
         step = self.step
         cache, clock = step.cache, step.clock
         ep = self.ep or self._load()
@@ -771,7 +778,8 @@ class OneLane:
             cache._res, cache._last, cache._freq, cache._pf, cache._nu_k, cache._score_k, cache._count, lane,
             int(step.stat_base[lane] + layer[0]), cache._caps[lane], _time(t), row, self.code, cache._shift,
             self.landing_rule, self.fcost, clock.free, clock.delay, clock.rc, clock.pf_n,
-            step.r_landed, step.table, out, self.counters,
+            step.r_landed, step.table, out, self.counters, self.gated,
+            np.ascontiguousarray(prob[0], np.float64) if self.gated else _NO_PROB,
         )  # fmt: skip
         if bad:
             cache._bad_ids(lane, row)

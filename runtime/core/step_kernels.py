@@ -45,7 +45,7 @@ STATS = (
     # two expert copies and the prefetch gate (runtime/core/mixed.py, gate.py; the numpy path only)
     "pf_low",  # prefetches started at the low copy
     "pf_used_low",  # of the prefetched experts used, those at the low copy
-    "pf_refused",  # late prefetches the gate did not start
+    "pf_refused",  # late prefetches the gate did not start (one copy: the kernels too)
     "upgrades",  # high copies read over resident low ones in idle link time
     "low_uses",  # routed uses computed at the low copy
     # over the steps a TPOT covers (decode steps; every row where none is marked prefill)
@@ -54,6 +54,7 @@ STATS = (
 )
 USES, HITS, LOADS, CPU, SUBS, PF_ISSUED, PF_LANDED, PF_STARTED, PF_USED, PF_INSERTED, _, TIME = range(12)
 DEC_USES, DEC_HITS = STATS.index("dec_uses"), STATS.index("dec_hits")
+PF_REFUSED = STATS.index("pf_refused")
 #: balancer codes of the kernels (Policy.balancer -> code)
 BALANCER_CODE = {"none": 0, "smoe": 1, "presched": 2, "cpu": 3}
 STATIC, SCORE = kernels.STATIC, kernels.SCORE
@@ -370,24 +371,37 @@ def layer_time(fcost, n_dev, n_load, delay, t_cpu, n_cpu, stall):
 @njit(cache=True, nogil=True)
 def prefetch_one(
     res, last, freq, pf, nu, score, count, lane, slot, cap, t, ranked, policy, shift, rule,
-    fcost, free, delay, rc, pf_n, r_landed, stats, out, counters,
+    fcost, free, delay, rc, pf_n, r_landed, stats, out, counters, gate, prob,
 ):  # fmt: skip
     """LayerStep.prefetch for one lane: ``ranked`` [M] the predicted experts best first (-1
     padded); the inserted ones into ``out`` [M] (-1 elsewhere). Returns -1 for an id out of range
-    (nothing changed), else 0."""
+    (nothing changed), else 0. ``gate``: the late prefetch starts only where its calibrated
+    probability of use (``prob`` [M], ``ranked``'s) times the demand read it spares exceeds the time
+    it is late (gate.pays; mixed.plan_prefetch's rule for one copy)."""
     M = ranked.shape[0]
     N = res.shape[1] - 1
     for i in range(M):
         if ranked[i] >= N:
             return -1
     cand = np.full(M, -1, np.int64)
+    p_cand = np.zeros(M, np.float64)
     n_cand = 0
     for i in range(M):
         e = ranked[i]
         if e >= 0 and not res[lane, e]:
             cand[n_cand] = e
+            if gate:
+                p_cand[n_cand] = prob[i]
             n_cand += 1
-    want, landed, started, d = landing(n_cand, pf_n[lane], free[lane], fcost[T_IO], rule)
+    t_io = fcost[T_IO]
+    want, landed, started, d = landing(n_cand, pf_n[lane], free[lane], t_io, rule)
+    if gate and rule == LATE and np.isfinite(t_io) and t_io > 0:
+        fit = np.int64(max(np.floor(free[lane] / t_io + 1e-9), 0.0))
+        if landed > fit and not p_cand[landed - 1] * t_io - d > 0.0:  # the late one does not pay
+            landed -= 1
+            started -= 1
+            d = 0.0
+            stats[PF_REFUSED, slot] += 1
     delay[lane] = d
     rc[lane] = np.float64(started) * fcost[T_RC]
     row = np.full(M, -1, np.int64)
@@ -496,6 +510,6 @@ def entry_points() -> tuple:
         ep(finish_one, *_CACHE, *ring, _int, _int, _int, _int, _int, _f1a, _int, _int, _f1, _f1, _i1, _f2,
            _int, _bool, _bool, _i2, _b1, _f1, _i1, _a(types.float64, 1, "A")),
         ep(prefetch_one, *_CACHE, _int, _int, _int, _int, ids_a, _int, _int, _int, _f1, _f1, _f1, _f1, _i1,
-           _f1, _f2, _i1, _i1),
+           _f1, _f2, _i1, _i1, _bool, _f1),
         ep(rank_one, _f1a, _int, _i1, _i1),
     )  # fmt: skip
