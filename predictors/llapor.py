@@ -308,18 +308,18 @@ class LLaPor(LayerAhead):
         return out, ok
 
     def warm(self) -> None:
-        """A two-token prefill and a decode step through a throwaway stream, each scoring layer 1 from
-        the live runtime's dtypes: :meth:`score_at`'s compiled kernels load now (the stream's arrays
-        keep their types past its window: a test runs one there)."""
-        if self.num_layers < 2:
-            return
+        """A two-token prefill and a decode step through a throwaway stream, scoring every layer from
+        the live runtime's dtypes: each layer's folded matrices are built (:meth:`_row_args`, on first
+        use) and :meth:`score_at`'s compiled kernels load now (the stream's arrays keep their types
+        past its window: a test runs one there)."""
         stream, k = self.stream(), self.top_k
         stream.reset([0, 0])
         for n in (2, 1):  # the prefill's rows, then one decode step's
             rows = min(n, stream.gate_rows)
             gate = np.zeros((rows, self.gate_width), np.float32) if rows else None
-            stream.observe(0, np.zeros((n, k), np.int64), np.full((n, k), 1.0 / k, np.float32), gate)
-            stream.predict_next(1)
+            for layer in range(self.num_layers - 1):
+                stream.observe(layer, np.zeros((n, k), np.int64), np.full((n, k), 1.0 / k, np.float32), gate)
+                stream.predict_next(layer + 1)
             stream.end_token(0)
 
     def score_at(self, trace: RequestTrace, layer: int) -> np.ndarray:

@@ -815,9 +815,9 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_no_run_behind(tmp_p
 
 
 def test_warm_compiles_what_the_live_stream_calls_and_changes_nothing(tmp_path):
-    """LLaPor.warm (the live runtime calls it at attach) loads the kernels score_at calls: a stream
-    then run as the live runtime feeds it, past its window, compiles no new specialization, and the
-    predictor's scores are those of a predictor never warmed."""
+    """LLaPor.warm (the live runtime calls it at attach) builds each layer's folded matrices and loads
+    the kernels score_at calls: a stream then run as the live runtime feeds it, past its window,
+    compiles no new specialization, and the predictor's scores are those of a predictor never warmed."""
     from moecast.predictors import llapor_kernel
 
     path = make_synthetic_traceset(tmp_path / "w", num_requests=8, num_layers=3, num_experts=8, hidden=16)
@@ -825,6 +825,8 @@ def test_warm_compiles_what_the_live_stream_calls_and_changes_nothing(tmp_path):
     ckpt = module.export(tmp_path / "w.safetensors", dm, {})
     cold, pred = load(ckpt), load(ckpt)
     pred.warm()
+    # every predicted layer's folded matrices are built (score_at builds them at a layer's first call)
+    assert all(pred._layer_weights(layer).get("row_args") is not None for layer in (1, 2))
     kernels = [f for f in vars(llapor_kernel).values() if hasattr(f, "signatures")]
     after_warm = {f: set(f.signatures) for f in kernels}
     assert any(after_warm.values())
