@@ -565,6 +565,11 @@ class LayerSubsetPredictor(LayerAhead):
             out.topk_weights[:, :L] = trace.topk_weights
         return out
 
+    def warm(self) -> None:
+        """The checkpoint's own :meth:`~moecast.predictors.base.LayerAhead.warm` (all its layers)."""
+        if isinstance(self.inner, LayerAhead):
+            self.inner.warm()
+
     def score_at(self, trace: Any, layer: int) -> np.ndarray:
         t = self._full(trace, reuse=True)
         if isinstance(self.inner, LayerAhead):

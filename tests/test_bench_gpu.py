@@ -304,6 +304,11 @@ def test_ds_predictor_adapter_pads_the_layers_and_maps_the_tokens_back():
     running = RequestTrace("r", "w", "", "", np.array([12345, 999, 12345, 999, 12345]), [""] * 5,
                            np.ones(5, bool), ids5, w5, None, None)  # fmt: skip
     assert np.array_equal(stream.predict_next(2), inner.score_at(running, 2))
+    # the live runtime warms the adapter at attach: the checkpoint warms itself
+    warmed = []
+    inner.warm = lambda: warmed.append(True)
+    ad.warm()
+    assert warmed == [True]
 
 
 def test_window_takes_the_steps_after_the_warm_up():
