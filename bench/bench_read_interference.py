@@ -197,12 +197,6 @@ def report(args: argparse.Namespace, got: dict[str, Any], argv: list[str]) -> tu
     return "\n".join(lines) + "\n", {"summary": summary, "read_gbps": rate, **got}
 
 
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     default_dir = Path.home() / ".cache" / "moecast" / "bench_tiers" / "lite-L26" / "experts"
@@ -239,8 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     host = platform.node() or "host"
-    _write(out / f"read-interference-{host}.md", text)
-    _write(out / f"read-interference-{host}.json", json.dumps(data, indent=1) + "\n")
+    from moecast.collect.traceset import atomic_write_bytes
+
+    atomic_write_bytes(out / f"read-interference-{host}.md", text.encode())
+    atomic_write_bytes(out / f"read-interference-{host}.json", (json.dumps(data, indent=1) + "\n").encode())
     return 0
 
 

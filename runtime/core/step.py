@@ -185,8 +185,8 @@ class LayerStep:
         cache) at their first call, which would otherwise land in the first decode steps' time."""
         if self.compiled and self._one.serves:
             self._one.ep or self._one._load()
-        if not (self.compiled and self._one.serves) or self.policy.gate != "none":
-            self.cache._kernels()  # the numpy path's (a gated step's prefetches)
+        else:  # the numpy path's (two copies)
+            self.cache._kernels()
 
     @property
     def first_window(self) -> float:

@@ -384,7 +384,7 @@ def prefetch_one(
         if ranked[i] >= N:
             return -1
     cand = np.full(M, -1, np.int64)
-    p_cand = np.zeros(M, np.float64)
+    p_cand = np.zeros(M if gate else 0, np.float64)
     n_cand = 0
     for i in range(M):
         e = ranked[i]
@@ -393,15 +393,13 @@ def prefetch_one(
             if gate:
                 p_cand[n_cand] = prob[i]
             n_cand += 1
-    t_io = fcost[T_IO]
-    want, landed, started, d = landing(n_cand, pf_n[lane], free[lane], t_io, rule)
-    if gate and rule == LATE and np.isfinite(t_io) and t_io > 0:
-        fit = np.int64(max(np.floor(free[lane] / t_io + 1e-9), 0.0))
-        if landed > fit and not p_cand[landed - 1] * t_io - d > 0.0:  # the late one does not pay
-            landed -= 1
-            started -= 1
-            d = 0.0
-            stats[PF_REFUSED, slot] += 1
+    want, landed, started, d, fit = landing(n_cand, pf_n[lane], free[lane], fcost[T_IO], rule)
+    # a late one (LATE: it lands past the window) that does not pay
+    if gate and rule == LATE and landed > fit and not p_cand[landed - 1] * fcost[T_IO] - d > 0.0:
+        landed -= 1
+        started -= 1
+        d = 0.0
+        stats[PF_REFUSED, slot] += 1
     delay[lane] = d
     rc[lane] = np.float64(started) * fcost[T_RC]
     row = np.full(M, -1, np.int64)
@@ -429,7 +427,8 @@ def prefetch_one(
 
 @njit(cache=True, nogil=True)
 def landing(n_cand, pf_n, free, t_io, rule):
-    """step.landing for one row (``rule``: IN_WINDOW, PRESCHED_ONE or LATE): (asked, landed, started, delay)."""
+    """step.landing for one row (``rule``: IN_WINDOW, PRESCHED_ONE or LATE): (asked, landed, started,
+    delay, the transfers the window fits)."""
     want = min(pf_n, n_cand) if pf_n >= 0 else n_cand
     if np.isinf(t_io):
         fit = 0
@@ -441,14 +440,14 @@ def landing(n_cand, pf_n, free, t_io, rule):
     if rule == LATE and finite and t_io > 0:
         landed = min(want, fit + 1)
         d = _max(np.float64(landed) * t_io - free if landed > fit else 0.0, 0.0)
-        return landed, landed, landed, d
+        return landed, landed, landed, d, fit
     if not (pf_n >= 0 and rule == PRESCHED_ONE):
         want = min(want, fit)
     landed = min(want, fit)
     started = min(want, landed + 1) if finite else 0
     late = want > landed and finite and t_io > 0
     d = _max(np.float64(landed + 1) * t_io - free if late else 0.0, 0.0)
-    return want, landed, started, d
+    return want, landed, started, d, fit
 
 
 @njit(cache=True, nogil=True)

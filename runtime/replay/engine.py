@@ -360,10 +360,6 @@ def _prepare(ts: TraceSet, cfg: ReplayConfig, capacities: list[float | str]) -> 
             "score eviction keeps one score window per layer; drop --shared or choose another policy"
         )
     link = expert_link_bytes(ts, cfg.expert_dtype, int(cfg.group_size))
-    slot = slot_bytes(ts, cfg, cfg.profile()[0], link)
-    caps = np.array([resolve_capacity(c, E, k, slot) for c in capacities], dtype=np.int64)
-    if len(caps) == 0:
-        raise InputError("no capacities to replay")
     pred_name = ("oracle" if spec.prefetches else "none") if cfg.predictor is None else cfg.predictor
     predictor, planner = _predictors(ts, cfg, spec, pred_name)
     if predictor is not None and not isinstance(pred_name, str):
@@ -372,6 +368,10 @@ def _prepare(ts: TraceSet, cfg: ReplayConfig, capacities: list[float | str]) -> 
         cfg, num_experts=E, num_layers=m.num_layers, expert_bytes=m.expert_bytes, link_bytes=link,
         low_link_bytes=_low_link_bytes(ts, cfg), predictor=predictor, prefetching=predictor is not None or planner is not None, policy=spec,
     )  # fmt: skip
+    slot = slot_bytes(ts, cfg, core.profile, link)
+    caps = np.array([resolve_capacity(c, E, k, slot) for c in capacities], dtype=np.int64)
+    if len(caps) == 0:
+        raise InputError("no capacities to replay")
     d = _data(ts, rids, need_probs=spec.eviction == "score" or spec.substituting)
     hot, hot_from = None, None
     if spec.eviction == "static" or spec.preload == "hot":
