@@ -14,7 +14,7 @@ Rows, at each capacity (share of each layer's experts resident in RAM), run unde
 measured here at the start (CPU expert time, non-expert time per layer, predictor latency, the disk's
 direct-read bandwidth as the link) calibrated at that capacity, just before each round of rows, on a
 live LRU run of another held-out request (runtime.profile.calibrate, as `moecast profile --calibrate`
-does before a user's run), and measured side by side (:data:`MEASURED_RULE`: request by request,
+does before a user's run; the link the median disk rate of the calibrations run so far), and measured side by side (:data:`MEASURED_RULE`: request by request,
 every row on each request in turn, each request from a cold start). Each row has measured TPOT (mean
 wall time of every decode step; the same teacher-forced tokens everywhere, after a one-token
 prompt), modeled TPOT (runtime.replay of the same routing, each request under the profile its run
@@ -706,13 +706,26 @@ def live_rows(t: Tiers, report: Any, capacity: float) -> list[Row]:
     return rows
 
 
-def calibrate_round(t: Tiers, capacity: float, i: int, done: list[dict], precision: str = "model") -> Any:
+def calibrate_round(
+    t: Tiers,
+    capacity: float,
+    i: int,
+    done: list[dict],
+    precision: str = "model",
+    disk: list[float] | None = None,
+) -> Any:
     """The profile round ``i``'s rows at ``capacity`` run under: the probe's, calibrated
     (moecast.runtime.profile.measure.calibrate) on a live LRU run at ``capacity`` of one of the held-out
     requests static's table is counted on (no row measures them), just before the round's first row at
     ``precision``, as `moecast profile --calibrate` does before a user's run, so the calibration sees
     the disk the rows see; the probe's where there is nothing to calibrate on, or the calibration failed (kept in
-    ``done``, which collects each round's run)."""
+    ``done``, which collects each round's run, its profile as calibrated).
+
+    ``disk``: the disk rates every calibration at this capacity saw so far, every precision's (this
+    one's is added). The disk is one, whatever precision a run reads, so the profile takes their
+    median: a calibration that ran in a slow spell (right after the model dtype's rows read tens of
+    GB, the disk read at 0.96 GB/s, and the next rows at 1.3-1.5) does not set its precision's link
+    alone. Only calibrations run before the rows count, so the profile stays one known ahead."""
     from moecast.runtime.profile.measure import calibrate
 
     cal, prof = t.hot_routing, t.probe(precision)
@@ -732,7 +745,11 @@ def calibrate_round(t: Tiers, capacity: float, i: int, done: list[dict], precisi
         return prof
     got = replace(got, name=f"{got.name}-{int(capacity * 100)}{_suffix(precision)}-r{i + 1}")
     done.append({"stats": st, "profile": got})
-    return got
+    if disk is None:
+        return got
+    disk.append(got.transfer_gbps)
+    rate = float(np.median(disk))
+    return replace(got, transfer_gbps=rate, disk_read_gbps=rate)
 
 
 def two_copies_profile(profs: dict[str, Any], precision: str) -> Any:
@@ -795,6 +812,7 @@ def measure_rows(t: Tiers, report: Any, capacity: float, rows: list[Row], calibr
     # two copies compute at both precisions: each copy calibrates on a run of its own
     singles = list(dict.fromkeys(q for p in precisions for q in copy_tags(p)))
     done: dict[str, list[dict]] = {p: [] for p in singles}
+    disk: list[float] = []  # the disk rates the calibrations saw, in order (calibrate_round)
     for i in range(len(t.requests)):
         profs: dict[str, Any] = {}
 
@@ -802,7 +820,7 @@ def measure_rows(t: Tiers, report: Any, capacity: float, rows: list[Row], calibr
             # each precision calibrates just before its first row of the round, so that it sees the
             # disk as its rows do (a read-heavy row before it leaves the disk slower for a while)
             for q in (q for q in copy_tags(p) if q not in profs):
-                profs[q] = calibrate_round(t, capacity, i, done[q], q) if calibrate else t.probe(q)
+                profs[q] = calibrate_round(t, capacity, i, done[q], q, disk) if calibrate else t.probe(q)
             if p not in profs:
                 profs[p] = two_copies_profile(profs, p)
             return profs[p]
@@ -1173,8 +1191,9 @@ def markdown(report: Any, rows: list[dict], args: argparse.Namespace, t: Tiers |
                                                if k in prof))  # fmt: skip
     for cal in (r for r in report.rows if r.get("config") == "calibration" and r["status"] == "ok"):
         rounds = cal.get("rounds") or {}
-        lines.append(f"- calibrated at {cal['model']} before each round (LRU on another held-out request; round by round, "
-                     "then all rounds pooled): " + ", ".join(
+        lines.append(f"- calibrated at {cal['model']} before each round (LRU on another held-out request; as each "
+                     "calibration saw it, round by round, then all rounds pooled; the rows' link: the median disk rate of "
+                     "the calibrations so far): " + ", ".join(
             f"{k} {' / '.join(bench_gpu._fmt(v, 4) for v in rounds.get(k, []))} ({bench_gpu._fmt(cal[k], 4)})"
             for k in ("transfer_gbps", "gpu_expert_ms", "attn_ms", "step_ms") if k in cal))  # fmt: skip
     lines.append("- modeled: each request replayed under the profile its run ran under (its round's calibration "
@@ -1274,7 +1293,9 @@ def rows(quick: bool, ds_checkpoint: Path | None = None) -> list[dict]:
 MEASURED_RULE = (
     "measured side by side: at each capacity, round r runs every moecast row on request r, each precision's "
     "rows under a profile calibrated on a held-out request no row measures just before that precision's first "
-    "row, so a drift of the disk's rate reaches the calibration and its rows alike; the baselines run after every "
+    "row, so a drift of the disk's rate reaches the calibration and its rows alike, its disk rate the median of "
+    "those every calibration at the capacity saw so far (one slow spell does not set a precision's link); the "
+    "baselines run after every "
     "capacity's moecast rows, in rounds of their own (their reads, up to 190 GB, leave the disk slower for "
     "a while); each run is a fresh attach (a baseline: a fresh process, its page cache dropped), so every "
     "request starts cold, as the replay's requests do (cold)"

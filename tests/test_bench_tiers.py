@@ -345,6 +345,39 @@ def test_a_difference_inside_the_hosts_spread_is_a_tie():
                    "lru int4-g128": None, "llapor prefetch-late int4-g128": "tie", "page cache": None}  # fmt: skip
 
 
+def test_a_calibration_runs_at_the_median_disk_rate_of_the_calibrations_so_far(monkeypatch):
+    """Three calibrations see the disk at 1.6, 0.96 (a slow spell), then 1.5 GB/s: the profiles
+    returned take 1.6, median(1.6, 0.96) = 1.28 and median(1.6, 0.96, 1.5) = 1.5, their other rates
+    their own; each calibration's record keeps the rate it saw, and without ``disk`` it runs at its own."""
+    import bench_gpu
+    import bench_tiers
+    from moecast.runtime.profile import measure
+
+    seen = iter([1.6, 0.96, 1.5, 0.7])
+    monkeypatch.setattr(bench_gpu, "log", lambda *a, **k: None)
+    monkeypatch.setattr(bench_tiers, "live_run", lambda *a, **k: {"stats": {"gbps": next(seen)}})
+    monkeypatch.setattr(
+        measure, "calibrate",
+        lambda prof, st, L: dataclasses.replace(prof, transfer_gbps=st["gbps"], disk_read_gbps=st["gbps"], attn_ms=st["gbps"]),
+    )  # fmt: skip
+    from moecast.runtime.core.cost_model import HardwareProfile
+
+    probe = HardwareProfile("probe", 1.0, 1 << 20, 1.0, 0.1, 1.0, 1.0, fast_tier="cpu")
+    t = type("T", (), {"hot_routing": [type("R", (), {"tokens": [1]})()], "requests": [0, 1, 2], "num_layers": 2,
+                       "probe": lambda self, p: probe})()  # fmt: skip
+    disk, done = [], {"model": [], "int8": []}
+    got = [bench_tiers.calibrate_round(t, 0.25, i, done[p], p, disk)
+           for i, p in ((0, "model"), (0, "int8"), (1, "model"))]  # fmt: skip
+    assert not [d for d in done["model"] + done["int8"] if "error" in d], done
+    assert [g.transfer_gbps for g in got] == pytest.approx([1.6, 1.28, 1.5])
+    assert [g.disk_read_gbps for g in got] == pytest.approx([1.6, 1.28, 1.5])
+    assert [g.attn_ms for g in got] == pytest.approx([1.6, 0.96, 1.5])  # the rest is each run's own
+    assert [d["profile"].transfer_gbps for d in done["model"]] == pytest.approx([1.6, 1.5])
+    assert [d["profile"].transfer_gbps for d in done["int8"]] == pytest.approx([0.96])
+    assert disk == pytest.approx([1.6, 0.96, 1.5])
+    assert bench_tiers.calibrate_round(t, 0.25, 2, [], "int8").transfer_gbps == pytest.approx(0.7)
+
+
 def test_each_precision_calibrates_just_before_its_first_row_of_the_round(monkeypatch):
     """Rows model, model, int8, two copies: round by round the model dtype calibrates before its rows,
     int8 after them and just before its own row, and the two copies reuse the model's calibration and
@@ -354,7 +387,9 @@ def test_each_precision_calibrates_just_before_its_first_row_of_the_round(monkey
 
     events = []
     monkeypatch.setattr(
-        bench_tiers, "calibrate_round", lambda t, c, i, done, p: events.append(f"cal {p} r{i}") or f"P{p}"
+        bench_tiers,
+        "calibrate_round",
+        lambda t, c, i, done, p, disk: events.append(f"cal {p} r{i}") or f"P{p}",
     )
     monkeypatch.setattr(
         bench_tiers, "two_copies_profile", lambda profs, p: "+".join(profs[q] for q in p.split("+"))

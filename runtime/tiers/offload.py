@@ -52,7 +52,7 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +64,7 @@ from moecast.runtime.tiers.expert_store import (
     device_slots,
     expert_params,
 )
+from moecast.runtime.tiers.iopool import IOPool
 from moecast.runtime.tiers.layout import ALIGN, MEMORY_ALIGN, ExpertLayout, align_up
 from moecast.runtime.tiers.precision import (
     Precision,
@@ -481,7 +482,7 @@ class ExpertReader:
         directory: str | Path,
         meta: dict[str, Any],
         threads: int = IO_THREADS,
-        pool: ThreadPoolExecutor | None = None,
+        pool: IOPool | None = None,
     ) -> None:
         self.directory = Path(directory)
         self.meta = meta
@@ -496,7 +497,7 @@ class ExpertReader:
             self._fds.append(self._open(path))
         self.threads = max(1, int(threads))
         self._own_pool = pool is None
-        self.pool = pool or ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="moecast-io")
+        self.pool = pool or IOPool(self.threads)
         self._lock = threading.Lock()
         # the CPU's experts are read in waves of cpu_wave experts into two buffers (one wave computes
         # while the next is read), so a call holds 2 x cpu_wave experts however many it computes
@@ -618,14 +619,10 @@ class ExpertReader:
         and two submitted together would both land at the end (a layer could compute neither
         before both were read)."""
         view = self._view(pos, buf)
-        bounds = _parts(len(view), self.threads)
-        if len(bounds) == 1:
-            return self.pool.submit(self._read_part, pos, expert, view, 0, len(view), 1)
         parts = [
-            self.pool.submit(self._read_part, pos, expert, view, a, b, int(i == 0))
-            for i, (a, b) in enumerate(bounds)
+            (pos, expert, view, a, b, int(i == 0)) for i, (a, b) in enumerate(_parts(len(view), self.threads))
         ]
-        return _all_of(parts)
+        return self.pool.submit_parts(self._read_part, parts)
 
     @contextlib.contextmanager
     def cpu_buffers(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -653,26 +650,6 @@ def _parts(nbytes: int, n: int) -> list[tuple[int, int]]:
     """[start, end) of up to ``n`` parts of ``nbytes``, every boundary on an ALIGN multiple."""
     step = max(ALIGN, -(-nbytes // max(1, n) // ALIGN) * ALIGN)
     return [(a, min(a + step, nbytes)) for a in range(0, nbytes, step)]
-
-
-def _all_of(parts: list[Future]) -> Future:
-    """A future done when every one of ``parts`` is: its first exception, else None."""
-    done: Future = Future()
-    lock, left = threading.Lock(), [len(parts)]
-
-    def finished(f: Future) -> None:
-        with lock:
-            left[0] -= 1
-            if done.done():
-                return
-            if f.exception() is not None:
-                done.set_exception(f.exception())
-            elif left[0] == 0:
-                done.set_result(None)
-
-    for f in parts:
-        f.add_done_callback(finished)
-    return done
 
 
 def aligned_bytes(nbytes: int) -> torch.Tensor:
