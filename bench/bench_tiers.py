@@ -13,8 +13,9 @@ weights are loaded once (experts never materialised).
 Rows, at each capacity (share of each layer's experts resident in RAM), run under the profile
 measured here at the start (CPU expert time, non-expert time per layer, predictor latency, the disk's
 direct-read bandwidth as the link) calibrated at that capacity, just before each round of rows, on a
-live LRU run of another held-out request (runtime.profile.calibrate, as `moecast profile --calibrate`
-does before a user's run; the link the median disk rate of the calibrations run so far), and measured side by side (:data:`MEASURED_RULE`: request by request,
+live LRU run of another held-out request at the row's own capacity and precision (runtime.profile.calibrate,
+as `moecast profile --calibrate` does before a user's run; the link the median disk rate of the
+calibrations run so far), and measured side by side (:data:`MEASURED_RULE`: request by request,
 every row on each request in turn, each request from a cold start). Each row has measured TPOT (mean
 wall time of every decode step; the same teacher-forced tokens everywhere, after a one-token
 prompt), modeled TPOT (runtime.replay of the same routing, each request under the profile its run
@@ -713,43 +714,61 @@ def calibrate_round(
     done: list[dict],
     precision: str = "model",
     disk: list[float] | None = None,
+    at: str | None = None,
+    full: bool = False,
 ) -> Any:
-    """The profile round ``i``'s rows at ``capacity`` run under: the probe's, calibrated
-    (moecast.runtime.profile.measure.calibrate) on a live LRU run at ``capacity`` of one of the held-out
-    requests static's table is counted on (no row measures them), just before the round's first row at
-    ``precision``, as `moecast profile --calibrate` does before a user's run, so the calibration sees
-    the disk the rows see; the probe's where there is nothing to calibrate on, or the calibration failed (kept in
-    ``done``, which collects each round's run, its profile as calibrated).
+    """The profile round ``i``'s rows at ``capacity`` (``at``: a capacity in bytes instead; ``full``:
+    every expert resident) run under: the probe's, calibrated (moecast.runtime.profile.measure.calibrate)
+    on a live LRU run at that capacity of one of the held-out requests static's table is counted on (no
+    row measures them), just before the round's first row at ``precision`` and that capacity, as
+    `moecast profile --calibrate` does before a user's run, so the calibration sees the disk the rows
+    see and the host work their capacity brings (a layer that reads less loses less of its compute to
+    the reads, and decides less); the probe's where there is nothing to calibrate on, or the
+    calibration failed (kept in ``done``, which collects each round's run, its profile as calibrated).
 
     ``disk``: the disk rates every calibration at this capacity saw so far, every precision's (this
-    one's is added). The disk is one, whatever precision a run reads, so the profile takes their
-    median: a calibration that ran in a slow spell (right after the model dtype's rows read tens of
-    GB, the disk read at 0.96 GB/s, and the next rows at 1.3-1.5) does not set its precision's link
-    alone. Only calibrations run before the rows count, so the profile stays one known ahead."""
+    one's is added where its decode steps read). The disk is one, whatever precision a run reads, so
+    the profile takes their median: a calibration that ran in a slow spell (right after the model
+    dtype's rows read tens of GB, the disk read at 0.96 GB/s, and the next rows at 1.3-1.5) does not
+    set its precision's link alone. Only calibrations run before the rows count, so the profile stays
+    one known ahead."""
     from moecast.runtime.profile.measure import calibrate
 
     cal, prof = t.hot_routing, t.probe(precision)
     if not cal or prof is None or prof.fast_tier != "cpu":
         return prof
     r = cal[i % len(cal)]
+    where = _where(at, full)
     bench_gpu.log(
-        f"[{int(capacity * 100)} %] calibration{_suffix(precision)}: request {i + 1} of {len(t.requests)}"
+        f"[{int(capacity * 100)} %] calibration{_suffix(precision)}{where}: request {i + 1} of {len(t.requests)}"
     )
     try:
-        st = live_run(t, capacity, r, r.tokens, prof, policy="lru", prefetch="none", **_tier(precision))[
-            "stats"
-        ]
+        cap = None if full else (at or capacity)
+        st = live_run(t, cap, r, r.tokens, prof, policy="lru", prefetch="none", **_tier(precision))["stats"]
         got = calibrate(prof, st, t.num_layers)
     except Exception as exc:  # recorded, raised again in the calibration's guard
         done.append({"error": exc})
         return prof
-    got = replace(got, name=f"{got.name}-{int(capacity * 100)}{_suffix(precision)}-r{i + 1}")
+    got = replace(got, name=f"{got.name}-{int(capacity * 100)}{_suffix(precision)}{_tag(at, full)}-r{i + 1}")
     done.append({"stats": st, "profile": got})
     if disk is None:
         return got
-    disk.append(got.transfer_gbps)
+    if st.get("disk_read_gbps_observed"):  # an all-resident run reads nothing in its decode steps
+        disk.append(got.transfer_gbps)
+    if not disk:
+        return got
     rate = float(np.median(disk))
     return replace(got, transfer_gbps=rate, disk_read_gbps=rate)
+
+
+def _where(at: str | None, full: bool) -> str:
+    """A capacity other than the round's share, as row names say it (SAME_RAM, or all in RAM)."""
+    return " (all in RAM)" if full else (SAME_RAM if at else "")
+
+
+def _tag(at: str | None, full: bool) -> str:
+    """The same, in a profile's name."""
+    return "-full" if full else ("-ram" if at else "")
 
 
 def two_copies_profile(profs: dict[str, Any], precision: str) -> Any:
@@ -761,9 +780,17 @@ def two_copies_profile(profs: dict[str, Any], precision: str) -> Any:
     return replace(base, name=f"{base.name}+{low}", expert_ms=times)
 
 
-def calibration_summary(t: Tiers, capacity: float, done: list[dict], precision: str = "model") -> dict:
+def calibration_summary(
+    t: Tiers,
+    capacity: float,
+    done: list[dict],
+    precision: str = "model",
+    at: str | None = None,
+    full: bool = False,
+) -> dict:
     """Each round's calibrated rates, and the profile calibrated on every round's run together,
-    written as ``bench-tiers-calibrated-<capacity>.yaml`` (the profile a user would keep)."""
+    written as ``bench-tiers-calibrated-<capacity>.yaml`` (the profile a user would keep; a
+    precision's and another capacity's named after them)."""
     from moecast.runtime.profile.measure import calibrate
 
     err = next((d["error"] for d in done if "error" in d), None)
@@ -771,7 +798,9 @@ def calibration_summary(t: Tiers, capacity: float, done: list[dict], precision: 
         raise err
     keys = ("transfer_gbps", "gpu_expert_ms", "attn_ms", "step_ms")
     pooled_prof = calibrate(t.probe(precision), pooled([d["stats"] for d in done]), t.num_layers)
-    pooled_prof = replace(pooled_prof, name=f"{pooled_prof.name}-{int(capacity * 100)}{_suffix(precision)}")
+    pooled_prof = replace(
+        pooled_prof, name=f"{pooled_prof.name}-{int(capacity * 100)}{_suffix(precision)}{_tag(at, full)}"
+    )
     bench_gpu._write(Path(t.args.out) / f"{pooled_prof.name}.yaml", pooled_prof.to_yaml())
     return {
         **{k: getattr(pooled_prof, k) for k in keys},
@@ -807,37 +836,43 @@ def measure_rows(t: Tiers, report: Any, capacity: float, rows: list[Row], calibr
     over the minutes the rows take reaches every row alike. Each run attaches afresh (a baseline: a
     fresh process), so every request starts cold."""
     s = SimpleNamespace(name=f"{int(capacity * 100)} %")
-    # each precision calibrates on its own LRU run: its experts compute with other kernels
-    precisions = list(dict.fromkeys(row.precision for row in rows))
-    # two copies compute at both precisions: each copy calibrates on a run of its own
-    singles = list(dict.fromkeys(q for p in precisions for q in copy_tags(p)))
-    done: dict[str, list[dict]] = {p: [] for p in singles}
+    # each precision calibrates on its own LRU run (its experts compute with other kernels), at each
+    # capacity its rows run at; two copies compute at both precisions: each copy on a run of its own
+    classes = list(dict.fromkeys((q, row.at, row.full) for row in rows for q in copy_tags(row.precision)))
+    done: dict[tuple, list[dict]] = {c: [] for c in classes}
     disk: list[float] = []  # the disk rates the calibrations saw, in order (calibrate_round)
     for i in range(len(t.requests)):
-        profs: dict[str, Any] = {}
+        profs: dict[tuple, Any] = {}
 
-        def profile_of(p: str, i: int = i, profs: dict[str, Any] = profs) -> Any:
-            # each precision calibrates just before its first row of the round, so that it sees the
+        def profile_of(row: Row, i: int = i, profs: dict[tuple, Any] = profs) -> Any:
+            # each class calibrates just before its first row of the round, so that it sees the
             # disk as its rows do (a read-heavy row before it leaves the disk slower for a while)
-            for q in (q for q in copy_tags(p) if q not in profs):
-                profs[q] = calibrate_round(t, capacity, i, done[q], q, disk) if calibrate else t.probe(q)
-            if p not in profs:
-                profs[p] = two_copies_profile(profs, p)
-            return profs[p]
+            mine = {q: (q, row.at, row.full) for q in copy_tags(row.precision)}
+            for q, c in mine.items():
+                if c not in profs:
+                    profs[c] = (
+                        calibrate_round(t, capacity, i, done[c], q, disk, row.at, row.full)
+                        if calibrate
+                        else t.probe(q)
+                    )
+            if len(mine) == 1:
+                return profs[mine[row.precision]]
+            return two_copies_profile({q: profs[c] for q, c in mine.items()}, row.precision)
 
         for row in rows:
             if row.error is not None:
                 continue
-            prof = profile_of(row.precision)
+            prof = profile_of(row)
             bench_gpu.log(f"[{s.name}] {row.name}: request {i + 1} of {len(t.requests)}")
             try:
                 row.runs.append(row.run(i, prof))
             except Exception as exc:  # recorded, raised again in the row's guard
                 row.error = exc
-    for p in singles:  # nothing to calibrate on (no held-out requests, or a device profile): the probe's
-        if done[p]:
-            report.guard(s, f"calibration{_suffix(p)}", lambda p=p: calibration_summary(t, capacity, done[p], p),
-                         kind="profile")  # fmt: skip
+    for c in classes:  # nothing to calibrate on (no held-out requests, or a device profile): the probe's
+        if done[c]:
+            q, at, full = c
+            report.guard(s, f"calibration{_suffix(q)}{_where(at, full)}",
+                         lambda c=c: calibration_summary(t, capacity, done[c], *c), kind="profile")  # fmt: skip
     for row in rows:
 
         def result(row: Row = row) -> dict:
@@ -1292,8 +1327,9 @@ def rows(quick: bool, ds_checkpoint: Path | None = None) -> list[dict]:
 #: how the rows are measured, as the markdown states it
 MEASURED_RULE = (
     "measured side by side: at each capacity, round r runs every moecast row on request r, each precision's "
-    "rows under a profile calibrated on a held-out request no row measures just before that precision's first "
-    "row, so a drift of the disk's rate reaches the calibration and its rows alike, its disk rate the median of "
+    "rows under a profile calibrated on a held-out request no row measures, at that precision and at the rows' "
+    "own capacity (the round's share, the model's RAM, all in RAM), just before its first row, so a drift of the "
+    "disk's rate reaches the calibration and its rows alike, its disk rate the median of "
     "those every calibration at the capacity saw so far (one slow spell does not set a precision's link); the "
     "baselines run after every "
     "capacity's moecast rows, in rounds of their own (their reads, up to 190 GB, leave the disk slower for "

@@ -353,9 +353,15 @@ def test_a_calibration_runs_at_the_median_disk_rate_of_the_calibrations_so_far(m
     import bench_tiers
     from moecast.runtime.profile import measure
 
-    seen = iter([1.6, 0.96, 1.5, 0.7])
+    seen = iter([1.6, 0.96, 1.5, 9.0, 0.7])  # 9.0: an all-resident run, no read in its decode steps
     monkeypatch.setattr(bench_gpu, "log", lambda *a, **k: None)
-    monkeypatch.setattr(bench_tiers, "live_run", lambda *a, **k: {"stats": {"gbps": next(seen)}})
+    monkeypatch.setattr(
+        bench_tiers,
+        "live_run",
+        lambda *a, **k: {
+            "stats": {"gbps": (g := next(seen)), "disk_read_gbps_observed": None if g == 9.0 else g}
+        },
+    )
     monkeypatch.setattr(
         measure, "calibrate",
         lambda prof, st, L: dataclasses.replace(prof, transfer_gbps=st["gbps"], disk_read_gbps=st["gbps"], attn_ms=st["gbps"]),
@@ -375,35 +381,47 @@ def test_a_calibration_runs_at_the_median_disk_rate_of_the_calibrations_so_far(m
     assert [d["profile"].transfer_gbps for d in done["model"]] == pytest.approx([1.6, 1.5])
     assert [d["profile"].transfer_gbps for d in done["int8"]] == pytest.approx([0.96])
     assert disk == pytest.approx([1.6, 0.96, 1.5])
+    # a calibration that read nothing adds no disk rate and runs at the others' median
+    assert bench_tiers.calibrate_round(
+        t, 0.25, 1, [], "int8", disk, full=True
+    ).transfer_gbps == pytest.approx(1.5)
+    assert disk == pytest.approx([1.6, 0.96, 1.5])
     assert bench_tiers.calibrate_round(t, 0.25, 2, [], "int8").transfer_gbps == pytest.approx(0.7)
 
 
 def test_each_precision_calibrates_just_before_its_first_row_of_the_round(monkeypatch):
-    """Rows model, model, int8, two copies: round by round the model dtype calibrates before its rows,
-    int8 after them and just before its own row, and the two copies reuse the model's calibration and
-    calibrate the low copy only, before their row; each row runs under its precision's profile."""
+    """Rows model, model, int8, two copies, int4 in the model's RAM, int4 all in RAM: round by round
+    the model dtype calibrates before its rows, int8 after them and just before its own row, the two
+    copies reuse the model's calibration and calibrate the low copy only, and int4 calibrates again at
+    each other capacity, at that capacity; each row runs under its own class's profile."""
     import bench_gpu
     import bench_tiers
 
     events = []
-    monkeypatch.setattr(
-        bench_tiers,
-        "calibrate_round",
-        lambda t, c, i, done, p, disk: events.append(f"cal {p} r{i}") or f"P{p}",
-    )
+
+    def cal(t, c, i, done, p, disk, at=None, full=False):
+        where = bench_tiers._where(at, full)
+        events.append(f"cal {p}{where} r{i}")
+        return f"P{p}{where}"
+
+    monkeypatch.setattr(bench_tiers, "calibrate_round", cal)
     monkeypatch.setattr(
         bench_tiers, "two_copies_profile", lambda profs, p: "+".join(profs[q] for q in p.split("+"))
     )
     monkeypatch.setattr(bench_gpu, "log", lambda *a, **k: None)
 
-    def row(name, prec):
+    def row(name, prec, **kw):
         return bench_tiers.Row(
-            name, lambda i, prof: events.append(f"{name} r{i} {prof}") or {}, "lru", precision=prec
+            name, lambda i, prof: events.append(f"{name} r{i} {prof}") or {}, "lru", precision=prec, **kw
         )
 
-    rows = [row("a", "model"), row("b", "model"), row("c", "int8"), row("d", "model+int4-g128")]
+    rows = [row("a", "model"), row("b", "model"), row("c", "int8"), row("d", "model+int4-g128"),
+            row("e", "int4-g128", at="9MB"), row("f", "int4-g128", full=True)]  # fmt: skip
     t = type("T", (), {"requests": [0, 1]})()
     bench_tiers.measure_rows(t, bench_gpu.Report("cpu"), 0.25, rows, calibrate=True)
+    ram, full = bench_tiers.SAME_RAM, " (all in RAM)"
     one = ["cal model r{i}", "a r{i} Pmodel", "b r{i} Pmodel", "cal int8 r{i}", "c r{i} Pint8",
-           "cal int4-g128 r{i}", "d r{i} Pmodel+Pint4-g128"]  # fmt: skip
+           "cal int4-g128 r{i}", "d r{i} Pmodel+Pint4-g128",
+           f"cal int4-g128{ram} r{{i}}", f"e r{{i}} Pint4-g128{ram}",
+           f"cal int4-g128{full} r{{i}}", f"f r{{i}} Pint4-g128{full}"]  # fmt: skip
     assert events == [e.format(i=i) for i in (0, 1) for e in one]

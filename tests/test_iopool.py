@@ -25,6 +25,7 @@ def test_a_parted_job_is_done_only_when_every_part_is_and_its_parts_run_side_by_
         release.set()
         assert fut.result(timeout=10) in (0, 1)
         assert sorted(ran) == [0, 1]
+        assert pool.submit_parts(part, []).result(timeout=1) is None  # no part: done at once
     finally:
         pool.shutdown()
 

@@ -68,6 +68,8 @@ class IOPool:
         if self._closed:
             raise RuntimeError("the I/O pool is shut down: reopen the tier to read experts")
         job = _Parts(len(parts))
+        if not parts:  # nothing to run: done now (no part would ever resolve it)
+            job.future.set_result(None)
         put = self._queue.put
         for args in parts:
             put((job, fn, args))
