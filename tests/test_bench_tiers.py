@@ -44,6 +44,10 @@ def test_quick_run_at_test_sizes(tmp_path, capsys):
         # the rows ran, and are modeled, under the profile calibrated at their capacity before each round
         assert by["lru"]["profile"] == "bench-tiers-calibrated-25-r1, bench-tiers-calibrated-25-r2"
         assert (tmp_path / "bench-tiers-calibrated-25.yaml").is_file()  # every round's run pooled
+        # a row at another capacity runs under a calibration at its own: every expert resident here
+        full = "bench-tiers-int4-g128-calibrated-25-int4-g128-full"
+        assert by["all in RAM int4-g128"]["profile"] == f"{full}-r1, {full}-r2"
+        assert (tmp_path / f"{full}.yaml").is_file()
         assert by["oracle prefetch (bound)"]["hit_rate"] >= by["lru"]["hit_rate"]
         # both start every request with empty slots (static: its table, counted on the same tokens)
         # and see the same routing, so they decide alike
