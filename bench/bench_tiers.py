@@ -712,8 +712,8 @@ def calibrate_round(
     capacity: float,
     i: int,
     done: list[dict],
-    precision: str = "model",
-    disk: list[float] | None = None,
+    precision: str,
+    disk: list[float],
     at: str | None = None,
     full: bool = False,
 ) -> Any:
@@ -751,8 +751,6 @@ def calibrate_round(
         return prof
     got = replace(got, name=f"{got.name}-{int(capacity * 100)}{_suffix(precision)}{_tag(at, full)}-r{i + 1}")
     done.append({"stats": st, "profile": got})
-    if disk is None:
-        return got
     if st.get("disk_read_gbps_observed"):  # an all-resident run reads nothing in its decode steps
         disk.append(got.transfer_gbps)
     if not disk:
