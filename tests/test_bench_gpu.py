@@ -304,6 +304,17 @@ def test_ds_predictor_adapter_pads_the_layers_and_maps_the_tokens_back():
     running = RequestTrace("r", "w", "", "", np.array([12345, 999, 12345, 999, 12345]), [""] * 5,
                            np.ones(5, bool), ids5, w5, None, None)  # fmt: skip
     assert np.array_equal(stream.predict_next(2), inner.score_at(running, 2))
+    # every layer of the checkpoint (nothing to pad): the window's own arrays, read as they change
+    whole = ds_model.LayerSubsetPredictor(inner, {5: 12345, 7: 999}, layers=6)
+    live = trace(6, [5, 7, 5, 7], padded.copy())
+    assert np.array_equal(whole.score_at(live, 4), inner.score_at(theirs, 4))
+    live.topk_ids[3, :4] = ids[0, :1]  # the runtime's stream fills the running token's row in place
+    changed = dataclasses.replace(theirs, topk_ids=live.topk_ids.copy())
+    assert np.array_equal(whole.score_at(live, 4), inner.score_at(changed, 4))
+    assert not np.array_equal(inner.score_at(changed, 4), inner.score_at(theirs, 4))  # the change matters
+    assert np.array_equal(whole.score_at(other := trace(6, [7, 8, 5, 5], padded[::-1].copy()), 3),
+                          inner.score_at(trace(6, [999, 0, 12345, 12345], padded[::-1].copy()), 3))  # fmt: skip
+    assert other.token_ids.tolist() == [7, 8, 5, 5]  # the runtime's window keeps its own token ids
     # the live runtime warms the adapter at attach: the checkpoint warms itself
     warmed = []
     inner.warm = lambda: warmed.append(True)

@@ -63,6 +63,11 @@ def test_every_registered_tier_implements_the_protocol(name, tmp_path):
         assert table[1] < count == table[0]  # expert 1 in the wave, expert 0 the sentinel
         assert all(torch.equal(tensors[k][table[1]], before[k][1]) for k in before)
         assert isinstance(tier.waited(), float)
+        # the tier's wait counts every layer's: a synchronous copy into another layer adds to it
+        w0 = tier.waited()
+        tier.layers[1].fill([2])
+        tier.layers[1].wait()
+        assert tier.waited() > w0 if not tier.background_reads else tier.waited() >= w0
         assert {"pinned_bytes", "staged_copies", "bytes_read", "disk_reads"} <= set(tier.stats())
     finally:
         tier.close()

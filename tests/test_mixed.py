@@ -20,7 +20,7 @@ from moecast.collect.traceset import TraceSet
 from moecast.predictors.base import Predictor
 from moecast.runtime.core.cache import ExpertCache
 from moecast.runtime.core.cost_model import CostModel, HardwareProfile
-from moecast.runtime.core.gate import Calibration, candidate_probability
+from moecast.runtime.core.gate import Calibration, candidate_probability, layer_probability
 from moecast.runtime.core.mixed import HIGH, LOW, NONE, Copies, parse_copies, plan_prefetch
 from moecast.runtime.core.policy import POLICIES, Policy
 from moecast.runtime.core.step import LayerStep, landing
@@ -487,3 +487,30 @@ def test_a_high_hit_outlasting_the_link_is_charged_the_high_time():
     assert link[0] == pytest.approx(0.2) and t[0] == pytest.approx(1.0 + 0.6)
     t, _ = layer_time(low, np.array([3]), np.array([1]), 0.0, 0.0)
     assert t[0] == pytest.approx(1.0 + 0.3)  # all at the low copy's time
+
+
+def test_a_steps_candidates_take_their_predictions_calibrated_probability():
+    """layer_probability by hand. Layer 1's bins: score < 0.5 -> 0.2, < 0.8 -> 0.6, else 0.9. One
+    token's scores [4, -8, 2, 6] normalise (by 8) to [0.5, -1, 0.25, 0.75]; its top 2 (experts 3 and 0)
+    are the candidates, at 0.6 and 0.6; a padded candidate (-1) gets 0. Two tokens: expert 3 predicted
+    by both (0.75 -> 0.6, and 1.0 -> 0.9) is used unless both miss, 1 - 0.4 x 0.1 = 0.96."""
+    cal = Calibration(
+        edges=np.array([[0.1, 0.2], [0.5, 0.8]]), prob=np.array([[0.0, 0.0, 0.0], [0.2, 0.6, 0.9]])
+    )
+    one = np.array([[4.0, -8.0, 2.0, 6.0]], np.float32)
+    got = layer_probability(cal, 1, one, np.array([[3, 0]]), np.array([[3, 0]]))
+    assert got == pytest.approx(np.array([[0.6, 0.6]]))
+    assert layer_probability(cal, 1, one, np.array([[3, -1]]), np.array([[3, -1]])) == pytest.approx(
+        np.array([[0.6, 0.0]])
+    )
+    two = np.array([[4.0, -8.0, 2.0, 6.0], [1.0, 0.0, 0.3, 2.0]], np.float32)  # token 2: [0.5, 0, 0.15, 1]
+    got = layer_probability(cal, 1, two, np.array([[3, 0, 3, 0]]), np.array([[3, 0]]))
+    assert got == pytest.approx(np.array([[1 - 0.4 * 0.1, 1 - 0.4 * 0.4]]))
+    # one token's answer is candidate_probability's, bit for bit (the replay's arithmetic)
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        row = rng.normal(size=(1, 16)).astype(np.float32)
+        ids = np.argsort(-row[0])[:4][None]
+        s = row / np.abs(row).max()
+        want = candidate_probability(ids, ids, cal.at(1, np.take_along_axis(s, ids, 1)))
+        assert np.array_equal(layer_probability(cal, 1, row, ids, ids), want)

@@ -233,10 +233,13 @@ def test_the_device_path_moves_the_stored_parts_as_one_block_through_staging(tmp
         reader.close()
 
 
-def test_one_token_experts_call_is_the_batched_calls_row_bit_for_bit():
-    """A decode step's call (one token: no per-expert search) gives, bit for bit, that token's row of the
-    same call over several tokens (one per-expert search): each expert weighted by its own routing weight,
-    in the same order, and the sentinel id (computed elsewhere) skipped."""
+@pytest.mark.parametrize("extras", [False, True])
+def test_one_token_experts_call_is_the_batched_calls_row_bit_for_bit(extras):
+    """A decode step's call (one token: no per-expert search; its experts' kernels back to back, the
+    elementwise parts over all their rows at once) gives, bit for bit, that token's row of the same
+    call over several tokens (one per-expert search): each expert weighted by its own routing weight,
+    in the same order, and the sentinel id (computed elsewhere) skipped. ``extras``: with biases and a
+    post-expert norm, which the decode step adds to all rows at once."""
     torch.manual_seed(0)
     prec = P.Precision("int4", 32)
     experts, hidden, inter = 4, 32, 16
@@ -249,9 +252,13 @@ def test_one_token_experts_call_is_the_batched_calls_row_bit_for_bit():
     ]
     tensors = {f"gate_up_proj.{k}": torch.stack([gu[k] for gu, _ in parts]) for k in parts[0][0]}
     tensors |= {f"down_proj.{k}": torch.stack([d[k] for _, d in parts]) for k in parts[0][1]}
+    if extras:
+        tensors["gate_up_proj_bias"] = torch.randn(experts, 2 * inter, dtype=torch.bfloat16)
+        tensors["down_proj_bias"] = torch.randn(experts, hidden, dtype=torch.bfloat16)
 
     class Experts:
-        has_gate, has_bias, has_post_expert_norm = True, False, False
+        has_gate, has_bias, has_post_expert_norm = True, extras, extras
+        post_expert_norm = torch.nn.LayerNorm(hidden, dtype=torch.bfloat16)
 
         def _apply_gate(self, h):
             g, u = h.chunk(2, dim=-1)

@@ -66,5 +66,11 @@ def layer_probability(
     order), as the replay has it: each prediction's normalised score through ``cal``, then
     :func:`candidate_probability`."""
     s = normalised(scores).reshape(-1, np.shape(scores)[-1])
+    if len(s) == 1 and ranked.shape[1] == ids.shape[1]:
+        # one token (a decode step): its top-k are the candidates, each predicted once, so each one's
+        # P(used) is its own prediction's, as 1 - (1 - p) (candidate_probability's arithmetic, to the bit)
+        r = ranked[0]
+        p = cal.at(layer, s[0][np.maximum(r, 0)])
+        return np.where(r >= 0, 1.0 - (1.0 - p), 0.0)[None]
     sc = np.take_along_axis(s, ids.reshape(len(s), -1), 1).reshape(1, -1)
     return candidate_probability(ranked, ids, cal.at(layer, sc))

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 from moecast.runtime.tiers import offload
 from moecast.runtime.tiers.base import TierSettings, TierSpec
-from moecast.runtime.tiers.expert_store import expert_params, link_stats
+from moecast.runtime.tiers.expert_store import expert_params, link_stats, shared_waits
 from moecast.runtime.tiers.precision import TwoCopies
 
 from moecast.errors import InputError
@@ -39,6 +39,7 @@ class DiskTier:
         low_reader: offload.ExpertReader | None = None,
     ) -> None:
         self.layers = layers
+        self._waits = shared_waits(layers)
         self.reader: offload.ExpertReader | None = reader
         self.low_reader = low_reader  # the low copy's files (two copies), on the reader's pool
         self.background_reads = True  # reads land on the I/O threads
@@ -103,7 +104,7 @@ class DiskTier:
         return cls(layers, reader, structure, model_meta, dropped, low)
 
     def waited(self) -> float:
-        return sum(st.wait_s for st in self.layers)
+        return self._waits.s
 
     def stats(self) -> dict[str, Any]:
         r, lo = self.reader, self.low_reader

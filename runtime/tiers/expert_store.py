@@ -98,6 +98,25 @@ def link_stats(layers: list[LayerStore]) -> dict[str, Any]:
     )
 
 
+class Waits:
+    """Host seconds blocked on transfers. A tier's layers share one (:func:`shared_waits`): the
+    runtime reads the total around every timed part of every layer, so it is one number, not a sum."""
+
+    __slots__ = ("s",)
+
+    def __init__(self) -> None:
+        self.s = 0.0
+
+
+def shared_waits(layers: list[Any]) -> Waits:
+    """One :class:`Waits` for ``layers`` (a tier's stores), starting at what they waited so far."""
+    waits = Waits()
+    for st in layers:
+        waits.s += st.waits.s
+        st.waits = waits
+    return waits
+
+
 class LayerStore:
     """Host copies of one layer's experts and ``num_slots`` pre-allocated device slots (a
     :class:`moecast.runtime.tiers.base.LayerTier`; :class:`moecast.runtime.tiers.host.HostTier` holds one per layer).
@@ -181,7 +200,7 @@ class LayerStore:
         self.expert_in = np.full(self.num_slots, -1, np.int64)  # slot -> expert (-1: empty)
         self.loads = 0
         self.bytes_moved = 0
-        self.wait_s = 0.0  # host time spent on transfers: synchronous copies, staging, disk reads
+        self.waits = Waits()  # host time spent on transfers: synchronous copies, staging, disk reads
         self.link_seconds = 0.0  # the copies' time on the link (device events; the wall clock without ops)
         self.link_bytes = 0  # the bytes those copies moved
         self._timed: list[tuple[Any, Any, int]] = []  # (start, landing, bytes) of copies not yet read
@@ -268,7 +287,7 @@ class LayerStore:
             if buffer is not None:
                 self._staging_events[buffer] = events
         finally:
-            self.wait_s += time.perf_counter() - t0
+            self.waits.s += time.perf_counter() - t0
 
     def _copy_block(self, src: torch.Tensor, slot: int, read: Any) -> list[Any]:
         """``src`` (one expert's block, bytes) into ``slot``'s block on the transfer stream in one copy;

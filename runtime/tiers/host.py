@@ -23,7 +23,13 @@ from typing import Any, ClassVar
 
 import torch
 from moecast.runtime.tiers.base import TierSettings, TierSpec
-from moecast.runtime.tiers.expert_store import LayerStore, expert_params, link_stats, packed_bytes
+from moecast.runtime.tiers.expert_store import (
+    LayerStore,
+    expert_params,
+    link_stats,
+    packed_bytes,
+    shared_waits,
+)
 from moecast.runtime.tiers.precision import Precision, SlotDequantizer
 
 from moecast.errors import InputError
@@ -44,6 +50,7 @@ class HostTier:
 
     def __init__(self, layers: list[LayerStore]) -> None:
         self.layers = layers
+        self._waits = shared_waits(layers)
         self.background_reads = False  # a copy from host memory is synchronous, or the device's stream waits
 
     @classmethod
@@ -78,7 +85,7 @@ class HostTier:
         )
 
     def waited(self) -> float:
-        return sum(st.wait_s for st in self.layers)
+        return self._waits.s
 
     def stats(self) -> dict[str, Any]:
         return dict(

@@ -853,7 +853,7 @@ class DiskLayerStore(LayerStore):
         try:
             return fut.result()
         finally:
-            self.wait_s += time.perf_counter() - t0
+            self.waits.s += time.perf_counter() - t0
 
     def follow(self, want_low: np.ndarray) -> None:
         """Read each expert at the copy ``want_low[expert]`` names from now on (a live view of the

@@ -505,8 +505,12 @@ def unpack_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------- compute
 def kernel_ok(prec: Precision, x: torch.Tensor, out_f: int, in_f: int) -> bool:
     """Whether torch's weight-only CPU kernel computes this matrix directly (else it is dequantized)."""
-    if x.device.type != "cpu":
-        return False
+    return x.device.type == "cpu" and _cpu_kernel_ok(prec, out_f, in_f)
+
+
+@functools.lru_cache(maxsize=256)
+def _cpu_kernel_ok(prec: Precision, out_f: int, in_f: int) -> bool:
+    # asked twice per expert per token: the answer depends on the shapes alone
     if prec.dtype == "int8":
         return True
     return prec.group_for(in_f) in INT4_KERNEL_GROUPS and out_f % 16 == 0 and in_f % 2 == 0
@@ -533,17 +537,27 @@ def qlinear(prec: Precision, x: torch.Tensor, parts: dict[str, torch.Tensor], in
     out_f = parts["q"].shape[0]
     if kernel_ok(prec, x, out_f, in_f):
         if prec.dtype == "int8":
-            return torch._weight_int8pack_mm(x, parts["q"], parts["s"].to(x.dtype))
+            return torch._weight_int8pack_mm(x, parts["q"], _as(parts["s"], x.dtype))
         g = prec.group_for(in_f)
-        return torch._weight_int4pack_mm_for_cpu(x.contiguous(), parts["q"], g, parts["sz"].to(x.dtype))
+        return torch._weight_int4pack_mm_for_cpu(x.contiguous(), parts["q"], g, _as(parts["sz"], x.dtype))
     kernel_note(prec, out_f, in_f, x.device.type)
     return F.linear(x, dequantize_matrix(prec, parts, in_f).to(x.device, x.dtype))
 
 
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def expert_parts(tensors: dict[str, torch.Tensor], name: str, slot: int) -> dict[str, torch.Tensor]:
     """Expert ``slot``'s stored parts of matrix ``name`` (by suffix) out of the slots' tensors."""
+    return {suffix: tensors[key][slot] for suffix, key in _part_keys(tuple(tensors), name)}
+
+
+@functools.lru_cache(maxsize=256)
+def _part_keys(keys: tuple[str, ...], name: str) -> tuple[tuple[str, str], ...]:
+    # (suffix, key) of matrix ``name``'s parts: a layer's tensors have the same names every call
     head = f"{name}."
-    return {k[len(head) :]: t[slot] for k, t in tensors.items() if k.startswith(head)}
+    return tuple((k[len(head) :], k) for k in keys if k.startswith(head))
 
 
 def quantized_experts_forward(
@@ -563,36 +577,79 @@ def quantized_experts_forward(
     weights; the flags come from the module, so every family that uses the interface runs as is.
     """
     tensors = object.__getattribute__(module, "_tensors")
-    num = int(module.num_experts)
+    num, math = int(module.num_experts), _ExpertMath.of(module)
     out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
     if len(hidden_states) == 1:  # a decode step: no per-expert search for its tokens
-        # the loop below's arithmetic in its order (by slot), each part added in place
-        weights = top_k_weights[0].float()
-        for slot, k in sorted(zip(top_k_index[0].tolist(), range(top_k_index.shape[1]))):
-            if slot < num:
-                out.add_(_expert(prec, module, tensors, hidden_states, slot).float() * weights[k])
+        # the loop below's arithmetic in its order (by slot), each part added in place; each weight as
+        # a float32 value (multiplying by it equals multiplying by its 0-d tensor)
+        picked = sorted(zip(top_k_index[0].tolist(), top_k_weights[0].float().tolist()))
+        picked = [(slot, w) for slot, w in picked if slot < num]
+        if picked:
+            rows = math.decode(prec, tensors, hidden_states, [slot for slot, _ in picked])
+            rows.mul_(torch.tensor([[w] for _, w in picked], dtype=torch.float32, device=rows.device))
+            for row in rows.unsqueeze(1).unbind(0):
+                out.add_(row)
         return out.to(hidden_states.dtype)
     for slot in torch.unique(top_k_index).tolist():
         if slot >= num:
             continue
         token, k = torch.nonzero(top_k_index == slot, as_tuple=True)
-        part = _expert(prec, module, tensors, hidden_states[token], slot).float()
+        part = math.run(prec, tensors, hidden_states[token], slot).float()
         out.index_add_(0, token, part * top_k_weights[token, k, None].float())
     return out.to(hidden_states.dtype)
 
 
-def _expert(
-    prec: Precision, module: Any, tensors: dict[str, torch.Tensor], x: torch.Tensor, slot: int
-) -> torch.Tensor:
-    """Expert ``slot``'s output for the rows ``x`` (before the routing weight), from its stored parts."""
-    up_name = "gate_up_proj" if module.has_gate else "up_proj"
-    h = qlinear(prec, x, expert_parts(tensors, up_name, slot), x.shape[-1])
-    if module.has_bias:
-        h = h + tensors[f"{up_name}_bias"][slot]
-    h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
-    y = qlinear(prec, h, expert_parts(tensors, "down_proj", slot), h.shape[-1])
-    if module.has_bias:
-        y = y + tensors["down_proj_bias"][slot]
-    if module.has_post_expert_norm:
-        y = module.post_expert_norm(y)
-    return y
+@dataclass(frozen=True)
+class _ExpertMath:
+    """An experts module's flags and functions, read once per call: a decode step computes several
+    experts, and each read through a :class:`~moecast.runtime.tiers.expert_store.SlotView` falls back
+    to the module."""
+
+    up: str
+    bias: bool
+    gate: Any  # the module's _apply_gate (gated) or act_fn
+    norm: Any  # post_expert_norm, or None
+
+    @classmethod
+    def of(cls, module: Any) -> _ExpertMath:
+        gated = bool(module.has_gate)
+        return cls(
+            "gate_up_proj" if gated else "up_proj",
+            bool(module.has_bias),
+            module._apply_gate if gated else module.act_fn,
+            module.post_expert_norm if module.has_post_expert_norm else None,
+        )
+
+    def run(
+        self, prec: Precision, tensors: dict[str, torch.Tensor], x: torch.Tensor, slot: int
+    ) -> torch.Tensor:
+        h = qlinear(prec, x, expert_parts(tensors, self.up, slot), x.shape[-1])
+        if self.bias:
+            h = h + tensors[f"{self.up}_bias"][slot]
+        h = self.gate(h)
+        y = qlinear(prec, h, expert_parts(tensors, "down_proj", slot), h.shape[-1])
+        if self.bias:
+            y = y + tensors["down_proj_bias"][slot]
+        return y if self.norm is None else self.norm(y)
+
+    def decode(
+        self, prec: Precision, tensors: dict[str, torch.Tensor], x: torch.Tensor, slots: list[int]
+    ) -> torch.Tensor:
+        """[n, out] float32: :meth:`run` of one token ``x`` [1, in] at each of ``slots``, row by row the
+        same values. The kernels run back to back and the elementwise parts once on all rows: a small
+        op right after a kernel that streamed megabytes finds the caches cold (~25 us on this path's
+        CPUs), and a decode step has two such ops per expert otherwise."""
+        h = torch.cat([qlinear(prec, x, expert_parts(tensors, self.up, s), x.shape[-1]) for s in slots])
+        if self.bias:
+            h = h + tensors[f"{self.up}_bias"][slots]
+        h = self.gate(h)
+        width = h.shape[-1]
+        y = torch.cat(
+            [
+                qlinear(prec, row, expert_parts(tensors, "down_proj", s), width)
+                for row, s in zip(h.unsqueeze(1).unbind(0), slots)
+            ]
+        )
+        if self.bias:
+            y = y + tensors["down_proj_bias"][slots]
+        return (y if self.norm is None else self.norm(y)).float()
