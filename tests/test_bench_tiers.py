@@ -246,7 +246,8 @@ def test_precision_goals_by_hand():
     """At 25 %: the best int4 row a user can run (LLaPor, 300) over the best model-dtype one (LRU 800,
     LLaPor 700): 300 / 700 = 0.43 <= 0.5; over int4 all in RAM (250): 1.2 <= 1.3; the oracle bound (200)
     and all in RAM (100 at model dtype) never count as best. LLaPor int4 reads 1.5x LRU int4's bytes
-    but is faster (ok); LLaPor at model dtype reads 1.2x LRU's and is faster too."""
+    but is faster (ok); LLaPor at model dtype reads 1.2x LRU's and is faster too (on the mean: these
+    rows carry no per-request verdict; one that does is judged by it)."""
     import bench_tiers
 
     from bench import figures as F
@@ -275,6 +276,15 @@ def test_precision_goals_by_hand():
         "25 %: llapor prefetch-late int4-g128 read per token / LRU's": ("1.50", "ok"),
         "25 %: llapor prefetch-late int4-g128 (model's RAM) read per token / LRU's": ("1.30", "ok"),
     }
+    # faster is the vs LRU column's verdict where the row has one: faster on the mean but inside the
+    # noise floor on a request (a tie) reads more for nothing shown, a miss
+    raw[4]["vs_lru"] = "tie"
+    got = {f["name"]: f["verdict"] for f in bench_tiers.precision_goals(F, raw)}
+    assert got["25 %: llapor prefetch-late int4-g128 read per token / LRU's"] == "MISS"
+    raw[4]["vs_lru"] = "faster"
+    got = {f["name"]: f["verdict"] for f in bench_tiers.precision_goals(F, raw)}
+    assert got["25 %: llapor prefetch-late int4-g128 read per token / LRU's"] == "ok"
+    del raw[4]["vs_lru"]
     raw[4]["measured_tpot_ms"] = 360  # slower than LRU int4 while reading more: a miss
     got = {f["name"]: f["verdict"] for f in bench_tiers.precision_goals(F, raw)}
     assert got["25 %: llapor prefetch-late int4-g128 read per token / LRU's"] == "MISS"

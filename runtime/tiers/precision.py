@@ -623,6 +623,7 @@ class _ExpertMath:
     def run(
         self, prec: Precision, tensors: dict[str, torch.Tensor], x: torch.Tensor, slot: int
     ) -> torch.Tensor:
+        """Expert ``slot``'s output for the rows ``x`` (before the routing weight), from its stored parts."""
         h = qlinear(prec, x, expert_parts(tensors, self.up, slot), x.shape[-1])
         if self.bias:
             h = h + tensors[f"{self.up}_bias"][slot]
@@ -637,8 +638,8 @@ class _ExpertMath:
     ) -> torch.Tensor:
         """[n, out] float32: :meth:`run` of one token ``x`` [1, in] at each of ``slots``, row by row the
         same values. The kernels run back to back and the elementwise parts once on all rows: a small
-        op right after a kernel that streamed megabytes finds the caches cold (~25 us on this path's
-        CPUs), and a decode step has two such ops per expert otherwise."""
+        op right after a kernel that streamed megabytes through the caches finds them cold (~25 us on
+        the benchmark's 2-core VM, against ~5 warm): one expert at a time, a step pays that twice an expert."""
         h = torch.cat([qlinear(prec, x, expert_parts(tensors, self.up, s), x.shape[-1]) for s in slots])
         if self.bias:
             h = h + tensors[f"{self.up}_bias"][slots]
