@@ -545,8 +545,12 @@ class LayerSubsetPredictor(LayerAhead):
         T, L, k = trace.topk_ids.shape
         toks = self.lut[np.minimum(np.asarray(trace.token_ids, np.int64), len(self.lut) - 1)]
         out = self._window if reuse else None
-        if L == self.full:  # nothing to pad: the window's own arrays, with the traces' token ids
-            if out is None or out.topk_ids is not trace.topk_ids or out.topk_weights is not trace.topk_weights:
+        if self.full == L:  # nothing to pad: the window's own arrays, with the traces' token ids
+            if (
+                out is None
+                or out.topk_ids is not trace.topk_ids
+                or out.topk_weights is not trace.topk_weights
+            ):
                 out = replace(trace, token_ids=toks, gate_inputs=None)
                 if reuse:
                     self._window = out
