@@ -440,3 +440,25 @@ def test_each_precision_calibrates_just_before_its_first_row_of_the_round(monkey
            f"cal int4-g128{ram} r{{i}}", f"e r{{i}} Pint4-g128{ram}",
            f"cal int4-g128{full} r{{i}}", f"f r{{i}} Pint4-g128{full}"]  # fmt: skip
     assert events == [e.format(i=i) for i in (0, 1) for e in one]
+
+
+def test_the_rows_collect_only_what_they_made():
+    """Inside settled_heap what was alive at its start is out of the collector's walk (frozen), while
+    a cycle a row leaves is still collected by release_freed; on leaving, nothing stays frozen."""
+    import gc
+    import weakref
+
+    import bench_tiers
+
+    class Node:
+        pass
+
+    with bench_tiers.settled_heap():
+        assert gc.get_freeze_count() > 0
+        a, b = Node(), Node()
+        a.other, b.other = b, a  # a cycle: only the collector frees it
+        gone = weakref.ref(a)
+        del a, b
+        bench_tiers.release_freed()
+        assert gone() is None
+    assert gc.get_freeze_count() == 0
