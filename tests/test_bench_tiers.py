@@ -26,8 +26,28 @@ def test_quick_run_at_test_sizes(tmp_path, capsys):
     import bench_tiers
     import memlimit
 
-    args = ["--quick", "--ds-shape", "test", "--capacities", "0.25", "--out", str(tmp_path), "--tokens", "6",
-            "--disk-mb", "4", "--json", "--requests", "2", "--noise", "2", "--precisions", "model,int4,mixed"]  # fmt: skip
+    args = [
+        "--quick",
+        "--ds-shape",
+        "test",
+        "--capacities",
+        "0.25",
+        "--out",
+        str(tmp_path),
+        "--tokens",
+        "6",
+        "--disk-mb",
+        "4",
+        "--json",
+        "--requests",
+        "2",
+        "--noise",
+        "2",
+        "--precisions",
+        "model,int4,mixed",
+        "--baselines",
+        "page cache",
+    ]  # fmt: skip (accelerate's own run: test_accelerate_disk_baseline_keeps_the_logits)
     rows = bench_tiers.run(args)
     by = {r["config"]: r for r in rows}
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
@@ -105,7 +125,8 @@ def test_quick_run_at_test_sizes(tmp_path, capsys):
         assert prof.expert_ms == {"int8": 1.0, "int4-g128": 2.0}
     assert by["llapor prefetch"]["status"] == "skipped"  # no --predictor
     why = memlimit.available()
-    for base in ("page cache", "accelerate"):
+    assert "accelerate" not in by  # --baselines names the baselines that run
+    for base in ("page cache",):
         r = by[base]
         if why is None:
             assert r["status"] == "ok" and r["modeled_tpot_ms"] is None and r["hit_rate"] is None
