@@ -26,28 +26,11 @@ def test_quick_run_at_test_sizes(tmp_path, capsys):
     import bench_tiers
     import memlimit
 
-    args = [
-        "--quick",
-        "--ds-shape",
-        "test",
-        "--capacities",
-        "0.25",
-        "--out",
-        str(tmp_path),
-        "--tokens",
-        "6",
-        "--disk-mb",
-        "4",
-        "--json",
-        "--requests",
-        "2",
-        "--noise",
-        "2",
-        "--precisions",
-        "model,int4,mixed",
-        "--baselines",
-        "page cache",
-    ]  # fmt: skip (accelerate's own run: test_accelerate_disk_baseline_keeps_the_logits)
+    # the page cache alone of the baselines: accelerate's run has its own test
+    # (test_accelerate_disk_baseline_keeps_the_logits)
+    args = ["--quick", "--ds-shape", "test", "--capacities", "0.25", "--out", str(tmp_path), "--tokens", "6",
+            "--disk-mb", "4", "--json", "--requests", "2", "--noise", "2", "--precisions", "model,int4,mixed",
+            "--baselines", "page cache"]  # fmt: skip
     rows = bench_tiers.run(args)
     by = {r["config"]: r for r in rows}
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
