@@ -11,7 +11,8 @@ Stages (each reused when its output exists, so an interrupted demo resumes where
    ``moecast train`` run logged to wandb (offline).
 5. compare: replay the held-out requests (never seen in training) under LRU, LFU, SMoE score
    eviction, SMoE substitution, LLaPor prefetch, cascade preloading and Belady's bound
-   (``moecast compare``), then print one table and write a PNG plot.
+   (``moecast compare``), then print one table and write a PNG plot; reused while the traces, the
+   checkpoints and the comparison's settings are the ones stamped beside its table.
 
 Every stage is the same function the matching subcommand calls; the demo only wires them.
 """
@@ -46,9 +47,9 @@ def _done(path: Path) -> bool:
     return path.is_file() and path.stat().st_size > 0
 
 
-def _reuse(path: Path, settings: dict[str, Any]) -> bool:
-    """Whether ``path`` was trained with ``settings`` (its stamp beside it) and can be reused; a
-    checkpoint from other settings (more requests, other epochs) is trained again, from scratch."""
+def _reuse(path: Path, settings: dict[str, Any], made: str = "trained", making: str = "training it") -> bool:
+    """Whether ``path`` was made with ``settings`` (its stamp beside it) and can be reused; an output
+    of other settings (more requests, other epochs, a retrained checkpoint) is made again, from scratch."""
     import json
 
     stamp = path.with_name(path.name + ".settings.json")
@@ -56,8 +57,28 @@ def _reuse(path: Path, settings: dict[str, Any]) -> bool:
         print(f"reusing {path}")
         return True
     if _done(path):
-        print(f"{path.name}: trained with other settings than this run's; training it again")
+        print(f"{path.name}: {made} with other settings than this run's; {making} again")
+    # until the new output is stamped, a stale stamp must not vouch for it (an interrupted run)
+    stamp.unlink(missing_ok=True)
     return False
+
+
+def _compare_settings(
+    traces: Path, checkpoints: tuple[Path, ...], capacities: tuple[float, ...], cold: bool, wandb: bool
+) -> dict[str, Any]:
+    """What the comparison depends on: the traces, each checkpoint as written (size and mtime: a
+    retrained one is another), and its own settings."""
+    from moecast.collect.traceset import TraceSet
+
+    files = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in checkpoints}
+    return {
+        "requests": TraceSet(traces).num_requests,
+        "checkpoints": files,
+        "capacities": [float(c) for c in capacities],
+        "cold": cold,
+        "wandb": wandb,
+        "hardware": DEMO_HARDWARE,
+    }
 
 
 def _stamp(path: Path, settings: dict[str, Any]) -> None:
@@ -388,6 +409,10 @@ def demo(
 
     _stage(5, total, "replay the held-out requests under each policy (moecast compare)", t0)
     cmp_dir = root / "compare"
-    _compare(traces, cmp_dir, llapor, cascade, capacities, cold, wandb)
+    # reused like the checkpoints: a rerun logs no second set of identical wandb runs
+    done = _compare_settings(traces, (llapor, eam, eap, cascade), capacities, cold, wandb)
+    if not _reuse(cmp_dir / "table.csv", done, "compared", "comparing"):
+        _compare(traces, cmp_dir, llapor, cascade, capacities, cold, wandb)
+        _stamp(cmp_dir / "table.csv", done)
     _report(root, traces, (llapor, eam, eap, cascade), cmp_dir, cold, wandb, json, t0)
     return root

@@ -84,28 +84,55 @@ def test_demo_rerun_reuses_finished_stages(demo_run):
         "eap.safetensors",
         "cascade.safetensors",
     }
-    before = {p: p.stat().st_mtime_ns for p in ckpts}
+    table = out / "compare" / "table.csv"
+    before = {p: p.stat().st_mtime_ns for p in (*ckpts, table)}
+    runs = sorted(out.rglob("offline-run-*"))
     again = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert {p: p.stat().st_mtime_ns for p in ckpts} == before
-    assert "reusing" in again.stdout + again.stderr
+    assert {p: p.stat().st_mtime_ns for p in (*ckpts, table)} == before
+    assert f"reusing {table}" in again.stdout
+    assert sorted(out.rglob("offline-run-*")) == runs  # no second set of the same wandb runs
+    assert json.loads(again.stdout.strip().splitlines()[-1])["summary"]  # the table, from the reused one
 
 
 def test_demo_rerun_with_other_settings_trains_what_they_change(demo_run):
     """Another LLaPor epoch count retrains LLaPor (from scratch) and reuses the CasMoE checkpoints;
-    the stamps beside the checkpoints say what each was trained with."""
+    the stamps beside the checkpoints say what each was trained with; the comparison runs again."""
     out, args, _ = demo_run
     eam = out / "ckpt" / "eam.safetensors"
-    before = eam.stat().st_mtime_ns
+    table = out / "compare" / "table.csv"
+    before, compared = eam.stat().st_mtime_ns, table.stat().st_mtime_ns
     changed = list(args)
     changed[changed.index("--llapor-epochs") + 1] = "1"
+    changed += ["--wandb", "false"]  # a setting of the comparison alone (the first run logs to wandb)
     again = subprocess.run(changed, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     text = again.stdout + again.stderr
     assert "llapor.safetensors: trained with other settings" in text and f"reusing {eam}" in text
     assert eam.stat().st_mtime_ns == before
+    # the retrained LLaPor is compared again
+    assert "table.csv: compared with other settings" in text and table.stat().st_mtime_ns != compared
     stamp = json.loads((out / "ckpt" / "llapor.safetensors.settings.json").read_text())
     assert stamp["llapor_epochs"] == 1
     from moecast.predictors import load
 
     assert load(out / "ckpt" / "llapor.safetensors").metadata()["training"]["epochs"] == 1
+
+
+def test_a_stage_made_with_other_settings_loses_its_stamp_until_made_again(tmp_path, capsys):
+    """An interrupted remake leaves no stamp of the old settings beside the new output, so a later run
+    with the old settings makes it again instead of taking the new output for the old one."""
+    from moecast.demo import _reuse, _stamp
+
+    out = tmp_path / "table.csv"
+    out.write_text("a")
+    _stamp(out, {"epochs": 1})
+    assert _reuse(out, {"epochs": 1}) and "reusing" in capsys.readouterr().out
+    assert not _reuse(out, {"epochs": 2}, "compared", "comparing")
+    assert (
+        "table.csv: compared with other settings than this run's; comparing again" in capsys.readouterr().out
+    )
+    out.write_text("b")  # the remake is interrupted before its stamp
+    assert not _reuse(out, {"epochs": 1})
+    _stamp(out, {"epochs": 2})
+    assert _reuse(out, {"epochs": 2})

@@ -84,10 +84,12 @@ def test_llapor_cli_trains_exports_and_resumes(traces, tmp_path, capsys, monkeyp
     assert 0.0 <= res["recall_at_k"] <= 1.0
 
 
-@pytest.mark.parametrize("name", ["llapor", "sequence"])
-def test_training_under_ddp(name, traces, tmp_path):
+def test_training_under_ddp(traces, tmp_path):
     """Two CPU ranks (Lightning's DDP relaunches `moecast train` once per rank): each builds the same
-    split from the files, validates its shard, and the logged recall is the whole split's."""
+    split from the files, validates its shard, and the logged recall is the whole split's. The
+    sequence model shards requests, the uneven case (5 over 2 ranks); LLaPor's loader takes the same
+    sampler (test_llapor_validation_shards_over_ranks_without_repeats) and the same summed counts."""
+    name = "sequence"
     out = tmp_path / "ddp.safetensors"
     cmd = [sys.executable, "-m", "moecast", "train", name]
     cmd += _args(f"{name}_tiny.yaml", traces, out, "--train.max_epochs", "1")
@@ -102,6 +104,32 @@ def test_training_under_ddp(name, traces, tmp_path):
     res = evaluate(str(out), str(traces), split="val", json=True)
     assert res["tokens"] == 5 * 12
     assert logged == pytest.approx(res["recall_at_k"], abs=1e-6)
+
+
+@pytest.mark.parametrize("world", [1, 2, 7])
+def test_llapor_validation_shards_over_ranks_without_repeats(world, traces, monkeypatch):
+    """Under DDP each rank validates every world-th token row, unpadded: the shards together are the
+    split, each row once (Lightning's default sampler would repeat rows to even them, and the summed
+    counts would count those twice); on one process the loader keeps every row."""
+    import torch.distributed as dist
+    from moecast.train.data import LLaPorDataModule
+
+    data = LLaPorDataModule(str(traces), val_fraction=0.4, batch_size=7)
+    data.setup()
+    n = len(data.val_rows)
+    monkeypatch.setattr(dist, "is_initialized", lambda: world > 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: world)
+    seen = []
+    for rank in range(world):
+        monkeypatch.setattr(dist, "get_rank", lambda *a, rank=rank, **k: rank)
+        loader = data.val_dataloader()
+        idx = list(loader.sampler)
+        assert idx == list(range(rank, n, world))  # every world-th row, from the rank's own
+        assert sum(len(b["target"]) for b in loader) == len(idx)  # the batches are the shard's rows
+        seen += idx
+    assert sorted(seen) == list(range(n))
+    if world == 7:
+        assert n % world  # uneven shards: a padding sampler would repeat rows to even them
 
 
 def test_checkpoint_loads_without_lightning(traces, tmp_path):
