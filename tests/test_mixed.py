@@ -156,17 +156,33 @@ def test_upgrades_after_the_prefetches_the_predicted_first():
     assert _stat(step, "upgrades") == 1
 
 
-@pytest.mark.parametrize("free, delay", [(2.5, 0.0), (2.1, 0.15)])
-def test_without_the_gate_the_window_reads_high_and_the_late_one_low(free, delay):
-    """prefetch-late at mixed precision (t_hi 1, t_lo 0.25), candidates [5, 6, 7]: 5 and 6 land high in
-    the window (2 ms); 7 is started past it at the low copy, ending at 2.25: inside a window of 2.5
-    (no delay), 0.15 past one of 2.1 (its high copy would end at 3.0: 0.9). No idle time is left for
-    an upgrade (0.25 < t_hi)."""
+@pytest.mark.parametrize(
+    "free, low, delay",
+    [(2.5, [False, False, True], 0.0), (1.2, [True, True, True], 0.0), (0.6, [True, True, True], 0.15)],
+)
+def test_without_the_gate_the_window_lands_what_fits_the_first_at_the_high_copy(free, low, delay):
+    """prefetch-late at mixed precision (t_hi 1, t_lo 0.25), candidates [5, 6, 7].
+    free 2.5: all three fit at the low copy (0.75); the 1.75 left turns floor(1.75 / 0.75) = 2 of them,
+    5 and 6, into high copies (2.25 in all); the 0.25 left is short of an upgrade (t_hi).
+    free 1.2: all three land low (0.75); 0.45 < 0.75 turns none high.
+    free 0.6: floor(0.6 / 0.25) = 2 land low (5, 6); 7 is started past the window at the low copy,
+    ending at 0.75: 0.15 past it (its high copy would end at 1.5: 0.9)."""
     step = _step("prefetch-late", capacity=4)
     _prefetch(step, [5, 6, 7], 0, free=free)
-    assert (_stat(step, "pf_started"), _stat(step, "pf_landed"), _stat(step, "pf_low")) == (3, 3, 1)
+    assert (_stat(step, "pf_started"), _stat(step, "pf_landed")) == (3, 3)
+    assert _stat(step, "pf_low") == sum(low)
     assert step.clock.delay[0] == pytest.approx(delay)
-    assert step.low[0, [5, 6, 7]].tolist() == [False, False, True] and _stat(step, "upgrades") == 0
+    assert step.low[0, [5, 6, 7]].tolist() == low and _stat(step, "upgrades") == 0
+
+
+def test_the_window_s_high_copies_cost_no_candidate_its_low_ones_would_land():
+    """The rule against its alternative: free 2.0, candidates [3, 4, 5, 6] (t_hi 1, t_lo 0.25). High
+    copies first would land 3 and 4 (2.0) and leave 5 and 6 to demand reads. Here all four land low
+    (1.0) and the 1.0 left turns floor(1.0 / 0.75) = 1, the first, high: 1.75 of the window."""
+    step = _step("prefetch", capacity=5)
+    _prefetch(step, [3, 4, 5, 6], 0, free=2.0)
+    assert _stat(step, "pf_landed") == 4 and _stat(step, "pf_low") == 3
+    assert step.low[0, [3, 4, 5, 6]].tolist() == [False, True, True, True]
 
 
 # ------------------------------------------------------------------------------------ the gate
@@ -186,27 +202,28 @@ def test_the_gate_starts_a_late_prefetch_above_break_even(p, taken):
 
 @pytest.mark.parametrize("p, taken", [(0.5, False), (0.7, True)])
 def test_the_gate_moves_the_low_copy_where_it_pays(p, taken):
-    """Two copies, prefetch-gated, free 1.6, candidates [3, 4, 5, 6] (p 0.9 but 6's):
-    3 lands high (1.0); the 0.6 left holds floor(0.6 / 0.25) = 2 low copies: 4, 5 (free: any p > 0);
-    6 would end past the window: low d = 1.0 + 3 * 0.25 - 1.6 = 0.15, high d = 2.0 + 0.5 - 1.6 = 0.9.
+    """Two copies, prefetch-gated, free 1.35, candidates [2, 3, 4, 5, 6, 7] (p 0.9 but 7's):
+    floor(1.35 / 0.25) = 5 land low in the window (free: any p > 0), 1.25; the 0.1 left turns none
+    high. 7 would end past the window: low d = 6 * 0.25 - 1.35 = 0.15, high d = 1.25 + 1.0 - 1.35 = 0.9.
     It spares a low read, S = 0.25: low pays when p * 0.25 > 0.15 (p > 0.6); high never (0.9 > 0.25)."""
-    step = _step("prefetch-gated", capacity=5)
-    _prefetch(step, [3, 4, 5, 6], 0, free=1.6, prob=[0.9, 0.9, 0.9, p])
-    assert step.low[0, [3, 4, 5]].tolist() == [False, True, True]
-    assert _stat(step, "pf_low") == (3 if taken else 2)
-    assert _stat(step, "pf_started") == (4 if taken else 3)
+    step = _step("prefetch-gated", capacity=6)
+    _prefetch(step, [2, 3, 4, 5, 6, 7], 0, free=1.35, prob=[0.9] * 5 + [p])
+    assert step.low[0, [2, 3, 4, 5, 6]].tolist() == [True] * 5
+    assert _stat(step, "pf_low") == (6 if taken else 5)
+    assert _stat(step, "pf_started") == (6 if taken else 5)
     assert step.clock.delay[0] == pytest.approx(0.15 if taken else 0.0)
-    assert bool(step.cache.resident[0, 6]) == taken and (not taken or step.low[0, 6])
+    assert bool(step.cache.resident[0, 7]) == taken and (not taken or step.low[0, 7])
     # reads' compute share: none here (t_rc = 0)
     assert step.clock.rc[0] == 0.0
 
 
 def test_the_gate_takes_no_free_low_copy_it_expects_unused():
-    """p = 0 for 4: the window's leftover takes no low copy of it, and as the late candidate it is
-    refused (0 * S > d never); 3 still lands high."""
+    """p = 0 for 4: the window lands no copy of it, and as the late candidate it is refused
+    (0 * S > d never); 3 lands, at the high copy (1.6 - 0.25 leaves room for its 0.75 more)."""
     step = _step("prefetch-gated")
     _prefetch(step, [3, 4], 0, free=1.6, prob=[0.9, 0.0])
     assert _stat(step, "pf_started") == 1 and _stat(step, "pf_refused") == 1
+    assert _stat(step, "pf_low") == 0 and not step.low[0, 3] and not step.cache.resident[0, 4]
 
 
 def test_the_gate_never_starts_presched_s_extra_transfer():

@@ -17,18 +17,22 @@ The rules (applied by :class:`moecast.runtime.core.step.LayerStep`, in its step 
    time at that precision (:meth:`~moecast.runtime.core.cost_model.HardwareProfile.expert_time`;
    ``moecast profile --expert-dtype model,int4`` measures both), as the CPU set's ``t_c`` does.
    A resident high copy computes at the high copy's time.
-2. **Prefetches inside the window read the high copy, best first**: of the predicted experts not
-   resident, the first ``n_high = min(asked, floor(free / t_hi))`` land at high precision.
+2. **Prefetches inside the window: as many as fit, the most confident at the high copy.** Of the
+   predicted experts not resident, ``n = min(asked, floor(free / t_lo))`` land in the window (under
+   the prefetch gate, :mod:`moecast.runtime.core.gate`, only a leading run of candidates whose
+   calibrated probability is above zero: each lands inside the window, so it is free and pays
+   whenever ``p > 0``). The time they leave turns the first of them, best first, into high copies:
+   ``n_high = min(n, floor((free - n t_lo) / (t_hi - t_lo)))``, and ``n_low = n - n_high``. Every
+   landed prefetch spares the same demand read (``t_lo``) when it is used, whichever copy it is, so
+   the window's first use is landing candidates, and only link time no further candidate needs
+   buys precision: the predicted experts get the high copy when the link has room.
 3. **Past the window, the low copy**: the policy's late transfer (late_prefetch's one, which lands
    late and resident; PreSched's one, which does not land) holds the link past the window, so every
-   ms of it delays the layer's demand loads: it reads the low copy, ``d = n_high t_hi + t_lo -
-   free`` rather than ``n_high t_hi + t_hi - free``. Under the prefetch gate
-   (:mod:`moecast.runtime.core.gate`) the window's leftover, ``free - n_high t_hi``, first takes
-   low copies of the next candidates, best first while their calibrated probability is above zero
-   (each lands inside the window, so it is free and pays whenever ``p > 0``), and the late one is
-   started only where ``p S > d_x``, at the copy ``x`` (high or low) that maximises ``p S - d_x``,
-   ``S = t_lo`` (a used prefetch spares a low read), ``d_x = n_high t_hi + n_low t_lo + t_x - free``.
-   Since ``d_lo < d_hi`` and both spare the same ``S``, the gate too moves a late expert's low copy.
+   ms of it delays the layer's demand loads: it reads the low copy, ``d = n_high t_hi + n_low t_lo +
+   t_lo - free`` rather than ``... + t_hi - free``. Under the gate the late one is started only
+   where ``p S > d_x``, at the copy ``x`` (high or low) that maximises ``p S - d_x``, ``S = t_lo``
+   (a used prefetch spares a low read), ``d_x = n_high t_hi + n_low t_lo + t_x - free``. Since
+   ``d_lo < d_hi`` and both spare the same ``S``, the gate too moves a late expert's low copy.
 4. **Upgrades in idle link time.** What the window leaves idle after the prefetches, ``idle = free
    - n_high t_hi - n_low t_lo`` (zero when a late transfer was started: it holds the link past the
    window), reads ``u = floor(idle / t_hi)`` high copies over resident low ones: the predicted
@@ -46,8 +50,10 @@ transfer and this layer's expert phase; transfers are serial (PreScope Premise 4
 of ``t`` each fit when ``k t <= free``, and what they leave is idle unless something is read. A
 demand miss is on the critical path (``link = delay + n_load t_io``, ``dev >= link + t_g``), so
 reading its low copy shortens the layer by ``t_hi - t_lo`` per load; a prefetch or an upgrade in
-the window is off it, so reading the high copy there costs nothing and buys precision. With both
-copies equal in bytes every rule reduces to the single-precision step (tests pin it).
+the window is off it, so reading the high copy there costs nothing and buys precision once every
+candidate that fits has landed (a high copy in the window's place of ``(t_hi - t_lo) / t_lo`` low
+ones would leave those to demand reads, on the critical path). With both copies equal in bytes
+every rule reduces to the single-precision step (tests pin it).
 
 Statistics (:data:`moecast.runtime.core.step_kernels.STATS`): ``pf_low`` prefetches started at the
 low copy, ``pf_used_low`` of the prefetched experts used, the low ones, ``upgrades``, ``low_uses``
@@ -159,6 +165,20 @@ def _fit(free: np.ndarray, t: float, ask: np.ndarray) -> np.ndarray:
     return np.maximum(np.floor(free / t + 1e-9), 0).astype(np.int64)
 
 
+def _window_copies(
+    ask: np.ndarray, free: np.ndarray, t_hi: float, t_lo: float, prob: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Rule 2: ``(n_high, n_low)`` landing in the window. As many candidates as fit land at the low
+    copy (under the gate, only a leading run with ``p > 0``); the time left turns the first of them,
+    the most confident, into high copies, ``t_hi - t_lo`` more each."""
+    land = np.minimum(ask, _fit(free, t_lo, ask))
+    if prob is not None:
+        lead = np.cumprod(prob > 0, axis=1).sum(1) if prob.shape[1] else np.zeros_like(land)
+        land = np.minimum(land, lead)
+    n_high = np.minimum(land, _fit(free - land * t_lo, t_hi - t_lo, land))
+    return n_high, land - n_high
+
+
 def plan_prefetch(
     n_cand: np.ndarray,
     pf_n: np.ndarray,
@@ -179,15 +199,11 @@ def plan_prefetch(
     n = len(n_cand)
     ask = np.where(pf_n >= 0, np.minimum(pf_n, n_cand), n_cand)
     finite = math.isfinite(t_hi)
-    n_high = np.minimum(ask, _fit(free, t_hi, ask))
-    n_low = np.zeros(n, dtype=np.int64)
     mixed = t_lo != t_hi
-    if gate and mixed and finite and prob is not None:
-        left = free - n_high * t_hi
-        col = np.arange(prob.shape[1])[None, :]
-        ok = np.where(col < n_high[:, None], True, prob > 0)
-        lead = np.cumprod(ok, axis=1).sum(1) - n_high  # candidates after the highs with p > 0, in a run
-        n_low = np.minimum(np.minimum(ask - n_high, _fit(left, t_lo, ask - n_high)), lead)
+    if mixed and finite:
+        n_high, n_low = _window_copies(ask, free, t_hi, t_lo, prob if gate else None)
+    else:
+        n_high, n_low = np.minimum(ask, _fit(free, t_hi, ask)), np.zeros(n, dtype=np.int64)
     in_window = n_high + n_low
     late_ok = late_policy and finite and t_hi > 0
     presched_one = (pf_n >= 0) & (balancer == "presched")

@@ -57,8 +57,9 @@ that run a layer now it does, in this order:
 Two expert copies (``copies``, :mod:`moecast.runtime.core.mixed`): demand loads and the CPU set's
 reads take the low copy's ``t_io`` in step 5, and each device expert computes at the copy in its
 slot (``n_dev * t_g`` is ``n_high * t_g(high) + (n_dev - n_high) * t_g(low)``, a demand load's at
-the low copy's), prefetches in the window take the high copy's ``t_io`` in step 1,
-and link time the window leaves idle reads high copies over resident low ones (upgrades). Under
+the low copy's), the prefetches in the window land as many as fit at the low copy's ``t_io`` in
+step 1 and the time left turns the most confident into high copies (``mixed``, rule 2), and link
+time the window leaves idle reads high copies over resident low ones (upgrades). Under
 the prefetch gate (``policy.gate``, :mod:`moecast.runtime.core.gate`) step 1's late transfer is
 started only where its calibrated probability of use pays for the time it is late. Two copies run
 on this module's numpy path only; the compiled kernels decline them (:meth:`OneLane.takes`) and take

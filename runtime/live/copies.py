@@ -3,8 +3,9 @@ experts call computes every slot at the copy it holds (issue 45, item 4; the rul
 :mod:`moecast.runtime.core.mixed`).
 
 The per-layer step decides, exactly as the replay does, which copy each resident expert holds
-(``LayerStep.low[layer, expert]``): a prefetch in the link window reads the high copy (the gate may
-take the low one), one started past the window, a demand load and the CPU set the low one, and idle link time rereads the high copy over a resident
+(``LayerStep.low[layer, expert]``): the prefetches in the link window land as many as fit at the low
+copy and, with the time left, the most confident at the high one; one started past the window, a
+demand load and the CPU set read the low one, and idle link time rereads the high copy over a resident
 low one (an upgrade: the flag turns False while the expert stays resident). The disk tier's stores
 read each expert at the copy its flag names when they load it (:meth:`DiskLayerStore.follow
 <moecast.runtime.tiers.offload.DiskLayerStore.follow>`: the store holds a view of the step's row),
