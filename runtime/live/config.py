@@ -83,8 +83,9 @@ class LiveConfig(RuntimeSpec):
             (:mod:`moecast.runtime.core.mixed`): ``mixed`` (``model+int4``), ``int8+int4``,
             ``model+int8``, ``int8+int4-g64``, high first: both live in the offload directory (needs
             ``offload="disk"``), a slot holds either and is sized for the high one; demand misses and
-            the CPU set read the low copy, prefetches the high one, and idle link time rereads the
-            high copy over resident low ones (upgrades), as the replay models it.
+            the CPU set read the low copy, the window's prefetches the low one and, with the time it
+            leaves, the high one for the most confident, and idle link time rereads the high copy over
+            resident low ones (upgrades), as the replay models it.
         group_size: int4's group along the input dimension (32, 64, 128 or 256); a matrix whose input
             dimension it does not divide is quantized per output channel instead.
     """

@@ -74,8 +74,9 @@ def replay(
             the precision's bytes where experts compute on the CPU (a profile's fast_tier: cpu), the
             model's where a device dequantizes them into its slots (fast_tier: device). Two copies:
             mixed (model+int4), or HIGH+LOW such as int8+int4 or model+int4-g64: a demand miss reads the
-            low copy, a prefetch in the window the high one, and idle link time upgrades resident low
-            copies (replay only for now; a capacity in bytes counts the high copy).
+            low copy, the link window lands as many prefetches as fit at the low copy and turns the most
+            confident into high ones with the time left, and idle link time upgrades resident low
+            copies (a capacity in bytes counts the high copy).
         group_size: int4's group along each matrix's input dimension (32, 64, 128 or 256).
         json: print one JSON object instead of a table.
     """
