@@ -25,6 +25,9 @@ def _isolated_outputs(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("WANDB_DIR", str(root / "wandb"))
         mp.setenv("WANDB_MODE", "offline")
+        # wandb parses every installed package's metadata into each run's requirements (0.15-0.3 s a
+        # run; the demo alone makes dozens); no test reads that list
+        mp.setenv("WANDB__SAVE_REQUIREMENTS", "false")
         mp.setenv("MOECAST_HOME", os.environ.get("MOECAST_TEST_HOME", str(root / "moecast_home")))
         yield
 
