@@ -274,3 +274,23 @@ def test_warm_loads_the_kernels_of_the_path_a_step_takes(monkeypatch):
     loaded.clear()
     step.warm()
     assert loaded == ["cache"] and step.cache._kc is not None
+
+
+@pytest.mark.parametrize("base, n_stats", [(np.arange(L), L), (np.full(L, -1), L), (np.zeros(L), L - 1)])
+def test_a_statistics_slot_past_the_table_is_refused(base, n_stats):
+    """The compiled kernels write stat_base + layer unchecked, so the step refuses a layout whose slots
+    leave the table (a lane per layer with each its own base: slot 2 L - 2 of L)."""
+    cache = ExpertCache(E, 4, "lru", lanes=L)
+    with pytest.raises(ValueError, match="stat_base"):
+        LayerStep(
+            cache, POLICIES["lru"], COSTS["tight"], E, L, stat_base=base.astype(np.int64), n_stats=n_stats
+        )
+
+
+def test_the_live_and_replay_layouts_fit_the_table():
+    cache = ExpertCache(E, 4, "lru", lanes=3 * L)
+    LayerStep(
+        cache, POLICIES["lru"], COSTS["tight"], E, L, stat_base=np.repeat(np.arange(3) * L, L), n_stats=3 * L
+    )
+    LayerStep(ExpertCache(E, 4, "lru", lanes=L), POLICIES["lru"], COSTS["tight"], E, L, stat_base=np.zeros(L, np.int64),
+              n_stats=L)  # fmt: skip

@@ -160,6 +160,16 @@ class LayerStep:
 
     def __post_init__(self) -> None:
         lanes = len(self.stat_base)
+        # the compiled kernels write a row's statistics at stat_base + layer unchecked: a slot past
+        # the table would corrupt the heap, not raise
+        if lanes and (
+            int(self.stat_base.min()) < 0 or int(self.stat_base.max()) + self.num_layers > self.n_stats
+        ):
+            raise ValueError(
+                f"LayerStep: stat_base spans {int(self.stat_base.min())}..{int(self.stat_base.max())}, and each "
+                f"lane's {self.num_layers} layers need slots up to stat_base + {self.num_layers - 1} within "
+                f"n_stats = {self.n_stats}; give each lane its own run of {self.num_layers} slots"
+            )
         self.clock = LinkClock.start(lanes, self.first_window)
         self.table = np.zeros((len(STATS), self.n_stats))  # the statistics, one row each
         self.stats = {name: self.table[i] for i, name in enumerate(STATS)}
