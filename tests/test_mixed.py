@@ -156,6 +156,20 @@ def test_upgrades_after_the_prefetches_the_predicted_first():
     assert _stat(step, "upgrades") == 1
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_predicted_upgrade_in_rank_order_not_by_id_or_recency(compiled):
+    """Policy prefetch, capacity 4. t0: {1, 2} load low; t1: {3, 1} load 3 low (1 a low hit, now the
+    most recent with 3). t2: prediction [2, 1], both resident: nothing lands and the window's 1.2
+    idle reads floor(1.2 / 1) = 1 upgrade, the first predicted, 2, though 1 has the lower id and the
+    later use. The compiled one-lane step decides the same."""
+    step = _step("prefetch", capacity=4, compiled=compiled)
+    _layer(step, [1, 2], 0, free=0.0)
+    _layer(step, [3, 1], 1, free=0.0)
+    _prefetch(step, [2, 1], 2, free=1.2)
+    assert _stat(step, "upgrades") == 1 and _stat(step, "pf_landed") == 0
+    assert step.low[0, [1, 2, 3]].tolist() == [True, False, True]
+
+
 @pytest.mark.parametrize(
     "free, low, delay",
     [(2.5, [False, False, True], 0.0), (1.2, [True, True, True], 0.0), (0.6, [True, True, True], 0.15)],
@@ -319,10 +333,10 @@ def test_equal_copies_reproduce_one_precision(tmp_path, policy, kw):
     _same(replay(path, ReplayConfig(**base, expert_dtype="model")), one, exact=False)
 
 
-def test_mixed_and_gated_runs_refuse_the_fast_and_compiled_paths(tmp_path, monkeypatch):
-    """The batch-1 engines know one copy and no gate, the compiled one-lane kernels one copy: a mixed
-    or gated run must not reach what would drop the copies or the gate silently (the kernels take a
-    gated step of one copy, with the numpy path's figures)."""
+def test_mixed_and_gated_runs_refuse_the_fast_engines_and_compile_as_the_numpy_step(tmp_path, monkeypatch):
+    """The batch-1 engines know one copy and no gate: a mixed or gated run must not reach what would
+    drop the copies or the gate silently. The compiled one-lane kernels take both (two copies, the
+    gate), with the numpy path's figures."""
     path = make_synthetic_traceset(tmp_path / "s", num_experts=8, top_k=2)
 
     def boom(*a, **k):
@@ -334,19 +348,17 @@ def test_mixed_and_gated_runs_refuse_the_fast_and_compiled_paths(tmp_path, monke
         for policy, dtype in (("lru", "mixed"), ("prefetch", "mixed"), ("prefetch-late", "int8+int4"),
                               ("prefetch-gated", "model"), ("prefetch-gated", "mixed")):  # fmt: skip
             replay(path, ReplayConfig(policy=policy, capacity=4, expert_dtype=dtype))
-    # the compiled step: its kernels decline two copies, take the gate with one, and the step gives the
-    # numpy path's figures
-    for pol, copies in (("prefetch-late", COPIES), ("prefetch-gated", None)):
+    for pol, copies in (("prefetch-late", COPIES), ("prefetch-gated", None), ("prefetch-gated", COPIES)):
         steps = [_step(pol, compiled=c, copies=copies) for c in (True, False)]
-        assert steps[0]._one.takes(ONE, np.zeros((1, 1, 2), np.int64), None, None) == (copies is None)
-        if copies is not None:
-            monkeypatch.setattr(steps[0]._one, "prefetch", boom)
+        assert steps[0]._one.takes(ONE, np.zeros((1, 1, 2), np.int64), None, None)
         for s in steps:
             for t, (ids, pred) in enumerate(([[0, 1], [2, 3]], [[2, 4], [4, 5]], [[4, 5], [6, 0]])):
                 _prefetch(s, pred, t, free=1.6, prob=[0.9, 0.7])
                 _layer(s, ids, t)
         assert steps[0].table.tolist() == steps[1].table.tolist()
         assert (steps[0].cache.resident == steps[1].cache.resident).all()
+        if copies is not None:
+            assert ((steps[0].low & steps[0].cache._res) == (steps[1].low & steps[1].cache._res)).all()
 
 
 def test_live_style_callers_without_probabilities_are_told():

@@ -18,6 +18,7 @@ from moecast.runtime.core import eviction
 from moecast.runtime.core import step_kernels as sk
 from moecast.runtime.core.cache import ExpertCache
 from moecast.runtime.core.cost_model import CostModel
+from moecast.runtime.core.mixed import Copies
 from moecast.runtime.core.policy import POLICIES, Policy
 from moecast.runtime.core.prefetch import top_predictions
 from moecast.runtime.core.presched import schedule
@@ -63,12 +64,12 @@ CASES = {
 }
 
 
-def _step(policy, cost, k: int, compiled: bool) -> LayerStep:
+def _step(policy, cost, k: int, compiled: bool, copies: Copies | None = None) -> LayerStep:
     cache = ExpertCache(E, k + 3, policy.eviction, lanes=L, score_window=3, scalar_path=compiled)
     if policy.eviction == "static":
         cache.preload(np.arange(L), np.tile(np.arange(k + 3), (L, 1)))
     return LayerStep(
-        cache, policy, cost, E, L, stat_base=np.zeros(L, np.int64), n_stats=L,
+        cache, policy, cost, E, L, stat_base=np.zeros(L, np.int64), n_stats=L, copies=copies,
         prefetching=policy.prefetches, predictor_ms=0.1 if policy.prefetches else 0.0, compiled=compiled,
     )  # fmt: skip
 
@@ -76,7 +77,9 @@ def _step(policy, cost, k: int, compiled: bool) -> LayerStep:
 def _state(step: LayerStep) -> list:
     c = step.cache
     arrays = [c.resident, c.last, c.freq, c.prefetched, c.count, step.table, step.r_used, step.r_landed]
-    arrays += [step.clock.free, step.clock.delay, step.clock.pf_n]
+    arrays += [step.clock.free, step.clock.delay, step.clock.pf_n, step.clock.rc]
+    if step.copies is not None:
+        arrays += [step.low[:, :E] & c.resident, step._windowed]
     if c.policy == "score":
         arrays += [c.score_sum, c._ring, c._ring_pos]
     return [a.tolist() for a in arrays] + [vars(c.stats), c._clock]
@@ -87,14 +90,17 @@ def _outcome(o) -> list:
 
 
 def _prob(rng: np.random.Generator, pending: tuple) -> np.ndarray:
-    """The ranked candidates' calibrated probabilities of use (the prefetch gate's)."""
-    return rng.random(pending[1].shape)
+    """The ranked candidates' calibrated probabilities of use (the prefetch gate's), a fifth of them 0
+    (a candidate the gate never lands, even in the window, under two copies)."""
+    p = rng.random(pending[1].shape)
+    return np.where(rng.random(p.shape) < 0.2, 0.0, p)
 
 
-def _run(policy, cost, k: int, compiled: bool, seed: int) -> list:
-    """The live runtime's calls on random routing; every outcome and the state after each call."""
+def _run(policy, cost, k: int, compiled: bool, seed: int, copies: Copies | None = None) -> list:
+    """The live runtime's calls on random routing; every outcome and the state after each call (two
+    copies: a layer no prefetch reaches upgrades as its window opens, as the live runtime's does)."""
     rng = np.random.default_rng(seed)
-    step = _step(policy, cost, k, compiled)
+    step = _step(policy, cost, k, compiled, copies)
     seen: list = []
     for t in range(40):
         decode = np.array([t >= 2 or rng.random() < 0.5])  # a few one-token prefills first
@@ -125,6 +131,8 @@ def _run(policy, cost, k: int, compiled: bool, seed: int) -> list:
                 restart=np.array([pos == 0]), next_predicted=pred, decode=decode, routed=True,
             )  # fmt: skip
             seen += [_outcome(o), _state(step)]
+            if copies is not None and pending is None and nxt < L and rng.random() < 0.5:
+                step.upgrade_quiet(np.array([nxt]), np.array([nxt]))
             if pending is not None:
                 seen.append(
                     step.prefetch(
@@ -159,6 +167,44 @@ def test_compiled_one_lane_step_equals_the_vectorised_step(case, cost, k):
         assert st["pf_started"] > st["pf_landed"]  # a late one delays the next layer's loads
     if case == "prefetch-gated" and cost == "tight":  # the gate refuses late ones and starts others
         assert st["pf_refused"] > 0 and st["pf_started"] > st["pf_refused"]
+
+
+def _low(cost: CostModel) -> Copies:
+    """The low copy of an expert moving at ``cost``: a quarter of its bytes and reads, a slower compute."""
+    low = dataclasses.replace(
+        cost,
+        t_io=cost.t_io / 4,
+        t_rc=cost.t_rc / 4,
+        t_g=cost.t_g * 1.5,
+        beta=cost.beta * 1.5,
+        expert_bytes=0.25,
+    )
+    return Copies("model", "int4-g128", low)
+
+
+MIXED_CASES = ("lru", "score", "lru + cpu", "prefetch", "prefetch-late", "smoe", "prefetch-gated")
+
+
+@pytest.mark.parametrize("cost", ["tight", "fast", "no link", "cpu + disk, reads on the cores"])
+@pytest.mark.parametrize("case", MIXED_CASES)
+@pytest.mark.parametrize("k", [4, 10])
+def test_compiled_two_copy_step_equals_the_vectorised_step(case, cost, k):
+    """Two copies (mixed.py's rules): the compiled one-lane step lands, marks, upgrades and times
+    every copy as the vectorised step does, call by call, floats bit for bit."""
+    policy, cm = CASES[case], COSTS[cost]
+    want = _run(policy, cm, k, compiled=False, seed=k, copies=_low(cm))
+    got = _run(policy, cm, k, compiled=True, seed=k, copies=_low(cm))
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g == w, f"call {i}"
+    # each case exercises the copies: low uses always, upgrades where the link has idle time, low
+    # and high prefetches where a predictor prefetches over a link
+    st = {name: v.sum() for name, v in zip(STATS, np.array(want[-1][5]))}
+    assert 0 < st["low_uses"] <= st["uses"] and (st["low_uses"] < st["uses"]) == (cost != "no link")
+    if not policy.prefetches or cost == "fast":  # a window the prefetches leave idle: upgrades
+        assert (st["upgrades"] > 0) == (cost != "no link")
+    if policy.prefetches and cost != "no link":  # a tight window lands low copies, a fast one high ones
+        assert st["pf_started"] > 0 and (st["pf_low"] > 0) == (st["pf_used_low"] > 0) == (cost != "fast")
 
 
 def test_compiled_step_refuses_out_of_range_ids():

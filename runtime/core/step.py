@@ -61,9 +61,8 @@ the low copy's), the prefetches in the window land as many as fit at the low cop
 step 1 and the time left turns the most confident into high copies (``mixed``, rule 2), and link
 time the window leaves idle reads high copies over resident low ones (upgrades). Under
 the prefetch gate (``policy.gate``, :mod:`moecast.runtime.core.gate`) step 1's late transfer is
-started only where its calibrated probability of use pays for the time it is late. Two copies run
-on this module's numpy path only; the compiled kernels decline them (:meth:`OneLane.takes`) and take
-the gate with one copy.
+started only where its calibrated probability of use pays for the time it is late. The compiled
+one-lane path (:mod:`moecast.runtime.core.step_kernels`) takes both, with the same decisions.
 
 Prefill (SMoE Sec. 4.1: prefill loads what it needs): a row that is not a decode step is neither
 substituted nor balanced (every miss is loaded; under static, which never loads, on the CPU), and
@@ -139,8 +138,7 @@ class LayerStep:
     decode steps) run as the compiled kernels of :mod:`moecast.runtime.core.step_kernels` (the same
     decisions, statistics and times); the cost model and the predictor latency are then fixed.
     ``copies``: the slow tier holds two copies of each expert (:mod:`moecast.runtime.core.mixed`):
-    ``cost`` is then the high copy's (prefetches, upgrades) and ``copies.low`` a demand read's. A
-    mixed step runs this numpy path only (the prefetch gate, ``policy.gate``, with one copy: both).
+    ``cost`` is then the high copy's (prefetches, upgrades) and ``copies.low`` a demand read's.
     """
 
     cache: ExpertCache
@@ -194,9 +192,9 @@ class LayerStep:
     def warm(self) -> None:
         """Load the compiled kernels this step's decode path calls: numba compiles them (or reads its
         cache) at their first call, which would otherwise land in the first decode steps' time."""
-        if self.compiled and self._one.serves:
+        if self.compiled:
             self._one.ep or self._one._load()
-        else:  # the numpy path's (two copies)
+        else:
             self.cache._kernels()
 
     @property
@@ -235,7 +233,7 @@ class LayerStep:
                 f"policy {self.policy.name!r} gates its prefetches on calibrated probabilities, which this "
                 "caller did not give (the replay calibrates them on val); use prefetch-late"
             )
-        if self.copies is None and self.compiled and len(lanes) == 1 and not self.shared:
+        if self.compiled and len(lanes) == 1 and not self.shared:
             return self._one.prefetch(lanes, layer, ranked, t, prob)
         if self.copies is not None or gate:
             return self._prefetch_copies(lanes, layer, ranked, t, prob)
@@ -331,8 +329,9 @@ class LayerStep:
             first = np.full(key.shape, -np.inf)
             rr = np.broadcast_to(np.arange(len(rows))[:, None], r.shape)
             ok = r >= 0
-            # predicted experts rank above any recency, in their order
-            first[rr[ok], r[ok]] = 2.0**62 + (M - np.broadcast_to(np.arange(M), r.shape)[ok])
+            # predicted experts rank above any recency (a time < 2**52), in their order (2**52 + rank
+            # is exact in float64, where 2**62 + rank would round every rank to one key)
+            first[rr[ok], r[ok]] = 2.0**52 + (M - np.broadcast_to(np.arange(M), r.shape)[ok])
             key = np.maximum(key, first)
         order = np.argsort(-np.where(low, key, -np.inf), axis=1, kind="stable")
         k = int(n_up[rows].max())
@@ -347,6 +346,9 @@ class LayerStep:
         """A lane no prefetch reached upgrades in its whole window (mixed.py, rule 4): :meth:`layer`
         does it first, or a caller that reads the upgrades when the window opens (the live runtime,
         after the layer before) does it then, and the layer does not again."""
+        if self.compiled and len(lanes) == 1 and not self.shared:
+            self._one.upgrade_quiet(lanes, layer)
+            return
         quiet = ~self._windowed[lanes]
         if quiet.any():
             self._upgrade(lanes[quiet], layer[quiet], self.clock.free[lanes[quiet]], None)
@@ -630,7 +632,13 @@ class OneLane:
         cache, cost, pol = step.cache, step.cost, step.policy
         self.code = eviction.kernel_code(cache.policy)  # a policy without a kernel never runs here
         t_pred = step.predictor_ms if step.prefetching else 0.0
-        self.fcost = sk.fcost_of(cost, t_pred, step.first_window, pol.late_prefetch)
+        two = step.copies is not None
+        # two copies: the demand read's cost first, the high copy's (prefetches, upgrades) beside it
+        self.fcost = sk.fcost_of(
+            step.demand, t_pred, step.first_window, pol.late_prefetch, cost if two else None
+        )
+        self.low = step.low if two else np.zeros((1, 1), bool)
+        self.windowed = step._windowed if two else np.zeros(1, bool)
         self.scratch = np.empty(0)  # the kernels' scratch (PreSched's inputs, the CPU times)
         self.info = np.zeros(2, np.int64)
         self.counters = np.zeros(5, np.int64)
@@ -644,8 +652,6 @@ class OneLane:
         # SMoE Algorithm 1's band edges as substitute() multiplies them (float32 factors)
         self.hi, self.lo = float(np.float32(1 + pol.alpha)), float(np.float32(1 - pol.alpha))
         self.ep: tuple | None = None
-        # the kernels know one copy: a mixed step keeps to the numpy path
-        self.serves = step.copies is None
         self.gated = pol.gate != "none"  # its prefetches' late one starts only where it pays
 
     def _load(self) -> tuple:
@@ -653,11 +659,9 @@ class OneLane:
         return self.ep
 
     def takes(self, lanes: np.ndarray, ids: np.ndarray, probs: np.ndarray | None, next_use: object) -> bool:
-        """Whether a call is this path's: one lane, one token, no next-use times, a cache per layer
-        and one expert precision."""
+        """Whether a call is this path's: one lane, one token, no next-use times and a cache per layer."""
         return (
-            self.serves
-            and len(lanes) == 1
+            len(lanes) == 1
             and ids.shape[1] == 1
             and ids.shape[2] <= sk.MAX_K
             and next_use is None
@@ -686,7 +690,7 @@ class OneLane:
         p = probs[0] if probs.dtype == np.float32 else probs[0].astype(np.float32)
         lane = int(lanes[0])
         out = np.empty(ids.shape[2], np.int64)
-        use = ep[4][p.dtype](p, _i64(ids[0]), step.cache.resident[lane], self.hi, self.lo, out)
+        use = ep[5][p.dtype](p, _i64(ids[0]), step.cache.resident[lane], self.hi, self.lo, out)
         if use < 0:
             return None
         if use == 0:
@@ -734,7 +738,7 @@ class OneLane:
         n_load = ep[0](
             *state, row, decode is None or bool(decode[0]), step.prefetching, self.bal, self.code,
             cache._shift, self.fcost, clock.delay, clock.rc, clock.free, clock.pf_n, step.r_used, step.table, p,
-            nl, hn, rs, pred, out, hit, self.scratch, fout, self.info, self.counters,
+            nl, hn, rs, pred, out, hit, self.scratch, fout, self.info, self.counters, self.low, self.windowed,
         )  # fmt: skip
         if n_load == sk.BAD_IDS:
             cache._bad_ids(lane, row)
@@ -743,10 +747,20 @@ class OneLane:
             n_load = self._presched(lanes, next_lanes, has_next, decode, cur, nxt, fout)
             ep[1](
                 *state, n_load, p, self.code, cache._shift, self.fcost, clock.free, clock.pf_n, step.table,
-                nl, hn, rs, out, hit, fout, self.counters, self.scratch[k : 2 * k],
+                nl, hn, rs, out, hit, fout, self.counters, self.scratch[k : 2 * k], self.low,
             )  # fmt: skip
         self._fold()
         return LayerOutcome(ids, out[0:1], out[1:2], hit[None], out[2:3], out[3:4], fout[0:1], fout[1:2])
+
+    def upgrade_quiet(self, lanes: np.ndarray, layer: np.ndarray) -> None:
+        """LayerStep.upgrade_quiet for one lane."""
+        step = self.step
+        ep = self.ep or self._load()
+        lane = int(lanes[0])
+        ep[4](
+            step.cache._res, step.cache._last, step.cache._pf, self.low, self.windowed, lane,
+            int(step.stat_base[lane] + layer[0]), step.clock.free, self.fcost, step.clock.rc, step.table,
+        )  # fmt: skip
 
     def _presched(
         self,
@@ -790,7 +804,7 @@ class OneLane:
             int(step.stat_base[lane] + layer[0]), cache._caps[lane], _time(t), row, self.code, cache._shift,
             self.landing_rule, self.fcost, clock.free, clock.delay, clock.rc, clock.pf_n,
             step.r_landed, step.table, out, self.counters, self.gated,
-            np.ascontiguousarray(prob[0], np.float64) if self.gated else _NO_PROB,
+            np.ascontiguousarray(prob[0], np.float64) if self.gated else _NO_PROB, self.low, self.windowed,
         )  # fmt: skip
         if bad:
             cache._bad_ids(lane, row)
