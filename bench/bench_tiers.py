@@ -482,6 +482,7 @@ def pooled(stats: list[dict]) -> dict:
     from moecast.runtime.live.runtime import BREAKDOWN
 
     keys = ("decode_steps", "routed", "uses", "hits", "bytes_read", "prefetches_issued", "prefetch_used")
+    keys += ("wasted_bytes",)
     out = {k: sum(s[k] for s in stats) for k in keys}
     out["expert_bytes"] = stats[0]["expert_bytes"]
     # the precision the runs computed at: calibrate sets that precision's expert time from them
@@ -547,12 +548,12 @@ def live_result(t: Tiers, row: Row, capacity: float) -> dict:
 
 def link_figures(st: dict) -> dict:
     """Per decode step: the MB the disk read, its link floor (those bytes at the rate the row's runs
-    saw), and the MB prefetched and never used (issued minus used, at the precision's bytes: a read
-    the predictor was wrong about costs what a miss does)."""
+    saw), and the MB prefetched and never used (the runtime's ``wasted_bytes``: prefetches that moved,
+    each at the copy it read; a read the predictor was wrong about costs what a miss does)."""
     steps = max(1, st["decode_steps"])
     mb = st["bytes_read"] / steps / 2**20
     gbps = st.get("disk_read_gbps_observed")
-    wasted = max(0, st["prefetches_issued"] - st["prefetch_used"]) * st["expert_bytes"] / steps / 2**20
+    wasted = st["wasted_bytes"] / steps / 2**20
     return {
         "read_mb_per_token": mb,
         "link_floor_ms": mb * 2**20 / (gbps * 1e9) * 1e3 if gbps else None,

@@ -187,6 +187,7 @@ def test_pooled_runs_by_hand():
         return {"decode_steps": steps, "routed": uses, "uses": uses, "hits": hits, "bytes_read": mb * 10**6,
                 "disk_read_gbps_observed": gbps, "modeled_tpot_ms": ms, "after_layers_ms": ms / 10,
                 "prefetches_issued": steps * 3, "prefetch_used": steps, "expert_bytes": 2**20,
+                "wasted_bytes": steps * 2**20,
                 "expert_dtype": "int4-g128", **{f"{p}_ms": ms for p in BREAKDOWN}}  # fmt: skip
 
     # 1000 MB at 1 GB/s (1 s busy) and 3000 MB at 3 GB/s (1 s busy): 4000 MB in 2 s
@@ -237,12 +238,12 @@ def test_pooled_runs_by_hand():
     assert cal.gpu_expert_ms == 2.0 and cal.expert_ms == {
         "int4-g128": pytest.approx(st["expert_compute_ms"] * 4 / 40)
     }
-    # per decode step: 4000 MB / 4 steps = 1e9 bytes (953.7 MiB), 0.5 s at 2 GB/s; 8 prefetches of
-    # 1 MiB never used over 4 steps: 2 MiB a step
+    # per decode step: 4000 MB / 4 steps = 1e9 bytes (953.7 MiB), 0.5 s at 2 GB/s; 4 MiB moved by
+    # prefetches never used over 4 steps: 1 MiB a step (issued minus used, 8 MiB, counts what never moved)
     link = bench_tiers.link_figures(st)
     assert link["read_mb_per_token"] == pytest.approx(1e9 / 2**20)
     assert link["link_floor_ms"] == pytest.approx(500.0)
-    assert link["wasted_mb_per_token"] == pytest.approx(2.0)
+    assert link["wasted_mb_per_token"] == pytest.approx(1.0)
 
 
 def test_precision_goals_by_hand():

@@ -75,6 +75,10 @@ def _gated_equal(tiny, profile, tmp_path, tier):  # noqa: F811
     )
     assert stats["gate_refused"] == r.gate_refused
     assert stats["modeled_tpot_ms"] == pytest.approx(r.modeled_tpot_ms, rel=1e-12)
+    # the bytes prefetched and never used: what moved, at its copy; the refused late ones moved nothing
+    assert stats["wasted_bytes"] == pytest.approx(r.wasted_mb_per_token * r.tokens * 2**20, rel=1e-12)
+    issued_unused = (stats["prefetches_issued"] - stats["prefetch_used"]) * stats["expert_bytes"]
+    assert 0 < stats["wasted_bytes"] < issued_unused
     return stats, r
 
 

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from moecast.runtime.core.mixed import bytes_by_copy
 from moecast.runtime.tiers.offload import peak_rss_mb
 
 if TYPE_CHECKING:
@@ -251,6 +252,7 @@ def runtime_stats(rt: LiveRuntime) -> dict[str, Any]:
         **tier,
         peak_rss_mb=peak_rss_mb(),
     )
+    d["wasted_bytes"] = wasted_bytes(rt)
     if rt.copies is not None:  # two copies: low_share, upgrades and the bytes by copy, as the replay's
         d.update(rt.copies.figures())
         by = d["expert_compute_by_copy"]  # both copies named, a copy nothing computed at with zeros
@@ -258,3 +260,13 @@ def runtime_stats(rt: LiveRuntime) -> dict[str, Any]:
             tag: by.get(tag, {"s": 0.0, "uses": 0}) for tag in rt.executor.copy_tags or ()
         }
     return d
+
+
+def wasted_bytes(rt: LiveRuntime) -> float:
+    """Bytes the link moved for experts never used while resident: started prefetches and plan
+    preloads, each at the copy it read (:func:`moecast.runtime.core.mixed.bytes_by_copy`, the replay's
+    ``wasted_mb_per_token`` count); a prefetch the gate refused or the window cut moved nothing."""
+    t = dict(rt.step.stats)
+    t["plan_loads"] = np.array([rt.stats_.plan_loads])  # the live runtime counts its preloads itself
+    low = rt.step.demand.expert_bytes if rt.copies is not None else None
+    return max(bytes_by_copy(t, rt.step.cost.expert_bytes, low)["wasted"], 0.0)
