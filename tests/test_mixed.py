@@ -170,6 +170,19 @@ def test_the_predicted_upgrade_in_rank_order_not_by_id_or_recency(compiled):
     assert step.low[0, [1, 2, 3]].tolist() == [True, False, True]
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_one_copy_upgrades_nothing(compiled):
+    """A step of one precision asked for a window's upgrades (a caller that does not check) changes
+    nothing: the compiled kernels must not index the two-copy flags it does not have."""
+    step = _step(capacity=3, copies=None, compiled=compiled)
+    _layer(step, [0, 1], 0, free=0.0)
+    before = (step.table.copy(), step.clock.rc.copy(), step.cache.resident.copy())
+    step.clock.free[0] = 5.0
+    step.upgrade_quiet(ONE, ONE)
+    assert np.array_equal(step.table, before[0]) and np.array_equal(step.clock.rc, before[1])
+    assert np.array_equal(step.cache.resident, before[2])
+
+
 @pytest.mark.parametrize(
     "free, low, delay",
     [(2.5, [False, False, True], 0.0), (1.2, [True, True, True], 0.0), (0.6, [True, True, True], 0.15)],

@@ -346,6 +346,8 @@ class LayerStep:
         """A lane no prefetch reached upgrades in its whole window (mixed.py, rule 4): :meth:`layer`
         does it first, or a caller that reads the upgrades when the window opens (the live runtime,
         after the layer before) does it then, and the layer does not again."""
+        if self.copies is None:  # one copy: nothing to upgrade (and no flags for the kernels to index)
+            return
         if self.compiled and len(lanes) == 1 and not self.shared:
             self._one.upgrade_quiet(lanes, layer)
             return
