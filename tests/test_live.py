@@ -471,6 +471,7 @@ def test_planner_preloads_plan_and_keeps_logits():
         assert set(rt.stores[0].expert_in.tolist()) == {7, 5}
         assert set(rt.stores[1].expert_in.tolist()) == {6, 4}
         assert rt.stats()["plan_loads"] == 4  # warm start held experts 0 and 1 in each layer
+        assert rt.stats()["wasted_bytes"] == 0  # preloads are not prefetches the step saw go unused
         with pytest.raises(Exception, match="empty prompt"):
             rt.plan("  ")
         got = decode_logits(model, ids)

@@ -561,36 +561,35 @@ def upgrade_one(res, last, pf, low, lane, slot, idle, fcost, ranked, rc, stats):
     if fcost[UPGRADING] == 0.0:
         return 0
     N = res.shape[1] - 1
-    n_low = 0
-    for e in range(N):
-        n_low += 1 if low[lane, e] and res[lane, e] and not pf[lane, e] else 0
-    t_hi = fcost[T_IO_HI]
-    if np.isinf(t_hi) or idle != idle:
-        n_up = 0
-    elif t_hi <= 0:
-        n_up = n_low
-    else:
-        f = np.floor(idle / t_hi + 1e-9)
-        n_up = min(np.int64(f) if f > 0 else 0, n_low)
+    n_up = _fit(idle, fcost[T_IO_HI], N)  # what the link time holds, before scanning the experts
     if n_up <= 0:
         return 0
+    n_low = 0
+    for e in range(N):
+        n_low += 1 if _upgradable(res, pf, low, lane, e) else 0
+    n_up = min(n_up, n_low)
     done = 0
     for j in range(ranked.shape[0]):
         e = ranked[j]
-        if done < n_up and e >= 0 and low[lane, e] and res[lane, e] and not pf[lane, e]:
+        if done < n_up and e >= 0 and _upgradable(res, pf, low, lane, e):
             low[lane, e] = False
             done += 1
     while done < n_up:
         best = -1
         for e in range(N):
-            ok = low[lane, e] and res[lane, e] and not pf[lane, e]
-            if ok and (best < 0 or last[lane, e] > last[lane, best]):
+            if _upgradable(res, pf, low, lane, e) and (best < 0 or last[lane, e] > last[lane, best]):
                 best = e
         low[lane, best] = False
         done += 1
     rc[lane] += np.float64(n_up) * fcost[T_RC_HI]
     stats[UPGRADES, slot] += n_up
     return n_up
+
+
+@njit(cache=True, nogil=True)
+def _upgradable(res, pf, low, lane, e):
+    """A resident low copy that is not a prefetch still to be used (rule 4's candidates)."""
+    return low[lane, e] and res[lane, e] and not pf[lane, e]
 
 
 @njit(cache=True, nogil=True)

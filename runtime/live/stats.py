@@ -263,10 +263,9 @@ def runtime_stats(rt: LiveRuntime) -> dict[str, Any]:
 
 
 def wasted_bytes(rt: LiveRuntime) -> float:
-    """Bytes the link moved for experts never used while resident: started prefetches and plan
-    preloads, each at the copy it read (:func:`moecast.runtime.core.mixed.bytes_by_copy`, the replay's
-    ``wasted_mb_per_token`` count); a prefetch the gate refused or the window cut moved nothing."""
-    t = dict(rt.step.stats)
-    t["plan_loads"] = np.array([rt.stats_.plan_loads])  # the live runtime counts its preloads itself
+    """Bytes the link moved for prefetched experts never used while resident, each at the copy it
+    read (:func:`moecast.runtime.core.mixed.bytes_by_copy`, the replay's ``wasted_mb_per_token``
+    count); a prefetch the gate refused or the window cut moved nothing. A plan's preloads are not
+    counted: they are placed outside the step, which does not see their use."""
     low = rt.step.demand.expert_bytes if rt.copies is not None else None
-    return max(bytes_by_copy(t, rt.step.cost.expert_bytes, low)["wasted"], 0.0)
+    return max(bytes_by_copy(rt.step.stats, rt.step.cost.expert_bytes, low)["wasted"], 0.0)
