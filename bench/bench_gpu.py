@@ -120,6 +120,7 @@ class Setup:
     repeats: int = 3  # runs of each timed row (median and spread)
     offload_dir: Path | None = None  # the disk tier's directory for the precision rows
     precisions: tuple[str, ...] = ()  # the disk tier's expert precisions (tags) with rows of their own
+    tiers: tuple[str, ...] = ("host", "disk")  # which precision rows run: the host tier's, the disk tier's
 
     @property
     def cuda(self) -> bool:
@@ -683,11 +684,14 @@ def run_rows(s: Setup, report: Report) -> None:
         )
     else:
         report.skip(s, "SMoE", "tiny only: the recorded DeepSeek routing has no router probabilities")
-    for tag in s.precisions:
-        if tag != "model":
-            host_rows(s, report, tag)
-    for tag in s.precisions:
-        disk_rows(s, report, tag)
+    for tier, rows_at in (("host", host_rows), ("disk", disk_rows)):
+        for tag in s.precisions:
+            if tier == "host" and tag == "model":
+                continue  # the rows above are the host tier at the model's dtype
+            if tier in s.tiers:
+                rows_at(s, report, tag)
+            else:
+                report.skip(s, f"{tier} tier ({tag})", f"not in --tiers {','.join(s.tiers)}")
     if s.cuda:
         g(s, "accelerate offload (device_map)", lambda: row_accelerate(s))
     else:
@@ -703,6 +707,7 @@ class Report:
     rows: list[dict] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     sections: list[str] = field(default_factory=list)
+    on_row: Callable[[], None] | None = None  # called after each row is recorded (the run saves its files)
 
     def guard(self, s: Setup | None, name: str, fn: Callable[[], dict], kind: str = "tpot") -> dict | None:
         model = s.name if s else "-"
@@ -720,11 +725,17 @@ class Report:
         row["seconds"] = round(time.perf_counter() - t0, 1)
         self.rows.append(row)
         log(f"[{model}] {name}: {status} in {row['seconds']} s {_brief(row)}")
+        self._saved()
         return row if status == "ok" else None
 
     def skip(self, s: Setup, name: str, why: str) -> None:
         self.rows.append({"model": s.name, "config": name, "kind": "tpot", "status": "skipped", "note": why})
         log(f"[{s.name}] {name}: skipped ({why})")
+        self._saved()
+
+    def _saved(self) -> None:
+        if self.on_row is not None:
+            self.on_row()
 
 
 def _brief(row: dict) -> str:
@@ -907,6 +918,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "one (on-demand LRU, LLaPor prefetch; comma-separated; empty: none)",
     )
     ap.add_argument("--group-size", type=int, default=128, help="int4's group size")
+    ap.add_argument(
+        "--tiers",
+        default="host,disk",
+        help="which tiers get the precision rows (comma-separated: host, disk; the disk tier writes every "
+        "expert at each precision to a temporary offload directory, 29 GB in bf16 at 26 layers)",
+    )
     ap.add_argument("--train-requests", type=int, default=None)
     ap.add_argument("--train-epochs", type=int, default=None)
     args = ap.parse_args(argv)
@@ -916,6 +933,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    tiers = tuple(t.strip() for t in args.tiers.split(",") if t.strip())
+    if bad := sorted(set(tiers) - {"host", "disk"}):
+        ap.error(f"--tiers: unknown tier {', '.join(bad)}; name host, disk or both")
+    args.tiers = tiers
     return args
 
 
@@ -937,6 +958,12 @@ def _run(args: argparse.Namespace, device: torch.device, out: Path, tag: str, wo
     report = Report(str(device))
     t0 = time.perf_counter()
     setups: list[Setup] = []
+
+    def save() -> None:  # after every row: a run cut short keeps what it measured
+        _write(out / f"gpu-{tag}.md", markdown(report, args, setups, machine_line(device), time.perf_counter() - t0))
+        _write(out / f"gpu-{tag}.json", json.dumps(report.rows, indent=1, default=str) + "\n")
+
+    report.on_row = save
     builders = {"tiny": tiny_setup, "deepseek": ds_setup}
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         holder: dict[str, Setup] = {}
@@ -949,7 +976,7 @@ def _run(args: argparse.Namespace, device: torch.device, out: Path, tag: str, wo
             continue
         s = holder["s"]
         s.repeats = max(1, args.repeats)
-        s.offload_dir, s.precisions = work / f"offload-{name}", precision_tags(args)
+        s.offload_dir, s.precisions, s.tiers = work / f"offload-{name}", precision_tags(args), args.tiers
         setups.append(s)
         if name == "tiny":
             report.guard(s, "LLaPor for tiny", lambda s=s: tiny_predictor(s, args, work) or {}, kind="setup")
@@ -964,15 +991,8 @@ def _run(args: argparse.Namespace, device: torch.device, out: Path, tag: str, wo
         del s.model
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        # written after each model too: a run cut short keeps what it measured
-        _write(
-            out / f"gpu-{tag}.md",
-            markdown(report, args, setups, machine_line(device), time.perf_counter() - t0),
-        )
-    wall = time.perf_counter() - t0
-    _write(out / f"gpu-{tag}.md", markdown(report, args, setups, machine_line(device), wall))
-    _write(out / f"gpu-{tag}.json", json.dumps(report.rows, indent=1, default=str) + "\n")
-    log(f"wrote {out / f'gpu-{tag}.md'} ({wall:.0f} s)")
+    save()
+    log(f"wrote {out / f'gpu-{tag}.md'} ({time.perf_counter() - t0:.0f} s)")
     return report.rows
 
 
