@@ -960,7 +960,10 @@ def _run(args: argparse.Namespace, device: torch.device, out: Path, tag: str, wo
     setups: list[Setup] = []
 
     def save() -> None:  # after every row: a run cut short keeps what it measured
-        _write(out / f"gpu-{tag}.md", markdown(report, args, setups, machine_line(device), time.perf_counter() - t0))
+        _write(
+            out / f"gpu-{tag}.md",
+            markdown(report, args, setups, machine_line(device), time.perf_counter() - t0),
+        )
         _write(out / f"gpu-{tag}.json", json.dumps(report.rows, indent=1, default=str) + "\n")
 
     report.on_row = save
