@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gc
 import json
 import os
 import platform
@@ -723,6 +724,7 @@ class Report:
             row, status = {}, "FAILED"
         row = {"model": model, "config": name, "kind": kind, "status": status, "capacity": CAPACITY, **row}
         row["seconds"] = round(time.perf_counter() - t0, 1)
+        row.update(_released())
         self.rows.append(row)
         log(f"[{model}] {name}: {status} in {row['seconds']} s {_brief(row)}")
         self._saved()
@@ -738,8 +740,23 @@ class Report:
             self.on_row()
 
 
+def _released() -> dict:
+    """Return a row's leftovers before the next row: a detached runtime in a reference cycle would keep its
+    host copies (pinned, on CUDA) and slots until a collection, and the next attach would hold a second set.
+    The host memory after it, so a run that runs out of memory shows which row grew it."""
+    from moecast.runtime.tiers.offload import available_bytes, peak_rss_mb
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    avail = available_bytes()
+    return {"peak_rss_gb": round(peak_rss_mb() / 1024, 1),
+            "host_available_gb": None if avail is None else round(avail / 2**30, 1)}  # fmt: skip
+
+
 def _brief(row: dict) -> str:
-    keys = ("measured_tpot_ms", "modeled_tpot_ms", "hit_rate", "equal", "max_abs_diff")
+    keys = ("measured_tpot_ms", "modeled_tpot_ms", "hit_rate", "equal", "max_abs_diff", "peak_rss_gb",
+            "host_available_gb")  # fmt: skip
     return " ".join(f"{k}={_fmt(row[k])}" for k in keys if k in row)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 
 import pytest
 import torch
@@ -331,3 +332,17 @@ def test_a_capacity_in_bytes_counts_the_dequantized_slots_not_the_packed_copies(
         assert rt.capacity > 3
     finally:
         rt.detach()
+
+
+def test_close_lets_the_host_copy_and_the_slots_go():
+    """A closed store holds none of its buffers. Catches a close that keeps them: a detached runtime
+    that lives on in a reference cycle would hold its packed host copies (pinned on CUDA) and device
+    slots until the next garbage collection, so a process that attaches again holds two sets."""
+    mod = TransposedExperts()
+    st = LayerStore(mod, 2, "cpu", ops=SimulatedOps(), dequant=P.SlotDequantizer(PRECISIONS[0], mod))
+    st.load(3)
+    refs = [weakref.ref(t) for t in (st._host_raw, st._slot_raw, st._landing)]
+    assert all(r() is not None for r in refs)
+    st.ops.log.clear()  # the simulated device's record keeps its kernels' arguments (the landing block)
+    st.close()
+    assert [r() for r in refs] == [None, None, None]

@@ -56,6 +56,7 @@ import numpy as np
 import torch
 from moecast.runtime.tiers.base import CudaOps, Wave
 from moecast.runtime.tiers.layout import MEMORY_ALIGN, ExpertLayout
+from moecast.runtime.tiers.pinned import pinned_empty
 from torch import nn
 
 from moecast.errors import InputError
@@ -395,7 +396,12 @@ class LayerStore:
         yield self.host, table, self.num_experts
 
     def close(self) -> None:
-        """Release what the store holds beyond its tensors (nothing for host memory)."""
+        """Drop the store's buffers: its packed host copies (a module keeps the views it adopted), staging
+        blocks and slots. A detached runtime can outlive its detach in reference cycles; without this its
+        pinned host memory and device slots would wait for the next garbage collection, and a process that
+        attaches again (a benchmark's next row) would hold two sets."""
+        self.host, self.slots, self._staging = {}, {}, []
+        self._host_raw = self._slot_raw = self._landing = None
 
 
 def device_slots(
@@ -420,8 +426,9 @@ def _host_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def _empty_bytes(nbytes: int, pin: bool) -> torch.Tensor:
-    """``nbytes`` of host memory, page-locked when ``pin`` (the copy engine then reads it directly: DMA)."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    """``nbytes`` of host memory, page-locked when ``pin`` (the copy engine then reads it directly: DMA),
+    exactly its bytes (:func:`~moecast.runtime.tiers.pinned.pinned_empty`)."""
+    return pinned_empty(nbytes) if pin else torch.empty(nbytes, dtype=torch.uint8)
 
 
 def _adopt(experts: nn.Module, name: str, t: torch.Tensor, packed: torch.Tensor) -> None:

@@ -999,6 +999,7 @@ class DiskLayerStore(LayerStore):
             with contextlib.suppress(Exception):
                 fut.result()
         self._pending = {}
+        super().close()
 
 
 # -------------------------------------------------------------------------- loading and memory
