@@ -114,7 +114,8 @@ class Setup:
     notes: list[str] = field(default_factory=list)
     predictor: Any = None  # layer-ahead predictor for the live rows
     replay_predictor: Any = None  # the same for replay (a checkpoint path or the object)
-    profile: Any = None  # HardwareProfile
+    profile: Any = None  # HardwareProfile (calibrated all-resident once that step ran)
+    probe_profile: Any = None  # the profile as probed, before that calibration: no runtime host work in it
     profile_path: Path | None = None
     traces: Path | None = None  # TraceSet of the unmodified model's routing, for replay
     substitutes: bool = False  # SMoE row (needs the model's own router probabilities)
@@ -283,6 +284,7 @@ def calibrate_profile(s: Setup, out: Path) -> dict:
     if first:  # the counters of the steps after the warm-up
         steady.update({k: last[k] - first[k] for k in ("decode_steps", "routed")})
     before, s.profile = s.profile, calibrate(s.profile, steady, len(_structure(s.model).layers))
+    s.probe_profile = before
     s.profile_path = out / f"{s.profile.name}.yaml"
     _write(s.profile_path, s.profile.to_yaml())
     return {"attn_ms_probe": before.attn_ms, "attn_ms": s.profile.attn_ms, "step_ms": s.profile.step_ms,
@@ -453,15 +455,18 @@ def modeled(
     predictor: Any = None,
     alpha: float = 0.0,
     precision: str = "model",
+    profile: Any = None,
 ) -> dict:
-    """The row replayed on the recorded routing under the measured profile, the slow tier at ``precision``."""
+    """The row replayed on the recorded routing under the measured profile (``profile``, else the
+    calibrated one), the slow tier at ``precision``."""
     from moecast.runtime.replay.engine import ReplayConfig, replay
     from moecast.runtime.tiers.precision import Precision
 
-    if s.traces is None or s.profile is None:
+    profile = profile if profile is not None else s.profile
+    if s.traces is None or profile is None:
         return {"modeled_tpot_ms": None, "note": "no replay (profile or routing record failed)"}
     prec = Precision.of_tag(precision)
-    cfg = ReplayConfig(policy=policy, capacity=capacity, hardware=s.profile, predictor=predictor, alpha=alpha,
+    cfg = ReplayConfig(policy=policy, capacity=capacity, hardware=profile, predictor=predictor, alpha=alpha,
                        expert_dtype=prec.dtype, group_size=prec.group_size)  # fmt: skip
     r = replay(str(s.traces), cfg)
     return {"modeled_tpot_ms": r.modeled_tpot_ms, "modeled_hit_rate": r.hit_rate, "tpot_basis": r.tpot_basis}
@@ -470,8 +475,10 @@ def modeled(
 def row_full(s: Setup) -> dict:
     row = repeated(s, lambda: {"measured_tpot_ms": timed(s)[0]})
     # static at capacity E: every expert preloaded before the clock starts, as the live row's model
-    # holds them all (LRU would start empty and count each expert's first use as a load)
-    return {**row, "hit_rate": 1.0, **modeled(s, "static", _info(s).num_experts, "none")}
+    # holds them all (LRU would start empty and count each expert's first use as a load); on the profile
+    # as probed: the calibrated one holds the runtime's host work, and no runtime is attached here
+    full = modeled(s, "static", _info(s).num_experts, "none", profile=s.probe_profile)
+    return {**row, "hit_rate": 1.0, **full}
 
 
 def _logits(s: Setup, attached: bool) -> list[torch.Tensor]:
