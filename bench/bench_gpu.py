@@ -1,8 +1,15 @@
 """The CUDA path measured in one command: profile, exactness and TPOT at 25 % of experts resident.
 
     python bench/bench_gpu.py [--out DIR] [--device cuda|cpu] [--quick] [--layers N] [--repeats 3]
-                              [--precisions model,int8,int4] [--group-size 128]
+                              [--precisions model,int8,int4] [--group-size 128] [--tiers host,disk]
+                              [--rows NAMES]
                               [--predictor TINY_CKPT] [--ds-predictor DS_CKPT] [--traces PATH]
+
+``--tiers`` chooses which tiers get the precision rows (the disk tier writes every expert at each precision
+to a temporary folder: 29 GB in bf16 at 26 layers); ``--rows`` runs only the measured rows whose names
+contain one of its comma-separated parts, for a device lent for minutes (the 26-layer run of every host
+row takes about 8 minutes on an H200: the calibration and the exactness check about a minute each, each
+timed row 35-50 s at 3 repeats).
 
 Writes DIR/gpu-<device>.md (date, command, machine, tables, and the traceback of any row that
 failed: every row runs on its own, so one failure never costs the rest) and DIR/gpu-<device>.json
@@ -716,9 +723,13 @@ class Report:
     failures: list[str] = field(default_factory=list)
     sections: list[str] = field(default_factory=list)
     on_row: Callable[[], None] | None = None  # called after each row is recorded (the run saves its files)
+    only: tuple[str, ...] = ()  # --rows: a measured row runs when its name contains one of these
 
     def guard(self, s: Setup | None, name: str, fn: Callable[[], dict], kind: str = "tpot") -> dict | None:
         model = s.name if s else "-"
+        if s is not None and kind in ("tpot", "exactness") and not self.wanted(name):
+            self.skip(s, name, "not in --rows")
+            return None
         log(f"[{model}] {name} ...")
         t0 = time.perf_counter()
         try:
@@ -741,6 +752,9 @@ class Report:
         self.rows.append({"model": s.name, "config": name, "kind": "tpot", "status": "skipped", "note": why})
         log(f"[{s.name}] {name}: skipped ({why})")
         self._saved()
+
+    def wanted(self, name: str) -> bool:
+        return not self.only or any(o.lower() in name.lower() for o in self.only)
 
     def _saved(self) -> None:
         if self.on_row is not None:
@@ -943,6 +957,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--group-size", type=int, default=128, help="int4's group size")
     ap.add_argument(
+        "--rows",
+        default="",
+        help="run only the measured rows whose name contains one of these (comma-separated, any case; the "
+        "profile and calibration always run): e.g. 'full residency,all resident,on-demand LRU,LLaPor prefetch'",
+    )
+    ap.add_argument(
         "--tiers",
         default="host,disk",
         help="which tiers get the precision rows (comma-separated: host, disk; the disk tier writes every "
@@ -979,7 +999,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
 
 
 def _run(args: argparse.Namespace, device: torch.device, out: Path, tag: str, work: Path) -> list[dict]:
-    report = Report(str(device))
+    report = Report(str(device), only=tuple(r.strip() for r in args.rows.split(",") if r.strip()))
     t0 = time.perf_counter()
     setups: list[Setup] = []
 

@@ -366,3 +366,22 @@ def test_ds_predictor_adapter_carries_the_gate_calibration_of_its_layers():
     assert ad.calibration.samples == 7
     assert bench_tiers.gated(SimpleNamespace(predictor=ad))
     assert not bench_tiers.gated(SimpleNamespace(predictor=None))
+
+
+def test_rows_runs_only_the_rows_named(tmp_path, monkeypatch):
+    """--rows: the measured rows whose name contains one of its parts run, the others are listed as
+    skipped, and the profile and calibration still run (the rows are modeled on them). Catches a filter
+    that drops the set-up or runs everything."""
+    import bench_gpu
+
+    monkeypatch.setattr(sys, "argv", ["bench_gpu.py"])
+    args = ["--device", "cpu", "--quick", "--ds-shape", "test", "--models", "deepseek", "--out", str(tmp_path),
+            "--requests", "1", "--tokens", "5", "--repeats", "1", "--precisions", "model,int4",
+            "--group-size", "32", "--tiers", "host", "--rows", "on-demand lru"]  # fmt: skip
+    by = {r["config"]: r for r in bench_gpu.run(args)}
+    ran = {c for c, r in by.items() if r["status"] == "ok" and r["kind"] in ("tpot", "exactness")}
+    assert ran == {"on-demand LRU", "on-demand LRU (int4-g32)"}
+    for c in ("full residency", "exactness (alpha 0)", "runtime, all resident", "PreSched + CPU experts"):
+        assert by[c]["status"] == "skipped" and by[c]["note"] == "not in --rows"
+    assert by["profile"]["status"] == by["calibrate (all resident)"]["status"] == "ok"
+    assert by["on-demand LRU"]["modeled_tpot_ms"] > 0
