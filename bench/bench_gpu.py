@@ -2,7 +2,7 @@
 
     python bench/bench_gpu.py [--out DIR] [--device cuda|cpu] [--quick] [--layers N] [--repeats 3]
                               [--precisions model,int8,int4] [--group-size 128] [--tiers host,disk]
-                              [--rows NAMES]
+                              [--rows NAMES] [--host-profile NAMES]
                               [--predictor TINY_CKPT] [--ds-predictor DS_CKPT] [--traces PATH]
 
 ``--tiers`` chooses which tiers get the precision rows (the disk tier writes every expert at each precision
@@ -130,6 +130,10 @@ class Setup:
     offload_dir: Path | None = None  # the disk tier's directory for the precision rows
     precisions: tuple[str, ...] = ()  # the disk tier's expert precisions (tags) with rows of their own
     tiers: tuple[str, ...] = ("host", "disk")  # which precision rows run: the host tier's, the disk tier's
+    profile_rows: tuple[str, ...] = ()  # --host-profile: rows run once more under the profilers
+    profile_to: Path | None = None  # where those profiles go (the results folder) and with what device tag
+    device_tag: str = ""
+    row_name: str = ""  # the row being run (set by Report.guard)
 
     @property
     def cuda(self) -> bool:
@@ -534,10 +538,69 @@ def live_row(
     """A row of the live runtime, run ``s.repeats`` times (each attached afresh, every layer's slots
     empty), beside its replay under the measured profile."""
     row = repeated(s, lambda: live_once(s, policy, alpha, **kw))
+    if any(p.lower() in s.row_name.lower() for p in s.profile_rows):
+        one = replace(s, requests=s.requests[:1])
+        row["host_profile"] = str(host_profile(s, lambda: live_once(one, policy, alpha, **kw)))
     capacity = kw.get("capacity", CAPACITY)
     capacity = _info(s).num_experts if capacity is None else capacity
     row.update(modeled(s, replay_policy, capacity, replay_pred, alpha, kw.get("precision_tag", "model")))
     return row
+
+
+def host_profile(s: Setup, once: Callable[[], dict]) -> Path:
+    """``once()`` (a live row's run) under cProfile and torch.profiler (CUDA kernels too on a GPU): the
+    host's time by owner (moecast, transformers, torch, the rest) per decode step, the functions that take
+    it, and the operators and kernels. Both profilers slow the run; the shares, not the times, are the
+    figures. Written to ``profile-<device>-<row>.txt`` in the results folder."""
+    import cProfile
+    import io
+    import pstats
+    import re
+
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if s.cuda else [])
+    prof = cProfile.Profile()
+    with profile(activities=acts) as tp:
+        prof.enable()
+        try:
+            row = once()
+        finally:
+            prof.disable()
+    steps = max(1, len(s.requests[0]) - s.prompt)
+    stats = pstats.Stats(prof)
+    owners: dict[str, float] = {}
+    for (path, _line, fn), (_cc, _nc, tt, _ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+        owner = _owner(path, fn)
+        owners[owner] = owners.get(owner, 0.0) + tt
+    top = io.StringIO()
+    pstats.Stats(prof, stream=top).sort_stats("tottime").print_stats(40)
+    lines = [f"# host profile: {s.row_name} ({s.name}, {s.device_tag}, {steps} decode steps of one request)", "",
+             f"measured TPOT under the profilers: {row['measured_tpot_ms']:.3f} ms", "",
+             "## host time by owner (cProfile self time, ms per decode step)", ""]  # fmt: skip
+    lines += [f"- {o}: {t / steps * 1e3:.3f}" for o, t in sorted(owners.items(), key=lambda kv: -kv[1])]
+    lines += ["", "## functions by self time (cProfile)", "", "```", top.getvalue().strip(), "```", ""]
+    for key in ("self_cpu_time_total",) + (("self_cuda_time_total",) if s.cuda else ()):
+        table = tp.key_averages().table(sort_by=key, row_limit=25)
+        lines += [f"## operators by {key} (torch.profiler)", "", "```", table.strip(), "```", ""]
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", s.row_name).strip("-")
+    path = Path(s.profile_to or RESULTS) / f"profile-{s.device_tag}-{s.name}-{slug}.txt"
+    _write(path, "\n".join(lines) + "\n")
+    return path
+
+
+def _owner(path: str, fn: str) -> str:
+    """Which package a profiled function belongs to: moecast (installed, or this checkout), the bench
+    harness, transformers, torch, numpy, or other (a built-in method by the module its name gives)."""
+    if path == "~":  # a built-in: "<built-in method torch._grouped_mm>", "<method 'numpy' ...>"
+        return next((o for o in ("torch", "numpy") if o in fn), "other")
+    checkout = str(RESULTS.parents[1])
+    if path.startswith(str(RESULTS.parent)):
+        return "bench harness"  # the routing override, the decode loop
+    if path.startswith(checkout) and "site-packages" not in path:
+        return "moecast"  # an editable install: the stage folders of this checkout
+    pkg = path.split("site-packages/", 1)[1].split("/", 1)[0] if "site-packages/" in path else ""
+    return pkg if pkg in ("moecast", "transformers", "torch", "numpy") else "other"
 
 
 def live_once(s: Setup, policy: str, alpha: float, **kw: Any) -> dict:
@@ -730,6 +793,8 @@ class Report:
         if s is not None and kind in ("tpot", "exactness") and not self.wanted(name):
             self.skip(s, name, "not in --rows")
             return None
+        if s is not None:
+            s.row_name = name
         log(f"[{model}] {name} ...")
         t0 = time.perf_counter()
         try:
@@ -957,6 +1022,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--group-size", type=int, default=128, help="int4's group size")
     ap.add_argument(
+        "--host-profile",
+        default="",
+        help="live rows (names containing one of these, comma-separated) run once more, one request, under "
+        "cProfile and torch.profiler: where the host's time goes, written to DIR/profile-<device>-<row>.txt",
+    )
+    ap.add_argument(
         "--rows",
         default="",
         help="run only the measured rows whose name contains one of these (comma-separated, any case; the "
@@ -1024,6 +1095,8 @@ def _run(args: argparse.Namespace, device: torch.device, out: Path, tag: str, wo
         s = holder["s"]
         s.repeats = max(1, args.repeats)
         s.offload_dir, s.precisions, s.tiers = work / f"offload-{name}", precision_tags(args), args.tiers
+        s.profile_rows = tuple(r.strip() for r in args.host_profile.split(",") if r.strip())
+        s.profile_to, s.device_tag = out, tag
         setups.append(s)
         if name == "tiny":
             report.guard(s, "LLaPor for tiny", lambda s=s: tiny_predictor(s, args, work) or {}, kind="setup")

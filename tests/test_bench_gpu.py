@@ -377,7 +377,8 @@ def test_rows_runs_only_the_rows_named(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["bench_gpu.py"])
     args = ["--device", "cpu", "--quick", "--ds-shape", "test", "--models", "deepseek", "--out", str(tmp_path),
             "--requests", "1", "--tokens", "5", "--repeats", "1", "--precisions", "model,int4",
-            "--group-size", "32", "--tiers", "host", "--rows", "on-demand lru"]  # fmt: skip
+            "--group-size", "32", "--tiers", "host", "--rows", "on-demand lru",
+            "--host-profile", "on-demand LRU (int4"]  # fmt: skip
     by = {r["config"]: r for r in bench_gpu.run(args)}
     ran = {c for c, r in by.items() if r["status"] == "ok" and r["kind"] in ("tpot", "exactness")}
     assert ran == {"on-demand LRU", "on-demand LRU (int4-g32)"}
@@ -385,3 +386,27 @@ def test_rows_runs_only_the_rows_named(tmp_path, monkeypatch):
         assert by[c]["status"] == "skipped" and by[c]["note"] == "not in --rows"
     assert by["profile"]["status"] == by["calibrate (all resident)"]["status"] == "ok"
     assert by["on-demand LRU"]["modeled_tpot_ms"] > 0
+    # --host-profile: the int4 row's profile, by owner and function; the other row has none
+    assert "host_profile" not in by["on-demand LRU"]
+    text = Path(by["on-demand LRU (int4-g32)"]["host_profile"]).read_text()
+    assert text.startswith("# host profile: on-demand LRU (int4-g32)") and "forward_layer" in text
+    owners = dict(ln[2:].split(": ") for ln in text.splitlines() if ln.startswith("- "))
+    assert {"moecast", "transformers", "torch", "bench harness"} <= set(owners)
+    assert all(float(v) >= 0 for v in owners.values()) and "self_cpu_time_total" in text
+
+
+def test_profile_owners():
+    """A profiled function's owner from its file: catches the device's venv under /opt/torch counting
+    every package there as torch, and built-ins left unowned."""
+    import bench_gpu
+
+    site = "/opt/torch/.venv/lib/python3.12/site-packages"
+    assert bench_gpu._owner(f"{site}/numpy/_core/fromnumeric.py", "sum") == "numpy"
+    assert bench_gpu._owner(f"{site}/safetensors/torch.py", "load") == "other"
+    assert bench_gpu._owner(f"{site}/moecast/runtime/live/runtime.py", "forward_layer") == "moecast"
+    assert bench_gpu._owner("~", "<built-in method torch._grouped_mm>") == "torch"
+    assert bench_gpu._owner(str(bench_gpu.RESULTS.parent / "ds_model.py"), "forward") == "bench harness"
+    assert (
+        bench_gpu._owner(str(bench_gpu.RESULTS.parents[1] / "runtime" / "core" / "step.py"), "layer")
+        == "moecast"
+    )

@@ -485,3 +485,30 @@ def test_the_next_layers_prediction_follows_the_launch_of_this_layers_experts_on
             assert layer and order[i + 1][0] == "join"  # launched, then predicted, then joined
         else:
             assert not layer  # predicted before the layer's experts compute
+
+
+def test_a_second_store_takes_the_packed_block_the_module_adopted():
+    """A second attach to the same model finds its experts packed (the first store's views, adopted by
+    the module) and takes that block: no second copy of every expert, no second pinning. Catches a
+    store that packs again, and one that takes a block whose views differ from its layout."""
+    experts = make_model("mixtral").model.layers[0].mlp.experts
+    want = {n: t.detach().clone() for n, t in expert_params(experts).items()}
+    first = LayerStore(experts, num_slots=2, ops=FakeOps())
+    block = first._host_raw.data_ptr()
+    first.close()
+    ops = FakeOps()
+    second = LayerStore(experts, num_slots=2, ops=ops)
+    assert second._host_raw.data_ptr() == block and second.pinned_bytes == first.pinned_bytes
+    for n, t in expert_params(experts).items():
+        assert torch.equal(t, want[n])
+    second.fill([3])
+    slot = int(second.slot_of[3])
+    for n in want:
+        assert torch.equal(second.slots[n][slot], want[n][3])
+    # one tensor no longer a view of the block: the store packs (and adopts) a block of its own
+    name = next(iter(want))
+    experts._parameters[name].data = experts._parameters[name].data.clone()
+    third = LayerStore(experts, num_slots=2, ops=FakeOps())
+    assert third._host_raw.data_ptr() != block
+    for n, t in expert_params(experts).items():
+        assert torch.equal(t, want[n])

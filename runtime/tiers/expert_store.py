@@ -167,9 +167,14 @@ class LayerStore:
         self._streams = [stream if stream is not None else self.ops.stream()]
         pins = bool(self.ops.pins)
         if pin is None or pin:
-            self._host_raw = _empty_bytes(self.num_experts * layout.stride, pins)
+            packed = None if dequant is not None else packed_block(params, layout, self.num_experts, pins)
+            self._host_raw = (
+                packed if packed is not None else _empty_bytes(self.num_experts * layout.stride, pins)
+            )
             self.host = layout.views(self._host_raw, self.num_experts)
             for name, t in params.items():
+                if packed is not None:  # the module's tensors are these views already
+                    continue
                 if dequant is None:
                     _adopt(experts, name, t, self.host[name])
                 else:  # the module keeps its own weights: detach gives the model back exactly
@@ -429,6 +434,35 @@ def _empty_bytes(nbytes: int, pin: bool) -> torch.Tensor:
     """``nbytes`` of host memory, page-locked when ``pin`` (the copy engine then reads it directly: DMA),
     exactly its bytes (:func:`~moecast.runtime.tiers.pinned.pinned_empty`)."""
     return pinned_empty(nbytes) if pin else torch.empty(nbytes, dtype=torch.uint8)
+
+
+def packed_block(
+    params: dict[str, torch.Tensor], layout: ExpertLayout, n: int, pinned: bool
+) -> torch.Tensor | None:
+    """The packed host block that ``params`` already are views of, else None.
+
+    A store adopts its packed views into the module (:func:`_adopt`), so a second attach to the same model
+    finds its experts packed, and pinned where ``pinned``. It takes that block as it is: no second copy of
+    every expert and no second page-locking (an attach of DeepSeek-V2-Lite's 29 GB costs seconds of
+    each). Each tensor must be exactly this layout's view of the block: its memory, shape and strides.
+    """
+    storage = next(iter(params.values())).untyped_storage()
+    if storage.device.type != "cpu" or storage.nbytes() != n * layout.stride:
+        return None
+    base = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+    if pinned and not base.is_pinned():
+        return None
+    want = layout.views(base, n)
+    for name, t in params.items():
+        w = want.get(name)
+        if w is None or (t.data_ptr(), t.shape, t.stride(), t.dtype) != (
+            w.data_ptr(),
+            w.shape,
+            w.stride(),
+            w.dtype,
+        ):
+            return None
+    return base
 
 
 def _adopt(experts: nn.Module, name: str, t: torch.Tensor, packed: torch.Tensor) -> None:
