@@ -580,13 +580,31 @@ def host_profile(s: Setup, once: Callable[[], dict]) -> Path:
              "## host time by owner (cProfile self time, ms per decode step)", ""]  # fmt: skip
     lines += [f"- {o}: {t / steps * 1e3:.3f}" for o, t in sorted(owners.items(), key=lambda kv: -kv[1])]
     lines += ["", "## functions by self time (cProfile)", "", "```", top.getvalue().strip(), "```", ""]
-    for key in ("self_cpu_time_total",) + (("self_cuda_time_total",) if s.cuda else ()):
+    if s.cuda:
+        busy = device_busy(tp.key_averages())
+        lines += ["## the device's own time (torch.profiler's kernels and copies, ms per decode step)", "",
+                  f"- kernels: {busy['kernels'] / steps / 1e3:.3f}", f"- copies: {busy['copies'] / steps / 1e3:.3f}",
+                  "", "Against the TPOT under the profilers above: the rest of a step the compute stream had "
+                  "nothing to run (it waited for the host, or for a copy).", ""]  # fmt: skip
+    for key in ("self_cpu_time_total",) + (("self_device_time_total",) if s.cuda else ()):
         table = tp.key_averages().table(sort_by=key, row_limit=25)
         lines += [f"## operators by {key} (torch.profiler)", "", "```", table.strip(), "```", ""]
     slug = re.sub(r"[^A-Za-z0-9]+", "-", s.row_name).strip("-")
     path = Path(s.profile_to or RESULTS) / f"profile-{s.device_tag}-{s.name}-{slug}.txt"
     _write(path, "\n".join(lines) + "\n")
     return path
+
+
+def device_busy(averages: Any) -> dict[str, float]:
+    """µs of device work in a profile's averaged events (the device-side ones: kernels, and copies by
+    their "Memcpy" names); the host-side operators that launched them are not counted again."""
+    from torch.autograd import DeviceType
+
+    out = {"kernels": 0.0, "copies": 0.0}
+    for e in averages:
+        if e.device_type == DeviceType.CUDA:
+            out["copies" if "memcpy" in e.key.lower() else "kernels"] += float(e.device_time_total)
+    return out
 
 
 def _owner(path: str, fn: str) -> str:

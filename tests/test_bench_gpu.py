@@ -410,3 +410,16 @@ def test_profile_owners():
         bench_gpu._owner(str(bench_gpu.RESULTS.parents[1] / "runtime" / "core" / "step.py"), "layer")
         == "moecast"
     )
+
+
+def test_device_busy_counts_the_device_side_events_once():
+    """Kernels and copies from the device-side events only: catches counting the host operator that
+    launched a kernel as well (its device time is the same kernel's), and copies counted as kernels."""
+    import bench_gpu
+    from torch.autograd import DeviceType
+
+    ev = [SimpleNamespace(key="aten::mm", device_type=DeviceType.CPU, device_time_total=40.0),
+          SimpleNamespace(key="sm90_xmma_gemm_bf16", device_type=DeviceType.CUDA, device_time_total=40.0),
+          SimpleNamespace(key="Memcpy HtoD (Pinned -> Device)", device_type=DeviceType.CUDA, device_time_total=350.0),
+          SimpleNamespace(key="void at::native::silu", device_type=DeviceType.CUDA, device_time_total=2.5)]  # fmt: skip
+    assert bench_gpu.device_busy(ev) == {"kernels": 42.5, "copies": 350.0}
