@@ -1,6 +1,6 @@
 """Per-layer host cost of the live runtime: its decision, the predictor call and the bookkeeping (CPU).
 
-    python bench/bench_layer_host.py [--tokens 48] [--requests 2] [--rounds 3] [--ds-layers 8]
+    python bench/bench_layer_host.py [--tokens 48] [--requests 2] [--rounds 3] [--ds-layers 8] [--device-ops simulated]
         [--tiny-predictor CKPT] [--ds-predictor CKPT] [--traces NPZ] [--ref COMMIT] [--json PATH]
 
 For each model and configuration at 25 % of the experts resident, decodes teacher-forced requests
@@ -143,7 +143,8 @@ def measure_tree(args: argparse.Namespace) -> dict:
             if isinstance(kw, str):
                 res[key] = {"skipped": kw}
                 continue
-            rt = attach(model, capacity=CAPACITY, **kw)
+            ops = {"device_ops": "simulated"} if args.device_ops == "simulated" else {}
+            rt = attach(model, capacity=CAPACITY, **ops, **kw)
             decided: list[float] = []
 
             def forward_done(decode: bool, rt=rt, decided=decided) -> None:
@@ -247,6 +248,13 @@ def main() -> None:
     ap.add_argument("--ds-predictor", default=str(RUNS / "llapor_ds_nomem.safetensors"))
     ap.add_argument("--traces", default=str(RUNS / "ds_routing.npz"), help="ds_model.py --extract .npz")
     ap.add_argument("--ref", default=None, help="also measure this commit's tree, side by side")
+    ap.add_argument(
+        "--device-ops",
+        default="cpu",
+        choices=["cpu", "simulated"],
+        help="simulated: the accelerator's path (copies on a transfer stream with events, the compute "
+        "stream's waits, one device-to-host read a layer) on the simulated device",
+    )
     ap.add_argument("--json", default=None, help="write the pooled per-step figures here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
@@ -257,7 +265,8 @@ def main() -> None:
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; cpus {os.cpu_count()}")
     pooled = run(args)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(f"median µs per MoE layer over decode steps, capacity {CAPACITY:.0%}, {args.rounds} rounds")
+    print(f"median µs per MoE layer over decode steps, capacity {CAPACITY:.0%}, {args.rounds} rounds, "
+          f"device ops {args.device_ops}")  # fmt: skip
     print(table(pooled))
     if args.json:
         Path(args.json).write_text(json.dumps(pooled))

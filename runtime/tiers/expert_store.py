@@ -204,6 +204,13 @@ class LayerStore:
         self.ops = ops if ops is not None else (CudaOps(self.device) if self.cuda else None)
         self.slot_of = np.full(self.num_experts, -1, np.int64)  # expert -> slot (-1: host only)
         self.expert_in = np.full(self.num_slots, -1, np.int64)  # slot -> expert (-1: empty)
+        # slots are only ever filled (a load into a full store takes the slot of the expert it evicts),
+        # so the empty ones are the last: slots [filled, num_slots)
+        self._filled = 0
+        # each expert's block of the host copies and each slot's block, as views made once: a slice
+        # costs microseconds, twice a copy
+        self._host_blocks: list[torch.Tensor] | None = None
+        self._slot_blocks: list[torch.Tensor] | None = None
         self.loads = 0
         self.bytes_moved = 0
         self.waits = Waits()  # host time spent on transfers: synchronous copies, staging, disk reads
@@ -223,8 +230,7 @@ class LayerStore:
         return self.slot_of >= 0
 
     def free_slot(self) -> int | None:
-        empty = np.flatnonzero(self.expert_in < 0)
-        return int(empty[0]) if len(empty) else None
+        return self._filled if self._filled < self.num_slots else None
 
     def load(self, expert: int, evict: int | None = None, prefetch: bool = False) -> int:
         """Copy ``expert`` into a free slot, or into ``evict``'s slot; returns the slot.
@@ -249,6 +255,7 @@ class LayerStore:
                 raise ValueError(f"all {self.num_slots} slots are full; name an expert to evict")
             slot = free
         self._copy(expert, slot, prefetch)
+        self._filled += int(evict is None)  # once the copy went out: a failed one leaves the slot free
         self.slot_of[expert] = slot
         self.expert_in[slot] = expert
         self.loads += 1
@@ -315,8 +322,10 @@ class LayerStore:
         start.record(stream)
         # a block may be shorter than the slot's (a two-copy tier's low copy): its bytes, from the start;
         # a packed copy to dequantize lands in the landing block
-        dst = self.slot_layout.block(self._slot_raw, slot) if self.dequant is None else self._landing
-        self.ops.copy(dst[: src.numel()], src, stream)
+        if self._slot_blocks is None:
+            self._slot_blocks = [self.slot_layout.block(self._slot_raw, s) for s in range(self.num_slots)]
+        dst = self._slot_blocks[slot] if self.dequant is None else self._landing
+        self.ops.copy(dst if dst.numel() == src.numel() else dst[: src.numel()], src, stream)
         copied = self.ops.event(timing=True)
         copied.record(stream)
         self._timed.append((start, copied, int(src.numel())))  # the link's time: the copy alone
@@ -333,7 +342,9 @@ class LayerStore:
     def _staged(self, expert: int) -> tuple[torch.Tensor, int | None]:
         """The block a transfer reads: the expert's pinned block, or a staging block filled from pageable memory."""
         if not self._staging:
-            return self.layout.block(self._host_raw, expert), None
+            if self._host_blocks is None:
+                self._host_blocks = [self.layout.block(self._host_raw, e) for e in range(self.num_experts)]
+            return self._host_blocks[expert], None
         b = self._next_staging
         self._next_staging = (b + 1) % len(self._staging)
         for ev in self._staging_events[b]:  # the block's previous transfer must have read it
@@ -407,6 +418,7 @@ class LayerStore:
         attaches again (a benchmark's next row) would hold two sets."""
         self.host, self.slots, self._staging = {}, {}, []
         self._host_raw = self._slot_raw = self._landing = None
+        self._host_blocks = self._slot_blocks = None
 
 
 def device_slots(
