@@ -457,34 +457,49 @@ def test_a_layers_demand_copies_go_out_as_one_batch_before_the_next_layers_prefe
 
 
 @pytest.mark.parametrize("device_ops", ["auto", "simulated"])
-def test_the_next_layers_prediction_follows_the_launch_of_this_layers_experts_on_an_accelerator(device_ops):
-    """On an accelerator (here the simulated one) the experts' kernels run asynchronously: layer l+1's
-    prediction is made after layer l's experts are launched, before the host waits for anything of
-    theirs, so it overlaps them; on the CPU, which computes them synchronously, it comes first (its
-    prefetch's reads then overlap the compute). Catches the prediction left on the accelerator's
-    critical path, or moved behind the CPU's compute."""
+def test_the_next_layers_prediction_overlaps_the_launch_of_this_layers_experts_on_an_accelerator(device_ops):
+    """On an accelerator (here the simulated one) the host is what a layer waits for: layer l+1's
+    prediction starts on the prediction thread before layer l's experts are launched and is joined
+    after, before the host waits for anything of theirs, so it overlaps the launch; on the CPU, which
+    computes the experts synchronously, it comes first on the host's thread (its prefetch's reads then
+    overlap the compute). Catches the prediction left on the accelerator host's critical path, or
+    moved behind the CPU's compute."""
     model = make_model("qwen2_moe")
     ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(7))
     rt = attach(model, device_ops=device_ops, **SIM_SETTING)
     order: list[tuple[str, int]] = []
-    real_next, real_device, real_join = rt.prefetcher.next, rt.executor._device, rt.executor.join
+    real_next, real_async = rt.prefetcher.next, rt.prefetcher.next_async
+    real_device, real_join = rt.executor._device, rt.executor.join
+
+    def next_async(nxt, *a):
+        order.append(("start", nxt))
+        join = real_async(nxt, *a)
+        return lambda: (order.append(("predicted", nxt)), join())[1]
+
     rt.prefetcher.next = lambda nxt, *a: (order.append(("predict", nxt)), real_next(nxt, *a))[1]
+    rt.prefetcher.next_async = next_async
     rt.executor._device = lambda pos, *a: (order.append(("launch", pos)), real_device(pos, *a))[1]
     rt.executor.join = lambda *a: (order.append(("join", -1)), real_join(*a))[1]
     try:
         decode_logits(model, ids, steps=3)
     finally:
         rt.detach()
-    predicted = [i for i, (k, nxt) in enumerate(order) if k == "predict" and nxt > 0]
-    assert predicted
-    for i in predicted:
-        before = [k for k, _ in order[:i]]
-        last = len(before) - 1 - before[::-1].index("join") if "join" in before else -1
-        layer = [k for k, pos in order[last + 1 : i] if k == "launch"]
-        if device_ops == "simulated":
-            assert layer and order[i + 1][0] == "join"  # launched, then predicted, then joined
-        else:
-            assert not layer  # predicted before the layer's experts compute
+    kinds = [k for k, _ in order]
+    if device_ops == "simulated":
+        assert "predict" not in [k for k, nxt in order if nxt > 0]  # no layer predicted on the host's thread
+        started = [i for i, (k, nxt) in enumerate(order) if k == "start" and nxt > 0]
+        assert started
+        for i in started:
+            end = i + kinds[i:].index("predicted")
+            # started, then the layer's experts launched, then the prediction joined, then the layer joined
+            assert "launch" in kinds[i:end] and "join" not in kinds[i:end] and kinds[end + 1] == "join"
+    else:
+        predicted = [i for i, (k, nxt) in enumerate(order) if k == "predict" and nxt > 0]
+        assert predicted and "start" not in kinds
+        for i in predicted:
+            before = kinds[:i]
+            last = len(before) - 1 - before[::-1].index("join") if "join" in before else -1
+            assert "launch" not in kinds[last + 1 : i]  # predicted before the layer's experts compute
 
 
 def test_a_second_store_takes_the_packed_block_the_module_adopted():

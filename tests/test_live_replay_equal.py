@@ -245,3 +245,38 @@ def _equal_values(tiny, profile, tmp_path, case, tier=None):
     if case == "smoe":
         assert r.substitution_rate > 0 and r.cpu_experts > 0
     return r, ts, cfg, stats
+
+
+def test_the_accelerator_path_predicts_on_its_own_thread(tiny, profile, monkeypatch):
+    """On an accelerator a layer's prediction is made on the prediction thread while the host launches
+    the layer's experts (issue 43: the predictor off the host's critical path); on the CPU on the host's
+    thread, before them. The token's first layer is predicted at its start, on the host's thread. The
+    thread ends at detach. Catches the prediction left on the host's thread, and a thread left running."""
+    import threading
+
+    from moecast.runtime.live import prefetch
+
+    seen: list[tuple[int, str]] = []
+    scores, close = prefetch.Prefetcher.scores, prefetch.Prefetcher.close
+    closed: list[bool] = []
+
+    def recording(self, nxt, online):
+        seen.append((nxt, threading.current_thread().name))
+        return scores(self, nxt, online)
+
+    def closing(self):
+        close(self)
+        closed.append(self._thread is None)
+
+    monkeypatch.setattr(prefetch.Prefetcher, "scores", recording)
+    monkeypatch.setattr(prefetch.Prefetcher, "close", closing)
+    _, routing, _, info = live_run(tiny, "lru", profile)
+    main = threading.current_thread().name
+    for tier, want in ((dict(device_ops="simulated"), "moecast-predictor"), ({}, main)):
+        seen.clear()
+        oracle = RecordedOracle(routing, info.num_experts)
+        stats, *_ = live_run(tiny, POLICIES["prefetch"], profile, oracle, "auto", **tier)
+        later = {name for nxt, name in seen if nxt > 0}
+        assert later and all(n.startswith(want) for n in later), (tier, later)
+        assert {name for nxt, name in seen if nxt == 0} == {main}
+        assert closed[-1] and stats["prefetches_issued"] > 0

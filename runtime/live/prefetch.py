@@ -10,6 +10,8 @@ with one line saying what to do with it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -58,6 +60,7 @@ class Prefetcher:
         # the step's last gate_rows gate inputs go to the stream with each layer's routing
         self.gate_rows = self.stream.gate_rows if self.stream is not None else 0
         self.streaming = False
+        self._thread: ThreadPoolExecutor | None = None  # next_async's: made at its first use
 
     def warm(self) -> None:
         """The layer-ahead predictor's :meth:`~moecast.predictors.base.LayerAhead.warm` (its compiled
@@ -123,12 +126,40 @@ class Prefetcher:
         if not self.predicts(decode, nxt):
             return None, None
         scores = times.timed("predictor", self.scores, nxt, online)
+        return self._ranked(nxt, scores)
+
+    def next_async(
+        self, nxt: int, decode: bool, online: np.ndarray | None, times: ForwardTimes
+    ) -> Callable[[], tuple[np.ndarray | None, tuple | None]]:
+        """:meth:`next` on the prediction thread, started now; the returned call waits for it (that wait
+        is the predictor's time in the split) and gives what :meth:`next` gives.
+
+        For an accelerator, whose host launches the layer's experts meanwhile (issue 43: the predictor
+        off the critical path). The host is the bottleneck there, so a prediction made on the host's
+        own thread after the launch adds its whole time to the layer. On this thread only the part
+        that outlasts the launch does: the compiled predictor kernels release the GIL. Nothing feeds
+        the stream until the call is joined, so the thread reads it as it stood when started.
+        """
+        if not self.predicts(decode, nxt):
+            return lambda: (None, None)
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moecast-predictor")
+        job = self._thread.submit(lambda: self._ranked(nxt, self.scores(nxt, online)))
+        return lambda: times.timed("predictor", job.result)
+
+    def _ranked(self, nxt: int, scores: np.ndarray | None) -> tuple[np.ndarray | None, tuple | None]:
         if scores is None:
             return None, None
         ids, ranked = ranked_predictions(scores, self.top_k)
         cal = self.calibration
         prob = None if cal is None else layer_probability(cal, nxt, scores, ids, ranked)
         return ids, (nxt, ranked, prob)
+
+    def close(self) -> None:
+        """End the prediction thread (a detached runtime keeps none)."""
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
 
     def learn(self, lr: float) -> float:
         """PreScope §4.2.2: one small step on the token just decoded, whose routing is now known; its loss."""

@@ -280,6 +280,7 @@ class LiveRuntime:
             self.attachment.remove()
             self.attachment = None
         self.executor.close()
+        self.prefetcher.close()
         self.tier.close()
 
     def __enter__(self) -> LiveRuntime:
@@ -393,9 +394,9 @@ class LiveRuntime:
         cpu_ids = o.cpu_ids[0]
         early = not (cpu_ids >= 0).any()
 
-        # the next layer's prediction: on an accelerator after this layer's experts are launched, so it
-        # runs on the host while their kernels run (the prefetch could not start before it anyway); on
-        # the CPU, which computes them synchronously, before them, so that a prefetch's reads overlap them
+        # the next layer's prediction: on an accelerator on the prediction thread while the host launches
+        # this layer's experts, joined after the launch (the prefetch could not start before it anyway);
+        # on the CPU, which computes them synchronously, before them, so that a prefetch's reads overlap them
         def window() -> None:
             # the next layer's window opens: its prefetch, or with none (two copies) its upgrades
             if self.copies is not None and f.pending is None:
@@ -404,7 +405,12 @@ class LiveRuntime:
 
         def ahead() -> None:
             if not presched:
-                f.pending = self.prefetcher.next(nxt, f.decode, f.next_scores, self.times)[1]
+                got = (
+                    join()
+                    if join is not None
+                    else self.prefetcher.next(nxt, f.decode, f.next_scores, self.times)
+                )
+                f.pending = got[1]
             if early:
                 # the next layer's prefetch is queued now, behind this layer's demand loads, so its
                 # transfers run while this layer computes (the step's window opens when the link is free,
@@ -412,6 +418,9 @@ class LiveRuntime:
                 window()
 
         after_launch = self.device.accelerated
+        join = None
+        if after_launch and not presched:  # predicted on its thread while the host launches the experts
+            join = self.prefetcher.next_async(nxt, f.decode, f.next_scores, self.times)
         if not after_launch:
             ahead()
         # experts of the call, as np.unique(ids) counts them (the router gives no padding ids)
