@@ -845,13 +845,14 @@ class Report:
 
 
 def _released() -> dict:
-    """Return a row's leftovers before the next row: a detached runtime in a reference cycle would keep its
-    host copies (pinned, on CUDA) and slots until a collection, and the next attach would hold a second set.
-    The host memory after it, so a run that runs out of memory shows which row grew it."""
+    """On CUDA, return a row's leftovers before the next row: a runtime or model copy in a reference cycle
+    would hold device memory (and its host side pinned memory) until a collection. The host memory after
+    it, so a run that runs out of memory shows which row grew it. (A dry run's leftovers are small, and a
+    collection costs a third of a second in a process this size.)"""
     from moecast.runtime.tiers.offload import available_bytes, peak_rss_mb
 
-    gc.collect()
     if torch.cuda.is_available():
+        gc.collect()
         torch.cuda.empty_cache()
     avail = available_bytes()
     return {"peak_rss_gb": round(peak_rss_mb() / 1024, 1),
