@@ -280,3 +280,46 @@ def test_the_accelerator_path_predicts_on_its_own_thread(tiny, profile, monkeypa
         assert later and all(n.startswith(want) for n in later), (tier, later)
         assert {name for nxt, name in seen if nxt == 0} == {main}
         assert closed[-1] and stats["prefetches_issued"] > 0
+
+
+def test_a_forward_cut_short_leaves_no_prediction_reading_the_stream(tiny, profile, monkeypatch):
+    """A forward that fails between a layer's prediction start and its join (here its experts call
+    raises) leaves that prediction running on its thread; the next forward waits for it before it feeds
+    or resets the predictor's stream. Catches a stream reset by the host while the thread reads it."""
+    import threading
+    import time
+
+    from moecast.runtime.live import prefetch
+    from moecast.runtime.live.executor import Executor
+
+    _, routing, _, info = live_run(tiny, "lru", profile)
+    done = threading.Event()
+    scores = prefetch.Prefetcher.scores
+
+    def slow(self, nxt, online):
+        if nxt == 0:  # the token's first layer: predicted on the host's thread at the token's start
+            return scores(self, nxt, online)
+        time.sleep(0.3)
+        out = scores(self, nxt, online)
+        done.set()
+        return out
+
+    def broken(self, *a, **kw):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(prefetch.Prefetcher, "scores", slow)
+    oracle = RecordedOracle(routing, info.num_experts)
+    rt = attach(tiny, policy=POLICIES["prefetch"], capacity=CAPACITY, hardware=str(profile), warm=False,
+                predictor=oracle, prefetch="auto", device_ops="simulated")  # fmt: skip
+    oracle.rt = rt
+    try:
+        with torch.no_grad():
+            out = tiny(input_ids=torch.tensor([[1]]), use_cache=True)  # the prefill: no prediction
+            monkeypatch.setattr(Executor, "run", broken)
+            with pytest.raises(RuntimeError, match="planted"):
+                tiny(input_ids=torch.tensor([[2]]), past_key_values=out.past_key_values, use_cache=True)
+        assert not done.is_set()  # the first layer's prediction of layer 1 is still running
+        rt.prefetcher.begin(True, torch.tensor([[3]]))
+        assert done.is_set()
+    finally:
+        rt.detach()

@@ -11,7 +11,7 @@ with one line saying what to do with it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -61,6 +61,7 @@ class Prefetcher:
         self.gate_rows = self.stream.gate_rows if self.stream is not None else 0
         self.streaming = False
         self._thread: ThreadPoolExecutor | None = None  # next_async's: made at its first use
+        self._job: Future | None = None  # its last prediction, until a forward starts
 
     def warm(self) -> None:
         """The layer-ahead predictor's :meth:`~moecast.predictors.base.LayerAhead.warm` (its compiled
@@ -70,6 +71,7 @@ class Prefetcher:
 
     def begin(self, decode: bool, ids: torch.Tensor | None) -> bool:
         """A forward starts; returns whether the stream observes it."""
+        self._settle()
         n = ids.numel() if ids is not None else 0
         # a prefill starts the stream's request; a one-token decode step closes the step before it
         # (forwards of several decoded tokens are not predicted, and leave the window as it is)
@@ -144,8 +146,15 @@ class Prefetcher:
             return lambda: (None, None)
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moecast-predictor")
-        job = self._thread.submit(lambda: self._ranked(nxt, self.scores(nxt, online)))
+        job = self._job = self._thread.submit(lambda: self._ranked(nxt, self.scores(nxt, online)))
         return lambda: times.timed("predictor", job.result)
+
+    def _settle(self) -> None:
+        """Wait for a prediction still running: a forward cut short by an error never joined its layer's,
+        and the next one must not feed or reset the stream while the thread reads it."""
+        job, self._job = self._job, None
+        if job is not None:
+            wait([job])
 
     def _ranked(self, nxt: int, scores: np.ndarray | None) -> tuple[np.ndarray | None, tuple | None]:
         if scores is None:
@@ -157,6 +166,7 @@ class Prefetcher:
 
     def close(self) -> None:
         """End the prediction thread (a detached runtime keeps none)."""
+        self._settle()
         if self._thread is not None:
             self._thread.shutdown(wait=True)
             self._thread = None
