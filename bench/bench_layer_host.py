@@ -100,7 +100,9 @@ def _config(name: str, predictor: object, routing: object) -> dict | str:
 
 
 def _time_decisions(acc: list[float]) -> None:
-    """Add the wall time of every per-layer step call to ``acc[0]`` (LayerStep and the ranking)."""
+    """Add the wall time of every per-layer step call on the host's thread to ``acc[0]`` (LayerStep and
+    the ranking)."""
+    import threading
     import time
 
     from moecast.runtime.core import step
@@ -108,6 +110,9 @@ def _time_decisions(acc: list[float]) -> None:
 
     def timed(fn):
         def call(*a, **kw):
+            if threading.current_thread() is not threading.main_thread():
+                # the prediction thread's ranking (an accelerator's path): the predictor's, overlapped
+                return fn(*a, **kw)
             t0 = time.perf_counter()
             try:
                 return fn(*a, **kw)
