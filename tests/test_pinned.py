@@ -54,7 +54,7 @@ def test_a_refused_registration_falls_back_to_torchs_pinned_allocator(monkeypatc
     through a hidden staging copy), and a fallback that says nothing."""
     drv = Driver(ok=False)
     got = []
-    monkeypatch.setattr(pinned, "_warned", [])
+    pinned._say_fallback.cache_clear()
     real_empty = torch.empty
 
     def empty(*a, **kw):

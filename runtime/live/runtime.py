@@ -53,6 +53,7 @@ hooks and :func:`attach`), prefetch.py (prediction sources), executor.py, transf
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -405,12 +406,7 @@ class LiveRuntime:
 
         def ahead() -> None:
             if not presched:
-                got = (
-                    join()
-                    if join is not None
-                    else self.prefetcher.next(nxt, f.decode, f.next_scores, self.times)
-                )
-                f.pending = got[1]
+                f.pending = predicted()[1]
             if early:
                 # the next layer's prefetch is queued now, behind this layer's demand loads, so its
                 # transfers run while this layer computes (the step's window opens when the link is free,
@@ -418,9 +414,10 @@ class LiveRuntime:
                 window()
 
         after_launch = self.device.accelerated
-        join = None
         if after_launch and not presched:  # predicted on its thread while the host launches the experts
-            join = self.prefetcher.next_async(nxt, f.decode, f.next_scores, self.times)
+            predicted = self.prefetcher.next_async(nxt, f.decode, f.next_scores, self.times)
+        else:
+            predicted = functools.partial(self.prefetcher.next, nxt, f.decode, f.next_scores, self.times)
         if not after_launch:
             ahead()
         # experts of the call, as np.unique(ids) counts them (the router gives no padding ids)

@@ -10,6 +10,7 @@ refuses, it falls back to torch's allocator and says so once.
 
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 import weakref
@@ -24,8 +25,6 @@ PAGE = mmap.PAGESIZE
 
 #: (register(ptr, nbytes) -> ok, unregister(ptr)): the driver's calls, replaceable in tests
 Calls = tuple[Callable[[int, int], bool], Callable[[int], None]]
-
-_warned: list[str] = []
 
 
 def cuda_calls() -> Calls:
@@ -62,10 +61,14 @@ def pinned_empty(nbytes: int, calls: Calls | None = None) -> torch.Tensor:
 
 def fallback(nbytes: int) -> torch.Tensor:
     """torch's pinned allocator (power-of-two blocks), when the driver would not register plain memory."""
-    if not _warned:
-        _warned.append("x")
-        log.warning(
-            "cudaHostRegister refused plain host memory: pinning with torch's allocator, which rounds "
-            "each block up to a power of two (up to 2x the experts' bytes page-locked)"
-        )
+    _say_fallback()
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+@functools.cache
+def _say_fallback() -> None:
+    """The fallback's line, once a process."""
+    log.warning(
+        "cudaHostRegister refused plain host memory: pinning with torch's allocator, which rounds "
+        "each block up to a power of two (up to 2x the experts' bytes page-locked)"
+    )
