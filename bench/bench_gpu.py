@@ -333,6 +333,7 @@ def profile_model(s: Setup, out: Path, device_tag: str) -> dict:
         "predictor_ms_per_layer": prof.predictor_ms,
         "expert_bytes": prof.ref_expert_bytes,
         "dequant_ms_per_expert": dict(prof.dequant_ms),
+        "load_host_ms": prof.load_host_ms,
         "source": prof.source,
     }
 
@@ -916,6 +917,8 @@ def _profile_lines(prof: dict | None) -> list[str]:
         *(f"| {k} | {_fmt(prof[k], 4)} |" for k in ("h2d_gbps", "kernel_ms_per_expert", "cpu_beta_ms",
                                                   "cpu_c_ms", "dense_ms_per_layer", "predictor_ms_per_layer",
                                                   "expert_bytes")),
+        # the host's time to issue one load (CUDA only; results written before it have none)
+        *([f"| load_host_ms | {_fmt(prof['load_host_ms'], 4)} |"] if "load_host_ms" in prof else []),
         f"| source | {prof['source']} |",
         "",
     ]  # fmt: skip

@@ -70,6 +70,15 @@ def cpu_disk_profile(profile, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def issuing_profile(profile, tmp_path_factory):
+    """The same window on an accelerator whose host takes 0.08 ms to issue each copy (load_host_ms)."""
+    prof = dataclasses.replace(load_profile(profile), name="tight-window-issue", load_host_ms=0.08)
+    path = tmp_path_factory.mktemp("hw") / "tight-window-issue.yaml"
+    path.write_text(prof.to_yaml())
+    return path
+
+
+@pytest.fixture(scope="module")
 def cheap_cpu_profile(profile, tmp_path_factory):
     """The same window with a CPU expert (0.2 + 0.05 ms a token) cheaper than a load (0.3 ms), for
     PreSched: it then runs misses on the CPU and asks for more prefetches than land. On the window
@@ -179,6 +188,23 @@ def test_live_and_replay_equal_where_reads_take_compute_time(tiny, cpu_disk_prof
     if CASES[case][1]:  # the prefetches' reads were charged: without their compute time it is less
         free = dataclasses.replace(load_profile(cpu_disk_profile), read_cpu_ms=0.0)
         assert replay(ts, dataclasses.replace(cfg, hardware=free)).modeled_tpot_ms < r.modeled_tpot_ms
+
+
+@pytest.mark.parametrize("case", ["lru", "oracle prefetch"])
+def test_live_and_replay_equal_where_the_host_issues_each_copy(tiny, issuing_profile, tmp_path, case):
+    """Each copy's issue time on the host (a device's t_rc) is charged alike by the live runtime's
+    step and the replay: a demand load's in its layer, a prefetch's in the layer it is issued beside;
+    without it the same run models less, by exactly the issue time of every load and prefetch
+    that moved when neither changes what lands (LRU)."""
+    r, ts, cfg, _ = _equal_values(tiny, issuing_profile, tmp_path, case, dict(device_ops="simulated"))
+    free = dataclasses.replace(load_profile(issuing_profile), load_host_ms=0.0)
+    free = replay(ts, dataclasses.replace(cfg, hardware=free))
+    assert free.modeled_tpot_ms < r.modeled_tpot_ms
+    if case == "lru":
+        # the cold prefill token (not in the TPOT) loads its top-k in every layer; the rest are decode's
+        info = model_info(tiny, find_moe_structure(tiny), "tiny")
+        decode_loads = r.loads - info.num_layers * info.top_k
+        assert r.modeled_tpot_ms - free.modeled_tpot_ms == pytest.approx(0.08 * decode_loads / (STEPS - 1))
 
 
 @pytest.mark.parametrize("case", ["lru", "oracle prefetch"])

@@ -610,3 +610,45 @@ def test_calibrate_a_run_of_two_copies_times_each_copy_on_its_own_uses():
         1.0,
         0.75,
     )
+
+
+def test_load_host_ms_times_the_stores_issue_of_each_copy_on_a_copy_of_the_experts(monkeypatch):
+    """The host's time per load through the runtime's store, copies included (here the simulated
+    device's copy call, slowed to 3 ms, is the host's), on a copy of the module: the model's own
+    expert tensors keep their storage (a store adopting them would move them into its packed block)."""
+    import time
+
+    from moecast.runtime.tiers.base import Device
+    from moecast.runtime.tiers.simulated import SimulatedOps
+
+    experts = _model().model.layers[0].mlp.experts
+    before = {n: (t.data_ptr(), t.clone()) for n, t in experts.named_parameters()}
+    slow = SimulatedOps.copy
+
+    def copy(self, dst, src, stream):
+        time.sleep(3e-3)
+        slow(self, dst, src, stream)
+
+    monkeypatch.setattr(SimulatedOps, "copy", copy)
+    device = Device.at("cpu", ops="simulated")
+    ms, how = P.load_host_ms(experts, device, loads=6, slots=3)
+    assert 3.0 <= ms < 50.0
+    assert "7 loads" not in how and "6 loads" in how and "3 slots" in how
+    # the slots' fill (3) and the timed loads with their warm-up (7), each one copy on the link
+    assert len(device.ops.sequence("copy")) == 3 + 7
+    for n, t in experts.named_parameters():
+        assert t.data_ptr() == before[n][0] and torch.equal(t, before[n][1])
+    with pytest.raises(ValueError, match="synchronously"):
+        P.load_host_ms(experts, Device.at("cpu"))
+
+
+def test_load_host_ms_is_left_unmeasured_without_cuda():
+    """Without CUDA the device fields come from another profile: the CPU's copy calls are not written
+    over them, and the note says so."""
+    prof = load_profile("prescope-a100-pcie4")
+    got, how = P.device_load_host_ms(prof, _model().model.layers[0].mlp.experts)
+    assert got.load_host_ms == 0.0 and how == {"load_host_ms": "not timed: no CUDA here"}
+    row = next(r for r in P.table(got).splitlines() if "issue one load" in r)
+    assert row.split()[-2:] == ["not", "measured"]
+    row = next(r for r in P.table(replace(got, load_host_ms=0.12)).splitlines() if "issue one load" in r)
+    assert row.split()[-2:] == ["0.12", "ms"]

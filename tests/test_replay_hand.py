@@ -138,6 +138,44 @@ def test_reads_on_the_cores_slow_the_layer_they_run_beside(tmp_path, fast):
 
 
 @pytest.mark.parametrize("fast", [True, False])
+def test_a_devices_copies_take_the_hosts_issue_time_in_the_layer_they_are_issued(tmp_path, fast):
+    """test_oracle_prefetch_lands_only_inside_the_window's run on a device whose host takes
+    load_host_ms = 0.5 ms to issue each copy (t_rc = 0.5): a demand load adds it after the experts
+    (the host issues it before it launches anything else), a started prefetch adds it to the layer it
+    is issued beside (and so to the window that layer leaves).
+    t0 L0: window 1.5 -> 0 lands (rc 0.5); hit 0, load 1: 1.5 + max(0.5, 1 + 0.25) + 0.5 + 0.5 = 3.75
+       L1: window 3.75 - 1 = 2.75 -> 2 and 3 land (rc 1.0); hits 2: 1.5 + 0.5 + 1.0 = 3.0; step 6.75
+    t1 L0: window 1.5 -> 4 lands (evicts 1); hits 2: 1.5 + 0.5 + 0.5 = 2.5
+       L1: window 2.5 -> 5 lands (evicts 3); hits 2: 2.5; step 5.0
+    t2: 6 and 3 land the same way: 5.0
+    hits 11 / 12, 1 demand load, 7 prefetches, TPOT 16.75 / 3 (13.5 / 3 at no issue time)."""
+    hw = _profile(1.5)
+    hw.load_host_ms = 0.5
+    r = _run(_trace(tmp_path / "a", ROUTES_A), fast, hardware=hw)
+    assert r.hit_rate == pytest.approx(11 / 12)
+    assert r.loads == 1
+    assert (r.prefetches_issued, r.prefetches_landed) == (7, 7)
+    assert r.modeled_tpot_ms == pytest.approx(16.75 / 3)
+    assert r.layer_time_ms_per_layer == pytest.approx([8.75 / 3, 8.0 / 3])
+    # LRU on demand (test_demand_loads_and_layer_times_without_prefetch): its 8 loads add 0.5 each
+    r = _run(_trace(tmp_path / "b", ROUTES_A), fast, "lru", hardware=hw)
+    assert r.loads == 8 and r.modeled_tpot_ms == pytest.approx((18.5 + 8 * 0.5) / 3)
+
+
+def test_the_issue_time_is_a_devices_per_copy_whatever_its_bytes():
+    """load_host_ms is the device fast tier's t_rc, one per copy at any expert size or precision; a CPU
+    fast tier issues no copy to a device (its t_rc is a read's share of the cores, or none)."""
+    hw = _profile(1.5)
+    hw.load_host_ms = 0.2
+    assert CostModel.from_profile(hw, EXPERT_BYTES).t_rc == 0.2
+    assert CostModel.from_profile(hw, 4 * EXPERT_BYTES, link_bytes=EXPERT_BYTES // 4).t_rc == 0.2
+    for slow_tier in ("host", "disk"):
+        cpu = _profile(1.5, fast_tier="cpu", slow_tier=slow_tier)
+        cpu.load_host_ms = 0.2
+        assert CostModel.from_profile(cpu, EXPERT_BYTES).t_rc == 0.0
+
+
+@pytest.mark.parametrize("fast", [True, False])
 def test_the_window_is_what_the_previous_layer_leaves(tmp_path, fast):
     """Oracle prefetch, trace B, t_attn 0.5 and 4 experts per layer: layer 0's window (0.5) never
     holds a transfer; layer 1's is layer 0's time less its link.

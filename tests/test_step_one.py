@@ -48,6 +48,8 @@ COSTS = {
 }
 # the same, each read taking compute time from the cores (prefetches' from the attention)
 COSTS["cpu + disk, reads on the cores"] = dataclasses.replace(COSTS["cpu + disk"], t_rc=0.07)
+# a device whose host takes time to issue each copy (load_host_ms)
+COSTS["tight, copies issued by the host"] = dataclasses.replace(COSTS["tight"], t_rc=0.04)
 CASES = {
     "lru": POLICIES["lru"],
     "lfu": POLICIES["lfu"],

@@ -26,6 +26,13 @@ Quantities (PreScope's notation):
   ``slow_tier: disk``): the I/O threads and the kernel's block layer then share the cores with
   the experts' and the attention's kernels. ``moecast profile`` measures it as the CPU time a read
   takes on its reading thread, plus the machine's interrupt time per read, while experts compute;
+- ``load_host_ms`` (``t_rc`` of a device fast tier): the host's own time to issue one expert load to
+  an accelerator (optional, default 0): the runtime's copy path (the slot's bookkeeping, the copy call
+  and its events, a staging fill where the host copy is not pinned). While it issues a copy the host
+  launches nothing else, and a decode step on a fast device waits on its host (issue 43: the H200's
+  rows are host-bound), so each copy, demand load or prefetch, adds it to the layer it is issued in,
+  as a read's ``t_rc`` does on a CPU fast tier. ``moecast profile`` measures it on CUDA with the
+  runtime's own store; ``0`` where it is not measured;
 - ``step_ms`` (``t_step``): per decode step, the time after the last MoE layer's experts (its
   shared experts and residual, the final norm, the LM head; optional, default 0). It ends the
   step, so no prefetch overlaps it: a step costs its layers' times plus ``t_step``. Spread over the
@@ -85,6 +92,8 @@ class HardwareProfile:
     disk_read_gbps: float = 0.0
     # compute time an expert read takes from the cores that compute (ms); cpu fast tier + disk only
     read_cpu_ms: float = 0.0
+    # the host's time to issue one expert load to an accelerator (ms); device fast tier only, 0 = unmeasured
+    load_host_ms: float = 0.0
     # per decode step, the time after the last MoE layer's experts (final norm, LM head), in no window
     step_ms: float = 0.0
     fast_tier: str = "device"  # device | cpu: where resident experts compute (module docstring)
@@ -104,7 +113,7 @@ class HardwareProfile:
     def __post_init__(self) -> None:
         for f in (
             "transfer_gbps", "gpu_expert_ms", "cpu_beta_ms", "cpu_c_ms", "attn_ms", "predictor_ms", "disk_read_gbps",
-            "read_cpu_ms", "step_ms",
+            "read_cpu_ms", "load_host_ms", "step_ms",
         ):  # fmt: skip
             v = float(getattr(self, f))
             if math.isnan(v) or v < 0:
@@ -222,6 +231,7 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
         "predictor_ms",
         "disk_read_gbps",
         "read_cpu_ms",
+        "load_host_ms",
         "step_ms",
         "fast_tier",
         "slow_tier",
@@ -258,7 +268,9 @@ class CostModel:
     profile: str = ""
     shared_compute: bool = False  # fast_tier cpu: resident and CPU experts share the cores (times add)
     cpu_reads_link: bool = False  # slow_tier disk: a CPU-computed expert is read over the link first
-    t_rc: float = 0.0  # compute time a read takes from the cores (cpu fast tier reading a disk)
+    # what one transfer takes from the step beside it: a read's compute time on the cores (cpu fast tier
+    # reading a disk), or the host's time to issue a copy to an accelerator (device fast tier)
+    t_rc: float = 0.0
     t_step: float = 0.0  # per decode step, after the last MoE layer (final norm, LM head)
     t_dq: float = 0.0  # of t_io: the device's dequantize of a quantized load into its slot
 
@@ -294,8 +306,9 @@ class CostModel:
             profile=profile.name,
             shared_compute=profile.fast_tier == "cpu",
             cpu_reads_link=profile.slow_tier == "disk",
-            # a device's copies and a host tier's pinned reads leave the cores alone
-            t_rc=profile.read_cpu_ms * link / profile.ref_expert_bytes if cpu_reads else 0.0,
+            # a device's copies take the host's issue time, whatever their size; a host tier's pinned
+            # reads on a CPU fast tier leave the cores alone
+            t_rc=_transfer_cost(profile, link, cpu_reads),
             t_step=profile.step_ms,
             t_dq=t_dq,
         )
@@ -306,3 +319,11 @@ class CostModel:
 
         m = np.asarray(tokens, dtype=np.float64)
         return np.where(m > 0, self.beta * m + self.c, 0.0)
+
+
+def _transfer_cost(profile: HardwareProfile, link: int, cpu_reads: bool) -> float:
+    """``t_rc`` of a transfer of ``link`` bytes (module docstring): a CPU fast tier's read share, scaled
+    to its bytes, or a device's issue time per copy."""
+    if cpu_reads:
+        return profile.read_cpu_ms * link / profile.ref_expert_bytes
+    return profile.load_host_ms if profile.fast_tier == "device" else 0.0

@@ -13,9 +13,9 @@ that run a layer now it does, in this order:
    A lane no PreSched decision reached (the first layer) takes as many as fit. Under a policy's
    ``late_prefetch`` one more than fits is started and lands late, resident: it delays the layer's
    demand loads by ``delay`` and its expert computes no sooner than ``delay + t_g`` (``stall``).
-   Where the CPU both computes and reads (``t_rc > 0``: a CPU fast tier over a disk), each started
-   transfer takes ``t_rc`` from the attention it runs beside: the layer's time grows by
-   ``started * t_rc`` (``rc``).
+   Where a transfer costs the step beside it (``t_rc > 0``: the read's compute time where a CPU fast
+   tier reads a disk, the host's issue time of a copy to an accelerator), each started transfer
+   takes ``t_rc`` from the layer it runs beside: the layer's time grows by ``started * t_rc`` (``rc``).
 2. **Substitution** (SMoE Algorithm 1, :func:`moecast.runtime.core.substitution.substitute`) of the
    routed experts against the resident ones, when the policy substitutes with ``alpha > 0``
    (:meth:`LayerStep.route`).
@@ -44,7 +44,10 @@ that run a layer now it does, in this order:
      ``layer_t = t_attn + max(dev + t_cpu, cpu_end)`` instead of ``t_attn + max(dev, cpu_end)``;
      with ``t_rc > 0`` the cores also owe each read of the layer its share, so the expert phase
      lasts at least ``n_dev * t_g + t_cpu + (n_load + n_cpu) * t_rc`` (the reads' CPU time and the
-     experts' together), and the layer adds the prefetches' ``rc`` (step 1).
+     experts' together), and the layer adds the prefetches' ``rc`` (step 1);
+   - ``fast_tier: device`` with ``t_rc > 0`` (the profile's ``load_host_ms``): the host issues each
+     demand load before it launches anything else, so the layer adds ``n_load * t_rc``, and its
+     prefetches' ``rc`` (step 1): ``layer_t = t_attn + max(dev, cpu_end) + n_load * t_rc``.
 6. **Window** for the next layer's prefetch: its prediction is made once this layer has routed and
    takes ``t_pred`` (the predictor's latency); its transfers start when both it and this layer's
    link are done, and must land before the next layer's experts start, after its attention::
@@ -897,7 +900,8 @@ def layer_time(
             work = compute + np.where(on_cpu, t_cpu, 0.0) + (n_load + n_cpu) * cost.t_rc
             busy = np.maximum(busy, work)
     else:
-        busy = np.maximum(dev, cpu_end)
+        # a device's copies: the host issues each one (t_rc, its time), serially with the step's launches
+        busy = np.maximum(dev, cpu_end) + n_load * cost.t_rc
     return cost.t_attn + busy, link
 
 

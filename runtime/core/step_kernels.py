@@ -414,7 +414,7 @@ def layer_time(fcost, n_dev, n_load, delay, t_cpu, n_cpu, stall, n_high=-1):
             work = compute + (t_cpu if n_cpu > 0 else 0.0)
             busy = _max(busy, work + np.float64(n_load + n_cpu) * fcost[T_RC])
     else:
-        busy = _max(dev, cpu_end)
+        busy = _max(dev, cpu_end) + np.float64(n_load) * fcost[T_RC]
     return fcost[T_ATTN] + busy, link
 
 

@@ -12,6 +12,9 @@
 - With the model at hand (:func:`profile_model`): its non-expert time per MoE layer (a decode step
   with the routed experts skipped) and the layer-ahead predictor's latency per layer (the given
   checkpoint, else a LLaPor of the default size with random weights: the same computation).
+- With the model at hand and CUDA (:func:`device_load_host_ms`): the host's time to issue one expert
+  load (``load_host_ms``), through the runtime's own store (a copy of the model's first experts
+  module): what the host spends per copy while a decode step waits on it.
 - With an offload directory (:func:`on_disk`): the experts live on its disk (``slow_tier`` disk),
   whose bandwidth is measured as the runtime reads it (random whole experts with O_DIRECT on the
   ExpertReader's I/O threads; a directory without an offload gets a temporary file, which a VM's
@@ -547,6 +550,8 @@ def profile_model(
     how.update(prec_how)
     prof, dq_how = device_dequant_times(prof, st.layers[0].experts, precisions)
     how.update(dq_how)
+    prof, load_how = device_load_host_ms(prof, st.layers[0].experts)
+    how.update(load_how)
     prof.source += "; " + "; ".join(f"{k}: {v}" for k, v in how.items() if k not in ("cpu", "expert"))
     return prof, how
 
@@ -589,6 +594,59 @@ def device_dequant_times(
     return prof, {
         "dequant_ms": "not timed: no CUDA here, and the CPU's time would stand in for another device's"
     }
+
+
+def device_load_host_ms(prof: HardwareProfile, experts: Any) -> tuple[HardwareProfile, dict[str, str]]:
+    """``prof`` with ``load_host_ms`` (:func:`load_host_ms`) on CUDA where the profile's device was
+    measured here; without CUDA it stays unmeasured (0): the CPU's copy calls would stand in for a
+    device's issue."""
+    import torch
+    from moecast.runtime.tiers.base import Device
+
+    if not torch.cuda.is_available():
+        return prof, {"load_host_ms": "not timed: no CUDA here"}
+    ms, how = load_host_ms(experts, Device.at("cuda"))
+    return replace(prof, load_host_ms=_sig(ms)), {"load_host_ms": how}
+
+
+def load_host_ms(experts: Any, device: Any, loads: int = 48, slots: int = 4) -> tuple[float, str]:
+    """(ms, how) the host takes to issue one expert load to ``device`` (a
+    :class:`~moecast.runtime.tiers.base.Device` with ``ops``) through the runtime's own
+    :class:`~moecast.runtime.tiers.expert_store.LayerStore`: the median over ``loads`` loads into
+    ``slots`` slots, each evicting the oldest resident, of the host's wall time in ``load`` (the
+    slot's bookkeeping, its events and the copy call; the copies run on the transfer stream
+    meanwhile, waited for only at the end). The store packs a copy of ``experts``, so the model's
+    own tensors stay as they are."""
+    import copy
+
+    from moecast.runtime.tiers.expert_store import LayerStore
+
+    if device.ops is None:
+        raise InputError(
+            "load_host_ms times copies issued to an accelerator; this device copies synchronously"
+        )
+    module = copy.deepcopy(experts)
+    n = int(module.num_experts)
+    slots = max(1, min(slots, n - 1))
+    store = LayerStore(module, slots, device.where, ops=device.ops)
+    try:
+        store.fill(range(slots))
+        times, nxt = [], slots
+        for i in range(max(loads, 1) + 1):
+            evict, expert = int(store.expert_in[i % slots]), nxt % n
+            nxt += 1
+            t0 = time.perf_counter()
+            store.load(expert, evict=evict)
+            times.append(time.perf_counter() - t0)
+        store.settle(block=True)  # every copy landed before the store's buffers go
+    finally:
+        store.close()
+    pinned = "staged through pinned buffers" if store.staged else "one copy an expert"
+    # the first load warms the store's views and the copy path: not counted
+    return float(np.median(times[1:])) * 1e3, (
+        f"the runtime's store issuing {len(times) - 1} loads ({pinned}) into {slots} slots on "
+        f"{device.where.type}, host time per load (median)"
+    )
 
 
 def dequant_times(
@@ -1183,6 +1241,10 @@ def table(prof: HardwareProfile, nbytes: dict[str, int] | None = None) -> str:
         ("attention / dense per layer", f"{prof.attn_ms:g} ms"),
         ("predictor per layer", f"{prof.predictor_ms:g} ms"),
         ("compute time one read takes from the cores", f"{prof.read_cpu_ms:g} ms"),
+        (
+            "host time to issue one load (device)",
+            f"{prof.load_host_ms:g} ms" if prof.load_host_ms else "not measured",
+        ),
         ("expert bytes", f"{prof.ref_expert_bytes:,}"),
     ]
     for tag, ms in prof.expert_ms.items():
