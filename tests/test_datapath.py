@@ -527,3 +527,19 @@ def test_a_second_store_takes_the_packed_block_the_module_adopted():
     assert third._host_raw.data_ptr() != block
     for n, t in expert_params(experts).items():
         assert torch.equal(t, want[n])
+
+
+def test_the_simulated_devices_log_keeps_its_latest_calls_only(monkeypatch):
+    """A long dry run's record stays bounded: the log keeps the latest LOG_LIMIT calls, in issue order
+    (an unbounded log grew with every copy, and the collector's passes over it cost the host time a
+    device's path does not pay)."""
+    from moecast.runtime.tiers import simulated
+
+    monkeypatch.setattr(simulated, "LOG_LIMIT", 4)
+    ops = FakeOps()
+    stream = ops.stream()
+    events = [ops.event() for _ in range(6)]
+    for ev in events:
+        ev.record(stream)
+    assert [e[2] for e in ops.log] == events[2:]
+    assert [e[2] for e in ops.sequence("record")] == events[2:]

@@ -5,9 +5,12 @@ CPU (the slots are host memory) while its streams and events keep a device timel
 walks the accelerator's data path (copies queued on a transfer stream, one event each, the compute
 stream waiting for them) and a test or a dry run reads what it did:
 
-- ``log``: every call in issue order, ``("copy", stream, nbytes, dst)``, ``("record", stream, event)``,
+- ``log``: the calls in issue order, ``("copy", stream, nbytes, dst)``, ``("record", stream, event)``,
   ``("wait", stream, event)``, ``("kernel", stream, kernels)`` (device work queued on a stream: a
-  quantized load's dequantization);
+  quantized load's dequantization); the latest :data:`LOG_LIMIT` of them, so that a long dry run
+  holds a bounded record (each entry is a tracked object: a log growing with every copy made the
+  garbage collector's full passes cost a tenth of a decode step's host time, which CUDA's path
+  does not pay);
 - time (ms): a copy stream runs its copies one after another, each ``nbytes / link_gbps``, starting no
   earlier than the host's clock when issued (a stream idle since then starts now); the compute stream
   is the host (the CPU computes synchronously), so it stands at the host's clock, or later where it
@@ -26,12 +29,15 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 import torch
 
 #: the link a simulated copy takes when none is given: PCIe 4 x16's effective host-to-device rate
 DEFAULT_LINK_GBPS = 24.0
+#: the calls ``SimulatedOps.log`` keeps, the latest
+LOG_LIMIT = 20_000
 
 
 def _wall_ms() -> float:
@@ -99,7 +105,7 @@ class SimulatedOps:
     def __init__(self, link_gbps: float | None = None, clock: Callable[[], float] | None = None) -> None:
         self.link_gbps = float(link_gbps) if link_gbps else DEFAULT_LINK_GBPS
         self.clock = clock or _wall_ms
-        self.log: list[tuple] = []
+        self.log: deque[tuple] = deque(maxlen=LOG_LIMIT)
         self.lock = threading.RLock()  # the disk tier queues copies from its I/O threads
         self.compute = SimStream(self, "compute")
         self.made = 0  # copy streams made
