@@ -191,10 +191,10 @@ def test_dry_run_runs_every_cpu_row(tmp_path, monkeypatch):
         )
         # the split covers the TPOT's steps: its parts add up to the runtime's clock of them
         assert lru["split_sum_ms"] >= lru["runtime_tpot_ms"] - 1e-9
-        # the dry run walks the CUDA path on the simulated device: copies on its link, timed; the
-        # loads' copies are the host's here, so the split's transfer wait holds them
+        # the dry run walks the CUDA path on the simulated device: copies on its link, timed, each
+        # issued by the host (its issue time the runtime's host work, reported per copy)
         assert lru["device_ops"] == "simulated" and lru["link_gbps_observed"] > 0
-        assert lru["transfer_wait_ms"] > 0 and lru["stream_wait_ms"] >= 0
+        assert lru["transfer_wait_ms"] > 0 and lru["stream_wait_ms"] >= 0 and lru["copy_issue_ms"] > 0
     assert by[("tiny", "LLaPor prefetch")]["prefetches_issued"] > 0
     assert by[("tiny", "LLaPor prefetch (int4-g32)")]["prefetches_issued"] > 0
     assert by[("deepseek-shaped", "LLaPor prefetch (int4-g32)")]["status"] == "skipped"

@@ -543,3 +543,40 @@ def test_the_simulated_devices_log_keeps_its_latest_calls_only(monkeypatch):
         ev.record(stream)
     assert [e[2] for e in ops.log] == events[2:]
     assert [e[2] for e in ops.sequence("record")] == events[2:]
+
+
+def test_an_accelerators_copy_issue_is_the_hosts_work_not_a_wait_for_the_link(monkeypatch):
+    """On an accelerator the host issues a copy and goes on: its time issuing it (here the simulated
+    device's copy call, slowed to 4 ms) is the runtime's host work in the split (``policy``) and the
+    run's ``copy_issue_ms``, not ``transfer_wait``, which is the device's wait for the copies. Catches
+    the issue time counted as a wait (as it was: 12 ms of "transfer wait" a token in the H200's LRU
+    row) and a mean over the wrong count. The synchronous CPU path's copies are the host's wait."""
+    import time as clock
+
+    model = make_model("qwen2_moe")
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(7))
+    real, copies, at_forward = SimulatedOps.copy, [0], []
+
+    def slow(self, dst, src, stream):
+        copies[0] += 1
+        clock.sleep(4e-3)
+        real(self, dst, src, stream)
+
+    monkeypatch.setattr(SimulatedOps, "copy", slow)
+    hook = model.register_forward_pre_hook(lambda *_: at_forward.append(copies[0]))
+    try:
+        _, sim, _ = _sim_run(model, ids, steps=4, prefetch="none")
+    finally:
+        hook.remove()
+    decode_copies = copies[0] - at_forward[1]  # after the prefill
+    assert decode_copies > 0
+    assert 4.0 <= sim["copy_issue_ms"] < 40.0
+    per_step = 4.0 * decode_copies / sim["decode_steps"]
+    assert sim["policy_ms"] >= per_step and sim["transfer_wait_ms"] < per_step / 4
+    rt = attach(model, **SIM_SETTING)
+    try:
+        decode_logits(model, ids, steps=2)
+        cpu = rt.stats()
+    finally:
+        rt.detach()
+    assert cpu["copy_issue_ms"] is None and cpu["transfer_wait_ms"] > 0

@@ -88,14 +88,19 @@ def packed_bytes(experts: nn.Module) -> int:
 
 def link_stats(layers: list[LayerStore]) -> dict[str, Any]:
     """The transfers into the slots as the device timed them (every copy landed first): their bytes, their
-    time on the link (ms) and the link's observed rate (GB/s, 1e9 bytes; None before a copy)."""
+    time on the link (ms) and the link's observed rate (GB/s, 1e9 bytes; None before a copy); and the
+    host's mean time to issue one copy to an accelerator (``copy_issue_ms``, the profile's
+    ``load_host_ms`` as this run paid it; None where the host issued none: synchronous copies, or a
+    disk tier's, which its I/O threads issue)."""
     for st in layers:
         st.settle(block=True)
     nbytes, seconds = sum(st.link_bytes for st in layers), sum(st.link_seconds for st in layers)
+    issued = sum(st.issued for st in layers)
     return dict(
         link_bytes=int(nbytes),
         link_ms=seconds * 1e3,
         link_gbps_observed=nbytes / seconds / 1e9 if seconds > 0 else None,
+        copy_issue_ms=sum(st.issue_seconds for st in layers) / issued * 1e3 if issued else None,
     )
 
 
@@ -213,7 +218,11 @@ class LayerStore:
         self._slot_blocks: list[torch.Tensor] | None = None
         self.loads = 0
         self.bytes_moved = 0
-        self.waits = Waits()  # host time spent on transfers: synchronous copies, staging, disk reads
+        self.waits = Waits()  # host time blocked on transfers: synchronous copies, staging waits, disk reads
+        # an accelerator's copies: the host's time issuing them (not a wait: the host works meanwhile), and
+        # how many it issued
+        self.issue_seconds = 0.0
+        self.issued = 0
         self.link_seconds = 0.0  # the copies' time on the link (device events; the wall clock without ops)
         self.link_bytes = 0  # the bytes those copies moved
         self._timed: list[tuple[Any, Any, int]] = []  # (start, landing, bytes) of copies not yet read
@@ -283,24 +292,32 @@ class LayerStore:
         return {name: t[expert] for name, t in self.host.items()}
 
     def _copy(self, expert: int, slot: int, prefetch: bool = False) -> None:
-        """The host's part of a transfer, its wall time counted as the host's wait for transfers: the
-        whole copy where it is synchronous, else filling a staging block and queueing the copy (in issue
-        order, ``prefetch`` or not)."""
+        """The host's part of a transfer: the whole copy where it is synchronous, its wall time counted as
+        the host's wait for transfers; else filling a staging block and queueing the copy (in issue
+        order, ``prefetch`` or not), where only a staging block's wait for its previous copy is a
+        wait and the rest is the host's issue time (``issue_seconds``: host work, which a split counts
+        as the runtime's, not as a wait for the link)."""
         t0 = time.perf_counter()
-        try:
-            if self.ops is None:
+        if self.ops is None:
+            try:
                 for name, row in self.source(expert).items():
                     self.slots[name][slot].copy_(row)
                 self.link_seconds += time.perf_counter() - t0  # the copy is the host's: its wall time
                 self.link_bytes += self.expert_bytes
-                return
-            src, buffer = self._staged(expert)
+            finally:
+                self.waits.s += time.perf_counter() - t0
+            return
+        blocked = 0.0
+        try:
+            src, buffer, blocked = self._staged(expert)
             events = self._copy_block(src, slot, self._read_events.pop(slot, None))
             self._events[slot] = events
             if buffer is not None:
                 self._staging_events[buffer] = events
         finally:
-            self.waits.s += time.perf_counter() - t0
+            self.waits.s += blocked
+            self.issue_seconds += time.perf_counter() - t0 - blocked
+            self.issued += 1
 
     def _copy_block(self, src: torch.Tensor, slot: int, read: Any) -> list[Any]:
         """``src`` (one expert's block, bytes) into ``slot``'s block on the transfer stream in one copy;
@@ -339,20 +356,23 @@ class LayerStore:
         self._settle(False)
         return [ev]
 
-    def _staged(self, expert: int) -> tuple[torch.Tensor, int | None]:
-        """The block a transfer reads: the expert's pinned block, or a staging block filled from pageable memory."""
+    def _staged(self, expert: int) -> tuple[torch.Tensor, int | None, float]:
+        """The block a transfer reads: the expert's pinned block, or a staging block filled from pageable
+        memory; and the seconds the host waited for that block's previous transfer to read it."""
         if not self._staging:
             if self._host_blocks is None:
                 self._host_blocks = [self.layout.block(self._host_raw, e) for e in range(self.num_experts)]
-            return self._host_blocks[expert], None
+            return self._host_blocks[expert], None, 0.0
         b = self._next_staging
         self._next_staging = (b + 1) % len(self._staging)
+        t0 = time.perf_counter()
         for ev in self._staging_events[b]:  # the block's previous transfer must have read it
             ev.synchronize()
+        blocked = time.perf_counter() - t0
         views = self.layout.views(self._staging[b], 1)
         for name, row in self.source(expert).items():
             views[name][0].copy_(row)
-        return self._staging[b], b
+        return self._staging[b], b, blocked
 
     def settle(self, block: bool = False) -> None:
         """Add the copies that have landed to ``link_seconds`` and ``link_bytes`` (``block``: wait for
