@@ -193,7 +193,7 @@ def test_live_and_replay_equal_where_reads_take_compute_time(tiny, cpu_disk_prof
 @pytest.mark.parametrize("case", ["lru", "oracle prefetch"])
 def test_live_and_replay_equal_where_the_host_issues_each_copy(tiny, issuing_profile, tmp_path, case):
     """Each copy's issue time on the host (a device's t_rc) is charged alike by the live runtime's
-    step and the replay: a demand load's in its layer, a prefetch's in the layer it is issued beside;
+    step and the replay: a demand load's in its layer, a prefetch's in the layer it prefetches for;
     without it the same run models less, by exactly the issue time of every load and prefetch
     that moved when neither changes what lands (LRU)."""
     r, ts, cfg, _ = _equal_values(tiny, issuing_profile, tmp_path, case, dict(device_ops="simulated"))

@@ -142,7 +142,7 @@ def test_a_devices_copies_take_the_hosts_issue_time_in_the_layer_they_are_issued
     """test_oracle_prefetch_lands_only_inside_the_window's run on a device whose host takes
     load_host_ms = 0.5 ms to issue each copy (t_rc = 0.5): a demand load adds it after the experts
     (the host issues it before it launches anything else), a started prefetch adds it to the layer it
-    is issued beside (and so to the window that layer leaves).
+    prefetches for (and so to the window that layer leaves).
     t0 L0: window 1.5 -> 0 lands (rc 0.5); hit 0, load 1: 1.5 + max(0.5, 1 + 0.25) + 0.5 + 0.5 = 3.75
        L1: window 3.75 - 1 = 2.75 -> 2 and 3 land (rc 1.0); hits 2: 1.5 + 0.5 + 1.0 = 3.0; step 6.75
     t1 L0: window 1.5 -> 4 lands (evicts 1); hits 2: 1.5 + 0.5 + 0.5 = 2.5

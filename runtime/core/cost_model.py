@@ -30,8 +30,8 @@ Quantities (PreScope's notation):
   an accelerator (optional, default 0): the runtime's copy path (the slot's bookkeeping, the copy call
   and its events, a staging fill where the host copy is not pinned). While it issues a copy the host
   launches nothing else, and a decode step on a fast device waits on its host (issue 43: the H200's
-  rows are host-bound), so each copy, demand load or prefetch, adds it to the layer it is issued in,
-  as a read's ``t_rc`` does on a CPU fast tier. ``moecast profile`` measures it on CUDA with the
+  rows are host-bound), so each copy adds it to a layer, as a read's ``t_rc`` does on a CPU fast
+  tier: a demand load to its own, a prefetch to the layer it prefetches for. ``moecast profile`` measures it on CUDA with the
   runtime's own store; ``0`` where it is not measured;
 - ``step_ms`` (``t_step``): per decode step, the time after the last MoE layer's experts (its
   shared experts and residual, the final norm, the LM head; optional, default 0). It ends the
