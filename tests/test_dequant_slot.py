@@ -21,7 +21,7 @@ from moecast.runtime.live.runtime import attach
 from moecast.runtime.tiers import precision as P
 from moecast.runtime.tiers.expert_store import LayerStore, expert_params
 from moecast.runtime.tiers.simulated import SimulatedOps
-from test_live import decode_logits
+from test_live import decode_logits, make_model
 from test_live_replay_equal import _equal_values, profile, tiny  # noqa: F401  (fixtures)
 from torch import nn
 
@@ -346,3 +346,37 @@ def test_close_lets_the_host_copy_and_the_slots_go():
     st.ops.log.clear()  # the simulated device's record keeps its kernels' arguments (the landing block)
     st.close()
     assert [r() for r in refs] == [None, None, None]
+
+
+@pytest.mark.parametrize("shape", [(16, 64), (48, 32), (2816, 2048), (2048, 1408)])
+def test_the_gathered_int4_packing_is_the_cpu_kernels_bytes(shape):
+    """pack_int4 off the CPU (an accelerator quantizing at attach) gathers each byte's nibbles where the
+    CPU kernel's layout puts them: the same bytes as the kernel's own packing, at the DeepSeek-V2-Lite
+    expert's shapes too. Catches nibbles swapped or a byte's codes taken from the wrong positions."""
+    from moecast.runtime.tiers.precision import pack_int4, pack_int4_gather
+
+    codes = torch.randint(
+        0, 16, shape, generator=torch.Generator().manual_seed(sum(shape)), dtype=torch.int32
+    )
+    assert torch.equal(pack_int4_gather(codes), pack_int4(codes))
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_quantizing_on_a_device_in_chunks_gives_the_hosts_bytes(monkeypatch, dtype):
+    """SlotDequantizer.quantize on a device (here the CPU, in chunks of three experts and a remainder):
+    every stored part equals the host's quantization of the whole layer. Catches chunks dropped,
+    repeated or out of order."""
+    from moecast.runtime.tiers import precision as P
+    from moecast.runtime.tiers.expert_store import expert_params
+
+    experts = make_model("qwen2_moe").model.layers[0].mlp.experts
+    params = expert_params(experts)
+    prec = P.expert_setting(dtype, 32)
+    dq = P.SlotDequantizer(prec, experts)
+    per_expert = sum(t[0].numel() * t.element_size() for t in params.values())
+    monkeypatch.setattr(P, "QUANTIZE_CHUNK_BYTES", 3 * per_expert)
+    want = dq.quantize(params)
+    got = dq.quantize(params, "cpu")
+    assert got.keys() == want.keys() and int(experts.num_experts) % 3
+    for name in want:
+        assert got[name].device.type == "cpu" and torch.equal(got[name], want[name]), name

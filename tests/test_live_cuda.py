@@ -8,6 +8,7 @@ from conftest import tiny_random
 from moecast.runtime.live.runtime import attach
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICE = "cuda"
 
 
 def mixtral_random():
@@ -150,3 +151,29 @@ def test_a_quantized_disk_tier_on_the_device_computes_as_the_quantized_model(tmp
     finally:
         rt.detach()
     assert torch.allclose(got, ref, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_quantizing_on_the_gpu_gives_the_hosts_bytes(dtype):
+    """The host tier quantizes a layer on the slots' GPU at attach (SlotDequantizer.quantize with a
+    device): every stored part is bit for bit the host's (the same float32 arithmetic; int4 packed by
+    the gather), at the DeepSeek-V2-Lite expert's shape, so the slots and the exactness checks see
+    the same weights whichever quantized them."""
+    from moecast.runtime.tiers.expert_store import expert_params
+    from moecast.runtime.tiers.precision import SlotDequantizer, expert_setting
+
+    class Experts(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.num_experts = 3
+            self.gate_up_proj = torch.nn.Parameter((torch.randn(3, 2816, 2048) * 0.02).to(torch.bfloat16))
+            self.down_proj = torch.nn.Parameter((torch.randn(3, 2048, 1408) * 0.02).to(torch.bfloat16))
+
+    torch.manual_seed(0)
+    experts = Experts()
+    params = expert_params(experts)
+    dq = SlotDequantizer(expert_setting(dtype, 128), experts)
+    want, got = dq.quantize(params), dq.quantize(params, torch.device(DEVICE))
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name].device.type == "cpu" and torch.equal(got[name], want[name]), name

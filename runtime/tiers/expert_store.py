@@ -154,7 +154,8 @@ class LayerStore:
         if dequant is not None:  # the host holds the packed copy; the slots the model's dtype
             if self.ops is None:
                 raise ValueError("dequantizing into the slots needs a device with ops (an accelerator)")
-            params = dequant.quantize(params)
+            # on the slots' device: an accelerator quantizes a layer in a fraction of the host's time
+            params = dequant.quantize(params, self.device)
         self.layout = layout = dequant.stored if dequant is not None else self.slot_layout
         self.expert_bytes = layout.expert_bytes
         self.pinned_bytes = 0
