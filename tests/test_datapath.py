@@ -208,6 +208,7 @@ def test_each_decode_steps_stream_waits_count_in_that_step(monkeypatch):
         real_wait(waits, slots)
 
     rt.begin_forward, rt.forward_layer, rt.times.stream_wait = begin_forward, forward_layer, stream_wait
+    rt.stores[last].awaits = lambda slots: True  # the planted copies are the last layer's to wait for
     try:
         decode_logits(model, ids, steps=4)
         st = rt.stats_
@@ -580,3 +581,33 @@ def test_an_accelerators_copy_issue_is_the_hosts_work_not_a_wait_for_the_link(mo
     finally:
         rt.detach()
     assert cpu["copy_issue_ms"] is None and cpu["transfer_wait_ms"] > 0
+
+
+def test_a_call_whose_slots_have_no_copy_in_flight_queues_no_wait_and_no_timing_events():
+    """awaits(): a store knows whether a wait has anything to wait for. With every expert resident and
+    no copy since the last wait, the runtime's experts call puts neither a stream wait nor the pair of
+    timing events around it on the compute stream (host work and device events for nothing); a call
+    whose slots have a copy in flight still gets both. Catches the check inverted or ignored."""
+    store, ops, _ = _store(slots=3)
+    store.load_many([3, 5], [])
+    assert store.awaits([0]) and store.awaits(None) and not store.awaits([2])
+    store.wait([0])
+    assert not store.awaits([0]) and store.awaits([1])
+    store.wait(None)
+    assert not store.awaits(None) and not store.awaits([0, 1, 2])
+
+    model = make_model("qwen2_moe")
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(7))
+    rt = attach(model, device_ops="simulated", policy="lru", capacity=None, warm=True)
+    try:
+        decode_logits(model, ids, steps=1)
+        for st in rt.stores:  # the fill's copies into slots no call has read yet: waited for once
+            st.wait(None)
+        ops = rt.device.ops
+        ops.log.clear()
+        decode_logits(model, ids[:, :1], steps=2)
+    finally:
+        rt.detach()
+    on_compute = [e for e in ops.log if e[1] == "compute" and e[0] in ("record", "wait")]
+    timing = [e for e in on_compute if e[0] == "record" and e[2].timing]
+    assert not [e for e in on_compute if e[0] == "wait"] and not timing

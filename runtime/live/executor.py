@@ -121,7 +121,8 @@ class Executor:
     ) -> torch.Tensor:
         """Full residency, slot i holding expert i: the wrapped implementation runs on the slots as is."""
         st = self.stores[pos]
-        self.times.stream_wait(st.wait, None)  # a disk store's slots may still be landing
+        if st.awaits(None):  # a disk store's slots may still be landing
+            self.times.stream_wait(st.wait, None)
         view = SlotView(module, st.slots, st.num_slots, False)
         if self.copy_tags is not None:  # full residency holds the high copy in every slot
             return self.times.timed_copy(
@@ -255,7 +256,8 @@ class Executor:
             partial = True
         slot_ids = transfer.to_device(torch.from_numpy(table[call.ids]), call.index.device)
         slots = slot_of[experts]
-        self.times.stream_wait(st.wait, slots)
+        if st.awaits(slots):  # else no copy to wait for: no wait, and no timing events around none
+            self.times.stream_wait(st.wait, slots)
         args = (self.impls[pos], SlotView(call.module, st.slots, st.num_slots, partial), call.hidden, slot_ids,
                 call.weights)  # fmt: skip
         if tag is None:

@@ -197,6 +197,11 @@ class LayerTier(Protocol):
         """Before the compute reads ``slots`` (all if None): their copies have landed, or the device waits for them."""
         ...
 
+    def awaits(self, slots: np.ndarray | list[int] | None = None) -> bool:
+        """Whether :meth:`wait` for ``slots`` (all if None) has a copy to wait for (else the runtime skips
+        the wait and its timing events)."""
+        ...
+
     def in_flight(self, slots: np.ndarray) -> np.ndarray:
         """Those of ``slots`` whose copy the host would still block on, in the order they were started."""
         ...

@@ -330,32 +330,29 @@ class LayerStore:
         one landed), so the previous landing would count the idle time as the copy's.
         """
         with self._lock:  # the disk tier copies from its I/O threads
-            return self._queue_copy(src, slot, read)
-
-    def _queue_copy(self, src: torch.Tensor, slot: int, read: Any) -> list[Any]:
-        stream = self._streams[0]
-        if read is not None:
-            stream.wait_event(read)
-        start = self.ops.event(timing=True)
-        start.record(stream)
-        # a block may be shorter than the slot's (a two-copy tier's low copy): its bytes, from the start;
-        # a packed copy to dequantize lands in the landing block
-        if self._slot_blocks is None:
-            self._slot_blocks = [self.slot_layout.block(self._slot_raw, s) for s in range(self.num_slots)]
-        dst = self._slot_blocks[slot] if self.dequant is None else self._landing
-        self.ops.copy(dst if dst.numel() == src.numel() else dst[: src.numel()], src, stream)
-        copied = self.ops.event(timing=True)
-        copied.record(stream)
-        self._timed.append((start, copied, int(src.numel())))  # the link's time: the copy alone
-        ev = copied
-        if self.dequant is not None:
-            # on the transfer stream, behind its copy: the slot's one event marks the weights written
-            one = {name: t[slot] for name, t in self.slots.items()}
-            self.ops.launch(functools.partial(self.dequant, self._landing, one), stream)
-            ev = self.ops.event()
-            ev.record(stream)
-        self._settle(False)
-        return [ev]
+            stream = self._streams[0]
+            if read is not None:
+                stream.wait_event(read)
+            start = self.ops.event(timing=True)
+            start.record(stream)
+            # a block may be shorter than the slot's (a two-copy tier's low copy): its bytes, from the start;
+            # a packed copy to dequantize lands in the landing block
+            if self._slot_blocks is None:
+                self._slot_blocks = [self.slot_layout.block(self._slot_raw, s) for s in range(self.num_slots)]
+            dst = self._slot_blocks[slot] if self.dequant is None else self._landing
+            self.ops.copy(dst if dst.numel() == src.numel() else dst[: src.numel()], src, stream)
+            copied = self.ops.event(timing=True)
+            copied.record(stream)
+            self._timed.append((start, copied, int(src.numel())))  # the link's time: the copy alone
+            ev = copied
+            if self.dequant is not None:
+                # on the transfer stream, behind its copy: the slot's one event marks the weights written
+                one = {name: t[slot] for name, t in self.slots.items()}
+                self.ops.launch(functools.partial(self.dequant, self._landing, one), stream)
+                ev = self.ops.event()
+                ev.record(stream)
+            self._settle(False)
+            return [ev]
 
     def _staged(self, expert: int) -> tuple[torch.Tensor, int | None, float]:
         """The block a transfer reads: the expert's pinned block, or a staging block filled from pageable
@@ -402,6 +399,14 @@ class LayerStore:
         for s in keys:
             for ev in self._events.pop(s):
                 compute.wait_event(ev)
+
+    def awaits(self, slots: np.ndarray | list[int] | None = None) -> bool:
+        """Whether :meth:`wait` for ``slots`` (all, if None) has a transfer to wait for: a copy whose event
+        the compute stream has not been made to wait for yet."""
+        if slots is None:
+            return bool(self._events)
+        events = self._events
+        return bool(events) and any(int(s) in events for s in slots)
 
     def in_flight(self, slots: np.ndarray) -> np.ndarray:
         """Those of ``slots`` whose transfer the host would still block on, in the order they were

@@ -822,7 +822,7 @@ class DiskLayerStore(LayerStore):
             self.slots = layout.views(self._slot_raw, self.num_slots)
         else:
             # one stream: copies into one slot stay in order, and each is one whole block (a quantized
-            # one lands in a device block and is dequantized into the slot: LayerStore._queue_copy)
+            # one lands in a device block and is dequantized into the slot: LayerStore._copy_block)
             self.dequant = dequant
             self._slot_raw, self.slots, self._landing = device_slots(self, dequant)
             self._streams = [stream if stream is not None else self.ops.stream()]
@@ -934,6 +934,13 @@ class DiskLayerStore(LayerStore):
                 compute = self.ops.current()
                 for ev in events:
                     compute.wait_event(ev)
+
+    def awaits(self, slots: np.ndarray | list[int] | None = None) -> bool:
+        """Whether :meth:`wait` for ``slots`` (all, if None) has a read (and its copy) to wait for."""
+        pending = self._pending
+        if slots is None:
+            return bool(pending)
+        return bool(pending) and any(int(s) in pending for s in slots)
 
     def in_flight(self, slots: np.ndarray) -> np.ndarray:
         """Those of ``slots`` still being read, in the order their reads were submitted (the order the
