@@ -546,24 +546,37 @@ def test_the_simulated_devices_log_keeps_its_latest_calls_only(monkeypatch):
     assert [e[2] for e in ops.sequence("record")] == events[2:]
 
 
-def test_an_accelerators_copy_issue_is_the_hosts_work_not_a_wait_for_the_link(monkeypatch):
-    """On an accelerator the host issues a copy and goes on: its time issuing it (here the simulated
-    device's copy call, slowed to 4 ms) is the runtime's host work in the split (``policy``) and the
-    run's ``copy_issue_ms``, not ``transfer_wait``, which is the device's wait for the copies. Catches
-    the issue time counted as a wait (as it was: 12 ms of "transfer wait" a token in the H200's LRU
-    row) and a mean over the wrong count. The synchronous CPU path's copies are the host's wait."""
+@pytest.mark.parametrize("slow", ["issue", "device"])
+def test_an_accelerators_copy_issue_is_the_hosts_work_not_a_wait_for_the_link(monkeypatch, slow):
+    """On an accelerator the host issues a copy and goes on: its time issuing it (``issue``: the
+    simulated device's copy call, slowed by 4 ms before the copy) is the runtime's host work in the
+    split (``policy``) and the run's ``copy_issue_ms``, not ``transfer_wait``, which is the device's
+    wait for the copies. The simulated device's own work on the host's thread (``device``: the copy's
+    arithmetic, slowed by 4 ms) is the device's: a wait, not issue time. Catches the issue time
+    counted as a wait (as it was: 12 ms of "transfer wait" a token in the H200's LRU row), the
+    simulated copy's memcpy counted as host work (the stand-in then overstates a GPU host's), and a
+    mean over the wrong count. The synchronous CPU path's copies are the host's wait."""
     import time as clock
 
     model = make_model("qwen2_moe")
     ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(7))
-    real, copies, at_forward = SimulatedOps.copy, [0], []
+    real, real_work, copies, at_forward = SimulatedOps.copy, SimulatedOps._device_work, [0], []
 
-    def slow(self, dst, src, stream):
+    def copy(self, dst, src, stream):
         copies[0] += 1
-        clock.sleep(4e-3)
+        if slow == "issue":
+            clock.sleep(4e-3)
         real(self, dst, src, stream)
 
-    monkeypatch.setattr(SimulatedOps, "copy", slow)
+    def work(self, fn, *args):
+        def slowed(*a):
+            clock.sleep(4e-3)
+            fn(*a)
+
+        real_work(self, slowed if slow == "device" else fn, *args)
+
+    monkeypatch.setattr(SimulatedOps, "copy", copy)
+    monkeypatch.setattr(SimulatedOps, "_device_work", work)
     hook = model.register_forward_pre_hook(lambda *_: at_forward.append(copies[0]))
     try:
         _, sim, _ = _sim_run(model, ids, steps=4, prefetch="none")
@@ -571,9 +584,13 @@ def test_an_accelerators_copy_issue_is_the_hosts_work_not_a_wait_for_the_link(mo
         hook.remove()
     decode_copies = copies[0] - at_forward[1]  # after the prefill
     assert decode_copies > 0
-    assert 4.0 <= sim["copy_issue_ms"] < 40.0
     per_step = 4.0 * decode_copies / sim["decode_steps"]
-    assert sim["policy_ms"] >= per_step and sim["transfer_wait_ms"] < per_step / 4
+    if slow == "issue":
+        assert 4.0 <= sim["copy_issue_ms"] < 40.0
+        assert sim["policy_ms"] >= per_step and sim["transfer_wait_ms"] < per_step / 4
+    else:
+        assert sim["copy_issue_ms"] < 2.0
+        assert sim["transfer_wait_ms"] >= per_step and sim["policy_ms"] < per_step / 2
     rt = attach(model, **SIM_SETTING)
     try:
         decode_logits(model, ids, steps=2)

@@ -296,8 +296,9 @@ class LayerStore:
         """The host's part of a transfer: the whole copy where it is synchronous, its wall time counted as
         the host's wait for transfers; else filling a staging block and queueing the copy (in issue
         order, ``prefetch`` or not), where only a staging block's wait for its previous copy is a
-        wait and the rest is the host's issue time (``issue_seconds``: host work, which a split counts
-        as the runtime's, not as a wait for the link)."""
+        wait (and a simulated device's own work, done on this thread) and the rest is the host's
+        issue time (``issue_seconds``: host work, which a split counts as the runtime's, not as a
+        wait for the link)."""
         t0 = time.perf_counter()
         if self.ops is None:
             try:
@@ -309,6 +310,8 @@ class LayerStore:
                 self.waits.s += time.perf_counter() - t0
             return
         blocked = 0.0
+        # a simulated device does the copy's own work on this thread: that is the device's time, a wait
+        device0 = getattr(self.ops, "device_seconds", 0.0)
         try:
             src, buffer, blocked = self._staged(expert)
             events = self._copy_block(src, slot, self._read_events.pop(slot, None))
@@ -316,6 +319,7 @@ class LayerStore:
             if buffer is not None:
                 self._staging_events[buffer] = events
         finally:
+            blocked += getattr(self.ops, "device_seconds", 0.0) - device0
             self.waits.s += blocked
             self.issue_seconds += time.perf_counter() - t0 - blocked
             self.issued += 1
