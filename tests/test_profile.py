@@ -652,3 +652,23 @@ def test_load_host_ms_is_left_unmeasured_without_cuda():
     assert row.split()[-2:] == ["not", "measured"]
     row = next(r for r in P.table(replace(got, load_host_ms=0.12)).splitlines() if "issue one load" in r)
     assert row.split()[-2:] == ["0.12", "ms"]
+
+
+def test_a_load_host_probe_that_fails_leaves_the_profile_standing(monkeypatch, capsys):
+    """On CUDA the probe runs inside the profile: if it fails (out of device memory, say), the
+    profile keeps the rest, load_host_ms stays 0, and one line says why."""
+    prof = load_profile("prescope-a100-pcie4")
+
+    def fail(experts, device):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 1.10 GiB\nmore detail")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(P, "load_host_ms", fail)
+    monkeypatch.setattr("moecast.runtime.tiers.base.Device.at", staticmethod(lambda *a, **k: None))
+    got, how = P.device_load_host_ms(prof, None)
+    assert got == prof and got.load_host_ms == 0.0
+    assert how == {"load_host_ms": "not timed: CUDA out of memory. Tried to allocate 1.10 GiB"}
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "moecast profile: load_host_ms not measured (CUDA out of memory. Tried to allocate 1.10 GiB); it stays 0"
+    ]

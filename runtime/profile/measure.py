@@ -32,6 +32,7 @@ import itertools
 import math
 import mmap
 import os
+import sys
 import threading
 import time
 from collections import deque
@@ -605,7 +606,13 @@ def device_load_host_ms(prof: HardwareProfile, experts: Any) -> tuple[HardwarePr
 
     if not torch.cuda.is_available():
         return prof, {"load_host_ms": "not timed: no CUDA here"}
-    ms, how = load_host_ms(experts, Device.at("cuda"))
+    try:
+        ms, how = load_host_ms(experts, Device.at("cuda"))
+    except (RuntimeError, ValueError, InputError) as exc:
+        # one figure of many: the profile stands without it (0, unmeasured), and says why
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"moecast profile: load_host_ms not measured ({why}); it stays 0", file=sys.stderr)
+        return prof, {"load_host_ms": f"not timed: {why}"}
     return replace(prof, load_host_ms=_sig(ms)), {"load_host_ms": how}
 
 
