@@ -380,3 +380,26 @@ def test_quantizing_on_a_device_in_chunks_gives_the_hosts_bytes(monkeypatch, dty
     assert got.keys() == want.keys() and int(experts.num_experts) % 3
     for name in want:
         assert got[name].device.type == "cpu" and torch.equal(got[name], want[name]), name
+
+
+def test_quantizing_on_a_device_that_fails_falls_back_to_the_host_and_says_so(monkeypatch):
+    """A device that cannot quantize (out of memory, say) leaves the attach standing: the host
+    quantizes the same bytes, and one PrecisionWarning names the device and the first line of why."""
+    from moecast.runtime.tiers import precision as P
+    from moecast.runtime.tiers.expert_store import expert_params
+
+    experts = make_model("qwen2_moe").model.layers[0].mlp.experts
+    params = expert_params(experts)
+    dq = P.SlotDequantizer(P.expert_setting("int4", 32), experts)
+
+    def fail(self, params, device):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 256.00 MiB\nmore")
+
+    monkeypatch.setattr(P.SlotDequantizer, "_quantize_on", fail)
+    with pytest.warns(
+        P.PrecisionWarning,
+        match=r"on cuda:0 failed \(CUDA out of memory\. Tried to allocate 256\.00 MiB\); quantizing on the host",
+    ):
+        got = dq.quantize(params, "cuda:0")
+    want = dq.quantize(params)
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)

@@ -354,13 +354,27 @@ class SlotDequantizer:
         """A layer's per-expert tensors ([E, ...], any device) as the stored parts, in host memory.
 
         ``device``: where the arithmetic runs (None: the host). On an accelerator the experts go over
-        in chunks of about :data:`QUANTIZE_CHUNK_BYTES` and come back quantized: the host's cores
-        took 12-15 s for a 26-layer DeepSeek-V2-Lite at every attach, the H200 a fraction of it. The
-        bytes are the host's: the same float32 arithmetic, correctly rounded on both, and int4's
-        packing by a gather read off the CPU kernel's layout (:func:`pack_int4`)."""
-        if device is None:
-            host = {n: t.detach().cpu() for n, t in params.items()}
-            return quantize_params(self.prec, host, self.transposed)
+        in chunks of about :data:`QUANTIZE_CHUNK_BYTES` and come back quantized (the H200 host's cores
+        took 12-15 s for a 26-layer DeepSeek-V2-Lite at every attach; the device's arithmetic is
+        elementwise work it does far faster, not yet timed there). The bytes are the host's: the same
+        float32 arithmetic, correctly rounded on both, and int4's packing by a gather read off the
+        CPU kernel's layout (:func:`pack_int4`). Where the device fails (out of memory, say) the host
+        quantizes instead, and a PrecisionWarning says so."""
+        if device is not None:
+            try:
+                return self._quantize_on(params, device)
+            except RuntimeError as exc:  # out of device memory, say: the host's cores give the same bytes
+                first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                warnings.warn(
+                    f"quantizing the experts on {device} failed ({first}); quantizing on the host instead",
+                    PrecisionWarning,
+                    stacklevel=2,
+                )
+        host = {n: t.detach().cpu() for n, t in params.items()}
+        return quantize_params(self.prec, host, self.transposed)
+
+    def _quantize_on(self, params: dict[str, torch.Tensor], device: Any) -> dict[str, torch.Tensor]:
+        """:meth:`quantize` on ``device``, a chunk of experts at a time."""
         first = next(iter(params.values()))
         per_expert = sum(t[0].numel() * t.element_size() for t in params.values())
         step = max(1, QUANTIZE_CHUNK_BYTES // max(per_expert, 1))
