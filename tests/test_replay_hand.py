@@ -163,16 +163,17 @@ def test_a_devices_copies_take_the_hosts_issue_time_in_the_layer_they_are_issued
 
 
 def test_the_issue_time_is_a_devices_per_copy_whatever_its_bytes():
-    """load_host_ms is the device fast tier's t_rc, one per copy at any expert size or precision; a CPU
-    fast tier issues no copy to a device (its t_rc is a read's share of the cores, or none)."""
+    """load_host_ms is t_rc of a device fast tier over host memory, one per copy at any expert size or
+    precision; a CPU fast tier issues no copy to a device (its t_rc is a read's share of the cores,
+    or none), and a disk tier's I/O threads issue its copies, not the host's thread."""
     hw = _profile(1.5)
     hw.load_host_ms = 0.2
     assert CostModel.from_profile(hw, EXPERT_BYTES).t_rc == 0.2
     assert CostModel.from_profile(hw, 4 * EXPERT_BYTES, link_bytes=EXPERT_BYTES // 4).t_rc == 0.2
-    for slow_tier in ("host", "disk"):
-        cpu = _profile(1.5, fast_tier="cpu", slow_tier=slow_tier)
-        cpu.load_host_ms = 0.2
-        assert CostModel.from_profile(cpu, EXPERT_BYTES).t_rc == 0.0
+    for fast_tier, slow_tier in (("cpu", "host"), ("cpu", "disk"), ("device", "disk")):
+        other = _profile(1.5, fast_tier=fast_tier, slow_tier=slow_tier)
+        other.load_host_ms = 0.2
+        assert CostModel.from_profile(other, EXPERT_BYTES).t_rc == 0.0
 
 
 @pytest.mark.parametrize("fast", [True, False])

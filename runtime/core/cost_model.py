@@ -26,13 +26,15 @@ Quantities (PreScope's notation):
   ``slow_tier: disk``): the I/O threads and the kernel's block layer then share the cores with
   the experts' and the attention's kernels. ``moecast profile`` measures it as the CPU time a read
   takes on its reading thread, plus the machine's interrupt time per read, while experts compute;
-- ``load_host_ms`` (``t_rc`` of a device fast tier): the host's own time to issue one expert load to
-  an accelerator (optional, default 0): the runtime's copy path (the slot's bookkeeping, the copy call
-  and its events, a staging fill where the host copy is not pinned). While it issues a copy the host
-  launches nothing else, and a decode step on a fast device waits on its host (issue 43: the H200's
-  rows are host-bound), so each copy adds it to a layer, as a read's ``t_rc`` does on a CPU fast
-  tier: a demand load to its own, a prefetch to the layer it prefetches for. ``moecast profile`` measures it on CUDA with the
-  runtime's own store; ``0`` where it is not measured;
+- ``load_host_ms`` (``t_rc`` of a device fast tier over host memory): the host's own time to issue
+  one expert load to an accelerator (optional, default 0): the runtime's copy path (the slot's
+  bookkeeping, the copy call and its events, a staging fill where the host copy is not pinned).
+  While it issues a copy the host launches nothing else, and a decode step on a fast device waits
+  on its host (issue 43: the H200's rows are host-bound), so each copy adds it to a layer, as a
+  read's ``t_rc`` does on a CPU fast tier: a demand load to its own, a prefetch to the layer it
+  prefetches for. ``moecast profile`` measures it on CUDA with the runtime's own store; ``0``
+  where it is not measured. A disk tier's copies are issued by its I/O threads, so over a disk it
+  is not charged;
 - ``step_ms`` (``t_step``): per decode step, the time after the last MoE layer's experts (its
   shared experts and residual, the final norm, the LM head; optional, default 0). It ends the
   step, so no prefetch overlaps it: a step costs its layers' times plus ``t_step``. Spread over the
@@ -326,4 +328,5 @@ def _transfer_cost(profile: HardwareProfile, link: int, cpu_reads: bool) -> floa
     to its bytes, or a device's issue time per copy."""
     if cpu_reads:
         return profile.read_cpu_ms * link / profile.ref_expert_bytes
-    return profile.load_host_ms if profile.fast_tier == "device" else 0.0
+    # a disk tier's copies are issued by its I/O threads, not by the host's thread that launches the step
+    return profile.load_host_ms if (profile.fast_tier, profile.slow_tier) == ("device", "host") else 0.0
