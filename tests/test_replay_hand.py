@@ -114,52 +114,58 @@ def test_oracle_prefetch_lands_only_inside_the_window(tmp_path, fast):
     assert r.bytes_moved == (2 + 6) * EXPERT_BYTES
 
 
+# each transfer's cost to the step beside it (t_rc): a read's compute time on the cores of a CPU fast tier
+# over a disk, or the host's time to issue a copy to a device: (tiers, profile field, ms, TPOT, per layer)
+TRANSFER_COSTS = {
+    "reads on the cores": (
+        {"fast_tier": "cpu", "slow_tier": "disk"},
+        "read_cpu_ms",
+        0.25,
+        14.5 / 3,
+        [7.5 / 3, 7.0 / 3],
+    ),
+    "copies issued by the host": ({}, "load_host_ms", 0.5, 16.75 / 3, [8.75 / 3, 8.0 / 3]),
+}
+
+
 @pytest.mark.parametrize("fast", [True, False])
-def test_reads_on_the_cores_slow_the_layer_they_run_beside(tmp_path, fast):
-    """test_oracle_prefetch_lands_only_inside_the_window's run with the CPU as the fast tier and the
-    experts on a disk, each read taking t_rc = 0.25 ms from the cores: a started prefetch adds it to
-    the layer whose attention it runs beside (and so to the window that layer leaves); demand loads
-    add it to the experts' work, which the link covers here.
+@pytest.mark.parametrize("case", list(TRANSFER_COSTS))
+def test_a_transfers_cost_slows_the_layer_it_runs_beside(tmp_path, fast, case):
+    """test_oracle_prefetch_lands_only_inside_the_window's run where each transfer costs the step t_rc:
+    a started prefetch adds it to the layer it prefetches for, whose attention it runs beside (and so to
+    the window that layer leaves).
+
+    Reads on the cores (the CPU the fast tier, the experts on a disk, t_rc = 0.25): a demand load
+    adds it to the experts' work, which the link covers here.
     t0 L0: window 1.5 -> 0 lands (rc 0.25); hit 0, load 1: 1.5 + max(1.25, 0.5 + 0.25) + 0.25 = 3.0
        L1: window 3.0 - 1 = 2.0 -> 2 and 3 land (rc 0.5); hits 2: 1.5 + 0.5 + 0.5 = 2.5; step 5.5
     t1 L0: window 1.5 -> 4 lands (evicts 1); hits 2: 1.5 + 0.5 + 0.25 = 2.25
        L1: window 2.25 -> 5 lands (evicts 3); hits 2: 2.25; step 4.5
-    t2: 6 and 3 land the same way: 4.5
-    hits 11 / 12, 1 demand load, 7 prefetches, TPOT 14.5 / 3 (4.5 without the reads' time)."""
-    hw = _profile(1.5, fast_tier="cpu", slow_tier="disk")
-    hw.read_cpu_ms = 0.25
-    r = _run(_trace(tmp_path / "a", ROUTES_A), fast, hardware=hw)
-    assert r.hit_rate == pytest.approx(11 / 12)
-    assert r.loads == 1
-    assert (r.prefetches_issued, r.prefetches_landed) == (7, 7)
-    assert r.modeled_tpot_ms == pytest.approx(14.5 / 3)
-    assert r.layer_time_ms_per_layer == pytest.approx([7.5 / 3, 7.0 / 3])
-    assert r.bytes_moved == (1 + 7) * EXPERT_BYTES
+    t2: 6 and 3 land the same way: 4.5; TPOT 14.5 / 3 (4.5 without the reads' time).
 
-
-@pytest.mark.parametrize("fast", [True, False])
-def test_a_devices_copies_take_the_hosts_issue_time_in_the_layer_they_are_issued(tmp_path, fast):
-    """test_oracle_prefetch_lands_only_inside_the_window's run on a device whose host takes
-    load_host_ms = 0.5 ms to issue each copy (t_rc = 0.5): a demand load adds it after the experts
-    (the host issues it before it launches anything else), a started prefetch adds it to the layer it
-    prefetches for (and so to the window that layer leaves).
+    Copies issued by the host (a device, load_host_ms = 0.5): a demand load adds it after the experts
+    (the host issues it before it launches anything else).
     t0 L0: window 1.5 -> 0 lands (rc 0.5); hit 0, load 1: 1.5 + max(0.5, 1 + 0.25) + 0.5 + 0.5 = 3.75
        L1: window 3.75 - 1 = 2.75 -> 2 and 3 land (rc 1.0); hits 2: 1.5 + 0.5 + 1.0 = 3.0; step 6.75
     t1 L0: window 1.5 -> 4 lands (evicts 1); hits 2: 1.5 + 0.5 + 0.5 = 2.5
        L1: window 2.5 -> 5 lands (evicts 3); hits 2: 2.5; step 5.0
-    t2: 6 and 3 land the same way: 5.0
-    hits 11 / 12, 1 demand load, 7 prefetches, TPOT 16.75 / 3 (13.5 / 3 at no issue time)."""
-    hw = _profile(1.5)
-    hw.load_host_ms = 0.5
+    t2: 6 and 3 land the same way: 5.0; TPOT 16.75 / 3 (13.5 / 3 at no issue time).
+
+    Both: hits 11 / 12, 1 demand load, 7 prefetches."""
+    tiers, field, ms, tpot, per_layer = TRANSFER_COSTS[case]
+    hw = _profile(1.5, **tiers)
+    setattr(hw, field, ms)
     r = _run(_trace(tmp_path / "a", ROUTES_A), fast, hardware=hw)
     assert r.hit_rate == pytest.approx(11 / 12)
     assert r.loads == 1
     assert (r.prefetches_issued, r.prefetches_landed) == (7, 7)
-    assert r.modeled_tpot_ms == pytest.approx(16.75 / 3)
-    assert r.layer_time_ms_per_layer == pytest.approx([8.75 / 3, 8.0 / 3])
-    # LRU on demand (test_demand_loads_and_layer_times_without_prefetch): its 8 loads add 0.5 each
-    r = _run(_trace(tmp_path / "b", ROUTES_A), fast, "lru", hardware=hw)
-    assert r.loads == 8 and r.modeled_tpot_ms == pytest.approx((18.5 + 8 * 0.5) / 3)
+    assert r.modeled_tpot_ms == pytest.approx(tpot)
+    assert r.layer_time_ms_per_layer == pytest.approx(per_layer)
+    assert r.bytes_moved == (1 + 7) * EXPERT_BYTES
+    if field == "load_host_ms":
+        # LRU on demand (test_demand_loads_and_layer_times_without_prefetch): its 8 loads add 0.5 each
+        r = _run(_trace(tmp_path / "b", ROUTES_A), fast, "lru", hardware=hw)
+        assert r.loads == 8 and r.modeled_tpot_ms == pytest.approx((18.5 + 8 * 0.5) / 3)
 
 
 def test_the_issue_time_is_a_devices_per_copy_whatever_its_bytes():
