@@ -8,6 +8,7 @@ from typing import ClassVar
 import numpy as np
 import pytest
 import torch
+from moecast.collect.models import find_moe_structure
 from moecast.runtime.core.cost_model import load_profile
 from moecast.runtime.live import runtime as live
 from moecast.runtime.live import transfer
@@ -628,3 +629,68 @@ def test_a_call_whose_slots_have_no_copy_in_flight_queues_no_wait_and_no_timing_
     on_compute = [e for e in ops.log if e[1] == "compute" and e[0] in ("record", "wait")]
     timing = [e for e in on_compute if e[0] == "record" and e[2].timing]
     assert not [e for e in on_compute if e[0] == "wait"] and not timing
+
+
+def _graph_run(model, ids, **kw):
+    """Decode under inference mode on the simulated device; (logits, runtime's graphs, ops)."""
+    rt = attach(model, device_ops="simulated", policy="lru", capacity=2, warm=False, **kw)
+    try:
+        with torch.inference_mode():
+            got = decode_logits(model, ids, steps=5)
+        graphs = rt.executor.graphs
+        assert rt.stats()["graph_replays"] == (graphs.replays if graphs is not None else None)
+        return got, graphs, rt.device.ops
+    finally:
+        rt.detach()
+
+
+def test_decode_experts_calls_replay_their_layers_graph_with_the_tokens_inputs():
+    """graphs (default): each layer's one-token experts call is captured once per kind of call (all of
+    the token's experts on the device, or some of them) and replayed with the token's hidden state,
+    slot ids and weights copied in, reading slots whose contents changed since (LRU at 2 slots reloads
+    them every step): the logits are the unmodified model's, bit for bit, as without graphs. The
+    prefill (five tokens) and calls with autograd on are never captured. Catches a replay on the
+    captured token's inputs, a graph per call (no replay), and a capture of the prefill."""
+    model = make_model("qwen2_moe")
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(7))
+    with torch.inference_mode():
+        ref = decode_logits(model, ids, steps=5)
+    got, graphs, ops = _graph_run(model, ids)
+    plain, none, _ = _graph_run(model, ids, graphs=False)
+    assert none is None and torch.equal(got, ref) and torch.equal(plain, ref)
+    layers = len(find_moe_structure(model).layers)
+    assert layers <= graphs.captured <= 2 * layers and graphs.captured == len(ops.sequence("graph"))
+    # the five decode steps' calls: each replayed once, but a layer's first one, which the capture computed
+    assert graphs.replays >= 5 * layers - graphs.captured
+    rt = attach(model, device_ops="simulated", policy="lru", capacity=2, warm=False)
+    try:
+        with torch.enable_grad():  # autograd on: nothing captured
+            out = model(input_ids=ids, use_cache=True)
+            model(input_ids=ids[:, :1], past_key_values=out.past_key_values, use_cache=True)
+        assert rt.executor.graphs.captured == 0
+    finally:
+        rt.detach()
+
+
+def test_a_call_that_cannot_be_captured_runs_as_it_is_and_says_so_once(monkeypatch, caplog):
+    """A device that refuses a capture (an implementation that reads back from the device, say): the
+    call runs uncaptured from then on, the logits are the model's, and one warning names why."""
+    from moecast.runtime.live import graphs as G
+
+    def refuse(self, fn, *inputs):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
+
+    monkeypatch.setattr(SimulatedOps, "capture", refuse)
+    G._say_uncapturable.cache_clear()
+    model = make_model("qwen2_moe")
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(7))
+    with torch.inference_mode():
+        ref = decode_logits(model, ids, steps=5)
+    with caplog.at_level("WARNING", logger="moecast.runtime.live.graphs"):
+        got, graphs, _ = _graph_run(model, ids)
+    assert torch.equal(got, ref) and graphs.captured == graphs.replays == 0
+    said = [r.getMessage() for r in caplog.records if r.name == "moecast.runtime.live.graphs"]
+    assert said == [
+        "an experts call could not be captured as a graph (RuntimeError: operation not permitted when "
+        "stream is capturing): it runs uncaptured"
+    ]

@@ -177,3 +177,30 @@ def test_quantizing_on_the_gpu_gives_the_hosts_bytes(dtype):
     assert got.keys() == want.keys()
     for name in want:
         assert got[name].device.type == "cpu" and torch.equal(got[name], want[name]), name
+
+
+@pytest.mark.parametrize("setting", [dict(policy="lru", capacity=0.25, prefetch="none"), dict(policy="smoe", capacity=None)],
+                         ids=["lru-0.25", "all-resident"])  # fmt: skip
+def test_decode_calls_replayed_as_cuda_graphs_keep_the_logits(cuda_model, setting):
+    """graphs (the default): each layer's decode experts call is a CUDA graph captured once, replayed
+    with the token's inputs while copies change the slots; the logits equal the runtime's without
+    graphs bit for bit, and the unmodified model's as the other tests here compare them, and the
+    graphs were replayed."""
+    _, model = cuda_model
+    ids = torch.randint(0, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0)).cuda()
+    with torch.inference_mode():
+        ref = decode(model, ids, steps=6)
+        got = {}
+        for graphs in (True, False):
+            rt = attach(model, alpha=0.0, graphs=graphs, **{**setting, "policy": "lru"})
+            try:
+                got[graphs] = decode(model, ids, steps=6)
+                g = rt.executor.graphs
+                if graphs:
+                    assert g.captured > 0 and g.replays > 0
+                else:
+                    assert g is None
+            finally:
+                rt.detach()
+    assert torch.equal(got[True], got[False])  # the same kernels, replayed
+    assert torch.allclose(got[True], ref, atol=1e-4, rtol=1e-4)  # as the wrapped implementation's

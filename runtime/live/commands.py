@@ -158,6 +158,7 @@ def run(
     group_size: int = DEFAULT.group_size,
     router_pattern: str | None = None,
     device_ops: str = "auto",
+    graphs: bool = True,
     json: bool = False,
 ) -> dict[str, Any]:
     """Generate text with the live runtime attached and report its cache, substitution and TPOT figures.
@@ -202,6 +203,8 @@ def run(
         device_ops: How copies reach the slots: auto (CUDA's streams on a GPU, else synchronous copies) or
             simulated (on the CPU, the GPU path's streams and events simulated: the same copies and waits,
             in the same order, timed on a link at the hardware profile's rate).
+        graphs: On an accelerator, replay each layer's decode experts call as a graph captured once (one
+            launch instead of the implementation's kernels); false: call it every time.
         json: Print one JSON object instead of text and a table.
     """
     _threads()
@@ -231,6 +234,7 @@ def run(
         group_size=group_size,
         router_pattern=router_pattern,
         device_ops=device_ops,
+        graphs=graphs,
     )
     try:
         branch = rt.plan(prompt) if plan is not None else None

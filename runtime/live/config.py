@@ -88,6 +88,10 @@ class LiveConfig(RuntimeSpec):
             resident low ones (upgrades), as the replay models it.
         group_size: int4's group along the input dimension (32, 64, 128 or 256); a matrix whose input
             dimension it does not divide is quantized per output channel instead.
+        graphs: On an accelerator, replay each layer's decode experts call (one token) as a graph
+            captured at its first call (:mod:`moecast.runtime.live.graphs`: a CUDA graph, or the
+            simulated device's stand-in), so the host launches one graph instead of the implementation's
+            kernels one by one; a call that cannot be captured runs as it is. False: never capture.
     """
 
     capacity: float | int | str | None = None
@@ -103,6 +107,7 @@ class LiveConfig(RuntimeSpec):
     offload: str = "ram"
     offload_dir: str | None = None
     io_threads: int = 2
+    graphs: bool = True
 
     def __post_init__(self) -> None:
         name = self.policy.name if isinstance(self.policy, Policy) else self.policy

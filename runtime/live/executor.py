@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from moecast.runtime.core.cache import ExpertCache
 from moecast.runtime.live import transfer
+from moecast.runtime.live.graphs import ExpertGraphs
 from moecast.runtime.live.stats import ForwardTimes, LiveStats
 from moecast.runtime.tiers.base import Device, ExpertTier
 from moecast.runtime.tiers.expert_store import SlotView
@@ -67,6 +68,8 @@ class Executor:
         # two copies: the (high, low) copies' tags, under which a decode step's compute is timed
         self.copy_tags: tuple[str, str] | None = None
         self._pool: ThreadPoolExecutor | None = None
+        # an accelerator's decode calls replayed as graphs (LiveConfig.graphs; set when the runtime attaches)
+        self.graphs: ExpertGraphs | None = None
 
     # ------------------------------------------------------------------ placement
     def place(self, initial: np.ndarray) -> None:
@@ -260,7 +263,15 @@ class Executor:
             self.times.stream_wait(st.wait, slots)
         args = (self.impls[pos], SlotView(call.module, st.slots, st.num_slots, partial), call.hidden, slot_ids,
                 call.weights)  # fmt: skip
-        if tag is None:
+        if (
+            tag is None
+            and call.decode
+            and self.graphs is not None
+            and self.graphs.takes(call.hidden, call.kwargs)
+        ):
+            # a decode step's call, replayed from its layer's graph (runtime/live/graphs.py)
+            out = self.times.timed("expert_compute", self.graphs.call, (pos, partial), *args)
+        elif tag is None:
             out = self.times.timed("expert_compute", *args, **call.kwargs)
         else:
             uses = int(np.isin(call.ids, experts).sum())  # the (token, expert) pairs it computes

@@ -78,6 +78,7 @@ from moecast.runtime.live.config import (
 )
 from moecast.runtime.live.copies import SlotCopies
 from moecast.runtime.live.executor import Executor, ExpertsCall
+from moecast.runtime.live.graphs import ExpertGraphs
 from moecast.runtime.live.prefetch import Prefetcher, choose_prefetch, gate_calibration, hot_table
 from moecast.runtime.live.stats import BREAKDOWN, ForwardTimes, LiveStats, runtime_stats
 from moecast.runtime.live.transfer import pinned_budget, to_device, to_host
@@ -232,6 +233,8 @@ class LiveRuntime:
         self.stats_ = LiveStats()
         self.times = ForwardTimes(self.tier.waited, self.device.ops)
         self.executor = Executor(self.tier, self.device, self.cache, self.times, self.stats_)
+        if config.graphs and self.device.accelerated:
+            self.executor.graphs = ExpertGraphs(self.device.ops)
         if two:  # each copy's decode compute timed apart (stats: expert_compute_by_copy)
             self.executor.copy_tags = (prec.high.tag, prec.low.tag)
         self.fwd = Forward()

@@ -251,6 +251,8 @@ def runtime_stats(rt: LiveRuntime) -> dict[str, Any]:
         expert_bytes=rt.link_bytes,  # one expert as the link moves it (its precision's bytes; two copies: the high one's)
         **tier,
         peak_rss_mb=peak_rss_mb(),
+        # decode experts calls replayed as graphs (runtime/live/graphs.py; None: graphs off or no accelerator)
+        graph_replays=rt.executor.graphs.replays if rt.executor.graphs is not None else None,
     )
     d["wasted_bytes"] = wasted_bytes(rt)
     if rt.copies is not None:  # two copies: low_share, upgrades and the bytes by copy, as the replay's

@@ -54,6 +54,13 @@ class CopyOps(Protocol):
         """Queue the device kernels ``kernels()`` issues on ``stream``, behind what is queued there."""
         ...
 
+    def capture(
+        self, fn: Callable[..., torch.Tensor], *inputs: torch.Tensor
+    ) -> tuple[Callable[[], None], torch.Tensor]:
+        """``fn(*inputs)`` captured as a graph: (its replay, which reruns it on the inputs' current
+        contents on the current stream, and its output buffer, which each replay rewrites)."""
+        ...
+
 
 class CudaOps:
     """:class:`CopyOps` on a CUDA device."""
@@ -61,6 +68,7 @@ class CudaOps:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pins = torch.cuda.is_available()
+        self._pool: Any = None  # the graphs' shared memory pool (capture)
 
     def stream(self) -> Any:
         return torch.cuda.Stream(device=self.device)
@@ -78,6 +86,24 @@ class CudaOps:
     def launch(self, kernels: Callable[[], None], stream: Any) -> None:
         with torch.cuda.stream(stream):
             kernels()
+
+    def capture(
+        self, fn: Callable[..., torch.Tensor], *inputs: torch.Tensor
+    ) -> tuple[Callable[[], None], torch.Tensor]:
+        # warmed up on a side stream first (lazy initialisations must not fall in the capture), as
+        # torch.cuda.graphs' own recipe has it; every graph shares one memory pool
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            fn(*inputs)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        # thread-local: the disk tier's I/O threads go on issuing their copies meanwhile
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            out = fn(*inputs)
+        return graph.replay, out
 
 
 #: ``LiveConfig.device_ops`` names: how copies reach the slots

@@ -139,6 +139,21 @@ class SimulatedOps:
             self.log.append(("kernel", stream.name, kernels))
         self._device_work(kernels)
 
+    def capture(
+        self, fn: Callable[..., torch.Tensor], *inputs: torch.Tensor
+    ) -> tuple[Callable[[], None], torch.Tensor]:
+        """A graph, simulated: ``fn`` is called now, and each replay calls it again on the inputs'
+        current contents and writes the result into the first call's output buffer, as a CUDA graph's
+        replay does (logged ``("graph", "compute", fn)`` at the capture)."""
+        with self.lock:
+            self.log.append(("graph", self.compute.name, fn))
+        out = fn(*inputs)
+
+        def replay() -> None:
+            self._device_work(lambda: out.copy_(fn(*inputs)))
+
+        return replay, out
+
     @property
     def device_seconds(self) -> float:
         """Seconds the calling thread spent doing the device's work (the copies' and kernels' own
