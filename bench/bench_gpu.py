@@ -33,7 +33,8 @@ Per model:
    decode step, the first two steps excluded as warm-up):
    - full residency (the floor);
    - runtime, all resident: the live runtime attached with every expert in a slot (no transfer, no
-     miss): its host work alone, against the floor;
+     miss): its host work alone, against the floor; and the same with its decode calls not replayed
+     as graphs (``graphs=False``), what the graphs save;
    - accelerate offload (CUDA only): ``dispatch_model`` with a device map that keeps the experts modules
      of the first layers on the GPU while they fit in the budget (25 % of the experts' bytes) and maps
      the others to "cpu", i.e. streamed to the GPU at each use (accelerate's unit is the module, so a
@@ -756,6 +757,12 @@ def run_rows(s: Setup, report: Report) -> None:
         s,
         "runtime, all resident",
         lambda: live_row(s, "lru", "static", "none", capacity=None, prefetch="none"),
+    )
+    # the same without the decode calls' graphs (runtime/live/graphs.py): what replaying them saves
+    g(
+        s,
+        "all resident, no graphs",
+        lambda: live_row(s, "lru", "static", "none", capacity=None, prefetch="none", graphs=False),
     )
     g(s, "on-demand LRU", lambda: live_row(s, "lru", "lru", "none", prefetch="none", balance="load"))
     if s.predictor is not None:

@@ -90,19 +90,26 @@ class CudaOps:
     def capture(
         self, fn: Callable[..., torch.Tensor], *inputs: torch.Tensor
     ) -> tuple[Callable[[], None], torch.Tensor]:
-        # warmed up on a side stream first (lazy initialisations must not fall in the capture), as
-        # torch.cuda.graphs' own recipe has it; every graph shares one memory pool
+        # torch.cuda.graph's recipe without its context manager, which empties the device's and the
+        # pinned host memory's caches at every capture (a layer's each): warmed up on a side stream
+        # first (lazy initialisations must not fall in the capture), captured there into one memory
+        # pool for every graph, thread-local (the disk tier's I/O threads go on issuing copies)
+        current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(device=self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
+        side.wait_stream(current)
         with torch.cuda.stream(side):
             fn(*inputs)
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        side.synchronize()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        # thread-local: the disk tier's I/O threads go on issuing their copies meanwhile
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = fn(*inputs)
+        with torch.cuda.stream(side):
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                out = fn(*inputs)
+            finally:
+                graph.capture_end()
+        current.wait_stream(side)
         return graph.replay, out
 
 
