@@ -68,7 +68,6 @@ class CudaOps:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pins = torch.cuda.is_available()
-        self._pool: Any = None  # the graphs' shared memory pool (capture)
 
     def stream(self) -> Any:
         return torch.cuda.Stream(device=self.device)
@@ -92,19 +91,19 @@ class CudaOps:
     ) -> tuple[Callable[[], None], torch.Tensor]:
         # torch.cuda.graph's recipe without its context manager, which empties the device's and the
         # pinned host memory's caches at every capture (a layer's each): warmed up on a side stream
-        # first (lazy initialisations must not fall in the capture), captured there into one memory
-        # pool for every graph, thread-local (the disk tier's I/O threads go on issuing copies)
+        # first (lazy initialisations must not fall in the capture), captured there into a memory pool
+        # of its own (a shared one is safe only for graphs replayed in their capture order, and a
+        # call of another kind is captured later), thread-local (the disk tier's I/O threads go on
+        # issuing copies)
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(device=self.device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
             fn(*inputs)
         side.synchronize()
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(side):
-            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            graph.capture_begin(capture_error_mode="thread_local")
             try:
                 out = fn(*inputs)
             finally:
