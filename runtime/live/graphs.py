@@ -27,6 +27,8 @@ from typing import Any
 import torch
 
 log = logging.getLogger(__name__)
+#: a captured call: its replay, its output buffer and its static inputs (hidden state, slot ids, weights)
+Captured = tuple[Callable[[], None], torch.Tensor, tuple[torch.Tensor, ...]]
 
 
 class ExpertGraphs:
@@ -34,9 +36,7 @@ class ExpertGraphs:
 
     def __init__(self, ops: Any) -> None:
         self.ops = ops
-        self._graphs: dict[
-            tuple, tuple[Callable[[], None], torch.Tensor, tuple[torch.Tensor, ...]] | None
-        ] = {}
+        self._graphs: dict[tuple, Captured | None] = {}
         self.captured = 0
         self.replays = 0
 
@@ -58,7 +58,7 @@ class ExpertGraphs:
         view's kind) with the shapes and dtypes of the inputs, captured at its first call."""
         key = (*key, hidden.shape, hidden.dtype, ids.shape, ids.dtype, weights.dtype)
         if key not in self._graphs:
-            self._graphs[key] = self._capture(key, impl, view, hidden, ids, weights)
+            self._graphs[key] = self._capture(impl, view, hidden, ids, weights)
         got = self._graphs[key]
         if got is None:
             return impl(view, hidden, ids, weights)
@@ -71,8 +71,8 @@ class ExpertGraphs:
         return out.clone()
 
     def _capture(
-        self, key: tuple, impl: Callable[..., torch.Tensor], view: Any, *inputs: torch.Tensor
-    ) -> tuple[Callable[[], None], torch.Tensor, tuple[torch.Tensor, ...]] | None:
+        self, impl: Callable[..., torch.Tensor], view: Any, *inputs: torch.Tensor
+    ) -> Captured | None:
         static = tuple(x.detach().clone() for x in inputs)
         try:
             replay, out = self.ops.capture(functools.partial(impl, view), *static)
