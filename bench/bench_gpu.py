@@ -663,6 +663,8 @@ def live_once(s: Setup, policy: str, alpha: float, **kw: Any) -> dict:
     row["link_gbps_observed"] = st["link_gbps_observed"]
     # the host's mean time to issue one copy (in policy above; the profile's load_host_ms as paid here)
     row["copy_issue_ms"] = st["copy_issue_ms"]
+    # decode experts calls replayed as graphs (None: the row ran them uncaptured)
+    row["graph_replays"] = st["graph_replays"]
     row["device_ops"] = st["device_ops"]
     if s.cuda:
         row["peak_gpu_mb"] = torch.cuda.max_memory_allocated(s.device) / 2**20

@@ -195,6 +195,9 @@ def test_dry_run_runs_every_cpu_row(tmp_path, monkeypatch):
         # issued by the host (its issue time the runtime's host work, reported per copy)
         assert lru["device_ops"] == "simulated" and lru["link_gbps_observed"] > 0
         assert lru["transfer_wait_ms"] > 0 and lru["stream_wait_ms"] >= 0 and lru["copy_issue_ms"] > 0
+        # the all-resident pair: decode calls replayed as graphs, and the same uncaptured
+        assert by[(model, "runtime, all resident")]["graph_replays"] > 0
+        assert by[(model, "all resident, no graphs")]["graph_replays"] is None
     assert by[("tiny", "LLaPor prefetch")]["prefetches_issued"] > 0
     assert by[("tiny", "LLaPor prefetch (int4-g32)")]["prefetches_issued"] > 0
     assert by[("deepseek-shaped", "LLaPor prefetch (int4-g32)")]["status"] == "skipped"
