@@ -927,9 +927,7 @@ def _profile_lines(prof: dict | None) -> list[str]:
         "|---|---|",
         *(f"| {k} | {_fmt(prof[k], 4)} |" for k in ("h2d_gbps", "kernel_ms_per_expert", "cpu_beta_ms",
                                                   "cpu_c_ms", "dense_ms_per_layer", "predictor_ms_per_layer",
-                                                  "expert_bytes")),
-        # the host's time to issue one load (CUDA only; results written before it have none)
-        *([f"| load_host_ms | {_fmt(prof['load_host_ms'], 4)} |"] if "load_host_ms" in prof else []),
+                                                  "expert_bytes", "load_host_ms")),
         f"| source | {prof['source']} |",
         "",
     ]  # fmt: skip
@@ -991,7 +989,7 @@ def _split_row(r: dict) -> str:
         *(_fmt(r[f"{p}_ms"]) for p in BREAKDOWN),
         _fmt(r["split_sum_ms"]),
         _fmt(r["runtime_tpot_ms"]),
-        _fmt(r.get("copy_issue_ms"), 4),
+        _fmt(r["copy_issue_ms"], 4),
     ]
     return "| " + " | ".join(cells) + " |"
 

@@ -27,8 +27,8 @@ Quantities (PreScope's notation):
   the experts' and the attention's kernels. ``moecast profile`` measures it as the CPU time a read
   takes on its reading thread, plus the machine's interrupt time per read, while experts compute;
 - ``load_host_ms`` (``t_rc`` of a device fast tier over host memory): the host's own time to issue
-  one expert load to an accelerator (optional, default 0): the runtime's copy path (the slot's
-  bookkeeping, the copy call and its events, a staging fill where the host copy is not pinned).
+  one expert load to an accelerator (optional, default 0): the runtime's copy path (the copy call
+  and its events, a staging fill where the host copy is not pinned; a run's ``copy_issue_ms``).
   While it issues a copy the host launches nothing else, and a decode step on a fast device waits
   on its host (issue 43: the H200's rows are host-bound), so each copy adds it to a layer, as a
   read's ``t_rc`` does on a CPU fast tier: a demand load to its own, a prefetch to the layer it

@@ -620,11 +620,11 @@ def load_host_ms(experts: Any, device: Any, loads: int = 48, slots: int = 4) -> 
     """(ms, how) the host takes to issue one expert load to ``device`` (a
     :class:`~moecast.runtime.tiers.base.Device` with ``ops``) through the runtime's own
     :class:`~moecast.runtime.tiers.expert_store.LayerStore`: the median over ``loads`` loads into
-    ``slots`` slots, each evicting the oldest resident, of the host's wall time in ``load`` (the
-    slot's bookkeeping, its events and the copy call; the copies run on the transfer stream
-    meanwhile, waited for only at the end; a simulated device's own work on this thread, its
-    memcpy, is not the host's). The store packs a copy of ``experts``, so the model's
-    own tensors stay as they are."""
+    ``slots`` slots, each evicting the oldest resident, of the issue time the store counts for it
+    (``issue_seconds``, what a live run reports as ``copy_issue_ms``: its events and the copy call,
+    not a simulated device's own work; the copies run on the transfer stream meanwhile, waited for
+    only at the end). The store packs a copy of ``experts``, so the model's own tensors stay as they
+    are."""
     import copy
 
     from moecast.runtime.tiers.expert_store import LayerStore
@@ -643,11 +643,9 @@ def load_host_ms(experts: Any, device: Any, loads: int = 48, slots: int = 4) -> 
         for i in range(max(loads, 1) + 1):
             evict, expert = int(store.expert_in[i % slots]), nxt % n
             nxt += 1
-            t0, device0 = time.perf_counter(), getattr(device.ops, "device_seconds", 0.0)
+            before = store.issue_seconds
             store.load(expert, evict=evict)
-            # a simulated device's own work (the copy's memcpy) is done on this thread: not the host's
-            on_device = getattr(device.ops, "device_seconds", 0.0) - device0
-            times.append(time.perf_counter() - t0 - on_device)
+            times.append(store.issue_seconds - before)
         store.settle(block=True)  # every copy landed before the store's buffers go
     finally:
         store.close()

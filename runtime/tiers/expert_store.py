@@ -80,6 +80,14 @@ def expert_params(experts: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def pending_in(pending: dict[int, Any], slots: np.ndarray | list[int] | None) -> bool:
+    """Whether any of ``slots`` (any slot, if None) is a key of ``pending`` (a store's copies or reads not
+    yet waited for)."""
+    if slots is None or not pending:
+        return bool(pending)
+    return any(int(s) in pending for s in slots)
+
+
 def packed_bytes(experts: nn.Module) -> int:
     """Bytes of the packed host copy of one layer's experts (what :class:`LayerStore` pins)."""
     layout = ExpertLayout.of(expert_params(experts), MEMORY_ALIGN)
@@ -407,10 +415,7 @@ class LayerStore:
     def awaits(self, slots: np.ndarray | list[int] | None = None) -> bool:
         """Whether :meth:`wait` for ``slots`` (all, if None) has a transfer to wait for: a copy whose event
         the compute stream has not been made to wait for yet."""
-        if slots is None:
-            return bool(self._events)
-        events = self._events
-        return bool(events) and any(int(s) in events for s in slots)
+        return pending_in(self._events, slots)
 
     def in_flight(self, slots: np.ndarray) -> np.ndarray:
         """Those of ``slots`` whose transfer the host would still block on, in the order they were

@@ -63,6 +63,7 @@ from moecast.runtime.tiers.expert_store import (
     LayerStore,
     device_slots,
     expert_params,
+    pending_in,
 )
 from moecast.runtime.tiers.iopool import IOPool
 from moecast.runtime.tiers.layout import ALIGN, MEMORY_ALIGN, ExpertLayout, align_up
@@ -937,10 +938,7 @@ class DiskLayerStore(LayerStore):
 
     def awaits(self, slots: np.ndarray | list[int] | None = None) -> bool:
         """Whether :meth:`wait` for ``slots`` (all, if None) has a read (and its copy) to wait for."""
-        pending = self._pending
-        if slots is None:
-            return bool(pending)
-        return bool(pending) and any(int(s) in pending for s in slots)
+        return pending_in(self._pending, slots)
 
     def in_flight(self, slots: np.ndarray) -> np.ndarray:
         """Those of ``slots`` still being read, in the order their reads were submitted (the order the
