@@ -145,7 +145,9 @@ def test_dry_run_runs_every_cpu_row(tmp_path, monkeypatch):
         cal = by[(model, "calibrate (all resident)")]
         assert cal["calibrated_on_steps"] > 0 and Path(cal["profile"]).is_file()
     for model in ("tiny", "deepseek-shaped"):
-        assert by[(model, "exactness (alpha 0)")]["equal"] is True  # one token per forward: bit-identical
+        exact = by[(model, "exactness (alpha 0)")]
+        # one token per forward: bit-identical; after the prefill too, whose waves combine their pairs
+        assert exact["equal"] is True and exact["prefill_equal"] is True
         assert by[(model, "accelerate offload (device_map)")]["status"] == "skipped"
         for cfg in ("full residency", "on-demand LRU", "PreSched + CPU experts"):
             r = by[(model, cfg)]

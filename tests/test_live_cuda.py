@@ -204,3 +204,26 @@ def test_decode_calls_replayed_as_cuda_graphs_keep_the_logits(cuda_model, settin
                 rt.detach()
     assert torch.equal(got[True], got[False])  # the same kernels, replayed
     assert torch.allclose(got[True], ref, atol=1e-4, rtol=1e-4)  # as the wrapped implementation's
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [dict(), dict(balance="cpu"), dict(offload="disk")],
+    ids=["prefill waves", "CPU balance", "disk tier"],
+)
+def test_alpha_zero_is_bit_exact_in_bf16_on_cuda_where_a_layer_runs_in_parts(tmp_path, setting):
+    """Mixtral's float32 router weights in bf16: a layer in several calls (a 7-token prefill in waves
+    through 2 slots, the CPU's set beside the device's) gives the model's logits bit for bit
+    (runtime/live/pairs.py), as the one-call decode steps do."""
+    model = mixtral_random().to(torch.bfloat16).cuda()
+    ids = torch.randint(0, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(5)).cuda()
+    ref = decode(model, ids)
+    if setting.get("offload"):
+        setting = dict(setting, offload_dir=str(tmp_path))
+    rt = attach(model, alpha=0.0, policy="lru", capacity=2, prefetch="none", **setting)
+    try:
+        assert rt.executor.exact
+        got = decode(model, ids)
+    finally:
+        rt.detach()
+    assert torch.equal(got, ref), (got.float() - ref.float()).abs().max()

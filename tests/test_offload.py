@@ -622,7 +622,7 @@ def test_in_flight_names_the_slots_still_read_in_submission_order(tmp_path):
 
 def test_a_hit_still_in_flight_computes_after_the_landed_hits_before_the_loads():
     """Disk tier, decode: the landed hits in one call, then each hit whose prefetch is still being
-    read (as it lands), then each demand load; the parts' outputs summed."""
+    read (as it lands), then each demand load."""
     from types import SimpleNamespace
 
     from moecast.runtime.live.executor import Executor
@@ -641,8 +641,5 @@ def test_a_hit_still_in_flight_computes_after_the_landed_hits_before_the_loads()
         Device(torch.device("cpu")),
         [Store()],
     )
-    calls = []
-    ex._device = lambda pos, call, experts: calls.append(list(experts)) or torch.ones(1) * len(calls)
-    out = ex._resident(0, SimpleNamespace(decode=True), np.array([4, 7, 9]), np.array([5, 2]))
-    assert calls == [[4, 9], [7], [5], [2]]
-    assert out.item() == 1 + 2 + 3 + 4
+    parts = ex._resident(0, SimpleNamespace(decode=True), np.array([4, 7, 9]), np.array([5, 2]))
+    assert [p.tolist() for p in parts] == [[4, 9], [7], [5], [2]]

@@ -16,6 +16,7 @@ import torch
 from moecast.collect.models import find_moe_structure, model_info
 from moecast.predictors.base import BatchScorer, LearningPlanner, PromptPlanner, StreamingPredictor
 from moecast.runtime.live.config import LiveConfig, live_config
+from moecast.runtime.live.pairs import sums_over_top_k
 from moecast.runtime.live.prefetch import not_a_planner
 from moecast.runtime.tiers.precision import experts_call
 
@@ -92,6 +93,11 @@ class Attachment:
         elif rt.config.precision.quantized:
             impls = [experts_call(rt.config.precision, st, impl) for st, impl in zip(rt.stores, impls)]
         rt.executor.impls = impls
+        # several calls of a layer combine their pairs as the model's implementation would (pairs.py); a
+        # quantized slot computes with other kernels, whose sums exactness does not concern
+        names = {e.experts.config._experts_implementation for e in layers}
+        exact = rt.copies is None and not rt.config.precision.quantized
+        rt.executor.exact = exact and all(sums_over_top_k(name) for name in names)
         self.previous = self.model.get_experts_implementation()
         for pos, entry in enumerate(layers):
             _ATTACHED[entry.experts] = (rt, pos)

@@ -7,6 +7,11 @@ accelerator computes the resident ones, else after them on this thread (a second
 contend for the same cores), its reads started first where the tier reads in the background. Loads the
 cache did not keep (a long prefill's) stream through the slots in waves.
 
+Where a layer's experts run in more than one call (waves, each demand load as it lands, the CPU
+set), each call computes its (token, expert) pairs' outputs and they are combined once, as the
+model's implementation combines them (:mod:`moecast.runtime.live.pairs`), so the output at alpha 0
+is the model's bit for bit in any dtype.
+
 Two expert copies (:mod:`moecast.runtime.core.mixed`): in a decode step each call on the slots is
 split by the copy its slots hold, each copy's experts in a call of their own, timed apart (the sum,
 high part first, is the one :class:`moecast.runtime.live.copies.MixedExperts` makes of a mixed
@@ -25,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 from moecast.runtime.core.cache import ExpertCache
-from moecast.runtime.live import transfer
+from moecast.runtime.live import pairs, transfer
 from moecast.runtime.live.graphs import ExpertGraphs
 from moecast.runtime.live.stats import ForwardTimes, LiveStats
 from moecast.runtime.tiers.base import Device, ExpertTier
@@ -47,6 +52,16 @@ class ExpertsCall:
     distinct: int  # distinct expert ids in ``ids``
     decode: bool = False  # the call is a decode step's
     step: int = 0  # the step, as the cache's time
+    # its calls compute (token, expert) pairs' outputs, combined once (runtime/live/pairs.py)
+    pairs: bool = False
+    _pair_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def pair_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The hidden state a row per (token, top-k) pair and the pairs' unit weights (made once)."""
+        if self._pair_rows is None:
+            hidden, _, ones = pairs.pair_inputs(self.hidden, self.index, self.weights)
+            self._pair_rows = (hidden, ones)
+        return self._pair_rows
 
 
 class Executor:
@@ -64,6 +79,9 @@ class Executor:
         self.device, self.times, self.stats = device, times, stats
         self.impls: list[Callable[..., torch.Tensor]] = []
         self.overlap_cpu = device.accelerated
+        # a layer computed in several calls combines their pairs' outputs once (set when the runtime
+        # attaches: the model's implementation sums over the top-k, and the slots hold its weights)
+        self.exact = False
         self.identity = [False] * len(self.stores)  # layers whose slot i holds expert i
         # two copies: the (high, low) copies' tags, under which a decode step's compute is timed
         self.copy_tags: tuple[str, str] | None = None
@@ -154,9 +172,16 @@ class Executor:
         on_device = np.concatenate([hit_ids, placed])
         if not len(streamed):
             to_cpu = np.sort(cpu_ids[cpu_ids >= 0])
+            parts = self._resident(pos, call, hit_ids, placed)
+            call.pairs = self.exact and len(parts) + bool(len(to_cpu)) > 1
             # started before the device call, which may block the host (a wrapped implementation may sync)
             cpu_part = self._start_cpu(pos, call, to_cpu) if len(to_cpu) else None
-            return self._resident(pos, call, hit_ids, placed), to_cpu, cpu_part
+            out = None
+            for experts in parts:
+                got = self._device(pos, call, experts)
+                out = got if out is None else (out if got is None else out + got)
+            return out, to_cpu, cpu_part
+        call.pairs = self.exact
         out = self._device(pos, call, on_device)
         done = [on_device]
         capacity = self.stores[pos].num_slots
@@ -170,17 +195,17 @@ class Executor:
 
     def join(
         self,
+        call: ExpertsCall,
         out: torch.Tensor | None,
         to_cpu: np.ndarray,
         cpu_part: Any,
         uniq: np.ndarray,
         counts: np.ndarray,
-        hidden: torch.Tensor,
-        n: int,
     ) -> torch.Tensor:
-        """The layer's output over its ``n`` tokens: the device's experts' part plus the CPU's,
+        """The layer's output over the call's tokens: the device's experts' part plus the CPU's,
         computed while the device ran its own (``cpu_part`` gives it), or zeros where the call
-        computed no expert."""
+        computed no expert; the pairs' outputs combined where the parts computed pairs."""
+        hidden, n = call.hidden, call.hidden.shape[0]
         if len(to_cpu):
             # one token: each expert has one use
             uses = len(to_cpu) if n == 1 else int(counts[np.isin(uniq, to_cpu)].sum())
@@ -191,34 +216,33 @@ class Executor:
                 got = self.times.timed("expert_compute", cpu_part)
             part = transfer.to_device(got, hidden.device)
             out = part if out is None else out + part
-        return torch.zeros_like(hidden) if out is None else out
+        if out is None:
+            return torch.zeros_like(hidden)
+        return pairs.combine(out, call.weights, hidden.dtype) if call.pairs else out
 
     def _resident(
         self, pos: int, call: ExpertsCall, hit_ids: np.ndarray, placed: np.ndarray
-    ) -> torch.Tensor | None:
-        """The resident experts of a call: the hits and the demand loads just placed.
+    ) -> list[np.ndarray]:
+        """The calls that compute a call's resident experts (the hits and the demand loads just
+        placed), in their order: each call's experts.
 
         Reading in the background without an accelerator (each call runs to its end before the next
         starts), a decode step computes the hits while the loads are read, then each load as it
         lands, so only the last one's compute follows the link (the step's ``max(n_dev * t_g, link +
         t_g)``); a hit whose prefetch is still in flight computes as it lands, before the loads.
-        Elsewhere they are one call, whose outputs stay bit-identical to the wrapped
-        implementation's: a device's stream waits for the copies without blocking the host, a
-        host-memory store copies synchronously, and a prefill's loads are many (a call per expert
-        would cost more than the overlap gains)."""
+        Elsewhere they are one call: a device's stream waits for the copies without blocking the
+        host, a host-memory store copies synchronously, and a prefill's loads are many (a call per
+        expert would cost more than the overlap gains). Either way the layer's output is the
+        wrapped implementation's bit for bit (several calls: their pairs combined, module docstring)."""
         if not (call.decode and self.tier.background_reads and not self.device.accelerated):
-            return self._device(pos, call, np.concatenate([hit_ids, placed]))
+            return [np.concatenate([hit_ids, placed])]
         # a hit whose prefetch is still being read computes once it lands, after the hits that
         # have landed and before the loads (its read went to the disk first)
         st = self.stores[pos]
         late = st.expert_in[st.in_flight(st.slot_of[hit_ids])]
         if len(late):
             hit_ids = hit_ids[~np.isin(hit_ids, late)]
-        out = None
-        for experts in [hit_ids, *late[:, None], *placed[:, None]]:
-            part = self._device(pos, call, experts)
-            out = part if out is None else out + part
-        return out
+        return [e for e in [hit_ids, *late[:, None], *placed[:, None]] if len(e)]
 
     def _device(self, pos: int, call: ExpertsCall, experts: np.ndarray) -> torch.Tensor | None:
         """The (token, expert) pairs of ``experts`` (resident) from their device slots (:meth:`_slots`);
@@ -261,10 +285,15 @@ class Executor:
         slots = slot_of[experts]
         if st.awaits(slots):  # else no copy to wait for: no wait, and no timing events around none
             self.times.stream_wait(st.wait, slots)
-        args = (self.impls[pos], SlotView(call.module, st.slots, st.num_slots, partial), call.hidden, slot_ids,
-                call.weights)  # fmt: skip
+        view = SlotView(call.module, st.slots, st.num_slots, partial)
+        if call.pairs:  # one row per pair, unweighted: join combines every call's pairs at once
+            hidden, ones = call.pair_rows()
+            args = (self.impls[pos], view, hidden, slot_ids.reshape(-1, 1), ones)
+        else:
+            args = (self.impls[pos], view, call.hidden, slot_ids, call.weights)
         if (
             tag is None
+            and not call.pairs
             and call.decode
             and self.graphs is not None
             and self.graphs.takes(call.hidden, call.kwargs)
@@ -308,8 +337,11 @@ class Executor:
         result is exactly its part in the model's dtype.
         """
         hidden = call.host["hidden"].reshape(-1, call.hidden.shape[-1])
+        waves = waves if waves is not None else self.stores[pos].cpu_waves(experts)
+        if call.pairs:
+            return self._host_pairs(pos, call, hidden, waves)
         out = torch.zeros(hidden.shape, dtype=torch.float32)
-        with contextlib.closing(waves if waves is not None else self.stores[pos].cpu_waves(experts)) as waves:
+        with contextlib.closing(waves):
             for tensors, table, count in waves:
                 cpu_ids = torch.from_numpy(table[call.ids])
                 rows = (cpu_ids < count).any(1)
@@ -317,6 +349,19 @@ class Executor:
                 part = self.impls[pos](view, hidden[rows], cpu_ids[rows], call.w_host[rows], **call.kwargs)
                 out[rows] += part.float()
         return out.to(call.hidden.dtype)
+
+    def _host_pairs(self, pos: int, call: ExpertsCall, hidden: torch.Tensor, waves: Any) -> torch.Tensor:
+        """:meth:`_host`'s experts as their pairs' unweighted outputs ([tokens x top-k, hidden]; zeros for
+        the pairs of other experts), each wave's pairs computed by one call."""
+        hidden, _, ones = pairs.pair_inputs(hidden, torch.from_numpy(call.ids), call.w_host)
+        out = torch.zeros(hidden.shape, dtype=call.hidden.dtype)
+        with contextlib.closing(waves):
+            for tensors, table, count in waves:
+                ids = torch.from_numpy(table[call.ids].reshape(-1, 1))
+                rows = ids[:, 0] < count
+                view = SlotView(call.module, tensors, count, True)
+                out[rows] = self.impls[pos](view, hidden[rows], ids[rows], ones[rows], **call.kwargs)
+        return out
 
     def close(self) -> None:
         """Join and close the CPU worker."""

@@ -436,7 +436,7 @@ class LiveRuntime:
         out, to_cpu, cpu_part = self.executor.run(pos, call, uniq[hit], placed, streamed, uniq, cpu_ids)
         if after_launch:  # the prefetch still queues behind the demand copies, which went out in move
             ahead()
-        out = self.executor.join(out, to_cpu, cpu_part, uniq, counts, hidden, n)
+        out = self.executor.join(call, out, to_cpu, cpu_part, uniq, counts)
         f.clock += float(o.layer_t[0])
         if not early:
             window()

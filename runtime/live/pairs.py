@@ -1,0 +1,53 @@
+"""A layer's output assembled from several experts calls, bit for bit the one call's.
+
+The live runtime computes a layer's experts in more than one call where they are not all in the slots
+at once: a prefill's loads stream through the slots in waves, the disk tier computes each demand load
+as its read lands, the CPU computes the balancer's set. Adding those calls' outputs rounds each
+call's partial sum to the model's dtype before the sum of the parts, where the model's implementation
+sums a token's top-k outputs once, in float32, and rounds once: in bf16 (or with float32 router
+weights) the logits at alpha 0 then differ from the model's in their last bits.
+
+transformers' ``grouped_mm`` and ``batched_mm`` implementations (the default of every family) end
+alike: each (token, expert) pair's output times its weight, then ``view(tokens, top_k, hidden).sum(1)``
+in the output's dtype (``transformers/integrations/moe.py``). So each call computes its pairs'
+outputs unweighted (:func:`pair_inputs`: one row per pair, top-1, weight one, which every
+implementation returns exactly, as a product by one and a sum of one term are exact), the calls'
+pair outputs add exactly (each pair is computed by one call, zeros elsewhere), and
+:func:`combine` weights and sums them as the implementation does. Where the model's implementation
+is another (``eager``: each family's own loop), the calls' outputs add as before
+(:func:`sums_over_top_k`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: transformers' experts implementations that end in one weighted sum over each token's top-k
+SUMS_OVER_TOP_K = frozenset({"grouped_mm", "batched_mm"})
+
+
+def sums_over_top_k(implementation: str | None) -> bool:
+    """Whether the experts implementation named ``implementation`` combines as :func:`combine` does."""
+    return implementation in SUMS_OVER_TOP_K
+
+
+def pair_inputs(
+    hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The call's arguments with one row per (token, top-k) pair: each token's hidden state repeated
+    top-k times, its ids as a column, and unit weights of the weights' dtype."""
+    k = index.shape[-1]
+    pairs = index.reshape(-1, 1)
+    return (
+        hidden.repeat_interleave(k, dim=0),
+        pairs,
+        torch.ones(pairs.shape, dtype=weights.dtype, device=weights.device),
+    )
+
+
+def combine(pairs: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The tokens' outputs from their pairs' unweighted outputs ([tokens x top_k, hidden]), as
+    ``grouped_mm_experts_forward`` makes them from its pairs."""
+    tokens, k = weights.shape
+    weighted = pairs * weights.reshape(-1, 1)
+    return weighted.view(tokens, k, pairs.shape[-1]).sum(dim=1).to(dtype)

@@ -1,0 +1,107 @@
+"""Alpha 0 in bf16, bit for bit, where a layer's experts run in several calls (runtime/live/pairs.py).
+
+A prefill's loads stream through the slots in waves, the disk tier computes each demand load as it
+lands, the CPU computes the balancer's set: each is a call of its own. Adding the calls' outputs
+rounds each partial sum to bf16 first, which the model's one call does not; with float32 router
+weights (DeepSeek-V3, Mixtral) or a top-k above 2 the logits then differ in their last bits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from moecast.runtime.live import pairs
+from moecast.runtime.live.runtime import attach
+from test_live import decode_logits, make_model
+
+torch.set_num_threads(1)
+
+#: (family, top-k): float32 router weights at top-2, and bf16 ones at top-4
+MODELS = [("deepseek_v3", 2), ("mixtral", 2), ("qwen3_moe", 4)]
+
+
+def bf16_model(family: str, top_k: int):
+    model = make_model(family).to(torch.bfloat16)
+    model.config.num_experts_per_tok = top_k
+    for m in model.modules():
+        for name in ("top_k", "num_experts_per_tok"):
+            if isinstance(getattr(m, name, None), int):
+                setattr(m, name, top_k)
+    return model
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+def test_pairs_combined_equal_the_implementations_one_call(impl, w_dtype):
+    """Each pair's unweighted output from its own row, weighted and summed by ``combine``, is the
+    implementation's output bit for bit: the combine is the one transformers' implementations make."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    experts = bf16_model("qwen3_moe", 4).model.layers[0].mlp.experts
+    fn = ALL_EXPERTS_FUNCTIONS[impl]
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(5, 32, generator=gen).to(torch.bfloat16)
+    index = torch.stack([torch.randperm(8, generator=gen)[:4] for _ in range(5)])
+    weights = torch.rand(5, 4, generator=gen).to(w_dtype)
+    with torch.no_grad():
+        ref = fn(experts, hidden, index, weights)
+        got = pairs.combine(fn(experts, *pairs.pair_inputs(hidden, index, weights)), weights, hidden.dtype)
+        # the rounding pairs.py avoids: two calls over halves of each token's experts, added in bf16
+        halves = [torch.where(torch.arange(4) < 2, index, 8), torch.where(torch.arange(4) >= 2, index, 8)]
+        experts._is_expert_parallel = True  # the sentinel 8 marks pairs another call computes
+        parts = fn(experts, hidden, halves[0], weights) + fn(experts, hidden, halves[1], weights)
+        experts._is_expert_parallel = False
+    assert torch.equal(got, ref)
+    assert not torch.equal(parts, ref)
+    assert pairs.sums_over_top_k(impl) and not pairs.sums_over_top_k("eager")
+
+
+SETTINGS = {
+    # a 12-token prefill's experts outnumber the top-k slots: waves
+    "prefill waves": (12, dict()),
+    "prefill waves, simulated device": (12, dict(device_ops="simulated")),
+    # each demand load computed as its read lands, after the hits
+    "disk tier": (1, dict(offload="disk")),
+    "disk tier, prefill": (12, dict(offload="disk")),
+    # the device's experts plus the CPU's
+    "CPU balance": (1, dict(balance="cpu")),
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("family,top_k", MODELS)
+def test_alpha_zero_is_bit_exact_in_bf16_where_a_layer_runs_in_parts(family, top_k, setting, tmp_path):
+    prompt, kw = SETTINGS[setting]
+    if kw.get("offload") == "disk":
+        kw = dict(kw, offload_dir=str(tmp_path))
+    model = bf16_model(family, top_k)
+    ids = torch.randint(0, 64, (1, prompt), generator=torch.Generator().manual_seed(1))
+    ref = decode_logits(model, ids, steps=5)
+    rt = attach(model, alpha=0.0, policy="lru", capacity=top_k, prefetch="none", **kw)
+    try:
+        assert rt.executor.exact
+        got = decode_logits(model, ids, steps=5)
+        stats = rt.stats()
+    finally:
+        rt.detach()
+    assert stats["loads"] > 0 and (stats["cpu_experts"] > 0) == (kw.get("balance") == "cpu")
+    assert torch.equal(got, ref), (got.float() - ref.float()).abs().max()
+
+
+def test_calls_add_their_outputs_where_the_combine_is_not_known(tmp_path):
+    """The class's own loop (``eager``) or a quantized slow tier: the calls' outputs add as before."""
+    model = bf16_model("deepseek_v3", 2)
+    model.set_experts_implementation("eager")
+    ids = torch.randint(0, 64, (1, 1), generator=torch.Generator().manual_seed(1))
+    ref = decode_logits(model, ids, steps=5)
+    for kw in (dict(), dict(expert_dtype="int8", offload="disk", offload_dir=str(tmp_path))):
+        rt = attach(model, alpha=0.0, policy="lru", capacity=2, prefetch="none", balance="cpu", **kw)
+        try:
+            assert not rt.executor.exact
+            got = decode_logits(model, ids, steps=5)
+        finally:
+            rt.detach()
+        if not kw:
+            assert torch.allclose(got.float(), ref.float(), atol=0.05)
+    assert np.isfinite(got.float().numpy()).all()
