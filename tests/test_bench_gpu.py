@@ -164,8 +164,11 @@ def test_dry_run_runs_every_cpu_row(tmp_path, monkeypatch):
         resident = by[(model, "runtime, all resident")]
         assert resident["hit_rate"] == resident["modeled_hit_rate"] == 1.0 and resident["loads"] == 0
         # full residency runs no runtime: modeled on the profile as probed, below the calibrated one, which
-        # holds the runtime's host work (on the H200 that work made full residency's modeled 1.32x measured)
-        assert by[(model, "full residency")]["modeled_tpot_ms"] < resident["modeled_tpot_ms"]
+        # holds the runtime's host work (on the H200 that work made full residency's modeled 1.32x measured);
+        # on a loaded host the probe's rest of a layer can come out above the calibration's, and then not
+        cal = by[(model, "calibrate (all resident)")]
+        if cal["attn_ms_probe"] < cal["attn_ms"]:
+            assert by[(model, "full residency")]["modeled_tpot_ms"] < resident["modeled_tpot_ms"]
         for cfg in ("full residency", "runtime, all resident", "on-demand LRU"):
             r = by[(model, cfg)]
             assert len(r["measured_runs_ms"]) == 2 and r["measured_tpot_ms"] == pytest.approx(
