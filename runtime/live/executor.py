@@ -173,7 +173,8 @@ class Executor:
         if not len(streamed):
             to_cpu = np.sort(cpu_ids[cpu_ids >= 0])
             parts = self._resident(pos, call, hit_ids, placed)
-            call.pairs = self.exact and len(parts) + bool(len(to_cpu)) > 1
+            # the CPU's set is a part, and in waves (a disk tier's one expert at a time) several
+            call.pairs = self.exact and (len(parts) > 1 or bool(len(to_cpu)))
             # started before the device call, which may block the host (a wrapped implementation may sync)
             cpu_part = self._start_cpu(pos, call, to_cpu) if len(to_cpu) else None
             out = None
