@@ -165,6 +165,8 @@ class Executor:
 
         Returns the device's output (None if it ran nothing), the experts left to the CPU and a
         callable that joins their output (host memory); the CPU's experts are computed meanwhile.
+        Where the layer takes several calls (``call.pairs``, set here), each output is its pairs'
+        (:mod:`moecast.runtime.live.pairs`), which :meth:`join` combines.
         ``streamed``: loads the cache did not keep (more misses than slots, a long prefill): they go
         through the slots in waves of ``capacity`` experts after the resident ones. ``cpu_ids``: the
         step's CPU set (-1 padded), which is the rest of ``uniq`` when nothing streams.
