@@ -61,9 +61,11 @@ SETTINGS = {
     # a 12-token prefill's experts outnumber the top-k slots: waves
     "prefill waves": (12, dict()),
     "prefill waves, simulated device": (12, dict(device_ops="simulated")),
+    "prefill waves, two sequences": ((2, 12), dict()),
     # each demand load computed as its read lands, after the hits
     "disk tier": (1, dict(offload="disk")),
     "disk tier, prefill": (12, dict(offload="disk")),
+    "disk tier, two sequences": ((2, 1), dict(offload="disk")),
     # the device's experts plus the CPU's
     "CPU balance": (1, dict(balance="cpu")),
     # the CPU's set read from disk one expert a wave, all of a layer's where nothing is resident
@@ -75,11 +77,13 @@ SETTINGS = {
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("family,top_k", MODELS)
 def test_alpha_zero_is_bit_exact_in_bf16_where_a_layer_runs_in_parts(family, top_k, setting, tmp_path):
-    prompt, kw = SETTINGS[setting]
+    shape, kw = SETTINGS[setting]
     if kw.get("offload") == "disk":
         kw = dict(kw, offload_dir=str(tmp_path))
     model = bf16_model(family, top_k)
-    ids = torch.randint(0, 64, (1, prompt), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(
+        0, 64, shape if isinstance(shape, tuple) else (1, shape), generator=torch.Generator().manual_seed(1)
+    )
     ref = decode_logits(model, ids, steps=5)
     rt = attach(model, **{**dict(alpha=0.0, policy="lru", capacity=top_k, prefetch="none"), **kw})
     try:
