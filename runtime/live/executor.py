@@ -64,6 +64,11 @@ class ExpertsCall:
         return self._pair_rows
 
 
+def _plus(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    """The sum of two calls' outputs, either of which may be None (the call computed nothing)."""
+    return b if a is None else (a if b is None else a + b)
+
+
 class Executor:
     """Computes a layer's experts where the step put them, and copies what the cache takes into the slots.
 
@@ -182,7 +187,7 @@ class Executor:
             out = None
             for experts in parts:
                 got = self._device(pos, call, experts)
-                out = got if out is None else (out if got is None else out + got)
+                out = _plus(out, got)
             return out, to_cpu, cpu_part
         call.pairs = self.exact
         out = self._device(pos, call, on_device)
@@ -191,7 +196,7 @@ class Executor:
         for wave in (streamed[i : i + capacity] for i in range(0, len(streamed), capacity)):
             loaded = self.load(pos, wave, shield=wave, t=call.step)
             part = self._device(pos, call, loaded)
-            out = part if out is None else (out if part is None else out + part)
+            out = _plus(out, part)
             done.append(loaded)
         to_cpu = np.setdiff1d(uniq, np.concatenate(done))
         return out, to_cpu, self._start_cpu(pos, call, to_cpu) if len(to_cpu) else None
@@ -218,7 +223,7 @@ class Executor:
             else:
                 got = self.times.timed("expert_compute", cpu_part)
             part = transfer.to_device(got, hidden.device)
-            out = part if out is None else out + part
+            out = _plus(out, part)
         if out is None:
             return torch.zeros_like(hidden)
         return pairs.combine(out, call.weights, hidden.dtype) if call.pairs else out
@@ -259,7 +264,7 @@ class Executor:
         out = None
         for tag, part in zip(self.copy_tags, (experts[~low], experts[low])):
             got = self._slots(pos, call, part, tag)
-            out = got if out is None else (out if got is None else out + got)
+            out = _plus(out, got)
         return out
 
     def _slots(
