@@ -229,8 +229,9 @@ def test_a_failing_row_is_recorded_and_the_rest_go_on(tmp_path):
 
     report = bench_gpu.Report("cpu")
     assert report.guard(None, "boom", lambda: 1 / 0) is None
-    assert report.guard(None, "fine", lambda: {"x": 1}) is not None
-    assert [r["status"] for r in report.rows] == ["FAILED", "ok"]
+    row = report.guard(None, "fine", lambda: {"x": 1})
+    assert row is report.rows[1] and (row["config"], row["status"], row["x"]) == ("fine", "ok", 1)
+    assert [r["status"] for r in report.rows] == ["FAILED", "ok"] and report.rows[0]["config"] == "boom"
     assert "ZeroDivisionError" in report.failures[0]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from moecast.runtime.tiers.precision import Precision
+from moecast.runtime.tiers.precision import Precision, relative_error
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
@@ -25,6 +25,12 @@ def test_each_precisions_bytes_by_hand_and_errors_in_order():
         rows["model"]["output_error"] == 0 < rows["int8"]["output_error"] < rows["int4-g32"]["output_error"]
     )
     assert all(r["packed_ms"] > 0 and r["dequant_ms"] > 0 for r in rows.values())
+    # the worst matrix's relative error (pinned by hand in test_precision::test_relative_error_by_hand)
+    for p in (Precision(), Precision("int8"), Precision("int4", 32)):
+        assert rows[p.tag]["weight_error"] == max(relative_error(t.float(), p) for t in w.values())
+    assert (
+        rows["model"]["weight_error"] == 0 < rows["int8"]["weight_error"] < rows["int4-g32"]["weight_error"]
+    )
 
 
 def test_the_command_prints_the_table_and_writes_its_file(tmp_path, capsys):

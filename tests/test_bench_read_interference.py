@@ -21,6 +21,28 @@ def test_the_slowdown_is_the_median_of_each_rounds_own_ratio():
         B.paired_slowdown([1.0], [1.0, 2.0])
 
 
+def test_the_report_pairs_each_condition_with_its_rounds_none_window():
+    """none 1, 2, 4 ms and reads 1.5, 2, 6 in rounds 1-3: ratios 1.5, 1.0, 1.5, so 1.5x (the ratio of
+    the medians would say 1.0x); medians 2.0 and 2.0 ms an expert."""
+    import argparse
+
+    import bench_read_interference as B
+
+    ms = {
+        "none": [1.0, 2.0, 4.0],
+        "reads, this process": [1.5, 2.0, 6.0],
+        "reads, another process": [1.0, 2.0, 4.0],
+    }
+    got = {"ms_per_expert": {"model": ms}, "read_gbps_this_process": [1.0, 3.0], "ring": {"model": 8},
+           "block_bytes": 4_600_000}  # fmt: skip
+    args = argparse.Namespace(inter=128, window=0.05, dir="d", threads=2, rounds=3)
+    md, data = B.report(args, got, ["--rounds", "3"])
+    by = data["summary"]["model"]
+    assert by["reads, this process"] == {"ms_per_expert": 2.0, "slowdown": 1.5}
+    assert by["none"]["slowdown"] == 1.0 and by["reads, another process"]["slowdown"] == 1.0
+    assert data["read_gbps"] == 2.0 and "| model | reads, this process | 2.000 | 1.500x |" in md
+
+
 def test_a_tiny_run_times_every_condition_and_writes_its_table(tmp_path):
     import bench_read_interference as B
 

@@ -179,6 +179,23 @@ def test_cpu_balance_computes_misses_on_host_exactly():
     assert stats["modeled_tpot_ms"] > 0 and stats["measured_tpot_ms"] > 0
 
 
+def test_every_use_is_a_hit_or_a_cpu_use_under_static_prefill_included():
+    """Static never loads: each of the 2 MoE layers x 6 tokens (a 5-token prompt, 1 decode step) x top-2
+    = 24 uses is a hit or computed on the CPU, the prompt's experts counted once per token that uses them."""
+    model = make_model("qwen2_moe")
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(5))
+    ref = decode_logits(model, ids, steps=1)
+    rt = attach(model, policy="static", capacity=2, alpha=0.0, prefetch="none")
+    try:
+        got = decode_logits(model, ids, steps=1)
+        stats = rt.stats()
+    finally:
+        rt.detach()
+    assert stats["uses"] == 24 and stats["loads"] == 0
+    assert stats["hits"] + stats["cpu_uses"] == 24 and stats["cpu_experts"] < stats["cpu_uses"]
+    assert torch.equal(got, ref)
+
+
 def _eq5_loads(sizes: np.ndarray, delay: float, cost) -> int:
     """PreScope Eq. 5 as runtime/core/presched.py takes it: misses ascending by tokens; the largest n - i'
     are loaded for the i' of least max(delay + (n - i') t_io + t_g, t_c(first i')), ties to the

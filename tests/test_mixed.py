@@ -21,7 +21,7 @@ from moecast.predictors.base import Predictor
 from moecast.runtime.core.cache import ExpertCache
 from moecast.runtime.core.cost_model import CostModel, HardwareProfile
 from moecast.runtime.core.gate import Calibration, candidate_probability, layer_probability
-from moecast.runtime.core.mixed import HIGH, LOW, NONE, Copies, parse_copies, plan_prefetch
+from moecast.runtime.core.mixed import HIGH, LOW, NONE, Copies, bytes_by_copy, parse_copies, plan_prefetch
 from moecast.runtime.core.policy import POLICIES, Policy
 from moecast.runtime.core.step import LayerStep, landing
 from moecast.runtime.replay import engine
@@ -463,6 +463,18 @@ def test_wasted_bytes_by_hand(tmp_path):
     one = replay(ts, dataclasses.replace(cfg, expert_dtype="int4"))
     assert one.wasted_mb_per_token == pytest.approx(one.prefetches_landed * INT4_BYTES / 3 / 2**20)
     assert one.low_share is None
+
+
+def test_bytes_by_copy_with_low_prefetches_by_hand():
+    """5 prefetches started, 2 of them at the low copy; 2 used, 1 of those low; 3 demand loads (low),
+    1 upgrade, no plan. High reads: 3 prefetches + 1 upgrade = 4 x 3072 = 12288; low reads: 3 loads + 2
+    prefetches = 5 x 1088 = 5440; wasted: 2 high prefetches unused (3072 each) + 1 low one (1088) = 7232.
+    One copy: all 9 reads (the upgrade among them) at its bytes, the same 3 prefetches wasted."""
+    t = {k: np.array([v]) for k, v in dict(pf_started=5, pf_low=2, pf_used=2, pf_used_low=1, plan_loads=0,
+                                           loads=3, upgrades=1).items()}  # fmt: skip
+    assert bytes_by_copy(t, 3072, 1088) == {"high": 12288.0, "low": 5440.0, "wasted": 7232.0}
+    one = bytes_by_copy(t, 3072, None)
+    assert one == {"high": 9 * 3072.0, "low": 0.0, "wasted": 3 * 3072.0}
 
 
 def test_cli_replays_mixed_and_gated(tmp_path, capsys):

@@ -100,6 +100,30 @@ def test_relative_error_orders_the_precisions():
     assert 0 < e8 < 0.01 < e4 < 0.1
 
 
+def test_relative_error_by_hand():
+    """w = [[3, 4]] at int8: scale 4 / 127, q = round(3 * 127 / 4) = 95 and 127, so w' = [380 / 127, 4];
+    ||w - w'|| / ||w|| = (3 - 380 / 127) / 5 (a max-abs or unnormalised figure differs)."""
+    w = torch.tensor([[3.0, 4.0]])
+    assert P.relative_error(w, P.Precision("int8")) == pytest.approx((3 - 380 / 127) / 5, rel=1e-5)
+
+
+def test_the_stored_parts_of_a_transposed_matrix_by_hand():
+    """A down projection stored [in 32, out 128] (``is_transposed``) at int4-g32: codes [out 128, in / 2 16],
+    (scale, zero) [in / 32 = 1, out 128, 2]; int8: q [128, 32], a scale per output row; stored [out, in]
+    it reads the other way round."""
+    f32, i4, i8 = torch.float32, P.Precision("int4", 32), P.Precision("int8")
+    assert P.part_shapes(i4, "down", (32, 128), f32, True) == {
+        "down.q": ((128, 16), torch.uint8), "down.sz": ((1, 128, 2), f32),
+    }  # fmt: skip
+    assert P.part_shapes(i8, "down", (32, 128), f32, True) == {
+        "down.q": ((128, 32), torch.int8),
+        "down.s": ((128,), f32),
+    }
+    assert P.part_shapes(i4, "down", (32, 128), f32, False) == {
+        "down.q": ((32, 64), torch.uint8), "down.sz": ((4, 32, 2), f32),
+    }  # fmt: skip
+
+
 def test_expert_bytes_of_each_precision_by_hand():
     model = make_model("qwen2_moe")  # gate_up [32, 32] and down [32, 16] per expert, fp32
     params = expert_params(model.model.layers[0].mlp.experts)

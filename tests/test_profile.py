@@ -49,6 +49,34 @@ def test_dense_time_leaves_the_model_unchanged():
         assert torch.equal(model(input_ids=ids).logits, ref)
 
 
+def _fake_times(monkeypatch, ms):
+    """P._time returns ``ms`` in turn: the timings of token counts (1, 2, 4)."""
+    it = iter(ms)
+    monkeypatch.setattr(P, "_time", lambda fn, repeat, *a: next(it))
+
+
+def test_the_cpu_experts_fit_is_eq3s_slope_and_intercept(monkeypatch):
+    """0.35, 0.40 and 0.50 ms at 1, 2 and 4 tokens: ms = 0.3 + 0.05 m, so beta 0.05 (per token) and C 0.3
+    (a swapped fit gives 0.3 and 0.05)."""
+    _fake_times(monkeypatch, [0.35, 0.40, 0.50])
+    prof = P.measure(32, 24, token_counts=(1, 2, 4), repeat=1)
+    assert (prof.cpu_beta_ms, prof.cpu_c_ms) == pytest.approx((0.05, 0.3))
+    _fake_times(monkeypatch, [0.35, 0.40, 0.50])
+    experts = _model().model.layers[0].mlp.experts
+    beta, c, _ = P.implementation_expert_ms(experts, token_counts=(1, 2, 4), repeat=1)
+    assert (beta, c) == pytest.approx((0.05, 0.3))
+
+
+def test_dense_time_is_the_median_decode_step_over_the_moe_layers(monkeypatch):
+    """A clock that advances 12 ms a reading: each timed loop of 2 decode steps reads it twice, 12 ms
+    apart, so 6 ms a step, over 3 MoE layers: 2.0 ms a layer."""
+    import types
+
+    now = iter(range(0, 10_000, 12))
+    monkeypatch.setattr(P, "time", types.SimpleNamespace(perf_counter=lambda: next(now) / 1e3))
+    assert P.dense_layer_ms(_model(), steps=2, prompt=3, repeat=3) == pytest.approx(2.0)
+
+
 def test_predictor_latency_of_a_llapor_standin():
     pred = P.llapor_standin(num_layers=4, num_experts=8, top_k=2)
     assert (pred.num_layers, pred.num_experts, pred.top_k) == (4, 8, 2)
@@ -247,6 +275,14 @@ def test_an_offload_directory_is_read_as_the_runtime_reads_it(tmp_path, monkeypa
     reads.clear()
     P.disk_read_gbps(d)
     assert len(reads) == -(-(1 << 20) // 12288)
+
+
+@pytest.mark.filterwarnings("ignore::moecast.runtime.tiers.offload.OffloadWarning")
+def test_an_offload_probes_rate_is_its_bytes_over_its_wall_time(tmp_path, monkeypatch):
+    """3 GB in 1.5 s: 2.0 GB/s (decimal: GiB would read 1.86); reads of 1, 2 and 4 ms: median 2.00."""
+    monkeypatch.setattr(P, "_random_reads", lambda reader, depth: (3_000_000_000, [1.0, 2.0, 4.0], 1.5))
+    gbps, how = P.disk_read_gbps(_offload_dir(tmp_path))
+    assert gbps == pytest.approx(2.0) and "3 random whole-expert reads" in how and "median 2.00 ms" in how
 
 
 @pytest.mark.filterwarnings("ignore::moecast.runtime.tiers.offload.OffloadWarning")
