@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from moecast.collect.models import kv_cache, with_cache
 from moecast.predictors.base import LayerAhead
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -426,19 +427,17 @@ def decode(
     """Prefill ``tokens[:prompt]``, then decode the rest one by one (teacher-forced, the same tokens in
     every configuration). Returns (ms of each decode step, logits [steps + 1, V] when kept);
     ``on_forward(is_decode)`` runs after each forward."""
-    # transformers 5.2x renames past_key_values (a FutureWarning per forward); 5.17 knows only that name
-    warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)
     toks = torch.as_tensor(tokens, device=device)[None]
     out = model(input_ids=toks[:, :prompt], use_cache=True)
     if on_forward:
         on_forward(False)
     logits = [out.logits[0, -1].float().cpu()] if keep_logits else []
-    cache = out.past_key_values
+    cache = kv_cache(out)
     times = []
     for t in range(prompt, toks.shape[1]):
         _sync(device)
         t0 = time.perf_counter()
-        out = model(input_ids=toks[:, t : t + 1], past_key_values=cache, use_cache=True)
+        out = model(input_ids=toks[:, t : t + 1], **with_cache(model, cache), use_cache=True)
         _sync(device)
         times.append((time.perf_counter() - t0) * 1e3)
         if on_forward:

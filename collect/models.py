@@ -16,7 +16,9 @@ regex over module names whose outputs are router logits (see recorder.py).
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import json
 import re
 from dataclasses import dataclass, field
@@ -223,6 +225,26 @@ def _first_attr(obj: Any, keys: tuple[str, ...]) -> Any:
         if value is not None:
             return value
     return None
+
+
+def kv_cache(out: Any) -> Any:
+    """A forward's KV cache: ``cache`` from transformers 5.2x on, ``past_key_values`` before (the old
+    name still reads there, with a FutureWarning, until its removal)."""
+    for name in ("cache", "past_key_values"):
+        if name in out:
+            return out[name]
+    return None
+
+
+@functools.cache
+def _cache_keyword(forward: Any) -> str:
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+def with_cache(model: Any, cache: Any) -> dict[str, Any]:
+    """The keyword argument that hands ``cache`` to ``model``'s forward: ``cache`` where its signature
+    names it (transformers 5.2x), else ``past_key_values``."""
+    return {_cache_keyword(type(model).forward): cache}
 
 
 def config_hash(config: Any) -> str:

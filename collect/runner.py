@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from moecast.collect.models import kv_cache, with_cache
 from moecast.collect.recorder import RoutingRecorder
 from moecast.collect.traceset import RequestRecord, TraceWriter
 from moecast.collect.workloads import WorkloadRequest
@@ -190,7 +191,7 @@ class Collector:
         pending = [_Pending(token_ids=list(ids), phases=[False] * len(ids)) for ids in prompts]
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position, use_cache=True)
         self._keep(pending, [(b, P - len(ids)) for b, ids in enumerate(prompts)], P)
-        cache = out.past_key_values
+        cache = kv_cache(out)
         next_tok = out.logits[:, -1].argmax(-1)
         last_pos = position[:, -1]
         finished = [False] * B
@@ -207,10 +208,10 @@ class Collector:
                 input_ids=feed,
                 attention_mask=mask,
                 position_ids=last_pos[:, None],
-                past_key_values=cache,
+                **with_cache(self.model, cache),
                 use_cache=True,
             )
-            cache = out.past_key_values
+            cache = kv_cache(out)
             self._keep(pending, [(b, 0) for b in active], 1)
             next_tok = out.logits[:, -1].argmax(-1)
         return [self._record(req, p) for req, p in zip(requests, pending)]

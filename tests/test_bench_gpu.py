@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from moecast.collect.models import kv_cache, with_cache
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
@@ -54,7 +55,7 @@ def test_routing_override_makes_the_model_use_the_recorded_ids():
         out = model(input_ids=toks[:, :3], use_cache=True)  # prefill of 3, then 2 decode steps
         seen.append(rec.take())
         for t in (3, 4):
-            out = model(input_ids=toks[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
+            out = model(input_ids=toks[:, t : t + 1], **with_cache(model, kv_cache(out)), use_cache=True)
             seen.append(rec.take())
     got = torch.cat([s.topk_ids for s in seen]).numpy()
     assert np.array_equal(np.sort(got, -1), np.sort(req.topk_ids, -1))

@@ -524,3 +524,29 @@ def test_fingerprint_tells_models_apart():
     a16, a32 = copy.deepcopy(a).to(torch.bfloat16), a  # build() is cached: convert a copy
     i16, i32 = model_info(a16, find_moe_structure(a16), "a"), model_info(a32, find_moe_structure(a32), "a")
     assert i16.fingerprint == i32.fingerprint == fa and i16.expert_bytes * 2 == i32.expert_bytes
+
+
+def test_the_kv_cache_goes_by_the_name_the_models_forward_takes():
+    """transformers 5.2x names the cache ``cache`` (the old name warns, then goes); earlier 5.x only
+    ``past_key_values``: the keyword follows the forward's signature, the output's key what it holds."""
+    import warnings
+
+    from conftest import tiny_random
+    from moecast.collect.models import kv_cache, with_cache
+    from transformers.utils import ModelOutput
+
+    class Old:
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None): ...
+
+    class New:
+        def forward(self, input_ids=None, cache=None, use_cache=None): ...
+
+    assert with_cache(Old(), "c") == {"past_key_values": "c"} and with_cache(New(), "c") == {"cache": "c"}
+    assert kv_cache(ModelOutput(past_key_values="kv")) == "kv" and kv_cache(ModelOutput(cache="kv")) == "kv"
+    assert kv_cache(ModelOutput(logits=1)) is None
+    model = tiny_random()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # no deprecated keyword on this transformers
+        out = model(input_ids=torch.tensor([[1, 2]]), use_cache=True)
+        step = model(input_ids=torch.tensor([[3]]), **with_cache(model, kv_cache(out)), use_cache=True)
+    assert kv_cache(step).get_seq_length() == 3  # the cache was taken: the step continued it

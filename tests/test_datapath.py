@@ -8,7 +8,7 @@ from typing import ClassVar
 import numpy as np
 import pytest
 import torch
-from moecast.collect.models import find_moe_structure
+from moecast.collect.models import find_moe_structure, kv_cache, with_cache
 from moecast.runtime.core.cost_model import load_profile
 from moecast.runtime.live import runtime as live
 from moecast.runtime.live import transfer
@@ -666,7 +666,7 @@ def test_decode_experts_calls_replay_their_layers_graph_with_the_tokens_inputs()
     try:
         with torch.enable_grad():  # autograd on: nothing captured
             out = model(input_ids=ids, use_cache=True)
-            model(input_ids=ids[:, :1], past_key_values=out.past_key_values, use_cache=True)
+            model(input_ids=ids[:, :1], **with_cache(model, kv_cache(out)), use_cache=True)
         assert rt.executor.graphs.captured == 0
     finally:
         rt.detach()

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from moecast.collect.models import ModelLoadError
+from moecast.collect.models import ModelLoadError, kv_cache, with_cache
 from moecast.runtime.core.alpha import choose_alpha, fit_tpot
 from moecast.runtime.live.runtime import LiveConfig, attach
 from moecast.runtime.tiers.expert_store import LayerStore
@@ -73,11 +73,11 @@ def decode_logits(model, ids: torch.Tensor, steps: int = 3) -> torch.Tensor:
     """Prefill ``ids`` then feed ``steps`` fixed tokens one by one through the cache; all logits stacked."""
     out = model(input_ids=ids, use_cache=True)
     logits = [out.logits[:, -1]]
-    past = out.past_key_values
+    past = kv_cache(out)
     for t in range(steps):
         nxt = torch.full((ids.shape[0], 1), (7 * t + 3) % 64)
-        out = model(input_ids=nxt, past_key_values=past, use_cache=True)
-        past = out.past_key_values
+        out = model(input_ids=nxt, **with_cache(model, past), use_cache=True)
+        past = kv_cache(out)
         logits.append(out.logits[:, -1])
     return torch.stack(logits, 1)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_random
+from moecast.collect.models import kv_cache, with_cache
 from moecast.runtime.live.runtime import attach
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -43,12 +44,12 @@ SETTINGS = [
 @torch.no_grad()
 def decode(model, ids: torch.Tensor, steps: int = 4) -> torch.Tensor:
     out = model(input_ids=ids, use_cache=True)
-    logits, past = [out.logits[:, -1]], out.past_key_values
+    logits, past = [out.logits[:, -1]], kv_cache(out)
     vocab = model.config.vocab_size
     for t in range(steps):
         nxt = torch.full((ids.shape[0], 1), (7 * t + 3) % vocab, device=ids.device)
-        out = model(input_ids=nxt, past_key_values=past, use_cache=True)
-        past = out.past_key_values
+        out = model(input_ids=nxt, **with_cache(model, past), use_cache=True)
+        past = kv_cache(out)
         logits.append(out.logits[:, -1])
     return torch.stack(logits, 1)
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import synthetic_record, tiny_random
-from moecast.collect.models import find_moe_structure, model_info
+from moecast.collect.models import find_moe_structure, kv_cache, model_info, with_cache
 from moecast.collect.traceset import TraceMeta, TraceSet, TraceWriter
 from moecast.predictors.base import LayerAhead
 from moecast.runtime.core.cost_model import HardwareProfile, load_profile
@@ -137,7 +137,7 @@ def live_run(model, policy, hw, predictor=None, prefetch="none", **tier):
             out = model(input_ids=torch.tensor([[1]]), use_cache=True)
             for _ in range(1, STEPS):
                 nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-                out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+                out = model(input_ids=nxt, **with_cache(model, kv_cache(out)), use_cache=True)
         stats = rt.stats()
         stats["store_bytes_moved"] = [s.bytes_moved for s in rt.stores]  # each store's own count
         info = rt.info
@@ -343,7 +343,7 @@ def test_a_forward_cut_short_leaves_no_prediction_reading_the_stream(tiny, profi
             out = tiny(input_ids=torch.tensor([[1]]), use_cache=True)  # the prefill: no prediction
             monkeypatch.setattr(Executor, "run", broken)
             with pytest.raises(RuntimeError, match="planted"):
-                tiny(input_ids=torch.tensor([[2]]), past_key_values=out.past_key_values, use_cache=True)
+                tiny(input_ids=torch.tensor([[2]]), **with_cache(tiny, kv_cache(out)), use_cache=True)
         assert not done.is_set()  # the first layer's prediction of layer 1 is still running
         rt.prefetcher.begin(True, torch.tensor([[3]]))
         assert done.is_set()

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from moecast.collect.models import kv_cache, with_cache
 from moecast.collect.tiny import build_tiny
 from moecast.runtime.live.runtime import attach
 from moecast.runtime.tiers.offload import DENSE, load_offloaded, peak_rss_mb
@@ -26,7 +27,7 @@ def test_tiny_from_the_offload_directory_gives_the_unmodified_logits(tiny_dir, t
     with torch.no_grad():
         out = ref_model(ids, use_cache=True)
         ref = [out.logits]
-        ref.append(ref_model(torch.tensor([[5]]), past_key_values=out.past_key_values).logits)
+        ref.append(ref_model(torch.tensor([[5]]), **with_cache(ref_model, kv_cache(out))).logits)
     for _ in range(2):  # the first load writes the directory, the second reads it
         lm, _, _ = load_offloaded(str(tiny_dir), tmp_path / "off")
         # the experts were never materialised: only the dense weights are real
@@ -40,7 +41,7 @@ def test_tiny_from_the_offload_directory_gives_the_unmodified_logits(tiny_dir, t
         try:
             with torch.no_grad():
                 out = lm(ids, use_cache=True)
-                got = [out.logits, lm(torch.tensor([[5]]), past_key_values=out.past_key_values).logits]
+                got = [out.logits, lm(torch.tensor([[5]]), **with_cache(lm, kv_cache(out))).logits]
             stats = rt.stats()
         finally:
             rt.detach()
@@ -134,9 +135,9 @@ def test_disk_decode_computes_hits_first_then_each_load_as_it_lands(tiny_dir, tm
     try:
         with torch.no_grad():
             out = lm(ids, use_cache=True)
-            cache = out.past_key_values
+            cache = kv_cache(out)
             for tok in (7, 11, 13, 17):
-                cache = lm(torch.tensor([[tok]]), past_key_values=cache, use_cache=True).past_key_values
+                cache = kv_cache(lm(torch.tensor([[tok]]), **with_cache(lm, cache), use_cache=True))
         loads = rt.stats()["loads"]
     finally:
         rt.detach()
@@ -192,9 +193,9 @@ def test_without_an_accelerator_cpu_experts_are_read_first_and_computed_after_th
     ids = torch.randint(0, 1000, (1, 6), generator=torch.Generator().manual_seed(1))
     try:
         with torch.no_grad():
-            cache = lm(ids, use_cache=True).past_key_values
+            cache = kv_cache(lm(ids, use_cache=True))
             for tok in (7, 11, 13, 17):
-                cache = lm(torch.tensor([[tok]]), past_key_values=cache, use_cache=True).past_key_values
+                cache = kv_cache(lm(torch.tensor([[tok]]), **with_cache(lm, cache), use_cache=True))
         assert rt.stats()["cpu_experts"] > 0
     finally:
         rt.detach()

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from moecast.collect.models import kv_cache, with_cache
 from moecast.runtime.core.policy import resolve_alpha, substitutes, with_policies
 from moecast.runtime.core.spec import DEFAULT
 from moecast.runtime.live.runtime import attach
@@ -330,8 +331,8 @@ def teacher_forced(model: Any, rows: list[list[int]]) -> tuple[np.ndarray, np.nd
     for row in rows:
         past = None
         for t in range(len(row) - 1):
-            out = model(input_ids=torch.tensor([[row[t]]]), past_key_values=past, use_cache=True)
-            past = out.past_key_values
+            out = model(input_ids=torch.tensor([[row[t]]]), **with_cache(model, past), use_cache=True)
+            past = kv_cache(out)
             logp = torch.log_softmax(out.logits[0, -1].float(), -1)
             nll.append(-float(logp[row[t + 1]]))
             greedy.append(int(logp.argmax()))

@@ -44,6 +44,7 @@ from statistics import NormalDist
 from typing import Any
 
 import numpy as np
+from moecast.collect.models import kv_cache, with_cache
 from moecast.predictors.base import LayerAhead
 from moecast.runtime.core.cost_model import HardwareProfile, load_profile
 
@@ -284,11 +285,11 @@ def dense_layer_ms(model, steps: int = 8, prompt: int = 8, repeat: int = 3) -> f
         with torch.inference_mode():
             for _ in range(repeat):
                 out = model(input_ids=ids[:, :prompt], use_cache=True)
-                cache = out.past_key_values
+                cache = kv_cache(out)
                 _sync(device)
                 t0 = time.perf_counter()
                 for t in range(prompt, prompt + steps):
-                    out = model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+                    out = model(input_ids=ids[:, t : t + 1], **with_cache(model, cache), use_cache=True)
                 _sync(device)
                 samples.append((time.perf_counter() - t0) / steps)
     finally:
@@ -1227,7 +1228,7 @@ def calibrate_live(
             out = model(input_ids=ids, use_cache=True)
             for _ in range(tokens):
                 nxt = out.logits[:, -1:].argmax(-1)
-                out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+                out = model(input_ids=nxt, **with_cache(model, kv_cache(out)), use_cache=True)
         stats = rt.stats()
     finally:
         rt.detach()
