@@ -426,25 +426,44 @@ def test_cli_profile_with_an_offload_dir_and_no_cuda_is_the_cpu_disk_deployment(
 
 def test_the_cpu_expert_is_the_models_implementation_on_a_cold_ring_of_slots(tmp_path, monkeypatch):
     """The runtime's call (the family's experts implementation on a slot view, the other pairs carrying
-    the sentinel) is what is timed: each call computes one slot of the ring, the next one, and marks
-    every other pair with the sentinel."""
+    the sentinel) is what is timed: each call computes one slot of the ring, the next one, through a
+    view of the module's 8 experts (a view over the whole ring would charge every call for slots no
+    runtime holds: grouped_mm walks each one), and marks every other pair with the sentinel."""
     from moecast.runtime.live.attach import _resolve_impl
 
-    monkeypatch.setattr(P, "CACHE_DIR", _fake_cache(tmp_path, [(3, "20K")]))
+    monkeypatch.setattr(P, "CACHE_DIR", _fake_cache(tmp_path, [(3, "100K")]))  # 23 experts of 9 KiB
     experts = _model().model.layers[0].mlp.experts
     impl = _resolve_impl(experts.config._experts_implementation, experts)
     seen = []
 
     def spy(view, x, ids, w):
-        seen.append((int(ids[0, 0]), bool((ids[:, 1:] == view.num_experts).all())))
+        first = view.down_proj  # the view's first slot: its place in the ring
+        at = (first.data_ptr() - base[0]) // (first[0].numel() * first.element_size())
+        seen.append((view.num_experts, int(at + ids[0, 0]), bool((ids[:, 1:] == view.num_experts).all())))
         return impl(view, x, ids, w)
 
+    base = []  # the ring's first slot
+    from moecast.runtime.tiers import expert_store
+
+    made = expert_store.SlotView.__init__
+
+    def init(self, module, tensors, num, sentinel):
+        if not base:
+            base.append(tensors["down_proj"].data_ptr())
+        made(self, module, tensors, num, sentinel)
+
+    monkeypatch.setattr(expert_store.SlotView, "__init__", init)
     monkeypatch.setattr("moecast.runtime.live.attach._resolve_impl", lambda name, module: spy)
     beta, c, how = P.implementation_expert_ms(experts, token_counts=(1, 2), repeat=2)
-    n = P.ring_size(sum(p[0].numel() * p.element_size() for p in experts.parameters() if p.dim() >= 2))
-    assert beta > 0 and c >= 0 and f"ring of {n} slots" in how
-    assert [s for s, _ in seen[: 2 * n]] == [i % n for i in range(2 * n)]  # the next slot each call
-    assert all(other_is_sentinel for _, other_is_sentinel in seen)
+    ring = P.ring_size(sum(p[0].numel() * p.element_size() for p in experts.parameters() if p.dim() >= 2))
+    n = -(-ring // 8) * 8  # whole views of the module's 8 experts: 24
+    assert (ring, n) == (23, 24) and beta > 0 and c >= 0
+    assert "slot views of 8 slots" in how and "ring of 24 slots" in how
+    assert {v for v, _, _ in seen} == {8}
+    assert len(seen) > n and [s for _, s, _ in seen] == [
+        i % n for i in range(len(seen))
+    ]  # the ring's next slot
+    assert all(other_is_sentinel for _, _, other_is_sentinel in seen)
 
 
 def test_implementation_expert_ms_at_a_precision_times_the_quantized_call(tmp_path, monkeypatch):

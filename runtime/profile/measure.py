@@ -700,9 +700,9 @@ def implementation_expert_ms(
     experts: Any, token_counts=(1, 2, 4, 8, 16), repeat: int = 7, precision: Any = None
 ) -> tuple[float, float, str] | None:
     """(beta, C, how) of one expert as the live runtime computes it on the CPU: a call of the model's
-    experts implementation on a :class:`~moecast.runtime.tiers.expert_store.SlotView` over a cold ring of
-    slots (more bytes than twice the last-level cache), one expert's tokens and the others' pairs
-    marked with the sentinel. The call's own work (routing bookkeeping, the implementation's glue)
+    experts implementation on a :class:`~moecast.runtime.tiers.expert_store.SlotView` of the module's
+    expert count, the views cycling over a cold ring of slots (more bytes than twice the last-level
+    cache), one expert's tokens and the others' pairs marked with the sentinel. The call's own work (routing bookkeeping, the implementation's glue)
     is part of the figure, as it is of the runtime's. None for experts without per-expert weights.
     ``precision`` (quantized): the slots hold the precision's stored parts and the call is the
     runtime's quantized experts call on them."""
@@ -725,22 +725,30 @@ def implementation_expert_ms(
     else:
         impl = _resolve_impl(experts.config._experts_implementation, experts)
     set_bytes = sum(t[0].numel() * t.element_size() for t in one.values())
-    n = ring_size(set_bytes)
+    # views of the module's expert count (full residency's slots): an implementation's call costs more
+    # with every slot it is given (grouped_mm walks all of them), so one view over the whole ring would
+    # charge each call for hundreds of slots no runtime holds; the ring is whole views, cycled in turn
+    w_slots = min(num, ring_size(set_bytes))
+    n = -(-ring_size(set_bytes) // w_slots) * w_slots
     slots = {k: t.expand(n, *t.shape[1:]).contiguous() for k, t in one.items()}
+    views = [
+        SlotView(experts, {k: t[i : i + w_slots] for k, t in slots.items()}, w_slots, True)
+        for i in range(0, n, w_slots)
+    ]
     hidden = int(experts.config.hidden_size)
     k = int(getattr(experts.config, "num_experts_per_tok", 2) or 2)
-    view = SlotView(experts, slots, n, True)
     turn = itertools.count()
     ms = []
     with torch.inference_mode():
         for m in token_counts:
             x = torch.full((m, hidden), 0.01, dtype=dtype)
-            ids = torch.full((m, k), n, dtype=torch.int64)
+            ids = torch.full((m, k), w_slots, dtype=torch.int64)
             w = torch.full((m, k), 1.0 / k, dtype=dtype)
 
             def call(x=x, ids=ids, w=w) -> None:
-                ids[:, 0] = next(turn) % n  # the ring's next slot: its weights come from DRAM
-                impl(view, x, ids, w)
+                j = next(turn) % n  # the ring's next slot: its weights come from DRAM
+                ids[:, 0] = j % w_slots
+                impl(views[j // w_slots], x, ids, w)
 
             ms.append(_time(call, repeat))
     beta, c = np.polyfit(np.asarray(token_counts, dtype=float), np.asarray(ms), 1)
@@ -750,8 +758,8 @@ def implementation_expert_ms(
         else f"the model's {experts.config._experts_implementation or 'eager'} experts implementation"
     )
     how = (
-        f"{what} on a slot view, one expert per call, over a ring of {n} slots ({n * set_bytes / 2**20:.0f} "
-        f"MiB; {num} experts)"
+        f"{what} on slot views of {w_slots} slots, one expert per call, over a ring of {n} slots "
+        f"({n * set_bytes / 2**20:.0f} MiB; {num} experts)"
     )
     return max(float(beta), 1e-6), max(float(c), 0.0), how
 
