@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from conftest import make_synthetic_traceset
 from moecast.collect.models import find_moe_structure
 from moecast.runtime.live.runtime import attach
 from moecast.runtime.tiers import offload
@@ -85,11 +86,47 @@ def test_a_shape_no_kernel_takes_is_dequantized_and_says_so():
 
 def test_group_size_per_channel_where_it_does_not_divide_and_refused_where_no_kernel_has_it():
     assert P.Precision("int4", 128).group_for(256) == 128
-    assert P.Precision("int4", 128).group_for(96) == 96  # per output channel
+    P._GROUP_NOTED.clear()
+    with pytest.warns(
+        P.PrecisionWarning, match="group size 128 does not divide a matrix of 96 inputs.*per output"
+    ):
+        assert P.Precision("int4", 128).group_for(96) == 96  # per output channel, and said
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert P.Precision("int4", 128).group_for(96) == 96  # said once per shape
     with pytest.raises(InputError, match="int4 group size 48 is not one of 32, 64, 128, 256"):
         P.Precision("int4", 48)
     with pytest.raises(InputError, match="unknown expert dtype 'int3'"):
         P.Precision("int3")
+
+
+def test_an_expert_dtype_by_its_tag_and_every_form_named_when_it_is_unknown():
+    assert P.expert_setting("int4-g64") == P.Precision("int4", 64)  # a results row's tag, typed back in
+    assert P.expert_setting("int4-g64", 32) == P.Precision("int4", 64)  # the tag's group wins
+    assert P.expert_setting("int4", 32) == P.Precision("int4", 32)
+    assert isinstance(P.expert_setting("mixed"), P.TwoCopies)
+    with pytest.raises(InputError, match=r"unknown expert dtype 'fp8'.*int4-gN.*mixed or high\+low"):
+        P.expert_setting("fp8")
+    with pytest.raises(InputError, match="int4 group size 48"):
+        P.expert_setting("int4-g48")
+
+
+def test_run_and_compare_refuse_a_bad_precision_before_loading_or_writing_anything(tmp_path):
+    from moecast.cli import run
+
+    od = tmp_path / "od"
+    with pytest.raises(InputError, match="unknown expert dtype 'fp8'"):  # not the missing model
+        run(["run", "--model", str(tmp_path / "no-model"), "--offload", "disk", "--offload-dir", str(od),
+             "--expert-dtype", "fp8"])  # fmt: skip
+    assert not od.exists()
+    traces = make_synthetic_traceset(tmp_path / "s", num_experts=8, top_k=2)
+    out = tmp_path / "cmp"
+    with pytest.raises(InputError, match="unknown expert dtype 'bogus'"):  # before the first replay
+        run(["compare", "--traces", str(traces), "--expert-dtypes", "model", "int4", "bogus", "--out", str(out),
+             "--wandb", "false", "--capacities", "4"])  # fmt: skip
+    assert not out.exists()
 
 
 def test_relative_error_orders_the_precisions():

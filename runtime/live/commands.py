@@ -213,6 +213,7 @@ def run(
     if max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     alpha = resolve_alpha(alpha, substitutes(policy))
+    expert_setting(expert_dtype, group_size)  # a bad precision is refused before the model loads or any write
     lm, tok, name = _load_for_run(model, offload, offload_dir)
     pred = _load_predictor(predictor, lm, name)
     plan = _load_predictor(planner, lm, name)

@@ -65,9 +65,11 @@ def profile(
         from moecast.predictors.registry import load
 
         pred = load(predictor)
-    from moecast.runtime.tiers.precision import Precision
+    from moecast.runtime.tiers.precision import TwoCopies, expert_setting
 
-    precs = [Precision(d.strip(), group_size) for d in str(expert_dtype).split(",") if d.strip()]
+    precs = [expert_setting(d.strip(), group_size) for d in str(expert_dtype).split(",") if d.strip()]
+    if any(isinstance(q, TwoCopies) for q in precs):
+        raise InputError("--expert-dtype times one precision at a time: name each copy, e.g. model,int4")
     nbytes = None
     if model:
         prof, nbytes = _profile_model(model, name, pred, offload_dir, disk_mb, calibrate, precs)

@@ -12,6 +12,7 @@ from pathlib import Path
 from moecast.runtime.core.policy import POLICIES, with_policies
 from moecast.runtime.core.spec import DEFAULT
 from moecast.runtime.replay.engine import ReplayConfig, ReplayResult
+from moecast.runtime.tiers.precision import expert_setting
 
 from moecast.errors import InputError
 
@@ -302,12 +303,14 @@ def compare(
     caps = _usable_capacities(caps, ts, json)
     checkpoints = [c for c in preds + plans if c not in ("none", "oracle", "hot")]
     requests, hot_from = _held_out(ts, holdout, checkpoints)
+    dtypes = _words(expert_dtypes) or [DEFAULT.expert_dtype]
+    for dt in dtypes:  # each precision checked before any replay runs
+        expert_setting(dt, group_size)
     _make_out(out)  # before any replay runs (they take minutes)
     rows: list[dict] = []
     from tqdm import tqdm
 
     # the capacities of one (policy, predictor, planner) cell run as lanes of one vectorised pass
-    dtypes = _words(expert_dtypes) or [DEFAULT.expert_dtype]
     for (p, pr, pl), dt in tqdm([(c, d) for c in cells for d in dtypes], desc="compare", disable=json):
         cfg = ReplayConfig(
             policy=p,

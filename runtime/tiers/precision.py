@@ -103,10 +103,27 @@ class Precision:
 
     def group_for(self, in_features: int) -> int:
         """int4's group for a matrix of ``in_features`` inputs: ``group_size`` where it divides them,
-        else the whole row (per channel), which the kernel takes when it is one of its groups."""
+        else the whole row (per channel), which the kernel takes when it is one of its groups; a
+        PrecisionWarning says so once per shape."""
         if in_features % self.group_size == 0:
             return self.group_size
+        _group_note(self.group_size, in_features)
         return in_features
+
+
+_GROUP_NOTED: set[tuple[int, int]] = set()
+
+
+def _group_note(group: int, in_features: int) -> None:
+    if (group, in_features) not in _GROUP_NOTED:
+        _GROUP_NOTED.add((group, in_features))
+        warnings.warn(
+            f"int4 group size {group} does not divide a matrix of {in_features} inputs: those matrices are "
+            f"quantized per output channel (one group of {in_features}) instead; pick a group size that "
+            "divides every expert matrix's inputs to group them all",
+            PrecisionWarning,
+            stacklevel=3,
+        )
 
 
 @dataclass(frozen=True)
@@ -135,7 +152,16 @@ def expert_setting(expert_dtype: str, group_size: int = 128) -> Precision:
     :class:`TwoCopies` for two."""
     pair = parse_copies(expert_dtype, int(group_size))
     if pair is None:
-        return Precision(str(expert_dtype).strip(), int(group_size))
+        text = str(expert_dtype).strip()
+        group = text[len("int4-g") :] if text.startswith("int4-g") else ""
+        if group.isdigit():  # a results row's tag, typed back in: its group size wins
+            return Precision("int4", int(group))
+        if text not in DTYPES:
+            raise InputError(
+                f"unknown expert dtype {text!r}; choose one of {', '.join(DTYPES)} or int4-gN (N: the group "
+                "size), or two copies: mixed or high+low (e.g. model+int4, int8+int4-g64)"
+            )
+        return Precision(text, int(group_size))
     (hd, hg), (ld, lg) = pair
     return TwoCopies(hd, hg, low=Precision(ld, lg))
 
