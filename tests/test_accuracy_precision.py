@@ -192,3 +192,16 @@ def test_cli_sweeps_mixed(model_dir, capsys):  # noqa: F811
     main([*args, "--plot", "", "--precisions", "mixed", "--group-size", "32"])
     out = capsys.readouterr().out
     assert "model+int4-g32: " in out and "% of the uses at the low copy" in out
+
+
+def test_the_sweeps_table_keeps_its_columns_under_a_two_copy_label(capsys):
+    from moecast.runtime.live.commands import _print_sweep
+
+    row = dict(alpha=0.0, perplexity=10.0, ppl_change_pct=0.0, agreement=1.0, substitution_rate=0.0, hit_rate=0.5,
+               modeled_tpot_ms=1.0, measured_tpot_ms=2.0, low_share=None, upgrades=0)  # fmt: skip
+    results = [dict(row, expert_dtype="model"), dict(row, expert_dtype="model+int4-g128", low_share=0.5)]
+    _print_sweep(results, None, "m", ["w"], [[1, 2]], "lru", "0.5", None, False)
+    lines = capsys.readouterr().out.splitlines()
+    table = [ln for ln in lines if "experts  alpha" in ln or ln.endswith("ms")]
+    assert len(table) == 3 and len({len(ln) for ln in table}) == 1  # every column where the header puts it
+    assert table[2].startswith("  model+int4-g128   0.00") and table[1].startswith("            model   0.00")

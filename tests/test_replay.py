@@ -204,6 +204,16 @@ def test_cli_replay_json_and_errors(tmp_path, capsys):
     assert "malformed YAML" in str(code)
 
 
+def test_compare_plots_one_line_per_cell_and_precision():
+    from moecast.runtime.replay.commands import _series_name
+
+    rows = [
+        dict(policy="lru", predictor="none", planner="none", expert_dtype=d) for d in ("model", "int4-g128")
+    ]
+    assert [_series_name(r) for r in rows] == ["lru/none", "lru/none int4-g128"]
+    assert _series_name(dict(rows[1], planner="eam")) == "lru/none+eam int4-g128"
+
+
 def test_cli_compare_writes_tables_plot_and_wandb(tmp_path, capsys):
     path = make_synthetic_traceset(tmp_path / "s", num_experts=8, top_k=2)
     out = tmp_path / "cmp"

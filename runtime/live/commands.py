@@ -640,12 +640,13 @@ def _print_sweep(
         f"{name} on {', '.join(workloads)}: {sum(len(r) - 1 for r in rows)} held-out tokens, policy {policy}, capacity {capacity}"
     )
     print("  d ppl and agree (greedy next token) are against the model-precision experts at alpha 0")
+    w = max(9, *(len(r["expert_dtype"]) for r in results))  # the widest label: model+int4-g128
     print(
-        f"  {'experts':>9}  {'alpha':>5}  {'ppl':>8}  {'d ppl':>7}  {'agree':>6}  {'subst':>6}  {'hit':>6}  {'TPOT model':>10}  {'measured':>8}"
+        f"  {'experts':>{w}}  {'alpha':>5}  {'ppl':>8}  {'d ppl':>7}  {'agree':>6}  {'subst':>6}  {'hit':>6}  {'TPOT model':>10}  {'measured':>8}"
     )
     for r in results:
         print(
-            f"  {r['expert_dtype']:>9}  {r['alpha']:>5.2f}  {r['perplexity']:>8.3f}  {r['ppl_change_pct']:>+6.2f}%  "
+            f"  {r['expert_dtype']:>{w}}  {r['alpha']:>5.2f}  {r['perplexity']:>8.3f}  {r['ppl_change_pct']:>+6.2f}%  "
             f"{100 * r['agreement']:>5.1f}%  {100 * r['substitution_rate']:>5.1f}%  {100 * r['hit_rate']:>5.1f}%  "
             f"{r['modeled_tpot_ms']:>8.3f}ms  {r['measured_tpot_ms']:>6.2f}ms"
         )

@@ -478,8 +478,12 @@ def _log_wandb(row: dict, ts, outdir: Path) -> None:
 
 
 def _series_name(row: dict) -> str:
+    """A plot line: one (policy, predictor, planner) cell at one precision of the slow tier."""
     name = f"{row['policy']}/{row['predictor']}"
-    return name if row.get("planner", "none") == "none" else f"{name}+{row['planner']}"
+    if row.get("planner", "none") != "none":
+        name = f"{name}+{row['planner']}"
+    dtype = row.get("expert_dtype", "model")
+    return name if dtype == "model" else f"{name} {dtype}"
 
 
 def _plot(rows: list[dict], path: Path) -> None:
