@@ -231,6 +231,7 @@ def remember(
     ngrams: list[int] | None = None,
     max_postings: int = 32,
     weight: float = 1.0,
+    json: bool = False,
 ) -> dict[str, Any]:
     """Give a LLaPor checkpoint a context memory built from a TraceSet (or rebuild or remove it).
 
@@ -249,6 +250,7 @@ def remember(
         ngrams: context lengths to index (default 6 8 16 32); an empty list removes the memory
         max_postings: occurrences kept per context (the latest)
         weight: the votes' weight against the network's softmax (both sum to k per layer)
+        json: print one JSON object instead of a line
     """
     from moecast.collect.traceset import open_traces
     from moecast.predictors.context_memory import MemoryConfig, build
@@ -278,11 +280,18 @@ def remember(
     source = None if pred.memory is None else {"traces": str(ts.path), "requests": requests}
     path = pred.save(out, {"memory_from": source})
     res = {"checkpoint": str(path), "memory": None if pred.memory is None else pred.memory.metadata()}
-    print(dumps(res))
+    if json:
+        print(dumps(res))
+    elif pred.memory is None:
+        print(f"wrote {path}: its context memory removed")
+    else:
+        print(
+            f"wrote {path} with a context memory of {ts.path} ({requests} requests, contexts of {ngrams} tokens)"
+        )
     return res
 
 
-def calibrate(checkpoint: str, traces: str | None = None) -> dict[str, Any]:
+def calibrate(checkpoint: str, traces: str | None = None, json: bool = False) -> dict[str, Any]:
     """Fit the prefetch gate's calibration on a TraceSet and write it into the predictor's checkpoint.
 
     Under ``--policy prefetch-gated`` a late prefetch starts only where the predictor's probability of
@@ -295,6 +304,7 @@ def calibrate(checkpoint: str, traces: str | None = None) -> dict[str, Any]:
     Args:
         checkpoint: predictor .safetensors (rewritten in place)
         traces: TraceSet of the same model; its val side of the checkpoint's split is fitted on
+        json: print one JSON object instead of a line
     """
     from moecast.collect.traceset import open_traces
     from moecast.predictors.calibration import fit, write
@@ -317,7 +327,13 @@ def calibrate(checkpoint: str, traces: str | None = None) -> dict[str, Any]:
     about = {"traces": str(ts.path), "traceset_id": ts.traceset_id, "side": "val"}
     write(checkpoint, cal, {**about, "requests": len(chosen.requests), "split": chosen.spec})
     res = {"checkpoint": str(checkpoint), **about, "requests": len(chosen.requests), "samples": cal.samples}
-    print(dumps(res))
+    if json:
+        print(dumps(res))
+    else:
+        print(
+            f"wrote {checkpoint}: the prefetch gate calibrated on the {res['requests']} val requests of {ts.path} "
+            f"({cal.samples} predictions)"
+        )
     return res
 
 

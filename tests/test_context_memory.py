@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from pathlib import Path
 
@@ -185,9 +186,12 @@ def test_score_at_blends_like_score_request(trained: Path, traces: Path) -> None
             np.testing.assert_allclose(pred.score_at(sub, layer), full[t, layer], rtol=1e-4, atol=1e-5)
 
 
-def test_remember_adds_rebuilds_and_removes_a_memory(trained: Path, traces: Path, tmp_path: Path) -> None:
+def test_remember_adds_rebuilds_and_removes_a_memory(
+    trained: Path, traces: Path, tmp_path: Path, capsys
+) -> None:
     out = tmp_path / "m.safetensors"
     res = remember(str(trained), traces=str(traces), out=str(out), ngrams=[3], max_postings=2, weight=0.5)
+    assert capsys.readouterr().out.startswith(f"wrote {out} with a context memory of ")
     pred = load(out)
     assert res["memory"]["ngrams"] == [3] and pred.memory.config.max_postings == 2
     assert pred.memory.config.weight == 0.5
@@ -200,8 +204,10 @@ def test_remember_adds_rebuilds_and_removes_a_memory(trained: Path, traces: Path
     everything = tmp_path / "all.safetensors"
     remember(str(trained), traces=str(traces), out=str(everything), requests="all")
     assert len(load(everything).memory.routes) == ts.num_tokens
-    remember(str(out), traces=str(traces), out=str(out), ngrams=[])
+    capsys.readouterr()
+    remember(str(out), traces=str(traces), out=str(out), ngrams=[], json=True)
     assert load(out).memory is None and load(out).metadata()["memory"] is None
+    assert json.loads(capsys.readouterr().out)["memory"] is None
 
 
 def test_remember_refuses_other_predictors_and_bad_options(

@@ -998,8 +998,10 @@ def test_cli_run_prefetch_gated_reads_the_checkpoint_s_calibration(
     with pytest.raises(SystemExit, match=r"run `moecast predictors calibrate CKPT --traces DIR` on the checkpoint"
                        r" and pass --predictor CKPT"):  # fmt: skip
         main(base)
-    main(["predictors", "calibrate", str(ckpt), "--traces", str(model_traces)])
+    main(["predictors", "calibrate", str(ckpt), "--traces", str(model_traces), "--json"])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["side"] == "val"
+    main(["predictors", "calibrate", str(ckpt), "--traces", str(model_traces)])
+    assert capsys.readouterr().out.startswith(f"wrote {ckpt}: the prefetch gate calibrated on the ")
     main(base)
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["policy"] == "prefetch-gated" and out["prefetch"] == "predictor" and out["decode_steps"] == 2
