@@ -247,10 +247,19 @@ def test_a_precision_recorded_in_another_layout_or_int4_packing_is_refused(tmp_p
         t for t in other["precisions"]["int4-g32"]["experts"][0] if not t["name"].endswith(".sz")
     ]
     (tmp_path / "meta.json").write_text(json.dumps(other))
-    with pytest.raises(offload.OffloadError, match="holds int4-g32 experts in another layout"):
+    with pytest.raises(offload.OffloadError, match="holds int4-g32 experts in another layout") as exc:
         offload.missing_layers(tmp_path, meta, prec)
+    # the first tensor that differs, named (the recorded layer lacks the scales: down_proj.q where
+    # gate_up_proj.sz stands), and what to remove
+    assert "MoE layer 0's gate_up_proj.sz: recorded down_proj.q" in str(exc.value)
+    assert "remove its layer_*.int4-g32.safetensors files (they are written again)" in str(exc.value)
+    assert "\n" not in str(exc.value) and len(str(exc.value)) < 400
     # the model-dtype copy is still fine, and a new precision is simply written
     assert offload.missing_layers(tmp_path, meta) == []
+    # with the recorded precision's files removed, as the line says, they are all written again
+    for f in tmp_path.glob("layer_*.int4-g32.safetensors"):
+        f.unlink()
+    assert offload.missing_layers(tmp_path, meta, prec) == list(range(len(meta["files"])))
 
 
 def test_a_damaged_quantized_file_is_refused_in_one_line(tmp_path):

@@ -215,24 +215,39 @@ def tier_meta(meta: dict[str, Any], prec: Precision) -> dict[str, Any]:
 def _check_same_precision(
     directory: Path, have: dict[str, Any], want: dict[str, Any], prec: Precision
 ) -> bool:
-    """Whether ``directory`` records ``prec``'s files as this run would write them (False: none yet);
-    refuses one recorded otherwise (another layout or int4 packing)."""
+    """Whether ``directory`` records ``prec``'s files as this run would write them (False: none yet, or
+    a record whose files are all gone: they are written again); refuses one recorded otherwise (another
+    layout or int4 packing) while any of its files is there."""
     got = have.get("precisions", {}).get(prec.tag)
     if got is None:
         return False
     need = want["precisions"][prec.tag]
+    if got == need:
+        return True
+    if not any((directory / name).exists() for name in got.get("files", [])):
+        return False
     if got.get("int4_layout") != need.get("int4_layout"):
-        raise OffloadError(
-            f"{directory} holds {prec.tag} experts packed by another torch's int4 kernel (layout "
-            f"{got.get('int4_layout')}, this torch packs {need.get('int4_layout')}); remove its "
-            f"layer_*.{prec.tag}.safetensors files and their entry in meta.json, or choose another offload_dir=DIR"
-        )
-    if got != need:
-        raise OffloadError(
-            f"{directory} holds {prec.tag} experts in another layout ({got['experts'][0]} vs {need['experts'][0]}); "
-            f"remove its layer_*.{prec.tag}.safetensors files and their entry in meta.json, or choose another offload_dir=DIR"
-        )
-    return True
+        why = f"packed by another torch's int4 kernel (layout {got.get('int4_layout')}, this torch packs {need.get('int4_layout')})"
+    else:
+        why = f"in another layout ({_layout_difference(got['experts'], need['experts'])})"
+    raise OffloadError(
+        f"{directory} holds {prec.tag} experts {why}; remove its layer_*.{prec.tag}.safetensors files (they are "
+        "written again), or choose another offload_dir=DIR"
+    )
+
+
+def _layout_difference(got: list[list[dict[str, Any]]], need: list[list[dict[str, Any]]]) -> str:
+    """The first tensor whose recorded name, shape or dtype differs from this run's, in a few words."""
+    for pos, (a, b) in enumerate(zip(got, need)):
+        for x, y in zip(a, b):
+            if x != y:
+                return (
+                    f"MoE layer {pos}'s {y.get('name')}: recorded {x.get('name')} {x.get('shape')} {x.get('dtype')}, "
+                    f"this run's {y.get('shape')} {y.get('dtype')}"
+                )
+        if len(a) != len(b):
+            return f"MoE layer {pos}: {len(a)} tensors recorded, this run's {len(b)}"
+    return f"{len(got)} layers recorded, this run's {len(need)}"
 
 
 def _check_same_model(directory: Path, have: dict[str, Any], want: dict[str, Any]) -> None:
