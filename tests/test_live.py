@@ -179,6 +179,14 @@ def test_cpu_balance_computes_misses_on_host_exactly():
     assert stats["modeled_tpot_ms"] > 0 and stats["measured_tpot_ms"] > 0
 
 
+def test_sizes_print_in_the_unit_that_keeps_them_readable():
+    from moecast.runtime.live.commands import _size
+
+    assert (_size(100), _size(14336), _size(17.3 * 2**20), _size(4.5 * 2**10)) == (
+        "100 B", "14 KiB", "17.3 MiB", "4.5 KiB",
+    )  # fmt: skip
+
+
 def test_every_use_is_a_hit_or_a_cpu_use_under_static_prefill_included():
     """Static never loads: each of the 2 MoE layers x 6 tokens (a 5-token prompt, 1 decode step) x top-2
     = 24 uses is a hit or computed on the CPU, the prompt's experts counted once per token that uses them."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -102,6 +103,12 @@ def test_cli_run_at_a_precision_quantizes_the_directorys_copy_once(tiny_dir, tmp
     main([*base, "--expert-dtype", "int4", "--group-size", "32"])
     second = capsys.readouterr().out
     assert "writing" not in second and "expert precision" in second and "int4-g32" in second
+    assert f"int4-g32 ({int4['expert_bytes'] / 2**10:.3g} KiB an expert)" in second
+    assert re.search(r"wasted prefetch +0.0 MiB \(prefetched, never used\)", second)  # lru prefetches nothing
+    main([*base, "--expert-dtype", "model+int4-g32"])  # two copies: each copy's bytes, the uses' split
+    mixed = capsys.readouterr().out
+    assert "KiB an expert at model, " in mixed and "KiB at int4-g32)" in mixed
+    assert "% of the uses at the low copy" in mixed and "upgrades; read model " in mixed
     assert exact["expert_dtype"] == "model" and int4["expert_dtype"] == "int4-g32"
     # a quarter of the weight bytes, plus the fp32 scale and zero of every 32 weights
     assert int4["expert_bytes"] == pytest.approx(exact["expert_bytes"] * (0.5 + 8 / 32) / 4)

@@ -95,12 +95,17 @@ def _print_stats(stats: dict[str, Any]) -> None:
     if stats.get("offload") == "disk":
         io = "direct I/O" if stats["direct_io"] else "buffered reads, pages dropped (no O_DIRECT)"
         rows.append(("disk reads", f"{stats['disk_reads']} ({stats['bytes_read'] / 2**20:.1f} MiB, {io})"))
-        rows.append(
-            (
-                "expert precision",
-                f"{stats['expert_dtype']} ({stats['expert_bytes'] / 2**20:.2f} MiB an expert)",
+        rows.append(("expert precision", _precision_line(stats)))
+        if stats.get("low_share") is not None:  # two copies: where the uses ran and what each copy read
+            moved = ", ".join(f"{tag} {b / 2**20:.1f} MiB" for tag, b in stats["bytes_by_copy"].items())
+            rows.append(
+                (
+                    "two copies",
+                    f"{100 * stats['low_share']:.1f}% of the uses at the low copy, {stats['upgrades']} upgrades; "
+                    f"read {moved}",
+                )
             )
-        )
+        rows.append(("wasted prefetch", f"{stats['wasted_bytes'] / 2**20:.1f} MiB (prefetched, never used)"))
     if stats.get("staged_copies"):
         rows.append(
             (
@@ -136,6 +141,26 @@ def _print_stats(stats: dict[str, Any]) -> None:
     width = max(len(r[0]) for r in rows)
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
+
+
+def _size(nbytes: float) -> str:
+    """A size with three significant figures in the unit that keeps it readable (an int4 expert of a
+    small model is a few KiB)."""
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def _precision_line(stats: dict[str, Any]) -> str:
+    """The slow tier's precision and an expert's bytes at it (two copies: both copies')."""
+    if stats.get("low_expert_bytes") is not None:
+        high, low = stats["expert_dtype"].split("+", 1)
+        return (
+            f"{stats['expert_dtype']} ({_size(stats['expert_bytes'])} an expert at {high}, "
+            f"{_size(stats['low_expert_bytes'])} at {low})"
+        )
+    return f"{stats['expert_dtype']} ({_size(stats['expert_bytes'])} an expert)"
 
 
 def run(
