@@ -8,9 +8,11 @@ or an ``OSError`` about a path. Anything else is a bug, and the command shows it
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import re
 import sys
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -70,7 +72,33 @@ def _message(exc: BaseException) -> str:
     return msg
 
 
+def _show_warning(
+    before: Callable[..., Any],
+    message: Any,
+    category: type,
+    filename: str,
+    lineno: int,
+    file: Any = None,
+    line: Any = None,
+) -> None:
+    """moecast's own warnings (a precision run otherwise than asked, buffered reads) as one line, as its
+    errors are; anything else to the handler ``before`` it."""
+    if category.__module__.split(".")[0] == "moecast" and not os.environ.get("MOECAST_DEBUG"):
+        print(f"moecast: warning: {str(message).splitlines()[0]}", file=sys.stderr if file is None else file)
+    else:
+        before(message, category, filename, lineno, file, line)
+
+
 def run_command(call: Callable[[], Any]) -> Any:
+    shown = warnings.showwarning
+    warnings.showwarning = functools.partial(_show_warning, shown)
+    try:
+        return _run(call)
+    finally:
+        warnings.showwarning = shown
+
+
+def _run(call: Callable[[], Any]) -> Any:
     try:
         return call()
     except BrokenPipeError:  # output piped into `head`

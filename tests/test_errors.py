@@ -54,6 +54,25 @@ def test_a_user_error_prints_its_first_line_only():
     assert exc.value.code == "moecast: error: --k must be 1 to 8, not 0"
 
 
+def test_moecasts_warnings_print_one_line_and_others_as_python_shows_them(capsys):
+    import warnings
+
+    from moecast.runtime.tiers.precision import PrecisionWarning
+
+    def call():
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn("int4 group size 128 does not divide\nsecond line", PrecisionWarning, stacklevel=1)
+            warnings.warn("a library's", FutureWarning, stacklevel=1)
+        return 7
+
+    shown = warnings.showwarning
+    with pytest.warns(FutureWarning, match="a library's"):  # handed on to the handler before it
+        assert run_command(call) == 7
+    assert warnings.showwarning is shown  # restored after the command
+    assert capsys.readouterr().err.splitlines() == ["moecast: warning: int4 group size 128 does not divide"]
+
+
 def test_an_os_error_names_the_path_and_what_to_do(tmp_path):
     missing = tmp_path / "nope"
     with pytest.raises(SystemExit) as exc:

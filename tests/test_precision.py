@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from conftest import make_synthetic_traceset
@@ -275,6 +276,52 @@ def test_a_damaged_quantized_file_is_refused_in_one_line(tmp_path):
     path.write_bytes(bytes(data) + b"\0" * 10)
     with pytest.raises(offload.OffloadError, match="is longer than its layout"):
         offload.missing_layers(tmp_path, meta, P.Precision("int4", 32))
+
+
+@pytest.mark.filterwarnings("ignore::moecast.runtime.tiers.offload.OffloadWarning")  # tmpfs: no O_DIRECT
+def test_non_finite_scales_are_refused_at_an_experts_first_read_in_one_line(tmp_path, monkeypatch):
+    """A NaN written over one scale of expert 3 in MoE layer 1's int4 file (its header intact): the first
+    read of that expert, whole or in parts on the I/O pool, fails with one line naming the file; the
+    other experts read, and a checked expert is not checked again."""
+    from moecast.runtime.tiers.offload import ExpertReader
+
+    _, _, meta = _offload_int4(tmp_path)
+    tm = offload.tier_meta(meta, P.Precision("int4", 32))
+    reader = ExpertReader(tmp_path, tm, threads=2)
+    lay = reader.layouts[1]
+    i = lay.names.index("down_proj.sz")
+    path = tmp_path / "layer_001.int4-g32.safetensors"
+    data = bytearray(path.read_bytes())
+    at = reader.starts[1] + 3 * lay.stride + lay.offsets[i] + 4 * 5  # the sixth fp32 of its (scale, zero)s
+    data[at : at + 4] = np.float32(np.nan).tobytes()
+    path.write_bytes(bytes(data))
+    checked = []
+    real = ExpertReader._check_scales
+    monkeypatch.setattr(
+        ExpertReader, "_check_scales", lambda self, *a: (checked.append(a[:2]), real(self, *a))
+    )
+    buf = offload.aligned_bytes(lay.stride).numpy()
+    try:
+        with pytest.raises(offload.OffloadError, match=r"layer_001.int4-g32.safetensors: expert 3's down_proj.sz "
+                                                       r"holds non-finite scales.*delete it and run again") as exc:  # fmt: skip
+            reader.submit(1, 3, buf).result(timeout=30)
+        assert "\n" not in str(exc.value)
+        with pytest.raises(offload.OffloadError, match="non-finite"):
+            reader.read_into(1, 3, buf)
+        reader.submit(1, 2, buf).result(timeout=30)  # a healthy neighbour reads
+        reader.read_into(0, 3, buf)
+        n = len(checked)
+        reader.submit(1, 2, buf).result(timeout=30)
+        reader.read_into(0, 3, buf)
+        assert len(checked) == n and (1, 2) in checked and (0, 3) in checked  # checked once each
+    finally:
+        reader.close()
+    # the model-dtype copy holds no scales: nothing to check
+    plain = ExpertReader(tmp_path, offload.tier_meta(meta, P.Precision()))
+    try:
+        assert plain._verified.all()
+    finally:
+        plain.close()
 
 
 def test_the_device_path_moves_the_stored_parts_as_one_block_through_staging(tmp_path):

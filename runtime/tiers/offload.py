@@ -520,6 +520,11 @@ class ExpertReader:
         self.cpu_wave = max(2, int(threads))
         self._cpu_raw: torch.Tensor | None = None
         self._cpu_lock = threading.Lock()
+        # a quantized copy's scales, checked finite at each expert's first read (a NaN scale would turn
+        # the expert's output into NaN and the model's text blank, with nothing said)
+        self._scales = [_scale_spans(lay) for lay in self.layouts]
+        self._verified = np.zeros((len(self.layouts), int(meta["num_experts"])), bool)
+        self._verified[[not spans for spans in self._scales]] = True
         self.bytes_read = 0
         self.reads = 0
         # wall time with at least one read in flight: bytes_read / busy_s is the disk's rate as
@@ -554,6 +559,7 @@ class ExpertReader:
         """Read expert ``expert`` of MoE layer ``pos`` (its whole aligned block) into ``buf``."""
         view = self._view(pos, buf)
         self._read_part(pos, expert, view, 0, len(view), 1)
+        self._verified[pos, expert] = True
 
     def _view(self, pos: int, buf: Any) -> memoryview:
         view = memoryview(buf).cast("B")
@@ -573,6 +579,19 @@ class ExpertReader:
             self._leave(0, 0)
             raise
         self._leave(end - start, reads)
+        if not self._verified[pos, expert]:
+            self._check_scales(pos, expert, view, start, end)
+
+    def _check_scales(self, pos: int, expert: int, view: memoryview, start: int, end: int) -> None:
+        """Refuse non-finite scales among bytes [start, end) of the expert's block just read (whole
+        elements: parts and tensors start on multiples of their element size)."""
+        for name, a, b, dtype in self._scales[pos]:
+            lo, hi = max(a, start), min(b, end)
+            if lo < hi and not _all_finite(view[lo:hi], dtype):
+                raise OffloadError(
+                    f"{self.paths[pos]}: expert {expert}'s {name} holds non-finite scales, so the file is damaged; "
+                    "delete it and run again to rewrite it"
+                )
 
     def _enter(self) -> None:
         with self._lock:
@@ -638,7 +657,14 @@ class ExpertReader:
         parts = [
             (pos, expert, view, a, b, int(i == 0)) for i, (a, b) in enumerate(_parts(len(view), self.threads))
         ]
-        return self.pool.submit_parts(self._read_part, parts)
+        fut = self.pool.submit_parts(self._read_part, parts)
+        if not self._verified[pos, expert]:  # every part checked its bytes: the expert is checked
+            fut.add_done_callback(functools.partial(self._mark_verified, pos, expert))
+        return fut
+
+    def _mark_verified(self, pos: int, expert: int, fut: Future) -> None:
+        if fut.exception() is None:
+            self._verified[pos, expert] = True
 
     @contextlib.contextmanager
     def cpu_buffers(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -660,6 +686,27 @@ class ExpertReader:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._fds, self._retired = [], []
+
+
+#: a float's exponent bits by safetensors dtype: all ones is inf or NaN
+_EXPONENT = {"BF16": (np.uint16, 0x7F80), "F16": (np.uint16, 0x7C00), "F32": (np.uint32, 0x7F800000)}
+
+
+def _scale_spans(layout: ExpertLayout) -> list[tuple[str, int, int, str]]:
+    """(name, start, end, dtype) of the scale tensors (``.s``, ``.sz``) in an expert's block."""
+    return [
+        (n, off, off + layout.nbytes(i), layout.dtypes[i])
+        for i, (n, off) in enumerate(zip(layout.names, layout.offsets))
+        if n.endswith((".s", ".sz")) and layout.dtypes[i] in _EXPONENT
+    ]
+
+
+def _all_finite(buf: memoryview, dtype: str) -> bool:
+    """Whether every element of ``buf`` (safetensors ``dtype``) is finite, from its exponent bits
+    (numpy has no bfloat16)."""
+    kind, mask = _EXPONENT[dtype]
+    bits = np.frombuffer(buf, kind) & kind(mask)
+    return not bool((bits == kind(mask)).any())
 
 
 def _parts(nbytes: int, n: int) -> list[tuple[int, int]]:
