@@ -219,11 +219,12 @@ def run(
         offload_dir: The offload directory for ``--offload disk`` (created if absent; a re-run resumes an
             interrupted write; another model's directory is refused).
         expert_dtype: Precision of the offloaded experts: model (the model's dtype, exact), int8 (per output
-            channel) or int4 (group-wise, ``--group-size``), or mixed (model and int4 copies; ``--offload
-            disk``). On the disk the directory keeps each precision beside the model-dtype copy; on the CPU
+            channel) or int4 (group-wise, ``--group-size``; int4-g64 names the group too), or mixed (model
+            and int4 copies; HIGH+LOW such as int8+int4; ``--offload disk``). On the disk the directory keeps each precision beside the model-dtype copy; on the CPU
             the experts compute on the packed weights, on a GPU (``--offload ram`` too) the packed bytes
             cross the link and are dequantized into the slot.
-        group_size: int4's group along each matrix's input dimension: 32, 64, 128 or 256.
+        group_size: int4's group along each matrix's input dimension: 32, 64, 128 or 256; a matrix whose
+            inputs it does not divide is quantized per output channel, and a warning says so.
         router_pattern: Regex over module names naming the routers, for a model whose routers transformers'
             ``_can_record_outputs`` does not name (its experts must still use the experts interface).
         device_ops: How copies reach the slots: auto (CUDA's streams on a GPU, else synchronous copies) or

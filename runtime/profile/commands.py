@@ -51,7 +51,7 @@ def profile(
             take the rates it measured: the disk while busy, one expert call, the rest of a layer
             (attention and the runtime's host work), which the probes above do not see; 0: none.
         expert_dtype: with --model, the precisions to time a resident expert at, comma-separated
-            (model, int8, int4; e.g. model,int8,int4): each quantized one on the kernels the live
+            (model, int8, int4 or int4-gN; e.g. model,int8,int4): each quantized one on the kernels the live
             runtime computes it with, into the profile's expert_ms, so one profile models a run at
             any of them, two copies (mixed) included; with --calibrate, each is calibrated on a
             live run of its own at it (the first run, at the model's dtype, gives the other rates).

@@ -70,8 +70,8 @@ def replay(
         holdout: replay only held-out requests: test (or val) of the split that --predictor and
             --planner were trained on (``TraceSet.splits``; the default split without a checkpoint);
             a number is the test share, refused where it disagrees with a checkpoint's split.
-        expert_dtype: precision of the slow tier's experts (as ``moecast run --expert-dtype``): model, int8 or
-            int4; the link moves that precision's bytes. A capacity in bytes counts what a slot holds:
+        expert_dtype: precision of the slow tier's experts (as ``moecast run --expert-dtype``): model, int8,
+            int4 or int4-gN; the link moves that precision's bytes. A capacity in bytes counts what a slot holds:
             the precision's bytes where experts compute on the CPU (a profile's fast_tier: cpu), the
             model's where a device dequantizes them into its slots (fast_tier: device). Two copies:
             mixed (model+int4), or HIGH+LOW such as int8+int4 or model+int4-g64: a demand miss reads the
