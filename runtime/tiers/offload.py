@@ -25,7 +25,9 @@ by writing the missing files again; a directory of another model's experts is re
 
 :class:`ExpertReader` reads experts on a small I/O thread pool (``os.preadv`` releases the GIL) with
 ``O_DIRECT`` into page-aligned memory; where the file system refuses ``O_DIRECT`` it falls back to
-buffered reads followed by ``posix_fadvise(DONTNEED)`` and says so once. :class:`DiskLayerStore`
+buffered reads followed by ``posix_fadvise(DONTNEED)`` and says so once. A quantized copy's scales
+are checked finite at each expert's first read (a damaged scale would turn the expert's output into
+NaN silently); the check runs on the I/O threads, once per expert and reader. :class:`DiskLayerStore`
 is :class:`moecast.runtime.tiers.expert_store.LayerStore` over that reader: on the CPU the slots are
 aligned host memory that a read fills in place; with CUDA a read fills a pinned staging buffer whose
 block then goes to the device slot on the tier's one transfer stream, a prefetch's behind the demand
