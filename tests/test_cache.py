@@ -191,3 +191,16 @@ def test_single_lane_kernels_refuse_out_of_range_ids():
         with pytest.raises(IndexError, match=r"out of range|does not exist"):
             call()
     assert all((a == b).all() for a, b in zip(before, (c.resident, c.last, c.freq)))
+
+
+def test_the_score_window_forgets_what_left_it():
+    """Window 2: expert 0 scored .9 then 0, 0; expert 1 .1, .3, .3. Over the last two steps 0 holds 0 and
+    1 holds .6, so inserting 2 (shielded) evicts 0: {1, 2}. A window that never forgot would hold .9
+    against .7 and evict 1."""
+    c = ExpertCache(4, 2, "score", score_window=2)
+    lanes = np.array([0])
+    c.insert(lanes, np.array([[0, 1]]))
+    for s in ([0.9, 0.1, 0, 0], [0, 0.3, 0, 0], [0, 0.3, 0, 0]):
+        c.observe_scores(lanes, np.array([s]))
+    c.insert(lanes, np.array([[2]]), shield=np.array([[2]]))
+    assert set(c.resident_ids().tolist()) == {1, 2}

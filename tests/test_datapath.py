@@ -162,6 +162,21 @@ def test_the_split_moves_the_devices_copy_wait_out_of_the_sync():
     assert sum(parts) == pytest.approx(12.0)
 
 
+def test_the_split_counts_the_predictors_time_once():
+    """A 12 ms step whose layers took 10 ms: experts 2, transfer wait 1, device sync 4 and the predictor 2
+    of them, so policy is the 1 ms left; attention 2 (wall - layers). The parts add up to 12 (policy 3
+    and 14 if the predictor were left in it)."""
+    st = LiveStats()
+    times = ForwardTimes(lambda: 0.0)
+    times.begin(decode=True)
+    times.acc.update(
+        layers=0.010, expert_compute=0.002, transfer_wait=0.001, device_sync=0.004, predictor=0.002
+    )
+    st.add_breakdown(12.0, times)
+    assert st.policy_decode_ms == [pytest.approx(1.0)] and st.attention_decode_ms == [pytest.approx(2.0)]
+    assert sum(getattr(st, f"{p}_decode_ms")[0] for p in BREAKDOWN) == pytest.approx(12.0)
+
+
 def test_each_decode_steps_stream_waits_count_in_that_step(monkeypatch):
     """On the simulated device at a logical clock (each forward starts 1000 ms after the one before, and
     the clock stands still inside it), the last layer's kernels of decode steps 1 and 3 wait for a copy

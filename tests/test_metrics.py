@@ -135,3 +135,16 @@ def test_recall_in_unit_interval(seed, k):
     scores, truth = _random_case(seed, T=5, k=k)
     r = recall_at_k(scores, truth)
     assert 0.0 <= r <= 1.0
+
+
+def test_recall_past_the_true_sets_size_divides_by_the_true_set():
+    """Scores [.9, .8, .7, .1], true experts {0, 3}: the top 3 hold 0 only, 1 of 2: 0.5; the top 4 hold
+    both: 1.0 (dividing by k would give 1/3 and 1/2)."""
+    from moecast.predictors.metrics import MetricAccumulator, recall_at_k
+
+    s = np.array([[0.9, 0.8, 0.7, 0.1]])
+    t = np.array([[0, 3]])
+    assert recall_at_k(s, t, k=3) == 0.5 and recall_at_k(s, t, k=4) == 1.0
+    acc = MetricAccumulator(1, 4, 2, extra_k=(3,))
+    acc.update(s[:, None], t[:, None])
+    assert acc.result()["recall_at_3"] == 0.5

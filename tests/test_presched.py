@@ -133,3 +133,15 @@ def test_split_minimises_the_layer_span_on_random_rows():
             span = [max(delay[r] + (n[r] - i) * cost.t_io + cost.t_g, tc[i]) for i in range(n[r] + 1)]
             assert got == int(np.argmin(span)), (r, span)
     assert (u.n_cpu == ref.n_cpu).all() and (u.t_cpu == ref.t_cpu).all()
+
+
+def test_the_gap_stays_negative_when_nothing_loads_and_sizes_the_prefetch():
+    """t_io 1, t_g 0.25, C 0.5, t_attn 4.5; one miss of one token, five next-layer candidates, a late
+    prefetch's delay 2, r_hit 0.5. Loading it spans 2 + 1 + 0.25 = 3.25, the CPU 0.5: nothing loads
+    (n_cpu 1, t_cpu 0.5). The gap is T_C - delay = 0.5 - 2 = -1.5, so the prefetch count is PreSched's
+    f for a negative gap: 3 (a split that dropped the gap when nothing loads would give 4)."""
+    cost = CostModel(t_io=1.0, t_g=0.25, beta=0.0, c=0.5, t_attn=4.5, expert_bytes=1)
+    for rows in (1, 2):
+        d = schedule(np.ones((rows, 1)), np.full(rows, 1), np.ones((rows, 5)), np.full(rows, 5),
+                     np.full(rows, 2.0), np.full(rows, 0.5), cost)  # fmt: skip
+        assert (d.n_load[0], d.n_cpu[0], d.t_cpu[0], d.n_prefetch[0]) == (0, 1, 0.5, 3)

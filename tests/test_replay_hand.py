@@ -471,3 +471,33 @@ def test_a_quantized_tier_moves_its_own_bytes(tmp_path, fast):
             for dt in ("model", "int8", "int4")
         )
         assert caps == want, fast_tier
+
+
+def test_a_layer_with_one_demand_load_by_hand_in_both_step_paths():
+    """One device expert, one demand load, t_io 1, t_g 0.25, t_attn 1.5: the load's expert computes once
+    it lands, so 1.5 + max(0.25, 1 + 0.25) = 2.75 ms, link 1; the compiled step and the numpy one."""
+    from moecast.runtime.core import step_kernels as sk
+    from moecast.runtime.core.step import layer_time
+
+    c = CostModel(t_io=1.0, t_g=0.25, beta=0.0, c=0.5, t_attn=1.5, expert_bytes=1)
+    assert sk.layer_time(sk.fcost_of(c), 1, 1, 0.0, 0.0, 0, 0.0) == (2.75, 1.0)
+    lt, link = layer_time(c, np.array([1]), np.array([1]), 0.0, np.array([0.0]))
+    assert (lt[0], link[0]) == (2.75, 1.0)
+
+
+def test_the_substitution_rate_counts_decode_uses_only(tmp_path):
+    """One layer, 8 experts, top-2, capacity 2, cold: the prefill token routes {0, 1} (loaded); the decode
+    token routes {2, 3} with 2 on top (.40) and 3 below it (.16) and missing, 0 (.14) resident: 3 becomes
+    0. One of the 2 decode uses substituted: 0.5 (0.25 if the prefill's uses counted); hits: the
+    decode's 0 of 4 uses, 1 / 4."""
+    probs = np.array([[[0.40, 0.30, 0.1, 0.1, 0.05, 0.05, 0.0, 0.0]],
+                      [[0.14, 0.05, 0.40, 0.16, 0.10, 0.05, 0.05, 0.05]]])  # fmt: skip
+    ids = np.array([[[0, 1]], [[2, 3]]])
+    w = synthetic_writer(tmp_path / "s", num_layers=1, num_experts=8, top_k=2, with_optional=True)
+    w.write([synthetic_record(0, np.arange(2), ids, np.array([False, True]),
+                              topk_weights=np.full((2, 1, 2), 0.5, np.float16),
+                              router_probs=probs.astype(np.float16),
+                              gate_inputs=np.zeros((2, 1, 16), np.float16))])  # fmt: skip
+    pol = Policy("sub-lru", "lru", substitutes=True, alpha=0.5)
+    r = replay(TraceSet(tmp_path / "s"), ReplayConfig(policy=pol, capacity=2, cold=True))
+    assert r.substitution_rate == 0.5 and r.hit_rate == pytest.approx(1 / 4)

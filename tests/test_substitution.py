@@ -117,3 +117,28 @@ def test_one_token_path_refuses_a_resident_mask_of_another_size():
     p = np.full((1, 8), 0.125, dtype=np.float32)
     with pytest.raises(ValueError, match="resident has 4 experts"):
         substitute(p, np.array([[0, 1]]), np.zeros((1, 4), bool), 0.2)
+
+
+def test_algorithm_2_gives_a_tie_to_loading():
+    """Three one-token misses, a load 1 ms, a token on the CPU 1 ms. Algorithm 2 loads the largest (load
+    first: 0 <= 0), then computes the smallest on the CPU (1 > 0), then
+    meets at load 1 against CPU 1: the tie loads. Experts 0 and 1 load, 2 computes on the CPU, in all
+    three implementations (a strict comparison would load one)."""
+    from moecast.runtime.core import step_kernels as sk
+
+    load, cpu = two_pointer(np.array([1, 1, 1]), 1.0, 1.0)
+    assert load.tolist() == [0, 1] and cpu.tolist() == [2]
+    assert two_pointer_split(np.array([[1.0, 1.0, 1.0]]), np.array([3]), 1.0, 1.0).tolist() == [2]
+    assert sk._smoe_loads(3, 1.0, 1.0) == 2
+
+
+def test_the_lowest_scored_missing_expert_is_the_one_substituted():
+    """p = [.30, .16, .15, .14, .13, .12], routed {0, 1, 2}, only expert 3 resident, alpha 0.5: beta =
+    S_4 = .14. Expert 0 is top-score (.30 > 1.5 beta = .21); 1 and 2 are low-score (.14 < S <= .21) and
+    missing; the one alternative ((1 - alpha) beta = .07 < S <= .14, resident) is 3. It replaces the
+    lower-scored missing one, 2: ids [0, 1, 3], one substitution."""
+    p = np.array([[0.30, 0.16, 0.15, 0.14, 0.13, 0.12]], np.float32)
+    res = np.array([[False, False, False, True, False, False]])
+    for f in (_substitute_rows, substitute):
+        ids, n = f(p, np.array([[0, 1, 2]]), res, 0.5)
+        assert ids[0].tolist() == [0, 1, 3] and n.tolist() == [1]

@@ -263,3 +263,12 @@ def test_traces_info_reports_duplicate_prompts(tmp_path, capsys):
     assert (out["duplicate_requests"], out["duplicate_groups"], out["distinct_prompts"]) == (2, 1, 2)
     main(["traces", "info", str(tmp_path / "t")])
     assert "2 requests share their prompt with another (1 prompts" in capsys.readouterr().out
+
+
+def test_a_split_with_an_empty_side_takes_the_lowest_hashed_train_prompt(tmp_path):
+    """Four prompts at 10 % test and 10 % val, seed 0: their hashes' u are p3 .242, p1 .451, p2 .456,
+    p0 .674, so none falls under .1 or .2. Each empty side takes the train prompt of lowest u in turn:
+    test req-3, val req-1, train the rest."""
+    ts = _prompted_set(tmp_path / "t", [f"p{i}" for i in range(4)])
+    s = ts.splits(0.1, 0.1, seed=0)
+    assert (s.test, s.val, s.train) == (["req-3"], ["req-1"], ["req-0", "req-2"])
