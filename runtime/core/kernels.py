@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from moecast.runtime.core import eviction
+from moecast.runtime.core import eviction, jitcache
 from moecast.runtime.core.eviction import NU_CAP as _NU_CAP
 from numba import njit, types
 
@@ -359,3 +359,7 @@ def substitute_kernels() -> dict:
     """substitute's entry points by score dtype: (P [1, E], T int64 [1, k], resident bool [E], hi,
     lo, out int64 [k])."""
     return score_kernels(substitute, 2, (_arr(types.int64, 2), _b1, _flt, _flt, _i1))
+
+
+# an edit of a file these kernels compile in empties their cache (jitcache: numba sees only this file)
+jitcache.keyed(globals())

@@ -51,7 +51,7 @@ import functools
 from dataclasses import dataclass
 
 import numpy as np
-from moecast.runtime.core import kernels
+from moecast.runtime.core import jitcache, kernels
 from moecast.runtime.core.cost_model import CostModel
 from moecast.runtime.core.prefetch import gap_prefetch_count
 from numba import njit, types
@@ -336,3 +336,7 @@ def _prefetch_count(
     n_pf = np.minimum(gap_prefetch_count(gap, cost.t_attn, t_io, r_hit), n_next).astype(np.int64)
     n_pf[~next_in_queue] = 0
     return n_pf
+
+
+# an edit of a file these kernels compile in empties their cache (jitcache: numba sees only this file)
+jitcache.keyed(globals())

@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from moecast.runtime.core import kernels
+from moecast.runtime.core import jitcache, kernels
 from numba import njit, types
 
 #: the step's statistics, one row each of LayerStep's [len(STATS), slots] array
@@ -688,3 +688,7 @@ def entry_points() -> tuple:
         ep(rank_one, _f1a, _int, _i1, _i1),
         ep(quiet_one, _b2, _i2, _b2, _b2, _b1, _int, _int, _f1, _f1, _f1, _f2),
     )  # fmt: skip
+
+
+# an edit of a file these kernels compile in empties their cache (jitcache: numba sees only this file)
+jitcache.keyed(globals())
