@@ -434,25 +434,15 @@ def test_the_cpu_expert_is_the_models_implementation_on_a_cold_ring_of_slots(tmp
     monkeypatch.setattr(P, "CACHE_DIR", _fake_cache(tmp_path, [(3, "100K")]))  # 23 experts of 9 KiB
     experts = _model().model.layers[0].mlp.experts
     impl = _resolve_impl(experts.config._experts_implementation, experts)
-    seen = []
+    seen, base = [], []  # base: the ring's first slot, the first call's (the ring starts there)
 
     def spy(view, x, ids, w):
         first = view.down_proj  # the view's first slot: its place in the ring
+        base[:] = base or [first.data_ptr()]
         at = (first.data_ptr() - base[0]) // (first[0].numel() * first.element_size())
         seen.append((view.num_experts, int(at + ids[0, 0]), bool((ids[:, 1:] == view.num_experts).all())))
         return impl(view, x, ids, w)
 
-    base = []  # the ring's first slot
-    from moecast.runtime.tiers import expert_store
-
-    made = expert_store.SlotView.__init__
-
-    def init(self, module, tensors, num, sentinel):
-        if not base:
-            base.append(tensors["down_proj"].data_ptr())
-        made(self, module, tensors, num, sentinel)
-
-    monkeypatch.setattr(expert_store.SlotView, "__init__", init)
     monkeypatch.setattr("moecast.runtime.live.attach._resolve_impl", lambda name, module: spy)
     beta, c, how = P.implementation_expert_ms(experts, token_counts=(1, 2), repeat=2)
     ring = P.ring_size(sum(p[0].numel() * p.element_size() for p in experts.parameters() if p.dim() >= 2))
@@ -460,9 +450,8 @@ def test_the_cpu_expert_is_the_models_implementation_on_a_cold_ring_of_slots(tmp
     assert (ring, n) == (23, 24) and beta > 0 and c >= 0
     assert "slot views of 8 slots" in how and "ring of 24 slots" in how
     assert {v for v, _, _ in seen} == {8}
-    assert len(seen) > n and [s for _, s, _ in seen] == [
-        i % n for i in range(len(seen))
-    ]  # the ring's next slot
+    # each call the ring's next slot, through the views in turn
+    assert len(seen) > n and [s for _, s, _ in seen] == [i % n for i in range(len(seen))]
     assert all(other_is_sentinel for _, _, other_is_sentinel in seen)
 
 

@@ -93,7 +93,7 @@ def parse_copies(expert_dtype: str, group_size: int = 128) -> tuple[tuple[str, i
     parts = text.split("+")
     if len(parts) != 2:
         raise InputError(f"expert dtype {text!r}: name two copies, high first, e.g. model+int4 or int8+int4")
-    high, low = (_one(p.strip(), int(group_size), text) for p in parts)
+    high, low = (parse_copy(p.strip(), int(group_size), text) for p in parts)
     if _ORDER.index(high[0]) < _ORDER.index(low[0]):
         raise InputError(
             f"expert dtype {text!r}: the high copy comes first and is not smaller than the low one "
@@ -102,7 +102,9 @@ def parse_copies(expert_dtype: str, group_size: int = 128) -> tuple[tuple[str, i
     return high, low
 
 
-def _one(tag: str, group_size: int, given: str) -> tuple[str, int]:
+def parse_copy(tag: str, group_size: int = 128, given: str | None = None) -> tuple[str, int]:
+    """``(dtype, group size)`` of one precision's tag (``model``, ``int8``, ``int4``, ``int4-gN``: N wins
+    over ``group_size``); ``given``: the whole setting it came from, for the error."""
     if tag.startswith("int4-g"):
         try:
             return "int4", int(tag[len("int4-g") :])
@@ -110,8 +112,10 @@ def _one(tag: str, group_size: int, given: str) -> tuple[str, int]:
             pass
     elif tag in _ORDER:
         return tag, group_size
+    within = f" in {given!r}" if given is not None and given != tag else ""
     raise InputError(
-        f"expert dtype {given!r}: unknown copy {tag!r}; each copy is model, int8, int4 or int4-gN (N: group size)"
+        f"unknown expert dtype {tag!r}{within}; each precision is model, int8, int4 or int4-gN (N: the group "
+        "size), and two copies are mixed or high+low (e.g. model+int4, int8+int4-g64)"
     )
 
 

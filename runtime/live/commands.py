@@ -220,9 +220,10 @@ def run(
             interrupted write; another model's directory is refused).
         expert_dtype: Precision of the offloaded experts: model (the model's dtype, exact), int8 (per output
             channel) or int4 (group-wise, ``--group-size``; int4-g64 names the group too), or mixed (model
-            and int4 copies; HIGH+LOW such as int8+int4; ``--offload disk``). On the disk the directory keeps each precision beside the model-dtype copy; on the CPU
-            the experts compute on the packed weights, on a GPU (``--offload ram`` too) the packed bytes
-            cross the link and are dequantized into the slot.
+            and int4 copies; HIGH+LOW such as int8+int4; ``--offload disk``). On the disk the directory
+            keeps each precision beside the model-dtype copy; on the CPU the experts compute on the
+            packed weights, on a GPU (``--offload ram`` too) the packed bytes cross the link and are
+            dequantized into the slot.
         group_size: int4's group along each matrix's input dimension: 32, 64, 128 or 256; a matrix whose
             inputs it does not divide is quantized per output channel, and a warning says so.
         router_pattern: Regex over module names naming the routers, for a model whose routers transformers'

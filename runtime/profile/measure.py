@@ -702,8 +702,8 @@ def implementation_expert_ms(
     """(beta, C, how) of one expert as the live runtime computes it on the CPU: a call of the model's
     experts implementation on a :class:`~moecast.runtime.tiers.expert_store.SlotView` of the module's
     expert count, the views cycling over a cold ring of slots (more bytes than twice the last-level
-    cache), one expert's tokens and the others' pairs marked with the sentinel. The call's own work (routing bookkeeping, the implementation's glue)
-    is part of the figure, as it is of the runtime's. None for experts without per-expert weights.
+    cache), one expert's tokens and the others' pairs marked with the sentinel. The call's own work
+    (routing bookkeeping, the implementation's glue) is part of the figure, as it is of the runtime's. None for experts without per-expert weights.
     ``precision`` (quantized): the slots hold the precision's stored parts and the call is the
     runtime's quantized experts call on them."""
     import functools
@@ -728,8 +728,9 @@ def implementation_expert_ms(
     # views of the module's expert count (full residency's slots): an implementation's call costs more
     # with every slot it is given (grouped_mm walks all of them), so one view over the whole ring would
     # charge each call for hundreds of slots no runtime holds; the ring is whole views, cycled in turn
-    w_slots = min(num, ring_size(set_bytes))
-    n = -(-ring_size(set_bytes) // w_slots) * w_slots
+    ring = ring_size(set_bytes)
+    w_slots = min(num, ring)
+    n = -(-ring // w_slots) * w_slots
     slots = {k: t.expand(n, *t.shape[1:]).contiguous() for k, t in one.items()}
     views = [
         SlotView(experts, {k: t[i : i + w_slots] for k, t in slots.items()}, w_slots, True)

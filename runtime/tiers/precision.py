@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from moecast.runtime.core.mixed import parse_copies
+from moecast.runtime.core.mixed import parse_copies, parse_copy
 from moecast.runtime.tiers.expert_store import expert_params
 from moecast.runtime.tiers.layout import MEMORY_ALIGN, ExpertLayout
 
@@ -92,10 +92,10 @@ class Precision:
         return self.tag
 
     @classmethod
-    def of_tag(cls, tag: str) -> Precision:
-        if tag.startswith("int4-g"):
-            return cls("int4", int(tag[len("int4-g") :]))
-        return cls(tag)
+    def of_tag(cls, tag: str, group_size: int = 128) -> Precision:
+        """The precision a tag names (``model``, ``int8``, ``int4``, ``int4-g64``: the tag's group size
+        wins over ``group_size``)."""
+        return cls(*parse_copy(tag.strip(), int(group_size)))
 
     def settings(self) -> dict[str, Any]:
         """attach()'s keywords for this precision (none for the model's dtype)."""
@@ -151,17 +151,8 @@ def expert_setting(expert_dtype: str, group_size: int = 128) -> Precision:
     ``model+int4-g64``: :func:`moecast.runtime.core.mixed.parse_copies`) as a :class:`Precision`, a
     :class:`TwoCopies` for two."""
     pair = parse_copies(expert_dtype, int(group_size))
-    if pair is None:
-        text = str(expert_dtype).strip()
-        group = text[len("int4-g") :] if text.startswith("int4-g") else ""
-        if group.isdigit():  # a results row's tag, typed back in: its group size wins
-            return Precision("int4", int(group))
-        if text not in DTYPES:
-            raise InputError(
-                f"unknown expert dtype {text!r}; choose one of {', '.join(DTYPES)} or int4-gN (N: the group "
-                "size), or two copies: mixed or high+low (e.g. model+int4, int8+int4-g64)"
-            )
-        return Precision(text, int(group_size))
+    if pair is None:  # one precision, by name or by a results row's tag
+        return Precision.of_tag(str(expert_dtype), group_size)
     (hd, hg), (ld, lg) = pair
     return TwoCopies(hd, hg, low=Precision(ld, lg))
 
