@@ -144,6 +144,55 @@ def test_the_stream_wait_and_the_link_rate_on_the_simulated_timeline():
     assert stats["link_gbps_observed"] == pytest.approx(LINK_GBPS)
 
 
+def test_a_simulated_copy_lands_at_the_links_rate_not_the_cpus_memcpy_rate():
+    """On the host's real clock, a copy's events are nbytes / link_gbps apart, however long the CPU's
+    own memcpy of it took: the host issues a copy and goes on. 64 MiB at 1000 GB/s is 0.067 ms on the
+    link, and its memcpy takes milliseconds here. Catches the memcpy left in the host's clock (the
+    events then measured the CPU's copy: 2.8-13 GB/s on a link set to 24.9)."""
+    ops = SimulatedOps(link_gbps=1000.0)
+    stream = ops.stream()
+    src = torch.ones(16 * 2**20)
+    dst = torch.empty_like(src)
+    link_ms = src.numel() * 4 / 1e12 * 1e3
+    took = []
+    for _ in range(3):
+        a, b = ops.event(timing=True), ops.event(timing=True)
+        a.record(stream)
+        ops.copy(dst, src, stream)
+        b.record(stream)
+        took.append(a.elapsed_time(b))
+    assert torch.equal(dst, src)
+    assert ops.device_seconds * 1e3 / 3 > 5 * link_ms  # the memcpy itself is far slower than the link
+    assert all(t >= link_ms * (1 - 1e-9) for t in took)
+    assert min(took) < 3 * link_ms  # the link's time and the host's few µs between the calls, no memcpy
+
+
+def test_a_simulated_device_is_freed_without_a_garbage_collection():
+    """The log refers to events and to the slots' tensors; events and streams refer to their device
+    weakly, so a dropped device frees its tensors at once (a dry run held GBs a row until a collection)
+    and an event that outlives it reads as done. Catches a strong reference from an event or a stream."""
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        ops = SimulatedOps(clock=lambda: 0.0)
+        stream = ops.stream()
+        dst = torch.zeros(4)
+        ops.copy(dst, torch.ones(4), stream)
+        ev = ops.event()
+        ev.record(stream)
+        ops.compute.wait_event(ev)
+        gone, slot = weakref.ref(ops), weakref.ref(dst)
+        del ops, stream, dst
+        assert gone() is None and slot() is None
+        ev.synchronize()
+        assert ev.query()
+    finally:
+        gc.enable()
+
+
 def test_the_split_moves_the_devices_copy_wait_out_of_the_sync():
     """The device's wait for copies shows on the host where it next reads the device: that much of
     device_sync is transfer_wait (no more than the sync), and the parts still add up to the wall."""
@@ -584,12 +633,12 @@ def test_an_accelerators_copy_issue_is_the_hosts_work_not_a_wait_for_the_link(mo
             clock.sleep(4e-3)
         real(self, dst, src, stream)
 
-    def work(self, fn, *args):
+    def work(self, fn, *args, **kw):
         def slowed(*a):
             clock.sleep(4e-3)
             fn(*a)
 
-        real_work(self, slowed if slow == "device" else fn, *args)
+        real_work(self, slowed if slow == "device" else fn, *args, **kw)
 
     monkeypatch.setattr(SimulatedOps, "copy", copy)
     monkeypatch.setattr(SimulatedOps, "_device_work", work)

@@ -14,21 +14,31 @@ stream waiting for them) and a test or a dry run reads what it did:
 - time (ms): a copy stream runs its copies one after another, each ``nbytes / link_gbps``, starting no
   earlier than the host's clock when issued (a stream idle since then starts now); the compute stream
   is the host (the CPU computes synchronously), so it stands at the host's clock, or later where it
-  waited for an event. An event recorded on a stream carries the time the stream reaches it, and
+  waited for an event. The host's clock leaves out the link's work that the stand-in does on the
+  host's threads (a copy's memcpy, a landed block's dequantization): a real host issues them and goes
+  on, so a copy lands at the link's rate, not at the CPU's memcpy rate, and the compute stream waits
+  for it where the link is slower than the host. The compute stream's own work (a graph's replay) stays
+  in the clock: the compute stream is the host. An event recorded on a stream carries the time the stream reaches it, and
   ``elapsed_time`` subtracts, as CUDA's timing events do;
 - completion: an event is done (``query``) once the host's clock has reached its time, or once the
   host waited for it or for a later one (``synchronize``: the device has passed that time), so a
   reader that does not wait sees only what a device at this link would have finished by now.
 
-``clock`` (ms) is the host's clock: ``time.perf_counter`` by default (a dry run: how long a device with
-this link would stall at the pace the host issued its work), a constant in a test (a purely logical
-timeline whose figures are worked out by hand). Select it with ``attach(..., device_ops="simulated")``.
+``clock`` (ms) is the host's clock: ``time.perf_counter`` less the calling thread's link work by
+default (a dry run: how long a device with this link would stall at the pace the host issued its
+work), a constant in a test (a purely logical timeline whose figures are worked out by hand). Select it
+with ``attach(..., device_ops="simulated")``.
+
+Streams and events refer to their ops weakly: the log refers to the events, and a cycle through it
+would keep every logged slot tensor (GBs in a dry run of a large model) until a garbage collection
+after the runtime that made them is gone.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 
@@ -48,24 +58,35 @@ class SimEvent:
     """An event on the simulated timeline: ``time`` (ms) is when its stream reached it."""
 
     def __init__(self, ops: SimulatedOps, timing: bool) -> None:
-        self.ops, self.timing = ops, timing
+        self._ops, self.timing = weakref.ref(ops), timing
         self.stream: SimStream | None = None
         self.time: float | None = None
         self.synced = 0  # host waits on it
 
     def record(self, stream: SimStream) -> None:
-        with self.ops.lock:
+        ops = self._live()
+        with ops.lock:
             self.stream, self.time = stream, stream.reach()
-            self.ops.log.append(("record", stream.name, self))
+            ops.log.append(("record", stream.name, self))
 
     def synchronize(self) -> None:
         self.synced += 1
-        if self.time is not None:  # the host waited until the device passed this event's time
-            with self.ops.lock:
-                self.ops.reached = max(self.ops.reached, self.time)
+        ops = self._ops()
+        if self.time is not None and ops is not None:  # the host waited until the device passed its time
+            with ops.lock:
+                ops.reached = max(ops.reached, self.time)
 
     def query(self) -> bool:
-        return self.time is not None and self.time <= max(self.ops.clock(), self.ops.reached)
+        ops = self._ops()
+        if ops is None:  # its device is gone: whatever was queued on it has run
+            return self.time is not None
+        return self.time is not None and self.time <= max(ops.clock(), ops.reached)
+
+    def _live(self) -> SimulatedOps:
+        ops = self._ops()
+        if ops is None:
+            raise RuntimeError("recording an event of a simulated device that is gone")
+        return ops
 
     def elapsed_time(self, end: SimEvent) -> float:
         if not (self.timing and end.timing):
@@ -79,7 +100,7 @@ class SimStream:
     """A simulated stream: ``t`` (ms) is when the work queued on it so far ends."""
 
     def __init__(self, ops: SimulatedOps, name: str) -> None:
-        self.ops, self.name = ops, name
+        self.ops, self.name = weakref.proxy(ops), name
         self.t = float("-inf")
 
     def reach(self) -> float:
@@ -104,7 +125,7 @@ class SimulatedOps:
 
     def __init__(self, link_gbps: float | None = None, clock: Callable[[], float] | None = None) -> None:
         self.link_gbps = float(link_gbps) if link_gbps else DEFAULT_LINK_GBPS
-        self.clock = clock or _wall_ms
+        self.clock = clock or self._host_ms
         self.log: deque[tuple] = deque(maxlen=LOG_LIMIT)
         self.lock = threading.RLock()  # the disk tier queues copies from its I/O threads
         self.compute = SimStream(self, "compute")
@@ -128,7 +149,7 @@ class SimulatedOps:
         with self.lock:  # queued when issued; the CPU's own copy below is the host's time, not the link's
             stream.t = stream.reach() + nbytes / (self.link_gbps * 1e9) * 1e3
             self.log.append(("copy", stream.name, nbytes, dst))
-        self._device_work(dst.copy_, src)
+        self._device_work(dst.copy_, src, link=True)
 
     def launch(self, kernels: Callable[[], None], stream: SimStream) -> None:
         """Run ``kernels()`` now on the CPU, logged ``("kernel", stream, kernels)`` in its place on
@@ -137,7 +158,7 @@ class SimulatedOps:
         with self.lock:
             stream.reach()
             self.log.append(("kernel", stream.name, kernels))
-        self._device_work(kernels)
+        self._device_work(kernels, link=stream is not self.compute)
 
     def capture(
         self, fn: Callable[..., torch.Tensor], *inputs: torch.Tensor
@@ -161,12 +182,18 @@ class SimulatedOps:
         wait for the copy, not as its time issuing it."""
         return getattr(self._work, "s", 0.0)
 
-    def _device_work(self, fn: Callable[..., object], *args: object) -> None:
-        t0 = time.perf_counter()
+    def _host_ms(self) -> float:
+        """The calling thread's clock without the link's work it did (the default ``clock``)."""
+        return _wall_ms() - getattr(self._work, "link_ms", 0.0)
+
+    def _device_work(self, fn: Callable[..., object], *args: object, link: bool = False) -> None:
+        t0, w0 = time.perf_counter(), _wall_ms()  # the link's share on the host clock's own scale
         try:
             fn(*args)
         finally:
             self._work.s = self.device_seconds + time.perf_counter() - t0
+            if link:
+                self._work.link_ms = getattr(self._work, "link_ms", 0.0) + _wall_ms() - w0
 
     # ------------------------------------------------------------------ reading the record
     def sequence(self, *kinds: str) -> list[tuple]:
