@@ -85,11 +85,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ds_model  # the bench folder is not a package
-from moecast.runtime.core.policy import DEFAULT_ALPHA
+from moecast.runtime.core.policy import DEFAULT_ALPHA, Policy, get_policy
 from moecast.runtime.live.runtime import BREAKDOWN
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CAPACITY = 0.25
+MODELS = ("tiny", "deepseek")  # --models: the builders of _run
 WARMUP = 2  # decode steps at the start of each run left out of its TPOT (ds_model.decode_all's)
 ACCELERATE_STEPS = 18
 
@@ -158,13 +159,15 @@ def timed(s: Setup, on_forward: Callable | None = None) -> tuple[float, list[flo
 
 
 def repeated(s: Setup, once: Callable[[], dict]) -> dict:
-    """The row run ``s.repeats`` times, one after another: the median TPOT, each run's, and their
-    spread ((max - min) / median: the row's noise floor); its other figures from the median run."""
+    """The row run ``s.repeats`` times, one after another: the median run (of an even count, the
+    faster of the two middle ones), whose TPOT and other figures the row gives, every run's TPOT, and
+    their spread ((max - min) / the median run's: the row's noise floor). One run's figures throughout,
+    so that its split adds up to its TPOT."""
     runs = sorted((once() for _ in range(s.repeats)), key=lambda r: r["measured_tpot_ms"])
     ms = [r["measured_tpot_ms"] for r in runs]
-    med = float(np.median(ms))
-    return {**runs[(len(runs) - 1) // 2], "measured_tpot_ms": med, "measured_runs_ms": ms,
-            "spread": (ms[-1] - ms[0]) / med if med > 0 else 0.0}  # fmt: skip
+    med = runs[(len(runs) - 1) // 2]
+    mid = med["measured_tpot_ms"]
+    return {**med, "measured_runs_ms": ms, "spread": (ms[-1] - ms[0]) / mid if mid > 0 else 0.0}
 
 
 def warm_snapshot(rt: Any) -> tuple[dict, Callable[[bool], None]]:
@@ -299,7 +302,9 @@ def calibrate_profile(s: Setup, out: Path) -> dict:
     s.probe_profile = before
     s.profile_path = out / f"{s.profile.name}.yaml"
     _write(s.profile_path, s.profile.to_yaml())
+    layers = len(_structure(s.model).layers)
     return {"attn_ms_probe": before.attn_ms, "attn_ms": s.profile.attn_ms, "step_ms": s.profile.step_ms,
+            "step_ms_probe": before.step_ms, "layers": layers,
             "calibrated_on_steps": steady["decode_steps"], "profile": str(s.profile_path)}  # fmt: skip
 
 
@@ -463,7 +468,7 @@ def _experts_to(s: Setup, device: str | torch.device) -> None:
 
 def modeled(
     s: Setup,
-    policy: str,
+    policy: str | Policy,
     capacity: float | int,
     predictor: Any = None,
     alpha: float = 0.0,
@@ -542,7 +547,7 @@ def _live_device(s: Setup) -> dict[str, str]:
 
 
 def live_row(
-    s: Setup, policy: str, replay_policy: str, replay_pred: Any, alpha: float = 0.0, **kw: Any
+    s: Setup, policy: str, replay_policy: str | Policy, replay_pred: Any, alpha: float = 0.0, **kw: Any
 ) -> dict:
     """A row of the live runtime, run ``s.repeats`` times (each attached afresh, every layer's slots
     empty), beside its replay under the measured profile."""
@@ -673,6 +678,10 @@ def live_once(s: Setup, policy: str, alpha: float, **kw: Any) -> dict:
     # decode experts calls replayed as graphs (None: the row ran them uncaptured)
     row["graph_replays"] = st["graph_replays"]
     row["device_ops"] = st["device_ops"]
+    # the pinned host bytes the copies come from, and the layers whose copies went through pageable
+    # staging buffers instead (over the pinning budget: each copy then waits for a staging slot)
+    row["pinned_bytes"] = st["pinned_bytes"]
+    row["staged_copies"] = st["staged_copies"]
     if s.cuda:
         row["peak_gpu_mb"] = torch.cuda.max_memory_allocated(s.device) / 2**20
     return row
@@ -783,14 +792,15 @@ def run_rows(s: Setup, report: Report) -> None:
     else:
         report.skip(s, "LLaPor prefetch", "no predictor for this model (see notes)")
     pre_kw = {"predictor": s.predictor} if s.predictor is not None else {"prefetch": "none"}
+    # modeled as the live row runs it: every slot empty at the start (the preset preloads a hot table,
+    # which the replay would count on these very requests)
+    presched = replace(get_policy("presched"), preload="none")
     g(
         s,
         "PreSched + CPU experts",
-        lambda: live_row(s, "lru", "presched", s.replay_predictor or "none", balance="presched", **pre_kw),
+        lambda: live_row(s, "lru", presched, s.replay_predictor or "none", balance="presched", **pre_kw),
     )
     if s.substitutes:
-        from moecast.runtime.core.policy import DEFAULT_ALPHA
-
         # modeled without prefetch: replay has no gate-reuse predictor (the live row's online prefetch)
         g(
             s,
@@ -864,14 +874,14 @@ class Report:
 
 
 def _released() -> dict:
-    """On CUDA, return a row's leftovers before the next row: a runtime or model copy in a reference cycle
-    would hold device memory (and its host side pinned memory) until a collection. The host memory after
-    it, so a run that runs out of memory shows which row grew it. (A dry run's leftovers are small, and a
-    collection costs a third of a second in a process this size.)"""
+    """A row's leftovers returned before the next row: anything of its runtime or model copies left in a
+    reference cycle would hold host memory (GBs a row in a dry run of the DeepSeek shape) and, on CUDA,
+    device and pinned memory until a collection, which costs a third of a second here. The host memory
+    after it, so a run that runs out of memory shows which row grew it."""
     from moecast.runtime.tiers.offload import available_bytes, peak_rss_mb
 
+    gc.collect()
     if torch.cuda.is_available():
-        gc.collect()
         torch.cuda.empty_cache()
     avail = available_bytes()
     return {"peak_rss_gb": round(peak_rss_mb() / 1024, 1),
@@ -879,8 +889,8 @@ def _released() -> dict:
 
 
 def _brief(row: dict) -> str:
-    keys = ("measured_tpot_ms", "modeled_tpot_ms", "hit_rate", "equal", "max_abs_diff", "peak_rss_gb",
-            "host_available_gb")  # fmt: skip
+    keys = ("measured_tpot_ms", "modeled_tpot_ms", "hit_rate", "equal", "max_abs_diff", "prefill_equal",
+            "prefill_max_abs_diff", "staged_copies", "peak_rss_gb", "host_available_gb")  # fmt: skip
     return " ".join(f"{k}={_fmt(row[k])}" for k in keys if k in row)
 
 
@@ -909,15 +919,26 @@ def markdown(report: Report, args: argparse.Namespace, setups: list[Setup], mach
         lines += _profile_lines(_model_row(report, s, "profile"))
         cal = _model_row(report, s, "calibration")
         if cal is not None and cal.get("status") == "ok":
-            lines += [f"Calibrated on an all-resident run of {cal['calibrated_on_steps']} decode steps: the rest of a "
-                      f"layer {_fmt(cal['attn_ms_probe'])} ms probed, {_fmt(cal['attn_ms'])} ms with the runtime's "
-                      f"host work; step_ms {_fmt(cal['step_ms'])}. The rows below are modeled on it.", ""]  # fmt: skip
+            lines += [_calibration_line(cal), ""]
         lines += _exactness_lines(_model_row(report, s, "exactness"), s)
         lines += _tpot_lines(report, s)
         lines += _split_lines(report, s)
     if report.failures:
         lines += ["## Failures", "", *report.failures]
     return "\n".join(lines) + "\n"
+
+
+def _calibration_line(cal: dict) -> str:
+    """What the all-resident calibration found: a token's time beyond its experts' kernels, probed and
+    with the runtime attached, each as its layers' share and what follows the last layer (the probe
+    spreads the LM head over the layers, the calibration puts it after them: only the totals compare)."""
+    n = cal["layers"]
+    probed = n * cal["attn_ms_probe"] + cal["step_ms_probe"]
+    attached = n * cal["attn_ms"] + cal["step_ms"]
+    return (f"Calibrated on an all-resident run of {cal['calibrated_on_steps']} decode steps: a token's time "
+            f"beyond its experts' kernels {_fmt(probed)} ms probed ({n} x {_fmt(cal['attn_ms_probe'])} a layer "
+            f"+ {_fmt(cal['step_ms_probe'])} after the last), {_fmt(attached)} ms with the runtime's host work "
+            f"({n} x {_fmt(cal['attn_ms'])} + {_fmt(cal['step_ms'])}). The rows below are modeled on it.")  # fmt: skip
 
 
 def _model_row(report: Report, s: Setup, kind: str) -> dict | None:
@@ -963,13 +984,25 @@ def _tpot_lines(report: Report, s: Setup) -> list[str]:
     for r in report.rows:
         if r["model"] != s.name or r["kind"] != "tpot":
             continue
-        cells = [r["config"], r["status"] + (f": {r['note']}" if r.get("note") else "")]
+        note = "; ".join(n for n in (r.get("note"), _staged_note(r)) if n)
+        cells = [r["config"], r["status"] + (f": {note}" if note else "")]
         cells += [_fmt(r.get(k)) for k in ("measured_tpot_ms", "spread", "modeled_tpot_ms", "hit_rate", "modeled_hit_rate",
                                            "loads", "cpu_experts", "peak_gpu_mb")]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     lines += [f"measured TPOT: the median of {s.repeats} runs of each row (one after another); spread: their "
               "(max - min) / median, the row's noise floor", ""]  # fmt: skip
+    if not s.cuda:
+        lines += ["Dry run: the measured column is this CPU walking the CUDA path (experts computed on its "
+                  "cores, its memcpy making the copies); the modeled column is the profile's accelerator "
+                  "(its link and kernel times, the CPU's attention): the two are not comparable here.", ""]  # fmt: skip
     return lines
+
+
+def _staged_note(r: dict) -> str | None:
+    """A row whose copies fell back to pageable staging buffers says so (issue 43: a fallback that would
+    serialise the copies silently)."""
+    n = r.get("staged_copies") or 0
+    return f"{n} layers' copies staged (over the pinning budget)" if n else None
 
 
 def _split_lines(report: Report, s: Setup) -> list[str]:
@@ -1025,7 +1058,11 @@ def _write(path: Path, text: str) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(RESULTS), help="folder for gpu-<device>.md/.json and the profiles")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cuda (cuda:N), or cpu: the dry run on the simulated device (default: cuda where there is one)",
+    )
     ap.add_argument(
         "--quick", action="store_true", help="fewer requests and tokens, 2 DeepSeek-shaped layers"
     )
@@ -1052,7 +1089,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--ds-shape", default="lite", choices=["lite", "test"], help="test: small sizes (the test suite)"
     )
-    ap.add_argument("--models", default="tiny,deepseek", help="which models to run")
+    ap.add_argument("--models", default="tiny,deepseek", help=f"which models to run ({', '.join(MODELS)})")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each timed row: median and spread")
     ap.add_argument(
         "--precisions",
@@ -1092,7 +1129,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if bad := sorted(set(tiers) - {"host", "disk"}):
         ap.error(f"--tiers: unknown tier {', '.join(bad)}; name host, disk or both")
     args.tiers = tiers
+    if why := _bad_args(args):
+        ap.error(why)
     return args
+
+
+def _bad_args(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments, in one line (None: nothing), before anything is built."""
+    from moecast.errors import InputError
+
+    if args.device.split(":")[0] not in ("cuda", "cpu"):
+        return f"--device {args.device}: name cuda (cuda:N) or cpu"
+    if bad := [m for m in (m.strip() for m in args.models.split(",")) if m and m not in MODELS]:
+        return f"--models: unknown model {', '.join(bad)}; choose from {', '.join(MODELS)}"
+    for name in ("layers", "requests", "tokens", "repeats", "prefill"):
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
+    if args.requests * args.tokens <= WARMUP:
+        return (f"--requests {args.requests} x --tokens {args.tokens} decode steps leave none past the "
+                f"{WARMUP} warm-up steps each TPOT leaves out; give more tokens")  # fmt: skip
+    try:
+        precision_tags(args)
+    except InputError as exc:
+        return f"--precisions: {exc}"
+    return None
 
 
 def run(argv: list[str] | None = None) -> list[dict]:
@@ -1122,7 +1182,7 @@ def _run(args: argparse.Namespace, device: torch.device, out: Path, tag: str, wo
         _write(out / f"gpu-{tag}.json", json.dumps(report.rows, indent=1, default=str) + "\n")
 
     report.on_row = save
-    builders = {"tiny": tiny_setup, "deepseek": ds_setup}
+    builders = {"tiny": tiny_setup, "deepseek": ds_setup}  # MODELS
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         holder: dict[str, Setup] = {}
 
@@ -1170,16 +1230,11 @@ def figures(raw: list[dict]) -> list[dict]:
         by = {r["config"]: r for r in raw if r["model"] == model}
         ex = by.get("exactness (alpha 0)", {})
         if ex.get("status") == "ok":
-            v = "equal" if ex["equal"] else f"max |diff| {ex['max_abs_diff']:.3g}"
-            out.append(
-                F.row(
-                    "gpu",
-                    f"{model}: alpha-0 logits vs the model's",
-                    v,
-                    "equal",
-                    "ok" if ex["equal"] else "MISS",
-                )
-            )
+            for tag, what in (("", "one token a forward"), ("prefill_", "after the prefill")):
+                eq = ex[f"{tag}equal"]
+                v = "equal" if eq else f"max |diff| {ex[f'{tag}max_abs_diff']:.3g}"
+                out.append(F.row("gpu", f"{model}: alpha-0 logits vs the model's, {what}", v, "equal",
+                                 "ok" if eq else "MISS"))  # fmt: skip
         ok = {c: r for c, r in by.items() if r.get("status") == "ok" and r.get("kind") == "tpot"}
         out += _tpot_figures(F, model, ok)
         out += _ratio_figures(F, model, ok)
