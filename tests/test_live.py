@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from moecast.collect.models import ModelLoadError, kv_cache, with_cache
+from moecast.collect.models import ModelLoadError, find_moe_structure, kv_cache, load_model, with_cache
 from moecast.runtime.core.alpha import choose_alpha, fit_tpot
 from moecast.runtime.live.runtime import LiveConfig, attach
 from moecast.runtime.tiers.expert_store import LayerStore
@@ -1014,3 +1014,20 @@ def test_cli_run_prefetch_gated_reads_the_checkpoint_s_calibration(
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["policy"] == "prefetch-gated" and out["prefetch"] == "predictor" and out["decode_steps"] == 2
     assert out["gate_refused"] >= 0 and out["prefetches_issued"] > 0
+
+
+def test_cli_run_pinned_mb_stages_the_copies_over_the_budget(model_dir, capsys):
+    """`moecast run --pinned-mb 0` on the simulated device: no layer's copies fit the pinning budget, so
+    every layer stages its transfers, and the run says so in a line naming the setting. With the
+    default budget none is staged (the test model's experts are a few KB)."""
+    from moecast.cli import main
+
+    base = ["run", "--model", str(model_dir), "--prompt", "hello world", "--policy", "lru", "--prefetch", "none",
+            "--capacity", "2", "--max-new-tokens", "2", "--device-ops", "simulated"]  # fmt: skip
+    main([*base, "--pinned-mb", "0"])
+    text = capsys.readouterr().out
+    staged = next(line for line in text.splitlines() if "staged copies" in line)
+    layers = len(find_moe_structure(load_model(str(model_dir))[0]).layers)
+    assert f"{layers} layers' host copies stayed pageable" in staged and "--pinned-mb" in staged
+    main([*base, "--json"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["staged_copies"] == 0

@@ -110,7 +110,8 @@ def _print_stats(stats: dict[str, Any]) -> None:
         rows.append(
             (
                 "staged copies",
-                f"{stats['staged_copies']} layers' host copies stayed pageable (over the pinning budget, half the memory available): each transfer is staged",
+                f"{stats['staged_copies']} layers' host copies stayed pageable (over the pinning budget: --pinned-mb, "
+                "by default half the memory available): each transfer is staged",
             )
         )
     rows.append(("peak RSS", f"{stats['peak_rss_mb']:.0f} MiB"))
@@ -185,6 +186,7 @@ def run(
     router_pattern: str | None = None,
     device_ops: str = "auto",
     graphs: bool = True,
+    pinned_mb: float | None = None,
     json: bool = False,
 ) -> dict[str, Any]:
     """Generate text with the live runtime attached and report its cache, substitution and TPOT figures.
@@ -233,6 +235,8 @@ def run(
             in the same order, timed on a link at the hardware profile's rate).
         graphs: On an accelerator, replay each layer's decode experts call as a graph captured once (one
             launch instead of the implementation's kernels); false: call it every time.
+        pinned_mb: On an accelerator, host memory (MB) the expert copies may pin (default: half the memory
+            available); a layer over it keeps its copies pageable and stages each transfer.
         json: Print one JSON object instead of text and a table.
     """
     _threads()
@@ -264,6 +268,7 @@ def run(
         router_pattern=router_pattern,
         device_ops=device_ops,
         graphs=graphs,
+        pinned_mb=pinned_mb,
     )
     try:
         branch = rt.plan(prompt) if plan is not None else None
