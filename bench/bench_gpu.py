@@ -1013,10 +1013,12 @@ def _split_lines(report: Report, s: Setup) -> list[str]:
     return [
         "Decode step split by the live runtime (ms per step, host wall clock, over the steps the TPOT covers): "
         + ", ".join(BREAKDOWN)
-        + "; their sum beside the runtime's own clock of the same steps; the host's mean time to issue one "
-        "copy (of policy; the profile's load_host_ms as this row paid it)",
+        + "; their sum, the runtime's own clock of those steps (attention is what the experts calls leave of "
+        "it, policy what the timed parts leave of the calls), beside the harness's TPOT of the same run and "
+        "steps (its own clock, around the model's forward: at least the sum); the host's mean time to issue "
+        "one copy (of policy; the profile's load_host_ms as this row paid it)",
         "",
-        "| config | " + " | ".join(BREAKDOWN) + " | sum | runtime TPOT | issue ms a copy |",
+        "| config | " + " | ".join(BREAKDOWN) + " | sum | harness TPOT | issue ms a copy |",
         "|---|" + "---|" * (len(BREAKDOWN) + 3),
         *(_split_row(r) for r in split),
         "",
@@ -1028,7 +1030,7 @@ def _split_row(r: dict) -> str:
         r["config"],
         *(_fmt(r[f"{p}_ms"]) for p in BREAKDOWN),
         _fmt(r["split_sum_ms"]),
-        _fmt(r["runtime_tpot_ms"]),
+        _fmt(r["measured_tpot_ms"]),
         _fmt(r["copy_issue_ms"], 4),
     ]
     return "| " + " | ".join(cells) + " |"
