@@ -4,6 +4,8 @@ A prefill's loads stream through the slots in waves, the disk tier computes each
 lands, the CPU computes the balancer's set: each is a call of its own. Adding the calls' outputs
 rounds each partial sum to bf16 first, which the model's one call does not; with float32 router
 weights (DeepSeek-V3, Mixtral) or a top-k above 2 the logits then differ in their last bits.
+In float32 on two threads, a call's pairs must also fall where the model's one call puts them in
+each expert's group (pairs.placing).
 """
 
 from __future__ import annotations
@@ -112,3 +114,62 @@ def test_calls_add_their_outputs_where_the_combine_is_not_known(tmp_path):
             rt.detach()
         if not kw:  # the eager loop's calls added in bf16: close, as before
             assert torch.allclose(got.float(), ref.float(), atol=0.05)
+
+
+def test_placing_orders_each_group_as_the_models_one_call():
+    """A call over some experts' pairs (slot ids, a sentinel for the rest) sorts them by its own keys,
+    and torch.sort is not stable: fed ``hidden[placing]``, its sort visits each expert's pairs in the
+    order the model's one call over the expert ids visits them."""
+    gen = torch.Generator().manual_seed(0)
+    index = torch.randint(0, 16, (24, 4), generator=gen)  # ties in every group, past insertion sort
+    ids = index.reshape(-1)
+    order = pairs.reference_order(index)
+    ref = {e: order[1][order[0] == e].tolist() for e in range(16)}
+    # two waves of 8 experts, each in the 8 slots in any order
+    slot = torch.cat([torch.randperm(8, generator=gen), torch.randperm(8, generator=gen)])
+    for wave in (ids < 8, ids >= 8):
+        keys = torch.where(wave, slot[ids], 8)
+        src = pairs.placing(order, ids, keys, 8, torch.arange(ids.numel()))
+        assert torch.equal(torch.sort(src)[0], torch.arange(ids.numel()))  # a permutation
+        values, perm = torch.sort(keys)  # the call's own sort
+        visited = src[perm]
+        for e in ids[wave].unique().tolist():
+            assert visited[values == slot[e]].tolist() == ref[e]
+
+
+FLOAT32_SETTINGS = {
+    "prefill waves": dict(),  # the prefill's experts outnumber the slots
+    "one call": dict(capacity=0.875, shape=(1, 8)),  # on the slots, whose ids are not the experts'
+    "CPU balance": dict(balance="cpu"),  # the device's experts plus the CPU's
+    "disk tier, two sequences": dict(offload="disk", shape=(2, 8)),  # each demand load a call
+}
+
+
+@pytest.mark.parametrize("setting", list(FLOAT32_SETTINGS))
+def test_alpha_zero_is_bit_exact_in_float32_on_two_threads(setting, tmp_path):
+    """The ``tiny`` architecture in float32, on two threads, at a prefill whose experts outnumber the
+    slots: a float32 matmul on two threads rounds a row by its place in its expert's group (on one
+    thread it does not), and a call's unstable sort orders an expert's pairs by the call's other
+    keys, so each call places its pairs where the model's one call puts them (pairs.placing);
+    before, the logits differed from the model's by ~3e-7."""
+    from conftest import tiny_random
+
+    setting = FLOAT32_SETTINGS[setting]
+    kw = {k: v for k, v in setting.items() if k != "shape"}
+    if kw.get("offload") == "disk":
+        kw = dict(kw, offload_dir=str(tmp_path))
+    model = tiny_random()
+    ids = torch.randint(5, 4000, setting.get("shape", (1, 16)), generator=torch.Generator().manual_seed(2))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ref = decode_logits(model, ids, steps=2)
+        rt = attach(model, **{**dict(alpha=0.0, policy="lru", capacity=0.25, prefetch="none"), **kw})
+        try:
+            assert rt.executor.exact
+            got = decode_logits(model, ids, steps=2)
+        finally:
+            rt.detach()
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got, ref), (got - ref).abs().max()

@@ -8,7 +8,8 @@ contend for the same cores), its reads started first where the tier reads in the
 cache did not keep (a long prefill's) stream through the slots in waves.
 
 Where a layer's experts run in more than one call (waves, each demand load as it lands, the CPU
-set), each call computes its (token, expert) pairs' outputs and they are combined once, as the
+set), or in one over several tokens, each call computes its (token, expert) pairs' outputs, each
+expert's pairs in the order the model's one call gives them, and they are combined once, as the
 model's implementation combines them (:mod:`moecast.runtime.live.pairs`), so the output at alpha 0
 is the model's bit for bit in any dtype.
 
@@ -55,6 +56,7 @@ class ExpertsCall:
     # its calls compute (token, expert) pairs' outputs, combined once (runtime/live/pairs.py)
     pairs: bool = False
     _pair_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    _order: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def pair_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The hidden state a row per (token, top-k) pair and the pairs' unit weights (made once)."""
@@ -62,6 +64,18 @@ class ExpertsCall:
             hidden, _, ones = pairs.pair_inputs(self.hidden, self.index, self.weights)
             self._pair_rows = (hidden, ones)
         return self._pair_rows
+
+    def placing(self, keys: torch.Tensor, sentinel: int) -> torch.Tensor | None:
+        """The pair each row of a pairs call with ids ``keys`` (a slot id a pair, ``sentinel`` for the
+        others) takes, so that its expert's group is ordered as the model's one call orders it
+        (:func:`moecast.runtime.live.pairs.placing`). None for one token: its pairs' experts are
+        distinct, each group one row, so no order to keep (and a decode step pays nothing)."""
+        if self.hidden.shape[0] == 1:
+            return None
+        if self._order is None:
+            self._order = pairs.reference_order(self.index)
+        rows = torch.arange(keys.numel(), device=keys.device)
+        return pairs.placing(self._order, self.index.reshape(-1), keys, sentinel, rows)
 
 
 def _plus(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
@@ -170,8 +184,8 @@ class Executor:
 
         Returns the device's output (None if it ran nothing), the experts left to the CPU and a
         callable that joins their output (host memory); the CPU's experts are computed meanwhile.
-        Where the layer takes several calls (``call.pairs``, set here), each output is its pairs'
-        (:mod:`moecast.runtime.live.pairs`), which :meth:`join` combines.
+        Where the layer takes several calls, or the call several tokens (``call.pairs``, set here),
+        each output is its pairs' (:mod:`moecast.runtime.live.pairs`), which :meth:`join` combines.
         ``streamed``: loads the cache did not keep (more misses than slots, a long prefill): they go
         through the slots in waves of ``capacity`` experts after the resident ones. ``cpu_ids``: the
         step's CPU set (-1 padded), which is the rest of ``uniq`` when nothing streams.
@@ -180,8 +194,11 @@ class Executor:
         if not len(streamed):
             to_cpu = np.sort(cpu_ids[cpu_ids >= 0])
             parts = self._resident(pos, call, hit_ids, placed)
-            # the CPU's set is a part, and in waves (a disk tier's one expert at a time) several
-            call.pairs = self.exact and (len(parts) > 1 or bool(len(to_cpu)))
+            # the CPU's set is a part, and in waves (a disk tier's one expert at a time) several; one
+            # call over several tokens too: its slot ids would order an expert's pairs otherwise than
+            # the model's expert ids do (pairs.py), so its pairs are placed in the model's order
+            several = len(parts) > 1 or bool(len(to_cpu)) or call.hidden.shape[0] > 1
+            call.pairs = self.exact and several
             # started before the device call, which may block the host (a wrapped implementation may sync)
             cpu_part = self._start_cpu(pos, call, to_cpu) if len(to_cpu) else None
             out = None
@@ -241,7 +258,8 @@ class Executor:
         Elsewhere they are one call: a device's stream waits for the copies without blocking the
         host, a host-memory store copies synchronously, and a prefill's loads are many (a call per
         expert would cost more than the overlap gains). Either way the layer's output is the
-        wrapped implementation's bit for bit (several calls: their pairs combined, module docstring)."""
+        wrapped implementation's bit for bit (several calls or tokens: their pairs combined, module
+        docstring)."""
         if not (call.decode and self.tier.background_reads and not self.device.accelerated):
             return [np.concatenate([hit_ids, placed])]
         # a hit whose prefetch is still being read computes once it lands, after the hits that
@@ -294,9 +312,12 @@ class Executor:
         if st.awaits(slots):  # else no copy to wait for: no wait, and no timing events around none
             self.times.stream_wait(st.wait, slots)
         view = SlotView(call.module, st.slots, st.num_slots, partial)
+        src = None
         if call.pairs:  # one row per pair, unweighted: join combines every call's pairs at once
             hidden, ones = call.pair_rows()
-            args = (self.impls[pos], view, hidden, slot_ids.reshape(-1, 1), ones)
+            keys = slot_ids.reshape(-1, 1)
+            src = call.placing(keys[:, 0], st.num_slots)  # each group in the model's order
+            args = (self.impls[pos], view, hidden if src is None else hidden[src], keys, ones)
         else:
             args = (self.impls[pos], view, call.hidden, slot_ids, call.weights)
         if (
@@ -314,7 +335,7 @@ class Executor:
             uses = int(np.isin(call.ids, experts).sum())  # the (token, expert) pairs it computes
             out = self.times.timed_copy(tag, uses, *args, **call.kwargs)
         st.mark_read(slots)
-        return out
+        return out if src is None else pairs.unplace(out, src)
 
     def _start_cpu(self, pos: int, call: ExpertsCall, experts: np.ndarray) -> Any:
         """Start the CPU's experts (on the worker thread when overlapping); returns the join."""
@@ -361,14 +382,21 @@ class Executor:
     def _host_pairs(self, pos: int, call: ExpertsCall, hidden: torch.Tensor, waves: Any) -> torch.Tensor:
         """:meth:`_host`'s experts as their pairs' unweighted outputs ([tokens x top-k, hidden]; zeros for
         the pairs of other experts), each wave's pairs computed by one call."""
-        hidden, _, ones = pairs.pair_inputs(hidden, torch.from_numpy(call.ids), call.w_host)
+        experts = torch.from_numpy(call.ids)
+        hidden, _, ones = pairs.pair_inputs(hidden, experts, call.w_host)
+        # the host's sort of the ids: where the device is the CPU, the model's order (an accelerator's
+        # model computes on other kernels, which no host call matches bit for bit)
+        order = pairs.reference_order(experts) if call.hidden.shape[0] > 1 else None
         out = torch.zeros(hidden.shape, dtype=call.hidden.dtype)
         with contextlib.closing(waves):
             for tensors, table, count in waves:
-                ids = torch.from_numpy(table[call.ids].reshape(-1, 1))
-                rows = ids[:, 0] < count
+                ids = torch.from_numpy(table[call.ids].reshape(-1))
+                mine = ids < count
+                rows, keys = torch.nonzero(mine)[:, 0], ids[mine]
+                if order is not None:  # each group in the model's order (pairs.placing)
+                    rows = pairs.placing(order, experts.reshape(-1)[rows], keys, count, rows)
                 view = SlotView(call.module, tensors, count, True)
-                out[rows] = self.impls[pos](view, hidden[rows], ids[rows], ones[rows], **call.kwargs)
+                out[rows] = self.impls[pos](view, hidden[rows], keys[:, None], ones[rows], **call.kwargs)
         return out
 
     def close(self) -> None:

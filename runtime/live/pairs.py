@@ -16,6 +16,14 @@ pair outputs add exactly (each pair is computed by one call, zeros elsewhere), a
 :func:`combine` weights and sums them as the implementation does. Where the model's implementation
 is another (``eager``: each family's own loop), the calls' outputs add as before
 (:func:`sums_over_top_k`).
+
+A pair's output also depends on where its row falls in its expert's group: ``grouped_mm`` sorts the
+pairs by expert with ``torch.sort``, which is not stable (the order of one expert's pairs depends on
+the call's other keys), and a float32 matmul on the CPU's threads rounds a row by its place among
+the group's rows (which thread, which block of rows computes it). A call on the slots (slot ids,
+the other calls' pairs a sentinel) sorts other keys than the model's one call over the expert ids,
+so it orders an expert's pairs otherwise and its outputs differ in their last bits. :func:`placing`
+gives each row of such a call the pair that the model's call puts at the same place in the group.
 """
 
 from __future__ import annotations
@@ -51,3 +59,45 @@ def combine(pairs: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> t
     tokens, k = weights.shape
     weighted = pairs * weights.reshape(-1, 1)
     return weighted.view(tokens, k, pairs.shape[-1]).sum(dim=1).to(dtype)
+
+
+def reference_order(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pairs' expert ids (``index``: [tokens, top_k]) sorted as the implementation's one call sorts
+    them (the same call on the same ids: the same order), and the pairs in that order."""
+    return torch.sort(index.reshape(-1))
+
+
+def _ranks(keys: torch.Tensor) -> torch.Tensor:
+    """Each row's place among the rows of its key, in the order ``torch.sort(keys)`` puts them."""
+    values, perm = torch.sort(keys)
+    first = torch.searchsorted(values, values)  # each sorted row's group starts there
+    ranks = torch.empty_like(perm)
+    ranks[perm] = torch.arange(perm.numel(), device=keys.device) - first
+    return ranks
+
+
+def placing(
+    order: tuple[torch.Tensor, torch.Tensor],
+    experts: torch.Tensor,
+    keys: torch.Tensor,
+    sentinel: int,
+    rows: torch.Tensor,
+) -> torch.Tensor:
+    """The pair whose hidden state each row of a call takes, so that the call's sort puts every pair
+    where the model's one call (``order``: :func:`reference_order`) puts it in its expert's group.
+
+    The call's rows are the pairs ``rows`` (indices into the order's pairs), of expert ids ``experts``
+    and the call's ids ``keys`` (one key an expert, ``sentinel`` for pairs other calls compute, which
+    keep their row). Feed the call ``pair_hidden[placing]`` and write its output to ``out[placing]``.
+    """
+    values, perm = order
+    at = torch.searchsorted(values, experts) + _ranks(keys)
+    mine = perm[at.clamp_(max=perm.numel() - 1)]  # a sentinel's place may fall past the end
+    return torch.where(keys < sentinel, mine, rows)
+
+
+def unplace(out: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """A call's output fed ``hidden[src]`` (:func:`placing`), back in the pairs' order."""
+    back = torch.empty_like(out)
+    back[src] = out
+    return back
