@@ -116,10 +116,12 @@ def test_calls_add_their_outputs_where_the_combine_is_not_known(tmp_path):
             assert torch.allclose(got.float(), ref.float(), atol=0.05)
 
 
-def test_placing_orders_each_group_as_the_models_one_call():
+@pytest.mark.parametrize("place", [pairs.placing, pairs._placing_device], ids=["host", "device ops"])
+def test_placing_orders_each_group_as_the_models_one_call(place):
     """A call over some experts' pairs (slot ids, a sentinel for the rest) sorts them by its own keys,
     and torch.sort is not stable: fed ``hidden[placing]``, its sort visits each expert's pairs in the
-    order the model's one call over the expert ids visits them."""
+    order the model's one call over the expert ids visits them. Both ways of computing it: numpy on
+    the host, torch's ops on an accelerator (here on the CPU)."""
     gen = torch.Generator().manual_seed(0)
     index = torch.randint(0, 16, (24, 4), generator=gen)  # ties in every group, past insertion sort
     ids = index.reshape(-1)
@@ -129,7 +131,7 @@ def test_placing_orders_each_group_as_the_models_one_call():
     slot = torch.cat([torch.randperm(8, generator=gen), torch.randperm(8, generator=gen)])
     for wave in (ids < 8, ids >= 8):
         keys = torch.where(wave, slot[ids], 8)
-        src = pairs.placing(order, ids, keys, 8, torch.arange(ids.numel()))
+        src = place(order, ids, keys, 8, torch.arange(ids.numel()))
         assert torch.equal(torch.sort(src)[0], torch.arange(ids.numel()))  # a permutation
         values, perm = torch.sort(keys)  # the call's own sort
         visited = src[perm]

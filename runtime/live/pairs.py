@@ -28,6 +28,7 @@ gives each row of such a call the pair that the model's call puts at the same pl
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 #: transformers' experts implementations that end in one weighted sum over each token's top-k
@@ -90,10 +91,43 @@ def placing(
     and the call's ids ``keys`` (one key an expert, ``sentinel`` for pairs other calls compute, which
     keep their row). Feed the call ``pair_hidden[placing]`` and write its output to ``out[placing]``.
     """
+    if keys.device.type == "cpu":
+        return torch.from_numpy(_placing_host(order, experts, keys, sentinel, rows))
+    return _placing_device(order, experts, keys, sentinel, rows)
+
+
+def _placing_device(
+    order: tuple[torch.Tensor, torch.Tensor],
+    experts: torch.Tensor,
+    keys: torch.Tensor,
+    sentinel: int,
+    rows: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`placing` in torch ops on the keys' device: no host synchronisation."""
     values, perm = order
     at = torch.searchsorted(values, experts) + _ranks(keys)
     mine = perm[at.clamp_(max=perm.numel() - 1)]  # a sentinel's place may fall past the end
     return torch.where(keys < sentinel, mine, rows)
+
+
+def _placing_host(
+    order: tuple[torch.Tensor, torch.Tensor],
+    experts: torch.Tensor,
+    keys: torch.Tensor,
+    sentinel: int,
+    rows: torch.Tensor,
+) -> np.ndarray:
+    """:func:`placing` on the host: only the sorts are torch's (their order is what must match); the
+    rest is numpy, a few µs a call where torch's small ops cost tens (a batched decode step pays
+    it in every layer)."""
+    values, perm = (t.numpy() for t in order)
+    k = keys.numpy()
+    got_values, got_perm = (t.numpy() for t in torch.sort(keys))
+    ranks = np.empty_like(got_perm)
+    ranks[got_perm] = np.arange(len(got_perm)) - np.searchsorted(got_values, got_values)
+    at = np.searchsorted(values, experts.numpy()) + ranks
+    np.minimum(at, len(perm) - 1, out=at)  # a sentinel's place may fall past the end
+    return np.where(k < sentinel, perm[at], rows.numpy())
 
 
 def unplace(out: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
