@@ -116,7 +116,11 @@ def test_calls_add_their_outputs_where_the_combine_is_not_known(tmp_path):
             assert torch.allclose(got.float(), ref.float(), atol=0.05)
 
 
-@pytest.mark.parametrize("place", [pairs.placing, pairs._placing_device], ids=["host", "device ops"])
+def _on_host(order, ids, keys, sentinel, rows):
+    return torch.from_numpy(pairs.placing_host(order, ids.numpy(), keys.numpy(), sentinel, rows.numpy()))
+
+
+@pytest.mark.parametrize("place", [_on_host, pairs.placing], ids=["host", "device ops"])
 def test_placing_orders_each_group_as_the_models_one_call(place):
     """A call over some experts' pairs (slot ids, a sentinel for the rest) sorts them by its own keys,
     and torch.sort is not stable: fed ``hidden[placing]``, its sort visits each expert's pairs in the

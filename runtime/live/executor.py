@@ -65,17 +65,24 @@ class ExpertsCall:
             self._pair_rows = (hidden, ones)
         return self._pair_rows
 
-    def placing(self, keys: torch.Tensor, sentinel: int) -> torch.Tensor | None:
+    def placing(self, keys: torch.Tensor, sentinel: int, host_keys: np.ndarray | None) -> torch.Tensor | None:
         """The pair each row of a pairs call with ids ``keys`` (a slot id a pair, ``sentinel`` for the
         others) takes, so that its expert's group is ordered as the model's one call orders it
-        (:func:`moecast.runtime.live.pairs.placing`). None for one token: its pairs' experts are
+        (:func:`moecast.runtime.live.pairs.placing`); ``host_keys``: the same ids on the host where the
+        model computes on the CPU (None on an accelerator). None for one token: its pairs' experts are
         distinct, each group one row, so no order to keep (and a decode step pays nothing)."""
         if self.hidden.shape[0] == 1:
             return None
-        if self._order is None:
-            self._order = pairs.reference_order(self.index)
-        rows = torch.arange(keys.numel(), device=keys.device)
-        return pairs.placing(self._order, self.index.reshape(-1), keys, sentinel, rows)
+        if host_keys is None:
+            if self._order is None:
+                self._order = pairs.reference_order(self.index)
+            rows = torch.arange(keys.numel(), device=keys.device)
+            return pairs.placing(self._order, self.index.reshape(-1), keys, sentinel, rows)
+        experts = self.ids.reshape(-1)
+        if self._order is None:  # the CPU's sort of the same ids, in the index's dtype: the model's order
+            self._order = pairs.reference_order(torch.from_numpy(experts).to(self.index.dtype))
+        src = pairs.placing_host(self._order, experts, host_keys, sentinel, np.arange(len(experts)))
+        return torch.from_numpy(src)
 
 
 def _plus(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
@@ -316,7 +323,8 @@ class Executor:
         if call.pairs:  # one row per pair, unweighted: join combines every call's pairs at once
             hidden, ones = call.pair_rows()
             keys = slot_ids.reshape(-1, 1)
-            src = call.placing(keys[:, 0], st.num_slots)  # each group in the model's order
+            host_keys = None if self.device.accelerated else table[call.ids].reshape(-1)
+            src = call.placing(keys[:, 0], st.num_slots, host_keys)  # each group in the model's order
             args = (self.impls[pos], view, hidden if src is None else hidden[src], keys, ones)
         else:
             args = (self.impls[pos], view, call.hidden, slot_ids, call.weights)
@@ -387,6 +395,7 @@ class Executor:
         # the host's sort of the ids: where the device is the CPU, the model's order (an accelerator's
         # model computes on other kernels, which no host call matches bit for bit)
         order = pairs.reference_order(experts) if call.hidden.shape[0] > 1 else None
+        flat = call.ids.reshape(-1)
         out = torch.zeros(hidden.shape, dtype=call.hidden.dtype)
         with contextlib.closing(waves):
             for tensors, table, count in waves:
@@ -394,7 +403,8 @@ class Executor:
                 mine = ids < count
                 rows, keys = torch.nonzero(mine)[:, 0], ids[mine]
                 if order is not None:  # each group in the model's order (pairs.placing)
-                    rows = pairs.placing(order, experts.reshape(-1)[rows], keys, count, rows)
+                    placed = pairs.placing_host(order, flat[rows.numpy()], keys.numpy(), count, rows.numpy())
+                    rows = torch.from_numpy(placed)
                 view = SlotView(call.module, tensors, count, True)
                 out[rows] = self.impls[pos](view, hidden[rows], keys[:, None], ones[rows], **call.kwargs)
         return out

@@ -90,44 +90,30 @@ def placing(
     The call's rows are the pairs ``rows`` (indices into the order's pairs), of expert ids ``experts``
     and the call's ids ``keys`` (one key an expert, ``sentinel`` for pairs other calls compute, which
     keep their row). Feed the call ``pair_hidden[placing]`` and write its output to ``out[placing]``.
-    """
-    if keys.device.type == "cpu":
-        return torch.from_numpy(_placing_host(order, experts, keys, sentinel, rows))
-    return _placing_device(order, experts, keys, sentinel, rows)
-
-
-def _placing_device(
-    order: tuple[torch.Tensor, torch.Tensor],
-    experts: torch.Tensor,
-    keys: torch.Tensor,
-    sentinel: int,
-    rows: torch.Tensor,
-) -> torch.Tensor:
-    """:func:`placing` in torch ops on the keys' device: no host synchronisation."""
+    In torch's ops on the keys' device (an accelerator's: no host synchronisation)."""
     values, perm = order
     at = torch.searchsorted(values, experts) + _ranks(keys)
     mine = perm[at.clamp_(max=perm.numel() - 1)]  # a sentinel's place may fall past the end
     return torch.where(keys < sentinel, mine, rows)
 
 
-def _placing_host(
+def placing_host(
     order: tuple[torch.Tensor, torch.Tensor],
-    experts: torch.Tensor,
-    keys: torch.Tensor,
+    experts: np.ndarray,
+    keys: np.ndarray,
     sentinel: int,
-    rows: torch.Tensor,
+    rows: np.ndarray,
 ) -> np.ndarray:
-    """:func:`placing` on the host: only the sorts are torch's (their order is what must match); the
-    rest is numpy, a few µs a call where torch's small ops cost tens (a batched decode step pays
-    it in every layer)."""
+    """:func:`placing` where the model computes on the CPU, from the host's arrays: only the sorts are
+    torch's (their order is what must match: ``order`` sorted CPU tensors); the rest is numpy, a few
+    µs a call where torch's small ops cost tens (a batched decode step pays it in every layer)."""
     values, perm = (t.numpy() for t in order)
-    k = keys.numpy()
-    got_values, got_perm = (t.numpy() for t in torch.sort(keys))
+    got_values, got_perm = (t.numpy() for t in torch.sort(torch.from_numpy(keys)))
     ranks = np.empty_like(got_perm)
     ranks[got_perm] = np.arange(len(got_perm)) - np.searchsorted(got_values, got_values)
-    at = np.searchsorted(values, experts.numpy()) + ranks
+    at = np.searchsorted(values, experts) + ranks
     np.minimum(at, len(perm) - 1, out=at)  # a sentinel's place may fall past the end
-    return np.where(k < sentinel, perm[at], rows.numpy())
+    return np.where(keys < sentinel, perm[at], rows)
 
 
 def unplace(out: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
