@@ -681,7 +681,7 @@ def live_once(s: Setup, policy: str, alpha: float, **kw: Any) -> dict:
     # the pinned host bytes the copies come from, and the layers whose copies went through pageable
     # staging buffers instead (over the pinning budget: each copy then waits for a staging slot)
     row["pinned_bytes"] = st["pinned_bytes"]
-    row["staged_copies"] = st["staged_copies"]
+    row["staged_layers"] = st["staged_layers"]
     if s.cuda:
         row["peak_gpu_mb"] = torch.cuda.max_memory_allocated(s.device) / 2**20
     return row
@@ -890,7 +890,7 @@ def _released() -> dict:
 
 def _brief(row: dict) -> str:
     keys = ("measured_tpot_ms", "modeled_tpot_ms", "hit_rate", "equal", "max_abs_diff", "prefill_equal",
-            "prefill_max_abs_diff", "staged_copies", "peak_rss_gb", "host_available_gb")  # fmt: skip
+            "prefill_max_abs_diff", "staged_layers", "peak_rss_gb", "host_available_gb")  # fmt: skip
     return " ".join(f"{k}={_fmt(row[k])}" for k in keys if k in row)
 
 
@@ -1001,7 +1001,7 @@ def _tpot_lines(report: Report, s: Setup) -> list[str]:
 def _staged_note(r: dict) -> str | None:
     """A row whose copies fell back to pageable staging buffers says so (issue 43: a fallback that would
     serialise the copies silently)."""
-    n = r.get("staged_copies") or 0
+    n = r.get("staged_layers") or 0
     return f"{n} layers' copies staged (over the pinning budget)" if n else None
 
 

@@ -206,7 +206,7 @@ def test_dry_run_runs_every_cpu_row(tmp_path, monkeypatch):
         assert lru["device_ops"] == "simulated" and lru["link_gbps_observed"] > 0
         assert lru["transfer_wait_ms"] > 0 and lru["stream_wait_ms"] >= 0 and lru["copy_issue_ms"] > 0
         # the copies' pinned source, and no layer over the pinning budget (no staging fallback)
-        assert lru["pinned_bytes"] > 0 and lru["staged_copies"] == 0
+        assert lru["pinned_bytes"] > 0 and lru["staged_layers"] == 0
         # the all-resident pair: decode calls replayed as graphs, and the same uncaptured
         assert by[(model, "runtime, all resident")]["graph_replays"] > 0
         assert by[(model, "all resident, no graphs")]["graph_replays"] is None
@@ -400,7 +400,7 @@ def test_a_prefill_mismatch_is_a_miss_and_a_staged_row_says_so():
     after = figs["m: alpha-0 logits vs the model's, after the prefill"]
     assert after["verdict"] == "MISS" and "2.86e-06" in after["value"]
     assert "prefill_equal=NO" in bench_gpu._brief(ex)
-    row = {"model": "m", "config": "on-demand LRU", "kind": "tpot", "status": "ok", "staged_copies": 3}
+    row = {"model": "m", "config": "on-demand LRU", "kind": "tpot", "status": "ok", "staged_layers": 3}
     s = bench_gpu.Setup("m", None, torch.device("cpu"), [], 1, 1, ds_model.Routing(), repeats=3)
     lines = bench_gpu._tpot_lines(bench_gpu.Report("cpu", rows=[row]), s)
     assert "| on-demand LRU | ok: 3 layers' copies staged (over the pinning budget) |" in "\n".join(lines)

@@ -302,7 +302,7 @@ def test_pinned_budget_is_the_given_size_or_half_the_available_memory():
     rt = attach(model, policy="lru", capacity=2)
     try:
         assert rt.stats()["pinned_bytes"] == 0  # nothing is pinned without CUDA
-        assert rt.stats()["staged_copies"] == 0
+        assert rt.stats()["staged_layers"] == 0
     finally:
         rt.detach()
     with pytest.raises(ValueError, match="pinned_mb"):
@@ -448,7 +448,7 @@ def test_the_simulated_device_walks_the_cuda_path_with_the_cpus_results():
         assert sim[key] == cpu[key], key
     assert sim["loads"] > 0 and sim["simulated_device"] and sim["device_ops"] == "simulated"
     assert sim["pinned_bytes"] == sum(st.num_experts * st.layout.stride for st in rt.stores)
-    assert sim["staged_copies"] == 0 and cpu["pinned_bytes"] == 0
+    assert sim["staged_layers"] == 0 and cpu["pinned_bytes"] == 0
     ops = rt.device.ops
     assert isinstance(ops, SimulatedOps) and ops.made == 1  # the tier's one link
     assert ops.link_gbps == pytest.approx(load_profile("prescope-a100-pcie4").transfer_gbps)  # the profile's

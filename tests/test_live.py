@@ -1030,4 +1030,4 @@ def test_cli_run_pinned_mb_stages_the_copies_over_the_budget(model_dir, capsys):
     layers = len(find_moe_structure(load_model(str(model_dir))[0]).layers)
     assert f"{layers} layers' host copies stayed pageable" in staged and "--pinned-mb" in staged
     main([*base, "--json"])
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["staged_copies"] == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["staged_layers"] == 0

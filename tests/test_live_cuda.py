@@ -76,10 +76,10 @@ def test_alpha_zero_logits_equal_the_wrapped_implementation_on_cuda(cuda_model, 
     if setting.get("pinned_mb") == 0:
         # pageable host copies: only the staging blocks are pinned, and the run says it staged
         assert stats["pinned_bytes"] == sum(4 * st.layout.stride for st in rt.stores)
-        assert stats["staged_copies"] == len(rt.stores)
+        assert stats["staged_layers"] == len(rt.stores)
     else:  # every expert's block, packed
         assert stats["pinned_bytes"] == sum(st.num_experts * st.layout.stride for st in rt.stores)
-        assert stats["staged_copies"] == 0
+        assert stats["staged_layers"] == 0
     if stats["loads"]:  # the copies, timed by CUDA events: a real rate, and the device's wait for them
         assert stats["link_gbps_observed"] > 0 and stats["link_bytes"] > 0
     assert torch.equal(decode(model, ids), ref)  # detached: the wrapped implementation again

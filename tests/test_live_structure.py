@@ -68,7 +68,7 @@ def test_every_registered_tier_implements_the_protocol(name, tmp_path):
         tier.layers[1].fill([2])
         tier.layers[1].wait()
         assert tier.waited() > w0 if not tier.background_reads else tier.waited() >= w0
-        assert {"pinned_bytes", "staged_copies", "bytes_read", "disk_reads"} <= set(tier.stats())
+        assert {"pinned_bytes", "staged_layers", "bytes_read", "disk_reads"} <= set(tier.stats())
     finally:
         tier.close()
     after = expert_params(structure.layers[0].experts)

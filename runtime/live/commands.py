@@ -106,11 +106,11 @@ def _print_stats(stats: dict[str, Any]) -> None:
                 )
             )
         rows.append(("wasted prefetch", f"{stats['wasted_bytes'] / 2**20:.1f} MiB (prefetched, never used)"))
-    if stats.get("staged_copies"):
+    if stats.get("staged_layers"):
         rows.append(
             (
                 "staged copies",
-                f"{stats['staged_copies']} layers' host copies stayed pageable (over the pinning budget: --pinned-mb, "
+                f"{stats['staged_layers']} layers' host copies stayed pageable (over the pinning budget: --pinned-mb, "
                 "by default half the memory available): each transfer is staged",
             )
         )

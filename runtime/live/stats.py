@@ -230,7 +230,7 @@ def runtime_stats(rt: LiveRuntime) -> dict[str, Any]:
     d = rt.stats_.as_dict(rt.step.stats)
     tier = (
         rt.tier.stats()
-    )  # pinned_bytes, staged_copies, bytes_read, disk_reads, disk_read_gbps_observed, direct_io
+    )  # pinned_bytes, staged_layers, bytes_read, disk_reads, disk_read_gbps_observed, direct_io
     d.update(
         policy=rt.policy.name,
         alpha=rt.policy.alpha,
@@ -245,7 +245,7 @@ def runtime_stats(rt: LiveRuntime) -> dict[str, Any]:
         simulated_device=rt.device.simulated,
         device_ops=rt.config.device_ops,
         pinned_bytes=tier.pop("pinned_bytes"),
-        staged_copies=tier.pop("staged_copies"),
+        staged_layers=tier.pop("staged_layers"),
         offload=rt.config.offload,
         expert_dtype=rt.config.precision.label,
         expert_bytes=rt.link_bytes,  # one expert as the link moves it (its precision's bytes; two copies: the high one's)

@@ -111,7 +111,7 @@ class DiskTier:
         low_bytes, low_reads = (lo.bytes_read, lo.reads) if lo is not None and r is not None else (0, 0)
         return dict(
             pinned_bytes=sum(st.pinned_bytes for st in self.layers),
-            staged_copies=0,  # reads land in pinned staging by design: no pageable fallback
+            staged_layers=0,  # reads land in pinned staging by design: no pageable fallback
             # both copies' reads; the low copy's (two copies) also apart, and the slots reread high
             bytes_read=(r.bytes_read if r is not None else 0) + low_bytes,
             disk_reads=(r.reads if r is not None else 0) + low_reads,

@@ -196,7 +196,7 @@ class LayerStore:
             self.pinned_bytes = self._host_raw.numel()
         else:
             # the host copies did not fit the pinning budget: every transfer goes through the staging ring,
-            # a host copy then a device copy, which a run reports (stats' staged_copies)
+            # a host copy then a device copy, which a run reports (stats' staged_layers)
             self.host = {name: _host_tensor(t) for name, t in params.items()}
             self._staging = [_empty_bytes(layout.stride, pins) for _ in range(STAGING_BUFFERS)]
             self._staging_events = [[] for _ in self._staging]

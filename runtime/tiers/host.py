@@ -3,7 +3,7 @@
 SMoE §IV (Fig. 7) keeps every non-shared expert in CPU memory and a subset resident on the GPU; each
 layer is a :class:`moecast.runtime.tiers.expert_store.LayerStore`. The host copies are pinned only while
 their total fits the pinning budget, packed one block an expert so that a transfer is one copy; above it
-they stay pageable and every transfer is staged through a few pinned blocks (``staged_copies`` in the
+they stay pageable and every transfer is staged through a few pinned blocks (``staged_layers`` in the
 stats). The layers share one transfer stream, the link, which takes copies in the order they are issued.
 
 At a quantized precision (issue 45: copy the packed bytes, dequantize into the slot), on an accelerator
@@ -92,7 +92,7 @@ class HostTier:
             pinned_bytes=sum(st.pinned_bytes for st in self.layers),
             # layers whose host copies stayed pageable (over the pinning budget): each of their
             # transfers is a host copy into a pinned staging buffer, then the device copy
-            staged_copies=sum(st.staged for st in self.layers),
+            staged_layers=sum(st.staged for st in self.layers),
             bytes_read=0,
             disk_reads=0,
             disk_read_gbps_observed=None,
