@@ -228,3 +228,27 @@ def test_alpha_zero_is_bit_exact_in_bf16_on_cuda_where_a_layer_runs_in_parts(tmp
     finally:
         rt.detach()
     assert torch.equal(got, ref), (got.float() - ref.float()).abs().max()
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [dict(), dict(capacity=0.875), dict(shape=(2, 8))],
+    ids=["prefill waves", "one call", "two sequences"],
+)
+def test_alpha_zero_is_bit_exact_in_float32_on_cuda_where_calls_sort_other_keys(setting):
+    """``tiny`` in float32 on the device: a wave's call, and one call over several tokens, sort slot
+    ids where the model's call sorts expert ids; each places its pairs in the model's order
+    (pairs.placing, in torch's ops on the device), so the logits are the model's bit for bit (on the
+    CPU's two threads they differed by ~3e-7 before)."""
+    model = tiny_random().cuda()
+    setting = dict(setting)
+    shape = setting.pop("shape", (1, 8))
+    ids = torch.randint(5, 4000, shape, generator=torch.Generator().manual_seed(2)).cuda()
+    ref = decode(model, ids)
+    rt = attach(model, alpha=0.0, **{**dict(policy="lru", capacity=0.25, prefetch="none"), **setting})
+    try:
+        assert rt.executor.exact
+        got = decode(model, ids)
+    finally:
+        rt.detach()
+    assert torch.equal(got, ref), (got - ref).abs().max()
