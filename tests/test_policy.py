@@ -62,8 +62,8 @@ def test_alpha_defaults_only_where_the_policy_substitutes():
     assert get_policy("lru").alpha == 0.0
     with pytest.raises(ValueError, match="alpha applies to substitution, which policy 'lru' does not use"):
         get_policy("lru", 0.2)
-    for bad in (-0.1, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="alpha must be a number >= 0"):
+    for bad in (-0.1, 1.0, 5.0, float("nan"), float("inf")):  # replay and live alike (run refused 1.5)
+        with pytest.raises(ValueError, match=r"alpha must be in \[0, 1\) \(SMoE's substitution threshold\)"):
             get_policy("smoe", bad)
 
 

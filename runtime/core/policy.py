@@ -95,8 +95,10 @@ class Policy:
                 f"policy {self.name!r}: gate {self.gate} gates prefetches; it needs prefetch predictor"
             )
         a = self.alpha
-        if not (isinstance(a, (int, float)) and math.isfinite(a) and a >= 0):
-            raise InputError(f"alpha must be a number >= 0 (SMoE's substitution threshold), got {a}")
+        # the threshold on a router probability's share of the top one (SMoE Algorithm 1): 1 and above
+        # would substitute experts the router ranks first; one rule for replay and the live runtime
+        if not (isinstance(a, (int, float)) and math.isfinite(a) and 0 <= a < 1):
+            raise InputError(f"alpha must be in [0, 1) (SMoE's substitution threshold), got {a}")
         if a > 0 and not self.substitutes:
             raise InputError(
                 f"--alpha applies to substitution, which policy {self.name!r} does not use; use --policy smoe"

@@ -117,10 +117,8 @@ class LiveConfig(RuntimeSpec):
             )
         if not isinstance(self.policy, Policy) and self.policy not in LIVE_POLICIES:
             raise InputError(f"unknown policy {self.policy!r}; choose one of {', '.join(LIVE_POLICIES)}")
-        if self.alpha is not None and not (math.isfinite(float(self.alpha)) and 0 <= float(self.alpha) < 1):
-            raise InputError(f"alpha must be in [0, 1) (SMoE's substitution threshold), got {self.alpha}")
         # replay's rule, so that one policy name means the same in both runtimes: only policies that
-        # substitute (smoe) take an alpha, 0.3 when none is given
+        # substitute (smoe) take an alpha in [0, 1), 0.3 when none is given
         self.alpha = super().rule().alpha
         if self.prefetch not in PREFETCH_SOURCES:
             raise InputError(
