@@ -130,6 +130,12 @@ def test_profile_command_measures_cpu_and_writes_yaml(tmp_path, capsys):
     p = load_profile(out)
     assert p.name == "test-local" and p.cpu_beta_ms > 0 and p.ref_expert_bytes == 3 * 64 * 32 * 2
     assert "measured" in p.source and "wrote" in capsys.readouterr().out
+    # the predictor's latency measured on a stand-in too (a 0 would charge every prefetch nothing)
+    assert p.predictor_ms > 0
+    assert (
+        "predictor_ms: LLaPor of the default size, random weights, on 26 layers of 64 experts, top-6"
+        in p.source
+    )
     # without --out it lands in $MOECAST_HOME/hardware and loads by name
     profile(hidden_size=32, intermediate_size=16, name="bench-box")
     assert load_profile("bench-box").ref_expert_bytes == 3 * 32 * 16 * 2

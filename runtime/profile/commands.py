@@ -35,8 +35,9 @@ def profile(
             non-expert time per MoE layer measured on it; without it the expert shape comes from
             --traces or --hidden_size/--intermediate_size and attention time from a stand-in.
         traces: a TraceSet whose model sets the expert shape (its hidden size; intermediate from expert_bytes).
-        predictor: a layer-ahead checkpoint whose per-layer latency is measured (with --model, default:
-            a LLaPor of the default size with random weights).
+        predictor: a layer-ahead checkpoint whose per-layer latency is measured (default: a LLaPor of the
+            default size with random weights, on the routing of --model, else of --traces, else of
+            DeepSeek-V2-Lite: 26 layers of 64 experts, top-6).
         offload_dir: the experts live on this directory's disk (the profile's slow tier; without CUDA
             the CPU is the fast tier and the disk the link): its direct-read bandwidth is measured as
             the runtime reads it where it holds an offload (random whole experts on the I/O threads),
@@ -85,9 +86,16 @@ def profile(
         if traces:
             hidden_size, intermediate_size, dtype = _traces_expert_shape(traces)
         prof = P.measure(hidden_size, intermediate_size, name=name, dtype=dtype)
-        if pred is not None:
-            prof.predictor_ms = P._sig(P.predictor_latency_ms(pred, hidden_size))
-            prof.source += f"; predictor_ms: {predictor}"
+        if pred is None:  # measured, as with --model: a profile's 0 would charge a prefetch nothing
+            routing = _traces_routing(traces) if traces else STANDIN_ROUTING
+            pred = P.llapor_standin(*routing)
+            said = "LLaPor of the default size, random weights, on {} layers of {} experts, top-{}".format(
+                *routing
+            )
+        else:
+            said = str(predictor)
+        prof.predictor_ms = P._sig(P.predictor_latency_ms(pred, hidden_size))
+        prof.source += f"; predictor_ms: {said}"
         if offload_dir:
             prof, how = P.on_disk(prof, offload_dir, disk_mb)
             prof.source += "".join(f"; {k}: {v}" for k, v in how.items())
@@ -141,6 +149,19 @@ def _expert_bytes(lm: Any, precs: list[Any]) -> dict[str, int]:
     params = {n: p for n, p in experts.named_parameters(recurse=False) if p.dim() >= 2}
     transposed = bool(getattr(experts, "is_transposed", False))
     return {q.tag: expert_nbytes(q, params, transposed) for q in precs if q.quantized}
+
+
+#: the routing (MoE layers, experts, top-k) the predictor stand-in scores without --model or --traces:
+#: DeepSeek-V2-Lite's, whose expert shape the size defaults are
+STANDIN_ROUTING = (26, 64, 6)
+
+
+def _traces_routing(traces: str) -> tuple[int, int, int]:
+    """(MoE layers, experts, top-k) of the model a TraceSet recorded."""
+    from moecast.collect.traceset import TraceSet
+
+    m = TraceSet(traces).meta.model
+    return int(m.num_layers), int(m.num_experts), int(m.top_k)
 
 
 def _traces_expert_shape(traces: str) -> tuple[int, int, str]:
