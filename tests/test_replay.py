@@ -813,3 +813,14 @@ def test_hot_planner_pins_the_training_requests_top_experts(tmp_path, capsys):
     code, out, _ = _run_cli([*argv, "--planner", "hot", "--holdout", "test", "--json", "true"], capsys)
     row = json.loads(out.strip().splitlines()[-1])
     assert code == 0 and row["planner"] == "hot" and row["requests"] == len(ts.splits().test)
+    assert row["hot_table_from"] == f"the {len(ts.splits().train)} requests of hot_requests"  # the train side
+    # every request replayed: its table counted on them, and the result says so (it saw the answers)
+    code, out, _ = _run_cli([*argv, "--planner", "hot", "--json", "true"], capsys)
+    assert (
+        json.loads(out.strip().splitlines()[-1])["hot_table_from"]
+        == "the replayed requests themselves (in-sample)"
+    )
+    assert (
+        replay(ts, replace(cfg, requests=ts.request_ids[6:])).extra["hot_table_from"]
+        == "the 6 requests of hot_requests"
+    )

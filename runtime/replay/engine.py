@@ -226,7 +226,7 @@ def _load_planner(cfg: ReplayConfig, ts: TraceSet) -> BatchScorer | None:
     from moecast.predictors.baselines import HotTablePlanner
 
     replayed = list(cfg.requests) if cfg.requests is not None else list(ts.request_ids)
-    return HotTablePlanner.fit(ts, _hot_counted_on(ts, replayed, cfg.hot_requests) or replayed)
+    return HotTablePlanner.fit(ts, _hot_source(ts, replayed, cfg.hot_requests)[0])
 
 
 def _hot_counted_on(ts: TraceSet, replayed: list[str], hot_requests: list[str] | None) -> list[str]:
@@ -236,6 +236,15 @@ def _hot_counted_on(ts: TraceSet, replayed: list[str], hot_requests: list[str] |
         return list(hot_requests)
     chosen = set(replayed)
     return [r for r in ts.request_ids if r not in chosen]
+
+
+def _hot_source(ts: TraceSet, replayed: list[str], hot_requests: list[str] | None) -> tuple[list[str], str]:
+    """The requests a hot-expert table (static's, PreSched's start, ``--planner hot``) is counted on,
+    and how a result says so: the replayed ones themselves when no other is (in-sample)."""
+    others = _hot_counted_on(ts, replayed, hot_requests)
+    if not others:
+        return list(replayed), "the replayed requests themselves (in-sample)"
+    return others, f"the {len(others)} requests " + ("of hot_requests" if hot_requests else "not replayed")
 
 
 @dataclass
@@ -376,6 +385,8 @@ def _prepare(ts: TraceSet, cfg: ReplayConfig, capacities: list[float | str]) -> 
     hot, hot_from = None, None
     if spec.eviction == "static" or spec.preload == "hot":
         hot, hot_from = _hot_table(ts, rids, d, E, cfg.hot_requests)
+    elif cfg.planner == "hot":  # the planner's table, counted as _load_planner counted it
+        hot_from = _hot_source(ts, rids, cfg.hot_requests)[1]
     return _Run(ts, cfg, spec, rids, caps, core, pred_name, predictor, planner, d, hot, hot_from)
 
 
@@ -1109,16 +1120,11 @@ def _hot_table(
     `compare` replays them many times."""
     key = (str(ts.path), ts.num_tokens, hash(tuple(rids)), hash(tuple(counted or ())))
     if key not in _HOT_MEMO:
-        others = _hot_counted_on(ts, rids, counted)
+        others, said = _hot_source(ts, rids, counted)
         _HOT_MEMO.clear()
-        _HOT_MEMO[key] = (
-            (
-                StaticTable.from_topk(ts.array("topk_ids", others), E),
-                f"the {len(others)} requests " + ("of hot_requests" if counted else "not replayed"),
-            )
-            if others
-            else (StaticTable.from_topk(d.topk, E), "the replayed requests themselves (in-sample)")
-        )
+        in_sample = not _hot_counted_on(ts, rids, counted)  # the replay's own arrays: read already
+        topk = d.topk if in_sample else ts.array("topk_ids", others)
+        _HOT_MEMO[key] = (StaticTable.from_topk(topk, E), said)
     return _HOT_MEMO[key]
 
 
