@@ -200,6 +200,35 @@ def holdout(ts: Any, which: str | float, checkpoints: list[str]) -> tuple[list[s
     return sides[name], sides.train
 
 
+class InSampleWarning(UserWarning):
+    """A checkpoint is scored on requests it trained or was selected on."""
+
+
+def warn_in_sample(ts: Any, checkpoints: list[str | None], replayed: list[str]) -> int:
+    """Say (a warning, one line) where ``replayed`` holds requests a checkpoint trained on or was
+    selected on (its split's train and val sides, on the TraceSet it trained on): a replay without
+    ``--holdout`` scores them in-sample. Returns how many of the replayed requests are such."""
+    import warnings
+
+    worst = 0
+    for c in (c for c in checkpoints if c and Path(c).is_file()):
+        r = trained_on_file(c)
+        if r is None or r.spec is None or not r.same_traceset(ts):
+            continue
+        sides = ts.splits(r.spec.val_fraction, r.spec.test_fraction, r.spec.seed)
+        seen = len({*sides.train, *sides.val} & set(replayed))
+        if seen:
+            warnings.warn(
+                InSampleWarning(
+                    f"{seen} of the {len(replayed)} replayed requests are {c}'s training or validation "
+                    "requests (in-sample figures); --holdout test replays its test side only"
+                ),
+                stacklevel=2,
+            )
+        worst = max(worst, seen)
+    return worst
+
+
 def _holdout_arg(which: str | float) -> tuple[str, float | None]:
     if which in ("test", "val"):
         return str(which), None

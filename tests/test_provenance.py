@@ -4,6 +4,7 @@ another TraceSet, never a split that disagrees with the one it was trained on.""
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 from conftest import make_synthetic_traceset
@@ -94,3 +95,26 @@ def test_replay_holdout_takes_the_checkpoint_split_and_refuses_another(two_sets,
     main([*argv, "--holdout", "test", "--json", "true"])
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert row["requests"] == len(sides.test)
+
+
+def test_replay_without_holdout_says_it_scores_a_checkpoint_in_sample(two_sets, tmp_path, capsys):
+    """Every request replayed, the checkpoint's train and val sides among them: one warning line with
+    their count, counted here from the split; none with --holdout test, nor on another TraceSet."""
+    from moecast.cli import main
+
+    a, b = two_sets
+    ckpt, sides = _saved(a, tmp_path, test_fraction=0.25)
+    seen = len(sides.train) + len(sides.val)
+    base = ["--policy", "prefetch", "--predictor", ckpt, "--capacity", "4", "--json", "true"]
+    main(["replay", "--traces", str(a.path), *base])
+    err = capsys.readouterr().err
+    assert err.count("moecast: warning:") == 1
+    assert f"warning: {seen} of the {len(a.request_ids)} replayed requests are {ckpt}'s training or" in err
+    main(["replay", "--traces", str(a.path), *base, "--holdout", "test"])
+    main(["replay", "--traces", str(b.path), *base])  # no request of b was seen in training
+    assert "warning" not in capsys.readouterr().err
+    with warnings.catch_warnings():  # the same line again in this process: Python shows it once
+        warnings.simplefilter("always")
+        main(["compare", "--traces", str(a.path), "--predictors", ckpt, "--policies", "prefetch", "--capacities",
+              "4", "--out", str(tmp_path / "cmp"), "--wandb", "false", "--json"])  # fmt: skip
+    assert "training or validation requests (in-sample figures)" in capsys.readouterr().err

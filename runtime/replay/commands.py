@@ -114,8 +114,12 @@ def replay(
 def _held_out(
     ts, holdout: str | float | None, checkpoints: list[str | None]
 ) -> tuple[list[str] | None, list[str] | None]:
-    """(requests to replay, requests the hot table counts on) for --holdout; (None, None) without it."""
+    """(requests to replay, requests the hot table counts on) for --holdout; (None, None) without it,
+    and a warning where a checkpoint trained or was selected on some of them (every request replayed)."""
     if holdout is None:
+        from moecast.predictors.provenance import warn_in_sample
+
+        warn_in_sample(ts, checkpoints, list(ts.request_ids))
         return None, None
     from moecast.predictors.provenance import holdout as split_holdout
 
