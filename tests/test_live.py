@@ -1031,3 +1031,17 @@ def test_cli_run_pinned_mb_stages_the_copies_over_the_budget(model_dir, capsys):
     assert f"{layers} layers' host copies stayed pageable" in staged and "--pinned-mb" in staged
     main([*base, "--json"])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["staged_layers"] == 0
+
+
+def test_cli_run_takes_predictor_none_and_prints_no_nan(model_dir, capsys):
+    """`--predictor none` means no checkpoint, as in replay and compare (it was looked up as a file,
+    after the model had loaded); with nothing prefetched the accuracy is '-', not nan."""
+    from moecast.cli import main
+
+    main(["run", "--model", str(model_dir), "--prompt", "hello world", "--policy", "lru", "--predictor", "none",
+          "--prefetch", "none", "--capacity", "2", "--max-new-tokens", "2"])  # fmt: skip
+    text = capsys.readouterr().out
+    line = next(
+        line for line in text.splitlines() if line.strip().startswith("transfers") and "prefetches" in line
+    )
+    assert "0 of 0 prefetches landed, accuracy -)" in line and "nan" not in text

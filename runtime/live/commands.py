@@ -44,13 +44,18 @@ def _threads() -> None:
 
 
 def _load_predictor(path: str | None, model: Any, name: str):
-    if not path:
+    if not path or path == "none":  # as replay and compare take it: no checkpoint
         return None
     from moecast.collect.models import find_moe_structure, model_info
     from moecast.predictors.registry import load
 
     fp = model_info(model, find_moe_structure(model), name).fingerprint
     return load(path, fingerprint=fp, against=f"model {name}")
+
+
+def _rate(x: float | None) -> str:
+    """A rate to two places, or '-' where it is undefined (nothing to count it over)."""
+    return "-" if x is None or x != x else f"{x:.2f}"
 
 
 def _print_stats(stats: dict[str, Any]) -> None:
@@ -72,7 +77,7 @@ def _print_stats(stats: dict[str, Any]) -> None:
         (
             "transfers",
             f"{stats['transfers']}  ({stats['loads']} on demand, {stats['prefetches_landed']} of "
-            f"{stats['prefetches_issued']} prefetches landed, accuracy {stats['prefetch_accuracy']:.2f})",
+            f"{stats['prefetches_issued']} prefetches landed, accuracy {_rate(stats['prefetch_accuracy'])})",
         ),
         ("CPU-computed experts", f"{stats['cpu_experts']}  ({stats['cpu_uses']} token uses)"),
         ("TPOT measured", f"{stats['measured_tpot_ms']:.2f} ms  (this machine, {stats['device']})"),
