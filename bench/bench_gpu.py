@@ -90,7 +90,6 @@ from moecast.runtime.live.runtime import BREAKDOWN
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CAPACITY = 0.25
-MODELS = ("tiny", "deepseek")  # --models: the builders of _run
 WARMUP = 2  # decode steps at the start of each run left out of its TPOT (ds_model.decode_all's)
 ACCELERATE_STEPS = 18
 
@@ -257,6 +256,10 @@ def ds_setup(args: argparse.Namespace, device: torch.device) -> Setup:
     ]
     return s
 
+
+#: --models: each model's setup
+BUILDERS = {"tiny": tiny_setup, "deepseek": ds_setup}
+MODELS = tuple(BUILDERS)
 
 # sizes for the test suite's dry run (seconds on a CPU)
 DS_TEST_SHAPE = dict(
@@ -1184,12 +1187,11 @@ def _run(args: argparse.Namespace, device: torch.device, out: Path, tag: str, wo
         _write(out / f"gpu-{tag}.json", json.dumps(report.rows, indent=1, default=str) + "\n")
 
     report.on_row = save
-    builders = {"tiny": tiny_setup, "deepseek": ds_setup}  # MODELS
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         holder: dict[str, Setup] = {}
 
         def build(n: str = name, h: dict = holder) -> dict:
-            h["s"] = builders[n](args, device)
+            h["s"] = BUILDERS[n](args, device)
             return {}
 
         if report.guard(None, f"build {name}", build, kind="setup") is None:

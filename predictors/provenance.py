@@ -204,13 +204,12 @@ class InSampleWarning(UserWarning):
     """A checkpoint is scored on requests it trained or was selected on."""
 
 
-def warn_in_sample(ts: Any, checkpoints: list[str | None], replayed: list[str]) -> int:
+def warn_in_sample(ts: Any, checkpoints: list[str | None], replayed: list[str]) -> None:
     """Say (a warning, one line) where ``replayed`` holds requests a checkpoint trained on or was
     selected on (its split's train and val sides, on the TraceSet it trained on): a replay without
-    ``--holdout`` scores them in-sample. Returns how many of the replayed requests are such."""
+    ``--holdout`` scores them in-sample."""
     import warnings
 
-    worst = 0
     for c in (c for c in checkpoints if c and Path(c).is_file()):
         r = trained_on_file(c)
         if r is None or r.spec is None or not r.same_traceset(ts):
@@ -225,8 +224,6 @@ def warn_in_sample(ts: Any, checkpoints: list[str | None], replayed: list[str]) 
                 ),
                 stacklevel=2,
             )
-        worst = max(worst, seen)
-    return worst
 
 
 def _holdout_arg(which: str | float) -> tuple[str, float | None]:

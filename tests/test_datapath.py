@@ -170,25 +170,27 @@ def test_a_simulated_copy_lands_at_the_links_rate_not_the_cpus_memcpy_rate():
 def test_a_simulated_device_is_freed_without_a_garbage_collection():
     """The log refers to events and to the slots' tensors; events and streams refer to their device
     weakly, so a dropped device frees its tensors at once (a dry run held GBs a row until a collection)
-    and an event that outlives it reads as done. Catches a strong reference from an event or a stream."""
+    and an event that outlives it reads as done. Catches a strong reference from an event or a stream,
+    or from the device to itself (its default clock once a bound method stored on it)."""
     import gc
     import weakref
 
     gc.collect()
     gc.disable()
     try:
-        ops = SimulatedOps(clock=lambda: 0.0)
-        stream = ops.stream()
-        dst = torch.zeros(4)
-        ops.copy(dst, torch.ones(4), stream)
-        ev = ops.event()
-        ev.record(stream)
-        ops.compute.wait_event(ev)
-        gone, slot = weakref.ref(ops), weakref.ref(dst)
-        del ops, stream, dst
-        assert gone() is None and slot() is None
-        ev.synchronize()
-        assert ev.query()
+        for clock in (lambda: 0.0, None):  # a test's clock, and the dry run's own (the host's)
+            ops = SimulatedOps(clock=clock)
+            stream = ops.stream()
+            dst = torch.zeros(4)
+            ops.copy(dst, torch.ones(4), stream)
+            ev = ops.event()
+            ev.record(stream)
+            ops.compute.wait_event(ev)
+            gone, slot = weakref.ref(ops), weakref.ref(dst)
+            del ops, stream, dst
+            assert gone() is None and slot() is None, clock
+            ev.synchronize()
+            assert ev.query()
     finally:
         gc.enable()
 

@@ -1122,8 +1122,8 @@ def _hot_table(
     if key not in _HOT_MEMO:
         others, said = _hot_source(ts, rids, counted)
         _HOT_MEMO.clear()
-        in_sample = not _hot_counted_on(ts, rids, counted)  # the replay's own arrays: read already
-        topk = d.topk if in_sample else ts.array("topk_ids", others)
+        # the replayed requests themselves: their arrays are read already
+        topk = d.topk if others == list(rids) else ts.array("topk_ids", others)
         _HOT_MEMO[key] = (StaticTable.from_topk(topk, E), said)
     return _HOT_MEMO[key]
 

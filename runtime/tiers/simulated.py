@@ -125,7 +125,7 @@ class SimulatedOps:
 
     def __init__(self, link_gbps: float | None = None, clock: Callable[[], float] | None = None) -> None:
         self.link_gbps = float(link_gbps) if link_gbps else DEFAULT_LINK_GBPS
-        self.clock = clock or self._host_ms
+        self._given_clock = clock  # kept apart: a bound method stored here would tie the device to itself
         self.log: deque[tuple] = deque(maxlen=LOG_LIMIT)
         self.lock = threading.RLock()  # the disk tier queues copies from its I/O threads
         self.compute = SimStream(self, "compute")
@@ -182,8 +182,11 @@ class SimulatedOps:
         wait for the copy, not as its time issuing it."""
         return getattr(self._work, "s", 0.0)
 
-    def _host_ms(self) -> float:
-        """The calling thread's clock without the link's work it did (the default ``clock``)."""
+    def clock(self) -> float:
+        """The host's clock (ms): the given one, else the calling thread's wall clock without the
+        link's work it did."""
+        if self._given_clock is not None:
+            return self._given_clock()
         return _wall_ms() - getattr(self._work, "link_ms", 0.0)
 
     def _device_work(self, fn: Callable[..., object], *args: object, link: bool = False) -> None:
