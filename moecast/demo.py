@@ -114,7 +114,7 @@ def summarise(table_csv: Path) -> tuple[str, list[dict[str, Any]]]:
     for r in rows:
         by.setdefault(_label(r), {})[float(r["capacity_fraction"])] = r
     c0 = caps[0]
-    head = ["configuration", *(f"decode hit @ {c:.1%}" for c in caps), f"MB moved @ {c0:.1%}", "substituted"]
+    head = ["configuration", *(f"decode hit @ {c:.1%}" for c in caps), f"MiB moved @ {c0:.1%}", "substituted"]
     head.append(f"TPOT ms @ {c0:.1%}")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     summary = []
@@ -122,7 +122,9 @@ def summarise(table_csv: Path) -> tuple[str, list[dict[str, Any]]]:
         hits = [float(cells[c]["decode_hit_rate"]) if c in cells else float("nan") for c in caps]
         every = [float(cells[c]["hit_rate"]) if c in cells else float("nan") for c in caps]
         first = cells.get(c0, {})
-        mb = float(first.get("bytes_moved") or 0) / 1e6
+        mb = (
+            float(first.get("bytes_moved") or 0) / 2**20
+        )  # MiB, as `moecast run` and every capacity in MB count
         sub = float(first.get("substitution_rate") or 0)
         tpot = first.get("modeled_tpot_ms") or ""
         cols = [
@@ -138,7 +140,7 @@ def summarise(table_csv: Path) -> tuple[str, list[dict[str, Any]]]:
                 "configuration": label,
                 "decode_hit_rate": dict(zip(caps, hits, strict=True)),
                 "hit_rate": dict(zip(caps, every, strict=True)),  # every token's, the prompts' too
-                "mb_moved": mb,
+                "mib_moved": mb,
                 "substitution_rate": sub,
                 "modeled_tpot_ms": float(tpot) if tpot else None,
             }

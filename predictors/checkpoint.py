@@ -43,11 +43,22 @@ def save(path: str | Path, tensors: dict[str, Any], metadata: dict[str, Any]) ->
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         save_file(flat, str(tmp), metadata={"moecast": json.dumps(meta)})
+        # safetensors creates its file 0600; a checkpoint is shared like any output (the umask's mode)
+        os.chmod(tmp, 0o666 & ~_umask())
+        with open(tmp, "rb") as fh:  # on disk before the rename: a crash never leaves an empty checkpoint
+            os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)  # the checkpoint at ``path`` is left as it was
         raise
     return path
+
+
+def _umask() -> int:
+    """The process's umask (read by setting it, then back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def load_raw(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -136,3 +136,20 @@ def test_a_stage_made_with_other_settings_loses_its_stamp_until_made_again(tmp_p
     assert not _reuse(out, {"epochs": 1})
     _stamp(out, {"epochs": 2})
     assert _reuse(out, {"epochs": 2})
+
+
+def test_summary_table_counts_bytes_moved_in_mib_like_run(tmp_path):
+    """The demo's table says MiB moved, 2**20 bytes each, as `moecast run` and a capacity in MB count
+    them (it once divided by 10**6 under a header saying MB)."""
+    from moecast.demo import summarise
+
+    csv = tmp_path / "table.csv"
+    head = "policy,predictor,planner,capacity_fraction,decode_hit_rate,hit_rate,bytes_moved,substitution_rate,modeled_tpot_ms"
+    csv.write_text(
+        f"{head}\nlru,none,none,0.25,0.5,0.4,{3 * 2**20},0.0,12.5\nlru,none,none,0.5,0.75,0.7,0,0.0,10\n"
+    )
+    text, summary = summarise(csv)
+    header, _, row = text.splitlines()
+    assert "MiB moved @ 25.0%" in header
+    assert row.split(" | ")[3] == "3.0"  # 3 MiB, not 3.1 (10**6-byte MB)
+    assert summary[0]["mib_moved"] == 3.0 and summary[0]["decode_hit_rate"] == {0.25: 0.5, 0.5: 0.75}

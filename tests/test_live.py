@@ -823,7 +823,12 @@ def test_static_pins_each_layers_top_experts_of_a_frequency_table(model_dir, fre
         ("no table", []),
     ):
         main([*base, *extra])
-        runs[name] = out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        captured = capsys.readouterr()
+        runs[name] = out = json.loads(captured.out.strip().splitlines()[-1])
+        # only static's default slots are announced
+        assert ("policy static without --predictor pins experts 0..c-1" in captured.err) == (
+            name == "no table"
+        )
         assert out["policy"] == "static" and out["prefetch"] == "none" and out["capacity"] == 2
         assert out["transfers"] == 0 and out["alpha"] == 0.0
     assert runs["table"]["hit_rate"] == runs["table, prefetch none"]["hit_rate"]

@@ -457,6 +457,31 @@ def test_checkpoint_of_another_model_is_refused_naming_both(tmp_path, capsys):
         assert "Traceback" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600)])
+def test_checkpoint_is_written_synced_with_the_umasks_mode(tmp_path, monkeypatch, umask, mode):
+    """A checkpoint takes the mode the user's umask gives any output (safetensors alone writes 0600,
+    which a shared machine's other users cannot read), and is on disk before its rename."""
+    import os
+
+    from moecast.predictors.checkpoint import load_raw, save
+
+    meta = dict(kind="frequency", fingerprint="f", moe_layers=2, num_experts=4, top_k=1)
+    events: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append("fsync"), real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append("replace"), real_replace(a, b))[1])
+    before = os.umask(umask)
+    try:
+        path = save(tmp_path / "c.safetensors", {"table": np.ones((2, 4), np.float32)}, meta)
+    finally:
+        os.umask(before)
+    assert events == ["fsync", "replace"]
+    assert path.stat().st_mode & 0o777 == mode
+    tensors, got = load_raw(path)
+    assert got["kind"] == "frequency" and tensors["table"].shape == (2, 4)
+    assert [p.name for p in tmp_path.iterdir()] == ["c.safetensors"]  # no temporary left
+
+
 # ----------------------------------------------------------------------------- (e) training resume
 
 

@@ -21,6 +21,7 @@ import math
 import os
 import sys
 import tempfile
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,10 @@ from moecast.runtime.tiers.registry import TIERS
 
 from moecast.errors import InputError
 from moecast.jsonout import dumps
+
+
+class RunWarning(UserWarning):
+    """A run that goes ahead otherwise than its user likely meant (said in one line)."""
 
 
 def _threads() -> None:
@@ -254,6 +259,14 @@ def run(
     lm, tok, name = _load_for_run(model, offload, offload_dir)
     pred = _load_predictor(predictor, lm, name)
     plan = _load_predictor(planner, lm, name)
+    if policy == "static" and pred is None:
+        warnings.warn(
+            RunWarning(
+                "policy static without --predictor pins experts 0..c-1 of every layer, not the hot ones; "
+                "pass a frequency checkpoint (moecast predictors eval frequency --save CKPT)"
+            ),
+            stacklevel=2,
+        )
     rt = attach(
         lm,
         policy=policy,
