@@ -290,8 +290,11 @@ def import_moe_beyond(
     todo = [(n, p, info.num_experts) for n, p in files if f"{workload}-{n}" not in writer.done]
     _write_records(writer, todo, len(files), layers, workload, chunk, workers)
     ts = TraceSet(out)
+    had = len(files) - len(todo)  # a resumed import: these were in ``out`` already
     print(
-        f"imported {ts.num_requests} prompts, {ts.num_tokens} tokens x {ts.num_layers} MoE layers into {out}"
+        f"imported {len(todo)} prompts"
+        + (f" ({had} already there)" if had else "")
+        + f"; {out} holds {ts.num_requests} prompts, {ts.num_tokens} tokens x {ts.num_layers} MoE layers"
     )
     return ts
 

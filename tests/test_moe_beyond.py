@@ -41,10 +41,15 @@ def test_import_matches_csv(puffin_dir, tmp_path):
     assert ts.get(f"puffin-{int(files[0].stem.split('_')[1])}").prompt.strip()
 
 
-def test_import_resumes_without_duplicates(puffin_dir, tmp_path):
+def test_import_resumes_without_duplicates(puffin_dir, tmp_path, capsys):
     import_moe_beyond(puffin_dir, out=tmp_path / "ds", max_files=3, chunk=2)
+    assert capsys.readouterr().out.startswith("imported 3 prompts; ")
     ts = import_moe_beyond(puffin_dir, out=tmp_path / "ds", max_files=5, chunk=2)
     assert ts.num_requests == 5 and len(set(ts.request_ids)) == 5
+    # what this run imported, apart from what the set held: it once said 5 prompts were imported
+    assert capsys.readouterr().out.startswith(
+        f"imported 2 prompts (3 already there); {tmp_path / 'ds'} holds 5 prompts"
+    )
 
 
 def test_detokenize_bytes():
