@@ -231,6 +231,7 @@ def remember(
     ngrams: list[int] | None = None,
     max_postings: int = 32,
     weight: float = 1.0,
+    forget: bool = False,
     json: bool = False,
 ) -> dict[str, Any]:
     """Give a LLaPor checkpoint a context memory built from a TraceSet (or rebuild or remove it).
@@ -250,6 +251,7 @@ def remember(
         ngrams: context lengths to index (default 6 8 16 32); an empty list removes the memory
         max_postings: occurrences kept per context (the latest)
         weight: the votes' weight against the network's softmax (both sum to k per layer)
+        forget: remove the checkpoint's memory (no --traces needed; as ``ngrams: []`` in a config)
         json: print one JSON object instead of a line
     """
     from moecast.collect.traceset import open_traces
@@ -257,16 +259,24 @@ def remember(
     from moecast.predictors.llapor import LLaPor
     from moecast.predictors.registry import load
 
-    if not traces or not out:
-        raise InputError("moecast predictors remember needs --traces DIR and --out CKPT.safetensors")
+    if forget and ngrams:
+        raise InputError("--forget removes the memory and --ngrams builds one: give one of them")
+    if not out or not (traces or forget):
+        raise InputError(
+            "moecast predictors remember needs --traces DIR and --out CKPT.safetensors (--forget needs only --out)"
+        )
     if requests not in ("train", "all"):
         raise InputError(f"--requests must be train or all, not {requests!r}")
-    ts = open_traces(traces)
-    pred = load(checkpoint, fingerprint=ts.meta.model.fingerprint, against=f"TraceSet {ts.path}")
+    ngrams = [] if forget else [6, 8, 16, 32] if ngrams is None else list(ngrams)
+    ts = open_traces(traces) if traces else None
+    if ts is None:  # removing a memory reads no traces, so there is no model to check the checkpoint against
+        pred = load(checkpoint)
+    else:
+        pred = load(checkpoint, fingerprint=ts.meta.model.fingerprint, against=f"TraceSet {ts.path}")
     if not isinstance(pred, LLaPor):
         raise InputError(f"{checkpoint} is a {pred.name} checkpoint; a context memory goes with LLaPor only")
-    ngrams = [6, 8, 16, 32] if ngrams is None else list(ngrams)
     if ngrams:
+        assert ts is not None  # only --forget goes without traces
         cfg = MemoryConfig(tuple(ngrams), max_postings, weight)
         if requests == "train":
             from moecast.predictors.provenance import choose, trained_on

@@ -208,6 +208,15 @@ def test_remember_adds_rebuilds_and_removes_a_memory(
     remember(str(out), traces=str(traces), out=str(out), ngrams=[], json=True)
     assert load(out).memory is None and load(out).metadata()["memory"] is None
     assert json.loads(capsys.readouterr().out)["memory"] is None
+    # from the command line, where an empty list cannot be typed: --forget, which needs no traces
+    from moecast.cli import main
+
+    forgot = tmp_path / "forgot.safetensors"
+    main(["predictors", "remember", str(everything), "--forget", "--out", str(forgot), "--json"])
+    assert json.loads(capsys.readouterr().out)["memory"] is None
+    assert load(forgot).memory is None and load(everything).memory is not None
+    orig.memory = None
+    np.testing.assert_array_equal(load(forgot).score_request(r), orig.score_request(r))
 
 
 def test_remember_refuses_other_predictors_and_bad_options(
@@ -223,6 +232,8 @@ def test_remember_refuses_other_predictors_and_bad_options(
         remember(str(trained), traces=str(traces), out=str(tmp_path / "x.safetensors"), requests="some")
     with pytest.raises(ValueError, match="--traces"):
         remember(str(trained), out=str(tmp_path / "x.safetensors"))
+    with pytest.raises(ValueError, match="give one of them"):
+        remember(str(trained), out=str(tmp_path / "x.safetensors"), forget=True, ngrams=[3])
 
 
 def test_the_memorys_votes_blend_at_their_weight_by_hand():
