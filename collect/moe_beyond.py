@@ -260,6 +260,7 @@ def import_moe_beyond(
     workers: int = 2,
     model: str = DEEPSEEK_V2_LITE["name_or_path"],
     workload: str | None = None,
+    json: bool = False,
 ) -> TraceSet:
     """Import MoE-Beyond CSV routing traces (DeepSeek-V2-Lite) into a TraceSet.
 
@@ -278,6 +279,7 @@ def import_moe_beyond(
         model: model name recorded in meta.json.
         workload: workload name and request id prefix (<workload>-<N>); default puffin for the
             training CSVs (prompt_<N>_data.csv), moe-beyond-test for the others.
+        json: print one JSON object instead of a line.
     """
     source, out = Path(source), Path(out)
     files, workload, predicted = _select_files(source, max_files, workload)
@@ -291,6 +293,12 @@ def import_moe_beyond(
     _write_records(writer, todo, len(files), layers, workload, chunk, workers)
     ts = TraceSet(out)
     had = len(files) - len(todo)  # a resumed import: these were in ``out`` already
+    if json:
+        from moecast.jsonout import dumps
+
+        print(dumps(dict(out=str(out), imported=len(todo), already=had, prompts=ts.num_requests,
+                         tokens=ts.num_tokens, layers=ts.num_layers)))  # fmt: skip
+        return ts
     print(
         f"imported {len(todo)} prompts"
         + (f" ({had} already there)" if had else "")

@@ -50,6 +50,11 @@ def test_import_resumes_without_duplicates(puffin_dir, tmp_path, capsys):
     assert capsys.readouterr().out.startswith(
         f"imported 2 prompts (3 already there); {tmp_path / 'ds'} holds 5 prompts"
     )
+    import_moe_beyond(puffin_dir, out=tmp_path / "ds", max_files=6, chunk=2, json=True)
+    got = json.loads(capsys.readouterr().out)
+    want = dict(out=str(tmp_path / "ds"), imported=1, already=5, prompts=6, layers=26)
+    assert {k: got[k] for k in want} == want
+    assert got["tokens"] == TraceSet(tmp_path / "ds").num_tokens > 0
 
 
 def test_detokenize_bytes():
