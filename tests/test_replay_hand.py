@@ -461,6 +461,9 @@ def test_a_quantized_tier_moves_its_own_bytes(tmp_path, fast):
     assert r.modeled_tpot_ms == pytest.approx((2 * (1.75 + 2 * 53 / 96) + 4 * (1.75 + 53 / 96)) / 3)
     r = _run(ts, fast, "lru", expert_dtype="int4", group_size=32)
     assert r.config["expert_dtype"] == "int4-g32" and r.bytes_moved == 8 * 1088
+    # the tag names its group, as run and eval-accuracy take it (replay once refused int4-g32)
+    t = _run(ts, fast, "lru", expert_dtype="int4-g32")
+    assert t.config["expert_dtype"] == "int4-g32" and t.bytes_moved == 8 * 1088
     assert r.modeled_tpot_ms == pytest.approx((2 * (1.75 + 2 * 17 / 48) + 4 * (1.75 + 17 / 48)) / 3)
     for fast_tier, want in (("cpu", (2, 3, 5)), ("device", (2, 2, 2))):
         hw = _profile(1.5, fast_tier=fast_tier)

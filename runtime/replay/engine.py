@@ -74,7 +74,7 @@ from moecast.runtime.core import spec as core_spec
 from moecast.runtime.core.cache import StaticTable, resolve_capacity
 from moecast.runtime.core.cost_model import HardwareProfile
 from moecast.runtime.core.gate import Calibration, candidate_probability
-from moecast.runtime.core.mixed import Copies, bytes_by_copy, parse_copies
+from moecast.runtime.core.mixed import Copies, bytes_by_copy, parse_copies, parse_copy, tag_of
 from moecast.runtime.core.policy import POLICIES as POLICIES  # the presets, where bench looks them up
 from moecast.runtime.core.policy import Policy
 from moecast.runtime.core.prefetch import OraclePredictor, plan_prior, top_predictions
@@ -301,11 +301,7 @@ def _precision_tag(dtype: str, group_size: int) -> str:
     pair = parse_copies(dtype, group_size)
     if pair is not None:
         return "+".join(_precision_tag(d, g) for d, g in pair)
-    if dtype == "model":  # without importing torch, which a replay never needs otherwise
-        return "model"
-    from moecast.runtime.tiers.precision import Precision
-
-    return Precision(dtype, group_size).tag
+    return tag_of(*parse_copy(dtype, group_size))  # without torch, which a replay never needs otherwise
 
 
 def expert_link_bytes(ts: TraceSet, expert_dtype: str, group_size: int) -> int:
@@ -315,6 +311,7 @@ def expert_link_bytes(ts: TraceSet, expert_dtype: str, group_size: int) -> int:
     pair = parse_copies(expert_dtype, group_size)
     if pair is not None:
         return expert_link_bytes(ts, *pair[0])
+    expert_dtype, group_size = parse_copy(expert_dtype, group_size)  # a tag's group (int4-g64) wins
     if expert_dtype == "model":
         return int(ts.meta.model.expert_bytes)
     import torch
