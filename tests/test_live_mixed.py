@@ -48,8 +48,9 @@ def test_mixed_settings_need_a_tier_that_holds_both_copies(tmp_path):
     )
     with pytest.raises(InputError, match="two copies of each expert, which only an offload directory holds"):
         LiveConfig(expert_dtype="mixed")
-    with pytest.raises(InputError, match="the high copy comes first"):
-        LiveConfig(offload="disk", offload_dir=str(tmp_path), expert_dtype="int4+int8")
+    for same in ("int4+int8", "model+model", "int8+int8", "int4-g32+int4-g128"):  # equal copies too
+        with pytest.raises(InputError, match="the high copy comes first and is a larger dtype"):
+            LiveConfig(offload="disk", offload_dir=str(tmp_path), expert_dtype=same)
 
 
 # ------------------------------------------------------------------------------------ the disk tier
