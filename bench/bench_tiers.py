@@ -1219,6 +1219,14 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _held(args: argparse.Namespace) -> str:
+    """Whether the baselines ran held by a memory cgroup; with none asked for, no cgroup is probed (a
+    probe makes and removes one)."""
+    if not [b for b in args.baselines.split(",") if b.strip()]:
+        return "no baseline ran"
+    return memlimit.available() or "yes"
+
+
 def markdown(report: Any, rows: list[dict], args: argparse.Namespace, t: Tiers | None, wall: float) -> str:
     import datetime as dt
     import shlex
@@ -1230,7 +1238,7 @@ def markdown(report: Any, rows: list[dict], args: argparse.Namespace, t: Tiers |
         f"- date: {dt.datetime.now().astimezone().isoformat(timespec='seconds')}",
         f"- command: `{' '.join(shlex.quote(a) for a in sys.argv)}`",
         f"- machine: {bench_gpu.machine_line(torch.device('cpu'))}",
-        f"- wall time: {wall:.0f} s; baselines held by a memory cgroup: {memlimit.available() or 'yes'}",
+        f"- wall time: {wall:.0f} s; baselines held by a memory cgroup: {_held(args)}",
         *(f"- {n}" for n in (t.notes if t else [])),
         f"- {MEASURED_RULE}",
         "- vs LRU: each live row against LRU at its capacity and precision, request by request: faster or slower "

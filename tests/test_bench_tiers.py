@@ -466,3 +466,23 @@ def test_the_rows_collect_only_what_they_made():
         bench_tiers.release_freed()
         assert gone() is None
     assert gc.get_freeze_count() == 0
+
+
+def test_no_cgroup_is_probed_or_claimed_without_a_baseline(monkeypatch):
+    """With --baselines '' the report said "held by a memory cgroup: yes" of baselines that never ran,
+    after making and removing a probe cgroup to find out."""
+    import argparse
+
+    import bench_tiers
+    import memlimit
+
+    def probe() -> None:
+        raise AssertionError("probed a cgroup with no baseline to hold")
+
+    monkeypatch.setattr(memlimit, "available", probe)
+    assert bench_tiers._held(argparse.Namespace(baselines="")) == "no baseline ran"
+    assert bench_tiers._held(argparse.Namespace(baselines=" , ")) == "no baseline ran"
+    monkeypatch.setattr(memlimit, "available", lambda: "making a cgroup needs root")
+    assert bench_tiers._held(argparse.Namespace(baselines="page cache")) == "making a cgroup needs root"
+    monkeypatch.setattr(memlimit, "available", lambda: None)
+    assert bench_tiers._held(argparse.Namespace(baselines="page cache")) == "yes"
