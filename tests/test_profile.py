@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from dataclasses import replace
 
 import numpy as np
@@ -485,6 +486,25 @@ def test_implementation_expert_ms_at_a_precision_times_the_quantized_call(tmp_pa
     assert beta > 0 and c >= 0 and f"ring of {n} slots" in how and "the int8 experts call" in how
     assert n > P.ring_size(sum(p[0].numel() * p.element_size() for p in experts.parameters() if p.dim() >= 2))
     assert seen and seen[0] == (prec, ["down_proj.q", "down_proj.s", "gate_up_proj.q", "gate_up_proj.s"])
+
+
+def test_precisions_a_device_profile_cannot_time_are_said_in_one_line():
+    """`moecast profile --expert-dtype int8,int4` without --offload-dir on a CPU-only machine borrows a
+    device profile, whose experts this probe does not time: the precisions were dropped with a note deep
+    in the source string only; now a warning line says so and what to give instead."""
+    from moecast.runtime.core.cost_model import load_profile
+    from moecast.runtime.tiers import precision as Q
+
+    prof = load_profile("prescope-a100-pcie4")
+    assert prof.fast_tier != "cpu"
+    with pytest.warns(
+        P.ProfileWarning, match=r"--expert-dtype int8, int4-g128 not timed: .*--offload-dir DIR"
+    ):
+        got, how = P.precision_times(prof, None, [Q.Precision(), Q.Precision("int8"), Q.Precision("int4")])
+    assert got is prof and "not timed" in how["expert_ms"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the model's dtype alone asks nothing of the probe
+        assert P.precision_times(prof, None, [Q.Precision()]) == (prof, {})
 
 
 def test_calibrate_takes_the_rates_a_live_run_measured():

@@ -51,7 +51,8 @@ def profile(
             with the live runtime (LRU, 25 % of experts resident, experts read from the directory) and
             take the rates it measured: the disk while busy, one expert call, the rest of a layer
             (attention and the runtime's host work), which the probes above do not see; 0: none.
-        expert_dtype: with --model, the precisions to time a resident expert at, comma-separated
+        expert_dtype: with --model and the CPU computing the experts (--offload_dir on a machine without
+            CUDA; a device's experts are not timed), the precisions to time a resident expert at, comma-separated
             (model, int8, int4 or int4-gN; e.g. model,int8,int4): each quantized one on the kernels the live
             runtime computes it with, into the profile's expert_ms, so one profile models a run at
             any of them, two copies (mixed) included; with --calibrate, each is calibrated on a

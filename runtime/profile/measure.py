@@ -35,6 +35,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
@@ -558,6 +559,10 @@ def profile_model(
     return prof, how
 
 
+class ProfileWarning(UserWarning):
+    """Something asked of the profile that it did not measure (said in one line)."""
+
+
 def precision_times(
     prof: HardwareProfile, experts: Any, precisions: Sequence[Any]
 ) -> tuple[HardwareProfile, dict[str, str]]:
@@ -570,6 +575,15 @@ def precision_times(
         return prof, {}
     if prof.fast_tier != "cpu":
         tags = ", ".join(q.tag for q in quantized)
+        # said on a line of its own too: the note sits deep in the profile's source string
+        warnings.warn(
+            ProfileWarning(
+                f"--expert-dtype {tags} not timed: this profile's experts compute on a device (a CUDA device, "
+                "else another profile's: without CUDA, --offload-dir DIR profiles the CPU, which computes "
+                "them, and times each precision)"
+            ),
+            stacklevel=2,
+        )
         return prof, {
             "expert_ms": f"{tags} not timed: the probe times CPU kernels, and a device computes the experts"
         }
