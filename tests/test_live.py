@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -1019,6 +1020,34 @@ def test_cli_run_prefetch_gated_reads_the_checkpoint_s_calibration(
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["policy"] == "prefetch-gated" and out["prefetch"] == "predictor" and out["decode_steps"] == 2
     assert out["gate_refused"] >= 0 and out["prefetches_issued"] > 0
+    # the text says how many the gate held back, beside the prefetches issued (they looked like lost reads)
+    from moecast.runtime.live.commands import _print_stats
+
+    _print_stats({**out, "gate_refused": 2})
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("transfers"))
+    assert f"of {out['prefetches_issued']} prefetches landed (2 held back by the prefetch gate)" in line
+    _print_stats({**out, "gate_refused": 0})
+    assert "held back" not in capsys.readouterr().out
+
+
+def test_cli_run_in_host_memory_at_a_precision_says_so(model_dir, capsys):
+    """`moecast run --offload ram --expert-dtype int4` on the (simulated) accelerator: the text names the
+    precision and the wasted prefetch bytes, as the disk tier's does (both were the disk tier's only)."""
+    from moecast.cli import main
+
+    main(["run", "--model", str(model_dir), "--prompt", "hello world", "--capacity", "2", "--max-new-tokens", "3",
+          "--offload", "ram", "--expert-dtype", "int4", "--device-ops", "simulated"])  # fmt: skip
+    got = capsys.readouterr()
+    text = got.out
+    assert re.search(r"expert precision\s+int4-g\d+ \([\d.]+ KiB an expert\)", text), text
+    assert re.search(r"wasted prefetch\s+[\d.]+ MiB \(prefetched, never used\)", text), text
+    assert "disk reads" not in text and "--group-size" not in got.err
+    # a group size for a precision without int4 copies was dropped without a word
+    main(["run", "--model", str(model_dir), "--prompt", "hello world", "--capacity", "2", "--max-new-tokens", "1",
+          "--offload", "ram", "--expert-dtype", "int8", "--group-size", "64", "--device-ops", "simulated"])  # fmt: skip
+    got = capsys.readouterr()
+    assert "--group-size groups int4 weights only; --expert-dtype int8 has none" in got.err
+    assert "expert precision" in got.out and "int8" in got.out
 
 
 def test_cli_run_pinned_mb_stages_the_copies_over_the_budget(model_dir, capsys):
@@ -1054,3 +1083,18 @@ def test_cli_run_takes_predictor_none_and_prints_no_nan(model_dir, capsys):
         line for line in text.splitlines() if line.strip().startswith("transfers") and "prefetches" in line
     )
     assert "0 of 0 prefetches landed, accuracy -)" in line and "nan" not in text
+
+
+def test_a_directory_without_the_disk_tier_is_refused_in_one_line(tmp_path, model_dir, capsys):
+    """--offload-dir alone ran from host memory and said nothing: the user meant the disk tier."""
+    from moecast.cli import main
+
+    model = make_model("qwen2_moe")
+    with pytest.raises(
+        ValueError, match=r"is the disk tier's directory, and offload='ram' reads none: add offload='disk'"
+    ):
+        attach(model, offload_dir=str(tmp_path))
+    assert all(t.device.type == "cpu" for t in model.parameters()) and not any(tmp_path.iterdir())
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--model", str(model_dir), "--offload-dir", str(tmp_path), "--max-new-tokens", "1"])
+    assert "moecast run --offload disk" in str(exc.value.code) and "\n" not in str(exc.value.code)

@@ -85,6 +85,38 @@ def test_a_shape_no_kernel_takes_is_dequantized_and_says_so():
     assert torch.allclose(got, x @ P.dequantize_matrix(prec, parts, 16).t(), atol=1e-6)
 
 
+@pytest.mark.parametrize("prec", [P.Precision("int8"), P.Precision("int4", 32)])
+def test_a_float64_model_is_dequantized_and_says_so(tmp_path, prec):
+    """The weight-only kernels take float32, bfloat16 and float16 activations only: a float64 model's
+    quantized experts are dequantized per call, with one line (they raised mid-generate), and the
+    run is still the quantized model's."""
+    x = torch.randn(2, 128, dtype=torch.float64)
+    assert not P.kernel_ok(prec, x, 32, 128) and P.kernel_ok(prec, x.float(), 32, 128)
+    def float64_model():  # transformers' grouped_mm takes no float64: its class's own loop does
+        model = make_model("qwen2_moe").double()
+        model.set_experts_implementation("eager")
+        return model
+
+    model = float64_model()
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(3))
+    exact = decode_logits(model, ids)
+    with P.experts_at(float64_model(), prec) as ref_model:
+        ref = decode_logits(ref_model, ids)
+    P._NOTED.clear()
+    rt = attach(model, policy="lru", capacity=0.25, prefetch="none", offload="disk", offload_dir=str(tmp_path),
+                expert_dtype=prec.dtype, group_size=prec.group_size)  # fmt: skip
+    try:
+        with pytest.warns(
+            P.PrecisionWarning, match=rf"{prec.tag} experts of shape .* in float64: no weight-only"
+        ):
+            got = decode_logits(model, ids)
+    finally:
+        rt.detach()
+    # the quantized model's logits (the weights dequantized through float32), not the exact one's
+    to_ref, to_exact = (got - ref).abs().max().item(), (got - exact).abs().max().item()
+    assert to_ref < to_exact / 20, (to_ref, to_exact)
+
+
 def test_group_size_per_channel_where_it_does_not_divide_and_refused_where_no_kernel_has_it():
     assert P.Precision("int4", 128).group_for(256) == 128
     P._GROUP_NOTED.clear()
@@ -322,6 +354,77 @@ def test_non_finite_scales_are_refused_at_an_experts_first_read_in_one_line(tmp_
         assert plain._verified.all()
     finally:
         plain.close()
+
+
+@pytest.mark.filterwarnings("ignore::moecast.runtime.tiers.offload.OffloadWarning")  # tmpfs: no O_DIRECT
+@pytest.mark.parametrize("prec", [P.Precision("int8"), P.Precision("int4", 32)])
+def test_zeroed_or_negative_steps_are_refused_and_zero_points_are_not_checked(tmp_path, prec):
+    """Finite damage the exponent check lets through: a zeroed block (steps 0: the experts would compute
+    zeros, and the run would print garbage) and a step of -0.0 are refused in one line; a zero point of
+    any value is the quantizer's own. int4's .sz interleaves (step, zero point): the parity of a part
+    that starts inside it decides which elements are steps."""
+    from moecast.runtime.tiers.offload import ExpertReader
+
+    model = make_model("qwen2_moe")
+    meta = offload.write_offload(model, find_moe_structure(model), tmp_path, precision=prec)
+    tm = offload.tier_meta(meta, prec)
+    reader = ExpertReader(tmp_path, tm, threads=1)
+    lay = reader.layouts[1]
+    name = "down_proj.sz" if prec.dtype == "int4" else "down_proj.s"
+    i = lay.names.index(name)
+    size = 4  # the float32 model's scales
+    at = reader.starts[1] + 3 * lay.stride + lay.offsets[i]
+    path = tmp_path / f"layer_001.{prec.tag}.safetensors"
+    good = path.read_bytes()
+
+    def damaged(edits: dict[int, float]) -> None:
+        data = bytearray(good)
+        for k, v in edits.items():
+            data[at + k * size : at + (k + 1) * size] = np.float32(v).tobytes()
+        path.write_bytes(bytes(data))
+        reader._verified[:] = False
+
+    buf = offload.aligned_bytes(lay.stride).numpy()
+    try:
+        n = lay.nbytes(i) // size
+        for edits in ({k: 0.0 for k in range(n)}, {0: -0.0}, {2: -1.0}):
+            damaged(edits)
+            with pytest.raises(
+                offload.OffloadError, match=rf"expert 3's {name} holds steps that are not positive"
+            ):
+                reader.read_into(1, 3, buf)
+        if prec.dtype == "int4":
+            damaged({1: 0.0, 3: -5.0})  # zero points: any value
+            reader.read_into(1, 3, buf)
+            # a part starting at element 1 (a zero point): its steps are its odd elements
+            rel = lay.offsets[i] + size
+
+            def part_check() -> None:
+                block = path.read_bytes()[reader.starts[1] + 3 * lay.stride :][: lay.stride]
+                reader._check_scales(1, 3, memoryview(block), rel, lay.stride)
+
+            damaged({1: 0.0})
+            part_check()
+            damaged({2: 0.0})
+            with pytest.raises(offload.OffloadError, match="steps that are not positive"):
+                part_check()
+    finally:
+        reader.close()
+        path.write_bytes(good)
+
+
+@pytest.mark.parametrize("quantize", [P.quantize_int8, lambda w: P.quantize_int4(w, 32)])
+def test_a_step_never_rounds_to_zero_in_the_models_dtype(quantize):
+    """float16 groups whose weights differ by 1e-7: the step (1e-7 / 15 or / 127) is below float16's
+    smallest value and would be stored as 0, which the reader refuses as damage; it is stored as that
+    smallest value instead, and the group still reads back to within it."""
+    w = (torch.arange(64 * 32).reshape(64, 32) % 3 * 1e-7).to(torch.float16)
+    parts = quantize(w)
+    steps = parts["s"] if "s" in parts else parts["sz"][..., 0]
+    assert (steps > 0).all() and steps.min().item() == P.min_step(torch.float16) == 2**-24
+    prec = P.Precision("int8") if "s" in parts else P.Precision("int4", 32)
+    back = P.dequantize_matrix(prec, parts, 32)
+    assert (back.float() - w.float()).abs().max().item() <= 2**-23
 
 
 def test_the_device_path_moves_the_stored_parts_as_one_block_through_staging(tmp_path):

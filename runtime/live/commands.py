@@ -82,7 +82,8 @@ def _print_stats(stats: dict[str, Any]) -> None:
         (
             "transfers",
             f"{stats['transfers']}  ({stats['loads']} on demand, {stats['prefetches_landed']} of "
-            f"{stats['prefetches_issued']} prefetches landed, accuracy {_rate(stats['prefetch_accuracy'])})",
+            f"{stats['prefetches_issued']} prefetches landed{_refused(stats)}, accuracy "
+            f"{_rate(stats['prefetch_accuracy'])})",
         ),
         ("CPU-computed experts", f"{stats['cpu_experts']}  ({stats['cpu_uses']} token uses)"),
         ("TPOT measured", f"{stats['measured_tpot_ms']:.2f} ms  (this machine, {stats['device']})"),
@@ -104,7 +105,13 @@ def _print_stats(stats: dict[str, Any]) -> None:
         )
     if stats.get("offload") == "disk":
         io = "direct I/O" if stats["direct_io"] else "buffered reads, pages dropped (no O_DIRECT)"
-        rows.append(("disk reads", f"{stats['disk_reads']} ({stats['bytes_read'] / 2**20:.1f} MiB, {io})"))
+        rows.append(
+            (
+                "disk reads",
+                f"{stats['disk_reads']} ({stats['bytes_read'] / 2**20:.1f} MiB, {io}; whole 4 KiB blocks)",
+            )
+        )
+    if "expert_dtype" in stats:  # every tier: host memory on an accelerator holds quantized experts too
         rows.append(("expert precision", _precision_line(stats)))
         if stats.get("low_share") is not None:  # two copies: where the uses ran and what each copy read
             moved = ", ".join(f"{tag} {b / 2**20:.1f} MiB" for tag, b in stats["bytes_by_copy"].items())
@@ -162,6 +169,12 @@ def _size(nbytes: float) -> str:
         if nbytes >= scale:
             return f"{nbytes / scale:.3g} {unit}"
     return f"{int(nbytes)} B"
+
+
+def _refused(stats: dict[str, Any]) -> str:
+    """The late prefetches the gate held back (issued, never started: not a lost read)."""
+    n = stats.get("gate_refused") or 0
+    return f" ({n} held back by the prefetch gate)" if n else ""
 
 
 def _precision_line(stats: dict[str, Any]) -> str:
@@ -255,7 +268,12 @@ def run(
     if max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     alpha = resolve_alpha(alpha, substitutes(policy))
-    expert_setting(expert_dtype, group_size)  # a bad precision is refused before the model loads or any write
+    # a bad precision is refused before the model loads or any write
+    prec = expert_setting(expert_dtype, group_size)
+    copies = [prec.high, prec.low] if isinstance(prec, TwoCopies) else [prec]
+    if int(group_size) != DEFAULT.group_size and all(c.dtype != "int4" for c in copies):
+        msg = f"--group-size groups int4 weights only; --expert-dtype {expert_dtype} has none"
+        warnings.warn(RunWarning(msg), stacklevel=2)
     lm, tok, name = _load_for_run(model, offload, offload_dir)
     pred = _load_predictor(predictor, lm, name)
     plan = _load_predictor(planner, lm, name)

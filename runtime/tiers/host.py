@@ -55,6 +55,11 @@ class HostTier:
 
     @classmethod
     def check(cls, settings: TierSettings) -> None:
+        if settings.offload_dir:  # a directory given for a tier that reads none: the user meant disk
+            raise InputError(
+                f"offload_dir={settings.offload_dir} is the disk tier's directory, and offload='ram' reads "
+                "none: add offload='disk' (moecast run --offload disk) to read the experts from it"
+            )
         if not settings.precision.quantized:
             return
         # slots where the experts are (device None) are known at open, which refuses the CPU there

@@ -585,13 +585,21 @@ class ExpertReader:
             self._check_scales(pos, expert, view, start, end)
 
     def _check_scales(self, pos: int, expert: int, view: memoryview, start: int, end: int) -> None:
-        """Refuse non-finite scales among bytes [start, end) of the expert's block just read (whole
-        elements: parts and tensors start on multiples of their element size)."""
+        """Refuse non-finite scales and step sizes that are not positive among bytes [start, end) of the
+        expert's block just read (whole elements: parts and tensors start on multiples of their element
+        size). A zeroed block, the commonest damage, has zero steps; the files carry no checksum, so
+        damage that leaves the steps positive and finite goes unseen."""
         for name, a, b, dtype in self._scales[pos]:
             lo, hi = max(a, start), min(b, end)
-            if lo < hi and not _all_finite(view[lo:hi], dtype):
+            if lo >= hi:
+                continue
+            size = np.dtype(_EXPONENT[dtype][0]).itemsize
+            # .s holds one step per row; .sz pairs (step, zero point), the steps at its even elements
+            every = 2 if name.endswith(".sz") else 1
+            what = _bad_scales(view[lo:hi], dtype, ((lo - a) // size) % every, every)
+            if what:
                 raise OffloadError(
-                    f"{self.paths[pos]}: expert {expert}'s {name} holds non-finite scales, so the file is damaged; "
+                    f"{self.paths[pos]}: expert {expert}'s {name} holds {what}, so the file is damaged; "
                     "delete it and run again to rewrite it"
                 )
 
@@ -691,7 +699,12 @@ class ExpertReader:
 
 
 #: a float's exponent bits by safetensors dtype: all ones is inf or NaN
-_EXPONENT = {"BF16": (np.uint16, 0x7F80), "F16": (np.uint16, 0x7C00), "F32": (np.uint32, 0x7F800000)}
+_EXPONENT = {
+    "BF16": (np.uint16, 0x7F80),
+    "F16": (np.uint16, 0x7C00),
+    "F32": (np.uint32, 0x7F800000),
+    "F64": (np.uint64, 0x7FF0000000000000),
+}
 
 
 def _scale_spans(layout: ExpertLayout) -> list[tuple[str, int, int, str]]:
@@ -703,12 +716,20 @@ def _scale_spans(layout: ExpertLayout) -> list[tuple[str, int, int, str]]:
     ]
 
 
-def _all_finite(buf: memoryview, dtype: str) -> bool:
-    """Whether every element of ``buf`` (safetensors ``dtype``) is finite, from its exponent bits
-    (numpy has no bfloat16)."""
+def _bad_scales(buf: memoryview, dtype: str, first: int, every: int) -> str:
+    """What is wrong with the scales in ``buf`` (safetensors ``dtype``), '' if nothing: an element that
+    is not finite, or a step (every ``every``-th element from ``first``) that is not positive; from the
+    bits, as numpy has no bfloat16."""
     kind, mask = _EXPONENT[dtype]
-    bits = np.frombuffer(buf, kind) & kind(mask)
-    return not bool((bits == kind(mask)).any())
+    bits = np.frombuffer(buf, kind)
+    if ((bits & kind(mask)) == kind(mask)).any():
+        return "non-finite scales"
+    steps = bits[first::every]
+    sign = kind(1 << (8 * np.dtype(kind).itemsize - 1))
+    # a quantizer's step is > 0 (precision.min_step): zero, or a set sign bit (-0.0 too), is damage
+    if ((steps & sign) != 0).any() or (steps == 0).any():
+        return "steps that are not positive"
+    return ""
 
 
 def _parts(nbytes: int, n: int) -> list[tuple[int, int]]:

@@ -176,11 +176,20 @@ def part_shapes(
     return {f"{name}.q": ((out_f, in_f // 2), torch.uint8), f"{name}.sz": ((in_f // g, out_f, 2), dtype)}
 
 
+def min_step(dtype: torch.dtype) -> float:
+    """The smallest positive value of ``dtype`` (its smallest subnormal): a step stored in it never rounds
+    to zero, so the disk tier can refuse a zero step as damage (a step of 6e-8 in float16 is a group
+    whose weights all but agree)."""
+    info = torch.finfo(dtype)
+    return info.tiny * info.eps
+
+
 def quantize_int8(w: torch.Tensor) -> dict[str, torch.Tensor]:
     """[out, in] -> ``q`` int8 [out, in] and ``s`` [out] (per output channel, symmetric)."""
     x = w.float()
     s = x.abs().amax(dim=1) / 127
     s = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero row: q = 0 whatever s is
+    s = s.clamp(min=min_step(w.dtype))
     q = torch.round(x / s[:, None]).clamp(-127, 127).to(torch.int8)
     return {"q": q, "s": s.to(w.dtype)}
 
@@ -192,6 +201,7 @@ def int4_codes(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor,
     lo, hi = x.amin(dim=2), x.amax(dim=2)
     s = (hi - lo) / 15
     s = torch.where(s > 0, s, torch.ones_like(s))  # a constant group: q = 0 and w' = min exactly
+    s = s.clamp(min=min_step(w.dtype))
     q = torch.round((x - lo[..., None]) / s[..., None]).clamp(0, 15).to(torch.int32)
     return q.reshape(out_f, in_f), s, lo
 
@@ -580,9 +590,13 @@ def unpack_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------- compute
+#: the activations torch's weight-only CPU kernels take (a float64 model's are dequantized instead)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def kernel_ok(prec: Precision, x: torch.Tensor, out_f: int, in_f: int) -> bool:
     """Whether torch's weight-only CPU kernel computes this matrix directly (else it is dequantized)."""
-    return x.device.type == "cpu" and _cpu_kernel_ok(prec, out_f, in_f)
+    return x.device.type == "cpu" and x.dtype in KERNEL_DTYPES and _cpu_kernel_ok(prec, out_f, in_f)
 
 
 @functools.lru_cache(maxsize=256)
@@ -593,17 +607,18 @@ def _cpu_kernel_ok(prec: Precision, out_f: int, in_f: int) -> bool:
     return prec.group_for(in_f) in INT4_KERNEL_GROUPS and out_f % 16 == 0 and in_f % 2 == 0
 
 
-_NOTED: set[tuple[str, int, int, str]] = set()
+_NOTED: set[tuple[str, int, int, str, str]] = set()
 
 
-def kernel_note(prec: Precision, out_f: int, in_f: int, device: str) -> None:
-    """Say once per shape that a matrix is dequantized for each call instead of computed packed."""
-    key = (prec.tag, out_f, in_f, device)
+def kernel_note(prec: Precision, out_f: int, in_f: int, device: str, dtype: torch.dtype) -> None:
+    """Say once per shape and dtype that a matrix is dequantized for each call instead of computed packed."""
+    key = (prec.tag, out_f, in_f, device, str(dtype))
     if key not in _NOTED:
         _NOTED.add(key)
+        what = str(dtype).removeprefix("torch.")
         warnings.warn(
-            f"{prec.tag} experts of shape [{out_f}, {in_f}] on {device}: no weight-only kernel takes them, "
-            "so each call dequantizes the weights first (slower; the bytes moved are still the small ones)",
+            f"{prec.tag} experts of shape [{out_f}, {in_f}] on {device} in {what}: no weight-only kernel takes "
+            "them, so each call dequantizes the weights first (slower; the bytes moved are still the small ones)",
             PrecisionWarning,
             stacklevel=3,
         )
@@ -617,7 +632,7 @@ def qlinear(prec: Precision, x: torch.Tensor, parts: dict[str, torch.Tensor], in
             return torch._weight_int8pack_mm(x, parts["q"], _as(parts["s"], x.dtype))
         g = prec.group_for(in_f)
         return torch._weight_int4pack_mm_for_cpu(x.contiguous(), parts["q"], g, _as(parts["sz"], x.dtype))
-    kernel_note(prec, out_f, in_f, x.device.type)
+    kernel_note(prec, out_f, in_f, x.device.type, x.dtype)
     return F.linear(x, dequantize_matrix(prec, parts, in_f).to(x.device, x.dtype))
 
 
