@@ -51,6 +51,15 @@ def test_mixed_settings_need_a_tier_that_holds_both_copies(tmp_path):
     for same in ("int4+int8", "model+model", "int8+int8", "int4-g32+int4-g128"):  # equal copies too
         with pytest.raises(InputError, match="the high copy comes first and is a larger dtype"):
             LiveConfig(offload="disk", offload_dir=str(tmp_path), expert_dtype=same)
+    # and from the commands, before any work (the replay engine keeps equal copies as its test oracle)
+    from moecast.cli import main
+
+    for cmd in (
+        ["replay", "--traces", str(tmp_path)],
+        ["compare", "--traces", str(tmp_path), "--out", str(tmp_path / "c")],
+    ):
+        with pytest.raises(SystemExit, match="the high copy comes first and is a larger dtype"):
+            main([*cmd, "--expert-dtype" if cmd[0] == "replay" else "--expert-dtypes", "model+model"])
 
 
 # ------------------------------------------------------------------------------------ the disk tier

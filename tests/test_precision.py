@@ -92,6 +92,7 @@ def test_a_float64_model_is_dequantized_and_says_so(tmp_path, prec):
     run is still the quantized model's."""
     x = torch.randn(2, 128, dtype=torch.float64)
     assert not P.kernel_ok(prec, x, 32, 128) and P.kernel_ok(prec, x.float(), 32, 128)
+
     def float64_model():  # transformers' grouped_mm takes no float64: its class's own loop does
         model = make_model("qwen2_moe").double()
         model.set_experts_implementation("eager")

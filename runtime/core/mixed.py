@@ -94,7 +94,9 @@ def parse_copies(expert_dtype: str, group_size: int = 128) -> tuple[tuple[str, i
     if len(parts) != 2:
         raise InputError(f"expert dtype {text!r}: name two copies, high first, e.g. model+int4 or int8+int4")
     high, low = (parse_copy(p.strip(), int(group_size), text) for p in parts)
-    if _ORDER.index(high[0]) <= _ORDER.index(low[0]):  # two of one dtype: no cheaper copy to fall back on
+    # two of one dtype are the rules' degenerate case, which replays one precision (tests check it);
+    # the commands and attach refuse them (precision.expert_setting): no cheaper copy to fall back on
+    if _ORDER.index(high[0]) < _ORDER.index(low[0]):
         raise InputError(
             f"expert dtype {text!r}: the high copy comes first and is a larger dtype than the low one "
             "(e.g. model+int4, int8+int4)"

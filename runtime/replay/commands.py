@@ -84,6 +84,7 @@ def replay(
     from moecast.collect.traceset import TraceSet
     from moecast.runtime.replay import engine
 
+    expert_setting(expert_dtype, group_size)  # as run and compare take it (two copies of one dtype refused)
     _need_traces(traces)
     requests, hot_from = _held_out(TraceSet(traces), holdout, [predictor, planner])
     cfg = ReplayConfig(
@@ -292,6 +293,9 @@ def compare(
     from moecast.collect.traceset import TraceSet
     from moecast.runtime.replay import engine
 
+    dtypes = _words(expert_dtypes) or [DEFAULT.expert_dtype]
+    for dt in dtypes:  # each precision checked before any replay runs
+        expert_setting(dt, group_size)
     _need_traces(traces)
     pols, preds, caps, plans = _compare_lists(policies, predictors, capacities, planners)
     # every check that needs no replay runs before out/ is created or a replay starts (they take
@@ -307,9 +311,6 @@ def compare(
     caps = _usable_capacities(caps, ts, json)
     checkpoints = [c for c in preds + plans if c not in ("none", "oracle", "hot")]
     requests, hot_from = _held_out(ts, holdout, checkpoints)
-    dtypes = _words(expert_dtypes) or [DEFAULT.expert_dtype]
-    for dt in dtypes:  # each precision checked before any replay runs
-        expert_setting(dt, group_size)
     _make_out(out)  # before any replay runs (they take minutes)
     rows: list[dict] = []
     from tqdm import tqdm

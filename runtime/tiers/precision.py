@@ -156,6 +156,11 @@ def expert_setting(expert_dtype: str, group_size: int = 128) -> Precision:
     if pair is None:  # one precision, by name or by a results row's tag
         return Precision.of_tag(str(expert_dtype), group_size)
     (hd, hg), (ld, lg) = pair
+    if hd == ld:  # a low copy no cheaper than the high one: the run would report a meaningless share
+        raise InputError(
+            f"expert dtype {expert_dtype!r}: the high copy comes first and is a larger dtype than the low one "
+            "(e.g. model+int4, int8+int4)"
+        )
     return TwoCopies(hd, hg, low=Precision(ld, lg))
 
 
