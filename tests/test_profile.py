@@ -585,26 +585,10 @@ def test_cli_profile_calibrates_on_a_live_run_of_the_model(tmp_path, monkeypatch
         return real(prof, stats, num_layers)
 
     monkeypatch.setattr(P, "calibrate", spy)
-    prompts, live = [], P.calibrate_live
-
-    def live_spy(*a, **kw):
-        prompts.append(kw["prompt"])
-        return live(*a, **kw)
-
-    monkeypatch.setattr(P, "calibrate_live", live_spy)
     out = tmp_path / "hw.yaml"
     main(["profile", "--model", str(tiny), "--offload_dir", str(tmp_path / "off"), "--calibrate", "3",
           "--name", "here", "--out", str(out), "--expert-dtype", "model,int4", "--group_size", "32"])  # fmt: skip
     prof = load_profile(out)
-    # both runs prefill the start of a held-out ShareGPT text, not fixed ids (they hit far more often)
-    from moecast.collect.sharegpt import training_texts
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(tiny))
-    text = next(
-        t for t in training_texts(split="val", max_chars_per_text=512) if len(tok(t)["input_ids"]) >= 8
-    )
-    assert prompts == [tok(text)["input_ids"][:32]] * 2
     seen, at4 = runs  # one run at the model's dtype (every rate), one at int4 (its expert time)
     assert seen["decode_steps"] == 3 and seen["bytes_read"] > 0 and seen["expert_dtype"] == "model"
     assert prof.name == "here" and "calibrated on a live run of 3 decode steps" in prof.source

