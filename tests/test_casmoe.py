@@ -561,6 +561,30 @@ def test_train_eam_cli_with_yaml_config(traces, tmp_path, capsys):
     )
     assert "plan recall@2" in capsys.readouterr().out
     assert load(out).config.k_neighbours == 2
+    # --json: one object with what was indexed and the val metrics the text printed
+    main(["train", "eam", "--traces", str(traces), "--out", str(out), "--data.val_fraction", "0.25",
+          "--wandb", "false", "--json"])  # fmt: skip
+    said = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    eam = load(out)
+    assert said["checkpoint"] == str(out) and said["prompts"] == eam.size > 0
+    assert (out.parent / said["index"]).is_file() and 0 <= said["metrics"]["val_recall_at_k"] <= 1
+
+
+def test_train_cascade_json_is_json_on_every_line(traces, eam_ckpt, eap_ckpt, tmp_path, capsys):
+    """With --json and --traces the checkpoint's line was text before the comparison's JSON rows."""
+    from moecast.train.cascade import fit_cascade
+    from moecast.train.config import SplitConfig
+
+    out = tmp_path / "c.safetensors"
+    fit_cascade(str(eam_ckpt), str(eap_ckpt), str(out), 0.5, str(traces), [0.0, 1.0], SplitConfig(val_fraction=0.25),
+                wandb=False, json=True)  # fmt: skip
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert lines[0] == {
+        "checkpoint": str(out),
+        "epsilon": 0.5,
+        "shared_embedding": lines[0]["shared_embedding"],
+    }
+    assert {r["planner"] for r in lines[1:]} >= {"EAP", "EAM", "cascade eps=0.5"}
 
 
 # ----------------------------------------------------------------------------- real DeepSeek traces

@@ -684,7 +684,7 @@ def test_features_at_builds_the_runtime_row_as_features_does(tmp_path):
         pred.features_at(bad, 2)
 
 
-def test_cli_exports_the_best_epochs_metrics_and_honours_logger(tmp_path, monkeypatch):
+def test_cli_exports_the_best_epochs_metrics_and_honours_logger(tmp_path, monkeypatch, capsys):
     """The exported weights are the best epoch's (best.ckpt), and so must the recorded metrics be:
     here validation falls after the first epoch, so the last epoch's figures would be wrong.
     ``--train.logger false`` is the user's to set."""
@@ -709,11 +709,17 @@ def test_cli_exports_the_best_epochs_metrics_and_honours_logger(tmp_path, monkey
         [
             "train", "llapor", "--config", str(configs_dir() / "llapor_tiny.yaml"), "--traces", str(path),
             "--out", str(out), "--train.max_epochs", "3", "--train.progress-bar", "false",
-            "--model.hidden", "16", "--train.patience", "5", "--train.logger", "false",
+            "--model.hidden", "16", "--train.patience", "5", "--train.logger", "false", "--json",
         ]
     )  # fmt: skip
     training = load(out).metadata()["training"]
     assert training["best_score"] == pytest.approx(0.9) and training["epochs"] == 3
+    # --json: the closing line is one JSON object with what the checkpoint records
+    import json
+
+    said = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert said == dict(checkpoint=str(out), monitor="val/recall", best=pytest.approx(0.9),
+                        run_dir=str(tmp_path / "b.run"), epochs=3, resumed_from=None)  # fmt: skip
     assert training["recall_at_k"] == pytest.approx(0.9) and training["per_layer"] == pytest.approx([0.9] * 3)
     run_dir = tmp_path / "b.run"
     assert not (run_dir / "wandb").exists() and not (run_dir / "csv").exists()  # no loggers

@@ -66,7 +66,7 @@ def fit_cascade(
         epsilons: thresholds to compare (default 0.3 0.5 0.6 0.7 0.8 0.9 plus epsilon).
         data: the split, as the planners were trained with; the comparison runs on val
             (``max_requests``: at most this many of its requests).
-        json: print one JSON object per comparison row instead of a table.
+        json: print one JSON object for the checkpoint, then one per comparison row, instead of text.
         int8: compare with int8 (true) or fp32 (false) encoders; default: as the checkpoints say.
         engine: compare with the encoders run by onnx, torch or auto; default: as the checkpoints say.
         threads: batch-1 encoder threads for the comparison (default: 1).
@@ -81,7 +81,14 @@ def fit_cascade(
         raise InputError(f"--eam must be an EAM and --eap an EAP checkpoint (got {eam_p.name}, {eap_p.name})")
     cascade = Cascade(eam_p, eap_p, epsilon)
     path = cascade.save(out, eam, eap)
-    print(f"wrote {path} (epsilon {epsilon}, EAP reuses the EAM embedding: {cascade.shared_embedding})")
+    if json:  # every line a JSON object: the checkpoint's first, then the comparison's rows
+        print(
+            jsonlib.dumps(
+                {"checkpoint": str(path), "epsilon": epsilon, "shared_embedding": cascade.shared_embedding}
+            )
+        )
+    else:
+        print(f"wrote {path} (epsilon {epsilon}, EAP reuses the EAM embedding: {cascade.shared_embedding})")
     if traces:
         eps = sorted({*(epsilons or [0.3, 0.5, 0.6, 0.7, 0.8, 0.9]), epsilon})
         t0 = time.perf_counter()

@@ -66,6 +66,7 @@ def fit_eam(
     batch_size: int = 64,
     run_dir: str | None = None,
     wandb: bool = True,
+    json: bool = False,
 ) -> Path:
     """Build CasMoE's EAM (Eqs. 4-5): embed the training prompts, index them, evaluate on val.
 
@@ -78,6 +79,7 @@ def fit_eam(
         batch_size: prompts embedded per batch while building.
         run_dir: where the metrics and the offline wandb run go (default ``<out>.run``).
         wandb: log the evaluation to an offline wandb run.
+        json: print one JSON object (checkpoint, index, prompts indexed, val metrics) instead of the line.
     """
     out_p = Path(out)
     if not str(out_p).endswith(".safetensors"):
@@ -97,9 +99,13 @@ def fit_eam(
     index.extra_meta["metrics"] = metrics
     path = index.save(out_p)
     _record_run(out_p, run_dir, metrics, bool(wandb and val_ids), moe_layers)
-    print(
-        f"wrote {path} ({index.size} prompts indexed; index {index_path(path, index.generation).name} beside it)"
-    )
+    beside = index_path(path, index.generation).name
+    if json:
+        from moecast.jsonout import dumps
+
+        print(dumps(dict(checkpoint=str(path), index=beside, prompts=index.size, metrics=metrics)))
+    else:
+        print(f"wrote {path} ({index.size} prompts indexed; index {beside} beside it)")
     return path
 
 

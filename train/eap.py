@@ -335,6 +335,7 @@ def fit_eap(
     train: TrainConfig = _TRAIN,
     run_dir: str | None = None,
     resume: str = "auto",
+    json: bool = False,
 ) -> Path:
     """Train CasMoE's EAP (Eqs. 6-9) on a TraceSet's prompts and write its checkpoint.
 
@@ -346,6 +347,9 @@ def fit_eap(
         train: epochs, early stopping, devices, logging.
         run_dir: Lightning and wandb run directory (default ``<out>.run`` beside ``out``).
         resume: auto (from the run directory's last.ckpt when present), never, or a .ckpt path.
+        json: print the closing line as one JSON object (checkpoint, best score, run dir, epochs).
     """
     settings = {"traces": traces, "out": out, "model": model, "data": data, "train": train}
-    return fit(EAPModule(model), EAPDataModule(traces, data), out, train, run_dir, resume, settings)
+    return fit(
+        EAPModule(model), EAPDataModule(traces, data), out, train, run_dir, resume, settings, json=json
+    )

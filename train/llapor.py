@@ -275,6 +275,7 @@ def fit_llapor(
     train: TrainConfig = _TRAIN,
     run_dir: str | None = None,
     resume: str = "auto",
+    json: bool = False,
 ) -> Path:
     """Train LLaPor (PreScope §4.2) on a TraceSet and write its checkpoint.
 
@@ -286,6 +287,9 @@ def fit_llapor(
         train: epochs, early stopping, devices, logging.
         run_dir: Lightning and wandb run directory (default ``<out>.run`` beside ``out``).
         resume: auto (from the run directory's last.ckpt when present), never, or a .ckpt path.
+        json: print the closing line as one JSON object (checkpoint, best score, run dir, epochs).
     """
     settings = {"traces": traces, "out": out, "model": model, "data": data, "train": train}
-    return fit(LLaPorModule(model), LLaPorDataModule(traces, data), out, train, run_dir, resume, settings)
+    return fit(
+        LLaPorModule(model), LLaPorDataModule(traces, data), out, train, run_dir, resume, settings, json=json
+    )

@@ -133,11 +133,12 @@ def fit(
     run_dir: str | None = None,
     resume: str = "auto",
     settings: dict[str, Any] | None = None,
+    json: bool = False,
 ) -> Path:
     """Train ``module`` on ``datamodule`` under ``train``, export the best epoch to ``out``; the path.
 
     ``settings`` (the fit function's arguments) go to ``<run_dir>/config.yaml``; with ``--config``
-    that file trains the same run again.
+    that file trains the same run again. ``json``: the closing line as one JSON object.
     """
     import lightning.pytorch as pl
 
@@ -167,7 +168,13 @@ def fit(
     if "wandb" in sys.modules:
         # close this run so a later fit in the same process starts its own
         sys.modules["wandb"].finish()
-    print(f"wrote {path} (best {MONITOR} = {info['best_score']}); run dir {rd}")
+    if json:
+        from moecast.jsonout import dumps
+
+        print(dumps(dict(checkpoint=str(path), monitor=MONITOR, best=info["best_score"], run_dir=str(rd),
+                         epochs=info["epochs"], resumed_from=ckpt_path)))  # fmt: skip
+    else:
+        print(f"wrote {path} (best {MONITOR} = {info['best_score']}); run dir {rd}")
     return path
 
 

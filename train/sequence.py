@@ -242,6 +242,7 @@ def fit_sequence(
     train: TrainConfig = _TRAIN,
     run_dir: str | None = None,
     resume: str = "auto",
+    json: bool = False,
 ) -> Path:
     """Train the MoE-Beyond sequence predictor (§3.2) on a TraceSet and write its checkpoint.
 
@@ -253,6 +254,16 @@ def fit_sequence(
         train: epochs, early stopping, devices, logging.
         run_dir: Lightning and wandb run directory (default ``<out>.run`` beside ``out``).
         resume: auto (from the run directory's last.ckpt when present), never, or a .ckpt path.
+        json: print the closing line as one JSON object (checkpoint, best score, run dir, epochs).
     """
     settings = {"traces": traces, "out": out, "model": model, "data": data, "train": train}
-    return fit(SequenceModule(model), SequenceDataModule(traces, data), out, train, run_dir, resume, settings)
+    return fit(
+        SequenceModule(model),
+        SequenceDataModule(traces, data),
+        out,
+        train,
+        run_dir,
+        resume,
+        settings,
+        json=json,
+    )
