@@ -62,7 +62,7 @@ def test_cli_run_offload_disk_writes_once_and_reports_the_tiers(tiny_dir, tmp_pa
     ram = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     main([*base, "--device-ops", "simulated"])  # the GPU path's streams and events, simulated on the CPU
     sim = capsys.readouterr().out
-    assert "simulated link" in sim and ram["output"] in sim
+    assert "simulated link" in sim and ram["output"] in sim and "reads included" not in sim
     off = tmp_path / "off"
     main([*base, "--offload", "disk", "--offload_dir", str(off), "--json"])
     first = capsys.readouterr().out
@@ -72,6 +72,9 @@ def test_cli_run_offload_disk_writes_once_and_reports_the_tiers(tiny_dir, tmp_pa
     assert "writing the experts" not in second
     assert "disk reads" in second and "direct I/O" in second and "peak RSS" in second
     assert "transfer wait" in second
+    # on the (simulated) device the disk tier's copies wait for their reads: the wait says it holds them
+    main([*base, "--offload", "disk", "--offload-dir", str(off), "--device-ops", "simulated"])
+    assert re.search(r"device wait [\d.]+ ms a step, the disk's reads included", capsys.readouterr().out)
     disk = json.loads(first.strip().splitlines()[-1])
     assert disk["output"] == ram["output"]  # alpha 0: the same greedy text from either tier
     assert disk["offload"] == "disk" and ram["offload"] == "ram" and ram["bytes_read"] == 0

@@ -150,7 +150,9 @@ def _print_stats(stats: dict[str, Any]) -> None:
                 "link",  # every copy since attach: the slots' initial fill too, which "transfers" leaves out
                 f"{stats['link_bytes'] / 2**20:.1f} MiB in {stats['link_ms']:.2f} ms, the initial fill of the "
                 f"slots included ({where} "
-                f"{stats['link_gbps_observed']:.1f} GB/s); device wait {stats['stream_wait_ms']:.3f} ms a step",
+                f"{stats['link_gbps_observed']:.1f} GB/s); device wait {stats['stream_wait_ms']:.3f} ms a step"
+                # a disk tier's copy is queued once its read lands, so the device waits for both
+                + (", the disk's reads included" if stats.get("offload") == "disk" else ""),
             )
         )
     if stats.get("online_updates"):
