@@ -507,6 +507,24 @@ def test_precisions_a_device_profile_cannot_time_are_said_in_one_line():
         assert P.precision_times(prof, None, [Q.Precision()]) == (prof, {})
 
 
+def test_an_expert_timed_on_a_busy_host_is_said_in_one_line(tmp_path, monkeypatch):
+    """Times per call of 0.10-0.15 ms with one at 25 ms (another process held a core): the fit takes the
+    outlier as slope or intercept, and the profile wrote it silently; a line now says the times scatter.
+    Smooth times say nothing."""
+    monkeypatch.setattr(P, "CACHE_DIR", _fake_cache(tmp_path, [(3, "20K")]))
+    experts = _model().model.layers[0].mlp.experts
+    for times, busy in (([0.10, 0.11, 25.0, 0.13, 0.15], True), ([0.10, 0.11, 0.12, 0.14, 0.18], False)):
+        it = iter(times)
+        monkeypatch.setattr(P, "_time", lambda fn, repeat, it=it: next(it))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            P.implementation_expert_ms(experts, repeat=1)
+        said = [str(w.message) for w in seen if issubclass(w.category, P.ProfileWarning)]
+        assert bool(said) == busy, said
+        if busy:
+            assert "0.1, 0.11, 25, 0.13, 0.15 ms at 1, 2, 4, 8, 16 tokens" in said[0] and "quiet" in said[0]
+
+
 def test_calibrate_takes_the_rates_a_live_run_measured():
     """10 decode steps of a 4-layer top-6 model: 240 expert calls took 48 ms per step, so 2.0 ms each;
     attention and the runtime's host work 40 + 8 ms per step, of which 8 ms followed the last layer

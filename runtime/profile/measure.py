@@ -772,11 +772,30 @@ def implementation_expert_ms(
         if precision is not None and precision.quantized
         else f"the model's {experts.config._experts_implementation or 'eager'} experts implementation"
     )
+    _say_scatter(what, token_counts, ms, float(beta), float(c))
     how = (
         f"{what} on slot views of {w_slots} slots, one expert per call, over a ring of {n} slots "
         f"({n * set_bytes / 2**20:.0f} MiB; {num} experts)"
     )
     return max(float(beta), 1e-6), max(float(c), 0.0), how
+
+
+def _say_scatter(what: str, token_counts: Sequence[int], ms: Sequence[float], beta: float, c: float) -> None:
+    """A line where a time per call is more than 100 % off the fit ``beta t + C``: an expert's time grows
+    smoothly with its tokens, so such a point is a busy host's (another process on a core made a 25 KB
+    int8 expert take 25 ms), and the profile's figure would be wrong."""
+    fit = [max(beta * t + c, 1e-9) for t in token_counts]
+    worst = max(abs(m - f) / f for m, f in zip(ms, fit))
+    if worst > 1.0:
+        times = ", ".join(f"{m:.3g}" for m in ms)
+        off = f"{worst:.0%}" if worst < 10 else "over 1000%"  # a fit through zero makes any ratio huge
+        warnings.warn(
+            ProfileWarning(
+                f"{what}: its times per call ({times} ms at {', '.join(map(str, token_counts))} tokens) lie up "
+                f"to {off} off their line, as on a busy host; profile again with the machine quiet"
+            ),
+            stacklevel=3,
+        )
 
 
 @contextlib.contextmanager
