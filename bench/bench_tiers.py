@@ -1093,7 +1093,7 @@ def _run(argv: list[str] | None) -> tuple[Any, list[dict]]:
                 measure_rows(t, report, cap, rows, calibrate=True)
             # after every moecast row: the baselines' reads (accelerate's run to 190 GB at 25 %) leave a
             # cloud disk slower for a while, which would fall on whichever calibration or row came next
-            kinds = [b.strip() for b in args.baselines.split(",") if b.strip()]
+            kinds = baseline_kinds(args)
             for cap in caps:
                 rows = [Row(k, lambda i, _prof, k=k, c=cap: child_run(t, k, c, i)) for k in kinds]
                 measure_rows(t, report, cap, rows)
@@ -1219,10 +1219,15 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def baseline_kinds(args: argparse.Namespace) -> list[str]:
+    """The external baselines ``--baselines`` asks for."""
+    return [b.strip() for b in args.baselines.split(",") if b.strip()]
+
+
 def _held(args: argparse.Namespace) -> str:
     """Whether the baselines ran held by a memory cgroup; with none asked for, no cgroup is probed (a
     probe makes and removes one)."""
-    if not [b for b in args.baselines.split(",") if b.strip()]:
+    if not baseline_kinds(args):
         return "no baseline ran"
     return memlimit.available() or "yes"
 

@@ -122,9 +122,8 @@ def summarise(table_csv: Path) -> tuple[str, list[dict[str, Any]]]:
         hits = [float(cells[c]["decode_hit_rate"]) if c in cells else float("nan") for c in caps]
         every = [float(cells[c]["hit_rate"]) if c in cells else float("nan") for c in caps]
         first = cells.get(c0, {})
-        mb = (
-            float(first.get("bytes_moved") or 0) / 2**20
-        )  # MiB, as `moecast run` and every capacity in MB count
+        # MiB, as `moecast run` and every capacity in MB count
+        mb = float(first.get("bytes_moved") or 0) / 2**20
         sub = float(first.get("substitution_rate") or 0)
         tpot = first.get("modeled_tpot_ms") or ""
         cols = [

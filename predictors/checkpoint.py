@@ -28,7 +28,8 @@ class CheckpointError(InputError):
 def save(path: str | Path, tensors: dict[str, Any], metadata: dict[str, Any]) -> Path:
     """Write tensors (torch or numpy) and JSON metadata to ``path`` atomically."""
     import torch
-    from safetensors.torch import save_file
+    from moecast.collect.traceset import atomic_write_bytes
+    from safetensors.torch import save as to_bytes
 
     path = Path(path)
     meta = {"format_version": FORMAT_VERSION, **metadata}
@@ -40,25 +41,15 @@ def save(path: str | Path, tensors: dict[str, Any], metadata: dict[str, Any]) ->
         t = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(value))
         flat[name] = t.detach().cpu().contiguous()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    # written as any output is (the umask's mode, synced, renamed): safetensors' own save_file makes
+    # its file 0600, and a checkpoint is shared
     try:
-        save_file(flat, str(tmp), metadata={"moecast": json.dumps(meta)})
-        # safetensors creates its file 0600; a checkpoint is shared like any output (the umask's mode)
-        os.chmod(tmp, 0o666 & ~_umask())
-        with open(tmp, "rb") as fh:  # on disk before the rename: a crash never leaves an empty checkpoint
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        atomic_write_bytes(path, to_bytes(flat, metadata={"moecast": json.dumps(meta)}))
     except BaseException:
-        tmp.unlink(missing_ok=True)  # the checkpoint at ``path`` is left as it was
+        # the checkpoint at ``path`` is left as it was, and no temporary beside it
+        path.with_name(f".{path.name}.tmp-{os.getpid()}").unlink(missing_ok=True)
         raise
     return path
-
-
-def _umask() -> int:
-    """The process's umask (read by setting it, then back)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def load_raw(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -275,8 +275,7 @@ def remember(
         pred = load(checkpoint, fingerprint=ts.meta.model.fingerprint, against=f"TraceSet {ts.path}")
     if not isinstance(pred, LLaPor):
         raise InputError(f"{checkpoint} is a {pred.name} checkpoint; a context memory goes with LLaPor only")
-    if ngrams:
-        assert ts is not None  # only --forget goes without traces
+    if ngrams and ts is not None:  # only --forget (no ngrams) goes without traces
         cfg = MemoryConfig(tuple(ngrams), max_postings, weight)
         if requests == "train":
             from moecast.predictors.provenance import choose, trained_on

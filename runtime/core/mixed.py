@@ -97,11 +97,16 @@ def parse_copies(expert_dtype: str, group_size: int = 128) -> tuple[tuple[str, i
     # two of one dtype are the rules' degenerate case, which replays one precision (tests check it);
     # the commands and attach refuse them (precision.expert_setting): no cheaper copy to fall back on
     if _ORDER.index(high[0]) < _ORDER.index(low[0]):
-        raise InputError(
-            f"expert dtype {text!r}: the high copy comes first and is a larger dtype than the low one "
-            "(e.g. model+int4, int8+int4)"
-        )
+        raise order_error(text)
     return high, low
+
+
+def order_error(expert_dtype: str) -> InputError:
+    """Two copies named in the wrong order, or two of one dtype."""
+    return InputError(
+        f"expert dtype {expert_dtype!r}: the high copy comes first and is a larger dtype than the low one "
+        "(e.g. model+int4, int8+int4)"
+    )
 
 
 def parse_copy(tag: str, group_size: int = 128, given: str | None = None) -> tuple[str, int]:

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from moecast.runtime.core.mixed import parse_copies, parse_copy
+from moecast.runtime.core.mixed import order_error, parse_copies, parse_copy
 from moecast.runtime.tiers.expert_store import expert_params
 from moecast.runtime.tiers.layout import MEMORY_ALIGN, ExpertLayout
 
@@ -157,10 +157,7 @@ def expert_setting(expert_dtype: str, group_size: int = 128) -> Precision:
         return Precision.of_tag(str(expert_dtype), group_size)
     (hd, hg), (ld, lg) = pair
     if hd == ld:  # a low copy no cheaper than the high one: the run would report a meaningless share
-        raise InputError(
-            f"expert dtype {expert_dtype!r}: the high copy comes first and is a larger dtype than the low one "
-            "(e.g. model+int4, int8+int4)"
-        )
+        raise order_error(str(expert_dtype).strip())
     return TwoCopies(hd, hg, low=Precision(ld, lg))
 
 
