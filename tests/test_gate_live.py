@@ -175,8 +175,6 @@ def test_calibrate_rewrites_the_checkpoint_atomically_and_replaces_its_calibrati
 ):
     """The predictor's tensors are copied unchanged; a write that fails leaves the old file whole; another
     TraceSet's val side gives other edges, which replace the first (one calibration per checkpoint)."""
-    import safetensors.torch
-
     from moecast.cli import run
 
     a, b, ckpt = two_tracesets
@@ -187,14 +185,13 @@ def test_calibrate_rewrites_the_checkpoint_atomically_and_replaces_its_calibrati
     assert set(tensors) == set(own) | {C.EDGES, C.PROB}
     assert all(np.array_equal(tensors[k].numpy(), v.numpy()) for k, v in own.items())
     assert meta["gate_calibration"]["traces"] == str(a) and meta["gate_calibration"]["side"] == "val"
-    # a write that dies half-way leaves the checkpoint as it was
-    real = safetensors.torch.save_file
+    # a write that dies half-way (its bytes written, not yet synced or renamed) leaves the checkpoint as it was
+    import os
 
-    def dying(tensors, path, metadata=None):
-        real(tensors, path, metadata=metadata)
+    def dying(fd):
         raise OSError("disk full")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", dying)
+    monkeypatch.setattr(os, "fsync", dying)
     with pytest.raises(OSError):
         run(["predictors", "calibrate", str(ckpt), "--traces", str(b)])
     monkeypatch.undo()
