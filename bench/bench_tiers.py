@@ -166,7 +166,7 @@ def setup(args: argparse.Namespace) -> Tiers:
         args.traces, args.requests + args.hot_requests, n, args.layers, cfg.vocab_size
     )
     t = Tiers(args, cfg, d, ds_model.load_dense(cfg, d), routing, [])
-    if "accelerate" in args.baselines:  # here, so that its writes are no baseline's page cache
+    if "accelerate" in baseline_kinds(args):  # here, so that its writes are no baseline's page cache
         ds_model.accelerate_folder(t.model, d, offload_home(args) / "accelerate")
     if routing.recorded:
         hot = routing.requests[args.requests :]
@@ -1017,7 +1017,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--disk-mb", type=int, default=256, help="disk probe's temporary file (MB) where no offload is read"
     )
     ap.add_argument("--ds-shape", default="lite", choices=["lite", "test"], help="test: small sizes (tests)")
-    ap.add_argument("--baselines", default="page cache,accelerate", help="external baselines to run")
+    ap.add_argument(
+        "--baselines", default=",".join(BASELINES), help="external baselines to run (comma-separated)"
+    )
     ap.add_argument("--noise", type=int, default=4, help="identical LRU runs back to back (0: none)")
     ap.add_argument("--precisions", default="model,int8,int4,mixed",
                     help="slow-tier precisions (model, int8, int4; mixed or A+B: two copies, the predictor "
@@ -1029,6 +1031,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--child-capacity", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-request", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    unknown = [b for b in baseline_kinds(args) if b not in BASELINES]
+    if unknown:  # a child would otherwise run an unknown name as accelerate's offload
+        ap.error(f"--baselines: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(BASELINES)}")
     q = args.quick
     for k, v in dict(layers=4 if q else 26, requests=1 if q else 2, prompt=1, tokens=19 if q else 47).items():
         if getattr(args, k) is None:
@@ -1217,6 +1222,9 @@ def table(rows: list[dict]) -> str:
             f"{f(r.get('budget_mb'), 0):>9} {f(r.get('rss_base_mb'), 0):>8} {f(rss_ratio(r), 3):>9}"
         )
     return "\n".join(lines)
+
+
+BASELINES = ("page cache", "accelerate")
 
 
 def baseline_kinds(args: argparse.Namespace) -> list[str]:

@@ -486,3 +486,20 @@ def test_no_cgroup_is_probed_or_claimed_without_a_baseline(monkeypatch):
     assert bench_tiers._held(argparse.Namespace(baselines="page cache")) == "making a cgroup needs root"
     monkeypatch.setattr(memlimit, "available", lambda: None)
     assert bench_tiers._held(argparse.Namespace(baselines="page cache")) == "yes"
+
+
+def test_an_unknown_baseline_is_refused_before_any_row(capsys):
+    """A misspelt baseline ("pagecache") ran accelerate's offload in its child: every name but the page
+    cache took that branch."""
+    import bench_tiers
+
+    with pytest.raises(SystemExit) as exc:
+        bench_tiers.parse_args(["--baselines", "page cache,pagecache"])
+    assert exc.value.code == 2
+    assert "--baselines: unknown 'pagecache'; choose from page cache, accelerate" in capsys.readouterr().err
+    assert bench_tiers.baseline_kinds(
+        bench_tiers.parse_args(["--baselines", " accelerate , page cache"])
+    ) == [
+        "accelerate",
+        "page cache",
+    ]

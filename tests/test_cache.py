@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from moecast.runtime.core.cache import ExpertCache, StaticTable, resolve_capacity
+from moecast.runtime.core.cache import CapacityWarning, ExpertCache, StaticTable, resolve_capacity
 
 
 def test_capacity_forms_and_below_topk_error():
@@ -18,6 +18,23 @@ def test_capacity_forms_and_below_topk_error():
         resolve_capacity(3, 64, 6)
     with pytest.raises(ValueError):
         resolve_capacity("lots", 64, 6)
+    # a count from bytes names the slot it divided by: a device's and the CPU's slots differ at one precision
+    with pytest.raises(
+        ValueError, match=r"capacity '8MB' at 4096.0 KiB a slot holds 2 experts .* below top-k"
+    ):
+        resolve_capacity("8MB", 64, 6, expert_bytes=4 << 20)
+
+
+def test_a_capacity_above_the_experts_clamps_with_one_warning():
+    with pytest.warns(CapacityWarning, match=r"capacity 100 holds 100 experts .* model's 64: .*capacity 64"):
+        assert resolve_capacity(100, 64, 6) == 64
+    with pytest.warns(CapacityWarning, match="holds 81 experts"):
+        assert resolve_capacity("2GB", 64, 6, expert_bytes=25 << 20) == 64
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # exactly all experts is no clamp: nothing said
+        assert resolve_capacity(64, 64, 6) == 64
 
 
 def test_lru_evicts_least_recent_and_shields_current():

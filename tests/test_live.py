@@ -1098,3 +1098,27 @@ def test_a_directory_without_the_disk_tier_is_refused_in_one_line(tmp_path, mode
     with pytest.raises(SystemExit) as exc:
         main(["run", "--model", str(model_dir), "--offload-dir", str(tmp_path), "--max-new-tokens", "1"])
     assert "moecast run --offload disk" in str(exc.value.code) and "\n" not in str(exc.value.code)
+
+
+def test_cli_run_says_how_a_capacity_in_bytes_counted_its_slots(model_dir, tmp_path, capsys):
+    """A capacity in bytes divides by what a slot holds: the CPU computes on the packed copy, a device on
+    an expert dequantized to the model's dtype, so `run` and a `replay` under another device's profile
+    resolve one "12KB" to different counts; the capacity line says which bytes this run counted.
+    The test model's expert (hidden 32, intermediate 16, float32): gate-up [32, 32] and down [32, 16],
+    1536 weights, 6144 bytes; 12 KiB holds 2. At int4 (group 128 divides neither input: one group a row,
+    a float32 scale and zero each): 768 weight bytes + 64 rows x 8 = 1280 bytes; 12 KiB holds 9, so all 8."""
+    from moecast.cli import main
+
+    base = ["run", "--model", str(model_dir), "--prompt", "hello world", "--capacity", "12KB", "--max-new-tokens",
+            "1", "--offload", "disk", "--offload-dir", str(tmp_path / "off"), "--expert-dtype", "int4",
+            "--policy", "lru", "--prefetch", "none"]  # fmt: skip
+    for ops, slot, held in (("simulated", 6144, 2), ("auto", 1280, 8)):  # auto: this CPU
+        main([*base, "--device-ops", ops, "--json"])
+        got = capsys.readouterr()
+        out = json.loads(got.out.strip().splitlines()[-1])
+        assert (out["slot_bytes"], out["capacity"]) == (slot, held), ops
+        main([*base, "--device-ops", ops])
+        line = next(ln for ln in capsys.readouterr().out.splitlines() if "policy / capacity" in ln)
+        assert f"{held} of 8 experts per layer (12KB at {slot / 1024:.1f} KiB a slot, as this run" in line, (
+            line
+        )

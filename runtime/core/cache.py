@@ -31,6 +31,7 @@ read-only.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,7 +63,9 @@ def resolve_capacity(capacity: float | str, num_experts: int, top_k: int, expert
                     n = int(float(text[: -len(unit)]) * mult // expert_bytes)
                 except ValueError:
                     raise InputError(f"capacity {capacity!r}: expected e.g. 0.25, 6 or 512MB") from None
-                return _check_capacity(n, num_experts, top_k, capacity)
+                # which bytes a slot counts differs by where the experts compute (a device's dequantized
+                # slot, the CPU's packed copy): the messages say which this count used
+                return _check_capacity(n, num_experts, top_k, f"{capacity!r} at {_kib(expert_bytes)} a slot")
         try:
             capacity = float(text)
         except ValueError:
@@ -77,13 +80,28 @@ def resolve_capacity(capacity: float | str, num_experts: int, top_k: int, expert
     n = round(c * num_experts) if c < 1 else int(c)
     if c >= 1 and c != int(c):
         raise InputError(f"capacity {capacity!r}: give a fraction below 1 or a whole number of experts")
-    return _check_capacity(n, num_experts, top_k, capacity)
+    return _check_capacity(n, num_experts, top_k, repr(capacity))
 
 
-def _check_capacity(n: int, num_experts: int, top_k: int, given: object) -> int:
+class CapacityWarning(UserWarning):
+    """A capacity that holds more experts than a layer has: every expert is resident (said in one line)."""
+
+
+def _kib(n: int) -> str:
+    return f"{n / 1024:.1f} KiB"
+
+
+def _check_capacity(n: int, num_experts: int, top_k: int, given: str) -> int:
+    if n > num_experts:
+        warnings.warn(
+            f"capacity {given} holds {n} experts per layer, more than the model's {num_experts}: "
+            f"every expert is resident (capacity {num_experts})",
+            CapacityWarning,
+            stacklevel=3,
+        )
     if n < top_k:
         raise InputError(
-            f"capacity {given!r} holds {n} experts per layer, below top-k = {top_k}: one token's experts "
+            f"capacity {given} holds {n} experts per layer, below top-k = {top_k}: one token's experts "
             f"would evict each other; use at least {top_k} experts ({top_k / num_experts:.3f} of {num_experts})"
         )
     return min(n, num_experts)

@@ -63,11 +63,20 @@ def _rate(x: float | None) -> str:
     return "-" if x is None or x != x else f"{x:.2f}"
 
 
+def _slots(stats: dict[str, Any]) -> str:
+    """How a capacity in bytes was counted: a slot here holds what this run computes on (a device's
+    dequantized expert, the CPU's packed copy), which a replay's profile may count otherwise."""
+    given = stats.get("capacity_given")
+    if not isinstance(given, str) or not given.strip().upper().endswith(("KB", "MB", "GB")):
+        return ""
+    return f" ({given.strip()} at {stats['slot_bytes'] / 1024:.1f} KiB a slot, as this run's slots hold them)"
+
+
 def _print_stats(stats: dict[str, Any]) -> None:
     rows = [
         (
             "policy / capacity",
-            f"{stats['policy']}, {stats['capacity']} of {stats['num_experts']} experts per layer",
+            f"{stats['policy']}, {stats['capacity']} of {stats['num_experts']} experts per layer{_slots(stats)}",
         ),
         ("alpha / prefetch", f"{stats['alpha']:.2f} / {stats['prefetch']}"),
         ("decode steps", f"{stats['decode_steps']}"),

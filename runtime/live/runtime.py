@@ -184,12 +184,11 @@ class LiveRuntime:
         )
         dequantized = prec.quantized and not two and accelerated
         E = self.num_experts
+        self.slot_bytes = self.info.expert_bytes if dequantized else self.link_bytes
         self.capacity = (
             E
             if config.capacity is None
-            else resolve_capacity(
-                config.capacity, E, self.top_k, self.info.expert_bytes if dequantized else self.link_bytes
-            )
+            else resolve_capacity(config.capacity, E, self.top_k, self.slot_bytes)
         )
         self.full = self.capacity >= E
         rule = config.rule()

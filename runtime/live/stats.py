@@ -236,6 +236,8 @@ def runtime_stats(rt: LiveRuntime) -> dict[str, Any]:
         alpha=rt.policy.alpha,
         balancer=rt.policy.balancer,
         capacity=rt.capacity,
+        capacity_given=rt.config.capacity,
+        slot_bytes=rt.slot_bytes,  # what a capacity in bytes divides by (a device's slot is dequantized)
         num_experts=rt.num_experts,
         modeled_predictor_ms=rt.step.predictor_ms,  # charged per layer before a prefetch (replay: predictor_ms)
         prefetch=rt.prefetcher.mode,
