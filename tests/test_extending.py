@@ -58,3 +58,27 @@ def test_a_new_eviction_policy_runs_live_without_a_kernel(mru):
         assert st["policy"] == "mru" and st["loads"] > 0
     finally:
         rt.detach()
+
+
+def test_a_policy_registered_after_import_is_taken_by_name_live(mru):
+    """Live's names were a snapshot taken at import: a preset registered later ran in replay but was
+    refused by name in live. The names are read at the check."""
+    from moecast.runtime.live.config import LiveConfig, live_policies
+
+    assert "mru" in live_policies() and "belady" not in live_policies()
+    assert LiveConfig(policy="mru").rule().eviction == "mru"
+
+
+def test_live_refuses_any_policy_that_evicts_by_the_next_use(monkeypatch):
+    """Live refused only the name belady: a new policy whose key reads ``nu`` (never set live) ran, every
+    key "never", evicting by lowest id."""
+    from moecast.runtime.live.config import LiveConfig
+
+    from moecast.errors import InputError
+
+    row = eviction.Eviction(eviction.TABLE["belady"].key, None, fast_replay=False, reads=("nu",))
+    monkeypatch.setitem(eviction.TABLE, "far", row)
+    monkeypatch.setitem(POLICIES, "far", Policy("far", "far", help="farthest next use"))
+    for given in ("far", POLICIES["far"], "belady", Policy("belady2", "belady")):
+        with pytest.raises(InputError, match=r"evicts by the future accesses .* replay bound"):
+            LiveConfig(policy=given)

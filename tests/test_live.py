@@ -1085,7 +1085,7 @@ def test_cli_run_takes_predictor_none_and_prints_no_nan(model_dir, capsys):
     assert "0 of 0 prefetches landed, accuracy -)" in line and "nan" not in text
 
 
-def test_a_directory_without_the_disk_tier_is_refused_in_one_line(tmp_path, model_dir, capsys):
+def test_a_directory_without_the_disk_tier_is_refused_in_one_line(tmp_path, model_dir, capsys, monkeypatch):
     """--offload-dir alone ran from host memory and said nothing: the user meant the disk tier."""
     from moecast.cli import main
 
@@ -1095,9 +1095,16 @@ def test_a_directory_without_the_disk_tier_is_refused_in_one_line(tmp_path, mode
     ):
         attach(model, offload_dir=str(tmp_path))
     assert all(t.device.type == "cpu" for t in model.parameters()) and not any(tmp_path.iterdir())
+    from moecast.runtime.live import commands
+
+    def load(*a: object) -> None:
+        raise AssertionError("the model loaded before a setting that needs none was checked")
+
+    monkeypatch.setattr(commands, "_load_for_run", load)  # the tier's check runs before the model loads
     with pytest.raises(SystemExit) as exc:
         main(["run", "--model", str(model_dir), "--offload-dir", str(tmp_path), "--max-new-tokens", "1"])
-    assert "moecast run --offload disk" in str(exc.value.code) and "\n" not in str(exc.value.code)
+    msg = str(exc.value.code)
+    assert "add --offload disk to read the experts" in msg and "\n" not in msg and "(moecast run" not in msg
 
 
 def test_cli_run_says_how_a_capacity_in_bytes_counted_its_slots(model_dir, tmp_path, capsys):

@@ -75,8 +75,74 @@ def test_every_registered_tier_implements_the_protocol(name, tmp_path):
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-def test_the_offload_names_are_the_registry():
+def _store_members_used(source: str) -> set[str]:
+    """The attributes ``source`` reads on a layer's store: ``store.X`` and ``self.stores[i].X``."""
+    used = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute):
+            v = node.value
+            named = isinstance(v, ast.Name) and v.id == "store"
+            indexed = (
+                isinstance(v, ast.Subscript)
+                and isinstance(v.value, ast.Attribute)
+                and v.value.attr == "stores"
+            )
+            if named or indexed:
+                used.add(node.attr)
+    return used
+
+
+def test_the_executor_uses_only_the_layer_protocols_members():
+    """A tier that implements LayerTier exactly passed the protocol test, then failed at its first miss:
+    the executor called ``load_many``, which the protocol lacked."""
+    used = _store_members_used((LIVE / "executor.py").read_text())
+    assert {"load_many", "cpu_waves", "fill"} <= used  # the scan sees the calls
+    assert used <= _members(LayerTier), used - _members(LayerTier)
+
+
+def test_a_tier_whose_cpu_waves_is_a_plain_iterator_computes_on_the_cpu(monkeypatch):
+    """The protocol says ``cpu_waves`` returns an Iterator; the executor closed it as a generator
+    (``'list_iterator' object has no attribute 'close'`` at the first CPU-computed expert). A list
+    iterator of the same waves gives the same logits."""
+    from moecast.collect.models import kv_cache, with_cache
+    from moecast.runtime.live.runtime import attach
+    from moecast.runtime.tiers.expert_store import LayerStore
+
+    def run() -> tuple[torch.Tensor, int]:
+        model = make_model("qwen2_moe")
+        rt = attach(model, policy="lru", capacity=2, warm=False, balance="cpu")
+        try:
+            with torch.no_grad():  # the decode steps compute their misses on the CPU
+                out = model(input_ids=torch.tensor([[1, 2, 3, 4]]), use_cache=True)
+                logits = [out.logits]
+                for t in range(4):
+                    cache = with_cache(model, kv_cache(out))
+                    out = model(input_ids=torch.tensor([[5 + t]]), **cache, use_cache=True)
+                    logits.append(out.logits)
+            return torch.cat(logits, 1), rt.stats()["cpu_experts"]
+        finally:
+            rt.detach()
+
+    want, n = run()
+    assert n > 0  # the CPU computed experts through the waves
+    waves = LayerStore.cpu_waves
+    monkeypatch.setattr(LayerStore, "cpu_waves", lambda self, e, wave=None: iter(list(waves(self, e, wave))))
+    got, m = run()
+    assert m == n and torch.equal(got, want)
+
+
+def test_the_offload_names_are_the_registry(monkeypatch):
     assert tuple(TIERS) == OFFLOAD
+    # --offload's help is the registry's, each tier in its own words (it was hand-kept: "ram or disk")
+    from moecast.runtime.live.commands import run
+    from moecast.runtime.tiers.registry import tier_help
+
+    assert all(f"{n} ({cls.help})" in " ".join((run.__doc__ or "").split()) for n, cls in TIERS.items())
+    assert "<TIER_HELP>" not in (run.__doc__ or "")
+    monkeypatch.setitem(TIERS, "zlib", type("ZlibTier", (), {"help": "host memory, zlib-compressed"}))
+    assert tier_help().endswith(
+        ", disk (``--offload_dir``, read with direct I/O) or zlib (host memory, zlib-compressed)"
+    )
     with pytest.raises(ValueError, match=f"choose one of {', '.join(TIERS)}"):
         LiveConfig(offload="tape")
 

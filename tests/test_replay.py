@@ -242,6 +242,22 @@ def test_cli_compare_writes_tables_plot_and_wandb(tmp_path, capsys):
     assert len(list(Path(out / "wandb").glob("offline-run-*"))) == 3
 
 
+def test_compare_takes_comma_separated_names_as_the_docs_write_them():
+    """`--policies lru,mru` (docs/adding-a-policy.md) was one unknown policy 'lru,mru'; names and
+    capacities split at commas, checkpoint paths (which may hold one) do not."""
+    from moecast.runtime.replay.commands import _compare_lists
+
+    pols, preds, caps, plans = _compare_lists(
+        ["lru,lfu", "score"], ["a,b.safetensors"], "0.1, 0.25", ["none"]
+    )
+    assert (pols, preds, caps, plans) == (
+        ["lru", "lfu", "score"],
+        ["a,b.safetensors"],
+        ["0.1", "0.25"],
+        ["none"],
+    )
+
+
 def test_capacities_in_one_pass_equal_separate_runs(tmp_path):
     from moecast.runtime.replay.engine import replay_capacities
 

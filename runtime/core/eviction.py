@@ -31,7 +31,9 @@ NU_CAP = np.int64(1) << 36  # next-use times beyond this count as never
 class KeyArrays:
     """The cache's per-item state a key reads, [lanes, W] each (``nu`` / ``score``: None unless kept)."""
 
-    last: np.ndarray  # step of the last access (-1: never)
+    # the last access's time (-1: never), increasing within a lane in the engine's unit (replay: step x
+    # layers + layer; live and fast replay: step): a key compares it, never adds it to another field
+    last: np.ndarray
     freq: np.ndarray  # accesses since the cache started
     nu: np.ndarray | None  # belady: lane time of the next access
     score: np.ndarray | None  # score: SMoE Eq. 3's window sums

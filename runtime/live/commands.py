@@ -31,9 +31,10 @@ import torch
 from moecast.collect.models import kv_cache, with_cache
 from moecast.runtime.core.policy import resolve_alpha, substitutes, with_policies
 from moecast.runtime.core.spec import DEFAULT
+from moecast.runtime.live.config import LiveConfig
 from moecast.runtime.live.runtime import attach
 from moecast.runtime.tiers.precision import Precision, TwoCopies, expert_setting, experts_at
-from moecast.runtime.tiers.registry import TIERS
+from moecast.runtime.tiers.registry import TIERS, tier_help
 
 from moecast.errors import InputError
 from moecast.jsonout import dumps
@@ -250,8 +251,7 @@ def run(
         online_update: Continual learning of the predictor on each decoded token (PreScope §4.2.2).
         learn_plans: CasMoE's buffer: the prompt and the EP of its prefill go to the planner's EAM, which
             folds every C (its buffer_size, paper 30) into its index and rewrites its checkpoint files.
-        offload: Where the experts that are not resident live: ram (host memory) or disk (``--offload_dir``,
-            read with direct I/O). Under disk the experts are written to DIR once (that run loads the whole
+        offload: Where the experts that are not resident live: <TIER_HELP>. Under disk the experts are written to DIR once (that run loads the whole
             model; later runs load only its other weights), and only ``capacity`` experts per layer are in memory.
         offload_dir: The offload directory for ``--offload disk`` (created if absent; a re-run resumes an
             interrupted write; another model's directory is refused).
@@ -285,6 +285,13 @@ def run(
     if int(group_size) != DEFAULT.group_size and all(c.dtype != "int4" for c in copies):
         msg = f"--group-size groups int4 weights only; --expert-dtype {expert_dtype} has none"
         warnings.warn(RunWarning(msg), stacklevel=2)
+    # the settings that need no model, checked before it loads (minutes for a real one): the policy's,
+    # and each tier's own check (a directory the tier reads none of, a precision it cannot hold)
+    LiveConfig(
+        policy=policy, capacity=cap, alpha=alpha, prefetch=prefetch, balance=balance, offload=offload,
+        offload_dir=offload_dir, expert_dtype=expert_dtype, group_size=group_size, device_ops=device_ops,
+        pinned_mb=pinned_mb,
+    )  # fmt: skip
     lm, tok, name = _load_for_run(model, offload, offload_dir)
     pred = _load_predictor(predictor, lm, name)
     plan = _load_predictor(planner, lm, name)
@@ -596,7 +603,7 @@ def eval_accuracy(
         model: ``tiny``, ``tiny:PRESET`` or a local Hugging Face model directory.
         workloads: ``sharegpt`` (held-out conversations) and/or workload names (their prompts).
         alphas: Alphas in [0, 1); 0 is always added (the reference).
-        policy: Cache policy (smoe, lru, lfu, score, static).
+        policy: Cache policy: <POLICY_NAMES>.
         capacity: Experts per layer on the device (fraction, count, bytes or ``all``).
         hardware: Hardware profile for the modeled TPOT; default: this machine's (``moecast profile``), else
             prescope-a100-pcie4.
@@ -743,4 +750,6 @@ def _print_sweep(
 
 
 # the presets' names and help, from runtime/core/policy.py (jsonargparse reads this docstring)
-run.__doc__ = with_policies(run.__doc__ or "", exclude=("belady",))
+# the help lists what is registered now: a policy or tier added is in it without an edit here
+run.__doc__ = with_policies(run.__doc__ or "", exclude=("belady",)).replace("<TIER_HELP>", tier_help())
+eval_accuracy.__doc__ = with_policies(eval_accuracy.__doc__ or "", exclude=("belady",))

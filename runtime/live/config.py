@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from moecast.runtime.core import eviction
 from moecast.runtime.core.policy import POLICIES, Policy, with_policies
 from moecast.runtime.core.spec import RuntimeSpec
 from moecast.runtime.tiers.base import DEVICE_OPS, ExpertTier
@@ -15,8 +16,20 @@ from moecast.runtime.tiers.registry import TIERS
 
 from moecast.errors import InputError
 
-#: ``policy`` names: the presets of runtime/core/policy.py but belady (it needs the future: replay only)
-LIVE_POLICIES = tuple(p for p in POLICIES if p != "belady")
+
+def _live_eviction(name: str) -> bool:
+    """Whether a live run can evict by ``name``: not by the next use (belady's), which only a replay knows."""
+    return "nu" not in eviction.get(name).reads
+
+
+def live_policies() -> tuple[str, ...]:
+    """The ``policy`` names a live run takes: the presets of runtime/core/policy.py (those registered so
+    far) but those that evict by the future accesses (belady: replay only)."""
+    return tuple(n for n, p in POLICIES.items() if _live_eviction(p.eviction))
+
+
+#: the presets a live run takes, as at import (:func:`live_policies` reads them now)
+LIVE_POLICIES = live_policies()
 PREFETCH_SOURCES = ("auto", "none", "online", "predictor")
 #: balance overrides the policy's balancer; ``load`` loads every miss (the policy vocabulary's ``none``)
 BALANCE = ("smoe", "presched", "load", "cpu")
@@ -110,13 +123,15 @@ class LiveConfig(RuntimeSpec):
     graphs: bool = True
 
     def __post_init__(self) -> None:
-        name = self.policy.name if isinstance(self.policy, Policy) else self.policy
-        if name == "belady" or (isinstance(self.policy, Policy) and self.policy.eviction == "belady"):
+        if not isinstance(self.policy, Policy) and self.policy not in POLICIES:
+            names = live_policies()  # read now: a policy registered after import is one of them
+            raise InputError(f"unknown policy {self.policy!r}; choose one of {', '.join(names)}")
+        rule = self.policy if isinstance(self.policy, Policy) else POLICIES[self.policy]
+        if not _live_eviction(rule.eviction):
             raise InputError(
-                "belady needs the future accesses: it is a replay bound (moecast replay --policy belady)"
+                f"policy {rule.name!r} evicts by the future accesses ({rule.eviction} reads the next use): "
+                f"it is a replay bound (moecast replay --policy {rule.name})"
             )
-        if not isinstance(self.policy, Policy) and self.policy not in LIVE_POLICIES:
-            raise InputError(f"unknown policy {self.policy!r}; choose one of {', '.join(LIVE_POLICIES)}")
         # replay's rule, so that one policy name means the same in both runtimes: only policies that
         # substitute (smoe) take an alpha in [0, 1), 0.3 when none is given
         self.alpha = super().rule().alpha

@@ -38,6 +38,12 @@ from moecast.runtime.tiers.base import Device, ExpertTier
 from moecast.runtime.tiers.expert_store import SlotView
 
 
+def _closing(waves: Any) -> contextlib.AbstractContextManager:
+    """The waves, closed when the compute ends early where they can be (a generator releases its
+    buffers); a tier's ``cpu_waves`` may return any iterator, as the protocol says."""
+    return contextlib.closing(waves) if hasattr(waves, "close") else contextlib.nullcontext(waves)
+
+
 @dataclass
 class ExpertsCall:
     """One experts call's inputs: device tensors, and the host copies the layer's one read brought."""
@@ -378,7 +384,7 @@ class Executor:
         if call.pairs:
             return self._host_pairs(pos, call, hidden, waves)
         out = torch.zeros(hidden.shape, dtype=torch.float32)
-        with contextlib.closing(waves):
+        with _closing(waves):
             for tensors, table, count in waves:
                 cpu_ids = torch.from_numpy(table[call.ids])
                 rows = (cpu_ids < count).any(1)
@@ -397,7 +403,7 @@ class Executor:
         order = pairs.reference_order(experts) if call.hidden.shape[0] > 1 else None
         flat = call.ids.reshape(-1)
         out = torch.zeros(hidden.shape, dtype=call.hidden.dtype)
-        with contextlib.closing(waves):
+        with _closing(waves):
             for tensors, table, count in waves:
                 ids = torch.from_numpy(table[call.ids].reshape(-1))
                 mine = ids < count

@@ -206,9 +206,13 @@ def _print_result(res: ReplayResult, predictor_given: bool = True) -> None:
         )
 
 
-def _words(values: Sequence[str]) -> list[str]:
-    """The non-empty items of a list option; a bare string is one item, not its letters."""
-    return [str(v).strip() for v in ([values] if isinstance(values, str) else values) if str(v).strip()]
+def _words(values: Sequence[str], commas: bool = True) -> list[str]:
+    """The non-empty items of a list option; a bare string is one item, not its letters. ``commas``: an
+    item ``lru,lfu`` is two (names and numbers hold no comma; a path may, so predictors pass False)."""
+    items = [str(v) for v in ([values] if isinstance(values, str) else values)]
+    if commas:
+        items = [w for v in items for w in v.split(",")]
+    return [w.strip() for w in items if w.strip()]
 
 
 # the columns of compare's table.md and table.csv
@@ -364,7 +368,7 @@ def _compare_lists(
     plans = _words(planners) or ["none"]
     if any(p not in ("none", "hot") for p in plans) and "hot" not in plans:
         plans.append("hot")
-    return pols, _words(predictors) or ["none"], caps, plans
+    return pols, _words(predictors, commas=False) or ["none"], caps, plans
 
 
 def _make_out(out: str) -> None:

@@ -216,6 +216,13 @@ class LayerTier(Protocol):
 
     def free_slot(self) -> int | None: ...
 
+    def load_many(
+        self, experts: np.ndarray | list[int], evict: list[int], prefetch: bool = False
+    ) -> list[int]:
+        """Copy ``experts`` back to back, each into a free slot or else the slot of the next of ``evict``
+        (taken in order); returns their slots (the runtime moves a layer's loads in one call)."""
+        ...
+
     def load(self, expert: int, evict: int | None = None, prefetch: bool = False) -> int:
         """Start copying ``expert`` into a free slot, or into ``evict``'s; returns the slot (``prefetch``:
         no compute waits for it yet, so it never goes on the link ahead of a demand copy in flight)."""
@@ -258,6 +265,7 @@ class ExpertTier(Protocol):
     """
 
     name: ClassVar[str]
+    help: ClassVar[str]  # a few words for ``--offload``'s help: where its experts live
     layers: list[LayerTier]
     background_reads: bool
 

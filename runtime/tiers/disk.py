@@ -26,6 +26,7 @@ class DiskTier:
     """:class:`moecast.runtime.tiers.base.ExpertTier` over an offload directory (``offload="disk"``)."""
 
     name: ClassVar[str] = "disk"
+    help: ClassVar[str] = "``--offload_dir``, read with direct I/O"
     #: the offload directory keeps every precision's copy beside the model-dtype one: two copies fit
     holds_copies: ClassVar[bool] = True
 

@@ -47,6 +47,7 @@ class HostTier:
     """:class:`moecast.runtime.tiers.base.ExpertTier` over host memory (``offload="ram"``)."""
 
     name: ClassVar[str] = "ram"
+    help: ClassVar[str] = "host memory"
 
     def __init__(self, layers: list[LayerStore]) -> None:
         self.layers = layers
@@ -58,7 +59,7 @@ class HostTier:
         if settings.offload_dir:  # a directory given for a tier that reads none: the user meant disk
             raise InputError(
                 f"offload_dir={settings.offload_dir} is the disk tier's directory, and offload='ram' reads "
-                "none: add offload='disk' (moecast run --offload disk) to read the experts from it"
+                "none: add offload='disk' to read the experts from it"
             )
         if not settings.precision.quantized:
             return

@@ -14,3 +14,9 @@ TIERS: dict[str, type[ExpertTier]] = {
     HostTier.name: HostTier,
     DiskTier.name: DiskTier,
 }
+
+
+def tier_help() -> str:
+    """The registered tiers for a help text, each with its own words: ``ram (host memory) or disk (...)``."""
+    named = [f"{name} ({cls.help})" for name, cls in TIERS.items()]
+    return named[0] if len(named) == 1 else f"{', '.join(named[:-1])} or {named[-1]}"
