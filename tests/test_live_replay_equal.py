@@ -24,8 +24,11 @@ from moecast.runtime.core.policy import POLICIES
 from moecast.runtime.live.runtime import attach
 from moecast.runtime.replay.engine import ReplayConfig, replay
 
-STEPS = 12
+STEPS = 24
 CAPACITY = 8  # of tiny's 32 experts per layer
+# teacher-forced tokens: the random model's greedy text soon repeats one token, whose routing every
+# policy serves alike (a key that weighs recency otherwise than the replay's passed such a run)
+TOKENS = torch.randint(1, 1000, (1, STEPS), generator=torch.Generator().manual_seed(0))
 
 
 @pytest.fixture(scope="module")
@@ -134,10 +137,11 @@ def live_run(model, policy, hw, predictor=None, prefetch="none", **tier):
     rt.step.route = recording
     try:
         with torch.no_grad():
-            out = model(input_ids=torch.tensor([[1]]), use_cache=True)
-            for _ in range(1, STEPS):
-                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-                out = model(input_ids=nxt, **with_cache(model, kv_cache(out)), use_cache=True)
+            out = model(input_ids=TOKENS[:, :1], use_cache=True)
+            for t in range(1, STEPS):
+                out = model(
+                    input_ids=TOKENS[:, t : t + 1], **with_cache(model, kv_cache(out)), use_cache=True
+                )
         stats = rt.stats()
         stats["store_bytes_moved"] = [s.bytes_moved for s in rt.stores]  # each store's own count
         info = rt.info
@@ -230,6 +234,17 @@ def test_live_and_replay_equal_on_the_simulated_device(tiny, profile, cheap_cpu_
     hw = cheap_cpu_profile if case == "presched" else profile
     _, _, _, stats = _equal_values(tiny, hw, tmp_path, case, dict(device_ops="simulated"))
     assert stats["simulated_device"] and stats["device_ops"] == "simulated" and stats["link_bytes"] > 0
+
+
+def test_the_runs_routing_tells_the_policies_apart(tiny, profile, tmp_path):
+    """Live equals replay only says something where the policies decide differently: on this run's
+    routing LRU and LFU evict otherwise (the greedy text's routing, one token repeated, served every
+    policy alike)."""
+    stats, ids, probs, info = live_run(tiny, "lru", profile)
+    ts = as_traceset(tmp_path / "ts", info, ids, probs)
+    cfg = ReplayConfig(policy="lru", capacity=CAPACITY, cold=True, hardware=str(profile))
+    lru, lfu = (replay(ts, dataclasses.replace(cfg, policy=p)).loads for p in ("lru", "lfu"))
+    assert stats["loads"] == lru != lfu
 
 
 def _equal_values(tiny, profile, tmp_path, case, tier=None):
