@@ -335,13 +335,39 @@ def test_a_full_disk_is_refused_before_and_during_the_write(tmp_path, monkeypatc
     assert offload.missing_layers(tmp_path / "full", meta) == [0, 1]
 
 
-def test_without_o_direct_reads_are_buffered_and_dropped_and_it_says_so(tmp_path, monkeypatch):
+def test_the_room_a_quantized_copy_needs_is_its_own_files(tmp_path, monkeypatch):
+    """Adding int4 to a directory that holds the model-dtype files needs room for the int4 files
+    alone: the bytes those files take where they were written (a check that counted only the model's
+    files let the write start and fail half-way)."""
+    from moecast.runtime.tiers.precision import Precision
+
+    model, int4 = make_model("qwen2_moe"), Precision("int4", 32)
+    st = find_moe_structure(model)
+    offload.write_offload(model, st, tmp_path / "ref", precision=int4)
+    need = sum(f.stat().st_size for f in (tmp_path / "ref").glob("layer_*.int4-g32.safetensors"))
+    _write(model, tmp_path / "d")
+    usage = offload.shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(offload.shutil, "disk_usage", lambda p: usage._replace(free=need - 1))
+    with pytest.raises(OffloadError, match="GiB free and the experts need"):
+        offload.write_offload(model, st, tmp_path / "d", precision=int4)
+    monkeypatch.setattr(offload.shutil, "disk_usage", lambda p: usage._replace(free=need))
+    offload.write_offload(model, st, tmp_path / "d", precision=int4)
+    assert (
+        offload.missing_layers(
+            tmp_path / "d", offload.with_precision(offload.offload_meta(model, st), st, int4), int4
+        )
+        == []
+    )
+
+
+@pytest.mark.parametrize("code", [errno.EINVAL, errno.EOPNOTSUPP])  # the file systems' two refusals
+def test_without_o_direct_reads_are_buffered_and_dropped_and_it_says_so(tmp_path, monkeypatch, code):
     model = make_model("qwen2_moe")
     ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(2))
     ref = decode_logits(model, ids)
 
     def refused(path):
-        raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        raise OSError(code, os.strerror(code), str(path))
 
     monkeypatch.setattr(offload, "_open_direct", refused)
     monkeypatch.setattr(offload, "_WARNED", set())
@@ -363,6 +389,30 @@ def test_without_o_direct_reads_are_buffered_and_dropped_and_it_says_so(tmp_path
     assert len(dropped) >= stats["disk_reads"] and set(dropped) == {os.POSIX_FADV_DONTNEED}
 
 
+def test_an_open_refused_otherwise_than_for_o_direct_is_an_error_not_a_fallback(tmp_path, monkeypatch):
+    model = make_model("qwen2_moe")
+    offload.write_offload(model, find_moe_structure(model), tmp_path)
+
+    def denied(path):
+        raise OSError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(offload, "_open_direct", denied)
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    with pytest.raises(
+        OffloadError, match=r"cannot open expert file .*layer_000.safetensors \(Permission denied\)"
+    ):
+        ExpertReader(tmp_path, offload.tier_meta(meta, offload.MODEL))
+
+
+def test_a_meta_json_of_another_format_is_refused(tmp_path):
+    """A directory another tool wrote a meta.json into is not read as experts."""
+    model = make_model("qwen2_moe")
+    (tmp_path / "meta.json").write_text(json.dumps({"format": "someone-else", "version": 1}))
+    meta = offload.offload_meta(model, find_moe_structure(model))
+    with pytest.raises(OffloadError, match="is not a moecast offload directory; choose an empty or new"):
+        offload.missing_layers(tmp_path, meta)
+
+
 def test_a_capacity_larger_than_the_memory_available_is_refused(tmp_path, monkeypatch):
     model = make_model("qwen2_moe")
     monkeypatch.setattr(offload, "available_bytes", lambda: 10 * QWEN_STRIDE)
@@ -372,6 +422,14 @@ def test_a_capacity_larger_than_the_memory_available_is_refused(tmp_path, monkey
     # 2 layers x (6 slots + 4 staging buffers) x 8192 bytes needed; 10 blocks fit: 5 - 4 = 1 expert per layer
     assert "lower capacity=N" in msg and "at most 1 experts per layer" in msg
     assert all(t.device.type == "cpu" for t in model.parameters())  # the weights were not dropped
+    # at the edge: 2 slots a layer need 2 x (2 + 4) blocks, the staging buffers counted with the slots
+    monkeypatch.setattr(offload, "available_bytes", lambda: 12 * QWEN_STRIDE - 1)
+    with pytest.raises(
+        OffloadError, match=r"capacity 2 \(2 experts per layer\) needs .*at most 1 experts per layer"
+    ):
+        attach(model, policy="lru", capacity=2, offload="disk", offload_dir=str(tmp_path))
+    monkeypatch.setattr(offload, "available_bytes", lambda: 12 * QWEN_STRIDE)
+    attach(model, policy="lru", capacity=2, offload="disk", offload_dir=str(tmp_path)).detach()
 
 
 def test_offload_disk_needs_a_directory():
@@ -643,3 +701,89 @@ def test_a_hit_still_in_flight_computes_after_the_landed_hits_before_the_loads()
     )
     parts = ex._resident(0, SimpleNamespace(decode=True), np.array([4, 7, 9]), np.array([5, 2]))
     assert [p.tolist() for p in parts] == [[4, 9], [7], [5], [2]]
+
+
+def test_a_directory_of_the_model_in_another_dtype_is_refused(tmp_path):
+    """The same model (fingerprint and config) loaded in bfloat16 over a float32 directory: its experts'
+    blocks would be read with the wrong element size, so the directory is refused, naming the dtypes."""
+    model = make_model("qwen2_moe")
+    offload.write_offload(model, find_moe_structure(model), tmp_path)
+    other = make_model("qwen2_moe").to(torch.bfloat16)
+    meta = offload.offload_meta(other, find_moe_structure(other))
+    with pytest.raises(OffloadError, match=r"another shape or dtype .*'F32'.* vs .*'BF16'") as exc:
+        offload.missing_layers(tmp_path, meta)
+    assert "load the model in the dtype it was written in" in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_held_prefetch_copies_follow_the_last_demand_copy_in_the_order_they_landed():
+    """Two demand copies issued; three prefetch reads land before them (a, b, c): held. The first demand
+    copy queues alone; the second queues, then a, b, c in landing order; a prefetch landing with no
+    demand outstanding goes at once. Each landed future holds its own copy's result."""
+    from concurrent.futures import Future
+
+    order, queued = offload.LinkOrder(), []
+
+    def copy(name: str):
+        return lambda: (queued.append(name), name)[1]
+
+    futs = {n: Future() for n in ("d1", "d2", "a", "b", "c", "e")}
+    order.demand()
+    order.demand()
+    for n in ("a", "b", "c"):
+        order.queue(copy(n), futs[n], prefetch=True)
+    assert queued == []
+    order.queue(copy("d1"), futs["d1"], prefetch=False)
+    assert queued == ["d1"]
+    order.queue(copy("d2"), futs["d2"], prefetch=False)
+    assert queued == ["d1", "d2", "a", "b", "c"]
+    order.queue(copy("e"), futs["e"], prefetch=True)
+    assert queued[-1] == "e" and all(f.result() == n for n, f in futs.items())
+
+
+def _two_readers(tmp_path):
+    """The model-dtype copy and an int4-g32 copy of one directory (qwen2_moe): two ExpertReaders."""
+    from moecast.runtime.tiers.precision import Precision
+
+    model, int4 = make_model("qwen2_moe"), Precision("int4", 32)
+    meta = offload.write_offload(model, find_moe_structure(model), tmp_path, precision=int4)
+    high = ExpertReader(tmp_path, offload.tier_meta(meta, offload.MODEL), threads=1)
+    low = ExpertReader(tmp_path, offload.tier_meta(meta, int4), threads=1, pool=high.pool)
+    return model.model.layers[0].mlp.experts, high, low
+
+
+def test_two_copies_reread_a_slot_whose_flag_changed_and_count_only_upgrades(tmp_path):
+    """Expert 3 loaded at the low copy, then flagged high: sync rereads it (an upgrade, the high
+    copy's 6144 bytes); flagged low again: reread (a downgrade: bytes, no upgrade). Nothing changed:
+    nothing reread."""
+    experts, high, low = _two_readers(tmp_path)
+    store = DiskLayerStore(experts, 2, high, 0, low_reader=low)
+    try:
+        flags = np.zeros(store.num_experts, bool)
+        store.follow(flags)
+        flags[3] = True
+        slot = store.load(3)
+        store.wait()
+        low_bytes = low.layouts[0].expert_bytes
+        assert store.slot_low[slot] and store.bytes_moved == low_bytes < QWEN_EXPERT_BYTES
+        flags[3] = False
+        assert (store.sync(), store.upgrades, store.bytes_moved) == (1, 1, low_bytes + QWEN_EXPERT_BYTES)
+        store.wait()
+        assert not store.slot_low[slot] and store.sync() == 0
+        flags[3] = True
+        assert (store.sync(), store.upgrades, store.bytes_moved) == (1, 1, 2 * low_bytes + QWEN_EXPERT_BYTES)
+        store.wait()
+        assert store.slot_low[slot]
+    finally:
+        store.close()
+        low.close()
+        high.close()
+
+
+def test_a_low_copy_larger_than_the_high_one_is_refused(tmp_path):
+    experts, high, low = _two_readers(tmp_path)
+    try:
+        with pytest.raises(OffloadError, match=r"the low copy of MoE layer 0 .* is larger than the high one"):
+            DiskLayerStore(experts, 2, low, 0, low_reader=high)
+    finally:
+        low.close()
+        high.close()

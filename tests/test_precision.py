@@ -3,6 +3,7 @@ formats' own arithmetic, and the disk tier computing on quantized experts as a m
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import numpy as np
@@ -269,6 +270,10 @@ def test_a_precision_recorded_in_another_layout_or_int4_packing_is_refused(tmp_p
     _, _, meta = _offload_int4(tmp_path)
     prec = P.Precision("int4", 32)
     on_disk = json.loads((tmp_path / "meta.json").read_text())
+    # the directory records this torch's packing: a directory that recorded none would match any torch
+    codes = (torch.arange(16 * 64).reshape(16, 64) * 7 % 16).to(torch.int32)
+    packed = hashlib.sha256(P.pack_int4(codes).numpy().tobytes()).hexdigest()[:16]
+    assert on_disk["precisions"]["int4-g32"]["int4_layout"] == packed
     other = json.loads(json.dumps(on_disk))
     other["precisions"]["int4-g32"]["int4_layout"] = "0000000000000000"
     (tmp_path / "meta.json").write_text(json.dumps(other))
@@ -299,14 +304,15 @@ def test_a_precision_recorded_in_another_layout_or_int4_packing_is_refused(tmp_p
 def test_a_damaged_quantized_file_is_refused_in_one_line(tmp_path):
     _, _, meta = _offload_int4(tmp_path)
     path = tmp_path / "layer_001.int4-g32.safetensors"
-    data = bytearray(path.read_bytes())
+    whole = path.read_bytes()
+    data = bytearray(whole)
     data[20] ^= 1  # inside the header's JSON
     path.write_bytes(bytes(data))
     with pytest.raises(
         offload.OffloadError, match=r"layer_001.int4-g32.safetensors is damaged \(its header differs\)"
     ):
         offload.missing_layers(tmp_path, meta, P.Precision("int4", 32))
-    path.write_bytes(bytes(data) + b"\0" * 10)
+    path.write_bytes(whole + b"\0" * 10)  # its header intact: the length alone is wrong
     with pytest.raises(offload.OffloadError, match="is longer than its layout"):
         offload.missing_layers(tmp_path, meta, P.Precision("int4", 32))
 

@@ -10,7 +10,7 @@ import torch
 from moecast.collect.models import kv_cache, with_cache
 from moecast.collect.tiny import build_tiny
 from moecast.runtime.live.runtime import attach
-from moecast.runtime.tiers.offload import DENSE, load_offloaded, peak_rss_mb
+from moecast.runtime.tiers.offload import DENSE, OffloadError, load_offloaded, peak_rss_mb
 
 torch.set_num_threads(1)
 
@@ -217,3 +217,20 @@ def test_without_an_accelerator_cpu_experts_are_read_first_and_computed_after_th
         if "resident" in kinds:
             assert max(i for i, k in enumerate(kinds) if k == "resident") < kinds.index("cpu")
         assert all(n == 1 for k, n in c if k in ("cpu", "read"))  # one expert per wave at decode
+
+
+def test_a_dense_file_that_lacks_weights_is_refused_in_one_line(tiny_dir, tmp_path):
+    """The dense file is the model's weights outside the experts; one missing (a file written by another
+    version, or cut) left that parameter on the meta device, which fails later, far from the cause."""
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "off"
+    load_offloaded(str(tiny_dir), d)  # writes the directory
+    dense = load_file(d / DENSE)
+    gone = next(k for k in dense if k.endswith("norm.weight"))
+    save_file({k: v for k, v in dense.items() if k != gone}, d / DENSE)
+    with pytest.raises(
+        OffloadError, match=rf"{DENSE} lacks weights \['{gone}'\]; delete it and run again"
+    ) as exc:
+        load_offloaded(str(tiny_dir), d)
+    assert "\n" not in str(exc.value)
