@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from moecast.runtime.tiers.expert_store import LayerStore, expert_params
@@ -73,3 +74,19 @@ def test_only_the_tensors_indexed_by_expert_are_an_experts_weights():
             self.register_buffer("scalar", torch.tensor(1.0))
 
     assert sorted(expert_params(Experts())) == ["scale", "w"]
+
+
+def test_a_preload_evicts_only_residents_it_does_not_want():
+    """A plan's preload of layer 0 to hold {0, 5} over residents [0, 1]: it loads 5 into 1's slot, and
+    keeps 0 (evicting 0 first, the slot order, would leave {1, 5} and 0 to a demand read)."""
+    from moecast.runtime.live.runtime import attach
+
+    model = make_model("qwen2_moe")
+    rt = attach(model, policy="lru", capacity=2, warm=False)
+    try:
+        ex = rt.executor
+        ex.stores[0].fill([0, 1])
+        assert ex.preload(0, np.array([0, 5])) == 1
+        assert ex.stores[0].expert_in.tolist() == [0, 5]
+    finally:
+        rt.detach()

@@ -227,6 +227,9 @@ def test_every_use_at_one_copy_gives_that_copy_s_run(tmp_path):
     high, hs = _logits(model, ids, tmp_path, "a", policy="lru", capacity=None, **MIXED)
     model_dtype, _ = _logits(model, ids, tmp_path, "b", policy="lru", capacity=None)
     assert torch.equal(high, model_dtype) and hs["expert_dtype"] == "model+int4-g32"
+    # and its uses are timed at the high copy: none at the low one
+    by = hs["expert_compute_by_copy"]
+    assert by["int4-g32"]["uses"] == 0 < by["model"]["uses"] and hs["low_share"] == 0.0
     slow = dict(policy="lru", capacity=3, warm=False, hardware=_slow_link(tmp_path))
     low, ls = _logits(model, ids, tmp_path, "c", **slow, **MIXED)
     int4, s4 = _logits(model, ids, tmp_path, "d", **slow, expert_dtype="int4", group_size=32)

@@ -212,6 +212,27 @@ def test_the_window_s_high_copies_cost_no_candidate_its_low_ones_would_land():
     assert step.low[0, [3, 4, 5, 6]].tolist() == [False, True, True, True]
 
 
+def test_a_window_that_transfers_fill_exactly_lands_all_of_them():
+    """Seven transfers of 0.1 ms in a 0.7 ms window: 0.7 / 0.1 is 6.999999999999999 in floating point,
+    and floor would land six. The one-copy rule (step.landing) and the two-copy plan both land seven."""
+    ask, free = np.array([10]), np.array([0.7])
+    plan = plan_prefetch(ask, np.array([-1]), free, 0.1, 0.1, "none", False, False, None)
+    assert plan.n_high.tolist() == [7] and plan.n_low.tolist() == [0]
+    mixed = plan_prefetch(ask, np.array([-1]), free, 0.2, 0.1, "none", False, False, None)
+    assert (mixed.n_high + mixed.n_low).tolist() == [7]
+
+
+def test_a_late_prefetch_leaves_the_link_no_idle_time_for_upgrades():
+    """t_hi 0.4, t_lo 0.3, five candidates, free 1.05: three land low (0.9), the 0.15 left turns one
+    high (0.1 more): 1.0 used. The fourth is started past the window (late, the low copy), so the
+    link is busy past the window's end: the 0.05 left is no idle time for an upgrade."""
+    plan = plan_prefetch(np.array([5]), np.array([-1]), np.array([1.05]), 0.4, 0.3, "none", True, False, None)
+    assert (plan.n_high.tolist(), plan.n_low.tolist(), plan.late.tolist()) == ([1], [2], [LOW])
+    assert plan.idle.tolist() == [0.0]
+    calm = plan_prefetch(np.array([3]), np.array([-1]), np.array([1.05]), 0.4, 0.3, "none", True, False, None)
+    assert calm.late.tolist() == [NONE] and calm.idle[0] == pytest.approx(0.05)
+
+
 # ------------------------------------------------------------------------------------ the gate
 @pytest.mark.parametrize("p, taken", [(0.4, False), (0.6, True)])
 def test_the_gate_starts_a_late_prefetch_above_break_even(p, taken):

@@ -504,3 +504,18 @@ def test_one_token_experts_call_is_the_batched_calls_row_bit_for_bit(extras):
     # the weights follow their experts: swapping two of a row's weights changes its output
     swapped = P.quantized_experts_forward(prec, view, x[:1], ids[:1], w[:1, [1, 0, 2]])
     assert not torch.equal(swapped[0], batched[0])
+
+
+def test_an_experts_bytes_count_its_biases_at_every_precision():
+    """Experts with biases (gpt-oss's): the matrices are quantized, the biases kept. Per expert, float32:
+    gate-up [8 out, 16 in] and down [16 out, 4 in] are 192 weights, and 24 biases. The model's dtype:
+    (192 + 24) x 4 = 864 bytes. int8: 192 one-byte codes, a float32 step per output row (8 + 16) = 96
+    bytes, the biases' 96 bytes: 384."""
+    params = {
+        "gate_up_proj": torch.zeros(3, 8, 16),
+        "gate_up_proj_bias": torch.zeros(3, 8),
+        "down_proj": torch.zeros(3, 16, 4),
+        "down_proj_bias": torch.zeros(3, 16),
+    }
+    assert P.expert_nbytes(P.Precision(), params, False) == 864
+    assert P.expert_nbytes(P.Precision("int8"), params, False) == 384
