@@ -519,3 +519,18 @@ def test_an_experts_bytes_count_its_biases_at_every_precision():
     }
     assert P.expert_nbytes(P.Precision(), params, False) == 864
     assert P.expert_nbytes(P.Precision("int8"), params, False) == 384
+
+
+def test_an_int4_matrix_the_layout_cannot_pack_is_refused_in_one_line():
+    """torch's int4 packing takes 16 output rows and 2 inputs at a time: [24 out, 64 in] failed deep in
+    the quantizer with torch's own message ("expect N to be dividable by 16"); the stored layout refuses
+    it first, naming the matrix and what to use. int8 takes any shape."""
+    params = {"gate_up_proj": torch.zeros(2, 24, 64), "down_proj": torch.zeros(2, 64, 12)}
+    with pytest.raises(
+        ValueError, match=r"the experts' gate_up_proj is \[24 out, 64 in\]: use expert_dtype=int8"
+    ) as e:
+        P.expert_nbytes(P.Precision("int4", 32), params, False)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"down_proj is \[16 out, 63 in\]"):
+        P.part_shapes(P.Precision("int4", 32), "down_proj", (63, 16), torch.float32, True)
+    assert P.expert_nbytes(P.Precision("int8"), params, False) == 24 * 64 + 64 * 12 + (24 + 64) * 4

@@ -174,6 +174,12 @@ def part_shapes(
     out_f, in_f = (shape[1], shape[0]) if transposed else (shape[0], shape[1])
     if prec.dtype == "int8":
         return {f"{name}.q": ((out_f, in_f), torch.int8), f"{name}.s": ((out_f,), dtype)}
+    if out_f % 16 or in_f % 2:
+        # torch's CPU int4 layout, which the stored bytes are on every device, packs no other shape
+        raise InputError(
+            f"int4 packs a matrix's output rows in sixteens and its inputs in pairs (torch's int4 layout); "
+            f"the experts' {name} is [{out_f} out, {in_f} in]: use expert_dtype=int8 for this model"
+        )
     g = prec.group_for(in_f)
     return {f"{name}.q": ((out_f, in_f // 2), torch.uint8), f"{name}.sz": ((in_f // g, out_f, 2), dtype)}
 
@@ -606,7 +612,8 @@ def _cpu_kernel_ok(prec: Precision, out_f: int, in_f: int) -> bool:
     # asked twice per expert per token: the answer depends on the shapes alone
     if prec.dtype == "int8":
         return True
-    return prec.group_for(in_f) in INT4_KERNEL_GROUPS and out_f % 16 == 0 and in_f % 2 == 0
+    # the int4 layout refuses other shapes (part_shapes): every packed matrix has out_f % 16 == 0
+    return prec.group_for(in_f) in INT4_KERNEL_GROUPS
 
 
 _NOTED: set[tuple[str, int, int, str, str]] = set()
