@@ -1,9 +1,12 @@
-"""Exactly-sized page-locked host memory (runtime/tiers/pinned.py), checked with a stand-in for the driver."""
+"""Exactly-sized page-locked host memory (runtime/tiers/pinned.py), checked with a stand-in for the driver;
+and how much the host tier may pin (runtime/live/transfer.py's pinned_budget), with a stand-in /proc/meminfo."""
 
 from __future__ import annotations
 
 import gc
+import io
 
+import pytest
 import torch
 from moecast.runtime.tiers import pinned
 
@@ -68,3 +71,41 @@ def test_a_refused_registration_falls_back_to_torchs_pinned_allocator(monkeypatc
         pinned.pinned_empty(4096, drv.calls())
     assert got == [True, True] and t.numel() == 4096 and drv.unregistered == []
     assert sum("cudaHostRegister refused" in r.message for r in caplog.records) == 1
+
+
+def _meminfo(text: str | None):
+    """A stand-in for ``open`` that serves /proc/meminfo as ``text`` (None: unreadable)."""
+
+    def fake_open(path: str, *a, **kw) -> io.StringIO:
+        assert path == "/proc/meminfo", path
+        if text is None:
+            raise PermissionError(path)
+        return io.StringIO(text)
+
+    return fake_open
+
+
+@pytest.mark.parametrize(
+    "text",
+    [None, "MemTotal:  8000000 kB\n", "MemAvailable:  lots kB\n"],
+    ids=["unreadable", "no MemAvailable line", "malformed"],
+)
+def test_the_pinned_budget_is_zero_where_the_available_memory_cannot_be_read(monkeypatch, text):
+    """Without a --pinned-mb, the host tier may pin half the memory available now. Where /proc/meminfo
+    gives no figure (a container without /proc, another kernel's format), it pins nothing beyond its
+    staging buffers: an unlimited budget would lock every host copy and could take the whole
+    machine's memory out of reach of the page cache and other processes."""
+    from moecast.runtime.live import transfer
+
+    monkeypatch.setattr(transfer, "open", _meminfo(text), raising=False)
+    assert transfer.pinned_budget(None) == 0
+    assert transfer.pinned_budget(3) == 3 * 2**20  # a given size never reads it
+
+
+def test_the_pinned_budget_is_half_the_available_memory_read(monkeypatch):
+    """MemAvailable 1000 kB (the line after MemFree, as the kernel writes it): 1000 x 1024 / 2 = 512000 bytes."""
+    from moecast.runtime.live import transfer
+
+    text = "MemTotal:  4000 kB\nMemFree:  2000 kB\nMemAvailable:  1000 kB\n"
+    monkeypatch.setattr(transfer, "open", _meminfo(text), raising=False)
+    assert transfer.pinned_budget(None) == 512_000

@@ -525,6 +525,32 @@ def test_an_expert_timed_on_a_busy_host_is_said_in_one_line(tmp_path, monkeypatc
             assert "0.1, 0.11, 25, 0.13, 0.15 ms at 1, 2, 4, 8, 16 tokens" in said[0] and "quiet" in said[0]
 
 
+def test_times_more_than_100_percent_off_their_line_are_said_and_no_others():
+    """The fit 0.5 t + 1 ms at 2 and 4 tokens is 2 and 3 ms. A time of 6.3 ms at 4 tokens is
+    (6.3 - 3) / 3 = 110 % off: a busy host's, said. 5.7 ms (90 %) and 6.0 ms (exactly 100 %, not more)
+    are the scatter of a quiet one, and a line for them would tell the user to profile again for nothing."""
+    for times, off in (([2.0, 6.3], "110%"), ([2.0, 5.7], None), ([2.0, 6.0], None)):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            P._say_scatter("the experts call", [2, 4], times, 0.5, 1.0)
+        said = [str(w.message) for w in seen if issubclass(w.category, P.ProfileWarning)]
+        assert len(said) == (off is not None), (times, said)
+        if off is not None:
+            assert f"up to {off} off their line" in said[0] and "\n" not in said[0], said[0]
+
+
+@pytest.mark.parametrize("tokens", [0, -1])
+def test_calibrating_on_no_decoded_token_is_refused_before_the_model_is_touched(tmp_path, tokens):
+    """`moecast profile --calibrate -1` passes its count on as is: a run of no decode step measures no
+    rate, so it is refused in one line before the live runtime attaches or any expert is written
+    (the model here is a stand-in any use of which would fail)."""
+    from moecast.errors import InputError
+
+    with pytest.raises(InputError, match=rf"^calibration decodes at least one token, got {tokens}$"):
+        P.calibrate_live(object(), load_profile("prescope-a100-pcie4"), tmp_path / "off", tokens)
+    assert not (tmp_path / "off").exists()
+
+
 def test_calibrate_takes_the_rates_a_live_run_measured():
     """10 decode steps of a 4-layer top-6 model: 240 expert calls took 48 ms per step, so 2.0 ms each;
     attention and the runtime's host work 40 + 8 ms per step, of which 8 ms followed the last layer

@@ -482,6 +482,23 @@ def test_checkpoint_is_written_synced_with_the_umasks_mode(tmp_path, monkeypatch
     assert [p.name for p in tmp_path.iterdir()] == ["c.safetensors"]  # no temporary left
 
 
+@pytest.mark.parametrize("key", ["kind", "fingerprint", "moe_layers", "num_experts", "top_k"])
+def test_a_checkpoint_without_a_required_key_is_refused_before_anything_is_written(tmp_path, key):
+    """Loading a checkpoint reads these keys (which predictor, which model, its shape): one saved without
+    one would be written fine and fail only when loaded, far from the cause (a KeyError, or a refusal
+    for fingerprint None). save refuses it in one line naming the key and leaves no file
+    (format_version save adds itself)."""
+    from moecast.predictors.checkpoint import CheckpointError, save
+
+    meta = dict(kind="frequency", fingerprint="f", moe_layers=[1, 2], num_experts=4, top_k=1)
+    del meta[key]
+    with pytest.raises(CheckpointError) as exc:
+        save(tmp_path / "c.safetensors", {"table": np.ones((2, 4), np.float32)}, meta)
+    msg = str(exc.value)
+    assert f"lacks [{key!r}]" in msg and "\n" not in msg, msg
+    assert list(tmp_path.iterdir()) == []
+
+
 # ----------------------------------------------------------------------------- (e) training resume
 
 

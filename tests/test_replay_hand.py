@@ -17,6 +17,7 @@ test of a prefetch here fails; so does a prefetch started at layer 0 that cannot
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -504,3 +505,61 @@ def test_the_substitution_rate_counts_decode_uses_only(tmp_path):
     pol = Policy("sub-lru", "lru", substitutes=True, alpha=0.5)
     r = replay(TraceSet(tmp_path / "s"), ReplayConfig(policy=pol, capacity=2, cold=True))
     assert r.substitution_rate == 0.5 and r.hit_rate == pytest.approx(1 / 4)
+
+
+# A slot's bytes and the link's, by hand, for the synthetic expert (hidden 16, intermediate 32, bf16:
+# gate-up [64, 16] and down [16, 32], 3072 bytes). int8: 1024 + 512 weight bytes + one bf16 scale per
+# output row (64 + 16 rows x 2) = 1696; int4-g32: 512 + 256 + bf16 (scale, zero) per row and group
+# (64 x 4 + 16 x 4) = 1088 (test_a_quantized_tier_moves_its_own_bytes).
+INT8_BYTES, INT4_G32_BYTES = 1696, 1088
+
+
+@pytest.mark.parametrize(
+    "fast_tier, expert_dtype, link, slot",
+    [
+        ("device", "model", EXPERT_BYTES, EXPERT_BYTES),
+        ("device", "int8", INT8_BYTES, EXPERT_BYTES),  # dequantized into a model-dtype slot
+        ("device", "int4", INT4_G32_BYTES, EXPERT_BYTES),
+        ("cpu", "int8", INT8_BYTES, INT8_BYTES),  # the CPU computes from the copy the link moved
+        ("cpu", "int4", INT4_G32_BYTES, INT4_G32_BYTES),
+        ("device", "int8+int4", INT8_BYTES, INT8_BYTES),  # two copies: a slot holds the high one
+        ("cpu", "int8+int4", INT8_BYTES, INT8_BYTES),
+        ("device", "mixed", EXPERT_BYTES, EXPERT_BYTES),  # model+int4
+    ],
+)
+def test_a_slot_holds_what_its_fast_tier_computes_from(tmp_path, fast_tier, expert_dtype, link, slot):
+    """A capacity in bytes divides by one slot's bytes (slot_bytes). test_a_quantized_tier_moves_its_own_bytes
+    checks it through the capacities one precision at a time, through replay only; this pins the figure
+    itself on every branch, two copies included: a device dequantizes one quantized copy into a slot of
+    the model's dtype, the CPU keeps the copy the link moved, and under two copies a slot holds the high
+    copy as it was moved. 6KB then holds 2 experts on a device at int8 (6144 // 3072), 3 under int8+int4
+    (6144 // 1696)."""
+    from moecast.runtime.replay.engine import expert_link_bytes, slot_bytes
+
+    ts = _trace(tmp_path / "a", ROUTES_A)
+    cfg = ReplayConfig(expert_dtype=expert_dtype, group_size=32)
+    assert expert_link_bytes(ts, expert_dtype, 32) == link
+    assert slot_bytes(ts, cfg, _profile(1.5, fast_tier=fast_tier), link) == slot
+    if fast_tier == "device" and expert_dtype in ("int8", "int8+int4"):
+        hw = _profile(1.5, fast_tier="device")
+        r = _run(ts, True, "lru", expert_dtype=expert_dtype, group_size=32, capacity="6KB", hardware=hw)
+        assert r.config["capacity"] == 6144 // slot
+
+
+@pytest.mark.parametrize("recorded", ["int8", "int8 (bitsandbytes, as recorded by MoE-Beyond)"])
+def test_a_precision_quantizes_bf16_weights_where_the_traces_recorded_no_float_dtype(tmp_path, recorded):
+    """An import records how its source stored the weights (MoE-Beyond: bitsandbytes int8) while its
+    expert_bytes are the model's bf16 ones: a precision then quantizes bf16 weights, whose scales are
+    bf16 too. int8: 1024 + 512 weight bytes + 80 rows x 2 = 1696 (float32 scales would make it 1856);
+    int4-g32: 768 + 160 (scale, zero) pairs x 2 x 2 bytes = 1088 (1408 at float32)."""
+    from moecast.runtime.replay.engine import expert_link_bytes
+
+    path = tmp_path / "a"
+    _trace(path, ROUTES_A)
+    meta = json.loads((path / "meta.json").read_text())
+    meta["collection"]["dtype"] = recorded
+    (path / "meta.json").write_text(json.dumps(meta))
+    ts = TraceSet(path)
+    assert expert_link_bytes(ts, "int8", 128) == INT8_BYTES
+    assert expert_link_bytes(ts, "int4-g32", 128) == INT4_G32_BYTES
+    assert expert_link_bytes(ts, "model", 128) == EXPERT_BYTES

@@ -272,3 +272,78 @@ def test_a_split_with_an_empty_side_takes_the_lowest_hashed_train_prompt(tmp_pat
     ts = _prompted_set(tmp_path / "t", [f"p{i}" for i in range(4)])
     s = ts.splits(0.1, 0.1, seed=0)
     assert (s.test, s.val, s.train) == (["req-3"], ["req-1"], ["req-0", "req-2"])
+
+
+# ----------------------------------------------------------------------------- durability of the parts
+
+
+def _records(n: int, start: int = 0) -> list:
+    """``n`` requests of 4 prefill tokens for the 3-layer top-2 synthetic model, ids from ``start``."""
+    from conftest import synthetic_record
+
+    ids = np.arange(4 * 3 * 2).reshape(4, 3, 2) % 8
+    return [synthetic_record(r, np.arange(4), ids) for r in range(start, start + n)]
+
+
+def test_every_part_is_fsynced_complete_before_it_is_renamed_into_place(tmp_path, monkeypatch):
+    """A power cut after the rename must not leave a part whose name says "committed" over data still
+    in the page cache: each part's temporary is fsynced, at its final size, before os.replace puts it
+    in place (the tokens part, then the requests part that commits it)."""
+    import os
+
+    from conftest import synthetic_writer
+
+    writer = synthetic_writer(tmp_path / "t", num_layers=3, num_experts=8, top_k=2, with_optional=False)
+    synced: dict[int, int] = {}  # inode -> its size when fsynced
+    renamed: list[tuple[str, bool]] = []  # (target's folder, its data fsynced at its final size)
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        st = os.fstat(fd)
+        synced[st.st_ino] = st.st_size
+        real_fsync(fd)
+
+    def replace(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+        st = os.stat(src)
+        renamed.append((os.path.basename(os.path.dirname(dst)), synced.get(st.st_ino) == st.st_size))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    writer.write(_records(2))
+    assert renamed == [("tokens", True), ("requests", True)]
+    assert TraceSet(tmp_path / "t").num_requests == 2
+
+
+def test_a_write_killed_in_its_tokens_part_shows_no_request_and_a_rerun_writes_it(tmp_path, monkeypatch):
+    """The requests part is the commit marker, so it is written after the tokens part: a kill while the
+    tokens part is being put in place leaves the request invisible to a reader (not a TraceSet that
+    names a request whose tokens are missing), and a re-run's writer still has it to do and writes it
+    whole."""
+    import os
+
+    from conftest import synthetic_writer
+    from moecast.collect.traceset import TraceMeta, TraceWriter
+
+    path = tmp_path / "t"
+    synthetic_writer(path, num_layers=3, num_experts=8, top_k=2, with_optional=False).write(_records(1))
+    writer = TraceWriter(path, TraceMeta.from_json(json.loads((path / "meta.json").read_text())))
+    real_replace = os.replace
+
+    def killed_in_tokens(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+        if os.path.basename(os.path.dirname(dst)) == "tokens":
+            raise KeyboardInterrupt  # the kill: the tokens part never reaches its name
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", killed_in_tokens)
+    with pytest.raises(KeyboardInterrupt):
+        writer.write(_records(1, start=1))
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert TraceSet(path).request_ids == ["req-0"]
+    rerun = TraceWriter(path, TraceMeta.from_json(json.loads((path / "meta.json").read_text())))
+    assert rerun.done == {"req-0"}
+    assert not list(path.glob("*/.part-*.tmp-*"))  # the killed write's temporary is cleared
+    rerun.write(_records(1, start=1))
+    ts = TraceSet(path)
+    assert ts.request_ids == ["req-0", "req-1"]
+    np.testing.assert_array_equal(ts.get("req-1").topk_ids, _records(1, start=1)[0].topk_ids)
