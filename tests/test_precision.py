@@ -534,3 +534,8 @@ def test_an_int4_matrix_the_layout_cannot_pack_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"down_proj is \[16 out, 63 in\]"):
         P.part_shapes(P.Precision("int4", 32), "down_proj", (63, 16), torch.float32, True)
     assert P.expert_nbytes(P.Precision("int8"), params, False) == 24 * 64 + 64 * 12 + (24 + 64) * 4
+    # quantizing in memory (eval-accuracy's arithmetic) refuses it alike, not with torch's message
+    with pytest.raises(ValueError, match=r"the experts' gate_up_proj is \[24 out, 64 in\]"):
+        P.quantize_params(P.Precision("int4", 32), params, False)
+    with pytest.raises(ValueError, match=r"the experts' matrix is \[24 out, 64 in\]"):
+        P.fake_quantized(P.Precision("int4", 32), params, False)

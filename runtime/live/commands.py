@@ -251,8 +251,9 @@ def run(
         online_update: Continual learning of the predictor on each decoded token (PreScope §4.2.2).
         learn_plans: CasMoE's buffer: the prompt and the EP of its prefill go to the planner's EAM, which
             folds every C (its buffer_size, paper 30) into its index and rewrites its checkpoint files.
-        offload: Where the experts that are not resident live: <TIER_HELP>. Under disk the experts are written to DIR once (that run loads the whole
-            model; later runs load only its other weights), and only ``capacity`` experts per layer are in memory.
+        offload: Where the experts that are not resident live: <TIER_HELP>. Under disk the experts are
+            written to DIR once (that run loads the whole model; later runs load only its other weights),
+            and only ``capacity`` experts per layer are in memory.
         offload_dir: The offload directory for ``--offload disk`` (created if absent; a re-run resumes an
             interrupted write; another model's directory is refused).
         expert_dtype: Precision of the offloaded experts: model (the model's dtype, exact), int8 (per output

@@ -174,14 +174,19 @@ def part_shapes(
     out_f, in_f = (shape[1], shape[0]) if transposed else (shape[0], shape[1])
     if prec.dtype == "int8":
         return {f"{name}.q": ((out_f, in_f), torch.int8), f"{name}.s": ((out_f,), dtype)}
+    int4_packs(name, out_f, in_f)
+    g = prec.group_for(in_f)
+    return {f"{name}.q": ((out_f, in_f // 2), torch.uint8), f"{name}.sz": ((in_f // g, out_f, 2), dtype)}
+
+
+def int4_packs(name: str, out_f: int, in_f: int) -> None:
+    """Refuse a matrix torch's int4 layout cannot pack (its output rows in sixteens, its inputs in
+    pairs); the stored bytes are that layout on every device, so no other shape is quantized at int4."""
     if out_f % 16 or in_f % 2:
-        # torch's CPU int4 layout, which the stored bytes are on every device, packs no other shape
         raise InputError(
             f"int4 packs a matrix's output rows in sixteens and its inputs in pairs (torch's int4 layout); "
             f"the experts' {name} is [{out_f} out, {in_f} in]: use expert_dtype=int8 for this model"
         )
-    g = prec.group_for(in_f)
-    return {f"{name}.q": ((out_f, in_f // 2), torch.uint8), f"{name}.sz": ((in_f // g, out_f, 2), dtype)}
 
 
 def min_step(dtype: torch.dtype) -> float:
@@ -221,10 +226,11 @@ def quantize_int4(w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
     return {"q": pack_int4(q), "sz": sz}
 
 
-def quantize_matrix(prec: Precision, w: torch.Tensor) -> dict[str, torch.Tensor]:
-    """One [out, in] matrix at ``prec`` (parts by suffix)."""
+def quantize_matrix(prec: Precision, w: torch.Tensor, name: str = "matrix") -> dict[str, torch.Tensor]:
+    """One [out, in] matrix at ``prec`` (parts by suffix); ``name`` for a refusal."""
     if prec.dtype == "int8":
         return quantize_int8(w)
+    int4_packs(name, *w.shape)
     return quantize_int4(w, prec.group_for(w.shape[1]))
 
 
@@ -239,7 +245,7 @@ def quantize_params(
         if name not in mats:
             out[name] = t
             continue
-        parts = [quantize_matrix(prec, w.t() if transposed else w) for w in t]
+        parts = [quantize_matrix(prec, w.t() if transposed else w, name) for w in t]
         for suffix in parts[0]:
             out[f"{name}.{suffix}"] = torch.stack([p[suffix] for p in parts])
     return out
