@@ -351,14 +351,22 @@ def test_planner_checkpoint_preloads_and_prefetches(tmp_path):
 
     static = replay(ts, ReplayConfig(policy="static", capacity=6, cold=True))
     pinned = replay(ts, ReplayConfig(policy="static", capacity=6, cold=True, planner=str(ck)))
-    uses = hits = 0
+    uses = hits = moved = used = 0
     for rid in ts.request_ids:
         ids = ts.get(rid).topk_ids
         plan = StaticTable.from_topk(ids, 16).per_layer(6)
         hits += sum(e in plan[layer] for t in ids for layer, row in enumerate(t) for e in row)
         uses += ids.size
+        # each request starts cold: every planned expert is moved, and counts as used once routed
+        for layer, row in enumerate(plan):
+            planned = [e for e in row if e >= 0]
+            moved += len(planned)
+            used += sum(e in ids[:, layer] for e in planned)
     assert pinned.hit_rate == pytest.approx(hits / uses) and pinned.hit_rate > static.hit_rate
     assert pinned.prefetches_landed == 0 and pinned.bytes_moved > 0  # plans are loaded, not prefetched
+    # the plan's moved experts count as a plan's preloads do under lru: used once routed (they were all
+    # counted wasted, accuracy 0, at any hit rate)
+    assert pinned.prefetch_accuracy == pytest.approx(used / moved) and used > 0
     # compare pairs the planner with lru and static, not belady
     from moecast.runtime.replay.commands import compare
 

@@ -204,20 +204,24 @@ class ExpertCache:
         return lanes[:, None] * self.W + np.where(ids >= 0, ids, self.N)
 
     # ------------------------------------------------------------------ state
-    def preload(self, lanes: np.ndarray, items: np.ndarray) -> None:
+    def preload(self, lanes: np.ndarray, items: np.ndarray, moved: np.ndarray | None = None) -> None:
         """Fill lanes with items (e.g. the static hot-expert table or a prompt plan), no eviction needed.
 
-        ``items`` [n, j] with -1 padding; entries beyond capacity are ignored.
+        ``items`` [n, j] with -1 padding; entries beyond capacity are ignored. ``moved`` [n, j]: the items
+        a plan brought over the link, flagged as prefetched until their first use (as an insert's are).
         """
         lanes = np.asarray(lanes)
         items = np.asarray(items)
         valid = items >= 0
         rank = np.cumsum(valid, axis=1) - 1
         valid &= rank < self.capacity_of[lanes][:, None]
-        rows = np.broadcast_to(lanes[:, None], items.shape)[valid]
+        rows = np.broadcast_to(lanes[:, None], items.shape)
         self.resident[lanes] = False
-        self.resident[rows, items[valid]] = True
+        self.resident[rows[valid], items[valid]] = True
         self._count[lanes] = self.resident[lanes].sum(1)
+        if moved is not None:
+            flag = valid & moved
+            self.prefetched[rows[flag], items[flag]] = True
 
     # ------------------------------------------------------------------ decisions
     def lookup(self, lanes: np.ndarray, ids: np.ndarray) -> np.ndarray:

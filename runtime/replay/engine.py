@@ -971,7 +971,8 @@ def _plan_preload(
         # per-prompt placement); what was not resident is transferred
         new = (plan_ids >= 0) & ~cache.lookup(lanes, plan_ids)
         new &= np.cumsum(plan_ids >= 0, axis=1) <= cache.capacity_of[lanes][:, None]
-        cache.preload(lanes, plan_ids)
+        # the transferred ones count as a plan's other preloads do: prefetched until used
+        cache.preload(lanes, plan_ids, moved=new)
         ins = new
     else:
         ins = cache.insert(lanes, plan_ids, prefetch=True, t=None)
