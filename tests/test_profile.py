@@ -728,6 +728,33 @@ def test_calibrate_a_run_of_two_copies_times_each_copy_on_its_own_uses():
     )
 
 
+def test_calibrate_a_run_of_two_copies_whose_low_copy_was_never_used_keeps_its_profile_time():
+    """The mirror of the case above: a run where every use was at the high copy (say every prefetch
+    landed) has measured nothing at the low copy, so the calibrated profile keeps the base profile's
+    0.4 ms for int4-g128 rather than pricing low-copy experts as free (0 ms). 10 decode steps of a
+    4-layer top-6 model, 240 uses: at model+int4-g128, 0.72 s at the model dtype is 3.0 ms each
+    (gpu_expert_ms; cpu_c_ms = 3.0 - beta 0.25 = 2.75); at int8+int4-g128, 0.192 s at int8 is 0.8 ms
+    each and the model dtype's 1.0 / 0.75 stay."""
+    from moecast.runtime.core.cost_model import HardwareProfile
+
+    base = HardwareProfile(name="cpu-disk", transfer_gbps=3.0, ref_expert_bytes=1000, gpu_expert_ms=1.0,
+                           cpu_beta_ms=0.25, cpu_c_ms=0.75, attn_ms=10.0, fast_tier="cpu", slow_tier="disk",
+                           expert_ms={"int8": 0.5, "int4-g128": 0.4})  # fmt: skip
+    by_copy = {"model": {"s": 0.72, "uses": 240}, "int4-g128": {"s": 0.0, "uses": 0}}
+    stats = dict(decode_steps=10, routed=240, expert_compute_ms=72.0, attention_ms=40.0, policy_ms=8.0,
+                 disk_read_gbps_observed=1.5, predictor_ms=0.0, after_layers_ms=8.0,
+                 expert_dtype="model+int4-g128", expert_compute_by_copy=by_copy)  # fmt: skip
+    cal = P.calibrate(base, stats, 4)
+    assert (cal.gpu_expert_ms, cal.cpu_c_ms) == (3.0, 2.75)
+    assert cal.expert_ms == {"int8": 0.5, "int4-g128": 0.4}
+    none_low = {"int8": {"s": 0.192, "uses": 240}, "int4-g128": {"s": 0.0, "uses": 0}}
+    cal = P.calibrate(
+        base, {**stats, "expert_dtype": "int8+int4-g128", "expert_compute_by_copy": none_low}, 4
+    )
+    assert cal.expert_ms == {"int8": 0.8, "int4-g128": 0.4}
+    assert (cal.gpu_expert_ms, cal.cpu_c_ms) == (1.0, 0.75)
+
+
 def test_load_host_ms_times_the_stores_issue_of_each_copy_on_a_copy_of_the_experts(monkeypatch):
     """The host's time per load through the runtime's store, copies included (here the simulated
     device's copy call, slowed to 3 ms, is the host's), on a copy of the module: the model's own
@@ -756,6 +783,32 @@ def test_load_host_ms_times_the_stores_issue_of_each_copy_on_a_copy_of_the_exper
         assert t.data_ptr() == before[n][0] and torch.equal(t, before[n][1])
     with pytest.raises(ValueError, match="synchronously"):
         P.load_host_ms(experts, Device.at("cpu"))
+
+
+def test_load_host_ms_leaves_its_warm_up_load_out_of_the_median(monkeypatch):
+    """The first load warms the store's views and the copy path, so its issue time is not the host's
+    steady cost per load: a profile must not take it in. Here the warm-up load's copy call (the one
+    after the 2 slots' fill) takes 0.5 s and every other 1 ms; with loads=1 the median is the one
+    timed load's ~1 ms, where counting the warm-up would give (500 + 1) / 2 ms."""
+    import time
+
+    from moecast.runtime.tiers.base import Device
+    from moecast.runtime.tiers.simulated import SimulatedOps
+
+    experts = _model().model.layers[0].mlp.experts
+    fast = SimulatedOps.copy
+    calls: list[int] = []
+
+    def copy(self, dst, src, stream):
+        calls.append(1)
+        time.sleep(0.5 if len(calls) == 2 + 1 else 1e-3)  # 2 fill copies, then the warm-up load
+        fast(self, dst, src, stream)
+
+    monkeypatch.setattr(SimulatedOps, "copy", copy)
+    device = Device.at("cpu", ops="simulated")
+    ms, how = P.load_host_ms(experts, device, loads=1, slots=2)
+    assert len(calls) == 2 + 2 and "1 loads" in how and "2 slots" in how
+    assert 1.0 <= ms < 100.0
 
 
 def test_load_host_ms_is_left_unmeasured_without_cuda():

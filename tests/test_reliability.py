@@ -499,6 +499,49 @@ def test_a_checkpoint_without_a_required_key_is_refused_before_anything_is_writt
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_checkpoint_of_another_format_version_is_refused_naming_it(tmp_path):
+    """A checkpoint written by another (say a future) format would have its tensors read with this
+    version's layout and misread silently: load_raw refuses it in one line naming its format and the
+    one this moecast reads."""
+    import json
+
+    from moecast.predictors.checkpoint import FORMAT_VERSION, CheckpointError, load_raw, save
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    meta = dict(kind="frequency", fingerprint="f", moe_layers=[1, 2], num_experts=4, top_k=1)
+    path = save(tmp_path / "c.safetensors", {"table": np.ones((2, 4), np.float32)}, meta)
+    with safe_open(str(path), framework="pt") as fh:
+        header = json.loads(fh.metadata()["moecast"])
+        tensors = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+    assert header["format_version"] == FORMAT_VERSION == 1
+    save_file(tensors, str(path), metadata={"moecast": json.dumps({**header, "format_version": 2})})
+    with pytest.raises(CheckpointError) as exc:
+        load_raw(path)
+    msg = str(exc.value)
+    assert "checkpoint format 2, this moecast reads 1" in msg and str(path) in msg and "\n" not in msg, msg
+
+
+def test_a_safetensors_file_without_moecast_metadata_is_refused(tmp_path):
+    """A plain safetensors file (someone else's weights, or one exported by hand) is no predictor: both
+    the header-only read (which names a checkpoint's training set) and the full load refuse it in one
+    line that says so, rather than going on to "trained for model ? (fingerprint None)"."""
+    import torch
+    from moecast.predictors.checkpoint import CheckpointError, load_metadata, load_raw
+    from safetensors.torch import save_file
+
+    plain, other = tmp_path / "plain.safetensors", tmp_path / "other.safetensors"
+    save_file({"table": torch.ones(2, 4)}, str(plain))
+    save_file({"table": torch.ones(2, 4)}, str(other), metadata={"format": "pt"})
+    for path in (plain, other):
+        for read in (load_metadata, load_raw):
+            with pytest.raises(CheckpointError) as exc:
+                read(path)
+            assert str(exc.value) == (
+                f"{path}: a safetensors file without moecast metadata; export it with `moecast train`"
+            )
+
+
 # ----------------------------------------------------------------------------- (e) training resume
 
 

@@ -347,3 +347,28 @@ def test_a_write_killed_in_its_tokens_part_shows_no_request_and_a_rerun_writes_i
     ts = TraceSet(path)
     assert ts.request_ids == ["req-0", "req-1"]
     np.testing.assert_array_equal(ts.get("req-1").topk_ids, _records(1, start=1)[0].topk_ids)
+
+
+def test_resuming_a_collection_with_other_fields_is_refused_and_leaves_meta_alone(tmp_path):
+    """A resumed collection run with other options (say without --router-probs) would write parts whose
+    columns differ from meta.json's ``fields``: the writer refuses it in one line naming both field sets,
+    and the directory's meta.json still lists the fields its committed parts hold."""
+    from conftest import synthetic_record, synthetic_writer
+
+    path = tmp_path / "t"
+    ids = np.arange(4 * 3 * 2).reshape(4, 3, 2) % 8
+    optional = {
+        "topk_weights": np.full((4, 3, 2), 0.5, np.float16),
+        "router_probs": np.full((4, 3, 8), 0.125, np.float16),
+        "gate_inputs": np.zeros((4, 3, 16), np.float16),
+    }
+    synthetic_writer(path, num_layers=3, num_experts=8, top_k=2, with_optional=True).write(
+        [synthetic_record(0, np.arange(4), ids, **optional)]
+    )
+    before = (path / "meta.json").read_text()
+    with pytest.raises(TraceSetError, match="was collected with fields") as err:
+        synthetic_writer(path, num_layers=3, num_experts=8, top_k=2, with_optional=False)
+    assert "\n" not in str(err.value) and "'router_probs': True" in str(err.value)
+    assert "'router_probs': False" in str(err.value)
+    assert (path / "meta.json").read_text() == before
+    assert TraceSet(path).get("req-0").router_probs.shape == (4, 3, 8)
