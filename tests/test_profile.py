@@ -699,21 +699,30 @@ def test_expert_ms_survives_the_yaml_and_calibrates_per_precision(tmp_path):
         P.calibrate(base, {**stats, "expert_dtype": "model+int4-g128"}, 4)
 
 
+def _two_copy_profile():
+    """A CPU-and-disk profile that times int8 at 0.5 ms and int4-g128 at 0.4 ms an expert."""
+    from moecast.runtime.core.cost_model import HardwareProfile
+
+    return HardwareProfile(name="cpu-disk", transfer_gbps=3.0, ref_expert_bytes=1000, gpu_expert_ms=1.0,
+                           cpu_beta_ms=0.25, cpu_c_ms=0.75, attn_ms=10.0, fast_tier="cpu", slow_tier="disk",
+                           expert_ms={"int8": 0.5, "int4-g128": 0.4})  # fmt: skip
+
+
+def _two_copy_run(by_copy: dict, expert_compute_ms: float) -> dict:
+    """A model+int4-g128 run's stats: 10 decode steps, 240 routed uses, each copy's seconds and uses."""
+    return dict(decode_steps=10, routed=240, expert_compute_ms=expert_compute_ms, attention_ms=40.0,
+                policy_ms=8.0, disk_read_gbps_observed=1.5, predictor_ms=0.0, after_layers_ms=8.0,
+                expert_dtype="model+int4-g128", expert_compute_by_copy=by_copy)  # fmt: skip
+
+
 def test_calibrate_a_run_of_two_copies_times_each_copy_on_its_own_uses():
     """10 decode steps of a 4-layer top-6 model at model+int4-g128: 240 routed uses, 90 computed at
     the model-dtype copy in 0.27 s (3.0 ms each: gpu_expert_ms, and cpu_c_ms = 3.0 - beta 0.25 =
     2.75), 150 at int4-g128 in 0.18 s (1.2 ms each: its expert_ms entry; int8's stays). The link and
     the rest of a layer as a one-precision run: 1.5 GB/s, (40 + 8 - 8) / 4 = 10 ms, step 8 ms. At
     int8+int4-g128 with no use at int8, int8 keeps the profile's 0.5 ms and the model dtype's stays."""
-    from moecast.runtime.core.cost_model import HardwareProfile
-
-    base = HardwareProfile(name="cpu-disk", transfer_gbps=3.0, ref_expert_bytes=1000, gpu_expert_ms=1.0,
-                           cpu_beta_ms=0.25, cpu_c_ms=0.75, attn_ms=10.0, fast_tier="cpu", slow_tier="disk",
-                           expert_ms={"int8": 0.5, "int4-g128": 0.4})  # fmt: skip
-    by_copy = {"model": {"s": 0.27, "uses": 90}, "int4-g128": {"s": 0.18, "uses": 150}}
-    stats = dict(decode_steps=10, routed=240, expert_compute_ms=45.0, attention_ms=40.0, policy_ms=8.0,
-                 disk_read_gbps_observed=1.5, predictor_ms=0.0, after_layers_ms=8.0,
-                 expert_dtype="model+int4-g128", expert_compute_by_copy=by_copy)  # fmt: skip
+    base = _two_copy_profile()
+    stats = _two_copy_run({"model": {"s": 0.27, "uses": 90}, "int4-g128": {"s": 0.18, "uses": 150}}, 45.0)
     cal = P.calibrate(base, stats, 4)
     assert (cal.gpu_expert_ms, cal.cpu_c_ms, cal.cpu_beta_ms) == (3.0, 2.75, 0.25)
     assert cal.expert_ms == {"int8": 0.5, "int4-g128": 1.2}
@@ -735,15 +744,8 @@ def test_calibrate_a_run_of_two_copies_whose_low_copy_was_never_used_keeps_its_p
     4-layer top-6 model, 240 uses: at model+int4-g128, 0.72 s at the model dtype is 3.0 ms each
     (gpu_expert_ms; cpu_c_ms = 3.0 - beta 0.25 = 2.75); at int8+int4-g128, 0.192 s at int8 is 0.8 ms
     each and the model dtype's 1.0 / 0.75 stay."""
-    from moecast.runtime.core.cost_model import HardwareProfile
-
-    base = HardwareProfile(name="cpu-disk", transfer_gbps=3.0, ref_expert_bytes=1000, gpu_expert_ms=1.0,
-                           cpu_beta_ms=0.25, cpu_c_ms=0.75, attn_ms=10.0, fast_tier="cpu", slow_tier="disk",
-                           expert_ms={"int8": 0.5, "int4-g128": 0.4})  # fmt: skip
-    by_copy = {"model": {"s": 0.72, "uses": 240}, "int4-g128": {"s": 0.0, "uses": 0}}
-    stats = dict(decode_steps=10, routed=240, expert_compute_ms=72.0, attention_ms=40.0, policy_ms=8.0,
-                 disk_read_gbps_observed=1.5, predictor_ms=0.0, after_layers_ms=8.0,
-                 expert_dtype="model+int4-g128", expert_compute_by_copy=by_copy)  # fmt: skip
+    base = _two_copy_profile()
+    stats = _two_copy_run({"model": {"s": 0.72, "uses": 240}, "int4-g128": {"s": 0.0, "uses": 0}}, 72.0)
     cal = P.calibrate(base, stats, 4)
     assert (cal.gpu_expert_ms, cal.cpu_c_ms) == (3.0, 2.75)
     assert cal.expert_ms == {"int8": 0.5, "int4-g128": 0.4}
