@@ -355,3 +355,25 @@ def test_presched_is_refused_with_two_copies(tmp_path):
     with pytest.raises(InputError, match="one expert precision"):
         attach(make_model("qwen2_moe"), policy="presched", capacity=3, offload="disk", offload_dir=str(tmp_path),
                **MIXED)  # fmt: skip
+
+
+def test_batched_decode_times_each_copy_on_its_token_expert_pairs(tmp_path):
+    """Two sequences decoded together, 5 steps, 2 MoE layers, top-2: 5 x 2 x 2 x 2 = 40 routed (token,
+    expert) pairs, each computed at one copy, so the copies' uses add up to 40; counting an expert once
+    per call (two tokens on one expert) under-counts them, and the calibration's time per use with them."""
+    from moecast.collect.models import kv_cache, with_cache
+
+    model = make_model("qwen2_moe")
+    rt = attach(model, policy="lru", capacity=3, warm=False, prefetch="none", offload="disk",
+                offload_dir=str(tmp_path / "off"), **MIXED)  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    try:
+        with torch.no_grad():
+            out = model(input_ids=torch.randint(0, 64, (2, 4), generator=gen), use_cache=True)
+            for _ in range(5):
+                nxt = torch.randint(0, 64, (2, 1), generator=gen)
+                out = model(input_ids=nxt, **with_cache(model, kv_cache(out)), use_cache=True)
+        st = rt.stats()
+    finally:
+        rt.detach()
+    assert st["routed"] == 40 and sum(c["uses"] for c in st["expert_compute_by_copy"].values()) == 40
