@@ -229,3 +229,86 @@ def tiny_random():
     preset = get_preset("default")
     torch.manual_seed(0)
     return Qwen2MoeForCausalLM(model_config(preset, _Vocab(preset.vocab_size))).eval()
+
+
+# --------------------------------------------------------- the live == replay tests' model and windows
+# (here, not in their module, so that a new tier's or policy's copy of those tests finds them)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """configs/tiny.yaml's architecture with random weights (float32)."""
+    return tiny_random()
+
+
+@pytest.fixture(scope="module")
+def profile(tiny, tmp_path_factory):
+    """A profile whose prefetch windows are tight: one transfer 0.3 ms, attention 0.35 ms, the predictor
+    0.2 ms, so some prefetches land and some do not."""
+    from moecast.collect.models import find_moe_structure, model_info
+    from moecast.runtime.core.cost_model import HardwareProfile
+
+    expert_bytes = model_info(tiny, find_moe_structure(tiny), "tiny").expert_bytes
+    prof = HardwareProfile(
+        name="tight-window",
+        transfer_gbps=expert_bytes / 0.3e6,  # one expert in 0.3 ms
+        ref_expert_bytes=expert_bytes,
+        gpu_expert_ms=0.05,
+        cpu_beta_ms=0.05,
+        cpu_c_ms=0.3,
+        attn_ms=0.35,
+        predictor_ms=0.2,
+    )
+    path = tmp_path_factory.mktemp("hw") / "tight-window.yaml"
+    path.write_text(prof.to_yaml())
+    return path
+
+
+@pytest.fixture(scope="module")
+def cpu_disk_profile(profile, tmp_path_factory):
+    """The same window on a machine without an accelerator, its experts on a disk: every read takes
+    0.1 ms from the cores (the prefetches' from the attention, the demand loads' from the experts),
+    and 0.4 ms after the last layer of each step."""
+    import dataclasses
+
+    from moecast.runtime.core.cost_model import load_profile
+
+    prof = dataclasses.replace(
+        load_profile(profile),
+        name="cpu-disk",
+        fast_tier="cpu",
+        slow_tier="disk",
+        read_cpu_ms=0.1,
+        step_ms=0.4,
+    )
+    path = tmp_path_factory.mktemp("hw") / "cpu-disk.yaml"
+    path.write_text(prof.to_yaml())
+    return path
+
+
+@pytest.fixture(scope="module")
+def issuing_profile(profile, tmp_path_factory):
+    """The same window on an accelerator whose host takes 0.08 ms to issue each copy (load_host_ms)."""
+    import dataclasses
+
+    from moecast.runtime.core.cost_model import load_profile
+
+    prof = dataclasses.replace(load_profile(profile), name="tight-window-issue", load_host_ms=0.08)
+    path = tmp_path_factory.mktemp("hw") / "tight-window-issue.yaml"
+    path.write_text(prof.to_yaml())
+    return path
+
+
+@pytest.fixture(scope="module")
+def cheap_cpu_profile(profile, tmp_path_factory):
+    """The same window with a CPU expert (0.2 + 0.05 ms a token) cheaper than a load (0.3 ms), for
+    PreSched: it then runs misses on the CPU and asks for more prefetches than land. On the window
+    above (0.35 ms a CPU expert) its Eq. 5 split loads nearly every miss and every prefetch lands."""
+    import dataclasses
+
+    from moecast.runtime.core.cost_model import load_profile
+
+    prof = dataclasses.replace(load_profile(profile), name="tight-window-cheap-cpu", cpu_c_ms=0.2)
+    path = tmp_path_factory.mktemp("hw") / "tight-window-cheap-cpu.yaml"
+    path.write_text(prof.to_yaml())
+    return path

@@ -22,7 +22,7 @@ from moecast.runtime.tiers import precision as P
 from moecast.runtime.tiers.expert_store import LayerStore, expert_params
 from moecast.runtime.tiers.simulated import SimulatedOps
 from test_live import decode_logits, make_model
-from test_live_replay_equal import _equal_values, profile, tiny  # noqa: F401  (fixtures)
+from test_live_replay_equal import _equal_values
 from torch import nn
 
 from moecast.errors import InputError
@@ -183,7 +183,7 @@ def test_the_live_output_is_the_fake_quantized_models(balance):
 
 
 @pytest.fixture(scope="module")
-def dequant_profile(profile):  # noqa: F811
+def dequant_profile(profile):
     """tight-window (test_live_replay_equal) with a dequantize of 0.2 ms a load at int4-g64."""
     prof = dataclasses.replace(load_profile(profile), name="with-dequant", dequant_ms={"int4-g64": 0.2})
     path = profile.parent / "with-dequant.yaml"
@@ -194,7 +194,7 @@ def dequant_profile(profile):  # noqa: F811
 @pytest.mark.parametrize("case", ["lru", "oracle prefetch"])
 @pytest.mark.parametrize("offload", ["ram", "disk"])
 def test_live_and_replay_equal_at_int4_on_the_simulated_device(
-    tiny,  # noqa: F811
+    tiny,
     dequant_profile,
     tmp_path,
     case,

@@ -23,7 +23,7 @@ from moecast.runtime.core.cost_model import HardwareProfile
 from moecast.runtime.core.policy import POLICIES
 from moecast.runtime.live.runtime import attach
 from moecast.runtime.replay.engine import ReplayConfig, replay
-from test_live_replay_equal import CAPACITY, as_traceset, live_run, profile, tiny  # noqa: F401
+from test_live_replay_equal import CAPACITY, as_traceset, live_run
 
 from moecast.errors import InputError
 
@@ -53,7 +53,7 @@ class RecordedNoisy(LayerAhead):
         return self.table[self.rt._step, layer]
 
 
-def _gated_equal(tiny, profile, tmp_path, tier):  # noqa: F811
+def _gated_equal(tiny, profile, tmp_path, tier):
     """A gated live run and the replay of its routing with the same calibrated predictor; -> (stats, result)."""
     _, routing, _, info = live_run(tiny, "lru", profile, **tier)
     pred = RecordedNoisy(routing, info.num_experts)
@@ -83,7 +83,7 @@ def _gated_equal(tiny, profile, tmp_path, tier):  # noqa: F811
 
 
 @pytest.mark.parametrize("dtype", ["int8", "mixed"])
-def test_live_and_replay_gate_the_same_prefetches(tiny, profile, tmp_path, dtype):  # noqa: F811
+def test_live_and_replay_gate_the_same_prefetches(tiny, profile, tmp_path, dtype):
     """The disk tier at int8 and at mixed (model + int4-g64): the live step prices each candidate as the
     replay does, so the same late prefetches start (gate_refused equal and non-zero) and the figures agree."""
     tier = dict(offload="disk", offload_dir=str(tmp_path / "off"), expert_dtype=dtype, group_size=64)
@@ -97,12 +97,12 @@ def test_live_and_replay_gate_the_same_prefetches(tiny, profile, tmp_path, dtype
     assert late["gate_refused"] == 0 and late["prefetches_landed"] > stats["prefetches_landed"]
 
 
-def _routing(tiny, profile, tier):  # noqa: F811
+def _routing(tiny, profile, tier):
     _, routing, _, info = live_run(tiny, "lru", profile, **tier)
     return routing, info.num_experts
 
 
-def test_a_gated_policy_without_a_calibration_is_refused_at_attach(tiny):  # noqa: F811
+def test_a_gated_policy_without_a_calibration_is_refused_at_attach(tiny):
     """One line naming the command that writes the calibration; the online prefetcher has none either."""
     pred = RecordedNoisy(np.zeros((1, 2, 2), np.int64), 32)
     with pytest.raises(

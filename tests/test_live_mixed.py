@@ -26,7 +26,7 @@ from moecast.runtime.tiers.base import Device, TierSpec
 from moecast.runtime.tiers.disk import DiskTier
 from moecast.runtime.tiers.expert_store import SlotView, expert_params
 from test_live import decode_logits, make_model
-from test_live_replay_equal import _equal_values, profile, tiny  # noqa: F401  (module fixtures)
+from test_live_replay_equal import _equal_values
 
 from moecast.errors import InputError
 
@@ -319,7 +319,7 @@ def test_lru_reads_its_upgrades_as_the_window_opens_not_behind_the_layer_s_loads
 
 # ------------------------------------------------------------------------------------ live == replay
 @pytest.mark.parametrize("case", ["lru", "oracle prefetch-late", "smoe"])
-def test_live_and_replay_equal_with_two_copies(tiny, profile, tmp_path, case):  # noqa: F811
+def test_live_and_replay_equal_with_two_copies(tiny, profile, tmp_path, case):
     """tiny at mixed (model + int4-g64): the live step's decisions are the replay's, so hit rate, loads,
     prefetches and TPOT (test_live_replay_equal) and the two-copy counters agree: the share of uses at
     the low copy, the upgrades, and the bytes each copy moved; the disk read every demand load (and

@@ -15,11 +15,11 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from conftest import synthetic_record, tiny_random
+from conftest import synthetic_record
 from moecast.collect.models import find_moe_structure, kv_cache, model_info, with_cache
 from moecast.collect.traceset import TraceMeta, TraceSet, TraceWriter
 from moecast.predictors.base import LayerAhead
-from moecast.runtime.core.cost_model import HardwareProfile, load_profile
+from moecast.runtime.core.cost_model import load_profile
 from moecast.runtime.core.policy import POLICIES
 from moecast.runtime.live.runtime import attach
 from moecast.runtime.replay.engine import ReplayConfig, replay
@@ -29,67 +29,6 @@ CAPACITY = 8  # of tiny's 32 experts per layer
 # teacher-forced tokens: the random model's greedy text soon repeats one token, whose routing every
 # policy serves alike (a key that weighs recency otherwise than the replay's passed such a run)
 TOKENS = torch.randint(1, 1000, (1, STEPS), generator=torch.Generator().manual_seed(0))
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return tiny_random()
-
-
-@pytest.fixture(scope="module")
-def profile(tiny, tmp_path_factory):
-    expert_bytes = model_info(tiny, find_moe_structure(tiny), "tiny").expert_bytes
-    prof = HardwareProfile(
-        name="tight-window",
-        transfer_gbps=expert_bytes / 0.3e6,  # one expert in 0.3 ms
-        ref_expert_bytes=expert_bytes,
-        gpu_expert_ms=0.05,
-        cpu_beta_ms=0.05,
-        cpu_c_ms=0.3,
-        attn_ms=0.35,
-        predictor_ms=0.2,
-    )
-    path = tmp_path_factory.mktemp("hw") / "tight-window.yaml"
-    path.write_text(prof.to_yaml())
-    return path
-
-
-@pytest.fixture(scope="module")
-def cpu_disk_profile(profile, tmp_path_factory):
-    """The same window on a machine without an accelerator, its experts on a disk: every read takes
-    0.1 ms from the cores (the prefetches' from the attention, the demand loads' from the experts),
-    and 0.4 ms after the last layer of each step."""
-    prof = dataclasses.replace(
-        load_profile(profile),
-        name="cpu-disk",
-        fast_tier="cpu",
-        slow_tier="disk",
-        read_cpu_ms=0.1,
-        step_ms=0.4,
-    )
-    path = tmp_path_factory.mktemp("hw") / "cpu-disk.yaml"
-    path.write_text(prof.to_yaml())
-    return path
-
-
-@pytest.fixture(scope="module")
-def issuing_profile(profile, tmp_path_factory):
-    """The same window on an accelerator whose host takes 0.08 ms to issue each copy (load_host_ms)."""
-    prof = dataclasses.replace(load_profile(profile), name="tight-window-issue", load_host_ms=0.08)
-    path = tmp_path_factory.mktemp("hw") / "tight-window-issue.yaml"
-    path.write_text(prof.to_yaml())
-    return path
-
-
-@pytest.fixture(scope="module")
-def cheap_cpu_profile(profile, tmp_path_factory):
-    """The same window with a CPU expert (0.2 + 0.05 ms a token) cheaper than a load (0.3 ms), for
-    PreSched: it then runs misses on the CPU and asks for more prefetches than land. On the window
-    above (0.35 ms a CPU expert) its Eq. 5 split loads nearly every miss and every prefetch lands."""
-    prof = dataclasses.replace(load_profile(profile), name="tight-window-cheap-cpu", cpu_c_ms=0.2)
-    path = tmp_path_factory.mktemp("hw") / "tight-window-cheap-cpu.yaml"
-    path.write_text(prof.to_yaml())
-    return path
 
 
 class RecordedOracle(LayerAhead):
