@@ -235,6 +235,13 @@ def tiny_random():
 # (here, not in their module, so that a new tier's or policy's copy of those tests finds them)
 
 
+def _written(tmp_path_factory, prof) -> Path:
+    """The profile as a YAML file named after it (the runtimes take a profile's path)."""
+    path = tmp_path_factory.mktemp("hw") / f"{prof.name}.yaml"
+    path.write_text(prof.to_yaml())
+    return path
+
+
 @pytest.fixture(scope="module")
 def tiny():
     """configs/tiny.yaml's architecture with random weights (float32)."""
@@ -259,9 +266,7 @@ def profile(tiny, tmp_path_factory):
         attn_ms=0.35,
         predictor_ms=0.2,
     )
-    path = tmp_path_factory.mktemp("hw") / "tight-window.yaml"
-    path.write_text(prof.to_yaml())
-    return path
+    return _written(tmp_path_factory, prof)
 
 
 @pytest.fixture(scope="module")
@@ -281,9 +286,7 @@ def cpu_disk_profile(profile, tmp_path_factory):
         read_cpu_ms=0.1,
         step_ms=0.4,
     )
-    path = tmp_path_factory.mktemp("hw") / "cpu-disk.yaml"
-    path.write_text(prof.to_yaml())
-    return path
+    return _written(tmp_path_factory, prof)
 
 
 @pytest.fixture(scope="module")
@@ -294,9 +297,7 @@ def issuing_profile(profile, tmp_path_factory):
     from moecast.runtime.core.cost_model import load_profile
 
     prof = dataclasses.replace(load_profile(profile), name="tight-window-issue", load_host_ms=0.08)
-    path = tmp_path_factory.mktemp("hw") / "tight-window-issue.yaml"
-    path.write_text(prof.to_yaml())
-    return path
+    return _written(tmp_path_factory, prof)
 
 
 @pytest.fixture(scope="module")
@@ -309,6 +310,4 @@ def cheap_cpu_profile(profile, tmp_path_factory):
     from moecast.runtime.core.cost_model import load_profile
 
     prof = dataclasses.replace(load_profile(profile), name="tight-window-cheap-cpu", cpu_c_ms=0.2)
-    path = tmp_path_factory.mktemp("hw") / "tight-window-cheap-cpu.yaml"
-    path.write_text(prof.to_yaml())
-    return path
+    return _written(tmp_path_factory, prof)
