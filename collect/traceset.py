@@ -138,12 +138,18 @@ class TraceMeta:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """``data`` at ``path`` whole or not at all: a temporary beside it, synced, renamed over it; a write
+    that fails (or is interrupted) leaves ``path`` as it was and removes its temporary."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:

@@ -9,7 +9,6 @@ its metadata under ``files``.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -41,14 +40,9 @@ def save(path: str | Path, tensors: dict[str, Any], metadata: dict[str, Any]) ->
         t = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(value))
         flat[name] = t.detach().cpu().contiguous()
     path.parent.mkdir(parents=True, exist_ok=True)
-    # written as any output is (the umask's mode, synced, renamed): safetensors' own save_file makes
-    # its file 0600, and a checkpoint is shared
-    try:
-        atomic_write_bytes(path, to_bytes(flat, metadata={"moecast": json.dumps(meta)}))
-    except BaseException:
-        # the checkpoint at ``path`` is left as it was, and no temporary beside it
-        path.with_name(f".{path.name}.tmp-{os.getpid()}").unlink(missing_ok=True)
-        raise
+    # written as any output is (the umask's mode, synced, renamed, a failed write leaving no temporary):
+    # safetensors' own save_file makes its file 0600, and a checkpoint is shared
+    atomic_write_bytes(path, to_bytes(flat, metadata={"moecast": json.dumps(meta)}))
     return path
 
 
