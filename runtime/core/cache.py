@@ -49,11 +49,20 @@ def _i64(a: np.ndarray) -> np.ndarray:
     return a if a.dtype == np.int64 else a.astype(np.int64)
 
 
+#: the units a capacity in bytes is given in
+BYTE_UNITS = (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10))
+
+
+def in_bytes(capacity: object) -> bool:
+    """Whether ``capacity`` is given in bytes (``"512MB"``), which a slot's size divides."""
+    return isinstance(capacity, str) and capacity.strip().upper().endswith(tuple(u for u, _ in BYTE_UNITS))
+
+
 def resolve_capacity(capacity: float | str, num_experts: int, top_k: int, expert_bytes: int = 0) -> int:
     """Experts per layer from ``0.25`` (fraction of E), ``6`` (experts) or ``"512MB"``/``"2GB"`` (bytes)."""
     if isinstance(capacity, str):
         text = capacity.strip().upper()
-        for unit, mult in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+        for unit, mult in BYTE_UNITS:
             if text.endswith(unit):
                 if expert_bytes <= 0:
                     raise InputError(

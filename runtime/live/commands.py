@@ -67,8 +67,10 @@ def _rate(x: float | None) -> str:
 def _slots(stats: dict[str, Any]) -> str:
     """How a capacity in bytes was counted: a slot here holds what this run computes on (a device's
     dequantized expert, the CPU's packed copy), which a replay's profile may count otherwise."""
+    from moecast.runtime.core.cache import in_bytes
+
     given = stats.get("capacity_given")
-    if not isinstance(given, str) or not given.strip().upper().endswith(("KB", "MB", "GB")):
+    if not in_bytes(given):
         return ""
     return f" ({given.strip()} at {stats['slot_bytes'] / 1024:.1f} KiB a slot, as this run's slots hold them)"
 
