@@ -74,6 +74,7 @@ def _gated_equal(tiny, profile, tmp_path, tier):
         r.prefetches_landed,
     )
     assert stats["gate_refused"] == r.gate_refused
+    assert stats["prefetch_accuracy"] == pytest.approx(r.prefetch_accuracy, rel=1e-12)  # used / inserted
     assert stats["modeled_tpot_ms"] == pytest.approx(r.modeled_tpot_ms, rel=1e-12)
     # the bytes prefetched and never used: what moved, at its copy; the refused late ones moved nothing
     assert stats["wasted_bytes"] == pytest.approx(r.wasted_mb_per_token * r.tokens * 2**20, rel=1e-12)

@@ -497,13 +497,28 @@ def test_planner_preloads_plan_and_keeps_logits():
         assert set(rt.stores[0].expert_in.tolist()) == {7, 5}
         assert set(rt.stores[1].expert_in.tolist()) == {6, 4}
         assert rt.stats()["plan_loads"] == 4  # warm start held experts 0 and 1 in each layer
-        assert rt.stats()["wasted_bytes"] == 0  # preloads are not prefetches the step saw go unused
+        # a preload counts as a prefetch until its first use: all four are unused so far
+        nbytes = rt.stats()["expert_bytes"]
+        assert rt.stats()["wasted_bytes"] == 4 * nbytes
         with pytest.raises(Exception, match="empty prompt"):
             rt.plan("  ")
+        first: list[np.ndarray] = []
+        end = rt.end_forward
+        rt.end_forward = lambda: (first.append(rt.fwd.ids.copy()), end())[1]
         got = decode_logits(model, ids)
+        st = rt.stats()
     finally:
         rt.detach()
     assert torch.allclose(got, ref, atol=2e-5, rtol=1e-5)
+    # counted by hand: the first forward (the prefill) uses the planned experts it routes to while they
+    # are resident; LRU at 2 slots then evicts the others unused before any later token can use them
+    used = [
+        len({7, 5} & set(first[0][:, 0].ravel().tolist())),
+        len({6, 4} & set(first[0][:, 1].ravel().tolist())),
+    ]
+    assert st["prefetch_used"] == sum(used)
+    assert st["wasted_bytes"] == (4 - sum(used)) * nbytes
+    assert st["prefetch_accuracy"] == sum(used) / 4
     with pytest.raises(ValueError, match="prompt-ahead"):
         attach(model, planner=type("P", (), {"horizon": "layer-ahead", "name": "llapor"})())
     assert hooks_of(model) == 0  # a refused attach leaves the model untouched

@@ -138,10 +138,13 @@ class Executor:
         store.load_many([int(e) for e in want if store.slot_of[int(e)] < 0], out)
         return store.loads - before
 
-    def placed(self) -> None:
-        """The slots were filled outside the step: the cache takes them as resident."""
+    def placed(self, moved: np.ndarray | None = None) -> None:
+        """The slots were filled outside the step: the cache takes them as resident. ``moved`` [L, E]:
+        the experts that came over the link for it (a plan's preloads), prefetched until their first use."""
         lanes = np.arange(len(self.stores))
-        self.cache.preload(lanes, np.stack([s.expert_in for s in self.stores]))
+        held = np.stack([s.expert_in for s in self.stores])
+        flags = None if moved is None else (held >= 0) & np.take_along_axis(moved, np.maximum(held, 0), 1)
+        self.cache.preload(lanes, held, moved=flags)
         self.identity = [bool((s.expert_in == np.arange(s.num_slots)).all()) for s in self.stores]
 
     def load(self, pos: int, experts: np.ndarray, shield: np.ndarray, t: int) -> np.ndarray:

@@ -211,7 +211,8 @@ class LiveRuntime:
         self.policy: Policy = dataclasses.replace(rule, prefetch="none" if mode == "none" else "predictor")
         core = core_spec.build_core(
             config, num_experts=E, num_layers=self.num_layers, expert_bytes=self.info.expert_bytes,
-            link_bytes=self.link_bytes, predictor=predictor, prefetching=mode != "none", policy=self.policy,
+            link_bytes=self.link_bytes, predictor=predictor, policy=self.policy,
+            prefetching=mode != "none" or planner is not None,  # a plan's preloads are counted as prefetches
             low_link_bytes=link_bytes(prec.low, structure, self.info.expert_bytes) if two else None,
         )  # fmt: skip
         self.cost, self.hardware_from = core.cost, core.hardware_from
@@ -256,7 +257,8 @@ class LiveRuntime:
 
         The attached prompt-ahead planner (EAM, EAP or their cascade) turns ``prompt`` into an [L, E]
         plan; each layer keeps its ``capacity`` best-planned experts resident (loads counted as
-        transfers and ``plan_loads``). Call it before ``generate``; returns the branch that answered.
+        transfers and ``plan_loads``, and as prefetches until their first use: one evicted unused is
+        wasted bytes, as in the replay). Call it before ``generate``; returns the branch that answered.
         """
         if self.planner is None:
             raise MoecastError("no planner attached; pass planner=<prompt-ahead predictor> to attach()")
@@ -265,13 +267,21 @@ class LiveRuntime:
         plan, branch = self.planner.plan(prompt)
         plan = np.asarray(plan, dtype=np.float32).reshape(self.num_layers, self.num_experts)
         want = np.argsort(-plan, axis=1, kind="stable")[:, : self.capacity]
+        moved = np.zeros((self.num_layers, self.num_experts), bool)
         for pos in range(self.num_layers):
+            new = want[pos][self.stores[pos].slot_of[want[pos]] < 0]
             if (
                 self.copies is not None
             ):  # what a plan's preload reads is the high copy (the replay's set_copy)
-                self.copies.mark(pos, want[pos][~self.cache.resident[pos, want[pos]]], False)
-            self.stats_.plan_loads += self.executor.preload(pos, want[pos])
-        self.executor.placed()
+                self.copies.mark(pos, new, False)
+            loads = self.executor.preload(pos, want[pos])
+            moved[pos, new] = True
+            self.stats_.plan_loads += loads
+            # counted as the replay's plan preloads are: inserted, and prefetched until their first use
+            lane = self.lanes.lane[pos]
+            self.step.add("plan_loads", lane, lane, [loads])
+            self.step.add("pf_inserted", lane, lane, [loads])
+        self.executor.placed(moved)
         self.last_plan_branch = branch
         if self.learner is not None:
             self._learn_prompt = prompt

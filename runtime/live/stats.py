@@ -212,7 +212,8 @@ class LiveStats:
         )
         d["hit_rate"] = t["hits"] / t["uses"] if t["uses"] else float("nan")
         d["substitution_rate"] = t["subs"] / self.routed if self.routed else 0.0
-        d["prefetch_accuracy"] = t["pf_used"] / t["pf_landed"] if t["pf_landed"] else float("nan")
+        # of the experts prefetches and plan preloads put in the cache, the share used there (the replay's)
+        d["prefetch_accuracy"] = t["pf_used"] / t["pf_inserted"] if t["pf_inserted"] else float("nan")
         d["measured_tpot_ms"] = (
             float(np.mean(self.measured_decode_ms)) if self.measured_decode_ms else float("nan")
         )
@@ -269,7 +270,7 @@ def runtime_stats(rt: LiveRuntime) -> dict[str, Any]:
 def wasted_bytes(rt: LiveRuntime) -> float:
     """Bytes the link moved for prefetched experts never used while resident, each at the copy it
     read (:func:`moecast.runtime.core.mixed.bytes_by_copy`, the replay's ``wasted_mb_per_token``
-    count); a prefetch the gate refused or the window cut moved nothing. A plan's preloads are not
-    counted: they are placed outside the step, which does not see their use."""
+    count); a prefetch the gate refused or the window cut moved nothing. A plan's preloads count as
+    prefetches: one never used while resident is wasted."""
     low = rt.step.demand.expert_bytes if rt.copies is not None else None
     return max(bytes_by_copy(rt.step.stats, rt.step.cost.expert_bytes, low)["wasted"], 0.0)
