@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import re
 from pathlib import Path
 
 import numpy as np
@@ -145,6 +146,41 @@ def test_the_offload_names_are_the_registry(monkeypatch):
     )
     with pytest.raises(ValueError, match=f"choose one of {', '.join(TIERS)}"):
         LiveConfig(offload="tape")
+
+
+def test_run_reports_a_tier_in_its_own_rows(monkeypatch, capsys):
+    """`moecast run`'s text asks the run's tier for its rows (ExpertTier.report): a tier registered by a
+    contributor gets its own lines without an edit to the report, and another tier's rows do not
+    show. Catches a report that tests tier names again (the disk rows were hard-coded there)."""
+    from moecast.runtime.live.commands import _print_stats
+    from moecast.runtime.tiers.disk import DiskTier
+
+    class ZlibTier:
+        name, help = "zlib", "host memory, zlib-compressed"
+
+        @classmethod
+        def report(cls, stats):
+            return [("compression", f"{stats['zlib_ratio']:.2f}x smaller in host memory")]
+
+    monkeypatch.setitem(TIERS, "zlib", ZlibTier)
+    stats = dict(
+        policy="lru", capacity=2, num_experts=8, alpha=0.0, prefetch="none", decode_steps=1, hit_rate=0.5,
+        hits=1, uses=2, substitution_rate=0.0, substituted=0, routed=2, transfers=1, loads=1,
+        prefetches_landed=0, prefetches_issued=0, prefetch_accuracy=None, cpu_experts=0, cpu_uses=0,
+        measured_tpot_ms=1.0, device="cpu", modeled_tpot_ms=1.0, hardware="h", hardware_from="f",
+        peak_rss_mb=1.0, offload="zlib", zlib_ratio=2.5, disk_reads=3, bytes_read=2**20, direct_io=True,
+        **{f"{part}_ms": 0.0 for part in ("attention", "expert_compute", "transfer_wait", "device_sync", "predictor", "policy")},
+    )  # fmt: skip
+    _print_stats(stats)
+    text = capsys.readouterr().out
+    assert re.search(r"compression\s+2\.50x smaller in host memory", text), text
+    assert "disk reads" not in text  # the disk's keys are there, its tier is not
+    _print_stats({**stats, "offload": "disk", "disk_read_gbps_observed": 1.5})
+    text = capsys.readouterr().out
+    assert "compression" not in text
+    want = DiskTier.report({**stats, "disk_read_gbps_observed": 1.5})
+    assert want == [("disk reads", "3 (1.0 MiB, direct I/O; whole 4 KiB blocks, 1.50 GB/s while reading)")]
+    assert re.search(r"disk reads\s+3 \(1\.0 MiB, direct I/O; whole 4 KiB blocks, 1\.50 GB/s", text), text
 
 
 def _classes(root: Path) -> list[tuple[str, str, int]]:

@@ -71,10 +71,14 @@ def test_cli_run_offload_disk_writes_once_and_reports_the_tiers(tiny_dir, tmp_pa
     second = capsys.readouterr().out
     assert "writing the experts" not in second
     assert "disk reads" in second and "direct I/O" in second and "peak RSS" in second
+    # the disk tier's own row (DiskTier.report): its reads, and the rate the disk gave while reading
+    assert re.search(
+        r"disk reads\s+\d+ \([\d.]+ MiB, direct I/O; whole 4 KiB blocks, [\d.]+ GB/s while reading\)", second
+    )
     assert "transfer wait" in second
     # on the (simulated) device the disk tier's copies wait for their reads: the wait says it holds them
     main([*base, "--offload", "disk", "--offload-dir", str(off), "--device-ops", "simulated"])
-    assert re.search(r"device wait [\d.]+ ms a step, the disk's reads included", capsys.readouterr().out)
+    assert re.search(r"device wait [\d.]+ ms a step, the disk tier's reads included", capsys.readouterr().out)
     disk = json.loads(first.strip().splitlines()[-1])
     assert disk["output"] == ram["output"]  # alpha 0: the same greedy text from either tier
     assert disk["offload"] == "disk" and ram["offload"] == "ram" and ram["bytes_read"] == 0

@@ -115,14 +115,9 @@ def _print_stats(stats: dict[str, Any]) -> None:
                 f"index holds {stats['plan_index_size']}",
             )
         )
-    if stats.get("offload") == "disk":
-        io = "direct I/O" if stats["direct_io"] else "buffered reads, pages dropped (no O_DIRECT)"
-        rows.append(
-            (
-                "disk reads",
-                f"{stats['disk_reads']} ({stats['bytes_read'] / 2**20:.1f} MiB, {io}; whole 4 KiB blocks)",
-            )
-        )
+    tier = TIERS.get(stats.get("offload"))
+    if tier is not None:  # what the slow tier did, in its own words
+        rows += tier.report(stats)
     if "expert_dtype" in stats:  # every tier: host memory on an accelerator holds quantized experts too
         rows.append(("expert precision", _precision_line(stats)))
         if stats.get("low_share") is not None:  # two copies: where the uses ran and what each copy read
@@ -135,14 +130,6 @@ def _print_stats(stats: dict[str, Any]) -> None:
                 )
             )
         rows.append(("wasted prefetch", f"{stats['wasted_bytes'] / 2**20:.1f} MiB (prefetched, never used)"))
-    if stats.get("staged_layers"):
-        rows.append(
-            (
-                "staged copies",
-                f"{stats['staged_layers']} layers' host copies stayed pageable (over the pinning budget: --pinned-mb, "
-                "by default half the memory available): each transfer is staged",
-            )
-        )
     rows.append(("peak RSS", f"{stats['peak_rss_mb']:.0f} MiB"))
     parts = ("attention", "expert_compute", "transfer_wait", "device_sync", "predictor", "policy")
     rows.append(
@@ -163,8 +150,12 @@ def _print_stats(stats: dict[str, Any]) -> None:
                 f"{stats['link_bytes'] / 2**20:.1f} MiB in {stats['link_ms']:.2f} ms, the initial fill of the "
                 f"slots included ({where} "
                 f"{stats['link_gbps_observed']:.1f} GB/s); device wait {stats['stream_wait_ms']:.3f} ms a step"
-                # a disk tier's copy is queued once its read lands, so the device waits for both
-                + (", the disk's reads included" if stats.get("offload") == "disk" else ""),
+                # a copy whose read lands in the background is queued once it has, so the device waits for both
+                + (
+                    f", the {tier.name} tier's reads included"
+                    if tier is not None and tier.background_reads
+                    else ""
+                ),
             )
         )
     if stats.get("online_updates"):

@@ -267,7 +267,7 @@ class ExpertTier(Protocol):
     name: ClassVar[str]
     help: ClassVar[str]  # a few words for ``--offload``'s help: where its experts live
     layers: list[LayerTier]
-    background_reads: bool
+    background_reads: ClassVar[bool]
 
     @classmethod
     def check(cls, settings: TierSettings) -> None:
@@ -285,6 +285,12 @@ class ExpertTier(Protocol):
 
     def stats(self) -> dict[str, Any]:
         """What the tier moved and holds, under the names ``LiveRuntime.stats`` reports."""
+        ...
+
+    @classmethod
+    def report(cls, stats: dict[str, Any]) -> list[tuple[str, str]]:
+        """Its rows of ``moecast run``'s text report, (label, text) each, read from a run's stats (the keys
+        :meth:`stats` gave among them); [] where it has nothing to say."""
         ...
 
     def close(self) -> None:

@@ -29,6 +29,7 @@ class DiskTier:
     help: ClassVar[str] = "``--offload_dir``, read with direct I/O"
     #: the offload directory keeps every precision's copy beside the model-dtype one: two copies fit
     holds_copies: ClassVar[bool] = True
+    background_reads: ClassVar[bool] = True  # reads land on the I/O threads
 
     def __init__(
         self,
@@ -43,7 +44,6 @@ class DiskTier:
         self._waits = shared_waits(layers)
         self.reader: offload.ExpertReader | None = reader
         self.low_reader = low_reader  # the low copy's files (two copies), on the reader's pool
-        self.background_reads = True  # reads land on the I/O threads
         self._structure, self._model_meta = structure, model_meta
         self._dropped = dropped  # where open found the experts it moved to disk (None: it moved none)
 
@@ -124,6 +124,14 @@ class DiskTier:
             direct_io=bool(r.direct) if r is not None else None,
             **link_stats(self.layers),
         )
+
+    @classmethod
+    def report(cls, stats: dict[str, Any]) -> list[tuple[str, str]]:
+        io = "direct I/O" if stats["direct_io"] else "buffered reads, pages dropped (no O_DIRECT)"
+        gbps = stats.get("disk_read_gbps_observed")
+        rate = f", {gbps:.2f} GB/s while reading" if gbps else ""
+        mib = stats["bytes_read"] / 2**20
+        return [("disk reads", f"{stats['disk_reads']} ({mib:.1f} MiB, {io}; whole 4 KiB blocks{rate})")]
 
     def close(self) -> None:
         for st in self.layers:

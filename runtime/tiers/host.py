@@ -48,11 +48,12 @@ class HostTier:
 
     name: ClassVar[str] = "ram"
     help: ClassVar[str] = "host memory"
+    #: a copy from host memory is synchronous, or the device's stream waits for it
+    background_reads: ClassVar[bool] = False
 
     def __init__(self, layers: list[LayerStore]) -> None:
         self.layers = layers
         self._waits = shared_waits(layers)
-        self.background_reads = False  # a copy from host memory is synchronous, or the device's stream waits
 
     @classmethod
     def check(cls, settings: TierSettings) -> None:
@@ -105,6 +106,18 @@ class HostTier:
             direct_io=None,
             **link_stats(self.layers),
         )
+
+    @classmethod
+    def report(cls, stats: dict[str, Any]) -> list[tuple[str, str]]:
+        if not stats.get("staged_layers"):
+            return []
+        why = "over the pinning budget: --pinned-mb, by default half the memory available"
+        return [
+            (
+                "staged copies",
+                f"{stats['staged_layers']} layers' host copies stayed pageable ({why}): each transfer is staged",
+            )
+        ]
 
     def close(self) -> None:
         for st in self.layers:
