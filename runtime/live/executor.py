@@ -162,7 +162,8 @@ class Executor:
         ahead of a copy the compute waits for)."""
         if not len(placed):
             return
-        evicted = np.flatnonzero(before & ~self.cache.resident[pos])[::-1]  # the latest evicted first
+        # their slots in any order: each load waits for its slot's last reader, whichever slot it takes
+        evicted = np.flatnonzero(before & ~self.cache.resident[pos])
         self.stores[pos].load_many(placed, [int(e) for e in evicted], prefetch=prefetch)
 
     # ------------------------------------------------------------------ compute
