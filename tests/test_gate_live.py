@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import make_synthetic_traceset
+from moecast.collect.models import find_moe_structure, model_info
 from moecast.collect.traceset import TraceSet
 from moecast.predictors import calibration as C
 from moecast.predictors.base import LayerAhead
@@ -105,15 +106,19 @@ def _routing(tiny, profile, tier):
 
 def test_a_gated_policy_without_a_calibration_is_refused_at_attach(tiny):
     """One line naming the command that writes the calibration; the online prefetcher has none either."""
-    pred = RecordedNoisy(np.zeros((1, 2, 2), np.int64), 32)
+    info = model_info(tiny, find_moe_structure(tiny), "tiny")
+    L, k = len(info.moe_layers), info.top_k
+    pred = RecordedNoisy(
+        np.zeros((1, L, k), np.int64), info.num_experts
+    )  # the model's shape: attach checks it
     with pytest.raises(
         InputError, match=r"noisy's checkpoint has none: run `moecast predictors calibrate CKPT "
     ):
         attach(tiny, policy="prefetch-gated", capacity=CAPACITY, predictor=pred)
     with pytest.raises(InputError, match="the online prefetcher has none: run `moecast predictors calibrate"):
         attach(tiny, policy="prefetch-gated", capacity=CAPACITY)
-    pred.calibration = C.Calibration(np.zeros((3, 1)), np.zeros((3, 2)))
-    with pytest.raises(InputError, match="covers 3 layers, the predictor 2"):
+    pred.calibration = C.Calibration(np.zeros((L + 1, 1)), np.zeros((L + 1, 2)))
+    with pytest.raises(InputError, match=f"covers {L + 1} layers, the predictor {L}"):
         attach(tiny, policy="prefetch-gated", capacity=CAPACITY, predictor=pred)
 
 

@@ -13,6 +13,8 @@ from moecast.runtime.core.alpha import choose_alpha, fit_tpot
 from moecast.runtime.live.runtime import LiveConfig, attach
 from moecast.runtime.tiers.expert_store import LayerStore
 
+from moecast.errors import InputError
+
 torch.set_num_threads(1)
 
 COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4)
@@ -484,6 +486,29 @@ class _FixedPlanner:
         return np.repeat(self._plan[None], len(trace), 0)
 
 
+def test_attach_refuses_a_predictor_of_another_shape_without_a_fingerprint():
+    """A predictor or planner that carries no fingerprint (the protocol allows None) but scores another
+    model's shape is refused at attach in one line, the model untouched; it used to attach and fail at
+    the first forward with a broadcast error. Catches a shape check that runs only with a fingerprint."""
+    model = make_model("qwen2_moe")
+    n_layers = len(find_moe_structure(model).layers)
+    odd = _FixedPlanner(np.ones((n_layers, 4), np.float32))  # 4 experts, the model has 8
+    odd.fingerprint = None
+    with pytest.raises(
+        InputError,
+        match=rf"the planner fixed scores {n_layers} MoE layers of 4 experts, top-2; this model has {n_layers} of 8, top-2",
+    ):
+        attach(model, policy="lru", capacity=2, planner=odd)
+    stub = type("Stub", (), dict(name="stub", horizon="layer-ahead", fingerprint=None, num_layers=n_layers + 1,
+                                 num_experts=8, top_k=2))()  # fmt: skip
+    with pytest.raises(InputError, match=rf"the predictor stub scores {n_layers + 1} MoE layers"):
+        attach(model, policy="prefetch", capacity=2, predictor=stub)
+    assert hooks_of(model) == 0
+    fits = _FixedPlanner(np.ones((n_layers, 8), np.float32))
+    fits.fingerprint = None
+    attach(model, policy="lru", capacity=2, planner=fits).detach()  # the right shape attaches
+
+
 def test_planner_preloads_plan_and_keeps_logits():
     model = make_model("qwen2_moe")
     ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(3))
@@ -794,8 +819,10 @@ def frequency_for_model(model_traces, tmp_path_factory):
 
 
 def _stub(name: str, horizon: str, **attrs):
-    """A predictor stand-in of any kind: only what the live runtime reads before it runs."""
-    return type(name, (), {"name": name, "horizon": horizon, "fingerprint": None, **attrs})()
+    """A predictor stand-in of any kind: only what the live runtime reads before it runs (its shape is
+    the test model's: 2 MoE layers of 8 experts, top-2)."""
+    shape = {"num_layers": 2, "num_experts": 8, "top_k": 2}
+    return type(name, (), {"name": name, "horizon": horizon, "fingerprint": None, **shape, **attrs})()
 
 
 def test_static_pins_each_layers_top_experts_of_a_frequency_table(model_dir, frequency_for_model, capsys):
@@ -1098,6 +1125,39 @@ def test_cli_run_takes_predictor_none_and_prints_no_nan(model_dir, capsys):
         line for line in text.splitlines() if line.strip().startswith("transfers") and "prefetches" in line
     )
     assert "0 of 0 prefetches landed, accuracy -)" in line and "nan" not in text
+
+
+def test_cli_run_reads_its_checkpoints_before_the_model(tmp_path, model_dir, capsys, monkeypatch):
+    """`moecast run` refuses a missing checkpoint, a planner given as the prefetcher and a prefetcher
+    given as the planner before it loads the model (minutes for a real one); which model a checkpoint
+    was made for is checked after. Catches the checks moved back behind the model's load."""
+    from conftest import make_synthetic_traceset
+    from moecast.runtime.live import commands
+
+    from moecast.cli import main
+
+    traces = make_synthetic_traceset(tmp_path / "s", num_experts=8, top_k=2)
+    hot, freq = tmp_path / "hot.safetensors", tmp_path / "freq.safetensors"
+    for kind, out in (("hot", hot), ("frequency", freq)):
+        main(["predictors", "eval", kind, "--traces", str(traces), "--save", str(out)])
+    capsys.readouterr()
+    real = commands._load_for_run
+    monkeypatch.setattr(commands, "_load_for_run", lambda *a: pytest.fail("the model was loaded first"))
+    base = ["run", "--model", str(model_dir), "--prompt", "hi", "--capacity", "2", "--max-new-tokens", "1"]
+    for extra, said in (
+        (["--predictor", str(tmp_path / "nope.safetensors")], "no such checkpoint"),
+        (
+            ["--policy", "prefetch", "--predictor", str(hot)],
+            "the live prefetcher needs a layer-ahead predictor",
+        ),
+        (["--planner", str(freq)], "planner frequency is statistical"),
+    ):
+        with pytest.raises(SystemExit, match=said):
+            main([*base, *extra])
+    # the right job, the wrong model: refused once the model is there (the synthetic traces' model)
+    monkeypatch.setattr(commands, "_load_for_run", real)
+    with pytest.raises(SystemExit, match=r"but is used with model .* \(fingerprint"):
+        main([*base, "--policy", "static", "--predictor", str(freq)])
 
 
 def test_a_directory_without_the_disk_tier_is_refused_in_one_line(tmp_path, model_dir, capsys, monkeypatch):

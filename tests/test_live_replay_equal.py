@@ -186,6 +186,49 @@ def test_the_runs_routing_tells_the_policies_apart(tiny, profile, tmp_path):
     assert stats["loads"] == lru != lfu
 
 
+class PinnedTable:
+    """A statistical predictor whose [L, E] ``table`` static pins (a frequency checkpoint's shape)."""
+
+    name, horizon, fingerprint, needs = "freq", "statistical", None, ("topk_ids",)
+
+    def __init__(self, table: np.ndarray, top_k: int) -> None:
+        self.table = table
+        (self.num_layers, self.num_experts), self.top_k = table.shape, top_k
+
+    def score_request(self, trace) -> np.ndarray:
+        return np.repeat(self.table[None].astype(np.float32), len(trace.topk_ids), 0)
+
+    def metadata(self) -> dict:
+        return {"kind": self.name}
+
+
+def test_static_pins_a_checkpoints_table_live_and_in_the_replay(tiny, profile, tmp_path):
+    """Under static the predictor is the table it pins, live (`run --policy static --predictor freq`)
+    and now in the replay too, which refused it: the same experts pinned, so the same hits, CPU
+    experts and modeled TPOT. The table ranks the experts the run uses least first, so the replay's own
+    table (counted on the routing) would give other figures. Catches the replay counting its own."""
+    _, routing, _, info = live_run(tiny, "lru", profile)
+    L, E = routing.shape[1], info.num_experts
+    counts = np.stack([np.bincount(routing[:, layer].ravel(), minlength=E) for layer in range(L)])
+    pred = PinnedTable(-counts.astype(np.float64) + np.arange(E) * 1e-3, info.top_k)
+    stats, ids, probs, info = live_run(tiny, POLICIES["static"], profile, pred, "auto")
+    ts = as_traceset(tmp_path / "ts", info, ids, probs)
+    cfg = ReplayConfig(policy="static", capacity=CAPACITY, cold=True, hardware=str(profile), predictor=pred)
+    r = replay(ts, cfg)
+    assert stats["hit_rate"] == r.hit_rate and (stats["loads"], stats["cpu_experts"]) == (
+        r.loads,
+        r.cpu_experts,
+    )
+    assert stats["modeled_tpot_ms"] == pytest.approx(r.modeled_tpot_ms, rel=1e-12)
+    assert r.extra["hot_table_from"] == "the table of freq" and r.prefetches_issued == 0
+    counted = replay(ts, dataclasses.replace(cfg, predictor=None))
+    assert counted.hit_rate > r.hit_rate  # the counted table pins the used experts: this one pins others
+    with pytest.raises(
+        ValueError, match=r"its predictor is the hot-expert table it pins, which oracle is not"
+    ):
+        replay(ts, dataclasses.replace(cfg, predictor="oracle"))
+
+
 def _equal_values(tiny, profile, tmp_path, case, tier=None):
     tier = tier or {}
     policy, oracle = CASES[case]

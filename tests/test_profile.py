@@ -843,3 +843,29 @@ def test_a_load_host_probe_that_fails_leaves_the_profile_standing(monkeypatch, c
     assert err == [
         "moecast profile: load_host_ms not measured (CUDA out of memory. Tried to allocate 1.10 GiB); it stays 0"
     ]
+
+
+def test_profile_refuses_a_predictor_it_cannot_time_or_of_another_model(tmp_path, capsys, monkeypatch):
+    """`profile --predictor` on traces: a checkpoint that is not layer-ahead (a prompt-ahead hot table)
+    is refused in one line, not a traceback from its missing per-layer call, before anything is timed;
+    a layer-ahead checkpoint of another model than the traces' is refused by fingerprint. Catches the
+    checks that ran only on the --model path, or not at all."""
+    from conftest import make_synthetic_traceset
+
+    from moecast.cli import main
+
+    mine = make_synthetic_traceset(tmp_path / "s", num_experts=8, top_k=2)
+    other = make_synthetic_traceset(tmp_path / "o", num_experts=6, top_k=2)
+    hot, theirs = tmp_path / "hot.safetensors", tmp_path / "co.safetensors"
+    main(["predictors", "eval", "hot", "--traces", str(mine), "--save", str(hot)])
+    main(["predictors", "eval", "cooccurrence", "--traces", str(other), "--save", str(theirs)])
+    capsys.readouterr()
+    monkeypatch.setattr(P, "measure", lambda *a, **k: pytest.fail("timed before the checks"))
+    base = ["profile", "--traces", str(mine), "--out", str(tmp_path / "p.yaml")]
+    with pytest.raises(SystemExit, match=r"hot is prompt-ahead: give a layer-ahead checkpoint"):
+        main([*base, "--predictor", str(hot)])
+    with pytest.raises(
+        SystemExit, match=rf"co.safetensors was trained for model .* used with TraceSet {mine}"
+    ):
+        main([*base, "--predictor", str(theirs)])
+    assert not (tmp_path / "p.yaml").exists()

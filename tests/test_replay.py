@@ -651,6 +651,26 @@ def test_compare_with_no_cell_fails_before_writing(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_compare_refuses_a_bad_predictor_checkpoint_before_writing(tmp_path, capsys):
+    """A --predictors checkpoint that is missing or made for another model is refused in one line before
+    out/ is made or any cell replays (a missing one left an empty out/ behind, found at its cell)."""
+    from moecast.cli import main
+
+    path = make_synthetic_traceset(tmp_path / "s", num_experts=8, top_k=2)
+    other = make_synthetic_traceset(tmp_path / "o", num_experts=6, top_k=2)
+    theirs = tmp_path / "theirs.safetensors"
+    main(["predictors", "eval", "frequency", "--traces", str(other), "--save", str(theirs)])
+    capsys.readouterr()
+    out = tmp_path / "cmp"
+    base = ["compare", "--traces", str(path), "--policies", "lru", "prefetch", "--capacities", "0.5",
+            "--wandb", "false", "--out", str(out)]  # fmt: skip
+    code, _, _ = _run_cli([*base, "--predictors", "oracle", str(tmp_path / "nope.safetensors")], capsys)
+    _one_line_error(code, "no checkpoint at", "nope.safetensors")
+    code, _, _ = _run_cli([*base, "--predictors", "oracle", str(theirs)], capsys)
+    _one_line_error(code, "theirs.safetensors was trained for model", f"TraceSet {path}")
+    assert not out.exists()
+
+
 def test_compare_skips_capacities_below_top_k(tmp_path, capsys):
     """The default 0.1 is 3 of 32 experts, below top-4: compare skips it with a note; replay still refuses it."""
     path = make_synthetic_traceset(tmp_path / "s", num_experts=32, top_k=4, num_requests=3, tokens=6)
@@ -848,3 +868,31 @@ def test_hot_planner_pins_the_training_requests_top_experts(tmp_path, capsys):
         replay(ts, replace(cfg, requests=ts.request_ids[6:])).extra["hot_table_from"]
         == "the 6 requests of hot_requests"
     )
+
+
+def test_a_checkpoint_saved_again_at_its_path_is_scored_anew(tmp_path, capsys):
+    """Replays in one process keep a checkpoint's predictions (compare runs each under several
+    policies); a checkpoint written again at the same path (fit, save, replay in a notebook) must be
+    scored as it is now. The second version ranks the experts the other way round, so its prefetches
+    differ; its replay must equal one with nothing kept. Catches predictions kept by path alone."""
+    from moecast.predictors import checkpoint
+    from moecast.runtime.replay import engine
+
+    from moecast.cli import main
+
+    path = make_synthetic_traceset(tmp_path / "s", num_experts=8, top_k=2)
+    ckpt = tmp_path / "freq.safetensors"
+    main(["predictors", "eval", "frequency", "--traces", str(path), "--save", str(ckpt)])
+    capsys.readouterr()
+    cfg = ReplayConfig(policy="prefetch", capacity=3, predictor=str(ckpt), cold=True)
+    engine._PRED_MEMO.clear()
+    first = replay(path, cfg)
+    tensors, meta = checkpoint.load_raw(ckpt)
+    table = np.asarray(tensors["table"])
+    checkpoint.save(ckpt, {"table": table.max() - table}, meta)  # the other ranking, same header
+    second = replay(path, cfg)
+    engine._PRED_MEMO.clear()
+    fresh = replay(path, cfg)
+    assert second.prefetches_issued == fresh.prefetches_issued and second.hit_rate == fresh.hit_rate
+    assert second.prefetch_accuracy == fresh.prefetch_accuracy
+    assert (first.hit_rate, first.prefetch_accuracy) != (second.hit_rate, second.prefetch_accuracy)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from moecast.runtime.core import eviction, kernels
@@ -520,3 +521,23 @@ class StaticTable:
         """[budget] hottest (layer * E + expert) items over all layers: one memory budget."""
         order = np.argsort(-self.counts.reshape(-1), kind="stable")
         return order[:budget]
+
+
+def hot_table(predictor: Any, num_layers: int, num_experts: int) -> np.ndarray:
+    """The [L, E] expert scores a static policy pins from (a frequency checkpoint's ``table``): the live
+    runtime and the replay pin the same table."""
+    from moecast.predictors.base import HotTable
+
+    name = predictor.name
+    table = predictor.table if isinstance(predictor, HotTable) else None
+    shape = np.shape(table) if table is not None else None
+    if shape != (num_layers, num_experts):
+        has = "no table" if shape is None else f"a table of shape {shape}"
+        raise InputError(
+            f"policy static pins a hot-expert table of [{num_layers}, {num_experts}] expert scores; {name} "
+            f"has {has}: pass a frequency checkpoint (moecast predictors eval frequency --save CKPT) or no predictor"
+        )
+    table = np.asarray(table, np.float64)
+    if not np.isfinite(table).all():
+        raise InputError(f"{name}'s hot-expert table holds non-finite scores; rebuild the checkpoint")
+    return table

@@ -1002,8 +1002,10 @@ def predictor_latency(
     given: float | None, predictor: BatchScorer | None, profile: HardwareProfile
 ) -> tuple[float, str]:
     """(ms per layer, where it comes from) charged before a prefetch may start (step 6): ``given``
-    (--predictor_ms), else the predictor checkpoint's measured figure, else the hardware profile's.
-    No predictor, no charge (a plan is made before decoding)."""
+    (--predictor_ms), else a figure the checkpoint's header carries (``predictor_ms``: no moecast
+    command writes one, since a latency is the machine's, not the checkpoint's), else the hardware
+    profile's, which ``moecast profile --predictor CKPT`` times for that checkpoint. No predictor, no
+    charge (a plan is made before decoding)."""
     if predictor is None:
         return 0.0, "no predictor"
     if given is not None:
@@ -1013,5 +1015,5 @@ def predictor_latency(
         return v, "--predictor_ms"
     measured = predictor.metadata().get("predictor_ms")
     if measured is not None:
-        return float(measured), "the checkpoint's measured figure"
+        return float(measured), "the checkpoint's header"
     return profile.predictor_ms, f"hardware profile {profile.name}"

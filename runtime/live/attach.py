@@ -158,6 +158,24 @@ def _continues(kwargs: dict[str, Any]) -> bool:
     return pos is not None and pos.numel() > 0 and int(pos.reshape(-1)[0]) > 0
 
 
+def _check_fits(pred: Any, role: str, what_to_do: str, info: Any) -> None:
+    """Refuse a predictor or planner of another model: its fingerprint where it has one, and always its
+    shape (MoE layers, experts, top-k), which a predictor without a fingerprint would otherwise carry
+    into the first forward as a broadcast error, the model still attached."""
+    fp = info.fingerprint
+    if pred.fingerprint and pred.fingerprint != fp:
+        raise InputError(
+            f"the {role} was made for model fingerprint {pred.fingerprint}, this model is {fp}; {what_to_do}"
+        )
+    have = (pred.num_layers, pred.num_experts, pred.top_k)
+    want = (info.num_layers, info.num_experts, info.top_k)
+    if tuple(int(x) for x in have) != want:
+        raise InputError(
+            f"the {role} {pred.name} scores {have[0]} MoE layers of {have[1]} experts, top-{have[2]}; this model "
+            f"has {want[0]} of {want[1]}, top-{want[2]}: {what_to_do}"
+        )
+
+
 def attach(
     model: Any,
     config: LiveConfig | None = None,
@@ -201,22 +219,14 @@ def attach(
             f"router_pattern={router_pattern!r} names routers with no experts module of transformers' experts "
             f"interface in their layer ({without[0]}); the live runtime computes through that module"
         )
-    if predictor is not None:
-        fp = model_info(model, structure, "").fingerprint
-        if predictor.fingerprint and predictor.fingerprint != fp:
-            raise InputError(
-                f"the predictor was trained for model fingerprint {predictor.fingerprint}, this model is {fp}; "
-                "train one on traces of this model"
-            )
-    if planner is not None:
-        if not isinstance(planner, PromptPlanner) or planner.horizon != "prompt-ahead":
-            raise InputError(not_a_planner(planner))
-        fp = model_info(model, structure, "").fingerprint
-        if planner.fingerprint and planner.fingerprint != fp:
-            raise InputError(
-                f"the planner was built for model fingerprint {planner.fingerprint}, this model is {fp}; "
-                "build one on traces of this model"
-            )
+    if predictor is not None or planner is not None:
+        info = model_info(model, structure, "")
+        if predictor is not None:
+            _check_fits(predictor, "predictor", "train one on traces of this model", info)
+        if planner is not None:
+            if not isinstance(planner, PromptPlanner) or planner.horizon != "prompt-ahead":
+                raise InputError(not_a_planner(planner))
+            _check_fits(planner, "planner", "build one on traces of this model", info)
     from moecast.runtime.live.runtime import LiveRuntime  # it imports this module for its hooks
 
     rt = LiveRuntime(model, structure, cfg, predictor, planner)

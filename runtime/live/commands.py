@@ -49,14 +49,38 @@ def _threads() -> None:
     torch.set_num_threads(int(os.environ.get("MOECAST_THREADS", "1")))
 
 
-def _load_predictor(path: str | None, model: Any, name: str):
-    if not path or path == "none":  # as replay and compare take it: no checkpoint
+def _load_predictor(path: str | None) -> Any:
+    """The checkpoint at ``path`` (None for none: ``none``, as replay and compare take it)."""
+    if not path or path == "none":
         return None
-    from moecast.collect.models import find_moe_structure, model_info
     from moecast.predictors.registry import load
 
+    return load(path)
+
+
+def _check_jobs(pred: Any, plan: Any, config: LiveConfig) -> None:
+    """Refuse a predictor that cannot do the job ``run`` gives it, in the words ``attach`` would use:
+    a planner that is no prompt-ahead planner, a prefetcher that cannot stream (under static the
+    predictor is the pinned table instead, which attach checks against the model's shape)."""
+    from moecast.predictors.base import PromptPlanner, StreamingPredictor
+    from moecast.runtime.live.prefetch import not_a_planner, not_a_prefetcher
+
+    if plan is not None and (not isinstance(plan, PromptPlanner) or plan.horizon != "prompt-ahead"):
+        raise InputError(not_a_planner(plan))
+    prefetches = config.prefetch != "none" and config.rule().eviction != "static"
+    if pred is not None and prefetches and not isinstance(pred, StreamingPredictor):
+        raise InputError(not_a_prefetcher(pred))
+
+
+def _check_model(ckpt: Any, path: str | None, model: Any, name: str) -> None:
+    """Refuse a checkpoint made for another model than the loaded one."""
+    if ckpt is None:
+        return
+    from moecast.collect.models import find_moe_structure, model_info
+    from moecast.predictors.checkpoint import check_fingerprint
+
     fp = model_info(model, find_moe_structure(model), name).fingerprint
-    return load(path, fingerprint=fp, against=f"model {name}")
+    check_fingerprint(ckpt.checkpoint_meta, fp, f"model {name}", path)
 
 
 def _rate(x: float | None) -> str:
@@ -239,7 +263,8 @@ def run(
         hardware: Hardware profile (configs/hardware name or YAML path) for modeled times; default: this
             machine's (``moecast profile`` writes ``local``), else prescope-a100-pcie4, as ``moecast replay``.
         predictor_ms: the predictor's latency per layer (ms) charged before a prefetch may start (default:
-            the checkpoint's measured figure, else the hardware profile's), as in ``moecast replay``.
+            a figure the checkpoint's header carries, else the hardware profile's, which ``moecast profile
+            --predictor CKPT`` times on this machine), as in ``moecast replay``.
         max_new_tokens: Tokens to generate (greedy).
         online_update: Continual learning of the predictor on each decoded token (PreScope §4.2.2).
         learn_plans: CasMoE's buffer: the prompt and the EP of its prefill go to the planner's EAM, which
@@ -281,14 +306,18 @@ def run(
         warnings.warn(RunWarning(msg), stacklevel=2)
     # the settings that need no model, checked before it loads (minutes for a real one): the policy's,
     # and each tier's own check (a directory the tier reads none of, a precision it cannot hold)
-    LiveConfig(
+    config = LiveConfig(
         policy=policy, capacity=cap, alpha=alpha, prefetch=prefetch, balance=balance, offload=offload,
         offload_dir=offload_dir, expert_dtype=expert_dtype, group_size=group_size, device_ops=device_ops,
         pinned_mb=pinned_mb,
     )  # fmt: skip
+    # the checkpoints are read before the model, whose load takes minutes: a wrong path or a checkpoint
+    # for another job fails now; which model they were made for is checked once it is loaded
+    pred, plan = _load_predictor(predictor), _load_predictor(planner)
+    _check_jobs(pred, plan, config)
     lm, tok, name = _load_for_run(model, offload, offload_dir)
-    pred = _load_predictor(predictor, lm, name)
-    plan = _load_predictor(planner, lm, name)
+    for ckpt, given in ((pred, predictor), (plan, planner)):
+        _check_model(ckpt, given, lm, name)
     if policy == "static" and pred is None:
         warnings.warn(
             RunWarning(
@@ -623,8 +652,9 @@ def eval_accuracy(
     grid = _alpha_grid(alphas, policy, texts, tokens, tpot_budget, plot)
     precs = _precision_axis(precisions, group_size)
     cap: Any = None if str(capacity).lower() in ("all", "none", "full") else capacity
+    pred = _load_predictor(predictor)  # before the model: a wrong path fails at once
     lm, tok, name = load_model(model, dtype="float32")
-    pred = _load_predictor(predictor, lm, name)
+    _check_model(pred, predictor, lm, name)
     rows = heldout_rows(tok, workloads, texts, tokens, data_dir)
     results = sweep(
         lm, rows, grid, progress=not json, precisions=precs, policy=policy, capacity=cap, hardware=hardware,

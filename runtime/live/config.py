@@ -84,7 +84,8 @@ class LiveConfig(RuntimeSpec):
             waves of max(2, io_threads), two waves at a time, so their buffers stay at
             2 x max(2, io_threads) experts however many a long prefill computes.
         predictor_ms: The predictor's latency per layer (ms) charged before a prefetch may start, as in
-            the replay; None: the checkpoint's measured figure, else the hardware profile's.
+            the replay; None: a figure the checkpoint's header carries, else the hardware profile's
+            (``moecast profile --predictor CKPT`` times it on this machine).
         expert_dtype: The precision of the experts the slow tier holds and the slots compute
             (:mod:`moecast.runtime.tiers.precision`): ``model`` (the model's dtype, exact), ``int8`` (per
             output channel) or ``int4`` (group-wise). The link moves its bytes and a capacity in bytes counts

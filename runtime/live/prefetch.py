@@ -18,13 +18,13 @@ import numpy as np
 import torch
 from moecast.predictors.base import (
     BatchScorer,
-    HotTable,
     LayerAhead,
     LayerStream,
     PromptPlanner,
     StreamingPredictor,
 )
 from moecast.predictors.calibration import Calibration, calibration_of
+from moecast.runtime.core.cache import hot_table as hot_table  # the live runtime's import of it
 from moecast.runtime.core.gate import layer_probability
 from moecast.runtime.core.policy import Policy
 from moecast.runtime.core.step import ranked_predictions
@@ -174,23 +174,6 @@ class Prefetcher:
     def learn(self, lr: float) -> float:
         """PreScope §4.2.2: one small step on the token just decoded, whose routing is now known; its loss."""
         return float(self.stream.learn(lr))
-
-
-def hot_table(predictor: BatchScorer, num_layers: int, num_experts: int) -> np.ndarray:
-    """The [L, E] expert scores a static policy pins from (a frequency checkpoint's ``table``)."""
-    name = predictor.name
-    table = predictor.table if isinstance(predictor, HotTable) else None
-    shape = np.shape(table) if table is not None else None
-    if shape != (num_layers, num_experts):
-        has = "no table" if shape is None else f"a table of shape {shape}"
-        raise InputError(
-            f"policy static pins a hot-expert table of [{num_layers}, {num_experts}] expert scores; {name} "
-            f"has {has}: pass a frequency checkpoint (moecast predictors eval frequency --save CKPT) or no predictor"
-        )
-    table = np.asarray(table, np.float64)
-    if not np.isfinite(table).all():
-        raise InputError(f"{name}'s hot-expert table holds non-finite scores; rebuild the checkpoint")
-    return table
 
 
 def choose_prefetch(given: str, rule: Policy, predictor: BatchScorer | None, table: np.ndarray | None) -> str:

@@ -67,6 +67,7 @@ def profile(
         from moecast.predictors.registry import load
 
         pred = load(predictor)
+        P.check_latency_predictor(pred)  # before a model loads or a timing starts
     from moecast.runtime.tiers.precision import TwoCopies, expert_setting
 
     precs = [expert_setting(d.strip(), group_size) for d in str(expert_dtype).split(",") if d.strip()]
@@ -86,6 +87,8 @@ def profile(
             )
         if traces:
             hidden_size, intermediate_size, dtype = _traces_expert_shape(traces)
+            if pred is not None:  # timed on the traces' model: a checkpoint of another is refused
+                _check_model(pred, predictor, _traces_fingerprint(traces), f"TraceSet {traces}")
         prof = P.measure(hidden_size, intermediate_size, name=name, dtype=dtype)
         if pred is None:  # measured, as with --model: a profile's 0 would charge a prefetch nothing
             routing = _traces_routing(traces) if traces else STANDIN_ROUTING
@@ -128,6 +131,12 @@ def _profile_model(
     from moecast.runtime.profile import measure as P
 
     lm, _tok, _name = load_model(model)
+    if pred is not None:
+        from moecast.collect.models import find_moe_structure, model_info
+
+        _check_model(
+            pred, "--predictor", model_info(lm, find_moe_structure(lm), model).fingerprint, f"model {model}"
+        )
     prof, _how = P.profile_model(lm, name, pred, offload_dir, disk_mb, precisions=precs)
     nbytes = _expert_bytes(lm, precs)
     if not calibrate:
@@ -139,6 +148,19 @@ def _profile_model(
         at = P.calibrate_live(lm, prof, offload_dir, calibrate, precision=q)
         out = dataclasses.replace(out, expert_ms={**out.expert_ms, q.tag: at.expert_ms[q.tag]})
     return dataclasses.replace(out, name=name), nbytes
+
+
+def _check_model(pred: Any, path: str, fingerprint: str, against: str) -> None:
+    """Refuse a predictor checkpoint made for another model than the one the profile times it on."""
+    from moecast.predictors.checkpoint import check_fingerprint
+
+    check_fingerprint(getattr(pred, "checkpoint_meta", {}), fingerprint, against, path)
+
+
+def _traces_fingerprint(traces: str) -> str:
+    from moecast.collect.traceset import TraceSet
+
+    return TraceSet(traces).meta.model.fingerprint
 
 
 def _expert_bytes(lm: Any, precs: list[Any]) -> dict[str, int]:

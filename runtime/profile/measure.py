@@ -506,6 +506,15 @@ def evict_caches() -> None:
 # ----------------------------------------------------------------------------- the model at hand
 
 
+def check_latency_predictor(predictor: Any) -> None:
+    """Refuse a predictor whose latency a profile cannot time: only a layer-ahead one is called per layer."""
+    if predictor is not None and not isinstance(predictor, LayerAhead):
+        raise InputError(
+            f"the predictor latency is a layer-ahead predictor's per-layer call; {predictor.name} is "
+            f"{predictor.horizon}: give a layer-ahead checkpoint (LLaPor) or none"
+        )
+
+
 def profile_model(
     model: Any,
     name: str = "local",
@@ -520,11 +529,7 @@ def profile_model(
     tier (the expert's bytes stay the model dtype's, which the cost model scales compute from)."""
     from moecast.collect.models import find_moe_structure, model_info
 
-    if predictor is not None and not isinstance(predictor, LayerAhead):
-        raise InputError(
-            f"the predictor latency is a layer-ahead predictor's per-layer call; {predictor.name} is "
-            f"{predictor.horizon}: give a layer-ahead checkpoint (LLaPor) or none"
-        )
+    check_latency_predictor(predictor)
     st = find_moe_structure(model)
     info = model_info(model, st, name)
     p = next(st.layers[0].experts.parameters())

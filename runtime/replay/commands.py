@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from moecast.runtime.core.policy import POLICIES, with_policies
 from moecast.runtime.core.spec import DEFAULT
@@ -65,7 +66,8 @@ def replay(
         alpha: SMoE substitution threshold (policy smoe; default 0.3, as in ``moecast run``); 0 leaves
             routing unchanged. Policies that do not substitute take none.
         predictor_ms: the predictor's latency per layer (ms), charged before its prefetch may start;
-            default: the checkpoint's measured figure, else the hardware profile's (predictor_ms).
+            default: a figure the checkpoint's header carries (``predictor_ms``), else the hardware
+            profile's, which ``moecast profile --predictor CKPT`` times for that checkpoint on this machine.
         batch_size: decode batch: requests interleaved per step.
         holdout: replay only held-out requests: test (or val) of the split that --predictor and
             --planner were trained on (``TraceSet.splits``; the default split without a checkpoint);
@@ -125,6 +127,21 @@ def _held_out(
     from moecast.predictors.provenance import holdout as split_holdout
 
     return split_holdout(ts, holdout, [c for c in checkpoints if c])
+
+
+def _check_checkpoint(name: str, ts: Any) -> None:
+    """Refuse a checkpoint that is missing, unreadable or made for another model than ``ts``'s, from its
+    header alone (a `compare` would find out only at its cell, after the cells before it ran)."""
+    if name in ("none", "oracle", "hot"):
+        return
+    from moecast.predictors.checkpoint import check_fingerprint, load_metadata
+
+    if not Path(name).is_file():
+        raise FileNotFoundError(
+            f"no checkpoint at {name}; train one (`moecast train`) or build a baseline's "
+            "(`moecast predictors eval NAME --save CKPT`)"
+        )
+    check_fingerprint(load_metadata(name), ts.meta.model.fingerprint, f"TraceSet {ts.path}", name)
 
 
 def _need_traces(traces: str) -> None:
@@ -285,8 +302,9 @@ def compare(
         hardware: hardware profile name or YAML path; default: this machine's (``moecast profile``), else
             prescope-a100-pcie4.
         alpha: substitution threshold for policy smoe (default 0.3, as in ``moecast replay`` and ``run``).
-        predictor_ms: the predictor's latency per layer (ms) before its prefetch may start; default: each
-            checkpoint's measured figure, else the hardware profile's.
+        predictor_ms: the predictor's latency per layer (ms) before its prefetch may start; default: a
+            figure each checkpoint's header carries, else the hardware profile's (``moecast profile
+            --predictor CKPT`` times it).
         batch_size: decode batch size.
         expert_dtypes: precisions of the slow tier's experts (model, int8, int4, or two copies: mixed,
             int8+int4, ...; see `moecast replay --help`): each cell runs at each.
@@ -312,6 +330,10 @@ def compare(
             )
     outdir = Path(out)
     ts = TraceSet(traces)
+    for pr in preds:
+        _check_checkpoint(pr, ts)
+    for pl in plans:
+        _check_checkpoint(pl, ts)
     caps = _usable_capacities(caps, ts, json)
     checkpoints = [c for c in preds + plans if c not in ("none", "oracle", "hot")]
     requests, hot_from = _held_out(ts, holdout, checkpoints)

@@ -60,6 +60,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -67,11 +68,11 @@ from typing import Any
 
 import numpy as np
 from moecast.collect.traceset import TraceSet, TraceSetError
-from moecast.predictors.base import BatchScorer, PromptPlanner, normalised
+from moecast.predictors.base import BatchScorer, HotTable, PromptPlanner, normalised
 from moecast.predictors.calibration import calibration_of, fit_on
 from moecast.runtime.core import eviction
 from moecast.runtime.core import spec as core_spec
-from moecast.runtime.core.cache import StaticTable, resolve_capacity
+from moecast.runtime.core.cache import StaticTable, hot_table, resolve_capacity
 from moecast.runtime.core.cost_model import HardwareProfile
 from moecast.runtime.core.gate import Calibration, candidate_probability
 from moecast.runtime.core.mixed import Copies, bytes_by_copy, parse_copies, parse_copy, tag_of
@@ -370,6 +371,8 @@ def _prepare(ts: TraceSet, cfg: ReplayConfig, capacities: list[float | str]) -> 
     predictor, planner = _predictors(ts, cfg, spec, pred_name)
     if predictor is not None and not isinstance(pred_name, str):
         pred_name = predictor.name
+    # under static the predictor is the table it pins (_predictors checked it): it prefetches nothing
+    pinned, predictor = (predictor, None) if spec.eviction == "static" else (None, predictor)
     core = core_spec.build_core(
         cfg, num_experts=E, num_layers=m.num_layers, expert_bytes=m.expert_bytes, link_bytes=link,
         low_link_bytes=_low_link_bytes(ts, cfg), predictor=predictor, prefetching=predictor is not None or planner is not None, policy=spec,
@@ -380,7 +383,9 @@ def _prepare(ts: TraceSet, cfg: ReplayConfig, capacities: list[float | str]) -> 
         raise InputError("no capacities to replay")
     d = _data(ts, rids, need_probs=spec.eviction == "score" or spec.substituting)
     hot, hot_from = None, None
-    if spec.eviction == "static" or spec.preload == "hot":
+    if pinned is not None:  # a checkpoint's table (a frequency predictor's), as the live runtime pins it
+        hot, hot_from = StaticTable(hot_table(pinned, m.num_layers, E)), f"the table of {pred_name}"
+    elif spec.eviction == "static" or spec.preload == "hot":
         hot, hot_from = _hot_table(ts, rids, d, E, cfg.hot_requests)
     elif cfg.planner == "hot":  # the planner's table, counted as _load_planner counted it
         hot_from = _hot_source(ts, rids, cfg.hot_requests)[1]
@@ -395,13 +400,18 @@ def _predictors(
         raise InputError(
             "belady is the demand-only offline optimum; use it with --predictor none and no --planner"
         )
-    if spec.eviction == "static" and pred_name not in (None, "none"):
-        # the slots are fixed: a prefetch would move bytes and change no hit (a --planner's plan
-        # is pinned in the table's place for its request, as the live runtime does)
-        raise InputError(
-            "static pins its experts and never inserts, so nothing can prefetch into it; use --predictor none"
-        )
     predictor = _load_predictor(pred_name, ts)
+    if spec.eviction == "static" and predictor is not None:
+        # the slots are fixed: a prefetch would move bytes and change no hit. Under static the
+        # predictor is the table it pins, as in the live runtime (a --planner's plan is pinned in the
+        # table's place for its request, as there too)
+        if not isinstance(predictor, HotTable):
+            raise InputError(
+                f"static pins its experts and never inserts, so nothing can prefetch into it; its predictor is "
+                f"the hot-expert table it pins, which {predictor.name} is not: give a frequency checkpoint "
+                "(moecast predictors eval frequency --save CKPT) or --predictor none"
+            )
+        hot_table(predictor, ts.num_layers, ts.num_experts)  # its shape and scores checked here, once
     if not (math.isfinite(cfg.plan_weight) and cfg.plan_weight >= 0):
         raise InputError(f"--plan-weight must be a finite number >= 0, got {cfg.plan_weight}")
     planner = _load_planner(cfg, ts) if cfg.planner else None
@@ -656,12 +666,24 @@ def _remembered(run: _Run, what: str, make: Any) -> Any:
         what, str(run.ts.path), run.ts.num_tokens, hash(tuple(run.rids)), cfg.predictor, run.pred_name,
         cfg.planner, cfg.plan_weight, int(run.caps.max()),
         None if cfg.calibrate_on is None else tuple(cfg.calibrate_on),
+        _file_version(cfg.predictor), _file_version(cfg.planner),
     )  # fmt: skip
     if key not in _PRED_MEMO:
         for old in [k for k in _PRED_MEMO if k[0] == what]:
             del _PRED_MEMO[old]
         _PRED_MEMO[key] = make()
     return _PRED_MEMO[key]
+
+
+def _file_version(name: str | None) -> tuple[int, int, int] | None:
+    """A checkpoint file's (inode, modification time, size), so that a checkpoint saved again at the same
+    path (a notebook's fit, save, replay) is scored anew: a save renames a new file into place, a new
+    inode even within the filesystem's timestamp granularity. None for a name that is no file (oracle)."""
+    try:
+        st = os.stat(name) if name else None
+    except OSError:
+        return None
+    return None if st is None else (st.st_ino, st.st_mtime_ns, st.st_size)
 
 
 def _gate_probabilities(run: _Run, pr: _Predictions) -> tuple[np.ndarray | None, str]:
