@@ -250,7 +250,7 @@ def run(
         predictor: Layer-ahead predictor checkpoint (LLaPor) for prefetch; under ``--policy static``, a
             frequency checkpoint whose table pins each layer's top experts; under ``--policy prefetch-gated``, one
             carrying the gate's calibration (``moecast predictors calibrate``). Checked against the model's fingerprint.
-        planner: Prompt-ahead checkpoint (CasMoE EAM, EAP or cascade): its plan for the prompt is preloaded before decoding.
+        planner: Prompt-ahead checkpoint with a plan (CasMoE EAM, EAP or cascade, hot): its plan for the prompt is preloaded before decoding.
         policy: a policy of ``moecast replay`` but belady: <POLICY_HELP>.
         alpha: SMoE substitution threshold in [0, 1) for policy smoe (default 0.3, as in replay and compare); 0 leaves the routing
             unchanged. Other policies do not substitute (as in ``moecast replay``) and refuse alpha > 0.

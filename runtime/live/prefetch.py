@@ -246,7 +246,7 @@ def not_a_prefetcher(predictor: BatchScorer) -> str:
 _MATCHES_ROUTING = (
     "it scores a request by matching the request's own routing so far, not the prompt text, so it has "
     "no plan to preload; evaluate it with `moecast predictors eval` or `moecast replay --predictor CKPT` "
-    "(live planners are EAM, EAP or cascade checkpoints)"
+    "(live planners are prompt-ahead checkpoints with a plan: EAM, EAP, cascade, hot)"
 )
 
 
@@ -257,5 +257,6 @@ def not_a_planner(planner: BatchScorer) -> str:
         return f"planner {name} has no plan(prompt): {_MATCHES_ROUTING}"
     tail = "; pass it as the predictor (predictor=CKPT) to prefetch" if horizon == "layer-ahead" else ""
     return (
-        f"planner {name} is {horizon}; a planner must be a prompt-ahead EAM, EAP or cascade checkpoint{tail}"
+        f"planner {name} is {horizon}; a planner must be a prompt-ahead checkpoint with a plan (EAM, EAP, "
+        f"cascade, hot){tail}"
     )

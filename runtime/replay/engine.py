@@ -420,7 +420,8 @@ def _predictors(
         # routing so far, token by token: it has no plan to preload before decoding
         raise InputError(
             f"--planner {cfg.planner}: {planner.name} ({planner.horizon}) does not plan from the prompt; "
-            "a planner is an EAM, EAP or cascade checkpoint (give other predictors as --predictor)"
+            "a planner is a prompt-ahead checkpoint with a plan (CasMoE's EAM, EAP or cascade, hot, or a kind of "
+            "your own: docs/adding-a-predictor.md); give other predictors as --predictor"
         )
     for p in (p for p in (predictor, planner) if p is not None):
         for f in p.needs:
