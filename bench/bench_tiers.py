@@ -121,8 +121,9 @@ class FrequencyTable:
     fingerprint = None
     needs = ()
 
-    def __init__(self, table: np.ndarray) -> None:
+    def __init__(self, table: np.ndarray, top_k: int) -> None:
         self.table = table
+        (self.num_layers, self.num_experts), self.top_k = table.shape, top_k  # attach checks the shape
 
 
 class NextLayerOracle(LayerAhead):
@@ -178,7 +179,8 @@ def setup(args: argparse.Namespace) -> Tiers:
         # counted as the replay counts its static table, on the tokens its traces hold (write_traces)
         t.hot_routing = [replace(r, tokens=r.tokens[:n], topk_ids=r.topk_ids[:n]) for r in hot]
         routed = np.concatenate([r.topk_ids for r in t.hot_routing])
-        t.hot = FrequencyTable(StaticTable.from_topk(routed, cfg.n_routed_experts).counts.astype(np.float64))
+        counts = StaticTable.from_topk(routed, cfg.n_routed_experts).counts.astype(np.float64)
+        t.hot = FrequencyTable(counts, cfg.num_experts_per_tok)
         t.notes.append(f"BENCHMARK MODE: routing replaced by the {routing.source}")
         t.notes.append(f"static's hot table: counted on {len(hot)} other held-out requests")
     else:

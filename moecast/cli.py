@@ -192,6 +192,11 @@ def run(argv: list[str]) -> Any:
         prog += f" {rest[0]}"
         target, rest = target[rest[0]], rest[1:]
     func = _resolve(target)
+    help_doc = getattr(func, "help_doc", None)
+    if help_doc is not None and ("-h" in rest or "--help" in rest):
+        # a help that lists a registry's entries (predictors eval: the kinds it builds) is made when
+        # shown, so entries registered after its module was imported are in it
+        func.__doc__ = help_doc()
     import argparse
 
     from jsonargparse import DefaultHelpFormatter, auto_cli

@@ -34,6 +34,7 @@ import numpy as np
 from moecast.collect.traceset import ModelInfo, RequestTrace, TraceSet
 from moecast.predictors.base import LayerAhead, Predictor
 from moecast.predictors.metrics import multi_hot
+from moecast.predictors.provenance import split_record
 
 from moecast.errors import InputError
 
@@ -46,6 +47,13 @@ def _model_meta(model: ModelInfo) -> dict[str, Any]:
         "num_experts": model.num_experts,
         "top_k": model.top_k,
     }
+
+
+def fitted_meta(ts: TraceSet, requests: list[str]) -> dict[str, Any]:
+    """The header of a predictor fitted on ``requests`` of ``ts``: the model, the traces' path, and the
+    ``split`` they were taken from (:func:`moecast.predictors.provenance.split_record`), so that
+    `predictors eval` and `replay --holdout` never score a request it was fitted on as held out."""
+    return {**_model_meta(ts.meta.model), "trained_on": str(ts.path), "split": split_record(ts, requests)}
 
 
 class _Base(Predictor):
@@ -65,9 +73,18 @@ class _Base(Predictor):
         """Arrays stored in the checkpoint."""
 
     def save(self, path: str | Path) -> Path:
-        from moecast.predictors.checkpoint import save
+        """Write the checkpoint; its metadata must say what it was fitted on (``split``, None for nothing)."""
+        from moecast.predictors.checkpoint import CheckpointError, save
 
-        return save(path, self.tensors(), self.metadata())
+        meta = self.metadata()
+        # without it `predictors eval` cannot tell held-out requests from the ones it was fitted on
+        if "split" not in meta:
+            raise CheckpointError(
+                f"the {self.name} predictor records no `split` (the requests it was fitted on); build its "
+                "metadata with baselines.fitted_meta(ts, train_ids), or set meta['split'] = None when it "
+                "was fitted on no request"
+            )
+        return save(path, self.tensors(), meta)
 
 
 def expert_counts(topk: np.ndarray, num_experts: int) -> np.ndarray:
@@ -120,15 +137,7 @@ class FrequencyPredictor(_Base):
             raise InputError(f"{ts.path}: no training requests to count experts on")
         counts = expert_counts(ts.array("topk_ids", requests), ts.num_experts)
         table = counts / counts.sum(1, keepdims=True)
-        return cls(
-            table,
-            {
-                **_model_meta(ts.meta.model),
-                "mode": mode,
-                "trained_on": str(ts.path),
-                "train_requests": len(requests),
-            },
-        )
+        return cls(table, {**fitted_meta(ts, requests), "mode": mode, "train_requests": len(requests)})
 
     def score_request(self, trace: RequestTrace) -> np.ndarray:
         T = len(trace.topk_ids)
@@ -272,7 +281,8 @@ class GateReusePredictor(_Base, LayerAhead):
                 "is this the model the traces came from?"
             )
         router = np.stack([found[layer] for layer in m.moe_layers])
-        return cls(router, {**_model_meta(m), "model_dir": str(model_dir)})
+        # read from a model, fitted on no request: every request of any TraceSet is held out
+        return cls(router, {**_model_meta(m), "model_dir": str(model_dir), "split": None})
 
     def score_request(self, trace: RequestTrace) -> np.ndarray:
         if trace.gate_inputs is None:
@@ -327,7 +337,7 @@ class CooccurrencePredictor(_Base, LayerAhead):
         table /= np.maximum(table.sum(-1, keepdims=True), 1)
         counts = expert_counts(topk, E)
         prior = counts / counts.sum(1, keepdims=True)
-        return cls(table, prior, {**_model_meta(ts.meta.model), "trained_on": str(ts.path)})
+        return cls(table, prior, fitted_meta(ts, requests))
 
     def score_request(self, trace: RequestTrace) -> np.ndarray:
         ids = np.asarray(trace.topk_ids).astype(np.int64)  # [T, L, k]
@@ -378,9 +388,7 @@ class ActivationMatrixPredictor(_Base):
         for rid in chosen:
             c = expert_counts(ts.get(rid).topk_ids, ts.num_experts)
             mats.append(c / np.maximum(c.sum(1, keepdims=True), 1))
-        return cls(
-            np.stack(mats), {**_model_meta(ts.meta.model), "capacity": capacity, "trained_on": str(ts.path)}
-        )
+        return cls(np.stack(mats), {**fitted_meta(ts, requests), "capacity": capacity})
 
     def score_request(self, trace: RequestTrace) -> np.ndarray:
         T = len(trace.topk_ids)

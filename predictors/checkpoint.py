@@ -52,7 +52,11 @@ def load_raw(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
 
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"{path}: no such checkpoint; train one with `moecast train`")
+        raise CheckpointError(
+            f"{path}: no such checkpoint; build one with `moecast predictors eval KIND --traces T --save "
+            f"{path}` (the kinds fitted from traces, listed by `moecast predictors eval --help`) or train "
+            "one with `moecast train KIND`"
+        )
     try:
         with safe_open(str(path), framework="pt") as fh:
             header = fh.metadata() or {}

@@ -1,13 +1,9 @@
 """``moecast predictors eval``: score a predictor on a TraceSet's split and print its metrics.
 
-CHECKPOINT is a ``.safetensors`` predictor, or a baseline built on the spot from
-the TraceSet's training split: ``frequency`` (global hot-expert table),
-``frequency-request`` (per-request prefix counts), ``hot`` (the global table as a prompt-ahead
-plan), ``cooccurrence`` (layer-ahead
-counts of layer l's experts given layer l-1's), ``moe-infinity``
-(activation-matrix matching), ``gate-reuse:MODEL_DIR`` (router weights read
-from a model folder) or ``moe-beyond:DIR`` (MoE-Beyond's published predictions, read from its
-``predicted_csvs`` folder); ``--save PATH`` keeps a built baseline as a checkpoint.
+CHECKPOINT is a ``.safetensors`` predictor, or the name of one built on the spot from the
+TraceSet's training split: any registered kind with a ``fit(ts, train_ids)`` classmethod
+(``predictors/registry.py``; :func:`buildable`), a variant of one (:data:`VARIANTS`), or one of the
+:data:`SPECIAL` specs; ``--save PATH`` keeps what was built as a checkpoint, with its split.
 """
 
 from __future__ import annotations
@@ -20,43 +16,56 @@ from tqdm import tqdm
 from moecast.errors import InputError
 from moecast.jsonout import dumps
 
-BASELINES = (
-    "frequency",
-    "frequency-request",
-    "cooccurrence",
-    "moe-infinity",
-    "hot",
-    "gate-reuse:MODEL_DIR",
-    "moe-beyond:DIR",
-)
+#: specs built from a folder rather than fitted on traces (the folder after the colon), with their help
+SPECIAL = {
+    "gate-reuse:MODEL_DIR": "router weights read from a model folder",
+    "moe-beyond:DIR": "MoE-Beyond's published predictions, its ``predicted_csvs`` folder",
+}
+#: names that fit a registered kind with other settings: name -> (kind, keyword arguments of its fit)
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"frequency-request": ("frequency", {"mode": "request"})}
+
+
+def buildable() -> dict[str, str]:
+    """name -> horizon of each predictor `predictors eval NAME` fits on the training side: every
+    registered kind with a ``fit(ts, train_ids)`` classmethod (registry order), each followed by its
+    :data:`VARIANTS`."""
+    from moecast.predictors.registry import fitted_kinds
+
+    out: dict[str, str] = {}
+    for kind, cls in fitted_kinds().items():
+        out[kind] = cls.horizon
+        out.update({name: cls.horizon for name, (of, _) in VARIANTS.items() if of == kind})
+    return out
+
+
+def baseline_help() -> str:
+    """The names `predictors eval` builds, for its help: ``frequency (statistical), ... or moe-beyond:DIR (...)``."""
+    named = [f"{name} ({horizon})" for name, horizon in buildable().items()]
+    named += [f"{spec} ({words})" for spec, words in SPECIAL.items()]
+    return f"{', '.join(named[:-1])} or {named[-1]}"
+
+
+def _special(spec: str) -> bool:
+    return any(spec.startswith(s.split(":")[0] + ":") for s in SPECIAL)
 
 
 def build_baseline(spec: str, ts: Any, train_ids: list[str]) -> Any:
-    from moecast.predictors.baselines import (
-        ActivationMatrixPredictor,
-        CooccurrencePredictor,
-        FrequencyPredictor,
-        GateReusePredictor,
-        HotTablePlanner,
-        PublishedPredictions,
-    )
+    """The predictor ``spec`` names, built from ``ts``: a registered kind's (or a :data:`VARIANTS`
+    name's) ``fit(ts, train_ids)``, or a :data:`SPECIAL` spec's folder read."""
+    from moecast.predictors.baselines import GateReusePredictor, PublishedPredictions
+    from moecast.predictors.registry import fits_from_traces, kind_class, kinds
 
-    if spec == "frequency":
-        return FrequencyPredictor.fit(ts, train_ids, "global")
-    if spec == "frequency-request":
-        return FrequencyPredictor.fit(ts, train_ids, "request")
-    if spec == "hot":
-        return HotTablePlanner.fit(ts, train_ids)
-    if spec == "cooccurrence":
-        return CooccurrencePredictor.fit(ts, train_ids)
-    if spec == "moe-infinity":
-        return ActivationMatrixPredictor.fit(ts, train_ids)
     if spec.startswith("moe-beyond:"):
         return PublishedPredictions.from_folder(spec.split(":", 1)[1], ts)
     if spec.startswith("gate-reuse:"):
         ts.require("gate_inputs", "the gate-reuse baseline")
         return GateReusePredictor.from_model_dir(spec.split(":", 1)[1], ts)
-    raise InputError(f"{spec}: no such checkpoint file, and not a baseline name ({', '.join(BASELINES)})")
+    kind, settings = VARIANTS.get(spec, (spec, {}))
+    cls = kind_class(kind) if kind in kinds() else None
+    if cls is None or not fits_from_traces(cls):
+        names = [*buildable(), *SPECIAL]
+        raise InputError(f"{spec}: no such checkpoint file, and not a baseline name ({', '.join(names)})")
+    return cls.fit(ts, train_ids, **settings)
 
 
 def evaluate_predictor(
@@ -75,6 +84,7 @@ def evaluate_predictor(
     (for baselines, which have none: the groups LLaPor would detect, so the two compare).
     ``online_lr`` > 0: after scoring each request, one online update (PreScope §4.2.2) on its
     true routing, so request r is predicted by a model that has seen the requests before it."""
+    from moecast.predictors.base import StreamingPredictor
     from moecast.predictors.metrics import MetricAccumulator
 
     if not requests:
@@ -82,8 +92,18 @@ def evaluate_predictor(
     missing = [f for f in getattr(pred, "needs", ()) if f != "token_id" and not ts.has(f)]
     if missing:
         ts.require(missing[0], f"predictor {pred.name}")
-    if online_lr and not hasattr(pred, "update"):
-        raise InputError(f"--online_lr: the {pred.name} predictor has no online update; only LLaPor has")
+    # the protocol the live runtime asks (attach's online_update); errors name the keyword, which the
+    # command line shows as its flag (moecast.errors.as_flags: --online-lr)
+    if online_lr and not (isinstance(pred, StreamingPredictor) and pred.learns_online):
+        raise InputError(
+            f"online_lr={online_lr} asks for online updates, but the {pred.name} predictor has no online "
+            "update (it does not learn online); LLaPor has one"
+        )
+    if online_lr and not all(hasattr(pred, m) for m in ("features", "score_features", "update")):
+        raise InputError(
+            f"online_lr={online_lr}: the {pred.name} predictor learns online token by token only; the "
+            "request-by-request update here needs LLaPor's features, score_features and update"
+        )
     m = ts.meta.model
     acc = MetricAccumulator(m.num_layers, m.num_experts, k or m.top_k, extra_k)
     for trace in tqdm(
@@ -133,9 +153,8 @@ def evaluate(
     """Evaluate a predictor checkpoint (or a named baseline) on a TraceSet and say which split it scored.
 
     Args:
-        checkpoint: predictor .safetensors, or frequency | frequency-request | cooccurrence |
-            moe-infinity | hot | gate-reuse:MODEL_DIR | moe-beyond:DIR (MoE-Beyond's published
-            predictions, ``predicted_csvs``); several are scored one after another
+        checkpoint: predictor .safetensors, or the name of a predictor built here (fitted on the
+            training side): <BASELINES>; several are scored one after another
         traces: TraceSet directory
         split: test | val | train | all. Default: test (never trained or selected on) on the
             TraceSet the checkpoint was trained on, all requests on any other
@@ -144,12 +163,14 @@ def evaluate(
         seed: split seed (default: the checkpoint's split, else 0)
         k: recall@k, 1 to the number of experts (default: the model's top-k)
         json: print one JSON object instead of a table
-        save: with a baseline, also write it as a checkpoint here
+        save: with a name, also write what was built as a checkpoint here (with the split it was
+            fitted on)
         max_requests: evaluate at most this many requests of the split
         online_lr: > 0 updates LLaPor online (PreScope §4.2.2) after each request, at this learning
             rate, with its training loss; the checkpoint file is left as it is
     """
-    from moecast.predictors.provenance import choose
+    from moecast.collect.splits import SplitSpec
+    from moecast.predictors.provenance import choose, split_record
 
     if not isinstance(checkpoint, str):
         if len(checkpoint) != 1:
@@ -166,7 +187,8 @@ def evaluate(
     if pred is None:
         pred = build_baseline(checkpoint, ts, chosen.train)
         if save:
-            pred.meta["split"] = {**(chosen.spec or {}), "traceset_id": ts.traceset_id}
+            if not _special(checkpoint):  # fitted on chosen.train: the split it scores, not fit's guess
+                pred.meta["split"] = split_record(ts, chosen.train, SplitSpec.from_json(chosen.spec))
             pred.save(save)
     extra = tuple(x for x in (1, 2, 4) if x < ts.meta.model.top_k)
     hint = None if getattr(pred, "groups", None) else detected_groups(ts, chosen.train)
@@ -191,14 +213,16 @@ def evaluate(
 
 
 def _eval_traces(traces: str | None, online_lr: float, k: int | None) -> Any:
-    """The TraceSet to evaluate on, once --traces, --online_lr and --k are checked against it."""
+    """The TraceSet to evaluate on, once --traces, --online-lr and --k are checked against it."""
     from moecast.collect.traceset import open_traces
 
     if not traces:
         raise InputError("moecast predictors eval needs --traces DIR (the TraceSet to evaluate on)")
     ts = open_traces(traces)
     if online_lr < 0:
-        raise InputError(f"--online_lr must be >= 0, not {online_lr}")
+        raise InputError(
+            f"online_lr={online_lr} is negative; give a learning rate >= 0 (0: no online update)"
+        )
     E = ts.meta.model.num_experts
     if k is not None and not (isinstance(k, int) and 1 <= k <= E):
         raise InputError(f"--k must be an integer from 1 to the model's {E} experts, not {k!r}")
@@ -214,12 +238,15 @@ def _load_checkpoint(checkpoint: str, ts: Any) -> tuple[Any, Any]:
     if Path(checkpoint).is_file():
         fp = ts.meta.model.fingerprint
         pred = load(checkpoint, fingerprint=fp, against=f"TraceSet {ts.path} ({ts.meta.model.name_or_path})")
-    record = None if pred is None else trained_on(pred)
-    if (pred is not None and record is None) or checkpoint.startswith("moe-beyond:"):
-        # no training record (or MoE-Beyond's own predictions): scored whole, as on a TraceSet it never saw
-        from moecast.predictors.provenance import TrainedOn
+    from moecast.predictors.provenance import TrainedOn
 
-        record = TrainedOn(traceset_id="unrecorded")
+    record = None if pred is None else trained_on(pred)
+    if pred is not None and record is None:
+        record = TrainedOn()  # records nothing: scored whole, its figures said to be possibly in-sample
+    if checkpoint.startswith("moe-beyond:"):
+        # MoE-Beyond's own predictions, of a model trained on its own data: scored whole, as on a
+        # TraceSet it never saw
+        record = TrainedOn(traceset_id="moe-beyond")
     return pred, record
 
 
@@ -373,3 +400,17 @@ def format_table(res: dict[str, Any], moe_layers: list[int]) -> str:
     per = res["per_layer"]["recall_at_k"]
     lines.append("per layer recall@k: " + " ".join(f"{moe_layers[i]}:{v:.3f}" for i, v in enumerate(per)))
     return "\n".join(lines)
+
+
+_EVALUATE_DOC = evaluate.__doc__ or ""
+
+
+def evaluate_doc() -> str:
+    """``evaluate``'s docstring (its --help) naming what it builds as the registry holds it now, kinds
+    registered after this module was imported included (as runtime/tiers/registry.py's tier_help)."""
+    return _EVALUATE_DOC.replace("<BASELINES>", baseline_help())
+
+
+# moecast.cli refreshes the docstring from it before printing --help; building the list imports every
+# registered kind, which only --help should pay for
+evaluate.help_doc = evaluate_doc  # type: ignore[attr-defined]

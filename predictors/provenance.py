@@ -5,6 +5,11 @@ the TraceSet it trained on and the sides' sizes). On that TraceSet (or one merge
 held-out sides are the checkpoint's own: test is reported, val was used for selection. On any
 other TraceSet no request was seen in training, so all of them are scored. A split that
 disagrees with the recorded one would score training requests as held out, and is refused.
+
+``split`` null says the predictor was fitted on no request (router weights read from a model):
+every request is held out. A checkpoint that records no split (no ``split`` key, or one that names
+requests but no split: :func:`split_record`'s ``requests`` form) is never taken for held out on a
+TraceSet it may have been fitted on: its figures are said to be possibly in-sample.
 """
 
 from __future__ import annotations
@@ -17,20 +22,52 @@ from moecast.collect.splits import SplitSpec
 
 from moecast.errors import InputError
 
+#: ``split.method`` of a checkpoint fitted on requests that are no split's train side (:func:`split_record`)
+FITTED_REQUESTS = "requests"
+
+
+def split_record(ts: Any, train_ids: list[str], spec: SplitSpec | None = None) -> dict[str, Any]:
+    """The ``split`` a checkpoint fitted on ``train_ids`` of ``ts`` records: the one place it is built.
+
+    Where the requests lie on the train side of ``spec`` (default: the default split) that split is
+    recorded, and its val and test sides are held out (:meth:`Splits.metadata`, with the number of
+    requests fitted on); otherwise only their TraceSet and count (method ``requests``), and no request
+    of that TraceSet is taken for held out. A predictor fitted on no request records ``None`` instead.
+    """
+    spec = spec or SplitSpec()
+    sides = ts.splits(spec.val_fraction, spec.test_fraction, spec.seed)
+    if set(train_ids) <= set(sides.train):
+        return {**sides.metadata(), "train_requests": len(train_ids)}
+    return {"method": FITTED_REQUESTS, "traceset_id": ts.traceset_id, "train_requests": len(train_ids)}
+
 
 @dataclass
 class TrainedOn:
-    """What a checkpoint says about the requests it trained on."""
+    """What a checkpoint says about the requests it trained on: a grouped split (``spec``), an earlier
+    moecast's ungrouped one (``legacy``), no request at all (``nothing``: ``split`` recorded as null),
+    or none of these (:attr:`unsplit`: it was fitted on requests no split records)."""
 
     spec: SplitSpec | None = None  # grouped train / val / test split
     legacy: dict[str, Any] | None = None  # ungrouped {val_fraction, seed} of an earlier moecast
     traceset_id: str | None = None
     path: str | None = None
+    requests: int | None = None  # how many requests an unsplit record says it was fitted on
+    nothing: bool = False  # fitted on no request (``split`` null): every request is held out
+
+    @property
+    def unsplit(self) -> bool:
+        """Fitted on requests that no split records: none of them is known to be held out."""
+        return self.spec is None and self.legacy is None and not self.nothing
 
     def same_traceset(self, ts: Any) -> bool:
         if self.traceset_id:
             return bool(ts.contains_traceset(self.traceset_id))
         return bool(self.path) and Path(self.path).resolve() == Path(ts.path).resolve()
+
+    def other_traceset(self, ts: Any) -> bool:
+        """Known to be fitted on another TraceSet than ``ts``: by its id only (a path proves nothing,
+        the same traces may sit elsewhere)."""
+        return bool(self.traceset_id) and not ts.contains_traceset(self.traceset_id)
 
     def describe(self) -> dict[str, Any] | None:
         if self.spec is not None:
@@ -40,14 +77,21 @@ class TrainedOn:
 
 def record_from_meta(meta: Any) -> TrainedOn | None:
     """The training record in one checkpoint's metadata; None when it has none."""
-    if not isinstance(meta, dict) or not (meta.get("split") or meta.get("trained_on")):
+    if not isinstance(meta, dict):
+        return None
+    if "split" in meta and meta["split"] is None:
+        return TrainedOn(nothing=True, path=meta.get("trained_on"))
+    if not (meta.get("split") or meta.get("trained_on")):
         return None
     split = meta.get("split") or {}
     spec = SplitSpec.from_json(split)
     legacy = None
-    if spec is None and "val_fraction" in split:
+    # an earlier moecast's ungrouped split is {val_fraction, seed} with no method; a header with no
+    # split, or a split of another method, is no such thing (it would be scored on that split's val)
+    if spec is None and "val_fraction" in split and "method" not in split:
         legacy = {"val_fraction": float(split["val_fraction"]), "seed": int(split.get("seed", 0))}
-    return TrainedOn(spec, legacy, split.get("traceset_id"), meta.get("trained_on"))
+    count = split.get("train_requests") if spec is None and legacy is None else None
+    return TrainedOn(spec, legacy, split.get("traceset_id"), meta.get("trained_on"), count)
 
 
 def trained_on(pred: Any) -> TrainedOn | None:
@@ -114,10 +158,13 @@ def choose(
     all elsewhere). ``record`` None means a predictor built here from ``ts`` (a baseline)."""
     if split not in (None, "test", "val", "train", "all"):
         raise InputError(f"--split must be test, val, train or all, not {split!r}")
-    same = record is None or record.same_traceset(ts)
+    # fitted on no request: every TraceSet is one it never saw
+    same = record is None or (not record.nothing and record.same_traceset(ts))
     notes: list[str] = []
-    if record is not None and record.spec is None and same:
+    if record is not None and record.legacy is not None and same:
         return _legacy(ts, record, split, val_fraction, seed, who)
+    if record is not None and record.unsplit and not record.other_traceset(ts):
+        return _unsplit(ts, record, split, val_fraction, test_fraction, seed, who)
     if record is not None and record.spec is not None and same:
         bad = _disagrees(record.spec, val_fraction, test_fraction, seed)
         if bad:
@@ -135,11 +182,58 @@ def choose(
         )
     name = split or ("test" if same else "all")
     if not same and name != "all":
-        notes.append(f"{who} was trained on another TraceSet: {name} is this TraceSet's {name} side")
+        where = (
+            "was fitted on no request"
+            if record is not None and record.nothing
+            else "was trained on another TraceSet"
+        )
+        notes.append(f"{who} {where}: {name} is this TraceSet's {name} side")
     if name == "all" and not same:
         return Chosen("all", list(ts.request_ids), [], None, False, ["none of them was trained on"])
     sides = ts.splits(spec.val_fraction, spec.test_fraction, spec.seed)
     return Chosen(name, sides[name], sides.train, spec.to_json(), same, notes)
+
+
+def in_sample_note(record: TrainedOn, who: str) -> str:
+    """Why an unsplit checkpoint's figures on a TraceSet it may have been fitted on may be in-sample."""
+    if record.traceset_id and record.requests is not None:
+        return (
+            f"{who} was fitted on {record.requests} requests of this TraceSet that are no split's train "
+            "side, so these figures are in part in-sample"
+        )
+    return (
+        f"{who} records no training split, so these figures may be in-sample (they may include "
+        "requests it was fitted on)"
+    )
+
+
+def _unsplit(
+    ts: Any,
+    record: TrainedOn,
+    split: str | None,
+    val_fraction: float | None,
+    test_fraction: float | None,
+    seed: int | None,
+    who: str,
+) -> Chosen:
+    """A checkpoint fitted on requests no split records: every request by default, any side on
+    request, each said to be possibly in-sample (nothing here is known to be held out)."""
+    spec = SplitSpec(
+        SplitSpec.val_fraction if val_fraction is None else val_fraction,
+        SplitSpec.test_fraction if test_fraction is None else test_fraction,
+        SplitSpec.seed if seed is None else seed,
+    )
+    sides = ts.splits(spec.val_fraction, spec.test_fraction, spec.seed)
+    name = split or "all"
+    chosen = list(ts.request_ids) if name == "all" else sides[name]
+    return Chosen(
+        name,
+        chosen,
+        sides.train,
+        None if name == "all" else spec.to_json(),
+        record.same_traceset(ts),
+        [in_sample_note(record, who)],
+    )
 
 
 def _legacy(
@@ -170,14 +264,22 @@ def holdout(ts: Any, which: str | float, checkpoints: list[str]) -> tuple[list[s
     val) side of the split the checkpoints were trained on, which must be one split. ``which``
     is test, val, or a number: the test share, refused where it disagrees with a checkpoint's."""
     name, share = _holdout_arg(which)
-    records = [(c, trained_on_file(c)) for c in checkpoints if c and Path(c).is_file()]
-    records = [(c, r) for c, r in records if r is not None]
-    old = [c for c, r in records if r.spec is None]
+    # a checkpoint with no record at all is as unsplit as one with only its TraceSet: its held-out
+    # requests are unknown
+    records = [(c, trained_on_file(c) or TrainedOn()) for c in checkpoints if c and Path(c).is_file()]
+    old = [c for c, r in records if r.legacy is not None]
     if old:
         raise InputError(
             f"{old[0]} was trained with the ungrouped split of an earlier moecast, which has no test "
             "side and may hold copies of training prompts on its held-out side; retrain it to replay "
             "its held-out requests"
+        )
+    unsplit = [c for c, r in records if r.unsplit and not r.other_traceset(ts)]
+    if unsplit:
+        raise InputError(
+            f"{unsplit[0]} records no training split, so which requests of {ts.path} it was fitted on is "
+            "unknown and none can be replayed as held out; refit it on a split's train side (`moecast "
+            "predictors eval KIND --traces T --save CKPT` records the split), or replay without --holdout"
         )
     specs = {c: r.spec for c, r in records if r.spec is not None}
     if len(set(specs.values())) > 1:
@@ -212,7 +314,12 @@ def warn_in_sample(ts: Any, checkpoints: list[str | None], replayed: list[str]) 
 
     for c in (c for c in checkpoints if c and Path(c).is_file()):
         r = trained_on_file(c)
-        if r is None or r.spec is None or not r.same_traceset(ts):
+        if r is None or (r.unsplit and not r.other_traceset(ts)):
+            # nothing says which requests it was fitted on: any replayed one may be among them
+            note = in_sample_note(r or TrainedOn(), c).replace("these figures", "the replay's figures")
+            warnings.warn(InSampleWarning(note), stacklevel=2)
+            continue
+        if r.spec is None or not r.same_traceset(ts):
             continue
         sides = ts.splits(r.spec.val_fraction, r.spec.test_fraction, r.spec.seed)
         seen = len({*sides.train, *sides.val} & set(replayed))

@@ -10,10 +10,17 @@ import pytest
 from conftest import make_synthetic_traceset
 from moecast.collect.traceset import ModelInfo, RequestRecord, TraceMeta, TraceSet, TraceWriter
 from moecast.predictors import load
-from moecast.predictors.baselines import ActivationMatrixPredictor, FrequencyPredictor, GateReusePredictor
+from moecast.predictors.baselines import (
+    ActivationMatrixPredictor,
+    FrequencyPredictor,
+    GateReusePredictor,
+    _Base,
+    fitted_meta,
+)
 from moecast.predictors.checkpoint import CheckpointError
 from moecast.predictors.commands import evaluate, evaluate_predictor
 from moecast.predictors.metrics import recall_at_k
+from moecast.predictors.registry import KINDS
 
 
 def _router_traces(
@@ -282,3 +289,160 @@ def test_activation_matrix_collection_holds_1000_requests_by_default(tmp_path):
     assert pred.matrices.shape == (1000, 2, 4) and pred.metadata()["capacity"] == 1000
     small = ActivationMatrixPredictor.fit(ts, ts.request_ids[:10])  # fewer requests: all of them, in order
     assert np.allclose(small.matrices[:, 0].argmax(-1), [i % 4 for i in range(10)])
+
+
+class ToyPredictor(_Base):
+    """A contributor's kind, registered by the tests below only: statistical, every score 1, ``n`` the
+    number of requests it was fitted on; its ``update`` is no online learning step."""
+
+    name = "toy"
+    horizon = "statistical"
+
+    def __init__(self, n: int, meta: dict) -> None:
+        super().__init__(meta)
+        self.n = int(n)
+
+    @classmethod
+    def fit(cls, ts: TraceSet, train_ids: list[str]) -> ToyPredictor:
+        return cls(len(train_ids), fitted_meta(ts, train_ids))
+
+    def score_request(self, trace) -> np.ndarray:
+        return np.ones((len(trace), self.num_layers, self.num_experts), np.float32)
+
+    def update(self, more: int) -> None:
+        self.n += more
+
+    def tensors(self) -> dict:
+        return {"n": np.array([self.n], np.int64)}
+
+    @classmethod
+    def from_checkpoint(cls, tensors: dict, meta: dict, path: Path) -> ToyPredictor:
+        return cls(int(tensors["n"][0]), meta)
+
+
+def test_a_registered_kind_is_built_saved_and_listed_by_predictors_eval(
+    synthetic_traces, tmp_path, monkeypatch, capsys
+):
+    """A kind's module and its registration are all `predictors eval KIND --save` needs: it is fitted on
+    the training side (6 requests: the default split leaves 4 there), saved with that split, loads
+    back, and `--help` lists it with its horizon. The names were a hand-kept list and if-chain."""
+    from moecast.cli import main
+
+    monkeypatch.setitem(KINDS, "toy", "test_baselines:ToyPredictor")
+    out = tmp_path / "toy.safetensors"
+    main(["predictors", "eval", "toy", "--traces", str(synthetic_traces), "--save", str(out), "--json"])
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ts = TraceSet(synthetic_traces)
+    sides = ts.splits()
+    assert (len(sides.train), len(sides.val), len(sides.test)) == (4, 1, 1)
+    assert res["predictor"] == "toy" and res["split"] == "test" and res["requests"] == 1
+    back = load(out, fingerprint=ts.meta.model.fingerprint)
+    assert isinstance(back, ToyPredictor) and back.n == 4
+    assert back.checkpoint_meta["split"]["train_requests"] == 4
+    monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps help lines at hyphens too
+    with pytest.raises(SystemExit) as exc:
+        main(["predictors", "eval", "--help"])
+    assert exc.value.code == 0
+    listed = " ".join(capsys.readouterr().out.split())
+    assert "cooccurrence (layer-ahead), toy (statistical), gate-reuse:MODEL_DIR (router weights" in listed
+
+
+def test_a_package_adds_its_kind_through_an_entry_point(synthetic_traces, tmp_path, monkeypatch, capsys):
+    """A predictor in a package of its own reaches the `moecast` command by declaring its kind in the
+    ``moecast.predictors`` entry points, with no edit to moecast: `predictors eval toy --save` builds
+    it and its checkpoint loads. Without the package the checkpoint's kind is refused in one line that
+    says how a kind of another package is found. Catches a registry that reads only its own table."""
+    import importlib.metadata as md
+
+    from moecast.predictors import registry
+
+    from moecast.cli import main
+
+    real = md.entry_points
+    toy = md.EntryPoint(name="toy", value="test_baselines:ToyPredictor", group=registry.ENTRY_POINTS)
+    installed = [toy]
+
+    def entry_points(**kw):
+        return list(installed) if kw.get("group") == registry.ENTRY_POINTS else real(**kw)
+
+    monkeypatch.setattr(md, "entry_points", entry_points)
+    assert "toy" not in KINDS
+    out = tmp_path / "toy.safetensors"
+    main(["predictors", "eval", "toy", "--traces", str(synthetic_traces), "--save", str(out), "--json"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["predictor"] == "toy"
+    assert isinstance(load(out), ToyPredictor)
+    installed.clear()  # the package uninstalled
+    with pytest.raises(
+        CheckpointError, match=r"unknown predictor kind 'toy'; .*'moecast.predictors' entry points"
+    ):
+        load(out)
+    # a package's kind never shadows one of moecast's own
+    installed.append(
+        md.EntryPoint(name="frequency", value="test_baselines:ToyPredictor", group=registry.ENTRY_POINTS)
+    )
+    assert registry.kind_class("frequency") is not ToyPredictor
+
+
+def test_online_lr_asks_whether_the_predictor_learns_online(synthetic_traces, tmp_path, monkeypatch):
+    """`--online-lr` asks the protocol the live runtime asks (``learns_online``), not for a method
+    named ``update``: the toy kind has one (no learning step), and went on to a traceback on LLaPor's
+    ``features``. The message names the option as typed."""
+    from moecast.cli import main
+
+    monkeypatch.setitem(KINDS, "toy", "test_baselines:ToyPredictor")
+    ts = TraceSet(synthetic_traces)
+    ckpt = ToyPredictor.fit(ts, ts.request_ids).save(tmp_path / "toy.safetensors")
+    base = ["predictors", "eval", str(ckpt), "--traces", str(synthetic_traces)]
+    for flag, said in (
+        (
+            "--online-lr=0.01",
+            "--online-lr 0.01 asks for online updates, but the toy predictor has no online update",
+        ),
+        ("--online-lr=-1", "--online-lr -1.0 is negative; give a learning rate >= 0"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            main([*base, flag])
+        msg = str(exc.value.code)
+        assert msg.startswith(f"moecast: error: {said}") and "online_lr" not in msg, msg
+
+
+def test_gate_reuse_records_that_it_was_fitted_on_no_request(tmp_path, capsys):
+    """Router weights read from a model: ``split`` null, so every request of any TraceSet is held out
+    (a replay of them warns of nothing), where a header with no split is possibly in-sample."""
+    import warnings
+
+    from moecast.predictors.provenance import warn_in_sample
+
+    ts, model, _ = _router_traces(tmp_path)
+    pred = GateReusePredictor.from_model_dir(model, ts)
+    assert "split" in pred.meta and pred.meta["split"] is None
+    ckpt = str(pred.save(tmp_path / "gr.safetensors"))
+    res = evaluate(ckpt, str(ts.path))
+    assert res["split"] == "all" and res["requests"] == 6
+    assert "none of them was trained on" in capsys.readouterr().out
+    with warnings.catch_warnings():  # a replay of any of its requests is held out: nothing to say
+        warnings.simplefilter("error")
+        warn_in_sample(ts, [ckpt], list(ts.request_ids))
+
+
+def test_a_baseline_that_records_no_split_is_not_saved(tmp_path):
+    """A contributor's fit that writes no ``split`` (the docs' first example did) is refused at save, in
+    one line saying how to record it, and no file is left."""
+    meta = {"fingerprint": "f", "moe_layers": [1, 2, 3], "num_experts": 8, "top_k": 2, "trained_on": "t"}
+    with pytest.raises(CheckpointError) as exc:
+        FrequencyPredictor(np.full((3, 8), 1 / 8), meta).save(tmp_path / "f.safetensors")
+    msg = str(exc.value)
+    assert "records no `split`" in msg and "fitted_meta(ts, train_ids)" in msg and "\n" not in msg
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_missing_checkpoint_says_how_to_build_one_as_well_as_train_one(tmp_path):
+    """Frequency, hot and a contributor's kind are built by `predictors eval KIND --save`, not trained."""
+    from moecast.predictors.checkpoint import load_raw
+
+    with pytest.raises(CheckpointError) as exc:
+        load_raw(tmp_path / "nope.safetensors")
+    msg = str(exc.value)
+    assert "no such checkpoint" in msg and "\n" not in msg
+    assert f"`moecast predictors eval KIND --traces T --save {tmp_path / 'nope.safetensors'}`" in msg
+    assert "`moecast train KIND`" in msg

@@ -11,7 +11,7 @@ from conftest import make_synthetic_traceset
 from moecast.collect.traceset import TraceSet
 from moecast.predictors.baselines import FrequencyPredictor
 from moecast.predictors.commands import evaluate
-from moecast.predictors.provenance import holdout
+from moecast.predictors.provenance import holdout, warn_in_sample
 
 
 @pytest.fixture
@@ -118,3 +118,99 @@ def test_replay_without_holdout_says_it_scores_a_checkpoint_in_sample(two_sets, 
         main(["compare", "--traces", str(a.path), "--predictors", ckpt, "--policies", "prefetch", "--capacities",
               "4", "--out", str(tmp_path / "cmp"), "--wandb", "false", "--json"])  # fmt: skip
     assert "training or validation requests (in-sample figures)" in capsys.readouterr().err
+
+
+def _header(ts, tmp_path, name, **record):
+    """A frequency checkpoint fitted on ``ts``'s default train side whose header says only ``record``
+    of what it was fitted on (as a contributor's fit that copies no split would write it)."""
+    from moecast.predictors import checkpoint
+
+    pred = FrequencyPredictor.fit(ts, ts.splits().train)
+    meta = {k: v for k, v in pred.metadata().items() if k not in ("split", "trained_on")}
+    return str(checkpoint.save(tmp_path / name, pred.tensors(), {**meta, **record}))
+
+
+def test_a_checkpoint_that_records_no_split_is_never_scored_as_held_out(two_sets, tmp_path, capsys):
+    """Fitted on a's train side, its header saying only where (``trained_on``) or nothing: every
+    request of a is scored and said to be possibly in-sample. It was taken for an earlier moecast's
+    ungrouped split (scored on that split's val side, which holds grouped-train requests) and, with
+    no record, for a checkpoint of another TraceSet ("none of them was trained on")."""
+    a, _ = two_sets
+    for ckpt in (
+        _header(a, tmp_path, "where.safetensors", trained_on=str(a.path)),
+        _header(a, tmp_path, "nothing.safetensors"),
+    ):
+        res = evaluate(ckpt, traces=str(a.path))
+        out = capsys.readouterr().out
+        assert res["split"] == "all" and res["requests"] == 20, ckpt
+        assert f"note: {ckpt} records no training split, so these figures may be in-sample" in out
+        assert "none of them was trained on" not in out and "ungrouped" not in out
+        with pytest.raises(ValueError, match="records no training split") as exc:
+            holdout(a, "test", [ckpt])  # --holdout test would call them held out
+        assert "\n" not in str(exc.value)
+        with pytest.warns(UserWarning, match=f"{ckpt} records no training split, so the replay's figures"):
+            warn_in_sample(a, [ckpt], list(a.request_ids))
+
+
+def test_only_a_methodless_split_is_the_legacy_one(two_sets, tmp_path, capsys):
+    """{val_fraction, seed} without a method is an earlier moecast's split (scored on its val side); a
+    split with a method this moecast does not know is no split it can read, not a legacy one."""
+    a, _ = two_sets
+    other = {"method": "some-future-method", "val_fraction": 0.25, "seed": 0, "traceset_id": a.traceset_id}
+    ckpt = _header(a, tmp_path, "future.safetensors", trained_on=str(a.path), split=other)
+    res = evaluate(ckpt, traces=str(a.path))
+    assert res["split"] == "all" and res["requests"] == 20
+    assert "records no training split" in capsys.readouterr().out
+
+
+def test_the_baselines_fit_records_the_split_it_was_fitted_on(two_sets, tmp_path, capsys):
+    """Every kind fitted from traces records its split at fit (not only `predictors eval --save`): on
+    the default split's train side that split (its test side then scored), on every request of a
+    their TraceSet and count (every request of a then in-sample, all of b held out)."""
+    from moecast.predictors.provenance import FITTED_REQUESTS
+    from moecast.predictors.registry import fitted_kinds
+
+    a, b = two_sets
+    sides = a.splits()
+    assert fitted_kinds()  # frequency, hot, moe-infinity, cooccurrence at least
+    for kind, cls in fitted_kinds().items():
+        split = cls.fit(a, sides.train).meta["split"]
+        assert split == {**sides.metadata(), "train_requests": len(sides.train)}, kind
+        assert split["method"] == "prompt-groups-v1" and split["traceset_id"] == a.traceset_id
+    ckpt = str(FrequencyPredictor.fit(a, sides.train).save(tmp_path / "train.safetensors"))
+    res = evaluate(ckpt, traces=str(a.path), json=True)
+    assert res["split"] == "test" and res["requests"] == len(sides.test) > 0
+    whole = FrequencyPredictor.fit(a, a.request_ids)
+    assert whole.meta["split"] == {
+        "method": FITTED_REQUESTS,
+        "traceset_id": a.traceset_id,
+        "train_requests": 20,
+    }
+    ckpt = str(whole.save(tmp_path / "all.safetensors"))
+    capsys.readouterr()
+    res = evaluate(ckpt, traces=str(a.path))
+    assert res["split"] == "all" and res["requests"] == 20
+    assert f"{ckpt} was fitted on 20 requests of this TraceSet that are no split's train side" in (
+        " ".join(capsys.readouterr().out.split())
+    )
+    res = evaluate(ckpt, traces=str(b.path))
+    assert res["split"] == "all" and res["requests"] == 7
+    assert "none of them was trained on" in capsys.readouterr().out
+
+
+def test_eval_save_records_the_split_it_scored_not_the_default(two_sets, tmp_path):
+    """`predictors eval frequency --val-fraction 0.2 --test-fraction 0.2 --seed 3 --save`: fitted on
+    that split's train side, which fit alone cannot tell from other requests; the saved checkpoint
+    records that split, so it is scored on the same test side again."""
+    a, _ = two_sets
+    sides = a.splits(0.2, 0.2, 3)
+    assert not set(sides.train) <= set(a.splits().train)  # not the default split's train side
+    out = str(tmp_path / "f.safetensors")
+    first = evaluate(
+        "frequency", traces=str(a.path), val_fraction=0.2, test_fraction=0.2, seed=3, json=True, save=out
+    )
+    from moecast.predictors.checkpoint import load_metadata
+
+    assert load_metadata(out)["split"] == {**sides.metadata(), "train_requests": len(sides.train)}
+    again = evaluate(out, traces=str(a.path), json=True)
+    assert again["split"] == "test" and again["requests"] == first["requests"] == len(sides.test) > 0
