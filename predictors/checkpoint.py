@@ -46,17 +46,22 @@ def save(path: str | Path, tensors: dict[str, Any], metadata: dict[str, Any]) ->
     return path
 
 
+def missing_checkpoint(path: str | Path) -> str:
+    """What every command says of a checkpoint path with no file: the two ways to make one."""
+    return (
+        f"{path}: no such checkpoint; build one with `moecast predictors eval KIND --traces T --save "
+        f"{path}` (the kinds fitted from traces, listed by `moecast predictors eval --help`) or train "
+        "one with `moecast train KIND`"
+    )
+
+
 def load_raw(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(tensors as torch tensors, metadata dict) of a moecast checkpoint."""
     from safetensors import safe_open
 
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(
-            f"{path}: no such checkpoint; build one with `moecast predictors eval KIND --traces T --save "
-            f"{path}` (the kinds fitted from traces, listed by `moecast predictors eval --help`) or train "
-            "one with `moecast train KIND`"
-        )
+        raise CheckpointError(missing_checkpoint(path))
     try:
         with safe_open(str(path), framework="pt") as fh:
             header = fh.metadata() or {}

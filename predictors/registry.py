@@ -41,7 +41,7 @@ def kinds() -> dict[str, str]:
     (moecast's own and those :func:`register`-ed), which win where a name is both."""
     from importlib.metadata import entry_points
 
-    return {**{ep.name: ep.value for ep in entry_points(group=ENTRY_POINTS)}, **KINDS}
+    return {**KINDS, **{ep.name: ep.value for ep in entry_points(group=ENTRY_POINTS) if ep.name not in KINDS}}
 
 
 def register(kind: str, target: str) -> None:

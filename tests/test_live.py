@@ -594,7 +594,7 @@ def test_learn_plans_gives_the_planner_the_prompt_and_its_prefill_ep(capacity):
     rt.reset_stats()
     assert rt.stats()["plans_learned"] == 0 and rt.stats()["uses"] == 0
     with pytest.raises(
-        ValueError, match=r"learn_plans needs a planner with a buffer .*; fixed has no buffer"
+        ValueError, match=r"learn_plans=True needs a planner with a buffer .*; fixed has no buffer"
     ):
         attach(model, planner=_FixedPlanner(np.ones((2, 8), np.float32)), learn_plans=True)
     assert hooks_of(model) == 0
@@ -640,7 +640,9 @@ def test_cli_run_learn_plans_folds_served_prompts_into_the_eam(model_dir, model_
     assert eam.size == n0 + 2
     _, conf = eam.query(prompts[1])
     assert conf == pytest.approx(1.0, abs=1e-4)  # the served prompt is now in the index
-    with pytest.raises(SystemExit, match=r"learn_plans needs a planner with a buffer .*; none was given"):
+    with pytest.raises(
+        SystemExit, match=r"--learn-plans True needs a planner with a buffer .*; none was given"
+    ):
         main(["run", "--model", str(model_dir), "--max-new-tokens", "1", "--learn_plans", "true"])
 
 
@@ -714,7 +716,7 @@ def test_llapor_prefetch_and_online_update_keep_logits(model_dir, llapor_for_mod
     assert stats["online_updates"] == 4 and np.isfinite(stats["online_loss"])
     changed = any(not torch.equal(before[k], v) for k, v in pred.net.state_dict().items())
     assert changed, "online updates must move the predictor's weights"
-    with pytest.raises(ValueError, match="online_update needs"):
+    with pytest.raises(ValueError, match="online_update=True needs"):
         attach(model, online_update=True)
 
 
@@ -1128,9 +1130,10 @@ def test_cli_run_takes_predictor_none_and_prints_no_nan(model_dir, capsys):
 
 
 def test_cli_run_reads_its_checkpoints_before_the_model(tmp_path, model_dir, capsys, monkeypatch):
-    """`moecast run` refuses a missing checkpoint, a planner given as the prefetcher and a prefetcher
-    given as the planner before it loads the model (minutes for a real one); which model a checkpoint
-    was made for is checked after. Catches the checks moved back behind the model's load."""
+    """`moecast run` refuses a missing checkpoint, a planner given as the prefetcher, a prefetcher given
+    as the planner, a static table that is none, a gated policy's missing calibration and online
+    learning a checkpoint cannot do before it loads the model (minutes for a real one); which model a
+    checkpoint was made for is checked after. Catches the checks moved back behind the model's load."""
     from conftest import make_synthetic_traceset
     from moecast.runtime.live import commands
 
@@ -1144,14 +1147,18 @@ def test_cli_run_reads_its_checkpoints_before_the_model(tmp_path, model_dir, cap
     real = commands._load_for_run
     monkeypatch.setattr(commands, "_load_for_run", lambda *a: pytest.fail("the model was loaded first"))
     base = ["run", "--model", str(model_dir), "--prompt", "hi", "--capacity", "2", "--max-new-tokens", "1"]
+    co = tmp_path / "co.safetensors"  # layer-ahead, never calibrated, no online update
+    main(["predictors", "eval", "cooccurrence", "--traces", str(traces), "--save", str(co)])
+    capsys.readouterr()
     for extra, said in (
         (["--predictor", str(tmp_path / "nope.safetensors")], "no such checkpoint"),
-        (
-            ["--policy", "prefetch", "--predictor", str(hot)],
-            "the live prefetcher needs a layer-ahead predictor",
-        ),
+        (["--policy", "prefetch", "--predictor", str(hot)], "the live prefetcher needs a layer-ahead predictor"),
         (["--planner", str(freq)], "planner frequency is statistical"),
-    ):
+        (["--policy", "static", "--predictor", str(co)], r"policy static pins a hot-expert table .*cooccurrence has a table of shape \(3, 8, 8\)"),
+        (["--policy", "prefetch-gated", "--predictor", str(co)], "cooccurrence's checkpoint has none: run `moecast predictors calibrate"),
+        (["--policy", "prefetch", "--predictor", str(co), "--online-update", "true"], "--online-update True needs a layer-ahead predictor with an update step"),
+        (["--learn-plans", "true"], "--learn-plans True needs a planner with a buffer"),
+    ):  # fmt: skip
         with pytest.raises(SystemExit, match=said):
             main([*base, *extra])
     # the right job, the wrong model: refused once the model is there (the synthetic traces' model)

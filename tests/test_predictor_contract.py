@@ -1,7 +1,7 @@
 """Every registered predictor kind keeps the contract of predictors/base.py and docs/adding-a-predictor.md.
 
 As ``test_every_registered_tier_implements_the_protocol`` does for tiers, these run for every kind in
-``registry.KINDS``: each names itself by its kind, and each kind fitted from traces (a ``fit(ts,
+``registry.kinds()`` (moecast's and installed packages'): each names itself by its kind, and each kind fitted from traces (a ``fit(ts,
 train_ids)`` classmethod: what `predictors eval NAME` builds) is fitted on a small TraceSet and must give
 [T, L, E] float32 scores, the same scores after a checkpoint round trip, rows that read nothing their
 horizon may not know, and (layer-ahead) a stream that scores as its batch path. A kind registered by a
@@ -20,7 +20,7 @@ from moecast.collect.traceset import RequestTrace, TraceSet
 from moecast.predictors.base import HORIZONS, LayerAhead, Predictor, PromptPlanner, StreamingPredictor
 from moecast.predictors.commands import VARIANTS, build_baseline, buildable
 from moecast.predictors.metrics import multi_hot
-from moecast.predictors.registry import KINDS, kind_class, load
+from moecast.predictors.registry import kind_class, kinds, load
 from test_layer_stream import _drive
 
 # the shape of test_layer_stream's _drive (its module's L and T): 4 MoE layers, 9 tokens
@@ -82,7 +82,7 @@ def _kind_of(name: str) -> str:
     return VARIANTS.get(name, (name, {}))[0]
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", list(kinds()))  # moecast's and installed packages'
 def test_every_registered_kind_is_named_by_its_kind(kind):
     """``name`` is the checkpoint's ``kind``: a class named otherwise would save checkpoints that load
     as another kind (or none)."""

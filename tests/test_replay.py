@@ -665,7 +665,7 @@ def test_compare_refuses_a_bad_predictor_checkpoint_before_writing(tmp_path, cap
     base = ["compare", "--traces", str(path), "--policies", "lru", "prefetch", "--capacities", "0.5",
             "--wandb", "false", "--out", str(out)]  # fmt: skip
     code, _, _ = _run_cli([*base, "--predictors", "oracle", str(tmp_path / "nope.safetensors")], capsys)
-    _one_line_error(code, "no checkpoint at", "nope.safetensors")
+    _one_line_error(code, "nope.safetensors: no such checkpoint; build one with")
     code, _, _ = _run_cli([*base, "--predictors", "oracle", str(theirs)], capsys)
     _one_line_error(code, "theirs.safetensors was trained for model", f"TraceSet {path}")
     assert not out.exists()
@@ -896,3 +896,34 @@ def test_a_checkpoint_saved_again_at_its_path_is_scored_anew(tmp_path, capsys):
     assert second.prefetches_issued == fresh.prefetches_issued and second.hit_rate == fresh.hit_rate
     assert second.prefetch_accuracy == fresh.prefetch_accuracy
     assert (first.hit_rate, first.prefetch_accuracy) != (second.hit_rate, second.prefetch_accuracy)
+
+
+def test_replay_notes_say_why_a_predictor_changed_nothing(tmp_path, capsys):
+    """The replay's text notes: under static the predictor is the table the policy pins, so neither its
+    latency nor a "no prefetch landed" note is printed; the note names both reasons (nothing asked for
+    that was not resident, or no room on the link) and never suggests the profile already in use."""
+    import dataclasses
+
+    from moecast.runtime.replay.commands import FAST_LINK, _print_result
+
+    from moecast.cli import main
+
+    path = make_synthetic_traceset(tmp_path / "s", num_experts=8, top_k=2)
+    freq = tmp_path / "freq.safetensors"
+    main(["predictors", "eval", "frequency", "--traces", str(path), "--save", str(freq)])
+    capsys.readouterr()
+    static = replay(path, ReplayConfig(policy="static", capacity=3, predictor=str(freq)))
+    _print_result(static)
+    text = capsys.readouterr().out
+    assert "predictor latency" not in text and "note:" not in text, text
+    assert f"hot-expert table counted on the table of {freq}" in text
+    r = replay(path, ReplayConfig(policy="prefetch", capacity=3, predictor=str(freq), hardware=FAST_LINK))
+    assert r.prefetches_issued > 0
+    _print_result(dataclasses.replace(r, prefetches_landed=0))
+    text = capsys.readouterr().out
+    assert "note: no prefetch landed" in text and "asked for no expert that was not resident" in text, text
+    assert f"compare --hardware {FAST_LINK}" not in text  # the profile in use is not advice
+    other = dataclasses.replace(r, prefetches_issued=5, prefetches_landed=0)
+    other.config["hardware"] = "prescope-a100-pcie4"
+    _print_result(other)
+    assert f"compare --hardware {FAST_LINK}" in capsys.readouterr().out

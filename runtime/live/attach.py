@@ -158,6 +158,19 @@ def _continues(kwargs: dict[str, Any]) -> bool:
     return pos is not None and pos.numel() > 0 and int(pos.reshape(-1)[0]) > 0
 
 
+def check_learning(predictor: Any, planner: Any, online_update: bool, learn_plans: bool) -> None:
+    """Refuse online learning a checkpoint cannot do: PreScope's online update needs a layer-ahead
+    predictor with an update step, CasMoE's buffer a planner with one (what ``moecast run`` checks before
+    it loads the model, and ``attach`` again)."""
+    if online_update and not (isinstance(predictor, StreamingPredictor) and predictor.learns_online):
+        raise InputError("online_update=True needs a layer-ahead predictor with an update step (LLaPor)")
+    if learn_plans and not isinstance(planner, LearningPlanner):
+        given = "none was given" if planner is None else f"{planner.name} has no buffer"
+        raise InputError(
+            f"learn_plans=True needs a planner with a buffer (an EAM or cascade checkpoint); {given}"
+        )
+
+
 def _check_fits(pred: Any, role: str, what_to_do: str, info: Any) -> None:
     """Refuse a predictor or planner of another model: its fingerprint where it has one, and always its
     shape (MoE layers, experts, top-k), which a predictor without a fingerprint would otherwise carry
@@ -206,12 +219,7 @@ def attach(
     or given to a policy that does not substitute, a predictor for another model or of the wrong kind.
     """
     cfg = live_config(config, settings)
-    online_update, learn_plans = cfg.online_update, cfg.learn_plans
-    if online_update and not (isinstance(predictor, StreamingPredictor) and predictor.learns_online):
-        raise InputError("online_update needs a layer-ahead predictor with an update step (LLaPor)")
-    if learn_plans and not isinstance(planner, LearningPlanner):
-        given = "none was given" if planner is None else f"{planner.name} has no buffer"
-        raise InputError(f"learn_plans needs a planner with a buffer (an EAM or cascade checkpoint); {given}")
+    check_learning(predictor, planner, cfg.online_update, cfg.learn_plans)
     structure = find_moe_structure(model, router_pattern)
     without = [e.router_name for e in structure.layers if e.experts is None]
     if without:

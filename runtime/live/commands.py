@@ -31,6 +31,7 @@ import torch
 from moecast.collect.models import kv_cache, with_cache
 from moecast.runtime.core.policy import resolve_alpha, substitutes, with_policies
 from moecast.runtime.core.spec import DEFAULT
+from moecast.runtime.live.attach import check_learning
 from moecast.runtime.live.config import LiveConfig
 from moecast.runtime.live.runtime import attach
 from moecast.runtime.tiers.precision import Precision, TwoCopies, expert_setting, experts_at
@@ -60,16 +61,28 @@ def _load_predictor(path: str | None) -> Any:
 
 def _check_jobs(pred: Any, plan: Any, config: LiveConfig) -> None:
     """Refuse a predictor that cannot do the job ``run`` gives it, in the words ``attach`` would use:
-    a planner that is no prompt-ahead planner, a prefetcher that cannot stream (under static the
-    predictor is the pinned table instead, which attach checks against the model's shape)."""
+    a planner that is no prompt-ahead planner, a prefetcher that cannot stream or (under a gated policy)
+    has no calibration; under static the predictor is the table the policy pins, which must be one
+    (attach checks its shape against the model's)."""
     from moecast.predictors.base import PromptPlanner, StreamingPredictor
-    from moecast.runtime.live.prefetch import not_a_planner, not_a_prefetcher
+    from moecast.runtime.core.cache import hot_table
+    from moecast.runtime.live.prefetch import (
+        choose_prefetch,
+        gate_calibration,
+        not_a_planner,
+        not_a_prefetcher,
+    )
 
     if plan is not None and (not isinstance(plan, PromptPlanner) or plan.horizon != "prompt-ahead"):
         raise InputError(not_a_planner(plan))
-    prefetches = config.prefetch != "none" and config.rule().eviction != "static"
-    if pred is not None and prefetches and not isinstance(pred, StreamingPredictor):
+    rule = config.rule()
+    if rule.eviction == "static":
+        if pred is not None:  # an [L, E] table of its own layers and experts (attach: of the model's)
+            hot_table(pred, pred.num_layers, pred.num_experts)
+        return
+    if pred is not None and config.prefetch != "none" and not isinstance(pred, StreamingPredictor):
         raise InputError(not_a_prefetcher(pred))
+    gate_calibration(rule, choose_prefetch(config.prefetch, rule, pred, None), pred)
 
 
 def _check_model(ckpt: Any, path: str | None, model: Any, name: str) -> None:
@@ -315,6 +328,7 @@ def run(
     # for another job fails now; which model they were made for is checked once it is loaded
     pred, plan = _load_predictor(predictor), _load_predictor(planner)
     _check_jobs(pred, plan, config)
+    check_learning(pred, plan, online_update, learn_plans)
     lm, tok, name = _load_for_run(model, offload, offload_dir)
     for ckpt, given in ((pred, predictor), (plan, planner)):
         _check_model(ckpt, given, lm, name)

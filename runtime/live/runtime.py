@@ -205,7 +205,7 @@ class LiveRuntime:
         self.prefetcher.warm()
         if config.online_update and not isinstance(self.prefetcher.stream, OnlineStream):
             raise InputError(
-                "online_update needs a layer-ahead predictor with an update step (LLaPor) to prefetch"
+                "online_update=True needs a layer-ahead predictor with an update step (LLaPor) to prefetch"
             )
         # the policy as it runs here: a prefetch source given explicitly turns its prefetch on or off
         self.policy: Policy = dataclasses.replace(rule, prefetch="none" if mode == "none" else "predictor")

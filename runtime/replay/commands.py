@@ -129,18 +129,24 @@ def _held_out(
     return split_holdout(ts, holdout, [c for c in checkpoints if c])
 
 
+#: a shipped profile whose link leaves a layer's prefetches room (NVLink-C2C)
+FAST_LINK = "gh200-nvlink-c2c"
+
+
 def _check_checkpoint(name: str, ts: Any) -> None:
     """Refuse a checkpoint that is missing, unreadable or made for another model than ``ts``'s, from its
     header alone (a `compare` would find out only at its cell, after the cells before it ran)."""
     if name in ("none", "oracle", "hot"):
         return
-    from moecast.predictors.checkpoint import check_fingerprint, load_metadata
+    from moecast.predictors.checkpoint import (
+        CheckpointError,
+        check_fingerprint,
+        load_metadata,
+        missing_checkpoint,
+    )
 
     if not Path(name).is_file():
-        raise FileNotFoundError(
-            f"no checkpoint at {name}; train one (`moecast train`) or build a baseline's "
-            "(`moecast predictors eval NAME --save CKPT`)"
-        )
+        raise CheckpointError(missing_checkpoint(name))
     check_fingerprint(load_metadata(name), ts.meta.model.fingerprint, f"TraceSet {ts.path}", name)
 
 
@@ -201,7 +207,9 @@ def _print_result(res: ReplayResult, predictor_given: bool = True) -> None:
             f"modeled_tpot_ms leaves out the hot-expert table's preload ({d['preload_ms']:.2f} ms of transfers "
             "at each cache start); modeled_tpot_ms_with_preload charges it"
         )
-    if d["predictor"] not in (None, "none"):
+    # a predictor that prefetches (under static it is the table the policy pins, and is charged no latency)
+    prefetcher = d["predictor"] not in (None, "none") and d["predictor_ms_from"] != "no predictor"
+    if prefetcher:
         print(f"predictor latency {d['predictor_ms']:.4f} ms per layer, from {d['predictor_ms_from']}")
     if d["mb_per_token_by_copy"]:
         print(
@@ -209,11 +217,14 @@ def _print_result(res: ReplayResult, predictor_given: bool = True) -> None:
         )
     if d.get("gate_calibrated_on"):
         print(f"prefetch gate calibrated on {d['gate_calibrated_on']}")
-    if d["predictor"] not in (None, "none") and not d["prefetches_landed"]:
+    if prefetcher and not d["prefetches_landed"]:
+        faster = "" if d["hardware"] == FAST_LINK else f"; compare --hardware {FAST_LINK}"
         print(
-            f"note: no prefetch landed, so the predictor changed nothing here. A prefetch may not delay a "
-            "layer's own loads (SMoE), so it lands only if a transfer fits in the link time a layer leaves "
-            f"free, which under {d['hardware']} may never happen; compare --hardware gh200-nvlink-c2c"
+            f"note: no prefetch landed, so the predictor changed nothing here. Either it asked for no expert "
+            "that was not resident already (under LRU a predictor of the last token's experts asks for none), "
+            "or none fitted: a prefetch may not delay a layer's own loads (SMoE), so it lands only if a "
+            f"transfer fits in the link time a layer leaves free, which under {d['hardware']} may never "
+            f"happen{faster}"
         )
     if not predictor_given and d["predictor"] == "oracle":
         # the prefetching policies default to the oracle, so their numbers are an upper bound the user
