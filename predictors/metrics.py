@@ -33,7 +33,9 @@ def topk_indices(scores: np.ndarray, k: int) -> np.ndarray:
     k = min(k, E)
     if k == E:
         return np.broadcast_to(np.arange(E), scores.shape).copy()
-    return np.argpartition(-scores, k - 1, axis=-1)[..., :k]
+    # a stable sort, not np.argpartition: argpartition breaks ties arbitrarily (scores [0, 0, 1, 1],
+    # k = 1 gives expert 3), so tied scores (a count table) would be scored on an arbitrary expert
+    return np.argsort(-scores, axis=-1, kind="stable")[..., :k]
 
 
 def multi_hot(ids: np.ndarray, num_experts: int, dtype: Any = np.bool_) -> np.ndarray:

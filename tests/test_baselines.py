@@ -277,6 +277,47 @@ def test_activation_matrix_matching_picks_the_most_cosine_similar_request(tmp_pa
     assert np.allclose(pred.score_request(ts.get("query2"))[1:], split)
 
 
+def test_cooccurrence_rows_are_conditional_distributions_over_every_pair(tmp_path):
+    """Pins CooccurrencePredictor.fit counting every (layer l-1 expert, layer l expert) pair of a token
+    (k x k pairs) and normalising each source row to P(e at l | j at l-1) before score_request sums
+    the rows of a token's k experts.
+
+    By hand (L = 2, E = 6, k = 2): training tokens 2 x (l0 {0,1}, l1 {2,3}), 2 x (l0 {0,1}, l1 {4,5}),
+    1 x (l0 {2,3}, l1 {0,1}). Row 0 of layer 1: pairs 0->2, 0->3, 0->4, 0->5 twice each, 8 in all ->
+    0.25 each; row 2: 2->0, 2->1 once each -> 0.5 each. Prior at layer 1: counts [1,1,2,2,2,2] / 10.
+    A token with l0 {0, 2}: [0.5, 0.5, 0.25, 0.25, 0.25, 0.25] + 1e-3 * prior -> top-2 {0, 1}.
+    Catches BA4 (rows unnormalised: [1, 1, 2, 2, 2, 2], top-2 inside {2..5}) and BA7 (aligned pairs
+    only, 0->2 and 1->3 / 0->4 and 1->5: row 0 = [0, 0, 0.5, 0, 0.5, 0])."""
+    from moecast.predictors.baselines import CooccurrencePredictor
+
+    info = ModelInfo("cooc-test", "synthetic", [1, 2], 6, 2, 0, 8, 100, True)
+    fields = {"topk_weights": False, "router_probs": False, "gate_inputs": False}
+    writer = TraceWriter(tmp_path / "t", TraceMeta(info, fields=fields))
+    routes = {
+        "a": [((0, 1), (2, 3))] * 2,
+        "b": [((0, 1), (4, 5))] * 2,
+        "c": [((2, 3), (0, 1))],
+        "q": [((0, 2), (4, 5))],
+    }
+    recs = []
+    for rid, tokens in routes.items():
+        T = len(tokens)
+        ids = np.array(tokens, np.int16)  # [T, L, k]
+        recs.append(RequestRecord(rid, "w", "c", "p", np.arange(T), ["t"] * T, np.zeros(T, bool), ids))
+    writer.write(recs)
+    ts = TraceSet(tmp_path / "t")
+    pred = CooccurrencePredictor.fit(ts, ["a", "b", "c"])
+    np.testing.assert_allclose(pred.table[1][0], [0, 0, 0.25, 0.25, 0.25, 0.25])
+    np.testing.assert_allclose(pred.table[1][2], [0.5, 0.5, 0, 0, 0, 0])
+    scores = pred.score_request(ts.get("q"))[0, 1]
+    np.testing.assert_allclose(
+        scores,
+        np.array([0.5, 0.5, 0.25, 0.25, 0.25, 0.25]) + 1e-3 * np.array([1, 1, 2, 2, 2, 2]) / 10,
+        rtol=1e-6,
+    )
+    assert set(np.argsort(-scores, kind="stable")[:2].tolist()) == {0, 1}
+
+
 def test_activation_matrix_collection_holds_1000_requests_by_default(tmp_path):
     import inspect
 

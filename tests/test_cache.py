@@ -7,6 +7,15 @@ import pytest
 from moecast.runtime.core.cache import CapacityWarning, ExpertCache, StaticTable, resolve_capacity
 
 
+def test_a_fractional_capacity_rounds_to_the_nearest_expert():
+    """Pins resolve_capacity rounding a fraction to the nearest whole expert, not down.
+
+    By hand: 0.15 of 64 experts = 9.6 -> 10 (0.3 of 64 = 19.2 -> 19; no .5 case, round is banker's).
+    Catches C1 (int() truncates 9.6 to 9)."""
+    assert resolve_capacity(0.15, 64, 8) == 10
+    assert resolve_capacity(0.3, 64, 8) == 19
+
+
 def test_capacity_forms_and_below_topk_error():
     assert resolve_capacity(0.25, 64, 6) == 16
     assert resolve_capacity("6", 64, 6) == 6
@@ -53,6 +62,20 @@ def test_lfu_keeps_frequent():
     c.access([1], t=3)
     c.access([2], t=4)  # evicts 1 (count 1) not 5 (count 3)
     assert set(c.resident_ids().tolist()) == {5, 2}
+
+
+@pytest.mark.parametrize("scalar_path", [True, False])
+def test_score_eviction_ties_go_to_the_lower_id(scalar_path):
+    """Pins SMoE Eq. 3's eviction tie rule (the lower id, a stable ascending sort) on the compiled
+    single-lane kernel (scalar_path True) as on the numpy path.
+
+    By hand: 4 experts, capacity 2, no scores observed (every window sum 0: a tie). access [0, 1] fills
+    the cache; access [2] must evict one of {0, 1}: the lower id, 0 -> resident {1, 2}. Catches K8
+    (`a <= b` in the kernel's comparison keeps the last of a tie: evicts 1, resident {0, 2})."""
+    c = ExpertCache(4, 2, "score", scalar_path=scalar_path)
+    c.access(np.array([0, 1]), t=0)
+    c.access(np.array([2]), t=1)
+    assert sorted(c.resident_ids().tolist()) == [1, 2]
 
 
 def test_score_eviction_lowest_window_mean():

@@ -150,6 +150,29 @@ def test_plan_recall_matches_definition():
     assert r["recall_at_k"] == pytest.approx(0.75)
 
 
+def test_plan_truth_ties_go_to_the_lower_expert_id():
+    """Pins plan_truth's tie rule (docstring: ties, lower id).
+
+    By hand: EP [0.5, 0.25, 0.25, 0.0], k = 2: expert 0, then 1 and 2 tie at 0.25 -> 1 (lower id):
+    [[0, 1]]. Catches CS4 (ascending sort reversed: the tie goes to 2, [[0, 2]])."""
+    from moecast.predictors.casmoe import plan_truth
+
+    assert plan_truth(np.array([[0.5, 0.25, 0.25, 0.0]]), k=2).tolist() == [[0, 1]]
+
+
+def test_a_request_without_prompt_tokens_gets_a_uniform_ep(tmp_path):
+    """Pins ep_labels' uniform row (1/E, module doc of ep_matrix) for a request whose tokens are all
+    decode steps (nothing selected), rather than a zero row.
+
+    By hand: E = 8, every token decode: every (layer, expert) entry 1/8 = 0.125, rows sum to 1.
+    Catches CS5 (the fallback 0.0: a row summing to 0)."""
+    path = make_synthetic_traceset(tmp_path / "dec", num_requests=2, num_layers=2, tokens=4, decode_from=0)
+    ts = TraceSet(path)
+    ep, _ = ep_labels(ts, [ts.request_ids[0]])
+    assert ep.shape == (1, 2, 8)
+    np.testing.assert_array_equal(ep[0], np.full((2, 8), 0.125, np.float32))
+
+
 # ----------------------------------------------------------------------------- EAM
 
 
@@ -632,3 +655,72 @@ def test_eap_fine_tuning_runs_the_encoder_with_dropout(tiny_encoder):
     m.eval()
     _, cont = m._logits(prompts)
     assert not m.net.encoder.training and cont is None
+
+
+class _AxisEmbedder:
+    """A stub embedder: prompt "e<i>" -> the unit vector along axis i of R^3 (no model)."""
+
+    dim = 3
+
+    def embed(self, prompts):
+        out = np.zeros((len(prompts), 3), np.float32)
+        for r, p in enumerate(prompts):
+            out[r, int(p[1:])] = 1.0
+        return out
+
+
+def _axis_eam(keys, k_neighbours):
+    """An EAM over unit keys along the given axes, key i's EP (L = 1, E = 4) one-hot on expert i."""
+    from moecast.predictors.eam import EAMConfig
+
+    values = np.zeros((len(keys), 1, 4), np.float32)
+    for i in range(len(keys)):
+        values[i, 0, i] = 1.0
+    emb = _AxisEmbedder()
+    return EAM(
+        emb,
+        values,
+        emb.embed([f"e{a}" for a in keys]),
+        fingerprint="hand",
+        moe_layers=[0],
+        top_k=1,
+        config=EAMConfig(k_neighbours=k_neighbours),
+    )
+
+
+def test_eam_plan_is_the_mean_ep_of_the_k_neighbours_and_confidence_the_best_cosine():
+    """Pins CasMoE Eq. 5 (plan = mean EP of the k' nearest keys) and Eq. 4 (confidence = cosine of
+    the nearest).
+
+    By hand: keys e0, e1, e2 (orthogonal unit vectors) with EPs one-hot on experts 0, 1, 2; k' = 3;
+    query e0: all three are neighbours, plan = ([1,0,0,0] + [0,1,0,0] + [0,0,1,0]) / 3 =
+    [1/3, 1/3, 1/3, 0] (row sum 1); confidence = cos(e0, e0) = 1.0 (the others have cosine 0).
+    Catches EA1 (the nearest key's EP only: [1, 0, 0, 0]), EA6 (a sum: [1, 1, 1, 0]) and EA2 (the
+    farthest neighbour's cosine: 0.0)."""
+    eam = _axis_eam([0, 1, 2], k_neighbours=3)
+    plans, conf = eam.query_embedding(np.array([[1.0, 0.0, 0.0]], np.float32))
+    np.testing.assert_allclose(plans[0, 0], [1 / 3, 1 / 3, 1 / 3, 0.0], rtol=1e-6)
+    assert plans[0, 0].sum() == pytest.approx(1.0)
+    assert conf[0] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_cascade_gate_is_inclusive_at_epsilon():
+    """Pins the gate 'EAM if confidence >= epsilon' at equality.
+
+    By hand: EAM keys e0, e1; the prompt embeds to e2, orthogonal to both: cosine 0, confidence exactly
+    0.0 (hnswlib's cosine distance 1 - 0 = 1); epsilon 0.0: 0.0 >= 0.0 -> 'eam'. Catches CC1 (`>`:
+    falls back to 'eap')."""
+
+    class _StubEAP:
+        fingerprint, num_layers, num_experts = "hand", 1, 4
+
+        def shares_embedder(self, _emb):
+            return False
+
+        def plan(self, _prompt):
+            return np.full((1, 1, 4), 0.25, np.float32), None
+
+    cascade = Cascade(_axis_eam([0, 1], k_neighbours=1), _StubEAP(), 0.0)
+    _plan, branch = cascade.plan("e2")
+    assert cascade.last_confidence == 0.0
+    assert branch == "eam"

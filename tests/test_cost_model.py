@@ -224,3 +224,44 @@ def test_live_models_time_on_this_machines_profile_where_one_was_measured(tmp_pa
         assert rt.stats()["hardware_from"] == "given"
     finally:
         rt.detach()
+
+
+def _cpu_profile(**kw):
+    from moecast.runtime.core.cost_model import HardwareProfile
+
+    base = dict(
+        name="hand-cpu",
+        transfer_gbps=1.0,
+        ref_expert_bytes=1_000_000,
+        gpu_expert_ms=0.5,
+        cpu_beta_ms=0.2,
+        cpu_c_ms=1.0,
+        attn_ms=1.0,
+        fast_tier="cpu",
+        slow_tier="host",
+    )
+    return HardwareProfile(**{**base, **kw})
+
+
+def test_a_cpu_fast_tiers_c_at_a_measured_precision_is_its_time_less_beta():
+    """Pins from_profile taking C from cpu_c_at(precision): on a CPU fast tier that timed int8,
+    C = expert_ms['int8'] - beta, so t_cpu(1 token) = expert_ms['int8'].
+
+    By hand: beta 0.2, cpu_c_ms 1.0, expert_ms {'int8': 0.8}, expert of ref_expert_bytes (scale 1):
+    c = 0.8 - 0.2 = 0.6, t_cpu(1) = 0.2 + 0.6 = 0.8. Catches CM5 (cpu_c_at returns expert_ms itself:
+    c = 0.8) and CM9 (from_profile reads cpu_c_ms: c = 1.0)."""
+    p = _cpu_profile(expert_ms={"int8": 0.8})
+    cost = CostModel.from_profile(p, p.ref_expert_bytes, precision="int8")
+    assert cost.c == pytest.approx(0.6) and cost.beta == pytest.approx(0.2)
+    assert float(cost.t_cpu(1)) == pytest.approx(0.8)
+
+
+def test_a_cpu_tier_reading_a_disk_pays_its_read_share_per_byte_read():
+    """Pins t_rc of a CPU fast tier over a disk scaling with the bytes the link moves.
+
+    By hand: read_cpu_ms 0.4 per ref_expert_bytes (1_000_000); an expert of 2_000_000 bytes stored as
+    500_000 on disk: t_rc = 0.4 * 500_000 / 1_000_000 = 0.2 ms. Catches CM7 (t_rc = read_cpu_ms:
+    0.4)."""
+    p = _cpu_profile(slow_tier="disk", read_cpu_ms=0.4, disk_read_gbps=1.0)
+    cost = CostModel.from_profile(p, expert_bytes=2_000_000, link_bytes=500_000)
+    assert cost.t_rc == pytest.approx(0.2)

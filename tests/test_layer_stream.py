@@ -149,3 +149,62 @@ def test_predictors_declare_what_they_can_be_asked():
     assert all(isinstance(_bare(c), LearningPlanner) for c in (EAM, Cascade))
     assert isinstance(_bare(EAP), PromptPlanner) and not isinstance(_bare(EAP), LearningPlanner)
     assert not isinstance(_bare(EAP), StreamingPredictor)
+
+
+class _Blank:
+    """A stand-in LayerAhead: only the shape the window reads (its scores are never asked for)."""
+
+    def __init__(self, num_layers: int, top_k: int):
+        self.num_layers, self.top_k = num_layers, top_k
+
+    def score_at(self, trace, layer):
+        return np.zeros(4, np.float32)
+
+
+def test_a_prefill_steps_running_row_holds_its_last_tokens_routing():
+    """Pins the running row (the window's last) holding the *last* token of a multi-token step.
+
+    By hand: L = 2, k = 2, prefill of tokens [7, 8, 9], layer 0 routed [1, 2], [3, 4], [5, 6]: the
+    running row's layer 0 is the last token's [5, 6] and its token id 9. Catches LS1 (the first
+    token's [1, 2])."""
+    w = TraceWindow(_Blank(2, 2), window=4)
+    w.reset([7, 8, 9])
+    w.observe(0, np.array([[1, 2], [3, 4], [5, 6]]), None, None)
+    assert w.trace.topk_ids[-1, 0].tolist() == [5, 6]
+    assert w.trace.token_ids[-1] == 9
+
+
+def test_after_a_full_window_shifts_the_running_row_starts_empty():
+    """Pins the running token's row being zero after the in-place shift of a full window (``trace``
+    docstring: its later layers still zero).
+
+    By hand: window 2, L = 2, k = 2; reset([5]), then three times: layer 0 [1, 2], layer 1 [3, 4],
+    end_token(6 + i). The first two end_tokens rebuild the window (1, then 2 finished tokens); the third
+    finds 2 finished + the running row = window + 1 and shifts: finished tokens 6, 7, running token 8
+    with routing [[0, 0], [0, 0]]. Catches LS2 (the shift leaves the last token's [[1, 2], [3, 4]])."""
+    w = TraceWindow(_Blank(2, 2), window=2)
+    w.reset([5])
+    for i in range(3):
+        w.observe(0, np.array([[1, 2]]), None, None)
+        w.observe(1, np.array([[3, 4]]), None, None)
+        w.end_token(6 + i)
+    tr = w.trace
+    assert tr.token_ids.tolist() == [6, 7, 8]
+    assert tr.topk_ids[-1].tolist() == [[0, 0], [0, 0]]
+    assert tr.topk_ids[:-1].tolist() == [[[1, 2], [3, 4]]] * 2
+
+
+def test_gate_tokens_equal_to_the_window_keep_every_finished_tokens_gate_input():
+    """Pins gate_tokens being capped at the window (not window - 1).
+
+    By hand: window 2, gate width 3, gate_tokens 2, L = 1, k = 1; two one-token steps observe gate
+    inputs g1 = [1, 1, 1] then g2 = [2, 2, 2] at layer 0, each followed by end_token: both finished
+    tokens keep theirs, gate_inputs[:-1, 0] = [g1, g2]. Catches LS4 (a cap of window - 1 = 1 keeps only
+    g2: [[0, 0, 0], [2, 2, 2]])."""
+    w = TraceWindow(_Blank(1, 1), window=2, gate_width=3, gate_tokens=2)
+    w.reset([5])
+    for t, g in ((6, 1.0), (7, 2.0)):
+        w.observe(0, np.array([[0]]), None, np.full((1, 3), g, np.float32))
+        w.end_token(t)
+    assert w.gate_tokens == 2
+    assert w.trace.gate_inputs[:-1, 0].tolist() == [[1, 1, 1], [2, 2, 2]]

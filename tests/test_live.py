@@ -368,6 +368,28 @@ def test_eq5_alpha_choice():
         choose_alpha(alphas, tpot, budget_ms=-1)
 
 
+def test_eq5_a_fitted_tpot_equal_to_the_budget_meets_it():
+    """Pins SMoE Eq. 5's inclusive test T(alpha) <= R.
+
+    By hand: one point (0.1, 4.0) -> a degree-0 fit T = 4.0 (a 1x1 least squares, column scale 1, so
+    exact); the budget is 4.0, so alpha 0.1 meets it. Catches A1 (`ys < budget`: met False)."""
+    c = choose_alpha([0.1], [4.0], budget_ms=4.0)
+    assert c.met and c.alpha == 0.1 and c.predicted_tpot_ms == 4.0
+
+
+def test_eq5_fit_degree_is_capped_by_the_distinct_alphas():
+    """Pins fit_tpot lowering the degree to (distinct alphas - 1), not (points - 1): repeated
+    measurements at two alphas give a line.
+
+    By hand: points (0, 2), (0, 2), (1, 1), (1, 1): two distinct alphas -> degree 1, T = 2 - alpha;
+    T <= 1.5505 first at alpha >= 0.4495, the grid point 0.450 (grid step 1/1000). Catches A3 (a
+    degree-2 fit on two distinct alphas is rank-deficient: three coefficients, alpha ~0.564)."""
+    c = choose_alpha([0.0, 0.0, 1.0, 1.0], [2.0, 2.0, 1.0, 1.0], budget_ms=1.5505)
+    assert len(c.coefficients) == 2
+    assert c.coefficients == pytest.approx([-1.0, 2.0])
+    assert c.met and c.alpha == pytest.approx(0.45, abs=1e-12)
+
+
 # ----------------------------------------------------------------------------- CLI
 
 

@@ -148,3 +148,66 @@ def test_recall_past_the_true_sets_size_divides_by_the_true_set():
     acc = MetricAccumulator(1, 4, 2, extra_k=(3,))
     acc.update(s[:, None], t[:, None])
     assert acc.result()["recall_at_3"] == 0.5
+
+
+def test_precision_recall_and_f1_when_k_exceeds_the_true_set():
+    """Pins the accumulator's recall@k denominator min(k, k_true) and precision = TP / (TP + FP) where
+    FP != FN (every other test has k == k_true, where FP and FN are equal in total).
+
+    By hand: scores [4, 3, 2, 1], true {0, 1}, k = 4: predicted {0, 1, 2, 3}, TP 2, FP 2, FN 0.
+    recall@4 = 2 / min(4, 2) = 1.0; precision = 2 / 4 = 0.5; recall = 2 / 2 = 1.0;
+    f1_micro = 2 * 0.5 * 1 / 1.5 = 2/3. Catches M4 (recall divided by k: 0.5) and M5 (precision
+    computed as TP / (TP + FN): 1.0)."""
+    res = evaluate_scores(np.array([[[4.0, 3.0, 2.0, 1.0]]]), np.array([[[0, 1]]]), k=4)
+    assert res["recall_at_k"] == 1.0
+    assert res["precision"] == 0.5
+    assert res["recall"] == 1.0
+    assert res["f1_micro"] == pytest.approx(2 / 3)
+
+
+def test_macro_f1_skips_experts_never_used_nor_predicted():
+    """Pins f1_macro averaging only experts that occur or are predicted (module doc).
+
+    By hand: scores [4, 3, 2, 1], true {0}, k = 1: expert 0 has tp 1 -> F1 1; experts 1..3 have
+    2tp + fp + fn = 0 and are skipped, so f1_macro = 1.0 (sklearn with labels range(E) would say
+    0.25). Catches M6 (`denom >= 0` counts them as F1 0: 0.25)."""
+    res = evaluate_scores(np.array([[[4.0, 3.0, 2.0, 1.0]]]), np.array([[[0]]]), k=1)
+    assert res["f1_macro"] == 1.0
+
+
+def test_extra_k_recall_is_the_mean_over_every_layers_rows():
+    """Pins recall_at_{x} (extra_k) as the sum over all (token, layer) rows / all rows.
+
+    By hand: L = 2, E = 4, k = 2, extra_k (1,), one token, scores [4, 3, 2, 1] at both layers, true
+    {0, 1} at both: top-1 = {0}, recall@1 = 1 / min(1, 2) = 1 per row, mean 1.0. Catches M8 (dividing
+    by one layer's rows: 2 / 1 = 2.0)."""
+    acc = MetricAccumulator(2, 4, 2, extra_k=(1,))
+    acc.update(np.tile(np.array([4.0, 3.0, 2.0, 1.0]), (1, 2, 1)), np.tile(np.array([0, 1]), (1, 2, 1)))
+    assert acc.result()["recall_at_1"] == 1.0
+
+
+def test_macro_f1_is_the_mean_over_layers_of_each_layers_macro():
+    """Pins f1_macro = mean over layers of (mean over that layer's seen experts), not the mean over all
+    (layer, expert) pairs.
+
+    By hand: L = 2, E = 4, k = 1, one token, scores [4, 3, 2, 1] at both layers (predicts 0); true
+    layer 0 {0}, layer 1 {1}. Layer 0: expert 0 F1 1 -> macro 1. Layer 1: expert 0 fp (F1 0), expert 1
+    fn (F1 0) -> macro 0. f1_macro = (1 + 0) / 2 = 0.5. Catches M10 (mean over the pairs {1, 0, 0}:
+    1/3)."""
+    scores = np.tile(np.array([4.0, 3.0, 2.0, 1.0]), (1, 2, 1))
+    res = evaluate_scores(scores, np.array([[[0], [1]]]), k=1)
+    assert res["f1_macro"] == 0.5
+
+
+def test_tied_scores_go_to_the_lower_expert_id():
+    """Pins topk_indices' documented tie rule (the lower index wins), which np.argpartition alone does
+    not give: for scores [0, 0, 1, 1] and k = 1 it picks expert 3.
+
+    By hand: scores [0, 0, 1, 1]: top-1 = {2} (2 and 3 tie, 2 is lower); top-3 = {2, 3, 0}. With true
+    set {2}, recall@1 = 1.0 (argpartition's pick, 3, gives 0.0). A predictor with tied scores (a count
+    table) would otherwise be scored on an arbitrary member of the tie."""
+    s = np.array([0.0, 0.0, 1.0, 1.0], np.float32)
+    assert sorted(topk_indices(s, 1).tolist()) == [2]
+    assert sorted(topk_indices(s, 3).tolist()) == [0, 2, 3]
+    assert recall_at_k(s[None], np.array([[2]]), k=1) == 1.0
+    assert evaluate_scores(s[None, None], np.array([[[2]]]))["recall_at_k"] == 1.0

@@ -309,6 +309,21 @@ def test_calibration_is_the_bin_frequencies():
     assert both == pytest.approx(np.array([[0.75, 0.2, 0.0]]))
 
 
+def test_a_layer_without_val_predictions_takes_the_rate_of_the_valid_ones():
+    """Pins Calibration.fit's fallback for a layer with no predictions: the overall used-rate of the
+    *valid* predictions (padding excluded).
+
+    By hand: T = 2, L = 2, kp = 2; layer 0 all valid with used 1 0 / 1 1 -> 3 of 4 = 0.75; layer 1 all
+    invalid (its labels, all 0, are padding). prob[1] = [0.75, 0.75] with two bins. Catches CA6 (the
+    mean over all 8 labels: 3 / 8 = 0.375)."""
+    scores = np.array([[[0.1, 0.2], [0.5, 0.6]], [[0.3, 0.4], [0.7, 0.8]]])
+    used = np.array([[[1, 0], [0, 0]], [[1, 1], [0, 0]]], dtype=bool)
+    valid = np.zeros(used.shape, bool)
+    valid[:, 0] = True
+    cal = Calibration.fit(scores, used, valid, bins=2)
+    assert cal.prob[1].tolist() == [0.75, 0.75]
+
+
 # ------------------------------------------------------------------------------------ cross-checks
 def test_equal_copies_are_the_landing_rule():
     """plan_prefetch with the copies equal and no gate is step.landing, over random rows."""

@@ -563,3 +563,130 @@ def test_a_precision_quantizes_bf16_weights_where_the_traces_recorded_no_float_d
     assert expert_link_bytes(ts, "int8", 128) == INT8_BYTES
     assert expert_link_bytes(ts, "int4-g32", 128) == INT4_G32_BYTES
     assert expert_link_bytes(ts, "model", 128) == EXPERT_BYTES
+
+
+# ------------------------------------------------------------------ the step's rules on tiny direct cases
+
+
+def _hand_step(policy: Policy, cost: CostModel, lanes: int = 1, E: int = 8, capacity: int = 4):
+    from moecast.runtime.core.cache import ExpertCache
+    from moecast.runtime.core.step import LayerStep
+
+    cache = ExpertCache(E, capacity, policy.eviction, lanes=lanes)
+    return LayerStep(cache, policy, cost, E, 1, stat_base=np.zeros(lanes, np.int64), n_stats=1)
+
+
+def test_a_window_that_is_a_decimal_multiple_of_t_io_fits_that_many():
+    """Pins landing's guard against float division: a window of 0.3 ms at t_io 0.1 ms holds 3
+    transfers, though 0.3 / 0.1 = 2.9999999999999996 in float64.
+
+    By hand: 5 candidates, no PreSched count, balancer none: floor(3) = 3 land, 3 start, no delay.
+    Catches ST7 (without the 1e-9 guard floor gives 2)."""
+    from moecast.runtime.core.step import landing
+
+    want, landed, started, delay = landing(np.array([5]), np.array([-1]), np.array([0.3]), 0.1, "none")
+    assert (want[0], landed[0], started[0], delay[0]) == (3, 3, 3, 0.0)
+
+
+def test_ranked_predictions_scale_each_token_before_merging():
+    """Pins ranked_predictions dividing each token's scores by its own largest |score| before the
+    tokens' top-k are merged by summed score (B > 1, the numpy path).
+
+    By hand: token 0 [8, 6, 0, 0] -> [1, .75, 0, 0], top-2 {0: 1, 1: .75}; token 1 [0, 0, 1, .9] ->
+    itself, top-2 {2: 1, 3: .9}. Merged: 0 and 2 tie at 1 (lower id first), then 3 (.9), 1 (.75):
+    candidates [0, 2, 3, 1]. Catches ST21 (raw scores: 0 (8), 1 (6), 2 (1), 3 (.9) -> [0, 1, 2, 3])."""
+    from moecast.runtime.core.step import ranked_predictions
+
+    ids, cand = ranked_predictions(np.array([[8, 6, 0, 0], [0, 0, 1, 0.9]], np.float32), k=2)
+    assert sorted(ids[0, :2].tolist()) == [0, 1] and sorted(ids[0, 2:].tolist()) == [2, 3]
+    assert cand.tolist() == [[0, 2, 3, 1]]
+
+
+def test_a_batched_layers_hits_count_token_uses():
+    """Pins the hits statistic (the hit rate's numerator) counting token uses, not distinct experts,
+    when a lane runs B > 1 tokens.
+
+    By hand: LRU, capacity 4, expert 0 resident; B = 2 tokens route {0, 1} and {0, 2}: uses 4, of which
+    expert 0's two are hits: hits 2 (hit rate 0.5). Catches ST10 (distinct resident experts: 1)."""
+    cost = CostModel(t_io=1.0, t_g=0.25, beta=0.0, c=0.5, t_attn=1.5, expert_bytes=1)
+    step = _hand_step(Policy("lru-hand", "lru"), cost)
+    step.cache.insert(np.array([0]), np.array([[0]]))
+    step.layer(np.array([0]), np.array([0]), np.array([[[0, 1], [0, 2]]]), np.array([1]))
+    assert step.stats["uses"][0] == 4 and step.stats["hits"][0] == 2
+
+
+def test_the_cpu_sets_time_counts_each_experts_tokens():
+    """Pins PreScope Eq. 3 on the multi-token path: the CPU set costs sum(beta * m + C) over its experts'
+    token counts m.
+
+    By hand: static (misses stay on the CPU), capacity 1 holding expert 0; B = 3 decode tokens all
+    route to expert 1 (k = 1): one CPU expert with m = 3; beta 0.1, C 0.5: t_cpu = 0.3 + 0.5 = 0.8; no
+    device expert, no load: layer_t = t_attn 1.0 + 0.8 = 1.8. Catches ST11 (beta + C per expert: 0.6,
+    layer_t 1.6)."""
+    cost = CostModel(t_io=1.0, t_g=0.2, beta=0.1, c=0.5, t_attn=1.0, expert_bytes=1)
+    step = _hand_step(Policy("static-hand", "static", balancer="cpu"), cost, capacity=1)
+    step.cache.preload(np.array([0]), np.array([[0]]))
+    out = step.layer(np.array([0]), np.array([0]), np.array([[[1], [1], [1]]]), np.array([1]))
+    assert step.stats["cpu"][0] == 1 and step.stats["loads"][0] == 0
+    assert out.layer_t[0] == pytest.approx(1.8)
+
+
+def test_algorithm_2_on_several_lanes_charges_beta_plus_c_per_token():
+    """Pins SMoE Algorithm 2's per-token CPU cost beta + C on the multi-lane (vectorised) path.
+
+    By hand: two lanes, one token each with 4 misses (k = 4, one token per expert); t_io 1, beta 0.5,
+    C 0.3 (0.8 per token). Literal Alg. 2 (load while c_load <= c_cpu): 0 <= 0 -> load (c_load 1);
+    1 > 0 -> CPU (c_cpu 0.8); 1 > 0.8 -> CPU (1.6); 1 <= 1.6 -> load: 2 loads and 2 CPU experts per
+    lane, 4 and 4 over both. Catches B6 (C alone, 0.3 per token: CPU at
+    0.3, 0.6, 0.9 before 1 <= 0.9 fails -> 1 load, 3 CPU)."""
+    cost = CostModel(t_io=1.0, t_g=0.25, beta=0.5, c=0.3, t_attn=1.5, expert_bytes=1)
+    step = _hand_step(Policy("smoe-hand", "lru", balancer="smoe"), cost, lanes=2)
+    ids = np.array([[[0, 1, 2, 3]], [[4, 5, 6, 7]]])
+    step.layer(np.array([0, 1]), np.array([0, 0]), ids, np.array([1, 1]))
+    assert step.stats["loads"][0] == 4 and step.stats["cpu"][0] == 4  # both lanes share stat slot 0
+
+
+def test_a_prefill_rows_substitutions_are_not_counted():
+    """Pins the subs statistic counting decode rows only: a prefill row is routed unchanged and adds 0.
+
+    By hand: two lanes (the vectorised route), each with experts {0, 2} resident, alpha 0.5; both
+    rows' token has p = [.5, .28, .22, 0] and routes {0, 1}: beta = S_3 = .22, band (.11, .33]; 0 is
+    top-score (.5 > .33), 1 low-score and missing, 2 its resident alternative. Lane 0's row is prefill
+    (ids kept [0, 1], 0 subs), lane 1's decode ([0, 2], 1 sub). Catches ST22 (the prefill row's
+    would-be substitution counted: lane 0's subs 1)."""
+    from moecast.runtime.core.cache import ExpertCache
+    from moecast.runtime.core.step import LayerStep
+
+    cost = CostModel(t_io=1.0, t_g=0.25, beta=0.0, c=0.5, t_attn=1.5, expert_bytes=1)
+    pol = Policy("sub-hand", "lru", substitutes=True, alpha=0.5)
+    cache = ExpertCache(4, 4, "lru", lanes=2)
+    cache.insert(np.array([0, 1]), np.array([[0, 2], [0, 2]]))
+    step = LayerStep(cache, pol, cost, 4, 1, stat_base=np.array([0, 1]), n_stats=2)
+    probs = np.tile(np.array([0.5, 0.28, 0.22, 0.0], np.float32), (2, 1, 1))
+    ids = step.route(
+        np.array([0, 1]), np.array([0, 0]), np.array([[[0, 1]], [[0, 1]]]), probs, np.array([False, True])
+    )
+    assert ids.tolist() == [[[0, 1]], [[0, 2]]]
+    assert step.stats["subs"].tolist() == [0.0, 1.0]
+
+
+def test_a_lane_that_restarts_drops_presched_s_count():
+    """Pins a restart (the lane runs a token's first layer next) clearing PreSched's prefetch count, so
+    the first layer's prefetch is sized by its window alone (with a shared cache the last layer's
+    decision would otherwise reach layer 0).
+
+    By hand: presched, one lane, t_attn 1.0, t_io 0.4, no predictor latency; PreSched's count for the
+    lane is 0 before a layer run with restart; afterwards 3 non-resident candidates are prefetched into
+    the first window 1.0: floor(1.0 / 0.4) = 2 land. Catches ST13 (the count 0 stays: nothing lands)."""
+    from moecast.runtime.core.cache import ExpertCache
+    from moecast.runtime.core.policy import POLICIES
+    from moecast.runtime.core.step import LayerStep
+
+    cost = CostModel(t_io=0.4, t_g=0.1, beta=0.0, c=0.5, t_attn=1.0, expert_bytes=1)
+    step = LayerStep(ExpertCache(8, 4, "lru"), POLICIES["presched"], cost, 8, 1,
+                     stat_base=np.zeros(1, np.int64), n_stats=1, prefetching=True)  # fmt: skip
+    step.clock.pf_n[0] = 0
+    step.layer(np.array([0]), np.array([0]), np.array([[[0, 1]]]), np.array([1]), restart=np.array([True]))
+    assert step.clock.pf_n[0] == -1 and step.clock.free[0] == pytest.approx(1.0)
+    step.prefetch(np.array([0]), np.array([0]), np.array([[5, 6, 7]]), np.array([2]))
+    assert step.stats["pf_landed"][0] == 2

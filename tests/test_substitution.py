@@ -142,3 +142,21 @@ def test_the_lowest_scored_missing_expert_is_the_one_substituted():
     for f in (_substitute_rows, substitute):
         ids, n = f(p, np.array([[0, 1, 2]]), res, 0.5)
         assert ids[0].tolist() == [0, 1, 3] and n.tolist() == [1]
+
+
+def test_a_score_exactly_at_the_top_band_edge_is_low_score():
+    """Pins Algorithm 1's band beta < S <= (1 + alpha) beta at its upper edge: S == (1 + alpha) beta is
+    a *low*-score expert (replaceable), on the vectorised rows and on the compiled one-token kernel.
+
+    By hand (all exact in float32): p = [.375, .3, .25, .075], routed {0, 1}, resident {1, 2},
+    alpha 0.5: beta = S_3 = .25, (1 + alpha) beta = .375, (1 - alpha) beta = .125. Expert 0 (.375 <=
+    .375) is low-score and missing; the one alternative is 2 (.125 < .25 <= .25, resident). Ids
+    [1, 2] (score order .3, .25), one substitution. The vectorised path runs with a second, padding
+    row (topk -1), which keeps its ids and counts 0. Catches S1 (`s >= hi` on the rows makes expert 0
+    top-score: ids [0, 1], 0) and K1 (`v < hi` in the kernel: no change)."""
+    p = np.array([0.375, 0.3, 0.25, 0.075], np.float32)
+    res = np.array([False, True, True, False])
+    ids, n = substitute(np.stack([p, p]), np.array([[0, 1], [-1, -1]]), np.stack([res, res]), 0.5)
+    assert ids.tolist() == [[1, 2], [-1, -1]] and n.tolist() == [1, 0]
+    ids, n = substitute(p[None], np.array([[0, 1]]), res[None], 0.5)  # one token: the compiled kernel
+    assert ids.tolist() == [[1, 2]] and n.tolist() == [1]
