@@ -276,6 +276,23 @@ def test_presched_late_prefetch_and_no_prefetch_at_layer_0(tmp_path, fast):
     assert tie.layer_time_ms_per_layer == pytest.approx([2.75, 2.75])
 
 
+def test_a_started_late_prefetch_costs_its_issue_time_in_both_engines(tmp_path):
+    """test_presched_late_prefetch_and_no_prefetch_at_layer_0's token, with each copy's issue time
+    (load_host_ms, a device fast tier's t_rc) at 0.01 ms: L0's PreSched asks 2 prefetches for L1 and
+    the window fits 1, so 2 start and 1 lands. Each started copy is issued, so L1 is charged 2 x 0.01
+    for them whatever lands; the general engine's step charges it so (test_a_transfers_cost_slows_the_layer_it_runs_beside pins its
+    rule by hand), and the fast engine must agree. Catches the fast engine charging landed copies."""
+    ts = _trace(tmp_path / "c", [[[0, 1], [2, 3]]])
+    hw = _profile(0.5, cpu_c_ms=2.125)
+    hw.load_host_ms = 0.01
+    general, fast = (_run(ts, f, PRESCHED, hardware=hw) for f in (False, True))
+    assert (general.prefetches_issued, general.prefetches_landed) == (2, 1)
+    assert fast.layer_time_ms_per_layer == pytest.approx(general.layer_time_ms_per_layer, abs=1e-12)
+    assert fast.modeled_tpot_ms == pytest.approx(general.modeled_tpot_ms, abs=1e-12)
+    free = _run(ts, False, PRESCHED, hardware=_profile(0.5, cpu_c_ms=2.125))
+    assert general.modeled_tpot_ms > free.modeled_tpot_ms  # the issue time is charged at all
+
+
 def test_cold_presched_reports_its_preload(tmp_path):
     """The presched preset starts each cold request from the hot-expert table: 2 experts x 2 layers
     = 4 transfers of 1 ms at each of the 1 request's starts, spread over its 3 steps."""
