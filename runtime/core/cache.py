@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from moecast.predictors.base import HotTable
 from moecast.runtime.core import eviction, kernels
 
 from moecast.errors import InputError
@@ -526,8 +527,6 @@ class StaticTable:
 def hot_table(predictor: Any, num_layers: int, num_experts: int) -> np.ndarray:
     """The [L, E] expert scores a static policy pins from (a frequency checkpoint's ``table``): the live
     runtime and the replay pin the same table."""
-    from moecast.predictors.base import HotTable
-
     name = predictor.name
     table = predictor.table if isinstance(predictor, HotTable) else None
     shape = np.shape(table) if table is not None else None

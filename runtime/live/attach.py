@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from moecast.collect.models import find_moe_structure, model_info
-from moecast.predictors.base import BatchScorer, LearningPlanner, PromptPlanner, StreamingPredictor
+from moecast.predictors.base import BatchScorer, LearningPlanner, StreamingPredictor
 from moecast.runtime.live.config import LiveConfig, live_config
 from moecast.runtime.live.pairs import sums_over_top_k
-from moecast.runtime.live.prefetch import not_a_planner
+from moecast.runtime.live.prefetch import check_planner
 from moecast.runtime.tiers.precision import experts_call
 
 from moecast.errors import InputError, MoecastError
@@ -232,8 +232,7 @@ def attach(
         if predictor is not None:
             _check_fits(predictor, "predictor", "train one on traces of this model", info)
         if planner is not None:
-            if not isinstance(planner, PromptPlanner) or planner.horizon != "prompt-ahead":
-                raise InputError(not_a_planner(planner))
+            check_planner(planner)
             _check_fits(planner, "planner", "build one on traces of this model", info)
     from moecast.runtime.live.runtime import LiveRuntime  # it imports this module for its hooks
 

@@ -64,17 +64,16 @@ def _check_jobs(pred: Any, plan: Any, config: LiveConfig) -> None:
     a planner that is no prompt-ahead planner, a prefetcher that cannot stream or (under a gated policy)
     has no calibration; under static the predictor is the table the policy pins, which must be one
     (attach checks its shape against the model's)."""
-    from moecast.predictors.base import PromptPlanner, StreamingPredictor
+    from moecast.predictors.base import StreamingPredictor
     from moecast.runtime.core.cache import hot_table
     from moecast.runtime.live.prefetch import (
+        check_planner,
         choose_prefetch,
         gate_calibration,
-        not_a_planner,
         not_a_prefetcher,
     )
 
-    if plan is not None and (not isinstance(plan, PromptPlanner) or plan.horizon != "prompt-ahead"):
-        raise InputError(not_a_planner(plan))
+    check_planner(plan)
     rule = config.rule()
     if rule.eviction == "static":
         if pred is not None:  # an [L, E] table of its own layers and experts (attach: of the model's)
@@ -365,7 +364,7 @@ def run(
     try:
         branch = rt.plan(prompt) if plan is not None else None
         if branch is not None and not json:
-            print(f"plan: {branch} answered; {rt.stats_.plan_loads} experts preloaded")
+            print(f"plan: {branch} answered; {rt.stats()['plan_loads']} experts preloaded")
         text = _generate(lm, tok, prompt, max_new_tokens)
         stats = rt.stats()
     finally:

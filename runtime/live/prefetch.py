@@ -250,6 +250,12 @@ _MATCHES_ROUTING = (
 )
 
 
+def check_planner(planner: BatchScorer | None) -> None:
+    """Refuse a planner that is no prompt-ahead planner with a plan, saying where it belongs."""
+    if planner is not None and (not isinstance(planner, PromptPlanner) or planner.horizon != "prompt-ahead"):
+        raise InputError(not_a_planner(planner))
+
+
 def not_a_planner(planner: BatchScorer) -> str:
     """Why ``planner`` cannot plan in the live runtime, and what to do with it instead."""
     name, horizon = planner.name, planner.horizon

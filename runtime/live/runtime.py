@@ -276,7 +276,6 @@ class LiveRuntime:
                 self.copies.mark(pos, new, False)
             loads = self.executor.preload(pos, want[pos])
             moved[pos, new] = True
-            self.stats_.plan_loads += loads
             # counted as the replay's plan preloads are: inserted, and prefetched until their first use
             lane = self.lanes.lane[pos]
             self.step.add("plan_loads", lane, lane, [loads])

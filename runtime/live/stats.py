@@ -137,7 +137,6 @@ class LiveStats:
     prefill_steps: int = 0
     routed: int = 0  # (token, layer, expert) uses the router chose in decode steps
     cpu_uses: int = 0  # token uses of the experts computed on the CPU
-    plan_loads: int = 0  # experts a prompt plan (CasMoE) loaded before decoding
     plans_learned: int = 0  # planned prompts whose prefill EP went to the planner's buffer (CasMoE)
     plans_folded: int = 0  # of those, the ones that filled the buffer and were folded into the index
     online_updates: int = 0  # PreScope §4.2.2 continual-learning steps taken on decoded tokens
@@ -207,8 +206,9 @@ class LiveStats:
             prefetches_landed=t["pf_landed"],
             prefetch_used=t["pf_used"],
             gate_refused=t["pf_refused"],  # late prefetches the prefetch gate did not start
+            plan_loads=t["plan_loads"],  # experts a prompt plan (CasMoE) loaded before decoding
             # experts moved over the link: demand loads, prefetches that landed, plan preloads
-            transfers=t["loads"] + t["pf_landed"] + self.plan_loads,
+            transfers=t["loads"] + t["pf_landed"] + t["plan_loads"],
         )
         d["hit_rate"] = t["hits"] / t["uses"] if t["uses"] else float("nan")
         d["substitution_rate"] = t["subs"] / self.routed if self.routed else 0.0

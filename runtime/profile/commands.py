@@ -60,6 +60,7 @@ def profile(
         group_size: int4's group along each matrix's input dimension (32, 64, 128 or 256).
         json: print the profile as JSON.
     """
+    from moecast.predictors.checkpoint import check_fingerprint
     from moecast.runtime.profile import measure as P
 
     pred = None
@@ -75,7 +76,7 @@ def profile(
         raise InputError("--expert-dtype times one precision at a time: name each copy, e.g. model,int4")
     nbytes = None
     if model:
-        prof, nbytes = _profile_model(model, name, pred, offload_dir, disk_mb, calibrate, precs)
+        prof, nbytes = _profile_model(model, name, pred, offload_dir, disk_mb, calibrate, precs, predictor)
     else:
         if any(q.quantized for q in precs):
             raise InputError(
@@ -88,7 +89,9 @@ def profile(
         if traces:
             hidden_size, intermediate_size, dtype = _traces_expert_shape(traces)
             if pred is not None:  # timed on the traces' model: a checkpoint of another is refused
-                _check_model(pred, predictor, _traces_fingerprint(traces), f"TraceSet {traces}")
+                check_fingerprint(
+                    pred.checkpoint_meta, _traces_fingerprint(traces), f"TraceSet {traces}", predictor
+                )
         prof = P.measure(hidden_size, intermediate_size, name=name, dtype=dtype)
         if pred is None:  # measured, as with --model: a profile's 0 would charge a prefetch nothing
             routing = _traces_routing(traces) if traces else STANDIN_ROUTING
@@ -121,22 +124,30 @@ def profile(
 
 
 def _profile_model(
-    model: str, name: str, pred: Any, offload_dir: str | None, disk_mb: int, calibrate: int, precs: list[Any]
+    model: str,
+    name: str,
+    pred: Any,
+    offload_dir: str | None,
+    disk_mb: int,
+    calibrate: int,
+    precs: list[Any],
+    pred_path: str | None = None,
 ) -> tuple[HardwareProfile, dict[str, int]]:
     """`moecast profile --model`'s profile (and an expert's bytes at each quantized precision): measured on the model (its experts at the model's dtype and
     at each of ``precs``), then calibrated on ``calibrate`` tokens of the live runtime reading its
     experts from ``offload_dir``: at the model's dtype for every rate, then at each quantized
-    precision for its expert time (0: not calibrated)."""
+    precision for its expert time (0: not calibrated). ``pred_path``: ``pred``'s file, named where it is
+    refused for another model."""
     from moecast.collect.models import load_model
     from moecast.runtime.profile import measure as P
 
     lm, _tok, _name = load_model(model)
-    if pred is not None:
+    if pred is not None:  # timed on this model: a checkpoint of another is refused
         from moecast.collect.models import find_moe_structure, model_info
+        from moecast.predictors.checkpoint import check_fingerprint
 
-        _check_model(
-            pred, "--predictor", model_info(lm, find_moe_structure(lm), model).fingerprint, f"model {model}"
-        )
+        fp = model_info(lm, find_moe_structure(lm), model).fingerprint
+        check_fingerprint(pred.checkpoint_meta, fp, f"model {model}", pred_path or "--predictor")
     prof, _how = P.profile_model(lm, name, pred, offload_dir, disk_mb, precisions=precs)
     nbytes = _expert_bytes(lm, precs)
     if not calibrate:
@@ -148,13 +159,6 @@ def _profile_model(
         at = P.calibrate_live(lm, prof, offload_dir, calibrate, precision=q)
         out = dataclasses.replace(out, expert_ms={**out.expert_ms, q.tag: at.expert_ms[q.tag]})
     return dataclasses.replace(out, name=name), nbytes
-
-
-def _check_model(pred: Any, path: str, fingerprint: str, against: str) -> None:
-    """Refuse a predictor checkpoint made for another model than the one the profile times it on."""
-    from moecast.predictors.checkpoint import check_fingerprint
-
-    check_fingerprint(getattr(pred, "checkpoint_meta", {}), fingerprint, against, path)
 
 
 def _traces_fingerprint(traces: str) -> str:

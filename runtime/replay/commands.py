@@ -334,17 +334,10 @@ def compare(
     # every check that needs no replay runs before out/ is created or a replay starts (they take
     # minutes), so a bad argument leaves nothing behind
     cells = _cells(pols, preds, plans)
-    for pl in plans:
-        if pl not in ("none", "hot") and not Path(pl).is_file():
-            raise FileNotFoundError(
-                f"--planners: no checkpoint at {pl}; train one with `moecast train cascade`"
-            )
     outdir = Path(out)
     ts = TraceSet(traces)
-    for pr in preds:
-        _check_checkpoint(pr, ts)
-    for pl in plans:
-        _check_checkpoint(pl, ts)
+    for name in preds + plans:
+        _check_checkpoint(name, ts)
     caps = _usable_capacities(caps, ts, json)
     checkpoints = [c for c in preds + plans if c not in ("none", "oracle", "hot")]
     requests, hot_from = _held_out(ts, holdout, checkpoints)
