@@ -295,6 +295,33 @@ def test_precision_goals_by_hand():
     assert got["25 %: best int4-g128 / best model dtype"] == "ok"  # LRU int4 350 / 700 = 0.5
 
 
+def test_the_ram_goal_notes_each_request_and_the_oracle_bound():
+    """The int4 goal over every expert in RAM names its row, the ratio of each request (LLaPor 300 and
+    330 over RAM 250 and 220: 1.20 and 1.50) and the oracle bound's at the same RAM (the faster bound
+    over RAM's mean, 200 / 235 = 0.85, not the one in the model's RAM, 150); the model's-RAM goal takes
+    that bound (150 / 235 = 0.64) and leaves out the per-request ratios where a row has none."""
+    import bench_tiers
+
+    from bench import figures as F
+
+    def r(config, ms, reqs=None):
+        return {"config": config, "capacity": 0.25, "status": "ok", "measured_tpot_ms": ms,
+                "expert_dtype": "int4-g128", "request_tpot_ms": reqs}  # fmt: skip
+
+    raw = [r("lru int4-g128", 350), r("llapor prefetch-late int4-g128", 315, [300, 330]),
+           r("oracle prefetch (bound) int4-g128", 210), r("oracle prefetch-late (bound) int4-g128", 200),
+           r("oracle prefetch-late (bound) int4-g128 (model's RAM)", 150),
+           r("all in RAM int4-g128", 235, [250, 220]),
+           r("llapor prefetch-late int4-g128 (model's RAM)", 260)]  # fmt: skip
+    notes = {f["name"]: f["note"] for f in bench_tiers.precision_goals(F, raw)}
+    assert notes["25 %: best int4-g128 / all in RAM int4-g128"] == (
+        "llapor prefetch-late int4-g128; per request 1.20, 1.50; oracle bound 0.85"
+    )
+    assert notes["25 %: best int4-g128 (model's RAM) / all in RAM int4-g128"] == (
+        "llapor prefetch-late int4-g128 (model's RAM); oracle bound 0.64"
+    )
+
+
 def test_accuracy_lines_count_rows_by_hand():
     """Modeled / measured of 1.10, 0.80 and 1.20: 0.800-1.200, one of three within 15 %."""
     import bench_tiers
