@@ -89,3 +89,21 @@ def test_shutdown_runs_what_was_queued_then_refuses_new_jobs():
     with pytest.raises(RuntimeError, match="shut down"):
         pool.submit(print)
     pool.shutdown()  # twice is harmless
+
+
+@pytest.mark.parametrize("threads", [1, 0])
+def test_one_thread_or_fewer_runs_one_job_at_a_time(threads):
+    """``threads`` 1 (and 0, raised to 1) is one worker: a second job waits for the first to end."""
+    pool = IOPool(threads)
+    release, ran = threading.Event(), []
+    try:
+        first = pool.submit(lambda: (release.wait(timeout=10), ran.append("first")))
+        second = pool.submit(lambda: ran.append("second"))
+        time.sleep(0.2)
+        assert pool.threads == 1 and ran == [] and not second.done()
+        release.set()
+        first.result(timeout=10)
+        second.result(timeout=10)
+    finally:
+        pool.shutdown()
+    assert ran == ["first", "second"]

@@ -1233,3 +1233,134 @@ def test_cli_run_says_how_a_capacity_in_bytes_counted_its_slots(model_dir, tmp_p
         assert f"{held} of 8 experts per layer (12KB at {slot / 1024:.1f} KiB a slot, as this run" in line, (
             line
         )
+
+
+class _Stream:
+    """A layer-ahead predictor's stream stand-in: records what the prefetcher tells it."""
+
+    gate_rows = 0
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def reset(self, prompt) -> None:
+        self.calls.append(("reset", [int(t) for t in prompt]))
+
+    def end_token(self, next_token: int) -> None:
+        self.calls.append(("end_token", next_token))
+
+    def observe(self, layer, ids, weights, gate=None) -> None: ...
+
+    def predict_next(self, layer):
+        return np.zeros(8, np.float32)
+
+
+class _Streaming:
+    """A layer-ahead predictor stand-in (StreamingPredictor's members) whose stream is a _Stream."""
+
+    name, horizon, needs, fingerprint = "stub", "layer-ahead", (), None
+    num_layers, num_experts, top_k, learns_online = 3, 8, 2, False
+
+    def __init__(self) -> None:
+        self.made = _Stream()
+
+    def score_request(self, trace): ...
+
+    def metadata(self):
+        return {}
+
+    def stream(self):
+        return self.made
+
+
+def test_the_prefetcher_predicts_the_next_layers_of_decode_steps_at_partial_residency_only():
+    from types import SimpleNamespace
+
+    from moecast.runtime.live.prefetch import Prefetcher
+
+    structure = SimpleNamespace(layers=[None, None, None])
+    pf = Prefetcher("online", None, structure, 8, 2, full=False)
+    assert [pf.predicts(True, nxt) for nxt in range(4)] == [True, True, True, False]
+    assert not pf.predicts(False, 1)  # a prefill loads every miss: nothing to prefetch
+    # every expert resident: nothing to prefetch, so nothing is predicted (no predictor time spent)
+    assert not Prefetcher("online", None, structure, 8, 2, full=True).predicts(True, 1)
+    assert not Prefetcher("none", None, structure, 8, 2, full=False).predicts(True, 1)
+
+
+def test_the_layer_ahead_stream_sees_prefills_and_one_token_decode_steps_only():
+    """A prefill resets the stream to the prompt, a decode step of one token ends the step before it
+    with that token; a forward decoding several tokens at once (a batch) is not streamed and leaves
+    the window as it is."""
+    from types import SimpleNamespace
+
+    from moecast.runtime.live.prefetch import Prefetcher
+
+    pred = _Streaming()
+    pf = Prefetcher("predictor", pred, SimpleNamespace(layers=[None, None, None]), 8, 2, full=False)
+    assert pf.begin(False, torch.tensor([[4, 9, 2]])) is True
+    assert pf.begin(True, torch.tensor([[7]])) is True
+    assert pf.begin(True, torch.tensor([[3], [5]])) is False  # two sequences, one token each
+    assert pf.begin(True, torch.tensor([[6]])) is True
+    assert pred.made.calls == [("reset", [4, 9, 2]), ("end_token", 7), ("end_token", 6)]
+
+
+def test_the_live_stats_rates_and_totals_by_hand():
+    """LiveStats.as_dict on a two-layer step's counters: sums over layers, the rates of the replay
+    (hits over uses, substitutions over the decode steps' routed uses, prefetched experts used over
+    those prefetches and plans put in the cache), transfers = demand loads + landed prefetches + plan
+    preloads, and the TPOTs the mean over decode steps."""
+    from moecast.runtime.core.step_kernels import STATS
+    from moecast.runtime.live.stats import LiveStats
+
+    counts = dict(
+        uses=[6, 4], hits=[4, 2], subs=[1, 1], loads=[1, 2], cpu=[1, 0], pf_issued=[3, 2], pf_landed=[2, 1],
+        pf_used=[1, 1], pf_inserted=[2, 2], plan_loads=[1, 0], pf_refused=[0, 1], time=[9.0, 9.0],
+    )  # fmt: skip
+    step = {name: np.array(counts.get(name, [0, 0]), np.float64) for name in STATS}
+    s = LiveStats(routed=8, modeled_decode_ms=[2.0, 5.0], measured_decode_ms=[1.0, 4.0])
+    d = s.as_dict(step)
+    got = {k: d[k] for k in ("uses", "hits", "substituted", "loads", "cpu_experts", "prefetches_issued",
+                             "prefetches_landed", "prefetch_used", "gate_refused", "plan_loads", "transfers")}  # fmt: skip
+    assert got == dict(
+        uses=10, hits=6, substituted=2, loads=3, cpu_experts=1, prefetches_issued=5, prefetches_landed=3,
+        prefetch_used=2, gate_refused=1, plan_loads=1, transfers=3 + 3 + 1,
+    )  # fmt: skip
+    assert d["hit_rate"] == 6 / 10
+    assert d["substitution_rate"] == 2 / 8
+    assert d["prefetch_accuracy"] == 2 / 4  # the 3 landed prefetches and the plan's 1 preload
+    assert (d["modeled_tpot_ms"], d["measured_tpot_ms"]) == (3.5, 2.5)
+    empty = LiveStats().as_dict({name: np.zeros(2) for name in STATS})
+    assert np.isnan(empty["hit_rate"]) and np.isnan(empty["prefetch_accuracy"])
+    assert empty["substitution_rate"] == 0.0 and np.isnan(empty["modeled_tpot_ms"])
+
+
+def test_a_plan_counts_only_the_experts_it_moved_as_preloads():
+    """Each layer's plan keeps one expert the warm start already holds (0; 1) and loads one (7; 6): two
+    plan loads, two transfers, two experts prefetched until their first use; the kept ones are neither
+    moved nor counted as prefetched when the prefill uses them."""
+    model = make_model("qwen2_moe")
+    ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(3))
+    plan = np.zeros((2, 8), np.float32)
+    plan[0, [0, 7]] = [2.0, 1.0]
+    plan[1, [6, 1]] = [2.0, 1.0]
+    rt = attach(model, policy="lru", capacity=2, alpha=0.0, planner=_FixedPlanner(plan))
+    try:
+        rt.plan("which experts does this prompt need?")
+        assert set(rt.stores[0].expert_in.tolist()) == {0, 7}
+        assert set(rt.stores[1].expert_in.tolist()) == {1, 6}
+        st = rt.stats()
+        nbytes = st["expert_bytes"]
+        assert (st["plan_loads"], st["transfers"], st["wasted_bytes"]) == (2, 2, 2 * nbytes)
+        first: list[np.ndarray] = []
+        end = rt.end_forward
+        rt.end_forward = lambda: (first.append(rt.fwd.ids.copy()), end())[1]
+        decode_logits(model, ids)
+        st = rt.stats()
+    finally:
+        rt.detach()
+    routed = [set(first[0][:, pos].ravel().tolist()) for pos in range(2)]
+    assert routed[0] & {0} or routed[1] & {1}  # a kept expert is used: it must not count as prefetched
+    used = int(7 in routed[0]) + int(6 in routed[1])
+    assert st["plan_loads"] == 2
+    assert st["prefetch_used"] == used and st["prefetch_accuracy"] == used / 2
+    assert st["wasted_bytes"] == (2 - used) * nbytes

@@ -243,3 +243,42 @@ def test_the_branching_check_sees_a_flag():
     assert branching("if kind != 'ram':\n    pass\n", names)
     assert not branching("if self.offload not in TIERS:\n    pass\n", names)
     assert not branching("if self.device.accelerated and self.tier.background_reads:\n    pass\n", names)
+
+
+def test_a_device_says_whether_it_accelerates_and_whether_it_simulates():
+    """Device.accelerates answers from the names alone (the runtime sizes its slots with it before the
+    device exists): a CUDA device or the simulated ops accelerate, the plain CPU does not; the CPU,
+    plain or simulated, stands in for an accelerator (``simulated``), and the simulated ops only on it."""
+    from moecast.errors import InputError
+
+    assert Device.accelerates("cuda") and Device.accelerates("cuda:1")
+    assert not Device.accelerates("cpu")
+    assert Device.accelerates("cpu", "simulated")
+    cpu, sim = Device.at("cpu"), Device.at("cpu", "simulated")
+    assert (cpu.accelerated, cpu.simulated) == (False, True)
+    assert (sim.accelerated, sim.simulated) == (True, True)
+    with pytest.raises(InputError, match="simulates an accelerator on the CPU; the slots are on cuda"):
+        Device.at("cuda", "simulated")
+    with pytest.raises(InputError, match="unknown device_ops 'tape'"):
+        Device.at("cpu", "tape")
+
+
+def test_the_slots_go_where_given_else_where_the_experts_are():
+    """slot_device: the device named, else the experts' own device, else (experts on meta) the
+    model's first real weight's."""
+    from moecast.runtime.tiers.base import slot_device
+
+    model = make_model("qwen2_moe")
+    structure = find_moe_structure(model)
+    assert slot_device(model, structure, "cuda:1") == torch.device("cuda:1")  # named: not looked up
+    assert slot_device(model, structure, None) == torch.device("cpu")
+    model.model.layers[0].mlp.experts.to("meta")
+    assert slot_device(model, structure, None) == torch.device("cpu")  # the first real weight's
+
+
+def test_the_host_tier_reports_a_row_only_for_staged_copies():
+    from moecast.runtime.tiers.host import HostTier
+
+    assert HostTier.report({"staged_layers": 0}) == []
+    ((label, text),) = HostTier.report({"staged_layers": 3})
+    assert label == "staged copies" and text.startswith("3 layers' host copies stayed pageable")

@@ -238,3 +238,61 @@ def test_a_dense_file_that_lacks_weights_is_refused_in_one_line(tiny_dir, tmp_pa
     ) as exc:
         load_offloaded(str(tiny_dir), d)
     assert "\n" not in str(exc.value)
+
+
+# qwen2_moe of test_live: 8 experts a layer, 2 layers, fp32 gate_up [32, 32] and down [32, 16]: 6144 bytes
+# an expert, already a multiple of the 256-byte alignment of the packed host copy
+HOST_COPY_BYTES = 2 * 8 * 6144
+
+
+@pytest.mark.parametrize(
+    "pinned, staged",
+    [(HOST_COPY_BYTES, 0), (HOST_COPY_BYTES - 1, 2), (0, 2)],
+)
+def test_the_host_tier_pins_its_copies_exactly_when_they_fit_the_budget(pinned, staged):
+    """Every layer's packed host copy is pinned when the whole fits ``pinned_mb`` (its bytes exactly
+    included), else every layer stays pageable and stages its transfers."""
+    from test_live import make_model
+
+    rt = attach(
+        make_model("qwen2_moe"), policy="lru", capacity=2, prefetch="none", device_ops="simulated",
+        pinned_mb=pinned / 2**20,
+    )  # fmt: skip
+    try:
+        st = rt.stats()
+    finally:
+        rt.detach()
+    assert st["staged_layers"] == staged
+    if not staged:
+        assert st["pinned_bytes"] == HOST_COPY_BYTES
+
+
+def test_a_quantized_host_copy_is_pinned_by_its_own_bytes_not_the_models():
+    """At int8 on an accelerator the host tier holds the packed int8 blocks: they fit a budget one byte
+    short of the model-dtype copy (about a third of it), so nothing is staged."""
+    from test_live import make_model
+
+    rt = attach(
+        make_model("qwen2_moe"), policy="lru", capacity=2, prefetch="none", device_ops="simulated",
+        expert_dtype="int8", pinned_mb=(HOST_COPY_BYTES - 1) / 2**20,
+    )  # fmt: skip
+    try:
+        st = rt.stats()
+        stride = rt.stores[0].dequant.stored.stride
+    finally:
+        rt.detach()
+    # 1536 int8 weights an expert and their scales, rounded up to the alignment: well under 6144
+    assert 1536 <= stride < 6144 // 2
+    assert st["staged_layers"] == 0 and st["pinned_bytes"] == 2 * 8 * stride
+
+
+def test_a_directory_without_the_experts_of_a_model_that_holds_none_is_refused(tiny_dir, tmp_path):
+    """A model whose experts are on disk (meta) attached to another, empty directory: refused in one
+    line naming the directory, before anything reads from it."""
+    lm, _, _ = load_offloaded(str(tiny_dir), tmp_path / "off")
+    other = tmp_path / "empty"
+    other.mkdir()
+    with pytest.raises(
+        OffloadError, match=r"empty does not hold all of this model's experts and the model has none"
+    ):
+        attach(lm, policy="lru", capacity=0.25, offload="disk", offload_dir=str(other))
