@@ -525,6 +525,9 @@ def test_attach_refuses_a_predictor_of_another_shape_without_a_fingerprint():
                                  num_experts=8, top_k=2))()  # fmt: skip
     with pytest.raises(InputError, match=rf"the predictor stub scores {n_layers + 1} MoE layers"):
         attach(model, policy="prefetch", capacity=2, predictor=stub)
+    stub.num_layers, stub.top_k = n_layers, 3  # the model's layers and experts, another top-k
+    with pytest.raises(InputError, match=rf"of 8 experts, top-3; this model has {n_layers} of 8, top-2"):
+        attach(model, policy="prefetch", capacity=2, predictor=stub)
     assert hooks_of(model) == 0
     fits = _FixedPlanner(np.ones((n_layers, 8), np.float32))
     fits.fingerprint = None
