@@ -249,3 +249,17 @@ def test_the_memorys_votes_blend_at_their_weight_by_hand():
     assert out[0].tolist() == pytest.approx([0.7, 0.6])
     llapor_kernel.blend_rows(p, v, 1.0, 0.5, True, out)
     assert out[0].tolist() == pytest.approx([0.25 / 1.75 + 0.5, 1.5 / 1.75], rel=1e-5)
+
+
+def test_each_context_keeps_its_latest_postings_by_hand(tmp_path: Path) -> None:
+    """Four requests open with the same tokens [5, 6] and send token 6 to expert r (request r; one
+    layer, top-1). With max_postings 2 the bigram [5, 6] keeps its two latest occurrences,
+    requests 2 and 3: the vote is 1/2 for expert 2 and 1/2 for expert 3. Token 5 (the prompt start,
+    expert 0 in every request) votes 1 for expert 0."""
+    writer = synthetic_writer(tmp_path / "t", num_layers=1, num_experts=4, top_k=1, with_optional=False)
+    writer.write([synthetic_record(r, np.array([5, 6]), np.array([[[0]], [[r]]])) for r in range(4)])
+    ts = TraceSet(tmp_path / "t")
+    mem = build(ts, ts.request_ids, MemoryConfig(ngrams=(2,), max_postings=2))
+    got = mem.votes(np.array([5, 6]))
+    np.testing.assert_allclose(got[:, 0], [[1, 0, 0, 0], [0, 0, 0.5, 0.5]])
+    np.testing.assert_allclose(mem.votes_last(np.array([5, 6]))[0], [0, 0, 0.5, 0.5])

@@ -856,3 +856,61 @@ def test_warm_compiles_what_the_live_stream_calls_and_changes_nothing(tmp_path):
         for s in streams:
             s.end_token(int(step))
     assert {f: set(f.signatures) for f in kernels} == after_warm
+
+
+def test_group_signal_is_the_mean_of_routing_correlation_and_gate_cosine_by_hand():
+    """PreScope §3.1: with gate inputs the signal is 0.5 * routing correlation + 0.5 * cosine, so
+    routing correlation breaks the cosine's ties. Cosine flat at 0.5 (a tie everywhere), routing
+    correlation [., 0.1, 0.9, 0.9, 0.1]: signal [., 0.3, 0.7, 0.7, 0.3], mean 0.5, so layers 2-3
+    are the middle group. The cosine alone would be all at the mean: middle 1-3."""
+    cos = np.array([0.0, 0.5, 0.5, 0.5, 0.5])
+    corr = np.array([0.0, 0.1, 0.9, 0.9, 0.1])
+    groups, sig = detect_groups(cos, corr, 5)
+    assert groups == {"input": [0, 1], "middle": [2, 3], "output": [4]}
+    assert np.allclose(sig, [0.0, 0.3, 0.7, 0.7, 0.3])
+
+
+def test_a_layer_at_the_mean_signal_is_a_middle_layer():
+    """The middle group is the layers whose signal is >= the mean: with every signal equal (the
+    mean itself) all of layers 1..L-2 are middle, and detection does not fail on an empty set."""
+    groups, _ = detect_groups(None, np.full(4, 0.5), 4)
+    assert groups == {"input": [0], "middle": [1, 2], "output": [3]}
+    # layer 2 sits exactly at the mean of [0.25, 0.5, 0.75, 0.5] (0.5): it is a middle layer
+    groups, _ = detect_groups(None, np.array([0.0, 0.25, 0.5, 0.75, 0.5]), 5)
+    assert groups == {"input": [0, 1], "middle": [2, 3], "output": [4]}
+
+
+def test_routing_correlation_is_the_recall_of_the_best_co_occurring_expert_by_hand():
+    """routing_correlation[l]: predict layer l's expert as the one that co-occurred most with the
+    token's layer l-1 expert. Three tokens route 0 -> 1, 0 -> 1, 0 -> 2: co-occurrence from expert 0
+    is [0, 2, 1, 0], so every token is predicted expert 1 and two of three are right."""
+    topk = np.array([[[0], [1]], [[0], [1]], [[0], [2]]])
+    assert np.allclose(routing_correlation(topk, 4), [0.0, 2 / 3])
+
+
+def test_context_votes_weigh_earlier_tokens_by_overlap_to_the_vote_power():
+    """context_votes with vote_power 2: an earlier token's weight is (1 + overlap) ** 2. Token 2's
+    layer-0 expert matches token 0's (weight 4), not token 1's (weight 1): its layer-1 vote is
+    [0, 4/5, 0, 1/5]. A two-token request (rows 3-4) votes too: token 1 gets token 0's ids."""
+    from moecast.predictors.llapor_features import context_votes
+
+    spec = FeatureSpec(num_layers=2, num_experts=4, top_k=1, context_vote=1, vote_power=2.0)
+    ids = np.array([[[0], [1]], [[2], [3]], [[0], [2]], [[1], [2]], [[3], [0]]])
+    v = context_votes(spec, ids, np.array([0, 1, 2, 0, 1]))
+    assert np.allclose(v[2, 1], [0, 4 / 5, 0, 1 / 5])
+    assert v[4].tolist() == [[0, 1, 0, 0], [0, 0, 1, 0]] and (v[3] == 0).all()
+
+
+def test_repeat_token_features_read_the_token_ids():
+    """repeat_token finds a token's earlier occurrence by its id: the features read token_id even
+    without a token embedding, and the checkpoint's "needs" says so."""
+    spec = FeatureSpec(num_layers=2, num_experts=4, top_k=1, repeat_token=True)
+    assert spec.fields() == ["topk_ids", "token_id"]
+    assert FeatureSpec(num_layers=2, num_experts=4, top_k=1).fields() == ["topk_ids"]
+
+
+def test_the_group_threshold_is_the_mean_signal_not_the_median():
+    """Routing correlation [., 0.1, 0.2, 0.9, 0.2]: its mean 0.35 leaves layer 3 alone above it
+    (middle [3]); the median 0.2 would take layers 2-3 as the middle group."""
+    groups, _ = detect_groups(None, np.array([0.0, 0.1, 0.2, 0.9, 0.2]), 5)
+    assert groups == {"input": [0, 1, 2], "middle": [3], "output": [4]}

@@ -214,3 +214,87 @@ def test_published_predictions_are_scored_as_published(tmp_path, capsys):
     _write_formatted(mixed / "prompt_2_data_formatted.csv", ["a"], [[[1, 2], [3, 4]]])
     with pytest.raises(ValueError, match="mixes traces and prediction CSVs"):
         import_moe_beyond(mixed, out=tmp_path / "m")
+
+
+def test_rows_of_a_lower_layer_after_a_higher_one_are_refused(tmp_path):
+    """Rows come grouped by layer in ascending layer order (the i-th row of a layer is token i):
+    layer 1's rows after layer 2's are refused, naming the line where layer 1 starts, instead of
+    importing the layers in reverse order."""
+    rows = [[2, 0, "a", "[5, 6]"], [2, 0, "b", "[7, 0]"], [1, 0, "a", "[1, 2]"], [1, 0, "b", "[3, 4]"]]
+    _write(tmp_path / "desc.csv", rows)
+    with pytest.raises(ValueError, match=r"desc\.csv:4: rows of layer 1 are not grouped together"):
+        parse_file(tmp_path / "desc.csv", num_experts=8)
+
+
+def test_a_row_that_lists_an_expert_twice_is_refused(tmp_path):
+    """A top-k route names k distinct experts; "[3, 3]" is a corrupt row, refused, not imported as a
+    route with one expert counted twice."""
+    rows = [[1, 0, "a", "[1, 2]"], [1, 0, "b", "[3, 3]"], [2, 0, "a", "[5, 6]"], [2, 0, "b", "[7, 0]"]]
+    _write(tmp_path / "dup.csv", rows)
+    with pytest.raises(ValueError, match="lists the same expert twice"):
+        parse_file(tmp_path / "dup.csv", num_experts=8)
+
+
+def test_sequence_windows_score_each_position_with_half_a_window_of_context():
+    """MoE-Beyond's sequence predictor on a request longer than max_len (W = 4, T = 8): windows
+    start every W / 2 = 2 tokens and each keeps only the positions the one before could not see with
+    as much context. By hand: positions 0-3 from the window at 0, 4-5 from the window at 2, 6-7 from
+    the window at 4. The encoder is causal, so position t scored in the window at s is the last
+    output of the network run on tokens s..t alone."""
+    import torch
+    from moecast.collect.traceset import RequestTrace
+    from moecast.predictors.sequence import SequenceConfig, SequenceNet, SequencePredictor, sequence_inputs
+
+    torch.manual_seed(0)
+    cfg = SequenceConfig(
+        2, 8, 2, token_buckets=50, d_model=16, n_heads=2, n_blocks=1, ffn=16, dropout=0.0, max_len=4
+    )
+    pred = SequencePredictor(SequenceNet(cfg), [1, 2])
+    rng = np.random.default_rng(0)
+    ids = np.stack([rng.permutation(8)[:2] for _ in range(8 * 2)]).reshape(8, 2, 2)
+    toks = rng.integers(0, 50, 8)
+    trace = RequestTrace("r", "w", "c", "p", toks, ["x"] * 8, np.zeros(8, bool), ids, None, None, None)
+    got = pred.score_request(trace)
+    tok, prev = sequence_inputs(toks, ids, cfg)
+    for t, s in enumerate([0, 0, 0, 0, 2, 2, 4, 4]):
+        with torch.no_grad():
+            logits = pred.net(torch.from_numpy(tok[s : t + 1])[None], torch.from_numpy(prev[s : t + 1])[None])
+        np.testing.assert_allclose(got[t], torch.sigmoid(logits[0, -1]).numpy(), atol=1e-5, err_msg=str(t))
+
+
+def test_two_files_of_one_prompt_number_are_refused(tmp_path):
+    """A folder holding prompt_1_data.csv and prompt_1_data_formatted.csv has two traces of prompt 1:
+    refused (naming both) instead of one silently replacing the other."""
+    from moecast.collect.moe_beyond import list_files
+
+    good = [[1, 0, "a", "[1, 2]"], [2, 0, "a", "[5, 6]"]]
+    _write(tmp_path / "prompt_1_data.csv", good)
+    _write(tmp_path / "prompt_1_data_formatted.csv", good)
+    _write(tmp_path / "prompt_2_data.csv", good)
+    with pytest.raises(
+        ValueError, match=r"prompt_1_data\.csv and prompt_1_data_formatted\.csv are both prompt 1"
+    ):
+        list_files(tmp_path)
+
+
+def test_an_expert_id_equal_to_the_expert_count_is_refused(tmp_path):
+    """Expert ids run 0..E-1: with 8 experts, id 8 is out of range and refused."""
+    rows = [[1, 0, "a", "[1, 2]"], [1, 0, "b", "[3, 8]"], [2, 0, "a", "[5, 6]"], [2, 0, "b", "[7, 0]"]]
+    _write(tmp_path / "edge.csv", rows)
+    with pytest.raises(ValueError, match=r"expert id 8 outside 0\.\.7"):
+        parse_file(tmp_path / "edge.csv", num_experts=8)
+
+
+def test_detokenize_keeps_characters_outside_the_byte_map():
+    """A token character that is no byte-level BPE byte (here CJK) is kept as its own UTF-8."""
+    assert detokenize(["Ġ中文", "!"]) == " 中文!"
+
+
+def test_a_folder_not_all_in_the_training_layout_imports_as_the_test_workload(tmp_path):
+    """Only a folder whose every file is prompt_<N>_data.csv is the training set (workload puffin);
+    one file named otherwise makes it the test workload (moe-beyond-test-<N>)."""
+    good = [[1, 0, "a", "[1, 2]"], [2, 0, "a", "[5, 6]"]]
+    _write(tmp_path / "prompt_1_data.csv", good)
+    _write(tmp_path / "prompt_2_data_formatted.csv", good)
+    ts = import_moe_beyond(tmp_path, out=tmp_path / "t", workers=1)
+    assert ts.request_ids == ["moe-beyond-test-1", "moe-beyond-test-2"]

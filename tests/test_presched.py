@@ -145,3 +145,26 @@ def test_the_gap_stays_negative_when_nothing_loads_and_sizes_the_prefetch():
         d = schedule(np.ones((rows, 1)), np.full(rows, 1), np.ones((rows, 5)), np.full(rows, 5),
                      np.full(rows, 2.0), np.full(rows, 0.5), cost)  # fmt: skip
         assert (d.n_load[0], d.n_cpu[0], d.t_cpu[0], d.n_prefetch[0]) == (0, 1, 0.5, 3)
+
+
+def test_plan_prior_maps_probabilities_with_zeros_to_logits_by_hand():
+    """plan_prior (CasMoE Sec. 4): probabilities (non-negative, <= 1) become logits before the plan's
+    log prior is added, zeros included (clipped to 1e-6). Scores [0.5, 0] with a flat plan [1, 1] at
+    weight 1: logit(0.5) + log(0.5) = -0.6931 and logit(1e-6) + log(0.5) = -13.8155 - 0.6931."""
+    from moecast.runtime.core.prefetch import plan_prior
+
+    got = plan_prior(np.array([[[0.5, 0.0]]]), np.array([[1.0, 1.0]]), 1.0)
+    assert got[0, 0] == pytest.approx([math.log(0.5), math.log(1e-6 / (1 - 1e-6)) + math.log(0.5)], rel=1e-5)
+
+
+def test_plan_prior_takes_probabilities_as_they_are_and_counts_as_shares():
+    """Scores in [0, 1] are probabilities, mapped to logits as they are: [0.5, 0.25] -> [0, log(1/3)]
+    (weight 0: the predictor alone). Counts (max > 1) are shares of their row first: [2, 1] ->
+    [2/3, 1/3] -> [log 2, -log 2]."""
+    from moecast.runtime.core.prefetch import plan_prior
+
+    flat = np.array([[1.0, 1.0]])
+    got = plan_prior(np.array([[[0.5, 0.25]]]), flat, 0.0)
+    assert got[0, 0] == pytest.approx([0.0, math.log(1 / 3)], abs=1e-6)
+    got = plan_prior(np.array([[[2.0, 1.0]]]), flat, 0.0)
+    assert got[0, 0] == pytest.approx([math.log(2), -math.log(2)], abs=1e-6)

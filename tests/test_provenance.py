@@ -214,3 +214,81 @@ def test_eval_save_records_the_split_it_scored_not_the_default(two_sets, tmp_pat
     assert load_metadata(out)["split"] == {**sides.metadata(), "train_requests": len(sides.train)}
     again = evaluate(out, traces=str(a.path), json=True)
     assert again["split"] == "test" and again["requests"] == first["requests"] == len(sides.test) > 0
+
+
+def test_a_checkpoint_of_a_source_is_scored_on_the_merged_sets_test_side(two_sets, tmp_path):
+    """A set merged from a contains a's requests on the sides a's split gave them (splits hash
+    prompts): a checkpoint trained on a's train side is scored on the merged set's test side, never
+    on all of it (which would score a's training requests as held out)."""
+    from moecast.collect.splits import SplitSpec
+    from moecast.collect.traceset import merge
+    from moecast.predictors.provenance import TrainedOn, choose
+
+    a, b = two_sets
+    m = merge([a.path, b.path], tmp_path / "m")
+    assert m.traceset_id not in (a.traceset_id, b.traceset_id) and m.contains_traceset(a.traceset_id)
+    chosen = choose(m, TrainedOn(spec=SplitSpec(), traceset_id=a.traceset_id))
+    assert chosen.name == "test" and chosen.checkpoint_traceset
+    assert chosen.requests == m.splits().test
+    assert not set(chosen.requests) & set(a.splits().train)  # none of a's training requests
+    assert set(a.splits().test) <= set(chosen.requests)
+
+
+def test_a_predictor_fitted_on_no_request_scores_every_request_even_on_its_traceset(two_sets):
+    """``split`` null (fitted on no request, e.g. router weights read from the model) with
+    ``trained_on`` naming this very TraceSet: nothing of it was trained on, so all its requests are
+    scored, not only a test side."""
+    from moecast.predictors.provenance import choose, record_from_meta
+
+    a, _ = two_sets
+    record = record_from_meta({"split": None, "trained_on": str(a.path)})
+    assert record.nothing and record.same_traceset(a)
+    chosen = choose(a, record)
+    assert chosen.name == "all" and chosen.requests == list(a.request_ids) and chosen.train == []
+    assert chosen.notes == ["none of them was trained on"] and not chosen.checkpoint_traceset
+
+
+def test_holdout_replays_a_checkpoint_fitted_on_another_tracesets_requests(two_sets, tmp_path):
+    """A checkpoint fitted on every request of b (split method ``requests``, b's id) saw no request
+    of a: --holdout test on a replays a's test side of the default split, where a checkpoint with
+    no record on a is refused."""
+    from moecast.predictors.provenance import FITTED_REQUESTS
+
+    a, b = two_sets
+    split = {"method": FITTED_REQUESTS, "traceset_id": b.traceset_id, "train_requests": 7}
+    ckpt = _header(b, tmp_path, "b_all.safetensors", split=split)
+    held, train = holdout(a, "test", [ckpt])
+    sides = a.splits()
+    assert held == sides.test and train == sides.train and held
+    with pytest.raises(ValueError, match="records no training split"):
+        holdout(b, "test", [ckpt])
+
+
+def test_holdout_share_sizes_the_test_side_when_no_checkpoint_records_a_split(two_sets):
+    """--holdout 0.3 with no checkpoint split to follow: the test side of the split with test_fraction
+    0.3 (val 0.1, seed 0), not the default 0.1; --holdout test takes the default's."""
+    a, _ = two_sets
+    wide = a.splits(0.1, 0.3, 0)
+    assert wide.test != a.splits().test
+    assert holdout(a, 0.3, []) == (wide.test, wide.train)
+    assert holdout(a, "test", []) == (a.splits().test, a.splits().train)
+
+
+def test_a_cascades_relative_eam_path_is_read_beside_the_cascade(two_sets, tmp_path, monkeypatch):
+    """A cascade records no split of its own; its EAM file, named relative to the cascade's folder,
+    does: trained_on_file reads it there whatever the working directory."""
+    from moecast.collect.splits import SplitSpec
+    from moecast.predictors import checkpoint
+    from moecast.predictors.provenance import trained_on_file
+
+    a, _ = two_sets
+    (tmp_path / "ck").mkdir()
+    eam, _ = _saved(a, tmp_path / "ck", "eam.safetensors", test_fraction=0.25)
+    meta = {k: v for k, v in checkpoint.load_metadata(eam).items() if k not in ("split", "trained_on")}
+    cascade = tmp_path / "ck" / "cascade.safetensors"
+    checkpoint.save(cascade, {}, {**meta, "kind": "cascade", "files": {"eam": "eam.safetensors"}})
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    record = trained_on_file(cascade)
+    assert record is not None and record.spec == SplitSpec(0.1, 0.25, 0)
+    assert record.traceset_id == a.traceset_id

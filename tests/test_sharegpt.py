@@ -133,3 +133,39 @@ def test_packaged_file_count():
     assert stats.truncated and stats.skipped == 0
     first = next(iter_conversations(limit=1))
     assert first["id"] and first["conversations"][0]["from"] == "human"
+
+
+def test_training_texts_cut_the_last_text_at_the_character_budget(tmp_path):
+    """max_chars is a budget of characters: texts are yielded whole until the one that would pass it,
+    which is cut to what is left. Texts "aaaa\\nbb" (7) and "cccc" (4) under a budget of 9: the
+    first whole, then "cc", then nothing."""
+    recs = [
+        {"id": "a", "conversations": [{"from": "human", "value": "aaaa"}, {"from": "gpt", "value": " bb "}]},
+        {"id": "b", "conversations": [{"from": "human", "value": "cccc"}]},
+        {"id": "c", "conversations": [{"from": "human", "value": "dddd"}]},
+    ]
+    path = tmp_path / "s.json"
+    _write(path, json.dumps(recs))
+    assert list(training_texts("all", max_chars=9, path=path)) == ["aaaa\nbb", "cc"]
+    assert list(training_texts("all", max_chars=11, path=path)) == ["aaaa\nbb", "cccc"]
+
+
+def test_held_out_is_a_crc_below_the_share_of_10000():
+    """is_held_out: crc32(id) % 10000 < val_fraction * 10000. crc32("conv_10559") % 10000 is 200,
+    exactly the bound at 2 %: not held out at 2 %, held out at 2.01 %."""
+    import zlib
+
+    assert zlib.crc32(b"conv_10559") % 10_000 == 200
+    assert not is_held_out("conv_10559", 0.02)
+    assert is_held_out("conv_10559", 0.0201)
+
+
+def test_first_prompts_keep_a_prompt_of_exactly_min_chars(tmp_path):
+    """min_chars is the shortest prompt kept (after stripping): "abc" passes min_chars 3, "ab" not."""
+    recs = [
+        {"id": "x", "conversations": [{"from": "human", "value": " abc "}]},
+        {"id": "y", "conversations": [{"from": "human", "value": "ab"}]},
+    ]
+    path = tmp_path / "s.json"
+    _write(path, json.dumps(recs))
+    assert list(first_prompts(min_chars=3, path=path)) == [("x", "abc")]

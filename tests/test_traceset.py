@@ -372,3 +372,124 @@ def test_resuming_a_collection_with_other_fields_is_refused_and_leaves_meta_alon
     assert "'router_probs': False" in str(err.value)
     assert (path / "meta.json").read_text() == before
     assert TraceSet(path).get("req-0").router_probs.shape == (4, 3, 8)
+
+
+def test_a_record_whose_routes_are_not_one_row_per_token_is_refused(tmp_path):
+    """Two records whose topk_ids are one token too long and one too short add up to the right
+    row count: written, every token after the first record would carry its neighbour's routes.
+    The writer checks each record's [T, L, k] shape and refuses it."""
+    from conftest import synthetic_record, synthetic_writer
+
+    writer = synthetic_writer(tmp_path / "t", num_layers=2, num_experts=4, top_k=1, with_optional=False)
+    ids = np.zeros((4, 2, 1), np.int16)
+    long, short = synthetic_record(0, np.arange(3), ids), synthetic_record(1, np.arange(5), ids)
+    with pytest.raises(TraceSetError, match=r"topk_ids shape \(4, 2, 1\), expected \(3, 2, 1\)"):
+        writer.write([long, short])
+    assert not list((tmp_path / "t" / "requests").glob("part-*"))
+
+
+def test_the_prompt_text_is_nfkc_normalised_before_it_is_hashed():
+    """normalise_prompt: NFKC (full-width letters, ligatures -> plain), case-folded, whitespace
+    collapsed; a prompt typed with full-width letters is the same prompt group."""
+    from moecast.collect.splits import normalise_prompt, prompt_key
+
+    assert normalise_prompt("Ｈｅｌｌｏ  ﬁne\tWORLD ") == "hello fine world"
+    assert prompt_key("Ｈｅｌｌｏ ﬁne world") == prompt_key("hello fine world")
+
+
+def test_a_request_committed_by_two_shards_is_refused_on_read(tmp_path):
+    """Two shards writing the same request into one directory commit it twice: reading must refuse
+    the set (one copy would shadow the other in the index while both count as tokens)."""
+    from conftest import synthetic_record, synthetic_writer
+    from moecast.collect.traceset import TraceWriter
+
+    rec = synthetic_record(0, np.arange(3), np.zeros((3, 2, 1), np.int16))
+    first = synthetic_writer(tmp_path / "t", num_layers=2, num_experts=4, top_k=1, with_optional=False)
+    first.write([rec])
+    TraceWriter(tmp_path / "t", first.meta, shard=1).write([rec])
+    assert len(list((tmp_path / "t" / "requests").glob("part-*.arrow"))) == 2
+    with pytest.raises(TraceSetError, match="request req-0 stored twice"):
+        TraceSet(tmp_path / "t")
+
+
+def test_a_textless_request_is_keyed_by_its_prompt_ids_not_its_generated_ones(tmp_path):
+    """Two text-less requests with the same prompt ids [1, 2, 3] that generated different tokens are
+    one prompt group: the key hashes the prefill ids only, "ids:1,2,3" (by hand, sha256's first 24
+    hex digits). Keyed by every token, the copy could land on the other side of the split."""
+    import hashlib
+
+    from conftest import synthetic_record, synthetic_writer
+
+    writer = synthetic_writer(tmp_path / "t", num_layers=2, num_experts=4, top_k=1, with_optional=False)
+    recs = []
+    for r, toks in enumerate(([1, 2, 3, 7, 8], [1, 2, 3, 9])):
+        phases = np.arange(len(toks)) >= 3  # tokens 3.. are generated
+        rec = synthetic_record(r, np.array(toks), np.zeros((len(toks), 2, 1)), phases)
+        rec.prompt = ""
+        recs.append(rec)
+    writer.write(recs)
+    keys = TraceSet(tmp_path / "t").prompt_keys()
+    want = hashlib.sha256(b"ids:1,2,3").hexdigest()[:24]
+    assert keys == {"req-0": want, "req-1": want}
+
+
+def test_an_empty_side_never_takes_the_last_training_prompt(tmp_path):
+    """A side left empty takes the lowest-hashed training prompt only while another stays in train.
+    One prompt (two copies): it stays in train, val and test stay empty. Prompts p0 (u .674) and p1
+    (u .451) at 10 % / 10 %: test takes p1, and val stays empty rather than take p0, the last one."""
+    ts = _prompted_set(tmp_path / "one", ["same", "same"])
+    s = ts.splits(0.1, 0.1, seed=0)
+    assert (s.train, s.val, s.test) == (["req-0", "req-1"], [], [])
+    ts = _prompted_set(tmp_path / "two", ["p0", "p1"])
+    s = ts.splits(0.1, 0.1, seed=0)
+    assert (s.test, s.val, s.train) == (["req-1"], [], ["req-0"])
+
+
+def test_a_side_asked_to_be_empty_takes_no_prompt(tmp_path):
+    """val_fraction 0 asks for no val side: only test (10 %) is filled from train when no prompt
+    hashes under it. Four prompts (u: p3 .242, p1 .451, p2 .456, p0 .674): test takes p3, val none."""
+    ts = _prompted_set(tmp_path / "t", [f"p{i}" for i in range(4)])
+    s = ts.splits(0.0, 0.1, seed=0)
+    assert (s.test, s.val, s.train) == (["req-3"], [], ["req-0", "req-1", "req-2"])
+
+
+def test_merging_into_an_existing_set_keeps_its_identity_and_its_sources(tmp_path):
+    """Checkpoints name the TraceSet they trained on by its id: merging more requests into an existing
+    merged set keeps that id, and the set still contains every source merged into it before."""
+    a = _prompted_set(tmp_path / "a", ["x", "y"])
+    b = _prompted_set(tmp_path / "b", ["z"], start=5)
+    first = merge([a.path], tmp_path / "m")
+    grown = merge([b.path], tmp_path / "m")
+    assert grown.num_requests == 3 and grown.traceset_id == first.traceset_id
+    assert grown.contains_traceset(a.traceset_id) and grown.contains_traceset(b.traceset_id)
+
+
+def test_a_split_with_no_training_share_left_is_refused():
+    """val_fraction + test_fraction must stay below 1: 0.5 + 0.5 leaves no training request."""
+    from moecast.collect.splits import SplitSpec
+
+    with pytest.raises(ValueError, match="leave no training requests"):
+        SplitSpec(0.5, 0.5)
+    assert SplitSpec(0.5, 0.4).test_fraction == 0.4
+
+
+def test_a_part_of_another_width_is_refused_on_open(tmp_path):
+    """meta.json says top_k 2 (2 layers: 4 ids per token) over parts written with top_k 1 (2 ids per
+    token): opening the set refuses the part, naming the width it expected."""
+    path = tmp_path / "t"
+    _prompted_set(path, ["a", "b"])
+    meta = json.loads((path / "meta.json").read_text())
+    meta["model"]["top_k"] = 2
+    (path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(TraceSetError, match=r"`topk_ids` has type .*, expected 4 values per token"):
+        TraceSet(path)
+
+
+def test_merging_sets_with_other_fields_is_refused_before_writing(tmp_path):
+    """Sources of one model whose fields differ (router weights and gate inputs in one, not in the
+    other) are refused by name, before the target is created."""
+    a = make_synthetic_traceset(tmp_path / "a", num_requests=2)
+    b = make_synthetic_traceset(tmp_path / "b", num_requests=2, seed=1, with_optional=False)
+    with pytest.raises(TraceSetError, match=r"cannot merge .*: fields .* differ from"):
+        merge([a, b], tmp_path / "m")
+    assert not (tmp_path / "m").exists()
