@@ -198,9 +198,11 @@ def _rows(
             layer = int(row[0])
         except ValueError:
             raise InputError(f"{path}:{lineno}: layer id {row[0]!r} is not an integer") from None
+        # a layer's rows come together, layers in rising order, so a row's layer is never below the
+        # last one begun (interleaved rows read as grouped would give tokens each other's routes)
+        if layers and layer < layers[-1]:
+            raise InputError(f"{path}:{lineno}: rows of layer {layer} are not grouped together")
         if layer not in counts:
-            if counts and layer < max(counts):
-                raise InputError(f"{path}:{lineno}: rows of layer {layer} are not grouped together")
             counts[layer] = 0
             layers.append(layer)
         if layer == layers[0] and text_col is not None:

@@ -226,6 +226,15 @@ def test_rows_of_a_lower_layer_after_a_higher_one_are_refused(tmp_path):
         parse_file(tmp_path / "desc.csv", num_experts=8)
 
 
+def test_rows_of_interleaved_layers_are_refused(tmp_path):
+    """Layers 1, 2, 1, 2: every layer first appears in rising order, yet read as grouped rows token a
+    would take token b's layer-1 route ([3, 4]) at layer 2. Refused at line 4, where layer 1 comes back."""
+    rows = [[1, 0, "a", "[1, 2]"], [2, 0, "a", "[5, 6]"], [1, 0, "b", "[3, 4]"], [2, 0, "b", "[7, 0]"]]
+    _write(tmp_path / "mixed.csv", rows)
+    with pytest.raises(ValueError, match=r"mixed\.csv:4: rows of layer 1 are not grouped together"):
+        parse_file(tmp_path / "mixed.csv", num_experts=8)
+
+
 def test_a_row_that_lists_an_expert_twice_is_refused(tmp_path):
     """A top-k route names k distinct experts; "[3, 3]" is a corrupt row, refused, not imported as a
     route with one expert counted twice."""
