@@ -762,3 +762,32 @@ def test_a_call_that_cannot_be_captured_runs_as_it_is_and_says_so_once(monkeypat
         "an experts call could not be captured as a graph (RuntimeError: operation not permitted when "
         "stream is capturing): it runs uncaptured"
     ]
+
+
+def test_a_timed_part_leaves_out_the_transfer_waits_inside_it(monkeypatch):
+    """On a logical clock: an expert computation of 5 ms inside which the tier waited 2 ms for a
+    transfer counts 3 ms as expert_compute; the layer around it counts all 6 ms (1 ms of policy
+    before it) as layers and the 2 ms as transfer_wait, so the parts do not count the wait twice."""
+    from types import SimpleNamespace
+
+    from moecast.runtime.live import stats
+
+    now, waited = [0.0], [0.0]
+    monkeypatch.setattr(stats, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    times = ForwardTimes(lambda: waited[0])
+    times.begin(decode=True)
+
+    def compute():
+        now[0] += 0.005
+        waited[0] += 0.002
+        return "out"
+
+    with times.layer():
+        now[0] += 0.001
+        assert times.timed("expert_compute", compute) == "out"
+    assert times.acc["expert_compute"] == pytest.approx(0.003)
+    assert times.acc["layers"] == pytest.approx(0.006)
+    assert times.acc["transfer_wait"] == pytest.approx(0.002)
+    st = LiveStats()
+    st.add_breakdown(6.0, times)
+    assert st.policy_decode_ms == [pytest.approx(1.0)] and st.attention_decode_ms == [pytest.approx(0.0)]

@@ -13,7 +13,7 @@ from moecast.runtime.core.alpha import choose_alpha, fit_tpot
 from moecast.runtime.live.runtime import LiveConfig, attach
 from moecast.runtime.tiers.expert_store import LayerStore
 
-from moecast.errors import InputError
+from moecast.errors import InputError, MoecastError
 
 torch.set_num_threads(1)
 
@@ -1367,3 +1367,267 @@ def test_a_plan_counts_only_the_experts_it_moved_as_preloads():
     assert st["plan_loads"] == 2
     assert st["prefetch_used"] == used and st["prefetch_accuracy"] == used / 2
     assert st["wasted_bytes"] == (2 - used) * nbytes
+
+
+class _GateStream(_Stream):
+    """A _Stream that takes the last two gate inputs with each layer's routing, and records them."""
+
+    gate_rows = 2
+
+    def observe(self, layer, ids, weights, gate=None) -> None:
+        self.calls.append(("observe", layer, None if gate is None else gate.tolist()))
+
+
+def test_the_stream_takes_the_last_gate_rows_of_a_layers_inputs():
+    """A three-token prefill's gate inputs [[0..3], [4..7], [8..11]] with a stream that takes two rows:
+    it gets the last two tokens' ([4..7], [8..11]), the ones nearest the tokens it predicts next."""
+    from types import SimpleNamespace
+
+    from moecast.runtime.live.prefetch import Prefetcher
+
+    pred = _Streaming()
+    pred.made = _GateStream()
+    pf = Prefetcher("predictor", pred, SimpleNamespace(layers=[None, None, None]), 8, 2, full=False)
+    assert pf.gate_rows == 2
+    hidden = torch.arange(12, dtype=torch.float32).reshape(1, 3, 4)
+    pf.observe(1, np.zeros((3, 2), np.int64), torch.ones(3, 2), hidden, 4)
+    assert pred.made.calls == [("observe", 1, [[4.0, 5.0, 6.0, 7.0], [8.0, 9.0, 10.0, 11.0]])]
+
+
+def test_a_planner_with_a_plan_of_another_horizon_is_refused():
+    """A checkpoint with a plan(prompt) that is not prompt-ahead (here layer-ahead) is no planner:
+    refused at attach in one line that points it to the predictor argument, the model untouched."""
+    model = make_model("qwen2_moe")
+    odd = _FixedPlanner(np.ones((2, 8), np.float32))
+    odd.horizon = "layer-ahead"
+    with pytest.raises(InputError, match=r"planner fixed is layer-ahead; .*pass it as the predictor"):
+        attach(model, capacity=2, planner=odd)
+    assert hooks_of(model) == 0
+
+
+def test_waiting_for_the_prediction_thread_counts_as_the_predictors_time(monkeypatch):
+    """On a logical clock: the prediction thread's layer-ahead prediction takes 4 ms and the host
+    waits for all of it once it joins, so the step's predictor time is 4 ms (the host's wait there is
+    what the predictor costs it), and the join gives the thread's ranked prediction."""
+    import threading
+    from types import SimpleNamespace
+
+    from moecast.runtime.live import stats
+    from moecast.runtime.live.prefetch import Prefetcher
+
+    now, go = [0.0], threading.Event()
+
+    def clock():
+        t = now[0]
+        go.set()  # the join started timing: the prediction may finish now
+        return t
+
+    class _Slow(_Stream):
+        def predict_next(self, layer):
+            go.wait(5)
+            now[0] += 0.004
+            return np.arange(8, dtype=np.float32)
+
+    pred = _Streaming()
+    pred.made = _Slow()
+    pf = Prefetcher("predictor", pred, SimpleNamespace(layers=[None, None, None]), 8, 2, full=False)
+    times = stats.ForwardTimes(lambda: 0.0)
+    times.begin(decode=True)
+    assert pf.begin(True, torch.tensor([[7]]))
+    go.clear()
+    monkeypatch.setattr(stats, "time", SimpleNamespace(perf_counter=clock))
+    try:
+        ids, (nxt, ranked, prob) = pf.next_async(2, True, None, times)()
+    finally:
+        pf.close()
+    assert times.acc["predictor"] == pytest.approx(0.004)
+    assert nxt == 2 and prob is None and sorted(ids.ravel().tolist()) == [6, 7] and ranked.ravel()[0] == 7
+
+
+def test_experts_still_held_by_a_runtime_refuse_another_though_the_model_was_switched_back():
+    """A model switched back to its own experts implementation while a runtime still holds its experts
+    modules: a second attach is refused in one line naming the module (the implementation's name no
+    longer says it), so the two runtimes never share the modules; the first still detaches cleanly."""
+    model = make_model("qwen2_moe")
+    impl = model.get_experts_implementation()
+    rt = attach(model, policy="lru", capacity=2)
+    try:
+        model.set_experts_implementation(impl)
+        with pytest.raises(
+            MoecastError, match=r"model\.layers\.0\.mlp\.experts already has the live runtime"
+        ):
+            attach(model, policy="lru", capacity=2)
+    finally:
+        rt.detach()
+    assert hooks_of(model) == 0 and model.get_experts_implementation() == impl
+
+
+def test_a_router_pattern_naming_a_layer_without_experts_is_refused():
+    """Layer 0 dense (mlp_only_layers), layer 1 MoE: a pattern that names layer 0's gate_proj as a router
+    names a layer with no experts module, refused in one line before the runtime is built."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("qwen2_moe", **COMMON, **FAMILIES["qwen2_moe"], mlp_only_layers=[0])
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with pytest.raises(InputError, match=r"no experts module .* \(model\.layers\.0\.mlp\.gate_proj\)"):
+        attach(model, policy="lru", capacity=2, router_pattern=r"mlp\.gate(_proj)?$")
+    assert hooks_of(model) == 0
+
+
+def test_an_attach_refused_by_the_model_gives_back_the_experts_the_disk_tier_took(tmp_path, monkeypatch):
+    """The disk tier moves the experts to the offload directory at open; a model that then refuses the
+    experts implementation fails the attach, and the tier is closed: the model holds its exact expert
+    weights again, not meta tensors."""
+    model = make_model("qwen2_moe")
+    experts = model.model.layers[0].mlp.experts
+    want = experts.gate_up_proj.detach().clone()
+    monkeypatch.setattr(model, "set_experts_implementation", lambda *a, **k: None)
+    with pytest.raises(MoecastError, match="did not accept a custom experts implementation"):
+        attach(model, policy="lru", capacity=2, offload="disk", offload_dir=str(tmp_path))
+    assert experts.gate_up_proj.device.type == "cpu" and torch.equal(experts.gate_up_proj, want)
+    assert hooks_of(model) == 0
+
+
+def test_full_residency_models_each_layer_by_its_distinct_experts_and_counts_decode_uses_only():
+    """Every expert resident on the CPU (the shortcut that skips the bookkeeping): a layer's modeled time
+    is t_attn + (its distinct experts) x t_g, nothing loaded, so the 6-token prefill's time is the sum of
+    that over its two layers with the experts its 12 (token, expert) pairs name, counted once each, and a
+    decode step's is 2 x (t_attn + 2 t_g) + t_step. The router's uses count in the decode steps only:
+    3 steps x 2 layers x top-2 = 12."""
+    model = make_model("qwen2_moe")
+    ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(5))
+    rt = attach(model, policy="lru", capacity=None, alpha=0.0, prefetch="none")
+    seen: list[torch.Tensor] = []
+    full = rt.executor.full
+
+    def record(pos, module, hidden, top_k_index, *a, **kw):
+        seen.append(top_k_index.clone())
+        return full(pos, module, hidden, top_k_index, *a, **kw)
+
+    rt.executor.full = record
+    try:
+        decode_logits(model, ids)
+        st, cost = rt.stats(), rt.cost
+    finally:
+        rt.detach()
+    assert len(seen) == 2 * 4 and seen[0].shape == (6, 2)  # every layer of every forward took the shortcut
+    distinct = [len(set(seen[pos].ravel().tolist())) for pos in range(2)]  # the prefill's layers
+    assert all(d <= 8 < 12 for d in distinct)
+    assert st["modeled_prefill_ms"] == pytest.approx(sum(cost.t_attn + d * cost.t_g for d in distinct))
+    assert st["modeled_tpot_ms"] == pytest.approx(2 * (cost.t_attn + 2 * cost.t_g) + cost.t_step)
+    assert st["routed"] == 3 * 2 * 2 and st["uses"] == 6 * 2 * 2 + 12 == st["hits"]
+
+
+def test_prefills_add_up_their_wall_and_modeled_times(monkeypatch):
+    """Two prefills on a logical clock, of 3 ms and 1 ms wall and 2.5 ms and 1.5 ms modeled: the stats
+    hold their sums, 4 ms each, over 2 prefill steps."""
+    from types import SimpleNamespace
+
+    from moecast.runtime.live import runtime as live_runtime
+    from moecast.runtime.live import stats as live_stats
+
+    rt = attach(make_model("qwen2_moe"), policy="lru", capacity=2, alpha=0.0, prefetch="none")
+    now = [0.0]
+    clock = SimpleNamespace(perf_counter=lambda: now[0])
+    monkeypatch.setattr(live_stats, "time", clock)
+    monkeypatch.setattr(live_runtime, "time", clock)
+    try:
+        for wall, modeled in ((0.003, 2.5), (0.001, 1.5)):
+            rt.begin_forward(torch.tensor([[1, 2, 3]]), False)
+            now[0] += wall
+            rt.fwd.clock = modeled
+            rt.end_forward()
+        st = rt.stats()
+    finally:
+        rt.detach()
+    assert st["prefill_steps"] == 2 and st["decode_steps"] == 0
+    assert st["measured_prefill_ms"] == pytest.approx(4.0) and st["modeled_prefill_ms"] == pytest.approx(4.0)
+
+
+def test_router_probabilities_of_the_last_tokens_by_the_routers_kind():
+    """Two tokens' logits [0, ln 3] and [ln 3, 0], the last one asked for: softmax gives [1/4, 3/4] for
+    the first; a DeepSeek-V3-style router's sigmoids [1/2, 3/4] normalised give [2/5, 3/5] for the
+    last ([3/5, 2/5])."""
+    from types import SimpleNamespace
+
+    from moecast.runtime.live.runtime import router_probs
+
+    ln3 = float(np.log(3.0))
+    logits = torch.tensor([[0.0, ln3], [ln3, 0.0]])
+    soft = SimpleNamespace(router_probs_kind="softmax", layers=[None])
+    sig = SimpleNamespace(router_probs_kind="sigmoid-normalised", layers=[None])
+    assert router_probs(logits, soft, 0, 2).numpy() == pytest.approx(np.array([[0.25, 0.75], [0.75, 0.25]]))
+    assert router_probs(logits, sig, 0, 1).numpy() == pytest.approx(np.array([[0.6, 0.4]]))
+    assert router_probs(logits[None], sig, 0, 2).numpy() == pytest.approx(np.array([[0.4, 0.6], [0.6, 0.4]]))
+
+
+class _LearningStream(_Stream):
+    def learn(self, lr: float) -> float:
+        self.calls.append(("learn", lr))
+        return 0.25
+
+
+class _Learning(_Streaming):
+    """A layer-ahead predictor of the test model's shape with an online update step."""
+
+    num_layers, learns_online = 2, True
+
+    def __init__(self) -> None:
+        self.made = _LearningStream()
+
+
+def test_online_updates_learn_only_from_the_streamed_one_token_decode_steps():
+    """online_update: a one-token decode step, which the stream saw, ends with one update at the given
+    rate (its loss in the stats); a decode step of two sequences at once is not streamed, so nothing
+    learns from it."""
+    pred = _Learning()
+    rt = attach(
+        make_model("qwen2_moe"), policy="lru", capacity=2, alpha=0.0, predictor=pred, online_update=True,
+        online_lr=0.5,
+    )  # fmt: skip
+    try:
+        for step in (torch.tensor([[7]]), torch.tensor([[3], [5]])):
+            rt.begin_forward(step, True)
+            rt.end_forward()
+        st = rt.stats()
+    finally:
+        rt.detach()
+    assert [c for c in pred.made.calls if c[0] == "learn"] == [("learn", 0.5)]
+    assert st["online_updates"] == 1 and st["online_loss"] == 0.25 and st["decode_steps"] == 2
+
+
+def test_the_prefetchs_copies_go_to_the_tier_as_prefetches_and_the_demand_loads_not():
+    """LRU at three slots with the online prefetcher over six decode steps: every batch the prefetch
+    lands goes to the tier flagged as a prefetch (a disk tier queues it behind the demand copies) and
+    the experts in those batches are the landed prefetches the stats count; every demand batch goes
+    unflagged."""
+    model = make_model("qwen2_moe")
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(3))
+    rt = attach(model, policy="lru", capacity=3, alpha=0.0, prefetch="online")
+    calls: list[tuple[bool, bool, int]] = []  # (inside _prefetch, flagged, experts)
+    inside = [False]
+    prefetch = rt._prefetch
+
+    def landing() -> None:
+        inside[0] = True
+        try:
+            prefetch()
+        finally:
+            inside[0] = False
+
+    rt._prefetch = landing
+    for st in rt.stores:
+
+        def load_many(experts, evict, prefetch=False, real=st.load_many):
+            calls.append((inside[0], prefetch, len(experts)))
+            return real(experts, evict, prefetch=prefetch)
+
+        st.load_many = load_many
+    try:
+        decode_logits(model, ids, steps=6)
+        st = rt.stats()
+    finally:
+        rt.detach()
+    assert all(flagged == within for within, flagged, _ in calls)
+    landed = sum(n for within, _, n in calls if within)
+    assert landed == st["prefetches_landed"] > 0 and any(not within for within, _, _ in calls)

@@ -9,8 +9,11 @@ import pytest
 import torch
 from moecast.collect.models import kv_cache, with_cache
 from moecast.collect.tiny import build_tiny
+from moecast.runtime.live.config import LiveConfig
 from moecast.runtime.live.runtime import attach
 from moecast.runtime.tiers.offload import DENSE, OffloadError, load_offloaded, peak_rss_mb
+
+from moecast.errors import InputError
 
 torch.set_num_threads(1)
 
@@ -296,3 +299,95 @@ def test_a_directory_without_the_experts_of_a_model_that_holds_none_is_refused(t
         OffloadError, match=r"empty does not hold all of this model's experts and the model has none"
     ):
         attach(lm, policy="lru", capacity=0.25, offload="disk", offload_dir=str(other))
+
+
+def test_the_host_tier_refuses_to_quantize_experts_that_are_on_disk(tiny_dir, tmp_path):
+    """offload='ram' at int8 quantizes the model's own expert weights at open: a model whose experts
+    were left on disk (meta tensors) has none to quantize, so the tier refuses in one line naming the
+    disk tier, on the simulated accelerator that otherwise accepts the setting."""
+    lm, _, _ = load_offloaded(str(tiny_dir), tmp_path / "off")
+    assert lm.model.layers[0].mlp.experts.gate_up_proj.device.type == "meta"
+    with pytest.raises(InputError, match=r"these are offloaded \(meta tensors\).*offload='disk'") as exc:
+        attach(lm, policy="lru", capacity=0.25, offload="ram", expert_dtype="int8", device_ops="simulated")
+    assert "\n" not in str(exc.value)
+
+
+def test_slots_named_on_a_cuda_device_accept_a_quantized_host_copy():
+    """The settings check refuses a quantized host copy only where the slots are named on the CPU
+    without the simulated device: slots on a CUDA device are an accelerator's (checked without one)."""
+    assert LiveConfig(expert_dtype="int8", device="cuda").precision.dtype == "int8"
+    assert LiveConfig(expert_dtype="int4", device="cuda:1").precision.dtype == "int4"
+    with pytest.raises(InputError, match="needs an accelerator"):
+        LiveConfig(expert_dtype="int8", device="cpu")
+
+
+def test_two_copies_on_the_simulated_device_keep_the_high_copys_packed_slots(tmp_path):
+    """int8+int4 on the disk tier with the simulated accelerator: a slot holds the int8 copy's packed
+    parts as read (only one quantized copy is dequantized into model-dtype slots), so a slot is the int8
+    expert's bytes: gate-up 32 x 32 int8 weights and 32 fp32 row scales (1024 + 128), down 32 x 16 and
+    32 scales (512 + 128), 1792 bytes, against 6144 at fp32."""
+    from test_live import decode_logits, make_model
+
+    model = make_model("qwen2_moe")
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(3))
+    rt = attach(
+        model, policy="lru", capacity=3, alpha=0.0, prefetch="none", offload="disk",
+        offload_dir=str(tmp_path), expert_dtype="int8+int4-g32", device_ops="simulated",
+    )  # fmt: skip
+    try:
+        decode_logits(model, ids)
+        st = rt.stats()
+        packed = [s.dequant is None and "gate_up_proj.q" in s.slots for s in rt.stores]
+    finally:
+        rt.detach()
+    assert rt.device.accelerated and st["expert_dtype"] == "int8+int4-g32"
+    assert rt.slot_bytes == rt.link_bytes == st["slot_bytes"] == 1024 + 128 + 512 + 128
+    assert packed == [True, True]
+    assert st["loads"] > 0 and st["low_disk_reads"] > 0
+
+
+def test_a_dequantized_slot_is_the_models_expert_and_the_link_moves_the_packed_one():
+    """One int8 copy in host memory on the simulated accelerator: the link moves each expert's packed
+    int8 parts (gate-up 32 x 32 weights and 32 fp32 row scales, 1024 + 128 bytes; down 32 x 16 and 32
+    scales, 512 + 128: 1792) and the slot holds it dequantized at fp32 (6144 bytes): the stats name
+    both, ``expert_bytes`` the link's and ``slot_bytes`` the slot's."""
+    from test_live import make_model
+
+    rt = attach(
+        make_model("qwen2_moe"), policy="lru", capacity=2, prefetch="none", device_ops="simulated",
+        expert_dtype="int8",
+    )  # fmt: skip
+    try:
+        st = rt.stats()
+    finally:
+        rt.detach()
+    assert (st["expert_bytes"], st["slot_bytes"]) == (1024 + 128 + 512 + 128, 6144)
+
+
+def _reader(nbytes: int, reads: int, busy_s: float):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        bytes_read=nbytes, reads=reads, busy_s=busy_s, direct=True,
+        observed_gbps=lambda: nbytes / busy_s / 1e9,
+    )  # fmt: skip
+
+
+def test_the_disk_tier_adds_both_copies_reads_and_rates_them_over_both_busy_times():
+    """The disk tier's figures from its readers', by hand: the high copy read 3 MiB in 3 reads busy 1 ms,
+    the low one 1 MiB in 2 reads busy 1 ms: 4 MiB in 5 reads, the low copy's also apart, and the rate
+    over both busy times, 4 * 2**20 B / 2 ms = 2.097152 GB/s (one copy: its reader's own rate)."""
+    from moecast.runtime.tiers.disk import DiskTier
+
+    high, low = _reader(3 * 2**20, 3, 1e-3), _reader(2**20, 2, 1e-3)
+    st = DiskTier([], high, None, {}, None, low).stats()
+    assert (st["bytes_read"], st["disk_reads"]) == (4 * 2**20, 5)
+    assert (st["low_bytes_read"], st["low_disk_reads"]) == (2**20, 2)
+    assert st["disk_read_gbps_observed"] == pytest.approx(2.097152)
+    assert st["direct_io"] is True and st["staged_layers"] == 0 and st["upgrade_reads"] == 0
+    assert DiskTier.report(st) == [
+        ("disk reads", "5 (4.0 MiB, direct I/O; whole 4 KiB blocks, 2.10 GB/s while reading)")
+    ]
+    one = DiskTier([], _reader(3 * 2**20, 3, 1e-3), None, {}, None).stats()
+    assert (one["bytes_read"], one["disk_reads"], one["low_bytes_read"]) == (3 * 2**20, 3, 0)
+    assert one["disk_read_gbps_observed"] == pytest.approx(3.145728)
