@@ -545,7 +545,8 @@ def test_a_prefetch_read_that_lands_early_goes_on_the_link_after_the_demand_copi
 def test_the_runtime_sends_its_prefetches_to_the_disk_tier_as_prefetches(tmp_path):
     """On the simulated device's disk tier the runtime tells the stores which copies are prefetches
     (those issued while it lands the next layer's prefetch) and which are demand loads (every other),
-    so the tier can order them (the test above); the logits stay the model's. Catches a runtime or an
+    so the tier can order them (the test above), and those copies are the landed prefetches the stats
+    count; the logits stay the model's. Catches a runtime or an
     executor that drops the flag (every copy a demand: the order is left to the reads' landing) or
     sets it on demand loads (they would wait behind each other's reads)."""
     model = make_model("qwen2_moe")
@@ -574,11 +575,14 @@ def test_the_runtime_sends_its_prefetches_to_the_disk_tier_as_prefetches(tmp_pat
     rt._prefetch = prefetch
     try:
         got = decode_logits(model, ids, steps=6)
+        st = rt.stats()
     finally:
         rt.detach()
     assert torch.equal(got, ref)
     assert seen and all(flag == was for was, flag in seen)
     assert any(was for was, _ in seen) and not all(was for was, _ in seen)  # both kinds were issued
+    # the copies the prefetch made are the landed prefetches the stats count
+    assert sum(was for was, _ in seen) == st["prefetches_landed"]
 
 
 def test_cpu_experts_are_read_in_two_bounded_wave_buffers(tmp_path, monkeypatch):
