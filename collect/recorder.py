@@ -65,11 +65,10 @@ def record_experts_forward(
         # selected on a module we did not attach to (e.g. a second model sharing the config): do not record
         return call_experts_impl("grouped_mm", module, hidden_states, top_k_index, top_k_weights, **kwargs)
     recorder, pos, previous = state
-    if recorder.enabled:
-        recorder._ids[pos] = top_k_index
-        recorder._weights[pos] = top_k_weights
-        if recorder.gate_inputs:
-            recorder._gates[pos] = hidden_states
+    recorder._ids[pos] = top_k_index
+    recorder._weights[pos] = top_k_weights
+    if recorder.gate_inputs:
+        recorder._gates[pos] = hidden_states
     return call_experts_impl(previous, module, hidden_states, top_k_index, top_k_weights, **kwargs)
 
 
@@ -100,7 +99,6 @@ class RoutingRecorder:
         self.router_probs = router_probs
         self.gate_inputs = gate_inputs
         self.norm_topk_prob = norm_topk_prob
-        self.enabled = True
         self._model: Any = None
         self._previous: dict[str, str | None] | None = None
         self._hooks: list[Any] = []
@@ -185,15 +183,12 @@ class RoutingRecorder:
         index = self.structure.router_output_index
 
         def hook(module: Any, args: Any, output: Any) -> None:
-            if self.enabled:
-                self._logits[pos] = output[index] if isinstance(output, tuple) else output
+            self._logits[pos] = output[index] if isinstance(output, tuple) else output
 
         return hook
 
     def _pattern_hook(self, pos: int):
         def hook(module: Any, args: Any, output: Any) -> None:
-            if not self.enabled:
-                return
             logits = output[0] if isinstance(output, tuple) else output
             logits = logits.reshape(-1, logits.shape[-1])
             probs = torch.softmax(logits.float(), dim=-1)
