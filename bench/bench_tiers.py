@@ -1181,15 +1181,21 @@ def _finish(report: Any, args: argparse.Namespace, out: Path, t: Tiers | None, t
     return rows
 
 
+def paired_ratios(row: dict, base: dict) -> list[float]:
+    """``row``'s TPOT over ``base``'s request by request (the same requests, run in the same rounds);
+    empty where the two rows do not pair."""
+    a, b = row.get("request_tpot_ms") or [], base.get("request_tpot_ms") or []
+    return [x / y for x, y in zip(a, b)] if a and len(a) == len(b) else []
+
+
 def against(row: dict, base: dict, noise: float) -> str | None:
-    """``faster``, ``slower`` or ``tie``: ``row`` against ``base`` request by request (the same requests,
-    run in the same rounds). Faster (slower) only when every request's TPOT ratio is below 1 / noise
+    """``faster``, ``slower`` or ``tie``: ``row`` against ``base`` request by request
+    (:func:`paired_ratios`). Faster (slower) only when every request's TPOT ratio is below 1 / noise
     (above noise), where noise is the host's own max / min of identical runs; a ratio inside that
     spread, or ratios on both sides of 1, make a tie. None without paired requests."""
-    a, b = row.get("request_tpot_ms") or [], base.get("request_tpot_ms") or []
-    if not a or len(a) != len(b):
+    ratios = paired_ratios(row, base)
+    if not ratios:
         return None
-    ratios = [x / y for x, y in zip(a, b)]
     if max(ratios) < 1 / noise:
         return "faster"
     if min(ratios) > noise:
@@ -1490,9 +1496,9 @@ def ram_note(rows: list[dict], best: dict, ram: dict) -> str:
     (each request's rows ran in one round, side by side: how far the host moved the figure) and the
     oracle bound's ratio at the same precision and RAM (what a perfect predictor reached in this run)."""
     note = best["config"]
-    a, b = best.get("request_tpot_ms") or [], ram.get("request_tpot_ms") or []
-    if a and len(a) == len(b):
-        note += "; per request " + ", ".join(f"{x / y:.2f}" for x, y in zip(a, b))
+    ratios = paired_ratios(best, ram)
+    if ratios:
+        note += "; per request " + ", ".join(f"{r:.2f}" for r in ratios)
     same = best["config"].endswith(SAME_RAM)
     bounds = [r for r in rows if "bound" in r["config"] and r.get("expert_dtype") == best.get("expert_dtype")
               and r["config"].endswith(SAME_RAM) == same]  # fmt: skip
