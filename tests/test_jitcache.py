@@ -10,10 +10,11 @@ import pytest
 from moecast.runtime.core import jitcache
 
 
-def _module(tmp_path: Path, value: int):
-    """A module whose cached kernel returns ``value`` (its cache under tmp_path/__pycache__)."""
+def _module(tmp_path: Path, value: int, extra: str = ""):
+    """A module whose cached kernel returns ``value`` (its cache under tmp_path/__pycache__), and any
+    ``extra`` code after it."""
     src = tmp_path / "jc_kernels.py"
-    src.write_text(f"from numba import njit\n\n\n@njit(cache=True)\ndef f():\n    return {value}\n")
+    src.write_text(f"from numba import njit\n\n\n@njit(cache=True)\ndef f():\n    return {value}\n{extra}")
     spec = importlib.util.spec_from_file_location("jc_kernels", src)
     mod = importlib.util.module_from_spec(spec)
     sys.modules.pop("jc_kernels", None)
@@ -48,3 +49,34 @@ def test_the_step_kernels_are_stamped_with_the_trees_sources():
         if not stamp.parent.is_dir():
             pytest.skip("numba caches nowhere writable here")
         assert stamp.read_text() == jitcache.digest()
+
+
+def test_every_cached_kernel_of_a_module_is_emptied(tmp_path, monkeypatch):
+    """A module compiles more than one cached kernel (step_kernels has a dozen): a source change empties
+    each of them, not only the first, and the count says how many."""
+    mod = _module(tmp_path, 1, "\n\n@njit(cache=True)\ndef g():\n    return 2\n")
+    assert (mod.f(), mod.g()) == (1, 2)
+    indexes = [mod.f._cache._cache_file, mod.g._cache._cache_file]
+    assert all(ix._load_index() for ix in indexes)
+    monkeypatch.setattr(jitcache, "digest", lambda: "aaa")
+    assert jitcache.keyed(vars(mod)) == 2
+    assert [ix._load_index() for ix in indexes] == [{}, {}]
+
+
+def test_the_digest_covers_every_file_the_cached_kernels_compile_in():
+    """A module that keys its cache compiles in its own code, the kernels it imports and eviction's
+    codes (kernels takes them as constants): each of those files must be in the digest, or an edit of
+    it leaves the cache running the old code."""
+    import ast
+
+    core = Path(jitcache.__file__).parent
+    keyed = {p.name for p in core.glob("*.py") if "jitcache.keyed(globals())" in p.read_text()}
+    assert keyed == {"kernels.py", "step_kernels.py", "presched.py"}
+    compiled_in = set(keyed) | {"eviction.py"}
+    for name in keyed:
+        for node in ast.walk(ast.parse((core / name).read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "moecast.runtime.core":
+                compiled_in |= {
+                    f"{a.name}.py" for a in node.names if "@njit" in (core / f"{a.name}.py").read_text()
+                }
+    assert compiled_in <= set(jitcache.SOURCES), compiled_in - set(jitcache.SOURCES)

@@ -109,3 +109,46 @@ def test_the_pinned_budget_is_half_the_available_memory_read(monkeypatch):
     text = "MemTotal:  4000 kB\nMemFree:  2000 kB\nMemAvailable:  1000 kB\n"
     monkeypatch.setattr(transfer, "open", _meminfo(text), raising=False)
     assert transfer.pinned_budget(None) == 512_000
+
+
+def test_an_empty_block_asks_the_driver_for_nothing():
+    """cudaHostRegister refuses a zero-byte range, which would send an empty request to the fallback
+    (and its warning) for nothing to lock; and freeing the block must not unregister a pointer that was
+    never registered (cudaHostUnregister of unregistered memory is an error)."""
+    drv = Driver(ok=False)
+    pinned._say_fallback.cache_clear()
+    t = pinned.pinned_empty(0, drv.calls())
+    assert t.numel() == 0 and drv.registered == []
+    del t
+    gc.collect()
+    assert drv.unregistered == []
+
+
+class _Cudart:
+    """A stand-in for torch.cuda.cudart(): cudaHostRegister returns ``code`` (0 is cudaSuccess)."""
+
+    def __init__(self, code: int) -> None:
+        self.code, self.calls = code, []
+
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:
+        self.calls.append((ptr, nbytes, flags))
+        return self.code
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        self.calls.append(("unregister", ptr))
+        return 0
+
+
+def test_the_drivers_register_succeeds_only_on_cuda_success(monkeypatch):
+    """cudaHostRegister's return is an error code: 0 locked the pages, anything else (an out of memory,
+    a range already registered) did not, and a torch without the binding falls back."""
+    for code, ok in ((0, True), (2, False), (712, False)):
+        rt = _Cudart(code)
+        monkeypatch.setattr(pinned.torch.cuda, "cudart", lambda rt=rt: rt)
+        register, unregister = pinned.cuda_calls()
+        assert register(4096, 8192) is ok and rt.calls == [(4096, 8192, 0)]
+        unregister(4096)
+        assert rt.calls[-1] == ("unregister", 4096)
+    monkeypatch.setattr(pinned.torch.cuda, "cudart", lambda: object())
+    register, _ = pinned.cuda_calls()
+    assert register(4096, 8192) is False

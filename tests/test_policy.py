@@ -104,3 +104,29 @@ def test_replay_config_takes_the_policy_default_alpha(tmp_path):
     dec = TraceSet(make_synthetic_traceset(tmp_path / "d", num_experts=8, top_k=2, tokens=12, decode_from=0))
     cpu = replay(dec, ReplayConfig(policy=Policy("cpu", "lru", balancer="cpu"), capacity=3, cold=True))
     assert cpu.loads == 0 and cpu.hit_rate == 0.0 and cpu.cpu_experts == cpu.accesses
+
+
+def test_a_policy_value_keeps_its_own_alpha_unless_one_is_given():
+    """A Policy passed whole (LiveConfig(policy=Policy(...)), a contributor's preset) runs at the alpha
+    it carries; the smoe preset itself carries SMoE's default, so passing it whole substitutes as
+    naming it does."""
+    mine = Policy("mine", "score", substitutes=True, alpha=0.1)
+    assert get_policy(mine).alpha == 0.1 and get_policy(mine, 0.2).alpha == 0.2
+    assert get_policy(POLICIES["smoe"]).alpha == DEFAULT_ALPHA == get_policy("smoe").alpha
+    assert get_policy(POLICIES["smoe"]).substituting
+
+
+def test_policy_names_split_the_presets_by_whether_they_prefetch():
+    from moecast.runtime.core.policy import policy_names
+
+    assert policy_names(False)[:5] == ["lru", "lfu", "score", "static", "belady"]
+    assert policy_names(True)[:6] == [
+        "prefetch",
+        "lfu-prefetch",
+        "prefetch-late",
+        "prefetch-gated",
+        "presched",
+        "smoe",
+    ]
+    assert sorted(policy_names(False) + policy_names(True)) == sorted(POLICIES) == sorted(policy_names())
+    assert "belady" not in policy_names(False, exclude=("belady",))

@@ -927,3 +927,128 @@ def test_replay_notes_say_why_a_predictor_changed_nothing(tmp_path, capsys):
     other.config["hardware"] = "prescope-a100-pcie4"
     _print_result(other)
     assert f"compare --hardware {FAST_LINK}" in capsys.readouterr().out
+
+
+def _cell(**kw) -> dict:
+    """One compare row with every table column (and a field the table leaves out)."""
+    from moecast.runtime.replay.commands import COMPARE_COLUMNS
+
+    row = {c: None for c in COMPARE_COLUMNS}
+    row.update(policy="lru", predictor="none", planner="none", capacity=2, capacity_fraction=0.25,
+               mode="cold", expert_dtype="model", hit_rate=0.123456, modeled_tpot_ms=1.5,
+               tpot_basis="decode steps", hardware="h100-x", wall_s=9.0)  # fmt: skip
+    row.update(kw)
+    return row
+
+
+@pytest.mark.parametrize("cold", [True, False])
+def test_compare_tables_write_each_column_as_given_and_say_the_mode(tmp_path, capsys, monkeypatch, cold):
+    """table.csv holds the raw figures under the column names, table.md the same rounded to four
+    places with "-" for an undefined one, and the note names the run's mode, hardware and TPOT basis."""
+    from moecast.runtime.replay import commands
+    from moecast.runtime.replay.commands import COMPARE_COLUMNS, _write_compare
+
+    plotted = []
+    monkeypatch.setattr(commands, "_plot", lambda rows, path: plotted.append(path))  # matplotlib: seconds
+    rows = [_cell(), _cell(policy="lfu", capacity=4, capacity_fraction=0.5, hit_rate=0.5)]
+    _write_compare(rows, tmp_path, Path("tr/set"), cold, json=False)
+    got = list(csv_rows(tmp_path / "table.csv"))
+    assert list(got[0]) == COMPARE_COLUMNS and "wall_s" not in got[0]
+    assert [(r["policy"], r["capacity_fraction"], r["hit_rate"]) for r in got] == [
+        ("lru", "0.25", "0.123456"),
+        ("lfu", "0.5", "0.5"),
+    ]
+    md = (tmp_path / "table.md").read_text().splitlines()
+    assert md[0] == "| " + " | ".join(COMPARE_COLUMNS) + " |"
+    cells = dict(zip(COMPARE_COLUMNS, md[2].strip("| ").split(" | ")))
+    assert (cells["hit_rate"], cells["capacity_fraction"], cells["decode_hit_rate"]) == (
+        "0.1235",
+        "0.2500",
+        "-",
+    )
+    mode = "cold per request" if cold else "stream"
+    assert f"Traces: tr/set; mode: {mode}; hardware: h100-x; TPOT basis: decode steps" in md[-1]
+    assert plotted == [tmp_path / "plot.png"]
+    assert capsys.readouterr().out.splitlines()[0] == md[0]
+    _write_compare(rows, tmp_path, Path("tr/set"), cold, json=True)  # --json: stdout stays the cells' objects
+    assert capsys.readouterr().out == ""
+
+
+def test_compare_runs_each_cell_once_and_only_where_it_means_something(monkeypatch):
+    """By hand: lru never prefetches, so it runs with predictor none only; prefetch runs with each
+    predictor; belady (and any policy that evicts by the next use, whatever its name) takes no
+    planner; a policy named twice runs once; a checkpoint planner brings hot beside it."""
+    from moecast.runtime.core.policy import POLICIES, Policy
+    from moecast.runtime.replay.commands import _cells, _compare_lists
+
+    monkeypatch.setitem(POLICIES, "opt", Policy("opt", "belady", help="belady under another name"))
+    pols, preds, _, plans = _compare_lists(
+        ["lru", "prefetch,belady", "opt", "lru"], ["none", "oracle"], ["4"], ["plan.safetensors"]
+    )
+    assert plans == ["plan.safetensors", "hot"]
+    assert _cells(pols, preds, ["none", *plans]) == [
+        ("lru", "none", "none"),
+        ("lru", "none", "plan.safetensors"),
+        ("lru", "none", "hot"),
+        ("prefetch", "none", "none"),
+        ("prefetch", "none", "plan.safetensors"),
+        ("prefetch", "none", "hot"),
+        ("prefetch", "oracle", "none"),
+        ("prefetch", "oracle", "plan.safetensors"),
+        ("prefetch", "oracle", "hot"),
+        ("belady", "none", "none"),
+        ("opt", "none", "none"),
+    ]
+    assert _compare_lists(["lru"], ["none"], ["4"], [])[3] == ["none"]  # no planner given: none
+    assert _compare_lists(["lru"], ["none"], ["4"], ["hot"])[3] == ["hot"]  # hot alone is not doubled
+
+
+def test_compare_names_a_checkpoint_by_its_stem_and_gives_alpha_only_to_substituting_policies(
+    tmp_path, monkeypatch
+):
+    """The cells' replays stubbed out: each cell's ReplayConfig gets --alpha only where its policy
+    substitutes (smoe; lru would refuse it), a row names a predictor checkpoint by its file's stem (a
+    keyword as it is), as the table and the plot show it, and the held-out split is the one every
+    checkpoint was trained on."""
+    from moecast.predictors.baselines import FrequencyPredictor
+    from moecast.predictors.provenance import InSampleWarning
+    from moecast.runtime.replay import commands, engine
+
+    path = make_synthetic_traceset(tmp_path / "s", num_experts=8, top_k=2)
+    ckpt = FrequencyPredictor.fit(TraceSet(path), TraceSet(path).request_ids).save(
+        tmp_path / "freq.safetensors"
+    )
+    seen, written = [], []
+
+    class Result:
+        def __init__(self, cfg):
+            self.cfg = cfg
+
+        def to_json(self):
+            return {"policy": self.cfg.policy, "predictor": self.cfg.predictor, "capacity": 4}
+
+    def cells(ts, cfg, caps):
+        seen.append((cfg.policy, cfg.predictor, cfg.alpha))
+        return [Result(cfg)]
+
+    monkeypatch.setattr(engine, "replay_capacities", cells)
+    monkeypatch.setattr(commands, "_write_compare", lambda rows, *a: written.extend(rows))
+    with pytest.warns(InSampleWarning, match="freq.safetensors was fitted on 6 requests"):  # no --holdout
+        commands.compare(
+            traces=str(path), policies=["lru", "smoe"], predictors=["none", str(ckpt)], capacities=["4"],
+            alpha=0.2, out=str(tmp_path / "cmp"), wandb=False, json=True,
+        )  # fmt: skip
+    assert seen == [("lru", "none", None), ("smoe", "none", 0.2), ("smoe", str(ckpt), 0.2)]
+    assert [(r["policy"], r["predictor"], r["planner"]) for r in written] == [
+        ("lru", "none", "none"),
+        ("smoe", "none", "none"),
+        ("smoe", "freq", "none"),
+    ]
+    # --holdout splits by every checkpoint the cells read, a planner's as a predictor's
+    held = []
+    monkeypatch.setattr(commands, "_held_out", lambda ts, holdout, ckpts: held.append(ckpts) or (None, None))
+    commands.compare(
+        traces=str(path), policies=["lru"], predictors=["oracle"], planners=[str(ckpt)], capacities=["4"],
+        holdout="test", out=str(tmp_path / "cmp"), wandb=False, json=True,
+    )  # fmt: skip
+    assert held == [[str(ckpt)]]

@@ -195,3 +195,78 @@ def test_live_builds_its_core_with_build_core(monkeypatch):
         assert calls == [rt.config] and rt.step.policy.name == DEFAULT.policy
     finally:
         rt.detach()
+
+
+def test_the_defaults_are_the_ones_the_module_documents_and_argues_for():
+    """The module docstring gives each default with its reason (``capacity = 0.25``: a quarter of the
+    experts, the middle of the papers' sweeps; ``score_window = 8``: SMoE Eq. 3's n); a default changed
+    in the dataclass alone would leave that reasoning describing another runtime."""
+    import ast
+    import re
+
+    documented = {
+        name: ast.literal_eval(value)
+        for name, value in re.findall(r"``(\w+) = ([^`]+)``", core_spec.__doc__ or "")
+        if name in SPEC_FIELDS
+    }
+    assert set(documented) == set(SPEC_FIELDS)
+    assert dataclasses.asdict(RuntimeSpec()) == documented
+    assert (DEFAULT.capacity, DEFAULT.score_window, DEFAULT.policy) == (0.25, 8, "lru")
+
+
+#: a device profile whose figures make a load's time a sum by hand: 1e6 bytes of reference expert, a
+#: link of 1 GB/s (1e6 bytes in 1 ms), and a dequantize of 0.5 ms at int8 and 0.25 ms at int4
+DEQUANT = dataclasses.replace(
+    load_profile("prescope-a100-pcie4"),
+    name="by-hand",
+    transfer_gbps=1.0,
+    ref_expert_bytes=1_000_000,
+    dequant_ms={"int8": 0.5, "int4-g128": 0.25},
+    fast_tier="device",
+)
+
+
+def test_two_copies_cost_the_high_copy_as_the_step_and_the_low_one_as_a_demand_read():
+    """int8+int4 of a 1e6-byte expert, moved as 500 kB (int8) and 250 kB (int4): a high copy's load is
+    0.5 ms on the link + 0.5 ms dequantize = 1.0 ms; a low copy's 0.25 + 0.25 = 0.5 ms."""
+    spec = RuntimeSpec(hardware=DEQUANT, expert_dtype="int8+int4")
+    core = core_spec.build_core(
+        spec, num_experts=8, num_layers=2, expert_bytes=1_000_000, link_bytes=500_000,
+        low_link_bytes=250_000, prefetching=False,
+    )  # fmt: skip
+    assert (core.copies.high_tag, core.copies.low_tag, core.copies.tag) == (
+        "int8",
+        "int4-g128",
+        "int8+int4-g128",
+    )
+    assert core.cost.t_io == pytest.approx(1.0) and core.cost.expert_bytes == 500_000
+    assert core.copies.low.t_io == pytest.approx(0.5) and core.copies.low.expert_bytes == 250_000
+    one = core_spec.build_core(
+        RuntimeSpec(hardware=DEQUANT, expert_dtype="int4"), num_experts=8, num_layers=2,
+        expert_bytes=1_000_000, link_bytes=250_000, prefetching=False,
+    )  # fmt: skip
+    assert one.copies is None and one.cost.t_io == pytest.approx(0.5)
+
+
+def test_a_predictor_is_charged_only_where_the_run_prefetches():
+    """A plan is made before decoding: a predictor given to a run that never prefetches costs nothing."""
+
+    class Scorer:
+        def metadata(self) -> dict:
+            return {"predictor_ms": 0.7}
+
+    kw = dict(num_experts=8, num_layers=2, expert_bytes=1_000_000, predictor=Scorer())
+    spec = RuntimeSpec(hardware=DEQUANT)
+    on = core_spec.build_core(spec, prefetching=True, **kw)
+    off = core_spec.build_core(spec, prefetching=False, **kw)
+    assert (on.predictor_ms, on.predictor_ms_from) == (0.7, "the checkpoint's header")
+    assert (off.predictor_ms, off.predictor_ms_from) == (0.0, "no predictor")
+
+
+def test_a_shared_cache_holds_every_layers_experts_and_a_layers_own_cache_one_layers():
+    core = core_spec.build_core(
+        RuntimeSpec(hardware=DEQUANT), num_experts=8, num_layers=3, expert_bytes=1_000_000, prefetching=False
+    )
+    stat_base = np.array([0, 3])  # two lanes, each its run of three layers' statistics
+    assert core.step(4, stat_base, 6, shared=True).cache.N == 3 * 8
+    assert core.step(4, stat_base, 6, shared=False).cache.N == 8

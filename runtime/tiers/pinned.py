@@ -50,7 +50,9 @@ def pinned_empty(nbytes: int, calls: Calls | None = None) -> torch.Tensor:
     skip = (-base.ctypes.data) % PAGE
     view = base[skip : skip + nbytes]
     ptr = view.ctypes.data
-    if nbytes and not register(ptr, nbytes):
+    if not nbytes:  # nothing to lock, so nothing to unlock when it goes
+        return torch.from_numpy(view)
+    if not register(ptr, nbytes):
         return fallback(nbytes)
     # ``base`` dies with the last tensor over it; numpy runs its weakref callbacks before freeing the data,
     # so the pages are unlocked while they are still mapped
