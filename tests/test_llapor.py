@@ -148,6 +148,12 @@ def test_sparse_and_dense_masking_are_separate_knobs():
     masked = LLaPorModule(noise_std=0.0, mask_prob=0.0, mask_dense=0.5)._augment(batch)
     assert torch.equal(masked["bags"], batch["bags"])
     assert 0.4 < (masked["dense"] == 0).float().mean() < 0.6
+    # at 0.2 (not 0.5, where keeping and masking are alike) a fifth of the entries is masked
+    light = LLaPorModule(noise_std=0.0, mask_prob=0.2, mask_dense=0.2)
+    light.net = net
+    out = light._augment(batch)
+    assert 0.14 < (out["bags"] == spec.vocab).float().mean() < 0.26
+    assert 0.14 < (out["dense"] == 0).float().mean() < 0.26
     with pytest.raises(ValueError, match="mask_dense"):
         LLaPorModule(mask_dense=1.0)
 
@@ -194,6 +200,10 @@ def test_softmax_loss_ranks_experts_and_trains(tmp_path):
     good = topk_softmax_loss(torch.tensor([[5.0, 5.0, -5.0, -5.0]]), target)
     bad = topk_softmax_loss(torch.tensor([[-5.0, -5.0, 5.0, 5.0]]), target)
     assert good < 0.71 < bad  # ln 2 is the floor with two true experts
+    # by hand: softmax [1, 2, 1, 1] / 5 against 1/2 on experts 1 and 2, summed over the experts
+    two_to_one = torch.tensor([[0.0, float(np.log(2.0)), 0.0, 0.0]])
+    want = -(np.log(2 / 5) + np.log(1 / 5)) / 2
+    assert float(topk_softmax_loss(two_to_one, torch.tensor([[0.0, 1.0, 1.0, 0.0]]))) == pytest.approx(want)
     with pytest.raises(ValueError, match=r"model\.loss"):
         LLaPorModule(loss="nope")
     path = make_synthetic_traceset(
@@ -452,6 +462,8 @@ def test_groups_from_config_are_used_and_checked(tmp_path):
     small = LLaPorDataModule(str(path), groups=dm.groups, pca_io=4, pca_middle=8)
     small.setup()
     assert small.spec.pca_dims[:3] == [8, 8, 4]  # layer l's components feed layer l+1's predictor
+    # the last layer's gate input feeds no later layer (and without context_gate not its own): no PCA
+    assert small.spec.pca_dims[3] == 0 and not small.pca_components[3].any()
     with pytest.raises(ValueError, match="cover layer positions"):
         LLaPorDataModule(str(path), groups={"input": [0], "middle": [1], "output": [3]}).setup()
 
@@ -914,3 +926,80 @@ def test_the_group_threshold_is_the_mean_signal_not_the_median():
     (middle [3]); the median 0.2 would take layers 2-3 as the middle group."""
     groups, _ = detect_groups(None, np.array([0.0, 0.1, 0.2, 0.9, 0.2]), 5)
     assert groups == {"input": [0, 1, 2], "middle": [3], "output": [4]}
+
+
+def _small_llapor(num_layers=3, num_experts=4, top_k=1, tokens=5, seed=0):
+    """An untrained two-group LLaPor without dropout and one request of ``tokens`` tokens."""
+    from moecast.collect.traceset import RequestTrace
+
+    torch.manual_seed(seed)
+    spec = FeatureSpec(num_layers=num_layers, num_experts=num_experts, top_k=top_k)
+    groups = {"input": [0], "output": list(range(1, num_layers))}
+    pred = LLaPor(LLaPorNet(spec, groups, NetConfig(hidden=8, dropout=0.0)), list(range(num_layers)))
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, num_experts, (tokens, num_layers, top_k))
+    trace = RequestTrace(
+        "r", "w", "c", "p", np.arange(tokens), ["x"] * tokens, np.zeros(tokens, bool), ids, None, None, None
+    )
+    return pred, trace
+
+
+def test_online_update_takes_the_gamma_it_is_given():
+    """gamma 0 makes the focal term the plain BCE: the loss is (1 + lambda_l) x mean BCE per layer,
+    lambda 0.5 on both groups of a checkpoint that records no loss (the paper's focal loss)."""
+    pred, trace = _small_llapor()
+    feats = pred.features(trace)
+    with torch.no_grad():
+        p = torch.sigmoid(pred.net(**feats)).double().numpy()  # [T, L, E]
+    y = np.zeros_like(p)
+    for t, li, c in np.ndindex(trace.topk_ids.shape):
+        y[t, li, trace.topk_ids[t, li, c]] = 1.0
+    bce = -(y * np.log(p) + (1 - y) * np.log(1 - p))
+    want = ((1 + 0.5) * bce.mean(-1)).mean()
+    assert pred.update(feats, trace.topk_ids, lr=0.0, gamma=0.0) == pytest.approx(want, rel=1e-5)
+
+
+def test_learn_last_steps_on_the_last_tokens_row_and_routing():
+    pred, trace = _small_llapor(tokens=5)
+    seen = {}
+
+    def spy(row, truth, lr):
+        seen.update(row=row, truth=truth, lr=lr)
+        return 0.0
+
+    pred.update = spy
+    pred.learn_last(trace, lr=0.25)
+    assert np.array_equal(seen["truth"], trace.topk_ids[4:5]) and seen["lr"] == 0.25
+    assert torch.equal(seen["row"]["bags"], pred.features(trace)["bags"][4:5])
+
+
+def test_online_update_refreshes_the_runtimes_per_layer_weights():
+    """score_layer packs each layer's weights once; an update changes them, so the next call must
+    score with the new weights, as the torch network does."""
+    pred, trace = _small_llapor()
+    pred.int8_kernel = False
+    feats = pred.features(trace)
+    before = pred.score_layer(1, feats)  # packs layer 1's weights
+    pred.update(feats, trace.topk_ids, lr=0.05, steps=3)
+    want = pred.score_features(feats)[:, 1]
+    assert not np.allclose(want, before, atol=1e-3)  # the update moved the scores
+    assert np.allclose(pred.score_layer(1, feats), want, atol=1e-5)
+    assert np.allclose(pred.score_at(trace, 1), want[-1], atol=1e-5)
+
+
+def test_deep_history_never_reads_the_layers_own_route_whatever_the_learned_mix():
+    """The layer mix is learned: with every entry of it 1 (as training may make it), layer l's
+    logits still read only the earlier layers' ids of the token, never layer l's own."""
+    torch.manual_seed(0)
+    spec = FeatureSpec(num_layers=3, num_experts=4, top_k=1, deep_history=True)
+    net = LLaPorNet(spec, {"input": [0], "output": [1, 2]}, NetConfig(hidden=8, dropout=0.0)).eval()
+    with torch.no_grad():
+        net.deep_mix.fill_(1.0)
+    bags = torch.full((1, 3, 1), spec.vocab)
+    route = torch.tensor([[[0], [1], [2]]])
+    other = route.clone()
+    other[0, 1, 0] = 3  # layer 1's id: known to layer 2's predictor, not yet to layer 1's
+    with torch.no_grad():
+        a, b = net(bags, route=route), net(bags, route=other)
+    assert torch.equal(a[0, :2], b[0, :2])
+    assert not torch.allclose(a[0, 2], b[0, 2])

@@ -446,3 +446,86 @@ def test_llapor_checkpoint_loads_and_scores_without_the_training_stack(traces: P
     assert got.shape == want.shape == (len(TraceSet(traces).get(rid)), 4, 8)
     assert np.allclose(got, want, atol=1e-6)
     assert isinstance(load(out), LLaPor)
+
+
+# ---------------------------------------------------------------------- 9. what the data module fits on
+def test_gate_input_pca_is_fitted_on_the_training_split_only(dm: LLaPorDataModule, traces: Path) -> None:
+    ts = TraceSet(traces)
+    train_gate = ts.array("gate_inputs", dm.train_ids).astype(np.float64)  # [N, L, H]
+    all_gate = ts.array("gate_inputs", dm.train_ids + dm.val_ids).astype(np.float64)
+    fitted = [li for li, d in enumerate(dm.spec.pca_dims) if d]
+    assert fitted
+    for li in fitted:  # a PCA's mean is its sample's mean: here every training row's
+        assert np.allclose(dm.pca_mean[li], train_gate[:, li].mean(0), atol=1e-4)
+        assert not np.allclose(dm.pca_mean[li], all_gate[:, li].mean(0), atol=1e-4)
+
+
+def test_exact_token_vocabulary_is_the_training_splits_ids_seen_min_count_times(traces: Path) -> None:
+    ts = TraceSet(traces)
+    data = LLaPorDataModule(
+        str(traces), val_fraction=0.25, groups=GROUPS, token_buckets=16, token_exact=True, token_min_count=2
+    )
+    data.setup("fit")
+    train_tokens = ts.column("token_id", data.train_ids)
+    ids, counts = np.unique(train_tokens, return_counts=True)
+    assert (counts == 2).any()  # ids seen exactly min_count times are in
+    val_only = set(ts.column("token_id", data.val_ids)) - set(train_tokens)
+    assert val_only  # ids seen only in validation are not
+    assert data.token_vocab.tolist() == ids[counts >= 2].tolist()
+    assert data.spec.token_buckets == len(data.token_vocab) + 1  # one more row for every other id
+
+
+def test_expert_ids_at_or_past_the_expert_count_are_refused(traces: Path) -> None:
+    from moecast.errors import InputError
+
+    fresh = LLaPorDataModule(str(traces), groups=GROUPS)  # not the shared fixture: the check stores the ids
+    bad = SimpleNamespace(path="t", array=lambda name, ids: np.full((2, 4, 2), 8, np.int64))
+    with pytest.raises(InputError, match=r"topk_ids outside \[0, 8\)"):
+        fresh._read_routing(bad, [], 8)
+
+
+@pytest.mark.filterwarnings("ignore:You are trying to `self.log")
+def test_validation_loss_keeps_the_hard_top_k_target_when_distilling(dm: LLaPorDataModule) -> None:
+    assert dm.probs is not None
+    module = _built(dm, loss="softmax", distill=1.0, dropout=0.0)
+    assert module.distill_weights is not None
+    batch = dm.batch(dm.val_rows[:16])
+    logged: dict[str, float] = {}
+    module.log = lambda name, value, **kw: logged.__setitem__(name, float(value))
+    module.eval()
+    module.on_validation_epoch_start()
+    with torch.no_grad():
+        module.validation_step(batch, 0)
+        logits = module(batch)
+    # cross-entropy against 1/k on each true expert, whatever the router's probabilities say
+    q = batch["target"] / batch["target"].sum(-1, keepdim=True)
+    want = float(-(F.log_softmax(logits, -1) * q).sum(-1).mean())
+    assert logged["val/loss"] == pytest.approx(want, rel=1e-5)
+
+
+def test_pca_width_is_capped_by_the_training_rows_it_is_fitted_on(tmp_path: Path) -> None:
+    # 4 requests of 4 tokens, gate inputs 32 wide: fewer training rows than the width, and than pca_io
+    path = make_synthetic_traceset(tmp_path / "few", num_requests=4, num_layers=3, hidden=32, tokens=4)
+    data = LLaPorDataModule(str(path), val_fraction=0.25, test_fraction=0.0, groups={"input": [0, 1, 2]})
+    data.setup("fit")
+    rows = 4 * len(data.train_ids)
+    assert rows < 32
+    assert data.spec.pca_dims == [rows, rows, 0]
+
+
+def test_context_gate_block_is_the_previous_tokens_own_layer_gate_input(traces: Path) -> None:
+    ts = TraceSet(traces)
+    data = LLaPorDataModule(str(traces), val_fraction=0.25, groups=GROUPS, context_gate=1)
+    data.setup("fit")
+    spec = data.spec
+    assert spec.context_gate == 1 and spec.weights
+    gate = ts.array("gate_inputs", data.train_ids[:1]).astype(np.float64)  # [T, L, H], request 0
+    dense = data.batch(np.arange(3))["dense"].numpy()  # its tokens 0, 1, 2
+    off = spec.pca_max + spec.num_experts  # after the own PCA block and the router weights
+    for li in range(spec.num_layers):
+        d = spec.pca_dims[li]
+        comps = data.pca_components[li, :d].astype(np.float64)
+        assert not dense[0, li, off : off + spec.pca_max].any()  # the first token has no predecessor
+        for t in (1, 2):  # token t's block: token t-1's layer-l gate input, projected
+            want = (gate[t - 1, li] - data.pca_mean[li]) @ comps.T
+            assert np.allclose(dense[t, li, off : off + d], want, atol=1e-3)
