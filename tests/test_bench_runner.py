@@ -24,6 +24,9 @@ def test_judge_reads_the_goal_bound():
     assert F.judge(4.43, ">= 3 x") == "ok"
     assert F.judge(None, "<= 10 %") == ""
     assert F.judge(1.0, "< uniform") == ""  # not a number: the bench judges it
+    # a figure on its bound meets an inclusive goal and misses a strict one
+    assert (F.judge(10.0, "<= 10 %"), F.judge(3.0, ">= 3 x")) == ("ok", "ok")
+    assert (F.judge(10.0, "< 10"), F.judge(3.0, "> 3")) == ("MISS", "MISS")
 
 
 def test_fig_formats_and_judges():
@@ -40,6 +43,13 @@ def test_format_table_pads_columns():
     assert table[2] == "tiny".ljust(11) + "  " + "build".ljust(56) + "  " + "440 s".ljust(46) + "  " + (
         "<= 600 s".ljust(24) + "  " + "ok".ljust(8) + "  n"
     )
+
+
+def test_markdown_table_escapes_a_pipe_inside_a_cell():
+    """A note such as "hit | miss" must stay in its cell: an unescaped | starts a new markdown column."""
+    f = F.row("tiers", "25 %: lru", "1.0", note="hit | miss", tpot_basis="decode steps")
+    lines = F.markdown_table([f]).splitlines()
+    assert lines[2] == "| tiers | 25 %: lru | 1.0 |  |  | decode steps | hit \\| miss |"
 
 
 def _entry(value: str, date: str = "2026-01-02") -> dict:

@@ -361,7 +361,8 @@ def test_a_killed_baseline_says_why():
 
 def test_a_difference_inside_the_hosts_spread_is_a_tie():
     """Noise floor max / min 1.05: ratios 0.90 and 0.93 to LRU (both below 1 / 1.05 = 0.952) are
-    faster; 0.97 and 0.99 lie inside the spread; 0.90 and 1.02 straddle 1; 1.10 and 1.20 are slower."""
+    faster; 0.97 and 0.99 lie inside the spread; 0.90 and 1.02 straddle 1; 1.02 and 1.10 have one
+    request inside the spread; 1.10 and 1.20 are slower."""
     import bench_tiers
 
     lru = {"request_tpot_ms": [100.0, 200.0]}
@@ -372,6 +373,7 @@ def test_a_difference_inside_the_hosts_spread_is_a_tie():
     assert bench_tiers.against(row(0.90, 0.93), lru, 1.05) == "faster"
     assert bench_tiers.against(row(0.97, 0.99), lru, 1.05) == "tie"
     assert bench_tiers.against(row(0.90, 1.02), lru, 1.05) == "tie"
+    assert bench_tiers.against(row(1.02, 1.10), lru, 1.05) == "tie"  # slower only if every request is
     assert bench_tiers.against(row(1.10, 1.20), lru, 1.05) == "slower"
     assert bench_tiers.against(row(0.97, 0.99), lru, 1.0) == "faster"  # no noise floor: only a straddle ties
     assert bench_tiers.against({"request_tpot_ms": [90.0]}, lru, 1.05) is None  # not the same requests
@@ -530,3 +532,170 @@ def test_an_unknown_baseline_is_refused_before_any_row(capsys):
         "accelerate",
         "page cache",
     ]
+
+
+def test_the_best_llapor_goals_take_the_fastest_model_dtype_row_at_25_percent():
+    """The LLaPor goals compare the fastest LLaPor row that ran at 25 % with the model's dtype (400 ms)
+    against the page cache (1000 ms: 0.40 <= 0.6) and LRU (500 ms: 0.80 < 1). The int4 LLaPor row
+    (100 ms), one at 50 % (50 ms) and a failed one are other comparisons; LLaPor as fast as LRU (1.00)
+    is no win."""
+    import bench_tiers
+
+    def r(config, ms, prec="model", cap=0.25, status="ok"):
+        return {
+            "config": config,
+            "capacity": cap,
+            "status": status,
+            "measured_tpot_ms": ms,
+            "expert_dtype": prec,
+        }
+
+    raw = [r("page cache", 1000.0), r("lru", 500.0), r("llapor prefetch", 400.0), r("llapor prefetch-late", 450.0),
+           r("llapor prefetch-late int4-g128", 100.0, "int4-g128"), r("llapor prefetch", 50.0, cap=0.5),
+           r("llapor prefetch-gated", None, status="FAILED")]  # fmt: skip
+
+    def goals(raw):
+        return {
+            f["name"]: (f["value"], f["goal"], f["verdict"])
+            for f in bench_tiers.figures(raw)
+            if f["name"].startswith("25 %: best llapor")
+        }
+
+    assert goals(raw) == {
+        "25 %: best llapor / page cache": ("0.40", "<= 0.6", "ok"),
+        "25 %: best llapor / lru": ("0.80", "< 1", "ok"),
+    }
+    raw[1]["measured_tpot_ms"] = 400.0
+    assert goals(raw)["25 %: best llapor / lru"] == ("1.00", "< 1", "MISS")
+
+
+def test_int8_has_its_own_goal_and_two_copies_none():
+    """int8's best row (LRU int8, 460) over the best model-dtype row (700): 0.66 against int8's goal,
+    <= 0.7 (int4's is 0.5); int8 has no goal over all in RAM (int4's alone), and a two-copy precision
+    no goal of its own. LLaPor int8 reads exactly LRU int8's bytes (1.00: ok though slower); LLaPor at
+    the model's dtype reads more than LRU and only ties it on the mean (800 ms both): a miss."""
+    import bench_tiers
+
+    from bench import figures as F
+
+    def r(config, ms, prec, mb=None):
+        return {"config": config, "capacity": 0.25, "status": "ok", "measured_tpot_ms": ms, "expert_dtype": prec,
+                "read_mb_per_token": mb}  # fmt: skip
+
+    raw = [r("lru", 800, "model", 100), r("llapor prefetch-late", 800, "model", 120),
+           r("static hot", 700, "model", 90), r("lru int8", 460, "int8", 50),
+           r("llapor prefetch-late int8", 480, "int8", 50), r("all in RAM int8", 400, "int8"),
+           r("lru model+int4-g128", 300, "model+int4-g128", 30)]  # fmt: skip
+    got = {f["name"]: (f["value"], f["goal"], f["verdict"]) for f in bench_tiers.precision_goals(F, raw)}
+    assert got == {
+        "25 %: best int8 / best model dtype": ("0.66", "<= 0.7", "ok"),
+        "25 %: llapor prefetch-late read per token / LRU's": (
+            "1.20",
+            "<= 1, or faster than LRU (vs LRU)",
+            "MISS",
+        ),
+        "25 %: llapor prefetch-late int8 read per token / LRU's": (
+            "1.00",
+            "<= 1, or faster than LRU (vs LRU)",
+            "ok",
+        ),
+    }
+
+
+def test_each_row_is_judged_against_lru_at_its_own_capacity_with_the_widest_noise_floor():
+    """Two noise floors, 1.02 at 10 % and 1.10 at 25 %: every verdict takes the wider (1 / 1.10 =
+    0.909). LLaPor at 10 % runs 0.95 and 0.96 of its LRU: a tie (inside 1.10, though beyond 1.02);
+    LLaPor at 25 % runs 0.90 and 0.85 of the LRU at 25 % (180 and 170 ms over 200): faster, where the
+    LRU at 10 % (100 ms) would make it slower."""
+    import bench_tiers
+
+    def live(config, cap, reqs):
+        return {
+            "config": config,
+            "capacity": cap,
+            "status": "ok",
+            "expert_dtype": "model",
+            "request_tpot_ms": reqs,
+        }
+
+    rows = [{"config": "noise floor (lru x4)", "capacity": 0.1, "status": "ok", "max_over_min": 1.02},
+            {"config": "noise floor (lru x4)", "capacity": 0.25, "status": "ok", "max_over_min": 1.10},
+            live("lru", 0.1, [100.0, 100.0]), live("llapor prefetch", 0.1, [95.0, 96.0]),
+            live("lru", 0.25, [200.0, 200.0]), live("llapor prefetch", 0.25, [180.0, 170.0])]  # fmt: skip
+    bench_tiers.mark_against_lru(rows)
+    assert [r.get("vs_lru") for r in rows] == [None, None, None, "tie", None, "faster"]
+
+
+def test_the_table_prints_mib_and_each_tpot_under_its_own_column():
+    """The read column is MiB (2**20 bytes: 3 * 2**20 bytes print 3.0, not 3.1), and the probe and
+    run-rates TPOTs sit under their own headers."""
+    import bench_tiers
+
+    row = {"capacity": 0.25, "config": "lru", "status": "ok", "measured_tpot_ms": 100.0, "vs_lru": None,
+           "modeled_tpot_ms": 101.0, "probe_tpot_ms": 202.0, "at_run_rates_tpot_ms": 303.0, "hit_rate": 0.5,
+           "bytes_read": 3 * 2**20}  # fmt: skip
+    head, _, line = bench_tiers.table([row]).splitlines()
+    cells = dict(zip(["probe", "run rates", "read MB"], [None] * 3))
+    for name in cells:
+        end = head.index(name) + len(name)  # every column is right-aligned under its header
+        cells[name] = line[:end].split()[-1]
+    assert cells == {"probe": "202.000", "run rates": "303.000", "read MB": "3.0"}
+
+
+def test_the_noise_floor_line_gives_the_runs_range_and_their_max_over_min():
+    """Three runs of 100, 104 and 110 ms: 100.0-110.0 ms, max / min 1.100 (not its inverse, 0.909);
+    the disk's range over the runs that read (a run with no rate is left out)."""
+    import bench_tiers
+
+    row = {"capacity": 0.25, "runs_tpot_ms": [104.0, 100.0, 110.0], "max_over_min": 1.1,
+           "disk_read_gbps_runs": [1.5, None, 1.25]}  # fmt: skip
+    assert bench_tiers.accuracy_lines([row]) == [
+        "- noise floor at 25 %: 3 identical LRU runs of one request, back to back: TPOT 100.0-110.0 ms "
+        "(max / min 1.100), the disk while busy 1.250-1.500 GB/s"
+    ]
+
+
+def test_the_two_copy_table_puts_each_copys_bytes_under_its_header():
+    """model+int4: the high copy (model) read 3.00 MB a token live, 2.50 modeled, 2.75 at run rates, the
+    low copy (int4) 0.50, 0.40, 0.45; each under its own header."""
+    import bench_tiers
+
+    def side(low_share, upgrades, high, low):
+        return {"low_share": low_share, "upgrades_per_token": upgrades,
+                "mb_per_token": {"model": high, "int4-g128": low}}  # fmt: skip
+
+    live = {**side(0.6, 1.0, 3.0, 0.5), "expert_ms": {"model": 2.0, "int4-g128": 1.0}}
+    row = {"config": "lru model+int4-g128", "status": "ok", "expert_dtype": "model+int4-g128",
+           "copies": {"live": live, "modeled": side(0.5, 0.5, 2.5, 0.4), "at_run_rates": side(0.55, 0.75, 2.75, 0.45)}}  # fmt: skip
+    head, _, line = bench_tiers.copies_table([row]).splitlines()
+    assert line[: head.index("high MB/token") + len("high MB/token")].endswith("3.00 / 2.50 / 2.75")
+    assert line[: head.index("low MB/token") + len("low MB/token")].endswith("0.50 / 0.40 / 0.45")
+    assert line.endswith("2.000 / 1.000") and bench_tiers.copies_table([{**row, "status": "FAILED"}]) == ""
+
+
+def test_a_failed_row_is_a_failed_figure_and_a_skipped_row_a_skipped_one():
+    """A row that failed must fail the bench (run_all counts FAILED figures); one skipped (no
+    --predictor) must not."""
+    import bench_tiers
+
+    raw = [{"config": "lru", "capacity": 0.25, "status": "FAILED", "note": "boom"},
+           {"config": "llapor prefetch", "capacity": 0.25, "status": "skipped"}]  # fmt: skip
+    got = {f["name"]: (f["value"], f["verdict"]) for f in bench_tiers.figures(raw)}
+    assert got == {
+        "25 %: lru TPOT ms": ("FAILED", "FAILED"),
+        "25 %: llapor prefetch TPOT ms": ("skipped", "SKIPPED"),
+    }
+
+
+def test_each_model_error_divides_its_own_tpot_by_the_measured_one():
+    """Measured 100 ms: modeled 110 (0.10 off), probe 150 (0.50 off, measured against the measured TPOT,
+    not the modeled one), at run rates 95 (0.05 off)."""
+    import bench_tiers
+
+    r = {"config": "lru", "capacity": 0.25, "status": "ok", "measured_tpot_ms": 100.0, "modeled_tpot_ms": 110.0,
+         "probe_tpot_ms": 150.0, "at_run_rates_tpot_ms": 95.0, "tpot_basis": "decode steps",
+         "run_rates": {"disk_read_gbps": 1.5, "expert_ms": 2.0, "layer_other_ms": 3.0}}  # fmt: skip
+    got = {f["name"]: f["number"] for f in bench_tiers.figures([r])}
+    assert got["25 %: lru |modeled / measured - 1|"] == pytest.approx(0.10)
+    assert got["25 %: lru |probe / measured - 1|"] == pytest.approx(0.50)
+    assert got["25 %: lru |at run rates / measured - 1|"] == pytest.approx(0.05)

@@ -79,3 +79,28 @@ def test_json_stdout_stays_clean_when_the_encoder_loads_under_offline_wandb():
     env = {**os.environ, "WANDB_MODE": "offline"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert done.stdout == ""
+
+
+def _echo(max_requests: int = 0) -> dict:
+    """A stand-in command whose options the parser checks."""
+    return {"max_requests": max_requests}
+
+
+def test_a_wrong_option_or_command_is_one_line_naming_the_help(monkeypatch):
+    from moecast.cli import run
+    from moecast.errors import InputError
+
+    monkeypatch.setitem(COMMANDS, "echo", "test_cli:_echo")
+    with pytest.raises(InputError) as exc:
+        run(["echo", "--nope", "1"])
+    msg = str(exc.value)
+    assert (
+        msg.startswith("moecast echo: ") and msg.endswith("(see `moecast echo --help`)") and "\n" not in msg
+    )
+    with pytest.raises(InputError, match=r"^unknown command 'nope'; run `moecast --help` for the list$"):
+        run(["nope"])
+    with pytest.raises(InputError, match=r"^choose a `moecast traces` command: info, merge \(e\.g\."):
+        run(["traces", "nope"])
+    with pytest.raises(SystemExit) as done:
+        main(["traces"])
+    assert str(done.value.code).startswith("moecast: error: choose a `moecast traces` command")

@@ -185,3 +185,19 @@ def test_attach_takes_the_router_pattern(tmp_path):
     tiny = build_tiny(out=str(tmp_path / "tiny"), preset="test", seed=0)
     with pytest.raises(SystemExit, match="--router-pattern no_such matches no module"):
         main(["run", "--model", str(tiny), "--max-new-tokens", "1", "--router-pattern", "no_such"])
+
+
+def test_output_piped_into_head_ends_quietly_with_status_0(monkeypatch):
+    """`moecast ... | head` closes the pipe: a success for the user, so no error line and exit 0."""
+    import io
+
+    monkeypatch.setattr("sys.stderr", io.StringIO())
+    with pytest.raises(SystemExit) as exc:
+        run_command(_raise(BrokenPipeError()))
+    assert exc.value.code == 0
+
+
+def test_an_interrupt_exits_with_one_line_saying_how_to_resume():
+    with pytest.raises(SystemExit) as exc:
+        run_command(_raise(KeyboardInterrupt()))
+    assert exc.value.code == "moecast: interrupted; re-run the same command to resume"

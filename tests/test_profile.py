@@ -869,3 +869,95 @@ def test_profile_refuses_a_predictor_it_cannot_time_or_of_another_model(tmp_path
     ):
         main([*base, "--predictor", str(theirs)])
     assert not (tmp_path / "p.yaml").exists()
+
+
+def test_profile_refuses_what_it_cannot_time_before_timing_anything(tmp_path, monkeypatch):
+    """Two copies are timed one precision at a time (name each: model,int4); a quantized precision needs
+    the model's own experts (--model). Each is one line, before anything is measured."""
+    from moecast.runtime.profile.commands import profile
+
+    from moecast.errors import InputError
+
+    monkeypatch.setattr(P, "measure", lambda *a, **k: pytest.fail("timed before the checks"))
+    out = str(tmp_path / "p.yaml")
+    with pytest.raises(InputError, match="--expert-dtype times one precision at a time: name each copy"):
+        profile(out=out, expert_dtype="mixed")
+    with pytest.raises(InputError, match="--expert-dtype times the model's own experts call: give --model"):
+        profile(out=out, expert_dtype="model,int8")
+    assert not (tmp_path / "p.yaml").exists()
+
+
+def test_profile_on_traces_times_a_standin_of_their_routing(tmp_path, monkeypatch):
+    """Without --predictor the latency is a LLaPor stand-in's on the traces' routing: 4 MoE layers of 6
+    experts, top-3 (each in its place), which the profile's source names."""
+    from conftest import make_synthetic_traceset
+    from moecast.runtime.core.cost_model import HardwareProfile
+    from moecast.runtime.profile.commands import profile
+
+    traces = make_synthetic_traceset(tmp_path / "s", num_layers=4, num_experts=6, top_k=3)
+    made = []
+    measured = HardwareProfile(name="here", transfer_gbps=1.0, ref_expert_bytes=2**20, gpu_expert_ms=1.0,
+                               cpu_beta_ms=0.1, cpu_c_ms=0.9, attn_ms=1.0)  # fmt: skip
+    monkeypatch.setattr(P, "measure", lambda *a, **k: measured)
+    monkeypatch.setattr(P, "llapor_standin", lambda *routing: made.append(routing) or "standin")
+    monkeypatch.setattr(P, "predictor_latency_ms", lambda pred, hidden: 0.25)
+    profile(out=str(tmp_path / "p.yaml"), traces=str(traces))
+    assert made == [(4, 6, 3)]
+    prof = load_profile(tmp_path / "p.yaml")
+    assert prof.predictor_ms == 0.25
+    assert "LLaPor of the default size, random weights, on 4 layers of 6 experts, top-3" in prof.source
+
+
+def test_a_calibration_without_an_offload_dir_is_refused_before_a_live_run(tmp_path, monkeypatch):
+    """`profile --model M --calibrate 3` and no --offload_dir: the live run reads its experts from that
+    directory, so it is refused in one line (not a traceback from a run given no directory), and no
+    profile is written. The model and its probes are stand-ins here."""
+    import moecast.collect.models as models
+    from moecast.runtime.core.cost_model import HardwareProfile
+    from moecast.runtime.profile import commands
+
+    from moecast.errors import InputError
+
+    measured = HardwareProfile(name="here", transfer_gbps=1.0, ref_expert_bytes=2**20, gpu_expert_ms=1.0,
+                               cpu_beta_ms=0.1, cpu_c_ms=0.9, attn_ms=1.0)  # fmt: skip
+    monkeypatch.setattr(models, "load_model", lambda model: (object(), None, model))
+    monkeypatch.setattr(P, "profile_model", lambda *a, **k: (measured, {}))
+    monkeypatch.setattr(commands, "_expert_bytes", lambda lm, precs: {})
+    monkeypatch.setattr(P, "calibrate_live", lambda *a, **k: pytest.fail("a live run without a directory"))
+    out = tmp_path / "p.yaml"
+    with pytest.raises(InputError, match="--calibrate measures the disk tier: give --offload_dir DIR"):
+        commands.profile(out=str(out), model="m", calibrate=3)
+    assert not out.exists()
+
+
+def test_each_quantized_precision_keeps_its_own_calibrated_expert_time(tmp_path, monkeypatch):
+    """`--expert-dtype model,int8,int4 --calibrate N`: the probe timed int8 at 5 ms and int4 at 6 ms; the
+    live runs at int8 and at int4 measure 1.5 and 2.5 ms. The profile keeps both calibrated times (the
+    int4 run must not bring back int8's probe time) under the profile's own name."""
+    import dataclasses
+
+    import moecast.collect.models as models
+    from moecast.runtime.core.cost_model import HardwareProfile
+    from moecast.runtime.profile import commands
+
+    probe = HardwareProfile(name="here", transfer_gbps=1.0, ref_expert_bytes=2**20, gpu_expert_ms=1.0,
+                            cpu_beta_ms=0.1, cpu_c_ms=0.9, attn_ms=1.0,
+                            expert_ms={"int8": 5.0, "int4-g32": 6.0})  # fmt: skip
+    live = {"int8": 1.5, "int4-g32": 2.5}
+
+    def calibrate_live(lm, prof, offload_dir, tokens, precision=None):
+        if precision is None:
+            return dataclasses.replace(prof, name="calibrated")
+        return dataclasses.replace(
+            prof, name="calibrated", expert_ms={**prof.expert_ms, precision.tag: live[precision.tag]}
+        )
+
+    monkeypatch.setattr(models, "load_model", lambda model: (object(), None, model))
+    monkeypatch.setattr(P, "profile_model", lambda *a, **k: (probe, {}))
+    monkeypatch.setattr(commands, "_expert_bytes", lambda lm, precs: {})
+    monkeypatch.setattr(P, "calibrate_live", calibrate_live)
+    out = tmp_path / "p.yaml"
+    commands.profile(out=str(out), model="m", offload_dir=str(tmp_path), calibrate=3, name="here",
+                     expert_dtype="model,int8,int4", group_size=32)  # fmt: skip
+    prof = load_profile(out)
+    assert prof.expert_ms == live and prof.name == "here"
