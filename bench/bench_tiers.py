@@ -1203,14 +1203,24 @@ def against(row: dict, base: dict, noise: float) -> str | None:
     return "tie"
 
 
+def lru_of(row: dict) -> str | None:
+    """The LRU row ``row`` is judged against: LRU at its precision and in its RAM (a row in the model's
+    RAM holds more experts than the round's share, and so does its LRU); None for a row the runtime did
+    not run (a baseline, the noise floor)."""
+    prec = row.get("expert_dtype")
+    if prec is None:
+        return None
+    ram = SAME_RAM if row["config"].endswith(SAME_RAM) else ""
+    return ("lru" if prec == "model" else f"lru {prec}") + ram
+
+
 def mark_against_lru(rows: list[dict]) -> None:
-    """Each live row's ``vs_lru``: :func:`against` LRU at its capacity and precision, with the noise
-    floor's max / min as the host's spread (1 without a noise floor: then only ratios on both sides of
-    1 tie)."""
+    """Each live row's ``vs_lru``: :func:`against` LRU at its capacity, precision and RAM
+    (:func:`lru_of`), with the noise floor's max / min as the host's spread (1 without a noise floor:
+    then only ratios on both sides of 1 tie)."""
     noise = max((r["max_over_min"] for r in rows if r.get("max_over_min")), default=1.0)
     for r in rows:
-        prec = r.get("expert_dtype")
-        name = "lru" if prec == "model" else f"lru {prec}"
+        name = lru_of(r)
         base = next((x for x in rows if x["config"] == name and x["capacity"] == r["capacity"]), None)
         if base is not None and base is not r and r["status"] == "ok":
             r["vs_lru"] = against(r, base, noise)
@@ -1539,12 +1549,7 @@ def precision_goals(F: Any, raw: list[dict]) -> list[dict]:
     for r in at:
         if not r["config"].startswith("llapor"):
             continue
-        prec = r.get("expert_dtype", "model")
-        # against LRU at its precision and its RAM
-        name = ("lru" if prec == "model" else f"lru {prec}") + (
-            SAME_RAM if r["config"].endswith(SAME_RAM) else ""
-        )
-        lru = next((x for x in at if x["config"] == name), None)
+        lru = next((x for x in at if x["config"] == lru_of(r)), None)
         if lru and r.get("read_mb_per_token") is not None and lru.get("read_mb_per_token"):
             more = r["read_mb_per_token"] / lru["read_mb_per_token"]
             ok = more <= 1 or faster(r, lru)

@@ -699,3 +699,29 @@ def test_each_model_error_divides_its_own_tpot_by_the_measured_one():
     assert got["25 %: lru |modeled / measured - 1|"] == pytest.approx(0.10)
     assert got["25 %: lru |probe / measured - 1|"] == pytest.approx(0.50)
     assert got["25 %: lru |at run rates / measured - 1|"] == pytest.approx(0.05)
+
+
+def test_a_row_in_the_models_ram_is_judged_against_lru_in_the_models_ram():
+    """At int4, LRU with the round's share runs 350 ms, LRU in the model's RAM 250 ms (10 MB a token).
+    LLaPor in the model's RAM runs 260 ms and reads 13 MB: slower than its own LRU (1.04 > 1.02) and
+    1.30x its bytes, so the reads goal misses. Against the share's LRU (350 ms) it would read as
+    faster and pass."""
+    import bench_tiers
+
+    from bench import figures as F
+
+    def r(config, ms, mb=None):
+        return {"config": config, "capacity": 0.25, "status": "ok", "expert_dtype": "int4-g128",
+                "measured_tpot_ms": ms, "request_tpot_ms": [ms, ms], "read_mb_per_token": mb}  # fmt: skip
+
+    ram = " (model's RAM)"
+    rows = [{"config": "noise floor (lru x2)", "capacity": 0.25, "status": "ok", "max_over_min": 1.02},
+            r("lru int4-g128", 350.0, 20.0), r("lru int4-g128" + ram, 250.0, 10.0),
+            r("llapor prefetch-late int4-g128" + ram, 260.0, 13.0)]  # fmt: skip
+    bench_tiers.mark_against_lru(rows)
+    assert rows[3]["vs_lru"] == "slower" and rows[0].get("vs_lru") is None
+    got = {f["name"]: (f["value"], f["verdict"]) for f in bench_tiers.precision_goals(F, rows)}
+    assert got["25 %: llapor prefetch-late int4-g128 (model's RAM) read per token / LRU's"] == (
+        "1.30",
+        "MISS",
+    )
