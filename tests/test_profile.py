@@ -910,19 +910,15 @@ def test_profile_on_traces_times_a_standin_of_their_routing(tmp_path, monkeypatc
 
 def test_a_calibration_without_an_offload_dir_is_refused_before_a_live_run(tmp_path, monkeypatch):
     """`profile --model M --calibrate 3` and no --offload_dir: the live run reads its experts from that
-    directory, so it is refused in one line (not a traceback from a run given no directory), and no
-    profile is written. The model and its probes are stand-ins here."""
+    directory, so it is refused in one line (not a traceback from a run given no directory) before the
+    model loads and its probes take their minutes, and no profile is written."""
     import moecast.collect.models as models
-    from moecast.runtime.core.cost_model import HardwareProfile
     from moecast.runtime.profile import commands
 
     from moecast.errors import InputError
 
-    measured = HardwareProfile(name="here", transfer_gbps=1.0, ref_expert_bytes=2**20, gpu_expert_ms=1.0,
-                               cpu_beta_ms=0.1, cpu_c_ms=0.9, attn_ms=1.0)  # fmt: skip
-    monkeypatch.setattr(models, "load_model", lambda model: (object(), None, model))
-    monkeypatch.setattr(P, "profile_model", lambda *a, **k: (measured, {}))
-    monkeypatch.setattr(commands, "_expert_bytes", lambda lm, precs: {})
+    monkeypatch.setattr(models, "load_model", lambda model: pytest.fail("the model loaded first"))
+    monkeypatch.setattr(P, "profile_model", lambda *a, **k: pytest.fail("the probes ran first"))
     monkeypatch.setattr(P, "calibrate_live", lambda *a, **k: pytest.fail("a live run without a directory"))
     out = tmp_path / "p.yaml"
     with pytest.raises(InputError, match="--calibrate measures the disk tier: give --offload_dir DIR"):

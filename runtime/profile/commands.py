@@ -75,6 +75,8 @@ def profile(
     if any(isinstance(q, TwoCopies) for q in precs):
         raise InputError("--expert-dtype times one precision at a time: name each copy, e.g. model,int4")
     nbytes = None
+    if calibrate and model and not offload_dir:  # before the model loads and its probes run
+        raise InputError("--calibrate measures the disk tier: give --offload_dir DIR")
     if model:
         prof, nbytes = _profile_model(model, name, pred, offload_dir, disk_mb, calibrate, precs, predictor)
     else:
@@ -152,8 +154,6 @@ def _profile_model(
     nbytes = _expert_bytes(lm, precs)
     if not calibrate:
         return prof, nbytes
-    if not offload_dir:
-        raise InputError("--calibrate measures the disk tier: give --offload_dir DIR")
     out = P.calibrate_live(lm, prof, offload_dir, calibrate)
     for q in (q for q in precs if q.quantized):
         at = P.calibrate_live(lm, prof, offload_dir, calibrate, precision=q)
