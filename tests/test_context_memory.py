@@ -239,7 +239,8 @@ def test_remember_refuses_other_predictors_and_bad_options(
 def test_the_memorys_votes_blend_at_their_weight_by_hand():
     """p = [.2, .6], votes [1, 0], weight .5, k 1: p + .5 votes = [.7, .6]. With softmax the sigmoids'
     odds p / (1 - p) = [.25, 1.5] are scaled to sum k (over 1.75), then the votes added:
-    [.25 / 1.75 + .5, 1.5 / 1.75] (votes at weight 1 would give 1.2 first)."""
+    [.25 / 1.75 + .5, 1.5 / 1.75] (votes at weight 1 would give 1.2 first); at k 2 the odds sum to 2
+    (times 2 / 1.75)."""
     from moecast.predictors import llapor_kernel
 
     p = np.array([[0.2, 0.6]], np.float32)
@@ -249,6 +250,8 @@ def test_the_memorys_votes_blend_at_their_weight_by_hand():
     assert out[0].tolist() == pytest.approx([0.7, 0.6])
     llapor_kernel.blend_rows(p, v, 1.0, 0.5, True, out)
     assert out[0].tolist() == pytest.approx([0.25 / 1.75 + 0.5, 1.5 / 1.75], rel=1e-5)
+    llapor_kernel.blend_rows(p, v, 2.0, 0.5, True, out)
+    assert out[0].tolist() == pytest.approx([0.5 / 1.75 + 0.5, 3.0 / 1.75], rel=1e-5)
 
 
 def test_each_context_keeps_its_latest_postings_by_hand(tmp_path: Path) -> None:

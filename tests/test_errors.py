@@ -191,10 +191,21 @@ def test_output_piped_into_head_ends_quietly_with_status_0(monkeypatch):
     """`moecast ... | head` closes the pipe: a success for the user, so no error line and exit 0."""
     import io
 
-    monkeypatch.setattr("sys.stderr", io.StringIO())
+    class Kept(io.StringIO):
+        """Keeps what was written after the code closes it."""
+
+        said = ""
+
+        def close(self) -> None:
+            self.said = self.getvalue()
+            super().close()
+
+    err = Kept()
+    monkeypatch.setattr("sys.stderr", err)
     with pytest.raises(SystemExit) as exc:
         run_command(_raise(BrokenPipeError()))
     assert exc.value.code == 0
+    assert (err.said if err.closed else err.getvalue()) == ""
 
 
 def test_an_interrupt_exits_with_one_line_saying_how_to_resume():

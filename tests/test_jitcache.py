@@ -71,7 +71,7 @@ def test_the_digest_covers_every_file_the_cached_kernels_compile_in():
 
     core = Path(jitcache.__file__).parent
     keyed = {p.name for p in core.glob("*.py") if "jitcache.keyed(globals())" in p.read_text()}
-    assert keyed == {"kernels.py", "step_kernels.py", "presched.py"}
+    assert keyed >= {"kernels.py", "step_kernels.py", "presched.py"}
     compiled_in = set(keyed) | {"eviction.py"}
     for name in keyed:
         for node in ast.walk(ast.parse((core / name).read_text())):

@@ -3,19 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from moecast.predictors import llapor_kernel
-
-
-def test_softmax_blend_scales_the_odds_to_sum_to_k():
-    """k 2: the odds [.25, 1.5] of p = [.2, .6] are scaled to sum 2 (times 2 / 1.75), then the
-    votes [1, 0] are added at weight .5."""
-    p = np.array([[0.2, 0.6]], np.float32)
-    v = np.array([[1.0, 0.0]], np.float32)
-    out = np.empty_like(p)
-    llapor_kernel.blend_rows(p, v, 2.0, 0.5, True, out)
-    assert out[0].tolist() == pytest.approx([0.5 / 1.75 + 0.5, 3.0 / 1.75], rel=1e-5)
-    assert (out[0] - 0.5 * v[0]).sum() == pytest.approx(2.0, rel=1e-5)
 
 
 def test_row_bags_read_earlier_layers_and_the_previous_token_from_its_first_position():

@@ -45,5 +45,6 @@ def test_eval_scores_at_most_max_requests_of_each_checkpoint_and_reports_recalls
 def test_eval_refuses_a_kind_that_is_trained_not_fitted_by_name(synthetic_traces):
     """llapor is a registered kind with no fit(ts, train_ids): refused in one line naming the kinds
     eval builds, not an AttributeError from a fit it lacks."""
-    with pytest.raises(InputError, match="llapor: no such checkpoint file, and not a baseline name"):
+    with pytest.raises(InputError, match="llapor: no such checkpoint file, and not a baseline name") as exc:
         evaluate("llapor", str(synthetic_traces), split="all")
+    assert "\n" not in str(exc.value)

@@ -880,10 +880,15 @@ def test_profile_refuses_what_it_cannot_time_before_timing_anything(tmp_path, mo
 
     monkeypatch.setattr(P, "measure", lambda *a, **k: pytest.fail("timed before the checks"))
     out = str(tmp_path / "p.yaml")
-    with pytest.raises(InputError, match="--expert-dtype times one precision at a time: name each copy"):
+    with pytest.raises(
+        InputError, match="--expert-dtype times one precision at a time: name each copy"
+    ) as two:
         profile(out=out, expert_dtype="mixed")
-    with pytest.raises(InputError, match="--expert-dtype times the model's own experts call: give --model"):
+    with pytest.raises(
+        InputError, match="--expert-dtype times the model's own experts call: give --model"
+    ) as q:
         profile(out=out, expert_dtype="model,int8")
+    assert "\n" not in str(two.value) + str(q.value)
     assert not (tmp_path / "p.yaml").exists()
 
 

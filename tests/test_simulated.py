@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from moecast.runtime.tiers.simulated import DEFAULT_LINK_GBPS, SimulatedOps
+from moecast.runtime.tiers.simulated import SimulatedOps
 
 GBPS = 0.001
 COPY_MS = 4.0  # 4000 bytes at 1e6 bytes/s
@@ -26,7 +26,6 @@ def _copy(ops: SimulatedOps, stream) -> None:
 
 def test_a_link_rate_not_given_is_pcie4s_24_gb_per_s():
     """The dry run's default link is PCIe 4 x16's effective rate (24 GB/s): 24 MB lands in 1 ms."""
-    assert DEFAULT_LINK_GBPS == 24.0
     for given in (None, 0):
         assert SimulatedOps(link_gbps=given).link_gbps == 24.0
     now = [0.0]
@@ -124,7 +123,9 @@ def test_kernels_on_a_copy_stream_leave_the_hosts_clock_and_on_the_compute_strea
         fn()
         return ops.clock() - t0
 
-    assert elapsed(lambda: ops.launch(lambda: time.sleep(nap), stream)) < nap * 1e3 / 2
+    assert (
+        elapsed(lambda: ops.launch(lambda: time.sleep(nap), stream)) < nap * 1e3 * 0.9
+    )  # a launch that ran in the host's time would add the whole nap
     assert elapsed(lambda: ops.launch(lambda: time.sleep(nap), ops.compute)) >= nap * 1e3
     x = torch.zeros(3)
 

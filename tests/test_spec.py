@@ -211,7 +211,6 @@ def test_the_defaults_are_the_ones_the_module_documents_and_argues_for():
     }
     assert set(documented) == set(SPEC_FIELDS)
     assert dataclasses.asdict(RuntimeSpec()) == documented
-    assert (DEFAULT.capacity, DEFAULT.score_window, DEFAULT.policy) == (0.25, 8, "lru")
 
 
 #: a device profile whose figures make a load's time a sum by hand: 1e6 bytes of reference expert, a

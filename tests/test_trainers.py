@@ -220,12 +220,15 @@ def test_fit_seeds_the_generators_with_the_runs_seed(tmp_path: Path, monkeypatch
 
     seeds: list[int] = []
 
+    class Stop(Exception):
+        """Stops ``fit`` before it builds the trainer: only the seed is checked."""
+
     def spy(seed: int, **kw: object) -> int:
         seeds.append(seed)
-        raise KeyboardInterrupt  # stop before building the trainer: only the seed is checked
+        raise Stop
 
     monkeypatch.setattr(pl, "seed_everything", spy)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(Stop):
         fit(None, None, tmp_path / "p.safetensors", TrainConfig(seed=7, logger=False))
     assert seeds == [7]
 
