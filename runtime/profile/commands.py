@@ -75,9 +75,9 @@ def profile(
     if any(isinstance(q, TwoCopies) for q in precs):
         raise InputError("--expert-dtype times one precision at a time: name each copy, e.g. model,int4")
     nbytes = None
-    if calibrate and model and not offload_dir:  # before the model loads and its probes run
-        raise InputError("--calibrate measures the disk tier: give --offload_dir DIR")
     if model:
+        if calibrate and not offload_dir:  # before the model loads and its probes run
+            raise InputError("--calibrate measures the disk tier: give --offload_dir DIR")
         prof, nbytes = _profile_model(model, name, pred, offload_dir, disk_mb, calibrate, precs, predictor)
     else:
         if any(q.quantized for q in precs):
